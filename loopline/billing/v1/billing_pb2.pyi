@@ -1,0 +1,144 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReservationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESERVATION_STATE_UNSPECIFIED: _ClassVar[ReservationState]
+    RESERVATION_STATE_HELD: _ClassVar[ReservationState]
+    RESERVATION_STATE_CHARGED: _ClassVar[ReservationState]
+    RESERVATION_STATE_RELEASED: _ClassVar[ReservationState]
+    RESERVATION_STATE_EXPIRED: _ClassVar[ReservationState]
+RESERVATION_STATE_UNSPECIFIED: ReservationState
+RESERVATION_STATE_HELD: ReservationState
+RESERVATION_STATE_CHARGED: ReservationState
+RESERVATION_STATE_RELEASED: ReservationState
+RESERVATION_STATE_EXPIRED: ReservationState
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("organization_id", "turn_key", "usage_type", "rate_class", "credits")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_KEY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    RATE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    turn_key: str
+    usage_type: str
+    rate_class: str
+    credits: int
+    def __init__(self, organization_id: _Optional[str] = ..., turn_key: _Optional[str] = ..., usage_type: _Optional[str] = ..., rate_class: _Optional[str] = ..., credits: _Optional[int] = ...) -> None: ...
+
+class RateLimitState(_message.Message):
+    __slots__ = ("limit", "remaining", "reset_seconds")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    RESET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    remaining: int
+    reset_seconds: int
+    def __init__(self, limit: _Optional[int] = ..., remaining: _Optional[int] = ..., reset_seconds: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("reservation_id", "state", "credits", "rate_limit", "replayed")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    state: ReservationState
+    credits: int
+    rate_limit: RateLimitState
+    replayed: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., state: _Optional[_Union[ReservationState, str]] = ..., credits: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimitState, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class ChargeRequest(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
+
+class ChargeResponse(_message.Message):
+    __slots__ = ("state", "ledger_entry_id")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
+    state: ReservationState
+    ledger_entry_id: str
+    def __init__(self, state: _Optional[_Union[ReservationState, str]] = ..., ledger_entry_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("reservation_id", "reason")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    reason: str
+    def __init__(self, reservation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: ReservationState
+    def __init__(self, state: _Optional[_Union[ReservationState, str]] = ...) -> None: ...
+
+class RecordUsageRequest(_message.Message):
+    __slots__ = ("organization_id", "run_id", "call_index", "provider_id", "model_id", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens", "byok", "estimated", "chat_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_READ_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WRITE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYOK_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    run_id: str
+    call_index: int
+    provider_id: str
+    model_id: str
+    input_tokens: int
+    output_tokens: int
+    cache_read_tokens: int
+    cache_write_tokens: int
+    byok: bool
+    estimated: bool
+    chat_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., run_id: _Optional[str] = ..., call_index: _Optional[int] = ..., provider_id: _Optional[str] = ..., model_id: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cache_read_tokens: _Optional[int] = ..., cache_write_tokens: _Optional[int] = ..., byok: _Optional[bool] = ..., estimated: _Optional[bool] = ..., chat_id: _Optional[str] = ...) -> None: ...
+
+class RecordUsageResponse(_message.Message):
+    __slots__ = ("usage_id", "millicredits", "replayed")
+    USAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MILLICREDITS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    usage_id: str
+    millicredits: int
+    replayed: bool
+    def __init__(self, usage_id: _Optional[str] = ..., millicredits: _Optional[int] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class Denial(_message.Message):
+    __slots__ = ("code", "layer", "key", "current", "limit", "reason", "retry_after_seconds", "rate_limit")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    layer: str
+    key: str
+    current: int
+    limit: int
+    reason: str
+    retry_after_seconds: int
+    rate_limit: RateLimitState
+    def __init__(self, code: _Optional[str] = ..., layer: _Optional[str] = ..., key: _Optional[str] = ..., current: _Optional[int] = ..., limit: _Optional[int] = ..., reason: _Optional[str] = ..., retry_after_seconds: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimitState, _Mapping]] = ...) -> None: ...

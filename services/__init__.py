@@ -1,0 +1,1 @@
+"""Loopline's services: gateway, orchestrator, billing and tools (one folder each)."""

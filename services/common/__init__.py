@@ -1,0 +1,1 @@
+"""What every Loopline service shares: settings base, logging, gRPC server, database, errors."""

@@ -1,0 +1,40 @@
+"""Settings shared by every service.
+
+Every service parses its configuration in one place, a subclass of `CommonSettings`
+read from environment variables with the `LOOPLINE_` prefix (pydantic-settings).
+Every setting has a safe development default; README.md lists them all.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service reads.
+
+    Attributes:
+        data_dir: folder of the embedded SQLite databases (LOOPLINE_DATA_DIR).
+        log_level: "DEBUG", "INFO", "WARNING" or "ERROR" (LOOPLINE_LOG_LEVEL).
+        redis_url: Redis URL; empty selects the in-memory backend (LOOPLINE_REDIS_URL).
+        host: interface the gRPC servers bind (LOOPLINE_HOST).
+        orchestrator_addr / billing_addr / tools_addr: downstream gRPC addresses.
+        shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="LOOPLINE_", extra="ignore")
+
+    data_dir: pathlib.Path = pathlib.Path("var")
+    log_level: str = "INFO"
+    redis_url: str = ""
+    host: str = "127.0.0.1"
+    orchestrator_addr: str = "127.0.0.1:50051"
+    billing_addr: str = "127.0.0.1:50052"
+    tools_addr: str = "127.0.0.1:50053"
+    shutdown_grace_s: float = 5.0
+
+    def sqlite_url(self, name: str) -> str:
+        """The default database URL of service `name`: `sqlite+aiosqlite:///<data_dir>/<name>.db`."""
+        return f"sqlite+aiosqlite:///{(self.data_dir / f'{name}.db').as_posix()}"

@@ -1,0 +1,65 @@
+"""Async SQLAlchemy engines and Alembic migrations, one database per service.
+
+The embedded default is SQLite through aiosqlite (WAL, busy timeout); PostgreSQL
+works by URL (`postgresql+asyncpg://...`). Each service keeps its own migration
+history in `services/<name>/migrations`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+
+def make_engine(url: str) -> AsyncEngine:
+    """Create an async engine for `url`; SQLite gets WAL, a 30 s busy timeout and foreign keys."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            pathlib.Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
+    """A session factory that keeps objects usable after commit."""
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(service: str, url: str) -> Config:
+    """The Alembic config of `service` (its `migrations` folder) pointed at `url`."""
+    folder = pathlib.Path(__file__).resolve().parent.parent / service / "migrations"
+    config = Config()
+    config.set_main_option("script_location", str(folder))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def migrate(service: str, url: str) -> None:
+    """Upgrade `service`'s database at `url` to the newest migration (blocking)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        pathlib.Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    command.upgrade(alembic_config(service, url), "head")
+
+
+async def migrate_async(service: str, url: str) -> None:
+    """`migrate` from inside a running event loop (runs in a worker thread)."""
+    await asyncio.to_thread(migrate, service, url)

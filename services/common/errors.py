@@ -1,0 +1,127 @@
+"""The rich gRPC error model (google.rpc.Status with details), server and client side.
+
+Follows Google AIP-193: every error carries a `google.rpc.ErrorInfo` with an
+UPPER_SNAKE `reason` and a `domain`; `RetryInfo` is added where a retry makes sense.
+Servers raise `RpcError`; the servicer wrapper turns it into a status with
+`context.abort_with_status`. Clients read the details back with `status_details`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ASSISTANT_DOMAIN = "assistant.loopline.dev"
+BILLING_DOMAIN = "billing.loopline.dev"
+TOOLS_DOMAIN = "tools.loopline.dev"
+
+
+@dataclass
+class RpcError(Exception):
+    """A domain error to send as a rich gRPC status.
+
+    Attributes:
+        code: the gRPC status code.
+        reason: UPPER_SNAKE ErrorInfo reason, e.g. "CHAT_NOT_FOUND".
+        message: text safe to show a client (never a secret or internal detail).
+        domain: ErrorInfo domain.
+        metadata: ErrorInfo metadata (string values).
+        details: further detail messages (e.g. a billing Denial).
+        retry_after_s: when set, a RetryInfo detail with this delay.
+    """
+
+    code: grpc.StatusCode
+    reason: str
+    message: str
+    domain: str = ASSISTANT_DOMAIN
+    metadata: dict[str, str] = field(default_factory=dict)
+    details: Sequence[Message] = ()
+    retry_after_s: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def to_status(self) -> grpc.Status:
+        """The grpc.Status carrying this error (code, message, packed details)."""
+        packed: list[any_pb2.Any] = []
+        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=self.domain, metadata=self.metadata)
+        for message in (info, *self.details):
+            item = any_pb2.Any()
+            item.Pack(message)
+            packed.append(item)
+        if self.retry_after_s is not None:
+            item = any_pb2.Any()
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(int(self.retry_after_s * 1e9))
+            item.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+            packed.append(item)
+        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=packed)
+        return rpc_status.to_status(status)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: RpcError) -> None:
+    """Abort the RPC on `context` with `error`'s rich status (raises, never returns)."""
+    await context.abort_with_status(error.to_status())
+
+
+@dataclass
+class StatusDetails:
+    """The parsed details of a failed call: ErrorInfo, RetryInfo and other packed messages."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str = ""
+    domain: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    retry_after_s: float | None = None
+    details: list[any_pb2.Any] = field(default_factory=list)
+
+    def unpack(self, message_type: type[Message]) -> Message | None:
+        """The first packed detail of `message_type`, or None."""
+        for item in self.details:
+            if item.Is(message_type.DESCRIPTOR):
+                message = message_type()
+                item.Unpack(message)
+                return message
+        return None
+
+
+def status_details(error: grpc.aio.AioRpcError | grpc.RpcError) -> StatusDetails:
+    """Parse the rich status of a failed call (plain code and message when it has none)."""
+    code = error.code()
+    parsed = StatusDetails(code=code, message=error.details() or "")
+    metadata = error.trailing_metadata() or ()
+    for key, value in metadata:
+        if key == "grpc-status-details-bin":
+            status = status_pb2.Status.FromString(value)
+            parsed.message = status.message
+            for item in status.details:
+                if item.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                    info = error_details_pb2.ErrorInfo()
+                    item.Unpack(info)
+                    parsed.reason, parsed.domain, parsed.metadata = info.reason, info.domain, dict(info.metadata)
+                elif item.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    retry = error_details_pb2.RetryInfo()
+                    item.Unpack(retry)
+                    parsed.retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
+                else:
+                    parsed.details.append(item)
+    return parsed
+
+
+__all__ = [
+    "ASSISTANT_DOMAIN",
+    "BILLING_DOMAIN",
+    "TOOLS_DOMAIN",
+    "RpcError",
+    "StatusDetails",
+    "abort",
+    "code_pb2",
+    "status_details",
+]

@@ -1,0 +1,79 @@
+"""Start a `grpc.aio` server with the standard health service and server reflection.
+
+Modelled on grpc/grpc's `examples/python/health_checking` and
+`helloworld/async_greeter_server_with_graceful_shutdown.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# (add_XServicer_to_server, servicer instance, full service name)
+ServiceBinding = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
+
+
+@dataclass
+class RunningServer:
+    """A started gRPC server: the server, the port it bound, and its health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+    async def stop(self, grace: float) -> None:
+        """Mark every service NOT_SERVING, then stop, giving in-flight RPCs `grace` seconds."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def start_grpc_server(
+    bindings: Sequence[ServiceBinding], host: str, port: int, options: Sequence[tuple[str, Any]] = ()
+) -> RunningServer:
+    """Start a server on host:port (port 0 picks a free one) serving `bindings`.
+
+    Adds grpc.health.v1 (every service and "" reported SERVING) and reflection.
+    Raises RuntimeError when the port cannot be bound.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            *options,
+        ]
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = []
+    for add, servicer, name in bindings:
+        add(servicer, server)
+        names.append(name)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+    await server.start()
+    for name in [*names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server=server, port=bound, health=health_servicer)
+
+
+async def wait_for_termination_signal() -> None:
+    """Return when the process receives SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("termination signal received, stopping")

@@ -23,25 +23,70 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloopline/tools/v1/tools.proto\x12\x11loopline.tools.v1\x1a\x1cgoogle/protobuf/struct.proto\"b\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x0cinput_schema\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"#\n\x10ListToolsRequest\x12\x0f\n\x07profile\x18\x01 \x01(\t\"E\n\x11ListToolsResponse\x12\x30\n\x05tools\x18\x01 \x03(\x0b\x32!.loopline.tools.v1.ToolDefinition\"\x9a\x01\n\x12\x45xecuteToolRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12&\n\x05input\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x06 \x01(\t\"s\n\x13\x45xecuteToolResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12&\n\x06output\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x14\n\x0cmillicredits\x18\x04 \x01(\x03\x32\xc4\x01\n\x0cToolsService\x12V\n\tListTools\x12#.loopline.tools.v1.ListToolsRequest\x1a$.loopline.tools.v1.ListToolsResponse\x12\\\n\x0b\x45xecuteTool\x12%.loopline.tools.v1.ExecuteToolRequest\x1a&.loopline.tools.v1.ExecuteToolResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloopline/tools/v1/tools.proto\x12\x11loopline.tools.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x0cinput_schema\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"#\n\x10ListToolsRequest\x12\x0f\n\x07profile\x18\x01 \x01(\t\"E\n\x11ListToolsResponse\x12\x30\n\x05tools\x18\x01 \x03(\x0b\x32!.loopline.tools.v1.ToolDefinition\"\x9a\x01\n\x12\x45xecuteToolRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0c\n\x04tool\x18\x02 \x01(\t\x12&\n\x05input\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x06 \x01(\t\"s\n\x13\x45xecuteToolResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12&\n\x06output\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x14\n\x0cmillicredits\x18\x04 \x01(\x03\"\xba\x02\n\nCredential\x12\x15\n\rcredential_id\x18\x01 \x01(\t\x12\x17\n\x0forganization_id\x18\x02 \x01(\t\x12\x18\n\x10integration_name\x18\x03 \x01(\t\x12\x11\n\tauth_type\x18\x04 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x05 \x01(\t\x12\x12\n\nis_default\x18\x06 \x01(\x08\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x08metadata\x18\t \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x18\n\x10\x61uth_data_masked\x18\n \x01(\t\"\xe2\x01\n\x17\x43reateCredentialRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x18\n\x10integration_name\x18\x02 \x01(\t\x12\x11\n\tauth_type\x18\x03 \x01(\t\x12*\n\tauth_data\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0c\x64isplay_name\x18\x05 \x01(\t\x12)\n\x08metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0cmake_default\x18\x07 \x01(\x08\"M\n\x18\x43reateCredentialResponse\x12\x31\n\ncredential\x18\x01 \x01(\x0b\x32\x1d.loopline.tools.v1.Credential\"}\n\x16ListCredentialsRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x18\n\x10integration_name\x18\x02 \x01(\t\x12\x11\n\tauth_type\x18\x03 \x01(\t\x12\r\n\x05limit\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x05\"\\\n\x17ListCredentialsResponse\x12\x32\n\x0b\x63redentials\x18\x01 \x03(\x0b\x32\x1d.loopline.tools.v1.Credential\x12\r\n\x05total\x18\x02 \x01(\x05\"^\n\x14GetCredentialRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x15\n\rcredential_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_masked\x18\x03 \x01(\x08\"J\n\x15GetCredentialResponse\x12\x31\n\ncredential\x18\x01 \x01(\x0b\x32\x1d.loopline.tools.v1.Credential\"I\n\x17\x44\x65leteCredentialRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x15\n\rcredential_id\x18\x02 \x01(\t\"=\n\x18\x44\x65leteCredentialResponse\x12!\n\x19new_default_credential_id\x18\x01 \x01(\t\"M\n\x1bSetDefaultCredentialRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x15\n\rcredential_id\x18\x02 \x01(\t\"Q\n\x1cSetDefaultCredentialResponse\x12\x31\n\ncredential\x18\x01 \x01(\x0b\x32\x1d.loopline.tools.v1.Credential\"\xaf\x01\n\rKnowledgeBase\x12\x19\n\x11knowledge_base_id\x18\x01 \x01(\t\x12\x17\n\x0forganization_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x16\n\x0e\x64ocument_count\x18\x05 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"X\n\x1a\x43reateKnowledgeBaseRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"W\n\x1b\x43reateKnowledgeBaseResponse\x12\x38\n\x0eknowledge_base\x18\x01 \x01(\x0b\x32 .loopline.tools.v1.KnowledgeBase\"4\n\x19ListKnowledgeBasesRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\"W\n\x1aListKnowledgeBasesResponse\x12\x39\n\x0fknowledge_bases\x18\x01 \x03(\x0b\x32 .loopline.tools.v1.KnowledgeBase\"\xb4\x01\n\x08\x44ocument\x12\x13\n\x0b\x64ocument_id\x18\x01 \x01(\t\x12\x19\n\x11knowledge_base_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontent_type\x18\x04 \x01(\t\x12\x0e\n\x06status\x18\x05 \x01(\t\x12\x13\n\x0b\x63hunk_count\x18\x06 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"z\n\x12\x41\x64\x64\x44ocumentRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x19\n\x11knowledge_base_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontent_type\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\"D\n\x13\x41\x64\x64\x44ocumentResponse\x12-\n\x08\x64ocument\x18\x01 \x01(\x0b\x32\x1b.loopline.tools.v1.Document\"k\n\x16SearchKnowledgeRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x1a\n\x12knowledge_base_ids\x18\x03 \x03(\t\x12\r\n\x05top_k\x18\x04 \x01(\x05\"\xa5\x01\n\x15KnowledgeSearchResult\x12\x19\n\x11knowledge_base_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64ocument_id\x18\x02 \x01(\t\x12\x15\n\rdocument_name\x18\x03 \x01(\t\x12\x10\n\x08\x63hunk_id\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\x05\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\t\x12\r\n\x05score\x18\x07 \x01(\x01\"T\n\x17SearchKnowledgeResponse\x12\x39\n\x07results\x18\x01 \x03(\x0b\x32(.loopline.tools.v1.KnowledgeSearchResult2\x96\t\n\x0cToolsService\x12V\n\tListTools\x12#.loopline.tools.v1.ListToolsRequest\x1a$.loopline.tools.v1.ListToolsResponse\x12\\\n\x0b\x45xecuteTool\x12%.loopline.tools.v1.ExecuteToolRequest\x1a&.loopline.tools.v1.ExecuteToolResponse\x12k\n\x10\x43reateCredential\x12*.loopline.tools.v1.CreateCredentialRequest\x1a+.loopline.tools.v1.CreateCredentialResponse\x12h\n\x0fListCredentials\x12).loopline.tools.v1.ListCredentialsRequest\x1a*.loopline.tools.v1.ListCredentialsResponse\x12\x62\n\rGetCredential\x12\'.loopline.tools.v1.GetCredentialRequest\x1a(.loopline.tools.v1.GetCredentialResponse\x12k\n\x10\x44\x65leteCredential\x12*.loopline.tools.v1.DeleteCredentialRequest\x1a+.loopline.tools.v1.DeleteCredentialResponse\x12w\n\x14SetDefaultCredential\x12..loopline.tools.v1.SetDefaultCredentialRequest\x1a/.loopline.tools.v1.SetDefaultCredentialResponse\x12t\n\x13\x43reateKnowledgeBase\x12-.loopline.tools.v1.CreateKnowledgeBaseRequest\x1a..loopline.tools.v1.CreateKnowledgeBaseResponse\x12q\n\x12ListKnowledgeBases\x12,.loopline.tools.v1.ListKnowledgeBasesRequest\x1a-.loopline.tools.v1.ListKnowledgeBasesResponse\x12\\\n\x0b\x41\x64\x64\x44ocument\x12%.loopline.tools.v1.AddDocumentRequest\x1a&.loopline.tools.v1.AddDocumentResponse\x12h\n\x0fSearchKnowledge\x12).loopline.tools.v1.SearchKnowledgeRequest\x1a*.loopline.tools.v1.SearchKnowledgeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loopline.tools.v1.tools_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLDEFINITION']._serialized_start=82
-  _globals['_TOOLDEFINITION']._serialized_end=180
-  _globals['_LISTTOOLSREQUEST']._serialized_start=182
-  _globals['_LISTTOOLSREQUEST']._serialized_end=217
-  _globals['_LISTTOOLSRESPONSE']._serialized_start=219
-  _globals['_LISTTOOLSRESPONSE']._serialized_end=288
-  _globals['_EXECUTETOOLREQUEST']._serialized_start=291
-  _globals['_EXECUTETOOLREQUEST']._serialized_end=445
-  _globals['_EXECUTETOOLRESPONSE']._serialized_start=447
-  _globals['_EXECUTETOOLRESPONSE']._serialized_end=562
-  _globals['_TOOLSSERVICE']._serialized_start=565
-  _globals['_TOOLSSERVICE']._serialized_end=761
+  _globals['_TOOLDEFINITION']._serialized_start=115
+  _globals['_TOOLDEFINITION']._serialized_end=213
+  _globals['_LISTTOOLSREQUEST']._serialized_start=215
+  _globals['_LISTTOOLSREQUEST']._serialized_end=250
+  _globals['_LISTTOOLSRESPONSE']._serialized_start=252
+  _globals['_LISTTOOLSRESPONSE']._serialized_end=321
+  _globals['_EXECUTETOOLREQUEST']._serialized_start=324
+  _globals['_EXECUTETOOLREQUEST']._serialized_end=478
+  _globals['_EXECUTETOOLRESPONSE']._serialized_start=480
+  _globals['_EXECUTETOOLRESPONSE']._serialized_end=595
+  _globals['_CREDENTIAL']._serialized_start=598
+  _globals['_CREDENTIAL']._serialized_end=912
+  _globals['_CREATECREDENTIALREQUEST']._serialized_start=915
+  _globals['_CREATECREDENTIALREQUEST']._serialized_end=1141
+  _globals['_CREATECREDENTIALRESPONSE']._serialized_start=1143
+  _globals['_CREATECREDENTIALRESPONSE']._serialized_end=1220
+  _globals['_LISTCREDENTIALSREQUEST']._serialized_start=1222
+  _globals['_LISTCREDENTIALSREQUEST']._serialized_end=1347
+  _globals['_LISTCREDENTIALSRESPONSE']._serialized_start=1349
+  _globals['_LISTCREDENTIALSRESPONSE']._serialized_end=1441
+  _globals['_GETCREDENTIALREQUEST']._serialized_start=1443
+  _globals['_GETCREDENTIALREQUEST']._serialized_end=1537
+  _globals['_GETCREDENTIALRESPONSE']._serialized_start=1539
+  _globals['_GETCREDENTIALRESPONSE']._serialized_end=1613
+  _globals['_DELETECREDENTIALREQUEST']._serialized_start=1615
+  _globals['_DELETECREDENTIALREQUEST']._serialized_end=1688
+  _globals['_DELETECREDENTIALRESPONSE']._serialized_start=1690
+  _globals['_DELETECREDENTIALRESPONSE']._serialized_end=1751
+  _globals['_SETDEFAULTCREDENTIALREQUEST']._serialized_start=1753
+  _globals['_SETDEFAULTCREDENTIALREQUEST']._serialized_end=1830
+  _globals['_SETDEFAULTCREDENTIALRESPONSE']._serialized_start=1832
+  _globals['_SETDEFAULTCREDENTIALRESPONSE']._serialized_end=1913
+  _globals['_KNOWLEDGEBASE']._serialized_start=1916
+  _globals['_KNOWLEDGEBASE']._serialized_end=2091
+  _globals['_CREATEKNOWLEDGEBASEREQUEST']._serialized_start=2093
+  _globals['_CREATEKNOWLEDGEBASEREQUEST']._serialized_end=2181
+  _globals['_CREATEKNOWLEDGEBASERESPONSE']._serialized_start=2183
+  _globals['_CREATEKNOWLEDGEBASERESPONSE']._serialized_end=2270
+  _globals['_LISTKNOWLEDGEBASESREQUEST']._serialized_start=2272
+  _globals['_LISTKNOWLEDGEBASESREQUEST']._serialized_end=2324
+  _globals['_LISTKNOWLEDGEBASESRESPONSE']._serialized_start=2326
+  _globals['_LISTKNOWLEDGEBASESRESPONSE']._serialized_end=2413
+  _globals['_DOCUMENT']._serialized_start=2416
+  _globals['_DOCUMENT']._serialized_end=2596
+  _globals['_ADDDOCUMENTREQUEST']._serialized_start=2598
+  _globals['_ADDDOCUMENTREQUEST']._serialized_end=2720
+  _globals['_ADDDOCUMENTRESPONSE']._serialized_start=2722
+  _globals['_ADDDOCUMENTRESPONSE']._serialized_end=2790
+  _globals['_SEARCHKNOWLEDGEREQUEST']._serialized_start=2792
+  _globals['_SEARCHKNOWLEDGEREQUEST']._serialized_end=2899
+  _globals['_KNOWLEDGESEARCHRESULT']._serialized_start=2902
+  _globals['_KNOWLEDGESEARCHRESULT']._serialized_end=3067
+  _globals['_SEARCHKNOWLEDGERESPONSE']._serialized_start=3069
+  _globals['_SEARCHKNOWLEDGERESPONSE']._serialized_end=3153
+  _globals['_TOOLSSERVICE']._serialized_start=3156
+  _globals['_TOOLSSERVICE']._serialized_end=4330
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,7 @@
+import datetime
+
 from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -56,3 +59,235 @@ class ExecuteToolResponse(_message.Message):
     error: str
     millicredits: int
     def __init__(self, success: _Optional[bool] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[str] = ..., millicredits: _Optional[int] = ...) -> None: ...
+
+class Credential(_message.Message):
+    __slots__ = ("credential_id", "organization_id", "integration_name", "auth_type", "display_name", "is_default", "create_time", "update_time", "metadata", "auth_data_masked")
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    AUTH_DATA_MASKED_FIELD_NUMBER: _ClassVar[int]
+    credential_id: str
+    organization_id: str
+    integration_name: str
+    auth_type: str
+    display_name: str
+    is_default: bool
+    create_time: _timestamp_pb2.Timestamp
+    update_time: _timestamp_pb2.Timestamp
+    metadata: _struct_pb2.Struct
+    auth_data_masked: str
+    def __init__(self, credential_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., auth_type: _Optional[str] = ..., display_name: _Optional[str] = ..., is_default: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., auth_data_masked: _Optional[str] = ...) -> None: ...
+
+class CreateCredentialRequest(_message.Message):
+    __slots__ = ("organization_id", "integration_name", "auth_type", "auth_data", "display_name", "metadata", "make_default")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_DATA_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    MAKE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    integration_name: str
+    auth_type: str
+    auth_data: _struct_pb2.Struct
+    display_name: str
+    metadata: _struct_pb2.Struct
+    make_default: bool
+    def __init__(self, organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., auth_type: _Optional[str] = ..., auth_data: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., display_name: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., make_default: _Optional[bool] = ...) -> None: ...
+
+class CreateCredentialResponse(_message.Message):
+    __slots__ = ("credential",)
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    credential: Credential
+    def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ...) -> None: ...
+
+class ListCredentialsRequest(_message.Message):
+    __slots__ = ("organization_id", "integration_name", "auth_type", "limit", "offset")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    integration_name: str
+    auth_type: str
+    limit: int
+    offset: int
+    def __init__(self, organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., auth_type: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ListCredentialsResponse(_message.Message):
+    __slots__ = ("credentials", "total")
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    credentials: _containers.RepeatedCompositeFieldContainer[Credential]
+    total: int
+    def __init__(self, credentials: _Optional[_Iterable[_Union[Credential, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class GetCredentialRequest(_message.Message):
+    __slots__ = ("organization_id", "credential_id", "include_masked")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_MASKED_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    credential_id: str
+    include_masked: bool
+    def __init__(self, organization_id: _Optional[str] = ..., credential_id: _Optional[str] = ..., include_masked: _Optional[bool] = ...) -> None: ...
+
+class GetCredentialResponse(_message.Message):
+    __slots__ = ("credential",)
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    credential: Credential
+    def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ...) -> None: ...
+
+class DeleteCredentialRequest(_message.Message):
+    __slots__ = ("organization_id", "credential_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    credential_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., credential_id: _Optional[str] = ...) -> None: ...
+
+class DeleteCredentialResponse(_message.Message):
+    __slots__ = ("new_default_credential_id",)
+    NEW_DEFAULT_CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    new_default_credential_id: str
+    def __init__(self, new_default_credential_id: _Optional[str] = ...) -> None: ...
+
+class SetDefaultCredentialRequest(_message.Message):
+    __slots__ = ("organization_id", "credential_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    credential_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., credential_id: _Optional[str] = ...) -> None: ...
+
+class SetDefaultCredentialResponse(_message.Message):
+    __slots__ = ("credential",)
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    credential: Credential
+    def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ...) -> None: ...
+
+class KnowledgeBase(_message.Message):
+    __slots__ = ("knowledge_base_id", "organization_id", "name", "description", "document_count", "create_time")
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    knowledge_base_id: str
+    organization_id: str
+    name: str
+    description: str
+    document_count: int
+    create_time: _timestamp_pb2.Timestamp
+    def __init__(self, knowledge_base_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., document_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class CreateKnowledgeBaseRequest(_message.Message):
+    __slots__ = ("organization_id", "name", "description")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    name: str
+    description: str
+    def __init__(self, organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class CreateKnowledgeBaseResponse(_message.Message):
+    __slots__ = ("knowledge_base",)
+    KNOWLEDGE_BASE_FIELD_NUMBER: _ClassVar[int]
+    knowledge_base: KnowledgeBase
+    def __init__(self, knowledge_base: _Optional[_Union[KnowledgeBase, _Mapping]] = ...) -> None: ...
+
+class ListKnowledgeBasesRequest(_message.Message):
+    __slots__ = ("organization_id",)
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    def __init__(self, organization_id: _Optional[str] = ...) -> None: ...
+
+class ListKnowledgeBasesResponse(_message.Message):
+    __slots__ = ("knowledge_bases",)
+    KNOWLEDGE_BASES_FIELD_NUMBER: _ClassVar[int]
+    knowledge_bases: _containers.RepeatedCompositeFieldContainer[KnowledgeBase]
+    def __init__(self, knowledge_bases: _Optional[_Iterable[_Union[KnowledgeBase, _Mapping]]] = ...) -> None: ...
+
+class Document(_message.Message):
+    __slots__ = ("document_id", "knowledge_base_id", "name", "content_type", "status", "chunk_count", "create_time")
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    document_id: str
+    knowledge_base_id: str
+    name: str
+    content_type: str
+    status: str
+    chunk_count: int
+    create_time: _timestamp_pb2.Timestamp
+    def __init__(self, document_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., status: _Optional[str] = ..., chunk_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class AddDocumentRequest(_message.Message):
+    __slots__ = ("organization_id", "knowledge_base_id", "name", "content_type", "text")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    knowledge_base_id: str
+    name: str
+    content_type: str
+    text: str
+    def __init__(self, organization_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class AddDocumentResponse(_message.Message):
+    __slots__ = ("document",)
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    document: Document
+    def __init__(self, document: _Optional[_Union[Document, _Mapping]] = ...) -> None: ...
+
+class SearchKnowledgeRequest(_message.Message):
+    __slots__ = ("organization_id", "query", "knowledge_base_ids", "top_k")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    KNOWLEDGE_BASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    query: str
+    knowledge_base_ids: _containers.RepeatedScalarFieldContainer[str]
+    top_k: int
+    def __init__(self, organization_id: _Optional[str] = ..., query: _Optional[str] = ..., knowledge_base_ids: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class KnowledgeSearchResult(_message.Message):
+    __slots__ = ("knowledge_base_id", "document_id", "document_name", "chunk_id", "chunk_index", "content", "score")
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    knowledge_base_id: str
+    document_id: str
+    document_name: str
+    chunk_id: str
+    chunk_index: int
+    content: str
+    score: float
+    def __init__(self, knowledge_base_id: _Optional[str] = ..., document_id: _Optional[str] = ..., document_name: _Optional[str] = ..., chunk_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., content: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class SearchKnowledgeResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KnowledgeSearchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[KnowledgeSearchResult, _Mapping]]] = ...) -> None: ...

@@ -46,6 +46,51 @@ class ToolsServiceStub:
                 request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ExecuteToolRequest.SerializeToString,
                 response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ExecuteToolResponse.FromString,
                 _registered_method=True)
+        self.CreateCredential = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/CreateCredential',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateCredentialRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateCredentialResponse.FromString,
+                _registered_method=True)
+        self.ListCredentials = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/ListCredentials',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListCredentialsRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListCredentialsResponse.FromString,
+                _registered_method=True)
+        self.GetCredential = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/GetCredential',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetCredentialRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetCredentialResponse.FromString,
+                _registered_method=True)
+        self.DeleteCredential = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/DeleteCredential',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteCredentialRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteCredentialResponse.FromString,
+                _registered_method=True)
+        self.SetDefaultCredential = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/SetDefaultCredential',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialResponse.FromString,
+                _registered_method=True)
+        self.CreateKnowledgeBase = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/CreateKnowledgeBase',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateKnowledgeBaseRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateKnowledgeBaseResponse.FromString,
+                _registered_method=True)
+        self.ListKnowledgeBases = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/ListKnowledgeBases',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListKnowledgeBasesRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListKnowledgeBasesResponse.FromString,
+                _registered_method=True)
+        self.AddDocument = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/AddDocument',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.AddDocumentRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.AddDocumentResponse.FromString,
+                _registered_method=True)
+        self.SearchKnowledge = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/SearchKnowledge',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeResponse.FromString,
+                _registered_method=True)
 
 
 class ToolsServiceServicer:
@@ -68,6 +113,77 @@ class ToolsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateCredential(self, request, context):
+        """CreateCredential stores a new credential for an organization; the secret is
+        encrypted at rest and never returned. INVALID_ARGUMENT for an unknown integration,
+        an auth type the integration does not offer, or auth data that fails its schema.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCredentials(self, request, context):
+        """ListCredentials lists an organization's credentials (metadata only), newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCredential(self, request, context):
+        """GetCredential returns one credential of the organization; NOT_FOUND when it does
+        not exist or belongs to another organization.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteCredential(self, request, context):
+        """DeleteCredential deletes one credential of the organization; NOT_FOUND as for
+        GetCredential. When the default is deleted, the newest remaining credential of the
+        same integration becomes the default.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetDefaultCredential(self, request, context):
+        """SetDefaultCredential makes one credential the default of its integration for the
+        organization (and clears the flag on the others); NOT_FOUND as for GetCredential.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateKnowledgeBase(self, request, context):
+        """CreateKnowledgeBase creates an empty knowledge base for an organization.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListKnowledgeBases(self, request, context):
+        """ListKnowledgeBases lists an organization's knowledge bases, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddDocument(self, request, context):
+        """AddDocument adds a text document to a knowledge base, chunks it and indexes the
+        chunks for full-text search; NOT_FOUND for another organization's knowledge base.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SearchKnowledge(self, request, context):
+        """SearchKnowledge ranks the chunks of an organization's knowledge bases against a
+        query with full-text search (BM25 on SQLite).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ToolsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +196,51 @@ def add_ToolsServiceServicer_to_server(servicer, server):
                     servicer.ExecuteTool,
                     request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ExecuteToolRequest.FromString,
                     response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ExecuteToolResponse.SerializeToString,
+            ),
+            'CreateCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCredential,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateCredentialRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateCredentialResponse.SerializeToString,
+            ),
+            'ListCredentials': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCredentials,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListCredentialsRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListCredentialsResponse.SerializeToString,
+            ),
+            'GetCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCredential,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetCredentialRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetCredentialResponse.SerializeToString,
+            ),
+            'DeleteCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCredential,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteCredentialRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteCredentialResponse.SerializeToString,
+            ),
+            'SetDefaultCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDefaultCredential,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialResponse.SerializeToString,
+            ),
+            'CreateKnowledgeBase': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateKnowledgeBase,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateKnowledgeBaseRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateKnowledgeBaseResponse.SerializeToString,
+            ),
+            'ListKnowledgeBases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKnowledgeBases,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListKnowledgeBasesRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListKnowledgeBasesResponse.SerializeToString,
+            ),
+            'AddDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddDocument,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.AddDocumentRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.AddDocumentResponse.SerializeToString,
+            ),
+            'SearchKnowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchKnowledge,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +299,249 @@ class ToolsService:
             '/loopline.tools.v1.ToolsService/ExecuteTool',
             loopline_dot_tools_dot_v1_dot_tools__pb2.ExecuteToolRequest.SerializeToString,
             loopline_dot_tools_dot_v1_dot_tools__pb2.ExecuteToolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/CreateCredential',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CreateCredentialRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CreateCredentialResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCredentials(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/ListCredentials',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListCredentialsRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListCredentialsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/GetCredential',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.GetCredentialRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.GetCredentialResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/DeleteCredential',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteCredentialRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteCredentialResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDefaultCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/SetDefaultCredential',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateKnowledgeBase(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/CreateKnowledgeBase',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CreateKnowledgeBaseRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CreateKnowledgeBaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKnowledgeBases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/ListKnowledgeBases',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListKnowledgeBasesRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListKnowledgeBasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/AddDocument',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.AddDocumentRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.AddDocumentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchKnowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/SearchKnowledge',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

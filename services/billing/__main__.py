@@ -1,0 +1,113 @@
+"""`python -m services.billing [serve|migrate|admin ...]`.
+
+    python -m services.billing                      serve (LOOPLINE_BILLING_PORT, default 50052)
+    python -m services.billing migrate              upgrade the billing database to head
+    python -m services.billing admin show --org ORG [--entries N]
+    python -m services.billing admin set-plan --org ORG --plan NAME
+    python -m services.billing admin grant-credits --org ORG --credits N [--idempotency-key K] [--note T]
+    python -m services.billing admin top-up --org ORG --minor-units N [--idempotency-key K] [--note T]
+    python -m services.billing admin seed-dev --org ORG [--plan NAME] [--wallet-minor-units N]
+
+Admin commands print one JSON document (the account view of `admin show`) on stdout and
+exit 1 with {"error": ...} on a bad argument (unknown plan, non-positive amount,
+unknown organization for `show`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+import orjson
+
+from services.billing.config import BillingSettings
+from services.billing.core import BillingCore
+from services.billing.server import BillingServer, build_core
+from services.common import db
+from services.common import logging as loopline_logging
+from services.common.runner import run
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.billing", description="Loopline billing service")
+    commands = parser.add_subparsers(dest="command")
+    commands.add_parser("serve", help="serve gRPC (the default)")
+    commands.add_parser("migrate", help="upgrade the database to the newest migration")
+    admin = commands.add_parser("admin", help="inspect and adjust accounts").add_subparsers(dest="action", required=True)
+    show = admin.add_parser("show", help="account, plan, balances and recent ledger entries")
+    show.add_argument("--org", required=True)
+    show.add_argument("--entries", type=int, default=20)
+    set_plan = admin.add_parser("set-plan", help="move an organization to a plan")
+    set_plan.add_argument("--org", required=True)
+    set_plan.add_argument("--plan", required=True)
+    grant = admin.add_parser("grant-credits", help="add run credits to this period's allowance")
+    grant.add_argument("--org", required=True)
+    grant.add_argument("--credits", type=int, required=True)
+    grant.add_argument("--idempotency-key", default="")
+    grant.add_argument("--note", default="")
+    top_up = admin.add_parser("top-up", help="add minor units (cents) to the prepaid wallet")
+    top_up.add_argument("--org", required=True)
+    top_up.add_argument("--minor-units", type=int, required=True)
+    top_up.add_argument("--idempotency-key", default="")
+    top_up.add_argument("--note", default="")
+    seed = admin.add_parser("seed-dev", help="idempotently give the demo organization a plan with credits")
+    seed.add_argument("--org", required=True)
+    seed.add_argument("--plan", default="developer")
+    seed.add_argument("--wallet-minor-units", type=int, default=1000)
+    return parser
+
+
+async def seed_dev(core: BillingCore, org_id: str, plan: str, wallet_minor_units: int) -> None:
+    """Ensure `org_id` has an account on `plan` and a one-time wallet top-up (idempotent).
+
+    The top-up uses idempotency key "seed-dev:{org_id}:wallet", so rerunning never adds
+    money twice; the plan's monthly allowance supplies the run credits.
+    """
+    await core.set_plan(org_id, plan)
+    if wallet_minor_units > 0:
+        await core.top_up(org_id, wallet_minor_units, f"seed-dev:{org_id}:wallet", "development seed")
+
+
+async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """Run one admin action; returns (exit code, JSON document)."""
+    core, engine = await build_core(settings)
+    try:
+        if args.action == "set-plan":
+            await core.set_plan(args.org, args.plan)
+        elif args.action == "grant-credits":
+            await core.grant_credits(args.org, args.credits, args.idempotency_key, args.note)
+        elif args.action == "top-up":
+            await core.top_up(args.org, args.minor_units, args.idempotency_key, args.note)
+        elif args.action == "seed-dev":
+            await seed_dev(core, args.org, args.plan, args.wallet_minor_units)
+        view = await core.show(args.org, getattr(args, "entries", 20))
+        if view is None:
+            return 1, {"error": f"organization {args.org!r} has no billing account"}
+        return 0, view
+    except ValueError as exc:
+        return 1, {"error": str(exc)}
+    finally:
+        await core.rates.close()
+        await engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    settings = BillingSettings()
+    if args.command in (None, "serve"):
+        run("billing", settings.log_level, lambda: BillingServer.start(settings), settings.shutdown_grace_s)
+        return 0
+    loopline_logging.setup("billing", settings.log_level)
+    if args.command == "migrate":
+        db.migrate("billing", settings.billing_database_url)
+        return 0
+    code, document = asyncio.run(admin(settings, args))
+    sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

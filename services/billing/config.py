@@ -1,0 +1,56 @@
+"""Settings of the billing service, parsed in one place from `LOOPLINE_*` variables.
+
+Every field has a safe development default (README.md lists them). Fields are named
+service-first, so `billing_port` is read from `LOOPLINE_BILLING_PORT`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from pydantic import model_validator
+
+from services.common.config import CommonSettings
+
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
+class BillingSettings(CommonSettings):
+    """Settings of `services/billing`.
+
+    Attributes:
+        billing_port: gRPC port (LOOPLINE_BILLING_PORT); 0 binds any free port.
+        billing_database_url: SQLAlchemy async URL (LOOPLINE_BILLING_DATABASE_URL); empty
+            selects `sqlite+aiosqlite:///<data_dir>/billing.db`.
+        auto_migrate: upgrade the schema to the newest migration at server start
+            (LOOPLINE_AUTO_MIGRATE).
+        billing_rate_limit_storage_url: `limits` storage URL for rate counters
+            (LOOPLINE_BILLING_RATE_LIMIT_STORAGE_URL); empty selects `memory://`, or the
+            shared Redis (`redis_url`) when LOOPLINE_REDIS_URL is set.
+        billing_hold_seconds: seconds a reservation stays HELD before the sweeper expires
+            it (LOOPLINE_BILLING_HOLD_SECONDS, default 900).
+        billing_sweep_interval_s: seconds between sweeper passes while the server runs
+            (LOOPLINE_BILLING_SWEEP_INTERVAL_S); 0 disables the background sweeper.
+        billing_prices_path: TOML price table (millicredits per 1k tokens per provider/model).
+        billing_plans_path: TOML plan catalogue, synced into the `plans` table at start.
+        billing_default_plan: plan given to an organization auto-provisioned on its first
+            Admit or RecordUsage (LOOPLINE_BILLING_DEFAULT_PLAN, default "developer").
+    """
+
+    billing_port: int = 50052
+    billing_database_url: str = ""
+    auto_migrate: bool = True
+    billing_rate_limit_storage_url: str = ""
+    billing_hold_seconds: int = 900
+    billing_sweep_interval_s: float = 30.0
+    billing_prices_path: pathlib.Path = _HERE / "prices.toml"
+    billing_plans_path: pathlib.Path = _HERE / "plans.toml"
+    billing_default_plan: str = "developer"
+
+    @model_validator(mode="after")
+    def _defaults(self) -> BillingSettings:
+        if not self.billing_database_url:
+            self.billing_database_url = self.sqlite_url("billing")
+        if not self.billing_rate_limit_storage_url:
+            self.billing_rate_limit_storage_url = self.redis_url or "memory://"
+        return self

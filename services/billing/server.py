@@ -1,0 +1,193 @@
+"""The billing gRPC server: `BillingService` (Admit, Charge, Release, RecordUsage).
+
+`BillingServer.start(settings)` migrates (when `auto_migrate`), syncs the plan catalogue,
+binds `settings.billing_port` (0 = any free port) with health and reflection, and runs
+the expired-hold sweeper every `billing_sweep_interval_s` seconds until `stop(grace)`.
+The rules themselves live in `services.billing.core`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
+from services.billing.config import BillingSettings
+from services.billing.core import STATE_TO_PB, BillingCore
+from services.billing.plans import load_plans, sync_plans
+from services.billing.pricing import PriceTable
+from services.billing.rates import RateDecision, RateLimiter
+from services.common import db
+from services.common.errors import RpcError, abort
+from services.common.grpc_server import RunningServer, start_grpc_server
+
+log = logging.getLogger(__name__)
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+def rpc(
+    handler: Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]],
+) -> Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]:
+    """The one wrapper every handler goes through: RpcError -> rich status via `abort`.
+
+    Only RpcError is caught, so the abort raised by `context.abort_with_status` and any
+    cancellation propagate untouched; unexpected exceptions reach grpc as UNKNOWN and
+    are logged with their traceback.
+    """
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Response:
+        try:
+            return await handler(self, request, context)
+        except RpcError as err:
+            await abort(context, err)
+            raise AssertionError("unreachable: abort raises") from err
+
+    return wrapper
+
+
+def _rate_pb(rate: RateDecision) -> billing_pb2.RateLimitState:
+    return billing_pb2.RateLimitState(limit=rate.limit, remaining=rate.remaining, reset_seconds=rate.reset_seconds)
+
+
+class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
+    """`loopline.billing.v1.BillingService` over a `BillingCore`; see core.py for the rules."""
+
+    def __init__(self, core: BillingCore) -> None:
+        self.core = core
+
+    @rpc
+    async def Admit(self, request: billing_pb2.AdmitRequest, context: grpc.aio.ServicerContext) -> billing_pb2.AdmitResponse:  # noqa: N802
+        """Admit (or replay) a turn; denials are rich errors carrying a Denial detail."""
+        admission = await self.core.admit(
+            request.organization_id, request.turn_key, request.usage_type, request.rate_class, request.credits
+        )
+        r = admission.reservation
+        return billing_pb2.AdmitResponse(
+            reservation_id=r.id,
+            state=STATE_TO_PB[r.state],
+            credits=r.credits,
+            rate_limit=_rate_pb(admission.rate),
+            replayed=admission.replayed,
+        )
+
+    @rpc
+    async def Charge(self, request: billing_pb2.ChargeRequest, context: grpc.aio.ServicerContext) -> billing_pb2.ChargeResponse:  # noqa: N802
+        """Charge a held reservation exactly once (a replay returns the same ledger entry)."""
+        result = await self.core.charge(request.reservation_id)
+        return billing_pb2.ChargeResponse(state=STATE_TO_PB[result.state], ledger_entry_id=result.ledger_entry_id)
+
+    @rpc
+    async def Release(self, request: billing_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> billing_pb2.ReleaseResponse:  # noqa: N802
+        """Release a held reservation at most once; a charged one is left charged."""
+        state = await self.core.release(request.reservation_id, request.reason)
+        return billing_pb2.ReleaseResponse(state=STATE_TO_PB[state])
+
+    @rpc
+    async def RecordUsage(  # noqa: N802
+        self, request: billing_pb2.RecordUsageRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.RecordUsageResponse:
+        """Record one model call's token usage, idempotent by (run_id, call_index)."""
+        result = await self.core.record_usage(request)
+        return billing_pb2.RecordUsageResponse(
+            usage_id=result.usage_id, millicredits=result.millicredits, replayed=result.replayed
+        )
+
+
+async def build_core(settings: BillingSettings) -> tuple[BillingCore, Any]:
+    """Migrate (if `auto_migrate`), sync plans and build a BillingCore.
+
+    Returns (core, engine); the caller disposes the engine and closes `core.rates`.
+    Raises ValueError on a malformed plan or price file.
+    """
+    url = settings.billing_database_url
+    if settings.auto_migrate:
+        await db.migrate_async("billing", url)
+    plans = load_plans(settings.billing_plans_path)
+    if settings.billing_default_plan not in plans:
+        raise ValueError(f"default plan {settings.billing_default_plan!r} is not in {settings.billing_plans_path}")
+    prices = PriceTable.load(settings.billing_prices_path)
+    engine = db.make_engine(url)
+    sessions = db.sessionmaker(engine)
+    await sync_plans(sessions, plans)
+    core = BillingCore(
+        sessions,
+        RateLimiter(settings.billing_rate_limit_storage_url),
+        prices,
+        default_plan=settings.billing_default_plan,
+        hold_seconds=settings.billing_hold_seconds,
+    )
+    return core, engine
+
+
+class BillingServer:
+    """A running billing service: gRPC server, database engine, rate storage, sweeper task.
+
+    Attributes:
+        port: the bound gRPC port.
+        core: the BillingCore (tests call `core.expire_holds()` directly).
+    """
+
+    def __init__(self, running: RunningServer, core: BillingCore, engine: Any, sweeper: asyncio.Task | None) -> None:
+        self._running = running
+        self.port = running.port
+        self.core = core
+        self._engine = engine
+        self._sweeper = sweeper
+
+    @classmethod
+    async def start(cls, settings: BillingSettings) -> BillingServer:
+        """Start serving on `settings.host:settings.billing_port` (0 = any free port)."""
+        core, engine = await build_core(settings)
+        try:
+            servicer = BillingServicer(core)
+            running = await start_grpc_server(
+                [
+                    (
+                        billing_pb2_grpc.add_BillingServiceServicer_to_server,
+                        servicer,
+                        billing_pb2.DESCRIPTOR.services_by_name["BillingService"].full_name,
+                    )
+                ],
+                settings.host,
+                settings.billing_port,
+            )
+        except BaseException:
+            await core.rates.close()
+            await engine.dispose()
+            raise
+        sweeper = None
+        if settings.billing_sweep_interval_s > 0:
+            sweeper = asyncio.create_task(_sweep_forever(core, settings.billing_sweep_interval_s), name="billing-sweeper")
+        log.info("billing started", extra={"fields": {"port": running.port}})
+        return cls(running, core, engine, sweeper)
+
+    async def stop(self, grace: float) -> None:
+        """Stop the sweeper, then the server (in-flight RPCs get `grace` s), then the engine."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self._running.stop(grace)
+        await self.core.rates.close()
+        await self._engine.dispose()
+
+
+async def _sweep_forever(core: BillingCore, interval_s: float) -> None:
+    """Expire overdue holds every `interval_s` seconds; a failed pass is logged and retried."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await core.expire_holds()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("sweeper pass failed")

@@ -1,0 +1,68 @@
+"""Settings of the tools service, read from `LOOPLINE_*` environment variables.
+
+Every setting has a safe development default (docs/CONVENTIONS.md). The one exception
+to "safe" is the credential encryption key: its default is derived from a fixed,
+public string so that development works without configuration, and it must be set in
+any real deployment (a warning is logged at start while the development key is used).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+
+from services.common.config import CommonSettings
+
+# DEVELOPMENT ONLY. The Fernet key used when LOOPLINE_TOOLS_CREDENTIAL_KEY is empty:
+# urlsafe-base64(sha256(b"loopline-development-credential-key")). It is public (it is
+# in this file), so anything encrypted with it is effectively plain text.
+DEV_CREDENTIAL_KEY = base64.urlsafe_b64encode(hashlib.sha256(b"loopline-development-credential-key").digest()).decode()
+
+
+class ToolsSettings(CommonSettings):
+    """Settings of `services/tools`.
+
+    Attributes:
+        tools_port: gRPC port (LOOPLINE_TOOLS_PORT, default 50053; 0 = any free port).
+        tools_database_url: SQLAlchemy async URL (LOOPLINE_TOOLS_DATABASE_URL); empty
+            means `sqlite+aiosqlite:///<data_dir>/tools.db`.
+        auto_migrate: apply Alembic migrations when the server starts (LOOPLINE_AUTO_MIGRATE).
+        tools_timeout_s: seconds an integration action may run before it is stopped and
+            an error result is returned (LOOPLINE_TOOLS_TIMEOUT_S, default 30). PostgreSQL
+            queries also get it as their `statement_timeout`.
+        tools_max_output_bytes: the largest tool output, in bytes of UTF-8 JSON
+            (LOOPLINE_TOOLS_MAX_OUTPUT_BYTES, default 65536 = 64 KiB); larger outputs
+            are cut and marked.
+        tools_credential_key: a Fernet key (32 url-safe base64-encoded bytes, e.g. from
+            `cryptography.fernet.Fernet.generate_key()`) that encrypts credential secrets
+            at rest (LOOPLINE_TOOLS_CREDENTIAL_KEY). Several keys separated by commas
+            rotate: the first encrypts, all decrypt. Empty means DEV_CREDENTIAL_KEY,
+            for development only.
+        tools_allow_private_network: let org-supplied URLs (the `http` integration)
+            reach loopback, link-local and private addresses
+            (LOOPLINE_TOOLS_ALLOW_PRIVATE_NETWORK, default false; tests turn it on).
+        tools_search_millicredits: what one `search_knowledge` call costs, in
+            millicredits (LOOPLINE_TOOLS_SEARCH_MILLICREDITS, default 100).
+    """
+
+    tools_port: int = 50053
+    tools_database_url: str = ""
+    auto_migrate: bool = True
+    tools_timeout_s: float = 30.0
+    tools_max_output_bytes: int = 64 * 1024
+    tools_credential_key: str = ""
+    tools_allow_private_network: bool = False
+    tools_search_millicredits: int = 100
+
+    def database_url(self) -> str:
+        """The database URL to use: `tools_database_url`, or the embedded SQLite default."""
+        return self.tools_database_url or self.sqlite_url("tools")
+
+    def credential_keys(self) -> list[str]:
+        """The Fernet keys, first one encrypting; `[DEV_CREDENTIAL_KEY]` when none is set."""
+        keys = [k.strip() for k in self.tools_credential_key.split(",") if k.strip()]
+        return keys or [DEV_CREDENTIAL_KEY]
+
+    def uses_dev_credential_key(self) -> bool:
+        """Whether credentials are encrypted with the public development key."""
+        return not self.tools_credential_key.strip()

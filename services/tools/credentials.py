@@ -1,0 +1,285 @@
+"""An organization's credentials: create, list, read, delete, pick the default, resolve for an action.
+
+Rules (issue #6 "Credentials"): secrets are encrypted at rest (crypto.SecretBox) and
+decrypted only by `resolve` when an action runs; everything else returns metadata
+(`CredentialInfo`), with a masked form at most. Every read is scoped by organization:
+another organization's credential is NOT_FOUND, the same as an absent one. The first
+credential of an integration becomes its default; deleting the default promotes the
+newest remaining one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from jsonschema import Draft202012Validator
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from services.common.errors import TOOLS_DOMAIN, RpcError
+from services.tools.catalogue import Catalogue
+from services.tools.crypto import SecretBox, mask_secret
+from services.tools.models import Credential, utcnow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CredentialInfo:
+    """A credential's metadata (never its secret); `masked` is the masked secret."""
+
+    id: str
+    org_id: str
+    integration: str
+    auth_type: str
+    display_name: str
+    is_default: bool
+    created_at: datetime.datetime
+    updated_at: datetime.datetime
+    metadata: dict[str, Any]
+    masked: str
+
+    @classmethod
+    def of(cls, row: Credential) -> CredentialInfo:
+        """The metadata of a row."""
+        return cls(
+            id=row.id,
+            org_id=row.org_id,
+            integration=row.integration,
+            auth_type=row.auth_type,
+            display_name=row.display_name,
+            is_default=row.is_default,
+            created_at=_aware(row.created_at),
+            updated_at=_aware(row.updated_at),
+            metadata=dict(row.metadata_json or {}),
+            masked=row.masked_secret,
+        )
+
+    def to_tool_json(self) -> dict[str, Any]:
+        """The shape get_organization_credentials returns for one credential."""
+        return {
+            "id": self.id,
+            "integration": self.integration,
+            "auth_type": self.auth_type,
+            "display_name": self.display_name,
+            "is_default": self.is_default,
+            "created_at": self.created_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+        }
+
+
+def _aware(moment: datetime.datetime) -> datetime.datetime:
+    # SQLite hands back naive datetimes; every stored time is UTC.
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
+
+
+def _not_found(credential_id: str) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.NOT_FOUND,
+        "CREDENTIAL_NOT_FOUND",
+        "Credential not found",
+        domain=TOOLS_DOMAIN,
+        metadata={"credential_id": credential_id},
+    )
+
+
+def _invalid(reason: str, message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
+
+
+class CredentialStore:
+    """Credentials in the tools database.
+
+    Args:
+        sessions: the service's session factory.
+        box: the SecretBox that encrypts and decrypts secrets.
+        catalogue: integrations, to validate integration names, auth types and secret fields.
+    """
+
+    def __init__(self, sessions: async_sessionmaker, box: SecretBox, catalogue: Catalogue) -> None:
+        self._sessions = sessions
+        self._box = box
+        self._catalogue = catalogue
+
+    async def create(
+        self,
+        org_id: str,
+        integration_name: str,
+        auth_type: str,
+        auth_data: dict[str, Any],
+        display_name: str = "",
+        metadata: dict[str, Any] | None = None,
+        make_default: bool = False,
+    ) -> CredentialInfo:
+        """Store a credential and return its metadata.
+
+        Raises RpcError INVALID_ARGUMENT (reasons INTEGRATION_NOT_FOUND, AUTH_TYPE_NOT_SUPPORTED,
+        INVALID_AUTH_DATA, ORGANIZATION_REQUIRED). Validation messages name fields, never values.
+        """
+        if not org_id:
+            raise _invalid("ORGANIZATION_REQUIRED", "organization_id is required")
+        integration = self._catalogue.get(integration_name)
+        if integration is None:
+            raise _invalid("INTEGRATION_NOT_FOUND", f"Unknown integration {integration_name!r}")
+        secret_types = [o.type for o in integration.auth_options if o.type != "none"]
+        auth_type = auth_type or (secret_types[0] if secret_types else "")
+        option = integration.auth_option(auth_type)
+        if option is None or auth_type == "none":
+            raise _invalid(
+                "AUTH_TYPE_NOT_SUPPORTED",
+                f"Integration {integration_name!r} takes auth types {secret_types}, not {auth_type!r}",
+            )
+        if option.fields is not None:
+            errors = sorted(Draft202012Validator(option.fields).iter_errors(auth_data), key=lambda e: list(e.path))
+            if errors:
+                # Name the field and the rule, never echo a value (it is a secret).
+                problems = [f"{'/'.join(map(str, e.path)) or 'auth_data'}: {e.validator} rule failed" for e in errors]
+                raise _invalid("INVALID_AUTH_DATA", "auth_data is invalid: " + "; ".join(problems[:5]))
+        now = utcnow()
+        row = Credential(
+            id=str(uuid.uuid4()),
+            org_id=org_id,
+            integration=integration_name,
+            auth_type=auth_type,
+            display_name=display_name or f"{integration.display_name} credential",
+            is_default=False,
+            encrypted_secret=self._box.encrypt(auth_data),
+            masked_secret=mask_secret(auth_data),
+            metadata_json=metadata or {},
+            created_at=now,
+            updated_at=now,
+        )
+        async with self._sessions() as session, session.begin():
+            existing_default = await session.scalar(
+                select(Credential.id).where(
+                    Credential.org_id == org_id, Credential.integration == integration_name, Credential.is_default
+                )
+            )
+            if make_default and existing_default:
+                await session.execute(
+                    update(Credential)
+                    .where(Credential.org_id == org_id, Credential.integration == integration_name)
+                    .values(is_default=False)
+                )
+            row.is_default = make_default or existing_default is None
+            session.add(row)
+        log.info(
+            "credential created",
+            extra={"fields": {"credential_id": row.id, "org_id": org_id, "integration": integration_name}},
+        )
+        return CredentialInfo.of(row)
+
+    async def list(
+        self,
+        org_id: str,
+        integration_name: str = "",
+        auth_type: str = "",
+        limit: int = 100,
+        offset: int = 0,
+    ) -> tuple[list[CredentialInfo], int]:
+        """The organization's credentials matching the filters, newest first, and their total count."""
+        conditions = [Credential.org_id == org_id]
+        if integration_name:
+            conditions.append(Credential.integration == integration_name)
+        if auth_type:
+            conditions.append(Credential.auth_type == auth_type)
+        async with self._sessions() as session:
+            total = await session.scalar(select(func.count()).select_from(Credential).where(*conditions))
+            rows = (
+                await session.scalars(
+                    select(Credential)
+                    .where(*conditions)
+                    .order_by(Credential.created_at.desc(), Credential.id)
+                    .limit(limit)
+                    .offset(offset)
+                )
+            ).all()
+        return [CredentialInfo.of(r) for r in rows], int(total or 0)
+
+    async def get(self, org_id: str, credential_id: str) -> CredentialInfo:
+        """One credential of the organization. Raises RpcError NOT_FOUND (absent or another org's)."""
+        async with self._sessions() as session:
+            row = await session.get(Credential, credential_id)
+        if row is None or row.org_id != org_id:
+            raise _not_found(credential_id)
+        return CredentialInfo.of(row)
+
+    async def delete(self, org_id: str, credential_id: str) -> str:
+        """Delete one credential; returns the id of the promoted new default ("" if none).
+
+        Raises RpcError NOT_FOUND (absent or another org's).
+        """
+        promoted = ""
+        async with self._sessions() as session, session.begin():
+            row = await session.get(Credential, credential_id)
+            if row is None or row.org_id != org_id:
+                raise _not_found(credential_id)
+            was_default = row.is_default
+            await session.delete(row)
+            await session.flush()
+            if was_default:
+                successor = await session.scalar(
+                    select(Credential)
+                    .where(Credential.org_id == org_id, Credential.integration == row.integration)
+                    .order_by(Credential.created_at.desc(), Credential.id)
+                    .limit(1)
+                )
+                if successor is not None:
+                    successor.is_default = True
+                    successor.updated_at = utcnow()
+                    promoted = successor.id
+        log.info("credential deleted", extra={"fields": {"credential_id": credential_id, "org_id": org_id}})
+        return promoted
+
+    async def set_default(self, org_id: str, credential_id: str) -> CredentialInfo:
+        """Make one credential its integration's default. Raises RpcError NOT_FOUND."""
+        async with self._sessions() as session, session.begin():
+            row = await session.get(Credential, credential_id)
+            if row is None or row.org_id != org_id:
+                raise _not_found(credential_id)
+            await session.execute(
+                update(Credential)
+                .where(Credential.org_id == org_id, Credential.integration == row.integration, Credential.id != row.id)
+                .values(is_default=False)
+            )
+            await session.flush()
+            row.is_default = True
+            row.updated_at = utcnow()
+        return CredentialInfo.of(row)
+
+    async def connected_integrations(self, org_id: str) -> set[str]:
+        """Names of the integrations the organization has at least one credential for."""
+        async with self._sessions() as session:
+            rows = await session.scalars(select(Credential.integration).where(Credential.org_id == org_id).distinct())
+            return set(rows.all())
+
+    async def resolve(
+        self, org_id: str, integration_name: str, credential_id: str | None
+    ) -> tuple[CredentialInfo, dict[str, Any]] | None:
+        """The credential an action runs with, and its decrypted secret.
+
+        `credential_id` given: that credential, which must belong to `org_id` and be for
+        `integration_name` (else None). Not given: the integration's default, else its
+        newest credential, else None. Raises crypto.SecretBoxError when the secret
+        cannot be decrypted with the configured keys.
+        """
+        async with self._sessions() as session:
+            if credential_id:
+                row = await session.get(Credential, credential_id)
+                if row is None or row.org_id != org_id or row.integration != integration_name:
+                    return None
+            else:
+                row = await session.scalar(
+                    select(Credential)
+                    .where(Credential.org_id == org_id, Credential.integration == integration_name)
+                    .order_by(Credential.is_default.desc(), Credential.created_at.desc(), Credential.id)
+                    .limit(1)
+                )
+                if row is None:
+                    return None
+        return CredentialInfo.of(row), self._box.decrypt(row.encrypted_secret)

@@ -1,0 +1,150 @@
+"""The `http` integration: one HTTP request to a URL the outbound policy allows.
+
+Every connection goes through `services.tools.netpolicy` (loopback, link-local and
+private destinations are refused unless the operator allows them). Redirects are not
+followed: the model sees the 3xx status and the `location` header and may call again,
+so every hop passes the same checks and a credential is never sent to a second host.
+The response body is read up to the output cap and no further.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from services.tools.catalogue import ActionContext, ActionError
+from services.tools.netpolicy import OutboundPolicyError, guarded_client
+
+MANIFEST: dict[str, Any] = {
+    "name": "http",
+    "display_name": "HTTP",
+    "description": "Send an HTTP request to a public URL and read the response (status, headers, body).",
+    "categories": ["developer-tools", "web"],
+    "auth": [
+        {"type": "none", "label": "No authentication", "description": "Anonymous requests.", "fields": None},
+        {
+            "type": "bearer",
+            "label": "Bearer token",
+            "description": "Sent as `Authorization: Bearer <token>`.",
+            "fields": {
+                "type": "object",
+                "properties": {"token": {"type": "string", "minLength": 1}},
+                "required": ["token"],
+                "additionalProperties": False,
+            },
+        },
+        {
+            "type": "api_key",
+            "label": "API key header",
+            "description": "Sent in the header `header_name` (default X-API-Key).",
+            "fields": {
+                "type": "object",
+                "properties": {
+                    "api_key": {"type": "string", "minLength": 1},
+                    "header_name": {"type": "string", "minLength": 1, "default": "X-API-Key"},
+                },
+                "required": ["api_key"],
+                "additionalProperties": False,
+            },
+        },
+    ],
+    "actions": [
+        {
+            "name": "request",
+            "description": "Send one HTTP request. JSON responses come back parsed in `json`, others as text in `body`.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "method": {
+                        "type": "string",
+                        "enum": ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+                        "default": "GET",
+                    },
+                    "url": {"type": "string", "pattern": "^https?://", "description": "An http:// or https:// URL."},
+                    "headers": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "query": {
+                        "type": "object",
+                        "additionalProperties": {"type": ["string", "number", "boolean"]},
+                        "description": "Query-string parameters to add.",
+                    },
+                    "body": {
+                        "description": "Request body: a string is sent as is, an object or array as JSON.",
+                        "type": ["string", "object", "array", "null"],
+                    },
+                },
+                "required": ["url"],
+                "additionalProperties": False,
+            },
+            "credit_cost_millicredits": 200,
+        }
+    ],
+}
+
+
+def _auth_headers(ctx: ActionContext) -> dict[str, str]:
+    secret = ctx.secret or {}
+    if ctx.auth_type == "bearer":
+        return {"Authorization": f"Bearer {secret['token']}"}
+    if ctx.auth_type == "api_key":
+        return {secret.get("header_name") or "X-API-Key": secret["api_key"]}
+    return {}
+
+
+async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
+    """{"status_code", "url", "headers": {name: value}, "json" | "body", "body_truncated": bool}.
+
+    Raises ActionError when the policy refuses the destination or the request fails
+    (connection refused, TLS error, ...). A 4xx/5xx status is a result, not an error.
+    """
+    headers = dict(params.get("headers") or {})
+    headers.update(_auth_headers(ctx))
+    body = params.get("body")
+    content: bytes | None = None
+    if isinstance(body, str):
+        content = body.encode()
+    elif body is not None:
+        content = json.dumps(body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    query = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (params.get("query") or {}).items()}
+    limit = ctx.max_output_bytes
+    try:
+        async with guarded_client(ctx.allow_private_network, ctx.timeout_s) as client:
+            async with client.stream(
+                params.get("method", "GET"), params["url"], headers=headers, params=query or None, content=content
+            ) as response:
+                chunks: list[bytes] = []
+                size = 0
+                truncated = False
+                async for chunk in response.aiter_bytes():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        truncated = True
+                        break
+                raw = b"".join(chunks)[:limit]
+    except OutboundPolicyError as exc:
+        raise ActionError(str(exc)) from exc
+    except httpx.InvalidURL as exc:
+        raise ActionError(f"invalid URL: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise ActionError(f"request failed: {type(exc).__name__}: {exc}") from exc
+    result: dict[str, Any] = {
+        "status_code": response.status_code,
+        "url": str(response.url),
+        "headers": {k: v for k, v in response.headers.items() if k.lower() != "set-cookie"},
+        "body_truncated": truncated,
+    }
+    text = raw.decode(response.encoding or "utf-8", errors="replace")
+    if not truncated and "json" in response.headers.get("content-type", ""):
+        try:
+            result["json"] = json.loads(text)
+            return result
+        except ValueError:
+            pass
+    result["body"] = text
+    return result
+
+
+HANDLERS = {"request": request}

@@ -1,0 +1,286 @@
+"""The `postgresql` integration: inspect a database and run read-only queries.
+
+The connection comes from the organization's credential: an `api_key`-type secret
+whose one field is `dsn` (`postgresql://user:password@host:port/database`). Every
+action opens its own connection with `default_transaction_read_only=on` and a
+`statement_timeout` equal to the action's time limit, runs inside a READ ONLY
+transaction, and closes the connection in `finally` (also when the tool call is
+cancelled: asyncpg then sends the server a cancel request for the running statement).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime
+import decimal
+import ipaddress
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+
+from services.tools.catalogue import ActionContext, ActionError
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS_LIMIT = 1000
+
+MANIFEST: dict[str, Any] = {
+    "name": "postgresql",
+    "display_name": "PostgreSQL",
+    "description": "Inspect a PostgreSQL database (schemas, tables, columns) and run read-only SQL queries.",
+    "categories": ["database", "developer-tools"],
+    "auth": [
+        {
+            "type": "api_key",
+            "label": "Connection URL",
+            "description": "A PostgreSQL connection URL, kept encrypted as the credential's secret. "
+            "Use a role with read access only, as a second safeguard.",
+            "fields": {
+                "type": "object",
+                "properties": {
+                    "dsn": {
+                        "type": "string",
+                        "pattern": "^postgres(ql)?://",
+                        "description": "postgresql://user:password@host:5432/database",
+                    }
+                },
+                "required": ["dsn"],
+                "additionalProperties": False,
+            },
+        }
+    ],
+    "actions": [
+        {
+            "name": "list_schemas",
+            "description": "List the database's schemas (system schemas left out).",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+            "credit_cost_millicredits": 100,
+        },
+        {
+            "name": "list_tables",
+            "description": "List tables and views, with their schema and kind.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "schema": {"type": "string", "description": "Only this schema (default: every non-system schema)."}
+                },
+                "additionalProperties": False,
+            },
+            "credit_cost_millicredits": 100,
+        },
+        {
+            "name": "describe_table",
+            "description": "Describe a table: columns (type, nullable, default), primary key and indexes.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "table": {"type": "string", "minLength": 1, "description": "Table name."},
+                    "schema": {"type": "string", "default": "public", "description": "Schema name (default public)."},
+                },
+                "required": ["table"],
+                "additionalProperties": False,
+            },
+            "credit_cost_millicredits": 100,
+        },
+        {
+            "name": "run_query",
+            "description": "Run one read-only SQL statement (SELECT, WITH, EXPLAIN, SHOW) and return columns and rows. "
+            "Writes are refused by the database. Use $1, $2... placeholders with `params`.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "sql": {"type": "string", "minLength": 1, "description": "One SQL statement."},
+                    "params": {
+                        "type": "array",
+                        "items": {"type": ["string", "number", "boolean", "null"]},
+                        "description": "Values for $1, $2, ... placeholders.",
+                    },
+                    "max_rows": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": MAX_ROWS_LIMIT,
+                        "default": 100,
+                        "description": "Return at most this many rows (rows_truncated tells if there were more).",
+                    },
+                },
+                "required": ["sql"],
+                "additionalProperties": False,
+            },
+            "credit_cost_millicredits": 500,
+        },
+    ],
+}
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON value for a PostgreSQL value: dates ISO 8601, numerics and UUIDs as strings, bytes base64."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return str(value)
+    if isinstance(value, (uuid.UUID, ipaddress.IPv4Address, ipaddress.IPv6Address, ipaddress.IPv4Network, ipaddress.IPv6Network)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, asyncpg.Record):
+        return {k: jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+@contextlib.asynccontextmanager
+async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
+    """A connection from the credential's DSN inside a READ ONLY transaction; closed on exit.
+
+    Raises ActionError when there is no DSN or the server cannot be reached.
+    """
+    dsn = (ctx.secret or {}).get("dsn")
+    if not isinstance(dsn, str) or not dsn:
+        raise ActionError("the credential has no `dsn` field; connect a PostgreSQL credential with a connection URL")
+    dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
+    timeout_ms = max(1, int(ctx.timeout_s * 1000))
+    try:
+        connection = await asyncpg.connect(
+            dsn,
+            timeout=min(ctx.timeout_s, 10.0),
+            statement_cache_size=0,
+            server_settings={
+                "application_name": "loopline-tools",
+                "default_transaction_read_only": "on",
+                "statement_timeout": str(timeout_ms),
+                "idle_in_transaction_session_timeout": str(timeout_ms),
+            },
+        )
+    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+        raise ActionError(f"could not connect to PostgreSQL: {type(exc).__name__}: {exc}") from exc
+    try:
+        async with connection.transaction(readonly=True):
+            yield connection
+    finally:
+        # Runs on success, error and cancellation alike; never leaves a connection open.
+        try:
+            await asyncio.wait_for(connection.close(), timeout=5)
+        except BaseException:  # noqa: BLE001 - a close that fails or hangs must not leak the socket
+            connection.terminate()
+            raise
+
+
+async def list_schemas(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
+    """{"schemas": [name, ...]} — every schema except pg_catalog, information_schema and pg_toast*."""
+    async with _readonly(ctx) as conn:
+        rows = await conn.fetch(
+            "SELECT nspname FROM pg_namespace WHERE nspname NOT IN ('pg_catalog', 'information_schema') "
+            "AND nspname NOT LIKE 'pg_toast%' AND nspname NOT LIKE 'pg_temp_%' ORDER BY nspname"
+        )
+    return {"schemas": [r["nspname"] for r in rows]}
+
+
+async def list_tables(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
+    """{"tables": [{"schema", "name", "type"}]} where type is "BASE TABLE", "VIEW", ... (information_schema)."""
+    schema = params.get("schema")
+    async with _readonly(ctx) as conn:
+        rows = await conn.fetch(
+            "SELECT table_schema, table_name, table_type FROM information_schema.tables "
+            "WHERE ($1::text IS NULL AND table_schema NOT IN ('pg_catalog', 'information_schema')) "
+            "OR table_schema = $1::text ORDER BY table_schema, table_name",
+            schema,
+        )
+    return {"tables": [{"schema": r["table_schema"], "name": r["table_name"], "type": r["table_type"]} for r in rows]}
+
+
+async def describe_table(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
+    """{"schema", "table", "columns": [{"name", "type", "nullable", "default"}], "primary_key": [...],
+    "indexes": [{"name", "definition"}]}. Raises ActionError when the table does not exist."""
+    schema, table = params.get("schema") or "public", params["table"]
+    async with _readonly(ctx) as conn:
+        columns = await conn.fetch(
+            "SELECT column_name, data_type, is_nullable, column_default FROM information_schema.columns "
+            "WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
+            schema,
+            table,
+        )
+        if not columns:
+            raise ActionError(f"table {schema}.{table} not found (call list_tables to see the tables)")
+        primary_key = await conn.fetch(
+            "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = ANY(i.indkey) "
+            "WHERE i.indisprimary AND n.nspname = $1 AND c.relname = $2 ORDER BY array_position(i.indkey, a.attnum)",
+            schema,
+            table,
+        )
+        indexes = await conn.fetch(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 ORDER BY indexname",
+            schema,
+            table,
+        )
+    return {
+        "schema": schema,
+        "table": table,
+        "columns": [
+            {
+                "name": r["column_name"],
+                "type": r["data_type"],
+                "nullable": r["is_nullable"] == "YES",
+                "default": r["column_default"],
+            }
+            for r in columns
+        ],
+        "primary_key": [r["attname"] for r in primary_key],
+        "indexes": [{"name": r["indexname"], "definition": r["indexdef"]} for r in indexes],
+    }
+
+
+async def run_query(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
+    """{"columns": [{"name", "type"}], "rows": [[value, ...]], "row_count": n, "rows_truncated": bool}.
+
+    One statement only (asyncpg's extended protocol refuses several). Raises
+    ActionError with PostgreSQL's message on an SQL error, e.g. "cannot execute INSERT
+    in a read-only transaction" for a write.
+    """
+    max_rows = int(params.get("max_rows", 100))
+    args = params.get("params") or []
+    async with _readonly(ctx) as conn:
+        try:
+            statement = await conn.prepare(params["sql"])
+            attributes = statement.get_attributes()
+            if attributes:
+                cursor = await statement.cursor(*args)
+                records = await cursor.fetch(max_rows + 1)
+            else:
+                await statement.fetch(*args)
+                records = []
+        except asyncpg.PostgresError as exc:
+            raise ActionError(f"PostgreSQL error ({type(exc).__name__}): {exc}") from exc
+        except (asyncpg.InterfaceError, asyncpg.exceptions.DataError, TypeError, ValueError, OverflowError) as exc:
+            raise ActionError(f"invalid query parameters: {exc}") from exc
+    truncated = len(records) > max_rows
+    records = records[:max_rows]
+    return {
+        "columns": [{"name": a.name, "type": a.type.name} for a in attributes],
+        "rows": [[jsonable(v) for v in record.values()] for record in records],
+        "row_count": len(records),
+        "rows_truncated": truncated,
+    }
+
+
+HANDLERS = {
+    "list_schemas": list_schemas,
+    "list_tables": list_tables,
+    "describe_table": describe_table,
+    "run_query": run_query,
+}

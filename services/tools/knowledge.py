@@ -1,0 +1,246 @@
+"""Knowledge bases: documents cut into chunks and ranked with full-text search.
+
+Rules (issue #6 "Knowledge"): documents are chunked and indexed; search ranks with
+SQLite FTS5 BM25 on the embedded default (PostgreSQL full-text search, `ts_rank_cd`
+over `to_tsvector('english', ...)`, when the database is PostgreSQL) and returns
+chunks with document, score and content. Every query is scoped by organization: no
+organization ever sees another's documents.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+
+from services.common.errors import TOOLS_DOMAIN, RpcError
+from services.tools.models import KnowledgeBase, KnowledgeChunk, KnowledgeDocument, utcnow
+
+log = logging.getLogger(__name__)
+
+CHUNK_CHARS = 1000
+_TOKEN = re.compile(r"\w+", re.UNICODE)
+
+
+def chunk_text(content: str, size: int = CHUNK_CHARS) -> list[str]:
+    """Cut `content` into chunks of at most `size` characters, on paragraph, then word, boundaries.
+
+    Consecutive short paragraphs share a chunk; a paragraph longer than `size` is cut
+    between words (a single word longer than `size` is cut where it must be).
+    """
+    pieces: list[str] = []
+    for paragraph in re.split(r"\n\s*\n", content):
+        paragraph = paragraph.strip()
+        if not paragraph:
+            continue
+        while len(paragraph) > size:
+            cut = paragraph.rfind(" ", 0, size)
+            cut = cut if cut > size // 2 else size
+            pieces.append(paragraph[:cut].strip())
+            paragraph = paragraph[cut:].strip()
+        if paragraph:
+            pieces.append(paragraph)
+    chunks: list[str] = []
+    for piece in pieces:
+        if chunks and len(chunks[-1]) + 2 + len(piece) <= size:
+            chunks[-1] = f"{chunks[-1]}\n\n{piece}"
+        else:
+            chunks.append(piece)
+    return chunks
+
+
+def query_terms(query: str) -> list[str]:
+    """The word tokens of a query (lower case, deduplicated, at most 32)."""
+    seen: list[str] = []
+    for token in _TOKEN.findall(query.lower()):
+        if token not in seen:
+            seen.append(token)
+    return seen[:32]
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """One ranked chunk; `score` is higher for better matches (negated BM25 on SQLite)."""
+
+    knowledge_base_id: str
+    document_id: str
+    document_name: str
+    chunk_id: str
+    chunk_index: int
+    content: str
+    score: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The shape search_knowledge returns for one result."""
+        return {
+            "knowledge_base_id": self.knowledge_base_id,
+            "document_id": self.document_id,
+            "document_name": self.document_name,
+            "chunk_id": self.chunk_id,
+            "chunk_index": self.chunk_index,
+            "content": self.content,
+            "score": round(self.score, 6),
+        }
+
+
+def _aware(moment: datetime.datetime) -> datetime.datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
+
+
+class KnowledgeStore:
+    """Knowledge bases, documents and chunks in the tools database.
+
+    Args:
+        engine: the service's engine (its dialect picks FTS5 or PostgreSQL full-text search).
+        sessions: the service's session factory.
+    """
+
+    def __init__(self, engine: AsyncEngine, sessions: async_sessionmaker) -> None:
+        self._dialect = engine.dialect.name
+        self._sessions = sessions
+
+    async def create_base(self, org_id: str, name: str, description: str = "") -> tuple[KnowledgeBase, int]:
+        """Create a knowledge base; returns it and its document count (0).
+
+        Raises RpcError INVALID_ARGUMENT when `org_id` or `name` is empty.
+        """
+        if not org_id or not name.strip():
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_KNOWLEDGE_BASE", "organization_id and name are required",
+                domain=TOOLS_DOMAIN,
+            )
+        row = KnowledgeBase(id=str(uuid.uuid4()), org_id=org_id, name=name.strip(), description=description, created_at=utcnow())
+        async with self._sessions() as session, session.begin():
+            session.add(row)
+        return row, 0
+
+    async def list_bases(self, org_id: str) -> list[tuple[KnowledgeBase, int]]:
+        """The organization's knowledge bases, newest first, each with its document count."""
+        async with self._sessions() as session:
+            counts = (
+                select(KnowledgeDocument.knowledge_base_id, func.count().label("n"))
+                .group_by(KnowledgeDocument.knowledge_base_id)
+                .subquery()
+            )
+            rows = await session.execute(
+                select(KnowledgeBase, func.coalesce(counts.c.n, 0))
+                .outerjoin(counts, counts.c.knowledge_base_id == KnowledgeBase.id)
+                .where(KnowledgeBase.org_id == org_id)
+                .order_by(KnowledgeBase.created_at.desc(), KnowledgeBase.id)
+            )
+            return [(base, int(n)) for base, n in rows.all()]
+
+    async def base_ids(self, org_id: str) -> list[str]:
+        """Ids of the organization's knowledge bases."""
+        async with self._sessions() as session:
+            return list((await session.scalars(select(KnowledgeBase.id).where(KnowledgeBase.org_id == org_id))).all())
+
+    async def add_document(
+        self, org_id: str, knowledge_base_id: str, name: str, content: str, content_type: str = "text/plain"
+    ) -> KnowledgeDocument:
+        """Add a text document: chunk it and index every chunk, in one transaction.
+
+        Raises RpcError NOT_FOUND when the knowledge base is absent or another
+        organization's, INVALID_ARGUMENT when the name or the text is empty.
+        """
+        if not name.strip() or not content.strip():
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_DOCUMENT", "a document needs a name and non-empty text",
+                domain=TOOLS_DOMAIN,
+            )
+        chunks = chunk_text(content)
+        document = KnowledgeDocument(
+            id=str(uuid.uuid4()),
+            knowledge_base_id=knowledge_base_id,
+            org_id=org_id,
+            name=name,
+            content_type=content_type or "text/plain",
+            status="ready",
+            chunk_count=len(chunks),
+            created_at=utcnow(),
+        )
+        async with self._sessions() as session, session.begin():
+            base = await session.get(KnowledgeBase, knowledge_base_id)
+            if base is None or base.org_id != org_id:
+                raise RpcError(
+                    grpc.StatusCode.NOT_FOUND, "KNOWLEDGE_BASE_NOT_FOUND", "Knowledge base not found",
+                    domain=TOOLS_DOMAIN, metadata={"knowledge_base_id": knowledge_base_id},
+                )
+            session.add(document)
+            rows = [
+                KnowledgeChunk(
+                    document_id=document.id, knowledge_base_id=knowledge_base_id, org_id=org_id, chunk_index=i, content=c
+                )
+                for i, c in enumerate(chunks)
+            ]
+            session.add_all(rows)
+            await session.flush()
+            if self._dialect == "sqlite":
+                for row in rows:
+                    await session.execute(
+                        text("INSERT INTO knowledge_chunks_fts(rowid, content) VALUES (:id, :content)"),
+                        {"id": row.id, "content": row.content},
+                    )
+        log.info(
+            "document indexed",
+            extra={"fields": {"document_id": document.id, "knowledge_base_id": knowledge_base_id, "chunks": len(chunks)}},
+        )
+        return document
+
+    async def search(self, org_id: str, query: str, knowledge_base_ids: list[str] | None, top_k: int) -> list[SearchHit]:
+        """The `top_k` chunks best matching `query` (any of its words), best first.
+
+        Only the organization's chunks are searched; ids in `knowledge_base_ids` that are
+        not the organization's match nothing. An empty query (no words) returns [].
+        """
+        terms = query_terms(query)
+        if not terms:
+            return []
+        scope = "c.org_id = :org"
+        params: dict[str, Any] = {"org": org_id, "k": top_k}
+        if knowledge_base_ids:
+            names = []
+            for i, kb in enumerate(knowledge_base_ids):
+                params[f"kb{i}"] = kb
+                names.append(f":kb{i}")
+            scope += f" AND c.knowledge_base_id IN ({', '.join(names)})"
+        if self._dialect == "sqlite":
+            # Each term quoted (FTS5 syntax characters are inert inside quotes), any term may match.
+            params["match"] = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+            sql = (
+                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, c.content, "
+                "bm25(knowledge_chunks_fts) AS rank FROM knowledge_chunks_fts "
+                "JOIN knowledge_chunks c ON c.id = knowledge_chunks_fts.rowid "
+                "JOIN knowledge_documents d ON d.id = c.document_id "
+                f"WHERE knowledge_chunks_fts MATCH :match AND {scope} ORDER BY rank LIMIT :k"
+            )
+        else:
+            params["tsq"] = " | ".join(terms)
+            sql = (
+                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, c.content, "
+                "-ts_rank_cd(to_tsvector('english', c.content), to_tsquery('english', :tsq)) AS rank "
+                "FROM knowledge_chunks c JOIN knowledge_documents d ON d.id = c.document_id "
+                f"WHERE to_tsvector('english', c.content) @@ to_tsquery('english', :tsq) AND {scope} "
+                "ORDER BY rank LIMIT :k"
+            )
+        async with self._sessions() as session:
+            rows = (await session.execute(text(sql), params)).all()
+        return [
+            SearchHit(
+                knowledge_base_id=r[1],
+                document_id=r[2],
+                document_name=r[3],
+                chunk_id=str(r[0]),
+                chunk_index=int(r[4]),
+                content=r[5],
+                score=-float(r[6]),
+            )
+            for r in rows
+        ]

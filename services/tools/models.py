@@ -1,0 +1,102 @@
+"""Tables of the tools service (its own database; no other service reads it).
+
+- `credentials`: an organization's credentials; the secret is only ever stored as a
+  Fernet token (`encrypted_secret`), see crypto.py. At most one default per
+  organization and integration (a partial unique index).
+- `knowledge_bases`, `knowledge_documents`, `knowledge_chunks`: searchable knowledge.
+  On SQLite the chunks are also indexed in the FTS5 table `knowledge_chunks_fts`
+  (created by the migration, not by these models: rowid = knowledge_chunks.id).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime.datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.datetime.now(datetime.UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the tools service's tables."""
+
+
+class Credential(Base):
+    """A credential of one organization for one integration (secret encrypted at rest)."""
+
+    __tablename__ = "credentials"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    integration: Mapped[str] = mapped_column(String(100), nullable=False)
+    auth_type: Mapped[str] = mapped_column(String(20), nullable=False)
+    display_name: Mapped[str] = mapped_column(String(200), nullable=False)
+    is_default: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    encrypted_secret: Mapped[str] = mapped_column(Text, nullable=False)
+    masked_secret: Mapped[str] = mapped_column(String(500), nullable=False, default="")
+    metadata_json: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, nullable=False, default=dict)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+    __table_args__ = (
+        Index("ix_credentials_org_integration", "org_id", "integration"),
+        Index(
+            "uq_credentials_one_default",
+            "org_id",
+            "integration",
+            unique=True,
+            sqlite_where=text("is_default"),
+            postgresql_where=text("is_default"),
+        ),
+    )
+
+
+class KnowledgeBase(Base):
+    """A named collection of documents of one organization."""
+
+    __tablename__ = "knowledge_bases"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
+    name: Mapped[str] = mapped_column(String(200), nullable=False)
+    description: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+
+class KnowledgeDocument(Base):
+    """A document of a knowledge base; `status` is "ready" once its chunks are indexed."""
+
+    __tablename__ = "knowledge_documents"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    knowledge_base_id: Mapped[str] = mapped_column(
+        String(36), ForeignKey("knowledge_bases.id", ondelete="CASCADE"), nullable=False, index=True
+    )
+    org_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    name: Mapped[str] = mapped_column(String(500), nullable=False)
+    content_type: Mapped[str] = mapped_column(String(100), nullable=False, default="text/plain")
+    status: Mapped[str] = mapped_column(String(20), nullable=False, default="ready")
+    chunk_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+
+class KnowledgeChunk(Base):
+    """One searchable piece of a document (a few paragraphs, at most ~1000 characters)."""
+
+    __tablename__ = "knowledge_chunks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    document_id: Mapped[str] = mapped_column(
+        String(36), ForeignKey("knowledge_documents.id", ondelete="CASCADE"), nullable=False, index=True
+    )
+    knowledge_base_id: Mapped[str] = mapped_column(String(36), nullable=False)
+    org_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    chunk_index: Mapped[int] = mapped_column(Integer, nullable=False)
+    content: Mapped[str] = mapped_column(Text, nullable=False)
+
+    __table_args__ = (Index("ix_knowledge_chunks_org_kb", "org_id", "knowledge_base_id"),)

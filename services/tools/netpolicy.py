@@ -1,0 +1,131 @@
+"""The outbound policy for URLs an organization supplies (the `http` integration).
+
+Rule (issue #6, DESIGN.md "services/tools"): org-supplied URLs may not reach loopback,
+link-local or private addresses unless the operator allows them
+(`LOOPLINE_TOOLS_ALLOW_PRIVATE_NETWORK`). The check happens where the socket is opened:
+the host is resolved once, every address it resolves to is checked, and the connection
+goes to a checked address. So a redirect to an internal host, or a DNS answer that
+changes between a check and the connection (DNS rebinding), is refused too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import httpcore
+import httpx
+
+
+class OutboundPolicyError(Exception):
+    """A destination the outbound policy refuses; the message is safe to show the model."""
+
+
+def classify(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why `address` is not a public destination ("loopback", "private", ...), or None if it is."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_unspecified:
+        return "unspecified"
+    if address.is_loopback:
+        return "loopback"
+    if address.is_link_local:
+        return "link-local"
+    if address.is_multicast:
+        return "multicast"
+    if address.is_private:
+        return "private"
+    if address.is_reserved or not address.is_global:
+        return "reserved"
+    return None
+
+
+async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str]:
+    """The addresses of `host` (IP literal or name), all of them allowed by the policy.
+
+    Raises OutboundPolicyError when the host does not resolve or when any address it
+    resolves to is not public and `allow_private` is false (one bad address refuses the
+    host: a resolver may answer with any of them).
+    """
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OutboundPolicyError(f"cannot resolve host {host!r}") from exc
+    addresses: list[str] = []
+    for _family, _type, _proto, _name, sockaddr in infos:
+        text = str(sockaddr[0]).split("%", 1)[0]
+        if text not in addresses:
+            addresses.append(text)
+    if not addresses:
+        raise OutboundPolicyError(f"cannot resolve host {host!r}")
+    if not allow_private:
+        for text in addresses:
+            kind = classify(ipaddress.ip_address(text))
+            if kind is not None:
+                raise OutboundPolicyError(
+                    f"destination {host!r} resolves to a {kind} address, which the outbound policy "
+                    "of this deployment does not allow"
+                )
+    return addresses
+
+
+class GuardedBackend(httpcore.AsyncNetworkBackend):
+    """An httpcore network backend that checks every TCP destination against the policy.
+
+    Args:
+        allow_private: the operator's `tools_allow_private_network`.
+    """
+
+    def __init__(self, allow_private: bool) -> None:
+        self._allow_private = allow_private
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        """Resolve and check `host`, then connect to its first allowed address."""
+        addresses = await resolve_checked(host, port, self._allow_private)
+        last: Exception | None = None
+        for address in addresses:
+            try:
+                return await self._inner.connect_tcp(
+                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+                )
+            except httpcore.ConnectError as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
+        """Unix sockets are never an allowed destination."""
+        raise OutboundPolicyError("unix sockets are not an allowed destination")
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep (used by httpcore's retries)."""
+        await self._inner.sleep(seconds)
+
+
+def guarded_client(allow_private: bool, timeout_s: float) -> httpx.AsyncClient:
+    """An httpx client whose every connection passes the outbound policy.
+
+    No proxies from the environment (`trust_env=False`: a proxy would hide the real
+    destination), no redirects followed automatically, `timeout_s` for each phase.
+    Relies on httpx 0.28's `AsyncHTTPTransport._pool` (httpx is pinned in pyproject.toml).
+    """
+    transport = httpx.AsyncHTTPTransport(trust_env=False)
+    transport._pool = httpcore.AsyncConnectionPool(  # noqa: SLF001 - see docstring
+        ssl_context=httpx.create_ssl_context(trust_env=False),
+        max_connections=10,
+        max_keepalive_connections=0,
+        network_backend=GuardedBackend(allow_private),
+    )
+    return httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False, timeout=timeout_s)

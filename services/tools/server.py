@@ -1,0 +1,252 @@
+"""The tools service's gRPC server: `ToolsServicer` and `ToolsServer` (docs/CONVENTIONS.md).
+
+`ExecuteTool` never fails as an RPC for a tool failure: it answers success=false with
+an error message (DESIGN.md, tools.proto). Credential and knowledge RPCs raise
+`RpcError`s, which one wrapper turns into rich statuses (google.rpc.Status + ErrorInfo).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+from services.common import db, pb
+from services.common.errors import TOOLS_DOMAIN, RpcError, abort
+from services.common.grpc_server import RunningServer, start_grpc_server
+from services.common.logging import bind
+from services.tools.catalogue import Catalogue
+from services.tools.config import ToolsSettings
+from services.tools.credentials import CredentialInfo, CredentialStore
+from services.tools.crypto import SecretBox
+from services.tools.knowledge import KnowledgeStore
+from services.tools.models import KnowledgeBase, KnowledgeDocument
+from services.tools.tools import ToolExecutor
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"].full_name
+
+
+def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Wrap a handler: RpcError -> its rich status; any other exception -> INTERNAL with a generic message."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except RpcError as error:
+            await abort(context, error)
+        except Exception:  # noqa: BLE001
+            log.exception("unhandled error", extra={"fields": {"rpc": method.__name__}})
+            await abort(context, RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=TOOLS_DOMAIN))
+
+    return wrapper
+
+
+def _require_org(org_id: str) -> None:
+    if not org_id:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "ORGANIZATION_REQUIRED", "organization_id is required", domain=TOOLS_DOMAIN)
+
+
+def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_pb2.Credential:
+    """The Credential message of `info` (auth_data_masked only when asked)."""
+    return tools_pb2.Credential(
+        credential_id=info.id,
+        organization_id=info.org_id,
+        integration_name=info.integration,
+        auth_type=info.auth_type,
+        display_name=info.display_name,
+        is_default=info.is_default,
+        create_time=pb.timestamp(info.created_at),
+        update_time=pb.timestamp(info.updated_at),
+        metadata=pb.to_struct(info.metadata),
+        auth_data_masked=info.masked if include_masked else "",
+    )
+
+
+def knowledge_base_pb(base: KnowledgeBase, document_count: int) -> tools_pb2.KnowledgeBase:
+    """The KnowledgeBase message of a row."""
+    return tools_pb2.KnowledgeBase(
+        knowledge_base_id=base.id,
+        organization_id=base.org_id,
+        name=base.name,
+        description=base.description,
+        document_count=document_count,
+        create_time=pb.timestamp(base.created_at),
+    )
+
+
+def document_pb(document: KnowledgeDocument) -> tools_pb2.Document:
+    """The Document message of a row."""
+    return tools_pb2.Document(
+        document_id=document.id,
+        knowledge_base_id=document.knowledge_base_id,
+        name=document.name,
+        content_type=document.content_type,
+        status=document.status,
+        chunk_count=document.chunk_count,
+        create_time=pb.timestamp(document.created_at),
+    )
+
+
+class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
+    """`loopline.tools.v1.ToolsService` over a ToolExecutor, a CredentialStore and a KnowledgeStore."""
+
+    def __init__(self, executor: ToolExecutor) -> None:
+        self.executor = executor
+        self.credentials = executor.credentials
+        self.knowledge = executor.knowledge
+
+    @rpc_errors
+    async def ListTools(self, request: tools_pb2.ListToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListToolsResponse:
+        """The definitions of the profile's tools (the five for "assistant"; none for another profile)."""
+        return tools_pb2.ListToolsResponse(
+            tools=[
+                tools_pb2.ToolDefinition(name=d["name"], description=d["description"], input_schema=pb.to_struct(d["input_schema"]))
+                for d in self.executor.definitions(request.profile)
+            ]
+        )
+
+    @rpc_errors
+    async def ExecuteTool(self, request: tools_pb2.ExecuteToolRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ExecuteToolResponse:
+        """Run one tool call. A failing tool is success=false with `error`; a cancelled call cancels the tool."""
+        with bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id, tool_call_id=request.tool_call_id):
+            result = await self.executor.execute(request.organization_id, request.tool, pb.from_struct(request.input))
+        response = tools_pb2.ExecuteToolResponse(success=result.success, error=result.error, millicredits=result.millicredits)
+        if result.success:
+            response.output.CopyFrom(pb.to_value(result.output))
+        return response
+
+    @rpc_errors
+    async def CreateCredential(self, request: tools_pb2.CreateCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateCredentialResponse:
+        """Store a credential (secret encrypted); INVALID_ARGUMENT for a bad integration, auth type or auth data."""
+        info = await self.credentials.create(
+            request.organization_id,
+            request.integration_name,
+            request.auth_type,
+            pb.from_struct(request.auth_data),
+            display_name=request.display_name,
+            metadata=pb.from_struct(request.metadata),
+            make_default=request.make_default,
+        )
+        return tools_pb2.CreateCredentialResponse(credential=credential_pb(info))
+
+    @rpc_errors
+    async def ListCredentials(self, request: tools_pb2.ListCredentialsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListCredentialsResponse:
+        """A page of the organization's credentials (limit 1..500, default 100), newest first."""
+        _require_org(request.organization_id)
+        limit = request.limit if 0 < request.limit <= 500 else (100 if request.limit <= 0 else 500)
+        infos, total = await self.credentials.list(
+            request.organization_id, request.integration_name, request.auth_type, limit=limit, offset=max(0, request.offset)
+        )
+        return tools_pb2.ListCredentialsResponse(credentials=[credential_pb(i) for i in infos], total=total)
+
+    @rpc_errors
+    async def GetCredential(self, request: tools_pb2.GetCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.GetCredentialResponse:
+        """One credential; NOT_FOUND when absent or another organization's."""
+        _require_org(request.organization_id)
+        info = await self.credentials.get(request.organization_id, request.credential_id)
+        return tools_pb2.GetCredentialResponse(credential=credential_pb(info, include_masked=request.include_masked))
+
+    @rpc_errors
+    async def DeleteCredential(self, request: tools_pb2.DeleteCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.DeleteCredentialResponse:
+        """Delete one credential; NOT_FOUND when absent or another organization's."""
+        _require_org(request.organization_id)
+        promoted = await self.credentials.delete(request.organization_id, request.credential_id)
+        return tools_pb2.DeleteCredentialResponse(new_default_credential_id=promoted)
+
+    @rpc_errors
+    async def SetDefaultCredential(self, request: tools_pb2.SetDefaultCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.SetDefaultCredentialResponse:
+        """Make one credential its integration's default; NOT_FOUND when absent or another organization's."""
+        _require_org(request.organization_id)
+        info = await self.credentials.set_default(request.organization_id, request.credential_id)
+        return tools_pb2.SetDefaultCredentialResponse(credential=credential_pb(info))
+
+    @rpc_errors
+    async def CreateKnowledgeBase(self, request: tools_pb2.CreateKnowledgeBaseRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateKnowledgeBaseResponse:
+        """Create an empty knowledge base; INVALID_ARGUMENT without organization or name."""
+        base, count = await self.knowledge.create_base(request.organization_id, request.name, request.description)
+        return tools_pb2.CreateKnowledgeBaseResponse(knowledge_base=knowledge_base_pb(base, count))
+
+    @rpc_errors
+    async def ListKnowledgeBases(self, request: tools_pb2.ListKnowledgeBasesRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListKnowledgeBasesResponse:
+        """The organization's knowledge bases, newest first."""
+        _require_org(request.organization_id)
+        bases = await self.knowledge.list_bases(request.organization_id)
+        return tools_pb2.ListKnowledgeBasesResponse(knowledge_bases=[knowledge_base_pb(b, n) for b, n in bases])
+
+    @rpc_errors
+    async def AddDocument(self, request: tools_pb2.AddDocumentRequest, context: grpc.aio.ServicerContext) -> tools_pb2.AddDocumentResponse:
+        """Add, chunk and index a text document; NOT_FOUND for another organization's knowledge base."""
+        _require_org(request.organization_id)
+        document = await self.knowledge.add_document(
+            request.organization_id, request.knowledge_base_id, request.name, request.text, request.content_type
+        )
+        return tools_pb2.AddDocumentResponse(document=document_pb(document))
+
+    @rpc_errors
+    async def SearchKnowledge(self, request: tools_pb2.SearchKnowledgeRequest, context: grpc.aio.ServicerContext) -> tools_pb2.SearchKnowledgeResponse:
+        """The best chunks for the query in the organization's knowledge bases (top_k 1..50, default 5)."""
+        _require_org(request.organization_id)
+        top_k = min(50, request.top_k) if request.top_k > 0 else 5
+        hits = await self.knowledge.search(request.organization_id, request.query, list(request.knowledge_base_ids), top_k)
+        return tools_pb2.SearchKnowledgeResponse(
+            results=[tools_pb2.KnowledgeSearchResult(**h.to_json()) for h in hits]
+        )
+
+
+class ToolsServer:
+    """A running tools service: gRPC server, database engine, stores.
+
+    Use `await ToolsServer.start(settings)`; `.port` is the bound port; `await stop(grace)`.
+    """
+
+    def __init__(self, running: RunningServer, engine: Any, servicer: ToolsServicer) -> None:
+        self._running = running
+        self._engine = engine
+        self.servicer = servicer
+        self.port = running.port
+
+    @classmethod
+    async def start(cls, settings: ToolsSettings) -> ToolsServer:
+        """Migrate (when `auto_migrate`), build the stores and serve on `settings.tools_port` (0 = any free port).
+
+        Raises ValueError for a malformed credential key or manifest, RuntimeError when
+        the port cannot be bound.
+        """
+        url = settings.database_url()
+        if settings.auto_migrate:
+            await db.migrate_async("tools", url)
+        if settings.uses_dev_credential_key():
+            log.warning(
+                "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: credentials are encrypted with the public "
+                "development key; set a Fernet key in any real deployment"
+            )
+        box = SecretBox(settings.credential_keys())
+        catalogue = Catalogue.builtin()
+        engine = db.make_engine(url)
+        sessions = db.sessionmaker(engine)
+        executor = ToolExecutor(
+            settings, catalogue, CredentialStore(sessions, box, catalogue), KnowledgeStore(engine, sessions)
+        )
+        servicer = ToolsServicer(executor)
+        try:
+            running = await start_grpc_server(
+                [(tools_pb2_grpc.add_ToolsServiceServicer_to_server, servicer, SERVICE_NAME)],
+                settings.host,
+                settings.tools_port,
+            )
+        except BaseException:
+            await engine.dispose()
+            raise
+        return cls(running, engine, servicer)
+
+    async def stop(self, grace: float) -> None:
+        """Stop serving (in-flight calls get `grace` seconds, then are cancelled) and close the database."""
+        await self._running.stop(grace)
+        await self._engine.dispose()

@@ -1,0 +1,392 @@
+"""The assistant profile's tools that the tools service executes.
+
+Contract (DESIGN.md "A turn, end to end" and issue #6 "Catalogue and the five tools"):
+`get_available_integrations`, `get_integration_details`, `get_organization_credentials`,
+`execute_integration_tool` and `search_knowledge`. Every failure is a `ToolResult` with
+success=false and a readable, secret-free `error` — never an exception out of
+`ToolExecutor.execute` (except asyncio.CancelledError, which must propagate so that a
+cancelled tool call stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from jsonschema import Draft202012Validator
+
+from services.tools.catalogue import ActionContext, ActionError, Catalogue
+from services.tools.config import ToolsSettings
+from services.tools.credentials import CredentialStore
+from services.tools.crypto import SecretBoxError, redact
+from services.tools.knowledge import KnowledgeStore
+from services.tools.netpolicy import OutboundPolicyError
+
+log = logging.getLogger(__name__)
+
+# Room kept for the execute_integration_tool envelope around a capped result.
+_ENVELOPE_BYTES = 512
+
+
+class ToolError(Exception):
+    """A tool failure to report to the model as success=false; the message must be secret-free."""
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one tool call, as ExecuteToolResponse carries it.
+
+    Attributes:
+        success: whether the tool succeeded.
+        output: any JSON value when it succeeded (None otherwise).
+        error: a message for the model when it failed.
+        millicredits: what the call cost (0 when it failed).
+    """
+
+    success: bool
+    output: Any = None
+    error: str = ""
+    millicredits: int = 0
+
+
+TOOL_DEFINITIONS: list[dict[str, Any]] = [
+    {
+        "name": "get_available_integrations",
+        "description": "List the integrations this organization can use, with whether each is connected "
+        "(has a credential, or needs none) and the auth types it accepts. Filter by category or a search text.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "category": {"type": "string", "description": "Only integrations in this category, e.g. \"database\"."},
+                "query": {"type": "string", "description": "Only integrations whose name or description contains this text."},
+            },
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "get_integration_details",
+        "description": "Describe one integration: its actions with their parameter JSON Schemas and credit costs, "
+        "and its auth options. Call it before execute_integration_tool.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"integration": {"type": "string", "minLength": 1, "description": "Integration name, e.g. \"postgresql\"."}},
+            "required": ["integration"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "get_organization_credentials",
+        "description": "List the organization's connected credentials (metadata only: id, integration, auth type, "
+        "display name, default flag, dates). Secrets are never shown.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"integration": {"type": "string", "description": "Only this integration's credentials."}},
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "execute_integration_tool",
+        "description": "Run one action of an integration with parameters that match the action's schema "
+        "(see get_integration_details). Uses the integration's default credential unless credential_id is given. "
+        "If no credential is connected, call request_credential to ask the user for one.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "integration": {"type": "string", "minLength": 1, "description": "Integration name."},
+                "action": {"type": "string", "minLength": 1, "description": "Action name."},
+                "parameters": {"type": "object", "description": "The action's parameters.", "default": {}},
+                "credential_id": {"type": "string", "description": "A credential id from get_organization_credentials."},
+            },
+            "required": ["integration", "action"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "search_knowledge",
+        "description": "Full-text search over the organization's knowledge bases; returns the best-matching "
+        "passages with their document and score.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "minLength": 1, "description": "What to look for."},
+                "knowledge_base_ids": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": "Only these knowledge bases (default: all of the organization's).",
+                },
+                "top_k": {"type": "integer", "minimum": 1, "maximum": 50, "default": 5, "description": "How many passages."},
+            },
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    },
+]
+
+_VALIDATORS = {d["name"]: Draft202012Validator(d["input_schema"]) for d in TOOL_DEFINITIONS}
+
+
+def schema_errors(validator: Draft202012Validator, instance: Any, where: str) -> str | None:
+    """A readable list of up to 5 schema violations of `instance` ("where.path: message"), or None."""
+    errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
+    if not errors:
+        return None
+    parts = []
+    for error in errors[:5]:
+        path = ".".join(str(p) for p in error.absolute_path)
+        parts.append(f"{where}{'.' + path if path else ''}: {error.message}")
+    return "; ".join(parts)
+
+
+def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:
+    """`result`, or its JSON text cut to fit `max_bytes` with a truncation marker.
+
+    Returns (value, truncated, original size in bytes of its compact UTF-8 JSON).
+    A cut result is a string: the first bytes of the JSON text (cut on a character
+    boundary) followed by "…[output truncated: N bytes exceed the limit of M bytes ...]".
+    """
+    encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
+    if len(encoded) <= max_bytes:
+        return result, False, len(encoded)
+    marker = (
+        f"…[output truncated: {len(encoded)} bytes exceed the limit of {max_bytes} bytes; "
+        "narrow the request (fewer rows, a LIMIT, a smaller range) to see the rest]"
+    )
+    budget = max(0, max_bytes - len(marker.encode()))
+    head = encoded[:budget].decode("utf-8", errors="ignore")
+    return head + marker, True, len(encoded)
+
+
+class ToolExecutor:
+    """Runs the five tools for an organization.
+
+    Args:
+        settings: timeouts, output cap, outbound policy, search cost.
+        catalogue: the integrations.
+        credentials: the credential store.
+        knowledge: the knowledge store.
+    """
+
+    def __init__(
+        self, settings: ToolsSettings, catalogue: Catalogue, credentials: CredentialStore, knowledge: KnowledgeStore
+    ) -> None:
+        self.settings = settings
+        self.catalogue = catalogue
+        self.credentials = credentials
+        self.knowledge = knowledge
+        self._handlers = {
+            "get_available_integrations": self.get_available_integrations,
+            "get_integration_details": self.get_integration_details,
+            "get_organization_credentials": self.get_organization_credentials,
+            "execute_integration_tool": self.execute_integration_tool,
+            "search_knowledge": self.search_knowledge,
+        }
+
+    @staticmethod
+    def definitions(profile: str) -> list[dict[str, Any]]:
+        """The tool definitions of `profile` ("assistant", or "" for it); [] for any other profile."""
+        return TOOL_DEFINITIONS if profile in ("", "assistant") else []
+
+    async def execute(self, org_id: str, tool: str, tool_input: dict[str, Any]) -> ToolResult:
+        """Run `tool` with `tool_input` for `org_id`; never raises except asyncio.CancelledError."""
+        handler = self._handlers.get(tool)
+        if handler is None:
+            names = ", ".join(self._handlers)
+            return ToolResult(False, error=f"Unknown tool {tool!r}. The tools service executes: {names}.")
+        if not org_id:
+            return ToolResult(False, error="No organization given for this tool call.")
+        problems = schema_errors(_VALIDATORS[tool], tool_input, "input")
+        if problems:
+            return ToolResult(False, error=f"Invalid input for {tool}: {problems}")
+        try:
+            return await handler(org_id, tool_input)
+        except ToolError as exc:
+            return ToolResult(False, error=str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a tool failure is a result, never a failed RPC
+            log.exception("tool failed unexpectedly", extra={"fields": {"tool": tool, "exc_type": type(exc).__name__}})
+            return ToolResult(False, error=f"{tool} failed because of an internal error; try again later.")
+
+    async def get_available_integrations(self, org_id: str, args: dict[str, Any]) -> ToolResult:
+        """{"integrations": [{"name", "display_name", "description", "categories", "connected", "auth_types"}], "count"}."""
+        category = (args.get("category") or "").strip().lower()
+        query = (args.get("query") or "").strip().lower()
+        connected = await self.credentials.connected_integrations(org_id)
+        items = []
+        for integration in self.catalogue.all():
+            if category and category not in (c.lower() for c in integration.categories):
+                continue
+            haystack = f"{integration.name} {integration.display_name} {integration.description}".lower()
+            if query and query not in haystack:
+                continue
+            items.append(
+                {
+                    "name": integration.name,
+                    "display_name": integration.display_name,
+                    "description": integration.description,
+                    "categories": list(integration.categories),
+                    "connected": integration.name in connected or integration.auth_types == ["none"],
+                    "auth_types": integration.auth_types,
+                }
+            )
+        return ToolResult(True, output={"integrations": items, "count": len(items)})
+
+    async def get_integration_details(self, org_id: str, args: dict[str, Any]) -> ToolResult:
+        """{"name", "display_name", "description", "categories", "connected", "requires_credential",
+        "auth_options": [{"type", "label", "description", "fields"}],
+        "actions": [{"name", "description", "parameters", "credit_cost_millicredits"}]}."""
+        integration = self._integration(args["integration"])
+        connected = integration.name in await self.credentials.connected_integrations(org_id)
+        return ToolResult(
+            True,
+            output={
+                "name": integration.name,
+                "display_name": integration.display_name,
+                "description": integration.description,
+                "categories": list(integration.categories),
+                "connected": connected or integration.auth_types == ["none"],
+                "requires_credential": integration.requires_credential,
+                "auth_options": [o.to_json() for o in integration.auth_options],
+                "actions": [a.to_json() for a in integration.actions.values()],
+            },
+        )
+
+    async def get_organization_credentials(self, org_id: str, args: dict[str, Any]) -> ToolResult:
+        """{"credentials": [{"id", "integration", "auth_type", "display_name", "is_default",
+        "created_at", "updated_at"}], "count"} — metadata only, newest first (at most 500)."""
+        infos, total = await self.credentials.list(org_id, integration_name=args.get("integration") or "", limit=500)
+        return ToolResult(True, output={"credentials": [i.to_tool_json() for i in infos], "count": total})
+
+    async def execute_integration_tool(self, org_id: str, args: dict[str, Any]) -> ToolResult:
+        """{"integration", "action", "credential_id" (or null), "result", "truncated", "result_bytes"}.
+
+        `result` is the action's output (see each integration's handler), or, when its
+        JSON exceeds the output cap, a string cut with a truncation marker. Costs the
+        action's `credit_cost_millicredits` when it succeeds, nothing when it fails.
+        """
+        integration = self._integration(args["integration"])
+        action = integration.actions.get(args["action"])
+        if action is None:
+            names = ", ".join(integration.actions)
+            raise ToolError(f"Integration {integration.name!r} has no action {args['action']!r}. Its actions: {names}.")
+        parameters = args.get("parameters") or {}
+        problems = schema_errors(Draft202012Validator(action.parameters), parameters, "parameters")
+        if problems:
+            raise ToolError(
+                f"Invalid parameters for {integration.name}.{action.name}: {problems}. "
+                "See get_integration_details for the schema."
+            )
+        try:
+            resolved = await self.credentials.resolve(org_id, integration.name, args.get("credential_id"))
+        except SecretBoxError as exc:
+            raise ToolError(
+                f"The stored {integration.name} credential cannot be decrypted; ask the user to connect it again "
+                "with request_credential."
+            ) from exc
+        if resolved is None and (args.get("credential_id") or integration.requires_credential):
+            needed = [t for t in integration.auth_types if t != "none"]
+            if args.get("credential_id"):
+                raise ToolError(
+                    f"Credential {args['credential_id']!r} was not found for integration {integration.name!r} in this "
+                    "organization. Call get_organization_credentials to see the connected ones, or call "
+                    "request_credential to ask the user to connect one."
+                )
+            raise ToolError(
+                f"No credential for integration {integration.name!r} is connected in this organization. "
+                f"Call request_credential to ask the user to connect one (auth types: {', '.join(needed)})."
+            )
+        info, secret = resolved if resolved is not None else (None, None)
+        context = ActionContext(
+            secret=secret,
+            auth_type=info.auth_type if info else "none",
+            timeout_s=self.settings.tools_timeout_s,
+            max_output_bytes=self.settings.tools_max_output_bytes,
+            allow_private_network=self.settings.tools_allow_private_network,
+        )
+        started = time.monotonic()
+        outcome = "error"
+        try:
+            async with asyncio.timeout(self.settings.tools_timeout_s):
+                result = await action.handler(context, parameters)
+            outcome = "ok"
+        except TimeoutError as exc:
+            outcome = "timeout"
+            raise ToolError(
+                f"{integration.name}.{action.name} timed out after {self.settings.tools_timeout_s:g} s and was stopped."
+            ) from exc
+        except ActionError as exc:
+            raise ToolError(f"{integration.name}.{action.name} failed: {redact(str(exc), secret)}") from exc
+        except OutboundPolicyError as exc:
+            raise ToolError(f"{integration.name}.{action.name} refused: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise ToolError(f"{integration.name}.{action.name} failed: {type(exc).__name__}: {redact(str(exc), secret)}") from exc
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:  # noqa: BLE001 - an action bug is the call's failure, not the RPC's
+            # No traceback in the log: a driver's message may quote the secret; log where, not what.
+            frame = exc.__traceback__
+            while frame is not None and frame.tb_next is not None:
+                frame = frame.tb_next
+            where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame else "?"
+            log.error(
+                "integration action raised",
+                extra={"fields": {"integration": integration.name, "action": action.name,
+                                  "exc_type": type(exc).__name__, "where": where}},
+            )
+            raise ToolError(
+                f"{integration.name}.{action.name} failed: {type(exc).__name__}: {redact(str(exc), secret)}"
+            ) from exc
+        finally:
+            log.info(
+                "integration action finished",
+                extra={
+                    "fields": {
+                        "org_id": org_id,
+                        "integration": integration.name,
+                        "action": action.name,
+                        "credential_id": info.id if info else None,
+                        "outcome": outcome,
+                        "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                    }
+                },
+            )
+        budget = max(256, self.settings.tools_max_output_bytes - _ENVELOPE_BYTES)
+        value, truncated, size = cap_result(result, budget)
+        return ToolResult(
+            True,
+            output={
+                "integration": integration.name,
+                "action": action.name,
+                "credential_id": info.id if info else None,
+                "result": value,
+                "truncated": truncated,
+                "result_bytes": size,
+            },
+            millicredits=action.credit_cost_millicredits,
+        )
+
+    async def search_knowledge(self, org_id: str, args: dict[str, Any]) -> ToolResult:
+        """{"query", "results": [{"knowledge_base_id", "document_id", "document_name", "chunk_id",
+        "chunk_index", "content", "score"}], "count"}; error result when the org has no knowledge base."""
+        if not await self.knowledge.base_ids(org_id):
+            raise ToolError("This organization has no knowledge bases yet, so there is nothing to search.")
+        hits = await self.knowledge.search(org_id, args["query"], args.get("knowledge_base_ids"), int(args.get("top_k", 5)))
+        output = {"query": args["query"], "results": [h.to_json() for h in hits], "count": len(hits)}
+        value, truncated, _size = cap_result(output, self.settings.tools_max_output_bytes)
+        if truncated:
+            output = {"query": args["query"], "results": value, "count": len(hits), "truncated": True}
+        return ToolResult(True, output=output, millicredits=self.settings.tools_search_millicredits)
+
+    def _integration(self, name: str):  # noqa: ANN202
+        integration = self.catalogue.get(name)
+        if integration is None:
+            names = ", ".join(i.name for i in self.catalogue.all())
+            raise ToolError(f"Unknown integration {name!r}. Available integrations: {names}. "
+                            "Call get_available_integrations to browse them.")
+        return integration

@@ -1,0 +1,366 @@
+"""The gateway's HTTP API (FastAPI): the assistant routes of the spec and the official SDK.
+
+Every route authenticates (`identity.Authenticator`) before it looks anything up
+(AIP-193: permission before existence), calls the orchestrator over gRPC, and renders
+failures through the one error table (`errors.py`). Request bodies are parsed here,
+not by FastAPI's validator, so that every bad body gets the documented 400 (or 413)
+with `{"detail": ...}` instead of a 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+from services.common import pb
+from services.gateway import sse
+from services.gateway.config import GatewaySettings
+from services.gateway.errors import detail, grpc_error_response
+from services.gateway.identity import Authenticator, AuthError, Principal
+
+log = logging.getLogger(__name__)
+
+STREAM_READY = "x-loopline-stream"
+
+_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}}}}
+_DENIAL = {
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "code": {"type": "string"}, "layer": {"type": "string"}, "key": {"type": ["string", "null"]},
+                    "current": {"type": ["integer", "null"]}, "limit": {"type": ["integer", "null"]}, "reason": {"type": "string"},
+                },
+                "required": ["code", "layer", "reason"],
+            }
+        }
+    }
+}
+
+
+def _responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
+    names = {
+        400: "Bad request", 401: "Missing or unknown API key", 402: "Billing denial (credit or wallet layer)",
+        403: "Role not allowed, or quota denial", 404: "Chat or run not found", 409: "Conflict with the chat's state",
+        413: "Request body too large", 429: "Rate limited", 503: "A backing service is unavailable", 504: "Timed out",
+    }
+    result: dict[int | str, dict[str, Any]] = {}
+    for code in (400, 401, 403, *codes, 503, 504):
+        shape = _DENIAL if denial and code in (402, 403, 429) else _ERROR
+        result[code] = {"description": names.get(code, "Error"), **shape}
+    return result
+
+
+class BodyError(Exception):
+    """A request body that cannot be used; becomes `status` with `{"detail": message}`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object; BodyError 413 past `limit` bytes, 400 when not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, f"Request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyError(413, f"Request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise BodyError(400, "Request body must be a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BodyError(400, "Request body is not valid JSON (UTF-8, no lone surrogates)") from None
+    if not isinstance(body, dict):
+        raise BodyError(400, "Request body must be a JSON object")
+    return body
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BodyError(400, f"Unknown field(s): {', '.join(unknown)}")
+
+
+def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
+    """The `llm` object {integration_name, provider_id, model_id, credential_id?} or None; BodyError 400 when malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BodyError(400, "llm must be an object {integration_name, provider_id, model_id, credential_id?}")
+    _check_fields(value, {"integration_name", "provider_id", "model_id", "credential_id"})
+    fields = {}
+    for name in ("integration_name", "provider_id", "model_id"):
+        item = value.get(name)
+        if not isinstance(item, str) or not item.strip():
+            raise BodyError(400, f"llm.{name} must be a non-empty string")
+        fields[name] = item
+    credential = value.get("credential_id")
+    if credential is not None and not isinstance(credential, str):
+        raise BodyError(400, "llm.credential_id must be a string")
+    return assistant_pb2.LlmConfig(**fields, credential_id=credential) if credential else assistant_pb2.LlmConfig(**fields)
+
+
+def create_app(settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel) -> FastAPI:
+    """The FastAPI application serving the assistant API against the orchestrator on `channel`."""
+    app = FastAPI(
+        title="Loopline",
+        version="0.1.0",
+        description="Assistant turns (reason -> act -> observe) streamed as Server-Sent Events.",
+    )
+    orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
+
+    async def principal(request: Request) -> Principal:
+        return await authenticator.authenticate(request.headers.get("authorization"), request.headers.get("x-organization-id"))
+
+    def caller(who: Principal) -> assistant_pb2.Caller:
+        return assistant_pb2.Caller(organization_id=who.organization_id, user_id=who.user_id)
+
+    @app.exception_handler(AuthError)
+    async def _auth_error(_: Request, error: AuthError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return detail(error.status, error.detail, headers)
+
+    @app.exception_handler(BodyError)
+    async def _body_error(_: Request, error: BodyError) -> JSONResponse:
+        return detail(error.status, error.message)
+
+    @app.exception_handler(grpc.aio.AioRpcError)
+    async def _grpc_error(_: Request, error: grpc.aio.AioRpcError) -> JSONResponse:
+        return grpc_error_response(error)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(
+        "/assistant/chat",
+        summary="Start a turn (new chat, or continue one)",
+        responses=_responses(402, 404, 409, 413, 429, denial=True),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "message": {"type": "string", "minLength": 1},
+                                "chat_id": {"type": ["string", "null"]},
+                                "llm": {
+                                    "type": ["object", "null"],
+                                    "properties": {
+                                        "integration_name": {"type": "string"}, "provider_id": {"type": "string"},
+                                        "model_id": {"type": "string"}, "credential_id": {"type": ["string", "null"]},
+                                    },
+                                    "required": ["integration_name", "provider_id", "model_id"],
+                                },
+                            },
+                            "required": ["message"],
+                        }
+                    }
+                },
+            }
+        },
+    )
+    async def start_turn(request: Request) -> Response:
+        who = await principal(request)
+        body = await read_json_object(request, settings.max_body_bytes)
+        _check_fields(body, {"message", "chat_id", "llm"})
+        message = body.get("message")
+        if not isinstance(message, str):
+            raise BodyError(400, "message must be a JSON string (v1 is text-only)")
+        if not message.strip():
+            raise BodyError(400, "message must not be empty")
+        chat_id = body.get("chat_id")
+        if chat_id is not None and not isinstance(chat_id, str):
+            raise BodyError(400, "chat_id must be a string")
+        llm = parse_llm(body.get("llm"))
+        rpc = assistant_pb2.StartTurnRequest(caller=caller(who), message=message, chat_id=chat_id or "", kind="assistant")
+        if llm is not None:
+            rpc.llm.CopyFrom(llm)
+        call = orchestrator.StartTurn(rpc, timeout=30)
+        response = await call
+        headers = {}
+        for key, value in await call.trailing_metadata() or ():
+            if key.startswith("x-ratelimit-"):
+                headers["X-RateLimit-" + key[len("x-ratelimit-"):].capitalize()] = value
+        return JSONResponse(_turn_json(response), headers=headers)
+
+    @app.get(
+        "/assistant/chat/{chat_id}/listen/{run_id}",
+        summary="Stream a run's events as Server-Sent Events",
+        responses={**_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
+    )
+    async def listen(chat_id: str, run_id: str, request: Request, after: int = 0) -> Response:
+        who = await principal(request)
+        if after < 0:
+            raise BodyError(400, "after must be >= 0")
+        call = orchestrator.StreamRun(assistant_pb2.StreamRunRequest(caller=caller(who), chat_id=chat_id, run_id=run_id, after=after))
+        try:
+            metadata = await call.initial_metadata()
+        except grpc.aio.AioRpcError as error:
+            return grpc_error_response(error)
+        if not any(key == STREAM_READY for key, _ in metadata or ()):
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                try:
+                    await call.read()
+                except grpc.aio.AioRpcError as error:
+                    return grpc_error_response(error)
+            call.cancel()
+            return detail(503, "Service temporarily unavailable; try again")
+        return StreamingResponse(
+            _frames(call, settings.heartbeat_interval_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"},
+        )
+
+    @app.post("/assistant/chat/{chat_id}/resume", summary="Answer a pending question and resume", responses=_responses(404, 409, 413))
+    async def resume(chat_id: str, request: Request) -> Response:
+        who = await principal(request)
+        body = await read_json_object(request, settings.max_body_bytes)
+        _check_fields(body, {"request_id", "response", "llm"})
+        request_id, answer = body.get("request_id"), body.get("response")
+        if not isinstance(request_id, str) or not request_id:
+            raise BodyError(400, "request_id must be a non-empty string")
+        if not isinstance(answer, dict) or not isinstance(answer.get("kind"), str):
+            raise BodyError(400, "response must be an object with a 'kind' (the SDK's UserInputResponse)")
+        llm = parse_llm(body.get("llm"))
+        rpc = assistant_pb2.ResumeRequest(caller=caller(who), chat_id=chat_id, request_id=request_id, response=pb.to_struct(answer))
+        if llm is not None:
+            rpc.llm.CopyFrom(llm)
+        return JSONResponse(_turn_json(await orchestrator.Resume(rpc, timeout=30)))
+
+    @app.post("/assistant/chat/{chat_id}/cancel", summary="Cancel the chat's active run", responses=_responses(404))
+    async def cancel(chat_id: str, request: Request) -> Response:
+        who = await principal(request)
+        response = await orchestrator.Cancel(assistant_pb2.CancelRequest(caller=caller(who), chat_id=chat_id, reason="cancelled by user"), timeout=30)
+        return JSONResponse({"status": response.status, "chat_id": response.chat_id, "run_id": response.run_id})
+
+    @app.get("/assistant/chat/{chat_id}", summary="A chat with its messages and pending question", responses=_responses(404))
+    async def get_chat(chat_id: str, request: Request) -> Response:
+        who = await principal(request)
+        response = await orchestrator.GetChat(assistant_pb2.GetChatRequest(caller=caller(who), chat_id=chat_id), timeout=30)
+        chat = response.chat
+        return JSONResponse(
+            {
+                "id": chat.id,
+                "title": chat.title,
+                "running_id": chat.running_id or None,
+                "pending_user_input_request": pb.from_struct(chat.pending_user_input_request) if chat.HasField("pending_user_input_request") else None,
+                "created_at": pb.iso(chat.create_time),
+                "updated_at": pb.iso(chat.update_time),
+                "messages": [
+                    {
+                        "id": m.id, "role": m.role, "content": pb.from_value(m.content),
+                        "thinking": pb.from_struct(m.thinking) if m.HasField("thinking") else None,
+                        "run_id": m.run_id or None, "running_status": m.running_status or None, "created_at": pb.iso(m.create_time),
+                    }
+                    for m in response.messages
+                ],
+            }
+        )
+
+    @app.get("/assistant/chats", summary="The caller's chats, newest first", responses=_responses())
+    async def list_chats(request: Request, limit: int = 20, cursor: str | None = None) -> Response:
+        who = await principal(request)
+        if not 1 <= limit <= 100:
+            raise BodyError(400, "limit must be between 1 and 100")
+        response = await orchestrator.ListChats(assistant_pb2.ListChatsRequest(caller=caller(who), limit=limit, cursor=cursor or ""), timeout=30)
+        return JSONResponse(
+            {
+                "items": [
+                    {"id": c.id, "title": c.title, "created_at": pb.iso(c.create_time), "updated_at": pb.iso(c.update_time), "is_running": bool(c.running_id)}
+                    for c in response.chats
+                ],
+                "next_cursor": response.next_cursor or None,
+            }
+        )
+
+    @app.get("/assistant/chat/{chat_id}/status", summary="Whether the chat is running or awaiting input", responses=_responses(404))
+    async def status(chat_id: str, request: Request) -> Response:
+        who = await principal(request)
+        r = await orchestrator.GetChatStatus(assistant_pb2.GetChatStatusRequest(caller=caller(who), chat_id=chat_id), timeout=30)
+        return JSONResponse(
+            {
+                "chat_id": r.chat_id, "is_running": r.is_running, "awaiting_input": r.awaiting_input,
+                "pending_request_id": r.pending_request_id or None, "running_id": r.running_id or None,
+                "run_status": pb.from_struct(r.run_status) if r.HasField("run_status") else None,
+            }
+        )
+
+    @app.delete("/assistant/chat/{chat_id}", summary="Delete a chat (soft unless permanent=true)", responses=_responses(404, 409))
+    async def delete_chat(chat_id: str, request: Request, permanent: bool = False) -> Response:
+        who = await principal(request)
+        r = await orchestrator.DeleteChat(assistant_pb2.DeleteChatRequest(caller=caller(who), chat_id=chat_id, permanent=permanent), timeout=30)
+        return JSONResponse({"status": r.status, "chat_id": r.chat_id, "permanent": r.permanent})
+
+    return app
+
+
+def _turn_json(response: Any) -> dict[str, Any]:
+    return {
+        "status": response.status,
+        "chat_id": response.chat_id,
+        "run_id": response.run_id,
+        "thread_id": response.thread_id,
+        "stream_url": response.stream_url,
+    }
+
+
+async def _frames(call: Any, heartbeat_s: float) -> AsyncIterator[bytes]:
+    """SSE frames of a StreamRun call, with a heartbeat after each `heartbeat_s` of silence.
+
+    A pump task reads the gRPC stream into a queue so that waiting for the next event can
+    time out without cancelling the read. The call is cancelled when the client goes away.
+    """
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    end = object()
+
+    async def pump() -> None:
+        try:
+            async for item in call:
+                await queue.put(item.event)
+        except grpc.aio.AioRpcError as error:
+            await queue.put(error)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            await queue.put(end)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), heartbeat_s)
+            except TimeoutError:
+                yield sse.HEARTBEAT_FRAME
+                continue
+            if item is end:
+                return
+            if isinstance(item, grpc.aio.AioRpcError):
+                if item.code() != grpc.StatusCode.CANCELLED:
+                    log.warning("run stream broke", extra={"fields": {"code": item.code().name}})
+                    yield b"data: " + orjson.dumps({"type": "error", "data": {"message": "The event stream was interrupted; reconnect with ?after=N"}}) + b"\n\n"
+                return
+            yield sse.encode(item)
+    finally:
+        task.cancel()
+        call.cancel()

@@ -1,0 +1,102 @@
+"""The one error table: gRPC statuses and billing denials to HTTP responses.
+
+Order (STYLE.md, after A2A's `utils/errors.py`): a billing denial (domain
+billing.loopline.dev with a `Denial` detail) becomes the spec's flat DenialEnvelope
+with the status of its layer (credit, wallet -> 402; quota -> 403; rate -> 429 with
+Retry-After and X-RateLimit-*); then specific (domain, reason) pairs; then the plain
+code table of DESIGN.md. Anything else is 500 with a sanitized `{"detail": ...}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from loopline.billing.v1 import billing_pb2
+from services.common.errors import ASSISTANT_DOMAIN, BILLING_DOMAIN, status_details
+
+log = logging.getLogger(__name__)
+
+DENIAL_STATUS = {"credit": 402, "wallet": 402, "quota": 403, "rate": 429}
+
+REASON_STATUS = {
+    (ASSISTANT_DOMAIN, "NO_ACTIVE_EXECUTION"): 400,
+}
+
+CODE_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+SAFE_MESSAGES = {
+    503: "Service temporarily unavailable; try again",
+    504: "The request timed out",
+    500: "Internal server error",
+}
+
+
+def rate_headers(state: billing_pb2.RateLimitState) -> dict[str, str]:
+    """X-RateLimit-Limit/Remaining/Reset from a rate state; Reset is delta seconds (see README)."""
+    if not state.limit:
+        return {}
+    return {
+        "X-RateLimit-Limit": str(state.limit),
+        "X-RateLimit-Remaining": str(max(0, state.remaining)),
+        "X-RateLimit-Reset": str(max(0, state.reset_seconds)),
+    }
+
+
+def denial_response(denial: billing_pb2.Denial, retry_after_s: float | None) -> JSONResponse:
+    """The spec's flat DenialEnvelope {code, layer, key, current, limit, reason} with its status."""
+    body = {
+        "code": denial.code,
+        "layer": denial.layer,
+        "key": denial.key if denial.HasField("key") else None,
+        "current": denial.current if denial.HasField("current") else None,
+        "limit": denial.limit if denial.HasField("limit") else None,
+        "reason": denial.reason or denial.code,
+    }
+    status = DENIAL_STATUS.get(denial.layer, 402)
+    headers: dict[str, str] = {}
+    if denial.layer == "rate":
+        seconds = denial.retry_after_seconds if denial.HasField("retry_after_seconds") else retry_after_s
+        headers["Retry-After"] = str(max(1, math.ceil(seconds or 1)))
+        headers.update(rate_headers(denial.rate_limit))
+        headers.setdefault("X-RateLimit-Remaining", "0")
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def grpc_error_response(error: grpc.aio.AioRpcError) -> JSONResponse:
+    """The HTTP response for a failed downstream call (see the module docstring for the order)."""
+    parsed = status_details(error)
+    if parsed.domain == BILLING_DOMAIN:
+        denial = parsed.unpack(billing_pb2.Denial)
+        if denial is not None:
+            return denial_response(denial, parsed.retry_after_s)
+    status = REASON_STATUS.get((parsed.domain, parsed.reason)) or CODE_STATUS.get(parsed.code, 500)
+    if status >= 500:
+        log.warning("downstream error", extra={"fields": {"code": parsed.code.name, "reason": parsed.reason}})
+        detail = SAFE_MESSAGES.get(status, SAFE_MESSAGES[500])
+    else:
+        detail = parsed.message or "Request failed"
+    headers = {}
+    if status == 429 and parsed.retry_after_s:
+        headers["Retry-After"] = str(max(1, math.ceil(parsed.retry_after_s)))
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def detail(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A `{"detail": message}` response."""
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)

@@ -1,0 +1,154 @@
+"""API-key authentication and organization roles.
+
+`Authorization: Bearer <api key>` names a user (keys are stored as SHA-256 hashes);
+`X-Organization-ID` names the organization the request acts in. The assistant
+requires the owner or admin role (spec: "As built today the Assistant requires the
+owner or admin role"); any other role, or no membership, is 403; a missing or
+unknown key is 401.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from services.gateway.models import ApiKey, Membership, Organization, User
+
+ASSISTANT_ROLES = frozenset({"owner", "admin"})
+KEY_PREFIX = "mx_live_"
+
+
+def hash_key(key: str) -> str:
+    """The stored form of an API key: hex SHA-256."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh API key: `mx_live_` + 43 URL-safe characters (256 bits)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The authenticated caller: user, organization and role there."""
+
+    user_id: str
+    organization_id: str
+    role: str
+
+
+class AuthError(Exception):
+    """Authentication (401) or authorization (403) failed; `status` and a safe `detail`."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+class Authenticator:
+    """Resolves (api key, organization id) to a Principal, caching results for `ttl_s` seconds."""
+
+    def __init__(self, sessions, ttl_s: float = 30.0) -> None:  # noqa: ANN001
+        self.sessions = sessions
+        self.ttl_s = ttl_s
+        self._cache: dict[tuple[str, str], tuple[float, Principal | AuthError]] = {}
+
+    async def authenticate(self, authorization: str | None, organization_id: str | None) -> Principal:
+        """The caller, or AuthError(401) for a missing/unknown key, AuthError(403) for a wrong role.
+
+        A missing X-Organization-ID is 400 (AuthError with status 400).
+        """
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
+        key = authorization[7:].strip()
+        if not key:
+            raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
+        if not organization_id:
+            raise AuthError(400, "X-Organization-ID header is required")
+        digest = hash_key(key)
+        cached = self._cache.get((digest, organization_id))
+        now = time.monotonic()
+        if cached and now - cached[0] < self.ttl_s:
+            result = cached[1]
+        else:
+            result = await self._resolve(digest, organization_id)
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[(digest, organization_id)] = (now, result)
+        if isinstance(result, AuthError):
+            raise result
+        return result
+
+    async def _resolve(self, digest: str, organization_id: str) -> Principal | AuthError:
+        async with self.sessions() as session:
+            key = (await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))).scalars().first()
+            if key is None or key.revoked_at is not None:
+                return AuthError(401, "Invalid API key")
+            role = (
+                await session.execute(
+                    select(Membership.role).where(Membership.user_id == key.user_id, Membership.organization_id == organization_id)
+                )
+            ).scalar()
+        if role not in ASSISTANT_ROLES:
+            return AuthError(403, "The assistant requires the owner or admin role in this organization")
+        return Principal(user_id=key.user_id, organization_id=organization_id, role=role)
+
+
+async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, str]:  # noqa: ANN001
+    """Ensure a development organization, owner and API key exist (idempotent).
+
+    Fixed values come from `api_key`/`org_id` (LOOPLINE_DEV_API_KEY / LOOPLINE_DEV_ORG_ID);
+    otherwise the existing dev organization is reused and a new key is minted, because
+    stored keys cannot be read back. Returns {organization_id, api_key, user_id}.
+    """
+    email = "dev@loopline.local"
+    async with sessions() as session, session.begin():
+        user = (await session.execute(select(User).where(User.email == email))).scalars().first()
+        if user is None:
+            user = User(id=f"user_{uuid.uuid4().hex[:16]}", email=email)
+            session.add(user)
+            await session.flush()
+        if not org_id:
+            org_id = (
+                await session.execute(select(Membership.organization_id).where(Membership.user_id == user.id, Membership.role == "owner"))
+            ).scalar() or f"org_{uuid.uuid4().hex[:16]}"
+        if await session.get(Organization, org_id) is None:
+            session.add(Organization(id=org_id, name="Development organization"))
+            await session.flush()
+        membership = (
+            await session.execute(select(Membership).where(Membership.user_id == user.id, Membership.organization_id == org_id))
+        ).scalars().first()
+        if membership is None:
+            session.add(Membership(organization_id=org_id, user_id=user.id, role="owner"))
+        key = api_key or new_key()
+        digest = hash_key(key)
+        if (await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))).scalars().first() is None:
+            session.add(ApiKey(id=f"key_{uuid.uuid4().hex[:16]}", user_id=user.id, key_hash=digest, prefix=key[:12], name="development key"))
+    return {"organization_id": org_id, "api_key": key, "user_id": user.id}
+
+
+async def create_member(sessions, organization_id: str, role: str, email: str | None = None) -> dict[str, str]:  # noqa: ANN001
+    """Create a user with `role` in `organization_id` (created if absent) and an API key for them.
+
+    Returns {organization_id, user_id, api_key}. Used by tests and the admin command.
+    """
+    async with sessions() as session, session.begin():
+        if await session.get(Organization, organization_id) is None:
+            session.add(Organization(id=organization_id, name=organization_id))
+            await session.flush()
+        user = User(id=f"user_{uuid.uuid4().hex[:16]}", email=email or f"{uuid.uuid4().hex[:12]}@example.test")
+        session.add(user)
+        await session.flush()
+        session.add(Membership(organization_id=organization_id, user_id=user.id, role=role))
+        key = new_key()
+        session.add(ApiKey(id=f"key_{uuid.uuid4().hex[:16]}", user_id=user.id, key_hash=hash_key(key), prefix=key[:12], name=f"{role} key"))
+    return {"organization_id": organization_id, "user_id": user.id, "api_key": key}
+
+
+__all__ = ["ASSISTANT_ROLES", "AuthError", "Authenticator", "Principal", "create_member", "hash_key", "new_key", "seed_dev"]

@@ -1,0 +1,73 @@
+"""The gateway process: uvicorn serving the FastAPI app, plus a gRPC health service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+import uvicorn
+
+from services.common import db
+from services.common.grpc_server import RunningServer, start_grpc_server
+from services.gateway.app import create_app
+from services.gateway.config import GatewaySettings
+from services.gateway.identity import Authenticator
+
+log = logging.getLogger(__name__)
+
+
+class GatewayServer:
+    """A running gateway. `port` is the HTTP port; `grpc_port` the health service's."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.port = 0
+        self.grpc_port = 0
+
+    @classmethod
+    async def start(cls, settings: GatewaySettings) -> GatewayServer:
+        """Migrate (when enabled), connect to the orchestrator, bind HTTP and start serving."""
+        self = cls(settings)
+        if settings.auto_migrate:
+            await db.migrate_async("gateway", settings.database_url)
+        self.engine = db.make_engine(settings.database_url)
+        self.sessions = db.sessionmaker(self.engine)
+        self.channel = grpc.aio.insecure_channel(
+            settings.orchestrator_addr, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+        )
+        self.app = create_app(settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((settings.http_host, settings.http_port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
+            backlog=2048,
+        )
+        self.http = uvicorn.Server(config)
+        self.http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._http_task = asyncio.create_task(self.http.serve(sockets=[sock]))
+        while not self.http.started:
+            if self._http_task.done():
+                await self._http_task
+                raise RuntimeError("HTTP server failed to start")
+            await asyncio.sleep(0.01)
+        self._grpc: RunningServer = await start_grpc_server([], settings.host, settings.gateway_grpc_port)
+        self.grpc_port = self._grpc.port
+        return self
+
+    async def stop(self, grace: float) -> None:
+        """Stop taking requests, let open ones finish for up to `grace` seconds, close everything."""
+        await self._grpc.health.enter_graceful_shutdown()
+        self.http.should_exit = True
+        try:
+            await asyncio.wait_for(self._http_task, grace + 1)
+        except TimeoutError:
+            self.http.force_exit = True
+        await self._grpc.server.stop(grace)
+        await self.channel.close()
+        await self.engine.dispose()

@@ -1,0 +1,79 @@
+"""The one SSE encoder: a run `Event` rendered as the spec's frame, `data: <json>\\n\\n`.
+
+Frames have no `event:` line; clients discriminate on the JSON `type` field. Payload
+keys follow the spec's table "Events emitted during a turn"; timestamps are ISO 8601
+UTC with offset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from loopline.assistant.v1 import events_pb2
+from services.common import pb
+
+HEARTBEAT_FRAME = b'data: {"type":"heartbeat"}\n\n'
+
+
+def _tool_calls(records: Any) -> list[dict[str, Any]]:
+    return [{"tool": r.tool, "input": pb.from_struct(r.input), "output": pb.from_value(r.output)} for r in records]
+
+
+def render(event: events_pb2.Event) -> dict[str, Any]:
+    """The frame object {"type": ..., "data": {...}} of `event`."""
+    kind = event.WhichOneof("payload")
+    timestamp = pb.iso(event.time)
+    if kind == "response_chunk":
+        data: dict[str, Any] = {"chunk": event.response_chunk.chunk}
+    elif kind == "tool_call":
+        e = event.tool_call
+        data = {"tool": e.tool, "input": pb.from_struct(e.input), "tool_call_id": e.tool_call_id, "timestamp": timestamp}
+    elif kind == "tool_result":
+        e = event.tool_result
+        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": pb.from_value(e.output), "timestamp": timestamp}
+    elif kind == "metadata":
+        e = event.metadata
+        data = {"run_id": e.run_id, "thread_id": e.thread_id, "workflow_id": None, "workflow_type": e.workflow_type, "timestamp": timestamp}
+    elif kind == "done":
+        e = event.done
+        data = {
+            "response": e.response,
+            "has_workflow_changes": False,
+            "tool_calls": _tool_calls(e.tool_calls),
+            "workflow_tool": None,
+            "usage": {
+                "input_tokens": e.usage.input_tokens,
+                "output_tokens": e.usage.output_tokens,
+                "total_tokens": e.usage.total_tokens,
+                "llm_calls": e.usage.llm_calls,
+            },
+        }
+        if e.error:
+            data["error"] = True
+    elif kind == "guidance":
+        e = event.guidance
+        data = {"message": e.message}
+        if e.HasField("consecutive_failures"):
+            data["consecutive_failures"] = e.consecutive_failures
+        if e.HasField("total_llm_calls"):
+            data["total_llm_calls"] = e.total_llm_calls
+    elif kind == "user_input_request":
+        data = pb.from_struct(event.user_input_request.request)
+    elif kind == "interrupted":
+        data = {"request_id": event.interrupted.request_id, "kind": event.interrupted.kind}
+    elif kind == "run_resumed":
+        data = {"new_run_id": event.run_resumed.new_run_id}
+    elif kind == "error":
+        data = {"message": event.error.message}
+    elif kind == "cancelled":
+        data = {"reason": event.cancelled.reason}
+    else:
+        data = {}
+    return {"type": kind, "data": data}
+
+
+def encode(event: events_pb2.Event) -> bytes:
+    """The SSE frame bytes of `event`: `data: <json>\\n\\n`."""
+    return b"data: " + orjson.dumps(render(event)) + b"\n\n"

@@ -1,0 +1,1 @@
+"""The orchestrator: chats, messages, runs, interrupts, the agent loop and run events."""

@@ -1,0 +1,130 @@
+"""The run event log: every event of a run, replayable from any index, followed live.
+
+`MemoryEventLog` is the embedded backend: one list per run and one asyncio.Future
+per run that wakes every follower at each append (so N listeners cost N awaits,
+not N queues). When a run ends its events are also written to the `run_events`
+table in one transaction (`EventArchive`), so a listener that arrives after a
+restart, or after the run fell out of memory, still receives every event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from loopline.assistant.v1 import events_pb2
+
+TERMINAL_TYPES = frozenset({"done", "cancelled", "interrupted"})
+
+
+def event_type(event: events_pb2.Event) -> str:
+    """The event's type name: the member of its payload oneof, e.g. "response_chunk"."""
+    return event.WhichOneof("payload") or ""
+
+
+def is_terminal(event: events_pb2.Event) -> bool:
+    """True for the events after which a run's stream ends (done, cancelled, interrupted)."""
+    return event_type(event) in TERMINAL_TYPES
+
+
+class _RunLog:
+    __slots__ = ("events", "closed", "changed")
+
+    def __init__(self) -> None:
+        self.events: list[events_pb2.Event] = []
+        self.closed = False
+        self.changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake(self) -> None:
+        if not self.changed.done():
+            self.changed.set_result(None)
+        self.changed = asyncio.get_running_loop().create_future()
+
+
+# Loads the archived events of a run (empty when none); used when a run is not in memory.
+ArchiveLoader = Callable[[str], Awaitable[list[events_pb2.Event]]]
+
+
+class MemoryEventLog:
+    """In-process event log of runs.
+
+    `append` numbers events from 0 (`Event.seq`). `follow(run_id, after)` yields the
+    events with seq >= after, then new ones as they come, and returns after a terminal
+    event or when the run is closed. Ended runs are kept up to `max_runs` (oldest evicted).
+    """
+
+    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000) -> None:
+        self._runs: dict[str, _RunLog] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._archive_loader = archive_loader
+        self._max_runs = max_runs
+
+    def open(self, run_id: str) -> None:
+        """Create the (empty) log of a new run; a second call is a no-op."""
+        if run_id not in self._runs:
+            self._runs[run_id] = _RunLog()
+
+    def has(self, run_id: str) -> bool:
+        """Whether the run's log is in memory."""
+        return run_id in self._runs
+
+    def append(self, event: events_pb2.Event) -> events_pb2.Event:
+        """Append `event` to its run's log, setting `seq`; wakes every follower. Returns the event."""
+        log = self._runs.get(event.run_id)
+        if log is None:
+            self.open(event.run_id)
+            log = self._runs[event.run_id]
+        if log.closed:
+            raise RuntimeError(f"run {event.run_id} is closed")
+        event.seq = len(log.events)
+        log.events.append(event)
+        log.wake()
+        return event
+
+    def close(self, run_id: str) -> None:
+        """Mark the run's log complete: followers return after the last event."""
+        log = self._runs.get(run_id)
+        if log is None or log.closed:
+            return
+        log.closed = True
+        log.wake()
+        self._ended[run_id] = None
+        while len(self._ended) > self._max_runs:
+            old, _ = self._ended.popitem(last=False)
+            self._runs.pop(old, None)
+
+    def reopen(self, run_id: str) -> None:
+        """Allow appends to a closed run again (used to publish run_resumed on a paused run)."""
+        log = self._runs.get(run_id)
+        if log is not None and log.closed:
+            log.closed = False
+            self._ended.pop(run_id, None)
+
+    def snapshot(self, run_id: str) -> list[events_pb2.Event]:
+        """The run's events in memory so far (a copy)."""
+        log = self._runs.get(run_id)
+        return list(log.events) if log else []
+
+    async def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
+        """Yield the run's events from index `after`, then live ones, until it ends.
+
+        A run not in memory is served from the archive (all its stored events, then return).
+        """
+        log = self._runs.get(run_id)
+        if log is None:
+            archived = await self._archive_loader(run_id) if self._archive_loader else []
+            for event in archived[after:]:
+                yield event
+            return
+        index = max(after, 0)
+        while True:
+            while index < len(log.events):
+                event = log.events[index]
+                index += 1
+                yield event
+                if is_terminal(event) and index >= len(log.events) and log.closed:
+                    return
+            if log.closed:
+                return
+            await asyncio.shield(log.changed)

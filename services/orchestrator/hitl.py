@@ -1,0 +1,231 @@
+"""Human-in-the-loop tools: their schemas, the questions they ask, and answer validation.
+
+The question and answer shapes are the official SDK's `UserInputRequest` and
+`UserInputResponse` unions (`modulex/types/realtime.py`); the spec's "Human-in-the-loop
+pause" section defines the pause itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_OPTION = {
+    "type": "object",
+    "properties": {
+        "value": {"type": "string", "description": "Machine value returned when chosen."},
+        "label": {"type": "string", "description": "Text shown to the user."},
+        "description": {"type": "string", "description": "Optional longer explanation."},
+    },
+    "required": ["value", "label"],
+}
+
+TOOL_KINDS = {
+    "ask_user_choice": "single_choice",
+    "ask_user_multi_choice": "multi_choice",
+    "ask_user_yes_no": "yes_no",
+    "ask_user_free_text": "free_text",
+    "request_credential": "credential_request",
+}
+
+TOOL_DEFINITIONS: list[dict[str, Any]] = [
+    {
+        "name": "ask_user_choice",
+        "description": "Ask the user to pick exactly one of several options. The run pauses until they answer.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string", "description": "The question."},
+                "options": {"type": "array", "items": _OPTION, "minItems": 2},
+                "allow_free_text": {"type": "boolean", "description": "Whether the user may answer in their own words."},
+            },
+            "required": ["message", "options"],
+        },
+    },
+    {
+        "name": "ask_user_multi_choice",
+        "description": "Ask the user to pick several options. The run pauses until they answer.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "options": {"type": "array", "items": _OPTION, "minItems": 1},
+                "min_selections": {"type": "integer", "minimum": 0},
+                "max_selections": {"type": "integer", "minimum": 1},
+            },
+            "required": ["message", "options"],
+        },
+    },
+    {
+        "name": "ask_user_yes_no",
+        "description": "Ask the user a yes/no question, e.g. to confirm an action. The run pauses until they answer.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "yes_label": {"type": "string"},
+                "no_label": {"type": "string"},
+            },
+            "required": ["message"],
+        },
+    },
+    {
+        "name": "ask_user_free_text",
+        "description": "Ask the user for free text. The run pauses until they answer.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "placeholder": {"type": "string"},
+                "multiline": {"type": "boolean"},
+                "min_length": {"type": "integer", "minimum": 0},
+                "max_length": {"type": "integer", "minimum": 1},
+            },
+            "required": ["message"],
+        },
+    },
+    {
+        "name": "request_credential",
+        "description": "Ask the user to connect a credential for an integration that has none. The run pauses until they do.",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "integration": {"type": "string", "description": "The integration's name, e.g. 'postgresql'."},
+                "message": {"type": "string", "description": "Why the credential is needed."},
+            },
+            "required": ["integration", "message"],
+        },
+    },
+]
+
+
+class InvalidAnswer(ValueError):
+    """An answer that does not fit its question (becomes HTTP 400; the question stays pending)."""
+
+
+def _options(raw: Any) -> list[dict[str, Any]]:
+    options = []
+    for item in raw if isinstance(raw, list) else []:
+        if isinstance(item, dict) and item.get("value") is not None:
+            option = {"value": str(item["value"]), "label": str(item.get("label") or item["value"])}
+            if item.get("description"):
+                option["description"] = str(item["description"])
+            options.append(option)
+        elif isinstance(item, str):
+            options.append({"value": item, "label": item})
+    return options
+
+
+def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `UserInputRequest` dict that `tool` called with `tool_input` asks.
+
+    `integration` (for request_credential) is {name, display_name, auth_options:[...]}.
+    Raises ValueError when the input cannot make a question (e.g. no options).
+    """
+    kind = TOOL_KINDS[tool]
+    message = str(tool_input.get("message") or "").strip()
+    if not message:
+        raise ValueError("a question needs a non-empty 'message'")
+    request: dict[str, Any] = {"kind": kind, "request_id": request_id, "message": message, "required": True}
+    if kind in ("single_choice", "multi_choice"):
+        options = _options(tool_input.get("options"))
+        if not options:
+            raise ValueError("a choice question needs 'options' with 'value' and 'label'")
+        if len({o["value"] for o in options}) != len(options):
+            raise ValueError("option values must be unique")
+        request["options"] = options
+        if kind == "single_choice":
+            request["allow_free_text"] = bool(tool_input.get("allow_free_text", False))
+        else:
+            low = int(tool_input.get("min_selections") or 0)
+            high = tool_input.get("max_selections")
+            high = min(int(high), len(options)) if isinstance(high, (int, float)) else None
+            if low > len(options) or (high is not None and high < max(low, 1)):
+                raise ValueError("min_selections/max_selections do not fit the options")
+            request["min_selections"] = low
+            request["max_selections"] = high
+    elif kind == "yes_no":
+        request["yes_label"] = str(tool_input.get("yes_label") or "Yes")
+        request["no_label"] = str(tool_input.get("no_label") or "No")
+    elif kind == "free_text":
+        request["placeholder"] = tool_input.get("placeholder")
+        request["multiline"] = bool(tool_input.get("multiline", False))
+        low = int(tool_input.get("min_length") or 0)
+        high = tool_input.get("max_length")
+        request["min_length"] = max(0, low)
+        request["max_length"] = int(high) if isinstance(high, (int, float)) else None
+        if request["max_length"] is not None and request["max_length"] < request["min_length"]:
+            raise ValueError("max_length is below min_length")
+    else:
+        name = str(tool_input.get("integration") or tool_input.get("integration_name") or "").strip()
+        if not name:
+            raise ValueError("request_credential needs 'integration'")
+        info = integration or {}
+        request["integration_name"] = name
+        request["integration_display_name"] = str(info.get("display_name") or name)
+        request["auth_options"] = info.get("auth_options") or [{"auth_type": "api_key", "display_name": "API key"}]
+    return request
+
+
+def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """Check `answer` (a UserInputResponse dict) against `request`; returns the normalized answer.
+
+    Raises InvalidAnswer for a wrong kind, a value not among the options, a selection
+    count outside [min_selections, max_selections], or text outside the length bounds.
+    """
+    kind = answer.get("kind")
+    expected = request["kind"]
+    if kind == "skipped":
+        reason = answer.get("reason")
+        return {"kind": "skipped", "reason": str(reason) if reason is not None else None}
+    if expected == "credential_request":
+        if kind not in ("credential_added", "credential_failed"):
+            raise InvalidAnswer(f"a credential_request is answered with credential_added, credential_failed or skipped, not {kind!r}")
+        if kind == "credential_added" and not isinstance(answer.get("credential_id"), str):
+            raise InvalidAnswer("credential_added needs 'credential_id'")
+        return dict(answer)
+    if kind != expected:
+        raise InvalidAnswer(f"the question is {expected!r} but the answer is {kind!r}")
+    values = {o["value"] for o in request.get("options", [])}
+    if kind == "single_choice":
+        selected, free = answer.get("selected_value"), answer.get("free_text")
+        if selected is None and free is None:
+            raise InvalidAnswer("single_choice needs 'selected_value' (or 'free_text' when allowed)")
+        if selected is not None and selected not in values:
+            raise InvalidAnswer(f"{selected!r} is not one of the options")
+        if free is not None and not request.get("allow_free_text"):
+            raise InvalidAnswer("this question does not allow free text")
+        return {"kind": kind, "selected_value": selected, "free_text": free}
+    if kind == "multi_choice":
+        selected = answer.get("selected_values")
+        if not isinstance(selected, list) or not all(isinstance(v, str) for v in selected):
+            raise InvalidAnswer("multi_choice needs 'selected_values' (a list of strings)")
+        unknown = [v for v in selected if v not in values]
+        if unknown:
+            raise InvalidAnswer(f"{unknown[0]!r} is not one of the options")
+        if len(set(selected)) != len(selected):
+            raise InvalidAnswer("a value is selected twice")
+        low, high = request.get("min_selections") or 0, request.get("max_selections")
+        if len(selected) < low or (high is not None and len(selected) > high):
+            raise InvalidAnswer(f"select between {low} and {high if high is not None else len(values)} options")
+        return {"kind": kind, "selected_values": selected}
+    if kind == "yes_no":
+        if not isinstance(answer.get("answer"), bool):
+            raise InvalidAnswer("yes_no needs 'answer' (true or false)")
+        return {"kind": kind, "answer": answer["answer"]}
+    text = answer.get("text")
+    if not isinstance(text, str):
+        raise InvalidAnswer("free_text needs 'text' (a string)")
+    low, high = request.get("min_length") or 0, request.get("max_length")
+    if len(text) < low or (high is not None and len(text) > high):
+        raise InvalidAnswer(f"the text must be between {low} and {high if high is not None else 'any'} characters")
+    return {"kind": kind, "text": text}
+
+
+def answer_as_tool_output(answer: dict[str, Any]) -> dict[str, Any]:
+    """The tool result the model sees for an answer: {"success": bool, "answer": {...}}."""
+    kind = answer.get("kind")
+    if kind == "skipped":
+        return {"success": False, "skipped": True, "reason": answer.get("reason"), "note": "The user skipped the question; continue without it."}
+    if kind == "credential_failed":
+        return {"success": False, "error": answer.get("error_message") or "connecting the credential failed", "answer": answer}
+    return {"success": True, "answer": answer}

@@ -1,0 +1,461 @@
+"""The agent loop: reason (model call) -> act (one tool) -> observe (tool result), repeated.
+
+Spec: "The reason, act, observe loop", "Termination and limits", "Events emitted during a
+turn". One `TurnRunner` per process runs every loop as an asyncio task; a run ends in
+exactly one outcome: completed, interrupted (HITL pause), cancelled or failed.
+
+Ordering rule: the database is updated (status, `running_id` cleared) *before* the
+terminal event is published, so a client that sees `done` can start its next turn at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from sqlalchemy import select, update
+
+from loopline.assistant.v1 import events_pb2
+from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
+from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+from services.common import logging as loopline_logging
+from services.common import pb
+from services.orchestrator import hitl
+from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.events import MemoryEventLog
+from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
+from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage
+from services.orchestrator.sanitize import sanitize
+from services.orchestrator.thread import load_thread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSpec:
+    """What a run needs to start: ids, the organization, and the model to call."""
+
+    run_id: str
+    chat_id: str
+    organization_id: str
+    llm: dict[str, Any]
+    model: ChatModel
+
+
+@dataclass
+class RunState:
+    """Live state of a run in this process (for cancel)."""
+
+    spec: RunSpec
+    task: asyncio.Task | None = None
+    inner: asyncio.Task | None = None
+    cancel_reason: str | None = None
+    finishing: bool = False
+    outcome: str | None = None
+
+
+@dataclass
+class Outcome:
+    """How a run ended: kind is completed, interrupted, cancelled or failed."""
+
+    kind: str
+    response: str = ""
+    message: str = ""
+    reason: str = ""
+    interrupt: dict[str, Any] | None = None
+
+
+class LoopFailure(Exception):
+    """A failure that ends the run; `str(self)` is already safe to show."""
+
+
+@dataclass
+class _Totals:
+    usage: TokenUsage = field(default_factory=TokenUsage)
+    llm_calls: int = 0
+    tool_calls: list[events_pb2.ToolCallRecord] = field(default_factory=list)
+    pending_call: dict[str, Any] | None = None  # a tool call stored without its result yet
+    pending_guidance: str | None = None  # guidance to give the model after the pending tool result
+
+
+class TurnRunner:
+    """Runs agent loops as background tasks and publishes their events.
+
+    Args:
+        settings: orchestrator settings (limits, timeouts).
+        sessions: async session factory of the orchestrator database.
+        events: the run event log.
+        billing: BillingService stub (RecordUsage).
+        tools: ToolsService stub (ListTools, ExecuteTool).
+    """
+
+    def __init__(
+        self,
+        settings: OrchestratorSettings,
+        sessions: Any,
+        events: MemoryEventLog,
+        billing: billing_pb2_grpc.BillingServiceStub,
+        tools: tools_pb2_grpc.ToolsServiceStub,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.events = events
+        self.billing = billing
+        self.tools = tools
+        self.active: dict[str, RunState] = {}
+        self._tool_defs: list[dict[str, Any]] | None = None
+        self._tool_defs_at = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, spec: RunSpec) -> RunState:
+        """Register and start the run's loop task; returns its state (available to Cancel at once)."""
+        state = RunState(spec=spec)
+        self.active[spec.run_id] = state
+        self.events.open(spec.run_id)
+        state.task = asyncio.create_task(self._run(state), name=f"run:{spec.run_id}")
+        return state
+
+    async def cancel(self, run_id: str, reason: str) -> str | None:
+        """Cancel a run of this process and wait for it to end; returns its outcome kind.
+
+        Returns None when the run is not active here. A run already finishing keeps
+        the outcome it reached (exactly one terminal outcome).
+        """
+        state = self.active.get(run_id)
+        if state is None:
+            return None
+        if not state.finishing and state.cancel_reason is None:
+            state.cancel_reason = reason
+            if state.inner is not None:
+                state.inner.cancel()
+        if state.task is not None:
+            await asyncio.shield(asyncio.wait({state.task}))
+        return state.outcome
+
+    async def stop(self) -> None:
+        """Cancel every active run (shutdown) and wait for them to record their outcome."""
+        for run_id in list(self.active):
+            await self.cancel(run_id, "shutdown")
+
+    # ------------------------------------------------------------------ the run
+
+    async def _run(self, state: RunState) -> None:
+        spec = state.spec
+        loopline_logging.bind_task(run_id=spec.run_id, chat_id=spec.chat_id, org_id=spec.organization_id)
+        totals = _Totals()
+        state.inner = asyncio.create_task(self._loop(state, totals), name=f"loop:{spec.run_id}")
+        if state.cancel_reason is not None:
+            state.inner.cancel()
+        try:
+            outcome = await state.inner
+        except asyncio.CancelledError:
+            if state.inner.cancelled():
+                outcome = Outcome("cancelled", reason=state.cancel_reason or "cancelled")
+            else:  # the outer task itself was cancelled (shutdown)
+                state.inner.cancel()
+                outcome = Outcome("cancelled", reason="shutdown")
+        except LoopFailure as failure:
+            outcome = Outcome("failed", message=str(failure))
+        except ModelError as failure:
+            totals.usage.input_tokens += failure.usage.input_tokens
+            totals.usage.output_tokens += failure.usage.output_tokens
+            await self._record_usage(spec, totals.llm_calls, failure.usage)
+            totals.llm_calls += 1
+            outcome = Outcome("failed", message=sanitize(str(failure)))
+        except grpc.aio.AioRpcError as failure:
+            log.warning("downstream call failed", extra={"fields": {"code": failure.code().name}})
+            outcome = Outcome("failed", message=f"A backing service failed ({failure.code().name.lower()}); the turn was stopped.")
+        except Exception:
+            log.exception("loop crashed")
+            outcome = Outcome("failed", message="Internal error while running the turn.")
+        state.finishing = True
+        try:
+            await asyncio.shield(self._finish(state, totals, outcome))
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("finishing the run failed")
+        finally:
+            state.outcome = outcome.kind
+            self.active.pop(spec.run_id, None)
+
+    def _publish(self, run_id: str, **payload: Any) -> events_pb2.Event:
+        event = events_pb2.Event(run_id=run_id, time=pb.timestamp(), **payload)
+        return self.events.append(event)
+
+    async def tool_definitions(self) -> list[dict[str, Any]]:
+        """The assistant profile's tools: the tools service's five plus the five HITL tools (cached 60 s)."""
+        if self._tool_defs is None or time.monotonic() - self._tool_defs_at > 60:
+            response = await self.tools.ListTools(tools_pb2.ListToolsRequest(profile="assistant"), timeout=10)
+            remote = [
+                {"name": t.name, "description": t.description, "input_schema": pb.from_struct(t.input_schema)}
+                for t in response.tools
+                if t.name not in hitl.TOOL_KINDS
+            ]
+            self._tool_defs = remote + hitl.TOOL_DEFINITIONS
+            self._tool_defs_at = time.monotonic()
+        return self._tool_defs
+
+    async def _loop(self, state: RunState, totals: _Totals) -> Outcome:
+        spec = state.spec
+        settings = self.settings
+        self._publish(
+            spec.run_id,
+            metadata=events_pb2.MetadataEvent(
+                run_id=spec.run_id, thread_id=spec.chat_id, workflow_type="composer", surface="assistant"
+            ),
+        )
+        tools = await self.tool_definitions()
+        steps = 0
+        consecutive_failures = 0
+        while True:
+            steps += 1
+            if steps > settings.recursion_limit:
+                raise LoopFailure(f"Recursion limit of {settings.recursion_limit} steps reached without a final answer.")
+            async with self.sessions() as session:
+                messages = await load_thread(session, spec.chat_id)
+
+            async def on_text(chunk: str) -> None:
+                if chunk:
+                    self._publish(spec.run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=chunk))
+
+            reply: ModelReply = await spec.model.generate(messages, tools, on_text)
+            call_index = totals.llm_calls
+            totals.llm_calls += 1
+            totals.usage.input_tokens += reply.usage.input_tokens
+            totals.usage.output_tokens += reply.usage.output_tokens
+            await self._record_usage(spec, call_index, reply.usage)
+
+            call = reply.tool_calls[0] if reply.tool_calls else None  # serial tool calls: one per step
+            stored_calls = [{"id": call.id, "name": call.name, "input": call.input}] if call else []
+            async with self.sessions() as session, session.begin():
+                session.add(
+                    Message(
+                        id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="assistant",
+                        content=reply.text, extra={"tool_calls": stored_calls} if stored_calls else None,
+                    )
+                )
+                if call:
+                    totals.pending_call = stored_calls[0]
+                if settings.llm_call_guidance_every and totals.llm_calls % settings.llm_call_guidance_every == 0 and call:
+                    text = (
+                        f"You have made {totals.llm_calls} model calls in this run. Converge: finish the task "
+                        "with what you have, or give your best final answer now."
+                    )
+                    self._publish(spec.run_id, guidance=events_pb2.GuidanceEvent(message=text, total_llm_calls=totals.llm_calls))
+                    # given to the model after the pending tool result (the thread stays valid)
+                    totals.pending_guidance = text
+
+            if call is None:
+                return Outcome("completed", response=reply.text)
+
+            steps += 1
+            if steps > settings.recursion_limit:
+                await self._store_tool_result(spec, call.id, call.name, {"error": "not executed: recursion limit reached", "success": False})
+                totals.pending_call = None
+                raise LoopFailure(f"Recursion limit of {settings.recursion_limit} steps reached without a final answer.")
+
+            self._publish(
+                spec.run_id,
+                tool_call=events_pb2.ToolCallEvent(tool=call.name, input=pb.to_struct(call.input), tool_call_id=call.id),
+            )
+            if call.name in hitl.TOOL_KINDS:
+                interrupt = await self._ask(spec, call)
+                if interrupt is not None:
+                    totals.pending_call = None
+                    return Outcome("interrupted", interrupt=interrupt)
+                continue  # the question was malformed; the error result is in the thread
+
+            output, ok = await self._execute(spec, call)
+            await self._store_tool_result(spec, call.id, call.name, output)
+            totals.pending_call = None
+            totals.tool_calls.append(
+                events_pb2.ToolCallRecord(tool=call.name, input=pb.to_struct(call.input), output=pb.to_value(output))
+            )
+            self._publish(
+                spec.run_id,
+                tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=pb.to_value(output)),
+            )
+            consecutive_failures = 0 if ok else consecutive_failures + 1
+            guidance: list[str] = []
+            if totals.pending_guidance:
+                guidance.append(totals.pending_guidance)
+                totals.pending_guidance = None
+            if not ok and consecutive_failures == settings.failure_guidance_threshold:
+                text = (
+                    f"{consecutive_failures} tool calls in a row have failed. Stop repeating the same call: "
+                    "check the inputs, try another approach, ask the user, or explain what went wrong."
+                )
+                self._publish(
+                    spec.run_id, guidance=events_pb2.GuidanceEvent(message=text, consecutive_failures=consecutive_failures)
+                )
+                guidance.append(text)
+            if guidance:
+                async with self.sessions() as session, session.begin():
+                    for text in guidance:
+                        session.add(
+                            Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="system",
+                                    content=text, extra={"guidance": True})
+                        )
+
+    async def _store_tool_result(self, spec: RunSpec, call_id: str, name: str, output: Any) -> None:
+        async with self.sessions() as session, session.begin():
+            session.add(
+                Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="tool",
+                        content=output, extra={"tool_call_id": call_id, "name": name})
+            )
+
+    async def _execute(self, spec: RunSpec, call: Any) -> tuple[Any, bool]:
+        """Run one non-HITL tool through the tools service; returns (output, succeeded)."""
+        request = tools_pb2.ExecuteToolRequest(
+            organization_id=spec.organization_id, tool=call.name, input=pb.to_struct(call.input),
+            run_id=spec.run_id, tool_call_id=call.id, chat_id=spec.chat_id,
+        )
+        response = await self.tools.ExecuteTool(request, timeout=self.settings.tool_timeout_s)
+        if response.success:
+            return pb.from_value(response.output), True
+        return {"error": response.error or "the tool failed", "success": False}, False
+
+    async def _ask(self, spec: RunSpec, call: Any) -> dict[str, Any] | None:
+        """Store a HITL question for `call`; returns it, or None (with an error result stored) if malformed."""
+        request_id = str(uuid.uuid4())
+        try:
+            integration = None
+            if call.name == "request_credential":
+                integration = await self._integration_info(spec, call.input)
+            request = hitl.build_request(call.name, call.input, request_id, integration)
+        except ValueError as invalid:
+            output = {"error": f"invalid question: {invalid}", "success": False}
+            await self._store_tool_result(spec, call.id, call.name, output)
+            self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=pb.to_value(output)))
+            return None
+        async with self.sessions() as session, session.begin():
+            session.add(
+                Interrupt(
+                    id=request_id, chat_id=spec.chat_id, run_id=spec.run_id, tool_call_id=call.id, tool=call.name,
+                    kind=request["kind"], request=request, outcome="pending",
+                    expires_at=utcnow() + datetime.timedelta(seconds=self.settings.pending_ttl_s),
+                )
+            )
+        return request
+
+    async def _integration_info(self, spec: RunSpec, tool_input: dict[str, Any]) -> dict[str, Any] | None:
+        name = str(tool_input.get("integration") or tool_input.get("integration_name") or "")
+        if not name:
+            return None
+        try:
+            response = await self.tools.ExecuteTool(
+                tools_pb2.ExecuteToolRequest(
+                    organization_id=spec.organization_id, tool="get_integration_details",
+                    input=pb.to_struct({"integration": name}), run_id=spec.run_id, chat_id=spec.chat_id,
+                ),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        details = pb.from_value(response.output) if response.success else None
+        if not isinstance(details, dict):
+            return None
+        options = []
+        for option in details.get("auth_options") or []:
+            if isinstance(option, dict):
+                auth_type = {"bearer": "bearer_token", "none": "custom"}.get(option.get("type") or option.get("auth_type"), option.get("type") or option.get("auth_type") or "custom")
+                options.append({"auth_type": auth_type, "display_name": option.get("display_name") or auth_type})
+        return {"display_name": details.get("display_name") or name, "auth_options": options or None}
+
+    async def _record_usage(self, spec: RunSpec, call_index: int, usage: TokenUsage) -> None:
+        """Record one model call's tokens with billing (idempotent by run and call index; bounded retries)."""
+        request = billing_pb2.RecordUsageRequest(
+            organization_id=spec.organization_id, run_id=spec.run_id, call_index=call_index,
+            provider_id=spec.llm.get("provider_id", ""), model_id=spec.llm.get("model_id", ""),
+            input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+            cache_read_tokens=usage.cache_read_tokens, cache_write_tokens=usage.cache_write_tokens,
+            byok=bool(spec.llm.get("credential_id")), estimated=usage.estimated, chat_id=spec.chat_id,
+        )
+        for attempt in range(3):
+            try:
+                await asyncio.shield(self.billing.RecordUsage(request, timeout=5))
+                return
+            except grpc.aio.AioRpcError as failure:
+                if attempt == 2:
+                    log.error("recording usage failed", extra={"fields": {"code": failure.code().name, "call_index": call_index}})
+                    return
+                await asyncio.sleep(0.1 * (attempt + 1))
+
+    # ------------------------------------------------------------------ ending
+
+    async def _finish(self, state: RunState, totals: _Totals, outcome: Outcome) -> None:
+        spec = state.spec
+        usage = events_pb2.Usage(
+            input_tokens=totals.usage.input_tokens, output_tokens=totals.usage.output_tokens,
+            total_tokens=totals.usage.input_tokens + totals.usage.output_tokens, llm_calls=totals.llm_calls,
+        )
+        if totals.pending_call is not None:  # a tool call cut off by a cancel or failure still gets a result
+            note = "cancelled" if outcome.kind == "cancelled" else "not completed: the run failed"
+            await self._store_tool_result(spec, totals.pending_call["id"], totals.pending_call["name"], {"error": note, "success": False})
+        status = {"completed": "completed", "interrupted": "interrupted", "cancelled": "cancelled", "failed": "failed"}[outcome.kind]
+        async with self.sessions() as session, session.begin():
+            await session.execute(
+                update(Run).where(Run.id == spec.run_id).values(
+                    status=status, updated_at=utcnow(), error=outcome.message or None,
+                    usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+                           "total_tokens": usage.total_tokens, "llm_calls": usage.llm_calls},
+                )
+            )
+            if outcome.kind == "interrupted":
+                interrupt = outcome.interrupt or {}
+                session.add(
+                    Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="marker", content=None,
+                            extra={"type": "interrupted", "request_id": interrupt.get("request_id"), "kind": interrupt.get("kind")})
+                )
+            else:
+                if outcome.kind == "cancelled":
+                    await session.execute(
+                        update(Interrupt).where(Interrupt.run_id == spec.run_id, Interrupt.outcome == "pending")
+                        .values(outcome="cancelled", resolved_at=utcnow())
+                    )
+                await session.execute(
+                    update(Chat).where(Chat.id == spec.chat_id, Chat.running_id == spec.run_id)
+                    .values(running_id=None, updated_at=utcnow())
+                )
+        run_id = spec.run_id
+        if outcome.kind == "completed":
+            self._publish(run_id, done=events_pb2.DoneEvent(response=outcome.response, tool_calls=totals.tool_calls, usage=usage))
+        elif outcome.kind == "failed":
+            self._publish(run_id, error=events_pb2.ErrorEvent(message=outcome.message))
+            self._publish(run_id, done=events_pb2.DoneEvent(response="", tool_calls=totals.tool_calls, usage=usage, error=True))
+        elif outcome.kind == "cancelled":
+            self._publish(run_id, cancelled=events_pb2.CancelledEvent(reason=outcome.reason))
+        else:
+            interrupt = outcome.interrupt or {}
+            self._publish(run_id, user_input_request=events_pb2.UserInputRequestEvent(request=pb.to_struct(interrupt)))
+            self._publish(run_id, interrupted=events_pb2.InterruptedEvent(request_id=interrupt["request_id"], kind=interrupt["kind"]))
+        self.events.close(run_id)
+        await self.archive(run_id)
+        log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
+
+    async def archive(self, run_id: str) -> None:
+        """Write the run's in-memory events to `run_events` (one transaction; existing rows kept)."""
+        events = self.events.snapshot(run_id)
+        if not events:
+            return
+        async with self.sessions() as session, session.begin():
+            stored = set(
+                (await session.execute(select(RunEvent.seq).where(RunEvent.run_id == run_id))).scalars()
+            )
+            for event in events:
+                if event.seq not in stored:
+                    session.add(RunEvent(run_id=run_id, seq=event.seq, payload=event.SerializeToString()))
+
+    async def load_archive(self, run_id: str) -> list[events_pb2.Event]:
+        """The archived events of a run, in order (empty when none)."""
+        async with self.sessions() as session:
+            rows = (await session.execute(select(RunEvent.payload).where(RunEvent.run_id == run_id).order_by(RunEvent.seq))).scalars()
+            return [events_pb2.Event.FromString(payload) for payload in rows]

@@ -1,0 +1,110 @@
+"""The orchestrator's tables: chats, messages, runs, run events, interrupts.
+
+Chats of both kinds share one store, told apart by `kind` (spec: "Storage and
+execution model"); every query is scoped by kind and organization.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime.datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.datetime.now(datetime.UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the orchestrator's tables."""
+
+
+class Chat(Base):
+    """A conversation; its id is also its checkpoint thread id (thread_id == chat_id)."""
+
+    __tablename__ = "chats"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    organization_id: Mapped[str] = mapped_column(String(64), index=True)
+    user_id: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))
+    title: Mapped[str] = mapped_column(String(64))
+    workflow_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    running_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    deleted_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("ix_chats_org_kind_created", "organization_id", "kind", "created_at"),)
+
+
+class Message(Base):
+    """One entry of a chat's thread: a user, assistant or tool message, or a history marker.
+
+    `content` is the text (user/assistant) or the JSON output (tool). `extra` holds
+    `tool_calls` [{id, name, input}] of an assistant message, `tool_call_id` and
+    `name` of a tool message, or `{request_id, kind}` of an `interrupted` marker.
+    """
+
+    __tablename__ = "messages"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(36), unique=True)
+    chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[Any] = mapped_column(JSON, nullable=True)
+    extra: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Run(Base):
+    """One execution of the loop. `durable_id` is the stable durable identifier of the spec."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    durable_id: Mapped[str] = mapped_column(String(64), unique=True)
+    chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"), index=True)
+    organization_id: Mapped[str] = mapped_column(String(64))
+    parent_run_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    status: Mapped[str] = mapped_column(String(16))
+    llm: Mapped[dict[str, Any]] = mapped_column(JSON)
+    reservation_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RunEvent(Base):
+    """A run's event, serialized `loopline.assistant.v1.Event`, kept after the run ends."""
+
+    __tablename__ = "run_events"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Interrupt(Base):
+    """The audit row of a HITL question: outcome pending, answered, cancelled or expired."""
+
+    __tablename__ = "interrupts"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)  # the request_id
+    chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[str] = mapped_column(String(36))
+    tool_call_id: Mapped[str] = mapped_column(String(64))
+    tool: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(32))
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    outcome: Mapped[str] = mapped_column(String(16))
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    resumed_run_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    expires_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    resolved_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -1,0 +1,76 @@
+"""The provider-neutral model interface of the loop.
+
+A thread is a list of messages (dicts):
+- `{"role": "user", "content": str}`
+- `{"role": "assistant", "content": str, "tool_calls": [{"id", "name", "input"}]}`
+- `{"role": "tool", "tool_call_id": str, "name": str, "content": <JSON value>}`
+- `{"role": "system", "content": str}` (guidance given to the model before its next step)
+Tools are `{"name", "description", "input_schema"}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class ToolCallRequest:
+    """A tool call the model asked for."""
+
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+@dataclass
+class TokenUsage:
+    """Token counts of one model call."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    estimated: bool = False
+
+
+@dataclass
+class ModelReply:
+    """What one model call produced: its full text, its tool calls (maybe several) and usage."""
+
+    text: str
+    tool_calls: list[ToolCallRequest] = field(default_factory=list)
+    usage: TokenUsage = field(default_factory=TokenUsage)
+
+
+class ModelError(Exception):
+    """A model call failed; `str(self)` is safe to show a client (names provider and kind only).
+
+    Attributes:
+        usage: tokens the provider reported (or that were estimated) before the failure.
+    """
+
+    def __init__(self, message: str, usage: TokenUsage | None = None) -> None:
+        super().__init__(message)
+        self.usage = usage or TokenUsage()
+
+
+OnText = Callable[[str], Awaitable[None]]
+
+
+class ChatModel(Protocol):
+    """A chat model: one call streams text deltas to `on_text` and returns the reply."""
+
+    provider_id: str
+    model_id: str
+
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
+        """Run one model call. Raises ModelError on failure; cancellation propagates."""
+        ...
+
+
+def estimate_tokens(value: Any) -> int:
+    """A rough token estimate of a value: about 4 characters per token, at least 1."""
+    text = value if isinstance(value, str) else repr(value)
+    return max(1, len(text) // 4)

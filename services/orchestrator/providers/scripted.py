@@ -1,0 +1,148 @@
+"""The `scripted` model: deterministic, driven from outside through the public API.
+
+When the latest user message is a JSON object with a `script` list, the model call
+number k after that message consumes step k. A step is an object with:
+- `{"say": text}`: final answer, streamed in `chunks` pieces (default up to 4);
+- `{"tool": name, "input": {...}, "say": optional text first}`: one tool call;
+- `{"tools": [{"tool", "input"}, ...]}`: several tool calls in one step (the loop runs one);
+- `{"fail": message}`: the model call raises;
+and optionally `"sleep_ms"` (wait before answering; cancellable) and `"usage"`
+(`{"input_tokens", "output_tokens"}` to report instead of the estimate).
+After the last step the model answers "(end of script)".
+
+Without a script it answers by rules: a message that asks about integrations, tools
+or connections calls `get_available_integrations` and then sums up the result;
+anything else is answered with a short echo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from services.orchestrator.providers.base import (
+    ModelError,
+    ModelReply,
+    OnText,
+    TokenUsage,
+    ToolCallRequest,
+    estimate_tokens,
+)
+
+_DISCOVERY = re.compile(r"\b(integrations?|tools?|connect(ed|ions?)?|apps?)\b", re.IGNORECASE)
+
+
+def split_chunks(text: str, pieces: int) -> list[str]:
+    """Split `text` into at most `pieces` non-empty chunks on word boundaries, joined back exactly."""
+    if not text:
+        return []
+    words = re.findall(r"\S+\s*|\s+", text)
+    pieces = max(1, min(pieces, len(words)))
+    size, extra = divmod(len(words), pieces)
+    chunks, start = [], 0
+    for i in range(pieces):
+        end = start + size + (1 if i < extra else 0)
+        chunks.append("".join(words[start:end]))
+        start = end
+    return [c for c in chunks if c]
+
+
+def _script_of(content: Any) -> list[Any] | None:
+    if not isinstance(content, str):
+        return None
+    stripped = content.strip()
+    if not stripped.startswith("{"):
+        return None
+    try:
+        data = json.loads(stripped)
+    except ValueError:
+        return None
+    script = data.get("script") if isinstance(data, dict) else None
+    return script if isinstance(script, list) else None
+
+
+class ScriptedModel:
+    """The deterministic test and demo model (provider_id "scripted")."""
+
+    provider_id = "scripted"
+
+    def __init__(self, model_id: str = "default") -> None:
+        self.model_id = model_id
+
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
+        """Answer the next step; see the module docstring. Raises ModelError on a `fail` step."""
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        user_text = messages[last_user]["content"] if last_user >= 0 else ""
+        step_index = sum(1 for m in messages[last_user + 1 :] if m["role"] == "assistant")
+        script = _script_of(user_text)
+        input_estimate = sum(estimate_tokens(m.get("content")) for m in messages)
+        if script is not None:
+            step = script[step_index] if step_index < len(script) else {"say": "(end of script)"}
+            if not isinstance(step, dict):
+                step = {"say": str(step)}
+        else:
+            step = self._rule_step(user_text, messages[last_user + 1 :], step_index)
+
+        sleep_ms = step.get("sleep_ms")
+        if isinstance(sleep_ms, (int, float)) and sleep_ms > 0:
+            await asyncio.sleep(sleep_ms / 1000)
+
+        reported = step.get("usage") if isinstance(step.get("usage"), dict) else None
+        text = str(step.get("say", "")) if step.get("say") is not None else ""
+        usage = TokenUsage(
+            input_tokens=int(reported.get("input_tokens", 0)) if reported else input_estimate,
+            output_tokens=int(reported.get("output_tokens", 0)) if reported else estimate_tokens(text or step),
+            estimated=reported is None,
+        )
+        if "fail" in step:
+            raise ModelError(f"scripted model failed: {step['fail']}", usage=usage)
+
+        for chunk in split_chunks(text, int(step.get("chunks", 4))):
+            await on_text(chunk)
+
+        calls: list[ToolCallRequest] = []
+        if "tool" in step:
+            calls.append(self._call(step.get("tool"), step.get("input"), step.get("tool_call_id")))
+        for item in step.get("tools", []) if isinstance(step.get("tools"), list) else []:
+            if isinstance(item, dict):
+                calls.append(self._call(item.get("tool"), item.get("input"), item.get("tool_call_id")))
+        return ModelReply(text=text, tool_calls=calls, usage=usage)
+
+    @staticmethod
+    def _call(name: Any, tool_input: Any, call_id: Any) -> ToolCallRequest:
+        import uuid
+
+        return ToolCallRequest(
+            id=str(call_id) if call_id else f"call_{uuid.uuid4().hex[:24]}",
+            name=str(name),
+            input=tool_input if isinstance(tool_input, dict) else {},
+        )
+
+    def _rule_step(self, user_text: Any, since_user: list[dict[str, Any]], step_index: int) -> dict[str, Any]:
+        text = user_text if isinstance(user_text, str) else ""
+        if _DISCOVERY.search(text):
+            if step_index == 0:
+                return {"say": "Let me check which integrations are available.", "tool": "get_available_integrations", "input": {}}
+            results = [m for m in since_user if m["role"] == "tool"]
+            return {"say": self._summarize(results[-1]["content"] if results else None)}
+        return {"say": f"You said: {text}" if text else "Hello! Ask me about your integrations."}
+
+    @staticmethod
+    def _summarize(output: Any) -> str:
+        items = None
+        if isinstance(output, dict):
+            items = output.get("integrations")
+        elif isinstance(output, list):
+            items = output
+        if not isinstance(items, list):
+            return "I could not read the list of integrations."
+        if not items:
+            return "No integrations are available yet."
+        names = []
+        for item in items:
+            if isinstance(item, dict):
+                label = item.get("display_name") or item.get("name") or "?"
+                names.append(f"{label}{' (connected)' if item.get('connected') else ''}")
+        return f"{len(names)} integrations are available: {', '.join(names)}."

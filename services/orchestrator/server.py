@@ -1,0 +1,64 @@
+"""The orchestrator's gRPC server: AssistantService plus health and reflection."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+from loopline.billing.v1 import billing_pb2_grpc
+from loopline.tools.v1 import tools_pb2_grpc
+from services.common import db
+from services.common.grpc_server import RunningServer, start_grpc_server
+from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.events import MemoryEventLog
+from services.orchestrator.loop import TurnRunner
+from services.orchestrator.service import AssistantServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = assistant_pb2.DESCRIPTOR.services_by_name["AssistantService"].full_name
+
+
+class OrchestratorServer:
+    """A running orchestrator: its gRPC server, database engine, downstream channels and loop runner."""
+
+    def __init__(self, settings: OrchestratorSettings) -> None:
+        self.settings = settings
+        self.port = 0
+        self._grpc: RunningServer | None = None
+
+    @classmethod
+    async def start(cls, settings: OrchestratorSettings) -> OrchestratorServer:
+        """Migrate (when enabled), connect downstream services, and serve on `orchestrator_port`."""
+        self = cls(settings)
+        if settings.auto_migrate:
+            await db.migrate_async("orchestrator", settings.database_url)
+        self.engine = db.make_engine(settings.database_url)
+        sessions = db.sessionmaker(self.engine)
+        self.billing_channel = grpc.aio.insecure_channel(settings.billing_addr)
+        self.tools_channel = grpc.aio.insecure_channel(settings.tools_addr)
+        billing = billing_pb2_grpc.BillingServiceStub(self.billing_channel)
+        tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
+        self.runner = TurnRunner(settings, sessions, None, billing, tools)  # type: ignore[arg-type]
+        self.runner.events = MemoryEventLog(archive_loader=self.runner.load_archive, max_runs=settings.event_log_max_runs)
+        self.servicer = AssistantServicer(settings, sessions, self.runner, billing)
+        self._grpc = await start_grpc_server(
+            [(assistant_pb2_grpc.add_AssistantServiceServicer_to_server, self.servicer, SERVICE_NAME)],
+            settings.host,
+            settings.orchestrator_port,
+        )
+        self.port = self._grpc.port
+        return self
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting RPCs, cancel active runs (recording their outcome), close everything."""
+        if self._grpc is not None:
+            await self._grpc.health.enter_graceful_shutdown()
+        await self.runner.stop()
+        if self._grpc is not None:
+            await self._grpc.server.stop(grace)
+        await self.billing_channel.close()
+        await self.tools_channel.close()
+        await self.engine.dispose()

@@ -1,0 +1,507 @@
+"""The AssistantService servicer: turns, streams, resume, cancel and chat reads.
+
+Spec sections implemented here: "How a turn is admitted, charged, and tracked"
+(guards, reject-before-write admission, persist-and-charge, background execution),
+"Termination and limits" (cancel), "Human-in-the-loop pause" (resume), and the chat
+reads of the official SDK (`modulex/types/assistant.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import functools
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.rpc import status_pb2
+from grpc_status import rpc_status
+from sqlalchemy import delete, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
+from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
+from services.common import pb
+from services.common.errors import BILLING_DOMAIN, RpcError, abort
+from services.orchestrator import hitl
+from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.loop import RunSpec, TurnRunner
+from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
+from services.orchestrator.providers import registry
+
+log = logging.getLogger(__name__)
+
+ASSISTANT_KIND = "assistant"
+STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
+TITLE_LENGTH = 50
+
+
+def _not_found(what: str = "Chat") -> RpcError:
+    return RpcError(grpc.StatusCode.NOT_FOUND, f"{what.upper()}_NOT_FOUND", f"{what} not found")
+
+
+def unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Funnel a unary handler's RpcError into a rich status (never catches context.abort)."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except RpcError as error:
+            await abort(context, error)
+
+    return wrapper
+
+
+class _PassThrough(Exception):
+    """A downstream rich status to return unchanged (a billing denial)."""
+
+    def __init__(self, status: grpc.Status) -> None:
+        super().__init__("pass-through status")
+        self.status = status
+
+
+def _downstream_status(error: grpc.aio.AioRpcError) -> grpc.Status | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            return rpc_status.to_status(status_pb2.Status.FromString(value))
+    return None
+
+
+class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
+    """Implements loopline.assistant.v1.AssistantService over the orchestrator database."""
+
+    def __init__(
+        self,
+        settings: OrchestratorSettings,
+        sessions: Any,
+        runner: TurnRunner,
+        billing: billing_pb2_grpc.BillingServiceStub,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.runner = runner
+        self.billing = billing
+        self._claims: set[str] = set()  # chats whose start/resume/delete is in progress here
+
+    # ------------------------------------------------------------------ helpers
+
+    def _claim(self, chat_id: str) -> None:
+        """Take the chat's start lock or raise 409; two racing requests: exactly one proceeds."""
+        if chat_id in self._claims:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+        self._claims.add(chat_id)
+
+    async def _chat(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str) -> Chat:
+        """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind, deleted)."""
+        try:
+            uuid.UUID(chat_id)
+        except ValueError:
+            raise _not_found() from None
+        chat = await session.get(Chat, chat_id)
+        if (
+            chat is None
+            or chat.organization_id != caller.organization_id
+            or chat.kind != ASSISTANT_KIND
+            or chat.deleted_at is not None
+        ):
+            raise _not_found()
+        return chat
+
+    async def _pending(self, session: AsyncSession, chat: Chat) -> Interrupt | None:
+        """The chat's pending question; an expired one is marked `expired` and frees the chat."""
+        interrupt = (
+            await session.execute(select(Interrupt).where(Interrupt.chat_id == chat.id, Interrupt.outcome == "pending"))
+        ).scalars().first()
+        if interrupt is None:
+            return None
+        expires_at = interrupt.expires_at if interrupt.expires_at.tzinfo else interrupt.expires_at.replace(tzinfo=datetime.UTC)
+        if expires_at <= utcnow():
+            async with self.sessions() as writer, writer.begin():
+                result = await writer.execute(
+                    update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending")
+                    .values(outcome="expired", resolved_at=utcnow())
+                )
+                if result.rowcount:
+                    await writer.execute(update(Run).where(Run.id == interrupt.run_id, Run.status == "interrupted").values(status="expired", updated_at=utcnow()))
+                    await writer.execute(update(Chat).where(Chat.id == chat.id, Chat.running_id == interrupt.run_id).values(running_id=None))
+            raise _Expired(interrupt)
+        return interrupt
+
+    def _llm(self, message: assistant_pb2.LlmConfig | None, has: bool) -> dict[str, Any]:
+        if has and message is not None and message.provider_id:
+            llm = {"integration_name": message.integration_name, "provider_id": message.provider_id, "model_id": message.model_id}
+            if message.HasField("credential_id") and message.credential_id:
+                llm["credential_id"] = message.credential_id
+            return llm
+        return {
+            "integration_name": self.settings.default_integration_name,
+            "provider_id": self.settings.default_provider_id,
+            "model_id": self.settings.default_model_id,
+        }
+
+    def _model(self, llm: dict[str, Any]) -> Any:
+        try:
+            return registry.resolve(self.settings, llm)
+        except registry.UnknownModel as unknown:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", str(unknown)) from None
+
+    def _stream_url(self, chat_id: str, run_id: str) -> str:
+        return f"{self.settings.stream_url_prefix}/{chat_id}/listen/{run_id}"
+
+    # ------------------------------------------------------------------ StartTurn
+
+    @unary
+    async def StartTurn(self, request: assistant_pb2.StartTurnRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.StartTurnResponse:
+        """Guards -> admission -> persist -> charge -> start the loop (nothing written on a refusal)."""
+        caller = request.caller
+        if not request.message.strip():
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "EMPTY_MESSAGE", "message must be a non-empty string")
+        if request.kind and request.kind != ASSISTANT_KIND:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED_KIND", "only assistant chats are served here")
+        llm = self._llm(request.llm, request.HasField("llm"))
+        model = self._model(llm)
+        chat_id = request.chat_id or str(uuid.uuid4())
+        run_id = str(uuid.uuid4())
+        self._claim(chat_id)
+        try:
+            if request.chat_id:
+                async with self.sessions() as session:
+                    chat = await self._chat(session, caller, request.chat_id)
+                    running_id = chat.running_id
+                    try:
+                        pending = await self._pending(session, chat)
+                    except _Expired as expired:
+                        pending = None
+                        running_id = None if running_id == expired.interrupt.run_id else running_id
+                    if pending is not None:
+                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_PENDING", "This chat has a pending question; answer it first")
+                    if running_id:
+                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+            try:
+                admitted = await self.billing.Admit(
+                    billing_pb2.AdmitRequest(
+                        organization_id=caller.organization_id, turn_key=f"{chat_id}:{run_id}", usage_type="run", rate_class="sync_exec"
+                    ),
+                    timeout=10,
+                )
+            except grpc.aio.AioRpcError as error:
+                status = _downstream_status(error)
+                if status is not None:
+                    raise _PassThrough(status) from None
+                raise RpcError(grpc.StatusCode.UNAVAILABLE, "BILLING_UNAVAILABLE", "Billing is unavailable; try again") from None
+            context.set_trailing_metadata(_rate_metadata(admitted.rate_limit))
+            try:
+                await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id)
+                await self.billing.Charge(billing_pb2.ChargeRequest(reservation_id=admitted.reservation_id), timeout=10)
+            except BaseException:
+                await self._release(admitted.reservation_id, "turn not started")
+                await self._unwind(chat_id, run_id, new_chat=not request.chat_id)
+                raise
+        except _PassThrough as passthrough:
+            await context.abort_with_status(passthrough.status)
+        except grpc.aio.AioRpcError as error:
+            log.warning("charging the turn failed", extra={"fields": {"code": error.code().name}})
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "BILLING_UNAVAILABLE", "Billing is unavailable; try again") from None
+        finally:
+            self._claims.discard(chat_id)
+        self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model))
+        return assistant_pb2.StartTurnResponse(
+            status="running", chat_id=chat_id, run_id=run_id, thread_id=chat_id, stream_url=self._stream_url(chat_id, run_id)
+        )
+
+    async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any], reservation_id: str) -> None:
+        """One transaction: chat (new or claimed with a conditional update), user message, run row."""
+        now = utcnow()
+        async with self.sessions() as session, session.begin():
+            if request.chat_id:
+                claimed = await session.execute(
+                    update(Chat).where(Chat.id == chat_id, Chat.running_id.is_(None), Chat.deleted_at.is_(None))
+                    .values(running_id=run_id, updated_at=now)
+                )
+                if claimed.rowcount != 1:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+            else:
+                session.add(
+                    Chat(id=chat_id, organization_id=caller.organization_id, user_id=caller.user_id, kind=ASSISTANT_KIND,
+                         title=request.message.strip()[:TITLE_LENGTH], workflow_id=None, running_id=run_id, created_at=now, updated_at=now)
+                )
+                await session.flush()
+            session.add(Message(id=str(uuid.uuid4()), chat_id=chat_id, run_id=run_id, role="user", content=request.message, created_at=now))
+            session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat_id, organization_id=caller.organization_id,
+                            status="running", llm=llm, reservation_id=reservation_id, created_at=now, updated_at=now))
+
+    async def _unwind(self, chat_id: str, run_id: str, new_chat: bool) -> None:
+        """Undo a turn whose charge failed: remove its rows (a new chat entirely), free the chat."""
+        try:
+            async with self.sessions() as session, session.begin():
+                await session.execute(delete(Message).where(Message.run_id == run_id, Message.role == "user"))
+                await session.execute(delete(Run).where(Run.id == run_id))
+                if new_chat:
+                    await session.execute(delete(Chat).where(Chat.id == chat_id))
+                else:
+                    await session.execute(update(Chat).where(Chat.id == chat_id, Chat.running_id == run_id).values(running_id=None))
+        except Exception:
+            log.exception("unwinding a failed turn start failed")
+
+    async def _release(self, reservation_id: str, reason: str) -> None:
+        try:
+            await self.billing.Release(billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason=reason), timeout=10)
+        except grpc.aio.AioRpcError as error:
+            log.error("releasing a reservation failed", extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}})
+
+    # ------------------------------------------------------------------ StreamRun
+
+    async def StreamRun(self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[assistant_pb2.StreamRunResponse]:
+        """Replay the run's events from `after`, then follow live; ends after a terminal event."""
+        try:
+            async with self.sessions() as session:
+                await self._chat(session, request.caller, request.chat_id)
+                run = await session.get(Run, request.run_id) if _is_uuid(request.run_id) else None
+                if run is None or run.chat_id != request.chat_id:
+                    raise _not_found("Run")
+        except RpcError as error:
+            await abort(context, error)
+            return
+        if request.after < 0:
+            await abort(context, RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"))
+            return
+        await context.send_initial_metadata(((STREAM_READY, "1"),))
+        async for event in self.runner.events.follow(request.run_id, int(request.after)):
+            yield assistant_pb2.StreamRunResponse(event=event)
+
+    # ------------------------------------------------------------------ Resume
+
+    @unary
+    async def Resume(self, request: assistant_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.ResumeResponse:
+        """Answer the pending question and start a new run on the same thread (no second run credit)."""
+        caller = request.caller
+        answer = pb.from_struct(request.response)
+        llm = self._llm(request.llm, request.HasField("llm"))
+        model = self._model(llm)
+        async with self.sessions() as session:
+            chat = await self._chat(session, caller, request.chat_id)
+        self._claim(chat.id)
+        try:
+            async with self.sessions() as session:
+                chat = await self._chat(session, caller, request.chat_id)
+                try:
+                    interrupt = await self._pending(session, chat)
+                except _Expired:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_EXPIRED", "The question expired; start a new turn") from None
+                if interrupt is None:
+                    expired = (await session.execute(select(Interrupt).where(Interrupt.id == request.request_id, Interrupt.chat_id == chat.id))).scalars().first() if _is_uuid(request.request_id) else None
+                    if expired is not None and expired.outcome == "expired":
+                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_EXPIRED", "The question expired; start a new turn")
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_PENDING_QUESTION", "This chat has no pending question")
+                if interrupt.id != request.request_id:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "STALE_REQUEST", "request_id does not match the pending question")
+                try:
+                    normalized = hitl.validate_answer(interrupt.request, answer)
+                except hitl.InvalidAnswer as invalid:
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", str(invalid)) from None
+            run_id = str(uuid.uuid4())
+            now = utcnow()
+            async with self.sessions() as session, session.begin():
+                won = await session.execute(
+                    update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending", Interrupt.expires_at > now)
+                    .values(outcome="answered", response=normalized, resolved_at=now, resumed_run_id=run_id)
+                )
+                if won.rowcount != 1:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_PENDING_QUESTION", "The question was already answered, cancelled or expired")
+                await session.execute(update(Run).where(Run.id == interrupt.run_id).values(status="resumed", updated_at=now))
+                session.add(Message(id=str(uuid.uuid4()), chat_id=chat.id, run_id=run_id, role="tool",
+                                    content=hitl.answer_as_tool_output(normalized), extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool}))
+                session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat.id, organization_id=caller.organization_id,
+                                parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now))
+                await session.execute(update(Chat).where(Chat.id == chat.id).values(running_id=run_id, updated_at=now))
+        finally:
+            self._claims.discard(chat.id)
+        self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=caller.organization_id, llm=llm, model=model))
+        return assistant_pb2.ResumeResponse(status="running", chat_id=chat.id, run_id=run_id, thread_id=chat.id, stream_url=self._stream_url(chat.id, run_id))
+
+    # ------------------------------------------------------------------ Cancel
+
+    @unary
+    async def Cancel(self, request: assistant_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.CancelResponse:
+        """Stop the chat's active run (running or paused); 400-mapped NO_ACTIVE_EXECUTION when there is none."""
+        reason = request.reason or "cancelled by user"
+        async with self.sessions() as session:
+            chat = await self._chat(session, request.caller, request.chat_id)
+            run_id = chat.running_id
+        no_active = RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_ACTIVE_EXECUTION", "No active execution to cancel")
+        if not run_id:
+            raise no_active
+        outcome = await self.runner.cancel(run_id, reason)
+        if outcome is not None:
+            if outcome != "cancelled":
+                raise no_active
+            return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
+        # Not running in this process: a paused run (or an orphan). Settle it here.
+        async with self.sessions() as session, session.begin():
+            changed = await session.execute(
+                update(Chat).where(Chat.id == chat.id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
+            )
+            if changed.rowcount != 1:
+                raise no_active
+            await session.execute(update(Interrupt).where(Interrupt.run_id == run_id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow()))
+            await session.execute(update(Run).where(Run.id == run_id).values(status="cancelled", updated_at=utcnow()))
+        events = self.runner.events
+        if not events.has(run_id):
+            for event in await self.runner.load_archive(run_id):
+                events.open(run_id)
+                events.append(event)
+        events.open(run_id)
+        events.reopen(run_id)
+        events.append(events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason)))
+        events.close(run_id)
+        await self.runner.archive(run_id)
+        return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
+
+    # ------------------------------------------------------------------ reads
+
+    @unary
+    async def GetChat(self, request: assistant_pb2.GetChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatResponse:
+        """The chat with its messages (oldest first) and its pending question."""
+        async with self.sessions() as session:
+            chat = await self._chat(session, request.caller, request.chat_id)
+            try:
+                pending = await self._pending(session, chat)
+            except _Expired:
+                pending = None
+                await session.rollback()
+                await session.refresh(chat)
+            rows = (await session.execute(select(Message).where(Message.chat_id == chat.id).order_by(Message.seq))).scalars().all()
+            statuses = dict((await session.execute(select(Run.id, Run.status).where(Run.chat_id == chat.id))).all())
+        messages = []
+        for row in rows:
+            if row.role in ("marker", "system"):
+                continue
+            thinking = pb.to_struct(row.extra) if row.extra else None
+            messages.append(
+                assistant_pb2.ChatMessage(
+                    id=row.id, role=row.role, content=pb.to_value(row.content), run_id=row.run_id or "",
+                    running_status=statuses.get(row.run_id, ""), create_time=pb.timestamp(_aware(row.created_at)),
+                    thinking=thinking,
+                )
+            )
+        return assistant_pb2.GetChatResponse(chat=self._chat_message(chat, pending), messages=messages)
+
+    def _chat_message(self, chat: Chat, pending: Interrupt | None = None) -> assistant_pb2.Chat:
+        message = assistant_pb2.Chat(
+            id=chat.id, title=chat.title, running_id=chat.running_id or "", kind=chat.kind,
+            create_time=pb.timestamp(_aware(chat.created_at)), update_time=pb.timestamp(_aware(chat.updated_at)),
+        )
+        if pending is not None:
+            message.pending_user_input_request.CopyFrom(pb.to_struct(pending.request))
+        return message
+
+    @unary
+    async def ListChats(self, request: assistant_pb2.ListChatsRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.ListChatsResponse:
+        """The caller's assistant chats, newest first; `cursor` continues a previous page."""
+        limit = request.limit or 20
+        if not 1 <= limit <= 100:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_LIMIT", "limit must be between 1 and 100")
+        query = select(Chat).where(
+            Chat.organization_id == request.caller.organization_id, Chat.user_id == request.caller.user_id,
+            Chat.kind == ASSISTANT_KIND, Chat.deleted_at.is_(None),
+        )
+        if request.cursor:
+            try:
+                created_raw, last_id = base64.urlsafe_b64decode(request.cursor.encode()).decode().split("|", 1)
+                created = datetime.datetime.fromisoformat(created_raw)
+            except (ValueError, UnicodeDecodeError):
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CURSOR", "cursor is not valid") from None
+            query = query.where((Chat.created_at < created) | ((Chat.created_at == created) & (Chat.id < last_id)))
+        query = query.order_by(Chat.created_at.desc(), Chat.id.desc()).limit(limit + 1)
+        async with self.sessions() as session:
+            chats = list((await session.execute(query)).scalars())
+        next_cursor = ""
+        if len(chats) > limit:
+            chats = chats[:limit]
+            last = chats[-1]
+            next_cursor = base64.urlsafe_b64encode(f"{_aware(last.created_at).isoformat()}|{last.id}".encode()).decode()
+        return assistant_pb2.ListChatsResponse(chats=[self._chat_message(c) for c in chats], next_cursor=next_cursor)
+
+    @unary
+    async def GetChatStatus(self, request: assistant_pb2.GetChatStatusRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatStatusResponse:
+        """running / awaiting_input / idle, the pending question's id and the latest run's status."""
+        async with self.sessions() as session:
+            chat = await self._chat(session, request.caller, request.chat_id)
+            try:
+                pending = await self._pending(session, chat)
+            except _Expired:
+                pending = None
+                await session.rollback()
+                await session.refresh(chat)
+            latest = (await session.execute(select(Run).where(Run.chat_id == chat.id).order_by(Run.created_at.desc()).limit(1))).scalars().first()
+        response = assistant_pb2.GetChatStatusResponse(
+            chat_id=chat.id, is_running=bool(chat.running_id) and pending is None, awaiting_input=pending is not None,
+            pending_request_id=pending.id if pending else "", running_id=chat.running_id or "",
+        )
+        if latest is not None:
+            response.run_status.CopyFrom(pb.to_struct({"run_id": latest.id, "status": latest.status, "durable_id": latest.durable_id}))
+        return response
+
+    @unary
+    async def DeleteChat(self, request: assistant_pb2.DeleteChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.DeleteChatResponse:
+        """Hide the chat (soft) or remove it and its rows (permanent); 409 while a run is in flight."""
+        async with self.sessions() as session:
+            chat = await self._chat(session, request.caller, request.chat_id)
+        self._claim(chat.id)
+        try:
+            async with self.sessions() as session, session.begin():
+                chat = await session.get(Chat, chat.id)
+                if chat is None or chat.deleted_at is not None:
+                    raise _not_found()
+                active = chat.running_id is not None and (
+                    await session.execute(select(Run.status).where(Run.id == chat.running_id))
+                ).scalar() == "running"
+                if active:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is in flight on this chat; cancel it before deleting")
+                await session.execute(update(Interrupt).where(Interrupt.chat_id == chat.id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow()))
+                if request.permanent:
+                    run_ids = select(Run.id).where(Run.chat_id == chat.id)
+                    await session.execute(delete(RunEvent).where(RunEvent.run_id.in_(run_ids)))
+                    await session.execute(delete(Interrupt).where(Interrupt.chat_id == chat.id))
+                    await session.execute(delete(Message).where(Message.chat_id == chat.id))
+                    await session.execute(delete(Run).where(Run.chat_id == chat.id))
+                    await session.execute(delete(Chat).where(Chat.id == chat.id))
+                else:
+                    await session.execute(update(Chat).where(Chat.id == chat.id).values(deleted_at=utcnow(), running_id=None))
+        finally:
+            self._claims.discard(chat.id)
+        return assistant_pb2.DeleteChatResponse(status="deleted", chat_id=chat.id, permanent=request.permanent)
+
+
+class _Expired(Exception):
+    def __init__(self, interrupt: Interrupt) -> None:
+        super().__init__("expired")
+        self.interrupt = interrupt
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _aware(moment: datetime.datetime) -> datetime.datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
+
+
+def _rate_metadata(state: billing_pb2.RateLimitState) -> tuple[tuple[str, str], ...]:
+    """X-RateLimit-* values of an admitted turn as trailing metadata for the gateway."""
+    if not state.limit:
+        return ()
+    return (
+        ("x-ratelimit-limit", str(state.limit)),
+        ("x-ratelimit-remaining", str(state.remaining)),
+        ("x-ratelimit-reset", str(state.reset_seconds)),
+    )

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from sqlalchemy import and_, case, func, or_, select, true, update
+from sqlalchemy import and_, case, func, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -419,7 +419,8 @@ class BillingCore:
         if counts_runs:
             allowed: Any = true()
             if plan.max_runs_per_day is not None:
-                allowed = or_(Account.quota_day != today, Account.runs_today + 1 <= plan.max_runs_per_day)
+                runs = case((Account.quota_day == today, Account.runs_today), else_=0)
+                allowed = runs + 1 <= plan.max_runs_per_day
             result = await session.execute(
                 update(Account)
                 .where(Account.org_id == org_id, allowed)

@@ -174,6 +174,7 @@ class KnowledgeStore:
                     domain=TOOLS_DOMAIN, metadata={"knowledge_base_id": knowledge_base_id},
                 )
             session.add(document)
+            await session.flush()  # the document row first: chunks reference it
             rows = [
                 KnowledgeChunk(
                     document_id=document.id, knowledge_base_id=knowledge_base_id, org_id=org_id, chunk_index=i, content=c

@@ -4,7 +4,8 @@ Every connection goes through `services.tools.netpolicy` (loopback, link-local a
 private destinations are refused unless the operator allows them). Redirects are not
 followed: the model sees the 3xx status and the `location` header and may call again,
 so every hop passes the same checks and a credential is never sent to a second host.
-The response body is read up to the output cap and no further.
+The response body is read up to the output cap (less 2 KiB for status and headers) and
+no further; `body_truncated` tells when it was cut.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         content = json.dumps(body).encode()
         headers.setdefault("Content-Type", "application/json")
     query = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (params.get("query") or {}).items()}
-    limit = ctx.max_output_bytes
+    # Leave room for the status, headers and envelope so that a cut body still fits the output cap.
+    limit = max(1024, ctx.max_output_bytes - 2048)
     try:
         async with guarded_client(ctx.allow_private_network, ctx.timeout_s) as client:
             async with client.stream(

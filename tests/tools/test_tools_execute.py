@@ -1,0 +1,141 @@
+"""execute_integration_tool: validation, credentials, time limit, output cap, outbound policy (http)."""
+
+from __future__ import annotations
+
+import time
+
+from services.tools.tools import cap_result
+
+
+async def test_parameters_that_break_the_action_schema_are_a_failed_result(tools):
+    await tools.create_credential("postgresql", {"dsn": "postgresql://postgres@127.0.0.1:5432/test"})
+    error = await tools.failed(
+        "execute_integration_tool",
+        {"integration": "postgresql", "action": "run_query", "parameters": {"sql": "select 1", "max_rows": 0, "x": 1}},
+    )
+    assert "Invalid parameters for postgresql.run_query" in error
+    assert "parameters.max_rows" in error
+    assert "'x' was unexpected" in error
+    missing = await tools.failed("execute_integration_tool", {"integration": "postgresql", "action": "run_query"})
+    assert "'sql' is a required property" in missing
+
+
+async def test_unknown_action_lists_the_integrations_actions(tools):
+    error = await tools.failed("execute_integration_tool", {"integration": "loopline", "action": "reboot"})
+    assert "has no action 'reboot'" in error
+    assert "echo" in error and "now" in error
+
+
+async def test_missing_credential_tells_the_model_to_call_request_credential(tools):
+    error = await tools.failed(
+        "execute_integration_tool", {"integration": "postgresql", "action": "list_schemas", "parameters": {}}
+    )
+    assert "No credential for integration 'postgresql'" in error
+    assert "request_credential" in error
+
+
+async def test_another_organizations_credential_id_cannot_be_used(tools):
+    theirs = await tools.create_credential("postgresql", {"dsn": "postgresql://postgres@127.0.0.1:5432/test"}, org="org-b")
+    error = await tools.failed(
+        "execute_integration_tool",
+        {"integration": "postgresql", "action": "list_schemas", "credential_id": theirs.credential_id},
+    )
+    assert "was not found" in error
+    assert "request_credential" in error
+
+
+async def test_credential_less_action_succeeds_and_reports_its_cost(tools):
+    response = await tools.tool(
+        "execute_integration_tool", {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}
+    )
+    assert response.success
+    assert response.millicredits == 0
+    from services.common import pb
+
+    assert pb.from_value(response.output) == {
+        "integration": "loopline",
+        "action": "echo",
+        "credential_id": None,
+        "result": {"message": "hi"},
+        "truncated": False,
+        "result_bytes": 16,
+    }
+
+
+async def test_output_larger_than_the_cap_is_cut_with_a_marker(start_tools):
+    tools = await start_tools(tools_max_output_bytes=4096)
+    output = await tools.ok(
+        "execute_integration_tool",
+        {"integration": "loopline", "action": "echo", "parameters": {"message": "é" * 20_000}},
+    )
+    assert output["truncated"] is True
+    assert output["result_bytes"] > 40_000
+    assert isinstance(output["result"], str)
+    assert output["result"].startswith('{"message":"éé')
+    assert "[output truncated: " in output["result"]
+    assert len(output["result"].encode()) <= 4096
+
+
+def test_cap_result_keeps_small_results_and_cuts_on_a_character_boundary():
+    assert cap_result({"a": 1}, 100) == ({"a": 1}, False, 7)
+    value, truncated, size = cap_result(["€" * 1000], 300)
+    assert truncated and size == 3004  # [" + 1000 × 3 bytes + "]
+    assert len(value.encode()) <= 300
+    value.encode("utf-8")  # no broken character
+
+
+async def test_http_to_loopback_is_refused_by_default(tools, local_http):
+    for url in (f"{local_http}/json", local_http.replace("127.0.0.1", "localhost") + "/json", "http://[::1]:9/", "http://10.1.2.3/"):
+        error = await tools.failed(
+            "execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": url}}
+        )
+        assert "outbound policy" in error, error
+
+
+async def test_http_to_loopback_works_when_the_operator_allows_private_networks(start_tools, local_http):
+    tools = await start_tools(tools_allow_private_network=True)
+    response = await tools.tool(
+        "execute_integration_tool",
+        {"integration": "http", "action": "request", "parameters": {"url": f"{local_http}/json", "query": {"q": "1"}}},
+    )
+    assert response.success, response.error
+    assert response.millicredits == 200
+    from services.common import pb
+
+    result = pb.from_value(response.output)["result"]
+    assert result["status_code"] == 200
+    assert result["json"] == {"hello": "world", "authorization": None, "path": "/json?q=1"}
+
+
+async def test_http_bearer_credential_is_sent_and_never_returned_in_errors(start_tools, local_http):
+    tools = await start_tools(tools_allow_private_network=True)
+    await tools.create_credential("http", {"token": "tok-very-secret-1234"}, auth_type="bearer")
+    output = await tools.ok(
+        "execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": f"{local_http}/json"}}
+    )
+    assert output["result"]["json"]["authorization"] == "Bearer tok-very-secret-1234"  # the server got it
+    error = await tools.failed(
+        "execute_integration_tool",
+        {"integration": "http", "action": "request", "parameters": {"url": "http://127.0.0.1:1/tok-very-secret-1234"}},
+    )
+    assert "tok-very-secret-1234" not in error
+
+
+async def test_http_body_is_read_only_up_to_the_cap(start_tools, local_http):
+    tools = await start_tools(tools_allow_private_network=True, tools_max_output_bytes=8192)
+    output = await tools.ok(
+        "execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": f"{local_http}/big"}}
+    )
+    assert output["result"]["body_truncated"] is True
+    assert len(output["result"]["body"]) <= 8192
+
+
+async def test_action_that_exceeds_the_time_limit_returns_an_error_within_the_limit(start_tools, local_http):
+    tools = await start_tools(tools_allow_private_network=True, tools_timeout_s=0.5)
+    started = time.monotonic()
+    error = await tools.failed(
+        "execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": f"{local_http}/slow"}}
+    )
+    elapsed = time.monotonic() - started
+    assert "timed out after 0.5 s" in error
+    assert elapsed < 2.0

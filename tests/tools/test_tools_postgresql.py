@@ -1,0 +1,136 @@
+"""The postgresql integration against the local PostgreSQL: inspection, read-only queries, limits, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import asyncpg
+import pytest
+
+from loopline.tools.v1 import tools_pb2
+from services.common import pb
+
+from conftest import PG_DSN
+
+
+def run(action: str, **parameters):
+    return {"integration": "postgresql", "action": action, "parameters": parameters}
+
+
+@pytest.fixture
+async def pg_tools(tools, pg_schema):
+    await tools.create_credential("postgresql", {"dsn": PG_DSN})
+    return tools
+
+
+async def test_list_schemas_and_tables_and_describe_table(pg_tools, pg_schema):
+    schemas = (await pg_tools.ok("execute_integration_tool", run("list_schemas")))["result"]["schemas"]
+    assert pg_schema in schemas and "public" in schemas
+    assert "pg_catalog" not in schemas
+
+    tables = (await pg_tools.ok("execute_integration_tool", run("list_tables", schema=pg_schema)))["result"]["tables"]
+    assert tables == [{"schema": pg_schema, "name": "items", "type": "BASE TABLE"}]
+
+    described = (await pg_tools.ok("execute_integration_tool", run("describe_table", schema=pg_schema, table="items")))["result"]
+    assert [c["name"] for c in described["columns"]] == ["id", "name", "price"]
+    assert described["columns"][1] == {"name": "name", "type": "text", "nullable": False, "default": None}
+    assert described["primary_key"] == ["id"]
+    assert described["indexes"][0]["name"] == "items_pkey"
+
+    error = await pg_tools.failed("execute_integration_tool", run("describe_table", schema=pg_schema, table="nope"))
+    assert f"table {pg_schema}.nope not found" in error
+
+
+async def test_run_query_returns_columns_rows_and_costs_the_action_price(pg_tools, pg_schema):
+    response = await pg_tools.tool(
+        "execute_integration_tool",
+        run("run_query", sql=f"SELECT id, name, price FROM {pg_schema}.items WHERE id >= $1 ORDER BY id", params=[2]),
+    )
+    assert response.success, response.error
+    assert response.millicredits == 500
+    result = pb.from_value(response.output)["result"]
+    assert result["columns"] == [{"name": "id", "type": "int4"}, {"name": "name", "type": "text"}, {"name": "price", "type": "numeric"}]
+    assert result["rows"] == [[2, "banana", "0.25"], [3, "cherry", "12.00"]]
+    assert result["row_count"] == 2 and result["rows_truncated"] is False
+
+    limited = (await pg_tools.ok("execute_integration_tool", run("run_query", sql=f"SELECT * FROM {pg_schema}.items", max_rows=1)))["result"]
+    assert limited["row_count"] == 1 and limited["rows_truncated"] is True
+
+
+async def test_write_queries_are_refused_by_the_read_only_transaction(pg_tools, pg_schema):
+    for sql in (
+        f"INSERT INTO {pg_schema}.items VALUES (4, 'durian', 9)",
+        f"DELETE FROM {pg_schema}.items",
+        f"CREATE TABLE {pg_schema}.evil (x int)",
+        f"WITH gone AS (DELETE FROM {pg_schema}.items RETURNING *) SELECT count(*) FROM gone",
+    ):
+        error = await pg_tools.failed("execute_integration_tool", run("run_query", sql=sql))
+        assert "read-only transaction" in error, error
+    # Sneaking out of the transaction with a second statement is refused too.
+    error = await pg_tools.failed(
+        "execute_integration_tool", run("run_query", sql=f"COMMIT; DELETE FROM {pg_schema}.items")
+    )
+    assert "PostgreSQL error" in error
+    connection = await asyncpg.connect(PG_DSN)
+    try:
+        assert await connection.fetchval(f"SELECT count(*) FROM {pg_schema}.items") == 3
+    finally:
+        await connection.close()
+
+
+async def test_slow_query_returns_a_timeout_error_within_the_limit(start_tools, pg_schema):
+    tools = await start_tools(tools_timeout_s=1.0)
+    await tools.create_credential("postgresql", {"dsn": PG_DSN})
+    started = time.monotonic()
+    error = await tools.failed("execute_integration_tool", run("run_query", sql="SELECT pg_sleep(20)"))
+    assert time.monotonic() - started < 3.0
+    # Either limit may fire first: the service's own, or the server's statement_timeout.
+    assert "timed out after 1 s" in error or "statement timeout" in error
+
+
+async def _sessions_with(marker: str, active_only: bool) -> int:
+    # pg_stat_activity keeps a session's last query while it is idle: with active_only=False
+    # this counts the sessions that ran the marked query and are still open.
+    connection = await asyncpg.connect(PG_DSN)
+    try:
+        return await connection.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE $1 AND pid <> pg_backend_pid() "
+            "AND (state = 'active' OR NOT $2::bool)",
+            f"%{marker}%",
+            active_only,
+        )
+    finally:
+        await connection.close()
+
+
+async def test_cancelled_call_stops_the_running_query_and_closes_its_connection(pg_tools):
+    marker = f"loopline_cancel_probe_{uuid.uuid4().hex[:8]}"
+    call = pg_tools.stub.ExecuteTool(
+        tools_pb2.ExecuteToolRequest(
+            organization_id="org-a",
+            tool="execute_integration_tool",
+            input=pb.to_struct(run("run_query", sql=f"SELECT pg_sleep(20) AS {marker}")),
+        )
+    )
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        if await _sessions_with(marker, active_only=True):
+            break
+    else:
+        pytest.fail("the query never started")
+    call.cancel()
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        if await _sessions_with(marker, active_only=False) == 0:
+            break
+    else:
+        pytest.fail("the query kept running, or its connection stayed open, after the call was cancelled")
+
+
+async def test_connection_errors_never_show_the_password(tools, pg_schema):
+    await tools.create_credential("postgresql", {"dsn": "postgresql://postgres:Sup3rSecretPw@127.0.0.1:1/test"})
+    error = await tools.failed("execute_integration_tool", run("list_schemas"))
+    assert "could not connect to PostgreSQL" in error
+    assert "Sup3rSecretPw" not in error

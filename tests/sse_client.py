@@ -5,7 +5,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pathlib
+
 import httpx
+import jsonschema
+
+_SCHEMA = json.loads((pathlib.Path(__file__).resolve().parents[1] / "schemas" / "sse-frame.json").read_text())
+_VALIDATOR = jsonschema.Draft202012Validator(_SCHEMA, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+def validate_frame(frame: dict[str, Any]) -> None:
+    """Raise jsonschema.ValidationError unless `frame` matches schemas/sse-frame.json."""
+    _VALIDATOR.validate(frame)
 
 
 async def read_frames(client: httpx.AsyncClient, url: str, *, heartbeats: bool = False, params: dict[str, Any] | None = None,
@@ -29,6 +40,7 @@ async def read_frames(client: httpx.AsyncClient, url: str, *, heartbeats: bool =
                 assert frame.startswith(b"data: "), frame
                 assert b"\n" not in frame, frame
                 data = json.loads(frame[len(b"data: "):])
+                validate_frame(data)
                 if data.get("type") == "heartbeat" and not heartbeats:
                     continue
                 frames.append(data)

@@ -1,0 +1,88 @@
+"""The real processes, started as `make run` starts them (scripts/dev.py), on free ports."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Deployment:
+    """A running `scripts/dev.py` with its gateway URL, organization and key."""
+
+    base_url: str
+    org_id: str
+    api_key: str
+    process: subprocess.Popen
+    log: pathlib.Path
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Iterator[Deployment]:
+    """scripts/dev.py running the four services on free ports with a fixed dev key and org."""
+    data = tmp_path_factory.mktemp("e2e")
+    http_port = free_port()
+    env = {
+        **os.environ,
+        "LOOPLINE_DATA_DIR": str(data / "var"),
+        "LOOPLINE_HTTP_PORT": str(http_port),
+        "LOOPLINE_GATEWAY_GRPC_PORT": str(free_port()),
+        "LOOPLINE_ORCHESTRATOR_PORT": str(free_port()),
+        "LOOPLINE_BILLING_PORT": str(free_port()),
+        "LOOPLINE_TOOLS_PORT": str(free_port()),
+        "LOOPLINE_DEV_API_KEY": f"mx_live_e2e_{uuid.uuid4().hex}",
+        "LOOPLINE_DEV_ORG_ID": f"org_e2e_{uuid.uuid4().hex[:8]}",
+        "LOOPLINE_HEARTBEAT_INTERVAL_S": "1",
+    }
+    env["LOOPLINE_ORCHESTRATOR_ADDR"] = f"127.0.0.1:{env['LOOPLINE_ORCHESTRATOR_PORT']}"
+    env["LOOPLINE_BILLING_ADDR"] = f"127.0.0.1:{env['LOOPLINE_BILLING_PORT']}"
+    env["LOOPLINE_TOOLS_ADDR"] = f"127.0.0.1:{env['LOOPLINE_TOOLS_PORT']}"
+    log = data / "dev.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "scripts/dev.py", "--log-dir", str(data / "logs")],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    base_url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 90
+    ready = False
+    while time.monotonic() < deadline and process.poll() is None:
+        if "curl" in log.read_text(errors="replace"):
+            ready = True
+            break
+        time.sleep(0.2)
+    if not ready:
+        process.kill()
+        pytest.fail(f"scripts/dev.py did not become ready:\n{log.read_text(errors='replace')[-4000:]}")
+    assert httpx.get(f"{base_url}/healthz").status_code == 200
+    yield Deployment(base_url, env["LOOPLINE_DEV_ORG_ID"], env["LOOPLINE_DEV_API_KEY"], process, log)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise

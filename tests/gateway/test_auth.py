@@ -1,0 +1,62 @@
+"""API-key auth and roles: owner/admin may use the assistant; others 403; missing/unknown key 401 (issue 2)."""
+
+from __future__ import annotations
+
+import httpx
+
+from services.gateway.identity import hash_key
+
+
+async def test_missing_key_is_401(stack):
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        response = await client.post("/assistant/chat", json={"message": "hi"}, headers={"X-Organization-ID": stack.org_id})
+    assert response.status_code == 401
+    assert "detail" in response.json()
+
+
+async def test_unknown_key_is_401(stack):
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        response = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key="mx_live_nope"))
+    assert response.status_code == 401
+
+
+async def test_member_role_is_403_and_admin_is_allowed(stack):
+    member = await stack.member("member")
+    admin = await stack.member("admin")
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        denied = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key=member["api_key"]))
+        allowed = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key=admin["api_key"]))
+    assert denied.status_code == 403
+    assert allowed.status_code == 200
+
+
+async def test_key_of_another_organization_is_403(stack):
+    outsider = await stack.member("owner", org_id="org_other")
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        response = await client.get("/assistant/chats", headers=stack.headers(api_key=outsider["api_key"]))
+    assert response.status_code == 403
+
+
+async def test_keys_are_stored_only_as_hashes(stack):
+    from sqlalchemy import select
+
+    from services.gateway.models import ApiKey
+
+    async with stack.gateway.sessions() as session:
+        rows = (await session.execute(select(ApiKey))).scalars().all()
+    assert all(stack.api_key not in (row.key_hash, row.prefix) for row in rows)
+    assert any(row.key_hash == hash_key(stack.api_key) for row in rows)
+
+
+async def test_another_organizations_chat_is_404(stack):
+    other = await stack.member("owner", org_id="org_second")
+    async with stack.client() as client:
+        chat_id = (await client.post("/assistant/chat", json={"message": "hello"})).json()["chat_id"]
+    async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.headers(other["api_key"], "org_second")) as client:
+        for response in (
+            await client.post("/assistant/chat", json={"message": "hi", "chat_id": chat_id}),
+            await client.get(f"/assistant/chat/{chat_id}"),
+            await client.get(f"/assistant/chat/{chat_id}/status"),
+            await client.post(f"/assistant/chat/{chat_id}/cancel"),
+        ):
+            assert response.status_code == 404, response.text

@@ -1,0 +1,66 @@
+"""Bad input gets the documented 4xx with {"detail": ...} and writes nothing (issue 2, spec "Start the turn")."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import func, select
+
+from services.orchestrator.models import Chat, Message, Run
+
+
+async def _counts(stack) -> tuple[int, int, int]:
+    async with stack.orchestrator.servicer.sessions() as session:
+        return tuple([(await session.execute(select(func.count()).select_from(m))).scalar() for m in (Chat, Message, Run)])
+
+
+@pytest.mark.parametrize("message", [42, 1.5, ["hi"], {"text": "hi"}, None, True])
+async def test_non_string_message_is_400_and_writes_nothing(stack, message):
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": message})
+    assert response.status_code == 400
+    assert isinstance(response.json()["detail"], str)
+    assert await _counts(stack) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("content", [b"not json", b"[1, 2]", b'"just a string"', b"", b"null", b'{"message": "\\ud800"}'])
+async def test_body_not_a_json_object_is_400(stack, content):
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert "detail" in response.json()
+    assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_missing_message_and_unknown_fields_are_400(stack):
+    async with stack.client() as client:
+        assert (await client.post("/assistant/chat", json={})).status_code == 400
+        assert (await client.post("/assistant/chat", json={"message": "hi", "surprise": 1})).status_code == 400
+        assert (await client.post("/assistant/chat", json={"message": "hi", "llm": "gpt-4o"})).status_code == 400
+    assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_huge_body_is_413(stack):
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": "x" * (2 * 1024 * 1024)})
+    assert response.status_code == 413
+    assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_unknown_chat_id_is_404_and_writes_nothing(stack):
+    async with stack.client() as client:
+        for chat_id in (str(uuid.uuid4()), "not-a-uuid"):
+            response = await client.post("/assistant/chat", json={"message": "hi", "chat_id": chat_id})
+            assert response.status_code == 404
+            assert response.json() == {"detail": "Chat not found"}
+    assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_unknown_provider_is_400_before_anything_is_written(stack):
+    async with stack.client() as client:
+        response = await client.post(
+            "/assistant/chat", json={"message": "hi", "llm": {"integration_name": "x", "provider_id": "nope", "model_id": "m"}}
+        )
+    assert response.status_code == 400
+    assert await _counts(stack) == (0, 0, 0)

@@ -1,0 +1,198 @@
+"""The loop contract of the spec, one test per rule, through the public HTTP API (issue 3)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import select
+
+from services.orchestrator.models import Chat, Message, Run
+from tests.orchestrator.helpers import run_turn, start, types, wait_for
+from tests.sse_client import read_frames
+
+
+async def _run_row(stack, run_id):
+    async with stack.orchestrator.servicer.sessions() as session:
+        return await session.get(Run, run_id)
+
+
+async def _chat_row(stack, chat_id):
+    async with stack.orchestrator.servicer.sessions() as session:
+        return await session.get(Chat, chat_id)
+
+
+async def test_natural_completion_sets_completed_and_clears_running_id(stack):
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "Hello there."})
+    assert types(frames) == ["metadata", "response_chunk", "response_chunk", "done"]
+    assert (await _run_row(stack, body["run_id"])).status == "completed"
+    assert (await _chat_row(stack, body["chat_id"])).running_id is None
+
+
+async def test_done_usage_sums_every_model_call(stack):
+    async with stack.client() as client:
+        _, frames = await run_turn(
+            client,
+            {"tool": "get_available_integrations", "input": {}, "usage": {"input_tokens": 100, "output_tokens": 10}},
+            {"say": "ok", "usage": {"input_tokens": 200, "output_tokens": 20}},
+        )
+    assert frames[-1]["data"]["usage"] == {"input_tokens": 300, "output_tokens": 30, "total_tokens": 330, "llm_calls": 2}
+    assert [c["tool"] for c in frames[-1]["data"]["tool_calls"]] == ["get_available_integrations"]
+    assert set(frames[-1]["data"]["tool_calls"][0]) == {"tool", "input", "output"}
+
+
+async def test_model_failure_emits_error_then_done_with_error_true(stack):
+    async with stack.client() as client:
+        body, frames = await run_turn(
+            client, {"say": "step one", "tool": "get_available_integrations", "input": {}, "usage": {"input_tokens": 7, "output_tokens": 3}},
+            {"fail": "provider exploded at https://internal.example.local/v1 with key sk-abcdefghijklmnop"},
+        )
+    assert types(frames)[-2:] == ["error", "done"]
+    message = frames[-2]["data"]["message"]
+    assert "sk-abcdefghijklmnop" not in message and "internal.example.local" not in message and "Traceback" not in message
+    assert frames[-1]["data"]["error"] is True
+    run = await _run_row(stack, body["run_id"])
+    assert run.status == "failed"
+    assert (await _chat_row(stack, body["chat_id"])).running_id is None
+    assert run.usage["llm_calls"] == 2
+
+
+async def test_failed_run_records_token_usage_with_billing(stack):
+    from services.billing.models import UsageRecord
+
+    async with stack.client() as client:
+        body, _ = await run_turn(client, {"fail": "boom", "usage": {"input_tokens": 11, "output_tokens": 5}})
+    async with stack.billing.core.sessions() as session:
+        rows = (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"]))).scalars().all()
+    assert [(r.input_tokens, r.output_tokens) for r in rows] == [(11, 5)]
+
+
+async def test_failed_tool_output_is_error_and_success_false(stack):
+    async with stack.client() as client:
+        _, frames = await run_turn(client, {"tool": "no_such_tool", "input": {}}, {"say": "done"})
+    result = next(f for f in frames if f["type"] == "tool_result")["data"]["output"]
+    assert result["success"] is False and isinstance(result["error"], str)
+
+
+async def test_recursion_limit_of_100_steps_ends_the_run_with_an_error(stack):
+    steps = [{"tool": "get_available_integrations", "input": {}, "chunks": 1} for _ in range(60)]
+    async with stack.client() as client:
+        body, frames = await run_turn(client, *steps)
+    assert types(frames)[-2:] == ["error", "done"]
+    assert "recursion limit" in frames[-2]["data"]["message"].lower()
+    # steps 1..100 are 50 model calls and 50 tool executions; the 51st model call would be step 101
+    assert sum(1 for t in types(frames) if t == "tool_result") == 50
+    assert frames[-1]["data"]["usage"]["llm_calls"] == 50
+    assert (await _run_row(stack, body["run_id"])).status == "failed"
+
+
+async def test_three_consecutive_tool_failures_publish_guidance_and_success_resets(stack):
+    bad = {"tool": "no_such_tool", "input": {}}
+    good = {"tool": "get_available_integrations", "input": {}}
+    async with stack.client() as client:
+        body, frames = await run_turn(client, bad, bad, bad, good, bad, bad, {"say": "giving up"})
+    guidance = [f["data"] for f in frames if f["type"] == "guidance"]
+    assert guidance == [{"message": guidance[0]["message"], "consecutive_failures": 3}]
+    order = types(frames)
+    third_result = [i for i, t in enumerate(order) if t == "tool_result"][2]
+    assert order[third_result + 1] == "guidance"
+    async with stack.orchestrator.servicer.sessions() as session:
+        system = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "system"))).scalars().all()
+    assert [m.content for m in system] == [guidance[0]["message"]]
+    assert frames[-1]["type"] == "done" and "error" not in frames[-1]["data"]
+
+
+async def test_every_20th_model_call_publishes_guidance(stack):
+    steps = [{"tool": "get_available_integrations", "input": {}, "chunks": 1} for _ in range(41)] + [{"say": "finished"}]
+    async with stack.client() as client:
+        _, frames = await run_turn(client, *steps)
+    milestones = [f["data"]["total_llm_calls"] for f in frames if f["type"] == "guidance"]
+    assert milestones == [20, 40]
+    assert frames[-1]["type"] == "done"
+
+
+async def test_several_tool_calls_in_one_step_run_only_one_and_thread_stays_valid(stack):
+    async with stack.client() as client:
+        body, frames = await run_turn(
+            client,
+            {"tools": [{"tool": "get_available_integrations", "input": {}}, {"tool": "get_organization_credentials", "input": {}}]},
+            {"say": "ok"},
+        )
+        assert types(frames).count("tool_call") == 1
+        _, again = await run_turn(client, {"say": "next turn works"}, chat_id=body["chat_id"])
+    assert again[-1]["type"] == "done"
+
+
+async def test_second_turn_while_running_is_409(stack):
+    async with stack.client() as client:
+        body = await start(client, {"say": "slow", "sleep_ms": 2000})
+        second = await client.post("/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]})
+        assert second.status_code == 409
+        await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+
+
+async def test_fifty_concurrent_turns_on_one_idle_chat_admit_exactly_one(stack):
+    async with stack.client() as client:
+        first, _ = await run_turn(client, {"say": "warm"})
+        chat_id = first["chat_id"]
+        async with stack.orchestrator.servicer.sessions() as session:
+            before = len((await session.execute(select(Message).where(Message.chat_id == chat_id))).scalars().all())
+        responses = await asyncio.gather(
+            *[client.post("/assistant/chat", json={"message": '{"script":[{"say":"x","sleep_ms":300}]}', "chat_id": chat_id}) for _ in range(50)]
+        )
+        codes = sorted(r.status_code for r in responses)
+        assert codes == [200] + [409] * 49
+        winner = next(r.json() for r in responses if r.status_code == 200)
+        await read_frames(client, winner["stream_url"])
+    async with stack.orchestrator.servicer.sessions() as session:
+        runs = (await session.execute(select(Run).where(Run.chat_id == chat_id))).scalars().all()
+        messages = (await session.execute(select(Message).where(Message.chat_id == chat_id, Message.role == "user"))).scalars().all()
+    assert len(runs) == 2 and len(messages) == 2
+    assert before > 0
+
+
+async def test_late_listener_and_many_listeners_get_every_event_in_order(stack):
+    async with stack.client() as client:
+        body = await start(client, {"say": "a b c d e f", "sleep_ms": 300, "tool": "get_available_integrations", "input": {}}, {"say": "end"})
+        listeners = await asyncio.gather(*[read_frames(client, body["stream_url"]) for _ in range(5)])
+        late = await read_frames(client, body["stream_url"])
+    assert all(frames == late for frames in listeners)
+
+
+async def test_reconnect_with_after_gets_the_rest_without_gaps_or_repeats(stack):
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "one two three four", "tool": "get_available_integrations", "input": {}}, {"say": "bye now"})
+        for n in (0, 1, 3, len(frames) - 1, len(frames)):
+            rest = await read_frames(client, body["stream_url"], params={"after": n})
+            assert rest == frames[n:]
+        assert (await client.get(body["stream_url"], params={"after": -1})).status_code == 400
+
+
+async def test_heartbeat_after_silence(stack):
+    async with stack.client() as client:
+        body = await start(client, {"say": "late", "sleep_ms": 2300})
+        frames = await read_frames(client, body["stream_url"], heartbeats=True)
+    assert frames[1] == {"type": "heartbeat"}
+    assert types(frames).count("heartbeat") >= 2
+    assert frames[-1]["type"] == "done"
+
+
+async def test_listener_disconnect_does_not_disturb_the_run(stack):
+    async with stack.client() as client:
+        body = await start(client, {"say": "x", "sleep_ms": 500}, {"say": "y"})
+        async with client.stream("GET", body["stream_url"]) as response:
+            async for _ in response.aiter_bytes():
+                break
+        await wait_for(lambda: stack.orchestrator.runner.active.get(body["run_id"]) is None, timeout=10)
+        frames = await read_frames(client, body["stream_url"])
+    assert frames[-1]["type"] == "done"
+    assert (await _run_row(stack, body["run_id"])).status == "completed"
+
+
+async def test_unknown_run_on_listen_is_404(stack):
+    import uuid
+
+    async with stack.client() as client:
+        body, _ = await run_turn(client, {"say": "x"})
+        assert (await client.get(f"/assistant/chat/{body['chat_id']}/listen/{uuid.uuid4()}")).status_code == 404
+        assert (await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{body['run_id']}")).status_code == 404

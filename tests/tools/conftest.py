@@ -87,7 +87,18 @@ async def start_tools(tmp_path) -> AsyncIterator[StartTools]:
 
     async def start(**overrides: Any) -> ToolsClient:
         data_dir = tmp_path / f"server{len(started)}"
-        settings = ToolsSettings(data_dir=data_dir, tools_port=0, **overrides)
+        # Explicit values, so that LOOPLINE_* variables in the environment cannot change a test.
+        defaults: dict[str, Any] = {
+            "tools_database_url": "",
+            "auto_migrate": True,
+            "tools_timeout_s": 30.0,
+            "tools_max_output_bytes": 64 * 1024,
+            "tools_credential_key": "",
+            "tools_allow_private_network": False,
+            "tools_search_millicredits": 100,
+            "host": "127.0.0.1",
+        }
+        settings = ToolsSettings(data_dir=data_dir, tools_port=0, **{**defaults, **overrides})
         server = await ToolsServer.start(settings)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         client = ToolsClient(server, channel, settings)
@@ -104,6 +115,12 @@ async def start_tools(tmp_path) -> AsyncIterator[StartTools]:
 async def tools(start_tools: StartTools) -> ToolsClient:
     """A tools server with the default settings (outbound policy: public addresses only)."""
     return await start_tools()
+
+
+@pytest.fixture
+def pg_dsn() -> str:
+    """The local PostgreSQL's URL (tests import no module of this folder: fixtures only)."""
+    return PG_DSN
 
 
 @pytest.fixture

@@ -12,16 +12,14 @@ import pytest
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
 
-from conftest import PG_DSN
-
 
 def run(action: str, **parameters):
     return {"integration": "postgresql", "action": action, "parameters": parameters}
 
 
 @pytest.fixture
-async def pg_tools(tools, pg_schema):
-    await tools.create_credential("postgresql", {"dsn": PG_DSN})
+async def pg_tools(tools, pg_schema, pg_dsn):
+    await tools.create_credential("postgresql", {"dsn": pg_dsn})
     return tools
 
 
@@ -59,7 +57,7 @@ async def test_run_query_returns_columns_rows_and_costs_the_action_price(pg_tool
     assert limited["row_count"] == 1 and limited["rows_truncated"] is True
 
 
-async def test_write_queries_are_refused_by_the_read_only_transaction(pg_tools, pg_schema):
+async def test_write_queries_are_refused_by_the_read_only_transaction(pg_tools, pg_schema, pg_dsn):
     for sql in (
         f"INSERT INTO {pg_schema}.items VALUES (4, 'durian', 9)",
         f"DELETE FROM {pg_schema}.items",
@@ -73,16 +71,16 @@ async def test_write_queries_are_refused_by_the_read_only_transaction(pg_tools, 
         "execute_integration_tool", run("run_query", sql=f"COMMIT; DELETE FROM {pg_schema}.items")
     )
     assert "PostgreSQL error" in error
-    connection = await asyncpg.connect(PG_DSN)
+    connection = await asyncpg.connect(pg_dsn)
     try:
         assert await connection.fetchval(f"SELECT count(*) FROM {pg_schema}.items") == 3
     finally:
         await connection.close()
 
 
-async def test_slow_query_returns_a_timeout_error_within_the_limit(start_tools, pg_schema):
+async def test_slow_query_returns_a_timeout_error_within_the_limit(start_tools, pg_schema, pg_dsn):
     tools = await start_tools(tools_timeout_s=1.0)
-    await tools.create_credential("postgresql", {"dsn": PG_DSN})
+    await tools.create_credential("postgresql", {"dsn": pg_dsn})
     started = time.monotonic()
     error = await tools.failed("execute_integration_tool", run("run_query", sql="SELECT pg_sleep(20)"))
     assert time.monotonic() - started < 3.0
@@ -90,10 +88,10 @@ async def test_slow_query_returns_a_timeout_error_within_the_limit(start_tools, 
     assert "timed out after 1 s" in error or "statement timeout" in error
 
 
-async def _sessions_with(marker: str, active_only: bool) -> int:
+async def _sessions_with(dsn: str, marker: str, active_only: bool) -> int:
     # pg_stat_activity keeps a session's last query while it is idle: with active_only=False
     # this counts the sessions that ran the marked query and are still open.
-    connection = await asyncpg.connect(PG_DSN)
+    connection = await asyncpg.connect(dsn)
     try:
         return await connection.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE query LIKE $1 AND pid <> pg_backend_pid() "
@@ -105,7 +103,7 @@ async def _sessions_with(marker: str, active_only: bool) -> int:
         await connection.close()
 
 
-async def test_cancelled_call_stops_the_running_query_and_closes_its_connection(pg_tools):
+async def test_cancelled_call_stops_the_running_query_and_closes_its_connection(pg_tools, pg_dsn):
     marker = f"loopline_cancel_probe_{uuid.uuid4().hex[:8]}"
     call = pg_tools.stub.ExecuteTool(
         tools_pb2.ExecuteToolRequest(
@@ -116,14 +114,14 @@ async def test_cancelled_call_stops_the_running_query_and_closes_its_connection(
     )
     for _ in range(50):
         await asyncio.sleep(0.1)
-        if await _sessions_with(marker, active_only=True):
+        if await _sessions_with(pg_dsn, marker, active_only=True):
             break
     else:
         pytest.fail("the query never started")
     call.cancel()
     for _ in range(50):
         await asyncio.sleep(0.1)
-        if await _sessions_with(marker, active_only=False) == 0:
+        if await _sessions_with(pg_dsn, marker, active_only=False) == 0:
             break
     else:
         pytest.fail("the query kept running, or its connection stayed open, after the call was cancelled")

@@ -1,0 +1,192 @@
+"""Human in the loop, resume and cancel through the HTTP API (issue 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+
+import pytest
+from sqlalchemy import select, update
+
+from services.orchestrator.models import Chat, Interrupt, Message, Run
+from tests.conftest import SCRIPTED
+from tests.orchestrator.helpers import run_turn, start, types, wait_for
+from tests.sse_client import read_frames
+
+QUESTIONS = {
+    "ask_user_choice": ({"message": "Which repo?", "options": [{"value": "api", "label": "acme/api"}, {"value": "web", "label": "acme/web"}]},
+                        {"kind": "single_choice", "selected_value": "web"}),
+    "ask_user_multi_choice": ({"message": "Which ones?", "options": [{"value": "a", "label": "A"}, {"value": "b", "label": "B"}, {"value": "c", "label": "C"}],
+                               "min_selections": 1, "max_selections": 2},
+                              {"kind": "multi_choice", "selected_values": ["a", "c"]}),
+    "ask_user_yes_no": ({"message": "Proceed?"}, {"kind": "yes_no", "answer": True}),
+    "ask_user_free_text": ({"message": "Name it", "min_length": 2, "max_length": 10}, {"kind": "free_text", "text": "loopline"}),
+    "request_credential": ({"integration": "postgresql", "message": "I need database access"}, {"kind": "skipped", "reason": "later"}),
+}
+
+
+async def _ask(client, tool: str, tool_input: dict) -> tuple[dict, list[dict]]:
+    return await run_turn(client, {"say": "One question.", "tool": tool, "input": tool_input}, {"say": "Thanks, all done."})
+
+
+@pytest.mark.parametrize("tool", list(QUESTIONS))
+async def test_each_question_kind_pauses_then_resumes_to_done(stack, tool):
+    question, answer = QUESTIONS[tool]
+    async with stack.client() as client:
+        body, frames = await _ask(client, tool, question)
+        assert types(frames)[-2:] == ["user_input_request", "interrupted"]
+        request = frames[-2]["data"]
+        assert frames[-1]["data"] == {"request_id": request["request_id"], "kind": request["kind"]}
+        status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+        assert status["awaiting_input"] is True and status["pending_request_id"] == request["request_id"]
+        details = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
+        assert details["pending_user_input_request"] == request
+        resumed = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request["request_id"], "response": answer, "llm": SCRIPTED})
+        assert resumed.status_code == 200, resumed.text
+        new = resumed.json()
+        assert new["run_id"] != body["run_id"] and new["thread_id"] == body["chat_id"]
+        rest = await read_frames(client, new["stream_url"])
+        assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "Thanks, all done."
+    async with stack.orchestrator.servicer.sessions() as session:
+        row = await session.get(Interrupt, request["request_id"])
+        tool_rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+    assert row.outcome == "answered"
+    assert tool_rows[-1].extra["tool_call_id"] == next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
+
+
+async def test_resume_charges_no_second_run_credit(stack):
+    from services.billing.models import LedgerEntry
+
+    question, answer = QUESTIONS["ask_user_yes_no"]
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", question)
+        new = (await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": frames[-1]["data"]["request_id"], "response": answer, "llm": SCRIPTED})).json()
+        await read_frames(client, new["stream_url"])
+    async with stack.billing.core.sessions() as session:
+        charges = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == stack.org_id))).scalars().all()
+    assert len([c for c in charges if c.idempotency_key.startswith("charge:")]) == 1
+
+
+@pytest.mark.parametrize(
+    ("tool", "answer"),
+    [
+        ("ask_user_choice", {"kind": "single_choice", "selected_value": "nope"}),
+        ("ask_user_choice", {"kind": "yes_no", "answer": True}),
+        ("ask_user_multi_choice", {"kind": "multi_choice", "selected_values": ["a", "b", "c"]}),
+        ("ask_user_multi_choice", {"kind": "multi_choice", "selected_values": []}),
+        ("ask_user_free_text", {"kind": "free_text", "text": "x"}),
+        ("ask_user_free_text", {"kind": "free_text", "text": "far too long for this"}),
+    ],
+)
+async def test_invalid_answer_is_400_and_question_stays_pending(stack, tool, answer):
+    async with stack.client() as client:
+        body, frames = await _ask(client, tool, QUESTIONS[tool][0])
+        request_id = frames[-1]["data"]["request_id"]
+        response = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request_id, "response": answer, "llm": SCRIPTED})
+        assert response.status_code == 400, response.text
+        status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+        assert status["awaiting_input"] is True and status["pending_request_id"] == request_id
+
+
+async def test_stale_or_missing_question_is_409(stack):
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        stale = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": "00000000-0000-0000-0000-000000000000", "response": {"kind": "yes_no", "answer": True}})
+        assert stale.status_code == 409
+        done, _ = await run_turn(client, {"say": "plain"})
+        none = await client.post(f"/assistant/chat/{done['chat_id']}/resume", json={"request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": True}})
+        assert none.status_code == 409
+
+
+async def test_new_turn_while_question_pending_is_409(stack):
+    async with stack.client() as client:
+        body, _ = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        response = await client.post("/assistant/chat", json={"message": "hi", "chat_id": body["chat_id"]})
+        assert response.status_code == 409
+
+
+async def test_two_concurrent_resumes_exactly_one_succeeds(stack):
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        payload = {"request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": False}, "llm": SCRIPTED}
+        results = await asyncio.gather(*[client.post(f"/assistant/chat/{body['chat_id']}/resume", json=payload) for _ in range(5)])
+        assert sorted(r.status_code for r in results) == [200, 409, 409, 409, 409]
+        winner = next(r for r in results if r.status_code == 200).json()
+        await read_frames(client, winner["stream_url"])
+
+
+async def test_expired_question_frees_the_chat_and_late_resume_is_409(stack):
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        request_id = frames[-1]["data"]["request_id"]
+        async with stack.orchestrator.servicer.sessions() as session, session.begin():
+            await session.execute(update(Interrupt).where(Interrupt.id == request_id).values(expires_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)))
+        late = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}})
+        assert late.status_code == 409 and "expired" in late.json()["detail"].lower()
+        nxt = await client.post("/assistant/chat", json={"message": "new turn", "chat_id": body["chat_id"]})
+        assert nxt.status_code == 200
+        await read_frames(client, nxt.json()["stream_url"])
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert (await session.get(Interrupt, request_id)).outcome == "expired"
+
+
+async def test_cancel_during_model_wait_stops_within_a_second(stack):
+    async with stack.client() as client:
+        body = await start(client, {"say": "slow", "sleep_ms": 10_000})
+        await wait_for(lambda: stack.orchestrator.runner.events.snapshot(body["run_id"]))
+        began = asyncio.get_running_loop().time()
+        response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+        assert response.status_code == 200
+        assert response.json() == {"status": "cancelled", "chat_id": body["chat_id"], "run_id": body["run_id"]}
+        assert asyncio.get_running_loop().time() - began < 1.0
+        frames = await read_frames(client, body["stream_url"])
+        assert frames[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}
+        nxt, again = await run_turn(client, {"say": "fine"}, chat_id=body["chat_id"])
+        assert again[-1]["type"] == "done"
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert (await session.get(Run, body["run_id"])).status == "cancelled"
+        assert (await session.get(Chat, body["chat_id"])).running_id is None
+
+
+async def test_cancel_right_after_start_before_first_event(stack):
+    async with stack.client() as client:
+        body = await start(client, {"say": "never", "sleep_ms": 5000})
+        response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+        assert response.status_code == 200
+        frames = await read_frames(client, body["stream_url"])
+    assert frames[-1]["type"] == "cancelled"
+
+
+async def test_cancel_with_no_active_run_is_400(stack):
+    async with stack.client() as client:
+        body, _ = await run_turn(client, {"say": "x"})
+        response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+    assert response.status_code == 400
+    assert response.json() == {"detail": "No active execution to cancel"}
+
+
+async def test_cancel_of_paused_run_clears_question_and_flips_audit_row(stack):
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        request_id = frames[-1]["data"]["request_id"]
+        response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+        assert response.status_code == 200
+        status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+        assert status["awaiting_input"] is False and status["running_id"] is None
+        nxt = await client.post("/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]})
+        assert nxt.status_code == 200
+        await read_frames(client, nxt.json()["stream_url"])
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert (await session.get(Interrupt, request_id)).outcome == "cancelled"
+
+
+async def test_cancel_racing_natural_end_leaves_one_outcome(stack):
+    async with stack.client() as client:
+        for delay in (0.0, 0.01, 0.03, 0.05):
+            body = await start(client, {"say": "quick", "sleep_ms": 30})
+            await asyncio.sleep(delay)
+            response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+            frames = await read_frames(client, body["stream_url"])
+            terminal = [f["type"] for f in frames if f["type"] in ("done", "cancelled")]
+            assert len(terminal) == 1
+            assert (response.status_code == 200) == (terminal[0] == "cancelled")

@@ -38,9 +38,12 @@ RecordUsage, on the configured default plan (`LOOPLINE_BILLING_DEFAULT_PLAN`,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,6 +223,20 @@ class BillingCore:
         self.default_plan = default_plan
         self.hold_seconds = hold_seconds
         self.clock = clock
+        bind = sessions.kw.get("bind")
+        # SQLite allows one writer at a time; queueing writers on an asyncio.Lock instead of
+        # SQLite's sleeping busy handler keeps admissions fast under contention. Correctness
+        # never depends on it (the conditional UPDATEs do), so other processes are safe too.
+        self._sqlite_writer = asyncio.Lock() if bind is not None and bind.dialect.name == "sqlite" else None
+
+    @contextlib.asynccontextmanager
+    async def _writer(self) -> AsyncIterator[None]:
+        """Serialize this process's write transactions on SQLite (no-op elsewhere)."""
+        if self._sqlite_writer is None:
+            yield
+            return
+        async with self._sqlite_writer:
+            yield
 
     # ------------------------------------------------------------------ accounts
 
@@ -278,7 +295,7 @@ class BillingCore:
         if row is None and not provision:
             return None
         async with self.sessions() as session:
-            async with session.begin():
+            async with self._writer(), session.begin():
                 if row is None:
                     plan = await session.get(Plan, self.default_plan)
                     if plan is None:
@@ -385,7 +402,7 @@ class BillingCore:
                 expires_at=now + datetime.timedelta(seconds=self.hold_seconds),
             )
             try:
-                async with self.sessions() as session, session.begin():
+                async with self._writer(), self.sessions() as session, session.begin():
                     await self._reserve(session, reservation, plan, today, counts_runs)
             except _Denied as denied:
                 raise await self._denial(denied.layer, org_id, plan, credits, today) from None
@@ -512,7 +529,7 @@ class BillingCore:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
         now = self.clock()
         async with self.sessions() as session:
-            async with session.begin():
+            async with self._writer(), session.begin():
                 result = await session.execute(
                     update(Reservation)
                     .where(Reservation.id == reservation_id, Reservation.state == HELD)
@@ -621,7 +638,7 @@ class BillingCore:
         if not reservation_id:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
         async with self.sessions() as session:
-            async with session.begin():
+            async with self._writer(), session.begin():
                 voided = await self._void(session, reservation_id, RELEASED, reason)
             if voided is not None:
                 with loopline_logging.bind(org_id=voided.org_id):
@@ -653,7 +670,7 @@ class BillingCore:
             if not ids:
                 return expired
             for reservation_id in ids:
-                async with self.sessions() as session, session.begin():
+                async with self._writer(), self.sessions() as session, session.begin():
                     if await self._void(session, reservation_id, EXPIRED, "hold expired") is not None:
                         expired += 1
             if len(ids) < batch:
@@ -710,7 +727,7 @@ class BillingCore:
                 created_at=now,
             )
             try:
-                async with self.sessions() as session, session.begin():
+                async with self._writer(), self.sessions() as session, session.begin():
                     session.add(record)
                     await session.flush()
                     if millicredits:
@@ -784,7 +801,7 @@ class BillingCore:
         if plan is None:
             raise ValueError(f"unknown plan {plan_name!r}")
         await self.account(org_id)
-        async with self.sessions() as session, session.begin():
+        async with self._writer(), self.sessions() as session, session.begin():
             await session.execute(
                 update(Account)
                 .where(Account.org_id == org_id)
@@ -857,7 +874,7 @@ class BillingCore:
                 created_at=self.clock(),
             )
             try:
-                async with session.begin():
+                async with self._writer(), session.begin():
                     session.add(entry)
                     await session.flush()
                     await session.execute(

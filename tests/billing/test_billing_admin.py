@@ -1,0 +1,66 @@
+"""`python -m services.billing admin ...` and the migration history."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine
+
+from services.billing.__main__ import _parser, admin
+from services.billing.models import Base
+from services.common import db
+
+
+async def _admin(settings, *argv: str) -> tuple[int, dict]:
+    return await admin(settings, _parser().parse_args(["admin", *argv]))
+
+
+async def test_admin_commands_adjust_the_account_and_show_the_ledger(settings):
+    code, view = await _admin(settings, "set-plan", "--org", "acme", "--plan", "team")
+    assert code == 0 and view["plan"]["name"] == "team"
+    assert view["allowance"]["period_allowance"] == 10000
+    code, view = await _admin(settings, "grant-credits", "--org", "acme", "--credits", "25", "--note", "goodwill")
+    assert view["allowance"]["period_allowance"] == 10025 and view["allowance"]["granted_credits"] == 25
+    code, view = await _admin(settings, "top-up", "--org", "acme", "--minor-units", "1500", "--idempotency-key", "inv-1")
+    code, view = await _admin(settings, "top-up", "--org", "acme", "--minor-units", "1500", "--idempotency-key", "inv-1")
+    assert view["wallet"]["balance_minor"] == 1500  # the same idempotency key posts once
+    kinds = [(e["kind"], e["unit"], e["amount"]) for e in view["recent_ledger_entries"]]
+    assert sorted(kinds) == [("grant", "credit", 25), ("top_up", "minor", 1500)]
+
+
+async def test_admin_rejects_unknown_plans_and_unknown_orgs(settings):
+    assert (await _admin(settings, "set-plan", "--org", "acme", "--plan", "platinum"))[0] == 1
+    code, document = await _admin(settings, "show", "--org", "ghost")
+    assert code == 1 and "no billing account" in document["error"]
+    assert (await _admin(settings, "grant-credits", "--org", "acme", "--credits", "0"))[0] == 1
+
+
+async def test_seed_dev_is_idempotent(settings):
+    for _ in range(2):
+        code, view = await _admin(settings, "seed-dev", "--org", "demo")
+    assert code == 0
+    assert view["plan"]["name"] == "developer" and view["allowance"]["available"] == 1000
+    assert view["wallet"]["balance_minor"] == 1000
+    assert len(view["recent_ledger_entries"]) == 1
+
+
+def test_admin_show_runs_as_a_module(tmp_path):
+    env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path), "LOOPLINE_LOG_LEVEL": "WARNING"}
+    command = [sys.executable, "-m", "services.billing", "admin", "seed-dev", "--org", "demo"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(result.stdout)["organization_id"] == "demo"
+
+
+def test_migrations_match_the_models(tmp_path):
+    url = f"sqlite+aiosqlite:///{tmp_path / 'm.db'}"
+    db.migrate("billing", url)
+    engine = create_engine(f"sqlite:///{tmp_path / 'm.db'}")
+    with engine.connect() as connection:
+        diff = compare_metadata(MigrationContext.configure(connection, opts={"compare_type": True}), Base.metadata)
+    engine.dispose()
+    assert diff == []

@@ -1,0 +1,99 @@
+"""RecordUsage: token usage per model call, priced by the table, idempotent, BYOK free."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import grpc
+import pytest
+from sqlalchemy import select
+
+from loopline.billing.v1 import billing_pb2 as pb
+from services.billing.models import Account, LedgerEntry, UsageRecord
+from services.billing.pricing import PriceTable
+from services.common.errors import status_details
+
+SHIPPED_PRICES = pathlib.Path(__file__).resolve().parents[2] / "services" / "billing" / "prices.toml"
+
+
+def usage(org: str, run_id: str = "run1", call_index: int = 0, **fields: object) -> pb.RecordUsageRequest:
+    values: dict[str, object] = {
+        "organization_id": org,
+        "run_id": run_id,
+        "call_index": call_index,
+        "chat_id": "chat1",
+        "provider_id": "scripted",
+        "model_id": "scripted-1",
+        "input_tokens": 1000,
+        "output_tokens": 500,
+    }
+    values.update(fields)
+    return pb.RecordUsageRequest(**values)
+
+
+def test_price_table_looks_up_exact_then_provider_then_default_and_rounds_up():
+    table = PriceTable.load(SHIPPED_PRICES)
+    assert table.price("openai", "gpt-4o-mini").input == 15
+    assert table.price("anthropic", "claude-anything") == table.models[("anthropic", "*")]
+    assert table.price("nobody", "nothing") == table.default
+    # scripted: 10 mc/1k input, 20 mc/1k output, 1 mc/1k cache read, 10 mc/1k cache write
+    assert table.millicredits("scripted", "x", input_tokens=1000, output_tokens=500) == 20
+    assert table.millicredits("scripted", "x", input_tokens=1, output_tokens=0) == 1  # 0.01 -> 1
+    assert (
+        table.millicredits("scripted", "x", input_tokens=0, output_tokens=0, cache_read_tokens=2000, cache_write_tokens=1000)
+        == 12
+    )
+    assert table.millicredits("openai", "gpt-4o", input_tokens=10**6, output_tokens=10**6, byok=True) == 0
+
+
+async def test_record_usage_prices_the_call_and_posts_it_once(server, stub, org):
+    first = await stub.RecordUsage(usage(org))
+    assert (first.millicredits, first.replayed) == (20, False)
+    again = await stub.RecordUsage(usage(org))
+    assert (again.usage_id, again.millicredits, again.replayed) == (first.usage_id, 20, True)
+    async with server.core.sessions() as session:
+        entries = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org))).scalars().all()
+        account = await session.get(Account, org)
+    assert [(e.idempotency_key, e.kind, e.unit, e.amount, e.usage_id) for e in entries] == [
+        ("usage:run1:0", "token_usage", "millicredit", -20, first.usage_id)
+    ]
+    assert account.usage_millicredits == 20
+    assert account.allowance_used == 0  # token usage is independent of the run credit
+
+
+async def test_parallel_duplicate_usage_reports_record_once(server, stub, org):
+    results = await asyncio.gather(*(stub.RecordUsage(usage(org, call_index=3)) for _ in range(10)))
+    assert len({r.usage_id for r in results}) == 1
+    assert sum(not r.replayed for r in results) == 1
+    async with server.core.sessions() as session:
+        account = await session.get(Account, org)
+    assert account.usage_millicredits == 20
+
+
+async def test_byok_usage_is_recorded_with_zero_credits(server, stub, org):
+    result = await stub.RecordUsage(
+        usage(org, provider_id="openai", model_id="gpt-4o", input_tokens=5000, cache_read_tokens=100, byok=True, estimated=True)
+    )
+    assert result.millicredits == 0
+    async with server.core.sessions() as session:
+        record = await session.get(UsageRecord, result.usage_id)
+        entries = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org))).scalars().all()
+        account = await session.get(Account, org)
+    assert (record.byok, record.estimated, record.input_tokens, record.cache_read_tokens) == (True, True, 5000, 100)
+    assert (record.provider_id, record.model_id, record.chat_id) == ("openai", "gpt-4o", "chat1")
+    assert entries == [] and account.usage_millicredits == 0
+
+
+async def test_usage_key_of_another_org_is_already_exists(stub, org):
+    await stub.RecordUsage(usage(org, run_id="shared"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.RecordUsage(usage("someone-else", run_id="shared"))
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert status_details(caught.value).reason == "USAGE_KEY_REUSED"
+
+
+async def test_negative_token_counts_are_invalid_argument(stub, org):
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.RecordUsage(usage(org, input_tokens=-1))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -9,7 +9,6 @@ organization ever sees another's documents.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import re
 import uuid
@@ -88,10 +87,6 @@ class SearchHit:
             "content": self.content,
             "score": round(self.score, 6),
         }
-
-
-def _aware(moment: datetime.datetime) -> datetime.datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
 
 
 class KnowledgeStore:

@@ -25,6 +25,7 @@ from services.gateway import sse
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.identity import Authenticator, AuthError, Principal
+from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def _responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, A
     names = {
         400: "Bad request", 401: "Missing or unknown API key", 402: "Billing denial (credit or wallet layer)",
         403: "Role not allowed, or quota denial", 404: "Chat or run not found", 409: "Conflict with the chat's state",
-        413: "Request body too large", 429: "Rate limited", 503: "A backing service is unavailable", 504: "Timed out",
+        413: "Request body too large", 422: "Idempotency-Key reused with another request", 429: "Rate limited", 503: "A backing service is unavailable", 504: "Timed out",
     }
     result: dict[int | str, dict[str, Any]] = {}
     for code in (400, 401, 403, *codes, 503, 504):
@@ -117,7 +118,9 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
     return assistant_pb2.LlmConfig(**fields, credential_id=credential) if credential else assistant_pb2.LlmConfig(**fields)
 
 
-def create_app(settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel) -> FastAPI:
+def create_app(
+    settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel, idempotency: IdempotencyStore
+) -> FastAPI:
     """The FastAPI application serving the assistant API against the orchestrator on `channel`."""
     app = FastAPI(
         title="Loopline",
@@ -137,6 +140,10 @@ def create_app(settings: GatewaySettings, authenticator: Authenticator, channel:
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return detail(error.status, error.detail, headers)
 
+    @app.exception_handler(IdempotencyConflict)
+    async def _idempotency_error(_: Request, error: IdempotencyConflict) -> JSONResponse:
+        return detail(error.status, error.detail)
+
     @app.exception_handler(BodyError)
     async def _body_error(_: Request, error: BodyError) -> JSONResponse:
         return detail(error.status, error.message)
@@ -152,7 +159,7 @@ def create_app(settings: GatewaySettings, authenticator: Authenticator, channel:
     @app.post(
         "/assistant/chat",
         summary="Start a turn (new chat, or continue one)",
-        responses=_responses(402, 404, 409, 413, 429, denial=True),
+        responses=_responses(402, 404, 409, 413, 422, 429, denial=True),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -195,6 +202,22 @@ def create_app(settings: GatewaySettings, authenticator: Authenticator, channel:
         rpc = assistant_pb2.StartTurnRequest(caller=caller(who), message=message, chat_id=chat_id or "", kind="assistant")
         if llm is not None:
             rpc.llm.CopyFrom(llm)
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            return await _start(rpc)
+        route = "POST /assistant/chat"
+        replay = await idempotency.claim(who.organization_id, who.user_id, key, route, body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS)))
+        if replay is not None:
+            return Response(replay[1], status_code=replay[0], media_type="application/json", headers={"Idempotent-Replayed": "true"})
+        try:
+            response = await _start(rpc)
+        except BaseException:
+            await idempotency.release(who.organization_id, who.user_id, key)
+            raise
+        await idempotency.complete(who.organization_id, who.user_id, key, response.status_code, bytes(response.body).decode())
+        return response
+
+    async def _start(rpc: assistant_pb2.StartTurnRequest) -> JSONResponse:
         call = orchestrator.StartTurn(rpc, timeout=30)
         response = await call
         headers = {}

@@ -18,6 +18,7 @@ class GatewaySettings(CommonSettings):
         max_body_bytes: largest request body accepted (larger -> 413).
         dev_api_key / dev_org_id: fix the key and organization that `seed-dev` creates.
         auth_cache_ttl_s: how long a resolved API key is cached in memory.
+        idempotency_ttl_s: how long an Idempotency-Key and its response are kept (24 h).
     """
 
     http_port: int = 8000
@@ -30,6 +31,7 @@ class GatewaySettings(CommonSettings):
     dev_api_key: str = ""
     dev_org_id: str = ""
     auth_cache_ttl_s: float = 30.0
+    idempotency_ttl_s: float = 86_400.0
 
     @property
     def database_url(self) -> str:

@@ -61,3 +61,23 @@ class ApiKey(Base):
     name: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class IdempotencyRecord(Base):
+    """A POST made with an `Idempotency-Key` header (AIP-155): its body hash and its response.
+
+    The row is claimed (response empty) before the request runs and filled with the
+    response when it succeeds; a failed request removes its claim so it can be retried.
+    Rows older than `idempotency_ttl_s` are ignored and swept.
+    """
+
+    __tablename__ = "idempotency_records"
+
+    organization_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    route: Mapped[str] = mapped_column(String(200))
+    body_hash: Mapped[str] = mapped_column(String(64))
+    status_code: Mapped[int | None] = mapped_column(nullable=True)
+    response: Mapped[str | None] = mapped_column(String, nullable=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)

@@ -14,6 +14,7 @@ from services.common.grpc_server import RunningServer, start_grpc_server
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.identity import Authenticator
+from services.gateway.idempotency import IdempotencyStore
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class GatewayServer:
         self.channel = grpc.aio.insecure_channel(
             settings.orchestrator_addr, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         )
-        self.app = create_app(settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel)
+        self.idempotency = IdempotencyStore(self.sessions, settings.idempotency_ttl_s)
+        self.app = create_app(settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel, self.idempotency)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((settings.http_host, settings.http_port))

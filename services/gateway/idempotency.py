@@ -1,0 +1,103 @@
+"""Idempotent POSTs with the `Idempotency-Key` header (Google AIP-155; the SDK sends it).
+
+A retry with the same key and the same body returns the original response and starts
+nothing; the same key with another body is 422; a retry while the first request is
+still running is 409. Keys are scoped to (organization, user) and kept for
+`idempotency_ttl_s` seconds (24 h by default); a failed request frees its key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+
+from sqlalchemy import delete
+from sqlalchemy.exc import IntegrityError
+
+from services.gateway.models import IdempotencyRecord, utcnow
+
+MAX_KEY_LENGTH = 255
+
+
+class IdempotencyConflict(Exception):
+    """The key cannot be used for this request: `status` (409 or 422) and a `detail`."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def body_hash(route: str, body: bytes) -> str:
+    """SHA-256 of the route and the canonical body."""
+    return hashlib.sha256(route.encode() + b"\0" + body).hexdigest()
+
+
+class IdempotencyStore:
+    """Claims, completes and replays idempotency keys in the gateway database."""
+
+    def __init__(self, sessions, ttl_s: float) -> None:  # noqa: ANN001
+        self.sessions = sessions
+        self.ttl_s = ttl_s
+
+    async def claim(self, org_id: str, user_id: str, key: str, route: str, digest: str) -> tuple[int, str] | None:
+        """Claim `key`; returns None when claimed now, or the stored (status, body) to replay.
+
+        Raises IdempotencyConflict(422) for another body, (409) while the first request runs,
+        and (400) for a key that is empty or longer than 255 characters.
+        """
+        if not key or len(key) > MAX_KEY_LENGTH:
+            raise IdempotencyConflict(400, "Idempotency-Key must be 1 to 255 characters")
+        cutoff = utcnow() - datetime.timedelta(seconds=self.ttl_s)
+        for _ in range(2):
+            async with self.sessions() as session, session.begin():
+                row = await session.get(IdempotencyRecord, (org_id, user_id, key))
+                if row is not None and _aware(row.created_at) < cutoff:
+                    await session.delete(row)
+                    await session.flush()
+                    row = None
+                if row is None:
+                    try:
+                        session.add(IdempotencyRecord(organization_id=org_id, user_id=user_id, key=key, route=route, body_hash=digest))
+                        await session.flush()
+                        return None
+                    except IntegrityError:
+                        await session.rollback()
+                        continue
+                if row.route != route or row.body_hash != digest:
+                    raise IdempotencyConflict(422, "This Idempotency-Key was already used with a different request")
+                if row.status_code is None:
+                    raise IdempotencyConflict(409, "A request with this Idempotency-Key is still in progress")
+                return row.status_code, row.response or ""
+        raise IdempotencyConflict(409, "A request with this Idempotency-Key is still in progress")
+
+    async def complete(self, org_id: str, user_id: str, key: str, status: int, body: str) -> None:
+        """Store the response of a claimed key."""
+        async with self.sessions() as session, session.begin():
+            row = await session.get(IdempotencyRecord, (org_id, user_id, key))
+            if row is not None:
+                row.status_code, row.response = status, body
+
+    async def release(self, org_id: str, user_id: str, key: str) -> None:
+        """Free a claimed key whose request failed, so that it can be retried."""
+        async with self.sessions() as session, session.begin():
+            await session.execute(
+                delete(IdempotencyRecord).where(
+                    IdempotencyRecord.organization_id == org_id, IdempotencyRecord.user_id == user_id,
+                    IdempotencyRecord.key == key, IdempotencyRecord.status_code.is_(None),
+                )
+            )
+
+    async def sweep(self) -> int:
+        """Delete records past the TTL; returns how many."""
+        cutoff = utcnow() - datetime.timedelta(seconds=self.ttl_s)
+        async with self.sessions() as session, session.begin():
+            result = await session.execute(delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff))
+            return result.rowcount or 0
+
+
+def _aware(moment: datetime.datetime) -> datetime.datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
+
+
+__all__ = ["IdempotencyConflict", "IdempotencyStore", "body_hash"]

@@ -1,0 +1,55 @@
+"""Idempotency-Key on POST /assistant/chat (issue 3; AIP-155)."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+
+from services.orchestrator.models import Run
+from tests.sse_client import read_frames
+
+
+async def _runs(stack) -> int:
+    async with stack.orchestrator.servicer.sessions() as session:
+        return (await session.execute(select(func.count()).select_from(Run))).scalar()
+
+
+async def test_retry_with_same_key_and_body_returns_original_and_starts_nothing(stack):
+    async with stack.client() as client:
+        headers = {"Idempotency-Key": "turn-1"}
+        first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
+        second = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
+        assert first.status_code == second.status_code == 200
+        assert first.json() == second.json()
+        assert second.headers["Idempotent-Replayed"] == "true"
+        await read_frames(client, first.json()["stream_url"])
+    assert await _runs(stack) == 1
+
+
+async def test_same_key_with_another_body_is_422(stack):
+    async with stack.client() as client:
+        headers = {"Idempotency-Key": "turn-2"}
+        assert (await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)).status_code == 200
+        other = await client.post("/assistant/chat", json={"message": "different"}, headers=headers)
+    assert other.status_code == 422
+    assert "Idempotency-Key" in other.json()["detail"]
+    assert await _runs(stack) == 1
+
+
+async def test_failed_request_frees_its_key(stack):
+    import uuid
+
+    async with stack.client() as client:
+        headers = {"Idempotency-Key": "turn-3"}
+        missing = await client.post("/assistant/chat", json={"message": "hi", "chat_id": str(uuid.uuid4())}, headers=headers)
+        assert missing.status_code == 404
+        again = await client.post("/assistant/chat", json={"message": "hi", "chat_id": str(uuid.uuid4())}, headers=headers)
+        assert again.status_code == 404
+
+
+async def test_keys_are_scoped_to_the_caller(stack):
+    admin = await stack.member("admin")
+    async with stack.client() as client:
+        a = await client.post("/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "shared"})
+        b = await client.post("/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "shared", **stack.headers(api_key=admin["api_key"])})
+    assert a.status_code == b.status_code == 200
+    assert a.json()["run_id"] != b.json()["run_id"]

@@ -190,3 +190,22 @@ async def test_cancel_racing_natural_end_leaves_one_outcome(stack):
             terminal = [f["type"] for f in frames if f["type"] in ("done", "cancelled")]
             assert len(terminal) == 1
             assert (response.status_code == 200) == (terminal[0] == "cancelled")
+
+
+async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid(stack):
+    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    async with stack.client() as client:
+        body = await start(client, slow, {"say": "never"})
+        await wait_for(lambda: any(e.WhichOneof("payload") == "tool_call" for e in stack.orchestrator.runner.events.snapshot(body["run_id"])))
+        began = asyncio.get_running_loop().time()
+        assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
+        assert asyncio.get_running_loop().time() - began < 1.0
+        frames = await read_frames(client, body["stream_url"])
+        assert frames[-1]["type"] == "cancelled"
+        _, again = await run_turn(client, {"say": "next turn fine"}, chat_id=body["chat_id"])
+        assert again[-1]["type"] == "done"
+    async with stack.orchestrator.servicer.sessions() as session:
+        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"]).order_by(Message.seq))).scalars().all()
+    call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
+    results = [r for r in rows if r.role == "tool" and r.extra["tool_call_id"] == call_id]
+    assert len(results) == 1 and results[0].content == {"error": "cancelled", "success": False}

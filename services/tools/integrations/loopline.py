@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import zoneinfo
 from typing import Any
@@ -38,6 +39,17 @@ MANIFEST: dict[str, Any] = {
             },
             "credit_cost_millicredits": 0,
         },
+        {
+            "name": "wait",
+            "description": "Wait for a number of seconds (at most 300), then return; for demos of long actions and cancel.",
+            "parameters": {
+                "type": "object",
+                "properties": {"seconds": {"type": "number", "minimum": 0, "maximum": 300}},
+                "required": ["seconds"],
+                "additionalProperties": False,
+            },
+            "credit_cost_millicredits": 0,
+        },
     ],
 }
 
@@ -58,4 +70,11 @@ async def now(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     return {"timezone": name, "iso": moment.isoformat(), "unix": int(moment.timestamp())}
 
 
-HANDLERS = {"echo": echo, "now": now}
+async def wait(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
+    """{"waited_seconds": n} after sleeping n seconds; cancellable (the tool call's cancel stops it)."""
+    seconds = float(params["seconds"])
+    await asyncio.sleep(seconds)
+    return {"waited_seconds": seconds}
+
+
+HANDLERS = {"echo": echo, "now": now, "wait": wait}

@@ -1,0 +1,19 @@
+"""README.md lists every LOOPLINE_* setting of every service (issue 2)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from scripts.settings_table import rows
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_readme_lists_every_setting():
+    readme = (ROOT / "README.md").read_text()
+    missing = [variable for variable, _, _ in rows() if f"`{variable}`" not in readme]
+    assert missing == [], f"run `python scripts/settings_table.py` and update README.md: {missing}"
+
+
+def test_readme_gives_the_test_command():
+    assert "make test" in (ROOT / "README.md").read_text()

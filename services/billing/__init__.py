@@ -1,0 +1,1 @@
+"""Loopline billing service: admission layers, reservations, ledger, token metering (see README.md)."""

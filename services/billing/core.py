@@ -306,7 +306,10 @@ class BillingCore:
                     await session.execute(self._roll_period_stmt(org_id, period))
             row = (
                 await session.execute(
-                    select(Account, Plan).join(Plan).where(Account.org_id == org_id).execution_options(populate_existing=True)
+                    select(Account, Plan)
+                    .join(Plan)
+                    .where(Account.org_id == org_id)
+                    .execution_options(populate_existing=True)
                 )
             ).one()
             return row[0], row[1]

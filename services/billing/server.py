@@ -65,7 +65,9 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
         self.core = core
 
     @rpc
-    async def Admit(self, request: billing_pb2.AdmitRequest, context: grpc.aio.ServicerContext) -> billing_pb2.AdmitResponse:  # noqa: N802
+    async def Admit(  # noqa: N802
+        self, request: billing_pb2.AdmitRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.AdmitResponse:
         """Admit (or replay) a turn; denials are rich errors carrying a Denial detail."""
         admission = await self.core.admit(
             request.organization_id, request.turn_key, request.usage_type, request.rate_class, request.credits
@@ -80,13 +82,17 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
         )
 
     @rpc
-    async def Charge(self, request: billing_pb2.ChargeRequest, context: grpc.aio.ServicerContext) -> billing_pb2.ChargeResponse:  # noqa: N802
+    async def Charge(  # noqa: N802
+        self, request: billing_pb2.ChargeRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.ChargeResponse:
         """Charge a held reservation exactly once (a replay returns the same ledger entry)."""
         result = await self.core.charge(request.reservation_id)
         return billing_pb2.ChargeResponse(state=STATE_TO_PB[result.state], ledger_entry_id=result.ledger_entry_id)
 
     @rpc
-    async def Release(self, request: billing_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> billing_pb2.ReleaseResponse:  # noqa: N802
+    async def Release(  # noqa: N802
+        self, request: billing_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.ReleaseResponse:
         """Release a held reservation at most once; a charged one is left charged."""
         state = await self.core.release(request.reservation_id, request.reason)
         return billing_pb2.ReleaseResponse(state=STATE_TO_PB[state])
@@ -166,7 +172,9 @@ class BillingServer:
             raise
         sweeper = None
         if settings.billing_sweep_interval_s > 0:
-            sweeper = asyncio.create_task(_sweep_forever(core, settings.billing_sweep_interval_s), name="billing-sweeper")
+            sweeper = asyncio.create_task(
+                _sweep_forever(core, settings.billing_sweep_interval_s), name="billing-sweeper"
+            )
         log.info("billing started", extra={"fields": {"port": running.port}})
         return cls(running, core, engine, sweeper)
 

@@ -1,6 +1,6 @@
 """Fixtures of the billing tests: a real grpc.aio BillingServer on port 0 over SQLite in tmp_path.
 
-Test plans are the shipped plans.toml plus small plans that make each layer easy to reach.
+Settings and test plans come from tests_billing_helpers.make_settings.
 `postgres_url` creates a uniquely named PostgreSQL database (dropped afterwards) when
 LOOPLINE_TEST_POSTGRES_URL is set, e.g. postgresql+asyncpg://postgres@127.0.0.1:5432/test.
 """
@@ -20,69 +20,7 @@ from sqlalchemy.engine import make_url
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.config import BillingSettings
 from services.billing.server import BillingServer
-
-SHIPPED_PLANS = pathlib.Path(__file__).resolve().parents[2] / "services" / "billing" / "plans.toml"
-
-TEST_PLANS = """
-# 7 run credits, nothing else: the concurrency plan.
-[plans.seven]
-monthly_run_credits = 7
-wallet_overage = false
-wallet_price_minor = 0
-
-# No allowance; every run is paid from the wallet at 5 minor units a credit.
-[plans.wallet_only]
-monthly_run_credits = 0
-wallet_overage = true
-wallet_price_minor = 5
-
-# Two runs a day.
-[plans.two_a_day]
-monthly_run_credits = 100
-max_runs_per_day = 2
-wallet_overage = false
-wallet_price_minor = 0
-
-# Three sync_exec admissions a minute.
-[plans.three_a_minute]
-monthly_run_credits = 100
-wallet_overage = false
-wallet_price_minor = 0
-[plans.three_a_minute.rate_limits]
-sync_exec = "3/minute"
-
-# Every layer would refuse: shows the order rate -> quota -> credit.
-[plans.all_closed]
-monthly_run_credits = 0
-max_runs_per_day = 0
-wallet_overage = false
-wallet_price_minor = 0
-[plans.all_closed.rate_limits]
-sync_exec = "1/minute"
-
-# The state machine's plan: 3 allowance credits, then the wallet.
-[plans.machine]
-monthly_run_credits = 3
-wallet_overage = true
-wallet_price_minor = 5
-"""
-
-
-def make_settings(tmp_path: pathlib.Path, **overrides: object) -> BillingSettings:
-    """Settings for a test server: port 0, SQLite in `tmp_path`, no background sweeper."""
-    plans = tmp_path / "plans.toml"
-    if not plans.exists():
-        plans.write_text(SHIPPED_PLANS.read_text() + TEST_PLANS)
-    values: dict[str, object] = {
-        "data_dir": tmp_path,
-        "billing_port": 0,
-        "billing_sweep_interval_s": 0,
-        "billing_plans_path": plans,
-        "billing_rate_limit_storage_url": "memory://",
-    }
-    values.update(overrides)
-    return BillingSettings(**values)
-
+from tests_billing_helpers import make_settings
 
 @pytest.fixture
 def settings(tmp_path: pathlib.Path) -> BillingSettings:

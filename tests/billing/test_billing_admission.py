@@ -14,7 +14,7 @@ from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from services.billing.models import Account, LedgerEntry, Reservation
 from services.billing.server import BillingServer
 from services.common.errors import BILLING_DOMAIN, status_details
-from tests_billing_helpers import admit_request
+from tests_billing_helpers import admit_request, make_settings
 
 pb = billing_pb2
 
@@ -299,8 +299,6 @@ async def test_hundred_parallel_admissions_against_a_seven_credit_wallet_admit_e
 
 
 async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(tmp_path, postgres_url, org):
-    from conftest import make_settings
-
     server = await BillingServer.start(make_settings(tmp_path, billing_database_url=postgres_url))
     try:
         await server.core.set_plan(org, "seven")

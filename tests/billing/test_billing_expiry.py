@@ -13,8 +13,7 @@ from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import Account
 from services.billing.server import BillingServer
 from services.common.errors import status_details
-from tests_billing_helpers import admit_request
-from conftest import make_settings
+from tests_billing_helpers import admit_request, make_settings
 
 
 async def test_sweeper_expires_overdue_holds_and_returns_their_credits(server, stub, org):

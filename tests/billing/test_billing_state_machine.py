@@ -23,8 +23,7 @@ from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import Account, LedgerEntry, Reservation
 from services.billing.server import BillingServer
 from services.common.errors import status_details
-from conftest import make_settings
-from tests_billing_helpers import admit_request
+from tests_billing_helpers import admit_request, make_settings
 
 KEYS = [f"chat:{i}" for i in range(6)]
 ALLOWANCE = 3  # plan "machine": 3 run credits, then the wallet at 5 minor units a credit

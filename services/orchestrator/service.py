@@ -284,8 +284,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         llm = self._llm(request.llm, request.HasField("llm"))
         model = self._model(llm)
         async with self.sessions() as session:
-            chat = await self._chat(session, caller, request.chat_id)
-        self._claim(chat.id)
+            chat_id = (await self._chat(session, caller, request.chat_id)).id
+        self._claim(chat_id)
         try:
             async with self.sessions() as session:
                 chat = await self._chat(session, caller, request.chat_id)
@@ -320,7 +320,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                                 parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now))
                 await session.execute(update(Chat).where(Chat.id == chat.id).values(running_id=run_id, updated_at=now))
         finally:
-            self._claims.discard(chat.id)
+            self._claims.discard(chat_id)
         self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=caller.organization_id, llm=llm, model=model))
         return assistant_pb2.ResumeResponse(status="running", chat_id=chat.id, run_id=run_id, thread_id=chat.id, stream_url=self._stream_url(chat.id, run_id))
 
@@ -451,11 +451,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def DeleteChat(self, request: assistant_pb2.DeleteChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.DeleteChatResponse:
         """Hide the chat (soft) or remove it and its rows (permanent); 409 while a run is in flight."""
         async with self.sessions() as session:
-            chat = await self._chat(session, request.caller, request.chat_id)
-        self._claim(chat.id)
+            chat_id = (await self._chat(session, request.caller, request.chat_id)).id
+        self._claim(chat_id)
         try:
             async with self.sessions() as session, session.begin():
-                chat = await session.get(Chat, chat.id)
+                chat = await session.get(Chat, chat_id)
                 if chat is None or chat.deleted_at is not None:
                     raise _not_found()
                 active = chat.running_id is not None and (
@@ -474,8 +474,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 else:
                     await session.execute(update(Chat).where(Chat.id == chat.id).values(deleted_at=utcnow(), running_id=None))
         finally:
-            self._claims.discard(chat.id)
-        return assistant_pb2.DeleteChatResponse(status="deleted", chat_id=chat.id, permanent=request.permanent)
+            self._claims.discard(chat_id)
+        return assistant_pb2.DeleteChatResponse(status="deleted", chat_id=chat_id, permanent=request.permanent)
 
 
 class _Expired(Exception):

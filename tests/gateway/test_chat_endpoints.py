@@ -1,0 +1,109 @@
+"""The chat reads the official SDK calls: get, list, status, delete (issue 3; SDK modulex/types/assistant.py)."""
+
+from __future__ import annotations
+
+import uuid
+
+from modulex import Modulex
+from sqlalchemy import select
+
+from services.orchestrator.models import Chat
+from tests.orchestrator.helpers import run_turn, start
+from tests.sse_client import read_frames
+
+
+async def test_get_chat_returns_messages_and_title(stack):
+    message = "Tell me something about the weather in Paris tomorrow please, thanks a lot!"
+    async with stack.client() as client:
+        body = (await client.post("/assistant/chat", json={"message": message})).json()
+        await read_frames(client, body["stream_url"])
+        details = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
+    assert details["id"] == body["chat_id"]
+    assert details["title"] == message[:50]
+    assert details["running_id"] is None and details["pending_user_input_request"] is None
+    assert [m["role"] for m in details["messages"]] == ["user", "assistant"]
+    assert details["messages"][0]["content"] == message
+    assert details["messages"][1]["running_status"] == "completed"
+
+
+async def test_list_chats_newest_first_with_cursor(stack):
+    async with stack.client() as client:
+        ids = []
+        for i in range(5):
+            body, _ = await run_turn(client, {"say": f"chat {i}"})
+            ids.append(body["chat_id"])
+        first = (await client.get("/assistant/chats", params={"limit": 2})).json()
+        second = (await client.get("/assistant/chats", params={"limit": 2, "cursor": first["next_cursor"]})).json()
+        third = (await client.get("/assistant/chats", params={"limit": 2, "cursor": second["next_cursor"]})).json()
+        assert (await client.get("/assistant/chats", params={"limit": 0})).status_code == 400
+        assert (await client.get("/assistant/chats", params={"cursor": "garbage!"})).status_code == 400
+    listed = [c["id"] for page in (first, second, third) for c in page["items"]]
+    assert listed == list(reversed(ids))
+    assert third["next_cursor"] is None
+    assert set(first["items"][0]) == {"id", "title", "created_at", "updated_at", "is_running"}
+
+
+async def test_status_of_idle_and_running_chat(stack):
+    async with stack.client() as client:
+        body = await start(client, {"say": "slow", "sleep_ms": 3000})
+        running = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+        assert running["is_running"] is True and running["running_id"] == body["run_id"]
+        assert running["run_status"]["status"] == "running"
+        await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+        idle = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+    assert idle["is_running"] is False and idle["awaiting_input"] is False and idle["running_id"] is None
+    assert idle["run_status"]["status"] == "cancelled"
+
+
+async def test_delete_soft_then_permanent_and_in_flight_is_409(stack):
+    async with stack.client() as client:
+        busy = await start(client, {"say": "slow", "sleep_ms": 3000})
+        assert (await client.delete(f"/assistant/chat/{busy['chat_id']}")).status_code == 409
+        await client.post(f"/assistant/chat/{busy['chat_id']}/cancel")
+        soft = await client.delete(f"/assistant/chat/{busy['chat_id']}")
+        assert soft.json() == {"status": "deleted", "chat_id": busy["chat_id"], "permanent": False}
+        assert (await client.get(f"/assistant/chat/{busy['chat_id']}")).status_code == 404
+        async with stack.orchestrator.servicer.sessions() as session:
+            assert (await session.get(Chat, busy["chat_id"])) is not None
+        other, _ = await run_turn(client, {"say": "x"})
+        hard = await client.delete(f"/assistant/chat/{other['chat_id']}", params={"permanent": "true"})
+        assert hard.json()["permanent"] is True
+        assert (await client.delete(f"/assistant/chat/{uuid.uuid4()}")).status_code == 404
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert (await session.execute(select(Chat).where(Chat.id == other["chat_id"]))).scalars().first() is None
+
+
+async def test_composer_chat_is_404_on_every_assistant_endpoint(stack):
+    chat_id = str(uuid.uuid4())
+    async with stack.orchestrator.servicer.sessions() as session, session.begin():
+        session.add(Chat(id=chat_id, organization_id=stack.org_id, user_id=stack.user_id, kind="composer", title="c"))
+    async with stack.client() as client:
+        run_id = str(uuid.uuid4())
+        for method, path, kwargs in [
+            ("POST", "/assistant/chat", {"json": {"message": "hi", "chat_id": chat_id}}),
+            ("GET", f"/assistant/chat/{chat_id}", {}),
+            ("GET", f"/assistant/chat/{chat_id}/status", {}),
+            ("GET", f"/assistant/chat/{chat_id}/listen/{run_id}", {}),
+            ("POST", f"/assistant/chat/{chat_id}/cancel", {}),
+            ("POST", f"/assistant/chat/{chat_id}/resume", {"json": {"request_id": "x", "response": {"kind": "skipped"}}}),
+            ("DELETE", f"/assistant/chat/{chat_id}", {}),
+        ]:
+            response = await client.request(method, path, **kwargs)
+            assert response.status_code == 404, (path, response.text)
+            assert response.json() == {"detail": "Chat not found"}
+
+
+async def test_sdk_reads_match_its_models(stack):
+    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+    turn = await client.assistant.chat("hello there")
+    async with client.assistant.listen(turn.chat_id, turn.run_id) as stream:
+        names = [event.event async for event in stream]
+    assert names[-1] == "done"
+    chat = await client.assistant.get(turn.chat_id)
+    assert chat.id == turn.chat_id and len(chat.messages) == 2
+    listing = await client.assistant.list(limit=10)
+    assert listing.items[0].id == turn.chat_id
+    status = await client.assistant.status(turn.chat_id)
+    assert status.is_running is False
+    deleted = await client.assistant.delete(turn.chat_id)
+    assert deleted.status == "deleted"

@@ -1,0 +1,101 @@
+# Loopline: one entry point for development and CI. Every target installs what it
+# needs first (a virtual environment in .venv, the buf CLI in node_modules), so a fresh
+# clone needs only python3 (>= 3.11), npm and make.
+#
+#   make run                  set up, migrate, seed and start all four services
+#   make test                 the whole test suite (embedded SQLite, in-memory backends)
+#   make test PYTEST_ARGS='-k sse -x'   (TESTS=tests/e2e narrows the paths)
+#   make help                 every target
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST := $(VENV)/bin/pytest
+VENV_STAMP := $(VENV)/.installed
+BUF := node_modules/.bin/buf
+SERVICES := gateway orchestrator billing tools
+
+TESTS ?= tests
+PYTEST_ARGS ?=
+DEV_ARGS ?=
+LOOPLINE_TEST_POSTGRES_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
+LOOPLINE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
+
+.PHONY: help venv buf gen gen-check lint breaking migrate run test test-pg clean distclean
+
+help: ## list the targets
+	@echo "Loopline make targets:"
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
+	@echo "Variables: TESTS (test paths, default tests), PYTEST_ARGS (extra pytest options), DEV_ARGS (options of scripts/dev.py, e.g. --logs), PYTHON (default python3)."
+
+venv: $(VENV_STAMP) ## create .venv and install the project with its dev extras (reinstalls only when pyproject.toml changes)
+
+$(VENV_STAMP): pyproject.toml
+	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install --disable-pip-version-check --quiet -e '.[dev]'
+	@touch $@
+
+buf: $(BUF) ## install the buf CLI (npm package @bufbuild/buf) into node_modules
+
+$(BUF): package.json $(wildcard package-lock.json)
+	npm install --no-audit --no-fund
+	@touch $@
+
+gen: $(VENV_STAMP) ## regenerate the Python code in loopline/ from protos/
+	$(PY) scripts/gen_protos.py
+
+gen-check: gen ## regenerate, then fail if loopline/ differs from the committed tree
+	@changes=$$(git status --porcelain --untracked-files=all -- loopline); \
+	if [ -n "$$changes" ]; then \
+	  echo "gen-check: FAILED: regenerated loopline/ differs from the committed tree:" >&2; \
+	  echo "$$changes" >&2; \
+	  git --no-pager diff --stat HEAD -- loopline >&2 || true; \
+	  if [ -n "$$(git status --porcelain -- protos)" ]; then \
+	    echo "(protos/ has uncommitted changes too)" >&2; \
+	  fi; \
+	  echo "Run 'make gen' and commit loopline/ together with protos/." >&2; \
+	  exit 1; \
+	fi; \
+	echo "gen-check: loopline/ is up to date with protos/"
+
+lint: $(BUF) ## buf lint of protos/ (rules in buf.yaml)
+	$(BUF) lint
+	@echo "lint: buf lint passed"
+
+breaking: $(BUF) ## buf breaking against the main branch (skipped when there is no main commit)
+	@if git rev-parse --verify --quiet 'refs/heads/main^{commit}' >/dev/null; then \
+	  $(BUF) breaking --against '.git#branch=main' && echo "breaking: no breaking change against main"; \
+	elif git rev-parse --verify --quiet 'refs/remotes/origin/main^{commit}' >/dev/null; then \
+	  $(BUF) breaking --against '.git#ref=refs/remotes/origin/main' && echo "breaking: no breaking change against origin/main"; \
+	else \
+	  echo "breaking: skipped, this repository has no main branch commit to compare against"; \
+	fi
+
+migrate: $(VENV_STAMP) ## apply the Alembic migrations of all four services (SQLite under LOOPLINE_DATA_DIR, default ./var)
+	@for service in $(SERVICES); do \
+	  echo "migrate: $$service"; \
+	  $(PY) -m services.$$service migrate; \
+	done
+
+run: $(VENV_STAMP) ## set up, migrate, seed and start all four services; Ctrl-C stops them (scripts/dev.py)
+	$(PY) scripts/dev.py $(DEV_ARGS)
+
+test: $(VENV_STAMP) $(BUF) ## run the whole test suite on the embedded backends
+	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
+
+test-pg: $(VENV_STAMP) $(BUF) ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379)
+	LOOPLINE_TEST_BACKEND=postgres \
+	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
+	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \
+	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
+
+clean: ## remove var/ (development databases and logs) and caches
+	rm -rf var .pytest_cache .hypothesis build
+	find . -name __pycache__ -type d -not -path './$(VENV)/*' -not -path './node_modules/*' -prune -exec rm -rf {} +
+
+distclean: clean ## clean, and remove .venv and node_modules too
+	rm -rf $(VENV) node_modules

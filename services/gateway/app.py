@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
@@ -46,6 +47,15 @@ _DENIAL = {
         }
     }
 }
+
+
+_LLM_PROPERTIES = {
+    "integration_name": {"type": "string", "minLength": 1, "pattern": r"\S"},
+    "provider_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
+    "model_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
+    "credential_id": {"type": ["string", "null"]},
+}
+_LLM_SCHEMA = {"type": ["object", "null"], "properties": _LLM_PROPERTIES, "required": ["integration_name", "provider_id", "model_id"], "additionalProperties": False}
 
 
 def _responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
@@ -148,6 +158,11 @@ def create_app(
     async def _body_error(_: Request, error: BodyError) -> JSONResponse:
         return detail(error.status, error.message)
 
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in item.get('loc', ())[1:]) or 'request'}: {item.get('msg')}" for item in error.errors())
+        return detail(400, problems or "Invalid request")
+
     @app.exception_handler(grpc.aio.AioRpcError)
     async def _grpc_error(_: Request, error: grpc.aio.AioRpcError) -> JSONResponse:
         return grpc_error_response(error)
@@ -168,18 +183,12 @@ def create_app(
                         "schema": {
                             "type": "object",
                             "properties": {
-                                "message": {"type": "string", "minLength": 1},
+                                "message": {"type": "string", "minLength": 1, "pattern": r"\S"},
                                 "chat_id": {"type": ["string", "null"]},
-                                "llm": {
-                                    "type": ["object", "null"],
-                                    "properties": {
-                                        "integration_name": {"type": "string"}, "provider_id": {"type": "string"},
-                                        "model_id": {"type": "string"}, "credential_id": {"type": ["string", "null"]},
-                                    },
-                                    "required": ["integration_name", "provider_id", "model_id"],
-                                },
+                                "llm": _LLM_SCHEMA,
                             },
                             "required": ["message"],
+                            "additionalProperties": False,
                         }
                     }
                 },
@@ -231,10 +240,8 @@ def create_app(
         summary="Stream a run's events as Server-Sent Events",
         responses={**_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
     )
-    async def listen(chat_id: str, run_id: str, request: Request, after: int = 0) -> Response:
+    async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0)) -> Response:
         who = await principal(request)
-        if after < 0:
-            raise BodyError(400, "after must be >= 0")
         call = orchestrator.StreamRun(assistant_pb2.StreamRunRequest(caller=caller(who), chat_id=chat_id, run_id=run_id, after=after))
         try:
             metadata = await call.initial_metadata()
@@ -255,7 +262,30 @@ def create_app(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"},
         )
 
-    @app.post("/assistant/chat/{chat_id}/resume", summary="Answer a pending question and resume", responses=_responses(404, 409, 413))
+    @app.post(
+        "/assistant/chat/{chat_id}/resume",
+        summary="Answer a pending question and resume",
+        responses=_responses(404, 409, 413),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "request_id": {"type": "string", "minLength": 1},
+                                "response": {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]},
+                                "llm": _LLM_SCHEMA,
+                            },
+                            "required": ["request_id", "response"],
+                            "additionalProperties": False,
+                        }
+                    }
+                },
+            }
+        },
+    )
     async def resume(chat_id: str, request: Request) -> Response:
         who = await principal(request)
         body = await read_json_object(request, settings.max_body_bytes)
@@ -302,10 +332,8 @@ def create_app(
         )
 
     @app.get("/assistant/chats", summary="The caller's chats, newest first", responses=_responses())
-    async def list_chats(request: Request, limit: int = 20, cursor: str | None = None) -> Response:
+    async def list_chats(request: Request, limit: int = Query(20, ge=1, le=100), cursor: str | None = None) -> Response:
         who = await principal(request)
-        if not 1 <= limit <= 100:
-            raise BodyError(400, "limit must be between 1 and 100")
         response = await orchestrator.ListChats(assistant_pb2.ListChatsRequest(caller=caller(who), limit=limit, cursor=cursor or ""), timeout=30)
         return JSONResponse(
             {

@@ -1,0 +1,35 @@
+"""Schemathesis against the gateway's OpenAPI document: no 5xx, no undocumented status (issue 3)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_openapi_documents_every_route_and_status(deployment):
+    schema = httpx.get(f"{deployment.base_url}/openapi.json").json()
+    paths = schema["paths"]
+    assert "/assistant/chat" in paths and "/assistant/chat/{chat_id}/listen/{run_id}" in paths
+    for path, methods in paths.items():
+        for method, operation in methods.items():
+            codes = set(operation["responses"])
+            assert {"400", "401", "403", "503"} <= codes, (method, path, codes)
+
+
+def test_schemathesis_finds_no_server_error_or_undocumented_status(deployment):
+    """positive_data_acceptance is excluded: a schema-valid cancel on an idle chat is a documented 400,
+    and allow_header_conformance because Starlette's 405 lists only the first matching route's methods."""
+    command = [
+        str(pathlib.Path(sys.executable).parent / "schemathesis"), "run", f"{deployment.base_url}/openapi.json",
+        "-H", f"Authorization: Bearer {deployment.api_key}", "-H", f"X-Organization-ID: {deployment.org_id}",
+        "--checks", "all", "--exclude-checks", "positive_data_acceptance,allow_header_conformance",
+        "--max-examples", "15", "--phases", "coverage,fuzzing,stateful", "--workers", "2", "--seed", "20261130",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "NO_COLOR": "1"})
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -43,6 +43,14 @@ class ToolsSettings(CommonSettings):
             (LOOPLINE_TOOLS_ALLOW_PRIVATE_NETWORK, default false; tests turn it on).
         tools_search_millicredits: what one `search_knowledge` call costs, in
             millicredits (LOOPLINE_TOOLS_SEARCH_MILLICREDITS, default 100).
+        tools_mcp_stdio_servers: operator-configured stdio MCP servers, a JSON list of
+            {"name", "command", "args"?, "env"?, "description"?}; each becomes an
+            integration called `name` that needs no credential
+            (LOOPLINE_TOOLS_MCP_STDIO_SERVERS, default empty: none).
+        tools_oauth2_integrations: OAuth2 integrations, a JSON list of {"name",
+            "display_name"?, "description"?, "authorize_url", "token_url", "client_id",
+            "client_secret"?, "scope"?, "api_base_url"} (LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS,
+            default empty: none). See services/tools/oauth.py.
     """
 
     tools_port: int = 50053
@@ -53,6 +61,8 @@ class ToolsSettings(CommonSettings):
     tools_credential_key: str = ""
     tools_allow_private_network: bool = False
     tools_search_millicredits: int = 100
+    tools_mcp_stdio_servers: str = ""
+    tools_oauth2_integrations: str = ""
 
     def database_url(self) -> str:
         """The database URL to use: `tools_database_url`, or the embedded SQLite default."""

@@ -252,6 +252,103 @@ class CredentialStore:
             row.updated_at = utcnow()
         return CredentialInfo.of(row)
 
+    async def create_raw(
+        self,
+        org_id: str,
+        integration_name: str,
+        auth_type: str,
+        secret: dict[str, Any],
+        display_name: str,
+        metadata: dict[str, Any] | None = None,
+        make_default: bool = False,
+        discovery: list[dict[str, Any]] | None = None,
+    ) -> CredentialInfo:
+        """Store a credential for an integration outside the static catalogue (MCP servers, OAuth2 tokens).
+
+        The caller has validated `secret`; it is encrypted like any other. `discovery`
+        (MCP servers) is stored with the discovery time. The first credential of an
+        integration, or one with `make_default`, becomes its default.
+        """
+        now = utcnow()
+        row = Credential(
+            id=str(uuid.uuid4()),
+            org_id=org_id,
+            integration=integration_name,
+            auth_type=auth_type,
+            display_name=display_name,
+            is_default=False,
+            encrypted_secret=self._box.encrypt(secret),
+            masked_secret=mask_secret(secret),
+            metadata_json=metadata or {},
+            discovery=discovery,
+            discovered_at=now if discovery is not None else None,
+            created_at=now,
+            updated_at=now,
+        )
+        async with self._sessions() as session, session.begin():
+            existing_default = await session.scalar(
+                select(Credential.id).where(
+                    Credential.org_id == org_id, Credential.integration == integration_name, Credential.is_default
+                )
+            )
+            if make_default and existing_default:
+                await session.execute(
+                    update(Credential)
+                    .where(Credential.org_id == org_id, Credential.integration == integration_name)
+                    .values(is_default=False)
+                )
+            row.is_default = make_default or existing_default is None
+            session.add(row)
+        log.info(
+            "credential created",
+            extra={"fields": {"credential_id": row.id, "org_id": org_id, "integration": integration_name}},
+        )
+        return CredentialInfo.of(row)
+
+    async def integration_taken(self, org_id: str, integration_name: str) -> bool:
+        """Whether the organization has a credential for `integration_name`."""
+        async with self._sessions() as session:
+            found = await session.scalar(
+                select(Credential.id).where(Credential.org_id == org_id, Credential.integration == integration_name).limit(1)
+            )
+        return found is not None
+
+    async def of_auth_type(self, org_id: str, auth_type: str) -> list[tuple[CredentialInfo, list[dict[str, Any]]]]:
+        """The organization's credentials of `auth_type` (oldest first), each with its stored discovery ([] if none)."""
+        async with self._sessions() as session:
+            rows = (
+                await session.scalars(
+                    select(Credential)
+                    .where(Credential.org_id == org_id, Credential.auth_type == auth_type)
+                    .order_by(Credential.created_at, Credential.id)
+                )
+            ).all()
+        return [(CredentialInfo.of(r), list(r.discovery or [])) for r in rows]
+
+    async def discovery(self, org_id: str, credential_id: str, auth_type: str) -> tuple[CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]]:
+        """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential.
+
+        Raises RpcError NOT_FOUND when it is absent, another organization's, or not of `auth_type`.
+        """
+        async with self._sessions() as session:
+            row = await session.get(Credential, credential_id)
+        if row is None or row.org_id != org_id or row.auth_type != auth_type:
+            raise _not_found(credential_id)
+        when = _aware(row.discovered_at) if row.discovered_at else None
+        return CredentialInfo.of(row), row.discovery, when, self._box.decrypt(row.encrypted_secret)
+
+    async def set_discovery(self, org_id: str, credential_id: str, tools: list[dict[str, Any]]) -> datetime.datetime:
+        """Store the tools discovered on an MCP server credential; returns the discovery time. Raises NOT_FOUND."""
+        now = utcnow()
+        async with self._sessions() as session, session.begin():
+            row = await session.get(Credential, credential_id)
+            if row is None or row.org_id != org_id:
+                raise _not_found(credential_id)
+            row.discovery = tools
+            row.discovered_at = now
+            row.updated_at = now
+        return now
+
     async def connected_integrations(self, org_id: str) -> set[str]:
         """Names of the integrations the organization has at least one credential for."""
         async with self._sessions() as session:

@@ -118,19 +118,47 @@ class KnowledgeStore:
 
     async def list_bases(self, org_id: str) -> list[tuple[KnowledgeBase, int]]:
         """The organization's knowledge bases, newest first, each with its document count."""
+        return [(base, totals[0]) for base, totals in await self.list_bases_with_totals(org_id)]
+
+    async def list_bases_with_totals(self, org_id: str) -> list[tuple[KnowledgeBase, tuple[int, int, int]]]:
+        """The organization's knowledge bases, newest first, each with (documents, chunks, tokens)."""
         async with self._sessions() as session:
             counts = (
-                select(KnowledgeDocument.knowledge_base_id, func.count().label("n"))
+                select(
+                    KnowledgeDocument.knowledge_base_id,
+                    func.count().label("n"),
+                    func.sum(KnowledgeDocument.chunk_count).label("chunks"),
+                    func.sum(KnowledgeDocument.token_count).label("tokens"),
+                )
                 .group_by(KnowledgeDocument.knowledge_base_id)
                 .subquery()
             )
             rows = await session.execute(
-                select(KnowledgeBase, func.coalesce(counts.c.n, 0))
+                select(
+                    KnowledgeBase,
+                    func.coalesce(counts.c.n, 0),
+                    func.coalesce(counts.c.chunks, 0),
+                    func.coalesce(counts.c.tokens, 0),
+                )
                 .outerjoin(counts, counts.c.knowledge_base_id == KnowledgeBase.id)
                 .where(KnowledgeBase.org_id == org_id)
                 .order_by(KnowledgeBase.created_at.desc(), KnowledgeBase.id)
             )
-            return [(base, int(n)) for base, n in rows.all()]
+            return [(base, (int(n), int(chunks), int(tokens))) for base, n, chunks, tokens in rows.all()]
+
+    async def get_document(self, org_id: str, knowledge_base_id: str, document_id: str) -> KnowledgeDocument:
+        """One document of one of the organization's knowledge bases.
+
+        Raises RpcError NOT_FOUND when it is absent, in another knowledge base, or another organization's.
+        """
+        async with self._sessions() as session:
+            document = await session.get(KnowledgeDocument, document_id)
+        if document is None or document.org_id != org_id or document.knowledge_base_id != knowledge_base_id:
+            raise RpcError(
+                grpc.StatusCode.NOT_FOUND, "DOCUMENT_NOT_FOUND", "Document not found",
+                domain=TOOLS_DOMAIN, metadata={"document_id": document_id},
+            )
+        return document
 
     async def base_ids(self, org_id: str) -> list[str]:
         """Ids of the organization's knowledge bases."""
@@ -138,9 +166,18 @@ class KnowledgeStore:
             return list((await session.scalars(select(KnowledgeBase.id).where(KnowledgeBase.org_id == org_id))).all())
 
     async def add_document(
-        self, org_id: str, knowledge_base_id: str, name: str, content: str, content_type: str = "text/plain"
+        self,
+        org_id: str,
+        knowledge_base_id: str,
+        name: str,
+        content: str,
+        content_type: str = "text/plain",
+        file_size_bytes: int | None = None,
     ) -> KnowledgeDocument:
         """Add a text document: chunk it and index every chunk, in one transaction.
+
+        `file_size_bytes` is the uploaded file's size (default: the UTF-8 size of `content`);
+        the document's token_count is the number of word tokens of `content`.
 
         Raises RpcError NOT_FOUND when the knowledge base is absent or another
         organization's, INVALID_ARGUMENT when the name or the text is empty.
@@ -159,6 +196,8 @@ class KnowledgeStore:
             content_type=content_type or "text/plain",
             status="ready",
             chunk_count=len(chunks),
+            file_size_bytes=len(content.encode()) if file_size_bytes is None else file_size_bytes,
+            token_count=len(_TOKEN.findall(content)),
             created_at=utcnow(),
         )
         async with self._sessions() as session, session.begin():

@@ -6,6 +6,7 @@
 - `knowledge_bases`, `knowledge_documents`, `knowledge_chunks`: searchable knowledge.
   On SQLite the chunks are also indexed in the FTS5 table `knowledge_chunks_fts`
   (created by the migration, not by these models: rowid = knowledge_chunks.id).
+- `oauth_states`: pending OAuth2 authorization code flows (PKCE verifier encrypted).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Credential(Base):
     encrypted_secret: Mapped[str] = mapped_column(Text, nullable=False)
     masked_secret: Mapped[str] = mapped_column(String(500), nullable=False, default="")
     metadata_json: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, nullable=False, default=dict)
+    # MCP server credentials only: the tools last discovered ([{name, description, input_schema}]) and when.
+    discovery: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True, default=None)
+    discovered_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, default=None)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
 
@@ -82,6 +86,8 @@ class KnowledgeDocument(Base):
     content_type: Mapped[str] = mapped_column(String(100), nullable=False, default="text/plain")
     status: Mapped[str] = mapped_column(String(20), nullable=False, default="ready")
     chunk_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    file_size_bytes: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    token_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
 
 
@@ -100,3 +106,24 @@ class KnowledgeChunk(Base):
     content: Mapped[str] = mapped_column(Text, nullable=False)
 
     __table_args__ = (Index("ix_knowledge_chunks_org_kb", "org_id", "knowledge_base_id"),)
+
+
+class OAuthState(Base):
+    """A pending OAuth2 authorization (one per InitiateOAuth2), consumed by the callback.
+
+    `state` is the random, single-use value sent to the authorization server; the PKCE
+    code verifier is kept encrypted (a Fernet token, like credential secrets).
+    """
+
+    __tablename__ = "oauth_states"
+
+    state: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    user_id: Mapped[str] = mapped_column(String(64), nullable=False, default="")
+    integration: Mapped[str] = mapped_column(String(100), nullable=False)
+    encrypted_verifier: Mapped[str] = mapped_column(Text, nullable=False)
+    redirect_uri: Mapped[str] = mapped_column(Text, nullable=False)
+    scope: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    display_name: Mapped[str] = mapped_column(String(200), nullable=False, default="")
+    make_default: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    expires_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False)

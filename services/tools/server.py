@@ -7,8 +7,11 @@ an error message (DESIGN.md, tools.proto). Credential and knowledge RPCs raise
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import urllib.parse
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,10 +24,22 @@ from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.logging import bind
 from services.tools.catalogue import Catalogue
 from services.tools.config import ToolsSettings
+from services.tools.catalogue import ActionError
 from services.tools.credentials import CredentialInfo, CredentialStore
 from services.tools.crypto import SecretBox
+from services.tools.extract import MEDIA_TYPES, ExtractionError, UnsupportedFileType, extract_text, file_type
 from services.tools.knowledge import KnowledgeStore
+from services.tools.mcp_servers import (
+    MCP_AUTH_TYPE,
+    McpConnector,
+    StdioRegistry,
+    check_url_policy,
+    parse_stdio_servers,
+    slug,
+)
 from services.tools.models import KnowledgeBase, KnowledgeDocument
+from services.tools.netpolicy import OutboundPolicyError
+from services.tools.oauth import OAuth2Flows, integration_of, parse_providers
 from services.tools.tools import ToolExecutor
 
 log = logging.getLogger(__name__)
@@ -48,6 +63,11 @@ def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable
     return wrapper
 
 
+def urllib_host(url: str) -> str:
+    """The host of `url` ("" when it has none)."""
+    return urllib.parse.urlsplit(url).hostname or ""
+
+
 def _require_org(org_id: str) -> None:
     if not org_id:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "ORGANIZATION_REQUIRED", "organization_id is required", domain=TOOLS_DOMAIN)
@@ -69,7 +89,7 @@ def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_p
     )
 
 
-def knowledge_base_pb(base: KnowledgeBase, document_count: int) -> tools_pb2.KnowledgeBase:
+def knowledge_base_pb(base: KnowledgeBase, document_count: int, total_chunks: int = 0, total_tokens: int = 0) -> tools_pb2.KnowledgeBase:
     """The KnowledgeBase message of a row."""
     return tools_pb2.KnowledgeBase(
         knowledge_base_id=base.id,
@@ -78,6 +98,8 @@ def knowledge_base_pb(base: KnowledgeBase, document_count: int) -> tools_pb2.Kno
         description=base.description,
         document_count=document_count,
         create_time=pb.timestamp(base.created_at),
+        total_chunks=total_chunks,
+        total_tokens=total_tokens,
     )
 
 
@@ -91,16 +113,28 @@ def document_pb(document: KnowledgeDocument) -> tools_pb2.Document:
         status=document.status,
         chunk_count=document.chunk_count,
         create_time=pb.timestamp(document.created_at),
+        file_size_bytes=document.file_size_bytes,
+        token_count=document.token_count,
     )
+
+
+def mcp_tool_pb(tool: dict[str, Any]) -> tools_pb2.McpTool:
+    """The McpTool message of a discovered tool {name, description, input_schema}."""
+    return tools_pb2.McpTool(name=tool["name"], description=tool["description"], input_schema=pb.to_struct(tool["input_schema"]))
+
+
+def _invalid(reason: str, message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
 
 
 class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     """`loopline.tools.v1.ToolsService` over a ToolExecutor, a CredentialStore and a KnowledgeStore."""
 
-    def __init__(self, executor: ToolExecutor) -> None:
+    def __init__(self, executor: ToolExecutor, oauth: OAuth2Flows | None = None) -> None:
         self.executor = executor
         self.credentials = executor.credentials
         self.knowledge = executor.knowledge
+        self.oauth = oauth
 
     @rpc_errors
     async def ListTools(self, request: tools_pb2.ListToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListToolsResponse:
@@ -177,17 +211,130 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def ListKnowledgeBases(self, request: tools_pb2.ListKnowledgeBasesRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListKnowledgeBasesResponse:
         """The organization's knowledge bases, newest first."""
         _require_org(request.organization_id)
-        bases = await self.knowledge.list_bases(request.organization_id)
-        return tools_pb2.ListKnowledgeBasesResponse(knowledge_bases=[knowledge_base_pb(b, n) for b, n in bases])
+        bases = await self.knowledge.list_bases_with_totals(request.organization_id)
+        return tools_pb2.ListKnowledgeBasesResponse(knowledge_bases=[knowledge_base_pb(b, *totals) for b, totals in bases])
 
     @rpc_errors
     async def AddDocument(self, request: tools_pb2.AddDocumentRequest, context: grpc.aio.ServicerContext) -> tools_pb2.AddDocumentResponse:
-        """Add, chunk and index a text document; NOT_FOUND for another organization's knowledge base."""
+        """Add, chunk and index a document (text, or a file's extracted text); NOT_FOUND for another
+        organization's knowledge base; INVALID_ARGUMENT UNSUPPORTED_FILE_TYPE / DOCUMENT_HAS_NO_TEXT for a file."""
         _require_org(request.organization_id)
-        document = await self.knowledge.add_document(
-            request.organization_id, request.knowledge_base_id, request.name, request.text, request.content_type
-        )
+        if request.data:
+            try:
+                kind = file_type(request.name, request.content_type)
+                text = await asyncio.to_thread(extract_text, request.data, kind)
+            except UnsupportedFileType as exc:
+                raise _invalid("UNSUPPORTED_FILE_TYPE", str(exc)) from None
+            except ExtractionError as exc:
+                raise _invalid("DOCUMENT_HAS_NO_TEXT", str(exc)) from None
+            document = await self.knowledge.add_document(
+                request.organization_id, request.knowledge_base_id, request.name, text, MEDIA_TYPES[kind],
+                file_size_bytes=len(request.data),
+            )
+        else:
+            document = await self.knowledge.add_document(
+                request.organization_id, request.knowledge_base_id, request.name, request.text, request.content_type
+            )
         return tools_pb2.AddDocumentResponse(document=document_pb(document))
+
+    @rpc_errors
+    async def GetDocument(self, request: tools_pb2.GetDocumentRequest, context: grpc.aio.ServicerContext) -> tools_pb2.GetDocumentResponse:
+        """One document; NOT_FOUND when absent, in another knowledge base or another organization's."""
+        _require_org(request.organization_id)
+        document = await self.knowledge.get_document(request.organization_id, request.knowledge_base_id, request.document_id)
+        return tools_pb2.GetDocumentResponse(document=document_pb(document))
+
+    @rpc_errors
+    async def CreateMcpServer(self, request: tools_pb2.CreateMcpServerRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateMcpServerResponse:
+        """Register a Streamable HTTP MCP server (URL and headers encrypted) and discover its tools.
+
+        INVALID_ARGUMENT: INVALID_SERVER_URL, OUTBOUND_POLICY, INVALID_HEADERS. A failed
+        discovery still stores the credential and reports `discovery_error`.
+        """
+        _require_org(request.organization_id)
+        url = request.server_url.strip()
+        try:
+            await check_url_policy(url, self.executor.settings.tools_allow_private_network)
+        except ActionError as exc:
+            raise _invalid("INVALID_SERVER_URL", str(exc)) from None
+        except OutboundPolicyError as exc:
+            raise _invalid("OUTBOUND_POLICY", f"server_url refused: {exc}") from None
+        headers = pb.from_struct(request.headers)
+        if not all(isinstance(v, str) for v in headers.values()):
+            raise _invalid("INVALID_HEADERS", "headers must map header names to strings")
+        secret = {"url": url, "headers": headers}
+        tools: list[dict[str, Any]] | None
+        error = ""
+        try:
+            tools = await self.executor.mcp.list_tools(secret)
+        except TimeoutError:
+            tools, error = None, "the MCP server did not answer in time"
+        except (ActionError, OutboundPolicyError) as exc:
+            tools, error = None, str(exc)
+        display_name = request.display_name.strip() or (urllib_host(url) or "MCP server")
+        integration = f"mcp_{slug(display_name)}"
+        if self.executor.catalogue.get(integration) or integration in self.executor.stdio.servers or await self.credentials.integration_taken(request.organization_id, integration):
+            integration = f"{integration}_{uuid.uuid4().hex[:6]}"
+        info = await self.credentials.create_raw(
+            request.organization_id, integration, MCP_AUTH_TYPE, secret, display_name,
+            metadata={"server_url_host": urllib_host(url)}, make_default=request.make_default, discovery=tools,
+        )
+        return tools_pb2.CreateMcpServerResponse(
+            credential=credential_pb(info), tools=[mcp_tool_pb(t) for t in tools or []], discovery_error=error
+        )
+
+    @rpc_errors
+    async def RefreshMcpDiscovery(self, request: tools_pb2.RefreshMcpDiscoveryRequest, context: grpc.aio.ServicerContext) -> tools_pb2.RefreshMcpDiscoveryResponse:
+        """List an MCP server's tools again; success=false with `error` (tools kept) when it cannot be reached."""
+        _require_org(request.organization_id)
+        _info, old, _when, secret = await self.credentials.discovery(request.organization_id, request.credential_id, MCP_AUTH_TYPE)
+        try:
+            tools = await self.executor.mcp.list_tools(secret)
+        except TimeoutError:
+            tools, error = None, "the MCP server did not answer in time"
+        except (ActionError, OutboundPolicyError) as exc:
+            tools, error = None, str(exc)
+        if tools is None:
+            return tools_pb2.RefreshMcpDiscoveryResponse(
+                credential_id=request.credential_id, success=False, total_tools=len(old or []),
+                refresh_time=pb.timestamp(), error=error,
+            )
+        when = await self.credentials.set_discovery(request.organization_id, request.credential_id, tools)
+        before = {t["name"] for t in old or []}
+        after = {t["name"] for t in tools}
+        return tools_pb2.RefreshMcpDiscoveryResponse(
+            credential_id=request.credential_id, success=True, total_tools=len(tools),
+            added=sorted(after - before), removed=sorted(before - after), refresh_time=pb.timestamp(when),
+        )
+
+    @rpc_errors
+    async def ListMcpTools(self, request: tools_pb2.ListMcpToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListMcpToolsResponse:
+        """The tools last discovered on an MCP server credential; NOT_FOUND for another kind of credential."""
+        _require_org(request.organization_id)
+        _info, tools, when, _secret = await self.credentials.discovery(request.organization_id, request.credential_id, MCP_AUTH_TYPE)
+        response = tools_pb2.ListMcpToolsResponse(credential_id=request.credential_id, tools=[mcp_tool_pb(t) for t in tools or []])
+        if when is not None:
+            response.discovery_time.CopyFrom(pb.timestamp(when))
+        return response
+
+    @rpc_errors
+    async def InitiateOAuth2(self, request: tools_pb2.InitiateOAuth2Request, context: grpc.aio.ServicerContext) -> tools_pb2.InitiateOAuth2Response:
+        """Start an authorization code flow with PKCE; INVALID_ARGUMENT for an integration without OAuth2."""
+        if self.oauth is None:
+            raise _invalid("OAUTH2_NOT_SUPPORTED", "No OAuth2 integration is configured")
+        url, state = await self.oauth.initiate(
+            request.organization_id, request.integration_name, request.redirect_uri, request.scope,
+            request.display_name, request.make_default, request.user_id,
+        )
+        return tools_pb2.InitiateOAuth2Response(authorization_url=url, state=state)
+
+    @rpc_errors
+    async def CompleteOAuth2(self, request: tools_pb2.CompleteOAuth2Request, context: grpc.aio.ServicerContext) -> tools_pb2.CompleteOAuth2Response:
+        """Exchange the code for tokens and store them as a credential (see OAuth2Flows.complete for errors)."""
+        if self.oauth is None:
+            raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state")
+        info, user_id = await self.oauth.complete(request.state, request.code)
+        return tools_pb2.CompleteOAuth2Response(credential=credential_pb(info), user_id=user_id)
 
     @rpc_errors
     async def SearchKnowledge(self, request: tools_pb2.SearchKnowledgeRequest, context: grpc.aio.ServicerContext) -> tools_pb2.SearchKnowledgeResponse:
@@ -211,6 +358,7 @@ class ToolsServer:
         self._engine = engine
         self.servicer = servicer
         self.port = running.port
+        self._discovery: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(cls, settings: ToolsSettings) -> ToolsServer:
@@ -228,13 +376,16 @@ class ToolsServer:
                 "development key; set a Fernet key in any real deployment"
             )
         box = SecretBox(settings.credential_keys())
-        catalogue = Catalogue.builtin()
+        providers = parse_providers(settings.tools_oauth2_integrations)
+        catalogue = Catalogue(Catalogue.builtin().all() + [integration_of(p, settings.tools_timeout_s) for p in providers])
+        connector = McpConnector(settings.tools_timeout_s, settings.tools_max_output_bytes, settings.tools_allow_private_network)
+        stdio = StdioRegistry(parse_stdio_servers(settings.tools_mcp_stdio_servers), connector)
         engine = db.make_engine(url)
         sessions = db.sessionmaker(engine)
-        executor = ToolExecutor(
-            settings, catalogue, CredentialStore(sessions, box, catalogue), KnowledgeStore(engine, sessions)
-        )
-        servicer = ToolsServicer(executor)
+        credentials = CredentialStore(sessions, box, catalogue)
+        executor = ToolExecutor(settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio)
+        oauth = OAuth2Flows(providers, sessions, box, credentials, settings.tools_timeout_s)
+        servicer = ToolsServicer(executor, oauth)
         try:
             running = await start_grpc_server(
                 [(tools_pb2_grpc.add_ToolsServiceServicer_to_server, servicer, SERVICE_NAME)],
@@ -244,9 +395,15 @@ class ToolsServer:
         except BaseException:
             await engine.dispose()
             raise
-        return cls(running, engine, servicer)
+        server = cls(running, engine, servicer)
+        if stdio.servers:
+            # Warm the stdio servers' tool lists; failures are retried on first use.
+            server._discovery = asyncio.create_task(stdio.discover_all())
+        return server
 
     async def stop(self, grace: float) -> None:
         """Stop serving (in-flight calls get `grace` seconds, then are cancelled) and close the database."""
+        if self._discovery is not None:
+            self._discovery.cancel()
         await self._running.stop(grace)
         await self._engine.dispose()

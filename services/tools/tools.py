@@ -20,11 +20,19 @@ from typing import Any
 import httpx
 from jsonschema import Draft202012Validator
 
-from services.tools.catalogue import ActionContext, ActionError, Catalogue
+from services.tools.catalogue import ActionContext, ActionError, Catalogue, Integration
 from services.tools.config import ToolsSettings
 from services.tools.credentials import CredentialStore
 from services.tools.crypto import SecretBoxError, redact
 from services.tools.knowledge import KnowledgeStore
+from services.tools.mcp_servers import (
+    MCP_AUTH_TYPE,
+    NO_AUTH,
+    ORG_SERVER_AUTH,
+    McpConnector,
+    StdioRegistry,
+    integration_of_tools,
+)
 from services.tools.netpolicy import OutboundPolicyError
 
 log = logging.getLogger(__name__)
@@ -169,15 +177,22 @@ class ToolExecutor:
         catalogue: the integrations.
         credentials: the credential store.
         knowledge: the knowledge store.
+        mcp: the MCP connector (organization servers); default: one from `settings`.
+        stdio: the operator's stdio MCP servers; default: none.
     """
 
     def __init__(
-        self, settings: ToolsSettings, catalogue: Catalogue, credentials: CredentialStore, knowledge: KnowledgeStore
+        self, settings: ToolsSettings, catalogue: Catalogue, credentials: CredentialStore, knowledge: KnowledgeStore,
+        mcp: McpConnector | None = None, stdio: StdioRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.catalogue = catalogue
         self.credentials = credentials
         self.knowledge = knowledge
+        self.mcp = mcp or McpConnector(
+            settings.tools_timeout_s, settings.tools_max_output_bytes, settings.tools_allow_private_network
+        )
+        self.stdio = stdio or StdioRegistry([], self.mcp)
         self._handlers = {
             "get_available_integrations": self.get_available_integrations,
             "get_integration_details": self.get_integration_details,
@@ -218,7 +233,13 @@ class ToolExecutor:
         query = (args.get("query") or "").strip().lower()
         connected = await self.credentials.connected_integrations(org_id)
         items = []
-        for integration in self.catalogue.all():
+        listed: list[Any] = list(self.catalogue.all())
+        listed += [
+            Integration(s.name, s.name, self.stdio.describe(s), ("mcp",), NO_AUTH, {})
+            for s in self.stdio.servers.values()
+        ]
+        listed += [self.org_mcp_integration(info, tools) for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE)]
+        for integration in listed:
             if category and category not in (c.lower() for c in integration.categories):
                 continue
             haystack = f"{integration.name} {integration.display_name} {integration.description}".lower()
@@ -240,7 +261,7 @@ class ToolExecutor:
         """{"name", "display_name", "description", "categories", "connected", "requires_credential",
         "auth_options": [{"type", "label", "description", "fields"}],
         "actions": [{"name", "description", "parameters", "credit_cost_millicredits"}]}."""
-        integration = self._integration(args["integration"])
+        integration = await self._integration(org_id, args["integration"])
         connected = integration.name in await self.credentials.connected_integrations(org_id)
         return ToolResult(
             True,
@@ -269,7 +290,7 @@ class ToolExecutor:
         JSON exceeds the output cap, a string cut with a truncation marker. Costs the
         action's `credit_cost_millicredits` when it succeeds, nothing when it fails.
         """
-        integration = self._integration(args["integration"])
+        integration = await self._integration(org_id, args["integration"])
         action = integration.actions.get(args["action"])
         if action is None:
             names = ", ".join(integration.actions)
@@ -383,10 +404,35 @@ class ToolExecutor:
             output = {"query": args["query"], "results": value, "count": len(hits), "truncated": True}
         return ToolResult(True, output=output, millicredits=self.settings.tools_search_millicredits)
 
-    def _integration(self, name: str):  # noqa: ANN202
+    def org_mcp_integration(self, info: Any, tools: list[dict[str, Any]]) -> Integration:
+        """The integration of an organization's MCP server credential: its discovered tools as actions."""
+
+        async def call(ctx: ActionContext, tool_name: str, params: dict[str, Any]) -> Any:
+            if not ctx.secret or not ctx.secret.get("url"):
+                raise ActionError("the MCP server credential has no URL; register the server again")
+            return await self.mcp.call_tool(ctx.secret, tool_name, params)
+
+        description = str(info.metadata.get("description") or f"Tools of the MCP server {info.display_name!r}")
+        return integration_of_tools(info.integration, info.display_name, description, tools, ORG_SERVER_AUTH, call)
+
+    async def _integration(self, org_id: str, name: str) -> Integration:
+        """The integration `name`: built-in or OAuth2 (catalogue), operator stdio MCP, or the org's MCP server.
+
+        Raises ToolError when there is none, or when a stdio server's tools cannot be discovered.
+        """
         integration = self.catalogue.get(name)
-        if integration is None:
-            names = ", ".join(i.name for i in self.catalogue.all())
-            raise ToolError(f"Unknown integration {name!r}. Available integrations: {names}. "
-                            "Call get_available_integrations to browse them.")
-        return integration
+        if integration is not None:
+            return integration
+        if name in self.stdio.servers:
+            try:
+                return await self.stdio.integration(name)
+            except TimeoutError:
+                raise ToolError(f"The MCP server {name!r} did not list its tools in time; try again later.") from None
+            except (ActionError, OutboundPolicyError) as exc:
+                raise ToolError(f"The MCP server {name!r} is unavailable: {exc}") from None
+        for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE):
+            if info.integration == name:
+                return self.org_mcp_integration(info, tools)
+        names = [i.name for i in self.catalogue.all()] + list(self.stdio.servers)
+        raise ToolError(f"Unknown integration {name!r}. Available integrations include: {', '.join(names)}. "
+                        "Call get_available_integrations to browse them.")

@@ -238,3 +238,21 @@ class DeleteChatResponse(_message.Message):
     chat_id: str
     permanent: bool
     def __init__(self, status: _Optional[str] = ..., chat_id: _Optional[str] = ..., permanent: _Optional[bool] = ...) -> None: ...
+
+class NotifyCredentialConnectedRequest(_message.Message):
+    __slots__ = ("organization_id", "integration", "credential_id", "user_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    integration: str
+    credential_id: str
+    user_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., integration: _Optional[str] = ..., credential_id: _Optional[str] = ..., user_id: _Optional[str] = ...) -> None: ...
+
+class NotifyCredentialConnectedResponse(_message.Message):
+    __slots__ = ("resumed_run_ids",)
+    RESUMED_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
+    resumed_run_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, resumed_run_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -80,6 +80,11 @@ class AssistantServiceStub:
                 request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.DeleteChatRequest.SerializeToString,
                 response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.DeleteChatResponse.FromString,
                 _registered_method=True)
+        self.NotifyCredentialConnected = channel.unary_unary(
+                '/loopline.assistant.v1.AssistantService/NotifyCredentialConnected',
+                request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedRequest.SerializeToString,
+                response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedResponse.FromString,
+                _registered_method=True)
 
 
 class AssistantServiceServicer:
@@ -150,6 +155,16 @@ class AssistantServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NotifyCredentialConnected(self, request, context):
+        """NotifyCredentialConnected tells the orchestrator that a credential was connected
+        through the OAuth2 callback, so that a run paused on a matching
+        credential_request resumes by itself (publishing run_resumed on the old run).
+        Idempotent: a second notice for the same credential changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AssistantServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +207,11 @@ def add_AssistantServiceServicer_to_server(servicer, server):
                     servicer.DeleteChat,
                     request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.DeleteChatRequest.FromString,
                     response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.DeleteChatResponse.SerializeToString,
+            ),
+            'NotifyCredentialConnected': grpc.unary_unary_rpc_method_handler(
+                    servicer.NotifyCredentialConnected,
+                    request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedRequest.FromString,
+                    response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +436,33 @@ class AssistantService:
             '/loopline.assistant.v1.AssistantService/DeleteChat',
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.DeleteChatRequest.SerializeToString,
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.DeleteChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NotifyCredentialConnected(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.assistant.v1.AssistantService/NotifyCredentialConnected',
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedRequest.SerializeToString,
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -175,20 +175,24 @@ class SetDefaultCredentialResponse(_message.Message):
     def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ...) -> None: ...
 
 class KnowledgeBase(_message.Message):
-    __slots__ = ("knowledge_base_id", "organization_id", "name", "description", "document_count", "create_time")
+    __slots__ = ("knowledge_base_id", "organization_id", "name", "description", "document_count", "create_time", "total_chunks", "total_tokens")
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     knowledge_base_id: str
     organization_id: str
     name: str
     description: str
     document_count: int
     create_time: _timestamp_pb2.Timestamp
-    def __init__(self, knowledge_base_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., document_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    total_chunks: int
+    total_tokens: int
+    def __init__(self, knowledge_base_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., document_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateKnowledgeBaseRequest(_message.Message):
     __slots__ = ("organization_id", "name", "description")
@@ -219,7 +223,7 @@ class ListKnowledgeBasesResponse(_message.Message):
     def __init__(self, knowledge_bases: _Optional[_Iterable[_Union[KnowledgeBase, _Mapping]]] = ...) -> None: ...
 
 class Document(_message.Message):
-    __slots__ = ("document_id", "knowledge_base_id", "name", "content_type", "status", "chunk_count", "create_time")
+    __slots__ = ("document_id", "knowledge_base_id", "name", "content_type", "status", "chunk_count", "create_time", "file_size_bytes", "token_count")
     DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +231,8 @@ class Document(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    FILE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     document_id: str
     knowledge_base_id: str
     name: str
@@ -234,21 +240,25 @@ class Document(_message.Message):
     status: str
     chunk_count: int
     create_time: _timestamp_pb2.Timestamp
-    def __init__(self, document_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., status: _Optional[str] = ..., chunk_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    file_size_bytes: int
+    token_count: int
+    def __init__(self, document_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., status: _Optional[str] = ..., chunk_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., file_size_bytes: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class AddDocumentRequest(_message.Message):
-    __slots__ = ("organization_id", "knowledge_base_id", "name", "content_type", "text")
+    __slots__ = ("organization_id", "knowledge_base_id", "name", "content_type", "text", "data")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     knowledge_base_id: str
     name: str
     content_type: str
     text: str
-    def __init__(self, organization_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    data: bytes
+    def __init__(self, organization_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., text: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AddDocumentResponse(_message.Message):
     __slots__ = ("document",)
@@ -291,3 +301,139 @@ class SearchKnowledgeResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[KnowledgeSearchResult]
     def __init__(self, results: _Optional[_Iterable[_Union[KnowledgeSearchResult, _Mapping]]] = ...) -> None: ...
+
+class GetDocumentRequest(_message.Message):
+    __slots__ = ("organization_id", "knowledge_base_id", "document_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    knowledge_base_id: str
+    document_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., document_id: _Optional[str] = ...) -> None: ...
+
+class GetDocumentResponse(_message.Message):
+    __slots__ = ("document",)
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    document: Document
+    def __init__(self, document: _Optional[_Union[Document, _Mapping]] = ...) -> None: ...
+
+class McpTool(_message.Message):
+    __slots__ = ("name", "description", "input_schema")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    input_schema: _struct_pb2.Struct
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class CreateMcpServerRequest(_message.Message):
+    __slots__ = ("organization_id", "server_url", "headers", "display_name", "make_default")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_URL_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAKE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    server_url: str
+    headers: _struct_pb2.Struct
+    display_name: str
+    make_default: bool
+    def __init__(self, organization_id: _Optional[str] = ..., server_url: _Optional[str] = ..., headers: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., display_name: _Optional[str] = ..., make_default: _Optional[bool] = ...) -> None: ...
+
+class CreateMcpServerResponse(_message.Message):
+    __slots__ = ("credential", "tools", "discovery_error")
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    credential: Credential
+    tools: _containers.RepeatedCompositeFieldContainer[McpTool]
+    discovery_error: str
+    def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[McpTool, _Mapping]]] = ..., discovery_error: _Optional[str] = ...) -> None: ...
+
+class RefreshMcpDiscoveryRequest(_message.Message):
+    __slots__ = ("organization_id", "credential_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    credential_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., credential_id: _Optional[str] = ...) -> None: ...
+
+class RefreshMcpDiscoveryResponse(_message.Message):
+    __slots__ = ("credential_id", "success", "total_tools", "added", "removed", "refresh_time", "error")
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_TIME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    credential_id: str
+    success: bool
+    total_tools: int
+    added: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    refresh_time: _timestamp_pb2.Timestamp
+    error: str
+    def __init__(self, credential_id: _Optional[str] = ..., success: _Optional[bool] = ..., total_tools: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., refresh_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListMcpToolsRequest(_message.Message):
+    __slots__ = ("organization_id", "credential_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    credential_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., credential_id: _Optional[str] = ...) -> None: ...
+
+class ListMcpToolsResponse(_message.Message):
+    __slots__ = ("credential_id", "tools", "discovery_time")
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERY_TIME_FIELD_NUMBER: _ClassVar[int]
+    credential_id: str
+    tools: _containers.RepeatedCompositeFieldContainer[McpTool]
+    discovery_time: _timestamp_pb2.Timestamp
+    def __init__(self, credential_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[McpTool, _Mapping]]] = ..., discovery_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class InitiateOAuth2Request(_message.Message):
+    __slots__ = ("organization_id", "integration_name", "redirect_uri", "scope", "display_name", "make_default", "user_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_URI_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAKE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    integration_name: str
+    redirect_uri: str
+    scope: str
+    display_name: str
+    make_default: bool
+    user_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., redirect_uri: _Optional[str] = ..., scope: _Optional[str] = ..., display_name: _Optional[str] = ..., make_default: _Optional[bool] = ..., user_id: _Optional[str] = ...) -> None: ...
+
+class InitiateOAuth2Response(_message.Message):
+    __slots__ = ("authorization_url", "state")
+    AUTHORIZATION_URL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    authorization_url: str
+    state: str
+    def __init__(self, authorization_url: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class CompleteOAuth2Request(_message.Message):
+    __slots__ = ("state", "code")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    code: str
+    def __init__(self, state: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
+
+class CompleteOAuth2Response(_message.Message):
+    __slots__ = ("credential", "user_id")
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    credential: Credential
+    user_id: str
+    def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ..., user_id: _Optional[str] = ...) -> None: ...

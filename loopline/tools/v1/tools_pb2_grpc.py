@@ -91,6 +91,36 @@ class ToolsServiceStub:
                 request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeRequest.SerializeToString,
                 response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeResponse.FromString,
                 _registered_method=True)
+        self.GetDocument = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/GetDocument',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentResponse.FromString,
+                _registered_method=True)
+        self.CreateMcpServer = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/CreateMcpServer',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateMcpServerRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateMcpServerResponse.FromString,
+                _registered_method=True)
+        self.RefreshMcpDiscovery = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/RefreshMcpDiscovery',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.RefreshMcpDiscoveryRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.RefreshMcpDiscoveryResponse.FromString,
+                _registered_method=True)
+        self.ListMcpTools = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/ListMcpTools',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListMcpToolsRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListMcpToolsResponse.FromString,
+                _registered_method=True)
+        self.InitiateOAuth2 = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/InitiateOAuth2',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.InitiateOAuth2Request.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.InitiateOAuth2Response.FromString,
+                _registered_method=True)
+        self.CompleteOAuth2 = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/CompleteOAuth2',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Request.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Response.FromString,
+                _registered_method=True)
 
 
 class ToolsServiceServicer:
@@ -184,6 +214,58 @@ class ToolsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDocument(self, request, context):
+        """GetDocument returns one document of an organization's knowledge base (its
+        processing status); NOT_FOUND when absent or another organization's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateMcpServer(self, request, context):
+        """CreateMcpServer registers a Streamable HTTP MCP server as a credential of a new
+        integration and discovers its tools. INVALID_ARGUMENT for a bad URL, or one the
+        outbound policy refuses; the credential is stored even when discovery fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RefreshMcpDiscovery(self, request, context):
+        """RefreshMcpDiscovery lists the tools of a registered MCP server again and stores
+        them; NOT_FOUND when the credential is absent, another organization's or no MCP
+        server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMcpTools(self, request, context):
+        """ListMcpTools returns the tools last discovered on a registered MCP server;
+        NOT_FOUND as for RefreshMcpDiscovery.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitiateOAuth2(self, request, context):
+        """InitiateOAuth2 starts an OAuth2 authorization code flow with PKCE for an
+        integration that declares it: returns the authorization URL and the state.
+        INVALID_ARGUMENT for an integration without OAuth2.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteOAuth2(self, request, context):
+        """CompleteOAuth2 exchanges an authorization code at the integration's token URL
+        and stores the tokens as a credential. INVALID_ARGUMENT for an unknown or expired
+        state, FAILED_PRECONDITION when the token endpoint refuses the code.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ToolsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +323,36 @@ def add_ToolsServiceServicer_to_server(servicer, server):
                     servicer.SearchKnowledge,
                     request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeRequest.FromString,
                     response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeResponse.SerializeToString,
+            ),
+            'GetDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDocument,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentResponse.SerializeToString,
+            ),
+            'CreateMcpServer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateMcpServer,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateMcpServerRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateMcpServerResponse.SerializeToString,
+            ),
+            'RefreshMcpDiscovery': grpc.unary_unary_rpc_method_handler(
+                    servicer.RefreshMcpDiscovery,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.RefreshMcpDiscoveryRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.RefreshMcpDiscoveryResponse.SerializeToString,
+            ),
+            'ListMcpTools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMcpTools,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListMcpToolsRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListMcpToolsResponse.SerializeToString,
+            ),
+            'InitiateOAuth2': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitiateOAuth2,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.InitiateOAuth2Request.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.InitiateOAuth2Response.SerializeToString,
+            ),
+            'CompleteOAuth2': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteOAuth2,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Request.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Response.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -542,6 +654,168 @@ class ToolsService:
             '/loopline.tools.v1.ToolsService/SearchKnowledge',
             loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeRequest.SerializeToString,
             loopline_dot_tools_dot_v1_dot_tools__pb2.SearchKnowledgeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/GetDocument',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateMcpServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/CreateMcpServer',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CreateMcpServerRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CreateMcpServerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RefreshMcpDiscovery(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/RefreshMcpDiscovery',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.RefreshMcpDiscoveryRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.RefreshMcpDiscoveryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMcpTools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/ListMcpTools',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListMcpToolsRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListMcpToolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitiateOAuth2(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/InitiateOAuth2',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.InitiateOAuth2Request.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.InitiateOAuth2Response.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteOAuth2(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/CompleteOAuth2',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Request.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Response.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,329 @@
+"""MCP servers as integrations, through the official `mcp` SDK (issue #6 "MCP").
+
+Two kinds of servers:
+
+- Organization servers: registered by URL (Streamable HTTP) with optional headers, as a
+  credential of auth type `mcp_server` whose secret is `{"url", "headers"}` (headers
+  often carry a token, so both are encrypted like any secret). Each such credential is
+  its own integration, named `mcp_<slug>`; its discovered tools are stored on the
+  credential row (`discovery`) and become the integration's actions.
+- Operator stdio servers: configured with LOOPLINE_TOOLS_MCP_STDIO_SERVERS, a JSON list
+  of `{"name", "command", "args"?, "env"?, "description"?}`. Each is an integration
+  called `name` that needs no credential; its tools are discovered on first use (and in
+  the background at start) and kept in memory.
+
+Every session is opened for one operation (list or call) and closed after it, so a
+server that crashes or hangs harms only the call in flight. The caller bounds each
+operation with its timeout; errors become `ActionError`s with secret-free messages.
+Outbound policy: an organization's URL must pass `netpolicy.resolve_checked` (no
+loopback, link-local or private address unless the operator allows it) when it is
+registered and before every connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from services.tools.catalogue import Action, ActionContext, ActionError, AuthOption, Integration
+from services.tools.netpolicy import OutboundPolicyError, resolve_checked
+
+log = logging.getLogger(__name__)
+
+MCP_AUTH_TYPE = "mcp_server"
+# What one MCP tool call costs, in millicredits.
+MCP_ACTION_MILLICREDITS = 100
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+
+
+@dataclass(frozen=True)
+class StdioServer:
+    """An operator-configured stdio MCP server: integration `name`, launched as `command args`."""
+
+    name: str
+    command: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+
+
+def parse_stdio_servers(raw: str) -> list[StdioServer]:
+    """The stdio servers of a LOOPLINE_TOOLS_MCP_STDIO_SERVERS value ("" -> []).
+
+    Raises ValueError when it is not a JSON list of {name, command, args?, env?,
+    description?} with names matching `[a-z][a-z0-9_]*`.
+    """
+    if not raw.strip():
+        return []
+    items = json.loads(raw)
+    if not isinstance(items, list):
+        raise ValueError("tools_mcp_stdio_servers must be a JSON list")
+    servers = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(item.get("command"), str):
+            raise ValueError("each stdio MCP server needs a string 'name' and 'command'")
+        if not _NAME_RE.match(item["name"]):
+            raise ValueError(f"stdio MCP server name {item['name']!r} must match [a-z][a-z0-9_]*")
+        args = item.get("args", [])
+        env = item.get("env", {})
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ValueError(f"stdio MCP server {item['name']}: 'args' must be a list of strings")
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise ValueError(f"stdio MCP server {item['name']}: 'env' must map names to strings")
+        servers.append(StdioServer(item["name"], item["command"], tuple(args), dict(env), str(item.get("description", ""))))
+    return servers
+
+
+def slug(text: str) -> str:
+    """A lower-case identifier made of `text`'s letters and digits ("My Server!" -> "my_server")."""
+    value = re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+    return (value or "server")[:40]
+
+
+def check_url_shape(url: str) -> urllib.parse.SplitResult:
+    """The parts of an MCP server URL; ActionError unless it is http(s) with a host and no user info."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ActionError("server_url must be an http or https URL with a host")
+    if parts.username or parts.password:
+        raise ActionError("server_url must not carry user info; pass credentials as headers")
+    return parts
+
+
+async def check_url_policy(url: str, allow_private: bool) -> None:
+    """Raise OutboundPolicyError when the URL's host resolves to an address the policy refuses."""
+    parts = check_url_shape(url)
+    await resolve_checked(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), allow_private)
+
+
+def tool_json(tool: Any) -> dict[str, Any]:
+    """{name, description, input_schema} of an `mcp` Tool (a schema that is not valid becomes {"type": "object"})."""
+    schema = tool.input_schema if isinstance(tool.input_schema, dict) else {"type": "object"}
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError:
+        schema = {"type": "object"}
+    return {"name": tool.name, "description": tool.description or "", "input_schema": schema}
+
+
+def result_json(result: Any) -> dict[str, Any]:
+    """The JSON of a CallToolResult: {"content": [...], "structured_content"?: ...}."""
+    content = []
+    for block in result.content:
+        item = block.model_dump(mode="json", by_alias=True, exclude_none=True)
+        item.pop("_meta", None)
+        content.append(item)
+    output: dict[str, Any] = {"content": content}
+    if result.structured_content is not None:
+        output["structured_content"] = result.structured_content
+    return output
+
+
+def _error_text(result: Any) -> str:
+    texts = [getattr(block, "text", "") for block in result.content if getattr(block, "text", "")]
+    return "; ".join(texts)[:2000] or "the tool reported an error"
+
+
+class McpConnector:
+    """Opens one MCP session per operation.
+
+    Args:
+        timeout_s: the read timeout of one session (the caller also bounds the whole operation).
+        max_output_bytes: results whose JSON is larger are refused (an error, not truncated).
+        allow_private_network: the outbound policy for organization URLs.
+    """
+
+    def __init__(self, timeout_s: float, max_output_bytes: int, allow_private_network: bool) -> None:
+        self.timeout_s = timeout_s
+        self.max_output_bytes = max_output_bytes
+        self.allow_private_network = allow_private_network
+
+    def _client(self, target: StdioServer | dict[str, Any]) -> Client:
+        if isinstance(target, StdioServer):
+            params = StdioServerParameters(command=target.command, args=list(target.args), env=target.env or None)
+            transport = stdio_client(params, errlog=_DEVNULL)
+        else:
+            headers = {str(k): str(v) for k, v in (target.get("headers") or {}).items()}
+            http = httpx2.AsyncClient(
+                headers=headers, timeout=httpx2.Timeout(self.timeout_s), follow_redirects=False, trust_env=False
+            )
+            transport = _owning(http, streamable_http_client(
+                target["url"], http_client=http, max_sse_event_size=max(4 * self.max_output_bytes, 1 << 20)
+            ))
+        return Client(transport, cache=None, read_timeout_seconds=self.timeout_s)
+
+    async def _checked(self, target: StdioServer | dict[str, Any]) -> None:
+        if not isinstance(target, StdioServer):
+            await check_url_policy(str(target.get("url", "")), self.allow_private_network)
+
+    async def list_tools(self, target: StdioServer | dict[str, Any]) -> list[dict[str, Any]]:
+        """The server's tools as [{name, description, input_schema}] (all pages, at most 1000 tools).
+
+        Raises ActionError (connection or protocol failure), OutboundPolicyError, TimeoutError.
+        """
+        await self._checked(target)
+        tools: list[dict[str, Any]] = []
+        try:
+            async with asyncio.timeout(self.timeout_s), self._client(target) as client:
+                cursor = None
+                while len(tools) < 1000:
+                    page = await client.list_tools(cursor=cursor)
+                    tools.extend(tool_json(t) for t in page.tools)
+                    cursor = page.next_cursor
+                    if not cursor:
+                        break
+        except (ActionError, OutboundPolicyError, TimeoutError, asyncio.CancelledError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - anyio groups, transport and protocol errors alike
+            raise ActionError(f"the MCP server could not be reached or did not answer ({_describe(exc)})") from None
+        return tools
+
+    async def call_tool(self, target: StdioServer | dict[str, Any], name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Call one tool; returns result_json of its result.
+
+        Raises ActionError when the server cannot be reached, fails, reports is_error, or
+        returns more than `max_output_bytes` of JSON; OutboundPolicyError; TimeoutError.
+        """
+        await self._checked(target)
+        try:
+            async with asyncio.timeout(self.timeout_s), self._client(target) as client:
+                result = await client.call_tool(name, arguments)
+        except (ActionError, OutboundPolicyError, TimeoutError, asyncio.CancelledError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - see list_tools
+            raise ActionError(f"the MCP server failed during the call ({_describe(exc)})") from None
+        if result.is_error:
+            raise ActionError(f"the MCP tool {name!r} returned an error: {_error_text(result)}")
+        output = result_json(result)
+        size = len(json.dumps(output, ensure_ascii=False, separators=(",", ":")).encode())
+        if size > self.max_output_bytes:
+            raise ActionError(
+                f"the MCP tool {name!r} returned {size} bytes, more than the limit of {self.max_output_bytes} bytes"
+            )
+        return output
+
+
+# Stdio servers' stderr goes nowhere: their logs must not mix with the service's.
+_DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - kept for the life of the process
+
+
+class _owning:  # noqa: N801 - used like a function
+    """An async context manager that enters `inner` and closes `http` after it."""
+
+    def __init__(self, http: httpx2.AsyncClient, inner: Any) -> None:
+        self._http = http
+        self._inner = inner
+
+    async def __aenter__(self) -> Any:
+        try:
+            return await self._inner.__aenter__()
+        except BaseException:
+            await self._http.aclose()
+            raise
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        try:
+            return await self._inner.__aexit__(*exc)
+        finally:
+            await self._http.aclose()
+
+
+def _describe(exc: BaseException) -> str:
+    """A short, secret-free description of a failure: the innermost exception types of a group."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    name = type(exc).__name__
+    if isinstance(exc, httpx2.HTTPStatusError):
+        return f"{name}: HTTP {exc.response.status_code}"
+    return name
+
+
+def integration_of_tools(
+    name: str, display_name: str, description: str, tools: list[dict[str, Any]], auth_options: tuple[AuthOption, ...],
+    call: Any,
+) -> Integration:
+    """An Integration whose actions are MCP `tools`; each action's handler is `call(ctx, tool_name, params)`."""
+
+    def handler_for(tool_name: str) -> Any:
+        async def handler(ctx: ActionContext, params: dict[str, Any]) -> Any:
+            return await call(ctx, tool_name, params)
+
+        return handler
+
+    actions = {
+        t["name"]: Action(
+            name=t["name"],
+            description=t["description"],
+            parameters=t["input_schema"],
+            credit_cost_millicredits=MCP_ACTION_MILLICREDITS,
+            handler=handler_for(t["name"]),
+        )
+        for t in tools
+    }
+    return Integration(
+        name=name, display_name=display_name, description=description, categories=("mcp",),
+        auth_options=auth_options, actions=actions,
+    )
+
+
+ORG_SERVER_AUTH = (AuthOption(MCP_AUTH_TYPE, "MCP server", "A Streamable HTTP MCP server URL and its headers", None),)
+NO_AUTH = (AuthOption("none", "No credential", "Configured by the operator", None),)
+
+
+class StdioRegistry:
+    """The operator's stdio servers and their tools, discovered once per process.
+
+    Args:
+        servers: from `parse_stdio_servers`.
+        connector: the McpConnector to discover and call with.
+    """
+
+    def __init__(self, servers: list[StdioServer], connector: McpConnector) -> None:
+        self.servers = {s.name: s for s in servers}
+        self._connector = connector
+        self._tools: dict[str, list[dict[str, Any]]] = {}
+        self._locks = {s.name: asyncio.Lock() for s in servers}
+
+    def describe(self, server: StdioServer) -> str:
+        """The integration description of a stdio server."""
+        return server.description or f"Tools of the operator-configured MCP server {server.name!r}"
+
+    async def discover_all(self) -> None:
+        """Discover every server's tools (failures are logged and retried on next use)."""
+        for name in self.servers:
+            try:
+                await self.tools(name)
+            except (ActionError, OutboundPolicyError, TimeoutError) as exc:
+                log.warning("stdio MCP discovery failed", extra={"fields": {"server": name, "error": str(exc) or "timeout"}})
+
+    async def tools(self, name: str) -> list[dict[str, Any]]:
+        """The tools of server `name`, discovering them if not yet known. Raises as McpConnector.list_tools."""
+        if name in self._tools:
+            return self._tools[name]
+        async with self._locks[name]:
+            if name not in self._tools:
+                self._tools[name] = await self._connector.list_tools(self.servers[name])
+        return self._tools[name]
+
+    async def integration(self, name: str) -> Integration:
+        """The integration of server `name`; raises as `tools` when it cannot be discovered."""
+        server = self.servers[name]
+        tools = await self.tools(name)
+
+        async def call(_ctx: ActionContext, tool_name: str, params: dict[str, Any]) -> Any:
+            return await self._connector.call_tool(server, tool_name, params)
+
+        return integration_of_tools(name, name, self.describe(server), tools, NO_AUTH, call)

@@ -1,0 +1,254 @@
+"""OAuth2 authorization code flow with PKCE (RFC 6749 §4.1, RFC 7636 S256) for integrations that declare it.
+
+OAuth2 integrations are configured by the operator with LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS,
+a JSON list of `{"name", "display_name"?, "description"?, "authorize_url", "token_url",
+"client_id", "client_secret"?, "scope"?, "api_base_url"}`. Each becomes an integration
+with the auth option `oauth2` and one action, `api_request`, that calls its API with the
+stored access token.
+
+Flow: `initiate` stores a single-use state (random, 10 minutes) with the PKCE verifier
+encrypted and returns the authorization URL; `complete` consumes the state, exchanges the
+code at the token URL (client_secret_post when a secret is configured) and stores the
+tokens as an `oauth2` credential. Tokens are secrets: encrypted at rest, never returned.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import json
+import logging
+import re
+import secrets
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+from sqlalchemy import delete
+
+from services.common.errors import TOOLS_DOMAIN, RpcError
+from services.tools.catalogue import ActionContext, ActionError, Integration, integration_from_manifest
+from services.tools.credentials import CredentialInfo, CredentialStore
+from services.tools.crypto import SecretBox
+from services.tools.models import OAuthState, utcnow
+
+log = logging.getLogger(__name__)
+
+STATE_TTL = datetime.timedelta(minutes=10)
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+
+
+@dataclass(frozen=True)
+class OAuth2Provider:
+    """An operator-configured OAuth2 integration (see the module docstring for the fields)."""
+
+    name: str
+    display_name: str
+    description: str
+    authorize_url: str
+    token_url: str
+    client_id: str
+    client_secret: str
+    scope: str
+    api_base_url: str
+
+
+def parse_providers(raw: str) -> list[OAuth2Provider]:
+    """The providers of a LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS value ("" -> []). Raises ValueError when malformed."""
+    if not raw.strip():
+        return []
+    items = json.loads(raw)
+    if not isinstance(items, list):
+        raise ValueError("tools_oauth2_integrations must be a JSON list")
+    providers = []
+    for item in items:
+        missing = [k for k in ("name", "authorize_url", "token_url", "client_id", "api_base_url") if not isinstance(item.get(k), str) or not item[k]]
+        if missing:
+            raise ValueError(f"OAuth2 integration {item.get('name')!r} lacks {', '.join(missing)}")
+        if not _NAME_RE.match(item["name"]):
+            raise ValueError(f"OAuth2 integration name {item['name']!r} must match [a-z][a-z0-9_]*")
+        providers.append(
+            OAuth2Provider(
+                name=item["name"],
+                display_name=item.get("display_name") or item["name"],
+                description=item.get("description") or f"{item.get('display_name') or item['name']} API (OAuth2)",
+                authorize_url=item["authorize_url"],
+                token_url=item["token_url"],
+                client_id=item["client_id"],
+                client_secret=item.get("client_secret", ""),
+                scope=item.get("scope", ""),
+                api_base_url=item["api_base_url"].rstrip("/"),
+            )
+        )
+    return providers
+
+
+def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
+    """The integration of an OAuth2 provider: auth option oauth2, action `api_request`."""
+
+    async def api_request(ctx: ActionContext, params: dict[str, Any]) -> Any:
+        token = (ctx.secret or {}).get("access_token")
+        if not token:
+            raise ActionError("the credential has no access token; connect the integration again")
+        path = params["path"]
+        if not path.startswith("/") or "://" in path or path.startswith("//"):
+            raise ActionError("path must be a path on the API, starting with '/'")
+        async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False) as client:
+            response = await client.request(
+                params.get("method", "GET"), provider.api_base_url + path,
+                headers={"Authorization": f"Bearer {token}"}, json=params.get("body"),
+            )
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = response.text
+        return {"status": response.status_code, "body": body}
+
+    manifest = {
+        "name": provider.name,
+        "display_name": provider.display_name,
+        "description": provider.description,
+        "categories": ["oauth2"],
+        "auth": [{"type": "oauth2", "label": "Sign in", "description": f"Connect with {provider.display_name} (OAuth2)", "fields": None}],
+        "actions": [
+            {
+                "name": "api_request",
+                "description": f"Call the {provider.display_name} API with the connected account.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "method": {"enum": ["GET", "POST"], "default": "GET"},
+                        "path": {"type": "string", "minLength": 1, "description": "The API path, e.g. /me"},
+                        "body": {"type": "object", "description": "JSON body for POST"},
+                    },
+                    "required": ["path"],
+                    "additionalProperties": False,
+                },
+                "credit_cost_millicredits": 100,
+            }
+        ],
+    }
+    return integration_from_manifest(manifest, {"api_request": api_request})
+
+
+def _invalid(reason: str, message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
+
+
+def pkce_challenge(verifier: str) -> str:
+    """The S256 code challenge of a PKCE verifier: base64url(sha256(verifier)) without padding."""
+    return base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+
+
+class OAuth2Flows:
+    """Starts and completes authorization code flows.
+
+    Args:
+        providers: the configured OAuth2 integrations.
+        sessions: the tools database's session factory (for `oauth_states`).
+        box: encrypts the PKCE verifiers.
+        credentials: stores the resulting credentials.
+        timeout_s: the token request's time limit, in seconds.
+    """
+
+    def __init__(self, providers: list[OAuth2Provider], sessions: Any, box: SecretBox, credentials: CredentialStore, timeout_s: float) -> None:
+        self.providers = {p.name: p for p in providers}
+        self._sessions = sessions
+        self._box = box
+        self._credentials = credentials
+        self._timeout_s = timeout_s
+
+    async def initiate(
+        self, org_id: str, integration: str, redirect_uri: str, scope: str = "", display_name: str = "",
+        make_default: bool = False, user_id: str = "",
+    ) -> tuple[str, str]:
+        """(authorization_url, state). Raises RpcError INVALID_ARGUMENT for an integration
+        without OAuth2 or a redirect_uri that is not an absolute http(s) URL."""
+        if not org_id:
+            raise _invalid("ORGANIZATION_REQUIRED", "organization_id is required")
+        provider = self.providers.get(integration)
+        if provider is None:
+            raise _invalid("OAUTH2_NOT_SUPPORTED", f"Integration {integration!r} does not offer OAuth2")
+        parts = urllib.parse.urlsplit(redirect_uri)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise _invalid("INVALID_REDIRECT_URI", "redirect_uri must be an absolute http or https URL")
+        state = secrets.token_urlsafe(32)
+        verifier = secrets.token_urlsafe(64)
+        scope = scope or provider.scope
+        async with self._sessions() as session, session.begin():
+            await session.execute(delete(OAuthState).where(OAuthState.expires_at < utcnow()))
+            session.add(
+                OAuthState(
+                    state=state, org_id=org_id, user_id=user_id, integration=integration,
+                    encrypted_verifier=self._box.encrypt({"verifier": verifier}), redirect_uri=redirect_uri,
+                    scope=scope, display_name=display_name, make_default=make_default, expires_at=utcnow() + STATE_TTL,
+                )
+            )
+        query = {
+            "response_type": "code",
+            "client_id": provider.client_id,
+            "redirect_uri": redirect_uri,
+            "state": state,
+            "code_challenge": pkce_challenge(verifier),
+            "code_challenge_method": "S256",
+        }
+        if scope:
+            query["scope"] = scope
+        separator = "&" if urllib.parse.urlsplit(provider.authorize_url).query else "?"
+        return provider.authorize_url + separator + urllib.parse.urlencode(query), state
+
+    async def complete(self, state: str, code: str) -> tuple[CredentialInfo, str]:
+        """Consume `state`, exchange `code`, store the credential; returns (its metadata, the user who started).
+
+        Raises RpcError INVALID_ARGUMENT (OAUTH2_STATE_INVALID: unknown, used or expired
+        state; missing code) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token
+        endpoint refused the code or could not be reached). The state is spent either way.
+        """
+        if not state or not code:
+            raise _invalid("OAUTH2_STATE_INVALID", "state and code are required")
+        async with self._sessions() as session, session.begin():
+            row = await session.get(OAuthState, state)
+            if row is not None:
+                await session.delete(row)
+        expires = row.expires_at if row is None or row.expires_at.tzinfo else row.expires_at.replace(tzinfo=datetime.UTC)
+        if row is None or expires < utcnow() or row.integration not in self.providers:
+            raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state; start the connection again")
+        provider = self.providers[row.integration]
+        form = {
+            "grant_type": "authorization_code",
+            "code": code,
+            "redirect_uri": row.redirect_uri,
+            "client_id": provider.client_id,
+            "code_verifier": self._box.decrypt(row.encrypted_verifier)["verifier"],
+        }
+        if provider.client_secret:
+            form["client_secret"] = provider.client_secret
+        try:
+            async with httpx.AsyncClient(timeout=self._timeout_s, follow_redirects=False, trust_env=False) as client:
+                response = await client.post(provider.token_url, data=form, headers={"Accept": "application/json"})
+            tokens = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("oauth2 token exchange failed", extra={"fields": {"integration": provider.name, "exc_type": type(exc).__name__}})
+            tokens = None
+            response = None
+        if not isinstance(tokens, dict) or not isinstance(tokens.get("access_token"), str):
+            status = response.status_code if response is not None else "no response"
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION, "OAUTH2_EXCHANGE_FAILED",
+                f"The authorization server did not issue a token (status {status})", domain=TOOLS_DOMAIN,
+            )
+        secret = {"access_token": tokens["access_token"], "token_type": str(tokens.get("token_type", "Bearer"))}
+        if isinstance(tokens.get("refresh_token"), str):
+            secret["refresh_token"] = tokens["refresh_token"]
+        metadata: dict[str, Any] = {"scope": str(tokens.get("scope", row.scope))}
+        if isinstance(tokens.get("expires_in"), int | float):
+            metadata["expires_at"] = (utcnow() + datetime.timedelta(seconds=float(tokens["expires_in"]))).isoformat()
+        info = await self._credentials.create_raw(
+            row.org_id, provider.name, "oauth2", secret,
+            display_name=row.display_name or f"{provider.display_name} account", metadata=metadata,
+            make_default=row.make_default,
+        )
+        return info, row.user_id

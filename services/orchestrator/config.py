@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.common.config import CommonSettings
 
 
@@ -22,6 +24,19 @@ class OrchestratorSettings(CommonSettings):
         tool_timeout_s: deadline of one ExecuteTool call.
         stream_url_prefix: path prefix of the stream_url returned to clients.
         event_log_max_runs: runs whose events the in-memory log keeps after they end.
+        openai_base_url / openai_api_key / openai_models: the "openai" provider: API base URL,
+            the platform's key (empty: the provider serves only bring-your-own-key requests),
+            and the allowed model ids, comma-separated ("*" allows any).
+        anthropic_base_url / anthropic_api_key / anthropic_models: the same for "anthropic".
+        anthropic_max_tokens: `max_tokens` of each Anthropic call.
+        openai_compatible_providers: more OpenAI-compatible providers as JSON
+            `{provider_id: {"base_url", "api_key_env"?, "models"?}}`; `api_key_env` names the
+            environment variable holding the key (none: no key needed, e.g. a local Ollama);
+            `models` is a list of allowed ids (absent: any).
+        llm_max_retries: retries of a model call after a timeout, 429 or 5xx (so at most N+1 attempts).
+        llm_retry_base_delay_s / llm_retry_max_delay_s: exponential backoff start and cap, in
+            seconds; a provider's Retry-After is honored (a longer one than the cap fails at once).
+        llm_timeout_s: per-request timeout of a model call (connect, and between streamed chunks).
     """
 
     orchestrator_port: int = 50051
@@ -38,6 +53,18 @@ class OrchestratorSettings(CommonSettings):
     tool_timeout_s: float = 60.0
     stream_url_prefix: str = "/assistant/chat"
     event_log_max_runs: int = 10_000
+    openai_base_url: str = "https://api.openai.com/v1"
+    openai_api_key: str = ""
+    openai_models: str = "gpt-4.1,gpt-4.1-mini,gpt-4.1-nano,gpt-4o,gpt-4o-mini,o4-mini"
+    anthropic_base_url: str = "https://api.anthropic.com"
+    anthropic_api_key: str = ""
+    anthropic_models: str = "claude-opus-4-1,claude-sonnet-4-5,claude-sonnet-4-0,claude-haiku-4-5,claude-3-5-haiku-latest"
+    anthropic_max_tokens: int = 4096
+    openai_compatible_providers: dict[str, dict[str, Any]] = {}
+    llm_max_retries: int = 2
+    llm_retry_base_delay_s: float = 0.5
+    llm_retry_max_delay_s: float = 30.0
+    llm_timeout_s: float = 120.0
 
     @property
     def database_url(self) -> str:

@@ -144,9 +144,15 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             "model_id": self.settings.default_model_id,
         }
 
-    def _model(self, llm: dict[str, Any]) -> Any:
+    # (organization_id, credential_id) -> the org's own model key (BYOK); wired by the server when
+    # the tools service can hand out a credential's secret; None refuses llm.credential_id with 400.
+    secret_resolver: registry.SecretResolver | None = None
+
+    async def _model(self, llm: dict[str, Any], organization_id: str) -> Any:
+        """The ChatModel for `llm` (INVALID_ARGUMENT for an unknown provider, model or unusable credential)."""
         try:
-            return registry.resolve(self.settings, llm)
+            return await registry.resolve(self.settings, llm, organization_id=organization_id,
+                                          secret_resolver=self.secret_resolver)
         except registry.UnknownModel as unknown:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", str(unknown)) from None
 
@@ -164,7 +170,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         if request.kind and request.kind != ASSISTANT_KIND:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED_KIND", "only assistant chats are served here")
         llm = self._llm(request.llm, request.HasField("llm"))
-        model = self._model(llm)
+        model = await self._model(llm, caller.organization_id)
         chat_id = request.chat_id or str(uuid.uuid4())
         run_id = str(uuid.uuid4())
         self._claim(chat_id)
@@ -282,7 +288,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         caller = request.caller
         answer = pb.from_struct(request.response)
         llm = self._llm(request.llm, request.HasField("llm"))
-        model = self._model(llm)
+        model = await self._model(llm, caller.organization_id)
         async with self.sessions() as session:
             chat_id = (await self._chat(session, caller, request.chat_id)).id
         self._claim(chat_id)

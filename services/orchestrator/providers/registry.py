@@ -1,26 +1,134 @@
-"""Resolve a request's `llm` object to a chat model."""
+"""Resolve a request's `llm` object to a chat model (issue 7 "Models").
+
+Providers served:
+- `scripted`: the deterministic test/demo model (`LOOPLINE_SCRIPTED_MODEL_ENABLED`);
+- `openai`: chat completions at `LOOPLINE_OPENAI_BASE_URL` (models `LOOPLINE_OPENAI_MODELS`);
+- `anthropic`: Messages at `LOOPLINE_ANTHROPIC_BASE_URL` (models `LOOPLINE_ANTHROPIC_MODELS`);
+- every entry of `LOOPLINE_OPENAI_COMPATIBLE_PROVIDERS` (vLLM, Ollama, llama.cpp, ...).
+
+Keys: with `llm.credential_id` the key is the organization's own credential, fetched by
+the injected `secret_resolver(org_id, credential_id)` (bring your own key); otherwise the
+platform's key from settings. A provider without a platform key serves only
+bring-your-own-key requests. Every refusal is `UnknownModel` (HTTP 400, nothing written).
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from services.orchestrator.config import OrchestratorSettings
+from services.orchestrator.providers.anthropic_provider import AnthropicModel
 from services.orchestrator.providers.base import ChatModel
+from services.orchestrator.providers.openai_compat import OpenAICompatModel
+from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
+
+SecretResolver = Callable[[str, str], Awaitable[str]]
+"""`(organization_id, credential_id) -> api key`; raises LookupError when the credential is
+absent, another organization's, or not usable as a model key."""
+
+RESERVED = frozenset({"scripted", "openai", "anthropic"})
+NO_KEY = "no-key"  # sent to compatible servers that need none (the SDK insists on a value)
 
 
 class UnknownModel(ValueError):
-    """The `llm` names a provider or model this deployment does not serve (HTTP 400)."""
+    """The `llm` names a provider, model or credential this deployment cannot serve (HTTP 400)."""
 
 
-def resolve(settings: OrchestratorSettings, llm: dict[str, Any]) -> ChatModel:
+@dataclass(frozen=True)
+class ProviderConfig:
+    """One configured provider.
+
+    Attributes:
+        provider_id: the id clients put in `llm.provider_id`.
+        kind: "openai" (chat-completions wire format) or "anthropic".
+        base_url: API base URL.
+        api_key: the platform's key; "" when it has none.
+        models: allowed model ids; None allows any.
+        key_required: whether a request without a key must be refused.
+    """
+
+    provider_id: str
+    kind: str
+    base_url: str
+    api_key: str
+    models: frozenset[str] | None
+    key_required: bool = True
+
+
+def _model_list(value: Any) -> frozenset[str] | None:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
+    items = [v for v in items if v]
+    return None if not items or "*" in items else frozenset(items)
+
+
+def providers(settings: OrchestratorSettings) -> dict[str, ProviderConfig]:
+    """The real (non-scripted) providers of this deployment, by id."""
+    found = {
+        "openai": ProviderConfig("openai", "openai", settings.openai_base_url, settings.openai_api_key,
+                                 _model_list(settings.openai_models)),
+        "anthropic": ProviderConfig("anthropic", "anthropic", settings.anthropic_base_url, settings.anthropic_api_key,
+                                    _model_list(settings.anthropic_models)),
+    }
+    for provider_id, entry in (settings.openai_compatible_providers or {}).items():
+        if provider_id in RESERVED or not isinstance(entry, dict) or not entry.get("base_url"):
+            continue
+        key_env = entry.get("api_key_env")
+        found[provider_id] = ProviderConfig(
+            provider_id, "openai", str(entry["base_url"]), os.environ.get(key_env, "") if key_env else "",
+            _model_list(entry.get("models")), key_required=bool(key_env),
+        )
+    return found
+
+
+def retry_policy(settings: OrchestratorSettings) -> RetryPolicy:
+    """The retry bounds of model calls from settings."""
+    return RetryPolicy(max_retries=max(0, settings.llm_max_retries), base_delay_s=settings.llm_retry_base_delay_s,
+                       max_delay_s=settings.llm_retry_max_delay_s)
+
+
+async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organization_id: str = "",
+                  secret_resolver: SecretResolver | None = None) -> ChatModel:
     """The ChatModel for `llm` = {integration_name, provider_id, model_id, credential_id?}.
 
-    Raises UnknownModel for an unknown or disabled provider.
+    Raises:
+        UnknownModel: unknown or disabled provider, a model id outside the provider's list,
+            no key available, or a credential that cannot be used (absent, another
+            organization's, or bring-your-own-key not wired on this deployment).
     """
-    provider = llm.get("provider_id", "")
-    if provider == "scripted":
+    provider_id = llm.get("provider_id", "")
+    model_id = llm.get("model_id") or ""
+    if provider_id == "scripted":
         if not settings.scripted_model_enabled:
             raise UnknownModel("the scripted model is disabled on this deployment")
-        return ScriptedModel(llm.get("model_id") or "default")
-    raise UnknownModel(f"unknown model provider {provider!r}")
+        return ScriptedModel(model_id or "default")
+    config = providers(settings).get(provider_id)
+    if config is None:
+        raise UnknownModel(f"unknown model provider {provider_id!r}")
+    if not model_id or (config.models is not None and model_id not in config.models):
+        raise UnknownModel(f"unknown model {model_id!r} for provider {provider_id!r}")
+    credential_id = llm.get("credential_id")
+    if credential_id:
+        if secret_resolver is None:
+            raise UnknownModel("bring-your-own-key credentials are not available on this deployment")
+        try:
+            api_key = await secret_resolver(organization_id, credential_id)
+        except LookupError:
+            raise UnknownModel(f"credential {credential_id!r} cannot be used as a model key") from None
+    else:
+        api_key = config.api_key
+    if not api_key:
+        if config.key_required:
+            raise UnknownModel(f"model provider {provider_id!r} has no key configured; pass llm.credential_id")
+        api_key = NO_KEY
+    policy = retry_policy(settings)
+    if config.kind == "anthropic":
+        return AnthropicModel(model_id, base_url=config.base_url, api_key=api_key, policy=policy,
+                              max_tokens=settings.anthropic_max_tokens, timeout_s=settings.llm_timeout_s)
+    return OpenAICompatModel(provider_id, model_id, base_url=config.base_url, api_key=api_key, policy=policy,
+                             timeout_s=settings.llm_timeout_s)

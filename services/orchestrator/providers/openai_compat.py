@@ -1,0 +1,230 @@
+"""OpenAI-compatible chat completions through the official `openai` SDK (issue 7).
+
+One class serves OpenAI itself and every server that speaks the chat-completions wire
+format (vLLM, Ollama, llama.cpp's server, ...): only the base URL, the key and the model
+id differ. A call streams (`stream=True`, `stream_options.include_usage`), forwards each
+text delta to `on_text`, assembles tool calls from deltas that may be split across
+chunks (keyed by `index`), passes the profile's tools as function schemas with
+`parallel_tool_calls=False`, and reads usage from the final usage chunk.
+
+Usage mapping (billing's rule: input counts uncached input only):
+`input_tokens = prompt_tokens - prompt_tokens_details.cached_tokens`,
+`cache_read_tokens = cached_tokens`, `output_tokens = completion_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, estimate_tokens
+from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
+from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, call_with_retries, classify
+
+log = logging.getLogger(__name__)
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def to_openai_messages(messages: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
+    """The provider-neutral thread (see base.py) as chat-completions messages.
+
+    The system prompt comes first; an assistant message's tool calls become
+    `tool_calls` with JSON-string `arguments`; a tool result becomes a `tool` message with
+    its `tool_call_id` and JSON-string content; guidance and summaries stay `system`.
+    """
+    out: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}]
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant":
+            calls = message.get("tool_calls") or []
+            item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
+            if calls:
+                item["tool_calls"] = [
+                    {"id": c["id"], "type": "function",
+                     "function": {"name": c["name"], "arguments": _json_text(c.get("input") or {})}}
+                    for c in calls
+                ]
+            elif item["content"] is None:
+                item["content"] = ""
+            out.append(item)
+        elif role == "tool":
+            out.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": _json_text(message.get("content"))})
+        elif role in ("user", "system"):
+            out.append({"role": role, "content": _json_text(message.get("content") or "")})
+    return out
+
+
+def to_openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`{"name", "description", "input_schema"}` tools as chat-completions function tools."""
+    return [
+        {"type": "function", "function": {
+            "name": t["name"], "description": t.get("description") or "",
+            "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+        }}
+        for t in tools
+    ]
+
+
+def parse_arguments(raw: str) -> dict[str, Any]:
+    """A tool call's JSON `arguments` as an object; `{}` for empty, invalid or non-object JSON."""
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        log.warning("tool call arguments are not valid JSON", extra={"fields": {"length": len(raw)}})
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class _Attempt:
+    """What one streamed attempt produced so far."""
+
+    opened: bool = False
+    emitted: bool = False
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    reported: TokenUsage | None = None
+
+    def usage(self, input_estimate: int) -> TokenUsage:
+        """Reported usage; else an estimate once the request was accepted; else nothing."""
+        if self.reported is not None:
+            return self.reported
+        if not self.opened:
+            return TokenUsage()
+        produced = "".join(self.text) + "".join(c["args"] for c in self.calls.values())
+        return TokenUsage(input_tokens=input_estimate, output_tokens=estimate_tokens(produced) if produced else 0, estimated=True)
+
+
+def add_usage(total: TokenUsage, part: TokenUsage) -> None:
+    """Add `part` into `total` in place (estimated if either is)."""
+    total.input_tokens += part.input_tokens
+    total.output_tokens += part.output_tokens
+    total.cache_read_tokens += part.cache_read_tokens
+    total.cache_write_tokens += part.cache_write_tokens
+    total.estimated = total.estimated or part.estimated
+
+
+class OpenAICompatModel:
+    """A chat model behind an OpenAI-compatible `/chat/completions` endpoint.
+
+    Args:
+        provider_id: the provider's id in `llm` ("openai", or a configured compatible one).
+        model_id: the model id sent to the server.
+        base_url: the API base URL (e.g. "https://api.openai.com/v1", "http://127.0.0.1:11434/v1").
+        api_key: the key sent as `Authorization: Bearer` (the platform's or the org's own).
+        policy: retry bounds (see retry.py).
+        timeout_s: per-request timeout in seconds (connect, and between streamed chunks).
+        system_prompt: the stable system prompt.
+
+    Attributes:
+        partial_usage: the tokens of the latest call so far, also when it was cancelled.
+    """
+
+    def __init__(self, provider_id: str, model_id: str, *, base_url: str, api_key: str, policy: RetryPolicy,
+                 timeout_s: float = 120.0, system_prompt: str = ASSISTANT_SYSTEM_PROMPT) -> None:
+        self.provider_id = provider_id
+        self.model_id = model_id
+        self._base_url = base_url
+        self._api_key = api_key
+        self._policy = policy
+        self._timeout_s = timeout_s
+        self._system_prompt = system_prompt
+        self.partial_usage = TokenUsage()
+
+    def _client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s)
+
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
+        """Stream one chat completion; see the module docstring.
+
+        Raises:
+            ModelError: after the retries of retry.py, with the usage accrued (reported or estimated).
+            asyncio.CancelledError: the HTTP stream is closed before it propagates.
+        """
+        wire_messages = to_openai_messages(messages, self._system_prompt)
+        request: dict[str, Any] = {
+            "model": self.model_id, "messages": wire_messages, "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if tools:
+            request["tools"] = to_openai_tools(tools)
+            request["parallel_tool_calls"] = False
+        input_estimate = estimate_tokens(json.dumps(wire_messages)) + (estimate_tokens(json.dumps(request["tools"])) if tools else 0)
+        total = TokenUsage()
+        self.partial_usage = total
+        current = _Attempt()
+
+        async def attempt() -> _Attempt:
+            nonlocal current
+            current = _Attempt()
+            try:
+                await self._stream_once(request, current, on_text)
+            except Exception as error:
+                if current.opened and classify(error).kind == "connection failed":
+                    raise IncompleteStream("the connection broke mid-stream") from error
+                raise
+            finally:
+                add_usage(total, current.usage(input_estimate))
+            return current
+
+        done = await call_with_retries(
+            self.provider_id, self._policy, attempt, emitted=lambda: current.emitted, usage=lambda: total,
+        )
+        calls = [
+            ToolCallRequest(id=c["id"] or f"call_{uuid.uuid4().hex[:24]}", name=c["name"], input=parse_arguments(c["args"]))
+            for _, c in sorted(done.calls.items())
+            if c["name"]
+        ]
+        return ModelReply(text="".join(done.text), tool_calls=calls, usage=total)
+
+    async def _stream_once(self, request: dict[str, Any], state: _Attempt, on_text: OnText) -> None:
+        async with self._client() as client:
+            stream = await client.chat.completions.create(**request)
+            state.opened = True
+            async with stream:
+                async for chunk in stream:
+                    usage = getattr(chunk, "usage", None)
+                    if usage is not None:
+                        state.reported = _usage_of(usage)
+                    for choice in chunk.choices or []:
+                        delta = choice.delta
+                        if delta is not None and delta.content:
+                            state.text.append(delta.content)
+                            state.emitted = True
+                            await on_text(delta.content)
+                        for position, piece in enumerate((delta.tool_calls if delta is not None else None) or []):
+                            index = piece.index if piece.index is not None else position
+                            call = state.calls.setdefault(index, {"id": "", "name": "", "args": ""})
+                            if piece.id:
+                                call["id"] = piece.id
+                            if piece.function is not None:
+                                if piece.function.name and not call["name"]:  # sent once, with the first delta
+                                    call["name"] = piece.function.name
+                                if piece.function.arguments:
+                                    call["args"] += piece.function.arguments
+                        if choice.finish_reason:
+                            state.finish_reason = choice.finish_reason
+        if state.finish_reason is None:
+            raise IncompleteStream("the stream ended without a finish reason")
+
+
+def _usage_of(usage: Any) -> TokenUsage:
+    prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+    return TokenUsage(
+        input_tokens=max(0, prompt - cached),
+        output_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
+        cache_read_tokens=cached,
+    )

@@ -1,0 +1,195 @@
+"""Bounded retries of provider calls, and the sanitized failure message (issue 7 "Errors").
+
+The rule, in one place:
+- Retryable: a timeout (client side, or HTTP 408), a connection failure, HTTP 429, any
+  HTTP 5xx (Anthropic's 529 "overloaded" included), and a stream that ended before its
+  last event — but only while no text or tool call of that attempt has reached the
+  client (`emitted`): a retry after a visible chunk would repeat it.
+- At most `max_retries` retries (so `max_retries + 1` attempts). The delay before retry
+  n (1-based) is `base_delay_s * 2**(n-1)`, capped at `max_delay_s`; when the provider
+  sent `Retry-After` (seconds or an HTTP date) or `retry-after-ms`, the delay is at least
+  that. A `Retry-After` longer than `max_delay_s` is not waited for: the call fails at once.
+- Everything else (400, 401, 403, 404, 422, a malformed response, ...) fails at once.
+- A failure raises `ModelError` whose message names the provider and the kind of failure
+  only (e.g. "openai: rate limited (429) after 3 attempts"); the provider's own error
+  text, the key and the URL never appear in it.
+- The SDKs' own retries are turned off (`max_retries=0`) so that this is the only rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from services.orchestrator.providers.base import ModelError, TokenUsage
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class IncompleteStream(Exception):
+    """The provider's stream ended before its final event (no `[DONE]` / `message_stop`)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how long to retry a failed provider call.
+
+    Attributes:
+        max_retries: retries after the first attempt (0 = no retry).
+        base_delay_s: delay before the first retry, in seconds; doubled for each next one.
+        max_delay_s: cap of one delay, in seconds; a longer `Retry-After` is not waited for.
+    """
+
+    max_retries: int = 2
+    base_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+
+    def delay(self, retry: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry number `retry` (1-based), honoring `retry_after`."""
+        backoff = min(self.max_delay_s, self.base_delay_s * (2 ** max(0, retry - 1)))
+        return max(backoff, retry_after or 0.0)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A classified provider failure: a short `kind` safe to show, whether to retry, and Retry-After (s)."""
+
+    kind: str
+    retryable: bool
+    retry_after: float | None = None
+
+
+def parse_retry_after(headers: Any) -> float | None:
+    """Seconds from `retry-after-ms` or `Retry-After` (delta seconds or an HTTP date); None when absent or invalid."""
+    if headers is None:
+        return None
+    try:
+        millis = headers.get("retry-after-ms")
+        if millis is not None:
+            return max(0.0, float(millis) / 1000)
+    except (TypeError, ValueError):
+        pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
+        pass
+    try:
+        moment = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if moment is None:
+        return None
+    return max(0.0, moment.timestamp() - time.time())
+
+
+_STATUS_KINDS = {
+    400: "request rejected (400)",
+    401: "authentication failed (401)",
+    402: "payment required (402)",
+    403: "permission denied (403)",
+    404: "model or endpoint not found (404)",
+    408: "timed out (408)",
+    409: "conflict (409)",
+    413: "request too large (413)",
+    422: "request rejected (422)",
+    429: "rate limited (429)",
+}
+
+
+def classify(error: BaseException) -> Failure:
+    """Classify an exception raised by the `openai` or `anthropic` SDK (or by a provider's stream reader).
+
+    Works on both SDKs by duck typing: an HTTP status error has `status_code` and
+    `response.headers`; connection and timeout errors are recognized by class name
+    (`APITimeoutError`, `APIConnectionError`) and by the asyncio/httpx timeout types.
+    """
+    if isinstance(error, IncompleteStream):
+        return Failure("stream ended early", True)
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return Failure("timed out", True)
+    names = {cls.__name__ for cls in type(error).__mro__}
+    status = getattr(error, "status_code", None)
+    if isinstance(status, int):
+        response = getattr(error, "response", None)
+        retry_after = parse_retry_after(getattr(response, "headers", None))
+        if status == 429:
+            return Failure(_STATUS_KINDS[429], True, retry_after)
+        if status == 408:
+            return Failure(_STATUS_KINDS[408], True, retry_after)
+        if status == 529:
+            return Failure("overloaded (529)", True, retry_after)
+        if status >= 500:
+            return Failure(f"server error ({status})", True, retry_after)
+        if "APIResponseValidationError" in names:
+            return Failure("malformed response", False)
+        return Failure(_STATUS_KINDS.get(status, f"request failed ({status})"), False)
+    if "APITimeoutError" in names or "TimeoutException" in names:
+        return Failure("timed out", True)
+    if "APIConnectionError" in names or "TransportError" in names or "RemoteProtocolError" in names:
+        return Failure("connection failed", True)
+    if "APIError" in names:  # an error event inside the stream (e.g. overloaded mid-stream)
+        body = getattr(error, "body", None)
+        error_type = body.get("type") if isinstance(body, dict) else None
+        if error_type in ("overloaded_error", "api_error", "server_error", "rate_limit_error"):
+            return Failure(f"stream error ({error_type})", True)
+        return Failure("stream error", False)
+    return Failure("unexpected error", False)
+
+
+async def call_with_retries(
+    provider_id: str,
+    policy: RetryPolicy,
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    emitted: Callable[[], bool],
+    usage: Callable[[], TokenUsage],
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+) -> T:
+    """Run `attempt()` under `policy`; return its result or raise a sanitized ModelError.
+
+    Args:
+        provider_id: named in the error message (e.g. "openai").
+        policy: the retry bounds.
+        attempt: one provider call; raises on failure.
+        emitted: whether anything of the current call reached the client (then no retry).
+        usage: the tokens accrued so far over every attempt (carried on ModelError.usage).
+        sleep: the wait between attempts (replaceable in tests).
+
+    Raises:
+        ModelError: after the last attempt, or at once for a non-retryable failure.
+        asyncio.CancelledError: propagated unchanged (the attempt closes its own stream).
+    """
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            return await attempt()
+        except asyncio.CancelledError:
+            raise
+        except ModelError:
+            raise
+        except Exception as error:  # noqa: BLE001 - every provider failure is classified below
+            failure = classify(error)
+            log.warning(
+                "model call failed",
+                extra={"fields": {"provider": provider_id, "kind": failure.kind, "attempt": attempts,
+                                  "error_class": type(error).__name__}},
+            )
+            too_long = failure.retry_after is not None and failure.retry_after > policy.max_delay_s
+            if failure.retryable and attempts <= policy.max_retries and not emitted() and not too_long:
+                await sleep(policy.delay(attempts, failure.retry_after))
+                continue
+            suffix = f" after {attempts} attempts" if attempts > 1 else ""
+            if too_long and failure.retryable:
+                suffix += " (retry-after too long)"
+            raise ModelError(f"{provider_id}: {failure.kind}{suffix}", usage=usage()) from None

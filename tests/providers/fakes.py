@@ -90,8 +90,8 @@ class FakeLLMServer:
             while True:
                 try:
                     seen = await self._read_request(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
+                except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+                    return  # the client closed the connection, or the server is shutting down
                 self.requests.append(seen)
                 reply = self.replies[min(len(self.requests) - 1, len(self.replies) - 1)]
                 if not await self._respond(reply, reader, writer):

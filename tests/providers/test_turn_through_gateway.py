@@ -1,0 +1,133 @@
+"""A whole turn through the HTTP API with each real provider pointed at a local fake server (issue 7)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import start_stack, stop_stack
+from tests.orchestrator.helpers import types
+from tests.providers.fakes import (
+    FakeLLMServer,
+    Reply,
+    anthropic_end,
+    anthropic_start,
+    anthropic_text_block,
+    anthropic_tool_block,
+    openai_text,
+    openai_tool_call,
+)
+from tests.sse_client import read_frames
+
+OPENAI_LLM = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
+ANTHROPIC_LLM = {"integration_name": "anthropic", "provider_id": "anthropic", "model_id": "claude-test"}
+FAST = {"llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0}
+
+
+async def _turn(stack, llm: dict) -> list[dict]:
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": "Which integrations can I use?", "llm": llm})
+        assert response.status_code == 200, response.text
+        return await read_frames(client, response.json()["stream_url"])
+
+
+def _check_tool_round(frames: list[dict], first_text: str, answer: str) -> dict:
+    assert types(frames)[0] == "metadata" and types(frames)[-1] == "done"
+    kinds = [t for t in types(frames) if t != "metadata"]
+    first_call = kinds.index("tool_call")
+    assert kinds[first_call + 1] == "tool_result"
+    assert "response_chunk" in kinds[:first_call] and "response_chunk" in kinds[first_call + 2:]
+    chunks = [f["data"]["chunk"] for f in frames if f["type"] == "response_chunk"]
+    assert "".join(chunks) == first_text + answer
+    call = next(f for f in frames if f["type"] == "tool_call")["data"]
+    result = next(f for f in frames if f["type"] == "tool_result")["data"]
+    assert call["tool"] == result["tool"] == "get_available_integrations"
+    assert result["tool_call_id"] == call["tool_call_id"]
+    assert isinstance(result["output"], dict) and "integrations" in result["output"]
+    done = frames[-1]["data"]
+    assert done["response"] == answer
+    assert done["tool_calls"][0]["tool"] == "get_available_integrations"
+    return done
+
+
+async def test_openai_turn_streams_chunks_runs_one_tool_and_reports_provider_usage(tmp_path):
+    replies = [
+        Reply(events=openai_tool_call("get_available_integrations", "{}", call_id="call_gw1", say="Let me look. ",
+                                      usage={"prompt_tokens": 400, "completion_tokens": 15, "total_tokens": 415})),
+        Reply(events=openai_text("You can use ", "three integrations.",
+                                 usage={"prompt_tokens": 600, "completion_tokens": 9, "total_tokens": 609})),
+    ]
+    async with FakeLLMServer(replies) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test", **FAST,
+        })
+        try:
+            frames = await _turn(stack, OPENAI_LLM)
+        finally:
+            await stop_stack(stack)
+    done = _check_tool_round(frames, "Let me look. ", "You can use three integrations.")
+    assert done["usage"]["input_tokens"] == 1000 and done["usage"]["output_tokens"] == 24
+    assert done["usage"]["llm_calls"] == 2
+    # the second call saw the tool round in the OpenAI format
+    second = server.requests[1].body["messages"]
+    assistant = next(m for m in second if m["role"] == "assistant")
+    assert assistant["tool_calls"][0]["id"] == "call_gw1" and assistant["tool_calls"][0]["function"]["arguments"] == "{}"
+    tool = next(m for m in second if m["role"] == "tool")
+    assert tool["tool_call_id"] == "call_gw1" and '"integrations"' in tool["content"]
+    assert server.requests[0].body["parallel_tool_calls"] is False
+    assert {t["function"]["name"] for t in server.requests[0].body["tools"]} >= {"get_available_integrations", "ask_user_yes_no"}
+
+
+async def test_anthropic_turn_streams_chunks_runs_one_tool_and_reports_provider_usage(tmp_path):
+    first = [anthropic_start(input_tokens=300, cache_write=1500)] + anthropic_text_block(0, "Checking. ")
+    first += anthropic_tool_block(1, "get_available_integrations", "{}", tool_id="toolu_gw1") + anthropic_end(20, "tool_use")
+    second = [anthropic_start(input_tokens=80, cache_read=1500)] + anthropic_text_block(0, "Three ", "are available.")
+    second += anthropic_end(6)
+    async with FakeLLMServer([Reply(events=first), Reply(events=second)]) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "anthropic_base_url": server.url, "anthropic_api_key": "sk-ant-platform-123456", "anthropic_models": "claude-test", **FAST,
+        })
+        try:
+            frames = await _turn(stack, ANTHROPIC_LLM)
+        finally:
+            await stop_stack(stack)
+    done = _check_tool_round(frames, "Checking. ", "Three are available.")
+    assert done["usage"]["input_tokens"] == 380 and done["usage"]["output_tokens"] == 26
+    second_body = server.requests[1].body
+    results = [b for m in second_body["messages"] for b in m["content"] if b["type"] == "tool_result"]
+    assert results[0]["tool_use_id"] == "toolu_gw1"
+    assert second_body["system"] == server.requests[0].body["system"]  # stable prefix: the cache can hit
+
+
+async def test_provider_failure_fails_the_run_with_a_sanitized_error(tmp_path):
+    key = "sk-platform-key-SECRET-99"
+    async with FakeLLMServer([Reply(status=503, body={"error": {"message": f"down, key {key}"}})]) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "openai_base_url": f"{server.url}/v1", "openai_api_key": key, "openai_models": "gpt-test",
+            "llm_max_retries": 1, **FAST,
+        })
+        try:
+            frames = await _turn(stack, OPENAI_LLM)
+        finally:
+            await stop_stack(stack)
+    assert types(frames)[-2:] == ["error", "done"] and frames[-1]["data"].get("error") is True
+    message = frames[-2]["data"]["message"]
+    assert message == "openai: server error (503) after 2 attempts"
+    assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize("llm, detail", [
+    ({"integration_name": "x", "provider_id": "nope", "model_id": "m"}, "unknown model provider"),
+    ({**OPENAI_LLM, "model_id": "gpt-unlisted"}, "unknown model"),
+    ({**OPENAI_LLM, "credential_id": "cred_1"}, "bring-your-own-key"),
+])
+async def test_unknown_provider_model_or_unusable_credential_is_400_and_writes_nothing(tmp_path, llm, detail):
+    stack = await start_stack(tmp_path, orchestrator={"openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test"})
+    try:
+        async with stack.client() as client:
+            response = await client.post("/assistant/chat", json={"message": "hi", "llm": llm})
+            assert response.status_code == 400, response.text
+            assert detail in response.json()["detail"]
+            chats = await client.get("/assistant/chats")
+            assert chats.status_code == 200 and chats.json()["items"] == []
+    finally:
+        await stop_stack(stack)

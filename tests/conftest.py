@@ -9,6 +9,7 @@ services that support it (see Makefile `test-pg`).
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -63,10 +64,36 @@ class Stack:
         return await identity.create_member(self.gateway.sessions, org_id or self.org_id, role)
 
 
+_TEMPLATE: dict[str, object] = {}
+
+
+def _migrated_template(tmp_root) -> object:
+    """A folder with the four SQLite databases migrated once per session (copied per test)."""
+    if "dir" not in _TEMPLATE:
+        from services.common import db
+
+        folder = tmp_root / "migrated-template"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("gateway", "orchestrator", "billing", "tools"):
+            db.migrate(name, f"sqlite+aiosqlite:///{(folder / f'{name}.db').as_posix()}")
+        _TEMPLATE["dir"] = folder
+    return _TEMPLATE["dir"]
+
+
 async def start_stack(tmp_path, *, orchestrator: dict[str, Any] | None = None, gateway: dict[str, Any] | None = None,
                       billing: dict[str, Any] | None = None, tools: dict[str, Any] | None = None) -> Stack:
-    """Start the four services with data in `tmp_path`; keyword dicts override settings."""
-    common = {"data_dir": tmp_path, "host": "127.0.0.1", "redis_url": "", "log_level": "WARNING", "shutdown_grace_s": 1.0}
+    """Start the four services with data in `tmp_path`; keyword dicts override settings.
+
+    The databases are copies of a template migrated once per test session (a fresh
+    migration per test would cost most of a test's time); `auto_migrate` is off.
+    """
+    import asyncio
+
+    template = await asyncio.to_thread(_migrated_template, tmp_path.parent)
+    for item in template.iterdir():  # type: ignore[attr-defined]
+        if item.suffix == ".db":
+            shutil.copy(item, tmp_path / item.name)
+    common = {"data_dir": tmp_path, "host": "127.0.0.1", "redis_url": "", "log_level": "WARNING", "shutdown_grace_s": 1.0, "auto_migrate": False}
     billing_server = await BillingServer.start(BillingSettings(**common, billing_port=0, **(billing or {})))
     tools_server = await ToolsServer.start(ToolsSettings(**common, tools_port=0, **(tools or {})))
     addrs = {"billing_addr": f"127.0.0.1:{billing_server.port}", "tools_addr": f"127.0.0.1:{tools_server.port}"}

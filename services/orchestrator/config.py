@@ -24,6 +24,9 @@ class OrchestratorSettings(CommonSettings):
         tool_timeout_s: deadline of one ExecuteTool call.
         stream_url_prefix: path prefix of the stream_url returned to clients.
         event_log_max_runs: runs whose events the in-memory log keeps after they end.
+        summarization_budget_tokens: estimated thread size (tokens, ~4 chars each) past which the
+            older part is summarized before the next model call; 0 turns summarization off.
+        summarization_keep_tokens: about how much recent conversation is kept verbatim (whole turns).
         openai_base_url / openai_api_key / openai_models: the "openai" provider: API base URL,
             the platform's key (empty: the provider serves only bring-your-own-key requests),
             and the allowed model ids, comma-separated ("*" allows any).
@@ -53,6 +56,8 @@ class OrchestratorSettings(CommonSettings):
     tool_timeout_s: float = 60.0
     stream_url_prefix: str = "/assistant/chat"
     event_log_max_runs: int = 10_000
+    summarization_budget_tokens: int = 60_000
+    summarization_keep_tokens: int = 12_000
     openai_base_url: str = "https://api.openai.com/v1"
     openai_api_key: str = ""
     openai_models: str = "gpt-4.1,gpt-4.1-mini,gpt-4.1-nano,gpt-4o,gpt-4o-mini,o4-mini"

@@ -32,9 +32,14 @@ from services.orchestrator.events import MemoryEventLog
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage
 from services.orchestrator.sanitize import sanitize
-from services.orchestrator.thread import load_thread
+from services.orchestrator.thread import choose_cut, estimate, load_rows, with_summary
 
 log = logging.getLogger(__name__)
+
+SUMMARY_INSTRUCTION = (
+    "Summarize the conversation above for your own later use: the user's goals, the facts and tool "
+    "results that still matter, decisions made and open questions. Be concise; do not address the user."
+)
 
 
 @dataclass
@@ -78,7 +83,8 @@ class LoopFailure(Exception):
 @dataclass
 class _Totals:
     usage: TokenUsage = field(default_factory=TokenUsage)
-    llm_calls: int = 0
+    llm_calls: int = 0  # every model call, summaries included (done.usage.llm_calls)
+    reason_calls: int = 0  # the loop's reason steps (the every-20th-call guidance counts these)
     tool_calls: list[events_pb2.ToolCallRecord] = field(default_factory=list)
     pending_call: dict[str, Any] | None = None  # a tool call stored without its result yet
     pending_guidance: str | None = None  # guidance to give the model after the pending tool result
@@ -219,8 +225,7 @@ class TurnRunner:
             steps += 1
             if steps > settings.recursion_limit:
                 raise LoopFailure(f"Recursion limit of {settings.recursion_limit} steps reached without a final answer.")
-            async with self.sessions() as session:
-                messages = await load_thread(session, spec.chat_id)
+            messages = await self._thread(spec, totals)
 
             async def on_text(chunk: str) -> None:
                 if chunk:
@@ -229,6 +234,7 @@ class TurnRunner:
             reply: ModelReply = await spec.model.generate(messages, tools, on_text)
             call_index = totals.llm_calls
             totals.llm_calls += 1
+            totals.reason_calls += 1
             totals.usage.input_tokens += reply.usage.input_tokens
             totals.usage.output_tokens += reply.usage.output_tokens
             await self._record_usage(spec, call_index, reply.usage)
@@ -244,12 +250,12 @@ class TurnRunner:
                 )
                 if call:
                     totals.pending_call = stored_calls[0]
-                if settings.llm_call_guidance_every and totals.llm_calls % settings.llm_call_guidance_every == 0 and call:
+                if settings.llm_call_guidance_every and totals.reason_calls % settings.llm_call_guidance_every == 0 and call:
                     text = (
-                        f"You have made {totals.llm_calls} model calls in this run. Converge: finish the task "
+                        f"You have made {totals.reason_calls} model calls in this run. Converge: finish the task "
                         "with what you have, or give your best final answer now."
                     )
-                    self._publish(spec.run_id, guidance=events_pb2.GuidanceEvent(message=text, total_llm_calls=totals.llm_calls))
+                    self._publish(spec.run_id, guidance=events_pb2.GuidanceEvent(message=text, total_llm_calls=totals.reason_calls))
                     # given to the model after the pending tool result (the thread stays valid)
                     totals.pending_guidance = text
 
@@ -304,6 +310,39 @@ class TurnRunner:
                             Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="system",
                                     content=text, extra={"guidance": True})
                         )
+
+    async def _thread(self, spec: RunSpec, totals: _Totals) -> list[dict[str, Any]]:
+        """The thread for the next model call, summarizing its older part first when it is over budget."""
+        async with self.sessions() as session:
+            summary, rows = await load_rows(session, spec.chat_id)
+        messages = with_summary(summary, rows)
+        budget = self.settings.summarization_budget_tokens
+        if not budget or estimate(messages) <= budget:
+            return messages
+        cut = choose_cut(rows, self.settings.summarization_keep_tokens)
+        if cut is None:
+            return messages
+        older = with_summary(summary, rows[:cut])
+        prompt = {"role": "user", "purpose": "summarize", "content": SUMMARY_INSTRUCTION}
+
+        async def ignore(_: str) -> None:
+            return None
+
+        reply = await spec.model.generate([*older, prompt], [], ignore)
+        call_index = totals.llm_calls
+        totals.llm_calls += 1
+        totals.usage.input_tokens += reply.usage.input_tokens
+        totals.usage.output_tokens += reply.usage.output_tokens
+        await self._record_usage(spec, call_index, reply.usage)
+        async with self.sessions() as session, session.begin():
+            session.add(
+                Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="summary",
+                        content=reply.text, extra={"covers_until_seq": rows[cut - 1].seq})
+            )
+        log.info("thread summarized", extra={"fields": {"covered_messages": cut}})
+        async with self.sessions() as session:
+            summary, rows = await load_rows(session, spec.chat_id)
+        return with_summary(summary, rows)
 
     async def _store_tool_result(self, spec: RunSpec, call_id: str, name: str, output: Any) -> None:
         async with self.sessions() as session, session.begin():

@@ -1,8 +1,14 @@
-"""Load a chat's thread for the model, keeping it valid.
+"""Load a chat's thread for the model, keeping it valid and inside the model's context.
 
 Every tool call in the thread has exactly one result before the next model call: a
 call without a stored result (a crash between the two writes) gets a synthetic error
 result here, so a chat can always take its next turn (issue: serial tool calls).
+
+Summarization (spec: SummarizationMiddleware): when the thread's estimated size passes
+a budget, its older part is summarized by the model and stored as a `summary` row that
+records the last message it covers (`extra.covers_until_seq`). Loading then gives the
+model the latest summary followed by the messages after it. Cuts fall only right before
+a user message (between turns), so a tool call and its result are never separated.
 """
 
 from __future__ import annotations
@@ -35,8 +41,6 @@ def to_model_messages(rows: list[Message]) -> list[dict[str, Any]]:
             calls = list((row.extra or {}).get("tool_calls") or [])
             messages.append({"role": "assistant", "content": row.content or "", "tool_calls": calls})
             open_calls.update({c["id"]: c["name"] for c in calls})
-        elif row.role == "summary":
-            messages.append({"role": "system", "content": f"Summary of the earlier conversation:\n{row.content}"})
         else:
             messages.append({"role": row.role, "content": row.content})
     if open_calls and rows and rows[-1].role != "assistant":
@@ -50,7 +54,54 @@ def _close(messages: list[dict[str, Any]], open_calls: dict[str, str]) -> None:
     open_calls.clear()
 
 
+async def load_rows(session: AsyncSession, chat_id: str) -> tuple[Message | None, list[Message]]:
+    """(latest summary row or None, the rows after what it covers), oldest first."""
+    rows = list((await session.execute(select(Message).where(Message.chat_id == chat_id).order_by(Message.seq))).scalars())
+    summaries = [r for r in rows if r.role == "summary"]
+    if not summaries:
+        return None, rows
+    latest = summaries[-1]
+    covered = int((latest.extra or {}).get("covers_until_seq", 0))
+    return latest, [r for r in rows if r.seq > covered and r.role != "summary"]
+
+
+def with_summary(summary: Message | None, rows: list[Message]) -> list[dict[str, Any]]:
+    """Model messages: the summary (as a system message) then the rows."""
+    messages = to_model_messages(rows)
+    if summary is not None:
+        messages.insert(0, {"role": "system", "content": f"Summary of the earlier conversation:\n{summary.content}"})
+    return messages
+
+
 async def load_thread(session: AsyncSession, chat_id: str) -> list[dict[str, Any]]:
-    """The chat's thread as model messages."""
-    rows = (await session.execute(select(Message).where(Message.chat_id == chat_id).order_by(Message.seq))).scalars().all()
-    return to_model_messages(list(rows))
+    """The chat's thread as model messages (latest summary first when there is one)."""
+    summary, rows = await load_rows(session, chat_id)
+    return with_summary(summary, rows)
+
+
+def estimate(messages: list[dict[str, Any]]) -> int:
+    """Estimated tokens of model messages (about 4 characters a token)."""
+    import json
+
+    return sum(len(json.dumps(m, default=str)) for m in messages) // 4
+
+
+def choose_cut(rows: list[Message], keep_tokens: int) -> int | None:
+    """Index of the row where the kept tail starts, or None when nothing can be summarized.
+
+    The tail starts at a user message (a turn boundary) and is the shortest tail whose
+    estimate reaches `keep_tokens`, but always holds the current (last) turn; the part
+    before it must hold at least one message.
+    """
+    starts = [i for i, row in enumerate(rows) if row.role == "user"]
+    if not starts:
+        return None
+    candidates = [i for i in starts if i > 0]
+    if not candidates:
+        return None
+    chosen = candidates[-1]
+    for index in reversed(candidates):
+        chosen = index
+        if estimate(to_model_messages(rows[index:])) >= keep_tokens:
+            break
+    return chosen

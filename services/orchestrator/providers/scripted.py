@@ -8,7 +8,9 @@ number k after that message consumes step k. A step is an object with:
 - `{"fail": message}`: the model call raises;
 and optionally `"sleep_ms"` (wait before answering; cancellable) and `"usage"`
 (`{"input_tokens", "output_tokens"}` to report instead of the estimate).
-After the last step the model answers "(end of script)".
+After the last step the model answers "(end of script)". Asked to summarize (the last
+message has `purpose: "summarize"`), it returns the earlier summary and each user message
+cut to 80 characters, joined by " | ".
 
 Without a script it answers by rules: a message that asks about integrations, tools
 or connections calls `get_available_integrations` and then sums up the result;
@@ -73,6 +75,8 @@ class ScriptedModel:
 
     async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
         """Answer the next step; see the module docstring. Raises ModelError on a `fail` step."""
+        if messages and messages[-1].get("purpose") == "summarize":
+            return self._summary(messages[:-1])
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
         user_text = messages[last_user]["content"] if last_user >= 0 else ""
         step_index = sum(1 for m in messages[last_user + 1 :] if m["role"] == "assistant")
@@ -109,6 +113,15 @@ class ScriptedModel:
             if isinstance(item, dict):
                 calls.append(self._call(item.get("tool"), item.get("input"), item.get("tool_call_id")))
         return ModelReply(text=text, tool_calls=calls, usage=usage)
+
+    @staticmethod
+    def _summary(messages: list[dict[str, Any]]) -> ModelReply:
+        """A deterministic summary: the earlier summary, then each user message (first 80 characters)."""
+        parts = [m["content"].split("\n", 1)[-1] for m in messages if m["role"] == "system" and str(m.get("content", "")).startswith("Summary of")]
+        parts += [f"user: {str(m['content'])[:80]}" for m in messages if m["role"] == "user"]
+        text = " | ".join(parts) or "(nothing to summarize)"
+        return ModelReply(text=text, usage=TokenUsage(input_tokens=sum(estimate_tokens(m.get("content")) for m in messages),
+                                                      output_tokens=estimate_tokens(text), estimated=True))
 
     @staticmethod
     def _call(name: Any, tool_input: Any, call_id: Any) -> ToolCallRequest:

@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
+from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import BILLING_DOMAIN, RpcError, abort
 from services.orchestrator import hitl
@@ -310,6 +311,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     normalized = hitl.validate_answer(interrupt.request, answer)
                 except hitl.InvalidAnswer as invalid:
                     raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", str(invalid)) from None
+                if normalized.get("kind") == "credential_added":
+                    await self._check_credential(caller.organization_id, interrupt.request, normalized)
             run_id = str(uuid.uuid4())
             now = utcnow()
             async with self.sessions() as session, session.begin():
@@ -329,6 +332,21 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             self._claims.discard(chat_id)
         self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=caller.organization_id, llm=llm, model=model))
         return assistant_pb2.ResumeResponse(status="running", chat_id=chat.id, run_id=run_id, thread_id=chat.id, stream_url=self._stream_url(chat.id, run_id))
+
+    async def _check_credential(self, organization_id: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
+        """A `credential_added` answer must name an existing credential of the organization for the
+        question's integration (400 otherwise; the question stays pending)."""
+        try:
+            found = await self.runner.tools.GetCredential(
+                tools_pb2.GetCredentialRequest(organization_id=organization_id, credential_id=str(answer.get("credential_id"))), timeout=10
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", "credential_added names a credential that does not exist") from None
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "TOOLS_UNAVAILABLE", "The tools service is unavailable; try again") from None
+        wanted = question.get("integration_name")
+        if wanted and found.credential.integration_name != wanted:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", f"the credential is for {found.credential.integration_name!r}, not {wanted!r}")
 
     # ------------------------------------------------------------------ Cancel
 

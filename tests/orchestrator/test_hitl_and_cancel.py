@@ -209,3 +209,26 @@ async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid
     call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
     results = [r for r in rows if r.role == "tool" and r.extra["tool_call_id"] == call_id]
     assert len(results) == 1 and results[0].content == {"error": "cancelled", "success": False}
+
+
+async def test_credential_added_must_name_an_existing_credential_of_the_integration(stack):
+    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+    import grpc
+
+    async with stack.client() as client:
+        body, frames = await _ask(client, "request_credential", {"integration": "postgresql", "message": "need db"})
+        request = frames[-2]["data"]
+        assert request["kind"] == "credential_request" and request["integration_name"] == "postgresql"
+        assert request["auth_options"]
+        bogus = {"kind": "credential_added", "credential_id": "00000000-0000-0000-0000-000000000000", "integration_name": "postgresql", "auth_type": "api_key"}
+        response = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request["request_id"], "response": bogus})
+        assert response.status_code == 400
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
+            created = await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
+                tools_pb2.CreateCredentialRequest(organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test"})
+            )
+        answer = {**bogus, "credential_id": created.credential.credential_id}
+        response = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request["request_id"], "response": answer})
+        assert response.status_code == 200, response.text
+        frames = await read_frames(client, response.json()["stream_url"])
+        assert frames[-1]["type"] == "done"

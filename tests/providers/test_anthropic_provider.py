@@ -148,8 +148,17 @@ async def test_error_event_inside_the_stream_fails_the_call():
     async with FakeLLMServer([Reply(events=events)]) as server:
         with pytest.raises(ModelError) as failure:
             await model(server).generate(THREAD, TOOLS, Collector())
-    assert str(failure.value).startswith("anthropic: ") and KEY not in str(failure.value)
+    assert str(failure.value) == "anthropic: stream error (invalid_request_error)"
     assert len(server.requests) == 1
+
+
+async def test_overloaded_error_event_before_any_text_is_retried():
+    overloaded = [anthropic_start(), anthropic_event("error", {"error": {"type": "overloaded_error", "message": "Overloaded"}})]
+    events = [anthropic_start()] + anthropic_text_block(0, "fine") + anthropic_end(2)
+    async with FakeLLMServer([Reply(events=overloaded), Reply(events=events)]) as server:
+        reply = await model(server).generate(THREAD, TOOLS, Collector())
+    assert reply.text == "fine" and len(server.requests) == 2
+    assert reply.usage.input_tokens == 60  # both accepted attempts reported their input
 
 
 async def test_cancel_closes_the_provider_stream_at_once():

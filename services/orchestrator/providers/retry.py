@@ -106,6 +106,13 @@ _STATUS_KINDS = {
 }
 
 
+_RETRYABLE_STREAM_ERRORS = frozenset({"overloaded_error", "api_error", "server_error", "rate_limit_error", "timeout_error"})
+_STREAM_ERROR_TYPES = _RETRYABLE_STREAM_ERRORS | {
+    "invalid_request_error", "authentication_error", "permission_error", "not_found_error", "request_too_large",
+    "billing_error",
+}
+
+
 def classify(error: BaseException) -> Failure:
     """Classify an exception raised by the `openai` or `anthropic` SDK (or by a provider's stream reader).
 
@@ -119,6 +126,13 @@ def classify(error: BaseException) -> Failure:
         return Failure("timed out", True)
     names = {cls.__name__ for cls in type(error).__mro__}
     status = getattr(error, "status_code", None)
+    if "APIError" in names and (not isinstance(status, int) or status < 400):
+        # an error event inside an accepted (200) stream, e.g. Anthropic's mid-stream "overloaded_error"
+        body = getattr(error, "body", None)
+        detail = body.get("error", body) if isinstance(body, dict) else None
+        error_type = detail.get("type") if isinstance(detail, dict) else None
+        known = error_type if error_type in _STREAM_ERROR_TYPES else None
+        return Failure(f"stream error ({known})" if known else "stream error", known in _RETRYABLE_STREAM_ERRORS)
     if isinstance(status, int):
         response = getattr(error, "response", None)
         retry_after = parse_retry_after(getattr(response, "headers", None))
@@ -137,12 +151,6 @@ def classify(error: BaseException) -> Failure:
         return Failure("timed out", True)
     if "APIConnectionError" in names or "TransportError" in names or "RemoteProtocolError" in names:
         return Failure("connection failed", True)
-    if "APIError" in names:  # an error event inside the stream (e.g. overloaded mid-stream)
-        body = getattr(error, "body", None)
-        error_type = body.get("type") if isinstance(body, dict) else None
-        if error_type in ("overloaded_error", "api_error", "server_error", "rate_limit_error"):
-            return Failure(f"stream error ({error_type})", True)
-        return Failure("stream error", False)
     return Failure("unexpected error", False)
 
 

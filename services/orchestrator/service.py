@@ -313,25 +313,95 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", str(invalid)) from None
                 if normalized.get("kind") == "credential_added":
                     await self._check_credential(caller.organization_id, interrupt.request, normalized)
-            run_id = str(uuid.uuid4())
-            now = utcnow()
-            async with self.sessions() as session, session.begin():
-                won = await session.execute(
-                    update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending", Interrupt.expires_at > now)
-                    .values(outcome="answered", response=normalized, resolved_at=now, resumed_run_id=run_id)
-                )
-                if won.rowcount != 1:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_PENDING_QUESTION", "The question was already answered, cancelled or expired")
-                await session.execute(update(Run).where(Run.id == interrupt.run_id).values(status="resumed", updated_at=now))
-                session.add(Message(id=str(uuid.uuid4()), chat_id=chat.id, run_id=run_id, role="tool",
-                                    content=hitl.answer_as_tool_output(normalized), extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool}))
-                session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat.id, organization_id=caller.organization_id,
-                                parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now))
-                await session.execute(update(Chat).where(Chat.id == chat.id).values(running_id=run_id, updated_at=now))
+            if not request.HasField("llm") or not request.llm.provider_id:
+                async with self.sessions() as session:
+                    paused = await session.get(Run, interrupt.run_id)
+                if paused is not None and paused.llm:
+                    llm = dict(paused.llm)
+                    model = await self._model(llm, caller.organization_id)
+            run_id = await self._continue(chat.id, caller.organization_id, interrupt, normalized, llm)
         finally:
             self._claims.discard(chat_id)
         self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=caller.organization_id, llm=llm, model=model))
         return assistant_pb2.ResumeResponse(status="running", chat_id=chat.id, run_id=run_id, thread_id=chat.id, stream_url=self._stream_url(chat.id, run_id))
+
+    async def _continue(self, chat_id: str, organization_id: str, interrupt: Interrupt, answer: dict[str, Any], llm: dict[str, Any]) -> str:
+        """Mark the question answered (exactly once), store the answer as the HITL tool's result and
+        create the continuation run; returns its run_id. FAILED_PRECONDITION when the question is no
+        longer pending (answered, cancelled or expired meanwhile)."""
+        run_id = str(uuid.uuid4())
+        now = utcnow()
+        async with self.sessions() as session, session.begin():
+            won = await session.execute(
+                update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending", Interrupt.expires_at > now)
+                .values(outcome="answered", response=answer, resolved_at=now, resumed_run_id=run_id)
+            )
+            if won.rowcount != 1:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_PENDING_QUESTION", "The question was already answered, cancelled or expired")
+            await session.execute(update(Run).where(Run.id == interrupt.run_id).values(status="resumed", updated_at=now))
+            session.add(Message(id=str(uuid.uuid4()), chat_id=chat_id, run_id=run_id, role="tool",
+                                content=hitl.answer_as_tool_output(answer), extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool}))
+            session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat_id, organization_id=organization_id,
+                            parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now))
+            await session.execute(update(Chat).where(Chat.id == chat_id).values(running_id=run_id, updated_at=now))
+        return run_id
+
+    @unary
+    async def NotifyCredentialConnected(
+        self, request: assistant_pb2.NotifyCredentialConnectedRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.NotifyCredentialConnectedResponse:
+        """Resume every run of the organization paused on a credential_request for `integration`
+        (spec: OAuth auto-resume): a new run continues each, and `run_resumed {new_run_id}` is
+        published on the paused run's stream. Idempotent: answered questions are not resumed again."""
+        async with self.sessions() as session:
+            rows = (
+                await session.execute(
+                    select(Interrupt, Chat).join(Chat, Chat.id == Interrupt.chat_id).where(
+                        Chat.organization_id == request.organization_id, Chat.kind == ASSISTANT_KIND, Chat.deleted_at.is_(None),
+                        Interrupt.outcome == "pending", Interrupt.kind == "credential_request",
+                    )
+                )
+            ).all()
+        resumed: list[str] = []
+        for interrupt, chat in rows:
+            if interrupt.request.get("integration_name") != request.integration:
+                continue
+            if _aware(interrupt.expires_at) <= utcnow() or chat.id in self._claims:
+                continue
+            answer = {"kind": "credential_added", "credential_id": request.credential_id,
+                      "integration_name": request.integration, "auth_type": "oauth2"}
+            async with self.sessions() as session:
+                paused = await session.get(Run, interrupt.run_id)
+            llm = dict(paused.llm) if paused is not None and paused.llm else self._llm(None, False)
+            try:
+                model = await self._model(llm, request.organization_id)
+            except RpcError:
+                log.warning("auto-resume skipped: the paused run's model is no longer available")
+                continue
+            self._claims.add(chat.id)
+            try:
+                run_id = await self._continue(chat.id, request.organization_id, interrupt, answer, llm)
+            except RpcError:
+                continue
+            finally:
+                self._claims.discard(chat.id)
+            await self._publish_after_pause(interrupt.run_id, events_pb2.Event(
+                run_id=interrupt.run_id, time=pb.timestamp(), run_resumed=events_pb2.RunResumedEvent(new_run_id=run_id)))
+            self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=request.organization_id, llm=llm, model=model))
+            resumed.append(run_id)
+        return assistant_pb2.NotifyCredentialConnectedResponse(resumed_run_ids=resumed)
+
+    async def _publish_after_pause(self, run_id: str, event: events_pb2.Event) -> None:
+        """Append `event` to a paused (closed) run's log, restoring it from the archive if needed."""
+        events = self.runner.events
+        if not events.has(run_id):
+            events.open(run_id)
+            for archived in await self.runner.load_archive(run_id):
+                events.append(archived)
+        events.reopen(run_id)
+        events.append(event)
+        events.close(run_id)
+        await self.runner.archive(run_id)
 
     async def _check_credential(self, organization_id: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
         """A `credential_added` answer must name an existing credential of the organization for the
@@ -374,16 +444,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 raise no_active
             await session.execute(update(Interrupt).where(Interrupt.run_id == run_id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow()))
             await session.execute(update(Run).where(Run.id == run_id).values(status="cancelled", updated_at=utcnow()))
-        events = self.runner.events
-        if not events.has(run_id):
-            for event in await self.runner.load_archive(run_id):
-                events.open(run_id)
-                events.append(event)
-        events.open(run_id)
-        events.reopen(run_id)
-        events.append(events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason)))
-        events.close(run_id)
-        await self.runner.archive(run_id)
+        await self._publish_after_pause(run_id, events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason)))
         return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
 
     # ------------------------------------------------------------------ reads

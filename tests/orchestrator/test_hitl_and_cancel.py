@@ -232,3 +232,27 @@ async def test_credential_added_must_name_an_existing_credential_of_the_integrat
         assert response.status_code == 200, response.text
         frames = await read_frames(client, response.json()["stream_url"])
         assert frames[-1]["type"] == "done"
+
+
+async def test_credential_connected_resumes_the_paused_run_by_itself(stack):
+    import grpc
+
+    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+
+    async with stack.client() as client:
+        body, frames = await _ask(client, "request_credential", {"integration": "postgresql", "message": "need db"})
+        other, _ = await _ask(client, "request_credential", {"integration": "http", "message": "need http"})
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+            stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+            notice = assistant_pb2.NotifyCredentialConnectedRequest(organization_id=stack.org_id, integration="postgresql", credential_id="cred-1")
+            first = await stub.NotifyCredentialConnected(notice)
+            again = await stub.NotifyCredentialConnected(notice)
+        assert len(first.resumed_run_ids) == 1 and list(again.resumed_run_ids) == []
+        new_run = first.resumed_run_ids[0]
+        old = await read_frames(client, body["stream_url"])
+        assert old[-1] == {"type": "run_resumed", "data": {"new_run_id": new_run}}
+        assert old[:-1] == frames
+        rest = await read_frames(client, f"/assistant/chat/{body['chat_id']}/listen/{new_run}")
+        assert rest[-1]["type"] == "done"
+        status = (await client.get(f"/assistant/chat/{other['chat_id']}/status")).json()
+        assert status["awaiting_input"] is True

@@ -129,9 +129,11 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
 
 
 def create_app(
-    settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel, idempotency: IdempotencyStore
+    settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel, idempotency: IdempotencyStore,
+    tools_channel: grpc.aio.Channel | None = None,
 ) -> FastAPI:
-    """The FastAPI application serving the assistant API against the orchestrator on `channel`."""
+    """The FastAPI application serving the assistant API against the orchestrator on `channel`
+    (and, with `tools_channel`, the credentials and knowledge routes of `tools_routes.py`)."""
     app = FastAPI(
         title="Loopline",
         version="0.1.0",
@@ -363,6 +365,10 @@ def create_app(
         r = await orchestrator.DeleteChat(assistant_pb2.DeleteChatRequest(caller=caller(who), chat_id=chat_id, permanent=permanent), timeout=30)
         return JSONResponse({"status": r.status, "chat_id": r.chat_id, "permanent": r.permanent})
 
+    if tools_channel is not None:
+        from services.gateway.tools_routes import tools_router  # noqa: PLC0415 - tools_routes imports this module
+
+        app.include_router(tools_router(settings, principal, tools_channel, channel))
     return app
 
 

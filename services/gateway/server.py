@@ -39,7 +39,12 @@ class GatewayServer:
             settings.orchestrator_addr, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         )
         self.idempotency = IdempotencyStore(self.sessions, settings.idempotency_ttl_s)
-        self.app = create_app(settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel, self.idempotency)
+        self.tools_channel = grpc.aio.insecure_channel(
+            settings.tools_addr, options=[("grpc.max_send_message_length", 16 * 1024 * 1024)]
+        )
+        self.app = create_app(
+            settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel, self.idempotency, self.tools_channel
+        )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((settings.http_host, settings.http_port))
@@ -72,4 +77,5 @@ class GatewayServer:
             self.http.force_exit = True
         await self._grpc.server.stop(grace)
         await self.channel.close()
+        await self.tools_channel.close()
         await self.engine.dispose()

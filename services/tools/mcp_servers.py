@@ -31,6 +31,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx2
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -150,6 +151,7 @@ class McpConnector:
         self.timeout_s = timeout_s
         self.max_output_bytes = max_output_bytes
         self.allow_private_network = allow_private_network
+        self._closing: set[asyncio.Task[Any]] = set()
 
     def _client(self, target: StdioServer | dict[str, Any]) -> Client:
         if isinstance(target, StdioServer):
@@ -169,27 +171,63 @@ class McpConnector:
         if not isinstance(target, StdioServer):
             await check_url_policy(str(target.get("url", "")), self.allow_private_network)
 
+    async def _bounded(self, operation: Any) -> Any:
+        """Run `operation` (a coroutine function) for at most `timeout_s`; TimeoutError after it.
+
+        The operation runs in its own task under an anyio cancel scope with that deadline.
+        On timeout, or when the caller is cancelled, the scope is cancelled (not the task:
+        a native cancel would defeat the SDK's shielded shutdown, which gives a stdio
+        server time to exit and then kills its process group) and the caller returns at
+        once while the session closes in the background (`aclose` waits for those).
+        """
+        holder: dict[str, anyio.CancelScope] = {}
+
+        async def runner() -> Any:
+            with anyio.CancelScope(deadline=anyio.current_time() + self.timeout_s) as scope:
+                holder["scope"] = scope
+                return await operation()
+            raise TimeoutError
+
+        task = asyncio.create_task(runner())
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            if "scope" in holder:
+                holder["scope"].cancel()
+            self._closing.add(task)
+            task.add_done_callback(_forget(self._closing))
+            raise
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Wait (at most `timeout_s`) for sessions still closing after a timeout or cancellation."""
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=timeout_s)
+
     async def list_tools(self, target: StdioServer | dict[str, Any]) -> list[dict[str, Any]]:
         """The server's tools as [{name, description, input_schema}] (all pages, at most 1000 tools).
 
         Raises ActionError (connection or protocol failure), OutboundPolicyError, TimeoutError.
         """
         await self._checked(target)
-        tools: list[dict[str, Any]] = []
-        try:
-            async with asyncio.timeout(self.timeout_s), self._client(target) as client:
-                cursor = None
-                while len(tools) < 1000:
-                    page = await client.list_tools(cursor=cursor)
-                    tools.extend(tool_json(t) for t in page.tools)
-                    cursor = page.next_cursor
-                    if not cursor:
-                        break
-        except (ActionError, OutboundPolicyError, TimeoutError, asyncio.CancelledError):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - anyio groups, transport and protocol errors alike
-            raise ActionError(f"the MCP server could not be reached or did not answer ({_describe(exc)})") from None
-        return tools
+
+        async def operation() -> list[dict[str, Any]]:
+            tools: list[dict[str, Any]] = []
+            try:
+                async with self._client(target) as client:
+                    cursor = None
+                    while len(tools) < 1000:
+                        page = await client.list_tools(cursor=cursor)
+                        tools.extend(tool_json(t) for t in page.tools)
+                        cursor = page.next_cursor
+                        if not cursor:
+                            break
+            except (ActionError, asyncio.CancelledError):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - anyio groups, transport and protocol errors alike
+                raise ActionError(f"the MCP server could not be reached or did not answer ({_describe(exc)})") from None
+            return tools
+
+        return await self._bounded(operation)
 
     async def call_tool(self, target: StdioServer | dict[str, Any], name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """Call one tool; returns result_json of its result.
@@ -198,13 +236,17 @@ class McpConnector:
         returns more than `max_output_bytes` of JSON; OutboundPolicyError; TimeoutError.
         """
         await self._checked(target)
-        try:
-            async with asyncio.timeout(self.timeout_s), self._client(target) as client:
-                result = await client.call_tool(name, arguments)
-        except (ActionError, OutboundPolicyError, TimeoutError, asyncio.CancelledError):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - see list_tools
-            raise ActionError(f"the MCP server failed during the call ({_describe(exc)})") from None
+
+        async def operation() -> Any:
+            try:
+                async with self._client(target) as client:
+                    return await client.call_tool(name, arguments)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - see list_tools
+                raise ActionError(f"the MCP server failed during the call ({_describe(exc)})") from None
+
+        result = await self._bounded(operation)
         if result.is_error:
             raise ActionError(f"the MCP tool {name!r} returned an error: {_error_text(result)}")
         output = result_json(result)
@@ -214,6 +256,15 @@ class McpConnector:
                 f"the MCP tool {name!r} returned {size} bytes, more than the limit of {self.max_output_bytes} bytes"
             )
         return output
+
+
+def _forget(tasks: set[asyncio.Task[Any]]) -> Any:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved, so that asyncio does not log it as unhandled
+
+    return done
 
 
 # Stdio servers' stderr goes nowhere: their logs must not mix with the service's.
@@ -295,7 +346,7 @@ class StdioRegistry:
         self.servers = {s.name: s for s in servers}
         self._connector = connector
         self._tools: dict[str, list[dict[str, Any]]] = {}
-        self._locks = {s.name: asyncio.Lock() for s in servers}
+        self._inflight: dict[str, asyncio.Task[list[dict[str, Any]]]] = {}
 
     def describe(self, server: StdioServer) -> str:
         """The integration description of a stdio server."""
@@ -310,13 +361,24 @@ class StdioRegistry:
                 log.warning("stdio MCP discovery failed", extra={"fields": {"server": name, "error": str(exc) or "timeout"}})
 
     async def tools(self, name: str) -> list[dict[str, Any]]:
-        """The tools of server `name`, discovering them if not yet known. Raises as McpConnector.list_tools."""
+        """The tools of server `name`, discovering them if not yet known. Raises as McpConnector.list_tools.
+
+        Concurrent callers share one discovery (and its failure); a failed discovery is
+        tried again by the next call after it ended.
+        """
         if name in self._tools:
             return self._tools[name]
-        async with self._locks[name]:
-            if name not in self._tools:
-                self._tools[name] = await self._connector.list_tools(self.servers[name])
-        return self._tools[name]
+        task = self._inflight.get(name)
+        if task is None:
+            task = asyncio.create_task(self._connector.list_tools(self.servers[name]))
+            self._inflight[name] = task
+            task.add_done_callback(lambda t, n=name: self._settle(n, t))
+        return await asyncio.shield(task)
+
+    def _settle(self, name: str, task: asyncio.Task[list[dict[str, Any]]]) -> None:
+        self._inflight.pop(name, None)
+        if not task.cancelled() and task.exception() is None:
+            self._tools[name] = task.result()
 
     async def integration(self, name: str) -> Integration:
         """The integration of server `name`; raises as `tools` when it cannot be discovered."""

@@ -213,8 +213,9 @@ class OAuth2Flows:
             row = await session.get(OAuthState, state)
             if row is not None:
                 await session.delete(row)
-        expires = row.expires_at if row is None or row.expires_at.tzinfo else row.expires_at.replace(tzinfo=datetime.UTC)
-        if row is None or expires < utcnow() or row.integration not in self.providers:
+        if row is not None and row.expires_at.tzinfo is None:
+            row.expires_at = row.expires_at.replace(tzinfo=datetime.UTC)  # SQLite returns naive UTC
+        if row is None or row.expires_at < utcnow() or row.integration not in self.providers:
             raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state; start the connection again")
         provider = self.providers[row.integration]
         form = {

@@ -391,6 +391,8 @@ class ToolsServer:
                 [(tools_pb2_grpc.add_ToolsServiceServicer_to_server, servicer, SERVICE_NAME)],
                 settings.host,
                 settings.tools_port,
+                # Document uploads (up to the gateway's 10 MiB limit) arrive in one message.
+                options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
             )
         except BaseException:
             await engine.dispose()
@@ -402,8 +404,10 @@ class ToolsServer:
         return server
 
     async def stop(self, grace: float) -> None:
-        """Stop serving (in-flight calls get `grace` seconds, then are cancelled) and close the database."""
+        """Stop serving (in-flight calls get `grace` seconds, then are cancelled), let MCP sessions
+        that are still closing finish (up to 10 s), and close the database."""
         if self._discovery is not None:
             self._discovery.cancel()
         await self._running.stop(grace)
+        await self.servicer.executor.mcp.aclose()
         await self._engine.dispose()

@@ -1,0 +1,344 @@
+"""Credential routes over HTTP and the SDK, whole turns on PostgreSQL and MCP, MCP servers, OAuth2 (issue #6).
+
+Shapes: the SDK's `modulex/types/credentials.py`. Owner/admin only; secrets never returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import sys
+import time
+import urllib.parse
+import uuid
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from modulex import Modulex
+from modulex._exceptions import NotFoundError
+from modulex._exceptions import PermissionError as PermissionDeniedError
+
+from tests.orchestrator.helpers import run_turn
+from tests.tools.tools_stack import PG_DSN, failure_mcp_app, serve_asgi, tools_stack
+
+SECRET_DSN = PG_DSN  # no password on the local server: the DSN itself is the secret under test
+
+
+@pytest.fixture
+async def stack(tmp_path):
+    async with tools_stack(tmp_path) as running:
+        yield running
+
+
+async def _create_pg(client: httpx.AsyncClient, **extra: Any) -> dict[str, Any]:
+    response = await client.post(
+        "/credentials", json={"integration_name": "postgresql", "auth_data": {"dsn": SECRET_DSN}, **extra}
+    )
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def test_credential_lifecycle_over_http_matches_the_sdk_shapes(stack):
+    async with stack.client() as client:
+        first = await _create_pg(client, display_name="Main DB", metadata={"team": "data"})
+        second = await _create_pg(client, make_default=True)
+        assert first["integration_name"] == "postgresql" and first["auth_type"] == "api_key"
+        assert first["display_name"] == "Main DB" and first["credentials_metadata"] == {"team": "data"}
+        assert first["is_default"] is True and second["is_default"] is True
+        listing = (await client.get("/credentials", params={"integration_name": "postgresql"})).json()
+        assert listing["total"] == 2 and listing["has_next"] is False
+        assert [c["credential_id"] for c in listing["credentials"]] == [second["credential_id"], first["credential_id"]]
+        assert [c["is_default"] for c in listing["credentials"]] == [True, False]
+        detail = (await client.get(f"/credentials/{first['credential_id']}", params={"include_masked": "true"})).json()
+        assert detail["organization_id"] == stack.org_id
+        assert detail["auth_data_masked"] and SECRET_DSN not in detail["auth_data_masked"]
+        plain = (await client.get(f"/credentials/{first['credential_id']}")).json()
+        assert plain["auth_data_masked"] is None
+        promoted = await client.post(f"/credentials/{first['credential_id']}/set-default")
+        assert promoted.status_code == 200 and promoted.json()["is_default"] is True
+        deleted = await client.delete(f"/credentials/{first['credential_id']}")
+        assert deleted.status_code == 204
+        assert (await client.get(f"/credentials/{first['credential_id']}")).status_code == 404
+        remaining = (await client.get("/credentials")).json()
+        assert [c["credential_id"] for c in remaining["credentials"]] == [second["credential_id"]]
+        assert remaining["credentials"][0]["is_default"] is True
+        for response in (listing, detail, plain, remaining):
+            assert SECRET_DSN not in json.dumps(response)
+
+
+async def test_credentials_through_the_sdk(stack):
+    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+    try:
+        created = await client.credentials.create("postgresql", auth_data={"dsn": SECRET_DSN}, display_name="SDK DB")
+        assert created.credential_id and created.is_default and created.auth_type == "api_key"
+        fetched = await client.credentials.get(created.credential_id, include_masked=True)
+        assert fetched.display_name == "SDK DB" and fetched.auth_data_masked and fetched.organization_id == stack.org_id
+        listing = await client.credentials.list(integration_name="postgresql")
+        assert [c["credential_id"] for c in listing["credentials"]] == [created.credential_id]
+        assert (await client.credentials.set_default(created.credential_id)).is_default is True
+        await client.credentials.delete(created.credential_id)
+        with pytest.raises(NotFoundError):
+            await client.credentials.get(created.credential_id)
+    finally:
+        await client.close()
+
+
+async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(stack):
+    async with stack.client() as client:
+        created = await _create_pg(client)
+    member = await stack.member("member")
+    outsider = await stack.member("owner", org_id="org_elsewhere")
+    async with httpx.AsyncClient(base_url=stack.base_url) as raw:
+        assert (await raw.get("/credentials", headers={"X-Organization-ID": stack.org_id})).status_code == 401
+        assert (await raw.get("/credentials", headers=stack.headers(api_key=member["api_key"]))).status_code == 403
+        # A 403 comes before any lookup: the member cannot learn whether the id exists.
+        assert (await raw.delete(f"/credentials/{created['credential_id']}", headers=stack.headers(api_key=member["api_key"]))).status_code == 403
+        other = stack.headers(outsider["api_key"], "org_elsewhere")
+        for response in (
+            await raw.get(f"/credentials/{created['credential_id']}", headers=other),
+            await raw.delete(f"/credentials/{created['credential_id']}", headers=other),
+            await raw.post(f"/credentials/{created['credential_id']}/set-default", headers=other),
+        ):
+            assert response.status_code == 404 and response.json() == {"detail": "Credential not found"}
+        assert (await raw.get("/credentials", headers=other)).json()["total"] == 0
+    client = Modulex(api_key=member["api_key"], organization_id=stack.org_id, base_url=stack.base_url)
+    try:
+        with pytest.raises(PermissionDeniedError):
+            await client.credentials.get(created["credential_id"])
+    finally:
+        await client.close()
+
+
+async def test_bad_credential_input_is_400_with_detail_and_never_echoes_the_secret(stack):
+    async with stack.client() as client:
+        cases = [
+            ({"integration_name": "postgresql", "auth_data": {"dsn": "mysql://secret-value@x/db"}}, "auth_data"),
+            ({"integration_name": "nope", "auth_data": {"api_key": "k"}}, "Unknown integration"),
+            ({"integration_name": "postgresql", "auth_data": {"dsn": SECRET_DSN}, "extra": 1}, "Unknown field"),
+            ({"auth_data": {"dsn": SECRET_DSN}}, "integration_name"),
+            ({"integration_name": "postgresql", "auth_data": "flat"}, "auth_data must be an object"),
+            ({"integration_name": "postgresql", "oauth_config": {"client_secret": "s"}}, "oauth2/initiate"),
+        ]
+        for body, expected in cases:
+            response = await client.post("/credentials", json=body)
+            assert response.status_code == 400, (body, response.text)
+            assert expected in response.json()["detail"]
+            assert "secret-value" not in response.text
+        not_json = await client.post("/credentials", content=b"{", headers={"Content-Type": "application/json"})
+        assert not_json.status_code == 400
+        assert (await client.get("/credentials", params={"limit": 0})).status_code == 400
+
+
+async def test_turn_runs_a_postgresql_query_with_a_credential_created_over_http(stack):
+    try:
+        connection = await asyncpg.connect(PG_DSN, timeout=3)
+    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
+        pytest.skip(f"local PostgreSQL at {PG_DSN} is unreachable ({type(exc).__name__})")
+    schema = f"turn_{uuid.uuid4().hex[:10]}"
+    await connection.execute(f"CREATE SCHEMA {schema}")
+    await connection.execute(f"CREATE TABLE {schema}.fruit (id int PRIMARY KEY, name text)")
+    await connection.execute(f"INSERT INTO {schema}.fruit VALUES (1, 'apple'), (2, 'banana')")
+    try:
+        async with stack.client() as client:
+            credential = await _create_pg(client)
+            call = {
+                "integration": "postgresql",
+                "action": "run_query",
+                "parameters": {"sql": f"SELECT name FROM {schema}.fruit ORDER BY id"},
+            }
+            _body, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": call}, {"say": "done"})
+    finally:
+        await connection.execute(f"DROP SCHEMA {schema} CASCADE")
+        await connection.close()
+    results = [f["data"] for f in frames if f["type"] == "tool_result"]
+    assert len(results) == 1 and results[0]["tool"] == "execute_integration_tool"
+    output = results[0]["output"]
+    assert output["credential_id"] == credential["credential_id"]
+    assert output["result"]["rows"] == [["apple"], ["banana"]]
+    assert frames[-1]["type"] == "done"
+    assert SECRET_DSN not in json.dumps(frames)
+
+
+async def test_turn_without_a_credential_gets_an_error_result_naming_request_credential(stack):
+    async with stack.client() as client:
+        call = {"integration": "postgresql", "action": "list_schemas", "parameters": {}}
+        _body, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": call}, {"say": "done"})
+    result = next(f["data"] for f in frames if f["type"] == "tool_result")
+    assert "request_credential" in json.dumps(result)
+    assert frames[-1]["type"] == "done" and not frames[-1]["data"].get("error")
+
+
+# ---- MCP ------------------------------------------------------------------------------------------
+
+TIME_SERVER = json.dumps([{"name": "time", "command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}])
+
+
+async def test_turn_calls_mcp_server_time_over_stdio(tmp_path):
+    async with tools_stack(tmp_path, tools={"tools_mcp_stdio_servers": TIME_SERVER}) as stack, stack.client() as client:
+        call = {"integration": "time", "action": "get_current_time", "parameters": {"timezone": "Europe/Paris"}}
+        _body, frames = await run_turn(
+            client,
+            {"tool": "get_integration_details", "input": {"integration": "time"}},
+            {"tool": "execute_integration_tool", "input": call},
+            {"say": "done"},
+        )
+    results = [f["data"] for f in frames if f["type"] == "tool_result"]
+    details, executed = results[0]["output"], results[1]["output"]
+    assert "get_current_time" in [a["name"] for a in details["actions"]]
+    assert details["connected"] is True
+    assert executed["integration"] == "time"
+    assert executed["result"]["structured_content"]["timezone"] == "Europe/Paris"
+    assert frames[-1]["type"] == "done"
+
+
+async def _tool(stack, tool: str, tool_input: dict[str, Any]) -> Any:
+    return await stack.tools.servicer.executor.execute(stack.org_id, tool, tool_input)
+
+
+async def test_mcp_server_registration_discovery_and_calls(stack):
+    seen: list[dict[str, str]] = []
+    async with serve_asgi(failure_mcp_app(seen)) as base, stack.client() as client:
+        response = await client.post(
+            "/credentials/mcp-server",
+            json={"server_url": f"{base}/mcp", "headers": {"Authorization": "Bearer mcp-secret-token"}, "display_name": "Test Tools"},
+        )
+        assert response.status_code == 201, response.text
+        registered = response.json()
+        assert registered["integration_name"] == "mcp_test_tools" and registered["auth_type"] == "mcp_server"
+        assert sorted(t["name"] for t in registered["tools"]) == ["big", "boom", "echo", "slow"]
+        assert any(h.get("authorization") == "Bearer mcp-secret-token" for h in seen)
+        cid = registered["credential_id"]
+        listed = (await client.get(f"/credentials/{cid}/mcp-tools")).json()
+        assert listed["total_count"] == 4 and listed["discovered_at"]
+        refreshed = (await client.post(f"/credentials/{cid}/refresh-discovery")).json()
+        assert refreshed["success"] is True and refreshed["total_tools"] == 4 and refreshed["changes"] == {"added": [], "removed": []}
+        detail = (await client.get(f"/credentials/{cid}", params={"include_masked": True})).text
+        assert "mcp-secret-token" not in detail and "mcp-secret-token" not in json.dumps(registered)
+
+        call = {"integration": "mcp_test_tools", "action": "echo", "parameters": {"text": "hello"}}
+        _body, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": call}, {"say": "ok"})
+        result = next(f["data"] for f in frames if f["type"] == "tool_result")
+        assert result["output"]["result"]["content"][0]["text"] == "hello"
+
+        boom = await _tool(stack, "execute_integration_tool", {"integration": "mcp_test_tools", "action": "boom"})
+        assert not boom.success and "returned an error" in boom.error and "boom" in boom.error
+        big = await _tool(stack, "execute_integration_tool", {"integration": "mcp_test_tools", "action": "big", "parameters": {"kilobytes": 200}})
+        assert not big.success and "limit" in big.error
+
+
+async def test_hanging_mcp_server_gives_an_error_result_within_the_timeout(tmp_path):
+    seen: list[dict[str, str]] = []
+    async with tools_stack(tmp_path, tools={"tools_timeout_s": 2.0}) as stack, serve_asgi(failure_mcp_app(seen)) as base:
+        async with stack.client() as client:
+            registered = (await client.post("/credentials/mcp-server", json={"server_url": f"{base}/mcp"})).json()
+        started = time.monotonic()
+        slow = await _tool(stack, "execute_integration_tool", {"integration": registered["integration_name"], "action": "slow", "parameters": {"seconds": 30}})
+        assert not slow.success and "timed out" in slow.error
+        assert time.monotonic() - started < 6
+
+
+async def test_crashing_and_hanging_stdio_servers_give_error_results(tmp_path):
+    servers = json.dumps([
+        {"name": "crasher", "command": sys.executable, "args": ["-c", "import sys; sys.exit(3)"]},
+        {"name": "hanger", "command": sys.executable, "args": ["-c", "import time; time.sleep(60)"]},
+    ])
+    async with tools_stack(tmp_path, tools={"tools_mcp_stdio_servers": servers, "tools_timeout_s": 2.0}) as stack:
+        for name in ("crasher", "hanger"):
+            started = time.monotonic()
+            result = await _tool(stack, "execute_integration_tool", {"integration": name, "action": "anything"})
+            assert not result.success and name in result.error, result.error
+            assert time.monotonic() - started < 6
+        listing = await _tool(stack, "get_available_integrations", {"category": "mcp"})
+        assert {i["name"] for i in listing.output["integrations"]} >= {"crasher", "hanger"}
+
+
+async def test_mcp_server_on_loopback_is_refused_unless_the_operator_allows_it(tmp_path):
+    async with tools_stack(tmp_path, tools={"tools_allow_private_network": False}) as stack, stack.client() as client:
+        refused = await client.post("/credentials/mcp-server", json={"server_url": "http://127.0.0.1:9/mcp"})
+        bad = await client.post("/credentials/mcp-server", json={"server_url": "ftp://example.com/mcp"})
+        assert refused.status_code == 400 and "loopback" in refused.json()["detail"]
+        assert bad.status_code == 400
+        assert (await client.get("/credentials")).json()["total"] == 0
+
+
+# ---- OAuth2 -----------------------------------------------------------------------------------------
+
+def oauth_server_app(issued: dict[str, Any]) -> Any:
+    """A minimal OAuth2 authorization server (authorization code + PKCE S256) and an API at /api/me."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, RedirectResponse
+    from starlette.routing import Route
+
+    async def authorize(request: Request) -> Any:
+        q = request.query_params
+        code = uuid.uuid4().hex
+        issued[code] = {"challenge": q["code_challenge"], "method": q["code_challenge_method"], "redirect_uri": q["redirect_uri"], "client_id": q["client_id"]}
+        return RedirectResponse(f"{q['redirect_uri']}?{urllib.parse.urlencode({'code': code, 'state': q['state']})}", status_code=302)
+
+    async def token(request: Request) -> Any:
+        form = await request.form()
+        grant = issued.pop(str(form.get("code")), None)
+        verifier = str(form.get("code_verifier", ""))
+        challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+        if (
+            grant is None or grant["method"] != "S256" or grant["challenge"] != challenge
+            or form.get("redirect_uri") != grant["redirect_uri"] or form.get("client_id") != "loopline-client"
+            or form.get("client_secret") != "client-secret" or form.get("grant_type") != "authorization_code"
+        ):
+            return JSONResponse({"error": "invalid_grant"}, status_code=400)
+        return JSONResponse({"access_token": "at-secret-123", "refresh_token": "rt-secret-456", "token_type": "Bearer", "expires_in": 3600, "scope": "read"})
+
+    async def me(request: Request) -> Any:
+        if request.headers.get("authorization") != "Bearer at-secret-123":
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        return JSONResponse({"login": "octo"})
+
+    return Starlette(routes=[Route("/authorize", authorize), Route("/token", token, methods=["POST"]), Route("/api/me", me)])
+
+
+async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
+    issued: dict[str, Any] = {}
+    async with serve_asgi(oauth_server_app(issued)) as auth_base:
+        provider = json.dumps([{
+            "name": "acme", "display_name": "Acme", "authorize_url": f"{auth_base}/authorize", "token_url": f"{auth_base}/token",
+            "client_id": "loopline-client", "client_secret": "client-secret", "scope": "read", "api_base_url": f"{auth_base}/api",
+        }])
+        async with tools_stack(tmp_path, tools={"tools_oauth2_integrations": provider}) as stack, stack.client() as client:
+            callback = f"{stack.base_url}/credentials/oauth2/callback"
+            sdk = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+            try:
+                started = await sdk.credentials.initiate_oauth2("acme", redirect_uri=callback, display_name="Acme account")
+            finally:
+                await sdk.close()
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(started.authorization_url).query)
+            assert query["code_challenge_method"] == ["S256"] and query["state"] == [started.state]
+            assert query["client_id"] == ["loopline-client"] and query["redirect_uri"] == [callback]
+            async with httpx.AsyncClient() as browser:
+                redirect = await browser.get(started.authorization_url)
+                assert redirect.status_code == 302
+                done = await browser.get(redirect.headers["location"])  # the browser follows to the gateway
+            assert done.status_code == 200, done.text
+            connected = done.json()
+            assert connected["status"] == "connected" and connected["integration_name"] == "acme"
+            assert connected["auth_type"] == "oauth2" and connected["display_name"] == "Acme account"
+            assert "at-secret" not in done.text and "rt-secret" not in done.text
+            # The orchestrator is told (its server side is another engineer's: UNIMPLEMENTED is tolerated).
+            assert isinstance(connected["orchestrator_notified"], bool)
+            again = await httpx.AsyncClient().get(redirect.headers["location"])
+            assert again.status_code == 400  # the state is single-use
+            listing = (await client.get("/credentials", params={"integration_name": "acme"})).json()
+            assert [c["credential_id"] for c in listing["credentials"]] == [connected["credential_id"]]
+            call = {"integration": "acme", "action": "api_request", "parameters": {"path": "/me"}}
+            _body, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": call}, {"say": "ok"})
+            result = next(f["data"] for f in frames if f["type"] == "tool_result")
+            assert result["output"]["result"] == {"status": 200, "body": {"login": "octo"}}
+            assert "at-secret" not in json.dumps(frames)
+            unknown = await client.post("/credentials/oauth2/initiate", json={"integration_name": "postgresql", "redirect_uri": callback})
+            assert unknown.status_code == 400
+            tampered = await client.get("/credentials/oauth2/callback", params={"state": "forged", "code": "x"})
+            assert tampered.status_code == 400

@@ -126,6 +126,10 @@ def classify(error: BaseException) -> Failure:
         return Failure("timed out", True)
     names = {cls.__name__ for cls in type(error).__mro__}
     status = getattr(error, "status_code", None)
+    if "APITimeoutError" in names or "TimeoutException" in names:
+        return Failure("timed out", True)
+    if "APIConnectionError" in names or "TransportError" in names or "RemoteProtocolError" in names:
+        return Failure("connection failed", True)
     if "APIError" in names and (not isinstance(status, int) or status < 400):
         # an error event inside an accepted (200) stream, e.g. Anthropic's mid-stream "overloaded_error"
         body = getattr(error, "body", None)
@@ -147,10 +151,6 @@ def classify(error: BaseException) -> Failure:
         if "APIResponseValidationError" in names:
             return Failure("malformed response", False)
         return Failure(_STATUS_KINDS.get(status, f"request failed ({status})"), False)
-    if "APITimeoutError" in names or "TimeoutException" in names:
-        return Failure("timed out", True)
-    if "APIConnectionError" in names or "TransportError" in names or "RemoteProtocolError" in names:
-        return Failure("connection failed", True)
     return Failure("unexpected error", False)
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import pathlib
 
-from alembic import command
-from alembic.config import Config
+from typing import TYPE_CHECKING
+
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 
 def make_engine(url: str) -> AsyncEngine:
@@ -45,6 +48,8 @@ def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
 
 def alembic_config(service: str, url: str) -> Config:
     """The Alembic config of `service` (its `migrations` folder) pointed at `url`."""
+    from alembic.config import Config  # imported on use: Alembic is only needed to migrate
+
     folder = pathlib.Path(__file__).resolve().parent.parent / service / "migrations"
     config = Config()
     config.set_main_option("script_location", str(folder))
@@ -57,6 +62,8 @@ def migrate(service: str, url: str) -> None:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
         pathlib.Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    from alembic import command
+
     command.upgrade(alembic_config(service, url), "head")
 
 

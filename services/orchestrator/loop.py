@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 
 from loopline.assistant.v1 import events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
@@ -28,7 +29,7 @@ from services.common import logging as loopline_logging
 from services.common import pb
 from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
-from services.orchestrator.events import MemoryEventLog
+from services.orchestrator.events import EventLog
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage
 from services.orchestrator.sanitize import sanitize
@@ -88,6 +89,7 @@ class _Totals:
     tool_calls: list[events_pb2.ToolCallRecord] = field(default_factory=list)
     pending_call: dict[str, Any] | None = None  # a tool call stored without its result yet
     pending_guidance: str | None = None  # guidance to give the model after the pending tool result
+    model_in_flight: bool = False  # a model call was running when the loop stopped
 
 
 class TurnRunner:
@@ -96,7 +98,7 @@ class TurnRunner:
     Args:
         settings: orchestrator settings (limits, timeouts).
         sessions: async session factory of the orchestrator database.
-        events: the run event log.
+        events: the run event log (`MemoryEventLog`, or Redis Streams; see backend.py).
         billing: BillingService stub (RecordUsage).
         tools: ToolsService stub (ListTools, ExecuteTool).
     """
@@ -105,7 +107,7 @@ class TurnRunner:
         self,
         settings: OrchestratorSettings,
         sessions: Any,
-        events: MemoryEventLog,
+        events: EventLog,
         billing: billing_pb2_grpc.BillingServiceStub,
         tools: tools_pb2_grpc.ToolsServiceStub,
     ) -> None:
@@ -231,7 +233,9 @@ class TurnRunner:
                 if chunk:
                     self._publish(spec.run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=chunk))
 
+            totals.model_in_flight = True
             reply: ModelReply = await spec.model.generate(messages, tools, on_text)
+            totals.model_in_flight = False
             call_index = totals.llm_calls
             totals.llm_calls += 1
             totals.reason_calls += 1
@@ -432,6 +436,15 @@ class TurnRunner:
 
     async def _finish(self, state: RunState, totals: _Totals, outcome: Outcome) -> None:
         spec = state.spec
+        if outcome.kind == "cancelled" and totals.model_in_flight:
+            # tokens of a model call cut off by the cancel are billed like any other (spec: token
+            # usage is recorded "regardless of whether the turn succeeds, errors, or is cancelled")
+            partial = getattr(spec.model, "partial_usage", None)
+            if isinstance(partial, TokenUsage) and (partial.input_tokens or partial.output_tokens):
+                totals.usage.input_tokens += partial.input_tokens
+                totals.usage.output_tokens += partial.output_tokens
+                await self._record_usage(spec, totals.llm_calls, partial)
+                totals.llm_calls += 1
         usage = events_pb2.Usage(
             input_tokens=totals.usage.input_tokens, output_tokens=totals.usage.output_tokens,
             total_tokens=totals.usage.input_tokens + totals.usage.output_tokens, llm_calls=totals.llm_calls,
@@ -481,17 +494,32 @@ class TurnRunner:
         log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
 
     async def archive(self, run_id: str) -> None:
-        """Write the run's in-memory events to `run_events` (one transaction; existing rows kept)."""
-        events = self.events.snapshot(run_id)
+        """Write the run's events to `run_events` (one transaction; existing rows kept).
+
+        The events are read from the event log once everything published is stored (the
+        Redis stream, or memory), so the database holds the durable copy of every ended run.
+        Two replicas archiving the same run at once: the loser retries and keeps the rows.
+        """
+        await self.events.flush(run_id)
+        events = await self.events.events_of(run_id)
         if not events:
             return
-        async with self.sessions() as session, session.begin():
-            stored = set(
-                (await session.execute(select(RunEvent.seq).where(RunEvent.run_id == run_id))).scalars()
-            )
-            for event in events:
-                if event.seq not in stored:
-                    session.add(RunEvent(run_id=run_id, seq=event.seq, payload=event.SerializeToString()))
+        for attempt in range(3):
+            try:
+                async with self.sessions() as session, session.begin():
+                    stored = set(
+                        (await session.execute(select(RunEvent.seq).where(RunEvent.run_id == run_id))).scalars()
+                    )
+                    for event in events:
+                        if event.seq not in stored:
+                            session.add(RunEvent(run_id=run_id, seq=event.seq, payload=event.SerializeToString()))
+                break
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+        forget = getattr(self.events, "forget", None)
+        if forget is not None:
+            forget(run_id)
 
     async def load_archive(self, run_id: str) -> list[events_pb2.Event]:
         """The archived events of a run, in order (empty when none)."""

@@ -131,3 +131,32 @@ async def test_unknown_provider_model_or_unusable_credential_is_400_and_writes_n
             assert chats.status_code == 200 and chats.json()["items"] == []
     finally:
         await stop_stack(stack)
+
+
+async def test_cancel_during_a_provider_stream_closes_it_and_records_the_usage(tmp_path):
+    import asyncio
+
+    from sqlalchemy import select
+
+    from services.billing.models import UsageRecord
+    from tests.orchestrator.helpers import wait_for
+
+    replies = [Reply(events=openai_text("Thinking about it ", "for a long time"), end="hang")]
+    async with FakeLLMServer(replies) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test", **FAST,
+        })
+        try:
+            async with stack.client() as client:
+                body = (await client.post("/assistant/chat", json={"message": "hi", "llm": OPENAI_LLM})).json()
+                await wait_for(lambda: any(e.WhichOneof("payload") == "response_chunk" for e in stack.orchestrator.runner.events.snapshot(body["run_id"])))
+                began = asyncio.get_running_loop().time()
+                assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
+                assert asyncio.get_running_loop().time() - began < 1.0
+                frames = await read_frames(client, body["stream_url"])
+            async with stack.billing.core.sessions() as session:
+                rows = (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"]))).scalars().all()
+        finally:
+            await stop_stack(stack)
+    assert frames[-1]["type"] == "cancelled"
+    assert len(rows) == 1 and rows[0].input_tokens > 0 and rows[0].output_tokens > 0

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.orchestrator.config import OrchestratorSettings
-from services.orchestrator.providers.anthropic_provider import AnthropicModel
 from services.orchestrator.providers.base import ChatModel
-from services.orchestrator.providers.openai_compat import OpenAICompatModel
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
 
@@ -128,7 +126,13 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
         api_key = NO_KEY
     policy = retry_policy(settings)
     if config.kind == "anthropic":
+        # The provider SDKs are imported on first use: importing them costs seconds of start-up
+        # and tens of MiB of memory in every orchestrator that never calls them.
+        from services.orchestrator.providers.anthropic_provider import AnthropicModel
+
         return AnthropicModel(model_id, base_url=config.base_url, api_key=api_key, policy=policy,
                               max_tokens=settings.anthropic_max_tokens, timeout_s=settings.llm_timeout_s)
+    from services.orchestrator.providers.openai_compat import OpenAICompatModel
+
     return OpenAICompatModel(provider_id, model_id, base_url=config.base_url, api_key=api_key, policy=policy,
                              timeout_s=settings.llm_timeout_s)

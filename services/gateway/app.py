@@ -25,29 +25,13 @@ from services.common import pb
 from services.gateway import sse
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
+from services.gateway.openapi import error_responses
 from services.gateway.identity import Authenticator, AuthError, Principal
 from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
 
 log = logging.getLogger(__name__)
 
 STREAM_READY = "x-loopline-stream"
-
-_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}}}}
-_DENIAL = {
-    "content": {
-        "application/json": {
-            "schema": {
-                "type": "object",
-                "properties": {
-                    "code": {"type": "string"}, "layer": {"type": "string"}, "key": {"type": ["string", "null"]},
-                    "current": {"type": ["integer", "null"]}, "limit": {"type": ["integer", "null"]}, "reason": {"type": "string"},
-                },
-                "required": ["code", "layer", "reason"],
-            }
-        }
-    }
-}
-
 
 _LLM_PROPERTIES = {
     "integration_name": {"type": "string", "minLength": 1, "pattern": r"\S"},
@@ -56,19 +40,6 @@ _LLM_PROPERTIES = {
     "credential_id": {"type": ["string", "null"]},
 }
 _LLM_SCHEMA = {"type": ["object", "null"], "properties": _LLM_PROPERTIES, "required": ["integration_name", "provider_id", "model_id"], "additionalProperties": False}
-
-
-def _responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
-    names = {
-        400: "Bad request", 401: "Missing or unknown API key", 402: "Billing denial (credit or wallet layer)",
-        403: "Role not allowed, or quota denial", 404: "Chat or run not found", 409: "Conflict with the chat's state",
-        413: "Request body too large", 422: "Idempotency-Key reused with another request", 429: "Rate limited", 503: "A backing service is unavailable", 504: "Timed out",
-    }
-    result: dict[int | str, dict[str, Any]] = {}
-    for code in (400, 401, 403, *codes, 503, 504):
-        shape = _DENIAL if denial and code in (402, 403, 429) else _ERROR
-        result[code] = {"description": names.get(code, "Error"), **shape}
-    return result
 
 
 class BodyError(Exception):
@@ -176,7 +147,7 @@ def create_app(
     @app.post(
         "/assistant/chat",
         summary="Start a turn (new chat, or continue one)",
-        responses=_responses(402, 404, 409, 413, 422, 429, denial=True),
+        responses=error_responses(402, 404, 409, 413, 422, 429, denial=True),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -240,7 +211,7 @@ def create_app(
     @app.get(
         "/assistant/chat/{chat_id}/listen/{run_id}",
         summary="Stream a run's events as Server-Sent Events",
-        responses={**_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
+        responses={**error_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
     )
     async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0)) -> Response:
         who = await principal(request)
@@ -267,7 +238,7 @@ def create_app(
     @app.post(
         "/assistant/chat/{chat_id}/resume",
         summary="Answer a pending question and resume",
-        responses=_responses(404, 409, 413),
+        responses=error_responses(404, 409, 413),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -303,13 +274,13 @@ def create_app(
             rpc.llm.CopyFrom(llm)
         return JSONResponse(_turn_json(await orchestrator.Resume(rpc, timeout=30)))
 
-    @app.post("/assistant/chat/{chat_id}/cancel", summary="Cancel the chat's active run", responses=_responses(404))
+    @app.post("/assistant/chat/{chat_id}/cancel", summary="Cancel the chat's active run", responses=error_responses(404))
     async def cancel(chat_id: str, request: Request) -> Response:
         who = await principal(request)
         response = await orchestrator.Cancel(assistant_pb2.CancelRequest(caller=caller(who), chat_id=chat_id, reason="cancelled by user"), timeout=30)
         return JSONResponse({"status": response.status, "chat_id": response.chat_id, "run_id": response.run_id})
 
-    @app.get("/assistant/chat/{chat_id}", summary="A chat with its messages and pending question", responses=_responses(404))
+    @app.get("/assistant/chat/{chat_id}", summary="A chat with its messages and pending question", responses=error_responses(404))
     async def get_chat(chat_id: str, request: Request) -> Response:
         who = await principal(request)
         response = await orchestrator.GetChat(assistant_pb2.GetChatRequest(caller=caller(who), chat_id=chat_id), timeout=30)
@@ -333,7 +304,7 @@ def create_app(
             }
         )
 
-    @app.get("/assistant/chats", summary="The caller's chats, newest first", responses=_responses())
+    @app.get("/assistant/chats", summary="The caller's chats, newest first", responses=error_responses())
     async def list_chats(request: Request, limit: int = Query(20, ge=1, le=100), cursor: str | None = None) -> Response:
         who = await principal(request)
         response = await orchestrator.ListChats(assistant_pb2.ListChatsRequest(caller=caller(who), limit=limit, cursor=cursor or ""), timeout=30)
@@ -347,7 +318,7 @@ def create_app(
             }
         )
 
-    @app.get("/assistant/chat/{chat_id}/status", summary="Whether the chat is running or awaiting input", responses=_responses(404))
+    @app.get("/assistant/chat/{chat_id}/status", summary="Whether the chat is running or awaiting input", responses=error_responses(404))
     async def status(chat_id: str, request: Request) -> Response:
         who = await principal(request)
         r = await orchestrator.GetChatStatus(assistant_pb2.GetChatStatusRequest(caller=caller(who), chat_id=chat_id), timeout=30)
@@ -359,7 +330,7 @@ def create_app(
             }
         )
 
-    @app.delete("/assistant/chat/{chat_id}", summary="Delete a chat (soft unless permanent=true)", responses=_responses(404, 409))
+    @app.delete("/assistant/chat/{chat_id}", summary="Delete a chat (soft unless permanent=true)", responses=error_responses(404, 409))
     async def delete_chat(chat_id: str, request: Request, permanent: bool = False) -> Response:
         who = await principal(request)
         r = await orchestrator.DeleteChat(assistant_pb2.DeleteChatRequest(caller=caller(who), chat_id=chat_id, permanent=permanent), timeout=30)

@@ -29,6 +29,7 @@ from services.gateway.app import BodyError, read_json_object
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.identity import Principal
+from services.gateway.openapi import error_responses
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ def tools_router(
         orchestrator_channel: a channel to the orchestrator, told about credentials
             connected through the OAuth2 callback (NotifyCredentialConnected); None skips it.
     """
-    router = APIRouter()
+    router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
     tools = tools_pb2_grpc.ToolsServiceStub(channel)
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(orchestrator_channel) if orchestrator_channel else None
     Who = Depends(principal_dependency)  # noqa: N806 - reads like a type in the signatures

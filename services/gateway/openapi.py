@@ -1,0 +1,44 @@
+"""OpenAPI response declarations shared by every gateway route: the statuses each can return.
+
+Every route declares 400, 401, 403, 503 and 504 plus its own; billing denials (402/403/429)
+are the flat DenialEnvelope, everything else `{"detail": str}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}}}}
+_DENIAL = {
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "code": {"type": "string"}, "layer": {"type": "string"}, "key": {"type": ["string", "null"]},
+                    "current": {"type": ["integer", "null"]}, "limit": {"type": ["integer", "null"]}, "reason": {"type": "string"},
+                },
+                "required": ["code", "layer", "reason"],
+            }
+        }
+    }
+}
+
+
+def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route: 400, 401, 403, 503, 504 and `codes`, each with its body schema.
+
+    With `denial`, 402/403/429 are documented as the spec's flat DenialEnvelope.
+    """
+    names = {
+        400: "Bad request", 401: "Missing or unknown API key", 402: "Billing denial (credit or wallet layer)",
+        403: "Role not allowed, or quota denial", 404: "Chat or run not found", 409: "Conflict with the chat's state",
+        413: "Request body too large", 415: "Unsupported media type", 422: "Idempotency-Key reused with another request", 429: "Rate limited", 503: "A backing service is unavailable", 504: "Timed out",
+    }
+    result: dict[int | str, dict[str, Any]] = {}
+    for code in (400, 401, 403, *codes, 503, 504):
+        shape = _DENIAL if denial and code in (402, 403, 429) else _ERROR
+        result[code] = {"description": names.get(code, "Error"), **shape}
+    return result
+
+

@@ -11,9 +11,11 @@ from loopline.billing.v1 import billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2_grpc
 from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
+from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.config import OrchestratorSettings
-from services.orchestrator.events import MemoryEventLog
+from services.orchestrator.backend import RunBackend, make_backend
 from services.orchestrator.loop import TurnRunner
+from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.service import AssistantServicer
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,12 @@ SERVICE_NAME = assistant_pb2.DESCRIPTOR.services_by_name["AssistantService"].ful
 
 
 class OrchestratorServer:
-    """A running orchestrator: its gRPC server, database engine, downstream channels and loop runner."""
+    """A running orchestrator: its gRPC server, database engine, downstream channels and loop runner.
+
+    `backend` is the shared state of the replicas (memory, or Redis when LOOPLINE_REDIS_URL
+    is set); `supervisor` renews this replica's run leases, reaps runs of dead replicas and
+    polls cancel flags (services/orchestrator/recovery.py).
+    """
 
     def __init__(self, settings: OrchestratorSettings) -> None:
         self.settings = settings
@@ -42,8 +49,15 @@ class OrchestratorServer:
         billing = billing_pb2_grpc.BillingServiceStub(self.billing_channel)
         tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
         self.runner = TurnRunner(settings, sessions, None, billing, tools)  # type: ignore[arg-type]
-        self.runner.events = MemoryEventLog(archive_loader=self.runner.load_archive, max_runs=settings.event_log_max_runs)
+        self.backend: RunBackend = make_backend(settings, self.runner.load_archive)
+        self.runner.events = self.backend.events
+        await self.backend.start(self._on_cancel)
+        self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend, billing)
         self.servicer = AssistantServicer(settings, sessions, self.runner, billing)
+        self.servicer.backend = self.backend
+        self.servicer.supervisor = self.supervisor
+        self.servicer.secret_resolver = tools_secret_resolver(tools)
+        self.supervisor.start()
         self._grpc = await start_grpc_server(
             [(assistant_pb2_grpc.add_AssistantServiceServicer_to_server, self.servicer, SERVICE_NAME)],
             settings.host,
@@ -52,13 +66,20 @@ class OrchestratorServer:
         self.port = self._grpc.port
         return self
 
+    async def _on_cancel(self, run_id: str, reason: str) -> None:
+        """A cancel request from any replica: cancel the run if it runs here (else ignore)."""
+        if run_id in self.runner.active:
+            await self.runner.cancel(run_id, reason)
+
     async def stop(self, grace: float) -> None:
         """Stop accepting RPCs, cancel active runs (recording their outcome), close everything."""
         if self._grpc is not None:
             await self._grpc.health.enter_graceful_shutdown()
+        await self.supervisor.stop()
         await self.runner.stop()
         if self._grpc is not None:
             await self._grpc.server.stop(grace)
+        await self.backend.close()
         await self.billing_channel.close()
         await self.tools_channel.close()
         await self.engine.dispose()

@@ -29,10 +29,12 @@ from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import BILLING_DOMAIN, RpcError, abort
 from services.orchestrator import hitl
+from services.orchestrator.backend import MemoryBackend, RunBackend
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.loop import RunSpec, TurnRunner
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.providers import registry
+from services.orchestrator.recovery import RunSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +89,38 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         self.sessions = sessions
         self.runner = runner
         self.billing = billing
-        self._claims: set[str] = set()  # chats whose start/resume/delete is in progress here
+        self._claims: dict[str, str] = {}  # chat_id -> claim token, for claims taken by this process
+        # shared state of the replicas and this replica's supervisor; set by OrchestratorServer
+        self.backend: RunBackend = MemoryBackend()
+        self.supervisor: RunSupervisor | None = None
 
     # ------------------------------------------------------------------ helpers
 
-    def _claim(self, chat_id: str) -> None:
-        """Take the chat's start lock or raise 409; two racing requests: exactly one proceeds."""
-        if chat_id in self._claims:
+    async def _try_claim(self, chat_id: str) -> bool:
+        """Take the chat's start/resume/delete claim (atomic across replicas); False when it is held.
+
+        UNAVAILABLE when the shared backend (Redis) cannot be reached.
+        """
+        try:
+            token = await self.backend.try_claim(chat_id)
+        except Exception:
+            log.exception("taking a chat claim failed")
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "BACKEND_UNAVAILABLE", "The service is temporarily unavailable; try again") from None
+        if token is None:
+            return False
+        self._claims[chat_id] = token
+        return True
+
+    async def _claim(self, chat_id: str) -> None:
+        """Take the chat's claim or raise 409 RUN_IN_FLIGHT; two racing requests (any replicas): exactly one proceeds."""
+        if not await self._try_claim(chat_id):
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
-        self._claims.add(chat_id)
+
+    async def _unclaim(self, chat_id: str) -> None:
+        """Release this process's claim of the chat (a no-op when it holds none)."""
+        token = self._claims.pop(chat_id, None)
+        if token is not None:
+            await self.backend.release_claim(chat_id, token)
 
     async def _chat(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str) -> Chat:
         """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind, deleted)."""
@@ -156,6 +181,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                                           secret_resolver=self.secret_resolver)
         except registry.UnknownModel as unknown:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", str(unknown)) from None
+        except grpc.aio.AioRpcError:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "TOOLS_UNAVAILABLE", "The credential service is unavailable; try again") from None
 
     def _stream_url(self, chat_id: str, run_id: str) -> str:
         return f"{self.settings.stream_url_prefix}/{chat_id}/listen/{run_id}"
@@ -174,7 +201,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         model = await self._model(llm, caller.organization_id)
         chat_id = request.chat_id or str(uuid.uuid4())
         run_id = str(uuid.uuid4())
-        self._claim(chat_id)
+        await self._claim(chat_id)
         try:
             if request.chat_id:
                 async with self.sessions() as session:
@@ -215,7 +242,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             log.warning("charging the turn failed", extra={"fields": {"code": error.code().name}})
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "BILLING_UNAVAILABLE", "Billing is unavailable; try again") from None
         finally:
-            self._claims.discard(chat_id)
+            await self._unclaim(chat_id)
         self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model))
         return assistant_pb2.StartTurnResponse(
             status="running", chat_id=chat_id, run_id=run_id, thread_id=chat_id, stream_url=self._stream_url(chat_id, run_id)
@@ -292,7 +319,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         model = await self._model(llm, caller.organization_id)
         async with self.sessions() as session:
             chat_id = (await self._chat(session, caller, request.chat_id)).id
-        self._claim(chat_id)
+        await self._claim(chat_id)
         try:
             async with self.sessions() as session:
                 chat = await self._chat(session, caller, request.chat_id)
@@ -321,7 +348,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     model = await self._model(llm, caller.organization_id)
             run_id = await self._continue(chat.id, caller.organization_id, interrupt, normalized, llm)
         finally:
-            self._claims.discard(chat_id)
+            await self._unclaim(chat_id)
         self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=caller.organization_id, llm=llm, model=model))
         return assistant_pb2.ResumeResponse(status="running", chat_id=chat.id, run_id=run_id, thread_id=chat.id, stream_url=self._stream_url(chat.id, run_id))
 
@@ -366,7 +393,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         for interrupt, chat in rows:
             if interrupt.request.get("integration_name") != request.integration:
                 continue
-            if _aware(interrupt.expires_at) <= utcnow() or chat.id in self._claims:
+            if _aware(interrupt.expires_at) <= utcnow():
                 continue
             answer = {"kind": "credential_added", "credential_id": request.credential_id,
                       "integration_name": request.integration, "auth_type": "oauth2"}
@@ -378,13 +405,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             except RpcError:
                 log.warning("auto-resume skipped: the paused run's model is no longer available")
                 continue
-            self._claims.add(chat.id)
+            if not await self._try_claim(chat.id):
+                continue
             try:
                 run_id = await self._continue(chat.id, request.organization_id, interrupt, answer, llm)
             except RpcError:
                 continue
             finally:
-                self._claims.discard(chat.id)
+                await self._unclaim(chat.id)
             await self._publish_after_pause(interrupt.run_id, events_pb2.Event(
                 run_id=interrupt.run_id, time=pb.timestamp(), run_resumed=events_pb2.RunResumedEvent(new_run_id=run_id)))
             self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=request.organization_id, llm=llm, model=model))
@@ -393,14 +421,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     async def _publish_after_pause(self, run_id: str, event: events_pb2.Event) -> None:
         """Append `event` to a paused (closed) run's log, restoring it from the archive if needed."""
-        events = self.runner.events
-        if not events.has(run_id):
-            events.open(run_id)
-            for archived in await self.runner.load_archive(run_id):
-                events.append(archived)
-        events.reopen(run_id)
-        events.append(event)
-        events.close(run_id)
+        await self.runner.events.append_after_end(run_id, event)
         await self.runner.archive(run_id)
 
     async def _check_credential(self, organization_id: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
@@ -431,10 +452,20 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         if not run_id:
             raise no_active
         outcome = await self.runner.cancel(run_id, reason)
-        if outcome is not None:
+        if outcome is not None and outcome != "interrupted":  # a run that just paused is cancelled below
             if outcome != "cancelled":
                 raise no_active
             return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
+        if self.backend.distributed and self.supervisor is not None:
+            async with self.sessions() as session:
+                status = (await session.execute(select(Run.status).where(Run.id == run_id))).scalar()
+            if status == "running":  # running on another replica: ask it to stop, wait for the outcome
+                final = await self.supervisor.cancel_elsewhere(run_id, reason)
+                if final == "cancelled":
+                    return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
+                if final is None:
+                    raise RpcError(grpc.StatusCode.UNAVAILABLE, "CANCEL_PENDING", "The run did not stop in time; try again")
+                raise no_active
         # Not running in this process: a paused run (or an orphan). Settle it here.
         async with self.sessions() as session, session.begin():
             changed = await session.execute(
@@ -537,7 +568,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         """Hide the chat (soft) or remove it and its rows (permanent); 409 while a run is in flight."""
         async with self.sessions() as session:
             chat_id = (await self._chat(session, request.caller, request.chat_id)).id
-        self._claim(chat_id)
+        await self._claim(chat_id)
         try:
             async with self.sessions() as session, session.begin():
                 chat = await session.get(Chat, chat_id)
@@ -559,7 +590,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 else:
                     await session.execute(update(Chat).where(Chat.id == chat.id).values(deleted_at=utcnow(), running_id=None))
         finally:
-            self._claims.discard(chat_id)
+            await self._unclaim(chat_id)
         return assistant_pb2.DeleteChatResponse(status="deleted", chat_id=chat_id, permanent=request.permanent)
 
 

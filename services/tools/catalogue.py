@@ -163,6 +163,10 @@ class Catalogue:
         for module_name in BUILTIN_MODULES:
             module = importlib.import_module(f"services.tools.integrations.{module_name}")
             integrations.append(integration_from_manifest(module.MANIFEST, module.HANDLERS))
+        from services.tools.integrations import models as model_keys
+
+        for manifest in model_keys.MANIFESTS:
+            integrations.append(integration_from_manifest(manifest, {}))
         return cls(integrations)
 
     def get(self, name: str) -> Integration | None:

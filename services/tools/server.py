@@ -188,6 +188,27 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         return tools_pb2.GetCredentialResponse(credential=credential_pb(info, include_masked=request.include_masked))
 
     @rpc_errors
+    async def ResolveCredentialSecret(
+        self, request: tools_pb2.ResolveCredentialSecretRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.ResolveCredentialSecretResponse:
+        """The decrypted key of a credential, for internal callers only (bring-your-own-key models).
+
+        NOT_FOUND when absent, another organization's, for another integration, or holding no key.
+        """
+        _require_org(request.organization_id)
+        not_found = RpcError(grpc.StatusCode.NOT_FOUND, "CREDENTIAL_NOT_FOUND", "credential not found", domain=TOOLS_DOMAIN)
+        if not request.credential_id:
+            raise not_found
+        resolved = await self.credentials.resolve(request.organization_id, request.integration_name, request.credential_id)
+        if resolved is None:
+            raise not_found
+        _, secret = resolved
+        key = secret.get("api_key") or secret.get("token") if isinstance(secret, dict) else None
+        if not isinstance(key, str) or not key:
+            raise not_found
+        return tools_pb2.ResolveCredentialSecretResponse(secret=key)
+
+    @rpc_errors
     async def DeleteCredential(self, request: tools_pb2.DeleteCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.DeleteCredentialResponse:
         """Delete one credential; NOT_FOUND when absent or another organization's."""
         _require_org(request.organization_id)

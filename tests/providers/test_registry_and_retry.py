@@ -59,8 +59,8 @@ async def test_named_compatible_providers_come_from_json_settings(monkeypatch):
 async def test_byok_takes_the_key_from_the_injected_resolver_and_unknown_credentials_are_refused():
     calls = []
 
-    async def resolver(org_id: str, credential_id: str) -> str:
-        calls.append((org_id, credential_id))
+    async def resolver(org_id: str, credential_id: str, integration: str) -> str:
+        calls.append((org_id, credential_id, integration))
         if credential_id != "cred_ok":
             raise LookupError(credential_id)
         return "sk-org-own-key-123456"
@@ -68,7 +68,7 @@ async def test_byok_takes_the_key_from_the_injected_resolver_and_unknown_credent
     s = settings(anthropic_models="c1")  # no platform key at all
     model = await registry.resolve(s, {"provider_id": "anthropic", "model_id": "c1", "credential_id": "cred_ok"},
                                    organization_id="org_1", secret_resolver=resolver)
-    assert model._api_key == "sk-org-own-key-123456" and calls == [("org_1", "cred_ok")]
+    assert model._api_key == "sk-org-own-key-123456" and calls == [("org_1", "cred_ok", "anthropic")]
     with pytest.raises(registry.UnknownModel, match="cannot be used"):
         await registry.resolve(s, {"provider_id": "anthropic", "model_id": "c1", "credential_id": "cred_x"},
                                organization_id="org_1", secret_resolver=resolver)

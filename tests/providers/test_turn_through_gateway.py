@@ -118,7 +118,7 @@ async def test_provider_failure_fails_the_run_with_a_sanitized_error(tmp_path):
 @pytest.mark.parametrize("llm, detail", [
     ({"integration_name": "x", "provider_id": "nope", "model_id": "m"}, "unknown model provider"),
     ({**OPENAI_LLM, "model_id": "gpt-unlisted"}, "unknown model"),
-    ({**OPENAI_LLM, "credential_id": "cred_1"}, "bring-your-own-key"),
+    ({**OPENAI_LLM, "credential_id": "cred_1"}, "cannot be used as a model key"),
 ])
 async def test_unknown_provider_model_or_unusable_credential_is_400_and_writes_nothing(tmp_path, llm, detail):
     stack = await start_stack(tmp_path, orchestrator={"openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test"})
@@ -160,3 +160,37 @@ async def test_cancel_during_a_provider_stream_closes_it_and_records_the_usage(t
             await stop_stack(stack)
     assert frames[-1]["type"] == "cancelled"
     assert len(rows) == 1 and rows[0].input_tokens > 0 and rows[0].output_tokens > 0
+
+
+async def test_bring_your_own_key_uses_the_organizations_credential_and_is_not_credited(tmp_path):
+    import grpc
+    from sqlalchemy import select
+
+    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+    from services.billing.models import UsageRecord
+
+    replies = [Reply(events=openai_text("Hello from your own key.", usage={"prompt_tokens": 50, "completion_tokens": 5, "total_tokens": 55}))]
+    async with FakeLLMServer(replies) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "openai_base_url": f"{server.url}/v1", "openai_api_key": "", "openai_models": "gpt-test", **FAST,
+        })
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
+                created = await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(tools_pb2.CreateCredentialRequest(
+                    organization_id=stack.org_id, integration_name="openai", auth_data={"api_key": "sk-org-own-key-999999"}))
+            credential_id = created.credential.credential_id
+            async with stack.client() as client:
+                missing = await client.post("/assistant/chat", json={"message": "hi", "llm": OPENAI_LLM})
+                assert missing.status_code == 400  # no platform key and no credential
+                wrong = await client.post("/assistant/chat", json={"message": "hi", "llm": {**OPENAI_LLM, "credential_id": "nope"}})
+                assert wrong.status_code == 400
+                body = (await client.post("/assistant/chat", json={"message": "hi", "llm": {**OPENAI_LLM, "credential_id": credential_id}})).json()
+                frames = await read_frames(client, body["stream_url"])
+            async with stack.billing.core.sessions() as session:
+                rows = (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"]))).scalars().all()
+        finally:
+            await stop_stack(stack)
+    assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "Hello from your own key."
+    assert server.requests[0].headers["authorization"] == "Bearer sk-org-own-key-999999"
+    assert len(rows) == 1 and rows[0].byok is True and rows[0].millicredits == 0
+    assert "sk-org-own-key-999999" not in str(frames)

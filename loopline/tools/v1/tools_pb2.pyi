@@ -437,3 +437,19 @@ class CompleteOAuth2Response(_message.Message):
     credential: Credential
     user_id: str
     def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ..., user_id: _Optional[str] = ...) -> None: ...
+
+class ResolveCredentialSecretRequest(_message.Message):
+    __slots__ = ("organization_id", "credential_id", "integration_name")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    credential_id: str
+    integration_name: str
+    def __init__(self, organization_id: _Optional[str] = ..., credential_id: _Optional[str] = ..., integration_name: _Optional[str] = ...) -> None: ...
+
+class ResolveCredentialSecretResponse(_message.Message):
+    __slots__ = ("secret",)
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    def __init__(self, secret: _Optional[str] = ...) -> None: ...

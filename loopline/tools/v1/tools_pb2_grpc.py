@@ -71,6 +71,11 @@ class ToolsServiceStub:
                 request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialRequest.SerializeToString,
                 response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialResponse.FromString,
                 _registered_method=True)
+        self.ResolveCredentialSecret = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/ResolveCredentialSecret',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ResolveCredentialSecretRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ResolveCredentialSecretResponse.FromString,
+                _registered_method=True)
         self.CreateKnowledgeBase = channel.unary_unary(
                 '/loopline.tools.v1.ToolsService/CreateKnowledgeBase',
                 request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateKnowledgeBaseRequest.SerializeToString,
@@ -179,6 +184,15 @@ class ToolsServiceServicer:
     def SetDefaultCredential(self, request, context):
         """SetDefaultCredential makes one credential the default of its integration for the
         organization (and clears the flag on the others); NOT_FOUND as for GetCredential.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveCredentialSecret(self, request, context):
+        """ResolveCredentialSecret returns a credential's decrypted key to an internal caller (the
+        orchestrator, for bring-your-own-key model calls). Never exposed through the gateway.
+        NOT_FOUND when the credential is absent, another organization's, or for another integration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -303,6 +317,11 @@ def add_ToolsServiceServicer_to_server(servicer, server):
                     servicer.SetDefaultCredential,
                     request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialRequest.FromString,
                     response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialResponse.SerializeToString,
+            ),
+            'ResolveCredentialSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveCredentialSecret,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ResolveCredentialSecretRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ResolveCredentialSecretResponse.SerializeToString,
             ),
             'CreateKnowledgeBase': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateKnowledgeBase,
@@ -546,6 +565,33 @@ class ToolsService:
             '/loopline.tools.v1.ToolsService/SetDefaultCredential',
             loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialRequest.SerializeToString,
             loopline_dot_tools_dot_v1_dot_tools__pb2.SetDefaultCredentialResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveCredentialSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/ResolveCredentialSecret',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ResolveCredentialSecretRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ResolveCredentialSecretResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,9 +24,10 @@ from services.orchestrator.providers.base import ChatModel
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
 
-SecretResolver = Callable[[str, str], Awaitable[str]]
-"""`(organization_id, credential_id) -> api key`; raises LookupError when the credential is
-absent, another organization's, or not usable as a model key."""
+SecretResolver = Callable[[str, str, str], Awaitable[str]]
+"""`(organization_id, credential_id, integration) -> api key`, integration "openai" or
+"anthropic"; raises LookupError when the credential is absent, another organization's, for
+another integration, or not usable as a model key."""
 
 RESERVED = frozenset({"scripted", "openai", "anthropic"})
 NO_KEY = "no-key"  # sent to compatible servers that need none (the SDK insists on a value)
@@ -115,7 +116,7 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
         if secret_resolver is None:
             raise UnknownModel("bring-your-own-key credentials are not available on this deployment")
         try:
-            api_key = await secret_resolver(organization_id, credential_id)
+            api_key = await secret_resolver(organization_id, credential_id, config.kind)
         except LookupError:
             raise UnknownModel(f"credential {credential_id!r} cannot be used as a model key") from None
     else:

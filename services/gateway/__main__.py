@@ -1,4 +1,4 @@
-"""`python -m services.gateway [serve|migrate|seed-dev|add-member]`."""
+"""`python -m services.gateway [serve|migrate|seed-dev|add-member|set-default-llm|show-default-llm]`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ def main() -> None:
     member.add_argument("--org", required=True)
     member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
     member.add_argument("--email")
+    llm = sub.add_parser("set-default-llm", help="save an organization's default model (used when a turn names none)")
+    llm.add_argument("--org", required=True)
+    llm.add_argument("--integration", required=True, help="integration_name, e.g. openai or loopline")
+    llm.add_argument("--provider", required=True, help="provider_id, e.g. openai, anthropic, scripted")
+    llm.add_argument("--model", required=True, help="model_id")
+    llm.add_argument("--credential", help="credential_id of the organization's own key (bring your own key)")
+    sub.add_parser("show-default-llm", help="print an organization's saved default model").add_argument("--org", required=True)
     args = parser.parse_args()
     settings = GatewaySettings()
     if args.command == "migrate":
@@ -43,6 +50,21 @@ def main() -> None:
         db.migrate("gateway", settings.database_url)
         created = asyncio.run(_with_sessions(settings, lambda s: identity.create_member(s, args.org, args.role, args.email)))
         print(json.dumps(created))
+    elif args.command in ("set-default-llm", "show-default-llm"):
+        from services.gateway.org_settings import DefaultModels
+
+        db.migrate("gateway", settings.database_url)
+
+        async def work(sessions):  # noqa: ANN001, ANN202
+            models = DefaultModels(sessions)
+            if args.command == "set-default-llm":
+                chosen = {"integration_name": args.integration, "provider_id": args.provider, "model_id": args.model}
+                if args.credential:
+                    chosen["credential_id"] = args.credential
+                await models.set(args.org, chosen)
+            return await models.get(args.org)
+
+        print(json.dumps({"organization_id": args.org, "default_llm": asyncio.run(_with_sessions(settings, work))}))
     else:
         runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
 

@@ -26,6 +26,7 @@ from services.gateway import sse
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.openapi import error_responses
+from services.gateway.org_settings import DefaultModels, settings_router
 from services.gateway.identity import Authenticator, AuthError, Principal
 from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
 
@@ -101,6 +102,7 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
 
 def create_app(
     settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel, idempotency: IdempotencyStore,
+    default_models: DefaultModels,
     tools_channel: grpc.aio.Channel | None = None,
 ) -> FastAPI:
     """The FastAPI application serving the assistant API against the orchestrator on `channel`
@@ -181,6 +183,9 @@ def create_app(
         if chat_id is not None and not isinstance(chat_id, str):
             raise BodyError(400, "chat_id must be a string")
         llm = parse_llm(body.get("llm"))
+        if llm is None:
+            saved = await default_models.get(who.organization_id)
+            llm = parse_llm(saved) if saved else None
         rpc = assistant_pb2.StartTurnRequest(caller=caller(who), message=message, chat_id=chat_id or "", kind="assistant")
         if llm is not None:
             rpc.llm.CopyFrom(llm)
@@ -340,6 +345,7 @@ def create_app(
         from services.gateway.tools_routes import tools_router  # noqa: PLC0415 - tools_routes imports this module
 
         app.include_router(tools_router(settings, principal, tools_channel, channel))
+    app.include_router(settings_router(default_models, principal, parse_llm, lambda r: read_json_object(r, settings.max_body_bytes)))
     return app
 
 

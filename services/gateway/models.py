@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from sqlalchemy import DateTime, ForeignKey, String, UniqueConstraint
+from sqlalchemy import JSON, DateTime, ForeignKey, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -25,6 +25,9 @@ class Organization(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the saved default model {integration_name, provider_id, model_id, credential_id?} used when a
+    # turn names none (DESIGN.md "Models"); None = the deployment's default
+    default_llm: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
 
 class User(Base):

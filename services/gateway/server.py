@@ -15,6 +15,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.identity import Authenticator
 from services.gateway.idempotency import IdempotencyStore
+from services.gateway.org_settings import DefaultModels
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,10 @@ class GatewayServer:
         self.tools_channel = grpc.aio.insecure_channel(
             settings.tools_addr, options=[("grpc.max_send_message_length", 16 * 1024 * 1024)]
         )
+        self.default_models = DefaultModels(self.sessions, settings.auth_cache_ttl_s)
         self.app = create_app(
-            settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel, self.idempotency, self.tools_channel
+            settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel, self.idempotency,
+            self.default_models, self.tools_channel,
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,53 @@
+"""The organization's saved default model (issue 7): read and set through the API and the admin command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from modulex import Modulex
+
+from tests.sse_client import read_frames
+
+
+async def test_saved_default_is_used_when_a_turn_names_no_model(stack):
+    async with stack.client() as client:
+        assert (await client.get("/organizations/settings")).json() == {"llm_model_visibility": {}, "composer_llm": None}
+        saved = await client.put("/organizations/settings/composer-llm", json={"integration_name": "x", "provider_id": "nope", "model_id": "m"})
+        assert saved.status_code == 200
+        assert saved.json()["composer_llm"]["provider_id"] == "nope"
+        # the saved default names an unknown provider: an omitted llm now fails like that provider would
+        assert (await client.post("/assistant/chat", json={"message": "hi"})).status_code == 400
+        back = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
+        assert (await client.put("/organizations/settings/composer-llm", json=back)).status_code == 200
+        turn = await client.post("/assistant/chat", json={"message": "hi"})
+        assert turn.status_code == 200
+        await read_frames(client, turn.json()["stream_url"])
+        assert (await client.put("/organizations/settings/composer-llm", json={"provider_id": "x"})).status_code == 400
+
+
+async def test_member_cannot_read_or_set_the_default(stack):
+    member = await stack.member("member")
+    async with stack.client() as client:
+        response = await client.get("/organizations/settings", headers=stack.headers(api_key=member["api_key"]))
+    assert response.status_code == 403
+
+
+async def test_sdk_sets_and_reads_the_default(stack):
+    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+    await client.organizations.set_composer_llm("loopline", "scripted", "default")
+    settings = await client.organizations.get_settings()
+    assert settings.composer_llm.provider_id == "scripted"
+
+
+def test_admin_command_sets_and_shows_the_default(tmp_path):
+    env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
+    seeded = json.loads(subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True).stdout)
+    org = seeded["organization_id"]
+    subprocess.run([sys.executable, "-m", "services.gateway", "set-default-llm", "--org", org, "--integration", "openai",
+                    "--provider", "openai", "--model", "gpt-4o"], env=env, capture_output=True, text=True, check=True)
+    shown = json.loads(subprocess.run([sys.executable, "-m", "services.gateway", "show-default-llm", "--org", org], env=env,
+                                      capture_output=True, text=True, check=True).stdout)
+    assert shown["default_llm"] == {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-4o"}

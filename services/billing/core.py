@@ -771,6 +771,58 @@ class BillingCore:
             )
             return UsageResult(record.id, millicredits, False)
 
+    async def record_tool_usage(self, request: billing_pb2.RecordToolUsageRequest) -> tuple[str, bool]:
+        """Charge one tool call's catalogue cost; idempotent by (run_id, tool_call_id).
+
+        Posts ledger entry "tool:{run_id}:{tool_call_id}" (unit millicredit, kind tool_usage)
+        and adds it to the account's `usage_millicredits` in the same transaction. Returns
+        (ledger entry id, replayed); ("", False) for a zero cost. Raises RpcError
+        INVALID_ARGUMENT on missing ids or a negative cost, ALREADY_EXISTS / USAGE_KEY_REUSED
+        when the key belongs to another organization.
+        """
+        r = request
+        if not r.organization_id or not r.run_id or not r.tool_call_id:
+            raise invalid("USAGE_KEY_REQUIRED", "organization_id, run_id and tool_call_id are required")
+        if r.millicredits < 0:
+            raise invalid("USAGE_NEGATIVE", "millicredits must not be negative")
+        if r.millicredits == 0:
+            return "", False
+        key = f"tool:{r.run_id}:{r.tool_call_id}"
+
+        async def existing() -> tuple[str, bool] | None:
+            async with self.sessions() as session:
+                entry = (await session.execute(select(LedgerEntry).where(LedgerEntry.idempotency_key == key))).scalar_one_or_none()
+            if entry is None:
+                return None
+            if entry.org_id != r.organization_id:
+                raise RpcError(grpc.StatusCode.ALREADY_EXISTS, "USAGE_KEY_REUSED",
+                               "this (run_id, tool_call_id) was recorded for another organization", domain=BILLING_DOMAIN)
+            return entry.id, True
+
+        with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):
+            found = await existing()
+            if found is not None:
+                return found
+            await self.account(r.organization_id)
+            entry_id = _new_id("led")
+            try:
+                async with self._writer(), self.sessions() as session, session.begin():
+                    session.add(LedgerEntry(id=entry_id, idempotency_key=key, org_id=r.organization_id, kind="tool_usage",
+                                            unit=UNIT_MILLICREDIT, amount=-r.millicredits,
+                                            note=f"{r.tool} {r.detail}".strip()[:255], created_at=self.clock()))
+                    await session.flush()
+                    await session.execute(
+                        update(Account).where(Account.org_id == r.organization_id)
+                        .values(usage_millicredits=Account.usage_millicredits + r.millicredits)
+                        .execution_options(synchronize_session=False)
+                    )
+            except IntegrityError:
+                found = await existing()
+                if found is None:
+                    raise
+                return found
+            return entry_id, False
+
     async def _find_usage(self, run_id: str, call_index: int) -> UsageRecord | None:
         async with self.sessions() as session:
             return (

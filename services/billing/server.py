@@ -107,6 +107,14 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
             usage_id=result.usage_id, millicredits=result.millicredits, replayed=result.replayed
         )
 
+    @rpc
+    async def RecordToolUsage(  # noqa: N802
+        self, request: billing_pb2.RecordToolUsageRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.RecordToolUsageResponse:
+        """Charge one tool call's catalogue cost, idempotent by (run_id, tool_call_id)."""
+        entry_id, replayed = await self.core.record_tool_usage(request)
+        return billing_pb2.RecordToolUsageResponse(ledger_entry_id=entry_id, replayed=replayed)
+
 
 async def build_core(settings: BillingSettings) -> tuple[BillingCore, Any]:
     """Migrate (if `auto_migrate`), sync plans and build a BillingCore.
@@ -126,7 +134,7 @@ async def build_core(settings: BillingSettings) -> tuple[BillingCore, Any]:
     await sync_plans(sessions, plans)
     core = BillingCore(
         sessions,
-        RateLimiter(settings.billing_rate_limit_storage_url),
+        RateLimiter(settings.billing_rate_limit_storage_url, key_prefix=f"{settings.redis_key_prefix}billing"),
         prices,
         default_plan=settings.billing_default_plan,
         hold_seconds=settings.billing_hold_seconds,

@@ -362,6 +362,8 @@ class TurnRunner:
             run_id=spec.run_id, tool_call_id=call.id, chat_id=spec.chat_id,
         )
         response = await self.tools.ExecuteTool(request, timeout=self.settings.tool_timeout_s)
+        if response.millicredits > 0:
+            await self._record_tool_usage(spec, call, response.millicredits)
         if response.success:
             return pb.from_value(response.output), True
         return {"error": response.error or "the tool failed", "success": False}, False
@@ -412,6 +414,25 @@ class TurnRunner:
                 auth_type = {"bearer": "bearer_token", "none": "custom"}.get(option.get("type") or option.get("auth_type"), option.get("type") or option.get("auth_type") or "custom")
                 options.append({"auth_type": auth_type, "display_name": option.get("display_name") or auth_type})
         return {"display_name": details.get("display_name") or name, "auth_options": options or None}
+
+    async def _record_tool_usage(self, spec: RunSpec, call: Any, millicredits: int) -> None:
+        """Charge a tool call's catalogue cost with billing (idempotent by run and tool call; bounded retries)."""
+        detail = ""
+        if call.name == "execute_integration_tool":
+            detail = f"{call.input.get('integration', '')}.{call.input.get('action', '')}"
+        request = billing_pb2.RecordToolUsageRequest(
+            organization_id=spec.organization_id, run_id=spec.run_id, tool_call_id=call.id, tool=call.name,
+            detail=detail[:200], millicredits=millicredits, chat_id=spec.chat_id,
+        )
+        for attempt in range(3):
+            try:
+                await asyncio.shield(self.billing.RecordToolUsage(request, timeout=5))
+                return
+            except grpc.aio.AioRpcError as failure:
+                if attempt == 2:
+                    log.error("recording tool usage failed", extra={"fields": {"code": failure.code().name, "tool_call_id": call.id}})
+                    return
+                await asyncio.sleep(0.1 * (attempt + 1))
 
     async def _record_usage(self, spec: RunSpec, call_index: int, usage: TokenUsage) -> None:
         """Record one model call's tokens with billing (idempotent by run and call index; bounded retries)."""

@@ -142,3 +142,29 @@ class Denial(_message.Message):
     retry_after_seconds: int
     rate_limit: RateLimitState
     def __init__(self, code: _Optional[str] = ..., layer: _Optional[str] = ..., key: _Optional[str] = ..., current: _Optional[int] = ..., limit: _Optional[int] = ..., reason: _Optional[str] = ..., retry_after_seconds: _Optional[int] = ..., rate_limit: _Optional[_Union[RateLimitState, _Mapping]] = ...) -> None: ...
+
+class RecordToolUsageRequest(_message.Message):
+    __slots__ = ("organization_id", "run_id", "tool_call_id", "tool", "detail", "millicredits", "chat_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MILLICREDITS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    run_id: str
+    tool_call_id: str
+    tool: str
+    detail: str
+    millicredits: int
+    chat_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., run_id: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool: _Optional[str] = ..., detail: _Optional[str] = ..., millicredits: _Optional[int] = ..., chat_id: _Optional[str] = ...) -> None: ...
+
+class RecordToolUsageResponse(_message.Message):
+    __slots__ = ("ledger_entry_id", "replayed")
+    LEDGER_ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    ledger_entry_id: str
+    replayed: bool
+    def __init__(self, ledger_entry_id: _Optional[str] = ..., replayed: _Optional[bool] = ...) -> None: ...

@@ -62,6 +62,11 @@ class BillingServiceStub:
                 request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageRequest.SerializeToString,
                 response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageResponse.FromString,
                 _registered_method=True)
+        self.RecordToolUsage = channel.unary_unary(
+                '/loopline.billing.v1.BillingService/RecordToolUsage',
+                request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageRequest.SerializeToString,
+                response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageResponse.FromString,
+                _registered_method=True)
 
 
 class BillingServiceServicer:
@@ -104,6 +109,14 @@ class BillingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordToolUsage(self, request, context):
+        """RecordToolUsage charges one tool call's catalogue cost (an integration action or a
+        knowledge search). Idempotent by (run_id, tool_call_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BillingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_BillingServiceServicer_to_server(servicer, server):
                     servicer.RecordUsage,
                     request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageRequest.FromString,
                     response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageResponse.SerializeToString,
+            ),
+            'RecordToolUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordToolUsage,
+                    request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageRequest.FromString,
+                    response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +262,33 @@ class BillingService:
             '/loopline.billing.v1.BillingService/RecordUsage',
             loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageRequest.SerializeToString,
             loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordToolUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.billing.v1.BillingService/RecordToolUsage',
+            loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageRequest.SerializeToString,
+            loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

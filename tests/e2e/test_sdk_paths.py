@@ -1,0 +1,96 @@
+"""The official SDK over every terminal path and every question kind (issues 3 and 4).
+
+These use the in-process stack (fast); tests/e2e/test_sdk_and_wire.py covers the real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from modulex import Modulex
+from modulex.types.realtime import user_input_request_from_event
+
+from tests.conftest import SCRIPTED
+from tests.orchestrator.test_hitl_and_cancel import QUESTIONS
+from tests.sse_client import validate_frame
+
+
+def _client(stack) -> Modulex:
+    return Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+
+
+async def _events(client: Modulex, chat_id: str, run_id: str) -> list:
+    events = []
+    async with client.assistant.listen(chat_id, run_id) as stream:
+        async for event in stream:
+            validate_frame(event.data)
+            events.append(event)
+    return events
+
+
+def _script(*steps: dict) -> str:
+    return json.dumps({"script": list(steps)})
+
+
+async def test_sdk_listen_ends_on_completed(stack):
+    client = _client(stack)
+    turn = await client.assistant.chat(_script({"say": "all good"}), llm=SCRIPTED)
+    events = await _events(client, turn.chat_id, turn.run_id)
+    assert events[-1].event == "done" and events[-1].data["data"]["response"] == "all good"
+
+
+async def test_sdk_listen_ends_on_failed(stack):
+    client = _client(stack)
+    turn = await client.assistant.chat(_script({"fail": "nope"}), llm=SCRIPTED)
+    events = await _events(client, turn.chat_id, turn.run_id)
+    # the SDK stops at the first terminal type it sees, which is `error` (followed on the wire by done+error)
+    assert events[-1].event == "error" and events[-1].data["data"]["message"]
+
+
+async def test_sdk_listen_ends_on_cancelled_during_model_wait(stack):
+    client = _client(stack)
+    turn = await client.assistant.chat(_script({"say": "slow", "sleep_ms": 10_000}), llm=SCRIPTED)
+    listening = asyncio.create_task(_events(client, turn.chat_id, turn.run_id))
+    await asyncio.sleep(0.3)
+    cancelled = await client.assistant.cancel(turn.chat_id)
+    assert cancelled.status == "cancelled" and cancelled.run_id == turn.run_id
+    events = await asyncio.wait_for(listening, 5)
+    assert events[-1].event == "cancelled"
+
+
+async def test_sdk_listen_ends_on_cancelled_during_tool_call(stack):
+    client = _client(stack)
+    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    turn = await client.assistant.chat(_script(slow, {"say": "never"}), llm=SCRIPTED)
+    seen: list = []
+
+    async def listen() -> None:
+        async with client.assistant.listen(turn.chat_id, turn.run_id) as stream:
+            async for event in stream:
+                seen.append(event)
+
+    listening = asyncio.create_task(listen())
+    while not any(e.event == "tool_call" for e in seen):
+        await asyncio.sleep(0.05)
+    await client.assistant.cancel(turn.chat_id)
+    await asyncio.wait_for(listening, 5)
+    assert seen[-1].event == "cancelled"
+
+
+@pytest.mark.parametrize("tool", list(QUESTIONS))
+async def test_sdk_ask_resume_done_round_for_each_question_kind(stack, tool):
+    question, answer = QUESTIONS[tool]
+    client = _client(stack)
+    turn = await client.assistant.chat(_script({"tool": tool, "input": question}, {"say": "thanks"}), llm=SCRIPTED)
+    events = await _events(client, turn.chat_id, turn.run_id)
+    assert [e.event for e in events][-2:] == ["user_input_request", "interrupted"]
+    request = user_input_request_from_event(events[-2].data)  # the SDK parses the question itself
+    assert request.kind == question.get("kind", request.kind)
+    status = await client.assistant.status(turn.chat_id)
+    assert status.awaiting_input and status.pending_request_id == request.request_id
+    resumed = await client.assistant.resume(turn.chat_id, request_id=request.request_id, response=answer, llm=SCRIPTED)
+    assert resumed.run_id != turn.run_id and resumed.thread_id == turn.chat_id
+    rest = await _events(client, turn.chat_id, resumed.run_id)
+    assert rest[-1].event == "done" and rest[-1].data["data"]["response"] == "thanks"

@@ -379,7 +379,7 @@ async def _frames(call: Any, heartbeat_s: float) -> AsyncIterator[bytes]:
         finally:
             await queue.put(end)
 
-    task = asyncio.create_task(pump())
+    task = asyncio.create_task(pump(), name="sse-pump")
     try:
         while True:
             try:

@@ -184,6 +184,7 @@ async def test_listener_disconnect_does_not_disturb_the_run(stack):
             async for _ in response.aiter_bytes():
                 break
         await wait_for(lambda: stack.orchestrator.runner.active.get(body["run_id"]) is None, timeout=10)
+        await wait_for(lambda: not [t for t in asyncio.all_tasks() if t.get_name() == "sse-pump"], timeout=5)
         frames = await read_frames(client, body["stream_url"])
     assert frames[-1]["type"] == "done"
     assert (await _run_row(stack, body["run_id"])).status == "completed"

@@ -197,3 +197,15 @@ async def test_unknown_run_on_listen_is_404(stack):
         body, _ = await run_turn(client, {"say": "x"})
         assert (await client.get(f"/assistant/chat/{body['chat_id']}/listen/{uuid.uuid4()}")).status_code == 404
         assert (await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{body['run_id']}")).status_code == 404
+
+
+async def test_tools_service_down_fails_the_run_with_a_sanitized_error(stack):
+    async with stack.client() as client:
+        await run_turn(client, {"tool": "get_available_integrations", "input": {}}, {"say": "ok"})
+        await stack.tools.stop(0)
+        body, frames = await run_turn(client, {"tool": "get_available_integrations", "input": {}}, {"say": "never"})
+    assert types(frames)[-2:] == ["error", "done"] and frames[-1]["data"]["error"] is True
+    message = frames[-2]["data"]["message"]
+    assert "127.0.0.1" not in message and "Traceback" not in message and "unavailable" in message
+    assert (await _run_row(stack, body["run_id"])).status == "failed"
+    assert (await _chat_row(stack, body["chat_id"])).running_id is None

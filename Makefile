@@ -22,15 +22,16 @@ SERVICES := gateway orchestrator billing tools
 TESTS ?= tests
 PYTEST_ARGS ?=
 DEV_ARGS ?=
+BENCH_ARGS ?=
 LOOPLINE_TEST_POSTGRES_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 LOOPLINE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: help venv buf gen gen-check lint breaking migrate run test test-pg clean distclean
+.PHONY: help venv buf gen gen-check lint breaking migrate run test test-pg bench clean distclean
 
 help: ## list the targets
 	@echo "Loopline make targets:"
 	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
-	@echo "Variables: TESTS (test paths, default tests), PYTEST_ARGS (extra pytest options), DEV_ARGS (options of scripts/dev.py, e.g. --logs), PYTHON (default python3)."
+	@echo "Variables: TESTS (test paths, default tests), PYTEST_ARGS (extra pytest options), DEV_ARGS (options of scripts/dev.py, e.g. --logs), BENCH_ARGS (options of the benchmark, e.g. --quick, --backend postgres), PYTHON (default python3)."
 
 venv: $(VENV_STAMP) ## create .venv and install the project with its dev extras (reinstalls only when pyproject.toml changes)
 
@@ -92,6 +93,9 @@ test-pg: $(VENV_STAMP) $(BUF) ## run the same suite on PostgreSQL and Redis (127
 	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
 	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \
 	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
+
+bench: $(VENV_STAMP) ## benchmark the real processes (latency, throughput, fan-out, admission, memory); BENCH_ARGS='--quick'; JSON in bench/results/
+	$(PY) -m bench $(BENCH_ARGS)
 
 clean: ## remove var/ (development databases and logs) and caches
 	rm -rf var .pytest_cache .hypothesis build

@@ -1,0 +1,1 @@
+"""Loopline's benchmark suite (`make bench`); see bench/run.py and docs/performance.md."""

@@ -1,0 +1,44 @@
+"""`make bench` runs: the benchmark in a tiny configuration starts the real processes and writes valid JSON.
+
+The benchmark itself is not part of the test suite (see docs/performance.md); this only
+checks that its machinery works: scripts/dev.py starts, every workload runs, every turn
+ends in `done`, and the JSON report has the figures docs/performance.md quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = [
+        sys.executable, "-m", "bench", "--turns", "5", "--throughput-turns", "6", "--concurrency", "1,3",
+        "--time-cap", "20", "--listeners", "10", "--ticks", "1", "--tick-ms", "300", "--heartbeat", "0.4",
+        "--admissions", "30", "--admission-concurrency", "4", "--admission-time-cap", "5", "--out", str(out),
+    ]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "error" not in report
+    machine = report["machine"]
+    assert machine["cores"] >= 1 and machine["python"] and machine["git_commit"]
+    latency = report["latency"]
+    assert latency["turns"] == 5 and latency["completed"] == 5 and latency["failures"] == 0
+    assert latency["done"]["p50_ms"] > 0 and latency["first_frame"]["p99_ms"] > 0 and latency["cpu_ms_per_turn"] > 0
+    for key in ("c1", "c3"):
+        level = report["throughput"][key]
+        assert level["completed"] == level["turns"] > 0 and level["turns_per_s"] > 0
+    assert report["admission"]["pairs"] > 0 and report["admission"]["failures"] == 0
+    fanout = report["fanout"]["10"]
+    assert fanout["outcome"].get("connected") == 10 and fanout["outcome"].get("done") == 10
+    assert fanout["deliveries_measured"] > 0 and fanout["heartbeats"] > 0
+    memory = report["memory"]
+    assert set(memory["idle_mib"]) == {"gateway", "orchestrator", "billing", "tools"}
+    assert memory["after_throughput_mib"]["gateway"] > 0
+    assert "target (issue 9)" in result.stdout

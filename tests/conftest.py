@@ -147,7 +147,11 @@ class _DatabasePool:
     def _main(self) -> None:
         import asyncio
 
-        asyncio.run(self._serve())
+        try:
+            asyncio.run(self._serve())
+        except BaseException as error:  # noqa: BLE001 - handed to the test that waits
+            self.failure = error
+            self.ready.put(None)
 
     async def _serve(self) -> None:
         import asyncio
@@ -230,6 +234,22 @@ async def postgres_databases() -> dict[str, str]:
 def release_databases(urls: list[str]) -> None:
     """Hand used databases to the pool thread, which drops them."""
     _pool().drops.put(urls)
+
+
+async def drop_databases(urls: list[str]) -> None:
+    """Drop the databases (closing any connection still open to them)."""
+    from sqlalchemy.engine import make_url
+
+    import asyncio
+
+    async def drop(url: str) -> None:
+        connection = await _maintenance()
+        try:
+            await connection.execute(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
+        finally:
+            await connection.close()
+
+    await asyncio.gather(*(drop(url) for url in urls))
 
 
 async def drop_redis_prefix(url: str, prefix: str) -> None:

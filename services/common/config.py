@@ -19,6 +19,8 @@ class CommonSettings(BaseSettings):
         data_dir: folder of the embedded SQLite databases (LOOPLINE_DATA_DIR).
         log_level: "DEBUG", "INFO", "WARNING" or "ERROR" (LOOPLINE_LOG_LEVEL).
         redis_url: Redis URL; empty selects the in-memory backend (LOOPLINE_REDIS_URL).
+        redis_key_prefix: prefix of every Redis key and channel (LOOPLINE_REDIS_KEY_PREFIX), so
+            several deployments (or parallel test stacks) can share one Redis database.
         host: interface the gRPC servers bind (LOOPLINE_HOST).
         orchestrator_addr / billing_addr / tools_addr: downstream gRPC addresses.
         shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled.
@@ -29,6 +31,7 @@ class CommonSettings(BaseSettings):
     data_dir: pathlib.Path = pathlib.Path("var")
     log_level: str = "INFO"
     redis_url: str = ""
+    redis_key_prefix: str = "loopline:"
     host: str = "127.0.0.1"
     orchestrator_addr: str = "127.0.0.1:50051"
     billing_addr: str = "127.0.0.1:50052"

@@ -40,6 +40,16 @@ class OrchestratorSettings(CommonSettings):
         llm_retry_base_delay_s / llm_retry_max_delay_s: exponential backoff start and cap, in
             seconds; a provider's Retry-After is honored (a longer one than the cap fails at once).
         llm_timeout_s: per-request timeout of a model call (connect, and between streamed chunks).
+        run_events_max_len: approximate cap of a run's Redis stream (XADD MAXLEN ~), in events.
+        run_events_ttl_s: seconds a run's Redis stream is kept after the run ends (the database
+            archive serves it afterwards).
+        chat_claim_ttl_s: seconds after which a chat claim (start/resume/delete in progress) that
+            was never released expires, so a crashed replica cannot block a chat.
+        redis_retry_s: seconds event writers and followers keep retrying an unreachable Redis;
+            then a follower ends with an `error` event.
+        run_lease_s: crash-detection bound in seconds: a running run whose loop stopped renewing
+            its lease (its process died) is failed by any replica within this time.
+        cancel_wait_s: how long Cancel waits for a run on another replica to stop.
     """
 
     orchestrator_port: int = 50051
@@ -70,6 +80,12 @@ class OrchestratorSettings(CommonSettings):
     llm_retry_base_delay_s: float = 0.5
     llm_retry_max_delay_s: float = 30.0
     llm_timeout_s: float = 120.0
+    run_events_max_len: int = 10_000
+    run_events_ttl_s: float = 86_400.0
+    chat_claim_ttl_s: float = 60.0
+    redis_retry_s: float = 30.0
+    run_lease_s: float = 30.0
+    cancel_wait_s: float = 10.0
 
     @property
     def database_url(self) -> str:

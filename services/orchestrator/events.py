@@ -1,6 +1,7 @@
 """The run event log: every event of a run, replayable from any index, followed live.
 
-`MemoryEventLog` is the embedded backend: one list per run and one asyncio.Future
+`EventLog` is the interface both backends implement (the loop publishes through it,
+`StreamRun` follows through it). `MemoryEventLog` is the embedded backend: one list per run and one asyncio.Future
 per run that wakes every follower at each append (so N listeners cost N awaits,
 not N queues). When a run ends its events are also written to the `run_events`
 table in one transaction (`EventArchive`), so a listener that arrives after a
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from loopline.assistant.v1 import events_pb2
 
@@ -44,6 +46,47 @@ class _RunLog:
 
 # Loads the archived events of a run (empty when none); used when a run is not in memory.
 ArchiveLoader = Callable[[str], Awaitable[list[events_pb2.Event]]]
+
+
+class EventLog(Protocol):
+    """What the loop and the servicer need from a run event log (memory or Redis Streams).
+
+    The run's owner (the process whose loop runs it) publishes with the synchronous
+    `open`/`append`/`close` (so publishing never blocks the loop); `flush` waits until
+    everything published so far is stored. Any process can `follow` any run and publish
+    after a run ended with `append_after_end` (cancel of a paused run, run_resumed, the
+    crash reaper). Events are numbered from 0 in publication order (`Event.seq`).
+    """
+
+    def open(self, run_id: str) -> None:
+        """Start the (empty) log of a new run owned by this process."""
+
+    def has(self, run_id: str) -> bool:
+        """Whether this process holds the run's log locally."""
+
+    def append(self, event: events_pb2.Event) -> events_pb2.Event:
+        """Publish `event` (sets `seq`) on its run's log; returns it."""
+
+    def close(self, run_id: str) -> None:
+        """Mark the run's log complete (followers return after its last event)."""
+
+    def reopen(self, run_id: str) -> None:
+        """Allow appends to a closed run of this process again."""
+
+    def snapshot(self, run_id: str) -> list[events_pb2.Event]:
+        """The events of the run published or held by this process (a copy)."""
+
+    async def flush(self, run_id: str) -> None:
+        """Wait until every event this process published on the run is stored (bounded)."""
+
+    async def events_of(self, run_id: str) -> list[events_pb2.Event]:
+        """Every stored event of the run, in order (the durable archive when the log is gone)."""
+
+    async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
+        """Append `events` to an ended (or orphaned) run from any process, then close the log again."""
+
+    def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
+        """Yield the run's events from index `after`, then live ones, until the run ends."""
 
 
 class MemoryEventLog:
@@ -105,6 +148,28 @@ class MemoryEventLog:
         """The run's events in memory so far (a copy)."""
         log = self._runs.get(run_id)
         return list(log.events) if log else []
+
+    async def flush(self, run_id: str) -> None:
+        """Nothing to wait for: appends are stored at once."""
+
+    async def events_of(self, run_id: str) -> list[events_pb2.Event]:
+        """The run's events in memory, or its archived events when it is not in memory."""
+        if run_id in self._runs:
+            return self.snapshot(run_id)
+        return await self._archive_loader(run_id) if self._archive_loader else []
+
+    async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
+        """Reload the run from the archive when it fell out of memory, append `events`, close again."""
+        if run_id not in self._runs:
+            archived = await self._archive_loader(run_id) if self._archive_loader else []
+            if run_id not in self._runs:  # no other append restored it meanwhile
+                self.open(run_id)
+                for stored in archived:
+                    self.append(stored)
+        self.reopen(run_id)
+        appended = [self.append(event) for event in events]
+        self.close(run_id)
+        return appended
 
     async def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
         """Yield the run's events from index `after`, then live ones, until it ends.

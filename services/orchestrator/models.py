@@ -62,7 +62,11 @@ class Message(Base):
 
 
 class Run(Base):
-    """One execution of the loop. `durable_id` is the stable durable identifier of the spec."""
+    """One execution of the loop. `durable_id` is the stable durable identifier of the spec.
+
+    `lease_until` (UTC) is pushed forward by the replica whose loop runs the run (see
+    `services/orchestrator/recovery.py`); NULL until the first renewal.
+    """
 
     __tablename__ = "runs"
 
@@ -78,6 +82,10 @@ class Run(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # renewed by the replica running the loop; a `running` run past it is failed by the reaper
+    lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    __table_args__ = (Index("ix_runs_status_lease", "status", "lease_until"),)
 
 
 class RunEvent(Base):

@@ -1,0 +1,582 @@
+"""The orchestrator's shared-state backend: run events, chat claims and cancel requests.
+
+Two implementations of one seam (`RunBackend`), picked by `make_backend(settings)`:
+
+- `MemoryBackend` (LOOPLINE_REDIS_URL empty, the embedded default): one process. Run
+  events in `MemoryEventLog`, chat claims in a set, a cancel request calls the local
+  runner directly.
+- `RedisBackend` (LOOPLINE_REDIS_URL set): any number of orchestrator replicas.
+  * Run events in Redis Streams, one stream per run (`<prefix>run:<run_id>:events`).
+    The entry id of event `seq` is `0-<seq+1>`, so stream order is seq order, a follower
+    resumes with `XREAD BLOCK` from `0-<index>`, and a retried write cannot duplicate an
+    event. Each entry holds the serialized `loopline.assistant.v1.Event` (field `e`).
+    Streams are capped with `XADD MAXLEN ~ run_events_max_len` and expire
+    `run_events_ttl_s` seconds after the run ends; the orchestrator database keeps the
+    durable copy (`run_events`, written by `TurnRunner.archive` at run end), which serves
+    listeners once the stream is gone. A hash `<prefix>run:<run_id>:meta` holds `next`
+    (the next seq) and `closed` ("1" once the run ended).
+  * Chat claims: `SET <prefix>claim:<chat_id> <token> NX PX claim_ttl_ms`, released by a
+    compare-and-delete script; the TTL frees the chat if the holder crashed.
+  * Cancel requests: `SET <prefix>cancel:<run_id> <reason> EX 300` plus `PUBLISH
+    <prefix>cancels "<run_id>\\n<reason>"`. Every replica subscribes and cancels its own
+    run at once; the flags of active runs are also polled every `cancel_poll_s` (1 s), so a
+    lost message still stops the run within a second.
+
+Redis errors while publishing are retried with backoff (`redis_retry_s` in total); a
+follower that cannot reach Redis for that long ends with an `error` event (so a listener
+never hangs), and otherwise resumes at the index it reached (no gaps, no duplicates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loopline.assistant.v1 import events_pb2
+from services.common import pb
+from services.orchestrator.events import ArchiveLoader, EventLog, MemoryEventLog, is_terminal
+
+log = logging.getLogger(__name__)
+
+# Called by a backend when a cancel for `run_id` is received: (run_id, reason).
+CancelHandler = Callable[[str, str], Awaitable[None]]
+
+CANCEL_FLAG_TTL_S = 300
+
+
+class RunBackend:
+    """Shared state of the orchestrator replicas (the interface; see the module docstring).
+
+    Attributes:
+        events: the run event log.
+        distributed: True when several replicas share this state (a run not active in this
+            process may be running in another one).
+    """
+
+    events: EventLog
+    distributed = False
+
+    async def start(self, on_cancel: CancelHandler) -> None:
+        """Begin delivering cancel requests for runs of this process to `on_cancel`."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Stop background tasks and close connections (pending event writes are flushed first)."""
+        raise NotImplementedError
+
+    async def try_claim(self, chat_id: str) -> str | None:
+        """Take the chat's start/resume/delete claim; returns a token, or None when it is held.
+
+        Atomic across replicas; a claim expires after `claim_ttl_s` seconds if never released.
+        """
+        raise NotImplementedError
+
+    async def release_claim(self, chat_id: str, token: str) -> None:
+        """Release a claim taken with `token` (a claim that expired and was re-taken is left alone)."""
+        raise NotImplementedError
+
+    async def request_cancel(self, run_id: str, reason: str) -> None:
+        """Ask whichever replica runs `run_id` to cancel it with `reason`."""
+        raise NotImplementedError
+
+    async def pending_cancels(self, run_ids: list[str]) -> dict[str, str]:
+        """The cancel requests recorded for `run_ids`: {run_id: reason} (polled by the runner)."""
+        raise NotImplementedError
+
+
+class MemoryBackend(RunBackend):
+    """One process: `MemoryEventLog`, a set of claimed chats, cancels delivered in-process."""
+
+    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000) -> None:
+        self.events = MemoryEventLog(archive_loader=archive_loader, max_runs=max_runs)
+        self._claims: dict[str, str] = {}
+        self._on_cancel: CancelHandler | None = None
+
+    async def start(self, on_cancel: CancelHandler) -> None:
+        """Remember the handler; `request_cancel` calls it directly."""
+        self._on_cancel = on_cancel
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    async def try_claim(self, chat_id: str) -> str | None:
+        """Claim `chat_id` in this process (no TTL needed: the claim dies with the process)."""
+        if chat_id in self._claims:
+            return None
+        token = secrets.token_hex(8)
+        self._claims[chat_id] = token
+        return token
+
+    async def release_claim(self, chat_id: str, token: str) -> None:
+        """Drop the claim when `token` still holds it."""
+        if self._claims.get(chat_id) == token:
+            del self._claims[chat_id]
+
+    async def request_cancel(self, run_id: str, reason: str) -> None:
+        """Cancel the run of this process (the only process)."""
+        if self._on_cancel is not None:
+            await self._on_cancel(run_id, reason)
+
+    async def pending_cancels(self, run_ids: list[str]) -> dict[str, str]:
+        """Always empty: in-process cancels are delivered at once."""
+        return {}
+
+
+# ---------------------------------------------------------------------------- Redis
+
+# KEYS: stream, meta. ARGV: payload, maxlen, seq (-1: the next one), closed flag to leave.
+# Returns the seq the event got (or already had, for a retried write).
+_APPEND = """
+local nxt = tonumber(redis.call('HGET', KEYS[2], 'next') or '0')
+local seq = tonumber(ARGV[3])
+if seq < 0 then seq = nxt end
+if seq < nxt then return seq end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '0-' .. (seq + 1), 'e', ARGV[1])
+redis.call('HSET', KEYS[2], 'next', seq + 1, 'closed', '0')
+redis.call('PERSIST', KEYS[1])
+redis.call('PERSIST', KEYS[2])
+return seq
+"""
+
+# KEYS: stream, meta. ARGV: ttl ms after the end.
+_CLOSE = """
+redis.call('HSET', KEYS[2], 'closed', '1')
+if redis.call('HEXISTS', KEYS[2], 'next') == 0 then redis.call('HSET', KEYS[2], 'next', 0) end
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+# KEYS: meta. Marks a run open (new or reopened) without touching its events.
+_OPEN = """
+if redis.call('HEXISTS', KEYS[1], 'next') == 0 then redis.call('HSET', KEYS[1], 'next', 0) end
+redis.call('HSET', KEYS[1], 'closed', '0')
+redis.call('PERSIST', KEYS[1])
+return 1
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    import redis.exceptions
+
+    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError, OSError)
+
+
+@dataclass
+class _Writer:
+    """The ordered, batched writer of one run owned by this process."""
+
+    next_seq: int = 0
+    local: list[events_pb2.Event] = field(default_factory=list)
+    queue: list[tuple[str, int, bytes]] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+    closed: bool = False
+
+
+class RedisEventLog:
+    """Run events in Redis Streams (see the module docstring for the key layout).
+
+    Args:
+        redis: a `redis.asyncio.Redis` client (bytes responses).
+        prefix: key prefix (`redis_key_prefix`).
+        max_len: approximate cap of a run's stream (`XADD MAXLEN ~`).
+        ttl_s: seconds a stream is kept after its run ends.
+        archive_loader: reads a run's archived events from the orchestrator database.
+        retry_s: how long a write or a follower keeps retrying Redis before giving up.
+        block_ms: how long one `XREAD BLOCK` waits before checking whether the run ended.
+        open_wait_s: how long a follower waits for a run that has no stream nor archive yet.
+    """
+
+    def __init__(self, redis: Any, prefix: str, max_len: int, ttl_s: float, archive_loader: ArchiveLoader,
+                 retry_s: float = 30.0, block_ms: int = 2000, open_wait_s: float = 10.0) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.max_len = max_len
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.archive_loader = archive_loader
+        self.retry_s = retry_s
+        self.block_ms = block_ms
+        self.open_wait_s = open_wait_s
+        self._writers: dict[str, _Writer] = {}
+        self._append = redis.register_script(_APPEND)
+        self._close = redis.register_script(_CLOSE)
+        self._open = redis.register_script(_OPEN)
+
+    def _keys(self, run_id: str) -> tuple[str, str]:
+        return f"{self.prefix}run:{run_id}:events", f"{self.prefix}run:{run_id}:meta"
+
+    # ------------------------------------------------------------------ the owner's side
+
+    def open(self, run_id: str) -> None:
+        """Start the writer of a new run owned by this process (its stream is created at once)."""
+        if run_id in self._writers:
+            return
+        writer = _Writer()
+        writer.idle.set()
+        self._writers[run_id] = writer
+        self._enqueue(run_id, writer, ("open", -1, b""))
+        writer.task = asyncio.create_task(self._write(run_id, writer), name=f"events:{run_id}")
+
+    def has(self, run_id: str) -> bool:
+        """Whether this process owns (publishes) the run."""
+        return run_id in self._writers
+
+    def append(self, event: events_pb2.Event) -> events_pb2.Event:
+        """Number `event` and queue it for the stream (in order); returns it with `seq` set."""
+        writer = self._writers.get(event.run_id)
+        if writer is None:
+            self.open(event.run_id)
+            writer = self._writers[event.run_id]
+        if writer.closed:
+            raise RuntimeError(f"run {event.run_id} is closed")
+        event.seq = writer.next_seq
+        writer.next_seq += 1
+        writer.local.append(event)
+        self._enqueue(event.run_id, writer, ("event", event.seq, event.SerializeToString()))
+        return event
+
+    def close(self, run_id: str) -> None:
+        """Queue the end of the run: `closed` is set and the stream expires after `ttl_s`."""
+        writer = self._writers.get(run_id)
+        if writer is None or writer.closed:
+            return
+        writer.closed = True
+        self._enqueue(run_id, writer, ("close", -1, b""))
+
+    def reopen(self, run_id: str) -> None:
+        """Allow appends to a closed run of this process again."""
+        writer = self._writers.get(run_id)
+        if writer is not None and writer.closed:
+            writer.closed = False
+            self._enqueue(run_id, writer, ("open", -1, b""))
+
+    def snapshot(self, run_id: str) -> list[events_pb2.Event]:
+        """The events this process published on the run (a copy; empty for other runs)."""
+        writer = self._writers.get(run_id)
+        return list(writer.local) if writer else []
+
+    def _enqueue(self, run_id: str, writer: _Writer, item: tuple[str, int, bytes]) -> None:
+        writer.queue.append(item)
+        writer.idle.clear()
+        writer.wake.set()
+
+    async def _write(self, run_id: str, writer: _Writer) -> None:
+        """Send the queued items in order, batched in one pipeline per wake; retry on errors."""
+        stream, meta = self._keys(run_id)
+        errors = _redis_errors()
+        failing_since: float | None = None
+        while True:
+            await writer.wake.wait()
+            writer.wake.clear()
+            while writer.queue:
+                batch = list(writer.queue)
+                try:
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for kind, seq, payload in batch:
+                            if kind == "event":
+                                await self._append(keys=[stream, meta], args=[payload, self.max_len, seq], client=pipe)
+                            elif kind == "open":
+                                await self._open(keys=[meta], client=pipe)
+                            else:
+                                await self._close(keys=[stream, meta], args=[self.ttl_ms], client=pipe)
+                        await pipe.execute()
+                    failing_since = None
+                except errors as error:
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since > self.retry_s:
+                        log.error("dropping run events: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__, "items": len(batch)}})
+                        del writer.queue[: len(batch)]
+                        failing_since = None
+                        continue
+                    await asyncio.sleep(min(1.0, 0.05 * 2 ** min(5, int((now - failing_since) * 4))))
+                    continue
+                del writer.queue[: len(batch)]
+            writer.idle.set()  # the writer (and its local copy) stays until `forget`
+
+    async def flush(self, run_id: str) -> None:
+        """Wait until the queued items of the run are written (at most `retry_s` + 5 s)."""
+        writer = self._writers.get(run_id)
+        if writer is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(writer.idle.wait(), self.retry_s + 5)
+
+    def forget(self, run_id: str) -> None:
+        """Drop this process's writer of an ended run (after it was flushed and archived)."""
+        writer = self._writers.get(run_id)
+        if writer is not None and writer.closed and not writer.queue:
+            self._writers.pop(run_id, None)
+            if writer.task is not None:
+                writer.task.cancel()
+
+    async def aclose(self) -> None:
+        """Flush and stop every writer."""
+        for run_id in list(self._writers):
+            await self.flush(run_id)
+        for writer in self._writers.values():
+            if writer.task is not None:
+                writer.task.cancel()
+        self._writers.clear()
+
+    # ------------------------------------------------------------------ anyone's side
+
+    async def _retry(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """`call()` with backoff on connection errors, for up to `retry_s` (then re-raise)."""
+        errors = _redis_errors()
+        started = time.monotonic()
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except errors:
+                if time.monotonic() - started > self.retry_s:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+
+    async def _meta(self, run_id: str) -> tuple[bool, bool, int]:
+        """(exists, closed, next) of the run's meta hash."""
+        _, meta = self._keys(run_id)
+        closed, nxt = await self.redis.hmget(meta, "closed", "next")
+        if nxt is None:
+            return False, False, 0
+        return True, closed == b"1", int(nxt)
+
+    async def events_of(self, run_id: str) -> list[events_pb2.Event]:
+        """Every event of the run: from the stream while it exists (and is whole), else the archive."""
+        stream, _ = self._keys(run_id)
+        exists, _, nxt = await self._retry(lambda: self._meta(run_id))
+        if exists:
+            entries = await self._retry(lambda: self.redis.xrange(stream, "-", "+"))
+            events = [_decode(entry_id, fields) for entry_id, fields in entries]
+            if len(events) == nxt and all(event.seq == index for index, event in enumerate(events)):
+                return events
+            archived = await self.archive_loader(run_id)
+            if len(archived) >= len(events):
+                return archived
+            return events
+        return await self.archive_loader(run_id)
+
+    async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
+        """Append `events` to an ended or orphaned run from any replica, then close the log again.
+
+        When the stream expired it is first restored from the archive, so seq numbers go on.
+        """
+        stream, meta = self._keys(run_id)
+        exists, _, _ = await self._retry(lambda: self._meta(run_id))
+        if not exists:
+            for archived in await self.archive_loader(run_id):
+                payload = archived.SerializeToString()
+                await self._retry(lambda p=payload, s=archived.seq: self._append(keys=[stream, meta], args=[p, self.max_len, s]))
+        for event in events:
+            payload = event.SerializeToString()
+            event.seq = int(await self._retry(lambda p=payload: self._append(keys=[stream, meta], args=[p, self.max_len, -1])))
+        await self._retry(lambda: self._close(keys=[stream, meta], args=[self.ttl_ms]))
+        writer = self._writers.get(run_id)
+        if writer is not None:  # keep this process's copy whole
+            writer.local.extend(events)
+            writer.next_seq = max([writer.next_seq, *(event.seq + 1 for event in events)])
+        return list(events)
+
+    async def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
+        """Yield the run's events from index `after`, then live ones, until it ends.
+
+        Without a stream the archive is served (a run that has neither yet is waited for up
+        to `open_wait_s`). On Redis errors the follower retries with backoff from the index
+        it reached; after `retry_s` without Redis it yields an `error` event and returns.
+        A stream trimmed past the follower's index also ends with an `error` event.
+        """
+        stream, _ = self._keys(run_id)
+        index = max(after, 0)
+        errors = _redis_errors()
+        failing_since: float | None = None
+        delay = 0.05
+        waited_open = time.monotonic()
+        last_terminal = False
+        while True:
+            try:
+                exists, closed, nxt = await self._meta(run_id)
+                if not exists:
+                    archived = await self.archive_loader(run_id)
+                    if archived or time.monotonic() - waited_open > self.open_wait_s:
+                        for event in archived[index:]:
+                            yield event
+                        return
+                    await asyncio.sleep(0.05)
+                    continue
+                if closed and index >= nxt:
+                    return
+                block = 50 if last_terminal else self.block_ms
+                response = await self.redis.xread({stream: f"0-{index}"}, count=512, block=block)
+                failing_since, delay = None, 0.05
+            except errors as error:
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self.retry_s:
+                    log.warning("follower gave up: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
+                    yield _error_event(run_id, index, "The event stream was interrupted (the event store is unreachable); "
+                                       f"listen again with after={index} to continue.")
+                    return
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+                continue
+            for _, entries in response or ():
+                for entry_id, fields in entries:
+                    event = _decode(entry_id, fields)
+                    if event.seq < index:
+                        continue
+                    if event.seq > index:
+                        archived = await self.archive_loader(run_id)
+                        if len(archived) > index:
+                            for missing in archived[index:event.seq]:
+                                yield missing
+                        else:
+                            yield _error_event(run_id, index, "Events of this run are no longer available "
+                                               f"(the stream was trimmed past index {index}).")
+                            return
+                    index = event.seq + 1
+                    last_terminal = is_terminal(event)
+                    yield event
+
+
+def _decode(entry_id: bytes | str, fields: dict[Any, Any]) -> events_pb2.Event:
+    """The Event of a stream entry; its seq comes from the entry id `0-<seq+1>`."""
+    raw_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    payload = fields.get(b"e", fields.get("e"))
+    event = events_pb2.Event.FromString(payload)
+    event.seq = int(raw_id.split("-", 1)[1]) - 1
+    return event
+
+
+def _error_event(run_id: str, seq: int, message: str) -> events_pb2.Event:
+    """An `error` event (not stored) that ends a follower with a reason."""
+    return events_pb2.Event(run_id=run_id, seq=seq, time=pb.timestamp(), error=events_pb2.ErrorEvent(message=message))
+
+
+class RedisBackend(RunBackend):
+    """Replicas sharing one Redis (see the module docstring).
+
+    Args:
+        url: Redis URL (`redis://host:port/db`).
+        prefix: key prefix, e.g. "loopline:" (LOOPLINE_REDIS_KEY_PREFIX).
+        archive_loader: the orchestrator database's archived events of a run.
+        max_len / ttl_s: stream cap and lifetime after the run ends.
+        claim_ttl_s: lifetime of a chat claim that is never released.
+        retry_s: Redis retry budget of writers and followers.
+        cancel_poll_s: how often the runner polls cancel flags (used by `TurnRunner`).
+    """
+
+    distributed = True
+
+    def __init__(self, url: str, prefix: str, archive_loader: ArchiveLoader, *, max_len: int = 10_000,
+                 ttl_s: float = 86_400, claim_ttl_s: float = 60.0, retry_s: float = 30.0) -> None:
+        import redis.asyncio as aioredis
+
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=5,
+                                            health_check_interval=10, socket_keepalive=True)
+        self.prefix = prefix
+        self.claim_ttl_ms = max(1, int(claim_ttl_s * 1000))
+        self.events = RedisEventLog(self.redis, prefix, max_len, ttl_s, archive_loader, retry_s=retry_s)
+        self._release = self.redis.register_script(_RELEASE)
+        self._channel = f"{prefix}cancels"
+        self._listener: asyncio.Task | None = None
+        self._on_cancel: CancelHandler | None = None
+
+    async def start(self, on_cancel: CancelHandler) -> None:
+        """Check Redis is reachable, then subscribe to the cancel channel in a background task."""
+        await self.redis.ping()
+        self._on_cancel = on_cancel
+        subscribed = asyncio.Event()
+        self._listener = asyncio.create_task(self._listen(subscribed), name="cancel-listener")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(subscribed.wait(), 5)
+
+    async def _listen(self, subscribed: asyncio.Event) -> None:
+        """Deliver cancel messages to the handler; resubscribe after connection errors."""
+        errors = _redis_errors()
+        delay = 0.1
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._channel)
+                subscribed.set()
+                delay = 0.1
+                while True:
+                    message = await pubsub.get_message(timeout=5.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    run_id, _, reason = message["data"].decode().partition("\n")
+                    if self._on_cancel is not None:
+                        asyncio.create_task(self._on_cancel(run_id, reason or "cancelled"))
+            except asyncio.CancelledError:
+                raise
+            except errors:
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+            except Exception:
+                log.exception("cancel listener failed")
+                await asyncio.sleep(delay)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def close(self) -> None:
+        """Flush event writers, stop the listener and close the client."""
+        await self.events.aclose()
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._listener
+        await self.redis.aclose()
+
+    async def try_claim(self, chat_id: str) -> str | None:
+        """`SET claim NX PX claim_ttl`; None when another request (any replica) holds it."""
+        token = secrets.token_hex(8)
+        taken = await self.redis.set(f"{self.prefix}claim:{chat_id}", token, nx=True, px=self.claim_ttl_ms)
+        return token if taken else None
+
+    async def release_claim(self, chat_id: str, token: str) -> None:
+        """Delete the claim only if `token` still holds it."""
+        try:
+            await self._release(keys=[f"{self.prefix}claim:{chat_id}"], args=[token])
+        except _redis_errors():
+            log.warning("releasing a chat claim failed; it expires by itself", extra={"fields": {"chat_id": chat_id}})
+
+    async def request_cancel(self, run_id: str, reason: str) -> None:
+        """Set the run's cancel flag (TTL 300 s) and publish it to every replica."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(f"{self.prefix}cancel:{run_id}", reason, ex=CANCEL_FLAG_TTL_S)
+            pipe.publish(self._channel, f"{run_id}\n{reason}")
+            await pipe.execute()
+
+    async def pending_cancels(self, run_ids: list[str]) -> dict[str, str]:
+        """The cancel flags set for `run_ids` (one MGET)."""
+        if not run_ids:
+            return {}
+        values = await self.redis.mget([f"{self.prefix}cancel:{run_id}" for run_id in run_ids])
+        return {run_id: value.decode() for run_id, value in zip(run_ids, values, strict=True) if value is not None}
+
+
+def make_backend(settings: Any, archive_loader: ArchiveLoader) -> RunBackend:
+    """`RedisBackend` when `settings.redis_url` is set, else `MemoryBackend`."""
+    if settings.redis_url:
+        return RedisBackend(
+            settings.redis_url, settings.redis_key_prefix, archive_loader,
+            max_len=settings.run_events_max_len, ttl_s=settings.run_events_ttl_s,
+            claim_ttl_s=settings.chat_claim_ttl_s, retry_s=settings.redis_retry_s,
+        )
+    return MemoryBackend(archive_loader=archive_loader, max_runs=settings.event_log_max_runs)

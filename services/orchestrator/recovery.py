@@ -1,0 +1,217 @@
+"""Run leases, the crash reaper and cross-replica cancel delivery (issue 8).
+
+Every orchestrator replica runs one `RunSupervisor` task that, each tick (`run_lease_s`/30,
+at most 1 s):
+
+- polls the cancel flags of its active runs (Redis backend), so a cancel whose pub/sub
+  message was lost still stops the loop within a second;
+- every `run_lease_s`/4 renews `runs.lease_until = now + 3/4 * run_lease_s` for its active
+  runs (one UPDATE), so two renewals may be missed before a lease lapses;
+- every `run_lease_s`/4 reaps: a `running` run whose lease lapsed (or that never got one
+  and was last updated more than `run_lease_s` ago) and that is not active here belongs
+  to a replica that died. One replica wins a conditional UPDATE to `failed`; it gives a
+  tool call cut off by the crash its error result (the thread stays valid), clears the
+  chat's `running_id`, publishes `error` then `done {error: true}` on the run's stream,
+  archives the events and releases the turn's reservation if it is still held.
+
+So a crashed run is failed at most `run_lease_s` after its last renewal (3/4 for the
+lease, 1/4 for the next reaper pass). Times are the replicas' UTC clocks; keep them in
+sync (NTP) - skew eats into the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import uuid
+from typing import Any
+
+import grpc
+from sqlalchemy import and_, or_, select, update
+
+from loopline.assistant.v1 import events_pb2
+from loopline.billing.v1 import billing_pb2
+from services.common import pb
+from services.orchestrator.models import Chat, Message, Run, utcnow
+
+log = logging.getLogger(__name__)
+
+LOST_MESSAGE = "The turn was interrupted: the server running it stopped unexpectedly. Please try again."
+
+
+class RunSupervisor:
+    """Leases, reaping and cancel polling for one orchestrator replica.
+
+    Args:
+        settings: orchestrator settings (`run_lease_s`).
+        sessions: async session factory of the orchestrator database.
+        runner: this replica's `TurnRunner` (active runs, cancel, archive).
+        backend: the shared `RunBackend` (events, cancel flags).
+        billing: BillingService stub (Release of a lost run's held reservation).
+    """
+
+    def __init__(self, settings: Any, sessions: Any, runner: Any, backend: Any, billing: Any) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.runner = runner
+        self.backend = backend
+        self.billing = billing
+        self.lease_s = float(settings.run_lease_s)
+        self.tick_s = max(0.05, min(1.0, self.lease_s / 30))
+        self.period_s = self.lease_s / 4
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the background task (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._main(), name="run-supervisor")
+
+    async def stop(self) -> None:
+        """Stop the background task."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _main(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_renew = next_reap = loop.time()
+        while True:
+            try:
+                if self.backend.distributed and self.runner.active:
+                    await self.poll_cancels()
+                if loop.time() >= next_renew:
+                    next_renew = loop.time() + self.period_s
+                    await self.renew()
+                if loop.time() >= next_reap:
+                    next_reap = loop.time() + self.period_s
+                    await self.reap()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("run supervisor pass failed")
+            await asyncio.sleep(self.tick_s)
+
+    async def poll_cancels(self) -> None:
+        """Cancel active runs of this replica whose cancel flag is set."""
+        flags = await self.backend.pending_cancels(list(self.runner.active))
+        for run_id, reason in flags.items():
+            state = self.runner.active.get(run_id)
+            if state is not None and state.cancel_reason is None and not state.finishing:
+                asyncio.create_task(self.runner.cancel(run_id, reason))
+
+    async def renew(self) -> int:
+        """Push the lease of this replica's running runs forward; returns how many were renewed."""
+        run_ids = list(self.runner.active)
+        if not run_ids:
+            return 0
+        until = utcnow() + datetime.timedelta(seconds=self.lease_s * 0.75)
+        async with self.sessions() as session, session.begin():
+            result = await session.execute(
+                update(Run).where(Run.id.in_(run_ids), Run.status == "running").values(lease_until=until)
+            )
+            return result.rowcount or 0
+
+    def _lapsed(self, now: datetime.datetime) -> Any:
+        never_renewed_before = now - datetime.timedelta(seconds=self.lease_s)
+        return and_(
+            Run.status == "running",
+            or_(Run.lease_until < now, and_(Run.lease_until.is_(None), Run.updated_at < never_renewed_before)),
+        )
+
+    async def reap(self) -> list[str]:
+        """Fail every running run whose lease lapsed and that is not active here; returns their ids."""
+        now = utcnow()
+        async with self.sessions() as session:
+            candidates = list((await session.execute(select(Run.id).where(self._lapsed(now)).limit(100))).scalars())
+        reaped = []
+        for run_id in candidates:
+            if run_id in self.runner.active:
+                continue
+            if await self.take_over(run_id, "failed", now=now):
+                reaped.append(run_id)
+        return reaped
+
+    async def take_over(self, run_id: str, status: str, *, reason: str = "", now: datetime.datetime | None = None) -> bool:
+        """End a run whose owner is gone, as `failed` (crash) or `cancelled` (cancel of a lost run).
+
+        Exactly one replica wins (conditional UPDATE on the lapsed lease); the winner settles
+        the thread, the chat, the events and the reservation. Returns whether this call won.
+        """
+        now = now or utcnow()
+        error = LOST_MESSAGE if status == "failed" else None
+        async with self.sessions() as session, session.begin():
+            won = await session.execute(
+                update(Run).where(Run.id == run_id, self._lapsed(now))
+                .values(status=status, error=error, updated_at=utcnow(), lease_until=None)
+            )
+            if won.rowcount != 1:
+                return False
+            run = await session.get(Run, run_id)
+            await self._close_open_tool_call(session, run, status)
+            await session.execute(
+                update(Chat).where(Chat.id == run.chat_id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
+            )
+            reservation_id = run.reservation_id
+        log.warning("run lost: its replica stopped renewing the lease", extra={"fields": {"run_id": run_id, "status": status}})
+        if status == "failed":
+            ended = [
+                events_pb2.Event(run_id=run_id, time=pb.timestamp(), error=events_pb2.ErrorEvent(message=LOST_MESSAGE)),
+                events_pb2.Event(run_id=run_id, time=pb.timestamp(), done=events_pb2.DoneEvent(response="", usage=events_pb2.Usage(), error=True)),
+            ]
+        else:
+            ended = [events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason or "cancelled"))]
+        try:
+            await self.backend.events.append_after_end(run_id, *ended)
+            await self.runner.archive(run_id)
+        except Exception:
+            log.exception("publishing the end of a lost run failed")
+        if reservation_id:
+            try:
+                await self.billing.Release(billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason="run lost"), timeout=10)
+            except grpc.aio.AioRpcError as failure:
+                log.warning("releasing a lost run's reservation failed", extra={"fields": {"code": failure.code().name}})
+        return True
+
+    async def _close_open_tool_call(self, session: Any, run: Run, status: str) -> None:
+        """Store an error result for the run's last tool call if the crash cut it off."""
+        last = (
+            await session.execute(
+                select(Message).where(Message.run_id == run.id, Message.role == "assistant").order_by(Message.seq.desc()).limit(1)
+            )
+        ).scalars().first()
+        calls = (last.extra or {}).get("tool_calls") if last is not None else None
+        if not calls:
+            return
+        call = calls[0]
+        answered = (
+            await session.execute(select(Message.extra).where(Message.chat_id == run.chat_id, Message.role == "tool", Message.seq > last.seq))
+        ).scalars().all()
+        if any(isinstance(extra, dict) and extra.get("tool_call_id") == call.get("id") for extra in answered):
+            return
+        note = "cancelled" if status == "cancelled" else "not completed: the run failed"
+        session.add(Message(id=str(uuid.uuid4()), chat_id=run.chat_id, run_id=run.id, role="tool",
+                            content={"error": note, "success": False}, extra={"tool_call_id": call.get("id"), "name": call.get("name")}))
+
+    async def cancel_elsewhere(self, run_id: str, reason: str) -> str | None:
+        """Cancel a run running on another replica and wait (up to `cancel_wait_s`) until it ends.
+
+        Returns the run's final status ("cancelled", or the outcome it reached first), or None
+        when it did not stop in time. A run whose owner is gone (lease lapsed) is cancelled here.
+        """
+        await self.backend.request_cancel(run_id, reason)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(self.settings.cancel_wait_s)
+        while True:
+            async with self.sessions() as session:
+                status = (await session.execute(select(Run.status).where(Run.id == run_id))).scalar()
+            if status != "running":
+                return status
+            if await self.take_over(run_id, "cancelled", reason=reason):
+                return "cancelled"
+            if loop.time() > deadline:
+                return None
+            await asyncio.sleep(0.05)

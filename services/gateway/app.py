@@ -9,9 +9,7 @@ with `{"detail": ...}` instead of a 422.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -22,9 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
-from services.gateway import sse
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
+from services.gateway.fanout import RunFanout, StreamUnavailable
+from services.gateway.fanout import frames as fanout_frames
 from services.gateway.openapi import error_responses
 from services.gateway.org_settings import DefaultModels, settings_router
 from services.gateway.identity import Authenticator, AuthError, Principal
@@ -32,7 +31,6 @@ from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, 
 
 log = logging.getLogger(__name__)
 
-STREAM_READY = "x-loopline-stream"
 
 _LLM_PROPERTIES = {
     "integration_name": {"type": "string", "minLength": 1, "pattern": r"\S"},
@@ -113,6 +111,8 @@ def create_app(
         description="Assistant turns (reason -> act -> observe) streamed as Server-Sent Events.",
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
+    fanout = RunFanout(orchestrator)
+    app.state.fanout = fanout
 
     async def principal(request: Request) -> Principal:
         return await authenticator.authenticate(request.headers.get("authorization"), request.headers.get("x-organization-id"))
@@ -220,22 +220,14 @@ def create_app(
     )
     async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0)) -> Response:
         who = await principal(request)
-        call = orchestrator.StreamRun(assistant_pb2.StreamRunRequest(caller=caller(who), chat_id=chat_id, run_id=run_id, after=after))
         try:
-            metadata = await call.initial_metadata()
+            hub = await fanout.open(caller(who), chat_id, run_id)
         except grpc.aio.AioRpcError as error:
             return grpc_error_response(error)
-        if not any(key == STREAM_READY for key, _ in metadata or ()):
-            code = await call.code()
-            if code != grpc.StatusCode.OK:
-                try:
-                    await call.read()
-                except grpc.aio.AioRpcError as error:
-                    return grpc_error_response(error)
-            call.cancel()
+        except StreamUnavailable:
             return detail(503, "Service temporarily unavailable; try again")
         return StreamingResponse(
-            _frames(call, settings.heartbeat_interval_s),
+            fanout_frames(fanout, hub, after, settings.heartbeat_interval_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"},
         )
@@ -357,44 +349,3 @@ def _turn_json(response: Any) -> dict[str, Any]:
         "thread_id": response.thread_id,
         "stream_url": response.stream_url,
     }
-
-
-async def _frames(call: Any, heartbeat_s: float) -> AsyncIterator[bytes]:
-    """SSE frames of a StreamRun call, with a heartbeat after each `heartbeat_s` of silence.
-
-    A pump task reads the gRPC stream into a queue so that waiting for the next event can
-    time out without cancelling the read. The call is cancelled when the client goes away.
-    """
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    end = object()
-
-    async def pump() -> None:
-        try:
-            async for item in call:
-                await queue.put(item.event)
-        except grpc.aio.AioRpcError as error:
-            await queue.put(error)
-        except asyncio.CancelledError:
-            raise
-        finally:
-            await queue.put(end)
-
-    task = asyncio.create_task(pump(), name="sse-pump")
-    try:
-        while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), heartbeat_s)
-            except TimeoutError:
-                yield sse.HEARTBEAT_FRAME
-                continue
-            if item is end:
-                return
-            if isinstance(item, grpc.aio.AioRpcError):
-                if item.code() != grpc.StatusCode.CANCELLED:
-                    log.warning("run stream broke", extra={"fields": {"code": item.code().name}})
-                    yield b"data: " + orjson.dumps({"type": "error", "data": {"message": "The event stream was interrupted; reconnect with ?after=N"}}) + b"\n\n"
-                return
-            yield sse.encode(item)
-    finally:
-        task.cancel()
-        call.cancel()

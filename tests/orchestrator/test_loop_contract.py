@@ -209,3 +209,16 @@ async def test_tools_service_down_fails_the_run_with_a_sanitized_error(stack):
     assert "127.0.0.1" not in message and "Traceback" not in message and "unavailable" in message
     assert (await _run_row(stack, body["run_id"])).status == "failed"
     assert (await _chat_row(stack, body["chat_id"])).running_id is None
+
+
+async def test_listeners_of_one_run_share_one_upstream_stream(stack):
+    fanout = stack.gateway.app.state.fanout
+    async with stack.client() as client:
+        body = await start(client, {"say": "slow answer", "sleep_ms": 1500})
+        listeners = [asyncio.create_task(read_frames(client, body["stream_url"])) for _ in range(20)]
+        await wait_for(lambda: fanout.active_runs() == 1)
+        await asyncio.sleep(0.3)
+        assert fanout.active_runs() == 1
+        results = await asyncio.gather(*listeners)
+    assert all(r == results[0] for r in results) and results[0][-1]["type"] == "done"
+    await wait_for(lambda: fanout.active_runs() == 0)

@@ -91,6 +91,7 @@ async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[in
         return 1, {"error": str(exc)}
     finally:
         await core.rates.close()
+        core.close()
         await engine.dispose()
 
 

@@ -38,20 +38,19 @@ RecordUsage, on the configured default plan (`LOOPLINE_BILLING_DEFAULT_PLAN`,
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
-from sqlalchemy import and_, case, func, select, true, update
+from sqlalchemy import Date, and_, bindparam, case, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from loopline.billing.v1 import billing_pb2
 from services.billing.models import (
@@ -69,10 +68,13 @@ from services.billing.models import (
     Plan,
     Reservation,
     UsageRecord,
+    UTCDateTime,
     utcnow,
 )
+from services.billing.plans import PlanTerms
 from services.billing.pricing import PriceTable
 from services.billing.rates import RateDecision, RateLimiter
+from services.billing.txn import TxnRunner
 from services.common import logging as loopline_logging
 from services.common.errors import BILLING_DOMAIN, RpcError
 
@@ -164,9 +166,9 @@ def invalid(reason: str, message: str) -> RpcError:
 
 @dataclass(frozen=True)
 class Admission:
-    """The result of Admit: the reservation row, whether it was a replay, the rate state."""
+    """The result of Admit: the reservation (row or values), whether it was a replay, the rate state."""
 
-    reservation: Reservation
+    reservation: Any
     replayed: bool
     rate: RateDecision
 
@@ -190,22 +192,211 @@ class UsageResult:
 
 
 class _Denied(Exception):
-    def __init__(self, layer: str) -> None:
+    """A layer refused inside the reserve transaction; carries the figures for the denial."""
+
+    def __init__(self, layer: str, account: Any, plan: PlanTerms) -> None:
         super().__init__(layer)
         self.layer = layer
+        self.account = account
+        self.plan = plan
+
+
+# ---------------------------------------------------------------------- prebuilt statements
+#
+# Built once at import (SQLAlchemy Core, bound parameters named p_*), executed on a plain
+# Connection: no ORM session, no per-call statement construction. Each call is one
+# transaction (`TxnRunner.run`).
+
+_A = Account.__table__
+_R = Reservation.__table__
+_L = LedgerEntry.__table__
+_U = UsageRecord.__table__
+_P = Plan.__table__
+
+
+def _bp(name: str, type_: Any = None) -> Any:
+    return bindparam(name, type_=type_)
+
+
+_DATETIME = UTCDateTime()
+_DATE = Date()
+
+_SEL_ACCOUNT = select(_A).where(_A.c.org_id == _bp("p_org"))
+_SEL_PLANS = select(_P)
+_SEL_RESERVATION = select(_R).where(_R.c.org_id == _bp("p_org"), _R.c.turn_key == _bp("p_turn_key"))
+_INS_RESERVATION = insert(_R)
+_INS_LEDGER = insert(_L)
+
+_ROLL_PERIOD = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"), _A.c.period_start < _bp("p_period", _DATE))
+    .values(
+        period_start=_bp("p_period", _DATE),
+        period_allowance=select(_P.c.monthly_run_credits).where(_P.c.name == _A.c.plan).scalar_subquery(),
+        granted_credits=0,
+        allowance_used=0,
+        usage_millicredits=0,
+    )
+)
+
+_RUNS_TODAY = case((_A.c.quota_day == _bp("p_today"), _A.c.runs_today), else_=0)
+_QUOTA_VALUES = {
+    "runs_today": case((_A.c.quota_day == _bp("p_today"), _A.c.runs_today + 1), else_=1),
+    "quota_day": _bp("p_today"),
+}
+_ALLOWANCE_FITS = _A.c.allowance_used + _A.c.allowance_reserved + _bp("p_credits") <= _A.c.period_allowance
+
+
+def _fast_reserve_stmt(counts_runs: bool, has_quota: bool) -> Any:
+    """The merged quota + allowance UPDATE of the common admission (plan and period as cached)."""
+    where = [
+        _A.c.org_id == _bp("p_org"),
+        _A.c.plan == _bp("p_plan"),
+        _A.c.period_start >= _bp("p_period", _DATE),
+        _ALLOWANCE_FITS,
+    ]
+    values: dict[str, Any] = {"allowance_reserved": _A.c.allowance_reserved + _bp("p_credits")}
+    if counts_runs:
+        if has_quota:
+            where.append(_RUNS_TODAY + 1 <= _bp("p_max_runs"))
+        values.update(_QUOTA_VALUES)
+    return update(_A).where(*where).values(**values)
+
+
+_FAST_RESERVE = {(c, q): _fast_reserve_stmt(c, q) for c in (False, True) for q in (False, True)}
+_QUOTA_UPDATE = {
+    False: update(_A).where(_A.c.org_id == _bp("p_org")).values(**_QUOTA_VALUES),
+    True: update(_A).where(_A.c.org_id == _bp("p_org"), _RUNS_TODAY + 1 <= _bp("p_max_runs")).values(**_QUOTA_VALUES),
+}
+_ALLOWANCE_UPDATE = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"), _ALLOWANCE_FITS)
+    .values(allowance_reserved=_A.c.allowance_reserved + _bp("p_credits"))
+)
+_WALLET_UPDATE = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"), _A.c.wallet_balance_minor - _A.c.wallet_reserved_minor >= _bp("p_cost"))
+    .values(wallet_reserved_minor=_A.c.wallet_reserved_minor + _bp("p_cost"))
+)
+
+_RESOLVED = (_R.c.org_id, _R.c.credits, _R.c.funding, _R.c.wallet_minor, _R.c.usage_type, _R.c.quota_day)
+_CHARGE_RESERVATION = (
+    update(_R)
+    .where(_R.c.id == _bp("p_id"), _R.c.state == HELD)
+    .values(state=CHARGED, resolved_at=_bp("p_now", _DATETIME))
+    .returning(*_RESOLVED)
+)
+_VOID_RESERVATION = (
+    update(_R)
+    .where(_R.c.id == _bp("p_id"), _R.c.state == HELD)
+    .values(state=_bp("p_state"), resolved_at=_bp("p_now", _DATETIME), release_reason=_bp("p_reason"))
+    .returning(*_RESOLVED)
+)
+_IN_PERIOD = (_A.c.org_id == _bp("p_org"), _A.c.period_start >= _bp("p_period", _DATE))
+_CHARGE_ALLOWANCE = (
+    update(_A)
+    .where(*_IN_PERIOD)
+    .values(allowance_reserved=_A.c.allowance_reserved - _bp("p_n"), allowance_used=_A.c.allowance_used + _bp("p_n"))
+)
+_CHARGE_WALLET = (
+    update(_A)
+    .where(*_IN_PERIOD)
+    .values(
+        wallet_reserved_minor=_A.c.wallet_reserved_minor - _bp("p_n"),
+        wallet_balance_minor=_A.c.wallet_balance_minor - _bp("p_n"),
+    )
+)
+_VOID_ACCOUNT = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"))
+    .values(
+        allowance_reserved=_A.c.allowance_reserved - _bp("p_allowance"),
+        wallet_reserved_minor=_A.c.wallet_reserved_minor - _bp("p_wallet"),
+        # Give the voided run back to the daily quota (only if still the same day).
+        runs_today=case(
+            (and_(_A.c.quota_day == _bp("p_quota_day"), _A.c.runs_today > 0), _A.c.runs_today - 1),
+            else_=_A.c.runs_today,
+        ),
+    )
+)
+_ADD_USAGE = update(_A).where(*_IN_PERIOD).values(usage_millicredits=_A.c.usage_millicredits + _bp("p_n"))
+_SEL_CHARGE_STATE = (
+    select(_R.c.state, _L.c.id)
+    .select_from(_R.outerjoin(_L, _L.c.idempotency_key == _bp("p_key")))
+    .where(_R.c.id == _bp("p_id"))
+)
+_SEL_RESERVATION_STATE = select(_R.c.state).where(_R.c.id == _bp("p_id"))
+_SEL_USAGE = select(_U.c.id, _U.c.org_id, _U.c.millicredits).where(
+    _U.c.run_id == _bp("p_run"), _U.c.call_index == _bp("p_call")
+)
+_SEL_LEDGER_BY_KEY = select(_L.c.id, _L.c.org_id).where(_L.c.idempotency_key == _bp("p_key"))
+_SEL_EXPIRED = (
+    select(_R.c.id)
+    .where(_R.c.state == HELD, _R.c.expires_at <= _bp("p_now", _DATETIME))
+    .order_by(_R.c.expires_at)
+    .limit(_bp("p_batch"))
+)
+
+_DIALECT_INSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+_INSERT_IF_ABSENT: dict[tuple[str, str], Any] = {}
+
+
+def _insert_if_absent(conn: Connection, table: Any, conflict: tuple[str, ...]) -> Any:
+    """INSERT ... ON CONFLICT (conflict) DO NOTHING for `table` on this connection's dialect."""
+    key = (conn.dialect.name, table.name)
+    stmt = _INSERT_IF_ABSENT.get(key)
+    if stmt is None:
+        stmt = _INSERT_IF_ABSENT[key] = (
+            _DIALECT_INSERT[conn.dialect.name](table).on_conflict_do_nothing(index_elements=list(conflict))
+        )
+    return stmt
+
+
+def _plan_terms(row: Any) -> PlanTerms:
+    return PlanTerms(
+        name=row.name,
+        monthly_run_credits=row.monthly_run_credits,
+        max_runs_per_day=row.max_runs_per_day,
+        wallet_overage=row.wallet_overage,
+        wallet_price_minor=row.wallet_price_minor,
+        rate_limits=dict(row.rate_limits or {}),
+    )
+
+
+def _load_plans(conn: Connection) -> dict[str, PlanTerms]:
+    return {row.name: _plan_terms(row) for row in conn.execute(_SEL_PLANS)}
+
+
+def _roll_and_retry(conn: Connection, stmt: Any, params: dict[str, Any]) -> None:
+    """Run an in-period account UPDATE; when the account is in an older period, roll it first."""
+    if conn.execute(stmt, params).rowcount != 1:
+        conn.execute(_ROLL_PERIOD, params)
+        if conn.execute(stmt, params).rowcount != 1:
+            raise RuntimeError(f"billing account {params['p_org']!r} is missing")
 
 
 class BillingCore:
     """The billing rules over one database and one rate-limit storage.
 
     Args:
-        sessions: async session factory of the billing database (migrated, plans synced).
+        sessions: async session factory of the billing database (migrated, plans synced);
+            the hot paths run as one synchronous transaction each through `TxnRunner`
+            over the same database, `sessions` stays for reads and tests.
         rates: the rate limiter (memory or Redis).
         prices: the token price table.
         default_plan: plan name given to auto-provisioned accounts (must exist in `plans`).
         hold_seconds: how long a reservation stays HELD before the sweeper may expire it.
         clock: returns the current aware UTC time (tests may replace it).
+
+    Caches (process memory, never trusted for a balance): the plan catalogue (`plans`,
+    loaded by `load_plans()` after every sync and reloaded when an unknown plan name
+    shows up) and, per organization, the plan name and period start last read
+    (`_accounts`). The admission fast path puts both in its WHERE clause, so a stale
+    entry only sends the call down the slow path, which reads the account again.
     """
+
+    #: Bound on the per-organization cache (cleared when exceeded).
+    ACCOUNT_CACHE_SIZE = 100_000
 
     def __init__(
         self,
@@ -223,108 +414,107 @@ class BillingCore:
         self.default_plan = default_plan
         self.hold_seconds = hold_seconds
         self.clock = clock
-        bind = sessions.kw.get("bind")
-        # SQLite allows one writer at a time; queueing writers on an asyncio.Lock instead of
-        # SQLite's sleeping busy handler keeps admissions fast under contention. Correctness
-        # never depends on it (the conditional UPDATEs do), so other processes are safe too.
-        self._sqlite_writer = asyncio.Lock() if bind is not None and bind.dialect.name == "sqlite" else None
+        self.db = TxnRunner(sessions.kw["bind"])
+        self.plans: dict[str, PlanTerms] = {}
+        self._accounts: dict[str, tuple[str, datetime.date]] = {}
 
-    @contextlib.asynccontextmanager
-    async def _writer(self) -> AsyncIterator[None]:
-        """Serialize this process's write transactions on SQLite (no-op elsewhere)."""
-        if self._sqlite_writer is None:
-            yield
-            return
-        async with self._sqlite_writer:
-            yield
+    def close(self) -> None:
+        """Release the transaction runner (worker thread, synchronous engine)."""
+        self.db.close()
+
+    # ------------------------------------------------------------------ plans
+
+    async def load_plans(self) -> dict[str, PlanTerms]:
+        """(Re)load the plan catalogue from the `plans` table into memory; call after every sync."""
+        self.plans = await self.db.run(_load_plans)
+        return self.plans
+
+    async def _plan(self, name: str) -> PlanTerms:
+        plan = self.plans.get(name)
+        if plan is None:
+            plan = (await self.load_plans()).get(name)
+            if plan is None:
+                raise RuntimeError(f"plan {name!r} is not in the plans table")
+        return plan
 
     # ------------------------------------------------------------------ accounts
 
-    @staticmethod
-    def _roll_period_stmt(org_id: str, period: datetime.date) -> Any:
-        """UPDATE starting period `period` for `org_id` if its period is older (else no row)."""
-        monthly = select(Plan.monthly_run_credits).where(Plan.name == Account.plan).scalar_subquery()
-        return (
-            update(Account)
-            .where(Account.org_id == org_id, Account.period_start < period)
-            .values(
-                period_start=period,
-                period_allowance=monthly,
-                granted_credits=0,
-                allowance_used=0,
-                usage_millicredits=0,
+    def _remember(self, org_id: str, plan: str, period_start: datetime.date) -> None:
+        if len(self._accounts) >= self.ACCOUNT_CACHE_SIZE:
+            self._accounts.clear()
+        self._accounts[org_id] = (plan, period_start)
+
+    def _known(self, org_id: str, period: datetime.date) -> str | None:
+        """The cached plan name of `org_id` if its account exists and is in `period`."""
+        known = self._accounts.get(org_id)
+        if known is None or known[1] < period:
+            return None
+        return known[0]
+
+    def _account_txn(self, conn: Connection, org_id: str, provision: bool) -> Any:
+        """SELECT the account; provision it or roll it into the current period as needed."""
+        now = self.clock()
+        period = month_start(now.date())
+        row = conn.execute(_SEL_ACCOUNT, {"p_org": org_id}).first()
+        if row is not None and row.period_start >= period:
+            return row
+        if row is None:
+            if not provision:
+                return None
+            plan = self.plans.get(self.default_plan) or _load_plans(conn).get(self.default_plan)
+            if plan is None:
+                raise RuntimeError(f"default plan {self.default_plan!r} is not in the plans table")
+            result = conn.execute(
+                _insert_if_absent(conn, _A, ("org_id",)),
+                {
+                    "org_id": org_id,
+                    "plan": plan.name,
+                    "period_start": period,
+                    "period_allowance": plan.monthly_run_credits,
+                    "granted_credits": 0,
+                    "allowance_used": 0,
+                    "allowance_reserved": 0,
+                    "wallet_balance_minor": 0,
+                    "wallet_reserved_minor": 0,
+                    "usage_millicredits": 0,
+                    "quota_day": "",
+                    "runs_today": 0,
+                    "created_at": now,
+                },
             )
-            .execution_options(synchronize_session=False)
-        )
+            if result.rowcount == 1:
+                log.info("account provisioned", extra={"fields": {"org_id": org_id, "plan": plan.name}})
+        else:
+            conn.execute(_ROLL_PERIOD, {"p_org": org_id, "p_period": period})
+        return conn.execute(_SEL_ACCOUNT, {"p_org": org_id}).one()
 
-    async def _insert_account_if_absent(self, session: AsyncSession, org_id: str, plan: Plan) -> bool:
-        """INSERT the account unless it exists (race-safe ON CONFLICT DO NOTHING); True if inserted."""
-        values = {
-            "org_id": org_id,
-            "plan": plan.name,
-            "period_start": month_start(self.clock().date()),
-            "period_allowance": plan.monthly_run_credits,
-            "granted_credits": 0,
-            "allowance_used": 0,
-            "allowance_reserved": 0,
-            "wallet_balance_minor": 0,
-            "wallet_reserved_minor": 0,
-            "usage_millicredits": 0,
-            "quota_day": "",
-            "runs_today": 0,
-            "created_at": self.clock(),
-        }
-        dialect = session.bind.dialect.name
-        insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
-        result = await session.execute(
-            insert(Account).values(**values).on_conflict_do_nothing(index_elements=["org_id"])
-        )
-        return result.rowcount == 1
-
-    async def account(self, org_id: str, *, provision: bool = True) -> tuple[Account, Plan] | None:
-        """The account of `org_id` and its plan, rolled into the current period.
+    async def account(self, org_id: str, *, provision: bool = True) -> tuple[Any, PlanTerms] | None:
+        """The account row of `org_id` and its plan terms, rolled into the current period.
 
         Provisions it on the default plan when absent and `provision` (else returns None).
         Raises RuntimeError when the default plan is not in the `plans` table.
         """
-        period = month_start(self.clock().date())
-        async with self.sessions() as session:
-            row = (await session.execute(select(Account, Plan).join(Plan).where(Account.org_id == org_id))).first()
-            if row is not None and row[0].period_start >= period:
-                return row[0], row[1]
-        if row is None and not provision:
+        row = await self.db.run(self._account_txn, org_id, provision)
+        if row is None:
             return None
-        async with self.sessions() as session:
-            async with self._writer(), session.begin():
-                if row is None:
-                    plan = await session.get(Plan, self.default_plan)
-                    if plan is None:
-                        raise RuntimeError(f"default plan {self.default_plan!r} is not in the plans table")
-                    if await self._insert_account_if_absent(session, org_id, plan):
-                        log.info("account provisioned", extra={"fields": {"org_id": org_id, "plan": plan.name}})
-                else:
-                    await session.execute(self._roll_period_stmt(org_id, period))
-            row = (
-                await session.execute(
-                    select(Account, Plan)
-                    .join(Plan)
-                    .where(Account.org_id == org_id)
-                    .execution_options(populate_existing=True)
-                )
-            ).one()
-            return row[0], row[1]
+        self._remember(org_id, row.plan, row.period_start)
+        return row, await self._plan(row.plan)
+
+    async def _ensure_account(self, org_id: str) -> None:
+        """Make sure `org_id` has an account (skipped when this process already knows it)."""
+        if self._known(org_id, month_start(self.clock().date())) is None:
+            await self.account(org_id)
 
     # ------------------------------------------------------------------ admit
 
-    async def _find_reservation(self, org_id: str, turn_key: str) -> Reservation | None:
-        async with self.sessions() as session:
-            return (
-                await session.execute(
-                    select(Reservation).where(Reservation.org_id == org_id, Reservation.turn_key == turn_key)
-                )
-            ).scalar_one_or_none()
+    def _prepare_txn(self, conn: Connection, org_id: str, turn_key: str, need_account: bool) -> tuple[Any, Any]:
+        """(existing reservation or None, account row if `need_account` or None)."""
+        existing = conn.execute(_SEL_RESERVATION, {"p_org": org_id, "p_turn_key": turn_key}).first()
+        if not need_account:
+            return existing, None
+        return existing, self._account_txn(conn, org_id, True)
 
-    async def _replay(self, existing: Reservation, usage_type: str, credits: int, rate_limit: str | None) -> Admission:
+    async def _replay(self, existing: Any, usage_type: str, credits: int, rate_limit: str | None) -> Admission:
         if existing.usage_type != usage_type or existing.credits != credits:
             raise RpcError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -349,6 +539,10 @@ class BillingCore:
         Returns an Admission (a replay returns the existing reservation in its current state).
         Raises RpcError: INVALID_ARGUMENT on a bad request, ALREADY_EXISTS/TURN_KEY_REUSED,
         or a denial (see `denial_error`), with nothing reserved.
+
+        Two transactions: a read (the turn key's reservation, plus the account when this
+        process does not know it) so that a replay neither counts the rate limit nor runs
+        a layer; then, after the rate layer, the reservation itself (`_reserve_txn`).
         """
         if not org_id:
             raise invalid("ORGANIZATION_ID_REQUIRED", "organization_id is required")
@@ -366,11 +560,16 @@ class BillingCore:
             credits = DEFAULT_CREDITS[usage_type]
 
         with loopline_logging.bind(org_id=org_id):
-            account_plan = await self.account(org_id)
-            assert account_plan is not None
-            _, plan = account_plan
+            now = self.clock()
+            period = month_start(now.date())
+            plan_name = self._known(org_id, period)
+            existing, row = await self.db.run(self._prepare_txn, org_id, turn_key, plan_name is None)
+            if row is not None:
+                self._remember(org_id, row.plan, row.period_start)
+                plan_name = row.plan
+            assert plan_name is not None
+            plan = await self._plan(plan_name)
             rate_limit = plan.rate_limits.get(rate_class)
-            existing = await self._find_reservation(org_id, turn_key)
             if existing is not None:
                 return await self._replay(existing, usage_type, credits, rate_limit)
 
@@ -387,105 +586,106 @@ class BillingCore:
                     rate=rate,
                 )
 
-            now = self.clock()
             today = now.date().isoformat()
             counts_runs = usage_type == "run"
-            reservation = Reservation(
-                id=_new_id("res"),
-                org_id=org_id,
-                turn_key=turn_key,
-                usage_type=usage_type,
-                rate_class=rate_class,
-                credits=credits,
-                funding=ALLOWANCE,
-                wallet_minor=0,
-                quota_day=today if counts_runs else "",
-                state=HELD,
-                created_at=now,
-                expires_at=now + datetime.timedelta(seconds=self.hold_seconds),
-            )
+            values = {
+                "id": _new_id("res"),
+                "org_id": org_id,
+                "turn_key": turn_key,
+                "usage_type": usage_type,
+                "rate_class": rate_class,
+                "credits": credits,
+                "funding": ALLOWANCE,
+                "wallet_minor": 0,
+                "quota_day": today if counts_runs else "",
+                "state": HELD,
+                "created_at": now,
+                "expires_at": now + datetime.timedelta(seconds=self.hold_seconds),
+                "resolved_at": None,
+                "release_reason": None,
+            }
             try:
-                async with self._writer(), self.sessions() as session, session.begin():
-                    await self._reserve(session, reservation, plan, today, counts_runs)
+                fresh = await self.db.run(self._reserve_txn, values, plan, period, today, counts_runs)
             except _Denied as denied:
-                raise await self._denial(denied.layer, org_id, plan, credits, today) from None
+                log.info("admission denied", extra={"fields": {"layer": denied.layer}})
+                raise self._denial(denied, credits, today) from None
             except IntegrityError:
                 # A concurrent Admit with the same turn key won the insert; ours rolled back.
-                existing = await self._find_reservation(org_id, turn_key)
+                existing, _ = await self.db.run(self._prepare_txn, org_id, turn_key, False)
                 if existing is None:
                     raise
                 return await self._replay(existing, usage_type, credits, rate_limit)
+            if fresh is not None:  # the slow path re-read the account
+                self._remember(org_id, *fresh)
             log.info(
                 "admitted",
                 extra={
                     "fields": {
-                        "reservation_id": reservation.id,
+                        "reservation_id": values["id"],
                         "usage_type": usage_type,
                         "credits": credits,
-                        "funding": reservation.funding,
+                        "funding": values["funding"],
                     }
                 },
             )
-            return Admission(reservation, False, rate)
+            return Admission(SimpleNamespace(**values), False, rate)
 
-    async def _reserve(
-        self, session: AsyncSession, reservation: Reservation, plan: Plan, today: str, counts_runs: bool
-    ) -> None:
+    def _reserve_txn(
+        self,
+        conn: Connection,
+        values: dict[str, Any],
+        plan: PlanTerms,
+        period: datetime.date,
+        today: str,
+        counts_runs: bool,
+    ) -> tuple[str, datetime.date] | None:
         """Quota, allowance and wallet as conditional UPDATEs, then the reservation row.
 
-        Raises _Denied(layer) (the enclosing transaction rolls everything back).
+        Fast path: one UPDATE checking quota and allowance together for the cached plan
+        and period. When it matches no row (a layer would refuse, the allowance is spent,
+        the plan or period changed) the slow path re-reads the account and runs each layer
+        as its own conditional UPDATE, in order. Returns None after the fast path, else
+        the account's (plan, period_start). Raises _Denied(layer) (everything rolls back).
+        Mutates `values` (funding, wallet_minor).
         """
-        org_id, credits = reservation.org_id, reservation.credits
-        if counts_runs:
-            allowed: Any = true()
-            if plan.max_runs_per_day is not None:
-                runs = case((Account.quota_day == today, Account.runs_today), else_=0)
-                allowed = runs + 1 <= plan.max_runs_per_day
-            result = await session.execute(
-                update(Account)
-                .where(Account.org_id == org_id, allowed)
-                .values(
-                    runs_today=case((Account.quota_day == today, Account.runs_today + 1), else_=1),
-                    quota_day=today,
-                )
-                .execution_options(synchronize_session=False)
-            )
-            if result.rowcount != 1:
-                raise _Denied("quota")
-        result = await session.execute(
-            update(Account)
-            .where(
-                Account.org_id == org_id,
-                Account.allowance_used + Account.allowance_reserved + credits <= Account.period_allowance,
-            )
-            .values(allowance_reserved=Account.allowance_reserved + credits)
-            .execution_options(synchronize_session=False)
-        )
-        if result.rowcount != 1:
-            if not plan.wallet_overage:
-                raise _Denied("credit")
-            cost = credits * plan.wallet_price_minor
-            result = await session.execute(
-                update(Account)
-                .where(
-                    Account.org_id == org_id,
-                    Account.wallet_balance_minor - Account.wallet_reserved_minor >= cost,
-                )
-                .values(wallet_reserved_minor=Account.wallet_reserved_minor + cost)
-                .execution_options(synchronize_session=False)
-            )
-            if result.rowcount != 1:
-                raise _Denied("wallet")
-            reservation.funding, reservation.wallet_minor = WALLET, cost
-        session.add(reservation)
-        await session.flush()
+        org_id, credits = values["org_id"], values["credits"]
+        params = {
+            "p_org": org_id,
+            "p_plan": plan.name,
+            "p_period": period,
+            "p_credits": credits,
+            "p_today": today,
+            "p_max_runs": plan.max_runs_per_day,
+        }
+        fast = _FAST_RESERVE[(counts_runs, plan.max_runs_per_day is not None)]
+        if conn.execute(fast, params).rowcount == 1:
+            conn.execute(_INS_RESERVATION, values)
+            return None
 
-    async def _denial(self, layer: str, org_id: str, plan: Plan, credits: int, today: str) -> RpcError:
-        """Build the denial of `layer` with the account's current figures."""
-        async with self.sessions() as session:
-            account = await session.get(Account, org_id)
-        assert account is not None
-        log.info("admission denied", extra={"fields": {"layer": layer}})
+        account = conn.execute(_SEL_ACCOUNT, params).one()
+        if account.period_start < period:
+            conn.execute(_ROLL_PERIOD, params)
+        plan = self.plans.get(account.plan) or _load_plans(conn)[account.plan]
+        params["p_max_runs"] = plan.max_runs_per_day
+
+        def refuse(layer: str) -> _Denied:
+            return _Denied(layer, conn.execute(_SEL_ACCOUNT, params).one(), plan)
+
+        if counts_runs and conn.execute(_QUOTA_UPDATE[plan.max_runs_per_day is not None], params).rowcount != 1:
+            raise refuse("quota")
+        if conn.execute(_ALLOWANCE_UPDATE, params).rowcount != 1:
+            if not plan.wallet_overage:
+                raise refuse("credit")
+            params["p_cost"] = cost = credits * plan.wallet_price_minor
+            if conn.execute(_WALLET_UPDATE, params).rowcount != 1:
+                raise refuse("wallet")
+            values["funding"], values["wallet_minor"] = WALLET, cost
+        conn.execute(_INS_RESERVATION, values)
+        return account.plan, max(account.period_start, period)
+
+    def _denial(self, denied: _Denied, credits: int, today: str) -> RpcError:
+        """Build the denial of `denied.layer` with the account figures read in the transaction."""
+        layer, account, plan = denied.layer, denied.account, denied.plan
         if layer == "quota":
             current = account.runs_today if account.quota_day == today else 0
             return denial_error(
@@ -520,117 +720,83 @@ class BillingCore:
 
     # ------------------------------------------------------------------ charge / release / expire
 
+    def _charge_txn(self, conn: Connection, reservation_id: str) -> tuple[str, str, bool, str | None]:
+        """(state, ledger entry id, replayed, org_id); raises RpcError for the refusals."""
+        now = self.clock()
+        held = conn.execute(_CHARGE_RESERVATION, {"p_id": reservation_id, "p_now": now}).first()
+        if held is None:
+            row = conn.execute(_SEL_CHARGE_STATE, {"p_id": reservation_id, "p_key": f"charge:{reservation_id}"}).first()
+            if row is None:
+                raise not_found(reservation_id)
+            if row.state == CHARGED:
+                return CHARGED, row.id, True, None
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"RESERVATION_{row.state.upper()}",
+                f"reservation {reservation_id} is {row.state} and cannot be charged",
+                domain=BILLING_DOMAIN,
+            )
+        if held.funding == WALLET:
+            stmt, unit, amount = _CHARGE_WALLET, UNIT_MINOR, held.wallet_minor
+        else:
+            stmt, unit, amount = _CHARGE_ALLOWANCE, UNIT_CREDIT, held.credits
+        # A hold opened last month is charged to the current period (rolled first).
+        _roll_and_retry(conn, stmt, {"p_org": held.org_id, "p_period": month_start(now.date()), "p_n": amount})
+        entry_id = _new_id("led")
+        conn.execute(
+            _INS_LEDGER,
+            {
+                "id": entry_id,
+                "idempotency_key": f"charge:{reservation_id}",
+                "org_id": held.org_id,
+                "kind": "run_charge",
+                "unit": unit,
+                "amount": -amount,
+                "reservation_id": reservation_id,
+                "usage_id": None,
+                "note": f"{held.usage_type} {held.credits} credit(s) via {held.funding}",
+                "created_at": now,
+            },
+        )
+        return CHARGED, entry_id, False, held.org_id
+
     async def charge(self, reservation_id: str) -> ChargeResult:
         """Post a HELD reservation to the ledger, exactly once.
 
         Moves the hold into `allowance_used` (or debits the wallet) and appends ledger entry
-        "charge:{reservation_id}" in one transaction. A second call returns the same entry
+        "charge:{reservation_id}" in one transaction (UPDATE reservation ... RETURNING,
+        UPDATE account, INSERT ledger). A second call returns the same entry
         (replayed=True). Raises RpcError NOT_FOUND for an unknown id, FAILED_PRECONDITION
         RESERVATION_RELEASED / RESERVATION_EXPIRED when the hold was voided.
         """
         if not reservation_id:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
-        now = self.clock()
-        async with self.sessions() as session:
-            async with self._writer(), session.begin():
-                result = await session.execute(
-                    update(Reservation)
-                    .where(Reservation.id == reservation_id, Reservation.state == HELD)
-                    .values(state=CHARGED, resolved_at=now)
-                    .execution_options(synchronize_session=False)
-                )
-                if result.rowcount == 1:
-                    reservation = await session.get(Reservation, reservation_id, populate_existing=True)
-                    assert reservation is not None
-                    await session.execute(self._roll_period_stmt(reservation.org_id, month_start(now.date())))
-                    if reservation.funding == WALLET:
-                        values = {
-                            "wallet_reserved_minor": Account.wallet_reserved_minor - reservation.wallet_minor,
-                            "wallet_balance_minor": Account.wallet_balance_minor - reservation.wallet_minor,
-                        }
-                        unit, amount = UNIT_MINOR, -reservation.wallet_minor
-                    else:
-                        values = {
-                            "allowance_reserved": Account.allowance_reserved - reservation.credits,
-                            "allowance_used": Account.allowance_used + reservation.credits,
-                        }
-                        unit, amount = UNIT_CREDIT, -reservation.credits
-                    await session.execute(
-                        update(Account)
-                        .where(Account.org_id == reservation.org_id)
-                        .values(**values)
-                        .execution_options(synchronize_session=False)
-                    )
-                    entry = LedgerEntry(
-                        id=_new_id("led"),
-                        idempotency_key=f"charge:{reservation_id}",
-                        org_id=reservation.org_id,
-                        kind="run_charge",
-                        unit=unit,
-                        amount=amount,
-                        reservation_id=reservation_id,
-                        note=f"{reservation.usage_type} {reservation.credits} credit(s) via {reservation.funding}",
-                        created_at=now,
-                    )
-                    session.add(entry)
-                    with loopline_logging.bind(org_id=reservation.org_id):
-                        log.info(
-                            "charged",
-                            extra={"fields": {"reservation_id": reservation_id, "ledger_entry_id": entry.id}},
-                        )
-                    return ChargeResult(CHARGED, entry.id, False)
-            reservation = await session.get(Reservation, reservation_id)
-            if reservation is None:
-                raise not_found(reservation_id)
-            if reservation.state == CHARGED:
-                entry_id = (
-                    await session.execute(
-                        select(LedgerEntry.id).where(LedgerEntry.idempotency_key == f"charge:{reservation_id}")
-                    )
-                ).scalar_one()
-                return ChargeResult(CHARGED, entry_id, True)
-            raise RpcError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"RESERVATION_{reservation.state.upper()}",
-                f"reservation {reservation_id} is {reservation.state} and cannot be charged",
-                domain=BILLING_DOMAIN,
-            )
+        state, entry_id, replayed, org_id = await self.db.run(self._charge_txn, reservation_id)
+        if not replayed:
+            with loopline_logging.bind(org_id=org_id):
+                log.info("charged", extra={"fields": {"reservation_id": reservation_id, "ledger_entry_id": entry_id}})
+        return ChargeResult(state, entry_id, replayed)
 
-    async def _void(self, session: AsyncSession, reservation_id: str, state: str, reason: str) -> Reservation | None:
-        """Move a HELD reservation to `state` (released/expired) and return its hold; None if not HELD."""
-        result = await session.execute(
-            update(Reservation)
-            .where(Reservation.id == reservation_id, Reservation.state == HELD)
-            .values(state=state, resolved_at=self.clock(), release_reason=reason[:255] or None)
-            .execution_options(synchronize_session=False)
+    def _void_txn(self, conn: Connection, reservation_id: str, state: str, reason: str) -> tuple[str | None, str | None]:
+        """Move a HELD reservation to `state` and return its hold: (org_id, None) if voided now,
+        (None, current state) if it was not HELD, (None, None) if it does not exist."""
+        held = conn.execute(
+            _VOID_RESERVATION,
+            {"p_id": reservation_id, "p_state": state, "p_now": self.clock(), "p_reason": reason[:255] or None},
+        ).first()
+        if held is None:
+            return None, conn.execute(_SEL_RESERVATION_STATE, {"p_id": reservation_id}).scalar()
+        wallet = held.funding == WALLET
+        conn.execute(
+            _VOID_ACCOUNT,
+            {
+                "p_org": held.org_id,
+                "p_allowance": 0 if wallet else held.credits,
+                "p_wallet": held.wallet_minor if wallet else 0,
+                "p_quota_day": held.quota_day or None,
+            },
         )
-        if result.rowcount != 1:
-            return None
-        reservation = await session.get(Reservation, reservation_id, populate_existing=True)
-        assert reservation is not None
-        if reservation.funding == WALLET:
-            values = {"wallet_reserved_minor": Account.wallet_reserved_minor - reservation.wallet_minor}
-        else:
-            values = {"allowance_reserved": Account.allowance_reserved - reservation.credits}
-        await session.execute(
-            update(Account)
-            .where(Account.org_id == reservation.org_id)
-            .values(**values)
-            .execution_options(synchronize_session=False)
-        )
-        if reservation.quota_day:
-            # Give the voided run back to the daily quota (only if still the same day).
-            await session.execute(
-                update(Account)
-                .where(
-                    Account.org_id == reservation.org_id,
-                    Account.quota_day == reservation.quota_day,
-                    Account.runs_today > 0,
-                )
-                .values(runs_today=Account.runs_today - 1)
-                .execution_options(synchronize_session=False)
-            )
-        return reservation
+        return held.org_id, None
 
     async def release(self, reservation_id: str, reason: str = "") -> str:
         """Void a HELD reservation at most once; returns the state after the call.
@@ -640,17 +806,14 @@ class BillingCore:
         """
         if not reservation_id:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
-        async with self.sessions() as session:
-            async with self._writer(), session.begin():
-                voided = await self._void(session, reservation_id, RELEASED, reason)
-            if voided is not None:
-                with loopline_logging.bind(org_id=voided.org_id):
-                    log.info("released", extra={"fields": {"reservation_id": reservation_id, "reason": reason[:255]}})
-                return RELEASED
-            reservation = await session.get(Reservation, reservation_id)
-            if reservation is None:
-                raise not_found(reservation_id)
-            return reservation.state
+        org_id, state = await self.db.run(self._void_txn, reservation_id, RELEASED, reason)
+        if org_id is not None:
+            with loopline_logging.bind(org_id=org_id):
+                log.info("released", extra={"fields": {"reservation_id": reservation_id, "reason": reason[:255]}})
+            return RELEASED
+        if state is None:
+            raise not_found(reservation_id)
+        return state
 
     async def expire_holds(self, now: datetime.datetime | None = None, batch: int = 500) -> int:
         """Expire every HELD reservation whose `expires_at` <= `now` (default: the clock).
@@ -661,27 +824,36 @@ class BillingCore:
         now = now or self.clock()
         expired = 0
         while True:
-            async with self.sessions() as session:
-                ids = (
-                    await session.execute(
-                        select(Reservation.id)
-                        .where(Reservation.state == HELD, Reservation.expires_at <= now)
-                        .order_by(Reservation.expires_at)
-                        .limit(batch)
-                    )
-                ).scalars().all()
+            ids = await self.db.run(
+                lambda conn: conn.execute(_SEL_EXPIRED, {"p_now": now, "p_batch": batch}).scalars().all()
+            )
             if not ids:
                 return expired
             for reservation_id in ids:
-                async with self._writer(), self.sessions() as session, session.begin():
-                    if await self._void(session, reservation_id, EXPIRED, "hold expired") is not None:
-                        expired += 1
+                org_id, _ = await self.db.run(self._void_txn, reservation_id, EXPIRED, "hold expired")
+                if org_id is not None:
+                    expired += 1
             if len(ids) < batch:
                 if expired:
                     log.info("expired holds", extra={"fields": {"count": expired}})
                 return expired
 
     # ------------------------------------------------------------------ usage
+
+    def _usage_txn(self, conn: Connection, record: dict[str, Any], ledger: dict[str, Any] | None) -> Any:
+        """INSERT the usage record unless (run_id, call_index) exists; then its ledger entry and
+        the account total. Returns None when inserted, else the existing (id, org_id, millicredits)."""
+        inserted = conn.execute(_insert_if_absent(conn, _U, ("run_id", "call_index")), record).rowcount == 1
+        if not inserted:
+            return conn.execute(_SEL_USAGE, {"p_run": record["run_id"], "p_call": record["call_index"]}).one()
+        if ledger is not None:
+            conn.execute(_INS_LEDGER, ledger)
+            _roll_and_retry(
+                conn,
+                _ADD_USAGE,
+                {"p_org": ledger["org_id"], "p_period": month_start(ledger["created_at"].date()), "p_n": -ledger["amount"]},
+            )
+        return None
 
     async def record_usage(self, request: billing_pb2.RecordUsageRequest) -> UsageResult:
         """Record one model call's token usage, idempotent by (run_id, call_index).
@@ -691,6 +863,7 @@ class BillingCore:
         to the account's `usage_millicredits`, in the same transaction. Raises RpcError
         INVALID_ARGUMENT on missing ids or negative counts, ALREADY_EXISTS /
         USAGE_KEY_REUSED when the (run_id, call_index) belongs to another organization.
+        One transaction: INSERT ... ON CONFLICT DO NOTHING decides first time vs replay.
         """
         r = request
         if not r.organization_id or not r.run_id:
@@ -707,69 +880,63 @@ class BillingCore:
             byok=r.byok,
         )
         with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):
-            existing = await self._find_usage(r.run_id, r.call_index)
-            if existing is not None:
-                return self._usage_replay(existing, r.organization_id)
-            await self.account(r.organization_id)
+            await self._ensure_account(r.organization_id)
             now = self.clock()
-            record = UsageRecord(
-                id=_new_id("use"),
-                org_id=r.organization_id,
-                run_id=r.run_id,
-                call_index=r.call_index,
-                chat_id=r.chat_id,
-                provider_id=r.provider_id,
-                model_id=r.model_id,
-                input_tokens=r.input_tokens,
-                output_tokens=r.output_tokens,
-                cache_read_tokens=r.cache_read_tokens,
-                cache_write_tokens=r.cache_write_tokens,
-                byok=r.byok,
-                estimated=r.estimated,
-                millicredits=millicredits,
-                created_at=now,
-            )
-            try:
-                async with self._writer(), self.sessions() as session, session.begin():
-                    session.add(record)
-                    await session.flush()
-                    if millicredits:
-                        session.add(
-                            LedgerEntry(
-                                id=_new_id("led"),
-                                idempotency_key=f"usage:{r.run_id}:{r.call_index}",
-                                org_id=r.organization_id,
-                                kind="token_usage",
-                                unit=UNIT_MILLICREDIT,
-                                amount=-millicredits,
-                                usage_id=record.id,
-                                note=f"{r.provider_id}/{r.model_id}"[:255],
-                                created_at=now,
-                            )
-                        )
-                        await session.execute(
-                            update(Account)
-                            .where(Account.org_id == r.organization_id)
-                            .values(usage_millicredits=Account.usage_millicredits + millicredits)
-                            .execution_options(synchronize_session=False)
-                        )
-            except IntegrityError:
-                existing = await self._find_usage(r.run_id, r.call_index)
-                if existing is None:
-                    raise
+            record = {
+                "id": _new_id("use"),
+                "org_id": r.organization_id,
+                "run_id": r.run_id,
+                "call_index": r.call_index,
+                "chat_id": r.chat_id,
+                "provider_id": r.provider_id,
+                "model_id": r.model_id,
+                "input_tokens": r.input_tokens,
+                "output_tokens": r.output_tokens,
+                "cache_read_tokens": r.cache_read_tokens,
+                "cache_write_tokens": r.cache_write_tokens,
+                "byok": r.byok,
+                "estimated": r.estimated,
+                "millicredits": millicredits,
+                "created_at": now,
+            }
+            ledger = None
+            if millicredits:
+                ledger = {
+                    "id": _new_id("led"),
+                    "idempotency_key": f"usage:{r.run_id}:{r.call_index}",
+                    "org_id": r.organization_id,
+                    "kind": "token_usage",
+                    "unit": UNIT_MILLICREDIT,
+                    "amount": -millicredits,
+                    "reservation_id": None,
+                    "usage_id": record["id"],
+                    "note": f"{r.provider_id}/{r.model_id}"[:255],
+                    "created_at": now,
+                }
+            existing = await self.db.run(self._usage_txn, record, ledger)
+            if existing is not None:
                 return self._usage_replay(existing, r.organization_id)
             log.info(
                 "usage recorded",
                 extra={
                     "fields": {
-                        "usage_id": record.id,
+                        "usage_id": record["id"],
                         "call_index": r.call_index,
                         "millicredits": millicredits,
                         "byok": r.byok,
                     }
                 },
             )
-            return UsageResult(record.id, millicredits, False)
+            return UsageResult(record["id"], millicredits, False)
+
+    def _ledger_txn(self, conn: Connection, entry: dict[str, Any], account_stmt: Any, params: dict[str, Any]) -> Any:
+        """INSERT the ledger entry unless its idempotency key exists, then update the account.
+
+        Returns None when inserted, else the existing entry's (id, org_id)."""
+        if conn.execute(_insert_if_absent(conn, _L, ("idempotency_key",)), entry).rowcount != 1:
+            return conn.execute(_SEL_LEDGER_BY_KEY, {"p_key": entry["idempotency_key"]}).one()
+        _roll_and_retry(conn, account_stmt, params)
+        return None
 
     async def record_tool_usage(self, request: billing_pb2.RecordToolUsageRequest) -> tuple[str, bool]:
         """Charge one tool call's catalogue cost; idempotent by (run_id, tool_call_id).
@@ -787,52 +954,32 @@ class BillingCore:
             raise invalid("USAGE_NEGATIVE", "millicredits must not be negative")
         if r.millicredits == 0:
             return "", False
-        key = f"tool:{r.run_id}:{r.tool_call_id}"
-
-        async def existing() -> tuple[str, bool] | None:
-            async with self.sessions() as session:
-                entry = (await session.execute(select(LedgerEntry).where(LedgerEntry.idempotency_key == key))).scalar_one_or_none()
-            if entry is None:
-                return None
-            if entry.org_id != r.organization_id:
+        with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):
+            await self._ensure_account(r.organization_id)
+            now = self.clock()
+            entry = {
+                "id": _new_id("led"),
+                "idempotency_key": f"tool:{r.run_id}:{r.tool_call_id}",
+                "org_id": r.organization_id,
+                "kind": "tool_usage",
+                "unit": UNIT_MILLICREDIT,
+                "amount": -r.millicredits,
+                "reservation_id": None,
+                "usage_id": None,
+                "note": f"{r.tool} {r.detail}".strip()[:255],
+                "created_at": now,
+            }
+            params = {"p_org": r.organization_id, "p_period": month_start(now.date()), "p_n": r.millicredits}
+            existing = await self.db.run(self._ledger_txn, entry, _ADD_USAGE, params)
+            if existing is None:
+                return entry["id"], False
+            if existing.org_id != r.organization_id:
                 raise RpcError(grpc.StatusCode.ALREADY_EXISTS, "USAGE_KEY_REUSED",
                                "this (run_id, tool_call_id) was recorded for another organization", domain=BILLING_DOMAIN)
-            return entry.id, True
-
-        with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):
-            found = await existing()
-            if found is not None:
-                return found
-            await self.account(r.organization_id)
-            entry_id = _new_id("led")
-            try:
-                async with self._writer(), self.sessions() as session, session.begin():
-                    session.add(LedgerEntry(id=entry_id, idempotency_key=key, org_id=r.organization_id, kind="tool_usage",
-                                            unit=UNIT_MILLICREDIT, amount=-r.millicredits,
-                                            note=f"{r.tool} {r.detail}".strip()[:255], created_at=self.clock()))
-                    await session.flush()
-                    await session.execute(
-                        update(Account).where(Account.org_id == r.organization_id)
-                        .values(usage_millicredits=Account.usage_millicredits + r.millicredits)
-                        .execution_options(synchronize_session=False)
-                    )
-            except IntegrityError:
-                found = await existing()
-                if found is None:
-                    raise
-                return found
-            return entry_id, False
-
-    async def _find_usage(self, run_id: str, call_index: int) -> UsageRecord | None:
-        async with self.sessions() as session:
-            return (
-                await session.execute(
-                    select(UsageRecord).where(UsageRecord.run_id == run_id, UsageRecord.call_index == call_index)
-                )
-            ).scalar_one_or_none()
+            return existing.id, True
 
     @staticmethod
-    def _usage_replay(existing: UsageRecord, org_id: str) -> UsageResult:
+    def _usage_replay(existing: Any, org_id: str) -> UsageResult:
         if existing.org_id != org_id:
             raise RpcError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -851,18 +998,20 @@ class BillingCore:
         period (it may fall below what is already used: further runs then draw on the
         wallet or are denied). Raises ValueError for an unknown plan.
         """
-        async with self.sessions() as session:
-            plan = await session.get(Plan, plan_name)
+        plan = self.plans.get(plan_name) or (await self.load_plans()).get(plan_name)
         if plan is None:
             raise ValueError(f"unknown plan {plan_name!r}")
-        await self.account(org_id)
-        async with self._writer(), self.sessions() as session, session.begin():
-            await session.execute(
-                update(Account)
-                .where(Account.org_id == org_id)
-                .values(plan=plan_name, period_allowance=Account.granted_credits + plan.monthly_run_credits)
-                .execution_options(synchronize_session=False)
+        row, _ = await self.account(org_id)  # type: ignore[misc]
+
+        def txn(conn: Connection) -> None:
+            conn.execute(
+                update(_A)
+                .where(_A.c.org_id == org_id)
+                .values(plan=plan_name, period_allowance=_A.c.granted_credits + plan.monthly_run_credits)
             )
+
+        await self.db.run(txn)
+        self._remember(org_id, plan_name, row.period_start)
         log.info("plan set", extra={"fields": {"org_id": org_id, "plan": plan_name}})
 
     async def grant_credits(self, org_id: str, credits: int, idempotency_key: str = "", note: str = "") -> str:
@@ -883,8 +1032,8 @@ class BillingCore:
             credits,
             note,
             {
-                "granted_credits": Account.granted_credits + credits,
-                "period_allowance": Account.period_allowance + credits,
+                "granted_credits": _A.c.granted_credits + credits,
+                "period_allowance": _A.c.period_allowance + credits,
             },
         )
 
@@ -905,46 +1054,30 @@ class BillingCore:
             UNIT_MINOR,
             minor_units,
             note,
-            {"wallet_balance_minor": Account.wallet_balance_minor + minor_units},
+            {"wallet_balance_minor": _A.c.wallet_balance_minor + minor_units},
         )
 
     async def _post_admin(
         self, org_id: str, key: str, kind: str, unit: str, amount: int, note: str, values: dict[str, Any]
     ) -> str:
-        async with self.sessions() as session:
-            existing = (
-                await session.execute(select(LedgerEntry.id).where(LedgerEntry.idempotency_key == key))
-            ).scalar_one_or_none()
+        entry = {
+            "id": _new_id("led"),
+            "idempotency_key": key,
+            "org_id": org_id,
+            "kind": kind,
+            "unit": unit,
+            "amount": amount,
+            "reservation_id": None,
+            "usage_id": None,
+            "note": note[:255] or None,
+            "created_at": self.clock(),
+        }
+        stmt = update(_A).where(_A.c.org_id == _bp("p_org")).values(**values)
+        existing = await self.db.run(self._ledger_txn, entry, stmt, {"p_org": org_id})
         if existing is not None:
-            return existing
-        async with self.sessions() as session:
-            entry = LedgerEntry(
-                id=_new_id("led"),
-                idempotency_key=key,
-                org_id=org_id,
-                kind=kind,
-                unit=unit,
-                amount=amount,
-                note=note[:255] or None,
-                created_at=self.clock(),
-            )
-            try:
-                async with self._writer(), session.begin():
-                    session.add(entry)
-                    await session.flush()
-                    await session.execute(
-                        update(Account)
-                        .where(Account.org_id == org_id)
-                        .values(**values)
-                        .execution_options(synchronize_session=False)
-                    )
-            except IntegrityError:
-                async with self.sessions() as again:
-                    return (
-                        await again.execute(select(LedgerEntry.id).where(LedgerEntry.idempotency_key == key))
-                    ).scalar_one()
+            return existing.id
         log.info("ledger posted", extra={"fields": {"org_id": org_id, "kind": kind, "amount": amount, "unit": unit}})
-        return entry.id
+        return entry["id"]
 
     async def show(self, org_id: str, entries: int = 20) -> dict[str, Any] | None:
         """A JSON-ready view of `org_id`: account, plan terms, balances, recent ledger entries.

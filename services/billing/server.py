@@ -119,7 +119,7 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
 async def build_core(settings: BillingSettings) -> tuple[BillingCore, Any]:
     """Migrate (if `auto_migrate`), sync plans and build a BillingCore.
 
-    Returns (core, engine); the caller disposes the engine and closes `core.rates`.
+    Returns (core, engine); the caller disposes the engine and closes `core.rates` and `core`.
     Raises ValueError on a malformed plan or price file.
     """
     url = settings.billing_database_url
@@ -139,6 +139,7 @@ async def build_core(settings: BillingSettings) -> tuple[BillingCore, Any]:
         default_plan=settings.billing_default_plan,
         hold_seconds=settings.billing_hold_seconds,
     )
+    await core.load_plans()  # the in-memory plan catalogue, refreshed after every sync
     return core, engine
 
 
@@ -176,6 +177,7 @@ class BillingServer:
             )
         except BaseException:
             await core.rates.close()
+            core.close()
             await engine.dispose()
             raise
         sweeper = None
@@ -194,6 +196,7 @@ class BillingServer:
                 await self._sweeper
         await self._running.stop(grace)
         await self.core.rates.close()
+        self.core.close()
         await self._engine.dispose()
 
 

@@ -484,10 +484,7 @@ class RedisBackend(RunBackend):
 
     def __init__(self, url: str, prefix: str, archive_loader: ArchiveLoader, *, max_len: int = 10_000,
                  ttl_s: float = 86_400, claim_ttl_s: float = 60.0, retry_s: float = 30.0) -> None:
-        import redis.asyncio as aioredis
-
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=5,
-                                            health_check_interval=10, socket_keepalive=True)
+        self.redis = redis_client(url)
         self.prefix = prefix
         self.claim_ttl_ms = max(1, int(claim_ttl_s * 1000))
         self.events = RedisEventLog(self.redis, prefix, max_len, ttl_s, archive_loader, retry_s=retry_s)
@@ -569,6 +566,17 @@ class RedisBackend(RunBackend):
             return {}
         values = await self.redis.mget([f"{self.prefix}cancel:{run_id}" for run_id in run_ids])
         return {run_id: value.decode() for run_id, value in zip(run_ids, values, strict=True) if value is not None}
+
+
+def redis_client(url: str) -> Any:
+    """A `redis.asyncio.Redis` for the backend: no read timeout (XREAD BLOCK waits), 5 s to
+    connect, and at most 3 quick internal retries (our own loops bound the total retry time)."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    return aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=5, health_check_interval=10,
+                                   socket_keepalive=True, retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3))
 
 
 def make_backend(settings: Any, archive_loader: ArchiveLoader) -> RunBackend:

@@ -1,0 +1,205 @@
+"""Redis drops connections while listeners follow runs (issue 8).
+
+The follower's Redis traffic goes through a TCP proxy that the test cuts: it closes
+every open connection and refuses new ones until it is restored. The publisher talks to
+Redis directly (or through its own proxy). A follower either resumes at the index it
+reached - every event exactly once, in order - or, when Redis stays away longer than
+`retry_s`, ends with an `error` event; it never hangs. Skipped without Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+
+from loopline.assistant.v1 import events_pb2
+from services.orchestrator.backend import RedisEventLog, redis_client
+from tests.conftest import drop_redis_prefix, redis_url
+from tests.scale.conftest import _reachable
+
+
+class CuttableProxy:
+    """A TCP proxy to Redis that can drop every connection and refuse new ones for a while."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.down = False
+        self.connections: set[asyncio.StreamWriter] = set()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.close()
+            return
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self.connections.update({writer, upstream_writer})
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+        self.connections.difference_update({writer, upstream_writer})
+
+    def cut(self) -> None:
+        """Close every proxied connection and refuse new ones."""
+        self.down = True
+        for writer in list(self.connections):
+            writer.close()
+        self.connections.clear()
+
+    def restore(self) -> None:
+        """Accept connections again."""
+        self.down = False
+
+    async def stop(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture
+async def redis_setup():
+    """(proxy to Redis, key prefix); skips without Redis."""
+    target = urlsplit(redis_url())
+    host, port = target.hostname or "127.0.0.1", target.port or 6379
+    if not _reachable(host, port):
+        pytest.skip(f"Redis is not reachable at {host}:{port} (LOOPLINE_TEST_REDIS_URL)")
+    proxy = CuttableProxy(host, port)
+    await proxy.start()
+    prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
+    try:
+        yield proxy, prefix
+    finally:
+        await proxy.stop()
+        await drop_redis_prefix(redis_url(), prefix)
+
+
+async def _no_archive(run_id: str) -> list[events_pb2.Event]:
+    return []
+
+
+def _via(proxy: CuttableProxy) -> str:
+    target = urlsplit(redis_url())
+    return f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}"
+
+
+def _chunk(run_id: str, text: str) -> events_pb2.Event:
+    return events_pb2.Event(run_id=run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=text))
+
+
+async def test_follower_resumes_after_connections_drop_without_gaps_or_duplicates(redis_setup):
+    proxy, prefix = redis_setup
+    publisher_client, follower_client = redis_client(redis_url()), redis_client(_via(proxy))
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, _no_archive, retry_s=10)
+    follower = RedisEventLog(follower_client, prefix, 10_000, 60, _no_archive, retry_s=10, block_ms=500)
+    run_id = str(uuid.uuid4())
+    try:
+        publisher.open(run_id)
+        for i in range(5):
+            publisher.append(_chunk(run_id, f"before-{i}"))
+        await publisher.flush(run_id)
+        received: list[events_pb2.Event] = []
+
+        async def listen() -> None:
+            async for event in follower.follow(run_id, 0):
+                received.append(event)
+
+        listener = asyncio.create_task(listen())
+        deadline = time.monotonic() + 10
+        while len(received) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(received) == 5
+        proxy.cut()  # the follower's connection is dropped in the middle of XREAD BLOCK
+        for i in range(5):
+            publisher.append(_chunk(run_id, f"during-{i}"))
+        await publisher.flush(run_id)
+        await asyncio.sleep(1.5)  # Redis stays unreachable for the follower meanwhile
+        proxy.restore()
+        publisher.append(events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="ok")))
+        publisher.close(run_id)
+        await asyncio.wait_for(listener, 15)
+        assert [event.seq for event in received] == list(range(11))
+        assert [event.response_chunk.chunk for event in received[:10]] == [f"before-{i}" for i in range(5)] + [f"during-{i}" for i in range(5)]
+        assert received[-1].WhichOneof("payload") == "done"
+    finally:
+        await publisher.aclose()
+        await publisher_client.aclose()
+        await follower_client.aclose()
+
+
+async def test_follower_ends_with_an_error_event_when_redis_stays_away(redis_setup):
+    proxy, prefix = redis_setup
+    publisher_client, follower_client = redis_client(redis_url()), redis_client(_via(proxy))
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, _no_archive, retry_s=10)
+    follower = RedisEventLog(follower_client, prefix, 10_000, 60, _no_archive, retry_s=1.0, block_ms=500)
+    run_id = str(uuid.uuid4())
+    try:
+        publisher.open(run_id)
+        publisher.append(_chunk(run_id, "only"))
+        await publisher.flush(run_id)
+        received: list[events_pb2.Event] = []
+
+        async def listen() -> None:
+            async for event in follower.follow(run_id, 0):
+                received.append(event)
+
+        listener = asyncio.create_task(listen())
+        while not received:
+            await asyncio.sleep(0.01)
+        proxy.cut()
+        started = time.monotonic()
+        await asyncio.wait_for(listener, 15)  # bounded: never hangs
+        took = time.monotonic() - started
+        assert [event.WhichOneof("payload") for event in received] == ["response_chunk", "error"]
+        assert "after=1" in received[-1].error.message  # says where to resume
+        assert took < 8, took
+    finally:
+        await publisher.aclose()
+        await publisher_client.aclose()
+        await follower_client.aclose()
+
+
+async def test_publisher_keeps_order_through_an_outage_and_flush_is_bounded(redis_setup):
+    proxy, prefix = redis_setup
+    publisher_client, reader_client = redis_client(_via(proxy)), redis_client(redis_url())
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, _no_archive, retry_s=10)
+    reader = RedisEventLog(reader_client, prefix, 10_000, 60, _no_archive, retry_s=10)
+    run_id = str(uuid.uuid4())
+    try:
+        publisher.open(run_id)
+        publisher.append(_chunk(run_id, "a"))
+        await publisher.flush(run_id)
+        proxy.cut()
+        publisher.append(_chunk(run_id, "b"))  # queued while Redis is unreachable
+        publisher.append(_chunk(run_id, "c"))
+        await asyncio.sleep(1.0)
+        proxy.restore()
+        publisher.append(events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="ok")))
+        publisher.close(run_id)
+        await asyncio.wait_for(publisher.flush(run_id), 15)
+        stored = await reader.events_of(run_id)
+        assert [event.seq for event in stored] == [0, 1, 2, 3]
+        assert [event.response_chunk.chunk for event in stored[:3]] == ["a", "b", "c"]
+        assert stored[-1].WhichOneof("payload") == "done"
+    finally:
+        await publisher.aclose()
+        await publisher_client.aclose()
+        await reader_client.aclose()

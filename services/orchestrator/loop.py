@@ -90,6 +90,7 @@ class _Totals:
     pending_call: dict[str, Any] | None = None  # a tool call stored without its result yet
     pending_guidance: str | None = None  # guidance to give the model after the pending tool result
     model_in_flight: bool = False  # a model call was running when the loop stopped
+    pending_writes: list[asyncio.Task] = field(default_factory=list)  # usage records still being sent to billing
 
 
 class TurnRunner:
@@ -241,7 +242,7 @@ class TurnRunner:
             totals.reason_calls += 1
             totals.usage.input_tokens += reply.usage.input_tokens
             totals.usage.output_tokens += reply.usage.output_tokens
-            await self._record_usage(spec, call_index, reply.usage)
+            self._record_usage_later(spec, totals, call_index, reply.usage)
 
             call = reply.tool_calls[0] if reply.tool_calls else None  # serial tool calls: one per step
             stored_calls = [{"id": call.id, "name": call.name, "input": call.input}] if call else []
@@ -337,7 +338,7 @@ class TurnRunner:
         totals.llm_calls += 1
         totals.usage.input_tokens += reply.usage.input_tokens
         totals.usage.output_tokens += reply.usage.output_tokens
-        await self._record_usage(spec, call_index, reply.usage)
+        self._record_usage_later(spec, totals, call_index, reply.usage)
         async with self.sessions() as session, session.begin():
             session.add(
                 Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="summary",
@@ -415,6 +416,11 @@ class TurnRunner:
                 options.append({"auth_type": auth_type, "display_name": option.get("display_name") or auth_type})
         return {"display_name": details.get("display_name") or name, "auth_options": options or None}
 
+    def _record_usage_later(self, spec: RunSpec, totals: _Totals, call_index: int, usage: TokenUsage) -> None:
+        """Send a model call's usage to billing without holding up the loop; `_finish` waits for it
+        before the run's terminal event, so no usage is lost and every record lands in the run."""
+        totals.pending_writes.append(asyncio.create_task(self._record_usage(spec, call_index, usage), name=f"usage:{spec.run_id}:{call_index}"))
+
     async def _record_tool_usage(self, spec: RunSpec, call: Any, millicredits: int) -> None:
         """Charge a tool call's catalogue cost with billing (idempotent by run and tool call; bounded retries)."""
         detail = ""
@@ -457,6 +463,8 @@ class TurnRunner:
 
     async def _finish(self, state: RunState, totals: _Totals, outcome: Outcome) -> None:
         spec = state.spec
+        if totals.pending_writes:
+            await asyncio.gather(*totals.pending_writes, return_exceptions=True)
         if outcome.kind == "cancelled" and totals.model_in_flight:
             # tokens of a model call cut off by the cancel are billed like any other (spec: token
             # usage is recorded "regardless of whether the turn succeeds, errors, or is cancelled")

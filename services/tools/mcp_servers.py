@@ -29,18 +29,18 @@ import os
 import re
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx2
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
-from mcp import Client, StdioServerParameters
-from mcp.client.stdio import stdio_client
-from mcp.client.streamable_http import streamable_http_client
 
 from services.tools.catalogue import Action, ActionContext, ActionError, AuthOption, Integration
 from services.tools.netpolicy import OutboundPolicyError, resolve_checked
+
+if TYPE_CHECKING:
+    from mcp import Client
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,12 @@ class McpConnector:
         self._closing: set[asyncio.Task[Any]] = set()
 
     def _client(self, target: StdioServer | dict[str, Any]) -> Client:
+        # the mcp SDK is imported on first use: it costs ~30 MiB and start-up time in every
+        # tools process, most of which never talk to an MCP server
+        from mcp import Client, StdioServerParameters
+        from mcp.client.stdio import stdio_client
+        from mcp.client.streamable_http import streamable_http_client
+
         if isinstance(target, StdioServer):
             params = StdioServerParameters(command=target.command, args=list(target.args), env=target.env or None)
             transport = stdio_client(params, errlog=_DEVNULL)

@@ -371,7 +371,8 @@ class Runner:
         argv = [sys.executable, "-m", self.module(name)]
         log.write(f"$ {shlex.join(argv)}\n".encode())
         log.flush()
-        self.children[name] = spawn(argv, self.env, log, log)
+        # the runner has just applied every migration: the services need not check again
+        self.children[name] = spawn(argv, {"LOOPLINE_AUTO_MIGRATE": "false", **self.env}, log, log)
 
     def probe(self, name: str) -> str | None:
         """None when `name` is ready, else what is missing."""

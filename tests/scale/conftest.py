@@ -5,7 +5,8 @@ Redis key prefix of its own, billing and tools started in this process on port 0
 owner's API key, and `spawn_orchestrator` / `spawn_gateway` that start
 `python -m services.<name>` subprocesses pointed at all of it. Every process is killed
 at the end. The tests are skipped, with the reason, when PostgreSQL or Redis cannot be
-reached (LOOPLINE_TEST_POSTGRES_URL, LOOPLINE_TEST_REDIS_URL).
+reached (LOOPLINE_TEST_POSTGRES_URL, LOOPLINE_TEST_REDIS_URL), and outside the PostgreSQL
+pass (LOOPLINE_TEST_BACKEND=postgres, `make test-pg`) to keep `make test` fast.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from services.common import db
 from services.gateway import identity
 from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
-from tests.conftest import SERVICES, cleanup_backend, postgres_databases, postgres_url, redis_url
+from tests.conftest import SERVICES, cleanup_backend, postgres_databases, postgres_url, redis_url, selected_backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -176,7 +177,12 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(tmp_path) -> AsyncIterator[Cluster]:
-    """Fresh PostgreSQL databases + Redis prefix, billing and tools in-process, an owner's key."""
+    """Fresh PostgreSQL databases + Redis prefix, billing and tools in-process, an owner's key.
+
+    Runs in the PostgreSQL pass only (`make test-pg`), so `make test` stays fast.
+    """
+    if selected_backend() != "postgres":
+        pytest.skip("replica tests run on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-pg)")
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)

@@ -218,7 +218,7 @@ def create_app(
         summary="Stream a run's events as Server-Sent Events",
         responses={**error_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
     )
-    async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0)) -> Response:
+    async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0, le=2**53)) -> Response:
         who = await principal(request)
         try:
             hub = await fanout.open(caller(who), chat_id, run_id)
@@ -308,7 +308,7 @@ def create_app(
         return JSONResponse(
             {
                 "items": [
-                    {"id": c.id, "title": c.title, "created_at": pb.iso(c.create_time), "updated_at": pb.iso(c.update_time), "is_running": bool(c.running_id)}
+                    {"id": c.id, "title": c.title, "created_at": pb.iso(c.create_time), "updated_at": pb.iso(c.update_time), "is_running": bool(c.running_id) and not c.HasField("pending_user_input_request")}
                     for c in response.chats
                 ],
                 "next_cursor": response.next_cursor or None,

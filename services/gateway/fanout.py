@@ -102,22 +102,24 @@ class RunFanout:
         call = self._stub.StreamRun(assistant_pb2.StreamRunRequest(caller=caller, chat_id=chat_id, run_id=run_id, after=0))
         hub.call = call
         try:
+            # Ready once the orchestrator has validated the request: its initial metadata carries
+            # the marker, or (when a replay sends no message at all, gRPC may fold the metadata
+            # into the trailers) the first message or a clean end of the stream shows it.
             metadata = await call.initial_metadata()
-            if not any(key == STREAM_READY for key, _ in metadata or ()):
-                await call.read()  # raises the orchestrator's status (e.g. NOT_FOUND)
-                raise StreamUnavailable()
-            if not hub.ready.done():
-                hub.ready.set_result(None)
+            if any(key == STREAM_READY for key, _ in metadata or ()):
+                _set_ready(hub)
             async for item in call:
+                _set_ready(hub)
                 hub.frames.append(sse.encode(item.event))
                 hub.wake()
+            _set_ready(hub)
         except asyncio.CancelledError:
             call.cancel()
             raise
-        except (grpc.aio.AioRpcError, StreamUnavailable) as error:
+        except grpc.aio.AioRpcError as error:
             if not hub.ready.done():
                 hub.ready.set_exception(error)
-            elif not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.CANCELLED:
+            elif error.code() != grpc.StatusCode.CANCELLED:
                 log.warning("run stream broke", extra={"fields": {"run_id": run_id}})
                 hub.frames.append(BROKEN_FRAME)
         finally:
@@ -126,6 +128,11 @@ class RunFanout:
             hub.finished = True
             hub.wake()
             self._forget(hub)
+
+
+def _set_ready(hub: _Hub) -> None:
+    if not hub.ready.done():
+        hub.ready.set_result(None)
 
 
 async def frames(fanout: RunFanout, hub: _Hub, after: int, heartbeat_s: float) -> AsyncIterator[bytes]:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
@@ -90,6 +90,9 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BodyError(400, f"{name} must be a number")
     return float(value)
+
+
+SDK_AUTH_TYPES = {"bearer_token": "bearer"}
 
 
 def infer_auth_type(auth_data: dict[str, Any] | None) -> str:
@@ -227,6 +230,8 @@ def tools_router(
         if expires_at:
             metadata["expires_at"] = expires_at
         auth_type = _string(body, "auth_type") or infer_auth_type(auth_data)
+        # the SDK's CredentialAuthOption names a bearer token "bearer_token" (modulex/types/realtime.py)
+        auth_type = SDK_AUTH_TYPES.get(auth_type, auth_type)
         response = await tools.CreateCredential(
             tools_pb2.CreateCredentialRequest(
                 organization_id=who.organization_id, integration_name=integration, auth_type=auth_type,
@@ -239,7 +244,8 @@ def tools_router(
 
     @router.get("/credentials", summary="The organization's credentials (metadata only), newest first", tags=["credentials"])
     async def list_credentials(
-        who: Principal = Who, integration_name: str | None = None, auth_type: str | None = None, limit: int = 100, offset: int = 0,
+        who: Principal = Who, integration_name: str | None = None, auth_type: str | None = None,
+        limit: int = Query(100, ge=1, le=500), offset: int = Query(0, ge=0, le=2**31 - 1),
     ) -> Response:
         if not 1 <= limit <= 500:
             raise BodyError(400, "limit must be between 1 and 500")
@@ -413,7 +419,9 @@ def tools_router(
         return JSONResponse(knowledge_base_json(response.knowledge_base, who.user_id), status_code=201)
 
     @router.get("/knowledge-bases", summary="The organization's knowledge bases, newest first", tags=["knowledge"])
-    async def list_knowledge_bases(who: Principal = Who, status: str | None = None, limit: int = 100, offset: int = 0) -> Response:
+    async def list_knowledge_bases(
+        who: Principal = Who, status: str | None = None, limit: int = Query(100, ge=1, le=500), offset: int = Query(0, ge=0, le=2**31 - 1)
+    ) -> Response:
         if not 1 <= limit <= 500:
             raise BodyError(400, "limit must be between 1 and 500")
         if offset < 0:

@@ -31,7 +31,7 @@ from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.events import EventLog
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
-from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage
+from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, clamp_usage
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.thread import choose_cut, estimate, load_rows, with_summary
 
@@ -173,6 +173,7 @@ class TurnRunner:
         except LoopFailure as failure:
             outcome = Outcome("failed", message=str(failure))
         except ModelError as failure:
+            failure.usage = clamp_usage(failure.usage)
             totals.usage.input_tokens += failure.usage.input_tokens
             totals.usage.output_tokens += failure.usage.output_tokens
             await self._record_usage(spec, totals.llm_calls, failure.usage)
@@ -191,6 +192,11 @@ class TurnRunner:
             pass
         except Exception:
             log.exception("finishing the run failed")
+            outcome = Outcome("failed", message="Internal error while finishing the turn.")
+            try:
+                await asyncio.shield(self._finish_minimal(spec, outcome))
+            except Exception:
+                log.exception("recording the failed run failed")
         finally:
             state.outcome = outcome.kind
             self.active.pop(spec.run_id, None)
@@ -237,6 +243,7 @@ class TurnRunner:
             totals.model_in_flight = True
             reply: ModelReply = await spec.model.generate(messages, tools, on_text)
             totals.model_in_flight = False
+            reply.usage = clamp_usage(reply.usage)
             call_index = totals.llm_calls
             totals.llm_calls += 1
             totals.reason_calls += 1
@@ -334,6 +341,7 @@ class TurnRunner:
             return None
 
         reply = await spec.model.generate([*older, prompt], [], ignore)
+        reply.usage = clamp_usage(reply.usage)
         call_index = totals.llm_calls
         totals.llm_calls += 1
         totals.usage.input_tokens += reply.usage.input_tokens
@@ -411,9 +419,21 @@ class TurnRunner:
             return None
         options = []
         for option in details.get("auth_options") or []:
-            if isinstance(option, dict):
-                auth_type = {"bearer": "bearer_token", "none": "custom"}.get(option.get("type") or option.get("auth_type"), option.get("type") or option.get("auth_type") or "custom")
-                options.append({"auth_type": auth_type, "display_name": option.get("display_name") or auth_type})
+            if not isinstance(option, dict):
+                continue
+            raw = option.get("type") or option.get("auth_type") or ""
+            if raw in ("none", ""):
+                continue  # nothing to connect
+            # the SDK's CredentialAuthOption literals: oauth2, api_key, bearer_token, modulex_key, custom
+            auth_type = {"bearer": "bearer_token"}.get(raw, raw)
+            if auth_type not in ("oauth2", "api_key", "bearer_token", "modulex_key", "custom"):
+                auth_type = "custom"
+            entry: dict[str, Any] = {"auth_type": auth_type, "display_name": option.get("label") or option.get("display_name") or auth_type}
+            if isinstance(option.get("fields"), dict):
+                entry["fields"] = [{"name": k, **(v if isinstance(v, dict) else {})} for k, v in (option["fields"].get("properties") or {}).items()]
+            if auth_type == "oauth2":
+                entry["oauth_initiate_endpoint"] = "/credentials/oauth2/initiate"
+            options.append(entry)
         return {"display_name": details.get("display_name") or name, "auth_options": options or None}
 
     def _record_usage_later(self, spec: RunSpec, totals: _Totals, call_index: int, usage: TokenUsage) -> None:
@@ -469,7 +489,8 @@ class TurnRunner:
             # tokens of a model call cut off by the cancel are billed like any other (spec: token
             # usage is recorded "regardless of whether the turn succeeds, errors, or is cancelled")
             partial = getattr(spec.model, "partial_usage", None)
-            if isinstance(partial, TokenUsage) and (partial.input_tokens or partial.output_tokens):
+            partial = clamp_usage(partial) if isinstance(partial, TokenUsage) else None
+            if partial is not None and (partial.input_tokens or partial.output_tokens):
                 totals.usage.input_tokens += partial.input_tokens
                 totals.usage.output_tokens += partial.output_tokens
                 await self._record_usage(spec, totals.llm_calls, partial)
@@ -492,6 +513,7 @@ class TurnRunner:
             )
             if outcome.kind == "interrupted":
                 interrupt = outcome.interrupt or {}
+                await session.execute(update(Chat).where(Chat.id == spec.chat_id).values(updated_at=utcnow()))
                 session.add(
                     Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="marker", content=None,
                             extra={"type": "interrupted", "request_id": interrupt.get("request_id"), "kind": interrupt.get("kind")})
@@ -521,6 +543,20 @@ class TurnRunner:
         self.events.close(run_id)
         await self.archive(run_id)
         log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
+
+    async def _finish_minimal(self, spec: RunSpec, outcome: Outcome) -> None:
+        """The last resort when `_finish` itself failed: mark the run failed, free the chat, and end
+        its stream with `error` then `done` (error: true, zero usage) so that nothing stays stuck."""
+        async with self.sessions() as session, session.begin():
+            await session.execute(update(Run).where(Run.id == spec.run_id).values(status="failed", error=outcome.message, updated_at=utcnow()))
+            await session.execute(
+                update(Chat).where(Chat.id == spec.chat_id, Chat.running_id == spec.run_id).values(running_id=None, updated_at=utcnow())
+            )
+        self.events.reopen(spec.run_id)
+        self._publish(spec.run_id, error=events_pb2.ErrorEvent(message=outcome.message))
+        self._publish(spec.run_id, done=events_pb2.DoneEvent(response="", usage=events_pb2.Usage(), error=True))
+        self.events.close(spec.run_id)
+        await self.archive(spec.run_id)
 
     async def archive(self, run_id: str) -> None:
         """Write the run's events to `run_events` (one transaction; existing rows kept).

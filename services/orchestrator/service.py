@@ -541,7 +541,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             chats = chats[:limit]
             last = chats[-1]
             next_cursor = base64.urlsafe_b64encode(f"{_aware(last.created_at).isoformat()}|{last.id}".encode()).decode()
-        return assistant_pb2.ListChatsResponse(chats=[self._chat_message(c) for c in chats], next_cursor=next_cursor)
+        pending: dict[str, Interrupt] = {}
+        if chats:
+            async with self.sessions() as session:
+                rows = (await session.execute(
+                    select(Interrupt).where(Interrupt.chat_id.in_([c.id for c in chats]), Interrupt.outcome == "pending")
+                )).scalars()
+                pending = {row.chat_id: row for row in rows if _aware(row.expires_at) > utcnow()}
+        return assistant_pb2.ListChatsResponse(chats=[self._chat_message(c, pending.get(c.id)) for c in chats], next_cursor=next_cursor)
 
     @unary
     async def GetChatStatus(self, request: assistant_pb2.GetChatStatusRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatStatusResponse:

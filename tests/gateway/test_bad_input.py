@@ -64,3 +64,23 @@ async def test_unknown_provider_is_400_before_anything_is_written(stack):
         )
     assert response.status_code == 400
     assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_scripted_model_outside_its_list_is_400(stack):
+    async with stack.client() as client:
+        response = await client.post(
+            "/assistant/chat", json={"message": "hi", "llm": {"integration_name": "loopline", "provider_id": "scripted", "model_id": "gpt-99"}}
+        )
+    assert response.status_code == 400
+    assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_out_of_range_integers_are_400_not_500(stack):
+    import uuid
+
+    async with stack.client() as client:
+        listen = await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}", params={"after": str(2**63)})
+        creds = await client.get("/credentials", params={"offset": "99999999999999999999"})
+        chats = await client.get("/assistant/chats", params={"limit": str(2**70)})
+    assert (listen.status_code, creds.status_code, chats.status_code) == (400, 400, 400)
+    assert "detail" in listen.json() and "detail" in creds.json()

@@ -107,3 +107,14 @@ async def test_sdk_reads_match_its_models(stack):
     assert status.is_running is False
     deleted = await client.assistant.delete(turn.chat_id)
     assert deleted.status == "deleted"
+
+
+async def test_paused_chat_is_not_listed_as_running(stack):
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"tool": "ask_user_yes_no", "input": {"message": "ok?"}})
+        assert frames[-1]["type"] == "interrupted"
+        listing = (await client.get("/assistant/chats")).json()
+        item = next(i for i in listing["items"] if i["id"] == body["chat_id"])
+        status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+    assert item["is_running"] is False and status["is_running"] is False and status["awaiting_input"] is True
+    assert item["updated_at"] >= item["created_at"]

@@ -256,3 +256,18 @@ async def test_credential_connected_resumes_the_paused_run_by_itself(stack):
         assert rest[-1]["type"] == "done"
         status = (await client.get(f"/assistant/chat/{other['chat_id']}/status")).json()
         assert status["awaiting_input"] is True
+
+
+async def test_credential_question_offers_only_auth_types_that_can_be_connected(stack):
+    from modulex.types.realtime import parse_user_input_request
+
+    async with stack.client() as client:
+        body, frames = await _ask(client, "request_credential", {"integration": "http", "message": "need http"})
+        request = frames[-2]["data"]
+        parsed = parse_user_input_request(request)  # the SDK's own model accepts it
+        kinds = [o.auth_type for o in parsed.auth_options]
+        assert "custom" not in kinds and set(kinds) == {"bearer_token", "api_key"}
+        for option in request["auth_options"]:
+            auth_data = {"token": "t0ken-value"} if option["auth_type"] == "bearer_token" else {"api_key": "k3y-value", "header_name": "X-Key"}
+            created = await client.post("/credentials", json={"integration_name": "http", "auth_type": option["auth_type"], "auth_data": auth_data})
+            assert created.status_code == 201, created.text

@@ -222,3 +222,30 @@ async def test_listeners_of_one_run_share_one_upstream_stream(stack):
         results = await asyncio.gather(*listeners)
     assert all(r == results[0] for r in results) and results[0][-1]["type"] == "done"
     await wait_for(lambda: fanout.active_runs() == 0)
+
+
+async def test_out_of_range_usage_fails_the_run_cleanly_and_frees_the_chat(stack):
+    async with stack.client() as client:
+        for usage in ({"input_tokens": 2**62, "output_tokens": 1}, {"input_tokens": -1000, "output_tokens": 5}, {"input_tokens": "abc"}):
+            body, frames = await run_turn(client, {"say": "x", "usage": usage})
+            assert types(frames)[-2:] == ["error", "done"], frames
+            assert "usage" in frames[-2]["data"]["message"]
+            assert frames[-1]["data"]["usage"]["total_tokens"] >= 0
+            assert (await _chat_row(stack, body["chat_id"])).running_id is None
+
+
+def test_provider_usage_is_clamped_before_it_reaches_billing_or_events():
+    from services.orchestrator.providers.base import TokenUsage, clamp_usage
+
+    clamped = clamp_usage(TokenUsage(input_tokens=-5, output_tokens=2**62, cache_read_tokens=7, cache_write_tokens=True, estimated=True))
+    assert (clamped.input_tokens, clamped.output_tokens, clamped.cache_read_tokens, clamped.cache_write_tokens) == (0, 0, 7, 0)
+    assert clamped.estimated is True
+
+
+async def test_reconnect_at_or_past_the_end_is_an_empty_stream_every_time(stack):
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "short"})
+        for n in [len(frames)] * 15 + [len(frames) + 3]:
+            response = await client.get(body["stream_url"], params={"after": n})
+            assert response.status_code == 200, response.text
+            assert response.content == b""

@@ -35,6 +35,28 @@ class TokenUsage:
     estimated: bool = False
 
 
+MAX_TOKENS_PER_CALL = 10**9
+
+
+def clamp_usage(usage: "TokenUsage | None") -> "TokenUsage":
+    """`usage` with every count an int in [0, 10**9] (anything else becomes 0, `estimated` kept).
+
+    Provider responses are untrusted input: a negative, huge or non-integer count must not
+    reach billing or the int64 fields of events.
+    """
+    if usage is None:
+        return TokenUsage()
+
+    def fit(value: object) -> int:
+        return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS_PER_CALL else 0
+
+    return TokenUsage(
+        input_tokens=fit(usage.input_tokens), output_tokens=fit(usage.output_tokens),
+        cache_read_tokens=fit(usage.cache_read_tokens), cache_write_tokens=fit(usage.cache_write_tokens),
+        estimated=bool(usage.estimated),
+    )
+
+
 @dataclass
 class ModelReply:
     """What one model call produced: its full text, its tool calls (maybe several) and usage."""

@@ -24,6 +24,8 @@ from services.orchestrator.providers.base import ChatModel
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
 
+SCRIPTED_MODELS = frozenset({"default"})
+
 SecretResolver = Callable[[str, str, str], Awaitable[str]]
 """`(organization_id, credential_id, integration) -> api key`, integration "openai" or
 "anthropic"; raises LookupError when the credential is absent, another organization's, for
@@ -105,7 +107,9 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
     if provider_id == "scripted":
         if not settings.scripted_model_enabled:
             raise UnknownModel("the scripted model is disabled on this deployment")
-        return ScriptedModel(model_id or "default")
+        if model_id not in SCRIPTED_MODELS:
+            raise UnknownModel(f"unknown model {model_id!r} for provider 'scripted' (use 'default')")
+        return ScriptedModel(model_id)
     config = providers(settings).get(provider_id)
     if config is None:
         raise UnknownModel(f"unknown model provider {provider_id!r}")

@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 from services.orchestrator.providers.base import (
+    MAX_TOKENS_PER_CALL,
     ModelError,
     ModelReply,
     OnText,
@@ -94,6 +95,11 @@ class ScriptedModel:
             await asyncio.sleep(sleep_ms / 1000)
 
         reported = step.get("usage") if isinstance(step.get("usage"), dict) else None
+        if reported is not None and not all(
+            isinstance(reported.get(k, 0), int) and not isinstance(reported.get(k, 0), bool) and 0 <= reported.get(k, 0) <= MAX_TOKENS_PER_CALL
+            for k in ("input_tokens", "output_tokens")
+        ):
+            raise ModelError("scripted model: usage counts must be integers between 0 and 1000000000")
         text = str(step.get("say", "")) if step.get("say") is not None else ""
         usage = TokenUsage(
             input_tokens=int(reported.get("input_tokens", 0)) if reported else input_estimate,

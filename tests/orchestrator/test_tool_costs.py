@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 from sqlalchemy import select
 
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.billing.models import LedgerEntry
+from tests.conftest import start_stack, stop_stack
 from tests.orchestrator.helpers import run_turn
+
+
+@pytest.fixture
+async def stack(tmp_path):
+    """A stack whose operator allows private addresses (the test database is on loopback)."""
+    running = await start_stack(tmp_path, tools={"tools_allow_private_network": True})
+    try:
+        yield running
+    finally:
+        await stop_stack(running)
 
 
 async def test_integration_action_cost_is_charged_once(stack):

@@ -18,7 +18,9 @@ def run(action: str, **parameters):
 
 
 @pytest.fixture
-async def pg_tools(tools, pg_schema, pg_dsn):
+async def pg_tools(start_tools, pg_schema, pg_dsn):
+    """A tools server whose operator allows private addresses (the test database is on loopback)."""
+    tools = await start_tools(tools_allow_private_network=True)
     await tools.create_credential("postgresql", {"dsn": pg_dsn})
     return tools
 
@@ -79,7 +81,7 @@ async def test_write_queries_are_refused_by_the_read_only_transaction(pg_tools, 
 
 
 async def test_slow_query_returns_a_timeout_error_within_the_limit(start_tools, pg_schema, pg_dsn):
-    tools = await start_tools(tools_timeout_s=1.0)
+    tools = await start_tools(tools_timeout_s=1.0, tools_allow_private_network=True)
     await tools.create_credential("postgresql", {"dsn": pg_dsn})
     started = time.monotonic()
     error = await tools.failed("execute_integration_tool", run("run_query", sql="SELECT pg_sleep(20)"))
@@ -127,8 +129,18 @@ async def test_cancelled_call_stops_the_running_query_and_closes_its_connection(
         pytest.fail("the query kept running, or its connection stayed open, after the call was cancelled")
 
 
-async def test_connection_errors_never_show_the_password(tools, pg_schema):
+async def test_connection_errors_never_show_the_password(start_tools, pg_schema):
+    tools = await start_tools(tools_allow_private_network=True)
     await tools.create_credential("postgresql", {"dsn": "postgresql://postgres:Sup3rSecretPw@127.0.0.1:1/test"})
     error = await tools.failed("execute_integration_tool", run("list_schemas"))
     assert "could not connect to PostgreSQL" in error
     assert "Sup3rSecretPw" not in error
+
+
+async def test_outbound_policy_refuses_a_loopback_or_socket_dsn_by_default(tools, pg_dsn):
+    await tools.create_credential("postgresql", {"dsn": pg_dsn})
+    error = await tools.failed("execute_integration_tool", run("list_schemas"))
+    assert "not allowed" in error and "loopback" in error
+    await tools.create_credential("postgresql", {"dsn": "postgresql://postgres@/test?host=/var/run/postgresql"}, make_default=True)
+    error = await tools.failed("execute_integration_tool", run("list_schemas"))
+    assert "not allowed" in error

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import urllib.parse
 import datetime
 import decimal
 import ipaddress
@@ -23,6 +24,7 @@ from typing import Any
 
 import asyncpg
 
+from services.tools.netpolicy import OutboundPolicyError, resolve_checked
 from services.tools.catalogue import ActionContext, ActionError
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,29 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+async def _check_destination(dsn: str, allow_private: bool) -> None:
+    """Apply the deployment's outbound policy to the DSN's host (issue 6: URLs an organization
+    supplies may not reach loopback, link-local or private addresses unless the operator allows
+    them). Unix sockets and several hosts count as private. Raises ActionError when refused."""
+    try:
+        parsed = urllib.parse.urlsplit(dsn)
+        port = parsed.port or 5432
+    except ValueError as exc:
+        raise ActionError("the credential's `dsn` is not a valid postgresql:// URL") from exc
+    if parsed.scheme not in ("postgresql", "postgres"):
+        raise ActionError("the credential's `dsn` must start with postgresql://")
+    query = urllib.parse.parse_qs(parsed.query)
+    hosts = [parsed.hostname] if parsed.hostname else []
+    if not hosts or "host" in query or "," in (parsed.netloc or ""):
+        if allow_private:
+            return
+        raise ActionError("the database host must be one public host name or address (sockets and host lists are not allowed here)")
+    try:
+        await resolve_checked(hosts[0], port, allow_private)
+    except OutboundPolicyError as exc:
+        raise ActionError(f"the database host is not allowed: {exc}") from exc
+
+
 @contextlib.asynccontextmanager
 async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
     """A connection from the credential's DSN inside a READ ONLY transaction; closed on exit.
@@ -152,6 +177,7 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
     if not isinstance(dsn, str) or not dsn:
         raise ActionError("the credential has no `dsn` field; connect a PostgreSQL credential with a connection URL")
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
+    await _check_destination(dsn, ctx.allow_private_network)
     timeout_ms = max(1, int(ctx.timeout_s * 1000))
     try:
         connection = await asyncpg.connect(

@@ -285,11 +285,14 @@ class TurnRunner:
                 tool_call=events_pb2.ToolCallEvent(tool=call.name, input=pb.to_struct(call.input), tool_call_id=call.id),
             )
             if call.name in hitl.TOOL_KINDS:
-                interrupt = await self._ask(spec, call)
+                interrupt, invalid = await self._ask(spec, call)
                 if interrupt is not None:
                     totals.pending_call = None
                     return Outcome("interrupted", interrupt=interrupt)
-                continue  # the question was malformed; the error result is in the thread
+                # the question was malformed: its error result is in the thread and counts as a failed tool call
+                totals.pending_call = None
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=pb.to_struct(call.input), output=pb.to_value(invalid)))
+                continue
 
             output, ok = await self._execute(spec, call)
             await self._store_tool_result(spec, call.id, call.name, output)
@@ -377,8 +380,9 @@ class TurnRunner:
             return pb.from_value(response.output), True
         return {"error": response.error or "the tool failed", "success": False}, False
 
-    async def _ask(self, spec: RunSpec, call: Any) -> dict[str, Any] | None:
-        """Store a HITL question for `call`; returns it, or None (with an error result stored) if malformed."""
+    async def _ask(self, spec: RunSpec, call: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Store a HITL question for `call`; returns (question, None), or (None, error output) when the
+        question is malformed (the error result is stored in the thread and published)."""
         request_id = str(uuid.uuid4())
         try:
             integration = None
@@ -389,7 +393,7 @@ class TurnRunner:
             output = {"error": f"invalid question: {invalid}", "success": False}
             await self._store_tool_result(spec, call.id, call.name, output)
             self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=pb.to_value(output)))
-            return None
+            return None, output
         async with self.sessions() as session, session.begin():
             session.add(
                 Interrupt(
@@ -398,7 +402,7 @@ class TurnRunner:
                     expires_at=utcnow() + datetime.timedelta(seconds=self.settings.pending_ttl_s),
                 )
             )
-        return request
+        return request, None
 
     async def _integration_info(self, spec: RunSpec, tool_input: dict[str, Any]) -> dict[str, Any] | None:
         name = str(tool_input.get("integration") or tool_input.get("integration_name") or "")

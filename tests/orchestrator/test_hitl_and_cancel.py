@@ -271,3 +271,12 @@ async def test_credential_question_offers_only_auth_types_that_can_be_connected(
             auth_data = {"token": "t0ken-value"} if option["auth_type"] == "bearer_token" else {"api_key": "k3y-value", "header_name": "X-Key"}
             created = await client.post("/credentials", json={"integration_name": "http", "auth_type": option["auth_type"], "auth_data": auth_data})
             assert created.status_code == 201, created.text
+
+
+async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
+    async with stack.client() as client:
+        _, frames = await run_turn(client, {"tool": "ask_user_yes_no", "input": {}}, {"say": "ok"})
+    result = next(f for f in frames if f["type"] == "tool_result")["data"]["output"]
+    assert result["success"] is False and "invalid question" in result["error"]
+    assert frames[-1]["type"] == "done"
+    assert [c["tool"] for c in frames[-1]["data"]["tool_calls"]] == ["ask_user_yes_no"]

@@ -23,6 +23,7 @@ from modulex._exceptions import NotFoundError
 from modulex._exceptions import PermissionError as PermissionDeniedError
 
 from tests.orchestrator.helpers import run_turn
+from tests.sse_client import read_frames
 from tests.tools.tools_stack import PG_DSN, failure_mcp_app, serve_asgi, tools_stack
 
 SECRET_DSN = PG_DSN  # no password on the local server: the DSN itself is the secret under test
@@ -310,6 +311,10 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
         }])
         async with tools_stack(tmp_path, tools={"tools_oauth2_integrations": provider}) as stack, stack.client() as client:
             callback = f"{stack.base_url}/credentials/oauth2/callback"
+            # a turn waits for this integration's credential (issue 4: OAuth auto-resume)
+            paused, paused_frames = await run_turn(
+                client, {"tool": "request_credential", "input": {"integration": "acme", "message": "connect Acme"}}, {"say": "resumed by itself"})
+            assert paused_frames[-2]["data"]["auth_options"][0]["auth_type"] == "oauth2"
             sdk = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
             try:
                 started = await sdk.credentials.initiate_oauth2("acme", redirect_uri=callback, display_name="Acme account")
@@ -327,8 +332,13 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
             assert connected["status"] == "connected" and connected["integration_name"] == "acme"
             assert connected["auth_type"] == "oauth2" and connected["display_name"] == "Acme account"
             assert "at-secret" not in done.text and "rt-secret" not in done.text
-            # The orchestrator is told (its server side is another engineer's: UNIMPLEMENTED is tolerated).
-            assert isinstance(connected["orchestrator_notified"], bool)
+            # The orchestrator is told, and the paused run resumes by itself: run_resumed on the old stream.
+            assert connected["orchestrator_notified"] is True
+            old_stream = await read_frames(client, paused["stream_url"])
+            assert old_stream[-1]["type"] == "run_resumed"
+            new_run = old_stream[-1]["data"]["new_run_id"]
+            rest = await read_frames(client, f"/assistant/chat/{paused['chat_id']}/listen/{new_run}")
+            assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "resumed by itself"
             again = await httpx.AsyncClient().get(redirect.headers["location"])
             assert again.status_code == 400  # the state is single-use
             listing = (await client.get("/credentials", params={"integration_name": "acme"})).json()

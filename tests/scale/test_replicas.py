@@ -74,6 +74,7 @@ async def test_cancel_through_the_other_replica_stops_the_loop_within_a_second(c
         assert cancelled.status_code == 200, (cancelled.text, cluster.logs())
         assert cancelled.json()["status"] == "cancelled"
         assert elapsed < 1.5, f"cancel across replicas took {elapsed:.2f} s"
+        print(f"cross-replica cancel answered in {elapsed:.3f} s")
         frames = await asyncio.wait_for(listener, 10)
         assert types(frames) == ["metadata", "cancelled"], types(frames)
         # the chat is free at once, on either replica
@@ -108,6 +109,7 @@ async def test_a_run_whose_orchestrator_is_killed_fails_within_the_lease_bound(c
         assert frames[-1]["data"]["error"] is True
         assert "stopped unexpectedly" in frames[1]["data"]["message"]
         assert detected <= LEASE_S + 1, f"crash detected after {detected:.1f} s (bound {LEASE_S} s)"
+        print(f"crash of the run's replica detected after {detected:.2f} s (lease bound {LEASE_S} s)")
 
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["is_running"] is False and not status["running_id"]

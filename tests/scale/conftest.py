@@ -175,6 +175,13 @@ class Cluster:
         return "\n".join(f"--- {r.name}\n{r.log.read_text()[-3000:]}" for r in self.replicas if r.log.exists())
 
 
+@pytest.fixture(autouse=True)
+def _postgres_pass_only() -> None:
+    """Every scale test runs in the PostgreSQL + Redis pass only (`make test` stays SQLite + memory)."""
+    if selected_backend() != "postgres":
+        pytest.skip("scale-out tests run on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-pg)")
+
+
 @pytest.fixture
 async def cluster(tmp_path) -> AsyncIterator[Cluster]:
     """Fresh PostgreSQL databases + Redis prefix, billing and tools in-process, an owner's key.

@@ -8,7 +8,6 @@ reads of the official SDK (`modulex/types/assistant.py`).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime
 import functools
@@ -27,7 +26,7 @@ from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
-from services.common.errors import BILLING_DOMAIN, RpcError, abort
+from services.common.errors import RpcError, abort
 from services.orchestrator import hitl
 from services.orchestrator.backend import MemoryBackend, RunBackend
 from services.orchestrator.config import OrchestratorSettings
@@ -157,6 +156,16 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     await writer.execute(update(Chat).where(Chat.id == chat.id, Chat.running_id == interrupt.run_id).values(running_id=None))
             raise _Expired(interrupt)
         return interrupt
+
+    async def _chat_and_pending(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str) -> tuple[Chat, Interrupt | None]:
+        """The caller's chat and its pending question; an expired question is settled and the chat re-read."""
+        chat = await self._chat(session, caller, chat_id)
+        try:
+            return chat, await self._pending(session, chat)
+        except _Expired:
+            await session.rollback()
+            await session.refresh(chat)
+            return chat, None
 
     def _llm(self, message: assistant_pb2.LlmConfig | None, has: bool) -> dict[str, Any]:
         if has and message is not None and message.provider_id:
@@ -484,13 +493,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def GetChat(self, request: assistant_pb2.GetChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatResponse:
         """The chat with its messages (oldest first) and its pending question."""
         async with self.sessions() as session:
-            chat = await self._chat(session, request.caller, request.chat_id)
-            try:
-                pending = await self._pending(session, chat)
-            except _Expired:
-                pending = None
-                await session.rollback()
-                await session.refresh(chat)
+            chat, pending = await self._chat_and_pending(session, request.caller, request.chat_id)
             rows = (await session.execute(select(Message).where(Message.chat_id == chat.id).order_by(Message.seq))).scalars().all()
             statuses = dict((await session.execute(select(Run.id, Run.status).where(Run.chat_id == chat.id))).all())
         messages = []
@@ -554,13 +557,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def GetChatStatus(self, request: assistant_pb2.GetChatStatusRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatStatusResponse:
         """running / awaiting_input / idle, the pending question's id and the latest run's status."""
         async with self.sessions() as session:
-            chat = await self._chat(session, request.caller, request.chat_id)
-            try:
-                pending = await self._pending(session, chat)
-            except _Expired:
-                pending = None
-                await session.rollback()
-                await session.refresh(chat)
+            chat, pending = await self._chat_and_pending(session, request.caller, request.chat_id)
             latest = (await session.execute(select(Run).where(Run.chat_id == chat.id).order_by(Run.created_at.desc()).limit(1))).scalars().first()
         response = assistant_pb2.GetChatStatusResponse(
             chat_id=chat.id, is_running=bool(chat.running_id) and pending is None, awaiting_input=pending is not None,

@@ -26,9 +26,9 @@ from typing import Any
 import anthropic
 
 from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, estimate_tokens
-from services.orchestrator.providers.openai_compat import add_usage, parse_arguments
+from services.orchestrator.providers.openai_compat import parse_arguments
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
-from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, call_with_retries, classify
+from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -197,23 +197,8 @@ class AnthropicModel:
         input_estimate = estimate_tokens(json.dumps([system, wire_tools, wire_messages]))
         total = TokenUsage()
         self.partial_usage = total
-        current = _Attempt()
-
-        async def attempt() -> _Attempt:
-            nonlocal current
-            current = _Attempt()
-            try:
-                await self._stream_once(request, current, on_text)
-            except Exception as error:
-                if current.opened and classify(error).kind == "connection failed":
-                    raise IncompleteStream("the connection broke mid-stream") from error
-                raise
-            finally:
-                add_usage(total, current.usage(input_estimate))
-            return current
-
-        done = await call_with_retries(
-            self.provider_id, self._policy, attempt, emitted=lambda: current.emitted, usage=lambda: total,
+        done = await stream_with_retries(
+            self.provider_id, self._policy, _Attempt, lambda state: self._stream_once(request, state, on_text), total, input_estimate,
         )
         calls = [
             ToolCallRequest(id=b["id"], name=b["name"], input=parse_arguments(b["json"]) if b["json"] else dict(b["input"]))

@@ -57,6 +57,15 @@ def clamp_usage(usage: "TokenUsage | None") -> "TokenUsage":
     )
 
 
+def add_usage(total: TokenUsage, part: TokenUsage) -> None:
+    """Add `part` into `total` in place (estimated if either is)."""
+    total.input_tokens += part.input_tokens
+    total.output_tokens += part.output_tokens
+    total.cache_read_tokens += part.cache_read_tokens
+    total.cache_write_tokens += part.cache_write_tokens
+    total.estimated = total.estimated or part.estimated
+
+
 @dataclass
 class ModelReply:
     """What one model call produced: its full text, its tool calls (maybe several) and usage."""

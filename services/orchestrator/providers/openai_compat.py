@@ -24,7 +24,7 @@ import openai
 
 from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, estimate_tokens
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
-from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, call_with_retries, classify
+from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,6 @@ class _Attempt:
         return TokenUsage(input_tokens=input_estimate, output_tokens=estimate_tokens(produced) if produced else 0, estimated=True)
 
 
-def add_usage(total: TokenUsage, part: TokenUsage) -> None:
-    """Add `part` into `total` in place (estimated if either is)."""
-    total.input_tokens += part.input_tokens
-    total.output_tokens += part.output_tokens
-    total.cache_read_tokens += part.cache_read_tokens
-    total.cache_write_tokens += part.cache_write_tokens
-    total.estimated = total.estimated or part.estimated
-
-
 class OpenAICompatModel:
     """A chat model behind an OpenAI-compatible `/chat/completions` endpoint.
 
@@ -163,23 +154,8 @@ class OpenAICompatModel:
         input_estimate = estimate_tokens(json.dumps(wire_messages)) + (estimate_tokens(json.dumps(request["tools"])) if tools else 0)
         total = TokenUsage()
         self.partial_usage = total
-        current = _Attempt()
-
-        async def attempt() -> _Attempt:
-            nonlocal current
-            current = _Attempt()
-            try:
-                await self._stream_once(request, current, on_text)
-            except Exception as error:
-                if current.opened and classify(error).kind == "connection failed":
-                    raise IncompleteStream("the connection broke mid-stream") from error
-                raise
-            finally:
-                add_usage(total, current.usage(input_estimate))
-            return current
-
-        done = await call_with_retries(
-            self.provider_id, self._policy, attempt, emitted=lambda: current.emitted, usage=lambda: total,
+        done = await stream_with_retries(
+            self.provider_id, self._policy, _Attempt, lambda state: self._stream_once(request, state, on_text), total, input_estimate,
         )
         calls = [
             ToolCallRequest(id=c["id"] or f"call_{uuid.uuid4().hex[:24]}", name=c["name"], input=parse_arguments(c["args"]))

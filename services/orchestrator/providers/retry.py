@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from services.orchestrator.providers.base import ModelError, TokenUsage
+from services.orchestrator.providers.base import ModelError, TokenUsage, add_usage
 
 log = logging.getLogger(__name__)
 
@@ -201,3 +201,38 @@ async def call_with_retries(
             if too_long and failure.retryable:
                 suffix += " (retry-after too long)"
             raise ModelError(f"{provider_id}: {failure.kind}{suffix}", usage=usage()) from None
+
+
+async def stream_with_retries(
+    provider_id: str,
+    policy: RetryPolicy,
+    new_attempt: Callable[[], Any],
+    stream_once: Callable[[Any], Awaitable[None]],
+    total: TokenUsage,
+    input_estimate: int,
+) -> Any:
+    """Run one streamed model call under the retry rule and return the attempt that succeeded.
+
+    `new_attempt()` makes the per-attempt state (with `opened`, `emitted` and
+    `usage(input_estimate)`); `stream_once(state)` streams into it. A connection that
+    breaks after the stream opened is an IncompleteStream (retried only while nothing was
+    emitted). Every attempt's usage is added to `total`, also when it fails. Raises
+    ModelError as `call_with_retries` does.
+    """
+    current = new_attempt()
+
+    async def attempt() -> Any:
+        nonlocal current
+        current = new_attempt()
+        try:
+            await stream_once(current)
+        except Exception as error:
+            if current.opened and classify(error).kind == "connection failed":
+                raise IncompleteStream("the connection broke mid-stream") from error
+            raise
+        finally:
+            add_usage(total, current.usage(input_estimate))
+        return current
+
+    return await call_with_retries(provider_id, policy, attempt, emitted=lambda: current.emitted, usage=lambda: total)
+

@@ -22,9 +22,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.common.db import apply_sqlite_pragmas
 
 T = TypeVar("T")
 
@@ -42,15 +44,7 @@ class TxnRunner:
             self._sync = create_engine(
                 url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=1, max_overflow=0
             )
-
-            @event.listens_for(self._sync, "connect")
-            def _pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001
-                cursor = dbapi_connection.cursor()
-                cursor.execute("PRAGMA journal_mode=WAL")
-                cursor.execute("PRAGMA synchronous=NORMAL")
-                cursor.execute("PRAGMA foreign_keys=ON")
-                cursor.execute("PRAGMA busy_timeout=30000")
-                cursor.close()
+            apply_sqlite_pragmas(self._sync)
 
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="billing-db")
 

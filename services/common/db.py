@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 
+SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=30000")
+
+
+def apply_sqlite_pragmas(sync_engine: Any) -> None:
+    """Set WAL, synchronous=NORMAL, foreign keys and a 30 s busy timeout on every new SQLite connection."""
+
+    @event.listens_for(sync_engine, "connect")
+    def _pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001
+        cursor = dbapi_connection.cursor()
+        for pragma in SQLITE_PRAGMAS:
+            cursor.execute(f"PRAGMA {pragma}")
+        cursor.close()
+
+
 def make_engine(url: str) -> AsyncEngine:
     """Create an async engine for `url`; SQLite gets WAL, a 30 s busy timeout and foreign keys."""
     parsed = make_url(url)
@@ -27,16 +41,7 @@ def make_engine(url: str) -> AsyncEngine:
         if parsed.database and parsed.database != ":memory:":
             pathlib.Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_async_engine(url, connect_args={"timeout": 30})
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.close()
-
+        apply_sqlite_pragmas(engine.sync_engine)
         return engine
     return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
 

@@ -154,25 +154,7 @@ class CredentialStore:
             created_at=now,
             updated_at=now,
         )
-        async with self._sessions() as session, session.begin():
-            existing_default = await session.scalar(
-                select(Credential.id).where(
-                    Credential.org_id == org_id, Credential.integration == integration_name, Credential.is_default
-                )
-            )
-            if make_default and existing_default:
-                await session.execute(
-                    update(Credential)
-                    .where(Credential.org_id == org_id, Credential.integration == integration_name)
-                    .values(is_default=False)
-                )
-            row.is_default = make_default or existing_default is None
-            session.add(row)
-        log.info(
-            "credential created",
-            extra={"fields": {"credential_id": row.id, "org_id": org_id, "integration": integration_name}},
-        )
-        return CredentialInfo.of(row)
+        return await self._insert(row, make_default)
 
     async def list(
         self,
@@ -285,25 +267,7 @@ class CredentialStore:
             created_at=now,
             updated_at=now,
         )
-        async with self._sessions() as session, session.begin():
-            existing_default = await session.scalar(
-                select(Credential.id).where(
-                    Credential.org_id == org_id, Credential.integration == integration_name, Credential.is_default
-                )
-            )
-            if make_default and existing_default:
-                await session.execute(
-                    update(Credential)
-                    .where(Credential.org_id == org_id, Credential.integration == integration_name)
-                    .values(is_default=False)
-                )
-            row.is_default = make_default or existing_default is None
-            session.add(row)
-        log.info(
-            "credential created",
-            extra={"fields": {"credential_id": row.id, "org_id": org_id, "integration": integration_name}},
-        )
-        return CredentialInfo.of(row)
+        return await self._insert(row, make_default)
 
     async def integration_taken(self, org_id: str, integration_name: str) -> bool:
         """Whether the organization has a credential for `integration_name`."""
@@ -354,6 +318,30 @@ class CredentialStore:
         async with self._sessions() as session:
             rows = await session.scalars(select(Credential.integration).where(Credential.org_id == org_id).distinct())
             return set(rows.all())
+
+    async def _insert(self, row: Credential, make_default: bool) -> CredentialInfo:
+        """Store a new credential row; it becomes the default of its integration when asked, or
+        when the organization has none for that integration yet (then the old default is cleared)."""
+        org_id, integration_name = row.org_id, row.integration
+        async with self._sessions() as session, session.begin():
+            existing_default = await session.scalar(
+                select(Credential.id).where(
+                    Credential.org_id == org_id, Credential.integration == integration_name, Credential.is_default
+                )
+            )
+            if make_default and existing_default:
+                await session.execute(
+                    update(Credential)
+                    .where(Credential.org_id == org_id, Credential.integration == integration_name)
+                    .values(is_default=False)
+                )
+            row.is_default = make_default or existing_default is None
+            session.add(row)
+        log.info(
+            "credential created",
+            extra={"fields": {"credential_id": row.id, "org_id": org_id, "integration": integration_name}},
+        )
+        return CredentialInfo.of(row)
 
     async def resolve(
         self, org_id: str, integration_name: str, credential_id: str | None

@@ -32,7 +32,7 @@ import orjson
 from bench.deploy import ROOT, SERVICES, Deployment
 from bench.http import Connection, HTTPError
 
-WORKLOADS = ("latency", "throughput", "admission", "fanout")
+WORKLOADS = ("latency", "throughput", "admission", "fanout", "tools")
 MiB = 1024 * 1024
 
 # One tool call, then an answer in 10 chunks (11 words -> 10 chunks).
@@ -252,6 +252,101 @@ async def workload_admission(dep: Deployment, pairs: int, concurrency: int, time
         "elapsed_s": _r(elapsed), "pairs_per_s": _r(len(pair_s) / elapsed if elapsed else 0.0),
         "pair": summary(pair_s), "admit": summary(admit_s), "charge": summary(charge_s),
         "billing_cpu_ms_per_pair": _r(billing_cpu * 1000 / max(1, len(pair_s))),
+    }
+
+
+# ----------------------------------------------------------------------------- tools (issue 6)
+
+
+def _corpus_paragraph(rng: Any, vocabulary: list[str], chars: int = 900) -> str:
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(vocabulary)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+async def workload_tools(dep: Deployment, calls: int, chunks: int, searches: int) -> dict[str, Any]:
+    """The overhead of a no-op tool call and search latency over `chunks` chunks, over gRPC.
+
+    No-op: ExecuteTool(execute_integration_tool loopline.echo) sequentially, beside a
+    grpc.health.v1 Check on the same channel as the bare round-trip baseline; the overhead is
+    the difference of the medians. Search: a knowledge base filled with `chunks` chunks of
+    ~900 characters of pseudo-words (100 chunks per document), then `searches` SearchKnowledge
+    calls with two-word queries, top_k 5.
+    """
+    import random
+
+    import grpc
+    from google.protobuf import struct_pb2
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+
+    org = f"org_bench_tools_{uuid.uuid4().hex[:8]}"
+    channel = grpc.aio.insecure_channel(dep.grpc_addr["tools"], options=[("grpc.enable_http_proxy", 0), ("grpc.max_send_message_length", 64 << 20)])
+    stub = tools_pb2_grpc.ToolsServiceStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    echo_input = struct_pb2.Struct()
+    echo_input.update({"integration": "loopline", "action": "echo", "parameters": {"message": "ping"}})
+    try:
+        for _ in range(20):  # warm-up
+            await stub.ExecuteTool(tools_pb2.ExecuteToolRequest(organization_id=org, tool="execute_integration_tool", input=echo_input), timeout=10)
+            await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        tool_s, health_s = [], []
+        cpu0 = dep.cpu()["tools"]
+        for i in range(calls):
+            t0 = time.perf_counter()
+            response = await stub.ExecuteTool(
+                tools_pb2.ExecuteToolRequest(organization_id=org, tool="execute_integration_tool", input=echo_input, run_id="bench", tool_call_id=f"c{i}"),
+                timeout=10,
+            )
+            t1 = time.perf_counter()
+            await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            t2 = time.perf_counter()
+            if not response.success:
+                raise RuntimeError(f"echo failed: {response.error}")
+            tool_s.append(t1 - t0)
+            health_s.append(t2 - t1)
+        tools_cpu = dep.cpu()["tools"] - cpu0
+
+        rng = random.Random(20261130)
+        vocabulary = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10))) for _ in range(5000)]
+        base = (await stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id=org, name="bench corpus"), timeout=30)).knowledge_base
+        loaded = 0
+        load_started = time.monotonic()
+        per_document = 100
+        while loaded < chunks:
+            count = min(per_document, chunks - loaded)
+            text = "\n\n".join(_corpus_paragraph(rng, vocabulary) for _ in range(count))
+            await stub.AddDocument(
+                tools_pb2.AddDocumentRequest(organization_id=org, knowledge_base_id=base.knowledge_base_id, name=f"doc{loaded}.txt",
+                                             content_type="text/plain", text=text),
+                timeout=120,
+            )
+            loaded += count
+        load_s = time.monotonic() - load_started
+        search_s: list[float] = []
+        hits = 0
+        for _ in range(searches):
+            query = f"{rng.choice(vocabulary)} {rng.choice(vocabulary)}"
+            t0 = time.perf_counter()
+            found = await stub.SearchKnowledge(
+                tools_pb2.SearchKnowledgeRequest(organization_id=org, query=query, knowledge_base_ids=[base.knowledge_base_id], top_k=5), timeout=30
+            )
+            search_s.append(time.perf_counter() - t0)
+            hits += len(found.results)
+    finally:
+        await channel.close()
+    tool_summary, health_summary = summary(tool_s), summary(health_s)
+    overhead = (tool_summary["p50_ms"] or 0) - (health_summary["p50_ms"] or 0)
+    return {
+        "noop_calls": len(tool_s), "noop_tool_call": tool_summary, "grpc_roundtrip": health_summary,
+        "noop_overhead_p50_ms": _r(overhead), "tools_cpu_ms_per_noop_call": _r(tools_cpu * 1000 / max(1, len(tool_s))),
+        "chunks": loaded, "load_s": _r(load_s), "searches": len(search_s), "search": summary(search_s),
+        "mean_results_per_search": _r(hits / max(1, len(search_s))),
     }
 
 
@@ -485,6 +580,11 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
         add("admission Admit+Charge pairs/s (c16)", adm["pairs_per_s"], "admission.pairs_per_s")
         add("admission pair p50 ms", adm["pair"]["p50_ms"])
         add("admission pair p99 ms", adm["pair"]["p99_ms"], "admission.pair_p99_ms")
+    tl = results.get("tools")
+    if tl:
+        add("no-op tool call p50 / p99 ms (ExecuteTool loopline.echo)", f"{tl['noop_tool_call']['p50_ms']} / {tl['noop_tool_call']['p99_ms']}")
+        add("no-op tool call overhead over a bare gRPC round trip, p50 ms", tl["noop_overhead_p50_ms"])
+        add(f"search over {tl['chunks']} chunks p50 / p99 ms", f"{tl['search']['p50_ms']} / {tl['search']['p99_ms']}")
     mem = results.get("memory")
     if mem:
         add("RSS idle, all four MiB", mem.get("idle_total_mib"), "memory.idle_total_mib")
@@ -527,6 +627,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--admissions", type=int, help="Admit+Charge pairs (10000; quick 1000)")
     p.add_argument("--admission-concurrency", type=int, default=16)
     p.add_argument("--admission-time-cap", type=float, help="seconds (20; quick 5)")
+    p.add_argument("--tool-calls", type=int, help="no-op tool calls of the tools workload (500; quick 100)")
+    p.add_argument("--chunks", type=int, help="knowledge chunks the search workload loads (10000; quick 1000)")
+    p.add_argument("--searches", type=int, help="searches of the tools workload (200; quick 50)")
     p.add_argument("--log-level", default="", help="LOOPLINE_LOG_LEVEL of the services (their default, INFO, when empty)")
     p.add_argument("--out", type=pathlib.Path, help="JSON file to write (default bench/results/<date>-<backend>.json)")
     p.add_argument("--keep", action="store_true", help="keep the temporary data directory and logs")
@@ -542,6 +645,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ticks = args.ticks if args.ticks is not None else (4 if q else 10)
     args.admissions = args.admissions if args.admissions is not None else (1000 if q else 10000)
     args.admission_time_cap = args.admission_time_cap if args.admission_time_cap is not None else (5.0 if q else 20.0)
+    args.tool_calls = args.tool_calls if args.tool_calls is not None else (100 if q else 500)
+    args.chunks = args.chunks if args.chunks is not None else (1000 if q else 10000)
+    args.searches = args.searches if args.searches is not None else (50 if q else 200)
     args.only = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = set(args.only) - set(WORKLOADS)
     if unknown:
@@ -621,6 +727,10 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
                 results["fanout"][str(n)] = await workload_fanout(dep, n, args.ticks, args.tick_ms, args.connect_parallel, args.connect_cap)
             fan = results["fanout"][str(n)]
             print(f"[bench]   connected in {fan['connect_s']} s, outcome {fan['outcome']}, delay p99 {fan['delay']['p99_ms']} ms", flush=True)
+    if "tools" in args.only:
+        print(f"[bench] tools: {args.tool_calls} no-op tool calls; search over {args.chunks} chunks ({args.searches} searches)", flush=True)
+        async with profile("tools"):
+            results["tools"] = await workload_tools(dep, args.tool_calls, args.chunks, args.searches)
     results["memory"]["final_mib"] = {k: _r(v / MiB, 1) for k, v in dep.rss().items()}
 
 

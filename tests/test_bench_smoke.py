@@ -20,7 +20,7 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     argv = [
         sys.executable, "-m", "bench", "--turns", "5", "--throughput-turns", "6", "--concurrency", "1,3",
         "--time-cap", "20", "--listeners", "10", "--ticks", "1", "--tick-ms", "300", "--heartbeat", "0.4",
-        "--admissions", "30", "--admission-concurrency", "4", "--admission-time-cap", "5", "--out", str(out),
+        "--admissions", "30", "--admission-concurrency", "4", "--admission-time-cap", "5", "--tool-calls", "5", "--chunks", "200", "--searches", "5", "--out", str(out),
     ]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -38,6 +38,8 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     fanout = report["fanout"]["10"]
     assert fanout["outcome"].get("connected") == 10 and fanout["outcome"].get("done") == 10
     assert fanout["deliveries_measured"] > 0 and fanout["heartbeats"] > 0
+    tools = report["tools"]
+    assert tools["noop_calls"] == 5 and tools["chunks"] == 200 and tools["search"]["p50_ms"] > 0
     memory = report["memory"]
     assert set(memory["idle_mib"]) == {"gateway", "orchestrator", "billing", "tools"}
     assert memory["after_throughput_mib"]["gateway"] > 0

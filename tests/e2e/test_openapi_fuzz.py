@@ -24,12 +24,14 @@ def test_openapi_documents_every_route_and_status(deployment):
 
 def test_schemathesis_finds_no_server_error_or_undocumented_status(deployment):
     """positive_data_acceptance is excluded: a schema-valid cancel on an idle chat is a documented 400,
-    and allow_header_conformance because Starlette's 405 lists only the first matching route's methods."""
+    and allow_header_conformance because Starlette's 405 lists only the first matching route's methods.
+    One worker: CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth
+    mismatch"), and hypothesis parses lambdas while schemathesis generates cases in threads."""
     command = [
         str(pathlib.Path(sys.executable).parent / "schemathesis"), "run", f"{deployment.base_url}/openapi.json",
         "-H", f"Authorization: Bearer {deployment.api_key}", "-H", f"X-Organization-ID: {deployment.org_id}",
         "--checks", "all", "--exclude-checks", "positive_data_acceptance,allow_header_conformance",
-        "--max-examples", "15", "--phases", "coverage,fuzzing,stateful", "--workers", "2", "--seed", "20261130",
+        "--max-examples", "15", "--phases", "coverage,fuzzing,stateful", "--workers", "1", "--seed", "20261130",
     ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "NO_COLOR": "1"})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

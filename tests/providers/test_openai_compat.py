@@ -64,6 +64,17 @@ async def test_tool_call_is_assembled_from_deltas_split_across_chunks():
         "name": "get_available_integrations", "description": "List integrations.", "parameters": TOOLS[0]["input_schema"]}}]
 
 
+@pytest.mark.parametrize("names", [["get_available_", "integrations"], ["get_available_integrations", "get_available_integrations"]])
+async def test_tool_name_split_across_deltas_or_repeated_in_each_is_assembled_once(names):
+    events = [openai_chunk({"role": "assistant", "content": None})]
+    events.append(openai_chunk({"tool_calls": [{"index": 0, "id": "call_split", "type": "function", "function": {"name": names[0], "arguments": "{\"qu"}}]}))
+    events.append(openai_chunk({"tool_calls": [{"index": 0, "function": {"name": names[1], "arguments": "ery\": \"x\"}"}}]}))
+    events += [openai_chunk({}, finish="tool_calls"), openai_chunk(usage={"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}), "data: [DONE]\n\n"]
+    async with FakeLLMServer([Reply(events=events)]) as server:
+        reply = await model(server).generate(USER, TOOLS, Collector())
+    assert [(c.name, c.input) for c in reply.tool_calls] == [("get_available_integrations", {"query": "x"})]
+
+
 async def test_several_tool_calls_in_one_reply_are_all_returned_in_index_order():
     frames = [
         openai_chunk({"role": "assistant"}),

@@ -86,3 +86,19 @@ def test_retry_after_accepts_seconds_milliseconds_and_http_dates():
     later = email.utils.formatdate(time.time() + 30, usegmt=True)
     assert 25 <= parse_retry_after({"retry-after": later}) <= 31
     assert parse_retry_after({"retry-after": "soon"}) is None and parse_retry_after({}) is None
+
+
+async def test_byok_only_for_openai_and_anthropic_and_integration_must_match_the_provider():
+    async def resolver(org_id: str, credential_id: str, integration: str) -> str:
+        return "sk-org-own-key-123456"
+
+    s = settings(openai_compatible_providers={"tiny": {"base_url": "http://127.0.0.1:9/v1", "models": ["t1"]}}, openai_models="gpt-test")
+    with pytest.raises(registry.UnknownModel, match="bring-your-own-key"):
+        await registry.resolve(s, {"provider_id": "tiny", "model_id": "t1", "credential_id": "cred_ok"}, organization_id="o", secret_resolver=resolver)
+    with pytest.raises(registry.UnknownModel, match="integration_name"):
+        await registry.resolve(s, {"integration_name": "tiny", "provider_id": "openai", "model_id": "gpt-test"}, organization_id="o")
+    with pytest.raises(registry.UnknownModel, match="integration_name"):
+        await registry.resolve(s, {"integration_name": "openai", "provider_id": "scripted", "model_id": "default"})
+    model = await registry.resolve(s, {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test", "credential_id": "c"},
+                                   organization_id="o", secret_resolver=resolver)
+    assert model._api_key == "sk-org-own-key-123456"

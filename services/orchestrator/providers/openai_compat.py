@@ -185,8 +185,10 @@ class OpenAICompatModel:
                             if piece.id:
                                 call["id"] = piece.id
                             if piece.function is not None:
-                                if piece.function.name and not call["name"]:  # sent once, with the first delta
-                                    call["name"] = piece.function.name
+                                # OpenAI sends the name once; some compatible servers split it across
+                                # deltas, others repeat it whole in every delta: append, but not a repeat
+                                if piece.function.name and piece.function.name != call["name"]:
+                                    call["name"] += piece.function.name
                                 if piece.function.arguments:
                                     call["args"] += piece.function.arguments
                         if choice.finish_reason:

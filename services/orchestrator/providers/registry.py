@@ -25,6 +25,15 @@ from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
 
 SCRIPTED_MODELS = frozenset({"default"})
+BYOK_PROVIDERS = frozenset({"openai", "anthropic"})
+
+
+def _check_integration(llm: dict[str, Any], expected: str) -> None:
+    """`llm.integration_name`, when given, must name the provider's integration (the provider id,
+    or "loopline" for the scripted model). Raises UnknownModel."""
+    integration = llm.get("integration_name")
+    if integration and integration != expected:
+        raise UnknownModel(f"llm.integration_name must be {expected!r} for provider {llm.get('provider_id')!r}")
 
 SecretResolver = Callable[[str, str, str], Awaitable[str]]
 """`(organization_id, credential_id, integration) -> api key`, integration "openai" or
@@ -109,18 +118,24 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
             raise UnknownModel("the scripted model is disabled on this deployment")
         if model_id not in SCRIPTED_MODELS:
             raise UnknownModel(f"unknown model {model_id!r} for provider 'scripted' (use 'default')")
+        _check_integration(llm, "loopline")
         return ScriptedModel(model_id)
     config = providers(settings).get(provider_id)
     if config is None:
         raise UnknownModel(f"unknown model provider {provider_id!r}")
+    _check_integration(llm, provider_id)
     if not model_id or (config.models is not None and model_id not in config.models):
         raise UnknownModel(f"unknown model {model_id!r} for provider {provider_id!r}")
     credential_id = llm.get("credential_id")
     if credential_id:
+        if provider_id not in BYOK_PROVIDERS:
+            # an organization's key is stored per provider integration; sending an OpenAI key to
+            # another OpenAI-compatible host would hand it to a third party
+            raise UnknownModel(f"bring-your-own-key credentials work with the {' and '.join(sorted(BYOK_PROVIDERS))} providers, not {provider_id!r}")
         if secret_resolver is None:
             raise UnknownModel("bring-your-own-key credentials are not available on this deployment")
         try:
-            api_key = await secret_resolver(organization_id, credential_id, config.kind)
+            api_key = await secret_resolver(organization_id, credential_id, provider_id)
         except LookupError:
             raise UnknownModel(f"credential {credential_id!r} cannot be used as a model key") from None
     else:

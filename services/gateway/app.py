@@ -337,7 +337,12 @@ def create_app(
         from services.gateway.tools_routes import tools_router  # noqa: PLC0415 - tools_routes imports this module
 
         app.include_router(tools_router(settings, principal, tools_channel, channel))
-    app.include_router(settings_router(default_models, principal, parse_llm, lambda r: read_json_object(r, settings.max_body_bytes)))
+    async def check_model(who: Principal, llm: assistant_pb2.LlmConfig) -> None:
+        await orchestrator.CheckModel(assistant_pb2.CheckModelRequest(caller=caller(who), llm=llm), timeout=30)
+
+    app.include_router(
+        settings_router(default_models, principal, parse_llm, lambda r: read_json_object(r, settings.max_body_bytes), check_model)
+    )
     return app
 
 

@@ -51,8 +51,10 @@ class DefaultModels:
 
 
 def settings_router(models: DefaultModels, principal: Callable[[Request], Awaitable[Any]],
-                    parse_llm: Callable[[Any], Any], read_body: Callable[[Request], Awaitable[dict[str, Any]]]) -> APIRouter:
-    """The organization-settings routes; `parse_llm` validates an llm object (BodyError 400)."""
+                    parse_llm: Callable[[Any], Any], read_body: Callable[[Request], Awaitable[dict[str, Any]]],
+                    check_model: Callable[[Any, Any], Awaitable[Any]]) -> APIRouter:
+    """The organization-settings routes; `parse_llm` validates an llm object's shape (BodyError 400) and
+    `check_model(principal, llm)` asks the orchestrator whether it can serve it (grpc error → 400)."""
     router = APIRouter(responses=error_responses(413))
 
     @router.get("/organizations/settings", summary="The organization's model preferences", tags=["organizations"])
@@ -85,6 +87,7 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
         who = await principal(request)
         body = await read_body(request)
         parsed = parse_llm(body)
+        await check_model(who, parsed)  # an unusable default would break every turn that names no model
         llm = {"integration_name": parsed.integration_name, "provider_id": parsed.provider_id, "model_id": parsed.model_id}
         if parsed.HasField("credential_id") and parsed.credential_id:
             llm["credential_id"] = parsed.credential_id

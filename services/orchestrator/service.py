@@ -428,6 +428,15 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             resumed.append(run_id)
         return assistant_pb2.NotifyCredentialConnectedResponse(resumed_run_ids=resumed)
 
+    @unary
+    async def CheckModel(self, request: assistant_pb2.CheckModelRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.CheckModelResponse:
+        """Validate `llm` for the caller's organization as StartTurn would (INVALID_ARGUMENT when unusable)."""
+        if not request.HasField("llm") or not request.llm.provider_id:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", "llm.provider_id is required")
+        llm = self._llm(request.llm, True)
+        await self._model(llm, request.caller.organization_id)
+        return assistant_pb2.CheckModelResponse(provider_id=llm["provider_id"])
+
     async def _publish_after_pause(self, run_id: str, event: events_pb2.Event) -> None:
         """Append `event` to a paused (closed) run's log, restoring it from the archive if needed."""
         await self.runner.events.append_after_end(run_id, event)

@@ -15,11 +15,12 @@ from tests.sse_client import read_frames
 async def test_saved_default_is_used_when_a_turn_names_no_model(stack):
     async with stack.client() as client:
         assert (await client.get("/organizations/settings")).json() == {"llm_model_visibility": {}, "composer_llm": None}
-        saved = await client.put("/organizations/settings/composer-llm", json={"integration_name": "x", "provider_id": "nope", "model_id": "m"})
-        assert saved.status_code == 200
-        assert saved.json()["composer_llm"]["provider_id"] == "nope"
-        # the saved default names an unknown provider: an omitted llm now fails like that provider would
-        assert (await client.post("/assistant/chat", json={"message": "hi"})).status_code == 400
+        for unusable in ({"integration_name": "x", "provider_id": "nope", "model_id": "m"},
+                         {"integration_name": "loopline", "provider_id": "scripted", "model_id": "gpt-9"},
+                         {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-4o", "credential_id": "nope"}):
+            refused = await client.put("/organizations/settings/composer-llm", json=unusable)
+            assert refused.status_code == 400, refused.text
+        assert (await client.get("/organizations/settings")).json()["composer_llm"] is None
         back = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
         assert (await client.put("/organizations/settings/composer-llm", json=back)).status_code == 200
         turn = await client.post("/assistant/chat", json={"message": "hi"})

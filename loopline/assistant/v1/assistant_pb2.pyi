@@ -256,3 +256,17 @@ class NotifyCredentialConnectedResponse(_message.Message):
     RESUMED_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     resumed_run_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, resumed_run_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CheckModelRequest(_message.Message):
+    __slots__ = ("caller", "llm")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    LLM_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    llm: LlmConfig
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., llm: _Optional[_Union[LlmConfig, _Mapping]] = ...) -> None: ...
+
+class CheckModelResponse(_message.Message):
+    __slots__ = ("provider_id",)
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    def __init__(self, provider_id: _Optional[str] = ...) -> None: ...

@@ -85,6 +85,11 @@ class AssistantServiceStub:
                 request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedRequest.SerializeToString,
                 response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedResponse.FromString,
                 _registered_method=True)
+        self.CheckModel = channel.unary_unary(
+                '/loopline.assistant.v1.AssistantService/CheckModel',
+                request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelRequest.SerializeToString,
+                response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelResponse.FromString,
+                _registered_method=True)
 
 
 class AssistantServiceServicer:
@@ -165,6 +170,14 @@ class AssistantServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckModel(self, request, context):
+        """CheckModel validates a model choice for an organization without starting anything:
+        INVALID_ARGUMENT (reason UNKNOWN_MODEL) exactly when StartTurn would refuse it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AssistantServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -212,6 +225,11 @@ def add_AssistantServiceServicer_to_server(servicer, server):
                     servicer.NotifyCredentialConnected,
                     request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedRequest.FromString,
                     response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedResponse.SerializeToString,
+            ),
+            'CheckModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckModel,
+                    request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelRequest.FromString,
+                    response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -463,6 +481,33 @@ class AssistantService:
             '/loopline.assistant.v1.AssistantService/NotifyCredentialConnected',
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedRequest.SerializeToString,
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.NotifyCredentialConnectedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.assistant.v1.AssistantService/CheckModel',
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelRequest.SerializeToString,
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,15 +7,16 @@ at most 1 s):
   message was lost still stops the loop within a second;
 - every `run_lease_s`/4 renews `runs.lease_until = now + 3/4 * run_lease_s` for its active
   runs (one UPDATE), so two renewals may be missed before a lease lapses;
-- every `run_lease_s`/4 reaps: a `running` run whose lease lapsed (or that never got one
+- every `run_lease_s`/6 reaps: a `running` run whose lease lapsed (or that never got one
   and was last updated more than `run_lease_s` ago) and that is not active here belongs
   to a replica that died. One replica wins a conditional UPDATE to `failed`; it gives a
   tool call cut off by the crash its error result (the thread stays valid), clears the
   chat's `running_id`, publishes `error` then `done {error: true}` on the run's stream,
   archives the events and releases the turn's reservation if it is still held.
 
-So a crashed run is failed at most `run_lease_s` after its last renewal (3/4 for the
-lease, 1/4 for the next reaper pass). Times are the replicas' UTC clocks; keep them in
+A run gets its first lease when its row is written (`lease_deadline`), so a crashed run is
+failed at most 3/4 + 1/6 of `run_lease_s` after its last renewal or its start (the lease,
+then the next reaper pass) — under `run_lease_s` with room for the work of failing it. Times are the replicas' UTC clocks; keep them in
 sync (NTP) - skew eats into the bound.
 """
 
@@ -61,6 +62,7 @@ class RunSupervisor:
         self.lease_s = float(settings.run_lease_s)
         self.tick_s = max(0.05, min(1.0, self.lease_s / 30))
         self.period_s = self.lease_s / 4
+        self.reap_period_s = self.lease_s / 6
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -87,7 +89,7 @@ class RunSupervisor:
                     next_renew = loop.time() + self.period_s
                     await self.renew()
                 if loop.time() >= next_reap:
-                    next_reap = loop.time() + self.period_s
+                    next_reap = loop.time() + self.reap_period_s
                     await self.reap()
             except asyncio.CancelledError:
                 raise
@@ -114,6 +116,11 @@ class RunSupervisor:
                 update(Run).where(Run.id.in_(run_ids), Run.status == "running").values(lease_until=until)
             )
             return result.rowcount or 0
+
+    @staticmethod
+    def lease_deadline(settings: Any, now: datetime.datetime) -> datetime.datetime:
+        """The lease a run gets when its row is written: `now + 3/4 * run_lease_s`."""
+        return now + datetime.timedelta(seconds=float(settings.run_lease_s) * 0.75)
 
     def _lapsed(self, now: datetime.datetime) -> Any:
         never_renewed_before = now - datetime.timedelta(seconds=self.lease_s)

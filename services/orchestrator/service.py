@@ -276,7 +276,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 await session.flush()
             session.add(Message(id=str(uuid.uuid4()), chat_id=chat_id, run_id=run_id, role="user", content=request.message, created_at=now))
             session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat_id, organization_id=caller.organization_id,
-                            status="running", llm=llm, reservation_id=reservation_id, created_at=now, updated_at=now))
+                            status="running", llm=llm, reservation_id=reservation_id, created_at=now, updated_at=now,
+                            lease_until=RunSupervisor.lease_deadline(self.settings, now)))
 
     async def _unwind(self, chat_id: str, run_id: str, new_chat: bool) -> None:
         """Undo a turn whose charge failed: remove its rows (a new chat entirely), free the chat."""
@@ -378,7 +379,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             session.add(Message(id=str(uuid.uuid4()), chat_id=chat_id, run_id=run_id, role="tool",
                                 content=hitl.answer_as_tool_output(answer), extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool}))
             session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat_id, organization_id=organization_id,
-                            parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now))
+                            parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now,
+                            lease_until=RunSupervisor.lease_deadline(self.settings, now)))
             await session.execute(update(Chat).where(Chat.id == chat_id).values(running_id=run_id, updated_at=now))
         return run_id
 

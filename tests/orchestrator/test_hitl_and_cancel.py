@@ -280,3 +280,12 @@ async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
     assert result["success"] is False and "invalid question" in result["error"]
     assert frames[-1]["type"] == "done"
     assert [c["tool"] for c in frames[-1]["data"]["tool_calls"]] == ["ask_user_yes_no"]
+
+
+async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
+        again = await read_frames(client, body["stream_url"])
+    assert again[:-1] == frames
+    assert again[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}

@@ -39,6 +39,7 @@ RecordUsage, on the configured default plan (`LOOPLINE_BILLING_DEFAULT_PLAN`,
 from __future__ import annotations
 
 import datetime
+import time
 import logging
 import uuid
 from dataclasses import dataclass
@@ -397,6 +398,7 @@ class BillingCore:
 
     #: Bound on the per-organization cache (cleared when exceeded).
     ACCOUNT_CACHE_SIZE = 100_000
+    ACCOUNT_CACHE_TTL_S = 1.0
 
     def __init__(
         self,
@@ -416,7 +418,7 @@ class BillingCore:
         self.clock = clock
         self.db = TxnRunner(sessions.kw["bind"])
         self.plans: dict[str, PlanTerms] = {}
-        self._accounts: dict[str, tuple[str, datetime.date]] = {}
+        self._accounts: dict[str, tuple[str, datetime.date, float]] = {}
 
     def close(self) -> None:
         """Release the transaction runner (worker thread, synchronous engine)."""
@@ -442,12 +444,14 @@ class BillingCore:
     def _remember(self, org_id: str, plan: str, period_start: datetime.date) -> None:
         if len(self._accounts) >= self.ACCOUNT_CACHE_SIZE:
             self._accounts.clear()
-        self._accounts[org_id] = (plan, period_start)
+        self._accounts[org_id] = (plan, period_start, time.monotonic())
 
     def _known(self, org_id: str, period: datetime.date) -> str | None:
-        """The cached plan name of `org_id` if its account exists and is in `period`."""
+        """The cached plan name of `org_id` if its account exists, is in `period`, and was read less
+        than ACCOUNT_CACHE_TTL_S ago — a plan changed by another process (the admin command, another
+        replica) applies to every layer, the rate layer included, within that time."""
         known = self._accounts.get(org_id)
-        if known is None or known[1] < period:
+        if known is None or known[1] < period or time.monotonic() - known[2] > self.ACCOUNT_CACHE_TTL_S:
             return None
         return known[0]
 

@@ -28,6 +28,11 @@ max_runs_per_day = 1
 wallet_overage = false
 wallet_price_minor = 0
 
+[plans.open]
+monthly_run_credits = 100
+wallet_overage = false
+wallet_price_minor = 0
+
 [plans.rate2]
 monthly_run_credits = 100
 wallet_overage = false
@@ -125,3 +130,26 @@ async def test_admitted_turns_carry_rate_limit_headers(plan_stack):
         assert response.headers["X-RateLimit-Limit"] == "2"
         assert response.headers["X-RateLimit-Remaining"] == "1"
         assert "X-RateLimit-Reset" in response.headers
+
+
+@pytest.mark.parametrize("plan_stack", ["rate2"], indirect=True)
+async def test_a_plan_changed_by_another_process_applies_to_the_rate_layer_within_a_second(plan_stack):
+    import asyncio
+
+    from sqlalchemy import update
+
+    from services.billing.models import Account
+
+    async with plan_stack.client() as client:
+        for _ in range(2):
+            response = await client.post("/assistant/chat", json={"message": "hi"})
+            assert response.status_code == 200
+            await read_frames(client, response.json()["stream_url"])
+        assert (await client.post("/assistant/chat", json={"message": "hi"})).status_code == 429
+        # what `python -m services.billing admin set-plan` does from its own process
+        async with plan_stack.billing.core.sessions() as session, session.begin():
+            await session.execute(update(Account).where(Account.org_id == plan_stack.org_id).values(plan="open"))
+        await asyncio.sleep(1.2)
+        response = await client.post("/assistant/chat", json={"message": "hi"})
+        assert response.status_code == 200, response.text
+        assert "X-RateLimit-Limit" not in response.headers

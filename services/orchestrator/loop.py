@@ -592,6 +592,11 @@ class TurnRunner:
 
     async def load_archive(self, run_id: str) -> list[events_pb2.Event]:
         """The archived events of a run, in order (empty when none)."""
-        async with self.sessions() as session:
-            rows = (await session.execute(select(RunEvent.payload).where(RunEvent.run_id == run_id).order_by(RunEvent.seq))).scalars()
-            return [events_pb2.Event.FromString(payload) for payload in rows]
+        return await load_archive(self.sessions, run_id)
+
+
+async def load_archive(sessions: Any, run_id: str) -> list[events_pb2.Event]:
+    """The events of a run archived in the `run_events` table, in order (empty when none)."""
+    async with sessions() as session:
+        rows = (await session.execute(select(RunEvent.payload).where(RunEvent.run_id == run_id).order_by(RunEvent.seq))).scalars()
+        return [events_pb2.Event.FromString(payload) for payload in rows]

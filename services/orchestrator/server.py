@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import grpc
@@ -14,7 +15,7 @@ from services.common.grpc_server import RunningServer, start_grpc_server
 from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.backend import RunBackend, make_backend
-from services.orchestrator.loop import TurnRunner
+from services.orchestrator.loop import TurnRunner, load_archive
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.service import AssistantServicer
 
@@ -48,9 +49,8 @@ class OrchestratorServer:
         self.tools_channel = grpc.aio.insecure_channel(settings.tools_addr)
         billing = billing_pb2_grpc.BillingServiceStub(self.billing_channel)
         tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
-        self.runner = TurnRunner(settings, sessions, None, billing, tools)  # type: ignore[arg-type]
-        self.backend: RunBackend = make_backend(settings, self.runner.load_archive)
-        self.runner.events = self.backend.events
+        self.backend: RunBackend = make_backend(settings, functools.partial(load_archive, sessions))
+        self.runner = TurnRunner(settings, sessions, self.backend.events, billing, tools)
         await self.backend.start(self._on_cancel)
         self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend, billing)
         self.servicer = AssistantServicer(settings, sessions, self.runner, billing)

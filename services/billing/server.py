@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -24,34 +22,16 @@ from services.billing.plans import load_plans, sync_plans
 from services.billing.pricing import PriceTable
 from services.billing.rates import RateDecision, RateLimiter
 from services.common import db
-from services.common.errors import RpcError, abort
+from services.common.errors import rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 
 log = logging.getLogger(__name__)
 
-Request = TypeVar("Request")
-Response = TypeVar("Response")
 
 
-def rpc(
-    handler: Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]],
-) -> Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]:
-    """The one wrapper every handler goes through: RpcError -> rich status via `abort`.
-
-    Only RpcError is caught, so the abort raised by `context.abort_with_status` and any
-    cancellation propagate untouched; unexpected exceptions reach grpc as UNKNOWN and
-    are logged with their traceback.
-    """
-
-    @functools.wraps(handler)
-    async def wrapper(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Response:
-        try:
-            return await handler(self, request, context)
-        except RpcError as err:
-            await abort(context, err)
-            raise AssertionError("unreachable: abort raises") from err
-
-    return wrapper
+# The one wrapper every handler goes through: RpcError -> rich status; other exceptions
+# reach grpc as UNKNOWN and are logged with their traceback.
+rpc = rpc_handler()
 
 
 def _rate_pb(rate: RateDecision) -> billing_pb2.RateLimitState:

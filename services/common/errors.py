@@ -8,14 +8,19 @@ Servers raise `RpcError`; the servicer wrapper turns it into a status with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+log = logging.getLogger(__name__)
 
 ASSISTANT_DOMAIN = "assistant.loopline.dev"
 BILLING_DOMAIN = "billing.loopline.dev"
@@ -70,6 +75,38 @@ async def abort(context: grpc.aio.ServicerContext, error: RpcError) -> None:
     await context.abort_with_status(error.to_status())
 
 
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def rpc_handler(*, internal_domain: str | None = None) -> Callable[[Handler], Handler]:
+    """The one wrapper every unary servicer handler goes through (STYLE.md, after A2A's grpc_handler).
+
+    RpcError becomes its rich status via `abort`. An abort already under way
+    (grpc.aio.AbortError) and cancellation propagate untouched. Any other exception is logged
+    with its traceback and, when `internal_domain` is given, answered as INTERNAL with a generic
+    message in that domain; otherwise it reaches grpc as UNKNOWN.
+    """
+
+    def decorate(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await handler(self, request, context)
+            except RpcError as error:
+                await abort(context, error)
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                if internal_domain is None:
+                    raise
+                log.exception("unhandled error", extra={"fields": {"rpc": handler.__name__}})
+                await abort(context, RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=internal_domain))
+
+        return wrapper
+
+    return decorate
+
+
 @dataclass
 class StatusDetails:
     """The parsed details of a failed call: ErrorInfo, RetryInfo and other packed messages."""
@@ -122,6 +159,7 @@ __all__ = [
     "RpcError",
     "StatusDetails",
     "abort",
+    "rpc_handler",
     "code_pb2",
     "status_details",
 ]

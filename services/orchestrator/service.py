@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import base64
 import datetime
-import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -26,7 +25,7 @@ from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
-from services.common.errors import RpcError, abort
+from services.common.errors import RpcError, abort, rpc_handler
 from services.orchestrator import hitl
 from services.orchestrator.backend import MemoryBackend, RunBackend
 from services.orchestrator.config import OrchestratorSettings
@@ -46,17 +45,7 @@ def _not_found(what: str = "Chat") -> RpcError:
     return RpcError(grpc.StatusCode.NOT_FOUND, f"{what.upper()}_NOT_FOUND", f"{what} not found")
 
 
-def unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Funnel a unary handler's RpcError into a rich status (never catches context.abort)."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await handler(self, request, context)
-        except RpcError as error:
-            await abort(context, error)
-
-    return wrapper
+unary = rpc_handler()
 
 
 class _PassThrough(Exception):

@@ -8,18 +8,16 @@ an error message (DESIGN.md, tools.proto). Credential and knowledge RPCs raise
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import db, pb
-from services.common.errors import TOOLS_DOMAIN, RpcError, abort
+from services.common.errors import TOOLS_DOMAIN, RpcError, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.logging import bind
 from services.tools.catalogue import Catalogue
@@ -47,20 +45,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"].full_name
 
 
-def rpc_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Wrap a handler: RpcError -> its rich status; any other exception -> INTERNAL with a generic message."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await method(self, request, context)
-        except RpcError as error:
-            await abort(context, error)
-        except Exception:  # noqa: BLE001
-            log.exception("unhandled error", extra={"fields": {"rpc": method.__name__}})
-            await abort(context, RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=TOOLS_DOMAIN))
-
-    return wrapper
+# RpcError -> its rich status; any other exception -> INTERNAL with a generic message.
+rpc_errors = rpc_handler(internal_domain=TOOLS_DOMAIN)
 
 
 def urllib_host(url: str) -> str:

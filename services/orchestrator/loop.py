@@ -454,15 +454,7 @@ class TurnRunner:
             organization_id=spec.organization_id, run_id=spec.run_id, tool_call_id=call.id, tool=call.name,
             detail=detail[:200], millicredits=millicredits, chat_id=spec.chat_id,
         )
-        for attempt in range(3):
-            try:
-                await asyncio.shield(self.billing.RecordToolUsage(request, timeout=5))
-                return
-            except grpc.aio.AioRpcError as failure:
-                if attempt == 2:
-                    log.error("recording tool usage failed", extra={"fields": {"code": failure.code().name, "tool_call_id": call.id}})
-                    return
-                await asyncio.sleep(0.1 * (attempt + 1))
+        await self._send_to_billing(self.billing.RecordToolUsage, request, "recording tool usage failed", tool_call_id=call.id)
 
     async def _record_usage(self, spec: RunSpec, call_index: int, usage: TokenUsage) -> None:
         """Record one model call's tokens with billing (idempotent by run and call index; bounded retries)."""
@@ -473,13 +465,19 @@ class TurnRunner:
             cache_read_tokens=usage.cache_read_tokens, cache_write_tokens=usage.cache_write_tokens,
             byok=bool(spec.llm.get("credential_id")), estimated=usage.estimated, chat_id=spec.chat_id,
         )
+        await self._send_to_billing(self.billing.RecordUsage, request, "recording usage failed", call_index=call_index)
+
+    @staticmethod
+    async def _send_to_billing(rpc: Any, request: Any, failure_message: str, **log_fields: Any) -> None:
+        """Call an idempotent billing RPC, shielded from the run's cancellation, with 3 attempts
+        (0.1 s, 0.2 s apart); a last failure is logged with `log_fields`, never raised."""
         for attempt in range(3):
             try:
-                await asyncio.shield(self.billing.RecordUsage(request, timeout=5))
+                await asyncio.shield(rpc(request, timeout=5))
                 return
             except grpc.aio.AioRpcError as failure:
                 if attempt == 2:
-                    log.error("recording usage failed", extra={"fields": {"code": failure.code().name, "call_index": call_index}})
+                    log.error(failure_message, extra={"fields": {"code": failure.code().name, **log_fields}})
                     return
                 await asyncio.sleep(0.1 * (attempt + 1))
 

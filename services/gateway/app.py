@@ -73,7 +73,8 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    """BodyError 400 naming the fields of `body` outside `allowed` (unknown fields are refused)."""
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BodyError(400, f"Unknown field(s): {', '.join(unknown)}")
@@ -85,7 +86,7 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
         return None
     if not isinstance(value, dict):
         raise BodyError(400, "llm must be an object {integration_name, provider_id, model_id, credential_id?}")
-    _check_fields(value, {"integration_name", "provider_id", "model_id", "credential_id"})
+    check_fields(value, {"integration_name", "provider_id", "model_id", "credential_id"})
     fields = {}
     for name in ("integration_name", "provider_id", "model_id"):
         item = value.get(name)
@@ -173,7 +174,7 @@ def create_app(
     async def start_turn(request: Request) -> Response:
         who = await principal(request)
         body = await read_json_object(request, settings.max_body_bytes)
-        _check_fields(body, {"message", "chat_id", "llm"})
+        check_fields(body, {"message", "chat_id", "llm"})
         message = body.get("message")
         if not isinstance(message, str):
             raise BodyError(400, "message must be a JSON string (v1 is text-only)")
@@ -259,7 +260,7 @@ def create_app(
     async def resume(chat_id: str, request: Request) -> Response:
         who = await principal(request)
         body = await read_json_object(request, settings.max_body_bytes)
-        _check_fields(body, {"request_id", "response", "llm"})
+        check_fields(body, {"request_id", "response", "llm"})
         request_id, answer = body.get("request_id"), body.get("response")
         if not isinstance(request_id, str) or not request_id:
             raise BodyError(400, "request_id must be a non-empty string")

@@ -25,7 +25,7 @@ from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
-from services.gateway.app import BodyError, read_json_object
+from services.gateway.app import BodyError, check_fields, read_json_object
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.identity import Principal
@@ -45,12 +45,6 @@ _FILE_TYPES = {"text/plain": "txt", "text/markdown": "md", "text/html": "html", 
                "application/json": "json", "application/pdf": "pdf"}
 _TIMEOUT_S = 30.0
 _MCP_TIMEOUT_S = 120.0
-
-
-def _fields(body: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BodyError(400, f"Unknown field(s): {', '.join(unknown)}")
 
 
 def _string(body: dict[str, Any], name: str, *, required: bool = False, default: str = "") -> str:
@@ -220,7 +214,7 @@ def tools_router(
     @router.post("/credentials", status_code=201, summary="Create a credential (secret encrypted, never returned)", tags=["credentials"])
     async def create_credential(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        _fields(body, {"integration_name", "auth_data", "auth_type", "oauth_config", "display_name", "metadata", "make_default", "expires_at"})
+        check_fields(body, {"integration_name", "auth_data", "auth_type", "oauth_config", "display_name", "metadata", "make_default", "expires_at"})
         integration = _string(body, "integration_name", required=True)
         auth_data = _object(body, "auth_data")
         if body.get("oauth_config") is not None:
@@ -272,7 +266,7 @@ def tools_router(
     @router.post("/credentials/mcp-server", status_code=201, summary="Register a Streamable HTTP MCP server", tags=["credentials"])
     async def create_mcp_server(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        _fields(body, {"server_url", "headers", "display_name", "make_default"})
+        check_fields(body, {"server_url", "headers", "display_name", "make_default"})
         url = _string(body, "server_url", required=True)
         headers = _object(body, "headers") or {}
         if not all(isinstance(v, str) for v in headers.values()):
@@ -304,7 +298,7 @@ def tools_router(
     @router.post("/credentials/oauth2/initiate", summary="Start an OAuth2 authorization code flow (PKCE)", tags=["credentials"])
     async def initiate_oauth2(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        _fields(body, {"integration_name", "redirect_uri", "use_modulex_oauth", "custom_oauth_config", "scope", "display_name",
+        check_fields(body, {"integration_name", "redirect_uri", "use_modulex_oauth", "custom_oauth_config", "scope", "display_name",
                        "make_default", "env_var_values", "composer_chat_id", "composer_request_id", "composer_llm_config"})
         if body.get("custom_oauth_config") is not None or body.get("use_modulex_oauth") is False:
             raise BodyError(400, "custom OAuth apps are not supported; the operator configures each OAuth2 integration")
@@ -405,7 +399,7 @@ def tools_router(
     @router.post("/knowledge-bases", status_code=201, summary="Create a knowledge base", tags=["knowledge"])
     async def create_knowledge_base(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        _fields(body, {"name", "description", "embedding_config", "chunking_config"})
+        check_fields(body, {"name", "description", "embedding_config", "chunking_config"})
         for name in ("embedding_config", "chunking_config"):
             if _object(body, name):
                 raise BodyError(400, f"{name} cannot be set: search is full-text and chunking is fixed ({CHUNKING_CONFIG})")
@@ -434,7 +428,7 @@ def tools_router(
     @router.post("/knowledge-bases/search", summary="Search several knowledge bases", tags=["knowledge"])
     async def multi_search(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        _fields(body, {"knowledge_base_ids", "query", "top_k", "min_score"})
+        check_fields(body, {"knowledge_base_ids", "query", "top_k", "min_score"})
         ids = body.get("knowledge_base_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
             raise BodyError(400, "knowledge_base_ids must be a non-empty list of ids")
@@ -461,7 +455,7 @@ def tools_router(
     @router.post("/knowledge-bases/{knowledge_base_id}/search", summary="Search one knowledge base (full-text, BM25)", tags=["knowledge"])
     async def search(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        _fields(body, {"query", "top_k", "min_score", "filters", "include_content", "include_metadata"})
+        check_fields(body, {"query", "top_k", "min_score", "filters", "include_content", "include_metadata"})
         if body.get("filters"):
             raise BodyError(400, "filters are not supported")
         query = _string(body, "query", required=True)

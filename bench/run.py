@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from bench.deploy import ROOT, SERVICES, Deployment
-from bench.http import Connection, HTTPError
+from bench.http import Connection, HTTPError, SSERecorder, open_sse
 
 WORKLOADS = ("latency", "throughput", "admission", "fanout", "tools")
 MiB = 1024 * 1024
@@ -383,7 +383,6 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
     gate = asyncio.Semaphore(connect_parallel)
     connected = 0
     all_connected = asyncio.Event()
-    records: list[list[tuple[str, float]]] = []  # per listener: (event timestamp, arrival)
     outcome: dict[str, int] = {}
     heartbeats = 0
     frames_total = 0
@@ -395,36 +394,23 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
         if connected >= listeners:
             all_connected.set()
 
+    recorders: list[SSERecorder] = []
+
     async def listener() -> None:
-        nonlocal heartbeats, frames_total
-        mine: list[tuple[str, float]] = []
-        records.append(mine)
-        c = Connection("127.0.0.1", dep.http_port, dep.headers())
-        counted = False
+        # Records raw bytes only (SSERecorder); frames are parsed after the run, so the client's
+        # per-frame cost while the delay is measured is one data_received call.
         try:
             async with gate:
-                status, frames = await c.stream(path)
+                recorder = await open_sse("127.0.0.1", dep.http_port, path, dep.headers())
+                recorders.append(recorder)
+                status = await recorder.status
             settle("connected" if status == 200 else f"status {status}")
-            counted = True
-            if status != 200:
-                return
-            async for arrival, frame in frames:
-                frames_total += 1
-                kind = frame.get("type")
-                if kind == "heartbeat":
-                    heartbeats += 1
-                elif kind in ("tool_call", "tool_result"):
-                    mine.append((frame["data"]["timestamp"], arrival))
-                elif kind == "done":
-                    outcome["done"] = outcome.get("done", 0) + 1
-        except (HTTPError, OSError, asyncio.IncompleteReadError) as exc:
-            key = f"{type(exc).__name__}: {str(exc)[:80]}"
-            if counted:
-                outcome[f"broken {key}"] = outcome.get(f"broken {key}", 0) + 1
-            else:
-                settle(f"connect failed {key}")
-        finally:
-            c.close()
+        except (HTTPError, OSError) as exc:
+            settle(f"connect failed {type(exc).__name__}: {str(exc)[:80]}")
+            return
+        if status != 200:
+            recorder.transport.close()
+        await recorder.closed
 
     tasks = [asyncio.create_task(listener()) for _ in range(listeners)]
     try:  # past the cap, measure with the listeners connected so far (the rest keep trying)
@@ -452,15 +438,32 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
     sampler.cancel()
     for task in pending:
         task.cancel()
+    for recorder in recorders:
+        if recorder.transport is not None:
+            recorder.transport.close()
     live_delays: list[float] = []
     live_events = set()
     margin = t_all + 0.05
-    for mine in records:
-        for ts, arrival in mine:
-            published = _parse_ts(ts)
-            if published >= margin:
-                live_delays.append(arrival - published)
-                live_events.add(ts)
+    for recorder in recorders:
+        finished = False
+        for arrival, raw in recorder.frames():
+            frames_total += 1
+            frame = orjson.loads(raw)
+            kind = frame.get("type")
+            if kind == "heartbeat":
+                heartbeats += 1
+            elif kind in ("tool_call", "tool_result"):
+                published = _parse_ts(frame["data"]["timestamp"])
+                if published >= margin:
+                    live_delays.append(arrival - published)
+                    live_events.add(frame["data"]["timestamp"])
+            elif kind == "done":
+                finished = True
+        if finished:
+            outcome["done"] = outcome.get("done", 0) + 1
+        elif recorder.error:
+            key = f"broken {recorder.error[:80]}"
+            outcome[key] = outcome.get(key, 0) + 1
     per = {name: (peak[name] - rss0[name]) / max(1, connected_at_cap) for name in ("gateway", "orchestrator")}
     return {
         "listeners": listeners, "connect_s": _r(connect_s), "connect_parallel": connect_parallel,

@@ -16,14 +16,13 @@ import grpc
 import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
-from services.gateway.fanout import RunFanout, StreamUnavailable
-from services.gateway.fanout import frames as fanout_frames
+from services.gateway.fanout import EventStreamResponse, RunFanout, StreamUnavailable
 from services.gateway.openapi import error_responses
 from services.gateway.org_settings import DefaultModels, settings_router
 from services.gateway.identity import Authenticator, AuthError, Principal
@@ -39,6 +38,9 @@ _LLM_PROPERTIES = {
     "credential_id": {"type": ["string", "null"]},
 }
 _LLM_SCHEMA = {"type": ["object", "null"], "properties": _LLM_PROPERTIES, "required": ["integration_name", "provider_id", "model_id"], "additionalProperties": False}
+
+
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
 class BodyError(Exception):
@@ -112,7 +114,7 @@ def create_app(
         description="Assistant turns (reason -> act -> observe) streamed as Server-Sent Events.",
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
-    fanout = RunFanout(orchestrator)
+    fanout = RunFanout(orchestrator, settings.heartbeat_interval_s)
     app.state.fanout = fanout
 
     async def principal(request: Request) -> Principal:
@@ -227,11 +229,7 @@ def create_app(
             return grpc_error_response(error)
         except StreamUnavailable:
             return detail(503, "Service temporarily unavailable; try again")
-        return StreamingResponse(
-            fanout_frames(fanout, hub, after, settings.heartbeat_interval_s),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"},
-        )
+        return EventStreamResponse(fanout, hub, after, headers=_STREAM_HEADERS)
 
     @app.post(
         "/assistant/chat/{chat_id}/resume",

@@ -1,9 +1,24 @@
 """Listener fan-out: one upstream `StreamRun` per run per gateway process, shared by every listener.
 
 Each event is rendered to its SSE frame once (`sse.encode`) and the bytes are kept in an
-append-only list; every listener walks that list from its own `?after=N` index and waits
-on one shared future for more. N listeners of a run therefore cost one gRPC stream and
-one encoding per event instead of N of each (issue 9, stream fan-out).
+append-only list (`_Hub.frames`). The hub itself pushes new frames to its listeners: one
+flush per batch of events walks the listeners and hands each the bytes from its own
+`?after=N` index on (the joined bytes are built once per distinct index, so normally once).
+A listener costs no task wake-up, no timer and no encoding per event (issue 9, stream
+fan-out: 10,000 listeners on one process, delay p99 <= 50 ms).
+
+Delivery (`_Listener.deliver`): on uvicorn's HTTP/1.1 protocols the response is chunked and
+the hub writes the prepared chunk straight to the connection's transport — the write
+uvicorn's own `send` would do, without its per-message dict and coroutine. That fast path
+is taken only while the connection keeps up (transport write buffer below
+`_LAG_BYTES`); a slow client, or a server that is not uvicorn (e.g. an in-process ASGI
+test transport), gets its bytes through the ASGI `send` by a writer task that
+honours flow control, so one slow listener never holds up the others. The response's
+start and its end (`more_body: False`) always go through ASGI `send`.
+
+Heartbeats (`data: {"type":"heartbeat"}`, not counted by `?after=N`) come from one timer
+per hub that writes a heartbeat to the listeners silent for `heartbeat_s` or longer
+(checked every `heartbeat_s / 10`, so at most 10% late), instead of a timer per listener.
 
 Lifetime: the upstream call starts with the first listener and is validated by it (the
 orchestrator sends initial metadata `x-loopline-stream` once the chat and run check out,
@@ -16,11 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.gateway import sse
@@ -29,38 +45,201 @@ log = logging.getLogger(__name__)
 
 STREAM_READY = "x-loopline-stream"
 BROKEN_FRAME = b"data: " + orjson.dumps({"type": "error", "data": {"message": "The event stream was interrupted; reconnect with ?after=N"}}) + b"\n\n"
+SERVER_SEND = "loopline.server_send"  # scope key where `RawSendMiddleware` leaves the server's own `send`
+_LAG_BYTES = 256 * 1024  # a connection with more unsent bytes than this is served through ASGI send (flow control)
+_UVICORN_CYCLES = frozenset({
+    "uvicorn.protocols.http.httptools_impl.RequestResponseCycle",
+    "uvicorn.protocols.http.h11_impl.RequestResponseCycle",
+})
 
 
 class StreamUnavailable(Exception):
     """The orchestrator closed the stream before validating it without a status to pass on."""
 
 
-class _Hub:
-    __slots__ = ("key", "frames", "finished", "changed", "listeners", "task", "ready", "call")
+class RawSendMiddleware:
+    """Outermost ASGI middleware: keeps the server's `send` in `scope["loopline.server_send"]`.
 
-    def __init__(self, key: tuple[str, str, str]) -> None:
+    `EventStreamResponse` uses it to find the uvicorn connection of a listener (the fast
+    path above); everything else ignores it. Wraps `app` (an ASGI 3 application).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on unchanged, with the server's `send` noted in the scope."""
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)
+
+
+def _chunk(body: bytes) -> bytes:
+    """`body` as one HTTP/1.1 chunk (RFC 9112 section 7.1)."""
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+class _Listener:
+    """One open stream: its position in the hub's frames and how bytes reach its client."""
+
+    __slots__ = ("hub", "index", "send", "transport", "last", "pending", "writer", "finishing", "gone")
+
+    def __init__(self, hub: _Hub, index: int, send: Send, transport: asyncio.Transport | None) -> None:
+        self.hub = hub
+        self.index = index
+        self.send = send
+        self.transport = transport  # None: always through ASGI send
+        self.last = 0.0  # loop time of the last bytes handed over
+        self.pending: list[bytes] = []  # bytes waiting for the writer task
+        self.writer: asyncio.Task | None = None
+        self.finishing = False
+        self.gone = False
+
+    def deliver(self, body: bytes, chunk: bytes | None = None) -> None:
+        """Hand `body` (whole SSE frames) to the client; `chunk` is `_chunk(body)` when already built."""
+        if self.gone:
+            return
+        transport = self.transport
+        if self.writer is None and transport is not None:
+            if transport.is_closing():
+                return  # the client is gone; the response's receive() reports it and detaches us
+            if transport.get_write_buffer_size() < _LAG_BYTES:
+                transport.write(chunk if chunk is not None else _chunk(body))
+                return
+        self.pending.append(body)
+        self._start_writer()
+
+    def finish(self) -> None:
+        """The run's stream ended: send what is left, then end the response (through ASGI send)."""
+        self.finishing = True
+        if not self.gone:
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        if self.writer is None:
+            self.writer = asyncio.create_task(self._write(), name="sse-writer")
+
+    async def _write(self) -> None:
+        try:
+            while self.pending:
+                body = b"".join(self.pending)
+                self.pending.clear()
+                await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            if self.finishing:
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception:  # noqa: BLE001 - a broken client connection ends only this listener
+            self.gone = True
+        finally:
+            self.writer = None
+        if self.pending and not self.gone:  # frames that arrived while the last send was awaited
+            self._start_writer()
+
+
+class _Hub:
+    __slots__ = ("key", "frames", "finished", "listeners", "streams", "task", "ready", "call", "flush_handle",
+                 "heartbeat_s", "heartbeat_handle", "loop")
+
+    def __init__(self, key: tuple[str, str, str], heartbeat_s: float) -> None:
         self.key = key
         self.frames: list[bytes] = []
         self.finished = False
-        loop = asyncio.get_running_loop()
-        self.changed: asyncio.Future[None] = loop.create_future()
-        self.ready: asyncio.Future[None] = loop.create_future()
+        self.loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[None] = self.loop.create_future()
         self.ready.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # mark retrieved
-        self.listeners = 0
+        self.listeners = 0  # joined (open() returned or is waiting), attached or not
+        self.streams: dict[_Listener, None] = {}  # attached listeners, in arrival order
         self.task: asyncio.Task | None = None
         self.call: Any = None
+        self.flush_handle: asyncio.Handle | None = None
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_handle: asyncio.TimerHandle | None = None
 
-    def wake(self) -> None:
-        if not self.changed.done():
-            self.changed.set_result(None)
-        self.changed = asyncio.get_running_loop().create_future()
+    def publish(self, frame: bytes) -> None:
+        """Append a frame; listeners get it at the next flush (one per loop iteration)."""
+        self.frames.append(frame)
+        if self.flush_handle is None:
+            self.flush_handle = self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Hand every attached listener the frames it has not had yet."""
+        self.flush_handle = None
+        frames, end = self.frames, len(self.frames)
+        now = self.loop.time()
+        built: dict[int, tuple[bytes, bytes]] = {}
+        for listener in self.streams:
+            start = listener.index
+            if start >= end:
+                continue
+            prepared = built.get(start)
+            if prepared is None:
+                body = frames[start] if end - start == 1 else b"".join(frames[start:end])
+                prepared = built[start] = (body, _chunk(body))
+            listener.index = end
+            listener.last = now
+            listener.deliver(*prepared)
+
+    def attach(self, listener: _Listener) -> None:
+        """Start serving `listener`: the frames from its index on, then live ones, heartbeats."""
+        self.streams[listener] = None
+        listener.last = self.loop.time()
+        if listener.index < len(self.frames):
+            body = b"".join(self.frames[listener.index:])
+            listener.index = len(self.frames)
+            listener.deliver(body)
+        if self.finished:
+            listener.finish()
+        elif self.heartbeat_handle is None:
+            self.heartbeat_handle = self.loop.call_at(listener.last + self.heartbeat_s, self._heartbeat)
+
+    def detach(self, listener: _Listener) -> None:
+        """Stop serving `listener` (its client is gone or its response ended)."""
+        listener.gone = True
+        self.streams.pop(listener, None)
+        if not self.streams and self.heartbeat_handle is not None:
+            self.heartbeat_handle.cancel()
+            self.heartbeat_handle = None
+
+    def _heartbeat(self) -> None:
+        self.heartbeat_handle = None
+        if self.finished or not self.streams:
+            return
+        now = self.loop.time()
+        interval = self.heartbeat_s
+        earliest = now + interval
+        for listener in self.streams:
+            if now - listener.last >= interval:
+                listener.last = now
+                listener.deliver(sse.HEARTBEAT_FRAME, HEARTBEAT_CHUNK)
+            elif listener.last + interval < earliest:
+                earliest = listener.last + interval
+        self.heartbeat_handle = self.loop.call_at(max(earliest, now + interval / 10), self._heartbeat)
+
+    def end(self) -> None:
+        """The upstream stream is over: flush, end every response, stop the heartbeat timer."""
+        self.finished = True
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+        self.flush()
+        if self.heartbeat_handle is not None:
+            self.heartbeat_handle.cancel()
+            self.heartbeat_handle = None
+        for listener in list(self.streams):
+            listener.finish()
+
+
+HEARTBEAT_CHUNK = _chunk(sse.HEARTBEAT_FRAME)
 
 
 class RunFanout:
-    """Shares upstream StreamRun calls between the listeners of a run (see the module docstring)."""
+    """Shares upstream StreamRun calls between the listeners of a run (see the module docstring).
 
-    def __init__(self, stub: assistant_pb2_grpc.AssistantServiceStub) -> None:
+    `heartbeat_s` is the silence (seconds) after which a listener gets a heartbeat frame
+    (LOOPLINE_HEARTBEAT_INTERVAL_S; spec: 15 s of inter-event silence).
+    """
+
+    def __init__(self, stub: assistant_pb2_grpc.AssistantServiceStub, heartbeat_s: float = 15.0) -> None:
         self._stub = stub
+        self._heartbeat_s = heartbeat_s
         self._hubs: dict[tuple[str, str, str], _Hub] = {}
 
     def active_runs(self) -> int:
@@ -69,19 +248,24 @@ class RunFanout:
 
     async def open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str) -> _Hub:
         """Join (or start) the hub of a run; raises grpc.aio.AioRpcError (e.g. NOT_FOUND) or
-        StreamUnavailable when the orchestrator refuses the stream. The caller must `leave` it."""
+        StreamUnavailable when the orchestrator refuses the stream. The caller must `leave` it
+        (`EventStreamResponse` does)."""
         key = (caller.organization_id, chat_id, run_id)
         hub = self._hubs.get(key)
         if hub is None or hub.finished:
-            hub = _Hub(key)
+            hub = _Hub(key, self._heartbeat_s)
             self._hubs[key] = hub
             hub.task = asyncio.create_task(self._pump(hub, caller), name="sse-pump")
         hub.listeners += 1
-        try:
-            await asyncio.shield(hub.ready)
-        except BaseException:
+        if not hub.ready.done():
+            try:
+                await asyncio.shield(hub.ready)
+            except BaseException:
+                self.leave(hub)
+                raise
+        elif hub.ready.exception() is not None:
             self.leave(hub)
-            raise
+            raise hub.ready.exception()  # type: ignore[misc]
         return hub
 
     def leave(self, hub: _Hub) -> None:
@@ -110,8 +294,7 @@ class RunFanout:
                 _set_ready(hub)
             async for item in call:
                 _set_ready(hub)
-                hub.frames.append(sse.encode(item.event))
-                hub.wake()
+                hub.publish(sse.encode(item.event))
             _set_ready(hub)
         except asyncio.CancelledError:
             call.cancel()
@@ -125,8 +308,7 @@ class RunFanout:
         finally:
             if not hub.ready.done():
                 hub.ready.set_exception(StreamUnavailable())
-            hub.finished = True
-            hub.wake()
+            hub.end()
             self._forget(hub)
 
 
@@ -135,23 +317,54 @@ def _set_ready(hub: _Hub) -> None:
         hub.ready.set_result(None)
 
 
-async def frames(fanout: RunFanout, hub: _Hub, after: int, heartbeat_s: float) -> AsyncIterator[bytes]:
-    """SSE frame bytes of a hub from index `after`, with a heartbeat after each `heartbeat_s` of silence.
+def _transport_of(scope: Scope) -> asyncio.Transport | None:
+    """The transport of a uvicorn HTTP/1.1 GET response that uses chunked encoding, else None.
 
-    Ends after the hub's last frame once the run's stream has ended. Leaves the hub when the
-    client goes away (the generator is closed or cancelled).
+    Relies on uvicorn's `RequestResponseCycle` (pinned uvicorn==0.54.0 in pyproject.toml):
+    the server's `send` is its bound method, with `.transport` and `.chunked_encoding`.
     """
-    index = after
-    try:
-        while True:
-            while index < len(hub.frames):
-                yield hub.frames[index]
-                index += 1
-            if hub.finished:
-                return
-            try:
-                await asyncio.wait_for(asyncio.shield(hub.changed), heartbeat_s)
-            except TimeoutError:
-                yield sse.HEARTBEAT_FRAME
-    finally:
-        fanout.leave(hub)
+    cycle = getattr(scope.get(SERVER_SEND), "__self__", None)
+    if cycle is None or f"{type(cycle).__module__}.{type(cycle).__qualname__}" not in _UVICORN_CYCLES:
+        return None
+    transport = getattr(cycle, "transport", None)
+    if scope.get("method") != "GET" or getattr(cycle, "chunked_encoding", None) is not True:
+        return None
+    return transport if isinstance(transport, asyncio.Transport) else None
+
+
+class EventStreamResponse(Response):
+    """The `text/event-stream` response of one listener of a run (status 200, frames from `after`).
+
+    Joined to `hub` by `RunFanout.open`; the response leaves the hub when the client goes
+    away or the run's stream ended (then the response ends after the last frame).
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, fanout: RunFanout, hub: _Hub, after: int, headers: dict[str, str] | None = None) -> None:
+        self.fanout, self.hub, self.after = fanout, hub, after
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve the stream until it ends or the client disconnects (ASGI `http.disconnect`)."""
+        hub = self.hub
+        listener: _Listener | None = None
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            listener = _Listener(hub, self.after, send, _transport_of(scope))
+            hub.attach(listener)
+            while True:  # returns once the response is complete (uvicorn) or the client has gone
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    break
+        finally:
+            if listener is not None:
+                hub.detach(listener)
+                if listener.writer is not None and not listener.finishing:
+                    listener.writer.cancel()
+            self.fanout.leave(hub)
+        if listener is not None and listener.writer is not None:
+            await asyncio.shield(listener.writer)  # an in-process transport reports the end before the last send
+

@@ -13,6 +13,7 @@ from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
+from services.gateway.fanout import RawSendMiddleware
 from services.gateway.identity import Authenticator
 from services.gateway.idempotency import IdempotencyStore
 from services.gateway.org_settings import DefaultModels
@@ -48,14 +49,18 @@ class GatewayServer:
             settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel, self.idempotency,
             self.default_models, self.tools_channel,
         )
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+        # and without it every keep-alive response waits ~40 ms for the client's delayed ACK
+        # (Nagle; docs/performance.md). The listener's option is inherited by accepted sockets.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((settings.http_host, settings.http_port))
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
+            RawSendMiddleware(self.app), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
             backlog=2048,
         )
         self.http = uvicorn.Server(config)

@@ -369,9 +369,10 @@ def _parse_ts(value: str) -> float:
 async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: int, connect_parallel: int, connect_cap_s: float) -> dict[str, Any]:
     """`listeners` SSE clients on one run; delay = arrival - the event's own `timestamp` (set at publication)."""
     rss0 = dep.rss()
-    # The run's first step waits for the listeners to connect (measured ~17 ms per listener on a busy
-    # 2-core machine; capped), so that every later tick is live for all of them; heartbeats flow meanwhile.
-    connect_wait_ms = int(min(max(2500 * dep.heartbeat_s, listeners * 17), connect_cap_s * 1000))
+    # The run's first step waits for the listeners to connect (~6 ms per listener allowed: measured
+    # 1-2 ms on a busy 2-core machine since the shared hub; was 17 before; capped), so that every later
+    # tick is live for all of them; heartbeats flow meanwhile.
+    connect_wait_ms = int(min(max(2500 * dep.heartbeat_s, listeners * 6), connect_cap_s * 1000))
     conn = Connection("127.0.0.1", dep.http_port, dep.headers())
     status, _, raw = await conn.request("POST", "/assistant/chat", orjson.dumps({"message": _fanout_script(connect_wait_ms, ticks, tick_ms)}))
     conn.close()
@@ -423,6 +424,7 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
     await asyncio.sleep(min(2.0, tick_ms / 1000))
     rss_connected = dep.rss()
     peak = dict(rss_connected)
+    cpu_live0, client_live0 = dep.cpu(), time.process_time()
 
     async def sample() -> None:
         while True:
@@ -436,6 +438,8 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
     budget = max(due - time.time(), 0) + (ticks + 1) * tick_ms / 1000 + 30
     done, pending = await asyncio.wait(tasks, timeout=budget)
     sampler.cancel()
+    cpu_live = _cpu_delta(cpu_live0, dep.cpu())
+    client_live = time.process_time() - client_live0
     for task in pending:
         task.cancel()
     for recorder in recorders:
@@ -443,6 +447,8 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
             recorder.transport.close()
     live_delays: list[float] = []
     live_events = set()
+    first: dict[tuple[str, float], float] = {}  # per live event: its earliest and latest delivery delay
+    last: dict[tuple[str, float], float] = {}
     margin = t_all + 0.05
     for recorder in recorders:
         finished = False
@@ -457,6 +463,8 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
                 if published >= margin:
                     live_delays.append(arrival - published)
                     live_events.add(frame["data"]["timestamp"])
+                    first[(kind, published)] = min(first.get((kind, published), 1e9), arrival - published)
+                    last[(kind, published)] = max(last.get((kind, published), -1e9), arrival - published)
             elif kind == "done":
                 finished = True
         if finished:
@@ -473,6 +481,13 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
         "live_events_measured": len(live_events), "deliveries_measured": len(live_delays),
         "delivery_wait_s": _r(budget, 1),
         "delay": summary(live_delays),
+        # CPU seconds from "all connected" to the end of the run (ticks, heartbeats, done), and the client's.
+        "cpu_s_live": {k: _r(v, 2) for k, v in cpu_live.items()}, "client_cpu_s_live": _r(client_live, 2),
+        # Per live event: delay to its first listener (upstream: orchestrator, gRPC, the gateway's pump)
+        # and from its first to its last listener (the fan-out itself).
+        "first_delivery": summary(list(first.values())),
+        "fanout_spread": summary([last[k] - first[k] for k in first]),
+        "delay_by_type": {t: summary([v for (kind, _), v in first.items() if kind == t]) for t in ("tool_call", "tool_result")},
         "rss_before_mib": {k: _r(v / MiB, 1) for k, v in rss0.items()},
         "rss_connected_mib": {k: _r(v / MiB, 1) for k, v in rss_connected.items()},
         "rss_peak_mib": {k: _r(v / MiB, 1) for k, v in peak.items()},
@@ -729,7 +744,8 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
             async with profile(f"fanout{n}"):
                 results["fanout"][str(n)] = await workload_fanout(dep, n, args.ticks, args.tick_ms, args.connect_parallel, args.connect_cap)
             fan = results["fanout"][str(n)]
-            print(f"[bench]   connected in {fan['connect_s']} s, outcome {fan['outcome']}, delay p99 {fan['delay']['p99_ms']} ms", flush=True)
+            print(f"[bench]   connected in {fan['connect_s']} s, outcome {fan['outcome']}, delay p50/p99 {fan['delay']['p50_ms']}/{fan['delay']['p99_ms']} ms "
+                  f"(first listener p50 {fan['first_delivery']['p50_ms']} ms, first-to-last spread p50 {fan['fanout_spread']['p50_ms']} ms)", flush=True)
     if "tools" in args.only:
         print(f"[bench] tools: {args.tool_calls} no-op tool calls; search over {args.chunks} chunks ({args.searches} searches)", flush=True)
         async with profile("tools"):

@@ -17,22 +17,99 @@ def to_struct(data: dict[str, Any] | None) -> struct_pb2.Struct:
 
 
 def to_value(data: Any) -> struct_pb2.Value:
-    """A Value holding any JSON value."""
+    """A Value holding any JSON value (dict, list/tuple, str, int, float, bool, None).
+
+    The same result and errors as `json_format.ParseDict(data, Value())` (ParseError for a
+    value of another type), built directly: ParseDict's generic walk costs several times more
+    CPU per call, and every tool result goes through here.
+    """
+    value = struct_pb2.Value()
+    try:
+        if _fill_value(value, data):
+            return value
+    except Exception:  # noqa: BLE001 - ParseDict below raises its own error for the same input
+        pass
     value = struct_pb2.Value()
     json_format.ParseDict(data, value)
     return value
 
 
 def from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
-    """The JSON object in `struct` (integral numbers come back as int)."""
-    return _ints(json_format.MessageToDict(struct))
+    """The JSON object in `struct` (integral numbers come back as int).
+
+    The same result and errors as `json_format.MessageToDict` (ValueError for an infinite
+    or NaN number) followed by the int rule, without the generic walk.
+    """
+    try:
+        return {key: _json_of(item) for key, item in struct.fields.items()}
+    except _Unsupported:
+        return _ints(json_format.MessageToDict(struct))
 
 
 def from_value(value: struct_pb2.Value) -> Any:
     """The JSON value in `value` (None when unset; integral numbers come back as int)."""
     if value.WhichOneof("kind") is None:
         return None
-    return _ints(json_format.MessageToDict(value))
+    try:
+        return _json_of(value)
+    except _Unsupported:
+        return _ints(json_format.MessageToDict(value))
+
+
+class _Unsupported(Exception):
+    """A Value the direct conversion leaves to json_format (an infinite or NaN number)."""
+
+
+def _fill_value(message: struct_pb2.Value, data: Any) -> bool:
+    # Mirrors json_format's _ConvertValueMessage; False (nothing raised) for what it would refuse.
+    if isinstance(data, dict):
+        struct = message.struct_value
+        struct.Clear()  # marks the struct set even when empty, as ParseDict does
+        fields = struct.fields
+        for key, item in data.items():
+            if not isinstance(key, str) or not _fill_value(fields[key], item):
+                return False
+        return True
+    if isinstance(data, (list, tuple)):
+        values = message.list_value
+        values.ClearField("values")
+        for item in data:
+            if not _fill_value(values.values.add(), item):
+                return False
+        return True
+    if data is None:
+        message.null_value = 0
+    elif isinstance(data, bool):
+        message.bool_value = data
+    elif isinstance(data, str):
+        message.string_value = data
+    elif isinstance(data, (int, float)):
+        message.number_value = data
+    else:
+        return False
+    return True
+
+
+def _json_of(value: struct_pb2.Value) -> Any:
+    # Mirrors json_format's _ValueMessageToJsonObject, then `_ints`.
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "number_value":
+        number = value.number_value
+        if number != number or number in (_INF, -_INF):
+            raise _Unsupported
+        return int(number) if number.is_integer() and abs(number) < 2**53 else number
+    if kind == "struct_value":
+        return {key: _json_of(item) for key, item in value.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_json_of(item) for item in value.list_value.values]
+    if kind == "bool_value":
+        return value.bool_value
+    return None  # null_value, or unset
+
+
+_INF = float("inf")
 
 
 def _ints(data: Any) -> Any:

@@ -11,6 +11,7 @@ service at start, not a model's call.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -76,6 +77,11 @@ class Action:
     credit_cost_millicredits: int
     handler: Handler = field(repr=False, compare=False)
 
+    @functools.cached_property
+    def validator(self) -> Draft202012Validator:
+        """The JSON Schema 2020-12 validator of `parameters`, built once per action (not per call)."""
+        return Draft202012Validator(self.parameters)
+
     def to_json(self) -> dict[str, Any]:
         """The action as shown by get_integration_details."""
         return {
@@ -101,6 +107,11 @@ class Integration:
     def auth_types(self) -> list[str]:
         """The auth types it accepts, in manifest order (e.g. ["none", "bearer"])."""
         return [option.type for option in self.auth_options]
+
+    @property
+    def secret_auth_types(self) -> list[str]:
+        """The auth types that carry a secret (all but "none"); [] when no credential can be stored for it."""
+        return [t for t in self.auth_types if t != "none"]
 
     @property
     def requires_credential(self) -> bool:

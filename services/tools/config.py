@@ -51,6 +51,14 @@ class ToolsSettings(CommonSettings):
             "display_name"?, "description"?, "authorize_url", "token_url", "client_id",
             "client_secret"?, "scope"?, "api_base_url"} (LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS,
             default empty: none). See services/tools/oauth.py.
+        tools_credential_cache_ttl_s: seconds one process reuses what it read of an
+            organization's credentials for tool calls — which integrations are connected,
+            its MCP servers and their discovered tools; never a secret
+            (LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S, default 5; 0 = read the database on
+            every call). A write through this process (create, delete, set default, MCP
+            refresh) is seen at once; with several replicas, another replica's write is
+            seen after at most this long (an MCP integration not yet in the cache is
+            always looked up in the database).
     """
 
     tools_port: int = 50053
@@ -63,6 +71,7 @@ class ToolsSettings(CommonSettings):
     tools_search_millicredits: int = 100
     tools_mcp_stdio_servers: str = ""
     tools_oauth2_integrations: str = ""
+    tools_credential_cache_ttl_s: float = 5.0
 
     def database_url(self) -> str:
         """The database URL to use: `tools_database_url`, or the embedded SQLite default."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +94,59 @@ def _invalid(reason: str, message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
 
 
+_MISS = object()
+
+
+class OrgReadCache:
+    """A per-process cache of what tool calls read about an organization's credentials on every turn.
+
+    Holds, per organization, the results of `connected_integrations` and `of_auth_type`
+    (metadata and MCP discovery only; never a secret) for at most `ttl_s` seconds, for
+    at most `max_orgs` organizations (least recently used dropped first).
+
+    Correctness rule: every credential write made through this process (create, delete,
+    set default, MCP discovery) drops the organization's entry when it commits, and a
+    read that overlapped any write is not stored (a global write generation), so this
+    process never serves data older than its own last write. A write made by another
+    replica is seen after at most `ttl_s` (LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S);
+    `ttl_s <= 0` turns the cache off.
+    """
+
+    def __init__(self, ttl_s: float, max_orgs: int = 4096) -> None:
+        self.ttl_s = ttl_s
+        self.max_orgs = max_orgs
+        self.generation = 0
+        self._entries: OrderedDict[str, tuple[float, dict[Any, Any]]] = OrderedDict()
+
+    def get(self, org_id: str, key: Any) -> Any:
+        """The cached value of (`org_id`, `key`), or `_MISS` when absent or expired."""
+        entry = self._entries.get(org_id)
+        if entry is None:
+            return _MISS
+        if entry[0] <= time.monotonic():
+            del self._entries[org_id]
+            return _MISS
+        self._entries.move_to_end(org_id)
+        return entry[1].get(key, _MISS)
+
+    def put(self, org_id: str, key: Any, value: Any, generation: int) -> None:
+        """Store `value` unless caching is off or a write happened since `generation` was read."""
+        if self.ttl_s <= 0 or generation != self.generation:
+            return
+        entry = self._entries.get(org_id)
+        if entry is None or entry[0] <= time.monotonic():
+            entry = (time.monotonic() + self.ttl_s, {})
+            self._entries[org_id] = entry
+            while len(self._entries) > self.max_orgs:
+                self._entries.popitem(last=False)
+        entry[1][key] = value
+
+    def invalidate(self, org_id: str) -> None:
+        """Forget the organization's entry and make reads that overlapped this write unstorable."""
+        self.generation += 1
+        self._entries.pop(org_id, None)
+
+
 class CredentialStore:
     """Credentials in the tools database.
 
@@ -99,12 +154,16 @@ class CredentialStore:
         sessions: the service's session factory.
         box: the SecretBox that encrypts and decrypts secrets.
         catalogue: integrations, to validate integration names, auth types and secret fields.
+        cache_ttl_s: seconds `connected_integrations` and `of_auth_type` results are reused
+            by this process (see OrgReadCache; writes through this store invalidate at once;
+            0 = no cache, the default here; the server passes LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S).
     """
 
-    def __init__(self, sessions: async_sessionmaker, box: SecretBox, catalogue: Catalogue) -> None:
+    def __init__(self, sessions: async_sessionmaker, box: SecretBox, catalogue: Catalogue, cache_ttl_s: float = 0.0) -> None:
         self._sessions = sessions
         self._box = box
         self._catalogue = catalogue
+        self.cache = OrgReadCache(cache_ttl_s)
 
     async def create(
         self,
@@ -215,6 +274,7 @@ class CredentialStore:
                     successor.is_default = True
                     successor.updated_at = utcnow()
                     promoted = successor.id
+        self.cache.invalidate(org_id)
         log.info("credential deleted", extra={"fields": {"credential_id": credential_id, "org_id": org_id}})
         return promoted
 
@@ -232,6 +292,7 @@ class CredentialStore:
             await session.flush()
             row.is_default = True
             row.updated_at = utcnow()
+        self.cache.invalidate(org_id)
         return CredentialInfo.of(row)
 
     async def create_raw(
@@ -277,8 +338,19 @@ class CredentialStore:
             )
         return found is not None
 
-    async def of_auth_type(self, org_id: str, auth_type: str) -> list[tuple[CredentialInfo, list[dict[str, Any]]]]:
-        """The organization's credentials of `auth_type` (oldest first), each with its stored discovery ([] if none)."""
+    async def of_auth_type(
+        self, org_id: str, auth_type: str, *, fresh: bool = False
+    ) -> list[tuple[CredentialInfo, list[dict[str, Any]]]]:
+        """The organization's credentials of `auth_type` (oldest first), each with its stored discovery ([] if none).
+
+        Served from the per-process cache (OrgReadCache) unless `fresh`; a fresh read refills it.
+        """
+        key = ("of_auth_type", auth_type)
+        if not fresh:
+            cached = self.cache.get(org_id, key)
+            if cached is not _MISS:
+                return [(info, list(tools)) for info, tools in cached]
+        generation = self.cache.generation
         async with self._sessions() as session:
             rows = (
                 await session.scalars(
@@ -287,7 +359,9 @@ class CredentialStore:
                     .order_by(Credential.created_at, Credential.id)
                 )
             ).all()
-        return [(CredentialInfo.of(r), list(r.discovery or [])) for r in rows]
+        found = [(CredentialInfo.of(r), list(r.discovery or [])) for r in rows]
+        self.cache.put(org_id, key, tuple((info, tuple(tools)) for info, tools in found), generation)
+        return found
 
     async def discovery(self, org_id: str, credential_id: str, auth_type: str) -> tuple[CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]]:
         """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential.
@@ -311,13 +385,20 @@ class CredentialStore:
             row.discovery = tools
             row.discovered_at = now
             row.updated_at = now
+        self.cache.invalidate(org_id)
         return now
 
     async def connected_integrations(self, org_id: str) -> set[str]:
-        """Names of the integrations the organization has at least one credential for."""
+        """Names of the integrations the organization has at least one credential for (cached: OrgReadCache)."""
+        cached = self.cache.get(org_id, "connected")
+        if cached is not _MISS:
+            return set(cached)
+        generation = self.cache.generation
         async with self._sessions() as session:
             rows = await session.scalars(select(Credential.integration).where(Credential.org_id == org_id).distinct())
-            return set(rows.all())
+            names = set(rows.all())
+        self.cache.put(org_id, "connected", frozenset(names), generation)
+        return names
 
     async def _insert(self, row: Credential, make_default: bool) -> CredentialInfo:
         """Store a new credential row; it becomes the default of its integration when asked, or
@@ -337,6 +418,7 @@ class CredentialStore:
                 )
             row.is_default = make_default or existing_default is None
             session.add(row)
+        self.cache.invalidate(org_id)
         log.info(
             "credential created",
             extra={"fields": {"credential_id": row.id, "org_id": org_id, "integration": integration_name}},

@@ -8,11 +8,20 @@ stars in the middle, never the whole value.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+if TYPE_CHECKING:
+    from cryptography.fernet import MultiFernet
+
+# `cryptography` (~7 MiB resident) is imported when the first secret is encrypted or
+# decrypted, not at start: an idle service, and every tool call that needs no
+# credential, never loads it. The keys are still checked at start (same rule as
+# `Fernet(key)`: url-safe base64 of exactly 32 bytes).
 
 
 class SecretBoxError(Exception):
@@ -30,21 +39,47 @@ class SecretBox:
     def __init__(self, keys: Sequence[str]) -> None:
         if not keys:
             raise ValueError("at least one Fernet key is required")
-        try:
-            self._fernet = MultiFernet([Fernet(k.encode() if isinstance(k, str) else k) for k in keys])
-        except (ValueError, TypeError) as exc:
-            raise ValueError("the credential key must be a Fernet key (32 url-safe base64 bytes)") from exc
+        self._keys = [k.encode() if isinstance(k, str) else k for k in keys]
+        for key in self._keys:
+            _check_fernet_key(key)
+        self._fernet: MultiFernet | None = None
+        self._lock = threading.Lock()
+
+    def _multi(self) -> MultiFernet:
+        """The MultiFernet of the keys, built (and `cryptography` imported) on first use."""
+        if self._fernet is None:
+            with self._lock:  # encrypt/decrypt may run in worker threads
+                if self._fernet is None:
+                    from cryptography.fernet import Fernet, MultiFernet
+
+                    self._fernet = MultiFernet([Fernet(k) for k in self._keys])
+        return self._fernet
 
     def encrypt(self, secret: dict[str, Any]) -> str:
         """The Fernet token (ASCII text) of the JSON object `secret`."""
-        return self._fernet.encrypt(json.dumps(secret, separators=(",", ":")).encode()).decode("ascii")
+        return self._multi().encrypt(json.dumps(secret, separators=(",", ":")).encode()).decode("ascii")
 
     def decrypt(self, token: str) -> dict[str, Any]:
         """The JSON object in `token`. Raises SecretBoxError when it cannot be decrypted."""
+        from cryptography.fernet import InvalidToken
+
         try:
-            return json.loads(self._fernet.decrypt(token.encode("ascii")))
+            return json.loads(self._multi().decrypt(token.encode("ascii")))
         except (InvalidToken, ValueError) as exc:
             raise SecretBoxError("the credential cannot be decrypted with the configured key") from exc
+
+
+def _check_fernet_key(key: Any) -> None:
+    """Raise ValueError unless `key` (bytes) is a Fernet key: url-safe base64 of exactly 32 bytes.
+
+    The same rule as `cryptography.fernet.Fernet.__init__`, checked without importing it.
+    """
+    try:
+        raw = base64.urlsafe_b64decode(key)
+    except (binascii.Error, ValueError, TypeError) as exc:
+        raise ValueError("the credential key must be a Fernet key (32 url-safe base64 bytes)") from exc
+    if len(raw) != 32:
+        raise ValueError("the credential key must be a Fernet key (32 url-safe base64 bytes)")
 
 
 def mask_value(value: Any) -> str:

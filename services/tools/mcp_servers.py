@@ -27,12 +27,11 @@ import json
 import logging
 import os
 import re
+import sys
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import anyio
-import httpx2
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
@@ -156,6 +155,7 @@ class McpConnector:
     def _client(self, target: StdioServer | dict[str, Any]) -> Client:
         # the mcp SDK is imported on first use: it costs ~30 MiB and start-up time in every
         # tools process, most of which never talk to an MCP server
+        import httpx2  # the HTTP client the mcp SDK uses; loaded with it
         from mcp import Client, StdioServerParameters
         from mcp.client.stdio import stdio_client
         from mcp.client.streamable_http import streamable_http_client
@@ -186,6 +186,8 @@ class McpConnector:
         server time to exit and then kills its process group) and the caller returns at
         once while the session closes in the background (`aclose` waits for those).
         """
+        import anyio  # loaded with the first MCP operation, not at start
+
         holder: dict[str, anyio.CancelScope] = {}
 
         async def runner() -> Any:
@@ -280,7 +282,7 @@ _DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - kept for the life of the proc
 class _owning:  # noqa: N801 - used like a function
     """An async context manager that enters `inner` and closes `http` after it."""
 
-    def __init__(self, http: httpx2.AsyncClient, inner: Any) -> None:
+    def __init__(self, http: Any, inner: Any) -> None:
         self._http = http
         self._inner = inner
 
@@ -303,7 +305,8 @@ def _describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     name = type(exc).__name__
-    if isinstance(exc, httpx2.HTTPStatusError):
+    httpx2 = sys.modules.get("httpx2")  # an httpx2 error exists only once httpx2 was loaded
+    if httpx2 is not None and isinstance(exc, httpx2.HTTPStatusError):
         return f"{name}: HTTP {exc.response.status_code}"
     return name
 

@@ -14,10 +14,13 @@ import asyncio
 import ipaddress
 import socket
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpcore
-import httpx
+if TYPE_CHECKING:
+    import httpx
+
+# httpx and httpcore (~7 MiB resident with what httpx imports) are loaded by the first
+# `guarded_client` (or `GuardedBackend`), not at start: an idle service never needs them.
 
 
 class OutboundPolicyError(Exception):
@@ -73,45 +76,64 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
     return addresses
 
 
-class GuardedBackend(httpcore.AsyncNetworkBackend):
-    """An httpcore network backend that checks every TCP destination against the policy.
+_guarded_backend: type | None = None
 
-    Args:
-        allow_private: the operator's `tools_allow_private_network`.
-    """
 
-    def __init__(self, allow_private: bool) -> None:
-        self._allow_private = allow_private
-        self._inner = httpcore.AnyIOBackend()
+def _guarded_backend_class() -> type:
+    """The GuardedBackend class, defined on first use (it subclasses an httpcore class)."""
+    global _guarded_backend
+    if _guarded_backend is None:
+        import httpcore
 
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        """Resolve and check `host`, then connect to its first allowed address."""
-        addresses = await resolve_checked(host, port, self._allow_private)
-        last: Exception | None = None
-        for address in addresses:
-            try:
-                return await self._inner.connect_tcp(
-                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-                )
-            except httpcore.ConnectError as exc:
-                last = exc
-        assert last is not None
-        raise last
+        class GuardedBackend(httpcore.AsyncNetworkBackend):
+            """An httpcore network backend that checks every TCP destination against the policy.
 
-    async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
-        """Unix sockets are never an allowed destination."""
-        raise OutboundPolicyError("unix sockets are not an allowed destination")
+            Args:
+                allow_private: the operator's `tools_allow_private_network`.
+            """
 
-    async def sleep(self, seconds: float) -> None:
-        """Sleep (used by httpcore's retries)."""
-        await self._inner.sleep(seconds)
+            def __init__(self, allow_private: bool) -> None:
+                self._allow_private = allow_private
+                self._inner = httpcore.AnyIOBackend()
+
+            async def connect_tcp(
+                self,
+                host: str,
+                port: int,
+                timeout: float | None = None,
+                local_address: str | None = None,
+                socket_options: Iterable[Any] | None = None,
+            ) -> httpcore.AsyncNetworkStream:
+                """Resolve and check `host`, then connect to its first allowed address."""
+                addresses = await resolve_checked(host, port, self._allow_private)
+                last: Exception | None = None
+                for address in addresses:
+                    try:
+                        return await self._inner.connect_tcp(
+                            address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+                        )
+                    except httpcore.ConnectError as exc:
+                        last = exc
+                assert last is not None
+                raise last
+
+            async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
+                """Unix sockets are never an allowed destination."""
+                raise OutboundPolicyError("unix sockets are not an allowed destination")
+
+            async def sleep(self, seconds: float) -> None:
+                """Sleep (used by httpcore's retries)."""
+                await self._inner.sleep(seconds)
+
+        _guarded_backend = GuardedBackend
+    return _guarded_backend
+
+
+def __getattr__(name: str) -> Any:
+    # `netpolicy.GuardedBackend` stays importable; the class is built when first asked for.
+    if name == "GuardedBackend":
+        return _guarded_backend_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def guarded_client(allow_private: bool, timeout_s: float) -> httpx.AsyncClient:
@@ -121,11 +143,14 @@ def guarded_client(allow_private: bool, timeout_s: float) -> httpx.AsyncClient:
     destination), no redirects followed automatically, `timeout_s` for each phase.
     Relies on httpx 0.28's `AsyncHTTPTransport._pool` (httpx is pinned in pyproject.toml).
     """
+    import httpcore
+    import httpx
+
     transport = httpx.AsyncHTTPTransport(trust_env=False)
     transport._pool = httpcore.AsyncConnectionPool(  # noqa: SLF001 - see docstring
         ssl_context=httpx.create_ssl_context(trust_env=False),
         max_connections=10,
         max_keepalive_connections=0,
-        network_backend=GuardedBackend(allow_private),
+        network_backend=_guarded_backend_class()(allow_private),
     )
     return httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False, timeout=timeout_s)

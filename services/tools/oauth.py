@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import httpx
 from sqlalchemy import delete
 
 from services.common.errors import TOOLS_DOMAIN, RpcError
@@ -96,6 +95,8 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
         path = params["path"]
         if not path.startswith("/") or "://" in path or path.startswith("//"):
             raise ActionError("path must be a path on the API, starting with '/'")
+        import httpx  # loaded on first use, not at start
+
         async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False) as client:
             response = await client.request(
                 params.get("method", "GET"), provider.api_base_url + path,
@@ -227,6 +228,8 @@ class OAuth2Flows:
         }
         if provider.client_secret:
             form["client_secret"] = provider.client_secret
+        import httpx  # loaded on first use, not at start
+
         try:
             async with httpx.AsyncClient(timeout=self._timeout_s, follow_redirects=False, trust_env=False) as client:
                 response = await client.post(provider.token_url, data=form, headers={"Accept": "application/json"})

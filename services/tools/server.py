@@ -389,7 +389,7 @@ class ToolsServer:
         stdio = StdioRegistry(parse_stdio_servers(settings.tools_mcp_stdio_servers), connector)
         engine = db.make_engine(url)
         sessions = db.sessionmaker(engine)
-        credentials = CredentialStore(sessions, box, catalogue)
+        credentials = CredentialStore(sessions, box, catalogue, settings.tools_credential_cache_ttl_s)
         executor = ToolExecutor(settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio)
         oauth = OAuth2Flows(providers, sessions, box, credentials, settings.tools_timeout_s)
         servicer = ToolsServicer(executor, oauth)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from jsonschema import Draft202012Validator
 
 from services.tools.catalogue import ActionContext, ActionError, Catalogue, Integration
@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 
 # Room kept for the execute_integration_tool envelope around a capped result.
 _ENVELOPE_BYTES = 512
+
+
+def _is_httpx_error(exc: BaseException) -> bool:
+    """Whether `exc` is an httpx.HTTPError (httpx is imported on first use: no httpx error exists before)."""
+    httpx = sys.modules.get("httpx")
+    return httpx is not None and isinstance(exc, httpx.HTTPError)
 
 
 class ToolError(Exception):
@@ -296,14 +302,19 @@ class ToolExecutor:
             names = ", ".join(integration.actions)
             raise ToolError(f"Integration {integration.name!r} has no action {args['action']!r}. Its actions: {names}.")
         parameters = args.get("parameters") or {}
-        problems = schema_errors(Draft202012Validator(action.parameters), parameters, "parameters")
+        problems = schema_errors(action.validator, parameters, "parameters")
         if problems:
             raise ToolError(
                 f"Invalid parameters for {integration.name}.{action.name}: {problems}. "
                 "See get_integration_details for the schema."
             )
         try:
-            resolved = await self.credentials.resolve(org_id, integration.name, args.get("credential_id"))
+            # An integration without a secret auth type (e.g. loopline) can have no credential
+            # (CreateCredential refuses one), so there is nothing to look up unless an id is named.
+            if args.get("credential_id") or integration.secret_auth_types:
+                resolved = await self.credentials.resolve(org_id, integration.name, args.get("credential_id"))
+            else:
+                resolved = None
         except SecretBoxError as exc:
             raise ToolError(
                 f"The stored {integration.name} credential cannot be decrypted; ask the user to connect it again "
@@ -344,22 +355,22 @@ class ToolExecutor:
             raise ToolError(f"{integration.name}.{action.name} failed: {redact(str(exc), secret)}") from exc
         except OutboundPolicyError as exc:
             raise ToolError(f"{integration.name}.{action.name} refused: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise ToolError(f"{integration.name}.{action.name} failed: {type(exc).__name__}: {redact(str(exc), secret)}") from exc
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         except Exception as exc:  # noqa: BLE001 - an action bug is the call's failure, not the RPC's
-            # No traceback in the log: a driver's message may quote the secret; log where, not what.
-            frame = exc.__traceback__
-            while frame is not None and frame.tb_next is not None:
-                frame = frame.tb_next
-            where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame else "?"
-            log.error(
-                "integration action raised",
-                extra={"fields": {"integration": integration.name, "action": action.name,
-                                  "exc_type": type(exc).__name__, "where": where}},
-            )
+            # An httpx error is an expected failure (same message, not logged); anything else
+            # is logged without traceback: a driver's message may quote the secret; log where, not what.
+            if not _is_httpx_error(exc):
+                frame = exc.__traceback__
+                while frame is not None and frame.tb_next is not None:
+                    frame = frame.tb_next
+                where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame else "?"
+                log.error(
+                    "integration action raised",
+                    extra={"fields": {"integration": integration.name, "action": action.name,
+                                      "exc_type": type(exc).__name__, "where": where}},
+                )
             raise ToolError(
                 f"{integration.name}.{action.name} failed: {type(exc).__name__}: {redact(str(exc), secret)}"
             ) from exc
@@ -430,9 +441,10 @@ class ToolExecutor:
                 raise ToolError(f"The MCP server {name!r} did not list its tools in time; try again later.") from None
             except (ActionError, OutboundPolicyError) as exc:
                 raise ToolError(f"The MCP server {name!r} is unavailable: {exc}") from None
-        for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE):
-            if info.integration == name:
-                return self.org_mcp_integration(info, tools)
+        for fresh in (False, True):  # cached first; a name it lacks may be a server another replica just added
+            for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE, fresh=fresh):
+                if info.integration == name:
+                    return self.org_mcp_integration(info, tools)
         names = [i.name for i in self.catalogue.all()] + list(self.stdio.servers)
         raise ToolError(f"Unknown integration {name!r}. Available integrations include: {', '.join(names)}. "
                         "Call get_available_integrations to browse them.")

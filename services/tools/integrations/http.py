@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
-
 from services.tools.catalogue import ActionContext, ActionError
 from services.tools.netpolicy import OutboundPolicyError, guarded_client
 
@@ -111,6 +109,8 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     query = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (params.get("query") or {}).items()}
     # Leave room for the status, headers and envelope so that a cut body still fits the output cap.
     limit = max(1024, ctx.max_output_bytes - 2048)
+    import httpx  # loaded on the first request, not at start (see netpolicy)
+
     try:
         async with guarded_client(ctx.allow_private_network, ctx.timeout_s) as client:
             async with client.stream(

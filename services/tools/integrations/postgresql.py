@@ -18,11 +18,15 @@ import datetime
 import decimal
 import ipaddress
 import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import asyncpg
+if TYPE_CHECKING:
+    import asyncpg
+
+# asyncpg (~3 MiB resident) is imported by the first action that connects, not at start.
 
 from services.tools.netpolicy import OutboundPolicyError, resolve_checked
 from services.tools.catalogue import ActionContext, ActionError
@@ -139,7 +143,8 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, asyncpg.Record):
+    asyncpg = sys.modules.get("asyncpg")  # a Record exists only once asyncpg was loaded
+    if asyncpg is not None and isinstance(value, asyncpg.Record):
         return {k: jsonable(v) for k, v in value.items()}
     return str(value)
 
@@ -179,6 +184,8 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
     await _check_destination(dsn, ctx.allow_private_network)
     timeout_ms = max(1, int(ctx.timeout_s * 1000))
+    import asyncpg
+
     try:
         connection = await asyncpg.connect(
             dsn,
@@ -280,6 +287,8 @@ async def run_query(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any
     """
     max_rows = int(params.get("max_rows", 100))
     args = params.get("params") or []
+    import asyncpg
+
     async with _readonly(ctx) as conn:
         try:
             statement = await conn.prepare(params["sql"])

@@ -1,0 +1,176 @@
+"""Per-process caches and lazy imports of the tools service (issue 9): still correct, never stale after a write.
+
+Rules checked: a credential write through a process is seen by that process's next tool call;
+another replica's write is seen within LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S, and an MCP
+server it registered is found at once; a tool call that can use no credential reads none;
+the idle service loads no optional package (cryptography, httpx, asyncpg, mcp, ...); the
+direct Struct/Value conversions equal json_format's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from google.protobuf import json_format, struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loopline.tools.v1 import tools_pb2
+from services.common import pb
+from services.tools.catalogue import Catalogue
+from services.tools.crypto import SecretBox
+from services.tools.mcp_servers import MCP_AUTH_TYPE
+
+MCP_TOOLS = [{"name": "ping", "description": "Ping.", "input_schema": {"type": "object", "properties": {}}}]
+
+
+def _connected(output: dict) -> dict[str, bool]:
+    return {i["name"]: i["connected"] for i in output["integrations"]}
+
+
+async def test_credential_writes_are_seen_by_the_next_tool_call_of_the_same_process(start_tools):
+    tools = await start_tools(tools_credential_cache_ttl_s=3600.0)
+    assert _connected(await tools.ok("get_available_integrations", {}))["http"] is False  # now cached
+    credential = await tools.create_credential("http", {"token": "tok-123456789"}, auth_type="bearer")
+    assert _connected(await tools.ok("get_available_integrations", {}))["http"] is True
+    await tools.stub.DeleteCredential(
+        tools_pb2.DeleteCredentialRequest(organization_id="org-a", credential_id=credential.credential_id)
+    )
+    assert _connected(await tools.ok("get_available_integrations", {}))["http"] is False
+
+
+async def test_mcp_server_writes_are_seen_by_the_next_tool_call_of_the_same_process(start_tools):
+    tools = await start_tools(tools_credential_cache_ttl_s=3600.0)
+    store = tools.server.servicer.credentials
+    names = {i["name"] for i in (await tools.ok("get_available_integrations", {}))["integrations"]}
+    assert "mcp_docs" not in names
+    info = await store.create_raw("org-a", "mcp_docs", MCP_AUTH_TYPE, {"url": "https://mcp.example/mcp", "headers": {}},
+                                  "Docs", discovery=MCP_TOOLS)
+    listed = {i["name"]: i for i in (await tools.ok("get_available_integrations", {}))["integrations"]}
+    assert listed["mcp_docs"]["connected"] is True
+    details = await tools.ok("get_integration_details", {"integration": "mcp_docs"})
+    assert [a["name"] for a in details["actions"]] == ["ping"]
+
+    await store.set_discovery("org-a", info.id, [*MCP_TOOLS, {**MCP_TOOLS[0], "name": "pong"}])
+    details = await tools.ok("get_integration_details", {"integration": "mcp_docs"})
+    assert [a["name"] for a in details["actions"]] == ["ping", "pong"]
+
+    await store.delete("org-a", info.id)
+    names = {i["name"] for i in (await tools.ok("get_available_integrations", {}))["integrations"]}
+    assert "mcp_docs" not in names
+    assert "Unknown integration" in await tools.failed("get_integration_details", {"integration": "mcp_docs"})
+
+
+async def test_another_replicas_credential_is_seen_within_the_cache_ttl(start_tools, tmp_path):
+    url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
+    first = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=0.5)
+    second = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=0.5)
+    assert _connected(await second.ok("get_available_integrations", {}))["http"] is False  # cached by the second
+    await first.create_credential("http", {"token": "tok-123456789"}, auth_type="bearer")
+    await asyncio.sleep(0.6)
+    assert _connected(await second.ok("get_available_integrations", {}))["http"] is True
+
+
+async def test_an_mcp_server_registered_on_another_replica_is_found_at_once(start_tools, tmp_path):
+    url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
+    first = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=3600.0)
+    second = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=3600.0)
+    await second.ok("get_available_integrations", {})  # the second caches "no MCP server"
+    await first.server.servicer.credentials.create_raw(
+        "org-a", "mcp_docs", MCP_AUTH_TYPE, {"url": "https://mcp.example/mcp", "headers": {}}, "Docs", discovery=MCP_TOOLS
+    )
+    details = await second.ok("get_integration_details", {"integration": "mcp_docs"})
+    assert [a["name"] for a in details["actions"]] == ["ping"]
+
+
+async def test_a_tool_call_that_can_use_no_credential_reads_none(tools, monkeypatch):
+    store = tools.server.servicer.credentials
+    calls: list[tuple] = []
+
+    async def resolve(*args):
+        calls.append(args)
+        return None
+
+    monkeypatch.setattr(store, "resolve", resolve)
+    output = await tools.ok("execute_integration_tool", {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}})
+    assert output["result"] == {"message": "hi"} and output["credential_id"] is None
+    assert calls == []
+    # A named credential is still looked up (and, for loopline, never found).
+    error = await tools.failed(
+        "execute_integration_tool",
+        {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}, "credential_id": "nope"},
+    )
+    assert "Credential 'nope' was not found" in error
+    assert calls == [("org-a", "loopline", "nope")]
+    # An integration that takes a secret still resolves one.
+    await tools.failed("execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": "https://example.com"}})
+    assert calls[-1] == ("org-a", "http", None)
+
+
+def test_an_action_validator_is_built_once():
+    action = Catalogue.builtin().get("loopline").actions["echo"]
+    assert action.validator is action.validator
+    assert not action.validator.is_valid({"message": 3})
+
+
+def test_the_idle_service_loads_no_optional_package(tmp_path):
+    # cryptography, httpx (+ click, rich), httpx2, anyio, asyncpg, the mcp SDK, pypdf: loaded on first use only.
+    script = (
+        "import asyncio, json, sys\n"
+        "from services.tools.config import ToolsSettings\n"
+        "from services.tools.server import ToolsServer\n"
+        "async def main():\n"
+        f"    server = await ToolsServer.start(ToolsSettings(data_dir={str(tmp_path)!r}, tools_port=0, host='127.0.0.1', auto_migrate=True))\n"
+        "    print(json.dumps(sorted(sys.modules)))\n"
+        "    await server.stop(0)\n"
+        "asyncio.run(main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout
+    loaded = {name.split(".")[0] for name in json.loads(out.strip().splitlines()[-1])}
+    assert not loaded & {"cryptography", "httpx", "httpcore", "httpx2", "anyio", "asyncpg", "mcp", "pypdf", "click", "rich"}
+
+
+def test_a_malformed_credential_key_is_refused_at_construction():
+    for key in ["", "abc", "A" * 44, "ä" * 44]:
+        with pytest.raises(ValueError, match="Fernet key"):
+            SecretBox([key])
+    box = SecretBox(["A" * 43 + "="])
+    assert box.decrypt(box.encrypt({"a": 1})) == {"a": 1}
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**60), max_value=2**60) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_json)
+def test_direct_struct_conversions_equal_json_format(data):
+    expected = struct_pb2.Value()
+    json_format.ParseDict(data, expected)
+    assert pb.to_value(data).SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+    back = pb._ints(json_format.MessageToDict(expected))
+    assert repr(pb.from_value(expected)) == repr(back)
+    if isinstance(data, dict):
+        struct = struct_pb2.Struct()
+        json_format.ParseDict(data, struct)
+        assert repr(pb.from_struct(struct)) == repr(pb._ints(json_format.MessageToDict(struct)))
+
+
+def test_direct_struct_conversions_raise_what_json_format_raises():
+    with pytest.raises(json_format.ParseError):
+        pb.to_value({"a": object()})
+    with pytest.raises(json_format.ParseError):
+        pb.to_value([b"bytes"])
+    with pytest.raises(ValueError, match="Infinity"):
+        pb.from_value(struct_pb2.Value(number_value=float("inf")))
+    struct = struct_pb2.Struct()
+    struct.fields["a"].number_value = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        pb.from_struct(struct)

@@ -39,8 +39,9 @@ RecordUsage, on the configured default plan (`LOOPLINE_BILLING_DEFAULT_PLAN`,
 from __future__ import annotations
 
 import datetime
-import time
 import logging
+import os
+import time
 import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -101,7 +102,8 @@ STATE_TO_PB = {
 
 
 def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    """`prefix` + "_" + 32 random hex digits (128 bits from os.urandom, like uuid4().hex)."""
+    return f"{prefix}_{os.urandom(16).hex()}"
 
 
 def month_start(day: datetime.date) -> datetime.date:
@@ -320,6 +322,21 @@ _VOID_ACCOUNT = (
         ),
     )
 )
+_SET_PLAN = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"))
+    .values(plan=_bp("p_plan"), period_allowance=_A.c.granted_credits + _bp("p_credits"))
+)
+_GRANT_CREDITS = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"))
+    .values(granted_credits=_A.c.granted_credits + _bp("p_n"), period_allowance=_A.c.period_allowance + _bp("p_n"))
+)
+_TOP_UP = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"))
+    .values(wallet_balance_minor=_A.c.wallet_balance_minor + _bp("p_n"))
+)
 _ADD_USAGE = update(_A).where(*_IN_PERIOD).values(usage_millicredits=_A.c.usage_millicredits + _bp("p_n"))
 _SEL_CHARGE_STATE = (
     select(_R.c.state, _L.c.id)
@@ -518,6 +535,15 @@ class BillingCore:
             return existing, None
         return existing, self._account_txn(conn, org_id, True)
 
+    def _plan_in_txn(self, conn: Connection, name: str) -> PlanTerms:
+        plan = self.plans.get(name)
+        if plan is None:
+            self.plans = _load_plans(conn)  # one reference swap: safe to read from the loop
+            plan = self.plans.get(name)
+            if plan is None:
+                raise RuntimeError(f"plan {name!r} is not in the plans table")
+        return plan
+
     async def _replay(self, existing: Any, usage_type: str, credits: int, rate_limit: str | None) -> Admission:
         if existing.usage_type != usage_type or existing.credits != credits:
             raise RpcError(
@@ -544,9 +570,11 @@ class BillingCore:
         Raises RpcError: INVALID_ARGUMENT on a bad request, ALREADY_EXISTS/TURN_KEY_REUSED,
         or a denial (see `denial_error`), with nothing reserved.
 
-        Two transactions: a read (the turn key's reservation, plus the account when this
-        process does not know it) so that a replay neither counts the rate limit nor runs
-        a layer; then, after the rate layer, the reservation itself (`_reserve_txn`).
+        The replay check comes first, so a replay neither counts the rate limit nor runs a
+        layer. With memory rate counters (`RateLimiter.synchronous`) everything is one
+        transaction, one database call (`_admit_txn`: replay check, rate, reservation).
+        With Redis counters, two: a read (`_prepare_txn`), the rate hit on the loop, then
+        the reservation (`_reserve_txn`).
         """
         if not org_id:
             raise invalid("ORGANIZATION_ID_REQUIRED", "organization_id is required")
@@ -566,32 +594,7 @@ class BillingCore:
         with loopline_logging.bind(org_id=org_id):
             now = self.clock()
             period = month_start(now.date())
-            plan_name = self._known(org_id, period)
-            existing, row = await self.db.run(self._prepare_txn, org_id, turn_key, plan_name is None)
-            if row is not None:
-                self._remember(org_id, row.plan, row.period_start)
-                plan_name = row.plan
-            assert plan_name is not None
-            plan = await self._plan(plan_name)
-            rate_limit = plan.rate_limits.get(rate_class)
-            if existing is not None:
-                return await self._replay(existing, usage_type, credits, rate_limit)
-
-            rate = await self.rates.hit(org_id, rate_class, rate_limit)
-            if not rate.allowed:
-                log.info("admission denied", extra={"fields": {"layer": "rate", "rate_class": rate_class}})
-                raise denial_error(
-                    RATE_LIMITED,
-                    "rate",
-                    f"rate limit {rate_limit} exceeded for {rate_class}; retry in {rate.reset_seconds} s",
-                    key=rate_class,
-                    current=rate.limit - rate.remaining,
-                    limit=rate.limit,
-                    rate=rate,
-                )
-
             today = now.date().isoformat()
-            counts_runs = usage_type == "run"
             values = {
                 "id": _new_id("res"),
                 "org_id": org_id,
@@ -601,38 +604,112 @@ class BillingCore:
                 "credits": credits,
                 "funding": ALLOWANCE,
                 "wallet_minor": 0,
-                "quota_day": today if counts_runs else "",
+                "quota_day": today if usage_type == "run" else "",
                 "state": HELD,
                 "created_at": now,
                 "expires_at": now + datetime.timedelta(seconds=self.hold_seconds),
                 "resolved_at": None,
                 "release_reason": None,
             }
+            plan_name = self._known(org_id, period)
             try:
-                fresh = await self.db.run(self._reserve_txn, values, plan, period, today, counts_runs)
-            except _Denied as denied:
-                log.info("admission denied", extra={"fields": {"layer": denied.layer}})
-                raise self._denial(denied, credits, today) from None
+                if self.rates.synchronous:
+                    kind, detail, row, plan = await self.db.run(self._admit_txn, values, plan_name, period, today)
+                else:
+                    kind, detail, row, plan = await self._admit_two_step(values, plan_name, period, today)
             except IntegrityError:
                 # A concurrent Admit with the same turn key won the insert; ours rolled back.
-                existing, _ = await self.db.run(self._prepare_txn, org_id, turn_key, False)
+                known = self._known(org_id, period)
+                existing, row = await self.db.run(self._prepare_txn, org_id, turn_key, known is None)
                 if existing is None:
                     raise
-                return await self._replay(existing, usage_type, credits, rate_limit)
+                plan = await self._plan(row.plan if row is not None else known)  # type: ignore[arg-type]
+                return await self._replay(existing, usage_type, credits, plan.rate_limits.get(rate_class))
+            if row is not None:
+                self._remember(org_id, row.plan, row.period_start)
+            if kind == "replay":
+                return await self._replay(detail, usage_type, credits, plan.rate_limits.get(rate_class))
+            if kind == "rate":
+                rate_limit = plan.rate_limits.get(rate_class)
+                log.info("admission denied", extra={"fields": {"layer": "rate", "rate_class": rate_class}})
+                raise denial_error(
+                    RATE_LIMITED,
+                    "rate",
+                    f"rate limit {rate_limit} exceeded for {rate_class}; retry in {detail.reset_seconds} s",
+                    key=rate_class,
+                    current=detail.limit - detail.remaining,
+                    limit=detail.limit,
+                    rate=detail,
+                )
+            if kind == "denied":
+                log.info("admission denied", extra={"fields": {"layer": detail.layer}})
+                raise self._denial(detail, credits, today)
+            rate, fresh = detail
             if fresh is not None:  # the slow path re-read the account
                 self._remember(org_id, *fresh)
-            log.info(
-                "admitted",
-                extra={
-                    "fields": {
-                        "reservation_id": values["id"],
-                        "usage_type": usage_type,
-                        "credits": credits,
-                        "funding": values["funding"],
-                    }
-                },
-            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "admitted",
+                    extra={
+                        "fields": {
+                            "reservation_id": values["id"],
+                            "usage_type": usage_type,
+                            "credits": credits,
+                            "funding": values["funding"],
+                        }
+                    },
+                )
             return Admission(SimpleNamespace(**values), False, rate)
+
+    def _admit_txn(
+        self, conn: Connection, values: dict[str, Any], plan_name: str | None, period: datetime.date, today: str
+    ) -> tuple[str, Any, Any, PlanTerms]:
+        """The whole admission in one transaction (memory rate counters, any thread).
+
+        Returns (kind, detail, account row read here or None, plan) with kind
+        "replay" (detail = the existing reservation), "rate" (detail = the refusing
+        RateDecision; nothing reserved), "denied" (detail = _Denied; the layers' updates
+        are rolled back, an account provisioned here is kept) or "admitted" (detail =
+        (RateDecision, `_reserve_txn`'s result)). Mutates `values` (funding, wallet_minor).
+        """
+        org_id = values["org_id"]
+        existing = conn.execute(_SEL_RESERVATION, {"p_org": org_id, "p_turn_key": values["turn_key"]}).first()
+        row = None
+        if plan_name is None:
+            row = self._account_txn(conn, org_id, True)
+            plan_name = row.plan
+        plan = self._plan_in_txn(conn, plan_name)
+        if existing is not None:
+            return "replay", existing, row, plan
+        rate = self.rates.hit_now(org_id, values["rate_class"], plan.rate_limits.get(values["rate_class"]))
+        if not rate.allowed:
+            return "rate", rate, row, plan
+        try:
+            fresh = self._reserve_txn(conn, values, plan, period, today, values["usage_type"] == "run")
+        except _Denied as denied:
+            return "denied", denied, row, plan
+        return "admitted", (rate, fresh), row, plan
+
+    async def _admit_two_step(
+        self, values: dict[str, Any], plan_name: str | None, period: datetime.date, today: str
+    ) -> tuple[str, Any, Any, PlanTerms]:
+        """`_admit_txn`'s outcome for shared (Redis) rate counters: read, rate hit, reserve."""
+        org_id, rate_class = values["org_id"], values["rate_class"]
+        existing, row = await self.db.run(self._prepare_txn, org_id, values["turn_key"], plan_name is None)
+        if row is not None:
+            plan_name = row.plan
+        assert plan_name is not None
+        plan = await self._plan(plan_name)
+        if existing is not None:
+            return "replay", existing, row, plan
+        rate = await self.rates.hit(org_id, rate_class, plan.rate_limits.get(rate_class))
+        if not rate.allowed:
+            return "rate", rate, row, plan
+        try:
+            fresh = await self.db.run(self._reserve_txn, values, plan, period, today, values["usage_type"] == "run")
+        except _Denied as denied:
+            return "denied", denied, row, plan
+        return "admitted", (rate, fresh), row, plan
 
     def _reserve_txn(
         self,
@@ -647,10 +724,10 @@ class BillingCore:
 
         Fast path: one UPDATE checking quota and allowance together for the cached plan
         and period. When it matches no row (a layer would refuse, the allowance is spent,
-        the plan or period changed) the slow path re-reads the account and runs each layer
-        as its own conditional UPDATE, in order. Returns None after the fast path, else
-        the account's (plan, period_start). Raises _Denied(layer) (everything rolls back).
-        Mutates `values` (funding, wallet_minor).
+        the plan or period changed) the slow path, inside a SAVEPOINT, re-reads the account
+        and runs each layer as its own conditional UPDATE, in order. Returns None after the
+        fast path, else the account's (plan, period_start). Raises _Denied(layer) with the
+        slow path's updates rolled back. Mutates `values` (funding, wallet_minor).
         """
         org_id, credits = values["org_id"], values["credits"]
         params = {
@@ -665,11 +742,17 @@ class BillingCore:
         if conn.execute(fast, params).rowcount == 1:
             conn.execute(_INS_RESERVATION, values)
             return None
+        with conn.begin_nested():
+            return self._reserve_slow(conn, values, params, period, counts_runs)
 
+    def _reserve_slow(
+        self, conn: Connection, values: dict[str, Any], params: dict[str, Any], period: datetime.date, counts_runs: bool
+    ) -> tuple[str, datetime.date]:
+        credits = values["credits"]
         account = conn.execute(_SEL_ACCOUNT, params).one()
         if account.period_start < period:
             conn.execute(_ROLL_PERIOD, params)
-        plan = self.plans.get(account.plan) or _load_plans(conn)[account.plan]
+        plan = self._plan_in_txn(conn, account.plan)
         params["p_max_runs"] = plan.max_runs_per_day
 
         def refuse(layer: str) -> _Denied:
@@ -776,9 +859,9 @@ class BillingCore:
         if not reservation_id:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
         state, entry_id, replayed, org_id = await self.db.run(self._charge_txn, reservation_id)
-        if not replayed:
+        if not replayed and log.isEnabledFor(logging.DEBUG):
             with loopline_logging.bind(org_id=org_id):
-                log.info("charged", extra={"fields": {"reservation_id": reservation_id, "ledger_entry_id": entry_id}})
+                log.debug("charged", extra={"fields": {"reservation_id": reservation_id, "ledger_entry_id": entry_id}})
         return ChargeResult(state, entry_id, replayed)
 
     def _void_txn(self, conn: Connection, reservation_id: str, state: str, reason: str) -> tuple[str | None, str | None]:
@@ -1007,14 +1090,11 @@ class BillingCore:
             raise ValueError(f"unknown plan {plan_name!r}")
         row, _ = await self.account(org_id)  # type: ignore[misc]
 
-        def txn(conn: Connection) -> None:
-            conn.execute(
-                update(_A)
-                .where(_A.c.org_id == org_id)
-                .values(plan=plan_name, period_allowance=_A.c.granted_credits + plan.monthly_run_credits)
+        await self.db.run(
+            lambda conn: conn.execute(
+                _SET_PLAN, {"p_org": org_id, "p_plan": plan_name, "p_credits": plan.monthly_run_credits}
             )
-
-        await self.db.run(txn)
+        )
         self._remember(org_id, plan_name, row.period_start)
         log.info("plan set", extra={"fields": {"org_id": org_id, "plan": plan_name}})
 
@@ -1035,10 +1115,7 @@ class BillingCore:
             UNIT_CREDIT,
             credits,
             note,
-            {
-                "granted_credits": _A.c.granted_credits + credits,
-                "period_allowance": _A.c.period_allowance + credits,
-            },
+            _GRANT_CREDITS,
         )
 
     async def top_up(self, org_id: str, minor_units: int, idempotency_key: str = "", note: str = "") -> str:
@@ -1058,12 +1135,10 @@ class BillingCore:
             UNIT_MINOR,
             minor_units,
             note,
-            {"wallet_balance_minor": _A.c.wallet_balance_minor + minor_units},
+            _TOP_UP,
         )
 
-    async def _post_admin(
-        self, org_id: str, key: str, kind: str, unit: str, amount: int, note: str, values: dict[str, Any]
-    ) -> str:
+    async def _post_admin(self, org_id: str, key: str, kind: str, unit: str, amount: int, note: str, stmt: Any) -> str:
         entry = {
             "id": _new_id("led"),
             "idempotency_key": key,
@@ -1076,8 +1151,7 @@ class BillingCore:
             "note": note[:255] or None,
             "created_at": self.clock(),
         }
-        stmt = update(_A).where(_A.c.org_id == _bp("p_org")).values(**values)
-        existing = await self.db.run(self._ledger_txn, entry, stmt, {"p_org": org_id})
+        existing = await self.db.run(self._ledger_txn, entry, stmt, {"p_org": org_id, "p_n": amount})
         if existing is not None:
             return existing.id
         log.info("ledger posted", extra={"fields": {"org_id": org_id, "kind": kind, "amount": amount, "unit": unit}})

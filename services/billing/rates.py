@@ -1,15 +1,21 @@
-"""Rate limits per (organization, rate class) with the `limits` library, moving window.
+"""Rate limits per (organization, rate class), moving window.
 
 A moving window counts every hit of the last window length, so a burst across a window
-boundary never passes more than the limit (issue 5). Counters live in `memory://` by
-default (one process) or in Redis by URL (`redis://...`, shared by replicas).
+boundary never passes more than the limit (issue 5). Limit expressions ("600/minute")
+are parsed by the `limits` library. Counters live in process memory for `memory://`
+(the default, one process: `MemoryWindows`, synchronous, so the admission transaction
+can count the hit in the same worker call) or in Redis by URL (`redis://...`, shared by
+replicas, through `limits`' asyncio Redis storage).
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from limits import RateLimitItem, parse
 from limits.aio.strategies import MovingWindowRateLimiter
@@ -45,20 +51,88 @@ def _async_url(url: str) -> tuple[str, dict[str, str]]:
     return (url if url.startswith("async+") else f"async+{url}"), options
 
 
+class MemoryWindows:
+    """In-process moving windows: per key, the times of the hits of the last window.
+
+    Same rule as `limits`' moving window: a hit is allowed when fewer than `limit` hits
+    fall within the last `window_s` seconds (a hit at exactly now - window_s still counts);
+    the window resets when its oldest counted hit leaves it. One deque per key, so a hit
+    is O(1) amortized (`limits`' memory storage prepends to a list: O(hits in window)).
+    Thread-safe (the admission worker thread hits, the event loop peeks).
+    """
+
+    def __init__(self) -> None:
+        self._hits: dict[tuple[str, ...], collections.deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, key: tuple[str, ...], limit: int, window_s: int, count: bool) -> tuple[bool, int, float]:
+        """Count one hit of `key` (when `count`) if the window has room.
+
+        Returns (allowed, hits in the window after the call, reset time as a Unix
+        timestamp = oldest counted hit + window_s, or now + window_s when empty).
+        `allowed` is the room check; with `count` False nothing is recorded.
+        """
+        now = time.time()
+        with self._lock:
+            hits = self._hits.get(key)
+            if hits is None:
+                hits = self._hits[key] = collections.deque()
+            cutoff = now - window_s
+            while hits and hits[0] < cutoff:
+                hits.popleft()
+            allowed = len(hits) < limit
+            if count and allowed:
+                hits.append(now)
+            used = len(hits)
+            reset = (hits[0] if hits else now) + window_s
+            if not hits:
+                del self._hits[key]
+        return allowed, used, reset
+
+
 class RateLimiter:
     """Moving-window rate limiter keyed by (org_id, rate_class).
 
-    `storage_url` is a `limits` URL: "memory://" or "redis://host:port/db" (the "async+"
-    prefix is added). Identifiers are namespaced with `key_prefix` so tests can share
-    a Redis without sharing counters.
+    `storage_url` is "memory://" (process memory, `MemoryWindows`; `synchronous` is True
+    and `hit_now` may be called from any thread) or a `limits` Redis URL
+    "redis://host:port/db" (the "async+" prefix is added). Identifiers are namespaced with
+    `key_prefix` so tests can share a Redis without sharing counters.
     """
 
     def __init__(self, storage_url: str, key_prefix: str = "loopline-billing") -> None:
-        url, options = _async_url(storage_url)
-        self.storage = storage_from_string(url, **options)
-        self.limiter = MovingWindowRateLimiter(self.storage)
         self.key_prefix = key_prefix
         self._items: dict[str, RateLimitItem] = {}
+        self.memory: MemoryWindows | None = None
+        self.storage: Any = None
+        if storage_url.split("://", 1)[0].removeprefix("async+") == "memory":
+            self.memory = MemoryWindows()
+        else:
+            url, options = _async_url(storage_url)
+            self.storage = storage_from_string(url, **options)
+            self.limiter = MovingWindowRateLimiter(self.storage)
+
+    @property
+    def synchronous(self) -> bool:
+        """True when counters are in process memory and `hit_now` is available."""
+        return self.memory is not None
+
+    def _memory_decision(self, org_id: str, rate_class: str, expression: str, count: bool) -> RateDecision:
+        assert self.memory is not None
+        item = self._item(expression)
+        window = item.get_expiry()
+        allowed, used, reset_at = self.memory.check((self.key_prefix, org_id, rate_class), item.amount, window, count)
+        reset = max(0, math.ceil(reset_at - time.time()))
+        if count and not allowed:
+            reset = max(1, reset)
+        return RateDecision(allowed or not count, item.amount, max(0, item.amount - used), reset, window)
+
+    def hit_now(self, org_id: str, rate_class: str, expression: str | None) -> RateDecision:
+        """`hit` for memory counters, synchronously (any thread). Raises RuntimeError for Redis."""
+        if not expression:
+            return RateDecision(True, 0, 0, 0, 0)
+        if self.memory is None:
+            raise RuntimeError("hit_now needs memory:// rate counters")
+        return self._memory_decision(org_id, rate_class, expression, True)
 
     def _item(self, expression: str) -> RateLimitItem:
         item = self._items.get(expression)
@@ -80,6 +154,8 @@ class RateLimiter:
         """
         if not expression:
             return RateDecision(True, 0, 0, 0, 0)
+        if self.memory is not None:
+            return self._memory_decision(org_id, rate_class, expression, True)
         item = self._item(expression)
         keys = (self.key_prefix, org_id, rate_class)
         allowed = await self.limiter.hit(item, *keys)
@@ -89,11 +165,13 @@ class RateLimiter:
         """The current window state without counting a request (used by replays)."""
         if not expression:
             return RateDecision(True, 0, 0, 0, 0)
+        if self.memory is not None:
+            return self._memory_decision(org_id, rate_class, expression, False)
         item = self._item(expression)
         return await self._state(item, (self.key_prefix, org_id, rate_class), True)
 
     async def close(self) -> None:
-        """Stop the in-memory storage's expiry task (no-op for other storages)."""
+        """Stop a storage's expiry task, if it has one (no-op for memory and Redis)."""
         timer = getattr(self.storage, "timer", None)
         if timer is not None and not timer.done():
             timer.cancel()

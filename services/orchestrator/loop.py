@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import timestamp_pb2
 from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
 
 from loopline.assistant.v1 import events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
@@ -30,10 +30,11 @@ from services.common import pb
 from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.events import EventLog
-from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
+from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, clamp_usage
 from services.orchestrator.sanitize import sanitize
-from services.orchestrator.thread import choose_cut, estimate, load_rows, with_summary
+from services.orchestrator.store import RunEnd, ThreadRow, TurnStore, split_summary
+from services.orchestrator.thread import choose_cut, estimate, with_summary
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class RunSpec:
     organization_id: str
     llm: dict[str, Any]
     model: ChatModel
+    # the chat's stored thread when the caller already knows it (a new chat: its user message);
+    # None: the loop loads it from the database when the run starts
+    history: list[ThreadRow] | None = None
 
 
 @dataclass
@@ -91,6 +95,9 @@ class _Totals:
     pending_guidance: str | None = None  # guidance to give the model after the pending tool result
     model_in_flight: bool = False  # a model call was running when the loop stopped
     pending_writes: list[asyncio.Task] = field(default_factory=list)  # usage records still being sent to billing
+    rows: list[ThreadRow] = field(default_factory=list)  # the chat's thread as the model sees it, stored or not
+    unsaved: list[ThreadRow] = field(default_factory=list)  # this run's messages, written when the run ends
+    interrupt: dict[str, Any] | None = None  # the HITL audit row, written when the run ends (paused)
 
 
 class TurnRunner:
@@ -98,7 +105,8 @@ class TurnRunner:
 
     Args:
         settings: orchestrator settings (limits, timeouts).
-        sessions: async session factory of the orchestrator database.
+        sessions: async session factory of the orchestrator database (the rare paths).
+        store: the hot-path transactions (store.py): thread loads, run ends, archives.
         events: the run event log (`MemoryEventLog`, or Redis Streams; see backend.py).
         billing: BillingService stub (RecordUsage).
         tools: ToolsService stub (ListTools, ExecuteTool).
@@ -108,12 +116,14 @@ class TurnRunner:
         self,
         settings: OrchestratorSettings,
         sessions: Any,
+        store: TurnStore,
         events: EventLog,
         billing: billing_pb2_grpc.BillingServiceStub,
         tools: tools_pb2_grpc.ToolsServiceStub,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
+        self.store = store
         self.events = events
         self.billing = billing
         self.tools = tools
@@ -202,7 +212,8 @@ class TurnRunner:
             self.active.pop(spec.run_id, None)
 
     def _publish(self, run_id: str, **payload: Any) -> events_pb2.Event:
-        event = events_pb2.Event(run_id=run_id, time=pb.timestamp(), **payload)
+        ns = time.time_ns()
+        event = events_pb2.Event(run_id=run_id, time=timestamp_pb2.Timestamp(seconds=ns // 1_000_000_000, nanos=ns % 1_000_000_000), **payload)
         return self.events.append(event)
 
     async def tool_definitions(self) -> list[dict[str, Any]]:
@@ -228,6 +239,7 @@ class TurnRunner:
             ),
         )
         tools = await self.tool_definitions()
+        totals.rows = list(spec.history) if spec.history is not None else await self.store.load_thread(spec.chat_id)
         steps = 0
         consecutive_failures = 0
         while True:
@@ -253,56 +265,49 @@ class TurnRunner:
 
             call = reply.tool_calls[0] if reply.tool_calls else None  # serial tool calls: one per step
             stored_calls = [{"id": call.id, "name": call.name, "input": call.input}] if call else []
-            async with self.sessions() as session, session.begin():
-                session.add(
-                    Message(
-                        id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="assistant",
-                        content=reply.text, extra={"tool_calls": stored_calls} if stored_calls else None,
-                    )
+            self._add_row(spec, totals, "assistant", reply.text, {"tool_calls": stored_calls} if stored_calls else None)
+            if call:
+                totals.pending_call = stored_calls[0]
+            if settings.llm_call_guidance_every and totals.reason_calls % settings.llm_call_guidance_every == 0 and call:
+                text = (
+                    f"You have made {totals.reason_calls} model calls in this run. Converge: finish the task "
+                    "with what you have, or give your best final answer now."
                 )
-                if call:
-                    totals.pending_call = stored_calls[0]
-                if settings.llm_call_guidance_every and totals.reason_calls % settings.llm_call_guidance_every == 0 and call:
-                    text = (
-                        f"You have made {totals.reason_calls} model calls in this run. Converge: finish the task "
-                        "with what you have, or give your best final answer now."
-                    )
-                    self._publish(spec.run_id, guidance=events_pb2.GuidanceEvent(message=text, total_llm_calls=totals.reason_calls))
-                    # given to the model after the pending tool result (the thread stays valid)
-                    totals.pending_guidance = text
+                self._publish(spec.run_id, guidance=events_pb2.GuidanceEvent(message=text, total_llm_calls=totals.reason_calls))
+                # given to the model after the pending tool result (the thread stays valid)
+                totals.pending_guidance = text
 
             if call is None:
                 return Outcome("completed", response=reply.text)
 
             steps += 1
             if steps > settings.recursion_limit:
-                await self._store_tool_result(spec, call.id, call.name, {"error": "not executed: recursion limit reached", "success": False})
+                self._store_tool_result(spec, totals, call.id, call.name, {"error": "not executed: recursion limit reached", "success": False})
                 totals.pending_call = None
                 raise LoopFailure(f"Recursion limit of {settings.recursion_limit} steps reached without a final answer.")
 
+            input_struct = pb.to_struct(call.input)
             self._publish(
                 spec.run_id,
-                tool_call=events_pb2.ToolCallEvent(tool=call.name, input=pb.to_struct(call.input), tool_call_id=call.id),
+                tool_call=events_pb2.ToolCallEvent(tool=call.name, input=input_struct, tool_call_id=call.id),
             )
             if call.name in hitl.TOOL_KINDS:
-                interrupt, invalid = await self._ask(spec, call)
+                interrupt, invalid = await self._ask(spec, totals, call)
                 if interrupt is not None:
                     totals.pending_call = None
                     return Outcome("interrupted", interrupt=interrupt)
                 # the question was malformed: its error result is in the thread and counts as a failed tool call
                 totals.pending_call = None
-                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=pb.to_struct(call.input), output=pb.to_value(invalid)))
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=pb.to_value(invalid)))
                 continue
 
-            output, ok = await self._execute(spec, call)
-            await self._store_tool_result(spec, call.id, call.name, output)
+            output, ok, output_value = await self._execute(spec, call, input_struct)
+            self._store_tool_result(spec, totals, call.id, call.name, output)
             totals.pending_call = None
-            totals.tool_calls.append(
-                events_pb2.ToolCallRecord(tool=call.name, input=pb.to_struct(call.input), output=pb.to_value(output))
-            )
+            totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=output_value))
             self._publish(
                 spec.run_id,
-                tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=pb.to_value(output)),
+                tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=output_value),
             )
             consecutive_failures = 0 if ok else consecutive_failures + 1
             guidance: list[str] = []
@@ -318,22 +323,25 @@ class TurnRunner:
                     spec.run_id, guidance=events_pb2.GuidanceEvent(message=text, consecutive_failures=consecutive_failures)
                 )
                 guidance.append(text)
-            if guidance:
-                async with self.sessions() as session, session.begin():
-                    for text in guidance:
-                        session.add(
-                            Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="system",
-                                    content=text, extra={"guidance": True})
-                        )
+            for text in guidance:
+                self._add_row(spec, totals, "system", text, {"guidance": True})
 
     async def _thread(self, spec: RunSpec, totals: _Totals) -> list[dict[str, Any]]:
-        """The thread for the next model call, summarizing its older part first when it is over budget."""
-        async with self.sessions() as session:
-            summary, rows = await load_rows(session, spec.chat_id)
+        """The thread for the next model call, summarizing its older part first when it is over budget.
+
+        The thread is loaded once per run (`totals.rows`) and grows in memory; summarizing
+        stores the run's messages so far and the summary, then reloads it.
+        """
+        summary, rows = split_summary(totals.rows)
         messages = with_summary(summary, rows)
         budget = self.settings.summarization_budget_tokens
         if not budget or estimate(messages) <= budget:
             return messages
+        if totals.unsaved:  # the cut needs stored sequence numbers
+            await self.store.store_rows(totals.unsaved)
+            totals.unsaved.clear()
+            totals.rows = await self.store.load_thread(spec.chat_id)
+            summary, rows = split_summary(totals.rows)
         cut = choose_cut(rows, self.settings.summarization_keep_tokens)
         if cut is None:
             return messages
@@ -350,39 +358,46 @@ class TurnRunner:
         totals.usage.input_tokens += reply.usage.input_tokens
         totals.usage.output_tokens += reply.usage.output_tokens
         self._record_usage_later(spec, totals, call_index, reply.usage)
-        async with self.sessions() as session, session.begin():
-            session.add(
-                Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="summary",
-                        content=reply.text, extra={"covers_until_seq": rows[cut - 1].seq})
-            )
+        await self.store.store_rows([
+            ThreadRow(role="summary", content=reply.text, extra={"covers_until_seq": rows[cut - 1].seq},
+                      chat_id=spec.chat_id, run_id=spec.run_id)
+        ])
         log.info("thread summarized", extra={"fields": {"covered_messages": cut}})
-        async with self.sessions() as session:
-            summary, rows = await load_rows(session, spec.chat_id)
-        return with_summary(summary, rows)
+        totals.rows = await self.store.load_thread(spec.chat_id)
+        return with_summary(*split_summary(totals.rows))
 
-    async def _store_tool_result(self, spec: RunSpec, call_id: str, name: str, output: Any) -> None:
-        async with self.sessions() as session, session.begin():
-            session.add(
-                Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="tool",
-                        content=output, extra={"tool_call_id": call_id, "name": name})
-            )
+    @staticmethod
+    def _add_row(spec: RunSpec, totals: _Totals, role: str, content: Any, extra: dict[str, Any] | None) -> None:
+        """Append a message to the run's thread (stored when the run ends, see store.py)."""
+        row = ThreadRow(role=role, content=content, extra=extra, chat_id=spec.chat_id, run_id=spec.run_id)
+        totals.rows.append(row)
+        totals.unsaved.append(row)
 
-    async def _execute(self, spec: RunSpec, call: Any) -> tuple[Any, bool]:
-        """Run one non-HITL tool through the tools service; returns (output, succeeded)."""
+    def _store_tool_result(self, spec: RunSpec, totals: _Totals, call_id: str, name: str, output: Any) -> None:
+        self._add_row(spec, totals, "tool", output, {"tool_call_id": call_id, "name": name})
+
+    async def _execute(self, spec: RunSpec, call: Any, input_struct: Any) -> tuple[Any, bool, Any]:
+        """Run one non-HITL tool through the tools service.
+
+        Returns (output as JSON, succeeded, output as a protobuf Value): the tools service's
+        Value is passed on to the events as it came, not converted back and forth.
+        """
         request = tools_pb2.ExecuteToolRequest(
-            organization_id=spec.organization_id, tool=call.name, input=pb.to_struct(call.input),
+            organization_id=spec.organization_id, tool=call.name, input=input_struct,
             run_id=spec.run_id, tool_call_id=call.id, chat_id=spec.chat_id,
         )
         response = await self.tools.ExecuteTool(request, timeout=self.settings.tool_timeout_s)
         if response.millicredits > 0:
             await self._record_tool_usage(spec, call, response.millicredits)
         if response.success:
-            return pb.from_value(response.output), True
-        return {"error": response.error or "the tool failed", "success": False}, False
+            return pb.from_value(response.output), True, response.output
+        failure = {"error": response.error or "the tool failed", "success": False}
+        return failure, False, pb.to_value(failure)
 
-    async def _ask(self, spec: RunSpec, call: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """Store a HITL question for `call`; returns (question, None), or (None, error output) when the
-        question is malformed (the error result is stored in the thread and published)."""
+    async def _ask(self, spec: RunSpec, totals: _Totals, call: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Prepare a HITL question for `call` (its audit row is written with the run's end);
+        returns (question, None), or (None, error output) when the question is malformed (the
+        error result joins the thread and is published)."""
         request_id = str(uuid.uuid4())
         try:
             integration = None
@@ -391,17 +406,15 @@ class TurnRunner:
             request = hitl.build_request(call.name, call.input, request_id, integration)
         except ValueError as invalid:
             output = {"error": f"invalid question: {invalid}", "success": False}
-            await self._store_tool_result(spec, call.id, call.name, output)
+            self._store_tool_result(spec, totals, call.id, call.name, output)
             self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=pb.to_value(output)))
             return None, output
-        async with self.sessions() as session, session.begin():
-            session.add(
-                Interrupt(
-                    id=request_id, chat_id=spec.chat_id, run_id=spec.run_id, tool_call_id=call.id, tool=call.name,
-                    kind=request["kind"], request=request, outcome="pending",
-                    expires_at=utcnow() + datetime.timedelta(seconds=self.settings.pending_ttl_s),
-                )
-            )
+        now = utcnow()
+        totals.interrupt = {
+            "id": request_id, "chat_id": spec.chat_id, "run_id": spec.run_id, "tool_call_id": call.id, "tool": call.name,
+            "kind": request["kind"], "request": request, "outcome": "pending", "created_at": now,
+            "expires_at": now + datetime.timedelta(seconds=self.settings.pending_ttl_s),
+        }
         return request, None
 
     async def _integration_info(self, spec: RunSpec, tool_input: dict[str, Any]) -> dict[str, Any] | None:
@@ -503,33 +516,18 @@ class TurnRunner:
         )
         if totals.pending_call is not None:  # a tool call cut off by a cancel or failure still gets a result
             note = "cancelled" if outcome.kind == "cancelled" else "not completed: the run failed"
-            await self._store_tool_result(spec, totals.pending_call["id"], totals.pending_call["name"], {"error": note, "success": False})
-        status = {"completed": "completed", "interrupted": "interrupted", "cancelled": "cancelled", "failed": "failed"}[outcome.kind]
-        async with self.sessions() as session, session.begin():
-            await session.execute(
-                update(Run).where(Run.id == spec.run_id).values(
-                    status=status, updated_at=utcnow(), error=outcome.message or None,
-                    usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-                           "total_tokens": usage.total_tokens, "llm_calls": usage.llm_calls},
-                )
-            )
-            if outcome.kind == "interrupted":
-                interrupt = outcome.interrupt or {}
-                await session.execute(update(Chat).where(Chat.id == spec.chat_id).values(updated_at=utcnow()))
-                session.add(
-                    Message(id=str(uuid.uuid4()), chat_id=spec.chat_id, run_id=spec.run_id, role="marker", content=None,
-                            extra={"type": "interrupted", "request_id": interrupt.get("request_id"), "kind": interrupt.get("kind")})
-                )
-            else:
-                if outcome.kind == "cancelled":
-                    await session.execute(
-                        update(Interrupt).where(Interrupt.run_id == spec.run_id, Interrupt.outcome == "pending")
-                        .values(outcome="cancelled", resolved_at=utcnow())
-                    )
-                await session.execute(
-                    update(Chat).where(Chat.id == spec.chat_id, Chat.running_id == spec.run_id)
-                    .values(running_id=None, updated_at=utcnow())
-                )
+            self._store_tool_result(spec, totals, totals.pending_call["id"], totals.pending_call["name"], {"error": note, "success": False})
+        if outcome.kind == "interrupted":
+            interrupt = outcome.interrupt or {}
+            self._add_row(spec, totals, "marker", None,
+                          {"type": "interrupted", "request_id": interrupt.get("request_id"), "kind": interrupt.get("kind")})
+        await self.store.finish(RunEnd(
+            run_id=spec.run_id, chat_id=spec.chat_id, status=outcome.kind, error=outcome.message or None,
+            usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+                   "total_tokens": usage.total_tokens, "llm_calls": usage.llm_calls},
+            rows=totals.unsaved, interrupt=totals.interrupt if outcome.kind == "interrupted" else None,
+        ))
+        totals.unsaved = []
         run_id = spec.run_id
         if outcome.kind == "completed":
             self._publish(run_id, done=events_pb2.DoneEvent(response=outcome.response, tool_calls=totals.tool_calls, usage=usage))
@@ -565,25 +563,11 @@ class TurnRunner:
 
         The events are read from the event log once everything published is stored (the
         Redis stream, or memory), so the database holds the durable copy of every ended run.
-        Two replicas archiving the same run at once: the loser retries and keeps the rows.
+        Two replicas archiving the same run at once both succeed (INSERT ... ON CONFLICT DO NOTHING).
         """
         await self.events.flush(run_id)
         events = await self.events.events_of(run_id)
-        if not events:
-            return
-        for attempt in range(3):
-            try:
-                async with self.sessions() as session, session.begin():
-                    stored = set(
-                        (await session.execute(select(RunEvent.seq).where(RunEvent.run_id == run_id))).scalars()
-                    )
-                    for event in events:
-                        if event.seq not in stored:
-                            session.add(RunEvent(run_id=run_id, seq=event.seq, payload=event.SerializeToString()))
-                break
-            except IntegrityError:
-                if attempt == 2:
-                    raise
+        await self.store.archive(run_id, [(event.seq, event.SerializeToString()) for event in events])
         forget = getattr(self.events, "forget", None)
         if forget is not None:
             forget(run_id)

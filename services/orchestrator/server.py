@@ -18,6 +18,7 @@ from services.orchestrator.backend import RunBackend, make_backend
 from services.orchestrator.loop import TurnRunner, load_archive
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.service import AssistantServicer
+from services.orchestrator.store import TurnStore
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class OrchestratorServer:
         billing = billing_pb2_grpc.BillingServiceStub(self.billing_channel)
         tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
         self.backend: RunBackend = make_backend(settings, functools.partial(load_archive, sessions))
-        self.runner = TurnRunner(settings, sessions, self.backend.events, billing, tools)
+        self.store = TurnStore(self.engine)
+        self.runner = TurnRunner(settings, sessions, self.store, self.backend.events, billing, tools)
         await self.backend.start(self._on_cancel)
         self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend, billing)
         self.servicer = AssistantServicer(settings, sessions, self.runner, billing)
@@ -82,4 +84,5 @@ class OrchestratorServer:
         await self.backend.close()
         await self.billing_channel.close()
         await self.tools_channel.close()
+        self.store.close()
         await self.engine.dispose()

@@ -33,6 +33,7 @@ from services.orchestrator.loop import RunSpec, TurnRunner
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.providers import registry
 from services.orchestrator.recovery import RunSupervisor
+from services.orchestrator.store import ClaimLost, ThreadRow
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         self.settings = settings
         self.sessions = sessions
         self.runner = runner
+        self.store = runner.store
         self.billing = billing
         self._claims: dict[str, str] = {}  # chat_id -> claim token, for claims taken by this process
         # shared state of the replicas and this replica's supervisor; set by OrchestratorServer
@@ -201,7 +203,15 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         run_id = str(uuid.uuid4())
         await self._claim(chat_id)
         try:
-            if request.chat_id:
+            guard = await self.store.turn_guard(request.chat_id) if request.chat_id and _is_uuid(request.chat_id) else None
+            if request.chat_id and (
+                guard is None or guard.organization_id != caller.organization_id or guard.kind != ASSISTANT_KIND
+                or guard.deleted_at is not None
+            ):
+                raise _not_found()
+            if guard is not None and guard.pending_id is None and guard.running_id:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+            if guard is not None and guard.pending_id is not None:  # a question: pending (409) or expired (settled here)
                 async with self.sessions() as session:
                     chat = await self._chat(session, caller, request.chat_id)
                     running_id = chat.running_id
@@ -228,7 +238,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "BILLING_UNAVAILABLE", "Billing is unavailable; try again") from None
             context.set_trailing_metadata(_rate_metadata(admitted.rate_limit))
             try:
-                await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id)
+                history = await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id)
                 await self.billing.Charge(billing_pb2.ChargeRequest(reservation_id=admitted.reservation_id), timeout=10)
             except BaseException:
                 await self._release(admitted.reservation_id, "turn not started")
@@ -241,32 +251,35 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "BILLING_UNAVAILABLE", "Billing is unavailable; try again") from None
         finally:
             await self._unclaim(chat_id)
-        self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model))
+        self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model,
+                                  history=history))
         return assistant_pb2.StartTurnResponse(
             status="running", chat_id=chat_id, run_id=run_id, thread_id=chat_id, stream_url=self._stream_url(chat_id, run_id)
         )
 
-    async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any], reservation_id: str) -> None:
-        """One transaction: chat (new or claimed with a conditional update), user message, run row."""
-        now = utcnow()
-        async with self.sessions() as session, session.begin():
-            if request.chat_id:
-                claimed = await session.execute(
-                    update(Chat).where(Chat.id == chat_id, Chat.running_id.is_(None), Chat.deleted_at.is_(None))
-                    .values(running_id=run_id, updated_at=now)
-                )
-                if claimed.rowcount != 1:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
-            else:
-                session.add(
-                    Chat(id=chat_id, organization_id=caller.organization_id, user_id=caller.user_id, kind=ASSISTANT_KIND,
-                         title=request.message.strip()[:TITLE_LENGTH], workflow_id=None, running_id=run_id, created_at=now, updated_at=now)
-                )
-                await session.flush()
-            session.add(Message(id=str(uuid.uuid4()), chat_id=chat_id, run_id=run_id, role="user", content=request.message, created_at=now))
-            session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat_id, organization_id=caller.organization_id,
-                            status="running", llm=llm, reservation_id=reservation_id, created_at=now, updated_at=now,
-                            lease_until=RunSupervisor.lease_deadline(self.settings, now)))
+    async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any],
+                            reservation_id: str) -> list[ThreadRow] | None:
+        """One transaction: chat (new, or claimed with a conditional update), user message, run row.
+
+        Returns the thread of a new chat (its user message), so the loop need not read it back;
+        None for an existing chat. FAILED_PRECONDITION RUN_IN_FLIGHT when the claim is lost.
+        """
+        message = ThreadRow(role="user", content=request.message, chat_id=chat_id, run_id=run_id)
+        now = message.created_at
+        chat = None
+        if not request.chat_id:
+            chat = {"id": chat_id, "organization_id": caller.organization_id, "user_id": caller.user_id, "kind": ASSISTANT_KIND,
+                    "title": request.message.strip()[:TITLE_LENGTH], "workflow_id": None, "running_id": run_id,
+                    "deleted_at": None, "created_at": now, "updated_at": now}
+        run = {"id": run_id, "durable_id": f"run_{uuid.uuid4().hex}", "chat_id": chat_id, "organization_id": caller.organization_id,
+               "parent_run_id": None, "status": "running", "llm": llm, "reservation_id": reservation_id, "usage": None,
+               "error": None, "created_at": now, "updated_at": now,
+               "lease_until": RunSupervisor.lease_deadline(self.settings, now)}
+        try:
+            await self.store.persist_turn(claim=bool(request.chat_id), chat=chat, message=message, run=run)
+        except ClaimLost:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it") from None
+        return None if request.chat_id else [message]
 
     async def _unwind(self, chat_id: str, run_id: str, new_chat: bool) -> None:
         """Undo a turn whose charge failed: remove its rows (a new chat entirely), free the chat."""
@@ -291,14 +304,19 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     async def StreamRun(self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[assistant_pb2.StreamRunResponse]:
         """Replay the run's events from `after`, then follow live; ends after a terminal event."""
-        try:
-            async with self.sessions() as session:
-                await self._chat(session, request.caller, request.chat_id)
-                run = await session.get(Run, request.run_id) if _is_uuid(request.run_id) else None
-                if run is None or run.chat_id != request.chat_id:
-                    raise _not_found("Run")
-        except RpcError as error:
-            await abort(context, error)
+        target = None
+        if _is_uuid(request.chat_id):
+            target = await self.store.stream_target(request.chat_id, request.run_id if _is_uuid(request.run_id) else "")
+        if (
+            target is None
+            or target.organization_id != request.caller.organization_id
+            or target.kind != ASSISTANT_KIND
+            or target.deleted_at is not None
+        ):
+            await abort(context, _not_found())
+            return
+        if target.run_chat_id is None:
+            await abort(context, _not_found("Run"))
             return
         if request.after < 0:
             await abort(context, RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"))

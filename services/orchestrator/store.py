@@ -1,0 +1,251 @@
+"""The turn's hot-path transactions: start a turn, load a thread, end a run, archive its events.
+
+A turn used to cost about a dozen ORM round trips (a transaction per message, a thread
+reload before every model call, a SELECT before the archive). Here each is one
+synchronous function over a Core `Connection`, run by `services.common.txn.TxnRunner`
+(one thread hop per transaction on SQLite, `run_sync` on PostgreSQL), with statements
+built once at import. A run writes its thread messages, its status, its interrupt row
+and the chat's `running_id` in one transaction when it ends (`finish`), before its
+terminal event is published (the ordering rule of loop.py), so a turn is three
+transactions: `persist_turn`, `finish`, `archive` (docs/performance.md).
+
+Durability trade-off (README "Decisions"): the messages a run produces are kept in the
+run's memory until it ends. A process that dies mid-run loses that run's unfinished
+assistant/tool messages, never the user message or the run row; the crash reaper then
+fails the run (recovery.py) and the thread stays valid for the next turn.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, bindparam, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.common.txn import TxnRunner
+from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
+
+_chats = Chat.__table__
+_messages = Message.__table__
+_runs = Run.__table__
+_events = RunEvent.__table__
+_interrupts = Interrupt.__table__
+
+
+@dataclass(slots=True)
+class ThreadRow:
+    """One thread entry in memory, shaped like a `messages` row (see models.Message).
+
+    `seq` is None until the row is stored; `thread.to_model_messages` reads role, content
+    and extra, `thread.choose_cut` reads role and seq.
+    """
+
+    role: str
+    content: Any
+    extra: dict[str, Any] | None = None
+    chat_id: str = ""
+    run_id: str | None = None
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    created_at: datetime.datetime = field(default_factory=utcnow)
+    seq: int | None = None
+
+    def values(self) -> dict[str, Any]:
+        """The row as INSERT parameters (seq is assigned by the database)."""
+        return {"id": self.id, "chat_id": self.chat_id, "run_id": self.run_id, "role": self.role,
+                "content": self.content, "extra": self.extra, "created_at": self.created_at}
+
+
+@dataclass(slots=True)
+class RunEnd:
+    """What `finish` writes when a run ends.
+
+    Args:
+        run_id, chat_id: the run and its chat.
+        status: completed, interrupted, cancelled or failed (runs.status).
+        error: the sanitized failure message or None.
+        usage: {input_tokens, output_tokens, total_tokens, llm_calls} (runs.usage).
+        rows: the run's thread messages not stored yet, in order.
+        interrupt: the HITL audit row's values when the run paused on a question (outcome pending).
+    """
+
+    run_id: str
+    chat_id: str
+    status: str
+    error: str | None
+    usage: dict[str, int]
+    rows: list[ThreadRow]
+    interrupt: dict[str, Any] | None = None
+
+
+class ClaimLost(Exception):
+    """The chat was taken (running_id set or deleted) between the guard and the write."""
+
+
+_INSERT_MESSAGE = insert(_messages)
+_INSERT_CHAT = insert(_chats)
+_INSERT_RUN = insert(_runs)
+_INSERT_INTERRUPT = insert(_interrupts)
+_CLAIM_CHAT = (
+    update(_chats)
+    .where(_chats.c.id == bindparam("b_chat_id"), _chats.c.running_id.is_(None), _chats.c.deleted_at.is_(None))
+    .values(running_id=bindparam("b_run_id"), updated_at=bindparam("b_now"))
+)
+_SELECT_THREAD = (
+    select(_messages.c.seq, _messages.c.id, _messages.c.role, _messages.c.content, _messages.c.extra,
+           _messages.c.run_id, _messages.c.created_at)
+    .where(_messages.c.chat_id == bindparam("b_chat_id"))
+    .order_by(_messages.c.seq)
+)
+_END_RUN = (
+    update(_runs).where(_runs.c.id == bindparam("b_run_id"))
+    .values(status=bindparam("b_status"), updated_at=bindparam("b_now"), error=bindparam("b_error"), usage=bindparam("b_usage"))
+)
+_TOUCH_CHAT = update(_chats).where(_chats.c.id == bindparam("b_chat_id")).values(updated_at=bindparam("b_now"))
+_FREE_CHAT = (
+    update(_chats)
+    .where(_chats.c.id == bindparam("b_chat_id"), _chats.c.running_id == bindparam("b_run_id"))
+    .values(running_id=None, updated_at=bindparam("b_now"))
+)
+_CANCEL_INTERRUPTS = (
+    update(_interrupts)
+    .where(_interrupts.c.run_id == bindparam("b_run_id"), _interrupts.c.outcome == "pending")
+    .values(outcome="cancelled", resolved_at=bindparam("b_now"))
+)
+_STREAM_TARGET = (
+    select(_chats.c.organization_id, _chats.c.kind, _chats.c.deleted_at, _runs.c.chat_id.label("run_chat_id"))
+    .select_from(_chats.outerjoin(_runs, and_(_runs.c.id == bindparam("b_run_id"), _runs.c.chat_id == _chats.c.id)))
+    .where(_chats.c.id == bindparam("b_chat_id"))
+)
+_TURN_GUARD = (
+    select(_chats.c.organization_id, _chats.c.kind, _chats.c.deleted_at, _chats.c.running_id,
+           _interrupts.c.id.label("pending_id"))
+    .select_from(_chats.outerjoin(_interrupts, and_(_interrupts.c.chat_id == _chats.c.id, _interrupts.c.outcome == "pending")))
+    .where(_chats.c.id == bindparam("b_chat_id"))
+)
+_ARCHIVE = {
+    "sqlite": sqlite.insert(_events).on_conflict_do_nothing(index_elements=["run_id", "seq"]),
+    "postgresql": postgresql.insert(_events).on_conflict_do_nothing(index_elements=["run_id", "seq"]),
+}
+
+
+def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any]) -> None:
+    if claim:
+        result = conn.execute(_CLAIM_CHAT, {"b_chat_id": message.chat_id, "b_run_id": run["id"], "b_now": message.created_at})
+        if result.rowcount != 1:
+            raise ClaimLost(message.chat_id)
+    else:
+        assert chat is not None
+        conn.execute(_INSERT_CHAT, chat)
+    conn.execute(_INSERT_MESSAGE, message.values())
+    conn.execute(_INSERT_RUN, run)
+
+
+def _load_thread(conn: Connection, chat_id: str) -> list[ThreadRow]:
+    return [
+        ThreadRow(role=r.role, content=r.content, extra=r.extra, chat_id=chat_id, run_id=r.run_id, id=r.id,
+                  created_at=r.created_at, seq=r.seq)
+        for r in conn.execute(_SELECT_THREAD, {"b_chat_id": chat_id})
+    ]
+
+
+def _store_rows(conn: Connection, rows: Sequence[ThreadRow]) -> None:
+    if rows:
+        conn.execute(_INSERT_MESSAGE, [row.values() for row in rows])
+
+
+def _finish(conn: Connection, end: RunEnd) -> None:
+    now = utcnow()
+    if end.interrupt is not None:
+        conn.execute(_INSERT_INTERRUPT, end.interrupt)
+    _store_rows(conn, end.rows)
+    conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error, "b_usage": end.usage})
+    if end.status == "interrupted":
+        conn.execute(_TOUCH_CHAT, {"b_chat_id": end.chat_id, "b_now": now})
+        return
+    if end.status == "cancelled":
+        conn.execute(_CANCEL_INTERRUPTS, {"b_run_id": end.run_id, "b_now": now})
+    conn.execute(_FREE_CHAT, {"b_chat_id": end.chat_id, "b_run_id": end.run_id, "b_now": now})
+
+
+def _turn_guard(conn: Connection, chat_id: str) -> Any:
+    return conn.execute(_TURN_GUARD, {"b_chat_id": chat_id}).first()
+
+
+def _stream_target(conn: Connection, chat_id: str, run_id: str) -> Any:
+    return conn.execute(_STREAM_TARGET, {"b_chat_id": chat_id, "b_run_id": run_id}).first()
+
+
+class TurnStore:
+    """The orchestrator's hot-path transactions over its database (one `TxnRunner`).
+
+    Args:
+        engine: the orchestrator's async engine (SQLite or PostgreSQL).
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.txn = TxnRunner(engine, thread_name="orchestrator-db")
+        self._archive = _ARCHIVE.get(self.txn.dialect)
+        if self._archive is None:
+            raise ValueError(f"unsupported database dialect {self.txn.dialect!r} (sqlite or postgresql)")
+
+    async def persist_turn(self, *, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any]) -> None:
+        """Spec "Persist and charge", one transaction: the chat (a new row when `claim` is False,
+        else a conditional `running_id` update), the user message and the run row.
+
+        Raises ClaimLost when `claim` is True and the chat is running, deleted or gone.
+        """
+        await self.txn.run(_persist_turn, claim, chat, message, run)
+
+    async def load_thread(self, chat_id: str) -> list[ThreadRow]:
+        """Every stored message of the chat, oldest first (summaries and markers included)."""
+        return await self.txn.run(_load_thread, chat_id)
+
+    async def store_rows(self, rows: Sequence[ThreadRow]) -> None:
+        """Insert thread messages in one transaction, in order."""
+        await self.txn.run(_store_rows, list(rows))
+
+    async def finish(self, end: RunEnd) -> None:
+        """One transaction at a run's end: its interrupt row (a pause), its unsaved thread messages,
+        its status/error/usage, and the chat (`running_id` cleared, or only touched when paused; a
+        cancel also flips a pending audit row to `cancelled`)."""
+        await self.txn.run(_finish, end)
+
+    async def turn_guard(self, chat_id: str) -> Any:
+        """(organization_id, kind, deleted_at, running_id, pending_id) of the chat, pending_id being
+        a pending question's id or None; None when the chat does not exist. One read."""
+        return await self.txn.run(_turn_guard, chat_id)
+
+    async def stream_target(self, chat_id: str, run_id: str) -> Any:
+        """(organization_id, kind, deleted_at, run_chat_id) of the chat and the run if it belongs
+        to it (run_chat_id None otherwise); None when the chat does not exist."""
+        return await self.txn.run(_stream_target, chat_id, run_id)
+
+    async def archive(self, run_id: str, events: Sequence[tuple[int, bytes]]) -> None:
+        """Store (seq, payload) events of a run; rows already stored (another replica) are kept."""
+        if events:
+            await self.txn.run(self._archive_rows, run_id, list(events))
+
+    def _archive_rows(self, conn: Connection, run_id: str, events: list[tuple[int, bytes]]) -> None:
+        conn.execute(self._archive, [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in events])
+
+    def close(self) -> None:
+        """Stop the worker thread (SQLite)."""
+        self.txn.close()
+
+
+def split_summary(rows: list[ThreadRow]) -> tuple[ThreadRow | None, list[ThreadRow]]:
+    """(latest summary row or None, the rows after what it covers) of a loaded thread (see thread.py)."""
+    latest = None
+    for row in rows:
+        if row.role == "summary":
+            latest = row
+    if latest is None:
+        return None, rows
+    covered = int((latest.extra or {}).get("covers_until_seq", 0))
+    return latest, [r for r in rows if r.role != "summary" and (r.seq is None or r.seq > covered)]

@@ -753,6 +753,16 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
     results["memory"]["final_mib"] = {k: _r(v / MiB, 1) for k, v in dep.rss().items()}
 
 
+def _event_loop_policy() -> None:
+    """The client runs on uvloop when it is installed: 10,000 SSE sockets cost the client less CPU
+    per read than asyncio's selector loop (the client shares the cores with the services)."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     fd_limit = raise_fd_limit(max(args.listeners or [0]) * 2 + 1024 if "fanout" in args.only else 0)
@@ -773,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         print("[bench] starting the services (scripts/dev.py)", flush=True)
         dep.start()
         print(f"[bench] ready in {time.monotonic() - started:.1f} s: pids {dep.pids}", flush=True)
+        _event_loop_policy()
         asyncio.run(run_all(args, dep, results))
         if args.hold:
             print(f"[bench] holding; gateway http://127.0.0.1:{dep.http_port} org {dep.org_id} key {dep.api_key}; pids {dep.pids}. Enter stops.", flush=True)

@@ -112,6 +112,9 @@ def create_app(
         title="Loopline",
         version="0.1.0",
         description="Assistant turns (reason -> act -> observe) streamed as Server-Sent Events.",
+        # No OpenTelemetry here: without this FastAPI looks up the global tracer, meter and logger
+        # providers on every request (issue 9, gateway CPU per turn).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
     fanout = RunFanout(orchestrator, settings.heartbeat_interval_s)

@@ -329,7 +329,10 @@ def _transport_of(scope: Scope) -> asyncio.Transport | None:
     transport = getattr(cycle, "transport", None)
     if scope.get("method") != "GET" or getattr(cycle, "chunked_encoding", None) is not True:
         return None
-    return transport if isinstance(transport, asyncio.Transport) else None
+    # asyncio's and uvloop's TCP transports (uvloop's are not asyncio.Transport subclasses).
+    if all(callable(getattr(transport, name, None)) for name in ("write", "get_write_buffer_size", "is_closing")):
+        return transport
+    return None
 
 
 class EventStreamResponse(Response):

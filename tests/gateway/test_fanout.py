@@ -1,0 +1,205 @@
+"""The gateway's listener fan-out (services/gateway/fanout.py) against a fake orchestrator stream.
+
+Rules: every listener gets the run's frames from its `?after=N` index without gaps or
+repeats; heartbeats only after the heartbeat interval of silence and not counted by
+`after`; a listener whose client stops reading does not hold up the others (it is served
+through ASGI send with flow control instead of direct writes); the response ends after the
+last frame; the last listener to leave cancels the upstream call (issue 9, stream fan-out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from loopline.assistant.v1 import assistant_pb2, events_pb2
+from services.gateway import fanout as fanout_module
+from services.gateway import sse
+from services.gateway.fanout import EventStreamResponse, RunFanout, _Listener
+
+
+def chunk_event(seq: int, text: str) -> events_pb2.Event:
+    return events_pb2.Event(seq=seq, run_id="run", response_chunk=events_pb2.ResponseChunkEvent(chunk=text))
+
+
+def done_event(seq: int) -> events_pb2.Event:
+    return events_pb2.Event(seq=seq, run_id="run", done=events_pb2.DoneEvent(response="ok"))
+
+
+class FakeCall:
+    """A StreamRun call whose messages the test feeds through a queue (None ends the stream)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[events_pb2.Event | None] = asyncio.Queue()
+        self.cancelled = False
+
+    async def initial_metadata(self) -> list[tuple[str, str]]:
+        return [(fanout_module.STREAM_READY, "1")]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __aiter__(self) -> FakeCall:
+        return self
+
+    async def __anext__(self) -> Any:
+        event = await self.queue.get()
+        if event is None:
+            raise StopAsyncIteration
+        return assistant_pb2.StreamRunResponse(event=event)
+
+
+class FakeStub:
+    def __init__(self) -> None:
+        self.calls: list[FakeCall] = []
+
+    def StreamRun(self, request: assistant_pb2.StreamRunRequest) -> FakeCall:  # noqa: N802 - gRPC stub method name
+        self.calls.append(FakeCall())
+        return self.calls[-1]
+
+
+class AsgiClient:
+    """The ASGI side of one response: collects body bytes; `disconnect()` simulates the client leaving."""
+
+    def __init__(self, block_sends: bool = False) -> None:
+        self.body = bytearray()
+        self.complete = asyncio.Event()
+        self.gone = asyncio.Event()
+        self.block_sends = block_sends
+        self.sent_request = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            if self.block_sends:
+                await asyncio.Event().wait()  # a client that never reads: the send never completes
+            self.body += message.get("body", b"")
+            if not message.get("more_body", False):
+                self.complete.set()
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.sent_request:
+            self.sent_request = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        complete = asyncio.ensure_future(self.complete.wait())
+        gone = asyncio.ensure_future(self.gone.wait())
+        await asyncio.wait({complete, gone}, return_when=asyncio.FIRST_COMPLETED)
+        complete.cancel()
+        gone.cancel()
+        return {"type": "http.disconnect"}
+
+    def frames(self) -> list[bytes]:
+        return [frame + b"\n\n" for frame in bytes(self.body).split(b"\n\n") if frame]
+
+
+async def listen(fan: RunFanout, after: int = 0, client: AsgiClient | None = None) -> tuple[AsgiClient, asyncio.Task]:
+    client = client or AsgiClient()
+    hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
+    response = EventStreamResponse(fan, hub, after)
+    scope = {"type": "http", "method": "GET"}
+    return client, asyncio.create_task(response(scope, client.receive, client.send))
+
+
+async def until(predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def test_listeners_get_every_frame_from_their_after_index_and_the_stream_ends_after_done():
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    first, first_task = await listen(fan)
+    call = stub.calls[0]
+    events = [chunk_event(i, f"c{i}") for i in range(3)]
+    for event in events:
+        call.queue.put_nowait(event)
+    await until(lambda: len(first.frames()) == 3)
+    late, late_task = await listen(fan, after=2)
+    assert len(stub.calls) == 1, "listeners of a run share one upstream stream"
+    call.queue.put_nowait(done_event(3))
+    call.queue.put_nowait(None)
+    await asyncio.wait_for(asyncio.gather(first_task, late_task), 5)
+    expected = [sse.encode(e) for e in [*events, done_event(3)]]
+    assert first.frames() == expected
+    assert late.frames() == expected[2:]
+    assert fan.active_runs() == 0
+
+
+async def test_heartbeat_only_after_the_interval_of_silence_and_not_counted_by_after():
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=0.2)  # type: ignore[arg-type]
+    client, task = await listen(fan)
+    call = stub.calls[0]
+    call.queue.put_nowait(chunk_event(0, "a"))
+    await until(lambda: len(client.frames()) == 1)
+    await asyncio.sleep(0.1)
+    assert client.frames() == [sse.encode(chunk_event(0, "a"))], "no heartbeat before the interval"
+    await until(lambda: sse.HEARTBEAT_FRAME in client.frames(), timeout=2)
+    call.queue.put_nowait(chunk_event(1, "b"))
+    await until(lambda: sse.encode(chunk_event(1, "b")) in client.frames())
+    again, again_task = await listen(fan, after=1)  # after counts events only: b is index 1
+    call.queue.put_nowait(None)
+    await asyncio.wait_for(asyncio.gather(task, again_task), 5)
+    assert [f for f in again.frames() if f != sse.HEARTBEAT_FRAME] == [sse.encode(chunk_event(1, "b"))]
+
+
+class FakeTransport:
+    """A connection for the direct-write path: `backlog` plays the bytes the client has not read."""
+
+    def __init__(self, backlog: int = 0) -> None:
+        self.written = bytearray()
+        self.backlog = backlog
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def get_write_buffer_size(self) -> int:
+        return self.backlog
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_a_listener_that_stops_reading_does_not_hold_up_the_others():
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
+    await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
+    stuck_client, reader_client = AsgiClient(block_sends=True), AsgiClient()
+    stuck = _Listener(hub, 0, stuck_client.send, FakeTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
+    reader = _Listener(hub, 0, reader_client.send, FakeTransport())  # type: ignore[arg-type]
+    hub.attach(stuck)
+    hub.attach(reader)
+    for i in range(50):
+        stub.calls[0].queue.put_nowait(chunk_event(i, "x" * 1000))
+    await until(lambda: reader.index == 50)
+    written = bytes(reader.transport.written)  # type: ignore[union-attr]
+    assert written.count(b"data: ") == 50 and written.endswith(b"\r\n")  # HTTP/1.1 chunks of whole frames
+    assert stuck.writer is not None and not stuck.transport.written, "the stuck client goes through ASGI send"  # type: ignore[union-attr]
+    stuck.writer.cancel()
+    hub.detach(stuck)
+    hub.detach(reader)
+    fan.leave(hub)
+    fan.leave(hub)
+    await until(lambda: stub.calls[0].cancelled)
+    assert fan.active_runs() == 0
+
+
+async def test_the_last_listener_to_leave_cancels_the_upstream_stream_and_others_are_undisturbed():
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    leaving, leaving_task = await listen(fan)
+    staying, staying_task = await listen(fan)
+    call = stub.calls[0]
+    call.queue.put_nowait(chunk_event(0, "a"))
+    await until(lambda: len(staying.frames()) == 1)
+    leaving.gone.set()
+    await asyncio.wait_for(leaving_task, 5)
+    call.queue.put_nowait(chunk_event(1, "b"))
+    await until(lambda: len(staying.frames()) == 2)
+    assert not call.cancelled and fan.active_runs() == 1
+    staying.gone.set()
+    await asyncio.wait_for(staying_task, 5)
+    await until(lambda: call.cancelled)
+    assert fan.active_runs() == 0

@@ -9,6 +9,7 @@ unknown key is 401.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
@@ -58,6 +59,7 @@ class Authenticator:
         self.sessions = sessions
         self.ttl_s = ttl_s
         self._cache: dict[tuple[str, str], tuple[float, Principal | AuthError]] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future[Principal | AuthError]] = {}
 
     async def authenticate(self, authorization: str | None, organization_id: str | None) -> Principal:
         """The caller, or AuthError(401) for a missing/unknown key, AuthError(403) for a wrong role.
@@ -77,13 +79,28 @@ class Authenticator:
         if cached and now - cached[0] < self.ttl_s:
             result = cached[1]
         else:
-            result = await self._resolve(digest, organization_id)
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[(digest, organization_id)] = (now, result)
+            result = await self._resolve_once((digest, organization_id), now)
         if isinstance(result, AuthError):
             raise result
         return result
+
+    async def _resolve_once(self, cache_key: tuple[str, str], now: float) -> Principal | AuthError:
+        """One database look-up per (key, organization) at a time: concurrent requests that miss the
+        cache together (e.g. 10,000 listeners connecting when the entry expires) share it."""
+        pending = self._inflight.get(cache_key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._resolve(*cache_key))
+            self._inflight[cache_key] = pending
+            try:
+                result = await asyncio.shield(pending)
+            finally:
+                if self._inflight.get(cache_key) is pending:
+                    del self._inflight[cache_key]
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[cache_key] = (now, result)
+            return result
+        return await asyncio.shield(pending)
 
     async def _resolve(self, digest: str, organization_id: str) -> Principal | AuthError:
         async with self.sessions() as session:

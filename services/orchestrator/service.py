@@ -303,21 +303,27 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     # ------------------------------------------------------------------ StreamRun
 
     async def StreamRun(self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[assistant_pb2.StreamRunResponse]:
-        """Replay the run's events from `after`, then follow live; ends after a terminal event."""
-        target = None
-        if _is_uuid(request.chat_id):
-            target = await self.store.stream_target(request.chat_id, request.run_id if _is_uuid(request.run_id) else "")
-        if (
-            target is None
-            or target.organization_id != request.caller.organization_id
-            or target.kind != ASSISTANT_KIND
-            or target.deleted_at is not None
-        ):
-            await abort(context, _not_found())
-            return
-        if target.run_chat_id is None:
-            await abort(context, _not_found("Run"))
-            return
+        """Replay the run's events from `after`, then follow live; ends after a terminal event.
+
+        A run active in this process is checked against its RunSpec (its chat cannot be deleted
+        while it runs); any other run against the database (store.stream_target).
+        """
+        active = self.runner.active.get(request.run_id)
+        if active is None or active.spec.chat_id != request.chat_id or active.spec.organization_id != request.caller.organization_id:
+            target = None
+            if _is_uuid(request.chat_id):
+                target = await self.store.stream_target(request.chat_id, request.run_id if _is_uuid(request.run_id) else "")
+            if (
+                target is None
+                or target.organization_id != request.caller.organization_id
+                or target.kind != ASSISTANT_KIND
+                or target.deleted_at is not None
+            ):
+                await abort(context, _not_found())
+                return
+            if target.run_chat_id is None:
+                await abort(context, _not_found("Run"))
+                return
         if request.after < 0:
             await abort(context, RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"))
             return

@@ -60,22 +60,26 @@ class StartTurnResponse(_message.Message):
     def __init__(self, status: _Optional[str] = ..., chat_id: _Optional[str] = ..., run_id: _Optional[str] = ..., thread_id: _Optional[str] = ..., stream_url: _Optional[str] = ...) -> None: ...
 
 class StreamRunRequest(_message.Message):
-    __slots__ = ("caller", "chat_id", "run_id", "after")
+    __slots__ = ("caller", "chat_id", "run_id", "after", "max_batch")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     chat_id: str
     run_id: str
     after: int
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., chat_id: _Optional[str] = ..., run_id: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., chat_id: _Optional[str] = ..., run_id: _Optional[str] = ..., after: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class StreamRunResponse(_message.Message):
-    __slots__ = ("event",)
+    __slots__ = ("event", "events")
     EVENT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     event: _events_pb2.Event
-    def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
+    def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("caller", "chat_id", "request_id", "response", "llm")

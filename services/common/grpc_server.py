@@ -15,9 +15,59 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
+
+REFLECTION_SERVICE_NAME = "grpc.reflection.v1alpha.ServerReflection"
+
+
+class LazyReflection(grpc.GenericRpcHandler):
+    """gRPC server reflection (grpc.reflection.v1alpha) whose implementation is imported on first use.
+
+    The same service as `grpc_reflection.v1alpha.reflection.enable_server_reflection(names,
+    server)`; but `grpc_reflection` imports protobuf's `descriptor_pb2` (~3 MiB resident in
+    every process), which only a reflection call needs, so it is imported when the first
+    reflection call arrives (a one-time ~50 ms import on the event loop).
+
+    Args:
+        service_names: the fully-qualified service names reflection lists.
+    """
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        self.service_names = tuple(service_names)
+        self._prefix = f"/{REFLECTION_SERVICE_NAME}/"
+        self._handler: grpc.GenericRpcHandler | None = None
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        """The reflection method's handler, or None for any other method."""
+        method = handler_call_details.method
+        if not (isinstance(method, str) and method.startswith(self._prefix)):
+            return None
+        if self._handler is None:
+            self._handler = _reflection_handler(self.service_names)
+        return self._handler.service(handler_call_details)
+
+
+class _Handlers:
+    """Collects what an `add_..._to_server` function registers (a stand-in for the server)."""
+
+    def __init__(self) -> None:
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service_name: str, handlers: Any) -> None:
+        pass
+
+
+def _reflection_handler(service_names: Sequence[str]) -> grpc.GenericRpcHandler:
+    from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+    collected = _Handlers()
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(service_names), collected)
+    (handler,) = collected.generic
+    return handler
 
 # (add_XServicer_to_server, servicer instance, full service name)
 ServiceBinding = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
@@ -59,7 +109,7 @@ async def start_grpc_server(
     for add, servicer, name in bindings:
         add(servicer, server)
         names.append(name)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    server.add_generic_rpc_handlers((LazyReflection([*names, health.SERVICE_NAME, REFLECTION_SERVICE_NAME]),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")

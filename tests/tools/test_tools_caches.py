@@ -132,6 +132,29 @@ def test_the_idle_service_loads_no_optional_package(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout
     loaded = {name.split(".")[0] for name in json.loads(out.strip().splitlines()[-1])}
     assert not loaded & {"cryptography", "httpx", "httpcore", "httpx2", "anyio", "asyncpg", "mcp", "pypdf", "click", "rich"}
+    # The reflection implementation (and protobuf's descriptor_pb2, ~3 MiB) waits for the first
+    # reflection call (grpc itself imports the empty top-level `grpc_reflection` package).
+    modules = json.loads(out.strip().splitlines()[-1])
+    assert "google.protobuf.descriptor_pb2" not in modules
+    assert not [name for name in modules if name.startswith("grpc_reflection.")]
+
+
+async def test_server_reflection_lists_the_services_and_resolves_their_files(tools):
+    def reflect(port: int) -> tuple[list[str], str, str]:
+        import grpc
+        from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            database = ProtoReflectionDescriptorDatabase(channel)
+            services = sorted(database.get_services())
+            found = database.FindFileContainingSymbol("loopline.tools.v1.ToolsService")
+            return services, found.name, found.package
+
+    services, name, package = await asyncio.to_thread(reflect, tools.server.port)
+    assert services == [
+        "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "loopline.tools.v1.ToolsService",
+    ]
+    assert name.endswith("tools.proto") and package == "loopline.tools.v1"
 
 
 def test_a_malformed_credential_key_is_refused_at_construction():
@@ -174,3 +197,13 @@ def test_direct_struct_conversions_raise_what_json_format_raises():
     struct.fields["a"].number_value = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         pb.from_struct(struct)
+
+
+@pytest.mark.parametrize(("env", "applied"), [({}, True), ({"MALLOC_ARENA_MAX": "4"}, False)])
+def test_services_cap_malloc_arenas_unless_the_operator_sets_malloc_arena_max(env, applied):
+    import os
+
+    script = "from services.common.runner import limit_malloc_arenas; print(limit_malloc_arenas())"
+    environment = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True, env=environment)
+    assert out.stdout.strip() == str(applied)

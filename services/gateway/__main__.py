@@ -66,18 +66,7 @@ def main() -> None:
 
         print(json.dumps({"organization_id": args.org, "default_llm": asyncio.run(_with_sessions(settings, work))}))
     else:
-        _use_uvloop()
         runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
-
-
-def _use_uvloop() -> None:
-    """Serve on uvloop when it is installed (issue 9: the event loop's own Python code was ~25-70%
-    of the gateway's CPU in the turn and fan-out profiles); plain asyncio otherwise."""
-    try:
-        import uvloop  # noqa: PLC0415
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 if __name__ == "__main__":

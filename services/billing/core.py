@@ -693,23 +693,28 @@ class BillingCore:
     async def _admit_two_step(
         self, values: dict[str, Any], plan_name: str | None, period: datetime.date, today: str
     ) -> tuple[str, Any, Any, PlanTerms]:
-        """`_admit_txn`'s outcome for shared (Redis) rate counters: read, rate hit, reserve."""
+        """`_admit_txn`'s outcome for shared (Redis) rate counters: read, rate hit, reserve.
+
+        On PostgreSQL the read and the reservation share one transaction (one pooled
+        connection) with the rate hit awaited between them; on SQLite they are two.
+        """
         org_id, rate_class = values["org_id"], values["rate_class"]
-        existing, row = await self.db.run(self._prepare_txn, org_id, values["turn_key"], plan_name is None)
-        if row is not None:
-            plan_name = row.plan
-        assert plan_name is not None
-        plan = await self._plan(plan_name)
-        if existing is not None:
-            return "replay", existing, row, plan
-        rate = await self.rates.hit(org_id, rate_class, plan.rate_limits.get(rate_class))
-        if not rate.allowed:
-            return "rate", rate, row, plan
-        try:
-            fresh = await self.db.run(self._reserve_txn, values, plan, period, today, values["usage_type"] == "run")
-        except _Denied as denied:
-            return "denied", denied, row, plan
-        return "admitted", (rate, fresh), row, plan
+        async with self.db.transaction() as run:
+            existing, row = await run(self._prepare_txn, org_id, values["turn_key"], plan_name is None)
+            if row is not None:
+                plan_name = row.plan
+            assert plan_name is not None
+            plan = await self._plan(plan_name)
+            if existing is not None:
+                return "replay", existing, row, plan
+            rate = await self.rates.hit(org_id, rate_class, plan.rate_limits.get(rate_class))
+            if not rate.allowed:
+                return "rate", rate, row, plan
+            try:
+                fresh = await run(self._reserve_txn, values, plan, period, today, values["usage_type"] == "run")
+            except _Denied as denied:  # raised after its SAVEPOINT rolled back: the read stays valid
+                return "denied", denied, row, plan
+            return "admitted", (rate, fresh), row, plan
 
     def _reserve_txn(
         self,

@@ -30,7 +30,7 @@ import json
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import JSON, Boolean, Date, DateTime
@@ -392,6 +392,27 @@ class TxnRunner:
             return await self._worker.submit(fn, args)
         async with self.engine.begin() as conn:
             return await conn.run_sync(fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+        """A scope for several steps with awaits between them: yields `run(fn, *args)`.
+
+        On PostgreSQL every `run` of the scope shares one transaction (and one pooled
+        connection), committed when the scope exits and rolled back when it raises; a
+        step's exception caught inside the scope leaves the earlier steps in place only if
+        the step did not abort the transaction (use `conn.begin_nested()` in the step).
+        On SQLite each `run` is its own transaction on the worker, as with `TxnRunner.run`
+        (the worker is never held across an await).
+        """
+        if self._worker is not None:
+            yield self.run
+            return
+        async with self.engine.begin() as conn:
+
+            async def run(fn: Callable[..., T], *args: Any) -> T:
+                return await conn.run_sync(fn, *args)
+
+            yield run
 
     def close(self) -> None:
         """Finish queued transactions, stop the worker thread and close its connection (SQLite)."""

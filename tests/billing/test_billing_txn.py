@@ -12,18 +12,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime
+import os
 import pathlib
 import threading
+import uuid
 
+import grpc
 import pytest
 from sqlalchemy import Column, Date, ForeignKey, Integer, MetaData, String, Table, insert, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import UTCDateTime
 from services.billing.rates import MemoryWindows, RateLimiter
 from services.billing.server import BillingServer
 from services.billing.txn import TxnRunner
+from services.common.errors import status_details
 from tests_billing_helpers import admit_request, make_settings
 
 metadata = MetaData()
@@ -196,3 +201,44 @@ async def test_admission_replays_within_one_batch_return_the_first_reservation(s
     outcomes = await asyncio.gather(*(stub.Admit(admit_request(org, "chat:same")) for _ in range(30)))
     assert len({o.reservation_id for o in outcomes}) == 1
     assert sum(not o.replayed for o in outcomes) == 1
+
+
+def _redis_url() -> str:
+    url = os.environ.get("LOOPLINE_TEST_REDIS_URL")
+    if not url:
+        pytest.skip("LOOPLINE_TEST_REDIS_URL is not set")
+    return url
+
+
+async def _seven_with_redis_rates(tmp_path: pathlib.Path, org: str, **settings: object) -> None:
+    """The two-step admission (shared Redis rate counters): exactly 7 of 100 admitted, each once."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}:"
+    server = await BillingServer.start(
+        make_settings(tmp_path, billing_rate_limit_storage_url=_redis_url(), redis_key_prefix=prefix, **settings)
+    )
+    try:
+        assert not server.core.rates.synchronous
+        await server.core.set_plan(org, "seven")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = billing_pb2_grpc.BillingServiceStub(channel)
+            outcomes = await asyncio.gather(
+                *(stub.Admit(admit_request(org, f"chat:{i}")) for i in range(100)),
+                *(stub.Admit(admit_request(org, "chat:0")) for _ in range(5)),  # replays of one key
+                return_exceptions=True,
+            )
+        admitted = {o.reservation_id for o in outcomes if not isinstance(o, BaseException)}
+        denied = [status_details(o).reason for o in outcomes if isinstance(o, BaseException)]
+        assert len(admitted) == 7
+        assert set(denied) == {"CREDIT_PLAN_EXHAUSTED"}
+        found = await server.core.account(org, provision=False)
+        assert found is not None and found[0].allowance_reserved == 7
+    finally:
+        await server.stop(0)
+
+
+async def test_two_step_admission_with_redis_rates_on_sqlite_admits_exactly_seven(tmp_path, org):
+    await _seven_with_redis_rates(tmp_path, org)
+
+
+async def test_two_step_admission_with_redis_rates_on_postgresql_admits_exactly_seven(tmp_path, postgres_url, org):
+    await _seven_with_redis_rates(tmp_path, org, billing_database_url=postgres_url)

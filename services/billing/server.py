@@ -88,6 +88,19 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
         )
 
     @rpc
+    async def RecordUsageBatch(  # noqa: N802
+        self, request: billing_pb2.RecordUsageBatchRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.RecordUsageBatchResponse:
+        """Record several model calls' usage, each as RecordUsage (idempotent by (run_id, call_index));
+        results in the order of the calls. The calls run concurrently, so the SQLite runner commits
+        them together; an error fails the call, and a retry replays what was recorded."""
+        results = await asyncio.gather(*(self.core.record_usage(call) for call in request.calls))
+        return billing_pb2.RecordUsageBatchResponse(results=[
+            billing_pb2.RecordUsageResponse(usage_id=r.usage_id, millicredits=r.millicredits, replayed=r.replayed)
+            for r in results
+        ])
+
+    @rpc
     async def RecordToolUsage(  # noqa: N802
         self, request: billing_pb2.RecordToolUsageRequest, context: grpc.aio.ServicerContext
     ) -> billing_pb2.RecordToolUsageResponse:

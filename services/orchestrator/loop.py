@@ -35,6 +35,7 @@ from services.orchestrator.providers.base import ChatModel, ModelError, ModelRep
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore, split_summary
 from services.orchestrator.thread import choose_cut, estimate, with_summary
+from services.orchestrator.usage import UsageBatcher
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class _Totals:
     pending_call: dict[str, Any] | None = None  # a tool call stored without its result yet
     pending_guidance: str | None = None  # guidance to give the model after the pending tool result
     model_in_flight: bool = False  # a model call was running when the loop stopped
-    pending_writes: list[asyncio.Task] = field(default_factory=list)  # usage records still being sent to billing
+    pending_writes: list[asyncio.Future] = field(default_factory=list)  # usage records still being sent to billing
     rows: list[ThreadRow] = field(default_factory=list)  # the chat's thread as the model sees it, stored or not
     unsaved: list[ThreadRow] = field(default_factory=list)  # this run's messages, written when the run ends
     interrupt: dict[str, Any] | None = None  # the HITL audit row, written when the run ends (paused)
@@ -124,6 +125,7 @@ class TurnRunner:
         self.settings = settings
         self.sessions = sessions
         self.store = store
+        self.usage = UsageBatcher(billing)
         self.events = events
         self.billing = billing
         self.tools = tools
@@ -162,6 +164,7 @@ class TurnRunner:
         """Cancel every active run (shutdown) and wait for them to record their outcome."""
         for run_id in list(self.active):
             await self.cancel(run_id, "shutdown")
+        await self.usage.close()
 
     # ------------------------------------------------------------------ the run
 
@@ -454,9 +457,10 @@ class TurnRunner:
         return {"display_name": details.get("display_name") or name, "auth_options": options or None}
 
     def _record_usage_later(self, spec: RunSpec, totals: _Totals, call_index: int, usage: TokenUsage) -> None:
-        """Send a model call's usage to billing without holding up the loop; `_finish` waits for it
-        before the run's terminal event, so no usage is lost and every record lands in the run."""
-        totals.pending_writes.append(asyncio.create_task(self._record_usage(spec, call_index, usage), name=f"usage:{spec.run_id}:{call_index}"))
+        """Queue a model call's usage for billing (usage.py batches it) without holding up the loop;
+        `_finish` sends what waits and waits for it before the run's terminal event, so every
+        record lands before the run ends."""
+        totals.pending_writes.append(self.usage.add(self._usage_request(spec, call_index, usage)))
 
     async def _record_tool_usage(self, spec: RunSpec, call: Any, millicredits: int) -> None:
         """Charge a tool call's catalogue cost with billing (idempotent by run and tool call; bounded retries)."""
@@ -470,15 +474,21 @@ class TurnRunner:
         await self._send_to_billing(self.billing.RecordToolUsage, request, "recording tool usage failed", tool_call_id=call.id)
 
     async def _record_usage(self, spec: RunSpec, call_index: int, usage: TokenUsage) -> None:
-        """Record one model call's tokens with billing (idempotent by run and call index; bounded retries)."""
-        request = billing_pb2.RecordUsageRequest(
+        """Record one model call's tokens with billing now and wait for it (idempotent by run and
+        call index; bounded retries, a last failure logged)."""
+        done = self.usage.add(self._usage_request(spec, call_index, usage))
+        self.usage.flush()
+        await asyncio.shield(done)
+
+    @staticmethod
+    def _usage_request(spec: RunSpec, call_index: int, usage: TokenUsage) -> billing_pb2.RecordUsageRequest:
+        return billing_pb2.RecordUsageRequest(
             organization_id=spec.organization_id, run_id=spec.run_id, call_index=call_index,
             provider_id=spec.llm.get("provider_id", ""), model_id=spec.llm.get("model_id", ""),
             input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
             cache_read_tokens=usage.cache_read_tokens, cache_write_tokens=usage.cache_write_tokens,
             byok=bool(spec.llm.get("credential_id")), estimated=usage.estimated, chat_id=spec.chat_id,
         )
-        await self._send_to_billing(self.billing.RecordUsage, request, "recording usage failed", call_index=call_index)
 
     @staticmethod
     async def _send_to_billing(rpc: Any, request: Any, failure_message: str, **log_fields: Any) -> None:
@@ -499,6 +509,7 @@ class TurnRunner:
     async def _finish(self, state: RunState, totals: _Totals, outcome: Outcome) -> None:
         spec = state.spec
         if totals.pending_writes:
+            self.usage.flush()
             await asyncio.gather(*totals.pending_writes, return_exceptions=True)
         if outcome.kind == "cancelled" and totals.model_in_flight:
             # tokens of a model call cut off by the cancel are billed like any other (spec: token

@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -122,6 +123,18 @@ class RecordUsageResponse(_message.Message):
     millicredits: int
     replayed: bool
     def __init__(self, usage_id: _Optional[str] = ..., millicredits: _Optional[int] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class RecordUsageBatchRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[RecordUsageRequest]
+    def __init__(self, calls: _Optional[_Iterable[_Union[RecordUsageRequest, _Mapping]]] = ...) -> None: ...
+
+class RecordUsageBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RecordUsageResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[RecordUsageResponse, _Mapping]]] = ...) -> None: ...
 
 class Denial(_message.Message):
     __slots__ = ("code", "layer", "key", "current", "limit", "reason", "retry_after_seconds", "rate_limit")

@@ -67,6 +67,11 @@ class BillingServiceStub:
                 request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageRequest.SerializeToString,
                 response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageResponse.FromString,
                 _registered_method=True)
+        self.RecordUsageBatch = channel.unary_unary(
+                '/loopline.billing.v1.BillingService/RecordUsageBatch',
+                request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchRequest.SerializeToString,
+                response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchResponse.FromString,
+                _registered_method=True)
 
 
 class BillingServiceServicer:
@@ -117,6 +122,15 @@ class BillingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordUsageBatch(self, request, context):
+        """RecordUsageBatch records several model calls' usage (of one or several runs), each
+        exactly as RecordUsage would (idempotent by (run_id, call_index), so a retried batch
+        replays what was already recorded). Results are in the order of the calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BillingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +158,11 @@ def add_BillingServiceServicer_to_server(servicer, server):
                     servicer.RecordToolUsage,
                     request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageRequest.FromString,
                     response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageResponse.SerializeToString,
+            ),
+            'RecordUsageBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordUsageBatch,
+                    request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchRequest.FromString,
+                    response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -289,6 +308,33 @@ class BillingService:
             '/loopline.billing.v1.BillingService/RecordToolUsage',
             loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageRequest.SerializeToString,
             loopline_dot_billing_dot_v1_dot_billing__pb2.RecordToolUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordUsageBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.billing.v1.BillingService/RecordUsageBatch',
+            loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchRequest.SerializeToString,
+            loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

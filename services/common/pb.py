@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2, timestamp_pb2
@@ -24,11 +26,9 @@ def to_value(data: Any) -> struct_pb2.Value:
     CPU per call, and every tool result goes through here.
     """
     value = struct_pb2.Value()
-    try:
+    with contextlib.suppress(Exception):  # ParseDict below raises its own error for the same input
         if _fill_value(value, data):
             return value
-    except Exception:  # noqa: BLE001 - ParseDict below raises its own error for the same input
-        pass
     value = struct_pb2.Value()
     json_format.ParseDict(data, value)
     return value
@@ -97,7 +97,7 @@ def _json_of(value: struct_pb2.Value) -> Any:
         return value.string_value
     if kind == "number_value":
         number = value.number_value
-        if number != number or number in (_INF, -_INF):
+        if math.isnan(number) or math.isinf(number):
             raise _Unsupported
         return int(number) if number.is_integer() and abs(number) < 2**53 else number
     if kind == "struct_value":
@@ -107,9 +107,6 @@ def _json_of(value: struct_pb2.Value) -> Any:
     if kind == "bool_value":
         return value.bool_value
     return None  # null_value, or unset
-
-
-_INF = float("inf")
 
 
 def _ints(data: Any) -> Any:

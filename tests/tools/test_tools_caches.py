@@ -93,7 +93,6 @@ async def test_a_tool_call_that_can_use_no_credential_reads_none(tools, monkeypa
 
     async def resolve(*args):
         calls.append(args)
-        return None
 
     monkeypatch.setattr(store, "resolve", resolve)
     output = await tools.ok("execute_integration_tool", {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}})
@@ -142,7 +141,9 @@ def test_the_idle_service_loads_no_optional_package(tmp_path):
 async def test_server_reflection_lists_the_services_and_resolves_their_files(tools):
     def reflect(port: int) -> tuple[list[str], str, str]:
         import grpc
-        from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+        from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+            ProtoReflectionDescriptorDatabase,
+        )
 
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             database = ProtoReflectionDescriptorDatabase(channel)

@@ -23,13 +23,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from services.tools.catalogue import ActionContext, ActionError
+from services.tools.netpolicy import OutboundPolicyError, resolve_checked
+
 if TYPE_CHECKING:
     import asyncpg
 
 # asyncpg (~3 MiB resident) is imported by the first action that connects, not at start.
-
-from services.tools.netpolicy import OutboundPolicyError, resolve_checked
-from services.tools.catalogue import ActionContext, ActionError
 
 log = logging.getLogger(__name__)
 

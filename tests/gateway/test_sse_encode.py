@@ -1,0 +1,44 @@
+"""The SSE encoder's timestamps (services/gateway/sse.py): `sse.iso` renders exactly what
+`pb.iso` does (ISO 8601 UTC with offset, microseconds truncated and omitted when zero), and
+only the frames whose payload carries a timestamp render one (spec: "Events emitted during a turn")."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf import timestamp_pb2
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loopline.assistant.v1 import events_pb2
+from services.common import pb
+from services.gateway import sse
+
+
+@given(seconds=st.integers(-62135596800, 253402300799), nanos=st.integers(0, 999_999_999))
+def test_iso_is_pb_iso_over_protobufs_range(seconds: int, nanos: int) -> None:
+    ts = timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
+    assert sse.iso(ts) == pb.iso(ts)
+
+
+@pytest.mark.parametrize(("seconds", "nanos"), [(0, 0), (0, 1), (0, 999), (0, 1000), (1, 0), (-1, 500_000_000), (1_780_000_000, 123_456_789),
+                                                 (-62135596800, 0), (253402300799, 999_999_999)])
+def test_iso_edges(seconds: int, nanos: int) -> None:
+    ts = timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
+    assert sse.iso(ts) == pb.iso(ts)
+
+
+@pytest.mark.parametrize(("seconds", "nanos"), [(253402300800, 0), (-62135596801, 0), (5, -1), (5, 1_000_000_000)])
+def test_iso_out_of_range_raises_like_pb_iso(seconds: int, nanos: int) -> None:
+    ts = timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
+    with pytest.raises(ValueError):
+        pb.iso(ts)
+    with pytest.raises(ValueError):
+        sse.iso(ts)
+
+
+def test_frames_with_a_timestamp_render_the_events_time() -> None:
+    ts = timestamp_pb2.Timestamp(seconds=1_780_000_000, nanos=5_000)
+    event = events_pb2.Event(seq=1, run_id="run", time=ts, tool_call=events_pb2.ToolCallEvent(tool="t", tool_call_id="c"))
+    assert sse.render(event)["data"]["timestamp"] == pb.iso(ts) == "2026-05-28T20:26:40.000005+00:00"
+    chunk = events_pb2.Event(seq=2, run_id="run", time=ts, response_chunk=events_pb2.ResponseChunkEvent(chunk="x"))
+    assert sse.encode(chunk) == b'data: {"type":"response_chunk","data":{"chunk":"x"}}\n\n'

@@ -130,35 +130,45 @@ class MemoryBackend(RunBackend):
 
 # ---------------------------------------------------------------------------- Redis
 
-# KEYS: stream, meta. ARGV: payload, maxlen, seq (-1: the next one), closed flag to leave.
-# Returns the seq the event got (or already had, for a retried write).
-_APPEND = """
-local nxt = tonumber(redis.call('HGET', KEYS[2], 'next') or '0')
-local seq = tonumber(ARGV[3])
-if seq < 0 then seq = nxt end
-if seq < nxt then return seq end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '0-' .. (seq + 1), 'e', ARGV[1])
-redis.call('HSET', KEYS[2], 'next', seq + 1, 'closed', '0')
-redis.call('PERSIST', KEYS[1])
-redis.call('PERSIST', KEYS[2])
-return seq
-"""
-
-# KEYS: stream, meta. ARGV: ttl ms after the end.
-_CLOSE = """
-redis.call('HSET', KEYS[2], 'closed', '1')
-if redis.call('HEXISTS', KEYS[2], 'next') == 0 then redis.call('HSET', KEYS[2], 'next', 0) end
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return 1
-"""
-
-# KEYS: meta. Marks a run open (new or reopened) without touching its events.
-_OPEN = """
-if redis.call('HEXISTS', KEYS[1], 'next') == 0 then redis.call('HSET', KEYS[1], 'next', 0) end
-redis.call('HSET', KEYS[1], 'closed', '0')
-redis.call('PERSIST', KEYS[1])
-return 1
+# KEYS: stream, meta. ARGV[1]: maxlen, ARGV[2]: ttl ms after the end; then one triple per
+# operation, applied in order in one atomic call: (op, seq, payload) with op "e" (append the
+# event `payload` as seq, -1 meaning the next one; an entry already stored at that seq is
+# left as it is), "o" (mark the run open) or "c" (mark it closed; the stream and meta then
+# expire after the ttl). Returns one number per "e": the seq the event was stored at, or
+# -1 - seq when that seq was already stored (a retried write, or another writer).
+_BATCH = """
+local maxlen, ttl = ARGV[1], ARGV[2]
+local nxt = redis.call('HGET', KEYS[2], 'next')
+nxt = nxt and tonumber(nxt) or -1
+local results = {}
+for i = 3, #ARGV, 3 do
+  local op = ARGV[i]
+  if op == 'e' then
+    local seq = tonumber(ARGV[i + 1])
+    if nxt < 0 then nxt = 0 end
+    if seq < 0 then seq = nxt end
+    if seq < nxt then
+      results[#results + 1] = -1 - seq
+    else
+      redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '0-' .. (seq + 1), 'e', ARGV[i + 2])
+      nxt = seq + 1
+      redis.call('HSET', KEYS[2], 'next', nxt, 'closed', '0')
+      redis.call('PERSIST', KEYS[1])
+      redis.call('PERSIST', KEYS[2])
+      results[#results + 1] = seq
+    end
+  elseif op == 'o' then
+    if nxt < 0 then nxt = 0 end
+    redis.call('HSET', KEYS[2], 'next', nxt, 'closed', '0')
+    redis.call('PERSIST', KEYS[2])
+  else
+    if nxt < 0 then nxt = 0 end
+    redis.call('HSET', KEYS[2], 'next', nxt, 'closed', '1')
+    redis.call('PEXPIRE', KEYS[2], ttl)
+    if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ttl) end
+  end
+end
+return results
 """
 
 _RELEASE = """
@@ -175,7 +185,17 @@ def _redis_errors() -> tuple[type[BaseException], ...]:
 
 @dataclass
 class _Writer:
-    """The ordered, batched writer of one run owned by this process."""
+    """The ordered, batched writer of one run owned by this process.
+
+    `local` holds every event this process published on the run, in seq order from 0;
+    `written` is how many of them are confirmed stored in the stream (a prefix: the queue
+    is written in order). Local followers are served `local[:written]`, so they see what a
+    follower on another replica would see, never an event that could still be lost.
+    `diverged` is set when the stream holds entries this process did not write at seqs it
+    used (another replica took the run over), `dropped` when queued items were given up
+    after `retry_s` without Redis; either way the local copy is no longer the stream's, and
+    followers and `events_of` read the stream.
+    """
 
     next_seq: int = 0
     local: list[events_pb2.Event] = field(default_factory=list)
@@ -184,10 +204,37 @@ class _Writer:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     closed: bool = False
+    written: int = 0
+    diverged: bool = False
+    dropped: bool = False
+    changed: asyncio.Future | None = None
+
+    def notify(self) -> None:
+        """Wake the local followers (one shared future, replaced at each wake)."""
+        if self.changed is not None and not self.changed.done():
+            self.changed.set_result(None)
+        self.changed = None
+
+    def waiter(self) -> asyncio.Future:
+        """The future the next `notify` completes."""
+        if self.changed is None:
+            self.changed = asyncio.get_running_loop().create_future()
+        return self.changed
+
+    @property
+    def authoritative(self) -> bool:
+        """Whether `local` is exactly what the stream holds for this run (as far as it is written)."""
+        return not (self.diverged or self.dropped)
 
 
 class RedisEventLog:
     """Run events in Redis Streams (see the module docstring for the key layout).
+
+    The owner of a run (the process that publishes it) writes its queued events with one
+    `EVALSHA` of `_BATCH` per batch (a round trip per batch, not per event), serves
+    followers of the run in this process from its own copy once each event is stored
+    (no Redis read), and archives from that copy at the run's end. Other processes follow
+    the stream with `XREAD BLOCK`.
 
     Args:
         redis: a `redis.asyncio.Redis` client (bytes responses).
@@ -211,12 +258,18 @@ class RedisEventLog:
         self.block_ms = block_ms
         self.open_wait_s = open_wait_s
         self._writers: dict[str, _Writer] = {}
-        self._append = redis.register_script(_APPEND)
-        self._close = redis.register_script(_CLOSE)
-        self._open = redis.register_script(_OPEN)
+        self._batch = redis.register_script(_BATCH)
 
     def _keys(self, run_id: str) -> tuple[str, str]:
         return f"{self.prefix}run:{run_id}:events", f"{self.prefix}run:{run_id}:meta"
+
+    async def _run_batch(self, run_id: str, items: list[tuple[str, int, bytes]]) -> list[int]:
+        """One atomic `_BATCH` call for `items` ((op, seq, payload), in order); its per-event results."""
+        stream, meta = self._keys(run_id)
+        args: list[Any] = [self.max_len, self.ttl_ms]
+        for kind, seq, payload in items:
+            args += ("e" if kind == "event" else "o" if kind == "open" else "c", seq, payload)
+        return [int(value) for value in await self._batch(keys=[stream, meta], args=args)]
 
     # ------------------------------------------------------------------ the owner's side
 
@@ -255,6 +308,7 @@ class RedisEventLog:
             return
         writer.closed = True
         self._enqueue(run_id, writer, ("close", -1, b""))
+        writer.notify()
 
     def reopen(self, run_id: str) -> None:
         """Allow appends to a closed run of this process again."""
@@ -274,8 +328,12 @@ class RedisEventLog:
         writer.wake.set()
 
     async def _write(self, run_id: str, writer: _Writer) -> None:
-        """Send the queued items in order, batched in one pipeline per wake; retry on errors."""
-        stream, meta = self._keys(run_id)
+        """Send the queued items in order, all that are queued in one `_BATCH` call; retry on errors.
+
+        A batch is atomic in Redis; after a failure it is sent again whole, and entries a lost
+        reply had already stored are recognized by their seq (no duplicate). On a first attempt
+        an event whose seq was already taken marks the writer `diverged`.
+        """
         errors = _redis_errors()
         failing_since: float | None = None
         while True:
@@ -284,16 +342,7 @@ class RedisEventLog:
             while writer.queue:
                 batch = list(writer.queue)
                 try:
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for kind, seq, payload in batch:
-                            if kind == "event":
-                                await self._append(keys=[stream, meta], args=[payload, self.max_len, seq], client=pipe)
-                            elif kind == "open":
-                                await self._open(keys=[meta], client=pipe)
-                            else:
-                                await self._close(keys=[stream, meta], args=[self.ttl_ms], client=pipe)
-                        await pipe.execute()
-                    failing_since = None
+                    results = await self._run_batch(run_id, batch)
                 except errors as error:
                     now = time.monotonic()
                     failing_since = failing_since or now
@@ -301,10 +350,18 @@ class RedisEventLog:
                         log.error("dropping run events: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__, "items": len(batch)}})
                         del writer.queue[: len(batch)]
                         failing_since = None
+                        writer.dropped = True
+                        writer.notify()
                         continue
                     await asyncio.sleep(min(1.0, 0.05 * 2 ** min(5, int((now - failing_since) * 4))))
                     continue
+                if failing_since is None and any(result < 0 for result in results):
+                    writer.diverged = True
+                    log.warning("run events already stored by another writer", extra={"fields": {"run_id": run_id}})
+                failing_since = None
                 del writer.queue[: len(batch)]
+                writer.written += len(results)
+                writer.notify()
             writer.idle.set()  # the writer (and its local copy) stays until `forget`
 
     async def flush(self, run_id: str) -> None:
@@ -322,6 +379,7 @@ class RedisEventLog:
             self._writers.pop(run_id, None)
             if writer.task is not None:
                 writer.task.cancel()
+            writer.notify()
 
     async def aclose(self) -> None:
         """Flush and stop every writer."""
@@ -330,6 +388,7 @@ class RedisEventLog:
         for writer in self._writers.values():
             if writer.task is not None:
                 writer.task.cancel()
+            writer.notify()
         self._writers.clear()
 
     # ------------------------------------------------------------------ anyone's side
@@ -356,10 +415,23 @@ class RedisEventLog:
             return False, False, 0
         return True, closed == b"1", int(nxt)
 
+    def _owned_copy(self, run_id: str) -> list[events_pb2.Event] | None:
+        """This process's copy of a run it publishes, when it is whole and all stored; else None."""
+        writer = self._writers.get(run_id)
+        if writer is None or not writer.authoritative or writer.queue or writer.written != len(writer.local):
+            return None
+        return list(writer.local)
+
     async def events_of(self, run_id: str) -> list[events_pb2.Event]:
-        """Every event of the run: from the stream while it exists (and is whole), else the archive."""
+        """Every event of the run: this process's copy of a run it publishes (once all of it is
+        stored and the stream's `next` says nothing was appended by another replica: one HMGET
+        instead of reading the stream back), else the stream while it exists (and is whole),
+        else the archive."""
+        owned = self._owned_copy(run_id)
         stream, _ = self._keys(run_id)
         exists, _, nxt = await self._retry(lambda: self._meta(run_id))
+        if owned is not None and (not exists or nxt == len(owned)):
+            return owned
         if exists:
             entries = await self._retry(lambda: self.redis.xrange(stream, "-", "+"))
             events = [_decode(entry_id, fields) for entry_id, fields in entries]
@@ -375,51 +447,88 @@ class RedisEventLog:
         """Append `events` to an ended or orphaned run from any replica, then close the log again.
 
         When the stream expired it is first restored from the archive, so seq numbers go on.
+        The restore, the events and the close are one atomic `_BATCH` call (retried on errors).
         """
-        stream, meta = self._keys(run_id)
-        exists, _, _ = await self._retry(lambda: self._meta(run_id))
-        if not exists:
-            for archived in await self.archive_loader(run_id):
-                payload = archived.SerializeToString()
-                await self._retry(lambda p=payload, s=archived.seq: self._append(keys=[stream, meta], args=[p, self.max_len, s]))
-        for event in events:
-            payload = event.SerializeToString()
-            event.seq = int(await self._retry(lambda p=payload: self._append(keys=[stream, meta], args=[p, self.max_len, -1])))
-        await self._retry(lambda: self._close(keys=[stream, meta], args=[self.ttl_ms]))
         writer = self._writers.get(run_id)
+        if writer is not None:
+            await self.flush(run_id)  # this process's own queued items first, in order
+        exists, _, _ = await self._retry(lambda: self._meta(run_id))
+        items: list[tuple[str, int, bytes]] = []
+        if not exists:
+            items += [("event", archived.seq, archived.SerializeToString()) for archived in await self.archive_loader(run_id)]
+        restored = len(items)
+        items += [("event", -1, event.SerializeToString()) for event in events]
+        items.append(("close", -1, b""))
+        results = await self._retry(lambda: self._run_batch(run_id, items))
+        for event, result in zip(events, results[restored:], strict=True):
+            event.seq = result if result >= 0 else -1 - result
         if writer is not None:  # keep this process's copy whole
+            whole = writer.authoritative and writer.written == len(writer.local) and not writer.queue
             writer.local.extend(events)
             writer.next_seq = max([writer.next_seq, *(event.seq + 1 for event in events)])
+            if whole and [event.seq for event in writer.local] == list(range(len(writer.local))):
+                writer.written = len(writer.local)
+            else:
+                writer.diverged = True
+            writer.notify()
         return list(events)
 
     async def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
         """Yield the run's events from index `after`, then live ones, until it ends.
 
-        Without a stream the archive is served (a run that has neither yet is waited for up
-        to `open_wait_s`). On Redis errors the follower retries with backoff from the index
-        it reached; after `retry_s` without Redis it yields an `error` event and returns.
-        A stream trimmed past the follower's index also ends with an `error` event.
+        A run this process publishes is served from its own copy, each event once it is
+        stored in the stream (what any replica's follower sees, without reading Redis back);
+        should that copy stop being the stream's (`_Writer.authoritative`), the follower goes
+        on from the stream at the index it reached. Otherwise: the stream; without a stream
+        the archive is served (a run that has neither yet is waited for up to `open_wait_s`).
+        On Redis errors the follower retries with backoff from the index it reached; after
+        `retry_s` without Redis it yields an `error` event and returns. A stream trimmed past
+        the follower's index also ends with an `error` event.
         """
-        stream, _ = self._keys(run_id)
         index = max(after, 0)
+        writer = self._writers.get(run_id)
+        if writer is not None:
+            ended = False  # this follower delivered the run's terminal event
+            while writer.authoritative:
+                while index < writer.written:
+                    event = writer.local[index]
+                    index += 1
+                    ended = is_terminal(event)
+                    yield event
+                if writer.closed and index >= writer.written == len(writer.local):
+                    if ended:
+                        return
+                    break  # ended without a terminal event here, or a late listener: what another replica appended is in the stream
+                if writer.task is None or writer.task.done():  # forgotten or stopped: the stream has the rest
+                    break
+                await asyncio.shield(writer.waiter())
+        async for event in self._follow_stream(run_id, index):
+            yield event
+
+    async def _follow_stream(self, run_id: str, index: int) -> AsyncIterator[events_pb2.Event]:
+        """`follow` through Redis: `XREAD BLOCK` from `index`; the meta hash is read at the start,
+        when a read returns nothing and after a terminal event (is the run closed?)."""
+        stream, _ = self._keys(run_id)
         errors = _redis_errors()
         failing_since: float | None = None
         delay = 0.05
         waited_open = time.monotonic()
         last_terminal = False
+        check_meta = True
         while True:
             try:
-                exists, closed, nxt = await self._meta(run_id)
-                if not exists:
-                    archived = await self.archive_loader(run_id)
-                    if archived or time.monotonic() - waited_open > self.open_wait_s:
-                        for event in archived[index:]:
-                            yield event
+                if check_meta:
+                    exists, closed, nxt = await self._meta(run_id)
+                    if not exists:
+                        archived = await self.archive_loader(run_id)
+                        if archived or time.monotonic() - waited_open > self.open_wait_s:
+                            for event in archived[index:]:
+                                yield event
+                            return
+                        await asyncio.sleep(0.05)
+                        continue
+                    if closed and index >= nxt:
                         return
-                    await asyncio.sleep(0.05)
-                    continue
-                if closed and index >= nxt:
-                    return
                 block = 50 if last_terminal else self.block_ms
                 response = await self.redis.xread({stream: f"0-{index}"}, count=512, block=block)
                 failing_since, delay = None, 0.05
@@ -431,9 +540,11 @@ class RedisEventLog:
                     yield _error_event(run_id, index, "The event stream was interrupted (the event store is unreachable); "
                                        f"listen again with after={index} to continue.")
                     return
+                check_meta = True
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
                 continue
+            check_meta = not response
             for _, entries in response or ():
                 for entry_id, fields in entries:
                     event = _decode(entry_id, fields)
@@ -451,6 +562,8 @@ class RedisEventLog:
                     index = event.seq + 1
                     last_terminal = is_terminal(event)
                     yield event
+            if last_terminal:
+                check_meta = True
 
 
 def _decode(entry_id: bytes | str, fields: dict[Any, Any]) -> events_pb2.Event:

@@ -56,6 +56,17 @@ def rss_bytes(pid: int) -> int:
         return int(handle.read().split()[1]) * PAGE
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process, in bytes (Linux `smaps_rollup`): its private pages plus
+    its share of pages mapped by several processes, so the PSS of processes adds up to the
+    memory they occupy together (an RSS sum counts shared library pages once per process)."""
+    with open(f"/proc/{pid}/smaps_rollup", "rb") as handle:
+        for line in handle:
+            if line.startswith(b"Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _children(ppid: int) -> dict[int, str]:
     found = {}
     for entry in os.listdir("/proc"):
@@ -153,6 +164,9 @@ class Deployment:
 
     def rss(self) -> dict[str, int]:
         return {name: rss_bytes(pid) for name, pid in self.pids.items()}
+
+    def pss(self) -> dict[str, int]:
+        return {name: pss_bytes(pid) for name, pid in self.pids.items()}
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -55,6 +55,7 @@ TARGETS = {
     "admission.pairs_per_s": (">=", 2000.0),
     "admission.pair_p99_ms": ("<=", 5.0),
     "memory.idle_total_mib": ("<=", 300.0),
+    "memory.idle_pss_total_mib": ("<=", 300.0),
 }
 
 
@@ -606,6 +607,9 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
     mem = results.get("memory")
     if mem:
         add("RSS idle, all four MiB", mem.get("idle_total_mib"), "memory.idle_total_mib")
+        add("PSS idle, all four MiB (shared pages counted once)", mem.get("idle_pss_total_mib"), "memory.idle_pss_total_mib")
+        if mem.get("after_throughput_total_mib") is not None:
+            add("RSS / PSS after throughput, all four MiB", f"{mem['after_throughput_total_mib']} / {mem.get('after_throughput_pss_total_mib')}")
         for name in SERVICES:
             add(f"RSS {name} idle / after throughput MiB", f"{mem['idle_mib'].get(name)} / {(mem.get('after_throughput_mib') or {}).get(name)}")
     return rows
@@ -720,8 +724,10 @@ class Profiler:
 async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, Any]) -> None:
     profile = Profiler(dep, args.profile)
     await asyncio.sleep(1.0)  # let start-up work settle before "idle"
-    idle = dep.rss()
-    results["memory"] = {"idle_mib": {k: _r(v / MiB, 1) for k, v in idle.items()}, "idle_total_mib": _r(sum(idle.values()) / MiB, 1)}
+    idle, idle_pss = dep.rss(), dep.pss()
+    results["memory"] = {"idle_mib": {k: _r(v / MiB, 1) for k, v in idle.items()}, "idle_total_mib": _r(sum(idle.values()) / MiB, 1),
+                         "idle_pss_mib": {k: _r(v / MiB, 1) for k, v in idle_pss.items()},
+                         "idle_pss_total_mib": _r(sum(idle_pss.values()) / MiB, 1)}
     if "latency" in args.only:
         print(f"[bench] latency: {args.turns} sequential turns", flush=True)
         async with profile("latency"):
@@ -733,6 +739,7 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
         after = dep.rss()
         results["memory"]["after_throughput_mib"] = {k: _r(v / MiB, 1) for k, v in after.items()}
         results["memory"]["after_throughput_total_mib"] = _r(sum(after.values()) / MiB, 1)
+        results["memory"]["after_throughput_pss_total_mib"] = _r(sum(dep.pss().values()) / MiB, 1)
     if "admission" in args.only:
         print(f"[bench] admission: {args.admissions} Admit+Charge pairs at concurrency {args.admission_concurrency}", flush=True)
         async with profile("admission"):

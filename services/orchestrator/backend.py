@@ -11,7 +11,10 @@ Two implementations of one seam (`RunBackend`), picked by `make_backend(settings
     resumes with `XREAD BLOCK` from `0-<index>`, and a retried write cannot duplicate an
     event. Each entry holds the serialized `loopline.assistant.v1.Event` (field `e`).
     Streams are capped with `XADD MAXLEN ~ run_events_max_len` and expire
-    `run_events_ttl_s` seconds after the run ends; the orchestrator database keeps the
+    `run_events_ttl_s` seconds after the run ends. The owner writes what is queued for a run
+    in one atomic `EVALSHA` (`_BATCH`: open, events, close in order), serves followers in its
+    own process from its copy as soon as each event is stored (no Redis read), and archives
+    from that copy. The orchestrator database keeps the
     durable copy (`run_events`, written by `TurnRunner.archive` at run end), which serves
     listeners once the stream is gone. A hash `<prefix>run:<run_id>:meta` holds `next`
     (the next seq) and `closed` ("1" once the run ended).
@@ -338,6 +341,7 @@ class RedisEventLog:
         failing_since: float | None = None
         while True:
             await writer.wake.wait()
+            await asyncio.sleep(0)  # one loop turn: events published by tasks ready now join this batch
             writer.wake.clear()
             while writer.queue:
                 batch = list(writer.queue)

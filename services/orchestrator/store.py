@@ -3,8 +3,10 @@
 A turn used to cost about a dozen ORM round trips (a transaction per message, a thread
 reload before every model call, a SELECT before the archive). Here each is one
 synchronous function over a Core `Connection`, run by `services.common.txn.TxnRunner`
-(one thread hop per transaction on SQLite, `run_sync` on PostgreSQL), with statements
-built once at import. A run writes its thread messages, its status, its interrupt row
+on SQLite (one thread hop per transaction), with statements built once at import. On
+PostgreSQL each is one SQL statement (data-modifying CTEs) sent straight on asyncpg by
+`PgTurnStatements`: one round trip per transaction, without SQLAlchemy's `run_sync`
+greenlet bridge, pool pre-ping and BEGIN/COMMIT round trips (docs/performance.md). A run writes its thread messages, its status, its interrupt row
 and the chat's `running_id` in one transaction when it ends (`finish`), before its
 terminal event is published (the ordering rule of loop.py), so a turn is three
 transactions: `persist_turn`, `finish`, `archive` (docs/performance.md).
@@ -309,7 +311,8 @@ class PgTurnStatements:
     without BEGIN/COMMIT), sent on a connection of a small asyncpg pool of its own: one round
     trip per transaction, no SQLAlchemy compile/greenlet layer and no pool pre-ping (measured:
     ~5 ms of the orchestrator's ~24 ms CPU per turn went to `run_sync`, the greenlet bridge,
-    checkout pings and BEGIN/COMMIT round trips; docs/performance.md). asyncpg prepares and
+    checkout pings and BEGIN/COMMIT round trips; docs/performance.md), and no reset query when
+    a connection goes back to the pool (`_no_reset`). asyncpg prepares and
     caches each statement per connection. JSON columns are sent as `json.dumps` text and
     read with `json.loads`, as SQLAlchemy's JSON type does (Python None is stored as JSON
     `null`), so rows written here read the same through the ORM.
@@ -335,7 +338,7 @@ class PgTurnStatements:
                 if self._pool is None:
                     import asyncpg
 
-                    self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size)
+                    self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size, reset=_no_reset)
         return self._pool
 
     def close(self) -> None:
@@ -470,6 +473,12 @@ class PgTurnStatements:
             "INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS t(s, p)"
             " ON CONFLICT (run_id, seq) DO NOTHING",
             run_id, [seq for seq, _ in events], [payload for _, payload in events])
+
+
+async def _no_reset(connection: Any) -> None:
+    """asyncpg's pool `reset`: nothing to undo. Each statement here is a whole transaction that
+    leaves no session state (no LISTEN, advisory lock, SET or open transaction), so the default
+    reset query (`RESET ALL; UNLISTEN *; ...`, one more round trip per statement) is skipped."""
 
 
 def _loads(value: Any) -> Any:

@@ -10,6 +10,7 @@ with `{"detail": ...}` instead of a 422.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -17,12 +18,13 @@ import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
-from services.gateway.fanout import EventStreamResponse, RunFanout, StreamUnavailable
+from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
 from services.gateway.openapi import error_responses
 from services.gateway.org_settings import DefaultModels, settings_router
 from services.gateway.identity import Authenticator, AuthError, Principal
@@ -63,7 +65,44 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise BodyError(413, f"Request body exceeds {limit} bytes")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return json_object(b"".join(chunks))
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete (nothing is answered)."""
+
+
+async def receive_json_object(receive: Receive, declared: str | None, limit: int) -> dict[str, Any]:
+    """`read_json_object` straight from ASGI `receive` (the lean routes of `GatewayApp`).
+
+    `declared` is the Content-Length header (str or None); BodyError 413 past `limit` bytes,
+    400 when not a JSON object; ClientGone when the client disconnects first.
+    """
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, f"Request body exceeds {limit} bytes")
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        raw = message.get("body", b"")  # the whole body in one message: the common case
+        if len(raw) > limit:
+            raise BodyError(413, f"Request body exceeds {limit} bytes")
+        return json_object(raw)
+    chunks, size = [], 0
+    while True:
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyError(413, f"Request body exceeds {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return json_object(b"".join(chunks))
+        message = await receive()
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """`raw` parsed as a JSON object; BodyError 400 when empty, not JSON (UTF-8) or not an object."""
     if not raw.strip():
         raise BodyError(400, "Request body must be a JSON object")
     try:
@@ -101,6 +140,92 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
     return assistant_pb2.LlmConfig(**fields, credential_id=credential) if credential else assistant_pb2.LlmConfig(**fields)
 
 
+def auth_error_response(error: AuthError) -> JSONResponse:
+    """`{"detail": ...}` with the status of `error` (401 adds `WWW-Authenticate: Bearer`)."""
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return detail(error.status, error.detail, headers)
+
+
+def request_error_response(error: Exception) -> Response:
+    """The response for an AuthError, BodyError, IdempotencyConflict or grpc.aio.AioRpcError
+    (the same as the app's exception handlers give); TypeError for anything else."""
+    if isinstance(error, AuthError):
+        return auth_error_response(error)
+    if isinstance(error, BodyError):
+        return detail(error.status, error.message)
+    if isinstance(error, IdempotencyConflict):
+        return detail(error.status, error.detail)
+    if isinstance(error, grpc.aio.AioRpcError):
+        return grpc_error_response(error)
+    raise TypeError(f"not a request error: {type(error).__name__}")
+
+
+_REQUEST_ERRORS = (AuthError, BodyError, IdempotencyConflict, grpc.aio.AioRpcError)
+_MAX_AFTER = 2**53
+ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI application, with the two requests of every turn served lean.
+
+    `POST /assistant/chat` and `GET /assistant/chat/{chat_id}/listen/{run_id}` (with no query
+    or only `after=<digits>`) are handed straight to the plain ASGI handlers in `lean` before
+    Starlette's middleware stack, router and FastAPI's request handling (dependency solving,
+    validation), which cost ~1 ms of CPU per turn (issue 9). The handlers share their logic and
+    error table with the FastAPI endpoints of the same routes, which stay registered: they
+    produce the OpenAPI document and serve every other shape of request (a listen with any
+    other query string goes through FastAPI's validation and its 400s).
+
+    Every HTTP request also gets the server's own `send` in `scope["loopline.server_send"]`
+    (`fanout.SERVER_SEND`; the SSE fast path finds the connection with it).
+    """
+
+    lean: dict[str, ASGIHandler]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI connection scope (see the class docstring for the lean routes)."""
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+            lean = getattr(self, "lean", None)
+            if lean and not scope.get("root_path"):
+                method, path = scope["method"], scope["path"]
+                if method == "POST":
+                    if path == "/assistant/chat":
+                        return await lean["start_turn"](scope, receive, send)
+                elif method == "GET" and path.startswith("/assistant/chat/") and path.count("/") == 5:
+                    return await lean["listen"](scope, receive, send)
+        await super().__call__(scope, receive, send)
+
+
+def _listen_target(scope: Scope) -> tuple[str, str, int] | None:
+    """(chat_id, run_id, after) of a listen request the lean route serves, else None.
+
+    The path must be exactly /assistant/chat/<chat_id>/listen/<run_id> (non-empty segments, as
+    Starlette's `{param}` matches) and the query empty or `after=<1-16 digits>` <= 2**53.
+    """
+    parts = scope["path"].split("/")  # "", "assistant", "chat", chat_id, "listen", run_id
+    if len(parts) != 6 or parts[4] != "listen" or not parts[3] or not parts[5]:
+        return None
+    query = scope.get("query_string", b"")
+    if not query:
+        return parts[3], parts[5], 0
+    if query[:6] != b"after=" or not 6 < len(query) <= 22 or not query[6:].isdigit():
+        return None
+    after = int(query[6:])
+    return (parts[3], parts[5], after) if after <= _MAX_AFTER else None
+
+
+def _headers(scope: Scope, *names: bytes) -> list[str | None]:
+    """The first value (latin-1, as Starlette's `Headers.get`) of each header in `names` (lower case)."""
+    values: list[str | None] = [None] * len(names)
+    for name, value in scope["headers"]:
+        if name in names:
+            index = names.index(name)
+            if values[index] is None:
+                values[index] = value.decode("latin-1")
+    return values
+
+
 def create_app(
     settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel, idempotency: IdempotencyStore,
     default_models: DefaultModels,
@@ -108,7 +233,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI application serving the assistant API against the orchestrator on `channel`
     (and, with `tools_channel`, the credentials and knowledge routes of `tools_routes.py`)."""
-    app = FastAPI(
+    app = GatewayApp(
         title="Loopline",
         version="0.1.0",
         description="Assistant turns (reason -> act -> observe) streamed as Server-Sent Events.",
@@ -128,8 +253,7 @@ def create_app(
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, error: AuthError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-        return detail(error.status, error.detail, headers)
+        return auth_error_response(error)
 
     @app.exception_handler(IdempotencyConflict)
     async def _idempotency_error(_: Request, error: IdempotencyConflict) -> JSONResponse:
@@ -179,6 +303,23 @@ def create_app(
     async def start_turn(request: Request) -> Response:
         who = await principal(request)
         body = await read_json_object(request, settings.max_body_bytes)
+        return await turn_response(who, body, request.headers.get("idempotency-key"))
+
+    async def start_turn_lean(scope: Scope, receive: Receive, send: Send) -> None:
+        authorization, organization, length, key = _headers(scope, b"authorization", b"x-organization-id", b"content-length", b"idempotency-key")
+        try:
+            who = await authenticator.authenticate(authorization, organization)
+            body = await receive_json_object(receive, length, settings.max_body_bytes)
+            response = await turn_response(who, body, key)
+        except _REQUEST_ERRORS as error:
+            response = request_error_response(error)
+        except ClientGone:
+            return
+        await response(scope, receive, send)
+
+    async def turn_response(who: Principal, body: dict[str, Any], key: str | None) -> Response:
+        """The answer to a turn POST of `who` with JSON `body` and Idempotency-Key `key` (or None);
+        raises BodyError, IdempotencyConflict or grpc.aio.AioRpcError (the error table renders them)."""
         check_fields(body, {"message", "chat_id", "llm"})
         message = body.get("message")
         if not isinstance(message, str):
@@ -195,7 +336,6 @@ def create_app(
         rpc = assistant_pb2.StartTurnRequest(caller=caller(who), message=message, chat_id=chat_id or "", kind="assistant")
         if llm is not None:
             rpc.llm.CopyFrom(llm)
-        key = request.headers.get("idempotency-key")
         if key is None:
             return await _start(rpc)
         route = "POST /assistant/chat"
@@ -210,22 +350,41 @@ def create_app(
         await idempotency.complete(who.organization_id, who.user_id, key, response.status_code, bytes(response.body).decode())
         return response
 
-    async def _start(rpc: assistant_pb2.StartTurnRequest) -> JSONResponse:
+    async def _start(rpc: assistant_pb2.StartTurnRequest) -> Response:
         call = orchestrator.StartTurn(rpc, timeout=30)
         response = await call
         headers = {}
         for key, value in await call.trailing_metadata() or ():
             if key.startswith("x-ratelimit-"):
                 headers["X-RateLimit-" + key[len("x-ratelimit-"):].capitalize()] = value
-        return JSONResponse(_turn_json(response), headers=headers)
+        # orjson: the same compact JSON as JSONResponse's json.dumps for these ASCII fields, cheaper
+        return Response(orjson.dumps(_turn_json(response)), headers=headers, media_type="application/json")
 
     @app.get(
         "/assistant/chat/{chat_id}/listen/{run_id}",
         summary="Stream a run's events as Server-Sent Events",
         responses={**error_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
     )
-    async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0, le=2**53)) -> Response:
+    async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0, le=_MAX_AFTER)) -> Response:
         who = await principal(request)
+        return await stream_response(who, chat_id, run_id, after)
+
+    async def listen_lean(scope: Scope, receive: Receive, send: Send) -> None:
+        target = _listen_target(scope)
+        if target is None:  # another path shape or query: FastAPI's routing and validation decide
+            await FastAPI.__call__(app, scope, receive, send)
+            return
+        authorization, organization = _headers(scope, b"authorization", b"x-organization-id")
+        try:
+            who = await authenticator.authenticate(authorization, organization)
+        except AuthError as error:
+            response: Response = auth_error_response(error)
+        else:
+            response = await stream_response(who, *target)
+        await response(scope, receive, send)
+
+    async def stream_response(who: Principal, chat_id: str, run_id: str, after: int) -> Response:
+        """The SSE response of `who` listening to a run from frame `after`, or the error response."""
         try:
             hub = await fanout.open(caller(who), chat_id, run_id)
         except grpc.aio.AioRpcError as error:
@@ -233,6 +392,8 @@ def create_app(
         except StreamUnavailable:
             return detail(503, "Service temporarily unavailable; try again")
         return EventStreamResponse(fanout, hub, after, headers=_STREAM_HEADERS)
+
+    app.lean = {"start_turn": start_turn_lean, "listen": listen_lean}
 
     @app.post(
         "/assistant/chat/{chat_id}/resume",

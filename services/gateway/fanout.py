@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 STREAM_READY = "x-loopline-stream"
 BROKEN_FRAME = b"data: " + orjson.dumps({"type": "error", "data": {"message": "The event stream was interrupted; reconnect with ?after=N"}}) + b"\n\n"
-SERVER_SEND = "loopline.server_send"  # scope key where `RawSendMiddleware` leaves the server's own `send`
+SERVER_SEND = "loopline.server_send"  # scope key where `app.GatewayApp` leaves the server's own `send`
 _LAG_BYTES = 256 * 1024  # a connection with more unsent bytes than this is served through ASGI send (flow control)
 _UVICORN_CYCLES = frozenset({
     "uvicorn.protocols.http.httptools_impl.RequestResponseCycle",
@@ -55,23 +55,6 @@ _UVICORN_CYCLES = frozenset({
 
 class StreamUnavailable(Exception):
     """The orchestrator closed the stream before validating it without a status to pass on."""
-
-
-class RawSendMiddleware:
-    """Outermost ASGI middleware: keeps the server's `send` in `scope["loopline.server_send"]`.
-
-    `EventStreamResponse` uses it to find the uvicorn connection of a listener (the fast
-    path above); everything else ignores it. Wraps `app` (an ASGI 3 application).
-    """
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the request on unchanged, with the server's `send` noted in the scope."""
-        if scope["type"] == "http":
-            scope[SERVER_SEND] = send
-        await self.app(scope, receive, send)
 
 
 def _chunk(body: bytes) -> bytes:

@@ -13,7 +13,6 @@ from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
-from services.gateway.fanout import RawSendMiddleware
 from services.gateway.identity import Authenticator
 from services.gateway.idempotency import IdempotencyStore
 from services.gateway.org_settings import DefaultModels
@@ -60,7 +59,7 @@ class GatewayServer:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            RawSendMiddleware(self.app), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
+            self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
             backlog=2048,
         )
         self.http = uvicorn.Server(config)

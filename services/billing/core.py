@@ -49,7 +49,6 @@ from typing import Any
 
 import grpc
 from sqlalchemy import Date, and_, bindparam, case, func, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import async_sessionmaker
@@ -77,6 +76,7 @@ from services.billing.plans import PlanTerms
 from services.billing.pricing import PriceTable
 from services.billing.rates import RateDecision, RateLimiter
 from services.billing.txn import TxnRunner
+from services.common import db
 from services.common import logging as loopline_logging
 from services.common.errors import BILLING_DOMAIN, RpcError
 
@@ -355,19 +355,9 @@ _SEL_EXPIRED = (
     .limit(_bp("p_batch"))
 )
 
-_DIALECT_INSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
-_INSERT_IF_ABSENT: dict[tuple[str, str], Any] = {}
-
-
 def _insert_if_absent(conn: Connection, table: Any, conflict: tuple[str, ...]) -> Any:
     """INSERT ... ON CONFLICT (conflict) DO NOTHING for `table` on this connection's dialect."""
-    key = (conn.dialect.name, table.name)
-    stmt = _INSERT_IF_ABSENT.get(key)
-    if stmt is None:
-        stmt = _INSERT_IF_ABSENT[key] = (
-            _DIALECT_INSERT[conn.dialect.name](table).on_conflict_do_nothing(index_elements=list(conflict))
-        )
-    return stmt
+    return db.insert_ignoring(conn.dialect.name, table, conflict)
 
 
 def _plan_terms(row: Any) -> PlanTerms:

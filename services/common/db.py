@@ -8,6 +8,7 @@ history in `services/<name>/migrations`.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import pathlib
 
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,27 @@ def make_engine(url: str) -> AsyncEngine:
         apply_sqlite_pragmas(engine.sync_engine)
         return engine
     return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+_INSERT_IGNORING: dict[tuple[str, str, tuple[str, ...]], Any] = {}
+
+
+def insert_ignoring(dialect: str, table: Any, conflict: tuple[str, ...]) -> Any:
+    """`INSERT ... ON CONFLICT (conflict) DO NOTHING` into `table` for the dialect named `dialect`
+    ("sqlite" or "postgresql"), built once per (dialect, table, conflict) and cached.
+
+    The dialect's module is imported on first use: importing `sqlalchemy.dialects.postgresql`
+    costs ~2 MiB resident in a process that never talks to PostgreSQL. Raises ValueError for
+    another dialect.
+    """
+    key = (dialect, table.name, conflict)
+    statement = _INSERT_IGNORING.get(key)
+    if statement is None:
+        if dialect not in ("sqlite", "postgresql"):
+            raise ValueError(f"unsupported database dialect {dialect!r} (sqlite or postgresql)")
+        module = importlib.import_module(f"sqlalchemy.dialects.{dialect}")
+        statement = _INSERT_IGNORING[key] = module.insert(table).on_conflict_do_nothing(index_elements=list(conflict))
+    return statement
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:

@@ -271,6 +271,7 @@ class RunFanout:
         call = self._stub.StreamRun(assistant_pb2.StreamRunRequest(caller=caller, chat_id=chat_id, run_id=run_id, after=0,
                                                                     max_batch=STREAM_BATCH))
         hub.call = call
+        outputs: dict[bytes, Any] = {}  # tool outputs converted once per run (sse.render)
         try:
             # Ready once the orchestrator has validated the request: its initial metadata carries
             # the marker, or (when a replay sends no message at all, gRPC may fold the metadata
@@ -282,9 +283,9 @@ class RunFanout:
                 _set_ready(hub)
                 if item.events:
                     for event in item.events:
-                        hub.publish(sse.encode(event))
+                        hub.publish(sse.encode(event, outputs))
                 else:
-                    hub.publish(sse.encode(item.event))
+                    hub.publish(sse.encode(item.event, outputs))
             _set_ready(hub)
         except asyncio.CancelledError:
             call.cancel()
@@ -337,11 +338,20 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
+    _raw_headers: dict[tuple[tuple[str, str], ...], list[tuple[bytes, bytes]]] = {}  # rendered once per header set
+
     def __init__(self, fanout: RunFanout, hub: _Hub, after: int, headers: dict[str, str] | None = None) -> None:
         self.fanout, self.hub, self.after = fanout, hub, after
         self.status_code = 200
         self.background = None
-        self.init_headers(headers)
+        key = tuple(headers.items()) if headers else ()
+        raw = self._raw_headers.get(key)
+        if raw is None:
+            self.init_headers(headers)
+            if len(self._raw_headers) < 64:
+                self._raw_headers[key] = self.raw_headers
+        else:
+            self.raw_headers = list(raw)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the stream until it ends or the client disconnects (ASGI `http.disconnect`)."""

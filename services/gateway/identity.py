@@ -53,12 +53,19 @@ class AuthError(Exception):
 
 
 class Authenticator:
-    """Resolves (api key, organization id) to a Principal, caching results for `ttl_s` seconds."""
+    """Resolves (api key, organization id) to a Principal, caching results for `ttl_s` seconds.
+
+    Two caches with the same entries and ages: by (key hash, organization) — what the database
+    look-up fills — and by the request's (Authorization header, organization) exactly as sent,
+    so that a repeat caller costs one dict look-up (issue 9, gateway CPU per turn). The second
+    holds header values in process memory only (never logged, never stored).
+    """
 
     def __init__(self, sessions, ttl_s: float = 30.0) -> None:  # noqa: ANN001
         self.sessions = sessions
         self.ttl_s = ttl_s
         self._cache: dict[tuple[str, str], tuple[float, Principal | AuthError]] = {}
+        self._by_header: dict[tuple[str, str], tuple[float, Principal | AuthError]] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future[Principal | AuthError]] = {}
 
     async def authenticate(self, authorization: str | None, organization_id: str | None) -> Principal:
@@ -66,6 +73,11 @@ class Authenticator:
 
         A missing X-Organization-ID is 400 (AuthError with status 400).
         """
+        cached = self._by_header.get((authorization, organization_id))  # type: ignore[arg-type]
+        if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
+            if isinstance(cached[1], AuthError):
+                raise cached[1]
+            return cached[1]
         if not authorization or not authorization.lower().startswith("bearer "):
             raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
         key = authorization[7:].strip()
@@ -74,19 +86,22 @@ class Authenticator:
         if not organization_id:
             raise AuthError(400, "X-Organization-ID header is required")
         digest = hash_key(key)
-        cached = self._cache.get((digest, organization_id))
+        entry = self._cache.get((digest, organization_id))
         now = time.monotonic()
-        if cached and now - cached[0] < self.ttl_s:
-            result = cached[1]
-        else:
-            result = await self._resolve_once((digest, organization_id), now)
+        if not (entry and now - entry[0] < self.ttl_s):
+            entry = await self._resolve_once((digest, organization_id), now)
+        if len(self._by_header) > 10_000:
+            self._by_header.clear()
+        self._by_header[(authorization, organization_id)] = entry  # the same age as the hash-keyed entry
+        result = entry[1]
         if isinstance(result, AuthError):
             raise result
         return result
 
-    async def _resolve_once(self, cache_key: tuple[str, str], now: float) -> Principal | AuthError:
+    async def _resolve_once(self, cache_key: tuple[str, str], now: float) -> tuple[float, Principal | AuthError]:
         """One database look-up per (key, organization) at a time: concurrent requests that miss the
-        cache together (e.g. 10,000 listeners connecting when the entry expires) share it."""
+        cache together (e.g. 10,000 listeners connecting when the entry expires) share it.
+        Returns the cache entry (`now`, result)."""
         pending = self._inflight.get(cache_key)
         if pending is None:
             pending = asyncio.ensure_future(self._resolve(*cache_key))
@@ -98,9 +113,9 @@ class Authenticator:
                     del self._inflight[cache_key]
             if len(self._cache) > 10_000:
                 self._cache.clear()
-            self._cache[cache_key] = (now, result)
-            return result
-        return await asyncio.shield(pending)
+            entry = self._cache[cache_key] = (now, result)
+            return entry
+        return now, await asyncio.shield(pending)
 
     async def _resolve(self, digest: str, organization_id: str) -> Principal | AuthError:
         async with self.sessions() as session:

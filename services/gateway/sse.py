@@ -45,12 +45,28 @@ def iso(ts: Any) -> str | None:
     return f"{text}.{micros:06d}+00:00" if micros else text + "+00:00"
 
 
-def _tool_calls(records: Any) -> list[dict[str, Any]]:
-    return [{"tool": r.tool, "input": pb.from_struct(r.input), "output": pb.from_value(r.output)} for r in records]
+def _output(value: Any, outputs: dict[bytes, Any] | None) -> Any:
+    """`pb.from_value(value)`, memoized in `outputs` by the Value's wire bytes (equal bytes, equal JSON):
+    a run's `done` frame repeats the outputs its `tool_result` frames carried."""
+    if outputs is None:
+        return pb.from_value(value)
+    key = value.SerializeToString()
+    if key in outputs:
+        return outputs[key]
+    result = outputs[key] = pb.from_value(value)
+    return result
 
 
-def render(event: events_pb2.Event) -> dict[str, Any]:
-    """The frame object {"type": ..., "data": {...}} of `event`."""
+def _tool_calls(records: Any, outputs: dict[bytes, Any] | None) -> list[dict[str, Any]]:
+    return [{"tool": r.tool, "input": pb.from_struct(r.input), "output": _output(r.output, outputs)} for r in records]
+
+
+def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> dict[str, Any]:
+    """The frame object {"type": ..., "data": {...}} of `event`.
+
+    `outputs`, when given, is a per-run memo of converted tool outputs (see `_output`); the
+    objects it holds are shared between frames and must not be mutated.
+    """
     kind = event.WhichOneof("payload")
     if kind == "response_chunk":
         data: dict[str, Any] = {"chunk": event.response_chunk.chunk}
@@ -59,7 +75,7 @@ def render(event: events_pb2.Event) -> dict[str, Any]:
         data = {"tool": e.tool, "input": pb.from_struct(e.input), "tool_call_id": e.tool_call_id, "timestamp": iso(event.time)}
     elif kind == "tool_result":
         e = event.tool_result
-        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": pb.from_value(e.output), "timestamp": iso(event.time)}
+        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": _output(e.output, outputs), "timestamp": iso(event.time)}
     elif kind == "metadata":
         e = event.metadata
         data = {"run_id": e.run_id, "thread_id": e.thread_id, "workflow_id": None, "workflow_type": e.workflow_type, "timestamp": iso(event.time)}
@@ -68,7 +84,7 @@ def render(event: events_pb2.Event) -> dict[str, Any]:
         data = {
             "response": e.response,
             "has_workflow_changes": False,
-            "tool_calls": _tool_calls(e.tool_calls),
+            "tool_calls": _tool_calls(e.tool_calls, outputs),
             "workflow_tool": None,
             "usage": {
                 "input_tokens": e.usage.input_tokens,
@@ -101,6 +117,6 @@ def render(event: events_pb2.Event) -> dict[str, Any]:
     return {"type": kind, "data": data}
 
 
-def encode(event: events_pb2.Event) -> bytes:
-    """The SSE frame bytes of `event`: `data: <json>\\n\\n`."""
-    return b"data: " + orjson.dumps(render(event)) + b"\n\n"
+def encode(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> bytes:
+    """The SSE frame bytes of `event`: `data: <json>\\n\\n` (`outputs`: see `render`)."""
+    return b"data: " + orjson.dumps(render(event, outputs)) + b"\n\n"

@@ -8,6 +8,7 @@ each running its own; the result (a principal or an auth error) is cached for `t
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 
@@ -43,3 +44,41 @@ async def test_concurrent_misses_of_a_bad_key_share_one_lookup_and_all_get_the_e
     with pytest.raises(AuthError):
         await auth.authenticate("Bearer mx_live_bad", "org")
     assert auth.lookups == 1
+
+
+async def test_header_cache_hit_is_a_lookup_of_the_header_and_expires_with_the_entry(monkeypatch):
+    """A repeat caller is answered from the (Authorization, organization) cache without hashing
+    the key again; the entry keeps the age of the look-up, so it expires after `ttl_s` as before."""
+    from services.gateway import identity
+
+    auth = CountingAuthenticator(Principal(user_id="u", organization_id="org", role="owner"))
+    clock = [1000.0]
+    monkeypatch.setattr(identity, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))  # not the event loop's clock
+    assert (await auth.authenticate("Bearer mx_live_k", "org")).user_id == "u"
+    hashed = []
+    monkeypatch.setattr(identity, "hash_key", lambda key: hashed.append(key) or "digest")
+    clock[0] += 29.0
+    assert (await auth.authenticate("Bearer mx_live_k", "org")).user_id == "u"
+    assert hashed == [] and auth.lookups == 1
+    # Another spelling of the same key is its own header entry but shares the hash-keyed one.
+    monkeypatch.setattr(identity, "hash_key", lambda key: hashed.append(key) or identity.hashlib.sha256(key.encode()).hexdigest())
+    assert (await auth.authenticate("bearer  mx_live_k ", "org")).user_id == "u"
+    assert hashed == ["mx_live_k"] and auth.lookups == 1
+    clock[0] += 1.5  # 30.5 s after the look-up: both entries are stale
+    assert (await auth.authenticate("Bearer mx_live_k", "org")).user_id == "u"
+    assert auth.lookups == 2
+
+
+async def test_header_cache_keeps_errors_and_other_organizations_apart():
+    auth = CountingAuthenticator(AuthError(403, "The assistant requires the owner or admin role in this organization"))
+    for _ in range(2):
+        with pytest.raises(AuthError) as raised:
+            await auth.authenticate("Bearer mx_live_k", "org_a")
+        assert raised.value.status == 403
+    assert auth.lookups == 1
+    with pytest.raises(AuthError):
+        await auth.authenticate("Bearer mx_live_k", "org_b")
+    assert auth.lookups == 2
+    with pytest.raises(AuthError) as raised:  # malformed headers are refused before any cache
+        await auth.authenticate("Basic mx_live_k", "org_a")
+    assert raised.value.status == 401

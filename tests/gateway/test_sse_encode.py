@@ -42,3 +42,19 @@ def test_frames_with_a_timestamp_render_the_events_time() -> None:
     assert sse.render(event)["data"]["timestamp"] == pb.iso(ts) == "2026-05-28T20:26:40.000005+00:00"
     chunk = events_pb2.Event(seq=2, run_id="run", time=ts, response_chunk=events_pb2.ResponseChunkEvent(chunk="x"))
     assert sse.encode(chunk) == b'data: {"type":"response_chunk","data":{"chunk":"x"}}\n\n'
+
+
+def test_done_frame_reuses_the_runs_converted_tool_outputs_and_renders_the_same_bytes() -> None:
+    output = {"integrations": [{"name": f"i{i}", "actions": ["a", "b"], "count": i} for i in range(5)], "count": 5}
+    result = events_pb2.Event(seq=3, run_id="run", time=timestamp_pb2.Timestamp(seconds=1_780_000_000),
+                              tool_result=events_pb2.ToolResultEvent(tool="t", tool_call_id="c", output=pb.to_value(output)))
+    done = events_pb2.Event(seq=4, run_id="run", done=events_pb2.DoneEvent(response="ok"))
+    done.done.tool_calls.add(tool="t", input=pb.to_struct({"q": 1}), output=pb.to_value(output))
+    done.done.tool_calls.add(tool="t", input=pb.to_struct({}), output=pb.to_value({"other": True}))
+    outputs: dict[bytes, object] = {}
+    assert sse.encode(result, outputs) == sse.encode(result)
+    assert sse.encode(done, outputs) == sse.encode(done)
+    frame = sse.render(done, outputs)
+    assert frame["data"]["tool_calls"][0]["output"] == output and frame["data"]["tool_calls"][1]["output"] == {"other": True}
+    assert frame["data"]["tool_calls"][0]["output"] is sse.render(result, outputs)["data"]["output"]  # converted once
+    assert len(outputs) == 2

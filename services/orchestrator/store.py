@@ -19,7 +19,6 @@ fails the run (recovery.py) and the thread stays valid for the next turn.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 import uuid
@@ -27,11 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import JSON, and_, bindparam, insert, select, update
+from sqlalchemy import and_, bindparam, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from services.common.pg import PgPool, loads, param, pg_type, record_type
 from services.common.txn import TxnRunner
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 
@@ -264,18 +264,6 @@ class TurnStore:
 
 # ---------------------------------------------------------------------------- PostgreSQL
 
-_PG = postgresql.dialect()
-
-
-def _pg_type(column: Any) -> str:
-    """The column's PostgreSQL type as written in a cast, e.g. `VARCHAR(36)`, `JSON`."""
-    return column.type.compile(dialect=_PG)
-
-
-def _is_json(column: Any) -> bool:
-    return isinstance(column.type, JSON)
-
-
 _MESSAGE_COLUMNS = ("id", "chat_id", "run_id", "role", "content", "extra", "created_at")
 # the run's thread rows as one INSERT ... SELECT FROM unnest(arrays) (seq is assigned in row order)
 _PG_MESSAGES = (
@@ -283,28 +271,11 @@ _PG_MESSAGES = (
 )
 
 
-class _Record(tuple):
-    """A result row with attribute access (like SQLAlchemy's `Row`) built from an asyncpg Record."""
-
-    __slots__ = ()
-    _fields: tuple[str, ...] = ()
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[self._fields.index(name)]
-        except ValueError:
-            raise AttributeError(name) from None
+_GuardRow = record_type("organization_id", "kind", "deleted_at", "running_id", "pending_id")
+_TargetRow = record_type("organization_id", "kind", "deleted_at", "run_chat_id")
 
 
-def _record_type(*fields: str) -> type[_Record]:
-    return type("Row", (_Record,), {"__slots__": (), "_fields": fields})
-
-
-_GuardRow = _record_type("organization_id", "kind", "deleted_at", "running_id", "pending_id")
-_TargetRow = _record_type("organization_id", "kind", "deleted_at", "run_chat_id")
-
-
-class PgTurnStatements:
+class PgTurnStatements(PgPool):
     """The hot-path transactions of `TurnStore` on PostgreSQL, straight on asyncpg.
 
     Each transaction is one SQL statement (data-modifying CTEs; a single statement is atomic
@@ -312,7 +283,7 @@ class PgTurnStatements:
     trip per transaction, no SQLAlchemy compile/greenlet layer and no pool pre-ping (measured:
     ~5 ms of the orchestrator's ~24 ms CPU per turn went to `run_sync`, the greenlet bridge,
     checkout pings and BEGIN/COMMIT round trips; docs/performance.md), and no reset query when
-    a connection goes back to the pool (`_no_reset`). asyncpg prepares and
+    a connection goes back to the pool (`services.common.pg.no_reset`). asyncpg prepares and
     caches each statement per connection. JSON columns are sent as `json.dumps` text and
     read with `json.loads`, as SQLAlchemy's JSON type does (Python None is stored as JSON
     `null`), so rows written here read the same through the ORM.
@@ -323,35 +294,14 @@ class PgTurnStatements:
     """
 
     def __init__(self, url: Any, max_size: int = 10) -> None:
-        self.dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self.max_size = max_size
-        self._pool: Any = None
-        self._opening: asyncio.Lock | None = None
+        super().__init__(url, max_size)
         self._sql: dict[Any, str] = {}
-
-    async def pool(self) -> Any:
-        """The asyncpg pool, created on first use."""
-        if self._pool is None:
-            if self._opening is None:
-                self._opening = asyncio.Lock()
-            async with self._opening:
-                if self._pool is None:
-                    import asyncpg
-
-                    self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size, reset=_no_reset)
-        return self._pool
-
-    def close(self) -> None:
-        """Close the pool's connections (at shutdown)."""
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
 
     # ------------------------------------------------------------------ statement text
 
     @staticmethod
     def _value(column: Any, value: Any) -> Any:
-        return json.dumps(value) if _is_json(column) else value
+        return param(column, value)
 
     def _insert_values(self, table: Any, values: dict[str, Any], params: list[Any], select: bool) -> tuple[str, str]:
         """(column list, value list) of an INSERT of `values` into `table`; appends the parameters.
@@ -362,7 +312,7 @@ class PgTurnStatements:
             column = table.c[name]
             params.append(self._value(column, value))
             cols.append(name)
-            places.append(f"${len(params)}::{_pg_type(column)}" if select else f"${len(params)}")
+            places.append(f"${len(params)}::{pg_type(column)}" if select else f"${len(params)}")
         return ", ".join(cols), ", ".join(places)
 
     def _messages(self, rows: Sequence[ThreadRow], params: list[Any]) -> str:
@@ -371,7 +321,7 @@ class PgTurnStatements:
         for name in _MESSAGE_COLUMNS:
             column = _messages.c[name]
             params.append([self._value(column, getattr(row, name)) for row in rows])
-            arrays.append(f"${len(params)}::{_pg_type(column)}[]")
+            arrays.append(f"${len(params)}::{pg_type(column)}[]")
         cols = ", ".join(_MESSAGE_COLUMNS)
         return _PG_MESSAGES.format(cols=cols, arrays=", ".join(arrays))
 
@@ -412,7 +362,7 @@ class PgTurnStatements:
         records = await pool.fetch(
             "SELECT seq, id, role, content, extra, run_id, created_at FROM messages WHERE chat_id = $1 ORDER BY seq", chat_id)
         return [
-            ThreadRow(role=r["role"], content=_loads(r["content"]), extra=_loads(r["extra"]), chat_id=chat_id,
+            ThreadRow(role=r["role"], content=loads(r["content"]), extra=loads(r["extra"]), chat_id=chat_id,
                       run_id=r["run_id"], id=r["id"], created_at=r["created_at"], seq=r["seq"])
             for r in records
         ]
@@ -473,16 +423,6 @@ class PgTurnStatements:
             "INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS t(s, p)"
             " ON CONFLICT (run_id, seq) DO NOTHING",
             run_id, [seq for seq, _ in events], [payload for _, payload in events])
-
-
-async def _no_reset(connection: Any) -> None:
-    """asyncpg's pool `reset`: nothing to undo. Each statement here is a whole transaction that
-    leaves no session state (no LISTEN, advisory lock, SET or open transaction), so the default
-    reset query (`RESET ALL; UNLISTEN *; ...`, one more round trip per statement) is skipped."""
-
-
-def _loads(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
 
 
 def split_summary(rows: list[ThreadRow]) -> tuple[ThreadRow | None, list[ThreadRow]]:

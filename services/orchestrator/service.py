@@ -203,7 +203,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         model = await self._model(llm, caller.organization_id)
         chat_id = request.chat_id or str(uuid.uuid4())
         run_id = str(uuid.uuid4())
-        await self._claim(chat_id)
+        if request.chat_id:  # a new chat's id is minted here: nobody else can race for it yet
+            await self._claim(chat_id)
         try:
             guard = await self.store.turn_guard(request.chat_id) if request.chat_id and _is_uuid(request.chat_id) else None
             if request.chat_id and (

@@ -38,6 +38,7 @@ RecordUsage, on the configured default plan (`LOOPLINE_BILLING_DEFAULT_PLAN`,
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import os
@@ -424,12 +425,21 @@ class BillingCore:
         self.hold_seconds = hold_seconds
         self.clock = clock
         self.db = TxnRunner(sessions.kw["bind"])
+        # PostgreSQL: the hot transactions as one statement each on asyncpg (services/billing/pg.py)
+        self.pg: Any = None
+        if self.db.dialect == "postgresql":
+            # loaded only on PostgreSQL (asyncpg, the PG dialect)
+            from services.billing.pg import PgBilling
+
+            self.pg = PgBilling(sessions.kw["bind"].url)
         self.plans: dict[str, PlanTerms] = {}
         self._accounts: dict[str, tuple[str, datetime.date, float]] = {}
 
     def close(self) -> None:
-        """Release the transaction runner (worker thread, synchronous engine)."""
+        """Release the transaction runner (worker thread) and the asyncpg pool (PostgreSQL)."""
         self.db.close()
+        if self.pg is not None:
+            self.pg.close()
 
     # ------------------------------------------------------------------ plans
 
@@ -603,7 +613,9 @@ class BillingCore:
             }
             plan_name = self._known(org_id, period)
             try:
-                if self.rates.synchronous:
+                if self.pg is not None:
+                    kind, detail, row, plan = await self._admit_pg(values, plan_name, period, today)
+                elif self.rates.synchronous:
                     kind, detail, row, plan = await self.db.run(self._admit_txn, values, plan_name, period, today)
                 else:
                     kind, detail, row, plan = await self._admit_two_step(values, plan_name, period, today)
@@ -676,6 +688,45 @@ class BillingCore:
             return "rate", rate, row, plan
         try:
             fresh = self._reserve_txn(conn, values, plan, period, today, values["usage_type"] == "run")
+        except _Denied as denied:
+            return "denied", denied, row, plan
+        return "admitted", (rate, fresh), row, plan
+
+    async def _admit_pg(
+        self, values: dict[str, Any], plan_name: str | None, period: datetime.date, today: str
+    ) -> tuple[str, Any, Any, PlanTerms]:
+        """`_admit_txn`'s outcome on PostgreSQL, with no transaction open across round trips.
+
+        An account not cached is read (provisioned, rolled) in its own transaction first;
+        then one SELECT for a replay, the rate hit (memory or Redis), and the reservation as one
+        statement (`PgBilling.reserve`: quota + allowance or wallet UPDATE feeding the
+        reservation INSERT). Only when that statement reserves nothing (a layer refuses, the
+        plan or period changed) does the layered `_reserve_txn` run, in one transaction,
+        building the denial. Raises IntegrityError when a concurrent Admit took the turn key
+        (the caller answers it as a replay).
+        """
+        assert self.pg is not None
+        org_id, rate_class = values["org_id"], values["rate_class"]
+        row = None
+        if plan_name is None:
+            row = await self.db.run(self._account_txn, org_id, True)
+            plan_name = row.plan
+        plan = await self._plan(plan_name)
+        existing = await self.pg.reservation(org_id, values["turn_key"])
+        if existing is not None:
+            return "replay", existing, row, plan
+        limit = plan.rate_limits.get(rate_class)
+        if self.rates.synchronous:
+            rate = self.rates.hit_now(org_id, rate_class, limit)
+        else:
+            rate = await self.rates.hit(org_id, rate_class, limit)
+        if not rate.allowed:
+            return "rate", rate, row, plan
+        counts_runs = values["usage_type"] == "run"
+        if await self.pg.reserve(values, plan, period, today, counts_runs):
+            return "admitted", (rate, None), row, plan
+        try:
+            fresh = await self.db.run(self._reserve_txn, values, plan, period, today, counts_runs)
         except _Denied as denied:
             return "denied", denied, row, plan
         return "admitted", (rate, fresh), row, plan
@@ -853,7 +904,16 @@ class BillingCore:
         """
         if not reservation_id:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
-        state, entry_id, replayed, org_id = await self.db.run(self._charge_txn, reservation_id)
+        charged = None
+        if self.pg is not None:
+            now = self.clock()
+            entry_id = _new_id("led")
+            org_id = await self.pg.charge(reservation_id, now, month_start(now.date()), entry_id)
+            if org_id is not None:
+                charged = (CHARGED, entry_id, False, org_id)
+        if charged is None:  # SQLite, or on PostgreSQL a replay, a refusal or an account to roll
+            charged = await self.db.run(self._charge_txn, reservation_id)
+        state, entry_id, replayed, org_id = charged
         if not replayed and log.isEnabledFor(logging.DEBUG):
             with loopline_logging.bind(org_id=org_id):
                 log.debug("charged", extra={"fields": {"reservation_id": reservation_id, "ledger_entry_id": entry_id}})
@@ -880,6 +940,12 @@ class BillingCore:
         )
         return held.org_id, None
 
+    async def _void(self, reservation_id: str, state: str, reason: str) -> tuple[str | None, str | None]:
+        """`_void_txn`'s result: one statement on PostgreSQL (`PgBilling.void`), else one transaction."""
+        if self.pg is not None:
+            return await self.pg.void(reservation_id, state, self.clock(), reason[:255] or None)
+        return await self.db.run(self._void_txn, reservation_id, state, reason)
+
     async def release(self, reservation_id: str, reason: str = "") -> str:
         """Void a HELD reservation at most once; returns the state after the call.
 
@@ -888,7 +954,7 @@ class BillingCore:
         """
         if not reservation_id:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
-        org_id, state = await self.db.run(self._void_txn, reservation_id, RELEASED, reason)
+        org_id, state = await self._void(reservation_id, RELEASED, reason)
         if org_id is not None:
             with loopline_logging.bind(org_id=org_id):
                 log.info("released", extra={"fields": {"reservation_id": reservation_id, "reason": reason[:255]}})
@@ -912,7 +978,7 @@ class BillingCore:
             if not ids:
                 return expired
             for reservation_id in ids:
-                org_id, _ = await self.db.run(self._void_txn, reservation_id, EXPIRED, "hold expired")
+                org_id, _ = await self._void(reservation_id, EXPIRED, "hold expired")
                 if org_id is not None:
                     expired += 1
             if len(ids) < batch:
@@ -937,17 +1003,10 @@ class BillingCore:
             )
         return None
 
-    async def record_usage(self, request: billing_pb2.RecordUsageRequest) -> UsageResult:
-        """Record one model call's token usage, idempotent by (run_id, call_index).
+    def _usage_rows(self, r: billing_pb2.RecordUsageRequest) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(usage record, ledger entry or None) of one RecordUsage request, validated and priced.
 
-        Millicredits come from the price table (0 when `byok`); a non-zero amount is
-        posted as ledger entry "usage:{run_id}:{call_index}" (unit millicredit) and added
-        to the account's `usage_millicredits`, in the same transaction. Raises RpcError
-        INVALID_ARGUMENT on missing ids or negative counts, ALREADY_EXISTS /
-        USAGE_KEY_REUSED when the (run_id, call_index) belongs to another organization.
-        One transaction: INSERT ... ON CONFLICT DO NOTHING decides first time vs replay.
-        """
-        r = request
+        Raises RpcError INVALID_ARGUMENT on missing ids or negative counts."""
         if not r.organization_id or not r.run_id:
             raise invalid("USAGE_KEY_REQUIRED", "organization_id and run_id are required")
         if r.call_index < 0 or min(r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens) < 0:
@@ -961,55 +1020,111 @@ class BillingCore:
             cache_write_tokens=r.cache_write_tokens,
             byok=r.byok,
         )
-        with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):
-            await self._ensure_account(r.organization_id)
-            now = self.clock()
-            record = {
-                "id": _new_id("use"),
+        now = self.clock()
+        record = {
+            "id": _new_id("use"),
+            "org_id": r.organization_id,
+            "run_id": r.run_id,
+            "call_index": r.call_index,
+            "chat_id": r.chat_id,
+            "provider_id": r.provider_id,
+            "model_id": r.model_id,
+            "input_tokens": r.input_tokens,
+            "output_tokens": r.output_tokens,
+            "cache_read_tokens": r.cache_read_tokens,
+            "cache_write_tokens": r.cache_write_tokens,
+            "byok": r.byok,
+            "estimated": r.estimated,
+            "millicredits": millicredits,
+            "created_at": now,
+        }
+        ledger = None
+        if millicredits:
+            ledger = {
+                "id": _new_id("led"),
+                "idempotency_key": f"usage:{r.run_id}:{r.call_index}",
                 "org_id": r.organization_id,
-                "run_id": r.run_id,
-                "call_index": r.call_index,
-                "chat_id": r.chat_id,
-                "provider_id": r.provider_id,
-                "model_id": r.model_id,
-                "input_tokens": r.input_tokens,
-                "output_tokens": r.output_tokens,
-                "cache_read_tokens": r.cache_read_tokens,
-                "cache_write_tokens": r.cache_write_tokens,
-                "byok": r.byok,
-                "estimated": r.estimated,
-                "millicredits": millicredits,
+                "kind": "token_usage",
+                "unit": UNIT_MILLICREDIT,
+                "amount": -millicredits,
+                "reservation_id": None,
+                "usage_id": record["id"],
+                "note": f"{r.provider_id}/{r.model_id}"[:255],
                 "created_at": now,
             }
-            ledger = None
-            if millicredits:
-                ledger = {
-                    "id": _new_id("led"),
-                    "idempotency_key": f"usage:{r.run_id}:{r.call_index}",
-                    "org_id": r.organization_id,
-                    "kind": "token_usage",
-                    "unit": UNIT_MILLICREDIT,
-                    "amount": -millicredits,
-                    "reservation_id": None,
-                    "usage_id": record["id"],
-                    "note": f"{r.provider_id}/{r.model_id}"[:255],
-                    "created_at": now,
-                }
-            existing = await self.db.run(self._usage_txn, record, ledger)
-            if existing is not None:
-                return self._usage_replay(existing, r.organization_id)
+        return record, ledger
+
+    async def record_usage(self, request: billing_pb2.RecordUsageRequest) -> UsageResult:
+        """Record one model call's token usage, idempotent by (run_id, call_index).
+
+        Millicredits come from the price table (0 when `byok`); a non-zero amount is
+        posted as ledger entry "usage:{run_id}:{call_index}" (unit millicredit) and added
+        to the account's `usage_millicredits`, in the same transaction. Raises RpcError
+        INVALID_ARGUMENT on missing ids or negative counts, ALREADY_EXISTS /
+        USAGE_KEY_REUSED when the (run_id, call_index) belongs to another organization.
+        One transaction: INSERT ... ON CONFLICT DO NOTHING decides first time vs replay
+        (on PostgreSQL one statement, `record_usage_batch`).
+        """
+        if self.pg is not None:
+            return (await self.record_usage_batch([request]))[0]
+        record, ledger = self._usage_rows(request)
+        return await self._record_usage_rows(request, record, ledger, None)
+
+    async def _record_usage_rows(
+        self, r: Any, record: dict[str, Any], ledger: dict[str, Any] | None, inserted: set[str] | None
+    ) -> UsageResult:
+        """Finish one usage call: `inserted` holds the record ids the PostgreSQL statement wrote
+        (None: nothing tried yet); a record not among them goes through `_usage_txn`
+        (first time with a period roll, or a replay)."""
+        with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):
+            if inserted is None or record["id"] not in inserted:
+                if inserted is None:
+                    await self._ensure_account(r.organization_id)
+                existing = await self.db.run(self._usage_txn, record, ledger)
+                if existing is not None:
+                    return self._usage_replay(existing, r.organization_id)
             log.info(
                 "usage recorded",
                 extra={
                     "fields": {
                         "usage_id": record["id"],
                         "call_index": r.call_index,
-                        "millicredits": millicredits,
+                        "millicredits": record["millicredits"],
                         "byok": r.byok,
                     }
                 },
             )
-            return UsageResult(record["id"], millicredits, False)
+            return UsageResult(record["id"], record["millicredits"], False)
+
+    async def record_usage_batch(self, requests: list[billing_pb2.RecordUsageRequest]) -> list[UsageResult]:
+        """Record several model calls' usage, each as `record_usage`; results in request order.
+
+        Every request is validated first (RpcError INVALID_ARGUMENT before anything is written).
+        On PostgreSQL the calls of one organization are one statement (`PgBilling.record_usage`:
+        records, ledger entries and one account UPDATE for their sum), organizations
+        concurrently; a call it did not insert (a replay, a key repeated in the batch, an
+        account to roll into the new period) then runs as `record_usage` does on its own. On
+        SQLite the calls run concurrently and the worker commits them together. An error
+        fails the call; a retry replays what was recorded.
+        """
+        if self.pg is None:
+            return list(await asyncio.gather(*(self.record_usage(request) for request in requests)))
+        rows = [self._usage_rows(request) for request in requests]
+        by_org: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            by_org.setdefault(request.organization_id, []).append(index)
+        period = month_start(self.clock().date())
+
+        async def one_org(org_id: str, indexes: list[int]) -> set[str]:
+            await self._ensure_account(org_id)
+            return await self.pg.record_usage(org_id, period, [rows[i] for i in indexes])
+
+        done = await asyncio.gather(*(one_org(org_id, indexes) for org_id, indexes in by_org.items()))
+        inserted = set().union(*done)
+        results = []
+        for request, (record, ledger) in zip(requests, rows, strict=True):
+            results.append(await self._record_usage_rows(request, record, ledger, inserted))
+        return results
 
     def _ledger_txn(self, conn: Connection, entry: dict[str, Any], account_stmt: Any, params: dict[str, Any]) -> Any:
         """INSERT the ledger entry unless its idempotency key exists, then update the account.
@@ -1052,6 +1167,8 @@ class BillingCore:
                 "created_at": now,
             }
             params = {"p_org": r.organization_id, "p_period": month_start(now.date()), "p_n": r.millicredits}
+            if self.pg is not None and await self.pg.post_usage_entry(entry, params["p_period"], r.millicredits):
+                return entry["id"], False
             existing = await self.db.run(self._ledger_txn, entry, _ADD_USAGE, params)
             if existing is None:
                 return entry["id"], False

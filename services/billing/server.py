@@ -92,9 +92,10 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
         self, request: billing_pb2.RecordUsageBatchRequest, context: grpc.aio.ServicerContext
     ) -> billing_pb2.RecordUsageBatchResponse:
         """Record several model calls' usage, each as RecordUsage (idempotent by (run_id, call_index));
-        results in the order of the calls. The calls run concurrently, so the SQLite runner commits
-        them together; an error fails the call, and a retry replays what was recorded."""
-        results = await asyncio.gather(*(self.core.record_usage(call) for call in request.calls))
+        results in the order of the calls (`BillingCore.record_usage_batch`: on PostgreSQL one statement
+        per organization, on SQLite one group commit); an error fails the call, and a retry replays
+        what was recorded."""
+        results = await self.core.record_usage_batch(list(request.calls))
         return billing_pb2.RecordUsageBatchResponse(results=[
             billing_pb2.RecordUsageResponse(usage_id=r.usage_id, millicredits=r.millicredits, replayed=r.replayed)
             for r in results

@@ -248,8 +248,15 @@ def create_app(
     async def principal(request: Request) -> Principal:
         return await authenticator.authenticate(request.headers.get("authorization"), request.headers.get("x-organization-id"))
 
+    callers: dict[Principal, assistant_pb2.Caller] = {}  # built once per principal; only ever copied into requests
+
     def caller(who: Principal) -> assistant_pb2.Caller:
-        return assistant_pb2.Caller(organization_id=who.organization_id, user_id=who.user_id)
+        built = callers.get(who)
+        if built is None:
+            if len(callers) >= 10_000:
+                callers.clear()
+            built = callers[who] = assistant_pb2.Caller(organization_id=who.organization_id, user_id=who.user_id)
+        return built
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, error: AuthError) -> JSONResponse:

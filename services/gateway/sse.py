@@ -50,7 +50,7 @@ def _output(value: Any, outputs: dict[bytes, Any] | None) -> Any:
     a run's `done` frame repeats the outputs its `tool_result` frames carried."""
     if outputs is None:
         return pb.from_value(value)
-    key = value.SerializeToString()
+    key = value.SerializeToString(deterministic=True)  # map keys sorted: equal content, equal bytes
     if key in outputs:
         return outputs[key]
     result = outputs[key] = pb.from_value(value)

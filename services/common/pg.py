@@ -23,18 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 from typing import Any
 
 from sqlalchemy import JSON
-from sqlalchemy.dialects import postgresql
 
-_PG = postgresql.dialect()
+
+@functools.cache
+def _dialect() -> Any:
+    from sqlalchemy.dialects import (
+        postgresql,  # on first use: a SQLite process never loads it
+    )
+
+    return postgresql.dialect()
 
 
 def pg_type(column: Any) -> str:
     """The column's PostgreSQL type as written in a cast, e.g. `VARCHAR(36)`, `JSON`, `BIGINT`."""
-    return column.type.compile(dialect=_PG)
+    return column.type.compile(dialect=_dialect())
 
 
 def is_json(column: Any) -> bool:

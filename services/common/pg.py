@@ -32,9 +32,8 @@ from sqlalchemy import JSON
 
 @functools.cache
 def _dialect() -> Any:
-    from sqlalchemy.dialects import (
-        postgresql,  # on first use: a SQLite process never loads it
-    )
+    # imported on first use: a SQLite process never loads the PostgreSQL dialect
+    from sqlalchemy.dialects import postgresql
 
     return postgresql.dialect()
 

@@ -12,12 +12,12 @@ import asyncio
 import datetime
 
 from sqlalchemy import func, select
+from tests_billing_helpers import admit_request
 
 from loopline.billing.v1 import billing_pb2 as pb
 from services.billing.models import Account, LedgerEntry, UsageRecord
 from services.common.errors import status_details
 from tests.billing.test_billing_usage import usage
-from tests_billing_helpers import admit_request
 
 
 async def _account(server, org: str) -> Account:

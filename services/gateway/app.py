@@ -5,6 +5,10 @@ Every route authenticates (`identity.Authenticator`) before it looks anything up
 failures through the one error table (`errors.py`). Request bodies are parsed here,
 not by FastAPI's validator, so that every bad body gets the documented 400 (or 413)
 with `{"detail": ...}` instead of a 422.
+
+The two requests of every turn (the turn POST and the listen GET) are served by lean ASGI
+handlers ahead of FastAPI (`GatewayApp`); they share their logic, error table and OpenAPI
+declaration with the FastAPI endpoints of the same routes (issue 9, gateway CPU per turn).
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from services.common import pb
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
+from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
+from services.gateway.identity import Authenticator, AuthError, Principal
 from services.gateway.openapi import error_responses
 from services.gateway.org_settings import DefaultModels, settings_router
-from services.gateway.identity import Authenticator, AuthError, Principal
-from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import orjson
@@ -338,7 +338,7 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    _raw_headers: dict[tuple[tuple[str, str], ...], list[tuple[bytes, bytes]]] = {}  # rendered once per header set
+    _raw_headers: ClassVar[dict[tuple[tuple[str, str], ...], list[tuple[bytes, bytes]]]] = {}  # rendered once per header set
 
     def __init__(self, fanout: RunFanout, hub: _Hub, after: int, headers: dict[str, str] | None = None) -> None:
         self.fanout, self.hub, self.after = fanout, hub, after

@@ -30,7 +30,7 @@ def framework_client(stack, **headers: str) -> httpx.AsyncClient:
     """A client of the same app through FastAPI's own routing (no lean dispatch)."""
     app = stack.gateway.app
 
-    async def through_fastapi(scope, receive, send):  # noqa: ANN001
+    async def through_fastapi(scope, receive, send):
         await FastAPI.__call__(app, scope, receive, send)
 
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=through_fastapi), base_url="http://gateway",

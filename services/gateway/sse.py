@@ -46,8 +46,9 @@ def iso(ts: Any) -> str | None:
 
 
 def _output(value: Any, outputs: dict[bytes, Any] | None) -> Any:
-    """`pb.from_value(value)`, memoized in `outputs` by the Value's wire bytes (equal bytes, equal JSON):
-    a run's `done` frame repeats the outputs its `tool_result` frames carried."""
+    """`pb.from_value(value)`, memoized in `outputs` by the Value's deterministic wire bytes (equal
+    bytes, equal JSON value): a run's `done` frame repeats the outputs its `tool_result` frames
+    carried. An object's key order is that of the first conversion (a Struct has no key order of its own)."""
     if outputs is None:
         return pb.from_value(value)
     key = value.SerializeToString(deterministic=True)  # map keys sorted: equal content, equal bytes

@@ -202,6 +202,14 @@ def spawn(argv: Sequence[str], env: dict[str, str], stdout: IO[bytes] | int, std
     )
 
 
+_SECRET_FIELD = re.compile(rb'("api_key"\s*:\s*")[^"]*(")')
+
+
+def redact(output: bytes) -> bytes:
+    """`output` with the value of every JSON "api_key" field replaced by "<redacted>" (for logs)."""
+    return _SECRET_FIELD.sub(rb"\1<redacted>\2", output)
+
+
 def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Send `sig` to the child's process group (the child and anything it started)."""
     if proc.poll() is not None:
@@ -253,7 +261,8 @@ class Runner:
         self.stop = stop
         self.ports = Ports.from_env(dict(os.environ))
         self.env = self._environment()
-        self.log_dir: pathlib.Path = args.log_dir
+        data_dir = pathlib.Path(self.env.get("LOOPLINE_DATA_DIR") or ROOT / "var")
+        self.log_dir: pathlib.Path = args.log_dir or (data_dir if data_dir.is_absolute() else ROOT / data_dir) / "logs"
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.log_files: dict[str, IO[bytes]] = {}
         self.followers: list[threading.Thread] = []
@@ -319,8 +328,8 @@ class Runner:
                         if time.monotonic() > deadline:
                             raise Failure(f"`{self._show(steps, name)}` did not finish within {timeout:.0f} s", name) from None
                 outputs[name] = (out or b"").decode("utf-8", "replace")
-                if capture:
-                    self.log_files[name].write(out or b"")
+                if capture:  # logged without secrets (the seed step prints the dev API key)
+                    self.log_files[name].write(redact(out or b""))
                     self.log_files[name].flush()
                 if proc.returncode != 0:
                     raise Failure(f"`{self._show(steps, name)}` failed ({describe_exit(proc.returncode)})", name)
@@ -452,8 +461,13 @@ class Runner:
             self.stop.event.wait(0.5)
 
     def stop_children(self) -> None:
-        """SIGTERM the gateway, then the backends; SIGKILL what outlives the grace."""
-        for wave in (["gateway"], list(BACKENDS)):
+        """SIGTERM the orchestrator, then the gateway, then billing and tools; SIGKILL what outlives the grace.
+
+        The orchestrator goes first so that its active runs end with `cancelled {reason:
+        "shutdown"}` (README "Decisions"), which the gateway still delivers to open streams
+        before it stops; billing stays up until the orchestrator has recorded their usage.
+        """
+        for wave in (["orchestrator"], ["gateway"], [name for name in BACKENDS if name != "orchestrator"]):
             procs = {name: self.children[name] for name in wave if name in self.children}
             running = {name: proc for name, proc in procs.items() if proc.poll() is None}
             if not running:
@@ -614,7 +628,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--logs", action="store_true", help="also echo every service's log here, prefixed with its name")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for all services to be healthy (60)")
     parser.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a child gets after SIGTERM before SIGKILL (10)")
-    parser.add_argument("--log-dir", type=pathlib.Path, default=ROOT / "var" / "logs", help="folder of the service logs (var/logs)")
+    parser.add_argument("--log-dir", type=pathlib.Path, default=None,
+                        help="folder of the service logs ($LOOPLINE_DATA_DIR/logs, by default var/logs)")
     parser.add_argument("--exit-when-ready", action="store_true", help="stop everything once all services are healthy (a check)")
     parser.add_argument("--smoke", action="store_true", help="once ready, run the printed turn over HTTP, check it ends with done, stop")
     parser.add_argument("--module", default="services.{name}", help="module run for each service, {name} replaced (for testing this runner)")

@@ -40,10 +40,9 @@ class Deployment:
         return {"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id}
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory) -> Iterator[Deployment]:
-    """scripts/dev.py running the four services on free ports with a fixed dev key and org."""
-    data = tmp_path_factory.mktemp("e2e")
+def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None) -> Deployment:
+    """Start scripts/dev.py on free ports with a fixed dev key and org, its data under `data`
+    (logs in `log_dir` when given, else dev.py's default); returns once it printed the curl pair."""
     http_port = free_port()
     env = {
         **os.environ,
@@ -61,10 +60,10 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
     env["LOOPLINE_BILLING_ADDR"] = f"127.0.0.1:{env['LOOPLINE_BILLING_PORT']}"
     env["LOOPLINE_TOOLS_ADDR"] = f"127.0.0.1:{env['LOOPLINE_TOOLS_PORT']}"
     log = data / "dev.log"
+    argv = [sys.executable, "scripts/dev.py"] + (["--log-dir", str(log_dir)] if log_dir is not None else [])
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "scripts/dev.py", "--log-dir", str(data / "logs")],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     base_url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 90
@@ -78,11 +77,25 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         process.kill()
         pytest.fail(f"scripts/dev.py did not become ready:\n{log.read_text(errors='replace')[-4000:]}")
     assert httpx.get(f"{base_url}/healthz").status_code == 200
-    yield Deployment(base_url, env["LOOPLINE_DEV_ORG_ID"], env["LOOPLINE_DEV_API_KEY"], process, log)
+    return Deployment(base_url, env["LOOPLINE_DEV_ORG_ID"], env["LOOPLINE_DEV_API_KEY"], process, log)
+
+
+def stop_deployment(deployment: Deployment, timeout: float = 30) -> None:
+    """Ctrl-C to dev.py's process group; SIGKILL (and an error) when it outlives `timeout`."""
+    process = deployment.process
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGINT)
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             raise
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Iterator[Deployment]:
+    """scripts/dev.py running the four services on free ports with a fixed dev key and org."""
+    data = tmp_path_factory.mktemp("e2e")
+    started = start_deployment(data, data / "logs")
+    yield started
+    stop_deployment(started)

@@ -1,0 +1,59 @@
+"""Stopping `make run` (scripts/dev.py) mid-turn, and what its logs hold.
+
+Regressions found by a new-user test: a live listener's stream was cut without an end frame
+(the gateway was stopped before the orchestrator could publish `cancelled {reason:
+"shutdown"}`); the seed step's output, with the plain dev API key, went to gateway.log; the
+logs stayed in ./var/logs when LOOPLINE_DATA_DIR pointed elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.e2e.conftest import start_deployment, stop_deployment
+
+
+def test_stopping_dev_mid_turn_ends_live_streams_with_cancelled_and_logs_hold_no_key(tmp_path):
+    deployment = start_deployment(tmp_path)  # no --log-dir: the default follows LOOPLINE_DATA_DIR
+    frames: list[dict] = []
+    ended = threading.Event()
+    try:
+        with httpx.Client(base_url=deployment.base_url, headers=deployment.headers(), timeout=60) as client:
+            started = client.post("/assistant/chat", json={"message": json.dumps({"script": [{"say": "late", "sleep_ms": 30000}]})})
+            assert started.status_code == 200, started.text
+            stream_url = started.json()["stream_url"]
+
+            def listen() -> None:
+                try:
+                    with client.stream("GET", stream_url) as response:
+                        for line in response.iter_lines():
+                            if line.startswith("data: "):
+                                frames.append(json.loads(line[6:]))
+                except httpx.HTTPError as error:
+                    frames.append({"type": "broken", "error": repr(error)})
+                finally:
+                    ended.set()
+
+            listener = threading.Thread(target=listen, daemon=True)
+            listener.start()
+            deadline = time.monotonic() + 20
+            while not frames and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert frames and frames[0]["type"] == "metadata"
+            os.killpg(deployment.process.pid, signal.SIGINT)
+            assert ended.wait(40), "the stream did not end"
+    finally:
+        stop_deployment(deployment, timeout=60)
+    types = [f["type"] for f in frames if f["type"] != "heartbeat"]
+    assert types[-1] == "cancelled", frames
+    assert frames[-1]["data"]["reason"] == "shutdown"
+    logs = tmp_path / "var" / "logs"
+    assert (logs / "gateway.log").exists() and (logs / "orchestrator.log").exists()
+    for log in logs.iterdir():
+        assert deployment.api_key not in log.read_text(errors="replace"), f"the dev API key is in {log.name}"

@@ -76,10 +76,10 @@ from services.billing.models import (
 from services.billing.plans import PlanTerms
 from services.billing.pricing import PriceTable
 from services.billing.rates import RateDecision, RateLimiter
-from services.billing.txn import TxnRunner
 from services.common import db
 from services.common import logging as loopline_logging
 from services.common.errors import BILLING_DOMAIN, RpcError
+from services.common.txn import TxnRunner
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ class BillingCore:
         self.default_plan = default_plan
         self.hold_seconds = hold_seconds
         self.clock = clock
-        self.db = TxnRunner(sessions.kw["bind"])
+        self.db = TxnRunner(sessions.kw["bind"], thread_name="billing-db")
         # PostgreSQL: the hot transactions as one statement each on asyncpg (services/billing/pg.py)
         self.pg: Any = None
         if self.db.dialect == "postgresql":

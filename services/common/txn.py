@@ -1,34 +1,373 @@
-"""One database transaction per call, run as a synchronous function on either backend.
+"""One database transaction per call, run as a synchronous function (billing, orchestrator).
 
-A hot-path transaction is a plain function `fn(conn, *args)` over a synchronous SQLAlchemy
-`Connection`, so it is written once for both backends:
+Every hot-path transaction is a plain function `fn(conn, *args)` over a connection with
+SQLAlchemy's `Connection.execute(statement, params)` shape, so it is written once for both
+backends:
 
-- SQLite: the function runs on one dedicated worker thread with a synchronous engine over
-  the stdlib `sqlite3` driver: one thread hop per transaction instead of two per statement
-  through aiosqlite. The single thread also serializes this process's write transactions;
-  other processes and this process's aiosqlite engine are handled by SQLite's locking and
-  busy timeout (WAL, `services.common.db.SQLITE_PRAGMAS`).
+- SQLite: the function runs on one dedicated worker thread that holds one stdlib `sqlite3`
+  connection (`SqliteConnection`): each prebuilt Core statement is compiled once to SQL
+  text and then executed as a raw DBAPI call, with no SQLAlchemy execution machinery per
+  statement. The worker **group-commits**: it takes every transaction queued while it was
+  busy, runs each inside its own SAVEPOINT of one `BEGIN IMMEDIATE` transaction (a function
+  that raises rolls back only its own savepoint) and commits them together. No caller is
+  answered before the COMMIT that contains its work has returned; when that COMMIT fails,
+  every caller of the batch gets the error and nothing of the batch is kept. The single
+  thread also serializes this process's writers; other processes (the admin CLI) are
+  handled by SQLite's locking and busy timeout.
 - PostgreSQL (asyncpg) and anything else: `AsyncConnection.run_sync(fn)`, i.e. the same
   function on the event loop through SQLAlchemy's greenlet bridge (no thread hop exists).
 
-The function's transaction commits when it returns and rolls back when it raises.
+A function's work commits when it returns and rolls back when it raises.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+import collections
+import contextlib
+import datetime
+import json
+import queue
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import create_engine
-from sqlalchemy.engine import Engine
+from sqlalchemy import JSON, Boolean, Date, DateTime
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.common.db import apply_sqlite_pragmas
+from services.common.db import SQLITE_PRAGMAS
 
 T = TypeVar("T")
+
+# The dialect prebuilt statements are compiled with: sqlite3 accepts ":name" parameters
+# from a dict, so the caller's parameter dict is passed straight through.
+_NAMED_SQLITE = sqlite_dialect.dialect(paramstyle="named")
+
+
+def _datetime_text(value: datetime.datetime | None) -> str | None:
+    """A datetime as SQLAlchemy's SQLite DATETIME stores it (naive UTC, microseconds)."""
+    if value is None:
+        return None
+    if value.tzinfo is not None:
+        if value.tzinfo is not datetime.UTC:
+            value = value.astimezone(datetime.UTC)
+        value = value.replace(tzinfo=None)
+    return value.isoformat(" ", "microseconds")
+
+
+def _date_text(value: datetime.date | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _datetime_value(text: str | None) -> datetime.datetime | None:
+    return None if text is None else datetime.datetime.fromisoformat(text).replace(tzinfo=datetime.UTC)
+
+
+def _date_value(text: str | None) -> datetime.date | None:
+    return None if text is None else datetime.date.fromisoformat(text)
+
+
+def _bind_converter(type_: Any) -> Callable[[Any], Any] | None:
+    if isinstance(type_, DateTime) or isinstance(getattr(type_, "impl_instance", None), DateTime):
+        return _datetime_text
+    if isinstance(type_, Date):
+        return _date_text
+    if isinstance(type_, JSON):
+        return lambda value: None if value is None else json.dumps(value)
+    return None
+
+
+def _result_converter(type_: Any) -> Callable[[Any], Any] | None:
+    if isinstance(type_, DateTime) or isinstance(getattr(type_, "impl_instance", None), DateTime):
+        return _datetime_value
+    if isinstance(type_, Date):
+        return _date_value
+    if isinstance(type_, JSON):
+        return lambda text: None if text is None else json.loads(text)
+    if isinstance(type_, Boolean):
+        return lambda value: None if value is None else bool(value)
+    return None
+
+
+class _Compiled(NamedTuple):
+    """A statement compiled for SQLite: SQL text, default parameters, converters, row type."""
+
+    statement: Any  # kept alive so that id(statement) stays unique while cached
+    sql: str
+    defaults: dict[str, Any]
+    binds: tuple[tuple[str, Callable[[Any], Any]], ...]
+    row: type | None
+    columns: tuple[tuple[int, Callable[[Any], Any]], ...]
+
+
+def _compile(statement: Any, keys: tuple[str, ...] | None) -> _Compiled:
+    compiled = statement.compile(dialect=_NAMED_SQLITE, column_keys=list(keys) if keys is not None else None)
+    params = compiled.params
+    if keys is not None:  # an INSERT: every column it renders must come from the caller
+        missing = [name for name in params if name not in keys]
+        if missing:
+            raise ValueError(f"INSERT into {statement.table.name} needs values for {missing}")
+    # values written into the statement (e.g. `.values(running_id=None)`), not the caller's bindparam()s
+    defaults = {name: value for name, value in params.items() if keys is None and not compiled.binds[name].required}
+    binds = tuple(
+        (name, convert) for name in params if (convert := _bind_converter(compiled.binds[name].type)) is not None
+    )
+    row: type | None = None
+    columns: tuple[tuple[int, Callable[[Any], Any]], ...] = ()
+    exported = list(getattr(statement, "exported_columns", ()) or ())
+    if exported:
+        row = collections.namedtuple("Row", [column.key for column in exported], rename=True)  # type: ignore[misc]
+        columns = tuple(
+            (index, convert)
+            for index, column in enumerate(exported)
+            if (convert := _result_converter(column.type)) is not None
+        )
+    return _Compiled(statement, str(compiled), defaults, binds, row, columns)
+
+
+class _Scalars:
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: list[Any]) -> None:
+        self._rows = rows
+
+    def all(self) -> list[Any]:
+        return [row[0] for row in self._rows]
+
+
+class SqliteResult:
+    """The result of `SqliteConnection.execute`: rows fetched eagerly, SQLAlchemy Result's shape.
+
+    Attributes:
+        rowcount: rows changed by an INSERT/UPDATE/DELETE (sqlite3 `rowcount`).
+    """
+
+    __slots__ = ("rowcount", "_rows")
+
+    def __init__(self, rowcount: int, rows: list[Any]) -> None:
+        self.rowcount = rowcount
+        self._rows = rows
+
+    def first(self) -> Any:
+        """The first row or None."""
+        return self._rows[0] if self._rows else None
+
+    def one(self) -> Any:
+        """The only row; raises NoResultFound / MultipleResultsFound otherwise."""
+        if not self._rows:
+            raise NoResultFound("No row was found when one was required")
+        if len(self._rows) > 1:
+            raise MultipleResultsFound("Multiple rows were found when exactly one was required")
+        return self._rows[0]
+
+    def scalar(self) -> Any:
+        """The first column of the first row, or None."""
+        return self._rows[0][0] if self._rows else None
+
+    def scalars(self) -> _Scalars:
+        """The first column of every row (`.all()`)."""
+        return _Scalars(self._rows)
+
+    def all(self) -> list[Any]:
+        """Every row."""
+        return list(self._rows)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+
+class SqliteConnection:
+    """The connection a transaction function gets on SQLite (the worker thread's `sqlite3` one).
+
+    `execute(statement, params)` takes the same prebuilt SQLAlchemy Core statements and
+    parameter dicts as `sqlalchemy.engine.Connection.execute` and returns a `SqliteResult`
+    (rows are named tuples, dates and datetimes converted as SQLAlchemy's SQLite types do).
+    A statement is compiled once per process and cached by identity, so it must be built
+    once (module level), not per call. Driver errors are raised as SQLAlchemy's
+    (`IntegrityError`, `OperationalError`, ...) like on the other backend.
+    """
+
+    dialect = _NAMED_SQLITE
+    _CACHE_LIMIT = 512
+
+    def __init__(self, raw: sqlite3.Connection) -> None:
+        self._raw = raw
+        self._cache: dict[tuple[int, tuple[str, ...] | None], _Compiled] = {}
+
+    def _compiled(self, statement: Any, params: dict[str, Any]) -> _Compiled:
+        keys = tuple(params) if getattr(statement, "is_insert", False) else None
+        key = (id(statement), keys)
+        compiled = self._cache.get(key)
+        if compiled is None or compiled.statement is not statement:
+            if len(self._cache) >= self._CACHE_LIMIT:
+                self._cache.clear()
+            compiled = self._cache[key] = _compile(statement, keys)
+        return compiled
+
+    def execute(self, statement: Any, params: dict[str, Any] | None = None) -> SqliteResult:
+        """Execute `statement` with `params` (a dict of its bound parameter names)."""
+        params = params or {}
+        compiled = self._compiled(statement, params)
+        values = {**compiled.defaults, **params} if compiled.defaults else dict(params)
+        for name, convert in compiled.binds:
+            if name in values:
+                values[name] = convert(values[name])
+        try:
+            cursor = self._raw.execute(compiled.sql, values)
+            rows: list[Any] = []
+            if compiled.row is not None:
+                make = compiled.row._make
+                for raw_row in cursor.fetchall():
+                    if compiled.columns:
+                        raw_row = list(raw_row)
+                        for index, convert in compiled.columns:
+                            raw_row[index] = convert(raw_row[index])
+                    rows.append(make(raw_row))
+            return SqliteResult(cursor.rowcount, rows)
+        except sqlite3.Error as error:
+            raise DBAPIError.instance(compiled.sql, values, error, sqlite3.Error) from error
+
+    @contextlib.contextmanager
+    def begin_nested(self) -> Iterator[None]:
+        """A SAVEPOINT inside the current transaction: released on exit, rolled back on error."""
+        self._raw.execute("SAVEPOINT nested")
+        try:
+            yield
+        except BaseException:
+            self._raw.execute("ROLLBACK TO nested")
+            self._raw.execute("RELEASE nested")
+            raise
+        self._raw.execute("RELEASE nested")
+
+
+class _Job(NamedTuple):
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _deliver(outcomes: list[tuple[asyncio.Future, bool, Any]]) -> None:
+    """Resolve the futures of a committed (or failed) batch, on their event loop."""
+    for future, ok, value in outcomes:
+        if future.done():  # the caller was cancelled; its work is committed all the same
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+
+class SqliteWorker:
+    """One thread, one `sqlite3` connection, group commit (see the module docstring).
+
+    Args:
+        database: the SQLite file path (":memory:" gives a private database).
+        max_batch: most transactions committed together.
+        thread_name: the worker thread's name (shows in py-spy and thread dumps).
+    """
+
+    def __init__(self, database: str, max_batch: int = 256, thread_name: str = "db-txn") -> None:
+        self.database = database
+        self.max_batch = max_batch
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._main, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], args: tuple[Any, ...]) -> asyncio.Future[T]:
+        """Queue `fn(conn, *args)`; the future resolves after the COMMIT that contains it.
+
+        Raises RuntimeError after `close()`.
+        """
+        if self._closed:
+            raise RuntimeError("the database worker is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put(_Job(fn, args, future, loop))
+        return future
+
+    def close(self) -> None:
+        """Finish every queued transaction, then stop the thread and close the connection."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+
+    def _main(self) -> None:
+        raw = sqlite3.connect(
+            self.database, timeout=30, isolation_level=None, check_same_thread=False, cached_statements=256
+        )
+        try:
+            for pragma in SQLITE_PRAGMAS:
+                raw.execute(f"PRAGMA {pragma}")
+            conn = SqliteConnection(raw)
+            stop = False
+            while not stop:
+                job = self._queue.get()
+                if job is None:
+                    break
+                batch = [job]
+                while len(batch) < self.max_batch:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        stop = True
+                        break
+                    batch.append(job)
+                self._run_batch(raw, conn, batch)
+        finally:
+            raw.close()
+
+    @staticmethod
+    def _run_batch(raw: sqlite3.Connection, conn: SqliteConnection, batch: list[_Job]) -> None:
+        """Run `batch` in one transaction, a savepoint per job; COMMIT; then answer everyone."""
+        outcomes: list[tuple[_Job, bool, Any]] = []
+        try:
+            raw.execute("BEGIN IMMEDIATE")
+            single = len(batch) == 1
+            for job in batch:
+                if not single:
+                    raw.execute("SAVEPOINT job")
+                try:
+                    result = job.fn(conn, *job.args)
+                except Exception as error:  # this job's own refusal or failure: undo only its work
+                    if single:
+                        if raw.in_transaction:
+                            raw.execute("ROLLBACK")
+                    else:
+                        raw.execute("ROLLBACK TO job")
+                        raw.execute("RELEASE job")
+                    outcomes.append((job, False, error))
+                else:
+                    if not single:
+                        raw.execute("RELEASE job")
+                    outcomes.append((job, True, result))
+                if not single and not raw.in_transaction:
+                    # SQLite itself rolled the transaction back (I/O error, disk full, ...):
+                    # nothing of this batch is kept, so nobody may hear "done".
+                    raise sqlite3.OperationalError("the batch transaction was rolled back by SQLite")
+            if raw.in_transaction:
+                raw.execute("COMMIT")
+        except BaseException as error:  # BEGIN, savepoint bookkeeping or COMMIT failed
+            if raw.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    raw.execute("ROLLBACK")
+            failure = (
+                DBAPIError.instance("COMMIT", None, error, sqlite3.Error) if isinstance(error, sqlite3.Error) else error
+            )
+            outcomes = [(job, False, failure) for job in batch]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, bool, Any]]] = {}
+        for job, ok, value in outcomes:
+            by_loop.setdefault(job.loop, []).append((job.future, ok, value))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(_deliver, items)
 
 
 class TxnRunner:
@@ -36,40 +375,53 @@ class TxnRunner:
 
     Args:
         engine: the service's async engine (its URL and dialect are reused).
-        thread_name: name prefix of the SQLite worker thread (shows in py-spy and logs).
+        thread_name: the SQLite worker thread's name.
+
+    Attributes:
+        dialect: "sqlite", "postgresql", ...
     """
 
     def __init__(self, engine: AsyncEngine, thread_name: str = "db-txn") -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
-        self._sync: Engine | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker: SqliteWorker | None = None
         if self.dialect == "sqlite":
-            url = engine.url.set(drivername="sqlite")
-            self._sync = create_engine(
-                url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=1, max_overflow=0
-            )
-            apply_sqlite_pragmas(self._sync)
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
-
-    def _in_thread(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        assert self._sync is not None
-        with self._sync.begin() as conn:
-            return fn(conn, *args)
+            self._worker = SqliteWorker(engine.url.database or ":memory:", thread_name=thread_name)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(conn, *args)` in one transaction; returns its result, re-raises its error."""
-        if self._executor is not None:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, functools.partial(self._in_thread, fn, args))
+        """Run `fn(conn, *args)` in one transaction; returns its result, re-raises its error.
+
+        On SQLite the result is returned only after the transaction is committed (group
+        commit); a failed COMMIT raises a SQLAlchemy `DBAPIError` subclass.
+        """
+        if self._worker is not None:
+            return await self._worker.submit(fn, args)
         async with self.engine.begin() as conn:
             return await conn.run_sync(fn, *args)
 
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+        """A scope for several steps with awaits between them: yields `run(fn, *args)`.
+
+        On PostgreSQL every `run` of the scope shares one transaction (and one pooled
+        connection), committed when the scope exits and rolled back when it raises; a
+        step's exception caught inside the scope leaves the earlier steps in place only if
+        the step did not abort the transaction (use `conn.begin_nested()` in the step).
+        On SQLite each `run` is its own transaction on the worker, as with `TxnRunner.run`
+        (the worker is never held across an await).
+        """
+        if self._worker is not None:
+            yield self.run
+            return
+        async with self.engine.begin() as conn:
+
+            async def run(fn: Callable[..., T], *args: Any) -> T:
+                return await conn.run_sync(fn, *args)
+
+            yield run
+
     def close(self) -> None:
-        """Stop the worker thread and close the synchronous engine (SQLite)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        if self._sync is not None:
-            self._sync.dispose()
-            self._sync = None
+        """Finish queued transactions, stop the worker thread and close its connection (SQLite)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import and_, bindparam, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from services.common import db
 from services.common.pg import PgPool, loads, param, pg_type, record_type
 from services.common.txn import TxnRunner
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
@@ -132,10 +132,6 @@ _TURN_GUARD = (
     .select_from(_chats.outerjoin(_interrupts, and_(_interrupts.c.chat_id == _chats.c.id, _interrupts.c.outcome == "pending")))
     .where(_chats.c.id == bindparam("b_chat_id"))
 )
-_ARCHIVE = {
-    "sqlite": sqlite.insert(_events).on_conflict_do_nothing(index_elements=["run_id", "seq"]),
-    "postgresql": postgresql.insert(_events).on_conflict_do_nothing(index_elements=["run_id", "seq"]),
-}
 
 
 def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any]) -> None:
@@ -159,8 +155,8 @@ def _load_thread(conn: Connection, chat_id: str) -> list[ThreadRow]:
 
 
 def _store_rows(conn: Connection, rows: Sequence[ThreadRow]) -> None:
-    if rows:
-        conn.execute(_INSERT_MESSAGE, [row.values() for row in rows])
+    for row in rows:  # in order: seq follows the thread
+        conn.execute(_INSERT_MESSAGE, row.values())
 
 
 def _finish(conn: Connection, end: RunEnd) -> None:
@@ -193,10 +189,9 @@ class TurnStore:
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
+        if engine.dialect.name not in ("sqlite", "postgresql"):
+            raise ValueError(f"unsupported database dialect {engine.dialect.name!r} (sqlite or postgresql)")
         self.txn = TxnRunner(engine, thread_name="orchestrator-db")
-        self._archive = _ARCHIVE.get(self.txn.dialect)
-        if self._archive is None:
-            raise ValueError(f"unsupported database dialect {self.txn.dialect!r} (sqlite or postgresql)")
         # PostgreSQL: each transaction is one statement on asyncpg (PgTurnStatements)
         self.pg = PgTurnStatements(engine.url) if self.txn.dialect == "postgresql" else None
 
@@ -252,8 +247,11 @@ class TurnStore:
             return await self.pg.archive(run_id, events)
         await self.txn.run(self._archive_rows, run_id, list(events))
 
-    def _archive_rows(self, conn: Connection, run_id: str, events: list[tuple[int, bytes]]) -> None:
-        conn.execute(self._archive, [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in events])
+    @staticmethod
+    def _archive_rows(conn: Connection, run_id: str, events: list[tuple[int, bytes]]) -> None:
+        statement = db.insert_ignoring(conn.dialect.name, _events, ("run_id", "seq"))
+        for seq, payload in events:
+            conn.execute(statement, {"run_id": run_id, "seq": seq, "payload": payload})
 
     def close(self) -> None:
         """Stop the worker thread (SQLite) or close the asyncpg pool (PostgreSQL)."""

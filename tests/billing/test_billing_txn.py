@@ -1,6 +1,6 @@
 """The SQLite transaction runner: raw statements on one worker connection, group commit.
 
-Rules (services/billing/txn.py): a caller hears "done" only after the COMMIT that contains
+Rules (services/common/txn.py): a caller hears "done" only after the COMMIT that contains
 its work; a transaction function that raises undoes only its own work; when the COMMIT of
 a batch fails, every caller of the batch gets the error and nothing of the batch is kept.
 Values round-trip in the formats SQLAlchemy's SQLite types use, so the async engine (tests,
@@ -19,15 +19,15 @@ import uuid
 
 import grpc
 import pytest
-from sqlalchemy import Column, Date, ForeignKey, Integer, MetaData, String, Table, insert, select, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Column, Date, ForeignKey, Integer, MetaData, String, Table, bindparam, insert, select, text, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import UTCDateTime
 from services.billing.rates import MemoryWindows, RateLimiter
 from services.billing.server import BillingServer
-from services.billing.txn import TxnRunner
+from services.common.txn import TxnRunner
 from services.common.errors import status_details
 from tests_billing_helpers import admit_request, make_settings
 
@@ -242,3 +242,19 @@ async def test_two_step_admission_with_redis_rates_on_sqlite_admits_exactly_seve
 
 async def test_two_step_admission_with_redis_rates_on_postgresql_admits_exactly_seven(tmp_path, postgres_url, org):
     await _seven_with_redis_rates(tmp_path, org, billing_database_url=postgres_url)
+
+
+CLEAR_DAY = update(items).where(items.c.id == bindparam("b_id")).values(day=None)
+SET_DAY = update(items).where(items.c.id == bindparam("b_id")).values(day=bindparam("b_day"))
+
+
+async def test_a_none_written_into_a_statement_is_stored_as_null_and_a_missing_bindparam_is_an_error(runner):
+    # regression: `.values(day=None)` lost its value ("You did not supply a value for binding
+    # parameter :day") once the orchestrator's `UPDATE chats SET running_id=NULL` ran on this runner
+    txn, engine = runner
+    await txn.run(lambda conn: conn.execute(INSERT_ITEM, {"id": "a", "day": datetime.date(2026, 11, 30), "at": None}))
+    await txn.run(lambda conn: conn.execute(CLEAR_DAY, {"b_id": "a"}))
+    rows = await txn.run(lambda conn: conn.execute(SELECT_ITEMS).all())
+    assert [(r.id, r.day) for r in rows] == [("a", None)]
+    with pytest.raises(DBAPIError):
+        await txn.run(lambda conn: conn.execute(SET_DAY, {"b_id": "a"}))  # b_day missing

@@ -23,7 +23,8 @@ class OrchestratorSettings(CommonSettings):
             request names none and the organization has saved no default.
         tool_timeout_s: deadline of one ExecuteTool call.
         stream_url_prefix: path prefix of the stream_url returned to clients.
-        event_log_max_runs: runs whose events the in-memory log keeps after they end.
+        event_log_max_runs: runs whose events the in-memory log keeps after they end (older ones
+            are served from the run_events archive; 1,000 keeps the idle process small).
         summarization_budget_tokens: estimated thread size (tokens, ~4 chars each) past which the
             older part is summarized before the next model call; 0 turns summarization off.
         summarization_keep_tokens: about how much recent conversation is kept verbatim (whole turns).
@@ -65,7 +66,7 @@ class OrchestratorSettings(CommonSettings):
     default_model_id: str = "default"
     tool_timeout_s: float = 60.0
     stream_url_prefix: str = "/assistant/chat"
-    event_log_max_runs: int = 10_000
+    event_log_max_runs: int = 1_000
     summarization_budget_tokens: int = 60_000
     summarization_keep_tokens: int = 12_000
     openai_base_url: str = "https://api.openai.com/v1"

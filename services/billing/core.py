@@ -431,7 +431,7 @@ class BillingCore:
             # loaded only on PostgreSQL (asyncpg, the PG dialect)
             from services.billing.pg import PgBilling
 
-            self.pg = PgBilling(sessions.kw["bind"].url)
+            self.pg = PgBilling(sessions.kw["bind"].url, max_size=sessions.kw["bind"].pool.size())  # the engine's pool size
         self.plans: dict[str, PlanTerms] = {}
         self._accounts: dict[str, tuple[str, datetime.date, float]] = {}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,6 +25,11 @@ class CommonSettings(BaseSettings):
         host: interface the gRPC servers bind (LOOPLINE_HOST).
         orchestrator_addr / billing_addr / tools_addr: downstream gRPC addresses.
         shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled.
+        db_pool_size: PostgreSQL connections per pool (LOOPLINE_DB_POOL_SIZE): a process keeps up
+            to this many in SQLAlchemy's pool, opens as many again under bursts, and the
+            orchestrator and billing have an asyncpg pool of this size for their hot paths; so a
+            process holds at most 2x (gateway, tools) or 3x (orchestrator, billing) this. Keep the
+            sum over all processes under PostgreSQL's `max_connections` (README "Scale-out").
     """
 
     model_config = SettingsConfigDict(env_prefix="LOOPLINE_", extra="ignore")
@@ -37,6 +43,7 @@ class CommonSettings(BaseSettings):
     billing_addr: str = "127.0.0.1:50052"
     tools_addr: str = "127.0.0.1:50053"
     shutdown_grace_s: float = 5.0
+    db_pool_size: int = Field(default=4, ge=1, le=100)
 
     def sqlite_url(self, name: str) -> str:
         """The default database URL of service `name`: `sqlite+aiosqlite:///<data_dir>/<name>.db`."""

@@ -35,8 +35,15 @@ def apply_sqlite_pragmas(sync_engine: Any) -> None:
         cursor.close()
 
 
-def make_engine(url: str) -> AsyncEngine:
-    """Create an async engine for `url`; SQLite gets WAL, a 30 s busy timeout and foreign keys."""
+DEFAULT_POOL_SIZE = 4  # CommonSettings.db_pool_size
+
+
+def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE) -> AsyncEngine:
+    """Create an async engine for `url`; SQLite gets WAL, a 30 s busy timeout and foreign keys.
+
+    PostgreSQL: a pool of `pool_size` connections plus as many again under bursts (a request
+    beyond that waits for a free one, up to 30 s), checked before use (`pool_pre_ping`).
+    """
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -44,7 +51,7 @@ def make_engine(url: str) -> AsyncEngine:
         engine = create_async_engine(url, connect_args={"timeout": 30})
         apply_sqlite_pragmas(engine.sync_engine)
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
 
 
 _INSERT_IGNORING: dict[tuple[str, str, tuple[str, ...]], Any] = {}
@@ -66,6 +73,37 @@ def insert_ignoring(dialect: str, table: Any, conflict: tuple[str, ...]) -> Any:
         module = importlib.import_module(f"sqlalchemy.dialects.{dialect}")
         statement = _INSERT_IGNORING[key] = module.insert(table).on_conflict_do_nothing(index_elements=list(conflict))
     return statement
+
+
+# SQLSTATE classes/codes that say "the database cannot serve you now", not "this statement is wrong":
+# 08 connection exception, 53 insufficient resources (53300 too many connections), 57P01-57P03
+# admin/crash shutdown and cannot connect now (PostgreSQL manual, Appendix A).
+_UNAVAILABLE_SQLSTATE_PREFIXES = ("08", "53", "57P01", "57P02", "57P03")
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether `error` means the database cannot be reached or takes no more connections right now
+    (answer 503 / UNAVAILABLE: the client may retry), as opposed to a wrong statement or a bug.
+
+    True for: SQLAlchemy's pool timeout and invalidated connections, OS-level connection
+    errors, and driver errors whose SQLSTATE is in class 08 or 53 or is 57P01-57P03, found on
+    the error or along its `orig` / `__cause__` chain (asyncpg errors carry `sqlstate`).
+    """
+    from sqlalchemy import exc  # noqa: PLC0415 - light: sqlalchemy is loaded by every service
+
+    seen = 0
+    current: BaseException | None = error
+    while current is not None and seen < 6:
+        seen += 1
+        if isinstance(current, exc.TimeoutError) or isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(current, exc.DBAPIError) and current.connection_invalidated:
+            return True
+        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(code, str) and code.startswith(_UNAVAILABLE_SQLSTATE_PREFIXES):
+            return True
+        current = getattr(current, "orig", None) or current.__cause__
+    return False
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:

@@ -18,7 +18,10 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+
 from grpc_status import rpc_status
+
+from services.common import db
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,12 @@ def rpc_handler(*, internal_domain: str | None = None) -> Callable[[Handler], Ha
                 await abort(context, error)
             except grpc.aio.AbortError:
                 raise
-            except Exception:
+            except Exception as error:
+                if db.is_unavailable(error):  # the database is down or full: retryable, not a bug
+                    log.warning("database unavailable", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
+                    await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, "DATABASE_UNAVAILABLE",
+                                                  "The service is temporarily unavailable; try again"))
+                    return None
                 if internal_domain is None:
                     raise
                 log.exception("unhandled error", extra={"fields": {"rpc": handler.__name__}})

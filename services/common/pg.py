@@ -109,7 +109,7 @@ class PgPool:
         max_size: connections of the pool at most (a statement holds one for one round trip).
     """
 
-    def __init__(self, url: Any, max_size: int = 10) -> None:
+    def __init__(self, url: Any, max_size: int = 4) -> None:
         self.dsn = asyncpg_dsn(url)
         self.max_size = max_size
         self._pool: Any = None

@@ -13,7 +13,7 @@ from services.gateway.server import GatewayServer
 
 
 async def _with_sessions(settings: GatewaySettings, work):  # noqa: ANN001, ANN202
-    engine = db.make_engine(settings.database_url)
+    engine = db.make_engine(settings.database_url, settings.db_pool_size)
     try:
         return await work(db.sessionmaker(engine))
     finally:

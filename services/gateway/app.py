@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
 from services.gateway.config import GatewaySettings
-from services.gateway.errors import detail, grpc_error_response
+from services.gateway.errors import detail, grpc_error_response, unexpected_error_response
 from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
 from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
 from services.gateway.identity import Authenticator, AuthError, Principal
@@ -262,6 +262,10 @@ def create_app(
             built = callers[who] = assistant_pb2.Caller(organization_id=who.organization_id, user_id=who.user_id)
         return built
 
+    @app.exception_handler(Exception)
+    async def _unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        return unexpected_error_response(error)
+
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, error: AuthError) -> JSONResponse:
         return auth_error_response(error)
@@ -326,6 +330,8 @@ def create_app(
             response = request_error_response(error)
         except ClientGone:
             return
+        except Exception as error:  # noqa: BLE001 - the same answer as FastAPI's handler below
+            response = unexpected_error_response(error)
         await response(scope, receive, send)
 
     async def turn_response(who: Principal, body: dict[str, Any], key: str | None) -> Response:
@@ -388,10 +394,11 @@ def create_app(
         authorization, organization = _headers(scope, b"authorization", b"x-organization-id")
         try:
             who = await authenticator.authenticate(authorization, organization)
+            response: Response = await stream_response(who, *target)
         except AuthError as error:
-            response: Response = auth_error_response(error)
-        else:
-            response = await stream_response(who, *target)
+            response = auth_error_response(error)
+        except Exception as error:  # noqa: BLE001 - the same answer as FastAPI's handler below
+            response = unexpected_error_response(error)
         await response(scope, receive, send)
 
     async def stream_response(who: Principal, chat_id: str, run_id: str, after: int) -> Response:

@@ -16,6 +16,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from loopline.billing.v1 import billing_pb2
+from services.common import db
 from services.common.errors import ASSISTANT_DOMAIN, BILLING_DOMAIN, status_details
 
 log = logging.getLogger(__name__)
@@ -100,3 +101,14 @@ def grpc_error_response(error: grpc.aio.AioRpcError) -> JSONResponse:
 def detail(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """A `{"detail": message}` response."""
     return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+
+def unexpected_error_response(error: Exception) -> JSONResponse:
+    """The answer to an exception no route handled: 503 `{"detail": ...}` with Retry-After when the
+    database cannot be reached or takes no more connections (`db.is_unavailable`), else 500
+    `{"detail": "Internal server error"}`; logged with its traceback, never shown to the client."""
+    if db.is_unavailable(error):
+        log.warning("database unavailable", extra={"fields": {"error": type(error).__name__}})
+        return detail(503, SAFE_MESSAGES[503], {"Retry-After": "1"})
+    log.error("unhandled error", exc_info=error)
+    return detail(500, SAFE_MESSAGES[500])

@@ -34,7 +34,7 @@ class GatewayServer:
         self = cls(settings)
         if settings.auto_migrate:
             await db.migrate_async("gateway", settings.database_url)
-        self.engine = db.make_engine(settings.database_url)
+        self.engine = db.make_engine(settings.database_url, settings.db_pool_size)
         self.sessions = db.sessionmaker(self.engine)
         self.channel = grpc.aio.insecure_channel(
             settings.orchestrator_addr, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]

@@ -44,7 +44,7 @@ class OrchestratorServer:
         self = cls(settings)
         if settings.auto_migrate:
             await db.migrate_async("orchestrator", settings.database_url)
-        self.engine = db.make_engine(settings.database_url)
+        self.engine = db.make_engine(settings.database_url, settings.db_pool_size)
         sessions = db.sessionmaker(self.engine)
         self.billing_channel = grpc.aio.insecure_channel(settings.billing_addr)
         self.tools_channel = grpc.aio.insecure_channel(settings.tools_addr)

@@ -193,7 +193,7 @@ class TurnStore:
             raise ValueError(f"unsupported database dialect {engine.dialect.name!r} (sqlite or postgresql)")
         self.txn = TxnRunner(engine, thread_name="orchestrator-db")
         # PostgreSQL: each transaction is one statement on asyncpg (PgTurnStatements)
-        self.pg = PgTurnStatements(engine.url) if self.txn.dialect == "postgresql" else None
+        self.pg = PgTurnStatements(engine.url, max_size=engine.pool.size()) if self.txn.dialect == "postgresql" else None
 
     async def persist_turn(self, *, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any]) -> None:
         """Spec "Persist and charge", one transaction: the chat (a new row when `claim` is False,
@@ -291,7 +291,7 @@ class PgTurnStatements(PgPool):
         max_size: connections of the pool at most (statements hold one for one round trip).
     """
 
-    def __init__(self, url: Any, max_size: int = 10) -> None:
+    def __init__(self, url: Any, max_size: int = 4) -> None:
         super().__init__(url, max_size)
         self._sql: dict[Any, str] = {}
 

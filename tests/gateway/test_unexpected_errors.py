@@ -1,0 +1,72 @@
+"""Failures no route handles get the documented `{"detail": ...}` shape, never a plain-text 500.
+
+Regression (found by a new-user test on PostgreSQL with replicas): when PostgreSQL refused
+connections ("sorry, too many clients already"), `POST /assistant/chat` answered a plain-text
+`Internal Server Error`. A database that cannot be reached or is full is now 503 with
+Retry-After (retryable), anything else 500 `{"detail": "Internal server error"}`, on the lean
+routes and on FastAPI's alike; the gRPC servicers answer UNAVAILABLE for the same causes.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+import grpc
+import pytest
+from sqlalchemy import exc
+
+from services.common import db
+from services.common.errors import rpc_handler
+
+
+def _too_many_clients() -> exc.DBAPIError:
+    cause = asyncpg.exceptions.TooManyConnectionsError("sorry, too many clients already")
+    return exc.DBAPIError("SELECT 1", None, cause)
+
+
+def test_is_unavailable_tells_a_full_or_unreachable_database_from_a_bad_statement():
+    assert db.is_unavailable(_too_many_clients())
+    assert db.is_unavailable(ConnectionRefusedError(111, "refused"))
+    assert db.is_unavailable(exc.TimeoutError("QueuePool limit reached"))
+    wrapped = exc.OperationalError("SELECT 1", None, asyncpg.exceptions.CannotConnectNowError("starting up"))
+    assert db.is_unavailable(wrapped)
+    assert not db.is_unavailable(exc.IntegrityError("INSERT", None, asyncpg.exceptions.UniqueViolationError("dup")))
+    assert not db.is_unavailable(RuntimeError("bug"))
+
+
+@pytest.mark.parametrize("failure, status", [(_too_many_clients, 503), (lambda: RuntimeError("boom /secret/path"), 500)])
+async def test_turn_post_and_settings_get_answer_json_when_the_database_fails(stack, monkeypatch, failure, status):
+    async def broken(*_args, **_kwargs):
+        raise failure()
+
+    monkeypatch.setattr(stack.gateway.default_models, "get", broken)
+    async with stack.client() as client:
+        lean = await client.post("/assistant/chat", json={"message": "hello"})  # the lean route (default model lookup)
+        routed = await client.get("/organizations/settings")  # a FastAPI route
+    for response in (lean, routed):
+        assert response.status_code == status, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        body = response.json()
+        assert set(body) == {"detail"} and "secret" not in body["detail"]
+        if status == 503:
+            assert response.headers["retry-after"] == "1"
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+
+    async def abort_with_status(self, status: grpc.Status) -> None:
+        self.code = status.code
+        raise grpc.aio.AbortError()
+
+
+async def test_servicers_answer_unavailable_when_the_database_is_full():
+    class Servicer:
+        @rpc_handler()
+        async def Call(self, request, context):  # noqa: N802 - gRPC method name
+            raise _too_many_clients()
+
+    context = _Context()
+    with pytest.raises(grpc.aio.AbortError):
+        await Servicer().Call(None, context)
+    assert context.code == grpc.StatusCode.UNAVAILABLE

@@ -203,14 +203,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         model = await self._model(llm, caller.organization_id)
         chat_id = request.chat_id or str(uuid.uuid4())
         run_id = str(uuid.uuid4())
-        if request.chat_id:  # a new chat's id is minted here: nobody else can race for it yet
-            await self._claim(chat_id)
+        if request.chat_id and not await self._try_claim(chat_id):  # a new chat's id is minted here: no race
+            # someone holds the claim: 409, unless the chat is not the caller's (the same 404 as always)
+            if not self._visible(await self._guard(request.chat_id), caller):
+                raise _not_found()
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
         try:
-            guard = await self.store.turn_guard(request.chat_id) if request.chat_id and _is_uuid(request.chat_id) else None
-            if request.chat_id and (
-                guard is None or guard.organization_id != caller.organization_id or guard.kind != ASSISTANT_KIND
-                or guard.deleted_at is not None
-            ):
+            guard = await self._guard(request.chat_id) if request.chat_id else None
+            if request.chat_id and not self._visible(guard, caller):
                 raise _not_found()
             if guard is not None and guard.pending_id is None and guard.running_id:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
@@ -259,6 +259,16 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         return assistant_pb2.StartTurnResponse(
             status="running", chat_id=chat_id, run_id=run_id, thread_id=chat_id, stream_url=self._stream_url(chat_id, run_id)
         )
+
+    async def _guard(self, chat_id: str) -> Any:
+        """store.turn_guard of `chat_id`, or None when it is not a UUID (then it cannot exist)."""
+        return await self.store.turn_guard(chat_id) if _is_uuid(chat_id) else None
+
+    @staticmethod
+    def _visible(guard: Any, caller: assistant_pb2.Caller) -> bool:
+        """Whether a turn_guard row is a live assistant chat of the caller's organization."""
+        return (guard is not None and guard.organization_id == caller.organization_id
+                and guard.kind == ASSISTANT_KIND and guard.deleted_at is None)
 
     async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any],
                             reservation_id: str) -> list[ThreadRow] | None:

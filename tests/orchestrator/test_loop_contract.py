@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from sqlalchemy import select
 
@@ -249,3 +250,26 @@ async def test_reconnect_at_or_past_the_end_is_an_empty_stream_every_time(stack)
             response = await client.get(body["stream_url"], params={"after": n})
             assert response.status_code == 200, response.text
             assert response.content == b""
+
+
+async def test_a_busy_claim_on_a_chat_that_is_not_the_callers_is_still_404(stack):
+    # regression: concurrent POSTs naming one unknown chat_id got 409 RUN_IN_FLIGHT (the claim
+    # taken by the first) instead of the same 404 as every other request for an unknown chat
+    unknown = str(uuid.uuid4())
+    servicer = stack.orchestrator.servicer
+    assert await servicer._try_claim(unknown)
+    try:
+        async with stack.client() as client:
+            response = await client.post("/assistant/chat", json={"message": "hi", "chat_id": unknown})
+            assert response.status_code == 404, response.text
+            first = await client.post("/assistant/chat", json={"message": "hi"})
+            chat_id = first.json()["chat_id"]
+            await read_frames(client, first.json()["stream_url"])
+            assert await servicer._try_claim(chat_id)
+            try:
+                busy = await client.post("/assistant/chat", json={"message": "again", "chat_id": chat_id})
+                assert busy.status_code == 409, busy.text
+            finally:
+                await servicer._unclaim(chat_id)
+    finally:
+        await servicer._unclaim(unknown)

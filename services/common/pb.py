@@ -128,13 +128,33 @@ def timestamp(moment: datetime.datetime | None = None) -> timestamp_pb2.Timestam
     return ts
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_MIN_SECONDS, _MAX_SECONDS = -62135596800, 253402300799  # 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z (protobuf's range)
+_SECONDS_TEXT: dict[int, str] = {}  # whole seconds -> "YYYY-MM-DDTHH:MM:SS"; a run's events share a few seconds
+
+
 def iso(ts: timestamp_pb2.Timestamp | datetime.datetime | None) -> str | None:
-    """ISO 8601 UTC with offset, e.g. "2026-06-20T10:00:01.123456+00:00" (None when unset)."""
+    """ISO 8601 UTC with offset, e.g. "2026-06-20T10:00:01.123456+00:00" (None when unset;
+    microseconds truncated, omitted when zero, as `datetime.isoformat`).
+
+    A Timestamp inside protobuf's valid range is rendered without a datetime per call: the
+    date and time of each whole second are rendered once and cached (the SSE encoder renders
+    one per frame; issue 9). Outside the range, ValueError as `Timestamp.ToDatetime` raises it.
+    """
     if ts is None:
         return None
     if isinstance(ts, timestamp_pb2.Timestamp):
-        if ts.seconds == 0 and ts.nanos == 0:
+        seconds, nanos = ts.seconds, ts.nanos
+        if seconds == 0 and nanos == 0:
             return None
+        if _MIN_SECONDS <= seconds <= _MAX_SECONDS and 0 <= nanos < 1_000_000_000:
+            text = _SECONDS_TEXT.get(seconds)
+            if text is None:
+                if len(_SECONDS_TEXT) >= 4096:
+                    _SECONDS_TEXT.clear()
+                text = _SECONDS_TEXT[seconds] = (_EPOCH + datetime.timedelta(seconds=seconds)).isoformat()[:19]
+            micros = nanos // 1000
+            return f"{text}.{micros:06d}+00:00" if micros else text + "+00:00"
         moment = ts.ToDatetime(tzinfo=datetime.UTC)
     else:
         moment = ts if ts.tzinfo else ts.replace(tzinfo=datetime.UTC)

@@ -7,7 +7,6 @@ UTC with offset.
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import orjson
@@ -16,33 +15,6 @@ from loopline.assistant.v1 import events_pb2
 from services.common import pb
 
 HEARTBEAT_FRAME = b'data: {"type":"heartbeat"}\n\n'
-
-
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-_MIN_SECONDS, _MAX_SECONDS = -62135596800, 253402300799  # 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z (protobuf's range)
-_SECONDS_TEXT: dict[int, str] = {}  # whole seconds -> "YYYY-MM-DDTHH:MM:SS"; events of a run share a few seconds
-
-
-def iso(ts: Any) -> str | None:
-    """`services.common.pb.iso` of a protobuf Timestamp, e.g. "2026-06-20T10:00:01.123456+00:00"
-    (ISO 8601 UTC with offset; None when unset; microseconds truncated, omitted when zero).
-
-    The same text without building a datetime per event (issue 9, gateway CPU per turn): the
-    date and time of the whole second are rendered once per distinct second and cached.
-    Timestamps outside protobuf's valid range go to `pb.iso` (which raises ValueError).
-    """
-    seconds, nanos = ts.seconds, ts.nanos
-    if not (_MIN_SECONDS <= seconds <= _MAX_SECONDS and 0 <= nanos < 1_000_000_000):
-        return pb.iso(ts)
-    if not seconds and not nanos:
-        return None
-    text = _SECONDS_TEXT.get(seconds)
-    if text is None:
-        if len(_SECONDS_TEXT) >= 4096:
-            _SECONDS_TEXT.clear()
-        text = _SECONDS_TEXT[seconds] = (_EPOCH + datetime.timedelta(seconds=seconds)).isoformat()[:19]
-    micros = nanos // 1000
-    return f"{text}.{micros:06d}+00:00" if micros else text + "+00:00"
 
 
 def _output(value: Any, outputs: dict[bytes, Any] | None) -> Any:
@@ -73,13 +45,13 @@ def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> 
         data: dict[str, Any] = {"chunk": event.response_chunk.chunk}
     elif kind == "tool_call":
         e = event.tool_call
-        data = {"tool": e.tool, "input": pb.from_struct(e.input), "tool_call_id": e.tool_call_id, "timestamp": iso(event.time)}
+        data = {"tool": e.tool, "input": pb.from_struct(e.input), "tool_call_id": e.tool_call_id, "timestamp": pb.iso(event.time)}
     elif kind == "tool_result":
         e = event.tool_result
-        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": _output(e.output, outputs), "timestamp": iso(event.time)}
+        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": _output(e.output, outputs), "timestamp": pb.iso(event.time)}
     elif kind == "metadata":
         e = event.metadata
-        data = {"run_id": e.run_id, "thread_id": e.thread_id, "workflow_id": None, "workflow_type": e.workflow_type, "timestamp": iso(event.time)}
+        data = {"run_id": e.run_id, "thread_id": e.thread_id, "workflow_id": None, "workflow_type": e.workflow_type, "timestamp": pb.iso(event.time)}
     elif kind == "done":
         e = event.done
         data = {

@@ -33,9 +33,9 @@ from services.orchestrator.events import EventLog
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, clamp_usage
 from services.orchestrator.sanitize import sanitize
-from services.orchestrator.store import RunEnd, ThreadRow, TurnStore, split_summary
-from services.orchestrator.thread import choose_cut, estimate, with_summary
-from services.orchestrator.usage import UsageBatcher
+from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
+from services.orchestrator.thread import choose_cut, estimate, split_summary, with_summary
+from services.orchestrator.usage import UsageBatcher, call_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -493,16 +493,11 @@ class TurnRunner:
     @staticmethod
     async def _send_to_billing(rpc: Any, request: Any, failure_message: str, **log_fields: Any) -> None:
         """Call an idempotent billing RPC, shielded from the run's cancellation, with 3 attempts
-        (0.1 s, 0.2 s apart); a last failure is logged with `log_fields`, never raised."""
-        for attempt in range(3):
-            try:
-                await asyncio.shield(rpc(request, timeout=5))
-                return
-            except grpc.aio.AioRpcError as failure:
-                if attempt == 2:
-                    log.error(failure_message, extra={"fields": {"code": failure.code().name, **log_fields}})
-                    return
-                await asyncio.sleep(0.1 * (attempt + 1))
+        (0.1 s, 0.2 s apart; usage.call_with_retries); a last failure is logged with `log_fields`,
+        never raised."""
+        failure = await call_with_retries(lambda: asyncio.shield(rpc(request, timeout=5)))
+        if failure is not None:
+            log.error(failure_message, extra={"fields": {"code": failure.code().name, **log_fields}})
 
     # ------------------------------------------------------------------ ending
 

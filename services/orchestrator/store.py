@@ -291,15 +291,7 @@ class PgTurnStatements(PgPool):
         max_size: connections of the pool at most (statements hold one for one round trip).
     """
 
-    def __init__(self, url: Any, max_size: int = 4) -> None:
-        super().__init__(url, max_size)
-        self._sql: dict[Any, str] = {}
-
     # ------------------------------------------------------------------ statement text
-
-    @staticmethod
-    def _value(column: Any, value: Any) -> Any:
-        return param(column, value)
 
     def _insert_values(self, table: Any, values: dict[str, Any], params: list[Any], select: bool) -> tuple[str, str]:
         """(column list, value list) of an INSERT of `values` into `table`; appends the parameters.
@@ -308,7 +300,7 @@ class PgTurnStatements(PgPool):
         cols, places = [], []
         for name, value in values.items():
             column = table.c[name]
-            params.append(self._value(column, value))
+            params.append(param(column, value))
             cols.append(name)
             places.append(f"${len(params)}::{pg_type(column)}" if select else f"${len(params)}")
         return ", ".join(cols), ", ".join(places)
@@ -318,7 +310,7 @@ class PgTurnStatements(PgPool):
         arrays = []
         for name in _MESSAGE_COLUMNS:
             column = _messages.c[name]
-            params.append([self._value(column, getattr(row, name)) for row in rows])
+            params.append([param(column, getattr(row, name)) for row in rows])
             arrays.append(f"${len(params)}::{pg_type(column)}[]")
         cols = ", ".join(_MESSAGE_COLUMNS)
         return _PG_MESSAGES.format(cols=cols, arrays=", ".join(arrays))
@@ -421,15 +413,3 @@ class PgTurnStatements(PgPool):
             "INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS t(s, p)"
             " ON CONFLICT (run_id, seq) DO NOTHING",
             run_id, [seq for seq, _ in events], [payload for _, payload in events])
-
-
-def split_summary(rows: list[ThreadRow]) -> tuple[ThreadRow | None, list[ThreadRow]]:
-    """(latest summary row or None, the rows after what it covers) of a loaded thread (see thread.py)."""
-    latest = None
-    for row in rows:
-        if row.role == "summary":
-            latest = row
-    if latest is None:
-        return None, rows
-    covered = int((latest.extra or {}).get("covers_until_seq", 0))
-    return latest, [r for r in rows if r.role != "summary" and (r.seq is None or r.seq > covered)]

@@ -57,12 +57,23 @@ def _close(messages: list[dict[str, Any]], open_calls: dict[str, str]) -> None:
 async def load_rows(session: AsyncSession, chat_id: str) -> tuple[Message | None, list[Message]]:
     """(latest summary row or None, the rows after what it covers), oldest first."""
     rows = list((await session.execute(select(Message).where(Message.chat_id == chat_id).order_by(Message.seq))).scalars())
-    summaries = [r for r in rows if r.role == "summary"]
-    if not summaries:
+    return split_summary(rows)
+
+
+def split_summary(rows: list[Any]) -> tuple[Any | None, list[Any]]:
+    """(latest summary row or None, the rows after what it covers), oldest first.
+
+    `rows` are a chat's messages oldest first, stored (`models.Message`) or in memory
+    (`store.ThreadRow`, whose `seq` is None until stored: kept as after any summary).
+    """
+    latest = None
+    for row in rows:
+        if row.role == "summary":
+            latest = row
+    if latest is None:
         return None, rows
-    latest = summaries[-1]
     covered = int((latest.extra or {}).get("covers_until_seq", 0))
-    return latest, [r for r in rows if r.seq > covered and r.role != "summary"]
+    return latest, [r for r in rows if r.role != "summary" and (r.seq is None or r.seq > covered)]
 
 
 def with_summary(summary: Message | None, rows: list[Message]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -25,6 +26,20 @@ log = logging.getLogger(__name__)
 WINDOW_S = 0.02  # how long a usage record may wait for others before it is sent
 MAX_BATCH = 200  # records per RPC at most
 ATTEMPTS = 3  # sends of a batch before its failure is logged (0.1 s, then 0.2 s apart)
+
+
+async def call_with_retries(call: Callable[[], Awaitable[Any]]) -> grpc.aio.AioRpcError | None:
+    """Await `call()` (an idempotent billing RPC) up to ATTEMPTS times, 0.1 s then 0.2 s apart,
+    while it fails with AioRpcError; returns None once it succeeds, else the last failure."""
+    for attempt in range(ATTEMPTS):
+        try:
+            await call()
+            return None
+        except grpc.aio.AioRpcError as failure:
+            if attempt == ATTEMPTS - 1:
+                return failure
+            await asyncio.sleep(0.1 * (attempt + 1))
+    return None
 
 
 class UsageBatcher:
@@ -80,17 +95,11 @@ class UsageBatcher:
     async def _send(self, batch: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]]) -> None:
         requests = [request for request, _ in batch]
         try:
-            for attempt in range(ATTEMPTS):
-                try:
-                    await self._call(requests)
-                    return
-                except grpc.aio.AioRpcError as failure:
-                    if attempt == ATTEMPTS - 1:
-                        for request in requests:
-                            log.error("recording usage failed", extra={"fields": {
-                                "code": failure.code().name, "run_id": request.run_id, "call_index": request.call_index}})
-                        return
-                    await asyncio.sleep(0.1 * (attempt + 1))
+            failure = await call_with_retries(lambda: self._call(requests))
+            if failure is not None:
+                for request in requests:
+                    log.error("recording usage failed", extra={"fields": {
+                        "code": failure.code().name, "run_id": request.run_id, "call_index": request.call_index}})
         finally:
             for _, done in batch:
                 if not done.done():

@@ -116,17 +116,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     async def _chat(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str) -> Chat:
         """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind, deleted)."""
-        try:
-            uuid.UUID(chat_id)
-        except ValueError:
-            raise _not_found() from None
-        chat = await session.get(Chat, chat_id)
-        if (
-            chat is None
-            or chat.organization_id != caller.organization_id
-            or chat.kind != ASSISTANT_KIND
-            or chat.deleted_at is not None
-        ):
+        chat = await session.get(Chat, chat_id) if _is_uuid(chat_id) else None
+        if not self._visible(chat, caller):
             raise _not_found()
         return chat
 
@@ -265,10 +256,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         return await self.store.turn_guard(chat_id) if _is_uuid(chat_id) else None
 
     @staticmethod
-    def _visible(guard: Any, caller: assistant_pb2.Caller) -> bool:
-        """Whether a turn_guard row is a live assistant chat of the caller's organization."""
-        return (guard is not None and guard.organization_id == caller.organization_id
-                and guard.kind == ASSISTANT_KIND and guard.deleted_at is None)
+    def _visible(chat: Any, caller: assistant_pb2.Caller) -> bool:
+        """Whether `chat` (a Chat, or a row with its organization_id, kind and deleted_at) is a live
+        assistant chat of the caller's organization; None is not. Everything else is the same 404."""
+        return (chat is not None and chat.organization_id == caller.organization_id
+                and chat.kind == ASSISTANT_KIND and chat.deleted_at is None)
 
     async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any],
                             reservation_id: str) -> list[ThreadRow] | None:
@@ -326,12 +318,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             target = None
             if _is_uuid(request.chat_id):
                 target = await self.store.stream_target(request.chat_id, request.run_id if _is_uuid(request.run_id) else "")
-            if (
-                target is None
-                or target.organization_id != request.caller.organization_id
-                or target.kind != ASSISTANT_KIND
-                or target.deleted_at is not None
-            ):
+            if not self._visible(target, request.caller):
                 await abort(context, _not_found())
                 return
             if target.run_chat_id is None:

@@ -95,7 +95,7 @@ def is_unavailable(error: BaseException) -> bool:
     current: BaseException | None = error
     while current is not None and seen < 6:
         seen += 1
-        if isinstance(current, exc.TimeoutError) or isinstance(current, (ConnectionError, TimeoutError)):
+        if isinstance(current, (exc.TimeoutError, ConnectionError, TimeoutError)):
             return True
         if isinstance(current, exc.DBAPIError) and current.connection_invalidated:
             return True

@@ -47,6 +47,19 @@ def _reachable(host: str, port: int) -> bool:
         return False
 
 
+def fresh_redis_prefix() -> str:
+    """A new key prefix on the test Redis (`lltest:<hex>:`); skips the test when Redis is not reachable."""
+    target = urlsplit(redis_url())
+    if not _reachable(target.hostname or "127.0.0.1", target.port or 6379):
+        pytest.skip("Redis is not reachable (LOOPLINE_TEST_REDIS_URL)")
+    return f"lltest:{uuid.uuid4().hex[:12]}:"
+
+
+async def no_archive(run_id: str) -> list:
+    """An archive loader with nothing archived (the event-log tests publish and read live)."""
+    return []
+
+
 def unavailable_reason() -> str | None:
     """Why the scale tests cannot run here (None when PostgreSQL and Redis answer)."""
     pg = make_url(postgres_url())

@@ -14,27 +14,19 @@ import os
 import subprocess
 import sys
 import uuid
-from urllib.parse import urlsplit
 
 import pytest
 
 from services.orchestrator.backend import MemoryBackend, RedisBackend
 from tests.conftest import SERVICES, drop_databases, drop_redis_prefix, redis_url
-from tests.scale.conftest import ROOT, _reachable, unavailable_reason
-
-
-async def _no_archive(run_id: str) -> list:
-    return []
+from tests.scale.conftest import ROOT, fresh_redis_prefix, no_archive, unavailable_reason
 
 
 @pytest.fixture
 async def redis_pair():
     """Two RedisBackends (two replicas) sharing a fresh key prefix, claims expiring after 0.3 s."""
-    target = urlsplit(redis_url())
-    if not _reachable(target.hostname or "127.0.0.1", target.port or 6379):
-        pytest.skip("Redis is not reachable (LOOPLINE_TEST_REDIS_URL)")
-    prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
-    pair = [RedisBackend(redis_url(), prefix, _no_archive, claim_ttl_s=0.3) for _ in range(2)]
+    prefix = fresh_redis_prefix()
+    pair = [RedisBackend(redis_url(), prefix, no_archive, claim_ttl_s=0.3) for _ in range(2)]
     try:
         yield pair
     finally:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import uuid
-from urllib.parse import urlsplit
 
 import pytest
 from sqlalchemy import select
@@ -27,11 +26,7 @@ from services.orchestrator.backend import RedisEventLog, redis_client
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.store import ClaimLost, RunEnd, ThreadRow, TurnStore
 from tests.conftest import drop_redis_prefix, postgres_databases, redis_url, release_databases
-from tests.scale.conftest import _reachable, unavailable_reason
-
-
-async def _no_archive(run_id: str) -> list[events_pb2.Event]:
-    return []
+from tests.scale.conftest import fresh_redis_prefix, no_archive, unavailable_reason
 
 
 def _chunk(run_id: str, text: str) -> events_pb2.Event:
@@ -56,14 +51,11 @@ class CountingRedis:
 @pytest.fixture
 async def redis_logs():
     """(owner log with a counted client, other replica's log, the counter); skips without Redis."""
-    target = urlsplit(redis_url())
-    if not _reachable(target.hostname or "127.0.0.1", target.port or 6379):
-        pytest.skip("Redis is not reachable (LOOPLINE_TEST_REDIS_URL)")
-    prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
+    prefix = fresh_redis_prefix()
     owner_client, other_client = redis_client(redis_url()), redis_client(redis_url())
     counter = CountingRedis(owner_client)
-    owner = RedisEventLog(owner_client, prefix, 10_000, 60, _no_archive, retry_s=5)
-    other = RedisEventLog(other_client, prefix, 10_000, 60, _no_archive, retry_s=5, block_ms=300)
+    owner = RedisEventLog(owner_client, prefix, 10_000, 60, no_archive, retry_s=5)
+    other = RedisEventLog(other_client, prefix, 10_000, 60, no_archive, retry_s=5, block_ms=300)
     try:
         yield owner, other, counter
     finally:

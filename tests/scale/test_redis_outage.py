@@ -20,7 +20,7 @@ import pytest
 from loopline.assistant.v1 import events_pb2
 from services.orchestrator.backend import RedisEventLog, redis_client
 from tests.conftest import drop_redis_prefix, redis_url
-from tests.scale.conftest import _reachable
+from tests.scale.conftest import _reachable, no_archive
 
 
 class CuttableProxy:
@@ -92,10 +92,6 @@ async def redis_setup():
         await drop_redis_prefix(redis_url(), prefix)
 
 
-async def _no_archive(run_id: str) -> list[events_pb2.Event]:
-    return []
-
-
 def _via(proxy: CuttableProxy) -> str:
     target = urlsplit(redis_url())
     return f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}"
@@ -108,8 +104,8 @@ def _chunk(run_id: str, text: str) -> events_pb2.Event:
 async def test_follower_resumes_after_connections_drop_without_gaps_or_duplicates(redis_setup):
     proxy, prefix = redis_setup
     publisher_client, follower_client = redis_client(redis_url()), redis_client(_via(proxy))
-    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, _no_archive, retry_s=10)
-    follower = RedisEventLog(follower_client, prefix, 10_000, 60, _no_archive, retry_s=10, block_ms=500)
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, no_archive, retry_s=10)
+    follower = RedisEventLog(follower_client, prefix, 10_000, 60, no_archive, retry_s=10, block_ms=500)
     run_id = str(uuid.uuid4())
     try:
         publisher.open(run_id)
@@ -148,8 +144,8 @@ async def test_follower_resumes_after_connections_drop_without_gaps_or_duplicate
 async def test_follower_ends_with_an_error_event_when_redis_stays_away(redis_setup):
     proxy, prefix = redis_setup
     publisher_client, follower_client = redis_client(redis_url()), redis_client(_via(proxy))
-    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, _no_archive, retry_s=10)
-    follower = RedisEventLog(follower_client, prefix, 10_000, 60, _no_archive, retry_s=1.0, block_ms=500)
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, no_archive, retry_s=10)
+    follower = RedisEventLog(follower_client, prefix, 10_000, 60, no_archive, retry_s=1.0, block_ms=500)
     run_id = str(uuid.uuid4())
     try:
         publisher.open(run_id)
@@ -180,8 +176,8 @@ async def test_follower_ends_with_an_error_event_when_redis_stays_away(redis_set
 async def test_publisher_keeps_order_through_an_outage_and_flush_is_bounded(redis_setup):
     proxy, prefix = redis_setup
     publisher_client, reader_client = redis_client(_via(proxy)), redis_client(redis_url())
-    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, _no_archive, retry_s=10)
-    reader = RedisEventLog(reader_client, prefix, 10_000, 60, _no_archive, retry_s=10)
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, no_archive, retry_s=10)
+    reader = RedisEventLog(reader_client, prefix, 10_000, 60, no_archive, retry_s=10)
     run_id = str(uuid.uuid4())
     try:
         publisher.open(run_id)

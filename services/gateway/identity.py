@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from cachetools import TTLCache
 from sqlalchemy import select
 
 from services.gateway.models import ApiKey, Membership, Organization, User
@@ -58,14 +59,16 @@ class Authenticator:
     Two caches with the same entries and ages: by (key hash, organization) — what the database
     look-up fills — and by the request's (Authorization header, organization) exactly as sent,
     so that a repeat caller costs one dict look-up (issue 9, gateway CPU per turn). The second
-    holds header values in process memory only (never logged, never stored).
+    holds header values in process memory only (never logged, never stored). Each holds at
+    most `max_entries` entries (least recently used evicted first); an entry's value carries
+    the time of its database look-up, which decides its age in both.
     """
 
-    def __init__(self, sessions, ttl_s: float = 30.0) -> None:  # noqa: ANN001
+    def __init__(self, sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:  # noqa: ANN001
         self.sessions = sessions
         self.ttl_s = ttl_s
-        self._cache: dict[tuple[str, str], tuple[float, Principal | AuthError]] = {}
-        self._by_header: dict[tuple[str, str], tuple[float, Principal | AuthError]] = {}
+        self._cache: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
+        self._by_header: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
         self._inflight: dict[tuple[str, str], asyncio.Future[Principal | AuthError]] = {}
 
     async def authenticate(self, authorization: str | None, organization_id: str | None) -> Principal:
@@ -90,8 +93,6 @@ class Authenticator:
         now = time.monotonic()
         if not (entry and now - entry[0] < self.ttl_s):
             entry = await self._resolve_once((digest, organization_id), now)
-        if len(self._by_header) > 10_000:
-            self._by_header.clear()
         self._by_header[(authorization, organization_id)] = entry  # the same age as the hash-keyed entry
         result = entry[1]
         if isinstance(result, AuthError):
@@ -111,8 +112,6 @@ class Authenticator:
             finally:
                 if self._inflight.get(cache_key) is pending:
                     del self._inflight[cache_key]
-            if len(self._cache) > 10_000:
-                self._cache.clear()
             entry = self._cache[cache_key] = (now, result)
             return entry
         return now, await asyncio.shield(pending)

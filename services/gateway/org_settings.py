@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from cachetools import TTLCache
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import update
@@ -19,28 +20,30 @@ from sqlalchemy import update
 from services.gateway.models import Organization
 from services.gateway.openapi import error_responses
 
+_MISS = object()
 
 class DefaultModels:
     """Reads and writes organizations' default `llm`, caching reads for `ttl_s` seconds.
 
     A write through this process is visible to it at once; other gateway replicas see it
-    within `ttl_s`.
+    within `ttl_s`. At most `max_entries` organizations are cached (least recently used
+    evicted first).
     """
 
-    def __init__(self, sessions, ttl_s: float = 30.0) -> None:  # noqa: ANN001
+    def __init__(self, sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:  # noqa: ANN001
         self.sessions = sessions
         self.ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        self._cache: TTLCache[str, dict[str, Any] | None] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
 
     async def get(self, organization_id: str) -> dict[str, Any] | None:
         """The organization's saved default {integration_name, provider_id, model_id, credential_id?} or None."""
-        cached = self._cache.get(organization_id)
-        if cached and time.monotonic() - cached[0] < self.ttl_s:
-            return cached[1]
+        cached = self._cache.get(organization_id, _MISS)
+        if cached is not _MISS:
+            return cached
         async with self.sessions() as session:
             org = await session.get(Organization, organization_id)
             value = dict(org.default_llm) if org is not None and org.default_llm else None
-        self._cache[organization_id] = (time.monotonic(), value)
+        self._cache[organization_id] = value
         return value
 
     async def set(self, organization_id: str, llm: dict[str, Any] | None) -> None:

@@ -14,11 +14,11 @@ import datetime
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from cachetools import TTLCache
 from jsonschema import Draft202012Validator
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
@@ -116,30 +116,21 @@ class OrgReadCache:
         self.ttl_s = ttl_s
         self.max_orgs = max_orgs
         self.generation = 0
-        self._entries: OrderedDict[str, tuple[float, dict[Any, Any]]] = OrderedDict()
+        self._entries: TTLCache[str, dict[Any, Any]] = TTLCache(max_orgs, max(ttl_s, 0.0), timer=time.monotonic)
 
     def get(self, org_id: str, key: Any) -> Any:
         """The cached value of (`org_id`, `key`), or `_MISS` when absent or expired."""
         entry = self._entries.get(org_id)
-        if entry is None:
-            return _MISS
-        if entry[0] <= time.monotonic():
-            del self._entries[org_id]
-            return _MISS
-        self._entries.move_to_end(org_id)
-        return entry[1].get(key, _MISS)
+        return _MISS if entry is None else entry.get(key, _MISS)
 
     def put(self, org_id: str, key: Any, value: Any, generation: int) -> None:
         """Store `value` unless caching is off or a write happened since `generation` was read."""
         if self.ttl_s <= 0 or generation != self.generation:
             return
         entry = self._entries.get(org_id)
-        if entry is None or entry[0] <= time.monotonic():
-            entry = (time.monotonic() + self.ttl_s, {})
-            self._entries[org_id] = entry
-            while len(self._entries) > self.max_orgs:
-                self._entries.popitem(last=False)
-        entry[1][key] = value
+        if entry is None:  # the organization's values expire together, `ttl_s` after the first
+            entry = self._entries[org_id] = {}
+        entry[key] = value
 
     def invalidate(self, org_id: str) -> None:
         """Forget the organization's entry and make reads that overlapped this write unstorable."""

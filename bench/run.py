@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -50,12 +51,14 @@ TARGETS = {
     "latency.done_p99_ms": ("<=", 50.0),
     "throughput.c32.turns_per_s": (">=", 250.0),
     "latency.cpu_ms_per_turn": ("<=", 6.0),
+    "throughput.c32.cpu_ms_per_turn": ("<=", 6.0),
     "fanout.10000.gateway_rss_mib": ("<=", 1024.0),
     "fanout.10000.delay_p99_ms": ("<=", 50.0),
     "admission.pairs_per_s": (">=", 2000.0),
     "admission.pair_p99_ms": ("<=", 5.0),
     "memory.idle_total_mib": ("<=", 300.0),
     "memory.idle_pss_total_mib": ("<=", 300.0),
+    "memory.idle_together_mib": ("<=", 300.0),
 }
 
 
@@ -199,22 +202,65 @@ async def workload_throughput(dep: Deployment, turns: int, levels: list[int], ti
 # ----------------------------------------------------------------------------- admission
 
 
-async def workload_admission(dep: Deployment, pairs: int, concurrency: int, time_cap_s: float) -> dict[str, Any]:
+async def _drive_pairs(pair: Callable[[], Awaitable[tuple[float, float]]], pairs: int, concurrency: int,
+                       time_cap_s: float, cpu: Callable[[], float]) -> dict[str, Any]:
+    """Run `pairs` calls of `pair()` (returning the seconds of its two calls) on `concurrency`
+    workers, capped at `time_cap_s`; pairs/s, percentiles of the pair and of each call, errors,
+    and the server's CPU ms per pair (`cpu()` is its CPU seconds)."""
     import grpc
+
+    pair_s: list[float] = []
+    first_s: list[float] = []
+    second_s: list[float] = []
+    errors: dict[str, int] = {}
+    remaining = pairs
+    deadline = time.monotonic() + time_cap_s
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0 and time.monotonic() < deadline:
+            remaining -= 1
+            try:
+                a, b = await pair()
+            except grpc.aio.AioRpcError as error:
+                key = f"{error.code().name}: {error.details()}"[:160]
+                errors[key] = errors.get(key, 0) + 1
+                continue
+            first_s.append(a)
+            second_s.append(b)
+            pair_s.append(a + b)
+
+    for _ in range(20):  # warm-up (the organization's account is created on the first Admit)
+        await pair()
+    cpu0 = cpu()
+    started = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.monotonic() - started
+    server_cpu = cpu() - cpu0
+    return {
+        "concurrency": concurrency, "pairs": len(pair_s), "failures": sum(errors.values()), "errors": errors,
+        "elapsed_s": _r(elapsed), "pairs_per_s": _r(len(pair_s) / elapsed if elapsed else 0.0),
+        "pair": summary(pair_s), "first": summary(first_s), "second": summary(second_s),
+        "server_cpu_ms_per_pair": _r(server_cpu * 1000 / max(1, len(pair_s))),
+    }
+
+
+async def workload_admission(dep: Deployment, pairs: int, concurrency: int, time_cap_s: float) -> dict[str, Any]:
+    """`Admit`+`Charge` pairs on billing over gRPC at `concurrency`, then the same number of pairs
+    of two bare `grpc.health.v1` Checks on the same billing process and channel: the ceiling any
+    pair of unary calls reaches on this machine with this client (reported as `bare_grpc`)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 
     org = f"org_bench_admit_{uuid.uuid4().hex[:8]}"  # auto-provisioned on the bench developer plan
     channel = grpc.aio.insecure_channel(dep.grpc_addr["billing"], options=[("grpc.enable_http_proxy", 0)])
     stub = billing_pb2_grpc.BillingServiceStub(channel)
-    pair_s: list[float] = []
-    admit_s: list[float] = []
-    charge_s: list[float] = []
-    errors: dict[str, int] = {}
-    remaining = pairs
-    deadline = time.monotonic() + time_cap_s
+    health = health_pb2_grpc.HealthStub(channel)
+    check = health_pb2.HealthCheckRequest(service="")
 
-    async def pair() -> None:
+    async def admit_charge() -> tuple[float, float]:
         t0 = time.perf_counter()
         admitted = await stub.Admit(
             billing_pb2.AdmitRequest(organization_id=org, turn_key=f"{uuid.uuid4()}:{uuid.uuid4()}", usage_type="run", rate_class="sync_exec"),
@@ -222,38 +268,27 @@ async def workload_admission(dep: Deployment, pairs: int, concurrency: int, time
         )
         t1 = time.perf_counter()
         await stub.Charge(billing_pb2.ChargeRequest(reservation_id=admitted.reservation_id), timeout=10)
-        t2 = time.perf_counter()
-        admit_s.append(t1 - t0)
-        charge_s.append(t2 - t1)
-        pair_s.append(t2 - t0)
+        return t1 - t0, time.perf_counter() - t1
 
-    async def worker() -> None:
-        nonlocal remaining
-        while remaining > 0 and time.monotonic() < deadline:
-            remaining -= 1
-            try:
-                await pair()
-            except grpc.aio.AioRpcError as error:
-                key = f"{error.code().name}: {error.details()}"[:160]
-                errors[key] = errors.get(key, 0) + 1
+    async def two_checks() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        await health.Check(check, timeout=10)
+        t1 = time.perf_counter()
+        await health.Check(check, timeout=10)
+        return t1 - t0, time.perf_counter() - t1
+
+    def billing_cpu() -> float:
+        return dep.cpu()["billing"]
 
     try:
-        for _ in range(20):  # warm-up: the organization's account is created on the first Admit
-            await pair()
-        pair_s.clear(), admit_s.clear(), charge_s.clear()
-        cpu0 = dep.cpu()["billing"]
-        started = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.monotonic() - started
-        billing_cpu = dep.cpu()["billing"] - cpu0
+        result = await _drive_pairs(admit_charge, pairs, concurrency, time_cap_s, billing_cpu)
+        bare = await _drive_pairs(two_checks, pairs, concurrency, time_cap_s, billing_cpu)
     finally:
         await channel.close()
-    return {
-        "concurrency": concurrency, "pairs": len(pair_s), "failures": sum(errors.values()), "errors": errors,
-        "elapsed_s": _r(elapsed), "pairs_per_s": _r(len(pair_s) / elapsed if elapsed else 0.0),
-        "pair": summary(pair_s), "admit": summary(admit_s), "charge": summary(charge_s),
-        "billing_cpu_ms_per_pair": _r(billing_cpu * 1000 / max(1, len(pair_s))),
-    }
+    result["admit"], result["charge"] = result.pop("first"), result.pop("second")
+    result["billing_cpu_ms_per_pair"] = result.pop("server_cpu_ms_per_pair")
+    result["bare_grpc"] = {key: bare[key] for key in ("pairs", "failures", "pairs_per_s", "pair", "server_cpu_ms_per_pair")}
+    return result
 
 
 # ----------------------------------------------------------------------------- tools (issue 6)
@@ -584,7 +619,7 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
     for key, level in (results.get("throughput") or {}).items():
         add(f"throughput {key} turns/s", level["turns_per_s"], f"throughput.{key}.turns_per_s")
         add(f"throughput {key} p50 / p99 ms", f"{level['done']['p50_ms']} / {level['done']['p99_ms']}")
-        add(f"throughput {key} service CPU ms/turn", level["cpu_ms_per_turn"])
+        add(f"throughput {key} service CPU ms/turn", level["cpu_ms_per_turn"], f"throughput.{key}.cpu_ms_per_turn")
         add(f"throughput {key} done / turns", f"{level['completed']} / {level['turns']}")
     for key, fan in (results.get("fanout") or {}).items():
         add(f"fan-out {key}: connected / done", f"{fan['outcome'].get('connected', 0)} / {fan['outcome'].get('done', 0)}")
@@ -599,6 +634,10 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
         add("admission Admit+Charge pairs/s (c16)", adm["pairs_per_s"], "admission.pairs_per_s")
         add("admission pair p50 ms", adm["pair"]["p50_ms"])
         add("admission pair p99 ms", adm["pair"]["p99_ms"], "admission.pair_p99_ms")
+        if "bare_grpc" in adm:
+            bare = adm["bare_grpc"]
+            add("bare gRPC ceiling: 2 health Checks/s on billing (c16)", bare["pairs_per_s"])
+            add("bare gRPC ceiling: pair p50 / p99 ms", f"{bare['pair']['p50_ms']} / {bare['pair']['p99_ms']}")
     tl = results.get("tools")
     if tl:
         add("no-op tool call p50 / p99 ms (ExecuteTool loopline.echo)", f"{tl['noop_tool_call']['p50_ms']} / {tl['noop_tool_call']['p99_ms']}")
@@ -607,9 +646,11 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
     mem = results.get("memory")
     if mem:
         add("RSS idle, all four MiB", mem.get("idle_total_mib"), "memory.idle_total_mib")
-        add("PSS idle, all four MiB (shared pages counted once)", mem.get("idle_pss_total_mib"), "memory.idle_pss_total_mib")
+        add("PSS idle, all four MiB (shared pages split between sharers)", mem.get("idle_pss_total_mib"), "memory.idle_pss_total_mib")
+        add("resident together idle, all four MiB (distinct pages)", mem.get("idle_together_mib"), "memory.idle_together_mib")
         if mem.get("after_throughput_total_mib") is not None:
-            add("RSS / PSS after throughput, all four MiB", f"{mem['after_throughput_total_mib']} / {mem.get('after_throughput_pss_total_mib')}")
+            add("RSS / PSS / together after throughput, all four MiB",
+                f"{mem['after_throughput_total_mib']} / {mem.get('after_throughput_pss_total_mib')} / {mem.get('after_throughput_together_mib')}")
         for name in SERVICES:
             add(f"RSS {name} idle / after throughput MiB", f"{mem['idle_mib'].get(name)} / {(mem.get('after_throughput_mib') or {}).get(name)}")
     return rows
@@ -721,13 +762,18 @@ class Profiler:
                 proc.kill()
 
 
+def _mib(value: int | None) -> float | None:
+    return None if value is None else _r(value / MiB, 1)
+
+
 async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, Any]) -> None:
     profile = Profiler(dep, args.profile)
     await asyncio.sleep(1.0)  # let start-up work settle before "idle"
     idle, idle_pss = dep.rss(), dep.pss()
     results["memory"] = {"idle_mib": {k: _r(v / MiB, 1) for k, v in idle.items()}, "idle_total_mib": _r(sum(idle.values()) / MiB, 1),
                          "idle_pss_mib": {k: _r(v / MiB, 1) for k, v in idle_pss.items()},
-                         "idle_pss_total_mib": _r(sum(idle_pss.values()) / MiB, 1)}
+                         "idle_pss_total_mib": _r(sum(idle_pss.values()) / MiB, 1),
+                         "idle_together_mib": _mib(dep.together())}
     if "latency" in args.only:
         print(f"[bench] latency: {args.turns} sequential turns", flush=True)
         async with profile("latency"):
@@ -740,6 +786,7 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
         results["memory"]["after_throughput_mib"] = {k: _r(v / MiB, 1) for k, v in after.items()}
         results["memory"]["after_throughput_total_mib"] = _r(sum(after.values()) / MiB, 1)
         results["memory"]["after_throughput_pss_total_mib"] = _r(sum(dep.pss().values()) / MiB, 1)
+        results["memory"]["after_throughput_together_mib"] = _mib(dep.together())
     if "admission" in args.only:
         print(f"[bench] admission: {args.admissions} Admit+Charge pairs at concurrency {args.admission_concurrency}", flush=True)
         async with profile("admission"):

@@ -35,6 +35,8 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
         level = report["throughput"][key]
         assert level["completed"] == level["turns"] > 0 and level["turns_per_s"] > 0
     assert report["admission"]["pairs"] > 0 and report["admission"]["failures"] == 0
+    bare = report["admission"]["bare_grpc"]
+    assert bare["pairs"] > 0 and bare["failures"] == 0 and bare["pairs_per_s"] > 0
     fanout = report["fanout"]["10"]
     assert fanout["outcome"].get("connected") == 10 and fanout["outcome"].get("done") == 10
     assert fanout["deliveries_measured"] > 0 and fanout["heartbeats"] > 0
@@ -43,4 +45,6 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     memory = report["memory"]
     assert set(memory["idle_mib"]) == {"gateway", "orchestrator", "billing", "tools"}
     assert memory["after_throughput_mib"]["gateway"] > 0
+    if memory["idle_together_mib"] is not None:  # None where the kernel hides page frame numbers
+        assert 0 < memory["idle_together_mib"] <= memory["idle_total_mib"]
     assert "target (issue 9)" in result.stdout

@@ -203,3 +203,102 @@ async def test_the_last_listener_to_leave_cancels_the_upstream_stream_and_others
     await asyncio.wait_for(staying_task, 5)
     await until(lambda: call.cancelled)
     assert fan.active_runs() == 0
+
+
+class RecordingTransport:
+    """A uvicorn-like transport that keeps up: records each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def _dechunk(writes: list[bytes]) -> bytes:
+    body = b""
+    for chunk in writes:
+        size, rest = chunk.split(b"\r\n", 1)
+        assert rest[int(size, 16):] == b"\r\n"
+        body += rest[: int(size, 16)]
+    return body
+
+
+async def test_a_large_fanout_is_served_in_slices_and_frames_arriving_mid_round_share_a_write():
+    """Bug: one flush wrote to every listener in one callback (10,000 listeners held the gateway's
+    event loop ~100 ms per event, and an event published meanwhile waited for the whole pass).
+    Now a round serves FLUSH_SLICE listeners per loop iteration; those not yet served when the
+    next frame arrives get both frames in one write; the earlier ones get it in the next round."""
+    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=60.0)
+    count = 3 * fanout_module.FLUSH_SLICE + 10
+    transports = [RecordingTransport() for _ in range(count)]
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    for transport in transports:
+        hub.attach(_Listener(hub, 0, send, transport))
+    first, second = b"data: {\"n\":1}\n\n", b"data: {\"n\":2}\n\n"
+    hub.publish(first)
+    await asyncio.sleep(0)  # one loop iteration: one slice
+    served = sum(1 for t in transports if t.writes)
+    assert 0 < served <= fanout_module.FLUSH_SLICE
+    hub.publish(second)  # mid-round
+    await until(lambda: all(_dechunk(t.writes) == first + second for t in transports))
+    assert all(len(t.writes) == 2 for t in transports[:served])  # served before `second` came
+    assert all(t.writes == [fanout_module._chunk(first + second)] for t in transports[-10:])
+    if hub.heartbeat_handle is not None:
+        hub.heartbeat_handle.cancel()
+
+
+async def test_the_end_of_a_run_delivers_every_frame_at_once_even_mid_round():
+    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=60.0)
+    transports = [RecordingTransport() for _ in range(2 * fanout_module.FLUSH_SLICE + 1)]
+    ended: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if not message.get("more_body", True):
+            ended.append(1)
+
+    for transport in transports:
+        hub.attach(_Listener(hub, 0, send, transport))
+    hub.publish(b"data: {\"n\":1}\n\n")
+    await asyncio.sleep(0)  # the round is under way
+    hub.publish(b"data: {\"n\":2}\n\n")
+    hub.end()
+    assert all(_dechunk(t.writes) == b"data: {\"n\":1}\n\ndata: {\"n\":2}\n\n" for t in transports)
+    await until(lambda: len(ended) == len(transports))
+    await asyncio.sleep(0.01)
+    assert all(_dechunk(t.writes) == b"data: {\"n\":1}\n\ndata: {\"n\":2}\n\n" for t in transports)  # nothing more
+
+
+async def test_heartbeats_to_many_listeners_go_out_in_slices_and_reach_every_silent_listener():
+    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=0.05)
+    transports = [RecordingTransport() for _ in range(3 * fanout_module.FLUSH_SLICE + 7)]
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    for transport in transports:
+        hub.attach(_Listener(hub, 0, send, transport))
+    steps: list[int] = []
+    deadline = asyncio.get_running_loop().time() + 5
+    while sum(1 for t in transports if t.writes) < len(transports):
+        assert asyncio.get_running_loop().time() < deadline, "heartbeats did not reach every listener"
+        before = sum(1 for t in transports if t.writes)
+        await asyncio.sleep(0)
+        after = sum(1 for t in transports if t.writes)
+        if after > before:
+            steps.append(after - before)
+    assert max(steps) <= fanout_module.FLUSH_SLICE and len(steps) >= 3
+    assert all(t.writes == [fanout_module.HEARTBEAT_CHUNK] for t in transports)  # one each, nothing else
+    # the next check: every listener is silent again and gets a second one
+    await until(lambda: all(len(t.writes) >= 2 for t in transports))
+    assert all(set(t.writes) == {fanout_module.HEARTBEAT_CHUNK} for t in transports)
+    hub.end()

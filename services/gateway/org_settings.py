@@ -22,6 +22,7 @@ from services.gateway.openapi import error_responses
 
 _MISS = object()
 
+
 class DefaultModels:
     """Reads and writes organizations' default `llm`, caching reads for `ttl_s` seconds.
 

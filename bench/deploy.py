@@ -70,6 +70,7 @@ def pss_bytes(pid: int) -> int:
 
 _PFN_MASK = (1 << 55) - 1
 _PRESENT = 1 << 63
+_PAGES_PER_READ = 1 << 16  # pagemap entries read at once (512 KiB)
 
 
 def resident_frames(pid: int) -> set[int] | None:
@@ -87,18 +88,18 @@ def resident_frames(pid: int) -> set[int] | None:
         for line in maps:
             span = line.split(None, 1)[0]
             start, end = (int(x, 16) for x in span.split(b"-"))
-            try:
-                pagemap.seek(start // PAGE * 8)
-                raw = pagemap.read((end - start) // PAGE * 8)
-            except OSError:  # [vsyscall] and the like
-                continue
-            entries = array.array("Q", raw)
-            for entry in entries:
-                if entry & _PRESENT:
-                    pfn = entry & _PFN_MASK
-                    if pfn:
-                        hidden = False
-                        frames.add(pfn)
+            for first in range(start // PAGE, end // PAGE, _PAGES_PER_READ):  # bounded reads of large mappings
+                try:
+                    pagemap.seek(first * 8)
+                    raw = pagemap.read(min(_PAGES_PER_READ, end // PAGE - first) * 8)
+                except OSError:  # [vsyscall] and the like
+                    break
+                for entry in array.array("Q", raw):
+                    if entry & _PRESENT:
+                        pfn = entry & _PFN_MASK
+                        if pfn:
+                            hidden = False
+                            frames.add(pfn)
     return None if hidden else frames
 
 

@@ -30,6 +30,15 @@ BILLING_DOMAIN = "billing.loopline.dev"
 TOOLS_DOMAIN = "tools.loopline.dev"
 
 
+MAX_MESSAGE_CHARS = 1000  # an RpcError's message at most (characters)
+MAX_METADATA_VALUE_CHARS = 500  # an ErrorInfo metadata value at most (characters)
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` cut to at most `limit` characters, ending in "…" when it was cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 @dataclass
 class RpcError(Exception):
     """A domain error to send as a rich gRPC status.
@@ -37,7 +46,8 @@ class RpcError(Exception):
     Attributes:
         code: the gRPC status code.
         reason: UPPER_SNAKE ErrorInfo reason, e.g. "CHAT_NOT_FOUND".
-        message: text safe to show a client (never a secret or internal detail).
+        message: text safe to show a client (never a secret or internal detail); cut to
+            MAX_MESSAGE_CHARS (metadata values to MAX_METADATA_VALUE_CHARS) by `bounded`.
         domain: ErrorInfo domain.
         metadata: ErrorInfo metadata (string values).
         details: further detail messages (e.g. a billing Denial).
@@ -53,6 +63,12 @@ class RpcError(Exception):
     retry_after_s: float | None = None
 
     def __post_init__(self) -> None:
+        # Messages and metadata often quote the caller's input; bound them so that a status
+        # never outgrows gRPC's metadata limit (the message travels twice, in grpc-message and
+        # in grpc-status-details-bin; the receiving channel refuses more than 16 KiB) and
+        # the error never carries an echo of a huge field back to a client.
+        self.message = bounded(self.message)
+        self.metadata = {key: bounded(value, MAX_METADATA_VALUE_CHARS) for key, value in self.metadata.items()}
         super().__init__(self.message)
 
     def to_status(self) -> grpc.Status:
@@ -163,10 +179,12 @@ def status_details(error: grpc.aio.AioRpcError | grpc.RpcError) -> StatusDetails
 __all__ = [
     "ASSISTANT_DOMAIN",
     "BILLING_DOMAIN",
+    "MAX_MESSAGE_CHARS",
     "TOOLS_DOMAIN",
     "RpcError",
     "StatusDetails",
     "abort",
+    "bounded",
     "rpc_handler",
     "code_pb2",
     "status_details",

@@ -4,7 +4,9 @@ Order (STYLE.md, after A2A's `utils/errors.py`): a billing denial (domain
 billing.loopline.dev with a `Denial` detail) becomes the spec's flat DenialEnvelope
 with the status of its layer (credit, wallet -> 402; quota -> 403; rate -> 429 with
 Retry-After and X-RateLimit-*); then specific (domain, reason) pairs; then the plain
-code table of DESIGN.md. Anything else is 500 with a sanitized `{"detail": ...}`.
+code table of DESIGN.md for statuses that carry an ErrorInfo (our services' own answers;
+a status without one comes from gRPC itself). Anything else is 500 with a sanitized
+`{"detail": ...}`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def grpc_error_response(error: grpc.aio.AioRpcError) -> JSONResponse:
         if denial is not None:
             return denial_response(denial, parsed.retry_after_s)
     status = REASON_STATUS.get((parsed.domain, parsed.reason)) or CODE_STATUS.get(parsed.code, 500)
+    if status < 500 and not parsed.reason:
+        # No ErrorInfo: not one of our services' answers but gRPC's own (e.g. RESOURCE_EXHAUSTED
+        # "received metadata size exceeds hard limit" from this channel): its code says nothing
+        # about the request and its text is not for clients.
+        status = 500
     if status >= 500:
         log.warning("downstream error", extra={"fields": {"code": parsed.code.name, "reason": parsed.reason}})
         detail = SAFE_MESSAGES.get(status, SAFE_MESSAGES[500])

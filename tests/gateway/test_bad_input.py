@@ -84,3 +84,21 @@ async def test_out_of_range_integers_are_400_not_500(stack):
         chats = await client.get("/assistant/chats", params={"limit": str(2**70)})
     assert (listen.status_code, creds.status_code, chats.status_code) == (400, 400, 400)
     assert "detail" in listen.json() and "detail" in creds.json()
+
+
+@pytest.mark.parametrize("field", ["model_id", "provider_id"])
+async def test_a_huge_field_quoted_by_an_error_is_400_with_a_bounded_detail(stack, field):
+    """Bug (fresh-eyes test): the orchestrator's 400 quoted a 17,000-character model id in full,
+    the gateway's channel refused the oversized status metadata and the client got
+    429 "Stream removed (received metadata size exceeds hard limit ...)". Error messages are
+    now bounded (services.common.errors.bounded) and a status without ErrorInfo is never a 4xx."""
+    llm = {"integration_name": "scripted", "provider_id": "scripted", "model_id": "default"}
+    llm[field] = "d" * 17_000
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": "hi", "llm": llm})
+        settings = await client.put("/organizations/settings/composer-llm", json=llm)
+    for answer in (response, settings):
+        assert answer.status_code == 400, answer.text
+        assert len(answer.json()["detail"]) <= 1000
+        assert "metadata" not in answer.json()["detail"]
+    assert await _counts(stack) == (0, 0, 0)

@@ -67,7 +67,7 @@ def _chunk(body: bytes) -> bytes:
 class _Listener:
     """One open stream: its position in the hub's frames and how bytes reach its client."""
 
-    __slots__ = ("hub", "index", "send", "transport", "last", "pending", "writer", "finishing", "gone")
+    __slots__ = ("fed", "finishing", "gone", "hub", "index", "last", "pending", "send", "transport", "writer")
 
     def __init__(self, hub: _Hub, index: int, send: Send, transport: asyncio.Transport | None) -> None:
         self.hub = hub
@@ -79,6 +79,7 @@ class _Listener:
         self.writer: asyncio.Task | None = None
         self.finishing = False
         self.gone = False
+        self.fed = False  # handed at least one of the run's frames (heartbeats aside)
 
     def deliver(self, body: bytes, chunk: bytes | None = None) -> None:
         """Hand `body` (whole SSE frames) to the client; `chunk` is `_chunk(body)` when already built."""
@@ -206,6 +207,7 @@ class _Hub:
                     prepared = built[start] = (body, _chunk(body))
                 listener.index = end
                 listener.last = now
+                listener.fed = True
                 listener.deliver(*prepared)
             elif beats:
                 if now - listener.last >= interval:
@@ -221,8 +223,10 @@ class _Hub:
         if listener.index < len(self.frames):
             body = b"".join(self.frames[listener.index:])
             listener.index = len(self.frames)
+            listener.fed = True
             listener.deliver(body)
         if self.finished:
+            self._end_frame(listener)
             listener.finish()
         elif self.heartbeat_handle is None and not self.beat_due and not (self.round is not None and self.round_beats):
             self.heartbeat_handle = self.loop.call_at(listener.last + self.heartbeat_s, self._heartbeat)
@@ -259,7 +263,19 @@ class _Hub:
             self.heartbeat_handle.cancel()
             self.heartbeat_handle = None
         for listener in list(self.streams):
+            self._end_frame(listener)
             listener.finish()
+
+    def _end_frame(self, listener: _Listener) -> None:
+        """A listener that joined an ended stream past its end (`?after=N` with N greater than
+        the number of frames: it counted frames this stream no longer has) and was handed
+        nothing gets the last frame, the run's end, instead of a stream that closes without
+        one. That is a crash on the memory backend: the reaper's `error` and `done` are the
+        run's frames 0 and 1 because the dead process's events are gone (README "Decisions",
+        stream end). N equal to the number of frames is the normal "I have it all": nothing."""
+        if not listener.fed and not listener.gone and self.frames and listener.index > len(self.frames):
+            listener.fed = True
+            listener.deliver(self.frames[-1])
 
 
 HEARTBEAT_CHUNK = _chunk(sse.HEARTBEAT_FRAME)

@@ -302,3 +302,33 @@ async def test_heartbeats_to_many_listeners_go_out_in_slices_and_reach_every_sil
     await until(lambda: all(len(t.writes) >= 2 for t in transports))
     assert all(set(t.writes) == {fanout_module.HEARTBEAT_CHUNK} for t in transports)
     hub.end()
+
+
+async def test_a_listener_past_the_end_of_an_ended_stream_gets_its_end_frame():
+    """Bug (fresh-eyes test): after an orchestrator crash on the memory backend the reaper's
+    `error` and `done` are the run's frames 0 and 1; a client that had read 4 frames and
+    reconnected with ?after=4, as the error frame tells it to, got an empty stream that closed
+    without an end frame. A listener at or past the end of an ended stream that was handed
+    nothing now gets the last frame (the run's end); one at exactly the end (it has them all)
+    or one that was handed frames gets no repeat."""
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    live, live_task = await listen(fan)
+    past, past_task = await listen(fan, after=4)
+    at_end, at_end_task = await listen(fan, after=2)
+    call = stub.calls[0]
+    error = events_pb2.Event(seq=0, run_id="run", error=events_pb2.ErrorEvent(message="The run was lost"))
+    done = events_pb2.Event(seq=1, run_id="run", done=events_pb2.DoneEvent(response="", error=True))
+    for event in (error, done, None):
+        call.queue.put_nowait(event)
+    await asyncio.wait_for(asyncio.gather(live_task, past_task, at_end_task), 5)
+    assert live.frames() == [sse.encode(error), sse.encode(done)]
+    assert past.frames() == [sse.encode(done)]
+    assert at_end.frames() == []
+    # a later reconnect past the end of the ended run: a fresh replay, the same end frame
+    again, again_task = await listen(fan, after=7)
+    replay = stub.calls[1]
+    for event in (error, done, None):
+        replay.queue.put_nowait(event)
+    await asyncio.wait_for(again_task, 5)
+    assert again.frames() == [sse.encode(done)]

@@ -243,13 +243,17 @@ def test_provider_usage_is_clamped_before_it_reaches_billing_or_events():
     assert clamped.estimated is True
 
 
-async def test_reconnect_at_or_past_the_end_is_an_empty_stream_every_time(stack):
+async def test_reconnect_at_the_end_is_an_empty_stream_and_past_it_the_end_frame_every_time(stack):
+    # at the end (N = frames): nothing, every time (no 503s); past it (README "Stream end": the
+    # client counted frames the stream no longer has, as after a crash): the run's end frame
     async with stack.client() as client:
         body, frames = await run_turn(client, {"say": "short"})
-        for n in [len(frames)] * 15 + [len(frames) + 3]:
+        for n in [len(frames)] * 15:
             response = await client.get(body["stream_url"], params={"after": n})
             assert response.status_code == 200, response.text
             assert response.content == b""
+        assert await read_frames(client, body["stream_url"], params={"after": len(frames) + 3}) == frames[-1:]
+        assert frames[-1]["type"] == "done"
 
 
 async def test_a_busy_claim_on_a_chat_that_is_not_the_callers_is_still_404(stack):

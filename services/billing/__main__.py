@@ -30,6 +30,21 @@ from services.common import logging as loopline_logging
 from services.common.runner import run
 
 
+MAX_AMOUNT = 10**12  # the most credits or minor units one admin command adds
+
+
+def _amount(text: str) -> int:
+    """An argparse type: an integer from 0 to MAX_AMOUNT (a larger one would overflow the
+    ledger's 64-bit columns after a few commands); argparse reports anything else."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MAX_AMOUNT:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_AMOUNT}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.billing", description="Loopline billing service")
     commands = parser.add_subparsers(dest="command")
@@ -45,18 +60,18 @@ def _parser() -> argparse.ArgumentParser:
     set_plan.add_argument("--plan", required=True)
     grant = admin.add_parser("grant-credits", help="add run credits to this period's allowance")
     grant.add_argument("--org", required=True)
-    grant.add_argument("--credits", type=int, required=True)
+    grant.add_argument("--credits", type=_amount, required=True)
     grant.add_argument("--idempotency-key", default="")
     grant.add_argument("--note", default="")
     top_up = admin.add_parser("top-up", help="add minor units (cents) to the prepaid wallet")
     top_up.add_argument("--org", required=True)
-    top_up.add_argument("--minor-units", type=int, required=True)
+    top_up.add_argument("--minor-units", type=_amount, required=True)
     top_up.add_argument("--idempotency-key", default="")
     top_up.add_argument("--note", default="")
     seed = admin.add_parser("seed-dev", help="idempotently give the demo organization a plan with credits")
     seed.add_argument("--org", required=True)
     seed.add_argument("--plan", default="developer")
-    seed.add_argument("--wallet-minor-units", type=int, default=1000)
+    seed.add_argument("--wallet-minor-units", type=_amount, default=1000)
     return parser
 
 
@@ -72,7 +87,16 @@ async def seed_dev(core: BillingCore, org_id: str, plan: str, wallet_minor_units
 
 
 async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    """Run one admin action; returns (exit code, JSON document)."""
+    """Run one admin action; returns (exit code, JSON document).
+
+    Every action but `seed-dev` (which `make run` uses on a new data directory) refuses a
+    SQLite database file that does not exist: the command is pointed elsewhere than the
+    services (LOOPLINE_DATA_DIR or LOOPLINE_BILLING_DATABASE_URL) and would create one.
+    """
+    missing = db.missing_sqlite_file(settings.billing_database_url)
+    if missing is not None and args.action != "seed-dev":
+        return 1, {"error": f"no billing database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
+                            "(or LOOPLINE_BILLING_DATABASE_URL) the services use"}
     core, engine = await build_core(settings)
     try:
         if args.action == "set-plan":

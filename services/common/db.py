@@ -122,6 +122,17 @@ def alembic_config(service: str, url: str) -> Config:
     return config
 
 
+def missing_sqlite_file(url: str) -> pathlib.Path | None:
+    """The file of a SQLite `url` when it does not exist yet, else None (another dialect, an
+    in-memory database, or a file that exists). Admin commands refuse to run on such a URL:
+    migrating it would create an empty database beside the one the services use."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    path = pathlib.Path(parsed.database)
+    return None if path.exists() else path
+
+
 def migrate(service: str, url: str) -> None:
     """Upgrade `service`'s database at `url` to the newest migration (blocking)."""
     parsed = make_url(url)

@@ -1,10 +1,11 @@
-"""`python -m services.gateway [serve|migrate|seed-dev|add-member|set-default-llm|show-default-llm]`."""
+"""`python -m services.gateway [serve|migrate|seed-dev|add-member|revoke-key|set-default-llm|show-default-llm]`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import sys
 
 from services.common import db, runner
 from services.gateway import identity
@@ -38,8 +39,17 @@ def main() -> None:
     llm.add_argument("--model", required=True, help="model_id")
     llm.add_argument("--credential", help="credential_id of the organization's own key (bring your own key)")
     sub.add_parser("show-default-llm", help="print an organization's saved default model").add_argument("--org", required=True)
+    revoke = sub.add_parser("revoke-key", help="revoke an API key by its id (key_..., printed by add-member), or the key read from stdin")
+    revoke.add_argument("--key-id", help="the key's id; without it the key itself is read from standard input")
     args = parser.parse_args()
     settings = GatewaySettings()
+    missing = db.missing_sqlite_file(settings.database_url)
+    if missing is not None and args.command in ("add-member", "set-default-llm", "show-default-llm", "revoke-key"):
+        # pointed elsewhere than the services (LOOPLINE_DATA_DIR / the database URL): migrating
+        # would create an empty database and the change would go nowhere
+        print(json.dumps({"error": f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
+                                   "(or LOOPLINE_GATEWAY_DATABASE_URL) the services use"}))
+        sys.exit(1)
     if args.command == "migrate":
         db.migrate("gateway", settings.database_url)
     elif args.command == "seed-dev":
@@ -50,6 +60,13 @@ def main() -> None:
         db.migrate("gateway", settings.database_url)
         created = asyncio.run(_with_sessions(settings, lambda s: identity.create_member(s, args.org, args.role, args.email)))
         print(json.dumps(created))
+    elif args.command == "revoke-key":
+        key = None if args.key_id else sys.stdin.readline().strip()
+        revoked = asyncio.run(_with_sessions(settings, lambda s: identity.revoke_key(s, args.key_id, key)))
+        if revoked is None:
+            print(json.dumps({"error": "no such API key"}))
+            sys.exit(1)
+        print(json.dumps(revoked))
     elif args.command in ("set-default-llm", "show-default-llm"):
         from services.gateway.org_settings import DefaultModels
 
@@ -57,14 +74,20 @@ def main() -> None:
 
         async def work(sessions):  # noqa: ANN001, ANN202
             models = DefaultModels(sessions)
+            if not await models.exists(args.org):
+                return None
             if args.command == "set-default-llm":
                 chosen = {"integration_name": args.integration, "provider_id": args.provider, "model_id": args.model}
                 if args.credential:
                     chosen["credential_id"] = args.credential
                 await models.set(args.org, chosen)
-            return await models.get(args.org)
+            return {"organization_id": args.org, "default_llm": await models.get(args.org)}
 
-        print(json.dumps({"organization_id": args.org, "default_llm": asyncio.run(_with_sessions(settings, work))}))
+        shown = asyncio.run(_with_sessions(settings, work))
+        if shown is None:
+            print(json.dumps({"error": f"no organization {args.org!r}"}))
+            sys.exit(1)
+        print(json.dumps(shown))
     else:
         runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
 

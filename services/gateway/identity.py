@@ -10,6 +10,7 @@ unknown key is 401.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import secrets
 import time
@@ -178,8 +179,27 @@ async def create_member(sessions, organization_id: str, role: str, email: str | 
         await session.flush()
         session.add(Membership(organization_id=organization_id, user_id=user.id, role=role))
         key = new_key()
-        session.add(ApiKey(id=f"key_{uuid.uuid4().hex[:16]}", user_id=user.id, key_hash=hash_key(key), prefix=key[:12], name=f"{role} key"))
-    return {"organization_id": organization_id, "user_id": user.id, "api_key": key}
+        key_id = f"key_{uuid.uuid4().hex[:16]}"
+        session.add(ApiKey(id=key_id, user_id=user.id, key_hash=hash_key(key), prefix=key[:12], name=f"{role} key"))
+    return {"organization_id": organization_id, "user_id": user.id, "key_id": key_id, "api_key": key}
 
 
-__all__ = ["ASSISTANT_ROLES", "AuthError", "Authenticator", "Principal", "create_member", "hash_key", "new_key", "seed_dev"]
+async def revoke_key(sessions, key_id: str | None = None, key: str | None = None) -> dict[str, str] | None:  # noqa: ANN001
+    """Revoke an API key named by its id (`key_...`, printed by add-member) or by the key itself.
+
+    Returns {key_id, user_id, revoked_at} (ISO 8601; the first revocation's time when it was
+    revoked before), or None when no such key exists. A running gateway stops accepting the
+    key within LOOPLINE_AUTH_CACHE_TTL_S (its API-key cache).
+    """
+    async with sessions() as session, session.begin():
+        query = select(ApiKey).where(ApiKey.id == key_id) if key_id else select(ApiKey).where(ApiKey.key_hash == hash_key(key or ""))
+        found = (await session.execute(query)).scalars().first()
+        if found is None:
+            return None
+        if found.revoked_at is None:
+            found.revoked_at = datetime.datetime.now(datetime.UTC)
+        at = found.revoked_at if found.revoked_at.tzinfo else found.revoked_at.replace(tzinfo=datetime.UTC)  # SQLite: naive UTC
+        return {"key_id": found.id, "user_id": found.user_id, "revoked_at": at.isoformat()}
+
+
+__all__ = ["ASSISTANT_ROLES", "AuthError", "Authenticator", "Principal", "create_member", "hash_key", "new_key", "revoke_key", "seed_dev"]

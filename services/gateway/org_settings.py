@@ -47,6 +47,11 @@ class DefaultModels:
         self._cache[organization_id] = value
         return value
 
+    async def exists(self, organization_id: str) -> bool:
+        """Whether the organization exists (admin commands check before they write)."""
+        async with self.sessions() as session:
+            return await session.get(Organization, organization_id) is not None
+
     async def set(self, organization_id: str, llm: dict[str, Any] | None) -> None:
         """Save (or with None, clear) the organization's default model."""
         async with self.sessions() as session, session.begin():

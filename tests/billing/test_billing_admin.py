@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
@@ -17,6 +18,7 @@ from services.common import db
 
 
 async def _admin(settings, *argv: str) -> tuple[int, dict]:
+    await db.migrate_async("billing", settings.billing_database_url)  # the services created their database
     return await admin(settings, _parser().parse_args(["admin", *argv]))
 
 
@@ -47,6 +49,24 @@ async def test_seed_dev_is_idempotent(settings):
     assert view["plan"]["name"] == "developer" and view["allowance"]["available"] == 1000
     assert view["wallet"]["balance_minor"] == 1000
     assert len(view["recent_ledger_entries"]) == 1
+
+
+async def test_admin_refuses_a_database_the_services_never_created(settings):
+    """Bug (fresh-eyes test): an admin command run without the services' LOOPLINE_DATA_DIR
+    created and migrated a new ./var/billing.db, topped up an account there and exited 0."""
+    path = db.missing_sqlite_file(settings.billing_database_url)
+    if path is None:
+        return  # PostgreSQL: the database exists (the fixture made it)
+    args = _parser().parse_args(["admin", "top-up", "--org", "acme", "--minor-units", "5000"])
+    code, document = await admin(settings, args)
+    assert code == 1 and "no billing database" in document["error"] and not path.exists()
+
+
+def test_admin_amounts_are_bounded():
+    for bad in ("99999999999999999999999", "-5", "1e3"):
+        with pytest.raises(SystemExit) as exited:
+            _parser().parse_args(["admin", "grant-credits", "--org", "acme", "--credits", bad])
+        assert exited.value.code == 2
 
 
 def test_admin_show_runs_as_a_module(tmp_path):

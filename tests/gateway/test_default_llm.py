@@ -52,3 +52,21 @@ def test_admin_command_sets_and_shows_the_default(tmp_path):
     shown = json.loads(subprocess.run([sys.executable, "-m", "services.gateway", "show-default-llm", "--org", org], env=env,
                                       capture_output=True, text=True, check=True).stdout)
     assert shown["default_llm"] == {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-4o"}
+
+
+def test_admin_command_refuses_an_unknown_organization_and_a_missing_database(tmp_path):
+    """Bugs (fresh-eyes test): set-default-llm on a mistyped organization printed
+    `"default_llm": null` and exited 0; run without the services' LOOPLINE_DATA_DIR, the admin
+    commands created an empty gateway database and wrote there."""
+    env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path / "elsewhere")}
+    args = ["--integration", "openai", "--provider", "openai", "--model", "gpt-4o"]
+    for command in (["set-default-llm", "--org", "org_x", *args], ["show-default-llm", "--org", "org_x"],
+                    ["add-member", "--org", "org_x", "--role", "owner"]):
+        result = subprocess.run([sys.executable, "-m", "services.gateway", *command], env=env, capture_output=True, text=True)
+        assert result.returncode == 1 and "no gateway database" in json.loads(result.stdout)["error"]
+    assert not (tmp_path / "elsewhere" / "gateway.db").exists()
+    env["LOOPLINE_DATA_DIR"] = str(tmp_path)
+    subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-m", "services.gateway", "set-default-llm", "--org", "org_typo", *args],
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 1 and json.loads(result.stdout) == {"error": "no organization 'org_typo'"}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -265,6 +266,7 @@ class Runner:
         self.log_dir: pathlib.Path = args.log_dir or (data_dir if data_dir.is_absolute() else ROOT / data_dir) / "logs"
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.log_files: dict[str, IO[bytes]] = {}
+        self.log_starts: dict[str, int] = {}  # where this run's lines begin in each log (open_logs)
         self.followers: list[threading.Thread] = []
         self.finished = threading.Event()
 
@@ -298,9 +300,16 @@ class Runner:
             )
 
     def open_logs(self) -> None:
+        """Open each service's log for appending (an earlier run's lines, e.g. a crash's, stay)
+        behind a line that marks this start; the console follows from that line on."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         for name in ALL:
-            self.log_files[name] = open(self.log_path(name), "wb")  # noqa: SIM115 - closed in close_logs
+            handle = open(self.log_path(name), "ab")  # noqa: SIM115 - closed in close_logs
+            self.log_starts[name] = handle.tell()
+            handle.write(f"===== make run started {started} =====\n".encode())
+            handle.flush()
+            self.log_files[name] = handle
 
     def close_logs(self) -> None:
         for handle in self.log_files.values():
@@ -445,6 +454,7 @@ class Runner:
 
     def _follow(self, name: str, width: int) -> None:
         with open(self.log_path(name), "rb") as handle:
+            handle.seek(self.log_starts.get(name, 0))
             while True:
                 line = handle.readline()
                 if not line:

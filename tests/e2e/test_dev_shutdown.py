@@ -3,7 +3,8 @@
 Regressions found by a new-user test: a live listener's stream was cut without an end frame
 (the gateway was stopped before the orchestrator could publish `cancelled {reason:
 "shutdown"}`); the seed step's output, with the plain dev API key, went to gateway.log; the
-logs stayed in ./var/logs when LOOPLINE_DATA_DIR pointed elsewhere.
+logs stayed in ./var/logs when LOOPLINE_DATA_DIR pointed elsewhere; each start emptied the
+logs, so what a crashed run had logged was gone once `make run` was started again.
 """
 
 from __future__ import annotations
@@ -57,3 +58,8 @@ def test_stopping_dev_mid_turn_ends_live_streams_with_cancelled_and_logs_hold_no
     assert (logs / "gateway.log").exists() and (logs / "orchestrator.log").exists()
     for log in logs.iterdir():
         assert deployment.api_key not in log.read_text(errors="replace"), f"the dev API key is in {log.name}"
+    first_run = {name: (logs / name).read_text(errors="replace") for name in ("gateway.log", "orchestrator.log")}
+    stop_deployment(start_deployment(tmp_path), timeout=60)  # a second start on the same data directory
+    for name, before in first_run.items():
+        text = (logs / name).read_text(errors="replace")
+        assert text.startswith(before) and text.count("===== make run started") == 2, name

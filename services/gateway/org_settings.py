@@ -59,6 +59,11 @@ class DefaultModels:
         self._cache.pop(organization_id, None)
 
 
+def _shown(llm: dict[str, Any]) -> dict[str, Any]:
+    """A saved default as GET and PUT both answer it: `credential_id` always present (null without one)."""
+    return {**llm, "credential_id": llm.get("credential_id")}
+
+
 def settings_router(models: DefaultModels, principal: Callable[[Request], Awaitable[Any]],
                     parse_llm: Callable[[Any], Any], read_body: Callable[[Request], Awaitable[dict[str, Any]]],
                     check_model: Callable[[Any, Any], Awaitable[Any]]) -> APIRouter:
@@ -69,7 +74,8 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
     @router.get("/organizations/settings", summary="The organization's model preferences", tags=["organizations"])
     async def get_settings(request: Request) -> JSONResponse:
         who = await principal(request)
-        return JSONResponse({"llm_model_visibility": {}, "composer_llm": await models.get(who.organization_id)})
+        saved = await models.get(who.organization_id)
+        return JSONResponse({"llm_model_visibility": {}, "composer_llm": _shown(saved) if saved else None})
 
     @router.put(
         "/organizations/settings/composer-llm",
@@ -101,6 +107,6 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
         if parsed.HasField("credential_id") and parsed.credential_id:
             llm["credential_id"] = parsed.credential_id
         await models.set(who.organization_id, llm)
-        return JSONResponse({"composer_llm": {**llm, "credential_id": llm.get("credential_id")}})
+        return JSONResponse({"composer_llm": _shown(llm)})
 
     return router

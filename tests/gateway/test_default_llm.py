@@ -22,7 +22,11 @@ async def test_saved_default_is_used_when_a_turn_names_no_model(stack):
             assert refused.status_code == 400, refused.text
         assert (await client.get("/organizations/settings")).json()["composer_llm"] is None
         back = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
-        assert (await client.put("/organizations/settings/composer-llm", json=back)).status_code == 200
+        saved = await client.put("/organizations/settings/composer-llm", json=back)
+        assert saved.status_code == 200
+        # the same shape from PUT and GET (fresh-eyes test: GET left credential_id out)
+        assert saved.json()["composer_llm"] == (await client.get("/organizations/settings")).json()["composer_llm"]
+        assert saved.json()["composer_llm"] == {**back, "credential_id": None}
         turn = await client.post("/assistant/chat", json={"message": "hi"})
         assert turn.status_code == 200
         await read_frames(client, turn.json()["stream_url"])

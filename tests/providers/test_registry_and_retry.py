@@ -95,6 +95,10 @@ async def test_byok_only_for_openai_and_anthropic_and_integration_must_match_the
     s = settings(openai_compatible_providers={"tiny": {"base_url": "http://127.0.0.1:9/v1", "models": ["t1"]}}, openai_models="gpt-test")
     with pytest.raises(registry.UnknownModel, match="bring-your-own-key"):
         await registry.resolve(s, {"provider_id": "tiny", "model_id": "t1", "credential_id": "cred_ok"}, organization_id="o", secret_resolver=resolver)
+    # fresh-eyes test: a credential named with the scripted model was silently ignored (200)
+    with pytest.raises(registry.UnknownModel, match="bring-your-own-key"):
+        await registry.resolve(s, {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default",
+                                   "credential_id": "nope"}, organization_id="o", secret_resolver=resolver)
     with pytest.raises(registry.UnknownModel, match="integration_name"):
         await registry.resolve(s, {"integration_name": "tiny", "provider_id": "openai", "model_id": "gpt-test"}, organization_id="o")
     with pytest.raises(registry.UnknownModel, match="integration_name"):

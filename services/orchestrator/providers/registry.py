@@ -113,6 +113,11 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
     """
     provider_id = llm.get("provider_id", "")
     model_id = llm.get("model_id") or ""
+    if llm.get("credential_id") and provider_id not in BYOK_PROVIDERS:
+        # an organization's key is stored per provider integration; sending an OpenAI key to
+        # another OpenAI-compatible host would hand it to a third party (and the scripted model
+        # has no key at all: accepting one would hide a client's mistake)
+        raise UnknownModel(f"bring-your-own-key credentials work with the {' and '.join(sorted(BYOK_PROVIDERS))} providers, not {provider_id!r}")
     if provider_id == "scripted":
         if not settings.scripted_model_enabled:
             raise UnknownModel("the scripted model is disabled on this deployment")
@@ -128,10 +133,6 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
         raise UnknownModel(f"unknown model {model_id!r} for provider {provider_id!r}")
     credential_id = llm.get("credential_id")
     if credential_id:
-        if provider_id not in BYOK_PROVIDERS:
-            # an organization's key is stored per provider integration; sending an OpenAI key to
-            # another OpenAI-compatible host would hand it to a third party
-            raise UnknownModel(f"bring-your-own-key credentials work with the {' and '.join(sorted(BYOK_PROVIDERS))} providers, not {provider_id!r}")
         if secret_resolver is None:
             raise UnknownModel("bring-your-own-key credentials are not available on this deployment")
         try:

@@ -46,7 +46,9 @@ _LLM_PROPERTIES = {
 _LLM_SCHEMA = {"type": ["object", "null"], "properties": _LLM_PROPERTIES, "required": ["integration_name", "provider_id", "model_id"], "additionalProperties": False}
 
 
-_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+# No Connection header: persistence is HTTP/1.1's default and the server's to decide (with an
+# HTTP/1.0 client uvicorn adds "connection: close"; ours said keep-alive beside it).
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class BodyError(Exception):

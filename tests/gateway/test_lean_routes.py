@@ -163,3 +163,15 @@ async def test_listen_auth_errors_match_the_fastapi_endpoint(stack, headers):
         expected = contract(await framework.get(url, headers=headers))
         got = contract(await lean.get(url, headers=headers))
     assert got == expected and got[0] in (400, 401)
+
+
+async def test_stream_responses_leave_the_connection_header_to_the_server(stack):
+    # fresh-eyes test: an HTTP/1.0 listener got "connection: keep-alive" (ours) and
+    # "connection: close" (uvicorn's) in one response
+    async with stack.client() as client:
+        body = (await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})).json()
+        async with client.stream("GET", body["stream_url"]) as response:
+            assert response.status_code == 200
+            assert "connection" not in response.headers
+            async for _ in response.aiter_bytes():
+                pass

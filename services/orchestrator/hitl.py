@@ -115,11 +115,23 @@ def _options(raw: Any) -> list[dict[str, Any]]:
     return options
 
 
+def _count(tool_input: dict[str, Any], name: str) -> int | None:
+    """A whole-number field of a question tool's input (None when absent); ValueError otherwise
+    (the model sees the message as its tool error, so it names the field, not Python)."""
+    value = tool_input.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        raise ValueError(f"'{name}' must be a whole number of at least 0")
+    return int(value)
+
+
 def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integration: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `UserInputRequest` dict that `tool` called with `tool_input` asks.
 
     `integration` (for request_credential) is {name, display_name, auth_options:[...]}.
-    Raises ValueError when the input cannot make a question (e.g. no options).
+    Raises ValueError when the input cannot make a question (e.g. no options, a count that
+    is not a whole number).
     """
     kind = TOOL_KINDS[tool]
     message = str(tool_input.get("message") or "").strip()
@@ -136,9 +148,9 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
         if kind == "single_choice":
             request["allow_free_text"] = bool(tool_input.get("allow_free_text", False))
         else:
-            low = int(tool_input.get("min_selections") or 0)
-            high = tool_input.get("max_selections")
-            high = min(int(high), len(options)) if isinstance(high, (int, float)) else None
+            low = _count(tool_input, "min_selections") or 0
+            high = _count(tool_input, "max_selections")
+            high = min(high, len(options)) if high is not None else None
             if low > len(options) or (high is not None and high < max(low, 1)):
                 raise ValueError("min_selections/max_selections do not fit the options")
             request["min_selections"] = low
@@ -149,10 +161,8 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
     elif kind == "free_text":
         request["placeholder"] = tool_input.get("placeholder")
         request["multiline"] = bool(tool_input.get("multiline", False))
-        low = int(tool_input.get("min_length") or 0)
-        high = tool_input.get("max_length")
-        request["min_length"] = max(0, low)
-        request["max_length"] = int(high) if isinstance(high, (int, float)) else None
+        request["min_length"] = _count(tool_input, "min_length") or 0
+        request["max_length"] = _count(tool_input, "max_length")
         if request["max_length"] is not None and request["max_length"] < request["min_length"]:
             raise ValueError("max_length is below min_length")
     else:
@@ -169,8 +179,10 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
 def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     """Check `answer` (a UserInputResponse dict) against `request`; returns the normalized answer.
 
-    Raises InvalidAnswer for a wrong kind, a value not among the options, a selection
-    count outside [min_selections, max_selections], or text outside the length bounds.
+    Raises InvalidAnswer for a wrong kind, a value not among the options, both a value and
+    free text for a single choice, a selection count outside [min_selections,
+    max_selections], or text whose length without surrounding whitespace is outside the
+    length bounds.
     """
     kind = answer.get("kind")
     expected = request["kind"]
@@ -190,6 +202,8 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
         selected, free = answer.get("selected_value"), answer.get("free_text")
         if selected is None and free is None:
             raise InvalidAnswer("single_choice needs 'selected_value' (or 'free_text' when allowed)")
+        if selected is not None and free is not None:
+            raise InvalidAnswer("single_choice takes 'selected_value' or 'free_text', not both")
         if selected is not None and selected not in values:
             raise InvalidAnswer(f"{selected!r} is not one of the options")
         if free is not None and not request.get("allow_free_text"):
@@ -216,7 +230,8 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
     if not isinstance(text, str):
         raise InvalidAnswer("free_text needs 'text' (a string)")
     low, high = request.get("min_length") or 0, request.get("max_length")
-    if len(text) < low or (high is not None and len(text) > high):
+    length = len(text.strip())  # surrounding whitespace is not an answer
+    if length < low or (high is not None and length > high):
         raise InvalidAnswer(f"the text must be between {low} and {high if high is not None else 'any'} characters")
     return {"kind": kind, "text": text}
 

@@ -1,0 +1,40 @@
+"""Question tools' input and answers (services/orchestrator/hitl.py), from a fresh-eyes test:
+min_selections "abc" gave the model Python's int() text, max_length "zz" was ignored, two
+spaces passed min_length 2, and a single choice took a selected_value and free_text at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.orchestrator.hitl import InvalidAnswer, build_request, validate_answer
+
+OPTIONS = [{"value": "a", "label": "A"}, {"value": "b", "label": "B"}]
+
+
+@pytest.mark.parametrize(("tool", "field", "value"), [
+    ("ask_user_multi_choice", "min_selections", "abc"), ("ask_user_multi_choice", "max_selections", 1.5),
+    ("ask_user_free_text", "max_length", "zz"), ("ask_user_free_text", "min_length", -1), ("ask_user_free_text", "min_length", True),
+])
+def test_counts_must_be_whole_numbers_and_the_error_names_the_field(tool, field, value):
+    with pytest.raises(ValueError, match=f"'{field}' must be a whole number") as raised:
+        build_request(tool, {"message": "pick", "options": OPTIONS, field: value}, "req_1")
+    assert "int()" not in str(raised.value)
+
+
+def test_whole_number_floats_and_absent_counts_are_fine():
+    request = build_request("ask_user_free_text", {"message": "say", "min_length": 2.0}, "req_1")
+    assert request["min_length"] == 2 and request["max_length"] is None
+
+
+def test_free_text_length_ignores_surrounding_whitespace():
+    request = build_request("ask_user_free_text", {"message": "say", "min_length": 2}, "req_1")
+    with pytest.raises(InvalidAnswer):
+        validate_answer(request, {"kind": "free_text", "text": "  "})
+    assert validate_answer(request, {"kind": "free_text", "text": " ok "})["text"] == " ok "
+
+
+def test_single_choice_takes_a_value_or_free_text_not_both():
+    request = build_request("ask_user_choice", {"message": "pick", "options": OPTIONS, "allow_free_text": True}, "req_1")
+    with pytest.raises(InvalidAnswer, match="not both"):
+        validate_answer(request, {"kind": "single_choice", "selected_value": "a", "free_text": "c"})
+    assert validate_answer(request, {"kind": "single_choice", "free_text": "c"})["free_text"] == "c"

@@ -114,9 +114,13 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         if token is not None:
             await self.backend.release_claim(chat_id, token)
 
-    async def _chat(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str) -> Chat:
-        """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind, deleted)."""
+    async def _chat(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str, deleted: bool = False) -> Chat:
+        """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind,
+        deleted); with `deleted`, a soft-deleted chat of the caller's is found too (to purge it)."""
         chat = await session.get(Chat, chat_id) if _is_uuid(chat_id) else None
+        if deleted and chat is not None and chat.deleted_at is not None:
+            if chat.organization_id == caller.organization_id and chat.kind == ASSISTANT_KIND:
+                return chat
         if not self._visible(chat, caller):
             raise _not_found()
         return chat
@@ -598,14 +602,17 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     @unary
     async def DeleteChat(self, request: assistant_pb2.DeleteChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.DeleteChatResponse:
-        """Hide the chat (soft) or remove it and its rows (permanent); 409 while a run is in flight."""
+        """Hide the chat (soft) or remove it and its rows (permanent); 409 while a run is in flight.
+
+        A permanent delete also purges a chat that was soft-deleted before (a soft-deleted chat
+        is otherwise the same 404 as a missing one)."""
         async with self.sessions() as session:
-            chat_id = (await self._chat(session, request.caller, request.chat_id)).id
+            chat_id = (await self._chat(session, request.caller, request.chat_id, deleted=request.permanent)).id
         await self._claim(chat_id)
         try:
             async with self.sessions() as session, session.begin():
                 chat = await session.get(Chat, chat_id)
-                if chat is None or chat.deleted_at is not None:
+                if chat is None or (chat.deleted_at is not None and not request.permanent):
                     raise _not_found()
                 active = chat.running_id is not None and (
                     await session.execute(select(Run.status).where(Run.id == chat.running_id))

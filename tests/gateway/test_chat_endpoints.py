@@ -7,7 +7,7 @@ import uuid
 from modulex import Modulex
 from sqlalchemy import select
 
-from services.orchestrator.models import Chat
+from services.orchestrator.models import Chat, Message
 from tests.orchestrator.helpers import run_turn, start
 from tests.sse_client import read_frames
 
@@ -71,6 +71,24 @@ async def test_delete_soft_then_permanent_and_in_flight_is_409(stack):
         assert (await client.delete(f"/assistant/chat/{uuid.uuid4()}")).status_code == 404
     async with stack.orchestrator.servicer.sessions() as session:
         assert (await session.execute(select(Chat).where(Chat.id == other["chat_id"]))).scalars().first() is None
+
+
+async def test_a_soft_deleted_chat_can_still_be_purged_and_only_by_its_organization(stack):
+    # fresh-eyes test: ?permanent=true on a soft-deleted chat was 404, so it could never be purged
+    async with stack.client() as client:
+        body, _ = await run_turn(client, {"say": "x"})
+        chat_id = body["chat_id"]
+        assert (await client.delete(f"/assistant/chat/{chat_id}")).status_code == 200
+        assert (await client.delete(f"/assistant/chat/{chat_id}")).status_code == 404  # soft again: gone
+        stranger = await stack.member("owner", org_id="org_stranger")
+        headers = stack.headers(api_key=stranger["api_key"], org_id="org_stranger")
+        assert (await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"}, headers=headers)).status_code == 404
+        purged = await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"})
+        assert purged.status_code == 200 and purged.json() == {"status": "deleted", "chat_id": chat_id, "permanent": True}
+        assert (await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"})).status_code == 404
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert await session.get(Chat, chat_id) is None
+        assert (await session.execute(select(Message).where(Message.chat_id == chat_id))).scalars().first() is None
 
 
 async def test_composer_chat_is_404_on_every_assistant_endpoint(stack):

@@ -94,9 +94,16 @@ def slug(text: str) -> str:
 
 
 def check_url_shape(url: str) -> urllib.parse.SplitResult:
-    """The parts of an MCP server URL; ActionError unless it is http(s) with a host and no user info."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    """The parts of an MCP server URL; ActionError unless it is http(s) with a host (a valid IDNA
+    name or an IP address), a port from 1 to 65535 when given, and no user info."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # ValueError past 65535 or when not a number
+        if parts.hostname:
+            parts.hostname.encode("idna")  # UnicodeError for an empty or over-long label
+    except (ValueError, UnicodeError):
+        raise ActionError("server_url is not a valid URL (host, port or brackets)") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
         raise ActionError("server_url must be an http or https URL with a host")
     if parts.username or parts.password:
         raise ActionError("server_url must not carry user info; pass credentials as headers")

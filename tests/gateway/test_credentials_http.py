@@ -352,3 +352,12 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
             assert unknown.status_code == 400
             tampered = await client.get("/credentials/oauth2/callback", params={"state": "forged", "code": "x"})
             assert tampered.status_code == 400
+
+
+@pytest.mark.parametrize("server_url", ["http://" + "a" * 64 + ".com/mcp", "http://a..com/mcp", "http://example.com:99999/mcp", "http://[::1/mcp"])
+async def test_a_malformed_mcp_server_url_is_400(stack, server_url):
+    # fresh-eyes test: these were 500 (UnicodeError / ValueError escaping the URL check)
+    async with stack.client() as client:
+        response = await client.post("/credentials/mcp-server", json={"server_url": server_url})
+    assert response.status_code == 400, response.text
+    assert "server_url" in response.json()["detail"]

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
+from services.common.errors import bounded
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response, unexpected_error_response
 from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
@@ -55,6 +56,7 @@ class BodyError(Exception):
     """A request body that cannot be used; becomes `status` with `{"detail": message}`."""
 
     def __init__(self, status: int, message: str) -> None:
+        message = bounded(message)  # it may quote the body (e.g. an unknown field's name)
         super().__init__(message)
         self.status = status
         self.message = message

@@ -102,6 +102,8 @@ def grpc_error_response(error: grpc.aio.AioRpcError) -> JSONResponse:
     headers = {}
     if status == 429 and parsed.retry_after_s:
         headers["Retry-After"] = str(max(1, math.ceil(parsed.retry_after_s)))
+    elif status == 503:  # a service that is down or busy: retryable (README error table)
+        headers["Retry-After"] = str(max(1, math.ceil(parsed.retry_after_s or 1)))
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 

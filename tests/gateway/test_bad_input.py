@@ -102,3 +102,13 @@ async def test_a_huge_field_quoted_by_an_error_is_400_with_a_bounded_detail(stac
         assert len(answer.json()["detail"]) <= 1000
         assert "metadata" not in answer.json()["detail"]
     assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(stack):
+    # second fresh-eyes test: "Unknown field(s): ..." quoted a 100 KB field name in full
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": "hi", "f" * 5_000: 1})
+        nested = await client.post("/assistant/chat", json={"message": "hi", "llm": {"provider_id": "scripted", "g" * 5_000: 1}})
+    for answer in (response, nested):
+        assert answer.status_code == 400 and len(answer.json()["detail"]) <= 1000
+    assert await _counts(stack) == (0, 0, 0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -33,16 +34,20 @@ from services.common.runner import run
 MAX_AMOUNT = 10**12  # the most credits or minor units one admin command adds
 
 
-def _amount(text: str) -> int:
-    """An argparse type: an integer from 0 to MAX_AMOUNT (a larger one would overflow the
-    ledger's 64-bit columns after a few commands); argparse reports anything else."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value <= MAX_AMOUNT:
-        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_AMOUNT}")
-    return value
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` (a larger amount would overflow the
+    ledger's 64-bit columns after a few commands); argparse reports anything else (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,24 +59,26 @@ def _parser() -> argparse.ArgumentParser:
     admin = admin_parser.add_subparsers(dest="action", required=True)
     show = admin.add_parser("show", help="account, plan, balances and recent ledger entries")
     show.add_argument("--org", required=True)
-    show.add_argument("--entries", type=int, default=20)
+    show.add_argument("--entries", type=_whole(0, 1000), default=20)
     set_plan = admin.add_parser("set-plan", help="move an organization to a plan")
     set_plan.add_argument("--org", required=True)
     set_plan.add_argument("--plan", required=True)
     grant = admin.add_parser("grant-credits", help="add run credits to this period's allowance")
     grant.add_argument("--org", required=True)
-    grant.add_argument("--credits", type=_amount, required=True)
+    grant.add_argument("--credits", type=_whole(1, MAX_AMOUNT), required=True)
     grant.add_argument("--idempotency-key", default="")
     grant.add_argument("--note", default="")
+    grant.add_argument("--create-account", action="store_true", help="create the billing account if the organization has none")
     top_up = admin.add_parser("top-up", help="add minor units (cents) to the prepaid wallet")
     top_up.add_argument("--org", required=True)
-    top_up.add_argument("--minor-units", type=_amount, required=True)
+    top_up.add_argument("--minor-units", type=_whole(1, MAX_AMOUNT), required=True)
     top_up.add_argument("--idempotency-key", default="")
     top_up.add_argument("--note", default="")
+    top_up.add_argument("--create-account", action="store_true", help="create the billing account if the organization has none")
     seed = admin.add_parser("seed-dev", help="idempotently give the demo organization a plan with credits")
     seed.add_argument("--org", required=True)
     seed.add_argument("--plan", default="developer")
-    seed.add_argument("--wallet-minor-units", type=_amount, default=1000)
+    seed.add_argument("--wallet-minor-units", type=_whole(0, MAX_AMOUNT), default=1000)
     return parser
 
 
@@ -99,6 +106,10 @@ async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[in
                             "(or LOOPLINE_BILLING_DATABASE_URL) the services use"}
     core, engine = await build_core(settings)
     try:
+        if args.action in ("grant-credits", "top-up") and not args.create_account and await core.show(args.org, 0) is None:
+            # a mistyped organization would get a new account and the money (second fresh-eyes test)
+            return 1, {"error": f"organization {args.org!r} has no billing account; check the id, or pass "
+                                "--create-account (set-plan also creates one)"}
         if args.action == "set-plan":
             await core.set_plan(args.org, args.plan)
         elif args.action == "grant-credits":

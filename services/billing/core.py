@@ -348,7 +348,7 @@ _SEL_RESERVATION_STATE = select(_R.c.state).where(_R.c.id == _bp("p_id"))
 _SEL_USAGE = select(_U.c.id, _U.c.org_id, _U.c.millicredits).where(
     _U.c.run_id == _bp("p_run"), _U.c.call_index == _bp("p_call")
 )
-_SEL_LEDGER_BY_KEY = select(_L.c.id, _L.c.org_id).where(_L.c.idempotency_key == _bp("p_key"))
+_SEL_LEDGER_BY_KEY = select(_L.c.id, _L.c.org_id, _L.c.kind, _L.c.amount).where(_L.c.idempotency_key == _bp("p_key"))
 _SEL_EXPIRED = (
     select(_R.c.id)
     .where(_R.c.state == HELD, _R.c.expires_at <= _bp("p_now", _DATETIME))
@@ -1214,7 +1214,8 @@ class BillingCore:
         """Add `credits` (> 0) run credits to `org_id`'s allowance for the current period.
 
         Posts ledger entry kind "grant" (unit credit); idempotent by `idempotency_key`
-        (default: a fresh one). Returns the ledger entry id. Raises ValueError if credits <= 0.
+        (default: a fresh one). Returns the ledger entry id. Raises ValueError if credits <= 0,
+        or when the key was used for another entry (another organization, kind or amount).
         """
         if credits <= 0:
             raise ValueError("credits must be positive")
@@ -1234,7 +1235,8 @@ class BillingCore:
         """Add `minor_units` (> 0) to `org_id`'s prepaid wallet.
 
         Posts ledger entry kind "top_up" (unit minor); idempotent by `idempotency_key`.
-        Returns the ledger entry id. Raises ValueError if minor_units <= 0.
+        Returns the ledger entry id. Raises ValueError if minor_units <= 0, or when the key
+        was used for another entry (another organization, kind or amount).
         """
         if minor_units <= 0:
             raise ValueError("minor_units must be positive")
@@ -1265,6 +1267,10 @@ class BillingCore:
         }
         existing = await self.db.run(self._ledger_txn, entry, stmt, {"p_org": org_id, "p_n": amount})
         if existing is not None:
+            if (existing.org_id, existing.kind, existing.amount) != (org_id, kind, amount):
+                # the same key for another posting: refuse, like an Idempotency-Key reused with another body
+                raise ValueError(f"idempotency key {key!r} was already used for another entry "
+                                 f"({existing.kind} of {existing.amount} for {existing.org_id})")
             return existing.id
         log.info("ledger posted", extra={"fields": {"org_id": org_id, "kind": kind, "amount": amount, "unit": unit}})
         return entry["id"]

@@ -21,6 +21,14 @@ async def _with_sessions(settings: GatewaySettings, work):  # noqa: ANN001, ANN2
         await engine.dispose()
 
 
+def _org_id(text: str) -> str:
+    """An argparse type for a new organization id: 1 to 128 characters, no whitespace or
+    control characters (billing's limit; an empty one could never be sent as X-Organization-ID)."""
+    if not 0 < len(text) <= 128 or any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError("an organization id is 1 to 128 printable characters without spaces")
+    return text
+
+
 def main() -> None:
     """Parse the command line: serve (default), migrate, seed-dev, or add-member."""
     parser = argparse.ArgumentParser(prog="python -m services.gateway")
@@ -29,7 +37,7 @@ def main() -> None:
     sub.add_parser("migrate", help="apply the identity database migrations")
     sub.add_parser("seed-dev", help="ensure the development organization, owner and API key; prints JSON")
     member = sub.add_parser("add-member", help="create a user with a role in an organization; prints JSON with its API key")
-    member.add_argument("--org", required=True)
+    member.add_argument("--org", required=True, type=_org_id)
     member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
     member.add_argument("--email")
     llm = sub.add_parser("set-default-llm", help="save an organization's default model (used when a turn names none)")

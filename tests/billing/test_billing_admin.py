@@ -35,11 +35,28 @@ async def test_admin_commands_adjust_the_account_and_show_the_ledger(settings):
     assert sorted(kinds) == [("grant", "credit", 25), ("top_up", "minor", 1500)]
 
 
+async def test_money_for_an_organization_without_an_account_needs_create_account(settings):
+    # second fresh-eyes test: a mistyped --org silently got a new account and the money
+    code, document = await _admin(settings, "top-up", "--org", "org_typo", "--minor-units", "500")
+    assert code == 1 and "no billing account" in document["error"]
+    assert (await _admin(settings, "show", "--org", "org_typo"))[0] == 1  # nothing was created
+    code, view = await _admin(settings, "grant-credits", "--org", "org_new", "--credits", "5", "--create-account")
+    assert code == 0 and view["allowance"]["granted_credits"] == 5
+
+
+async def test_an_admin_idempotency_key_reused_for_another_amount_is_refused(settings):
+    await _admin(settings, "set-plan", "--org", "acme", "--plan", "team")
+    assert (await _admin(settings, "top-up", "--org", "acme", "--minor-units", "7", "--idempotency-key", "inv-42"))[0] == 0
+    code, document = await _admin(settings, "top-up", "--org", "acme", "--minor-units", "9", "--idempotency-key", "inv-42")
+    assert code == 1 and "already used" in document["error"]
+    code, view = await _admin(settings, "top-up", "--org", "acme", "--minor-units", "7", "--idempotency-key", "inv-42")
+    assert code == 0 and view["wallet"]["balance_minor"] == 7  # the same posting again: a replay
+
+
 async def test_admin_rejects_unknown_plans_and_unknown_orgs(settings):
     assert (await _admin(settings, "set-plan", "--org", "acme", "--plan", "platinum"))[0] == 1
     code, document = await _admin(settings, "show", "--org", "ghost")
     assert code == 1 and "no billing account" in document["error"]
-    assert (await _admin(settings, "grant-credits", "--org", "acme", "--credits", "0"))[0] == 1
 
 
 async def test_seed_dev_is_idempotent(settings):
@@ -63,10 +80,13 @@ async def test_admin_refuses_a_database_the_services_never_created(settings):
 
 
 def test_admin_amounts_are_bounded():
-    for bad in ("99999999999999999999999", "-5", "1e3"):
+    for bad in ("99999999999999999999999", "-5", "1e3", "0"):
         with pytest.raises(SystemExit) as exited:
             _parser().parse_args(["admin", "grant-credits", "--org", "acme", "--credits", bad])
         assert exited.value.code == 2
+    for bad in ("99999999999999999999", "-1"):  # second fresh-eyes test: a traceback, or every entry
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["admin", "show", "--org", "acme", "--entries", bad])
 
 
 def test_admin_show_runs_as_a_module(tmp_path):

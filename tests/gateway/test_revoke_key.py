@@ -45,3 +45,13 @@ def test_revoke_key_command(tmp_path):
     assert member["api_key"] not in by_key.stdout + by_key.stderr
     unknown = gateway("revoke-key", "--key-id", "key_nope")
     assert unknown.returncode == 1 and json.loads(unknown.stdout) == {"error": "no such API key"}
+
+
+def test_add_member_refuses_an_unusable_organization_id(tmp_path):
+    # second fresh-eyes test: "" and a 20,000-character id each created an organization
+    env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True)
+    for org in ("", "x" * 129, "two words"):
+        result = subprocess.run([sys.executable, "-m", "services.gateway", "add-member", "--org", org, "--role", "owner"],
+                                env=env, capture_output=True, text=True)
+        assert result.returncode == 2 and "organization id" in result.stderr

@@ -168,6 +168,7 @@ class BillingServer:
                 ],
                 settings.host,
                 settings.billing_port,
+                internal_token=settings.internal_token,
             )
         except BaseException:
             await core.rates.close()

@@ -25,6 +25,9 @@ class CommonSettings(BaseSettings):
         host: interface the gRPC servers bind (LOOPLINE_HOST).
         orchestrator_addr / billing_addr / tools_addr: downstream gRPC addresses.
         shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled.
+        internal_token: shared secret every internal gRPC call carries and every service's gRPC
+            server requires when set (LOOPLINE_INTERNAL_TOKEN; empty = no check, fine while the
+            ports are reachable from this machine only; services/common/internal_auth.py).
         db_pool_size: PostgreSQL connections per pool (LOOPLINE_DB_POOL_SIZE): a process keeps up
             to this many in SQLAlchemy's pool, opens as many again under bursts, and the
             orchestrator and billing have an asyncpg pool of this size for their hot paths; so a
@@ -43,6 +46,7 @@ class CommonSettings(BaseSettings):
     billing_addr: str = "127.0.0.1:50052"
     tools_addr: str = "127.0.0.1:50053"
     shutdown_grace_s: float = 5.0
+    internal_token: str = Field(default="", repr=False)
     db_pool_size: int = Field(default=4, ge=1, le=100)
 
     def sqlite_url(self, name: str) -> str:

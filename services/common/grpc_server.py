@@ -16,6 +16,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.internal_auth import server_interceptors
+
 log = logging.getLogger(__name__)
 
 REFLECTION_SERVICE_NAME = "grpc.reflection.v1alpha.ServerReflection"
@@ -88,14 +90,16 @@ class RunningServer:
 
 
 async def start_grpc_server(
-    bindings: Sequence[ServiceBinding], host: str, port: int, options: Sequence[tuple[str, Any]] = ()
+    bindings: Sequence[ServiceBinding], host: str, port: int, options: Sequence[tuple[str, Any]] = (), internal_token: str = ""
 ) -> RunningServer:
     """Start a server on host:port (port 0 picks a free one) serving `bindings`.
 
-    Adds grpc.health.v1 (every service and "" reported SERVING) and reflection.
+    Adds grpc.health.v1 (every service and "" reported SERVING) and reflection. With
+    `internal_token`, every call but a health check must carry it (internal_auth.TokenCheck).
     Raises RuntimeError when the port cannot be bound.
     """
     server = grpc.aio.server(
+        interceptors=server_interceptors(internal_token),
         options=[
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_permit_without_calls", 1),

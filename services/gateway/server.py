@@ -6,15 +6,15 @@ import asyncio
 import logging
 import socket
 
-import grpc
 import uvicorn
 
 from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
+from services.common.internal_auth import internal_channel
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
-from services.gateway.identity import Authenticator
 from services.gateway.idempotency import IdempotencyStore
+from services.gateway.identity import Authenticator
 from services.gateway.org_settings import DefaultModels
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,12 @@ class GatewayServer:
             await db.migrate_async("gateway", settings.database_url)
         self.engine = db.make_engine(settings.database_url, settings.db_pool_size)
         self.sessions = db.sessionmaker(self.engine)
-        self.channel = grpc.aio.insecure_channel(
-            settings.orchestrator_addr, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+        self.channel = internal_channel(
+            settings.orchestrator_addr, settings.internal_token, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         )
         self.idempotency = IdempotencyStore(self.sessions, settings.idempotency_ttl_s)
-        self.tools_channel = grpc.aio.insecure_channel(
-            settings.tools_addr, options=[("grpc.max_send_message_length", 16 * 1024 * 1024)]
+        self.tools_channel = internal_channel(
+            settings.tools_addr, settings.internal_token, options=[("grpc.max_send_message_length", 16 * 1024 * 1024)]
         )
         self.default_models = DefaultModels(self.sessions, settings.auth_cache_ttl_s)
         self.app = create_app(

@@ -5,16 +5,15 @@ from __future__ import annotations
 import functools
 import logging
 
-import grpc
-
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.billing.v1 import billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2_grpc
 from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
+from services.common.internal_auth import internal_channel
+from services.orchestrator.backend import RunBackend, make_backend
 from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.config import OrchestratorSettings
-from services.orchestrator.backend import RunBackend, make_backend
 from services.orchestrator.loop import TurnRunner, load_archive
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.service import AssistantServicer
@@ -46,8 +45,8 @@ class OrchestratorServer:
             await db.migrate_async("orchestrator", settings.database_url)
         self.engine = db.make_engine(settings.database_url, settings.db_pool_size)
         sessions = db.sessionmaker(self.engine)
-        self.billing_channel = grpc.aio.insecure_channel(settings.billing_addr)
-        self.tools_channel = grpc.aio.insecure_channel(settings.tools_addr)
+        self.billing_channel = internal_channel(settings.billing_addr, settings.internal_token)
+        self.tools_channel = internal_channel(settings.tools_addr, settings.internal_token)
         billing = billing_pb2_grpc.BillingServiceStub(self.billing_channel)
         tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
         self.backend: RunBackend = make_backend(settings, functools.partial(load_archive, sessions))
@@ -64,6 +63,7 @@ class OrchestratorServer:
             [(assistant_pb2_grpc.add_AssistantServiceServicer_to_server, self.servicer, SERVICE_NAME)],
             settings.host,
             settings.orchestrator_port,
+            internal_token=settings.internal_token,
         )
         self.port = self._grpc.port
         return self

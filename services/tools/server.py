@@ -400,6 +400,7 @@ class ToolsServer:
                 settings.tools_port,
                 # Document uploads (up to the gateway's 10 MiB limit) arrive in one message.
                 options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
+                internal_token=settings.internal_token,
             )
         except BaseException:
             await engine.dispose()

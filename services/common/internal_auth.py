@@ -1,0 +1,109 @@
+"""Service-to-service authentication: one shared bearer token on every internal gRPC call.
+
+The services trust the caller a request names (`Caller{organization_id, user_id}`, put
+there by the gateway after it checked the API key), and the tools service hands credential
+secrets to the orchestrator (`ResolveCredentialSecret`). Their gRPC ports must therefore be
+reachable by the other services only. On one machine the default bind address (LOOPLINE_HOST
+127.0.0.1) does that; when replicas talk across machines, set LOOPLINE_INTERNAL_TOKEN to the
+same secret on every service: each gRPC server then refuses any call that does not carry
+`authorization: Bearer <token>` with UNAUTHENTICATED (grpc.health.v1 checks excepted, for
+probes), and every internal client channel sends it. The token is compared in constant
+time and never logged. It authenticates, it does not encrypt: across untrusted networks put
+the ports behind TLS as well (a service mesh or a tunnel).
+
+Empty (the default) turns the check off, as before.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_REFUSED = "missing or wrong internal token"
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s shape that aborts with UNAUTHENTICATED. The status carries no
+    ErrorInfo on purpose: a gateway that relays it answers 500 (a deployment fault), not 401."""
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
+        yield  # pragma: no cover - abort raises
+
+    kinds = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kinds)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, **kinds)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kinds)
+    return grpc.stream_stream_rpc_method_handler(stream, **kinds)
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Server side: let a call through only with `authorization: Bearer <token>` (health excepted)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._expected):
+                    return handler
+        return _refusing(handler)
+
+
+def _with_token(details: grpc.aio.ClientCallDetails, pair: tuple[str, str]) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()), pair)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
+
+
+# Two classes: grpc.aio files an interceptor under the first call kind it implements only.
+class _SendTokenUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    """Client side: add `authorization: Bearer <token>` to every unary call."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = ("authorization", f"Bearer {token}")
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._pair), request)
+
+
+class _SendTokenStream(grpc.aio.UnaryStreamClientInterceptor):
+    """Client side: add `authorization: Bearer <token>` to every server-streaming call."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = ("authorization", f"Bearer {token}")
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._pair), request)
+
+
+def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors a gRPC server needs for `token` (none when it is empty)."""
+    return [TokenCheck(token)] if token else []
+
+
+def internal_channel(target: str, token: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """An insecure channel to another Loopline service that sends `token` when it is set."""
+    interceptors = [_SendTokenUnary(token), _SendTokenStream(token)] if token else None
+    return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+
+
+__all__ = ["TokenCheck", "internal_channel", "server_interceptors"]

@@ -1,0 +1,51 @@
+"""LOOPLINE_INTERNAL_TOKEN (services/common/internal_auth.py): with it set, every internal gRPC
+call must carry it. Second fresh-eyes test: anyone who could reach the tools port got a
+credential's decrypted secret from ResolveCredentialSecret; the ports had no authentication."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+from services.common.internal_auth import internal_channel
+from tests.conftest import SCRIPTED, script, start_stack, stop_stack
+from tests.sse_client import read_frames
+
+TOKEN = "internal-test-token-1234567890"
+
+
+@pytest.fixture
+async def guarded(tmp_path):
+    overrides = {"internal_token": TOKEN}
+    running = await start_stack(tmp_path, orchestrator=overrides, gateway=overrides, billing=overrides, tools=overrides)
+    try:
+        yield running
+    finally:
+        await stop_stack(running)
+
+
+async def test_turns_work_with_the_token_and_direct_calls_without_it_are_refused(guarded):
+    async with guarded.client() as client:
+        created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-probe-secret"}})
+        assert created.status_code == 201, created.text
+        turn = await client.post("/assistant/chat", json={"message": script({"tool": "get_available_integrations", "input": {}},
+                                                                              {"say": "done"}), "llm": SCRIPTED})
+        assert turn.status_code == 200, turn.text
+        frames = await read_frames(client, turn.json()["stream_url"])
+        assert frames[-1]["type"] == "done"  # StartTurn, StreamRun, Admit/Charge/usage and ExecuteTool all passed
+    request = tools_pb2.ResolveCredentialSecretRequest(organization_id=guarded.org_id, credential_id=created.json()["credential_id"],
+                                                       integration_name="openai")
+    target = f"127.0.0.1:{guarded.tools.port}"
+    for token in ("", "wrong-token"):
+        async with internal_channel(target, token) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await tools_pb2_grpc.ToolsServiceStub(channel).ResolveCredentialSecret(request, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "sk-probe" not in str(refused.value)
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+    async with internal_channel(target, TOKEN) as channel:
+        answer = await tools_pb2_grpc.ToolsServiceStub(channel).ResolveCredentialSecret(request, timeout=5)
+    assert answer.secret == "sk-probe-secret"

@@ -176,16 +176,34 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
     return request
 
 
+# The fields of each answer kind: the official SDK's UserInputResponse union (modulex-python
+# 1.0.0, types/realtime.py); anything else in an answer is refused (README: unknown fields are 400).
+ANSWER_FIELDS: dict[str, frozenset[str]] = {
+    "single_choice": frozenset({"kind", "selected_value", "free_text"}),
+    "multi_choice": frozenset({"kind", "selected_values"}),
+    "yes_no": frozenset({"kind", "answer"}),
+    "free_text": frozenset({"kind", "text"}),
+    "credential_added": frozenset({"kind", "credential_id", "integration_name", "auth_type"}),
+    "credential_failed": frozenset({"kind", "integration_name", "auth_type", "error_code", "error_message", "retryable",
+                                    "provider_details"}),
+    "skipped": frozenset({"kind", "reason"}),
+}
+
+
 def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     """Check `answer` (a UserInputResponse dict) against `request`; returns the normalized answer.
 
-    Raises InvalidAnswer for a wrong kind, a value not among the options, both a value and
+    Raises InvalidAnswer for a wrong kind, a field the kind does not have (ANSWER_FIELDS), a
+    value not among the options, both a value and
     free text for a single choice, a selection count outside [min_selections,
     max_selections], or text whose length without surrounding whitespace is outside the
     length bounds.
     """
     kind = answer.get("kind")
     expected = request["kind"]
+    unknown = sorted(set(answer) - ANSWER_FIELDS.get(kind, frozenset(answer)))
+    if unknown:
+        raise InvalidAnswer(f"unknown field(s) in a {kind} answer: {', '.join(unknown)}")
     if kind == "skipped":
         reason = answer.get("reason")
         return {"kind": "skipped", "reason": str(reason) if reason is not None else None}

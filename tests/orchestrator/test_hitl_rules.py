@@ -38,3 +38,15 @@ def test_single_choice_takes_a_value_or_free_text_not_both():
     with pytest.raises(InvalidAnswer, match="not both"):
         validate_answer(request, {"kind": "single_choice", "selected_value": "a", "free_text": "c"})
     assert validate_answer(request, {"kind": "single_choice", "free_text": "c"})["free_text"] == "c"
+
+
+def test_an_answer_with_a_field_its_kind_does_not_have_is_refused():
+    # second fresh-eyes test: {"kind": "yes_no", "answer": true, "extra": <100 KB>} started a run
+    request = build_request("ask_user_yes_no", {"message": "ok?"}, "req_1")
+    with pytest.raises(InvalidAnswer, match="unknown field"):
+        validate_answer(request, {"kind": "yes_no", "answer": True, "extra": "x" * 100_000})
+    assert validate_answer(request, {"kind": "yes_no", "answer": True}) == {"kind": "yes_no", "answer": True}
+    credential = build_request("request_credential", {"message": "connect", "integration": "github"}, "req_2")
+    sdk_shaped = {"kind": "credential_failed", "integration_name": "github", "auth_type": "oauth2", "error_code": "popup_closed",
+                  "error_message": "closed", "retryable": True, "provider_details": None}
+    assert validate_answer(credential, sdk_shaped)["error_code"] == "popup_closed"  # every SDK field is known

@@ -139,3 +139,11 @@ async def test_action_that_exceeds_the_time_limit_returns_an_error_within_the_li
     elapsed = time.monotonic() - started
     assert "timed out after 0.5 s" in error
     assert elapsed < 2.0
+
+
+async def test_an_invalid_host_name_is_a_plain_tool_error(tools):
+    # second fresh-eyes test: the model and the stream got "UnicodeError: encoding with 'idna' codec failed"
+    for url in ("http://a..com/", "http://" + "a" * 64 + ".com/"):
+        error = await tools.failed("execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": url}})
+        assert "UnicodeError" not in error and "idna" not in error, error
+        assert "invalid URL" in error or "outbound policy" in error, error

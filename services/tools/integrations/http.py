@@ -130,6 +130,8 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         raise ActionError(str(exc)) from exc
     except httpx.InvalidURL as exc:
         raise ActionError(f"invalid URL: {exc}") from exc
+    except UnicodeError:  # a host label that is empty or over 63 characters (IDNA)
+        raise ActionError("invalid URL: the host name is not valid") from None
     except httpx.HTTPError as exc:
         raise ActionError(f"request failed: {type(exc).__name__}: {exc}") from exc
     result: dict[str, Any] = {

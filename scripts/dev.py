@@ -20,6 +20,7 @@ here with a prefix. Works without a TTY. Run it with the project's virtual envir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -134,19 +135,33 @@ def _port(env: dict[str, str], name: str, default: int) -> int:
 
 
 class Console:
-    """Thread-safe printing: runner messages and optional prefixed child log lines."""
+    """Thread-safe printing: runner messages and optional prefixed child log lines.
+
+    A closed output (`make run | tee log` after Ctrl-C reached `tee` too) silences the
+    console instead of raising: the orderly stop goes on (the service logs keep everything).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._closed: set[int] = set()
+
+    def _write(self, stream: Any, message: str) -> None:
+        if id(stream) in self._closed:
+            return
+        try:
+            print(message, file=stream, flush=True)
+        except (BrokenPipeError, ValueError, OSError):
+            self._closed.add(id(stream))
+            with contextlib.suppress(OSError, ValueError):  # so the flush at exit does not fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
     def say(self, message: str = "") -> None:
         with self._lock:
-            print(message, flush=True)
+            self._write(sys.stdout, message)
 
     def error(self, message: str) -> None:
         with self._lock:
-            sys.stdout.flush()
-            print(message, file=sys.stderr, flush=True)
+            self._write(sys.stderr, message)
 
 
 console = Console()

@@ -8,10 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -35,14 +37,23 @@ class Deployment:
     api_key: str
     process: subprocess.Popen
     log: pathlib.Path
+    pipe: Any = None
+
+    def close_pipe(self) -> None:
+        """Close the reading end of a piped deployment's output (see `start_deployment`)."""
+        if self.pipe is not None:
+            os.close(self.pipe.fileno())
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id}
 
 
-def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None) -> Deployment:
+def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, piped: bool = False) -> Deployment:
     """Start scripts/dev.py on free ports with a fixed dev key and org, its data under `data`
-    (logs in `log_dir` when given, else dev.py's default); returns once it printed the curl pair."""
+    (logs in `log_dir` when given, else dev.py's default); returns once it printed the curl pair.
+
+    `piped`: dev.py writes into a pipe that a thread copies to `data/dev.log` (as `make run |
+    tee`); `Deployment.close_pipe()` closes the reading end, as when Ctrl-C also stops `tee`."""
     http_port = free_port()
     env = {
         **os.environ,
@@ -61,10 +72,29 @@ def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None) ->
     env["LOOPLINE_TOOLS_ADDR"] = f"127.0.0.1:{env['LOOPLINE_TOOLS_PORT']}"
     log = data / "dev.log"
     argv = [sys.executable, "scripts/dev.py"] + (["--log-dir", str(log_dir)] if log_dir is not None else [])
-    with log.open("wb") as out:
+    pipe = None
+    if piped:
         process = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
+        pipe = process.stdout
+
+        def copy() -> None:
+            with log.open("wb") as out:
+                try:
+                    for line in iter(pipe.readline, b""):
+                        out.write(line)
+                        out.flush()
+                except (ValueError, OSError):  # the pipe was closed under us (close_pipe)
+                    pass
+
+        threading.Thread(target=copy, daemon=True).start()
+    else:
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
     base_url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 90
     ready = False
@@ -77,7 +107,7 @@ def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None) ->
         process.kill()
         pytest.fail(f"scripts/dev.py did not become ready:\n{log.read_text(errors='replace')[-4000:]}")
     assert httpx.get(f"{base_url}/healthz").status_code == 200
-    return Deployment(base_url, env["LOOPLINE_DEV_ORG_ID"], env["LOOPLINE_DEV_API_KEY"], process, log)
+    return Deployment(base_url, env["LOOPLINE_DEV_ORG_ID"], env["LOOPLINE_DEV_API_KEY"], process, log, pipe)
 
 
 def stop_deployment(deployment: Deployment, timeout: float = 30) -> None:

@@ -63,3 +63,24 @@ def test_stopping_dev_mid_turn_ends_live_streams_with_cancelled_and_logs_hold_no
     for name, before in first_run.items():
         text = (logs / name).read_text(errors="replace")
         assert text.startswith(before) and text.count("===== make run started") == 2, name
+
+
+def test_ctrl_c_with_the_output_piped_and_the_pipe_gone_still_stops_in_order(tmp_path):
+    """Second fresh-eyes test: `make run | tee log` and Ctrl-C (which stops tee too): dev.py died
+    on the broken pipe and every service got its parent-death signal at once (billing could stop
+    before the orchestrator had ended its runs). The console now goes quiet instead."""
+    deployment = start_deployment(tmp_path, piped=True)
+    deployment.close_pipe()
+    stop_deployment(deployment, timeout=60)
+    assert deployment.process.returncode == 0
+    logs = tmp_path / "var" / "logs"
+
+    def stopped_at(name: str) -> str:
+        times = []
+        for line in (logs / f"{name}.log").read_text().splitlines():
+            if '"message":"stopped"' in line:
+                times.append(json.loads(line)["time"])
+        return max(times)
+
+    first = stopped_at("orchestrator")
+    assert all(first < stopped_at(name) for name in ("gateway", "billing", "tools"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "migrate":
         db.migrate("billing", settings.billing_database_url)
         return 0
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # an admin command's output is its JSON
     code, document = asyncio.run(admin(settings, args))
     sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
     return code

@@ -79,9 +79,10 @@ def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, pi
             start_new_session=True,
         )
         pipe = process.stdout
+        out = log.open("wb")  # before the readiness loop below reads it
 
         def copy() -> None:
-            with log.open("wb") as out:
+            with out:
                 try:
                     for line in iter(pipe.readline, b""):
                         out.write(line)

@@ -316,8 +316,13 @@ class Runner:
 
     def open_logs(self) -> None:
         """Open each service's log for appending (an earlier run's lines, e.g. a crash's, stay)
-        behind a line that marks this start; the console follows from that line on."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        behind a line that marks this start; the console follows from that line on.
+        Raises Failure when the folder cannot be made (e.g. LOOPLINE_DATA_DIR names a file)."""
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise Failure(f"cannot create the log folder {self.log_dir}: {error.strerror} "
+                          "(LOOPLINE_DATA_DIR must be a folder, or a path where one can be made)") from None
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         for name in ALL:
             handle = open(self.log_path(name), "ab")  # noqa: SIM115 - closed in close_logs

@@ -1,4 +1,4 @@
-"""`python -m services.gateway [serve|migrate|seed-dev|add-member|revoke-key|set-default-llm|show-default-llm]`."""
+"""`python -m services.gateway [serve|migrate|seed-dev|add-member|list-keys|revoke-key|set-default-llm|show-default-llm]`."""
 
 from __future__ import annotations
 
@@ -47,12 +47,14 @@ def main() -> None:
     llm.add_argument("--model", required=True, help="model_id")
     llm.add_argument("--credential", help="credential_id of the organization's own key (bring your own key)")
     sub.add_parser("show-default-llm", help="print an organization's saved default model").add_argument("--org", required=True)
+    sub.add_parser("list-keys", help="the organization's API keys (id, prefix, member, role, created, revoked); never the keys").add_argument(
+        "--org", required=True)
     revoke = sub.add_parser("revoke-key", help="revoke an API key by its id (key_..., printed by add-member), or the key read from stdin")
     revoke.add_argument("--key-id", help="the key's id; without it the key itself is read from standard input")
     args = parser.parse_args()
     settings = GatewaySettings()
     missing = db.missing_sqlite_file(settings.database_url)
-    if missing is not None and args.command in ("add-member", "set-default-llm", "show-default-llm", "revoke-key"):
+    if missing is not None and args.command in ("add-member", "set-default-llm", "show-default-llm", "revoke-key", "list-keys"):
         # pointed elsewhere than the services (LOOPLINE_DATA_DIR / the database URL): migrating
         # would create an empty database and the change would go nowhere
         print(json.dumps({"error": f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
@@ -68,6 +70,12 @@ def main() -> None:
         db.migrate("gateway", settings.database_url)
         created = asyncio.run(_with_sessions(settings, lambda s: identity.create_member(s, args.org, args.role, args.email)))
         print(json.dumps(created))
+    elif args.command == "list-keys":
+        keys = asyncio.run(_with_sessions(settings, lambda s: identity.list_keys(s, args.org)))
+        if keys is None:
+            print(json.dumps({"error": f"no organization {args.org!r}"}))
+            sys.exit(1)
+        print(json.dumps({"organization_id": args.org, "keys": keys}))
     elif args.command == "revoke-key":
         key = None if args.key_id else sys.stdin.readline().strip()
         revoked = asyncio.run(_with_sessions(settings, lambda s: identity.revoke_key(s, args.key_id, key)))

@@ -184,6 +184,29 @@ async def create_member(sessions, organization_id: str, role: str, email: str | 
     return {"organization_id": organization_id, "user_id": user.id, "key_id": key_id, "api_key": key}
 
 
+async def list_keys(sessions, organization_id: str) -> list[dict[str, str | None]] | None:  # noqa: ANN001
+    """The API keys of the organization's members, oldest first: {key_id, prefix (the key's first
+    12 characters, enough to recognise it, never the key), name, user_id, role, created_at,
+    revoked_at} (times ISO 8601, UTC). None when the organization does not exist."""
+    async with sessions() as session:
+        if await session.get(Organization, organization_id) is None:
+            return None
+        rows = (
+            await session.execute(
+                select(ApiKey, Membership.role)
+                .join(Membership, Membership.user_id == ApiKey.user_id)
+                .where(Membership.organization_id == organization_id)
+                .order_by(ApiKey.created_at, ApiKey.id)
+            )
+        ).all()
+
+    def iso(value: datetime.datetime | None) -> str | None:
+        return None if value is None else (value if value.tzinfo else value.replace(tzinfo=datetime.UTC)).isoformat()
+
+    return [{"key_id": key.id, "prefix": key.prefix, "name": key.name, "user_id": key.user_id, "role": role,
+             "created_at": iso(key.created_at), "revoked_at": iso(key.revoked_at)} for key, role in rows]
+
+
 async def revoke_key(sessions, key_id: str | None = None, key: str | None = None) -> dict[str, str] | None:  # noqa: ANN001
     """Revoke an API key named by its id (`key_...`, printed by add-member) or by the key itself.
 
@@ -202,4 +225,4 @@ async def revoke_key(sessions, key_id: str | None = None, key: str | None = None
         return {"key_id": found.id, "user_id": found.user_id, "revoked_at": at.isoformat()}
 
 
-__all__ = ["ASSISTANT_ROLES", "AuthError", "Authenticator", "Principal", "create_member", "hash_key", "new_key", "revoke_key", "seed_dev"]
+__all__ = ["ASSISTANT_ROLES", "AuthError", "Authenticator", "Principal", "create_member", "hash_key", "list_keys", "new_key", "revoke_key", "seed_dev"]

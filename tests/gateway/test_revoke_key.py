@@ -38,6 +38,11 @@ def test_revoke_key_command(tmp_path):
 
     org = json.loads(gateway("seed-dev").stdout)["organization_id"]
     member = json.loads(gateway("add-member", "--org", org, "--role", "member").stdout)
+    listed = gateway("list-keys", "--org", org)
+    keys = {key["key_id"]: key for key in json.loads(listed.stdout)["keys"]}
+    assert keys[member["key_id"]]["prefix"] == member["api_key"][:12] and keys[member["key_id"]]["revoked_at"] is None
+    assert keys[member["key_id"]]["role"] == "member" and len(keys) == 2  # the dev owner's key and this one
+    assert member["api_key"] not in listed.stdout
     by_id = gateway("revoke-key", "--key-id", member["key_id"])
     assert by_id.returncode == 0 and json.loads(by_id.stdout)["key_id"] == member["key_id"]
     by_key = gateway("revoke-key", stdin=member["api_key"] + "\n")
@@ -45,6 +50,10 @@ def test_revoke_key_command(tmp_path):
     assert member["api_key"] not in by_key.stdout + by_key.stderr
     unknown = gateway("revoke-key", "--key-id", "key_nope")
     assert unknown.returncode == 1 and json.loads(unknown.stdout) == {"error": "no such API key"}
+    after = {key["key_id"]: key for key in json.loads(gateway("list-keys", "--org", org).stdout)["keys"]}
+    assert after[member["key_id"]]["revoked_at"] == json.loads(by_id.stdout)["revoked_at"]
+    missing = gateway("list-keys", "--org", "org_nope")
+    assert missing.returncode == 1 and json.loads(missing.stdout) == {"error": "no organization 'org_nope'"}
 
 
 def test_add_member_refuses_an_unusable_organization_id(tmp_path):

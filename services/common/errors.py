@@ -185,7 +185,7 @@ __all__ = [
     "StatusDetails",
     "abort",
     "bounded",
-    "rpc_handler",
     "code_pb2",
+    "rpc_handler",
     "status_details",
 ]

@@ -66,11 +66,11 @@ def test_admin_command_refuses_an_unknown_organization_and_a_missing_database(tm
     args = ["--integration", "openai", "--provider", "openai", "--model", "gpt-4o"]
     for command in (["set-default-llm", "--org", "org_x", *args], ["show-default-llm", "--org", "org_x"],
                     ["add-member", "--org", "org_x", "--role", "owner"]):
-        result = subprocess.run([sys.executable, "-m", "services.gateway", *command], env=env, capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "services.gateway", *command], env=env, capture_output=True, text=True, check=False)
         assert result.returncode == 1 and "no gateway database" in json.loads(result.stdout)["error"]
     assert not (tmp_path / "elsewhere" / "gateway.db").exists()
     env["LOOPLINE_DATA_DIR"] = str(tmp_path)
     subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True)
     result = subprocess.run([sys.executable, "-m", "services.gateway", "set-default-llm", "--org", "org_typo", *args],
-                            env=env, capture_output=True, text=True)
+                            env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 1 and json.loads(result.stdout) == {"error": "no organization 'org_typo'"}

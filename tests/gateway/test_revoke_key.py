@@ -34,7 +34,7 @@ def test_revoke_key_command(tmp_path):
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
 
     def gateway(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "services.gateway", *args], env=env, input=stdin, capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "services.gateway", *args], env=env, input=stdin, capture_output=True, text=True, check=False)
 
     org = json.loads(gateway("seed-dev").stdout)["organization_id"]
     member = json.loads(gateway("add-member", "--org", org, "--role", "member").stdout)
@@ -62,5 +62,5 @@ def test_add_member_refuses_an_unusable_organization_id(tmp_path):
     subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True)
     for org in ("", "x" * 129, "two words"):
         result = subprocess.run([sys.executable, "-m", "services.gateway", "add-member", "--org", org, "--role", "owner"],
-                                env=env, capture_output=True, text=True)
+                                env=env, capture_output=True, text=True, check=False)
         assert result.returncode == 2 and "organization id" in result.stderr

@@ -267,18 +267,25 @@ class _Hub:
             listener.finish()
 
     def _end_frame(self, listener: _Listener) -> None:
-        """A listener that joined an ended stream past its end (`?after=N` with N greater than
-        the number of frames: it counted frames this stream no longer has) and was handed
-        nothing gets the last frame, the run's end, instead of a stream that closes without
-        one. That is a crash on the memory backend: the reaper's `error` and `done` are the
-        run's frames 0 and 1 because the dead process's events are gone (README "Decisions",
-        stream end). N equal to the number of frames is the normal "I have it all": nothing."""
-        if not listener.fed and not listener.gone and self.frames and listener.index > len(self.frames):
+        """A listener that joined an ended stream past its end and was handed nothing gets the
+        last frame, the run's end, instead of a stream that closes without one.
+
+        Past the end: `?after=N` with N greater than the number of frames (it counted frames
+        this stream no longer has), or equal to it when the stream does not begin with the
+        run's `metadata` frame (every run's stream does, unless its beginning was lost). Both
+        are a crash on the memory backend: the reaper's `error` and `done` are the run's frames
+        0 and 1 because the dead process's events are gone (README "Decisions", stream end).
+        N equal to the number of frames of a whole stream is the normal "I have it all": nothing."""
+        if listener.fed or listener.gone or not self.frames:
+            return
+        end = len(self.frames)
+        if listener.index > end or (listener.index == end and not self.frames[0].startswith(METADATA_FRAME_START)):
             listener.fed = True
             listener.deliver(self.frames[-1])
 
 
 HEARTBEAT_CHUNK = _chunk(sse.HEARTBEAT_FRAME)
+METADATA_FRAME_START = b'data: {"type":"metadata"'  # how every whole run stream begins (sse.encode)
 FLUSH_SLICE = 256  # listeners served per event-loop iteration by one flush (see _Hub.flush)
 
 

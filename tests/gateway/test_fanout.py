@@ -309,8 +309,9 @@ async def test_a_listener_past_the_end_of_an_ended_stream_gets_its_end_frame():
     `error` and `done` are the run's frames 0 and 1; a client that had read 4 frames and
     reconnected with ?after=4, as the error frame tells it to, got an empty stream that closed
     without an end frame. A listener at or past the end of an ended stream that was handed
-    nothing now gets the last frame (the run's end); one at exactly the end (it has them all)
-    or one that was handed frames gets no repeat."""
+    nothing now gets the last frame (the run's end), and so does one at exactly the end of
+    such a stream (it does not begin with `metadata`: its beginning was lost); one that was
+    handed frames gets no repeat, nor one at the end of a whole stream (it has them all)."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     live, live_task = await listen(fan)
@@ -323,8 +324,7 @@ async def test_a_listener_past_the_end_of_an_ended_stream_gets_its_end_frame():
         call.queue.put_nowait(event)
     await asyncio.wait_for(asyncio.gather(live_task, past_task, at_end_task), 5)
     assert live.frames() == [sse.encode(error), sse.encode(done)]
-    assert past.frames() == [sse.encode(done)]
-    assert at_end.frames() == []
+    assert past.frames() == [sse.encode(done)] == at_end.frames()
     # a later reconnect past the end of the ended run: a fresh replay, the same end frame
     again, again_task = await listen(fan, after=7)
     replay = stub.calls[1]
@@ -332,3 +332,14 @@ async def test_a_listener_past_the_end_of_an_ended_stream_gets_its_end_frame():
         replay.queue.put_nowait(event)
     await asyncio.wait_for(again_task, 5)
     assert again.frames() == [sse.encode(done)]
+
+
+async def test_a_listener_at_the_end_of_a_whole_stream_gets_nothing_more():
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    at_end, at_end_task = await listen(fan, after=3)
+    metadata = events_pb2.Event(seq=0, run_id="run", metadata=events_pb2.MetadataEvent(run_id="run", thread_id="chat"))
+    for event in (metadata, chunk_event(1, "hi"), done_event(2), None):
+        stub.calls[0].queue.put_nowait(event)
+    await asyncio.wait_for(at_end_task, 5)
+    assert at_end.frames() == []

@@ -70,26 +70,32 @@ def _date_value(text: str | None) -> datetime.date | None:
     return None if text is None else datetime.date.fromisoformat(text)
 
 
-def _bind_converter(type_: Any) -> Callable[[Any], Any] | None:
+def _kind(type_: Any) -> str | None:
+    """The kind of value conversion a column type needs on SQLite: "datetime" (also a
+    TypeDecorator over DateTime), "date", "json", "boolean", or None (stored as it comes)."""
     if isinstance(type_, DateTime) or isinstance(getattr(type_, "impl_instance", None), DateTime):
-        return _datetime_text
+        return "datetime"
     if isinstance(type_, Date):
-        return _date_text
+        return "date"
     if isinstance(type_, JSON):
-        return lambda value: None if value is None else json.dumps(value)
-    return None
-
-
-def _result_converter(type_: Any) -> Callable[[Any], Any] | None:
-    if isinstance(type_, DateTime) or isinstance(getattr(type_, "impl_instance", None), DateTime):
-        return _datetime_value
-    if isinstance(type_, Date):
-        return _date_value
-    if isinstance(type_, JSON):
-        return lambda text: None if text is None else json.loads(text)
+        return "json"
     if isinstance(type_, Boolean):
-        return lambda value: None if value is None else bool(value)
+        return "boolean"
     return None
+
+
+# Parameter values out to sqlite3, and column values back, as SQLAlchemy's SQLite types convert them.
+_BIND_CONVERTERS: dict[str | None, Callable[[Any], Any]] = {
+    "datetime": _datetime_text,
+    "date": _date_text,
+    "json": lambda value: None if value is None else json.dumps(value),
+}
+_RESULT_CONVERTERS: dict[str | None, Callable[[Any], Any]] = {
+    "datetime": _datetime_value,
+    "date": _date_value,
+    "json": lambda text: None if text is None else json.loads(text),
+    "boolean": lambda value: None if value is None else bool(value),
+}
 
 
 class _Compiled(NamedTuple):
@@ -113,7 +119,7 @@ def _compile(statement: Any, keys: tuple[str, ...] | None) -> _Compiled:
     # values written into the statement (e.g. `.values(running_id=None)`), not the caller's bindparam()s
     defaults = {name: value for name, value in params.items() if keys is None and not compiled.binds[name].required}
     binds = tuple(
-        (name, convert) for name in params if (convert := _bind_converter(compiled.binds[name].type)) is not None
+        (name, convert) for name in params if (convert := _BIND_CONVERTERS.get(_kind(compiled.binds[name].type))) is not None
     )
     row: type | None = None
     columns: tuple[tuple[int, Callable[[Any], Any]], ...] = ()
@@ -123,7 +129,7 @@ def _compile(statement: Any, keys: tuple[str, ...] | None) -> _Compiled:
         columns = tuple(
             (index, convert)
             for index, column in enumerate(exported)
-            if (convert := _result_converter(column.type)) is not None
+            if (convert := _RESULT_CONVERTERS.get(_kind(column.type))) is not None
         )
     return _Compiled(statement, str(compiled), defaults, binds, row, columns)
 

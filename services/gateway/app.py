@@ -28,7 +28,7 @@ from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
 from services.common.errors import bounded
 from services.gateway.config import GatewaySettings
-from services.gateway.errors import detail, grpc_error_response, unexpected_error_response
+from services.gateway.errors import detail, grpc_error_response, unavailable_response, unexpected_error_response
 from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
 from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
 from services.gateway.identity import Authenticator, AuthError, Principal
@@ -412,7 +412,7 @@ def create_app(
         except grpc.aio.AioRpcError as error:
             return grpc_error_response(error)
         except StreamUnavailable:
-            return detail(503, "Service temporarily unavailable; try again")
+            return unavailable_response()
         return EventStreamResponse(fanout, hub, after, headers=_STREAM_HEADERS)
 
     app.lean = {"start_turn": start_turn_lean, "listen": listen_lean}

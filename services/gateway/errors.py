@@ -50,6 +50,11 @@ SAFE_MESSAGES = {
 }
 
 
+def retry_after(seconds: float | None) -> str:
+    """A `Retry-After` value: whole seconds, rounded up, at least 1 (1 when unknown)."""
+    return str(max(1, math.ceil(seconds or 1)))
+
+
 def rate_headers(state: billing_pb2.RateLimitState) -> dict[str, str]:
     """X-RateLimit-Limit/Remaining/Reset from a rate state; Reset is delta seconds (see README)."""
     if not state.limit:
@@ -75,7 +80,7 @@ def denial_response(denial: billing_pb2.Denial, retry_after_s: float | None) -> 
     headers: dict[str, str] = {}
     if denial.layer == "rate":
         seconds = denial.retry_after_seconds if denial.HasField("retry_after_seconds") else retry_after_s
-        headers["Retry-After"] = str(max(1, math.ceil(seconds or 1)))
+        headers["Retry-After"] = retry_after(seconds)
         headers.update(rate_headers(denial.rate_limit))
         headers.setdefault("X-RateLimit-Remaining", "0")
     return JSONResponse(body, status_code=status, headers=headers)
@@ -99,11 +104,11 @@ def grpc_error_response(error: grpc.aio.AioRpcError) -> JSONResponse:
         detail = SAFE_MESSAGES.get(status, SAFE_MESSAGES[500])
     else:
         detail = parsed.message or "Request failed"
+    if status == 503:
+        return unavailable_response(parsed.retry_after_s)
     headers = {}
     if status == 429 and parsed.retry_after_s:
-        headers["Retry-After"] = str(max(1, math.ceil(parsed.retry_after_s)))
-    elif status == 503:  # a service that is down or busy: retryable (README error table)
-        headers["Retry-After"] = str(max(1, math.ceil(parsed.retry_after_s or 1)))
+        headers["Retry-After"] = retry_after(parsed.retry_after_s)
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
@@ -112,12 +117,18 @@ def detail(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"detail": message}, status_code=status, headers=headers)
 
 
+def unavailable_response(retry_after_s: float | None = None) -> JSONResponse:
+    """503 `{"detail": "Service temporarily unavailable; try again"}` with `Retry-After` (whole
+    seconds, at least 1): every "down or busy, retry" answer of the gateway (README error table)."""
+    return detail(503, SAFE_MESSAGES[503], {"Retry-After": retry_after(retry_after_s)})
+
+
 def unexpected_error_response(error: Exception) -> JSONResponse:
     """The answer to an exception no route handled: 503 `{"detail": ...}` with Retry-After when the
     database cannot be reached or takes no more connections (`db.is_unavailable`), else 500
     `{"detail": "Internal server error"}`; logged with its traceback, never shown to the client."""
     if db.is_unavailable(error):
         log.warning("database unavailable", extra={"fields": {"error": type(error).__name__}})
-        return detail(503, SAFE_MESSAGES[503], {"Retry-After": "1"})
+        return unavailable_response()
     log.error("unhandled error", exc_info=error)
     return detail(500, SAFE_MESSAGES[500])

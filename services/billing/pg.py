@@ -33,7 +33,8 @@ import asyncpg
 from sqlalchemy.exc import IntegrityError
 
 from services.billing.models import CHARGED, HELD, WALLET, Reservation, UsageRecord
-from services.common.pg import PgPool, pg_type, record_type, utc
+from services.common.db import utc
+from services.common.pg import PgPool, pg_type, record_type
 
 _U = UsageRecord.__table__
 _RESERVATION_COLUMNS = tuple(column.name for column in Reservation.__table__.c)

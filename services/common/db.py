@@ -8,9 +8,9 @@ history in `services/<name>/migrations`.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import importlib
 import pathlib
-
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
@@ -113,13 +113,25 @@ def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
 
 def alembic_config(service: str, url: str) -> Config:
     """The Alembic config of `service` (its `migrations` folder) pointed at `url`."""
-    from alembic.config import Config  # imported on use: Alembic is only needed to migrate
+    from alembic.config import (
+        Config,  # imported on use: Alembic is only needed to migrate
+    )
 
     folder = pathlib.Path(__file__).resolve().parent.parent / service / "migrations"
     config = Config()
     config.set_main_option("script_location", str(folder))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
+
+
+def utc(value: datetime.datetime | None) -> datetime.datetime | None:
+    """A stored datetime (or one to store) as aware UTC: a naive one is taken as UTC (every time
+    is stored in UTC; SQLite hands them back naive), an aware one converted; None stays None."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=datetime.UTC)
+    return value if value.tzinfo is datetime.UTC else value.astimezone(datetime.UTC)
 
 
 def missing_sqlite_file(url: str) -> pathlib.Path | None:

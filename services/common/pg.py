@@ -13,7 +13,7 @@ same through the ORM and vice versa:
 - JSON columns: sent as `json.dumps` text (Python None is stored as JSON `null`), read
   with `loads`.
 - Datetimes: `timestamp with time zone` columns take and give timezone-aware datetimes;
-  asyncpg returns them in UTC. `utc(value)` normalizes a value before it is bound (a naive
+  asyncpg returns them in UTC. `services.common.db.utc(value)` normalizes a value before it is bound (a naive
   datetime is taken as UTC, like `services.billing.models.UTCDateTime`).
 - Rows: `record_type(*fields)` builds a tuple type with attribute access (like
   SQLAlchemy's `Row`), so code written against `row.name` works on both paths.
@@ -22,7 +22,6 @@ same through the ORM and vice versa:
 from __future__ import annotations
 
 import asyncio
-import datetime
 import functools
 import json
 from typing import Any
@@ -56,15 +55,6 @@ def param(column: Any, value: Any) -> Any:
 def loads(value: Any) -> Any:
     """A JSON column's value as read from asyncpg (text) -> the Python value; other values as they are."""
     return json.loads(value) if isinstance(value, str) else value
-
-
-def utc(value: datetime.datetime | None) -> datetime.datetime | None:
-    """A datetime for a `timestamp with time zone` parameter: aware, UTC (a naive one is taken as UTC)."""
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        return value.replace(tzinfo=datetime.UTC)
-    return value if value.tzinfo is datetime.UTC else value.astimezone(datetime.UTC)
 
 
 class Record(tuple):

@@ -14,6 +14,7 @@ import hashlib
 from sqlalchemy import delete
 from sqlalchemy.exc import IntegrityError
 
+from services.common import db
 from services.gateway.models import IdempotencyRecord, utcnow
 
 MAX_KEY_LENGTH = 255
@@ -52,7 +53,7 @@ class IdempotencyStore:
         for _ in range(2):
             async with self.sessions() as session, session.begin():
                 row = await session.get(IdempotencyRecord, (org_id, user_id, key))
-                if row is not None and _aware(row.created_at) < cutoff:
+                if row is not None and db.utc(row.created_at) < cutoff:
                     await session.delete(row)
                     await session.flush()
                     row = None
@@ -95,9 +96,6 @@ class IdempotencyStore:
             result = await session.execute(delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff))
             return result.rowcount or 0
 
-
-def _aware(moment: datetime.datetime) -> datetime.datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
 
 
 __all__ = ["IdempotencyConflict", "IdempotencyStore", "body_hash"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from cachetools import TTLCache
 from sqlalchemy import select
 
+from services.common import pb
 from services.gateway.models import ApiKey, Membership, Organization, User
 
 ASSISTANT_ROLES = frozenset({"owner", "admin"})
@@ -200,11 +201,8 @@ async def list_keys(sessions, organization_id: str) -> list[dict[str, str | None
             )
         ).all()
 
-    def iso(value: datetime.datetime | None) -> str | None:
-        return None if value is None else (value if value.tzinfo else value.replace(tzinfo=datetime.UTC)).isoformat()
-
     return [{"key_id": key.id, "prefix": key.prefix, "name": key.name, "user_id": key.user_id, "role": role,
-             "created_at": iso(key.created_at), "revoked_at": iso(key.revoked_at)} for key, role in rows]
+             "created_at": pb.iso(key.created_at), "revoked_at": pb.iso(key.revoked_at)} for key, role in rows]
 
 
 async def revoke_key(sessions, key_id: str | None = None, key: str | None = None) -> dict[str, str] | None:  # noqa: ANN001
@@ -221,8 +219,7 @@ async def revoke_key(sessions, key_id: str | None = None, key: str | None = None
             return None
         if found.revoked_at is None:
             found.revoked_at = datetime.datetime.now(datetime.UTC)
-        at = found.revoked_at if found.revoked_at.tzinfo else found.revoked_at.replace(tzinfo=datetime.UTC)  # SQLite: naive UTC
-        return {"key_id": found.id, "user_id": found.user_id, "revoked_at": at.isoformat()}
+        return {"key_id": found.id, "user_id": found.user_id, "revoked_at": pb.iso(found.revoked_at)}
 
 
 __all__ = ["ASSISTANT_ROLES", "AuthError", "Authenticator", "Principal", "create_member", "hash_key", "list_keys", "new_key", "revoke_key", "seed_dev"]

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2
-from services.common import pb
+from services.common import db, pb
 from services.common.errors import RpcError, abort, rpc_handler
 from services.orchestrator import hitl
 from services.orchestrator.backend import MemoryBackend, RunBackend
@@ -132,7 +132,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         ).scalars().first()
         if interrupt is None:
             return None
-        expires_at = interrupt.expires_at if interrupt.expires_at.tzinfo else interrupt.expires_at.replace(tzinfo=datetime.UTC)
+        expires_at = db.utc(interrupt.expires_at)
         if expires_at <= utcnow():
             async with self.sessions() as writer, writer.begin():
                 result = await writer.execute(
@@ -426,7 +426,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         for interrupt, chat in rows:
             if interrupt.request.get("integration_name") != request.integration:
                 continue
-            if _aware(interrupt.expires_at) <= utcnow():
+            if db.utc(interrupt.expires_at) <= utcnow():
                 continue
             answer = {"kind": "credential_added", "credential_id": request.credential_id,
                       "integration_name": request.integration, "auth_type": "oauth2"}
@@ -537,7 +537,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             messages.append(
                 assistant_pb2.ChatMessage(
                     id=row.id, role=row.role, content=pb.to_value(row.content), run_id=row.run_id or "",
-                    running_status=statuses.get(row.run_id, ""), create_time=pb.timestamp(_aware(row.created_at)),
+                    running_status=statuses.get(row.run_id, ""), create_time=pb.timestamp(db.utc(row.created_at)),
                     thinking=thinking,
                 )
             )
@@ -546,7 +546,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     def _chat_message(self, chat: Chat, pending: Interrupt | None = None) -> assistant_pb2.Chat:
         message = assistant_pb2.Chat(
             id=chat.id, title=chat.title, running_id=chat.running_id or "", kind=chat.kind,
-            create_time=pb.timestamp(_aware(chat.created_at)), update_time=pb.timestamp(_aware(chat.updated_at)),
+            create_time=pb.timestamp(db.utc(chat.created_at)), update_time=pb.timestamp(db.utc(chat.updated_at)),
         )
         if pending is not None:
             message.pending_user_input_request.CopyFrom(pb.to_struct(pending.request))
@@ -576,14 +576,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         if len(chats) > limit:
             chats = chats[:limit]
             last = chats[-1]
-            next_cursor = base64.urlsafe_b64encode(f"{_aware(last.created_at).isoformat()}|{last.id}".encode()).decode()
+            next_cursor = base64.urlsafe_b64encode(f"{db.utc(last.created_at).isoformat()}|{last.id}".encode()).decode()
         pending: dict[str, Interrupt] = {}
         if chats:
             async with self.sessions() as session:
                 rows = (await session.execute(
                     select(Interrupt).where(Interrupt.chat_id.in_([c.id for c in chats]), Interrupt.outcome == "pending")
                 )).scalars()
-                pending = {row.chat_id: row for row in rows if _aware(row.expires_at) > utcnow()}
+                pending = {row.chat_id: row for row in rows if db.utc(row.expires_at) > utcnow()}
         return assistant_pb2.ListChatsResponse(chats=[self._chat_message(c, pending.get(c.id)) for c in chats], next_cursor=next_cursor)
 
     @unary
@@ -694,9 +694,6 @@ def _is_uuid(value: str) -> bool:
         return False
     return True
 
-
-def _aware(moment: datetime.datetime) -> datetime.datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
 
 
 def _rate_metadata(state: billing_pb2.RateLimitState) -> tuple[tuple[str, str], ...]:

@@ -23,6 +23,7 @@ from jsonschema import Draft202012Validator
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from services.common import db
 from services.common.errors import TOOLS_DOMAIN, RpcError
 from services.tools.catalogue import Catalogue
 from services.tools.crypto import SecretBox, mask_secret
@@ -56,8 +57,8 @@ class CredentialInfo:
             auth_type=row.auth_type,
             display_name=row.display_name,
             is_default=row.is_default,
-            created_at=_aware(row.created_at),
-            updated_at=_aware(row.updated_at),
+            created_at=db.utc(row.created_at),
+            updated_at=db.utc(row.updated_at),
             metadata=dict(row.metadata_json or {}),
             masked=row.masked_secret,
         )
@@ -74,10 +75,6 @@ class CredentialInfo:
             "updated_at": self.updated_at.isoformat(),
         }
 
-
-def _aware(moment: datetime.datetime) -> datetime.datetime:
-    # SQLite hands back naive datetimes; every stored time is UTC.
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
 
 
 def _not_found(credential_id: str) -> RpcError:
@@ -363,7 +360,7 @@ class CredentialStore:
             row = await session.get(Credential, credential_id)
         if row is None or row.org_id != org_id or row.auth_type != auth_type:
             raise _not_found(credential_id)
-        when = _aware(row.discovered_at) if row.discovered_at else None
+        when = db.utc(row.discovered_at) if row.discovered_at else None
         return CredentialInfo.of(row), row.discovery, when, self._box.decrypt(row.encrypted_secret)
 
     async def set_discovery(self, org_id: str, credential_id: str, tools: list[dict[str, Any]]) -> datetime.datetime:

@@ -118,10 +118,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind,
         deleted); with `deleted`, a soft-deleted chat of the caller's is found too (to purge it)."""
         chat = await session.get(Chat, chat_id) if _is_uuid(chat_id) else None
-        if deleted and chat is not None and chat.deleted_at is not None:
-            if chat.organization_id == caller.organization_id and chat.kind == ASSISTANT_KIND:
-                return chat
-        if not self._visible(chat, caller):
+        if not self._visible(chat, caller, deleted=deleted):
             raise _not_found()
         return chat
 
@@ -260,11 +257,12 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         return await self.store.turn_guard(chat_id) if _is_uuid(chat_id) else None
 
     @staticmethod
-    def _visible(chat: Any, caller: assistant_pb2.Caller) -> bool:
+    def _visible(chat: Any, caller: assistant_pb2.Caller, deleted: bool = False) -> bool:
         """Whether `chat` (a Chat, or a row with its organization_id, kind and deleted_at) is a live
-        assistant chat of the caller's organization; None is not. Everything else is the same 404."""
+        assistant chat of the caller's organization (with `deleted`, a soft-deleted one too); None
+        is not. Everything else is the same 404."""
         return (chat is not None and chat.organization_id == caller.organization_id
-                and chat.kind == ASSISTANT_KIND and chat.deleted_at is None)
+                and chat.kind == ASSISTANT_KIND and (deleted or chat.deleted_at is None))
 
     async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any],
                             reservation_id: str) -> list[ThreadRow] | None:

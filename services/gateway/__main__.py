@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 from services.common import db, runner
 from services.gateway import identity
@@ -19,6 +20,14 @@ async def _with_sessions(settings: GatewaySettings, work):  # noqa: ANN001, ANN2
         return await work(db.sessionmaker(engine))
     finally:
         await engine.dispose()
+
+
+def _answer(document: Any, error: str = "") -> None:
+    """Print an admin command's JSON answer; None prints {"error": error} and exits 1."""
+    if document is None:
+        print(json.dumps({"error": error}))
+        sys.exit(1)
+    print(json.dumps(document))
 
 
 def _org_id(text: str) -> str:
@@ -57,32 +66,22 @@ def main() -> None:
     if missing is not None and args.command in ("add-member", "set-default-llm", "show-default-llm", "revoke-key", "list-keys"):
         # pointed elsewhere than the services (LOOPLINE_DATA_DIR / the database URL): migrating
         # would create an empty database and the change would go nowhere
-        print(json.dumps({"error": f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
-                                   "(or LOOPLINE_GATEWAY_DATABASE_URL) the services use"}))
-        sys.exit(1)
+        _answer(None, f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
+                      "(or LOOPLINE_GATEWAY_DATABASE_URL) the services use")
     if args.command == "migrate":
         db.migrate("gateway", settings.database_url)
     elif args.command == "seed-dev":
         db.migrate("gateway", settings.database_url)
-        seeded = asyncio.run(_with_sessions(settings, lambda s: identity.seed_dev(s, settings.dev_api_key, settings.dev_org_id)))
-        print(json.dumps(seeded))
+        _answer(asyncio.run(_with_sessions(settings, lambda s: identity.seed_dev(s, settings.dev_api_key, settings.dev_org_id))))
     elif args.command == "add-member":
         db.migrate("gateway", settings.database_url)
-        created = asyncio.run(_with_sessions(settings, lambda s: identity.create_member(s, args.org, args.role, args.email)))
-        print(json.dumps(created))
+        _answer(asyncio.run(_with_sessions(settings, lambda s: identity.create_member(s, args.org, args.role, args.email))))
     elif args.command == "list-keys":
         keys = asyncio.run(_with_sessions(settings, lambda s: identity.list_keys(s, args.org)))
-        if keys is None:
-            print(json.dumps({"error": f"no organization {args.org!r}"}))
-            sys.exit(1)
-        print(json.dumps({"organization_id": args.org, "keys": keys}))
+        _answer(None if keys is None else {"organization_id": args.org, "keys": keys}, f"no organization {args.org!r}")
     elif args.command == "revoke-key":
         key = None if args.key_id else sys.stdin.readline().strip()
-        revoked = asyncio.run(_with_sessions(settings, lambda s: identity.revoke_key(s, args.key_id, key)))
-        if revoked is None:
-            print(json.dumps({"error": "no such API key"}))
-            sys.exit(1)
-        print(json.dumps(revoked))
+        _answer(asyncio.run(_with_sessions(settings, lambda s: identity.revoke_key(s, args.key_id, key))), "no such API key")
     elif args.command in ("set-default-llm", "show-default-llm"):
         from services.gateway.org_settings import DefaultModels
 
@@ -99,11 +98,7 @@ def main() -> None:
                 await models.set(args.org, chosen)
             return {"organization_id": args.org, "default_llm": await models.get(args.org)}
 
-        shown = asyncio.run(_with_sessions(settings, work))
-        if shown is None:
-            print(json.dumps({"error": f"no organization {args.org!r}"}))
-            sys.exit(1)
-        print(json.dumps(shown))
+        _answer(asyncio.run(_with_sessions(settings, work)), f"no organization {args.org!r}")
     else:
         runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import orjson
+from cachetools import LRUCache
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -256,13 +257,12 @@ def create_app(
     async def principal(request: Request) -> Principal:
         return await authenticator.authenticate(request.headers.get("authorization"), request.headers.get("x-organization-id"))
 
-    callers: dict[Principal, assistant_pb2.Caller] = {}  # built once per principal; only ever copied into requests
+    # built once per principal (only ever copied into requests); least recently used out past 10,000
+    callers: LRUCache[Principal, assistant_pb2.Caller] = LRUCache(10_000)
 
     def caller(who: Principal) -> assistant_pb2.Caller:
         built = callers.get(who)
         if built is None:
-            if len(callers) >= 10_000:
-                callers.clear()
             built = callers[who] = assistant_pb2.Caller(organization_id=who.organization_id, user_id=who.user_id)
         return built
 

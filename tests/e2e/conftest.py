@@ -72,14 +72,15 @@ def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, pi
     env["LOOPLINE_TOOLS_ADDR"] = f"127.0.0.1:{env['LOOPLINE_TOOLS_PORT']}"
     log = data / "dev.log"
     argv = [sys.executable, "scripts/dev.py"] + (["--log-dir", str(log_dir)] if log_dir is not None else [])
-    pipe = None
-    if piped:
-        process = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        pipe = process.stdout
-        out = log.open("wb")  # before the readiness loop below reads it
+    out = log.open("wb")  # opened here: the readiness loop below reads it
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE if piped else out, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    pipe = process.stdout  # None unless piped
+    if pipe is None:
+        out.close()  # the child has its own copy of the descriptor
+    else:
 
         def copy() -> None:
             with out:
@@ -91,11 +92,6 @@ def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, pi
                     pass
 
         threading.Thread(target=copy, daemon=True).start()
-    else:
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )
     base_url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 90
     ready = False

@@ -107,7 +107,7 @@ async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[in
                             "(or LOOPLINE_BILLING_DATABASE_URL) the services use"}
     core, engine = await build_core(settings)
     try:
-        if args.action in ("grant-credits", "top-up") and not args.create_account and await core.show(args.org, 0) is None:
+        if args.action in ("grant-credits", "top-up") and not args.create_account and await core.account(args.org, provision=False) is None:
             # a mistyped organization would get a new account and the money (second fresh-eyes test)
             return 1, {"error": f"organization {args.org!r} has no billing account; check the id, or pass "
                                 "--create-account (set-plan also creates one)"}

@@ -69,30 +69,26 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         return _refusing(handler)
 
 
-def _with_token(details: grpc.aio.ClientCallDetails, pair: tuple[str, str]) -> grpc.aio.ClientCallDetails:
-    metadata = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()), pair)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
-
-
-# Two classes: grpc.aio files an interceptor under the first call kind it implements only.
-class _SendTokenUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    """Client side: add `authorization: Bearer <token>` to every unary call."""
+class _SendToken:
+    """Client side: add `authorization: Bearer <token>` to a call's metadata."""
 
     def __init__(self, token: str) -> None:
         self._pair = ("authorization", f"Bearer {token}")
 
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()), self._pair)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
+
+
+# One class per call kind: grpc.aio files an interceptor under the first call kind it implements only.
+class _SendTokenUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
-        return await continuation(_with_token(client_call_details, self._pair), request)
+        return await continuation(self._details(client_call_details), request)
 
 
-class _SendTokenStream(grpc.aio.UnaryStreamClientInterceptor):
-    """Client side: add `authorization: Bearer <token>` to every server-streaming call."""
-
-    def __init__(self, token: str) -> None:
-        self._pair = ("authorization", f"Bearer {token}")
-
+class _SendTokenStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
-        return await continuation(_with_token(client_call_details, self._pair), request)
+        return await continuation(self._details(client_call_details), request)
 
 
 def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:

@@ -32,6 +32,7 @@ import orjson
 
 from bench.deploy import ROOT, SERVICES, Deployment
 from bench.http import Connection, HTTPError, SSERecorder, open_sse
+from services import grpc_core  # noqa: F401 - the services' gRPC core settings for this client's calls too
 
 WORKLOADS = ("latency", "throughput", "admission", "fanout", "tools")
 MiB = 1024 * 1024

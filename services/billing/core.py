@@ -1083,7 +1083,7 @@ class BillingCore:
                 existing = await self.db.run(self._usage_txn, record, ledger)
                 if existing is not None:
                     return self._usage_replay(existing, r.organization_id)
-            log.info(
+            log.debug(  # the usage record is its record, like a charge's ledger entry
                 "usage recorded",
                 extra={
                     "fields": {

@@ -247,7 +247,8 @@ def tools_router(
             raise BodyError(400, "offset must be >= 0")
         response = await tools.ListCredentials(
             tools_pb2.ListCredentialsRequest(
-                organization_id=who.organization_id, integration_name=integration_name or "", auth_type=auth_type or "",
+                organization_id=who.organization_id, integration_name=integration_name or "",
+                auth_type=SDK_AUTH_TYPES.get(auth_type, auth_type) if auth_type else "",  # the SDK's names, as on create
                 limit=limit, offset=offset,
             ),
             timeout=_TIMEOUT_S,

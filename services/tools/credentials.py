@@ -25,8 +25,9 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from services.common import db
 from services.common.errors import TOOLS_DOMAIN, RpcError
-from services.tools.catalogue import Catalogue
+from services.tools.catalogue import AUTH_TYPES, Catalogue
 from services.tools.crypto import SecretBox, mask_secret
+from services.tools.mcp_servers import MCP_AUTH_TYPE
 from services.tools.models import Credential, utcnow
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ def _not_found(credential_id: str) -> RpcError:
         domain=TOOLS_DOMAIN,
         metadata={"credential_id": credential_id},
     )
+
+
+#: The auth types a stored credential can have: an integration's secret types, and MCP servers'.
+STORED_AUTH_TYPES = (*(t for t in AUTH_TYPES if t != "none"), MCP_AUTH_TYPE)
 
 
 def _invalid(reason: str, message: str) -> RpcError:
@@ -211,7 +216,14 @@ class CredentialStore:
         limit: int = 100,
         offset: int = 0,
     ) -> tuple[list[CredentialInfo], int]:
-        """The organization's credentials matching the filters, newest first, and their total count."""
+        """The organization's credentials matching the filters, newest first, and their total count.
+
+        An `auth_type` filter that no credential can have (not in STORED_AUTH_TYPES) raises
+        RpcError INVALID_ARGUMENT AUTH_TYPE_UNKNOWN (a typo would otherwise list nothing, as if
+        the organization had no such credentials); an unknown `integration_name` lists nothing.
+        """
+        if auth_type and auth_type not in STORED_AUTH_TYPES:
+            raise _invalid("AUTH_TYPE_UNKNOWN", f"auth_type must be one of {', '.join(STORED_AUTH_TYPES)}")
         conditions = [Credential.org_id == org_id]
         if integration_name:
             conditions.append(Credential.integration == integration_name)

@@ -71,6 +71,23 @@ async def test_credential_lifecycle_over_http_matches_the_sdk_shapes(stack):
             assert SECRET_DSN not in json.dumps(response)
 
 
+async def test_credential_list_filters_by_the_sdk_auth_type_names_and_refuses_unknown_ones(stack):
+    """`?auth_type=` takes the names a credential is created with (the SDK's `bearer_token` is
+    stored as `bearer`); a value no credential can have is 400, not an empty list."""
+    async with stack.client() as client:
+        created = await client.post("/credentials", json={"integration_name": "http", "auth_type": "bearer_token", "auth_data": {"token": "tok-1234567890"}})
+        assert created.status_code == 201, created.text
+        await _create_pg(client)
+        for name in ("bearer_token", "bearer"):
+            listing = await client.get("/credentials", params={"auth_type": name})
+            assert listing.status_code == 200, listing.text
+            assert [c["credential_id"] for c in listing.json()["credentials"]] == [created.json()["credential_id"]]
+        assert (await client.get("/credentials", params={"auth_type": "oauth2"})).json()["total"] == 0
+        refused = await client.get("/credentials", params={"auth_type": "bearer-token"})
+        assert refused.status_code == 400
+        assert "auth_type must be one of api_key, bearer, oauth2, mcp_server" in refused.json()["detail"]
+
+
 async def test_credentials_through_the_sdk(stack):
     client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
     try:

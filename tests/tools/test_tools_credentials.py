@@ -155,3 +155,7 @@ async def test_list_credentials_filters_and_pages(tools):
     by_type = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a", auth_type="api_key"))
     assert by_type.total == 4
     assert {c.integration_name for c in by_type.credentials} == {"postgresql", "http"}
+    with pytest.raises(grpc.aio.AioRpcError) as caught:  # no credential can have it: not an empty page
+        await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a", auth_type="apikey"))
+    details = status_details(caught.value)
+    assert (details.code, details.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "AUTH_TYPE_UNKNOWN")

@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     top_up.add_argument("--idempotency-key", default="")
     top_up.add_argument("--note", default="")
     top_up.add_argument("--create-account", action="store_true", help="create the billing account if the organization has none")
-    seed = admin.add_parser("seed-dev", help="idempotently give the demo organization a plan with credits")
+    seed = admin.add_parser("seed-dev", help="idempotently give the demo organization an account (on --plan when new) with credits")
     seed.add_argument("--org", required=True)
     seed.add_argument("--plan", default="developer")
     seed.add_argument("--wallet-minor-units", type=_whole(0, MAX_AMOUNT), default=1000)
@@ -84,12 +84,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def seed_dev(core: BillingCore, org_id: str, plan: str, wallet_minor_units: int) -> None:
-    """Ensure `org_id` has an account on `plan` and a one-time wallet top-up (idempotent).
+    """Ensure `org_id` has an account (created on `plan`) and a one-time wallet top-up (idempotent).
 
-    The top-up uses idempotency key "seed-dev:{org_id}:wallet", so rerunning never adds
-    money twice; the plan's monthly allowance supplies the run credits.
+    `make run` runs this at every start: an account that exists keeps its plan (an operator's
+    `set-plan` survives restarts). The top-up uses idempotency key "seed-dev:{org_id}:wallet",
+    so rerunning never adds money twice; the plan's monthly allowance supplies the run credits.
     """
-    await core.set_plan(org_id, plan)
+    if await core.account(org_id, provision=False) is None:
+        await core.set_plan(org_id, plan)
     if wallet_minor_units > 0:
         await core.top_up(org_id, wallet_minor_units, f"seed-dev:{org_id}:wallet", "development seed")
 

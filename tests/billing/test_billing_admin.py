@@ -68,6 +68,16 @@ async def test_seed_dev_is_idempotent(settings):
     assert len(view["recent_ledger_entries"]) == 1
 
 
+async def test_seed_dev_keeps_the_plan_an_operator_set(settings):
+    """Bug (fresh-eyes test): `make run` runs seed-dev at every start, and it put the development
+    organization back on the developer plan after an operator's `set-plan --plan team`."""
+    await _admin(settings, "seed-dev", "--org", "demo")
+    await _admin(settings, "set-plan", "--org", "demo", "--plan", "team")
+    code, view = await _admin(settings, "seed-dev", "--org", "demo")
+    assert code == 0 and view["plan"]["name"] == "team"
+    assert view["wallet"]["balance_minor"] == 1000  # the one-time top-up is not repeated either
+
+
 async def test_admin_refuses_a_database_the_services_never_created(settings):
     """Bug (fresh-eyes test): an admin command run without the services' LOOPLINE_DATA_DIR
     created and migrated a new ./var/billing.db, topped up an account there and exited 0."""

@@ -26,9 +26,15 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from services.common import db
 from services.common.errors import TOOLS_DOMAIN, RpcError
 from services.tools.catalogue import AUTH_TYPES, Catalogue
-from services.tools.crypto import SecretBox, mask_secret
+from services.tools.crypto import (
+    KEY_CHANGED_HINT,
+    SecretBox,
+    SecretBoxError,
+    mask_secret,
+)
 from services.tools.mcp_servers import MCP_AUTH_TYPE
 from services.tools.models import Credential, utcnow
+from services.tools.validation import schema_errors
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +177,9 @@ class CredentialStore:
         """Store a credential and return its metadata.
 
         Raises RpcError INVALID_ARGUMENT (reasons INTEGRATION_NOT_FOUND, AUTH_TYPE_NOT_SUPPORTED,
-        INVALID_AUTH_DATA, ORGANIZATION_REQUIRED). Validation messages name fields, never values.
+        INVALID_AUTH_DATA, ORGANIZATION_REQUIRED). INVALID_AUTH_DATA messages come from
+        validation.schema_errors: they name missing and unexpected fields and the broken
+        rule ("auth_data is invalid: auth_data: 'dsn' is required"), never a value.
         """
         if not org_id:
             raise _invalid("ORGANIZATION_REQUIRED", "organization_id is required")
@@ -187,11 +195,10 @@ class CredentialStore:
                 f"Integration {integration_name!r} takes auth types {secret_types}, not {auth_type!r}",
             )
         if option.fields is not None:
-            errors = sorted(Draft202012Validator(option.fields).iter_errors(auth_data), key=lambda e: list(e.path))
-            if errors:
-                # Name the field and the rule, never echo a value (it is a secret).
-                problems = [f"{'/'.join(map(str, e.path)) or 'auth_data'}: {e.validator} rule failed" for e in errors]
-                raise _invalid("INVALID_AUTH_DATA", "auth_data is invalid: " + "; ".join(problems[:5]))
+            # Names the fields and the rules (e.g. "auth_data: 'dsn' is required"), never a value: it is a secret.
+            problems = schema_errors(Draft202012Validator(option.fields), auth_data, "auth_data")
+            if problems:
+                raise _invalid("INVALID_AUTH_DATA", "auth_data is invalid: " + problems)
         now = utcnow()
         row = Credential(
             id=str(uuid.uuid4()),
@@ -366,14 +373,15 @@ class CredentialStore:
     async def discovery(self, org_id: str, credential_id: str, auth_type: str) -> tuple[CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]]:
         """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential.
 
-        Raises RpcError NOT_FOUND when it is absent, another organization's, or not of `auth_type`.
+        Raises RpcError NOT_FOUND when it is absent, another organization's, or not of `auth_type`;
+        crypto.SecretBoxError (logged, see `_decrypt`) when its secret cannot be decrypted.
         """
         async with self._sessions() as session:
             row = await session.get(Credential, credential_id)
         if row is None or row.org_id != org_id or row.auth_type != auth_type:
             raise _not_found(credential_id)
         when = db.utc(row.discovered_at) if row.discovered_at else None
-        return CredentialInfo.of(row), row.discovery, when, self._box.decrypt(row.encrypted_secret)
+        return CredentialInfo.of(row), row.discovery, when, self._decrypt(row)
 
     async def set_discovery(self, org_id: str, credential_id: str, tools: list[dict[str, Any]]) -> datetime.datetime:
         """Store the tools discovered on an MCP server credential; returns the discovery time. Raises NOT_FOUND."""
@@ -433,7 +441,7 @@ class CredentialStore:
         `credential_id` given: that credential, which must belong to `org_id` and be for
         `integration_name` (else None). Not given: the integration's default, else its
         newest credential, else None. Raises crypto.SecretBoxError when the secret
-        cannot be decrypted with the configured keys.
+        cannot be decrypted with the configured keys (logged once, see `_decrypt`).
         """
         async with self._sessions() as session:
             if credential_id:
@@ -449,4 +457,21 @@ class CredentialStore:
                 )
                 if row is None:
                     return None
-        return CredentialInfo.of(row), self._box.decrypt(row.encrypted_secret)
+        return CredentialInfo.of(row), self._decrypt(row)
+
+    def _decrypt(self, row: Credential) -> dict[str, Any]:
+        """The decrypted secret of `row`.
+
+        Raises crypto.SecretBoxError when no configured key decrypts it, after logging one
+        WARNING for the operator: the credential id, integration and organization, and the
+        hint that LOOPLINE_TOOLS_CREDENTIAL_KEY changed. Never the secret or its ciphertext.
+        """
+        try:
+            return self._box.decrypt(row.encrypted_secret)
+        except SecretBoxError:
+            log.warning(
+                f"stored credential cannot be decrypted: {KEY_CHANGED_HINT}",
+                extra={"fields": {"credential_id": row.id, "integration": row.integration, "org_id": row.org_id,
+                                  "auth_type": row.auth_type}},
+            )
+            raise

@@ -28,6 +28,14 @@ class SecretBoxError(Exception):
     """A secret could not be decrypted (wrong key, or tampered ciphertext)."""
 
 
+#: What an operator is told (in the log, never to a user) when a stored secret cannot be decrypted.
+KEY_CHANGED_HINT = (
+    "the credential key (LOOPLINE_TOOLS_CREDENTIAL_KEY) was probably changed without keeping the key "
+    "this secret was encrypted with: list the old key(s) after the new one, comma-separated "
+    "(NEW,OLD: the first key encrypts, every listed key decrypts), or connect the credential again"
+)
+
+
 class SecretBox:
     """Encrypts and decrypts JSON secrets with one or more Fernet keys.
 

@@ -15,6 +15,10 @@ Two kinds of servers:
 Every session is opened for one operation (list or call) and closed after it, so a
 server that crashes or hangs harms only the call in flight. The caller bounds each
 operation with its timeout; errors become `ActionError`s with secret-free messages.
+A stdio server's stderr is read as it comes and only its last STDERR_TAIL_BYTES are
+kept (`StderrTail`); when an operation fails or times out, a WARNING names the server
+and quotes the last STDERR_LOG_CHARS of it, for the operator only (the model's error
+never includes it).
 Outbound policy: an organization's URL must pass `netpolicy.resolve_checked` (no
 loopback, link-local or private address unless the operator allows it) when it is
 registered and before every connection.
@@ -30,12 +34,19 @@ import re
 import sys
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from services.tools.catalogue import Action, ActionContext, ActionError, AuthOption, Integration
+from services.tools.catalogue import (
+    Action,
+    ActionContext,
+    ActionError,
+    AuthOption,
+    Integration,
+)
+from services.tools.crypto import redact
 from services.tools.netpolicy import OutboundPolicyError, resolve_checked
 
 if TYPE_CHECKING:
@@ -47,6 +58,10 @@ MCP_AUTH_TYPE = "mcp_server"
 # What one MCP tool call costs, in millicredits.
 MCP_ACTION_MILLICREDITS = 100
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+#: The most bytes of a stdio server's stderr kept in memory per session (the newest ones).
+STDERR_TAIL_BYTES = 4096
+#: The most characters of that stderr quoted in a failure's log record (its end).
+STDERR_LOG_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -159,7 +174,8 @@ class McpConnector:
         self.allow_private_network = allow_private_network
         self._closing: set[asyncio.Task[Any]] = set()
 
-    def _client(self, target: StdioServer | dict[str, Any]) -> Client:
+    def _client(self, target: StdioServer | dict[str, Any], stderr: StderrTail | None = None) -> Client:
+        """A Client for `target`; a stdio server's stderr goes to `stderr` (discarded when None)."""
         # the mcp SDK is imported on first use: it costs ~30 MiB and start-up time in every
         # tools process, most of which never talk to an MCP server
         import httpx2  # the HTTP client the mcp SDK uses; loaded with it
@@ -169,7 +185,7 @@ class McpConnector:
 
         if isinstance(target, StdioServer):
             params = StdioServerParameters(command=target.command, args=list(target.args), env=target.env or None)
-            transport = stdio_client(params, errlog=_DEVNULL)
+            transport = stdio_client(params, errlog=_DEVNULL) if stderr is None else _capturing(stdio_client, params, stderr)
         else:
             headers = {str(k): str(v) for k, v in (target.get("headers") or {}).items()}
             http = httpx2.AsyncClient(
@@ -184,7 +200,7 @@ class McpConnector:
         if not isinstance(target, StdioServer):
             await check_url_policy(str(target.get("url", "")), self.allow_private_network)
 
-    async def _bounded(self, operation: Any) -> Any:
+    async def _bounded(self, operation: Any, on_timeout: Any = None) -> Any:
         """Run `operation` (a coroutine function) for at most `timeout_s`; TimeoutError after it.
 
         The operation runs in its own task under an anyio cancel scope with that deadline.
@@ -192,21 +208,26 @@ class McpConnector:
         a native cancel would defeat the SDK's shielded shutdown, which gives a stdio
         server time to exit and then kills its process group) and the caller returns at
         once while the session closes in the background (`aclose` waits for those).
+        `on_timeout()`, when given, is called once the session of a timed-out operation
+        has closed (not when the caller was cancelled).
         """
         import anyio  # loaded with the first MCP operation, not at start
 
-        holder: dict[str, anyio.CancelScope] = {}
+        holder: dict[str, Any] = {}
 
         async def runner() -> Any:
             with anyio.CancelScope(deadline=anyio.current_time() + self.timeout_s) as scope:
                 holder["scope"] = scope
                 return await operation()
+            if on_timeout is not None and not holder.get("caller_cancelled"):
+                on_timeout()
             raise TimeoutError
 
         task = asyncio.create_task(runner())
         try:
             return await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            holder["caller_cancelled"] = isinstance(exc, asyncio.CancelledError)
             if "scope" in holder:
                 holder["scope"].cancel()
             self._closing.add(task)
@@ -222,13 +243,16 @@ class McpConnector:
         """The server's tools as [{name, description, input_schema}] (all pages, at most 1000 tools).
 
         Raises ActionError (connection or protocol failure), OutboundPolicyError, TimeoutError.
+        A stdio server's failure or timeout is also logged with the end of its stderr
+        (`_log_stdio_failure`); the ActionError's message never includes that stderr.
         """
         await self._checked(target)
+        stderr = StderrTail() if isinstance(target, StdioServer) else None
 
         async def operation() -> list[dict[str, Any]]:
             tools: list[dict[str, Any]] = []
             try:
-                async with self._client(target) as client:
+                async with self._client(target, stderr) as client:
                     cursor = None
                     while len(tools) < 1000:
                         page = await client.list_tools(cursor=cursor)
@@ -238,30 +262,34 @@ class McpConnector:
                             break
             except (ActionError, asyncio.CancelledError):
                 raise
-            except BaseException as exc:  # noqa: BLE001 - anyio groups, transport and protocol errors alike
+            except BaseException as exc:
+                _log_stdio_failure(target, "list_tools", exc, stderr)
                 raise ActionError(f"the MCP server could not be reached or did not answer ({_describe(exc)})") from None
             return tools
 
-        return await self._bounded(operation)
+        return await self._bounded(operation, _timeout_logger(target, "list_tools", stderr))
 
     async def call_tool(self, target: StdioServer | dict[str, Any], name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """Call one tool; returns result_json of its result.
 
         Raises ActionError when the server cannot be reached, fails, reports is_error, or
         returns more than `max_output_bytes` of JSON; OutboundPolicyError; TimeoutError.
+        A stdio server that fails or times out is logged as in `list_tools`.
         """
         await self._checked(target)
+        stderr = StderrTail() if isinstance(target, StdioServer) else None
 
         async def operation() -> Any:
             try:
-                async with self._client(target) as client:
+                async with self._client(target, stderr) as client:
                     return await client.call_tool(name, arguments)
             except asyncio.CancelledError:
                 raise
-            except BaseException as exc:  # noqa: BLE001 - see list_tools
+            except BaseException as exc:
+                _log_stdio_failure(target, f"call_tool {name}", exc, stderr)
                 raise ActionError(f"the MCP server failed during the call ({_describe(exc)})") from None
 
-        result = await self._bounded(operation)
+        result = await self._bounded(operation, _timeout_logger(target, f"call_tool {name}", stderr))
         if result.is_error:
             raise ActionError(f"the MCP tool {name!r} returned an error: {_error_text(result)}")
         output = result_json(result)
@@ -282,11 +310,140 @@ def _forget(tasks: set[asyncio.Task[Any]]) -> Any:
     return done
 
 
-# Stdio servers' stderr goes nowhere: their logs must not mix with the service's.
-_DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - kept for the life of the process
+# Where a stdio server's stderr goes when nobody keeps it: its logs must not mix with the service's.
+_DEVNULL = open(os.devnull, "w")
 
 
-class _owning:  # noqa: N801 - used like a function
+class StderrTail:
+    """The newest `limit` bytes a stdio server wrote to its stderr during one session.
+
+    `open()` makes a pipe and returns its write end, for `stdio_client(errlog=...)`; the
+    event loop reads the other end as data arrives (so a chatty server never blocks on a
+    full pipe) and keeps only the last `limit` bytes, so memory stays bounded however long
+    the server runs and however much it writes. `close()` reads what is left without
+    waiting and closes the pipe. Where the loop cannot watch a pipe, stderr is discarded.
+    """
+
+    def __init__(self, limit: int = STDERR_TAIL_BYTES) -> None:
+        self.limit = limit
+        self._data = bytearray()
+        self._fd: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def open(self) -> TextIO:
+        """The file the server's stderr is written to (the caller closes it once the server started)."""
+        read_fd, write_fd = os.pipe()  # both non-inheritable; the child gets the write end as its fd 2 only
+        os.set_blocking(read_fd, False)
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_reader(read_fd, self._read)
+        except (NotImplementedError, RuntimeError):  # e.g. a loop without pipe readers
+            os.close(read_fd)
+            os.close(write_fd)
+            return open(os.devnull, "w")
+        self._fd, self._loop = read_fd, loop
+        return os.fdopen(write_fd, "w")
+
+    def _read(self) -> None:
+        assert self._fd is not None
+        try:
+            chunk = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            self._keep(chunk)
+        elif self._loop is not None:  # end of file: every writer closed it
+            self._loop.remove_reader(self._fd)
+            self._loop = None
+
+    def _keep(self, chunk: bytes) -> None:
+        self._data += chunk
+        if len(self._data) > self.limit:
+            del self._data[: len(self._data) - self.limit]
+
+    def close(self) -> None:
+        """Read what the pipe still holds (never waiting; a bounded number of reads) and close it."""
+        if self._fd is None:
+            return
+        for _ in range(64):  # a descendant may still be writing: do not chase it forever
+            try:
+                chunk = os.read(self._fd, 65536)
+            except OSError:  # BlockingIOError: nothing more for now
+                break
+            if not chunk:
+                break
+            self._keep(chunk)
+        if self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._loop = None
+        os.close(self._fd)
+        self._fd = None
+
+    def text(self, max_chars: int = STDERR_LOG_CHARS, secret: dict[str, Any] | None = None) -> str:
+        """The last `max_chars` characters kept (after `secret`'s values are redacted), "…" first when cut."""
+        text = redact(self._data.decode("utf-8", errors="replace"), secret).strip()
+        return text if len(text) <= max_chars else "…" + text[-(max_chars - 1):]
+
+
+class _capturing:
+    """`stdio_client(params, errlog=...)` with the server's stderr kept in `tail` (a StderrTail)."""
+
+    def __init__(self, stdio_client: Any, params: Any, tail: StderrTail) -> None:
+        self._stdio_client = stdio_client
+        self._params = params
+        self._tail = tail
+        self._inner: Any = None
+
+    async def __aenter__(self) -> Any:
+        errlog = self._tail.open()
+        try:
+            self._inner = self._stdio_client(self._params, errlog=errlog)
+            return await self._inner.__aenter__()
+        except BaseException:
+            self._tail.close()
+            raise
+        finally:
+            errlog.close()  # the server has its own copy; ours would keep the pipe from ever ending
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        try:
+            return await self._inner.__aexit__(*exc)
+        finally:
+            self._tail.close()
+
+
+def _log_stdio_failure(target: Any, operation: str, error: BaseException | str, stderr: StderrTail | None) -> None:
+    """Log (WARNING) that a stdio server's `operation` failed: the error and the end of the server's stderr.
+
+    For the operator only: the stderr may hold anything, so it never goes into a tool
+    result; the values of the server's configured `env` are redacted from it and from the
+    error text, and both are cut to STDERR_LOG_CHARS. The mcp SDK does not expose the
+    process's exit status, so a crash shows as its last stderr lines (an empty
+    `stderr_tail` means the server wrote nothing there).
+    """
+    if not isinstance(target, StdioServer) or stderr is None:
+        return
+    if isinstance(error, BaseException):
+        inner = _innermost(error)
+        detail = redact(f"{type(inner).__name__}: {inner}".strip().rstrip(":"), target.env)
+        error = detail if len(detail) <= STDERR_LOG_CHARS else detail[: STDERR_LOG_CHARS - 1] + "…"
+    log.warning(
+        "stdio MCP server failed",
+        extra={"fields": {"server": target.name, "operation": operation, "error": error,
+                          "stderr_tail": stderr.text(secret=target.env)}},
+    )
+
+
+def _timeout_logger(target: Any, operation: str, stderr: StderrTail | None) -> Any:
+    """The `on_timeout` of a stdio operation (None for an HTTP server)."""
+    if not isinstance(target, StdioServer) or stderr is None:
+        return None
+    return lambda: _log_stdio_failure(target, operation, f"no answer within the time limit ({operation})", stderr)
+
+
+class _owning:
     """An async context manager that enters `inner` and closes `http` after it."""
 
     def __init__(self, http: Any, inner: Any) -> None:
@@ -307,10 +464,16 @@ class _owning:  # noqa: N801 - used like a function
             await self._http.aclose()
 
 
-def _describe(exc: BaseException) -> str:
-    """A short, secret-free description of a failure: the innermost exception types of a group."""
+def _innermost(exc: BaseException) -> BaseException:
+    """The first leaf exception of a (nested) exception group; `exc` itself when it is no group."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    """A short, secret-free description of a failure: the innermost exception types of a group."""
+    exc = _innermost(exc)
     name = type(exc).__name__
     httpx2 = sys.modules.get("httpx2")  # an httpx2 error exists only once httpx2 was loaded
     if httpx2 is not None and isinstance(exc, httpx2.HTTPStatusError):
@@ -369,12 +532,13 @@ class StdioRegistry:
         return server.description or f"Tools of the operator-configured MCP server {server.name!r}"
 
     async def discover_all(self) -> None:
-        """Discover every server's tools (failures are logged and retried on next use)."""
+        """Discover every server's tools (failures are logged by the connector, with the server's
+        stderr, and retried on next use)."""
         for name in self.servers:
             try:
                 await self.tools(name)
-            except (ActionError, OutboundPolicyError, TimeoutError) as exc:
-                log.warning("stdio MCP discovery failed", extra={"fields": {"server": name, "error": str(exc) or "timeout"}})
+            except (ActionError, OutboundPolicyError, TimeoutError):
+                pass  # McpConnector logged it ("stdio MCP server failed"); one record per failure
 
     async def tools(self, name: str) -> list[dict[str, Any]]:
         """The tools of server `name`, discovering them if not yet known. Raises as McpConnector.list_tools.

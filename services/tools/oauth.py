@@ -31,7 +31,7 @@ from sqlalchemy import delete
 from services.common.errors import TOOLS_DOMAIN, RpcError
 from services.tools.catalogue import ActionContext, ActionError, Integration, integration_from_manifest
 from services.tools.credentials import CredentialInfo, CredentialStore
-from services.tools.crypto import SecretBox
+from services.tools.crypto import KEY_CHANGED_HINT, SecretBox, SecretBoxError
 from services.tools.models import OAuthState, utcnow
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class OAuth2Flows:
         """Consume `state`, exchange `code`, store the credential; returns (its metadata, the user who started).
 
         Raises RpcError INVALID_ARGUMENT (OAUTH2_STATE_INVALID: unknown, used or expired
-        state; missing code) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token
+        state, or one no configured credential key decrypts (logged); missing code) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token
         endpoint refused the code or could not be reached). The state is spent either way.
         """
         if not state or not code:
@@ -219,12 +219,20 @@ class OAuth2Flows:
         if row is None or row.expires_at < utcnow() or row.integration not in self.providers:
             raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state; start the connection again")
         provider = self.providers[row.integration]
+        try:
+            verifier = self._box.decrypt(row.encrypted_verifier)["verifier"]
+        except SecretBoxError:  # the key changed between initiate and complete (see KEY_CHANGED_HINT)
+            log.warning(
+                f"stored OAuth2 state cannot be decrypted: {KEY_CHANGED_HINT}",
+                extra={"fields": {"integration": row.integration, "org_id": row.org_id}},
+            )
+            raise _invalid("OAUTH2_STATE_INVALID", "The OAuth2 state cannot be read; start the connection again") from None
         form = {
             "grant_type": "authorization_code",
             "code": code,
             "redirect_uri": row.redirect_uri,
             "client_id": provider.client_id,
-            "code_verifier": self._box.decrypt(row.encrypted_verifier)["verifier"],
+            "code_verifier": verifier,
         }
         if provider.client_secret:
             form["client_secret"] = provider.client_secret

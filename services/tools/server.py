@@ -24,7 +24,7 @@ from services.tools.catalogue import Catalogue
 from services.tools.config import ToolsSettings
 from services.tools.catalogue import ActionError
 from services.tools.credentials import CredentialInfo, CredentialStore
-from services.tools.crypto import SecretBox
+from services.tools.crypto import SecretBox, SecretBoxError
 from services.tools.extract import MEDIA_TYPES, ExtractionError, UnsupportedFileType, extract_text, file_type
 from services.tools.knowledge import KnowledgeStore
 from services.tools.mcp_servers import (
@@ -57,6 +57,14 @@ def urllib_host(url: str) -> str:
 def _require_org(org_id: str) -> None:
     if not org_id:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "ORGANIZATION_REQUIRED", "organization_id is required", domain=TOOLS_DOMAIN)
+
+
+def _undecryptable() -> RpcError:
+    """The error of an RPC that needs a stored secret no configured key decrypts (the store logged it)."""
+    return RpcError(
+        grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE",
+        "The stored credential cannot be decrypted; register it again", domain=TOOLS_DOMAIN,
+    )
 
 
 def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_pb2.Credential:
@@ -292,9 +300,17 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def RefreshMcpDiscovery(self, request: tools_pb2.RefreshMcpDiscoveryRequest, context: grpc.aio.ServicerContext) -> tools_pb2.RefreshMcpDiscoveryResponse:
-        """List an MCP server's tools again; success=false with `error` (tools kept) when it cannot be reached."""
+        """List an MCP server's tools again; success=false with `error` (tools kept) when it cannot be reached.
+
+        FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE when no configured key decrypts its secret.
+        """
         _require_org(request.organization_id)
-        _info, old, _when, secret = await self.credentials.discovery(request.organization_id, request.credential_id, MCP_AUTH_TYPE)
+        try:
+            _info, old, _when, secret = await self.credentials.discovery(
+                request.organization_id, request.credential_id, MCP_AUTH_TYPE
+            )
+        except SecretBoxError:
+            raise _undecryptable() from None
         try:
             tools = await self.executor.mcp.list_tools(secret)
         except TimeoutError:
@@ -316,9 +332,15 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def ListMcpTools(self, request: tools_pb2.ListMcpToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListMcpToolsResponse:
-        """The tools last discovered on an MCP server credential; NOT_FOUND for another kind of credential."""
+        """The tools last discovered on an MCP server credential; NOT_FOUND for another kind of credential,
+        FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE when no configured key decrypts its secret."""
         _require_org(request.organization_id)
-        _info, tools, when, _secret = await self.credentials.discovery(request.organization_id, request.credential_id, MCP_AUTH_TYPE)
+        try:
+            _info, tools, when, _secret = await self.credentials.discovery(
+                request.organization_id, request.credential_id, MCP_AUTH_TYPE
+            )
+        except SecretBoxError:
+            raise _undecryptable() from None
         response = tools_pb2.ListMcpToolsResponse(credential_id=request.credential_id, tools=[mcp_tool_pb(t) for t in tools or []])
         if when is not None:
             response.discovery_time.CopyFrom(pb.timestamp(when))

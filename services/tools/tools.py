@@ -34,6 +34,7 @@ from services.tools.mcp_servers import (
     integration_of_tools,
 )
 from services.tools.netpolicy import OutboundPolicyError
+from services.tools.validation import schema_errors
 
 log = logging.getLogger(__name__)
 
@@ -142,18 +143,6 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
 ]
 
 _VALIDATORS = {d["name"]: Draft202012Validator(d["input_schema"]) for d in TOOL_DEFINITIONS}
-
-
-def schema_errors(validator: Draft202012Validator, instance: Any, where: str) -> str | None:
-    """A readable list of up to 5 schema violations of `instance` ("where.path: message"), or None."""
-    errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
-    if not errors:
-        return None
-    parts = []
-    for error in errors[:5]:
-        path = ".".join(str(p) for p in error.absolute_path)
-        parts.append(f"{where}{'.' + path if path else ''}: {error.message}")
-    return "; ".join(parts)
 
 
 def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:

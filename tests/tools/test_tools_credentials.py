@@ -125,21 +125,25 @@ async def test_deleting_the_default_promotes_the_newest_remaining_credential(too
 
 
 @pytest.mark.parametrize(
-    ("integration", "auth_type", "auth_data", "reason"),
+    ("integration", "auth_type", "auth_data", "reason", "says"),
     [
-        ("github", "", {"token": "x"}, "INTEGRATION_NOT_FOUND"),
-        ("postgresql", "bearer", {"token": "abc"}, "AUTH_TYPE_NOT_SUPPORTED"),
-        ("http", "none", {}, "AUTH_TYPE_NOT_SUPPORTED"),
-        ("postgresql", "api_key", {"dsn": "mysql://root:hunter2-secret@h/db"}, "INVALID_AUTH_DATA"),
-        ("postgresql", "api_key", {}, "INVALID_AUTH_DATA"),
+        ("github", "", {"token": "x"}, "INTEGRATION_NOT_FOUND", "Unknown integration 'github'"),
+        ("postgresql", "bearer", {"token": "abc"}, "AUTH_TYPE_NOT_SUPPORTED", "not 'bearer'"),
+        ("http", "none", {}, "AUTH_TYPE_NOT_SUPPORTED", "not 'none'"),
+        ("postgresql", "api_key", {"dsn": "mysql://root:hunter2-secret@h/db"}, "INVALID_AUTH_DATA",
+         "auth_data.dsn: must match the pattern"),
+        ("postgresql", "api_key", {}, "INVALID_AUTH_DATA", "auth_data: 'dsn' is required"),
+        ("postgresql", "api_key", {"host": "hunter2-secret.example"}, "INVALID_AUTH_DATA",
+         "auth_data: 'dsn' is required; auth_data: unexpected field(s) 'host' (allowed: 'dsn')"),
     ],
 )
-async def test_invalid_credentials_are_rejected_without_echoing_the_secret(tools, integration, auth_type, auth_data, reason):
+async def test_invalid_credentials_are_rejected_without_echoing_the_secret(tools, integration, auth_type, auth_data, reason, says):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await tools.create_credential(integration, auth_data, auth_type=auth_type)
     details = status_details(caught.value)
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.reason == reason
+    assert says in details.message
     assert "hunter2-secret" not in details.message
 
 

@@ -14,10 +14,10 @@ async def test_parameters_that_break_the_action_schema_are_a_failed_result(tools
         {"integration": "postgresql", "action": "run_query", "parameters": {"sql": "select 1", "max_rows": 0, "x": 1}},
     )
     assert "Invalid parameters for postgresql.run_query" in error
-    assert "parameters.max_rows" in error
-    assert "'x' was unexpected" in error
+    assert "parameters.max_rows: must be >= 1" in error
+    assert "parameters: unexpected field(s) 'x' (allowed: 'sql', 'params', 'max_rows')" in error
     missing = await tools.failed("execute_integration_tool", {"integration": "postgresql", "action": "run_query"})
-    assert "'sql' is a required property" in missing
+    assert "parameters: 'sql' is required" in missing
 
 
 async def test_unknown_action_lists_the_integrations_actions(tools):

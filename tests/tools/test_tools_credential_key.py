@@ -1,0 +1,131 @@
+"""A stored secret that no configured key decrypts (LOOPLINE_TOOLS_CREDENTIAL_KEY changed without
+keeping the old key): the caller gets a clear error, and the operator a WARNING naming the
+credential, the integration and the organization with the fix — never the secret or its ciphertext.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+
+import grpc
+import pytest
+from cryptography.fernet import Fernet
+
+from loopline.tools.v1 import tools_pb2
+from services.common.errors import status_details
+from services.common.logging import JsonFormatter
+
+SECRET_DSN = "postgresql://reader:s3cr3t-Passw0rd@db.example:5432/sales"
+MCP_TOKEN = "Bearer mcp-t0ken-never-logged"
+
+
+def _undecryptable_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "cannot be decrypted" in r.getMessage()]
+
+
+def _ciphertexts(db_file) -> list[str]:
+    with sqlite3.connect(db_file) as connection:
+        return [row[0] for row in connection.execute("SELECT encrypted_secret FROM credentials")]
+
+
+def _assert_secret_free(record: logging.LogRecord, *secrets: str) -> str:
+    """The record as the service's JSON log line, checked to hold none of `secrets`."""
+    line = JsonFormatter("tools").format(record)
+    for secret in secrets:
+        assert secret not in line
+    return line
+
+
+async def _two_replicas(start_tools, tmp_path):
+    """(writer, reader): one database; the reader's key is a new one, without the writer's."""
+    url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
+    old_key, new_key = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    writer = await start_tools(tools_database_url=url, tools_credential_key=old_key)
+    reader = await start_tools(tools_database_url=url, tools_credential_key=new_key)
+    return writer, reader, old_key, new_key
+
+
+async def test_an_undecryptable_credential_is_logged_once_with_its_ids_and_the_fix(start_tools, tmp_path, caplog):
+    writer, reader, _old, _new = await _two_replicas(start_tools, tmp_path)
+    credential = await writer.create_credential("postgresql", {"dsn": SECRET_DSN}, display_name="Sales DB")
+    caplog.set_level(logging.WARNING, logger="services.tools")
+
+    error = await reader.failed("execute_integration_tool", {"integration": "postgresql", "action": "list_schemas"})
+
+    assert "cannot be decrypted" in error and "s3cr3t" not in error
+    records = _undecryptable_records(caplog)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    record = records[0]
+    assert record.levelno == logging.WARNING
+    assert record.fields["credential_id"] == credential.credential_id
+    assert record.fields["integration"] == "postgresql"
+    assert record.fields["org_id"] == "org-a"
+    message = record.getMessage()
+    assert "LOOPLINE_TOOLS_CREDENTIAL_KEY" in message
+    assert "after the new one" in message and "comma-separated" in message
+    line = _assert_secret_free(record, SECRET_DSN, "s3cr3t-Passw0rd", "db.example", *_ciphertexts(tmp_path / "shared.db"))
+    assert json.loads(line)["credential_id"] == credential.credential_id
+
+
+async def test_listing_the_old_key_after_the_new_one_decrypts_it_again(start_tools, tmp_path, caplog):
+    writer, _reader, old_key, new_key = await _two_replicas(start_tools, tmp_path)
+    await writer.create_credential("http", {"token": "tok-1234567890"}, auth_type="bearer")
+    rotated = await start_tools(tools_database_url=writer.settings.tools_database_url, tools_credential_key=f"{new_key},{old_key}")
+    caplog.set_level(logging.WARNING, logger="services.tools")
+    # The action itself fails (nothing listens there); what matters is that the secret was read.
+    error = await rotated.failed(
+        "execute_integration_tool",
+        {"integration": "http", "action": "request", "parameters": {"url": "http://127.0.0.1:9/x"}},
+    )
+    assert "cannot be decrypted" not in error
+    assert _undecryptable_records(caplog) == []
+
+
+async def test_mcp_discovery_of_an_undecryptable_server_is_a_clear_error_and_logged_once(start_tools, tmp_path, caplog):
+    writer, reader, _old, _new = await _two_replicas(start_tools, tmp_path)
+    info = await writer.server.servicer.credentials.create_raw(
+        "org-a", "mcp_docs", "mcp_server", {"url": "https://mcp.example/mcp", "headers": {"Authorization": MCP_TOKEN}},
+        "Docs", discovery=[],
+    )
+    caplog.set_level(logging.WARNING)
+    for call, request in (
+        (reader.stub.RefreshMcpDiscovery, tools_pb2.RefreshMcpDiscoveryRequest(organization_id="org-a", credential_id=info.id)),
+        (reader.stub.ListMcpTools, tools_pb2.ListMcpToolsRequest(organization_id="org-a", credential_id=info.id)),
+    ):
+        caplog.clear()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call(request)
+        details = status_details(caught.value)
+        assert (details.code, details.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE")
+        records = _undecryptable_records(caplog)
+        assert len(records) == 1 and records[0].fields["credential_id"] == info.id
+        assert records[0].fields["integration"] == "mcp_docs"
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # not an "unhandled error"
+        _assert_secret_free(records[0], MCP_TOKEN, "mcp-t0ken", *_ciphertexts(tmp_path / "shared.db"))
+
+
+async def test_an_oauth2_state_the_new_key_cannot_read_asks_to_start_again_and_is_logged(start_tools, tmp_path, caplog):
+    url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
+    provider = json.dumps([{
+        "name": "acme", "authorize_url": "https://auth.example/authorize", "token_url": "https://auth.example/token",
+        "client_id": "loopline-client", "api_base_url": "https://api.example",
+    }])
+    writer = await start_tools(tools_database_url=url, tools_credential_key=Fernet.generate_key().decode(),
+                               tools_oauth2_integrations=provider)
+    reader = await start_tools(tools_database_url=url, tools_credential_key=Fernet.generate_key().decode(),
+                               tools_oauth2_integrations=provider)
+    started = await writer.stub.InitiateOAuth2(tools_pb2.InitiateOAuth2Request(
+        organization_id="org-a", integration_name="acme", redirect_uri="https://app.example/callback"))
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await reader.stub.CompleteOAuth2(tools_pb2.CompleteOAuth2Request(state=started.state, code="code-1"))
+    details = status_details(caught.value)
+    assert (details.code, details.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "OAUTH2_STATE_INVALID")
+    assert "start the connection again" in details.message
+    records = _undecryptable_records(caplog)
+    assert len(records) == 1
+    assert records[0].fields == {"integration": "acme", "org_id": "org-a"}
+    assert "LOOPLINE_TOOLS_CREDENTIAL_KEY" in records[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -8,13 +8,15 @@ import json
 import sys
 from typing import Any
 
+from sqlalchemy.exc import IntegrityError
+
 from services.common import db, runner
 from services.gateway import identity
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
 
 
-async def _with_sessions(settings: GatewaySettings, work):  # noqa: ANN001, ANN202
+async def _with_sessions(settings: GatewaySettings, work):
     engine = db.make_engine(settings.database_url, settings.db_pool_size)
     try:
         return await work(db.sessionmaker(engine))
@@ -30,6 +32,26 @@ def _answer(document: Any, error: str = "") -> None:
     print(json.dumps(document))
 
 
+# The answer to a unique-constraint conflict no admin function foresaw (its database text may quote values).
+CONFLICT = "the change conflicts with an existing record (a value that must be unique is already taken); nothing was changed"
+
+
+def _run(settings: GatewaySettings, work, error: str = "") -> None:
+    """Run `work(sessions)` and print its result with `_answer` (None -> {"error": error}, exit 1).
+
+    An `identity.AdminError` prints {"error": its message} and a unique-constraint conflict
+    (sqlalchemy IntegrityError) {"error": CONFLICT}, both exiting 1 instead of a traceback.
+    """
+    try:
+        result = asyncio.run(_with_sessions(settings, work))
+    except identity.AdminError as refused:
+        _answer(None, str(refused))
+    except IntegrityError:
+        _answer(None, CONFLICT)
+    else:
+        _answer(result, error)
+
+
 def _org_id(text: str) -> str:
     """An argparse type for a new organization id: 1 to 128 characters, no whitespace or
     control characters (billing's limit; an empty one could never be sent as X-Organization-ID)."""
@@ -38,8 +60,28 @@ def _org_id(text: str) -> str:
     return text
 
 
+def _run_check(check, *args: Any) -> None:
+    """Call `check(*args)`; an `identity.AdminError` prints {"error": its message} and exits 1."""
+    try:
+        check(*args)
+    except identity.AdminError as refused:
+        _answer(None, str(refused))
+
+
+def _email(text: str) -> str:
+    """An argparse type for a new user's email: 3 to 320 characters with an "@", no whitespace or
+    control characters (the users table's limit; a longer one failed in the database)."""
+    if not 3 <= len(text) <= 320 or "@" not in text or any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError("an email is 3 to 320 printable characters with an '@' and no spaces")
+    return text
+
+
 def main() -> None:
-    """Parse the command line: serve (default), migrate, seed-dev, or add-member."""
+    """Parse the command line and run the command (see the module docstring); serve is the default.
+
+    Admin commands print one JSON document; on failure {"error": "..."} and exit status 1
+    (`_answer`, `_run`); a malformed argument is argparse's usage error, exit status 2.
+    """
     parser = argparse.ArgumentParser(prog="python -m services.gateway")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("serve", help="serve HTTP (default)")
@@ -48,7 +90,7 @@ def main() -> None:
     member = sub.add_parser("add-member", help="create a user with a role in an organization; prints JSON with its API key")
     member.add_argument("--org", required=True, type=_org_id)
     member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
-    member.add_argument("--email")
+    member.add_argument("--email", type=_email, help="the new user's email (must not belong to an existing user)")
     llm = sub.add_parser("set-default-llm", help="save an organization's default model (used when a turn names none)")
     llm.add_argument("--org", required=True)
     llm.add_argument("--integration", required=True, help="integration_name, e.g. openai or loopline")
@@ -71,23 +113,30 @@ def main() -> None:
     if args.command == "migrate":
         db.migrate("gateway", settings.database_url)
     elif args.command == "seed-dev":
+        if settings.dev_api_key:
+            _run_check(identity.check_dev_key, settings.dev_api_key)  # before anything is written
         db.migrate("gateway", settings.database_url)
-        _answer(asyncio.run(_with_sessions(settings, lambda s: identity.seed_dev(s, settings.dev_api_key, settings.dev_org_id))))
+        _run(settings, lambda s: identity.seed_dev(s, settings.dev_api_key, settings.dev_org_id))
     elif args.command == "add-member":
         db.migrate("gateway", settings.database_url)
-        _answer(asyncio.run(_with_sessions(settings, lambda s: identity.create_member(s, args.org, args.role, args.email))))
+        _run(settings, lambda s: identity.create_member(s, args.org, args.role, args.email))
     elif args.command == "list-keys":
-        keys = asyncio.run(_with_sessions(settings, lambda s: identity.list_keys(s, args.org)))
-        _answer(None if keys is None else {"organization_id": args.org, "keys": keys}, f"no organization {args.org!r}")
+        async def listing(sessions):
+            keys = await identity.list_keys(sessions, args.org)
+            return None if keys is None else {"organization_id": args.org, "keys": keys}
+
+        _run(settings, listing, f"no organization {args.org!r}")
     elif args.command == "revoke-key":
-        key = None if args.key_id else sys.stdin.readline().strip()
-        _answer(asyncio.run(_with_sessions(settings, lambda s: identity.revoke_key(s, args.key_id, key))), "no such API key")
+        if args.key_id is not None and not args.key_id.strip():
+            _answer(None, "no key id given: --key-id is empty")
+        key = None if args.key_id else sys.stdin.readline().strip()  # an empty key: identity.AdminError
+        _run(settings, lambda s: identity.revoke_key(s, args.key_id, key), "no such API key")
     elif args.command in ("set-default-llm", "show-default-llm"):
         from services.gateway.org_settings import DefaultModels
 
         db.migrate("gateway", settings.database_url)
 
-        async def work(sessions):  # noqa: ANN001, ANN202
+        async def work(sessions):
             models = DefaultModels(sessions)
             if not await models.exists(args.org):
                 return None
@@ -98,7 +147,7 @@ def main() -> None:
                 await models.set(args.org, chosen)
             return {"organization_id": args.org, "default_llm": await models.get(args.org)}
 
-        _answer(asyncio.run(_with_sessions(settings, work)), f"no organization {args.org!r}")
+        _run(settings, work, f"no organization {args.org!r}")
     else:
         runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
 

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
-from services.common.errors import bounded
+from services.common.errors import ASSISTANT_DOMAIN, MAX_MESSAGE_CHARS, bounded, status_details
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response, unavailable_response, unexpected_error_response
 from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
@@ -170,6 +170,28 @@ def request_error_response(error: Exception) -> Response:
 
 
 _REQUEST_ERRORS = (AuthError, BodyError, IdempotencyConflict, grpc.aio.AioRpcError)
+# Appended to the orchestrator's 400 about an unusable model when the turn named none and the
+# organization's saved default was used: without it the client cannot tell where the model came from.
+FROM_SAVED_DEFAULT = " (from the organization's default model, PUT /organizations/settings/composer-llm)"
+
+
+def from_saved_default(message: str) -> BodyError:
+    """BodyError 400 with `message` about a turn's model and FROM_SAVED_DEFAULT appended (the
+    message cut to fit the detail's bound, never the suffix)."""
+    return BodyError(400, bounded(message, MAX_MESSAGE_CHARS - len(FROM_SAVED_DEFAULT)) + FROM_SAVED_DEFAULT)
+
+
+def saved_default_error(error: grpc.aio.AioRpcError) -> BodyError | None:
+    """The 400 for a turn whose model, the organization's saved default, the orchestrator refused
+    (INVALID_ARGUMENT UNKNOWN_MODEL: unknown or disabled provider or model, or an unusable
+    credential, e.g. a deleted one): `from_saved_default` of its message. None for any other
+    error, which the error table renders as it is."""
+    parsed = status_details(error)
+    if parsed.domain != ASSISTANT_DOMAIN or parsed.reason != "UNKNOWN_MODEL" or parsed.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    return from_saved_default(parsed.message or "the model cannot be used")
+
+
 _MAX_AFTER = 2**53
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -340,7 +362,10 @@ def create_app(
 
     async def turn_response(who: Principal, body: dict[str, Any], key: str | None) -> Response:
         """The answer to a turn POST of `who` with JSON `body` and Idempotency-Key `key` (or None);
-        raises BodyError, IdempotencyConflict or grpc.aio.AioRpcError (the error table renders them)."""
+        raises BodyError, IdempotencyConflict or grpc.aio.AioRpcError (the error table renders them).
+
+        Without `llm` the organization's saved default is used; when the orchestrator refuses it
+        the 400 says so (`saved_default_error`)."""
         check_fields(body, {"message", "chat_id", "llm"})
         message = body.get("message")
         if not isinstance(message, str):
@@ -351,29 +376,40 @@ def create_app(
         if chat_id is not None and not isinstance(chat_id, str):
             raise BodyError(400, "chat_id must be a string")
         llm = parse_llm(body.get("llm"))
+        from_default = False
         if llm is None:
             saved = await default_models.get(who.organization_id)
-            llm = parse_llm(saved) if saved else None
+            try:
+                llm = parse_llm(saved) if saved else None
+            except BodyError as malformed:  # saved by an admin command, which checks less than PUT does
+                raise from_saved_default(malformed.message) from None
+            from_default = llm is not None
         rpc = assistant_pb2.StartTurnRequest(caller=caller(who), message=message, chat_id=chat_id or "", kind="assistant")
         if llm is not None:
             rpc.llm.CopyFrom(llm)
         if key is None:
-            return await _start(rpc)
+            return await _start(rpc, from_default)
         route = "POST /assistant/chat"
         replay = await idempotency.claim(who.organization_id, who.user_id, key, route, body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS)))
         if replay is not None:
             return Response(replay[1], status_code=replay[0], media_type="application/json", headers={"Idempotent-Replayed": "true"})
         try:
-            response = await _start(rpc)
+            response = await _start(rpc, from_default)
         except BaseException:
             await idempotency.release(who.organization_id, who.user_id, key)
             raise
         await idempotency.complete(who.organization_id, who.user_id, key, response.status_code, bytes(response.body).decode())
         return response
 
-    async def _start(rpc: assistant_pb2.StartTurnRequest) -> Response:
+    async def _start(rpc: assistant_pb2.StartTurnRequest, from_default: bool = False) -> Response:
         call = orchestrator.StartTurn(rpc, timeout=30)
-        response = await call
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as error:
+            refused = saved_default_error(error) if from_default else None
+            if refused is not None:
+                raise refused from None
+            raise
         headers = {}
         for key, value in await call.trailing_metadata() or ():
             if key.startswith("x-ratelimit-"):

@@ -16,7 +16,8 @@ class GatewaySettings(CommonSettings):
         auto_migrate: apply Alembic migrations at start.
         heartbeat_interval_s: seconds of silence on a listen stream before a heartbeat frame (spec: 15).
         max_body_bytes: largest request body accepted (larger -> 413).
-        dev_api_key / dev_org_id: fix the key and organization that `seed-dev` creates.
+        dev_api_key / dev_org_id: fix the key and organization that `seed-dev` creates (the key: at
+            least 20 printable ASCII characters without spaces, else seed-dev refuses it).
         auth_cache_ttl_s: how long a resolved API key is cached in memory.
         idempotency_ttl_s: how long an Idempotency-Key and its response are kept (24 h).
     """

@@ -26,7 +26,10 @@ Lifetime: the upstream call starts with the first listener and is validated by i
 orchestrator sends initial metadata `x-loopline-stream` once the chat and run check out,
 or fails with NOT_FOUND); it ends when the run's stream ends, or is cancelled when the
 last listener leaves. A finished hub is forgotten at once, so a later listener starts a
-fresh replay from the orchestrator (which has every event of the run).
+fresh replay from the orchestrator (which has every event of the run). When the upstream
+call fails after validation (the orchestrator died or restarted), each listener's stream
+ends with the gateway's own `error` frame naming that listener's `?after=` position to
+resume from (`broken_frame`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ from services.gateway import sse
 log = logging.getLogger(__name__)
 
 STREAM_READY = "x-loopline-stream"
-BROKEN_FRAME = b"data: " + orjson.dumps({"type": "error", "data": {"message": "The event stream was interrupted; reconnect with ?after=N"}}) + b"\n\n"
 SERVER_SEND = "loopline.server_send"  # scope key where `app.GatewayApp` leaves the server's own `send`
 _LAG_BYTES = 256 * 1024  # a connection with more unsent bytes than this is served through ASGI send (flow control)
 _UVICORN_CYCLES = frozenset({
@@ -57,6 +59,15 @@ _UVICORN_CYCLES = frozenset({
 
 class StreamUnavailable(Exception):
     """The orchestrator closed the stream before validating it without a status to pass on."""
+
+
+def broken_frame(position: int) -> bytes:
+    """The gateway's own `error` frame ending a listener's stream when the upstream stream broke
+    (the orchestrator died or restarted): it names `position`, the listener's `?after=` value to
+    resume right after the last of the run's frames it got (the frames it was handed plus the
+    `after` it joined with; heartbeats and this frame are not counted)."""
+    message = f"The event stream was interrupted; reconnect with ?after={position}"
+    return b"data: " + orjson.dumps({"type": "error", "data": {"message": message}}) + b"\n\n"
 
 
 def _chunk(body: bytes) -> bytes:
@@ -122,13 +133,14 @@ class _Listener:
 
 
 class _Hub:
-    __slots__ = ("beat_due", "beat_next", "call", "finished", "flush_handle", "frames", "heartbeat_handle", "heartbeat_s",
+    __slots__ = ("beat_due", "beat_next", "broken", "call", "finished", "flush_handle", "frames", "heartbeat_handle", "heartbeat_s",
                  "key", "listeners", "loop", "ready", "round", "round_at", "round_beats", "round_from", "streams", "task")
 
     def __init__(self, key: tuple[str, str, str], heartbeat_s: float) -> None:
         self.key = key
         self.frames: list[bytes] = []
         self.finished = False
+        self.broken = False  # the upstream stream failed after validation: each listener's end is `broken_frame`
         self.loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[None] = self.loop.create_future()
         self.ready.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # mark retrieved
@@ -267,8 +279,14 @@ class _Hub:
             listener.finish()
 
     def _end_frame(self, listener: _Listener) -> None:
-        """A listener that joined an ended stream past its end and was handed nothing gets the
-        last frame, the run's end, instead of a stream that closes without one.
+        """The last frame of a listener of an ended stream, if it needs one of its own.
+
+        When the upstream stream broke (`broken`), every listener gets `broken_frame` with its
+        position (`listener.index`: every frame is handed over by now, so the number of the
+        run's frames it has, counting those before its `?after=`).
+
+        Otherwise a listener that joined an ended stream past its end and was handed nothing
+        gets the last frame, the run's end, instead of a stream that closes without one.
 
         Past the end: `?after=N` with N greater than the number of frames (it counted frames
         this stream no longer has), or equal to it when the stream does not begin with the
@@ -276,6 +294,10 @@ class _Hub:
         are a crash on the memory backend: the reaper's `error` and `done` are the run's frames
         0 and 1 because the dead process's events are gone (README "Decisions", stream end).
         N equal to the number of frames of a whole stream is the normal "I have it all": nothing."""
+        if self.broken:
+            if not listener.gone:
+                listener.deliver(broken_frame(listener.index))
+            return
         if listener.fed or listener.gone or not self.frames:
             return
         end = len(self.frames)
@@ -371,7 +393,7 @@ class RunFanout:
                 hub.ready.set_exception(error)
             elif error.code() != grpc.StatusCode.CANCELLED:
                 log.warning("run stream broke", extra={"fields": {"run_id": run_id}})
-                hub.frames.append(BROKEN_FRAME)
+                hub.broken = True  # not one of the run's frames: each listener's own, naming its position
         finally:
             if not hub.ready.done():
                 hub.ready.set_exception(StreamUnavailable())

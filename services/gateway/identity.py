@@ -1,10 +1,15 @@
 """API-key authentication and organization roles.
 
 `Authorization: Bearer <api key>` names a user (keys are stored as SHA-256 hashes);
-`X-Organization-ID` names the organization the request acts in. The assistant
-requires the owner or admin role (spec: "As built today the Assistant requires the
-owner or admin role"); any other role, or no membership, is 403; a missing or
-unknown key is 401.
+`X-Organization-ID` names the organization the request acts in. Every authenticated
+route (the assistant, credentials, knowledge bases, organization settings) requires the
+owner or admin role (spec: "As built today the Assistant requires the owner or admin
+role"); any other role, or no membership, is 403 "This requires the owner or admin role
+in this organization"; a missing or unknown key is 401.
+
+The admin functions at the end (seed_dev, create_member, list_keys, revoke_key) back the
+`python -m services.gateway` commands; they raise AdminError with a message safe to print
+(never a key) when asked for something they cannot do.
 """
 
 from __future__ import annotations
@@ -19,12 +24,23 @@ from dataclasses import dataclass
 
 from cachetools import TTLCache
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from services.common import pb
 from services.gateway.models import ApiKey, Membership, Organization, User
 
 ASSISTANT_ROLES = frozenset({"owner", "admin"})
 KEY_PREFIX = "mx_live_"
+# The 403 of a caller whose role is not in ASSISTANT_ROLES (worded for every route that checks it).
+ROLE_REQUIRED = "This requires the owner or admin role in this organization"
+# A stored and listed key prefix has at most this many characters, and at most a quarter of the key.
+PREFIX_CHARS = 12
+# The shortest LOOPLINE_DEV_API_KEY seed-dev accepts (a minted key has 51 characters).
+MIN_DEV_KEY_CHARS = 20
+
+
+class AdminError(ValueError):
+    """An admin operation that cannot be done as asked; the message is safe to print (never a key)."""
 
 
 def hash_key(key: str) -> str:
@@ -35,6 +51,27 @@ def hash_key(key: str) -> str:
 def new_key() -> str:
     """A fresh API key: `mx_live_` + 43 URL-safe characters (256 bits)."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_prefix(key: str) -> str:
+    """The part of `key` stored beside its hash and listed to recognise it: its first
+    PREFIX_CHARS (12) characters, but never more than a quarter of the key (rounded down), so
+    a prefix is always shorter than the key and leaves at least three quarters of it unknown.
+    A minted key (51 characters) shows 12 (`mx_live_` + 4); a 20-character dev key 5; a key of
+    fewer than 4 characters none ("")."""
+    return key[: min(PREFIX_CHARS, len(key) // 4)]
+
+
+def check_dev_key(key: str) -> None:
+    """Raise AdminError unless `key` can be a fixed development key (LOOPLINE_DEV_API_KEY): at
+    least MIN_DEV_KEY_CHARS (20) printable ASCII characters without spaces (shorter keys are
+    guessable and a listed prefix would show most of them; other characters never arrive
+    intact in an Authorization header). The message gives the length, never the key."""
+    if len(key) < MIN_DEV_KEY_CHARS or not all(33 <= ord(c) <= 126 for c in key):
+        raise AdminError(
+            f"LOOPLINE_DEV_API_KEY must be at least {MIN_DEV_KEY_CHARS} printable ASCII characters without spaces "
+            f"(it has {len(key)} characters); leave it unset to have a key minted"
+        )
 
 
 @dataclass(frozen=True)
@@ -129,7 +166,7 @@ class Authenticator:
                 )
             ).scalar()
         if role not in ASSISTANT_ROLES:
-            return AuthError(403, "The assistant requires the owner or admin role in this organization")
+            return AuthError(403, ROLE_REQUIRED)
         return Principal(user_id=key.user_id, organization_id=organization_id, role=role)
 
 
@@ -139,7 +176,13 @@ async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, s
     Fixed values come from `api_key`/`org_id` (LOOPLINE_DEV_API_KEY / LOOPLINE_DEV_ORG_ID);
     otherwise the existing dev organization is reused and a new key is minted, because
     stored keys cannot be read back. Returns {organization_id, api_key, user_id}.
+
+    Raises:
+        AdminError: `api_key` is given but unusable (`check_dev_key`: shorter than 20
+            characters, or with spaces or non-ASCII characters); nothing is written.
     """
+    if api_key:
+        check_dev_key(api_key)
     email = "dev@loopline.local"
     async with sessions() as session, session.begin():
         user = (await session.execute(select(User).where(User.email == email))).scalars().first()
@@ -162,16 +205,31 @@ async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, s
         key = api_key or new_key()
         digest = hash_key(key)
         if (await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))).scalars().first() is None:
-            session.add(ApiKey(id=f"key_{uuid.uuid4().hex[:16]}", user_id=user.id, key_hash=digest, prefix=key[:12], name="development key"))
+            session.add(ApiKey(id=f"key_{uuid.uuid4().hex[:16]}", user_id=user.id, key_hash=digest, prefix=key_prefix(key), name="development key"))
     return {"organization_id": org_id, "api_key": key, "user_id": user.id}
 
 
 async def create_member(sessions, organization_id: str, role: str, email: str | None = None) -> dict[str, str]:  # noqa: ANN001
     """Create a user with `role` in `organization_id` (created if absent) and an API key for them.
 
-    Returns {organization_id, user_id, api_key}. Used by tests and the admin command.
+    Returns {organization_id, user_id, key_id, api_key}. Used by tests and the admin command.
+
+    Raises:
+        AdminError: a user with `email` already exists (emails are unique), also when one
+            is created concurrently; nothing is written.
     """
+    try:
+        return await _create_member(sessions, organization_id, role, email)
+    except IntegrityError:  # a user with this email created between the check and the insert
+        if email:
+            raise AdminError(f"a user with email {email!r} already exists") from None
+        raise
+
+
+async def _create_member(sessions, organization_id: str, role: str, email: str | None) -> dict[str, str]:  # noqa: ANN001
     async with sessions() as session, session.begin():
+        if email and (await session.execute(select(User.id).where(User.email == email))).first() is not None:
+            raise AdminError(f"a user with email {email!r} already exists")
         if await session.get(Organization, organization_id) is None:
             session.add(Organization(id=organization_id, name=organization_id))
             await session.flush()
@@ -181,14 +239,17 @@ async def create_member(sessions, organization_id: str, role: str, email: str | 
         session.add(Membership(organization_id=organization_id, user_id=user.id, role=role))
         key = new_key()
         key_id = f"key_{uuid.uuid4().hex[:16]}"
-        session.add(ApiKey(id=key_id, user_id=user.id, key_hash=hash_key(key), prefix=key[:12], name=f"{role} key"))
+        session.add(ApiKey(id=key_id, user_id=user.id, key_hash=hash_key(key), prefix=key_prefix(key), name=f"{role} key"))
     return {"organization_id": organization_id, "user_id": user.id, "key_id": key_id, "api_key": key}
 
 
 async def list_keys(sessions, organization_id: str) -> list[dict[str, str | None]] | None:  # noqa: ANN001
-    """The API keys of the organization's members, oldest first: {key_id, prefix (the key's first
-    12 characters, enough to recognise it, never the key), name, user_id, role, created_at,
-    revoked_at} (times ISO 8601, UTC). None when the organization does not exist."""
+    """The API keys of the organization's members, oldest first: {key_id, prefix, name, user_id,
+    role, created_at, revoked_at} (times ISO 8601, UTC). None when the organization does not exist.
+
+    `prefix` is `key_prefix(key)`: enough to recognise a key, always shorter than it. A key
+    stored before that rule whose stored prefix is the whole key (a dev key of 12 characters
+    or fewer) is shown with `key_prefix` of it, never whole."""
     async with sessions() as session:
         if await session.get(Organization, organization_id) is None:
             return None
@@ -201,8 +262,13 @@ async def list_keys(sessions, organization_id: str) -> list[dict[str, str | None
             )
         ).all()
 
-    return [{"key_id": key.id, "prefix": key.prefix, "name": key.name, "user_id": key.user_id, "role": role,
+    return [{"key_id": key.id, "prefix": _shown_prefix(key), "name": key.name, "user_id": key.user_id, "role": role,
              "created_at": pb.iso(key.created_at), "revoked_at": pb.iso(key.revoked_at)} for key, role in rows]
+
+
+def _shown_prefix(key: ApiKey) -> str:
+    """The listed prefix of a stored key: its stored prefix, unless that is the whole key."""
+    return key_prefix(key.prefix) if hash_key(key.prefix) == key.key_hash else key.prefix
 
 
 async def revoke_key(sessions, key_id: str | None = None, key: str | None = None) -> dict[str, str] | None:  # noqa: ANN001
@@ -211,7 +277,12 @@ async def revoke_key(sessions, key_id: str | None = None, key: str | None = None
     Returns {key_id, user_id, revoked_at} (ISO 8601; the first revocation's time when it was
     revoked before), or None when no such key exists. A running gateway stops accepting the
     key within LOOPLINE_AUTH_CACHE_TTL_S (its API-key cache).
+
+    Raises:
+        AdminError: neither a key id nor a key was given (both empty).
     """
+    if not key_id and not key:
+        raise AdminError("no API key given: write the key to standard input, or pass --key-id")
     async with sessions() as session, session.begin():
         query = select(ApiKey).where(ApiKey.id == key_id) if key_id else select(ApiKey).where(ApiKey.key_hash == hash_key(key or ""))
         found = (await session.execute(query)).scalars().first()
@@ -222,4 +293,5 @@ async def revoke_key(sessions, key_id: str | None = None, key: str | None = None
         return {"key_id": found.id, "user_id": found.user_id, "revoked_at": pb.iso(found.revoked_at)}
 
 
-__all__ = ["ASSISTANT_ROLES", "AuthError", "Authenticator", "Principal", "create_member", "hash_key", "list_keys", "new_key", "revoke_key", "seed_dev"]
+__all__ = ["ASSISTANT_ROLES", "ROLE_REQUIRED", "AdminError", "AuthError", "Authenticator", "Principal", "check_dev_key", "create_member",
+           "hash_key", "key_prefix", "list_keys", "new_key", "revoke_key", "seed_dev"]

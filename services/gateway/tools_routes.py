@@ -8,6 +8,12 @@ before anything is looked up. Bad input is 400 `{"detail": ...}` (BodyError); to
 service failures go through the gateway's error table (`grpc_error_response`), except
 an unsupported upload type, which is 415. Secrets are never returned: a credential shows
 its metadata and, on request, a masked form.
+
+Size limits (400 past them, checked before the tools service is called, so nothing is
+stored): every string field at most STRING_LIMITS[field] characters (MAX_TEXT_CHARS for a
+field not listed); the JSON objects at most OBJECT_LIMITS[field] bytes as compact UTF-8
+JSON (metadata 16 KiB, with `expires_at` merged in); a multi-search names at most
+MAX_SEARCH_BASES knowledge bases. Errors name the field and the limit, never the value.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
@@ -24,7 +31,7 @@ from starlette.datastructures import UploadFile
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import pb
-from services.common.errors import TOOLS_DOMAIN, status_details
+from services.common.errors import TOOLS_DOMAIN, bounded, status_details
 from services.gateway.app import BodyError, check_fields, read_json_object
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
@@ -46,8 +53,31 @@ _FILE_TYPES = {"text/plain": "txt", "text/markdown": "md", "text/html": "html", 
 _TIMEOUT_S = 30.0
 _MCP_TIMEOUT_S = 120.0
 
+# The longest value of a string field of these routes, in characters, by field name. Names fit
+# the tools service's columns (a credential's display_name and a knowledge base's name are
+# VARCHAR(200) there, an integration name VARCHAR(100)); a listed credential or knowledge base
+# also lands in model tool results, so its free text stays small.
+STRING_LIMITS = {"display_name": 200, "name": 200, "integration_name": 100, "auth_type": 32, "expires_at": 64,
+                 "description": 10_000}
+# Any other string field (server_url, redirect_uri, scope, a search query), in characters.
+MAX_TEXT_CHARS = 2_048
+# The largest JSON object field, in bytes of compact UTF-8 JSON, by field name: credential metadata
+# (returned by every listing) 16 KiB; a secret (auth_data, MCP headers) 64 KiB / 16 KiB.
+OBJECT_LIMITS = {"metadata": 16 * 1024, "auth_data": 64 * 1024, "headers": 16 * 1024}
+# The most knowledge bases one multi-search names, and the longest id (ids are 36-character UUIDs).
+MAX_SEARCH_BASES = 100
+MAX_ID_CHARS = 64
+# The auth types a credential list can filter by: the tools service's stored types and the SDK's
+# alias `bearer_token` (SDK_AUTH_TYPES); checked here so that the 400 names the alias too.
+CREDENTIAL_AUTH_TYPES = ("api_key", "bearer", "bearer_token", "oauth2", "mcp_server")
+
 
 def _string(body: dict[str, Any], name: str, *, required: bool = False, default: str = "") -> str:
+    """The string field `name` of `body` (`default` when absent or null).
+
+    Raises BodyError 400 when it is not a string, is required and missing or blank, or is
+    longer than STRING_LIMITS[name] (MAX_TEXT_CHARS for other fields) characters.
+    """
     value = body.get(name)
     if value is None:
         if required:
@@ -55,14 +85,32 @@ def _string(body: dict[str, Any], name: str, *, required: bool = False, default:
         return default
     if not isinstance(value, str) or (required and not value.strip()):
         raise BodyError(400, f"{name} must be a non-empty string" if required else f"{name} must be a string")
+    limit = STRING_LIMITS.get(name, MAX_TEXT_CHARS)
+    if len(value) > limit:
+        raise BodyError(400, f"{name} must be at most {limit} characters (it has {len(value)})")
     return value
 
 
 def _object(body: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The JSON object field `name` of `body`, or None when absent or null.
+
+    Raises BodyError 400 when it is not an object, or (for a field in OBJECT_LIMITS) larger
+    than its limit as compact UTF-8 JSON (`check_json_size`).
+    """
     value = body.get(name)
     if value is not None and not isinstance(value, dict):
         raise BodyError(400, f"{name} must be an object")
+    if value is not None and name in OBJECT_LIMITS:
+        check_json_size(name, value, OBJECT_LIMITS[name])
     return value
+
+
+def check_json_size(name: str, value: Any, limit: int) -> None:
+    """BodyError 400 when `value` is larger than `limit` bytes as compact UTF-8 JSON (the error
+    names `name` and the sizes, never the content: it may be a secret)."""
+    size = len(orjson.dumps(value))
+    if size > limit:
+        raise BodyError(400, f"{name} must be at most {limit} bytes when JSON-encoded (it has {size})")
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -223,6 +271,7 @@ def tools_router(
         expires_at = _string(body, "expires_at")
         if expires_at:
             metadata["expires_at"] = expires_at
+            check_json_size("metadata", metadata, OBJECT_LIMITS["metadata"])  # as stored, with expires_at
         auth_type = _string(body, "auth_type") or infer_auth_type(auth_data)
         # the SDK's CredentialAuthOption names a bearer token "bearer_token" (modulex/types/realtime.py)
         auth_type = SDK_AUTH_TYPES.get(auth_type, auth_type)
@@ -245,6 +294,8 @@ def tools_router(
             raise BodyError(400, "limit must be between 1 and 500")
         if offset < 0:
             raise BodyError(400, "offset must be >= 0")
+        if auth_type and auth_type not in CREDENTIAL_AUTH_TYPES:
+            raise BodyError(400, f"auth_type must be one of {', '.join(CREDENTIAL_AUTH_TYPES)}")
         response = await tools.ListCredentials(
             tools_pb2.ListCredentialsRequest(
                 organization_id=who.organization_id, integration_name=integration_name or "",
@@ -320,7 +371,7 @@ def tools_router(
         # No API key here: the browser arrives from the authorization server; the
         # single-use, unguessable state names the organization and the flow.
         if error:
-            return detail(400, f"Authorization was not granted: {error}")
+            return detail(400, bounded(f"Authorization was not granted: {error}"))  # a query parameter: any length
         if not state or not code:
             return detail(400, "state and code are required")
         response = await tools.CompleteOAuth2(tools_pb2.CompleteOAuth2Request(state=state, code=code), timeout=_TIMEOUT_S)
@@ -431,8 +482,10 @@ def tools_router(
         body = await body_of(request)
         check_fields(body, {"knowledge_base_ids", "query", "top_k", "min_score"})
         ids = body.get("knowledge_base_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
-            raise BodyError(400, "knowledge_base_ids must be a non-empty list of ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and 0 < len(i) <= MAX_ID_CHARS for i in ids):
+            raise BodyError(400, f"knowledge_base_ids must be a non-empty list of ids (at most {MAX_ID_CHARS} characters each)")
+        if len(ids) > MAX_SEARCH_BASES:
+            raise BodyError(400, f"knowledge_base_ids must name at most {MAX_SEARCH_BASES} knowledge bases")
         query = _string(body, "query", required=True)
         top_k = _int(body, "top_k", 5, 1, 50)
         min_score = _number(body, "min_score", 0.0)

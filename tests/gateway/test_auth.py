@@ -27,6 +27,7 @@ async def test_member_role_is_403_and_admin_is_allowed(stack):
         denied = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key=member["api_key"]))
         allowed = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key=admin["api_key"]))
     assert denied.status_code == 403
+    assert denied.json() == {"detail": "This requires the owner or admin role in this organization"}  # fits every route
     assert allowed.status_code == 200
 
 

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from services.gateway.identity import Authenticator, AuthError, Principal
+from services.gateway.identity import ROLE_REQUIRED, Authenticator, AuthError, Principal
 
 
 class CountingAuthenticator(Authenticator):
@@ -70,7 +70,7 @@ async def test_header_cache_hit_is_a_lookup_of_the_header_and_expires_with_the_e
 
 
 async def test_header_cache_keeps_errors_and_other_organizations_apart():
-    auth = CountingAuthenticator(AuthError(403, "The assistant requires the owner or admin role in this organization"))
+    auth = CountingAuthenticator(AuthError(403, ROLE_REQUIRED))
     for _ in range(2):
         with pytest.raises(AuthError) as raised:
             await auth.authenticate("Bearer mx_live_k", "org_a")

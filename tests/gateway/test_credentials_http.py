@@ -85,7 +85,16 @@ async def test_credential_list_filters_by_the_sdk_auth_type_names_and_refuses_un
         assert (await client.get("/credentials", params={"auth_type": "oauth2"})).json()["total"] == 0
         refused = await client.get("/credentials", params={"auth_type": "bearer-token"})
         assert refused.status_code == 400
-        assert "auth_type must be one of api_key, bearer, oauth2, mcp_server" in refused.json()["detail"]
+        # the accepted names include the SDK's alias (user test: the 400 named only the stored ones)
+        assert refused.json() == {"detail": "auth_type must be one of api_key, bearer, bearer_token, oauth2, mcp_server"}
+
+
+def test_the_credential_auth_types_the_gateway_accepts_are_the_tools_services_and_the_sdk_aliases():
+    from services.gateway.tools_routes import CREDENTIAL_AUTH_TYPES, SDK_AUTH_TYPES
+    from services.tools.credentials import STORED_AUTH_TYPES
+
+    assert set(CREDENTIAL_AUTH_TYPES) == set(STORED_AUTH_TYPES) | set(SDK_AUTH_TYPES)
+    assert set(SDK_AUTH_TYPES.values()) <= set(STORED_AUTH_TYPES)
 
 
 async def test_credentials_through_the_sdk(stack):
@@ -112,7 +121,9 @@ async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(st
     outsider = await stack.member("owner", org_id="org_elsewhere")
     async with httpx.AsyncClient(base_url=stack.base_url) as raw:
         assert (await raw.get("/credentials", headers={"X-Organization-ID": stack.org_id})).status_code == 401
-        assert (await raw.get("/credentials", headers=stack.headers(api_key=member["api_key"]))).status_code == 403
+        denied = await raw.get("/credentials", headers=stack.headers(api_key=member["api_key"]))
+        # worded for every route that checks the role (user test: it said "The assistant requires ...")
+        assert denied.status_code == 403 and denied.json() == {"detail": "This requires the owner or admin role in this organization"}
         # A 403 comes before any lookup: the member cannot learn whether the id exists.
         assert (await raw.delete(f"/credentials/{created['credential_id']}", headers=stack.headers(api_key=member["api_key"]))).status_code == 403
         other = stack.headers(outsider["api_key"], "org_elsewhere")
@@ -149,6 +160,50 @@ async def test_bad_credential_input_is_400_with_detail_and_never_echoes_the_secr
         not_json = await client.post("/credentials", content=b"{", headers={"Content-Type": "application/json"})
         assert not_json.status_code == 400
         assert (await client.get("/credentials", params={"limit": 0})).status_code == 400
+
+
+async def test_oversized_credential_fields_are_400_naming_the_limit_and_nothing_is_stored(stack):
+    """Bug (user test): display_name took 100,000 characters and metadata ~900 KB (only the 1 MiB
+    body cap applied), and a model tool result listing credentials then became a 104 KB frame.
+    Every string field now has a limit in characters, metadata 16 KiB as JSON (with expires_at
+    merged in), the secret objects their own; errors name the field, never a value."""
+    secret = "secret-value"
+    most = 16 * 1024 - len('{"note":""}')  # metadata {"note": "m" * most} is exactly 16 KiB of JSON
+    async with stack.client() as client:
+        kept = await _create_pg(client, display_name="d" * 200, metadata={"note": "m" * most})
+        assert len(kept["display_name"]) == 200
+        pg = {"integration_name": "postgresql", "auth_data": {"dsn": SECRET_DSN}}
+        cases = [
+            ("/credentials", {**pg, "display_name": "d" * 201}, "display_name must be at most 200 characters"),
+            ("/credentials", {**pg, "display_name": "d" * 100_000}, "display_name must be at most 200 characters"),
+            ("/credentials", {**pg, "metadata": {"note": "m" * (most + 1)}}, "metadata must be at most 16384 bytes when JSON-encoded"),
+            ("/credentials", {**pg, "metadata": {"note": "m" * 900_000}}, "metadata must be at most 16384 bytes"),
+            ("/credentials", {**pg, "metadata": {"note": "m" * most}, "expires_at": "2030-01-01T00:00:00Z"}, "metadata must be at most 16384 bytes"),
+            ("/credentials", {**pg, "expires_at": "2" * 65}, "expires_at must be at most 64 characters"),
+            ("/credentials", {**pg, "integration_name": "p" * 101}, "integration_name must be at most 100 characters"),
+            ("/credentials", {**pg, "auth_type": "a" * 33}, "auth_type must be at most 32 characters"),
+            ("/credentials", {**pg, "auth_data": {"dsn": secret * 6000}}, "auth_data must be at most 65536 bytes"),
+            ("/credentials/mcp-server", {"server_url": "https://mcp.example.com/", "display_name": "d" * 201}, "display_name must be at most 200"),
+            ("/credentials/mcp-server", {"server_url": "https://mcp.example.com/" + "a" * 2100}, "server_url must be at most 2048 characters"),
+            ("/credentials/mcp-server", {"server_url": "https://mcp.example.com/", "headers": {"Authorization": secret * 2000}},
+             "headers must be at most 16384 bytes"),
+            ("/credentials/oauth2/initiate", {"integration_name": "github", "redirect_uri": "https://app.example.com/cb",
+                                              "display_name": "d" * 201}, "display_name must be at most 200"),
+            ("/credentials/oauth2/initiate", {"integration_name": "github", "redirect_uri": "https://app.example.com/" + "c" * 2100},
+             "redirect_uri must be at most 2048 characters"),
+            ("/credentials/oauth2/initiate", {"integration_name": "github", "redirect_uri": "https://app.example.com/cb",
+                                              "scope": "repo " * 500}, "scope must be at most 2048 characters"),
+        ]
+        for path, body, expected in cases:
+            response = await client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text[:300])
+            assert expected in response.json()["detail"], response.text[:300]
+            assert secret not in response.text and len(response.text) < 300
+        listing = (await client.get("/credentials")).json()
+        assert [c["credential_id"] for c in listing["credentials"]] == [kept["credential_id"]]  # nothing else stored
+        # the OAuth2 callback's `error` is echoed: a bounded detail however long it is
+        echoed = await client.get("/credentials/oauth2/callback", params={"error": "e" * 5000})
+        assert echoed.status_code == 400 and len(echoed.json()["detail"]) <= 1000
 
 
 async def test_turn_runs_a_postgresql_query_with_a_credential_created_over_http(stack):

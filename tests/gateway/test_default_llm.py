@@ -9,7 +9,10 @@ import sys
 
 from modulex import Modulex
 
+from tests.conftest import start_stack, stop_stack
 from tests.sse_client import read_frames
+
+FROM_DEFAULT = " (from the organization's default model, PUT /organizations/settings/composer-llm)"
 
 
 async def test_saved_default_is_used_when_a_turn_names_no_model(stack):
@@ -74,3 +77,38 @@ def test_admin_command_refuses_an_unknown_organization_and_a_missing_database(tm
     result = subprocess.run([sys.executable, "-m", "services.gateway", "set-default-llm", "--org", "org_typo", *args],
                             env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 1 and json.loads(result.stdout) == {"error": "no organization 'org_typo'"}
+
+
+async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_default(tmp_path):
+    """Bug (user test): the saved default named a credential deleted since, and a turn without
+    `llm` got 400 "credential '...' cannot be used as a model key", not saying where that
+    credential came from. Every refusal of a saved default (unusable credential, unknown model,
+    a malformed one saved by the admin command) now says so; a turn's own `llm` does not."""
+    openai = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
+    stack = await start_stack(tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"})
+    try:
+        async with stack.client() as client:
+            created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-org-own-key-999999"}})
+            assert created.status_code == 201, created.text
+            credential_id = created.json()["credential_id"]
+            saved = await client.put("/organizations/settings/composer-llm", json={**openai, "credential_id": credential_id})
+            assert saved.status_code == 200, saved.text
+            assert (await client.delete(f"/credentials/{credential_id}")).status_code == 204
+            expected = f"credential {credential_id!r} cannot be used as a model key" + FROM_DEFAULT
+            for headers in ({}, {"Idempotency-Key": "turn-1"}, {"Idempotency-Key": "turn-1"}):  # the key is released: same answer
+                turn = await client.post("/assistant/chat", json={"message": "hi"}, headers=headers)
+                assert turn.status_code == 400 and turn.json() == {"detail": expected}
+            own = await client.post("/assistant/chat", json={"message": "hi", "llm": {**openai, "credential_id": credential_id}})
+            assert own.status_code == 400 and own.json() == {"detail": f"credential {credential_id!r} cannot be used as a model key"}
+            # the same for any other refusal of a saved default (the admin command saves without checking)
+            for default, message in (
+                ({"integration_name": "loopline", "provider_id": "scripted", "model_id": "gpt-9"}, "unknown model 'gpt-9' for provider 'scripted'"),
+                ({"integration_name": "openai", "provider_id": "", "model_id": "gpt-test"}, "llm.provider_id must be a non-empty string"),
+            ):
+                await stack.gateway.default_models.set(stack.org_id, default)
+                turn = await client.post("/assistant/chat", json={"message": "hi"})
+                assert turn.status_code == 400 and turn.json()["detail"].endswith(FROM_DEFAULT), turn.text
+                assert message in turn.json()["detail"]
+            assert (await client.get("/assistant/chats")).json()["items"] == []  # nothing written
+    finally:
+        await stop_stack(stack)

@@ -10,7 +10,10 @@ last frame; the last listener to leave cancels the upstream call (issue 9, strea
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
+
+import grpc
 
 from loopline.assistant.v1 import assistant_pb2, events_pb2
 from services.gateway import fanout as fanout_module
@@ -27,10 +30,11 @@ def done_event(seq: int) -> events_pb2.Event:
 
 
 class FakeCall:
-    """A StreamRun call whose messages the test feeds through a queue (None ends the stream)."""
+    """A StreamRun call whose messages the test feeds through a queue (None ends the stream, an
+    exception is raised by it, e.g. a grpc.aio.AioRpcError: the stream broke)."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[events_pb2.Event | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[events_pb2.Event | BaseException | None] = asyncio.Queue()
         self.cancelled = False
 
     async def initial_metadata(self) -> list[tuple[str, str]]:
@@ -46,6 +50,8 @@ class FakeCall:
         event = await self.queue.get()
         if event is None:
             raise StopAsyncIteration
+        if isinstance(event, BaseException):
+            raise event
         return assistant_pb2.StreamRunResponse(event=event)
 
 
@@ -343,3 +349,43 @@ async def test_a_listener_at_the_end_of_a_whole_stream_gets_nothing_more():
         stub.calls[0].queue.put_nowait(event)
     await asyncio.wait_for(at_end_task, 5)
     assert at_end.frames() == []
+
+
+async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_to_resume_from():
+    """Bug (user test): when the orchestrator died mid-run, the gateway's error frame said
+    "reconnect with ?after=N" with N never filled in. Each listener now gets its own position:
+    the run's frames it has, those it was handed plus the `after` it joined with (the error
+    frame and heartbeats are not counted); reconnecting with it continues right after them."""
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    first, first_task = await listen(fan)
+    call = stub.calls[0]
+    events = [chunk_event(i, f"c{i}") for i in range(4)]
+    for event in events[:3]:
+        call.queue.put_nowait(event)
+    await until(lambda: len(first.frames()) == 3)
+    late, late_task = await listen(fan, after=1)
+    await until(lambda: len(late.frames()) == 2)
+    ahead, ahead_task = await listen(fan, after=6)  # counted frames this replay has not reached
+    call.queue.put_nowait(events[3])
+    await until(lambda: len(first.frames()) == 4)
+    call.queue.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "socket closed"))
+    await asyncio.wait_for(asyncio.gather(first_task, late_task, ahead_task), 5)
+
+    def error_message(frame: bytes) -> str:
+        data = json.loads(frame.removeprefix(b"data: "))
+        assert data["type"] == "error"
+        return data["data"]["message"]
+
+    assert first.frames()[:-1] == [sse.encode(e) for e in events]
+    assert error_message(first.frames()[-1]) == "The event stream was interrupted; reconnect with ?after=4"
+    assert late.frames()[:-1] == [sse.encode(e) for e in events[1:]]
+    assert error_message(late.frames()[-1]) == "The event stream was interrupted; reconnect with ?after=4"
+    assert [error_message(f) for f in ahead.frames()] == ["The event stream was interrupted; reconnect with ?after=6"]
+    # resuming at the named position: a fresh replay from the orchestrator, the frames after it
+    resumed, resumed_task = await listen(fan, after=4)
+    replay = stub.calls[1]
+    for event in (*events, chunk_event(4, "c4"), done_event(5), None):
+        replay.queue.put_nowait(event)
+    await asyncio.wait_for(resumed_task, 5)
+    assert resumed.frames() == [sse.encode(chunk_event(4, "c4")), sse.encode(done_event(5))]

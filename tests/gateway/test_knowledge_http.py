@@ -128,6 +128,31 @@ async def test_multi_search_ranks_across_bases_and_bad_input_is_400(stack):
         assert unknown.status_code == 404
 
 
+async def test_oversized_knowledge_fields_are_400_naming_the_limit_and_nothing_is_stored(stack):
+    """Bug (user test): a knowledge base's name took 200,000 characters (only the 1 MiB body cap
+    applied). Names are at most 200 characters (the tools service's column), descriptions
+    10,000, a search query 2,048; a multi-search names at most 100 knowledge bases."""
+    async with stack.client() as client:
+        kept = await client.post("/knowledge-bases", json={"name": "n" * 200, "description": "d" * 10_000})
+        assert kept.status_code == 201, kept.text[:300]
+        kb_id = kept.json()["id"]
+        cases = [
+            ("/knowledge-bases", {"name": "n" * 201}, "name must be at most 200 characters"),
+            ("/knowledge-bases", {"name": "n" * 200_000}, "name must be at most 200 characters"),
+            ("/knowledge-bases", {"name": "ok", "description": "d" * 10_001}, "description must be at most 10000 characters"),
+            (f"/knowledge-bases/{kb_id}/search", {"query": "q" * 2049}, "query must be at most 2048 characters"),
+            ("/knowledge-bases/search", {"knowledge_base_ids": [kb_id], "query": "q" * 2049}, "query must be at most 2048 characters"),
+            ("/knowledge-bases/search", {"knowledge_base_ids": [kb_id] * 101, "query": "q"}, "at most 100 knowledge bases"),
+            ("/knowledge-bases/search", {"knowledge_base_ids": ["i" * 65], "query": "q"}, "at most 64 characters each"),
+        ]
+        for path, body, expected in cases:
+            response = await client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text[:300])
+            assert expected in response.json()["detail"], response.text[:300]
+            assert len(response.text) < 300
+        assert [kb["id"] for kb in (await client.get("/knowledge-bases")).json()] == [kb_id]  # nothing else stored
+
+
 async def test_no_organization_sees_another_organizations_documents(stack):
     outsider = await stack.member("owner", org_id="org_other_kb")
     member = await stack.member("member")

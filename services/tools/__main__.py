@@ -2,16 +2,43 @@
 
 Other sub-commands:
   `python -m services.tools generate-key` prints a new Fernet key for LOOPLINE_TOOLS_CREDENTIAL_KEY.
+  `python -m services.tools rotate-credentials` encrypts every stored secret again with the first
+  key of LOOPLINE_TOOLS_CREDENTIAL_KEY (after NEW,OLD is configured; then OLD can be dropped).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
 
 from services.common import db
 from services.common.runner import run
 from services.tools.config import ToolsSettings
+
+
+async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
+    """`rotate-credentials`: (exit code, JSON document) — `{"rotated": N, "undecryptable": [ids]}`
+    (exit 1 when some credential no configured key decrypts), or `{"error": ...}` (exit 1) when
+    no key is set or the SQLite database does not exist (it is never created here)."""
+    if settings.uses_dev_credential_key():
+        return 1, {"error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key first) and run again"}
+    url = settings.database_url()
+    missing = db.missing_sqlite_file(url)
+    if missing is not None:
+        return 1, {"error": f"no tools database at {missing}: run with the services' LOOPLINE_DATA_DIR or database URL"}
+    from services.tools.catalogue import Catalogue
+    from services.tools.credentials import CredentialStore
+    from services.tools.crypto import SecretBox
+
+    engine = db.make_engine(url)
+    try:
+        store = CredentialStore(db.sessionmaker(engine), SecretBox(settings.credential_keys()), Catalogue([]))
+        rotated, undecryptable = await store.rotate_secrets()
+    finally:
+        await engine.dispose()
+    return (1 if undecryptable else 0), {"rotated": rotated, "undecryptable": undecryptable}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="serve gRPC (the default)")
     sub.add_parser("migrate", help="upgrade the database to the newest migration")
     sub.add_parser("generate-key", help="print a new Fernet key for LOOPLINE_TOOLS_CREDENTIAL_KEY")
+    sub.add_parser("rotate-credentials", help="encrypt every stored secret again with the first configured key (prints JSON)")
     args = parser.parse_args(argv)
     settings = ToolsSettings()
     if args.command == "migrate":
@@ -32,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(Fernet.generate_key().decode())
         return 0
+
+    if args.command == "rotate-credentials":
+        code, document = asyncio.run(rotate_credentials(settings))
+        print(json.dumps(document))
+        return code
 
     from services.tools.server import ToolsServer
 

@@ -215,6 +215,40 @@ class CredentialStore:
         )
         return await self._insert(row, make_default)
 
+    async def rotate_secrets(self, page_size: int = 500) -> tuple[int, list[str]]:
+        """Encrypt every stored secret again with the first key (`SecretBox.rotate`).
+
+        The last step of changing LOOPLINE_TOOLS_CREDENTIAL_KEY: with NEW,OLD configured, this
+        rewrites what OLD encrypted, after which OLD can be dropped. Each row is written only if
+        its ciphertext is still the one read (a concurrent write is never overwritten; it is
+        encrypted with the first key anyway). Returns (rows rewritten, ids of credentials that no
+        configured key decrypts, left as they are). Never logs or returns a secret.
+        """
+        rotated, undecryptable = 0, []
+        after = ""
+        while True:
+            async with self._sessions() as session:
+                rows = (await session.execute(
+                    select(Credential.id, Credential.encrypted_secret).where(Credential.id > after).order_by(Credential.id).limit(page_size)
+                )).all()
+            if not rows:
+                break
+            after = rows[-1][0]
+            for credential_id, token in rows:
+                try:
+                    fresh = self._box.rotate(token)
+                except SecretBoxError:
+                    undecryptable.append(credential_id)
+                    continue
+                async with self._sessions() as session, session.begin():
+                    result = await session.execute(
+                        update(Credential)
+                        .where(Credential.id == credential_id, Credential.encrypted_secret == token)
+                        .values(encrypted_secret=fresh)
+                    )
+                rotated += result.rowcount
+        return rotated, undecryptable
+
     async def list(
         self,
         org_id: str,

@@ -67,6 +67,16 @@ class SecretBox:
         """The Fernet token (ASCII text) of the JSON object `secret`."""
         return self._multi().encrypt(json.dumps(secret, separators=(",", ":")).encode()).decode("ascii")
 
+    def rotate(self, token: str) -> str:
+        """`token` encrypted again with the first key (`MultiFernet.rotate`: the same secret and
+        timestamp). Raises SecretBoxError when no configured key decrypts it."""
+        from cryptography.fernet import InvalidToken
+
+        try:
+            return self._multi().rotate(token.encode("ascii")).decode("ascii")
+        except (InvalidToken, ValueError) as exc:
+            raise SecretBoxError("the credential cannot be decrypted with the configured key") from exc
+
     def decrypt(self, token: str) -> dict[str, Any]:
         """The JSON object in `token`. Raises SecretBoxError when it cannot be decrypted."""
         from cryptography.fernet import InvalidToken

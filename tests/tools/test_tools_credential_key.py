@@ -129,3 +129,49 @@ async def test_an_oauth2_state_the_new_key_cannot_read_asks_to_start_again_and_i
     assert records[0].fields == {"integration": "acme", "org_id": "org-a"}
     assert "LOOPLINE_TOOLS_CREDENTIAL_KEY" in records[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_rotate_credentials_rewrites_old_secrets_with_the_new_key_and_names_the_lost(start_tools, tmp_path):
+    """`python -m services.tools rotate-credentials`: with NEW,OLD configured, every secret OLD
+    encrypted is encrypted again with NEW (so OLD can be dropped); one no key decrypts is named
+    and left as it is (exit 1)."""
+    from services.tools.__main__ import rotate_credentials
+    from services.tools.config import ToolsSettings
+    from services.tools.crypto import SecretBox, SecretBoxError
+
+    writer, _reader, old_key, new_key = await _two_replicas(start_tools, tmp_path)
+    url = writer.settings.tools_database_url
+    kept = await writer.create_credential("postgresql", {"dsn": SECRET_DSN})
+    stranger = await start_tools(tools_database_url=url, tools_credential_key=Fernet.generate_key().decode())
+    lost = await stranger.create_credential("http", {"token": "tok-1234567890"}, auth_type="bearer")
+    before = _ciphertexts(tmp_path / "shared.db")
+
+    settings = ToolsSettings(data_dir=tmp_path / "cli", tools_database_url=url, tools_credential_key=f"{new_key},{old_key}")
+    code, document = await rotate_credentials(settings)
+
+    assert (code, document) == (1, {"rotated": 1, "undecryptable": [lost.credential_id]})
+    assert SECRET_DSN not in json.dumps(document)
+    after = _ciphertexts(tmp_path / "shared.db")
+    new_only = SecretBox([new_key])
+    assert {"dsn": SECRET_DSN} in [new_only.decrypt(token) for token in after if token not in before]
+    assert len(set(after) - set(before)) == 1  # the lost one is untouched
+    with pytest.raises(SecretBoxError):
+        SecretBox([old_key]).decrypt(next(token for token in after if token not in before))
+    assert kept.credential_id not in document["undecryptable"]
+    code, document = await rotate_credentials(ToolsSettings(data_dir=tmp_path / "cli", tools_database_url=url, tools_credential_key=new_key))
+    assert (code, document["rotated"]) == (1, 1)  # idempotent: rewriting with the same key changes nothing that matters
+
+
+def test_rotate_credentials_command_refuses_without_a_key_or_a_database(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
+    command = [sys.executable, "-m", "services.tools", "rotate-credentials"]
+    no_key = subprocess.run(command, env={**env, "LOOPLINE_DATA_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=60, check=False)
+    assert no_key.returncode == 1 and "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set" in json.loads(no_key.stdout)["error"]
+    no_db = subprocess.run(command, env={**env, "LOOPLINE_DATA_DIR": str(tmp_path), "LOOPLINE_TOOLS_CREDENTIAL_KEY": Fernet.generate_key().decode()},
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert no_db.returncode == 1 and "no tools database" in json.loads(no_db.stdout)["error"]
+    assert not list(tmp_path.iterdir())  # nothing was created

@@ -32,7 +32,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response, unavailable_response, unexpected_error_response
 from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
 from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
-from services.gateway.identity import Authenticator, AuthError, Principal
+from services.gateway.identity import Authenticator, AuthError, Principal, user_email
 from services.gateway.openapi import error_responses
 from services.gateway.org_settings import DefaultModels, settings_router
 
@@ -557,7 +557,8 @@ def create_app(
     if tools_channel is not None:
         from services.gateway.tools_routes import tools_router  # noqa: PLC0415 - tools_routes imports this module
 
-        app.include_router(tools_router(settings, principal, tools_channel, channel))
+        app.include_router(tools_router(settings, principal, tools_channel, channel,
+                                        user_email=lambda user_id: user_email(authenticator.sessions, user_id)))
     async def check_model(who: Principal, llm: assistant_pb2.LlmConfig) -> None:
         await orchestrator.CheckModel(assistant_pb2.CheckModelRequest(caller=caller(who), llm=llm), timeout=30)
 

@@ -170,6 +170,14 @@ class Authenticator:
         return Principal(user_id=key.user_id, organization_id=organization_id, role=role)
 
 
+async def user_email(sessions, user_id: str) -> str | None:  # noqa: ANN001
+    """The email of the user `user_id`, or None (an empty id, or no such user)."""
+    if not user_id:
+        return None
+    async with sessions() as session:
+        return (await session.execute(select(User.email).where(User.id == user_id))).scalar_one_or_none()
+
+
 async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, str]:  # noqa: ANN001
     """Ensure a development organization, owner and API key exist (idempotent).
 

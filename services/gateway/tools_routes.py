@@ -150,7 +150,7 @@ def infer_auth_type(auth_data: dict[str, Any] | None) -> str:
     return ""
 
 
-def credential_json(c: tools_pb2.Credential, detail_view: bool = False) -> dict[str, Any]:
+def credential_json(c: tools_pb2.Credential, detail_view: bool = False, created_by_email: str | None = None) -> dict[str, Any]:
     """The SDK's CredentialResponse (or CredentialDetailResponse when `detail_view`) of a Credential."""
     metadata = pb.from_struct(c.metadata)
     body: dict[str, Any] = {
@@ -168,19 +168,19 @@ def credential_json(c: tools_pb2.Credential, detail_view: bool = False) -> dict[
     }
     if detail_view:
         body.update(
-            organization_id=c.organization_id, created_by=None, created_by_email=None,
+            organization_id=c.organization_id, created_by=c.created_by_user_id or None, created_by_email=created_by_email,
             auth_data_masked=c.auth_data_masked or None,
         )
     return body
 
 
-def knowledge_base_json(kb: tools_pb2.KnowledgeBase, user_id: str | None = None) -> dict[str, Any]:
-    """The SDK's KnowledgeBaseResponse of a KnowledgeBase."""
+def knowledge_base_json(kb: tools_pb2.KnowledgeBase) -> dict[str, Any]:
+    """The SDK's KnowledgeBaseResponse of a KnowledgeBase (`created_by_user_id` null when not recorded)."""
     created = pb.iso(kb.create_time)
     return {
         "id": kb.knowledge_base_id,
         "organization_id": kb.organization_id,
-        "created_by_user_id": user_id,
+        "created_by_user_id": kb.created_by_user_id or None,
         "credential_id": None,
         "name": kb.name,
         "description": kb.description,
@@ -235,6 +235,7 @@ def tools_router(
     principal_dependency: Callable[[Request], Awaitable[Principal]],
     channel: grpc.aio.Channel,
     orchestrator_channel: grpc.aio.Channel | None = None,
+    user_email: Callable[[str], Awaitable[str | None]] | None = None,
 ) -> APIRouter:
     """The credentials and knowledge routes, calling the tools service on `channel`.
 
@@ -244,6 +245,8 @@ def tools_router(
         channel: a channel to the tools service.
         orchestrator_channel: a channel to the orchestrator, told about credentials
             connected through the OAuth2 callback (NotifyCredentialConnected); None skips it.
+        user_email: `async (user_id) -> email or None`, for a credential's `created_by_email`
+            (None: always null).
     """
     router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
     tools = tools_pb2_grpc.ToolsServiceStub(channel)
@@ -279,7 +282,7 @@ def tools_router(
             tools_pb2.CreateCredentialRequest(
                 organization_id=who.organization_id, integration_name=integration, auth_type=auth_type,
                 auth_data=pb.to_struct(auth_data or {}), display_name=_string(body, "display_name"),
-                metadata=pb.to_struct(metadata), make_default=_bool(body, "make_default"),
+                metadata=pb.to_struct(metadata), make_default=_bool(body, "make_default"), user_id=who.user_id,
             ),
             timeout=_TIMEOUT_S,
         )
@@ -327,6 +330,7 @@ def tools_router(
             tools_pb2.CreateMcpServerRequest(
                 organization_id=who.organization_id, server_url=url, headers=pb.to_struct(headers),
                 display_name=_string(body, "display_name"), make_default=_bool(body, "make_default"),
+                user_id=who.user_id,
             ),
             timeout=_MCP_TIMEOUT_S,
         )
@@ -400,7 +404,9 @@ def tools_router(
             tools_pb2.GetCredentialRequest(organization_id=who.organization_id, credential_id=credential_id, include_masked=include_masked),
             timeout=_TIMEOUT_S,
         )
-        return JSONResponse(credential_json(response.credential, detail_view=True))
+        creator = response.credential.created_by_user_id
+        email = await user_email(creator) if user_email is not None and creator else None
+        return JSONResponse(credential_json(response.credential, detail_view=True, created_by_email=email))
 
     @router.delete("/credentials/{credential_id}", status_code=204, summary="Delete a credential", tags=["credentials"])
     async def delete_credential(credential_id: str, who: Principal = Who) -> Response:
@@ -458,11 +464,11 @@ def tools_router(
         response = await tools.CreateKnowledgeBase(
             tools_pb2.CreateKnowledgeBaseRequest(
                 organization_id=who.organization_id, name=_string(body, "name", required=True),
-                description=_string(body, "description"),
+                description=_string(body, "description"), user_id=who.user_id,
             ),
             timeout=_TIMEOUT_S,
         )
-        return JSONResponse(knowledge_base_json(response.knowledge_base, who.user_id), status_code=201)
+        return JSONResponse(knowledge_base_json(response.knowledge_base), status_code=201)
 
     @router.get("/knowledge-bases", summary="The organization's knowledge bases, newest first", tags=["knowledge"])
     async def list_knowledge_bases(

@@ -53,6 +53,7 @@ class CredentialInfo:
     updated_at: datetime.datetime
     metadata: dict[str, Any]
     masked: str
+    created_by: str = ""  # the creating user's id; "" when not recorded
 
     @classmethod
     def of(cls, row: Credential) -> CredentialInfo:
@@ -68,6 +69,7 @@ class CredentialInfo:
             updated_at=db.utc(row.updated_at),
             metadata=dict(row.metadata_json or {}),
             masked=row.masked_secret,
+            created_by=row.created_by or "",
         )
 
     def to_tool_json(self) -> dict[str, Any]:
@@ -173,8 +175,9 @@ class CredentialStore:
         display_name: str = "",
         metadata: dict[str, Any] | None = None,
         make_default: bool = False,
+        created_by: str = "",
     ) -> CredentialInfo:
-        """Store a credential and return its metadata.
+        """Store a credential and return its metadata (`created_by`: the creating user's id, or "").
 
         Raises RpcError INVALID_ARGUMENT (reasons INTEGRATION_NOT_FOUND, AUTH_TYPE_NOT_SUPPORTED,
         INVALID_AUTH_DATA, ORGANIZATION_REQUIRED). INVALID_AUTH_DATA messages come from
@@ -210,6 +213,7 @@ class CredentialStore:
             encrypted_secret=self._box.encrypt(auth_data),
             masked_secret=mask_secret(auth_data),
             metadata_json=metadata or {},
+            created_by=created_by or None,
             created_at=now,
             updated_at=now,
         )
@@ -346,8 +350,10 @@ class CredentialStore:
         metadata: dict[str, Any] | None = None,
         make_default: bool = False,
         discovery: list[dict[str, Any]] | None = None,
+        created_by: str = "",
     ) -> CredentialInfo:
-        """Store a credential for an integration outside the static catalogue (MCP servers, OAuth2 tokens).
+        """Store a credential for an integration outside the static catalogue (MCP servers, OAuth2 tokens);
+        `created_by` is the creating user's id, or "".
 
         The caller has validated `secret`; it is encrypted like any other. `discovery`
         (MCP servers) is stored with the discovery time. The first credential of an
@@ -366,6 +372,7 @@ class CredentialStore:
             metadata_json=metadata or {},
             discovery=discovery,
             discovered_at=now if discovery is not None else None,
+            created_by=created_by or None,
             created_at=now,
             updated_at=now,
         )

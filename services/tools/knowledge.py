@@ -101,8 +101,8 @@ class KnowledgeStore:
         self._dialect = engine.dialect.name
         self._sessions = sessions
 
-    async def create_base(self, org_id: str, name: str, description: str = "") -> tuple[KnowledgeBase, int]:
-        """Create a knowledge base; returns it and its document count (0).
+    async def create_base(self, org_id: str, name: str, description: str = "", created_by: str = "") -> tuple[KnowledgeBase, int]:
+        """Create a knowledge base (`created_by`: the creating user's id, or ""); returns it and its document count (0).
 
         Raises RpcError INVALID_ARGUMENT when `org_id` or `name` is empty.
         """
@@ -111,7 +111,8 @@ class KnowledgeStore:
                 grpc.StatusCode.INVALID_ARGUMENT, "INVALID_KNOWLEDGE_BASE", "organization_id and name are required",
                 domain=TOOLS_DOMAIN,
             )
-        row = KnowledgeBase(id=str(uuid.uuid4()), org_id=org_id, name=name.strip(), description=description, created_at=utcnow())
+        row = KnowledgeBase(id=str(uuid.uuid4()), org_id=org_id, name=name.strip(), description=description,
+                            created_by=created_by or None, created_at=utcnow())
         async with self._sessions() as session, session.begin():
             session.add(row)
         return row, 0

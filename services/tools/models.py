@@ -39,6 +39,8 @@ class Credential(Base):
     display_name: Mapped[str] = mapped_column(String(200), nullable=False)
     is_default: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     encrypted_secret: Mapped[str] = mapped_column(Text, nullable=False)
+    # The user who created it (the gateway's user id); NULL when not recorded.
+    created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
     masked_secret: Mapped[str] = mapped_column(String(500), nullable=False, default="")
     metadata_json: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, nullable=False, default=dict)
     # MCP server credentials only: the tools last discovered ([{name, description, input_schema}]) and when.
@@ -69,6 +71,8 @@ class KnowledgeBase(Base):
     org_id: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
     name: Mapped[str] = mapped_column(String(200), nullable=False)
     description: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    # The user who created it (the gateway's user id); NULL when not recorded.
+    created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
 
 

@@ -261,6 +261,6 @@ class OAuth2Flows:
         info = await self._credentials.create_raw(
             row.org_id, provider.name, "oauth2", secret,
             display_name=row.display_name or f"{provider.display_name} account", metadata=metadata,
-            make_default=row.make_default,
+            make_default=row.make_default, created_by=row.user_id,
         )
         return info, row.user_id

@@ -80,6 +80,7 @@ def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_p
         update_time=pb.timestamp(info.updated_at),
         metadata=pb.to_struct(info.metadata),
         auth_data_masked=info.masked if include_masked else "",
+        created_by_user_id=info.created_by,
     )
 
 
@@ -94,6 +95,7 @@ def knowledge_base_pb(base: KnowledgeBase, document_count: int, total_chunks: in
         create_time=pb.timestamp(base.created_at),
         total_chunks=total_chunks,
         total_tokens=total_tokens,
+        created_by_user_id=base.created_by or "",
     )
 
 
@@ -161,6 +163,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             display_name=request.display_name,
             metadata=pb.from_struct(request.metadata),
             make_default=request.make_default,
+            created_by=request.user_id,
         )
         return tools_pb2.CreateCredentialResponse(credential=credential_pb(info))
 
@@ -219,7 +222,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def CreateKnowledgeBase(self, request: tools_pb2.CreateKnowledgeBaseRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateKnowledgeBaseResponse:
         """Create an empty knowledge base; INVALID_ARGUMENT without organization or name."""
-        base, count = await self.knowledge.create_base(request.organization_id, request.name, request.description)
+        base, count = await self.knowledge.create_base(request.organization_id, request.name, request.description, request.user_id)
         return tools_pb2.CreateKnowledgeBaseResponse(knowledge_base=knowledge_base_pb(base, count))
 
     @rpc_errors
@@ -293,6 +296,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         info = await self.credentials.create_raw(
             request.organization_id, integration, MCP_AUTH_TYPE, secret, display_name,
             metadata={"server_url_host": urllib_host(url)}, make_default=request.make_default, discovery=tools,
+            created_by=request.user_id,
         )
         return tools_pb2.CreateMcpServerResponse(
             credential=credential_pb(info), tools=[mcp_tool_pb(t) for t in tools or []], discovery_error=error

@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+from sqlalchemy import select
 from modulex import Modulex
 from modulex._exceptions import NotFoundError
 from modulex._exceptions import PermissionError as PermissionDeniedError
@@ -95,6 +96,21 @@ def test_the_credential_auth_types_the_gateway_accepts_are_the_tools_services_an
 
     assert set(CREDENTIAL_AUTH_TYPES) == set(STORED_AUTH_TYPES) | set(SDK_AUTH_TYPES)
     assert set(SDK_AUTH_TYPES.values()) <= set(STORED_AUTH_TYPES)
+
+
+async def test_a_credential_names_its_creator_and_their_email(stack):
+    """Bug (fresh-eyes test): a credential's `created_by` and `created_by_email` were always null
+    (the creator was not stored)."""
+    from services.gateway import identity
+
+    async with stack.client() as client:
+        created = await _create_pg(client)
+        detail = (await client.get(f"/credentials/{created['credential_id']}")).json()
+        async with stack.gateway.sessions() as session:
+            email = (await session.execute(select(identity.User.email).where(identity.User.id == stack.user_id))).scalar_one()
+        assert (detail["created_by"], detail["created_by_email"]) == (stack.user_id, email)
+        response = await stack.tools.servicer.credentials.list(stack.org_id)
+        assert [info.created_by for info in response[0]] == [stack.user_id]
 
 
 async def test_credentials_through_the_sdk(stack):

@@ -211,3 +211,14 @@ async def test_turn_searches_an_uploaded_document(stack):
     assert hits and hits[0]["document_name"] == "handbook.md" and "14 days" in hits[0]["content"]
     assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "14 days."
     assert result["output"]["count"] == len(hits) == 1  # the short handbook is one chunk
+
+
+async def test_a_knowledge_base_names_its_creator_in_every_answer(stack):
+    """Bug (fresh-eyes test): POST /knowledge-bases answered `created_by_user_id` with the caller,
+    GET /knowledge-bases with null for the same base (the creator was not stored)."""
+    async with stack.client() as client:
+        created = await client.post("/knowledge-bases", json={"name": "Handbook"})
+        assert created.status_code == 201, created.text
+        assert created.json()["created_by_user_id"] == stack.user_id
+        listed = (await client.get("/knowledge-bases")).json()
+        assert [(kb["id"], kb["created_by_user_id"]) for kb in listed] == [(created.json()["id"], stack.user_id)]

@@ -61,7 +61,7 @@ class ExecuteToolResponse(_message.Message):
     def __init__(self, success: _Optional[bool] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[str] = ..., millicredits: _Optional[int] = ...) -> None: ...
 
 class Credential(_message.Message):
-    __slots__ = ("credential_id", "organization_id", "integration_name", "auth_type", "display_name", "is_default", "create_time", "update_time", "metadata", "auth_data_masked")
+    __slots__ = ("credential_id", "organization_id", "integration_name", "auth_type", "display_name", "is_default", "create_time", "update_time", "metadata", "auth_data_masked", "created_by_user_id")
     CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class Credential(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     AUTH_DATA_MASKED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_USER_ID_FIELD_NUMBER: _ClassVar[int]
     credential_id: str
     organization_id: str
     integration_name: str
@@ -82,10 +83,11 @@ class Credential(_message.Message):
     update_time: _timestamp_pb2.Timestamp
     metadata: _struct_pb2.Struct
     auth_data_masked: str
-    def __init__(self, credential_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., auth_type: _Optional[str] = ..., display_name: _Optional[str] = ..., is_default: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., auth_data_masked: _Optional[str] = ...) -> None: ...
+    created_by_user_id: str
+    def __init__(self, credential_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., auth_type: _Optional[str] = ..., display_name: _Optional[str] = ..., is_default: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., auth_data_masked: _Optional[str] = ..., created_by_user_id: _Optional[str] = ...) -> None: ...
 
 class CreateCredentialRequest(_message.Message):
-    __slots__ = ("organization_id", "integration_name", "auth_type", "auth_data", "display_name", "metadata", "make_default")
+    __slots__ = ("organization_id", "integration_name", "auth_type", "auth_data", "display_name", "metadata", "make_default", "user_id")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
     AUTH_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +95,7 @@ class CreateCredentialRequest(_message.Message):
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     MAKE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     integration_name: str
     auth_type: str
@@ -100,7 +103,8 @@ class CreateCredentialRequest(_message.Message):
     display_name: str
     metadata: _struct_pb2.Struct
     make_default: bool
-    def __init__(self, organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., auth_type: _Optional[str] = ..., auth_data: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., display_name: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., make_default: _Optional[bool] = ...) -> None: ...
+    user_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., auth_type: _Optional[str] = ..., auth_data: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., display_name: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., make_default: _Optional[bool] = ..., user_id: _Optional[str] = ...) -> None: ...
 
 class CreateCredentialResponse(_message.Message):
     __slots__ = ("credential",)
@@ -175,7 +179,7 @@ class SetDefaultCredentialResponse(_message.Message):
     def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ...) -> None: ...
 
 class KnowledgeBase(_message.Message):
-    __slots__ = ("knowledge_base_id", "organization_id", "name", "description", "document_count", "create_time", "total_chunks", "total_tokens")
+    __slots__ = ("knowledge_base_id", "organization_id", "name", "description", "document_count", "create_time", "total_chunks", "total_tokens", "created_by_user_id")
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +188,7 @@ class KnowledgeBase(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_USER_ID_FIELD_NUMBER: _ClassVar[int]
     knowledge_base_id: str
     organization_id: str
     name: str
@@ -192,17 +197,20 @@ class KnowledgeBase(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     total_chunks: int
     total_tokens: int
-    def __init__(self, knowledge_base_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., document_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    created_by_user_id: str
+    def __init__(self, knowledge_base_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., document_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_tokens: _Optional[int] = ..., created_by_user_id: _Optional[str] = ...) -> None: ...
 
 class CreateKnowledgeBaseRequest(_message.Message):
-    __slots__ = ("organization_id", "name", "description")
+    __slots__ = ("organization_id", "name", "description", "user_id")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     name: str
     description: str
-    def __init__(self, organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+    user_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., user_id: _Optional[str] = ...) -> None: ...
 
 class CreateKnowledgeBaseResponse(_message.Message):
     __slots__ = ("knowledge_base",)
@@ -329,18 +337,20 @@ class McpTool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class CreateMcpServerRequest(_message.Message):
-    __slots__ = ("organization_id", "server_url", "headers", "display_name", "make_default")
+    __slots__ = ("organization_id", "server_url", "headers", "display_name", "make_default", "user_id")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_URL_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     MAKE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     server_url: str
     headers: _struct_pb2.Struct
     display_name: str
     make_default: bool
-    def __init__(self, organization_id: _Optional[str] = ..., server_url: _Optional[str] = ..., headers: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., display_name: _Optional[str] = ..., make_default: _Optional[bool] = ...) -> None: ...
+    user_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., server_url: _Optional[str] = ..., headers: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., display_name: _Optional[str] = ..., make_default: _Optional[bool] = ..., user_id: _Optional[str] = ...) -> None: ...
 
 class CreateMcpServerResponse(_message.Message):
     __slots__ = ("credential", "tools", "discovery_error")

@@ -558,7 +558,8 @@ def create_app(
         from services.gateway.tools_routes import tools_router  # noqa: PLC0415 - tools_routes imports this module
 
         app.include_router(tools_router(settings, principal, tools_channel, channel,
-                                        user_email=lambda user_id: user_email(authenticator.sessions, user_id)))
+                                        user_email=lambda user_id: user_email(authenticator.sessions, user_id),
+                                        default_model=default_models.read))
     async def check_model(who: Principal, llm: assistant_pb2.LlmConfig) -> None:
         await orchestrator.CheckModel(assistant_pb2.CheckModelRequest(caller=caller(who), llm=llm), timeout=30)
 

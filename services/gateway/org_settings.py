@@ -41,11 +41,15 @@ class DefaultModels:
         cached = self._cache.get(organization_id, _MISS)
         if cached is not _MISS:
             return cached
-        async with self.sessions() as session:
-            org = await session.get(Organization, organization_id)
-            value = dict(org.default_llm) if org is not None and org.default_llm else None
+        value = await self.read(organization_id)
         self._cache[organization_id] = value
         return value
+
+    async def read(self, organization_id: str) -> dict[str, Any] | None:
+        """`get` from the database, never from the cache (a check another replica's write must not miss)."""
+        async with self.sessions() as session:
+            org = await session.get(Organization, organization_id)
+            return dict(org.default_llm) if org is not None and org.default_llm else None
 
     async def exists(self, organization_id: str) -> bool:
         """Whether the organization exists (admin commands check before they write)."""

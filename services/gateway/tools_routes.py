@@ -236,6 +236,7 @@ def tools_router(
     channel: grpc.aio.Channel,
     orchestrator_channel: grpc.aio.Channel | None = None,
     user_email: Callable[[str], Awaitable[str | None]] | None = None,
+    default_model: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None,
 ) -> APIRouter:
     """The credentials and knowledge routes, calling the tools service on `channel`.
 
@@ -247,6 +248,9 @@ def tools_router(
             connected through the OAuth2 callback (NotifyCredentialConnected); None skips it.
         user_email: `async (user_id) -> email or None`, for a credential's `created_by_email`
             (None: always null).
+        default_model: `async (organization_id) -> saved default llm or None`, read before a
+            credential is deleted: the key of the organization's default model is 409 (None:
+            not checked).
     """
     router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
     tools = tools_pb2_grpc.ToolsServiceStub(channel)
@@ -410,6 +414,11 @@ def tools_router(
 
     @router.delete("/credentials/{credential_id}", status_code=204, summary="Delete a credential", tags=["credentials"])
     async def delete_credential(credential_id: str, who: Principal = Who) -> Response:
+        saved = await default_model(who.organization_id) if default_model is not None else None
+        if saved is not None and saved.get("credential_id") == credential_id:
+            # deleting it would break every turn that names no model (they use the saved default)
+            raise BodyError(409, "This credential is the key of the organization's default model: save another default "
+                                 "with PUT /organizations/settings/composer-llm first")
         await tools.DeleteCredential(
             tools_pb2.DeleteCredentialRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_TIMEOUT_S
         )

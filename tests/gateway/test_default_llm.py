@@ -93,7 +93,8 @@ async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_defa
             credential_id = created.json()["credential_id"]
             saved = await client.put("/organizations/settings/composer-llm", json={**openai, "credential_id": credential_id})
             assert saved.status_code == 200, saved.text
-            assert (await client.delete(f"/credentials/{credential_id}")).status_code == 204
+            # deleted behind the gateway's back (DELETE /credentials refuses the default's key: below)
+            await stack.tools.servicer.credentials.delete(stack.org_id, credential_id)
             expected = f"credential {credential_id!r} cannot be used as a model key" + FROM_DEFAULT
             for headers in ({}, {"Idempotency-Key": "turn-1"}, {"Idempotency-Key": "turn-1"}):  # the key is released: same answer
                 turn = await client.post("/assistant/chat", json={"message": "hi"}, headers=headers)
@@ -110,5 +111,25 @@ async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_defa
                 assert turn.status_code == 400 and turn.json()["detail"].endswith(FROM_DEFAULT), turn.text
                 assert message in turn.json()["detail"]
             assert (await client.get("/assistant/chats")).json()["items"] == []  # nothing written
+    finally:
+        await stop_stack(stack)
+
+
+async def test_the_key_of_the_saved_default_model_cannot_be_deleted_until_another_default_is_saved(tmp_path):
+    """Bug (fresh-eyes test): DELETE /credentials/{id} of the credential the organization's saved
+    default model uses answered 204, and every turn naming no model failed from then on."""
+    openai = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
+    stack = await start_stack(tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"})
+    try:
+        async with stack.client() as client:
+            created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-org-own-key-999999"}})
+            credential_id = created.json()["credential_id"]
+            assert (await client.put("/organizations/settings/composer-llm", json={**openai, "credential_id": credential_id})).status_code == 200
+            refused = await client.delete(f"/credentials/{credential_id}")
+            assert refused.status_code == 409 and "default model" in refused.json()["detail"]
+            assert (await client.get(f"/credentials/{credential_id}")).status_code == 200  # nothing deleted
+            scripted = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
+            assert (await client.put("/organizations/settings/composer-llm", json=scripted)).status_code == 200
+            assert (await client.delete(f"/credentials/{credential_id}")).status_code == 204
     finally:
         await stop_stack(stack)

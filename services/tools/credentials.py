@@ -411,18 +411,19 @@ class CredentialStore:
         self.cache.put(org_id, key, tuple((info, tuple(tools)) for info, tools in found), generation)
         return found
 
-    async def discovery(self, org_id: str, credential_id: str, auth_type: str) -> tuple[CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]]:
-        """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential.
+    async def discovery(self, org_id: str, credential_id: str, auth_type: str, *, secret: bool = True) -> tuple[CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]]:
+        """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential;
+        with `secret=False` the secret is not decrypted ({} in its place).
 
         Raises RpcError NOT_FOUND when it is absent, another organization's, or not of `auth_type`;
-        crypto.SecretBoxError (logged, see `_decrypt`) when its secret cannot be decrypted.
+        crypto.SecretBoxError (logged, see `_decrypt`) when its secret is asked for and cannot be decrypted.
         """
         async with self._sessions() as session:
             row = await session.get(Credential, credential_id)
         if row is None or row.org_id != org_id or row.auth_type != auth_type:
             raise _not_found(credential_id)
         when = db.utc(row.discovered_at) if row.discovered_at else None
-        return CredentialInfo.of(row), row.discovery, when, self._decrypt(row)
+        return CredentialInfo.of(row), row.discovery, when, self._decrypt(row) if secret else {}
 
     async def set_discovery(self, org_id: str, credential_id: str, tools: list[dict[str, Any]]) -> datetime.datetime:
         """Store the tools discovered on an MCP server credential; returns the discovery time. Raises NOT_FOUND."""

@@ -336,15 +336,12 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def ListMcpTools(self, request: tools_pb2.ListMcpToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListMcpToolsResponse:
-        """The tools last discovered on an MCP server credential; NOT_FOUND for another kind of credential,
-        FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE when no configured key decrypts its secret."""
+        """The tools last discovered on an MCP server credential (its secret is not read); NOT_FOUND for
+        another kind of credential."""
         _require_org(request.organization_id)
-        try:
-            _info, tools, when, _secret = await self.credentials.discovery(
-                request.organization_id, request.credential_id, MCP_AUTH_TYPE
-            )
-        except SecretBoxError:
-            raise _undecryptable() from None
+        _info, tools, when, _secret = await self.credentials.discovery(
+            request.organization_id, request.credential_id, MCP_AUTH_TYPE, secret=False
+        )
         response = tools_pb2.ListMcpToolsResponse(credential_id=request.credential_id, tools=[mcp_tool_pb(t) for t in tools or []])
         if when is not None:
             response.discovery_time.CopyFrom(pb.timestamp(when))

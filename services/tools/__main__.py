@@ -19,9 +19,10 @@ from services.tools.config import ToolsSettings
 
 
 async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
-    """`rotate-credentials`: (exit code, JSON document) — `{"rotated": N, "undecryptable": [ids]}`
-    (exit 1 when some credential no configured key decrypts), or `{"error": ...}` (exit 1) when
-    no key is set or the SQLite database does not exist (it is never created here)."""
+    """`rotate-credentials`: (exit code, JSON document) — `{"rotated": N, "undecryptable": [ids],
+    "oauth2_flows_rotated": M}` (credentials, those no configured key decrypts: exit 1, pending
+    OAuth2 flows), or `{"error": ...}` (exit 1) when no key is set, a key is malformed or the
+    SQLite database does not exist (it is never created here)."""
     if settings.uses_dev_credential_key():
         return 1, {"error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key first) and run again"}
     url = settings.database_url()
@@ -32,13 +33,17 @@ async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
     from services.tools.credentials import CredentialStore
     from services.tools.crypto import SecretBox
 
+    try:
+        box = SecretBox(settings.credential_keys())
+    except ValueError as malformed:  # the message names the rule, never the key
+        return 1, {"error": f"LOOPLINE_TOOLS_CREDENTIAL_KEY: {malformed}"}
     engine = db.make_engine(url)
     try:
-        store = CredentialStore(db.sessionmaker(engine), SecretBox(settings.credential_keys()), Catalogue([]))
-        rotated, undecryptable = await store.rotate_secrets()
+        store = CredentialStore(db.sessionmaker(engine), box, Catalogue([]))
+        rotated, undecryptable, flows = await store.rotate_secrets()
     finally:
         await engine.dispose()
-    return (1 if undecryptable else 0), {"rotated": rotated, "undecryptable": undecryptable}
+    return (1 if undecryptable else 0), {"rotated": rotated, "undecryptable": undecryptable, "oauth2_flows_rotated": flows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from services.tools.crypto import (
     mask_secret,
 )
 from services.tools.mcp_servers import MCP_AUTH_TYPE
-from services.tools.models import Credential, utcnow
+from services.tools.models import Credential, OAuthState, utcnow
 from services.tools.validation import schema_errors
 
 log = logging.getLogger(__name__)
@@ -219,36 +219,41 @@ class CredentialStore:
         )
         return await self._insert(row, make_default)
 
-    async def rotate_secrets(self, page_size: int = 500) -> tuple[int, list[str]]:
-        """Encrypt every stored secret again with the first key (`SecretBox.rotate`).
+    async def rotate_secrets(self, page_size: int = 500) -> tuple[int, list[str], int]:
+        """Encrypt every stored secret again with the first key (`SecretBox.rotate`): credentials'
+        secrets and pending OAuth2 flows' PKCE verifiers.
 
         The last step of changing LOOPLINE_TOOLS_CREDENTIAL_KEY: with NEW,OLD configured, this
         rewrites what OLD encrypted, after which OLD can be dropped. Each row is written only if
         its ciphertext is still the one read (a concurrent write is never overwritten; it is
-        encrypted with the first key anyway). Returns (rows rewritten, ids of credentials that no
-        configured key decrypts, left as they are). Never logs or returns a secret.
+        encrypted with the first key anyway). Returns (credentials rewritten, ids of credentials
+        that no configured key decrypts, left as they are, pending OAuth2 flows rewritten; one
+        no key decrypts is left to expire). Never logs or returns a secret.
         """
+        rotated, undecryptable = await self._rotate(Credential.id, Credential.encrypted_secret, page_size)
+        flows, _ = await self._rotate(OAuthState.state, OAuthState.encrypted_verifier, page_size)
+        return rotated, undecryptable, flows
+
+    async def _rotate(self, key: Any, token_column: Any, page_size: int) -> tuple[int, list[str]]:
+        """`rotate_secrets` over one table: (rows rewritten, keys of rows no configured key decrypts)."""
+        table = key.class_
         rotated, undecryptable = 0, []
         after = ""
         while True:
             async with self._sessions() as session:
-                rows = (await session.execute(
-                    select(Credential.id, Credential.encrypted_secret).where(Credential.id > after).order_by(Credential.id).limit(page_size)
-                )).all()
+                rows = (await session.execute(select(key, token_column).where(key > after).order_by(key).limit(page_size))).all()
             if not rows:
                 break
             after = rows[-1][0]
-            for credential_id, token in rows:
+            for row_key, token in rows:
                 try:
                     fresh = self._box.rotate(token)
                 except SecretBoxError:
-                    undecryptable.append(credential_id)
+                    undecryptable.append(row_key)
                     continue
                 async with self._sessions() as session, session.begin():
                     result = await session.execute(
-                        update(Credential)
-                        .where(Credential.id == credential_id, Credential.encrypted_secret == token)
-                        .values(encrypted_secret=fresh)
+                        update(table).where(key == row_key, token_column == token).values({token_column.key: fresh})
                     )
                 rotated += result.rowcount
         return rotated, undecryptable

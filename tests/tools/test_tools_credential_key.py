@@ -151,7 +151,7 @@ async def test_rotate_credentials_rewrites_old_secrets_with_the_new_key_and_name
     settings = ToolsSettings(data_dir=tmp_path / "cli", tools_database_url=url, tools_credential_key=f"{new_key},{old_key}")
     code, document = await rotate_credentials(settings)
 
-    assert (code, document) == (1, {"rotated": 1, "undecryptable": [lost.credential_id]})
+    assert (code, document) == (1, {"rotated": 1, "undecryptable": [lost.credential_id], "oauth2_flows_rotated": 0})
     assert SECRET_DSN not in json.dumps(document)
     after = _ciphertexts(tmp_path / "shared.db")
     new_only = SecretBox([new_key])
@@ -176,4 +176,36 @@ def test_rotate_credentials_command_refuses_without_a_key_or_a_database(tmp_path
     no_db = subprocess.run(command, env={**env, "LOOPLINE_DATA_DIR": str(tmp_path), "LOOPLINE_TOOLS_CREDENTIAL_KEY": Fernet.generate_key().decode()},
                            capture_output=True, text=True, timeout=60, check=False)
     assert no_db.returncode == 1 and "no tools database" in json.loads(no_db.stdout)["error"]
+    (tmp_path / "tools.db").touch()
+    bad_key = subprocess.run(command, env={**env, "LOOPLINE_DATA_DIR": str(tmp_path), "LOOPLINE_TOOLS_CREDENTIAL_KEY": "not-a-fernet-key"},
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert bad_key.returncode == 1 and "must be a Fernet key" in json.loads(bad_key.stdout)["error"]  # JSON, not a traceback
+    assert "not-a-fernet-key" not in bad_key.stdout + bad_key.stderr
+    (tmp_path / "tools.db").unlink()
     assert not list(tmp_path.iterdir())  # nothing was created
+
+
+async def test_rotate_credentials_also_rewrites_pending_oauth2_flows(start_tools, tmp_path):
+    """Bug (fresh-eyes test): rotate-credentials left the encrypted PKCE verifier of an OAuth2 flow
+    started before it under the old key, so dropping the old key broke that flow's callback."""
+    from services.tools.__main__ import rotate_credentials
+    from services.tools.config import ToolsSettings
+    from services.tools.crypto import SecretBox
+
+    url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
+    provider = json.dumps([{
+        "name": "acme", "authorize_url": "https://auth.example/authorize", "token_url": "https://auth.example/token",
+        "client_id": "loopline-client", "api_base_url": "https://api.example",
+    }])
+    old_key, new_key = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    writer = await start_tools(tools_database_url=url, tools_credential_key=old_key, tools_oauth2_integrations=provider)
+    await writer.stub.InitiateOAuth2(tools_pb2.InitiateOAuth2Request(
+        organization_id="org-a", integration_name="acme", redirect_uri="https://app.example/callback"))
+
+    settings = ToolsSettings(data_dir=tmp_path / "cli", tools_database_url=url, tools_credential_key=f"{new_key},{old_key}")
+    code, document = await rotate_credentials(settings)
+
+    assert (code, document) == (0, {"rotated": 0, "undecryptable": [], "oauth2_flows_rotated": 1})
+    with sqlite3.connect(tmp_path / "shared.db") as connection:
+        (token,) = connection.execute("SELECT encrypted_verifier FROM oauth_states").fetchone()
+    assert set(SecretBox([new_key]).decrypt(token)) == {"verifier"}

@@ -85,7 +85,6 @@ class CredentialInfo:
         }
 
 
-
 def _not_found(credential_id: str) -> RpcError:
     return RpcError(
         grpc.StatusCode.NOT_FOUND,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
+from services.common.errors import bounded
 from services.tools.catalogue import (
     Action,
     ActionContext,
@@ -428,7 +429,7 @@ def _log_stdio_failure(target: Any, operation: str, error: BaseException | str, 
     if isinstance(error, BaseException):
         inner = _innermost(error)
         detail = redact(f"{type(inner).__name__}: {inner}".strip().rstrip(":"), target.env)
-        error = detail if len(detail) <= STDERR_LOG_CHARS else detail[: STDERR_LOG_CHARS - 1] + "…"
+        error = bounded(detail, STDERR_LOG_CHARS)
     log.warning(
         "stdio MCP server failed",
         extra={"fields": {"server": target.name, "operation": operation, "error": error,

@@ -20,6 +20,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
+from services.common.errors import bounded
+
 #: The longest field name (or schema value) echoed in a message; longer ones are cut with "…".
 MAX_NAME_CHARS = 64
 #: The most names listed for one violation ("… and N more" after them).
@@ -63,7 +65,7 @@ def schema_errors(validator: Draft202012Validator, instance: Any, where: str) ->
     parts = [f"{at}: {render(names) if render else key}" for (at, key), (render, names) in list(problems.items())[:MAX_PROBLEMS]]
     if len(problems) > MAX_PROBLEMS:
         parts.append(f"… and {len(problems) - MAX_PROBLEMS} more problems")
-    return _cut("; ".join(parts), MAX_MESSAGE_CHARS)
+    return bounded("; ".join(parts), MAX_MESSAGE_CHARS)
 
 
 def _describe(error: ValidationError) -> tuple[str, Renderer | None, list[str]]:
@@ -118,7 +120,7 @@ def _describe_rule(rule: Any, value: Any, schema: dict[str, Any], instance: Any)
     if rule == "pattern":
         return f"must match the pattern {_schema_value(value)}"
     if rule == "format":
-        return f"must be a valid {_cut(str(value), MAX_NAME_CHARS)}"
+        return f"must be a valid {bounded(str(value), MAX_NAME_CHARS)}"
     bounds = {
         "minLength": "must be at least {} character(s) long",
         "maxLength": "must be at most {} character(s) long",
@@ -151,7 +153,7 @@ def _describe_rule(rule: Any, value: Any, schema: dict[str, Any], instance: Any)
         return "must match exactly one of the allowed forms"
     if rule == "not":
         return "matches a form that is not allowed"
-    return f"{_cut(str(rule), MAX_NAME_CHARS)} rule failed"
+    return f"{bounded(str(rule), MAX_NAME_CHARS)} rule failed"
 
 
 def _path(where: str, path: Iterable[Any]) -> str:
@@ -180,7 +182,7 @@ def _quote(name: Any) -> str:
 
 def _plain(text: str) -> str:
     """`text` cut to MAX_NAME_CHARS, with control characters escaped (a name may be anything)."""
-    text = _cut(text, MAX_NAME_CHARS)
+    text = bounded(text, MAX_NAME_CHARS)
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
@@ -208,7 +210,3 @@ def _search(pattern: str, text: str) -> bool:
         return re.search(pattern, text) is not None
     except re.error:
         return False
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"

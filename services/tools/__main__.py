@@ -3,7 +3,8 @@
 Other sub-commands:
   `python -m services.tools generate-key` prints a new Fernet key for LOOPLINE_TOOLS_CREDENTIAL_KEY.
   `python -m services.tools rotate-credentials` encrypts every stored secret again with the first
-  key of LOOPLINE_TOOLS_CREDENTIAL_KEY (after NEW,OLD is configured; then OLD can be dropped).
+  key of LOOPLINE_TOOLS_CREDENTIAL_KEY (after NEW,OLD is configured; then OLD can be dropped);
+  a secret the first key already decrypts is skipped, so a second run rewrites nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from services.tools.config import ToolsSettings
 
 async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
     """`rotate-credentials`: (exit code, JSON document) — `{"rotated": N, "undecryptable": [ids],
-    "oauth2_flows_rotated": M}` (credentials, those no configured key decrypts: exit 1, pending
-    OAuth2 flows), or `{"error": ...}` (exit 1) when no key is set, a key is malformed or the
-    SQLite database does not exist (it is never created here)."""
+    "oauth2_flows_rotated": M}` (credentials rewritten, those no configured key decrypts: exit 1,
+    pending OAuth2 flows rewritten; rows already under the first key are skipped), or
+    `{"error": ...}` (exit 1) when no key is set, a key is malformed or the SQLite database
+    does not exist (it is never created here)."""
     if settings.uses_dev_credential_key():
         return 1, {"error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key first) and run again"}
     url = settings.database_url()

@@ -223,7 +223,9 @@ class CredentialStore:
         secrets and pending OAuth2 flows' PKCE verifiers.
 
         The last step of changing LOOPLINE_TOOLS_CREDENTIAL_KEY: with NEW,OLD configured, this
-        rewrites what OLD encrypted, after which OLD can be dropped. Each row is written only if
+        rewrites what OLD encrypted, after which OLD can be dropped. A row the first key alone
+        already decrypts (`SecretBox.is_current`) is skipped, so running it again rewrites
+        nothing and the counts are of rows actually rewritten. Each row is written only if
         its ciphertext is still the one read (a concurrent write is never overwritten; it is
         encrypted with the first key anyway). Returns (credentials rewritten, ids of credentials
         that no configured key decrypts, left as they are, pending OAuth2 flows rewritten; one
@@ -245,6 +247,8 @@ class CredentialStore:
                 break
             after = rows[-1][0]
             for row_key, token in rows:
+                if self._box.is_current(token):
+                    continue  # already under the first key: nothing to rewrite
                 try:
                     fresh = self._box.rotate(token)
                 except SecretBoxError:

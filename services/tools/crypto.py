@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cryptography.fernet import MultiFernet
+    from cryptography.fernet import Fernet, MultiFernet
 
 # `cryptography` (~7 MiB resident) is imported when the first secret is encrypted or
 # decrypted, not at start: an idle service, and every tool call that needs no
@@ -51,6 +51,7 @@ class SecretBox:
         for key in self._keys:
             _check_fernet_key(key)
         self._fernet: MultiFernet | None = None
+        self._primary: Fernet | None = None
         self._lock = threading.Lock()
 
     def _multi(self) -> MultiFernet:
@@ -60,8 +61,24 @@ class SecretBox:
                 if self._fernet is None:
                     from cryptography.fernet import Fernet, MultiFernet
 
-                    self._fernet = MultiFernet([Fernet(k) for k in self._keys])
+                    fernets = [Fernet(k) for k in self._keys]
+                    self._primary = fernets[0]
+                    self._fernet = MultiFernet(fernets)
         return self._fernet
+
+    def is_current(self, token: str) -> bool:
+        """Whether the first key alone decrypts `token` (`Fernet.decrypt` with that key): it is
+        already encrypted with the key that encrypts, so `rotate` has nothing to change. False
+        for a token only another listed key (or no key) decrypts; never raises."""
+        from cryptography.fernet import InvalidToken
+
+        self._multi()
+        assert self._primary is not None
+        try:
+            self._primary.decrypt(token.encode("ascii"))
+        except (InvalidToken, ValueError):  # ValueError: text that is not ASCII
+            return False
+        return True
 
     def encrypt(self, secret: dict[str, Any]) -> str:
         """The Fernet token (ASCII text) of the JSON object `secret`."""

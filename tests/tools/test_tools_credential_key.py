@@ -161,7 +161,7 @@ async def test_rotate_credentials_rewrites_old_secrets_with_the_new_key_and_name
         SecretBox([old_key]).decrypt(next(token for token in after if token not in before))
     assert kept.credential_id not in document["undecryptable"]
     code, document = await rotate_credentials(ToolsSettings(data_dir=tmp_path / "cli", tools_database_url=url, tools_credential_key=new_key))
-    assert (code, document["rotated"]) == (1, 1)  # idempotent: rewriting with the same key changes nothing that matters
+    assert (code, document["rotated"]) == (1, 0)  # the kept one is already under the new key: not rewritten again
 
 
 def test_rotate_credentials_command_refuses_without_a_key_or_a_database(tmp_path):
@@ -209,3 +209,38 @@ async def test_rotate_credentials_also_rewrites_pending_oauth2_flows(start_tools
     with sqlite3.connect(tmp_path / "shared.db") as connection:
         (token,) = connection.execute("SELECT encrypted_verifier FROM oauth_states").fetchone()
     assert set(SecretBox([new_key]).decrypt(token)) == {"verifier"}
+
+
+async def test_rotate_credentials_skips_rows_already_under_the_first_key(start_tools, tmp_path):
+    """Bug (tester): rotate-credentials rewrote every row at every run, even one already encrypted
+    with the first key. Only rows the first key alone cannot decrypt are rewritten and counted, so
+    a second run rewrites nothing (its ciphertexts stay byte for byte)."""
+    from services.tools.__main__ import rotate_credentials
+    from services.tools.config import ToolsSettings
+
+    url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
+    provider = json.dumps([{
+        "name": "acme", "authorize_url": "https://auth.example/authorize", "token_url": "https://auth.example/token",
+        "client_id": "loopline-client", "api_base_url": "https://api.example",
+    }])
+    old_key, new_key = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    old = await start_tools(tools_database_url=url, tools_credential_key=old_key, tools_oauth2_integrations=provider)
+    new = await start_tools(tools_database_url=url, tools_credential_key=f"{new_key},{old_key}", tools_oauth2_integrations=provider)
+    await old.create_credential("postgresql", {"dsn": SECRET_DSN})
+    await new.create_credential("http", {"token": "tok-1234567890"}, auth_type="bearer")  # already under NEW
+    for replica in (old, new):
+        await replica.stub.InitiateOAuth2(tools_pb2.InitiateOAuth2Request(
+            organization_id="org-a", integration_name="acme", redirect_uri="https://app.example/callback"))
+
+    def stored() -> list[str]:
+        with sqlite3.connect(tmp_path / "shared.db") as connection:
+            flows = [row[0] for row in connection.execute("SELECT encrypted_verifier FROM oauth_states ORDER BY state")]
+        return sorted(_ciphertexts(tmp_path / "shared.db")) + flows
+
+    settings = ToolsSettings(data_dir=tmp_path / "cli", tools_database_url=url, tools_credential_key=f"{new_key},{old_key}")
+    first = await rotate_credentials(settings)
+    assert first == (0, {"rotated": 1, "undecryptable": [], "oauth2_flows_rotated": 1})  # only OLD's rows
+    before = stored()
+    second = await rotate_credentials(settings)
+    assert second == (0, {"rotated": 0, "undecryptable": [], "oauth2_flows_rotated": 0})
+    assert stored() == before  # nothing was rewritten

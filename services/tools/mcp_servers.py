@@ -17,7 +17,7 @@ server that crashes or hangs harms only the call in flight. The caller bounds ea
 operation with its timeout; errors become `ActionError`s with secret-free messages.
 A stdio server's stderr is read as it comes and only its last STDERR_TAIL_BYTES are
 kept (`StderrTail`); when an operation fails or times out, a WARNING names the server
-and quotes the last STDERR_LOG_CHARS of it, for the operator only (the model's error
+and its command (never its args or env values) and quotes the last STDERR_LOG_CHARS of it, for the operator only (the model's error
 never includes it).
 Outbound policy: an organization's URL must pass `netpolicy.resolve_checked` (no
 loopback, link-local or private address unless the operator allows it) when it is
@@ -416,13 +416,18 @@ class _capturing:
 
 
 def _log_stdio_failure(target: Any, operation: str, error: BaseException | str, stderr: StderrTail | None) -> None:
-    """Log (WARNING) that a stdio server's `operation` failed: the error and the end of the server's stderr.
+    """Log (WARNING) that a stdio server's `operation` failed: the command, the error and the end
+    of the server's stderr.
 
     For the operator only: the stderr may hold anything, so it never goes into a tool
     result; the values of the server's configured `env` are redacted from it and from the
     error text, and both are cut to STDERR_LOG_CHARS. The mcp SDK does not expose the
     process's exit status, so a crash shows as its last stderr lines (an empty
-    `stderr_tail` means the server wrote nothing there).
+    `stderr_tail` means the server wrote nothing there). Field `command` is the configured
+    executable as written (cut to MAX_MESSAGE_CHARS), not redacted: the error text alone may
+    lose it (an `env` value such as a virtualenv folder redacted from the path, a long path
+    cut), and a command that does not exist or is not executable must be findable. The
+    server's `args` and `env` values, which may carry secrets, are never logged.
     """
     if not isinstance(target, StdioServer) or stderr is None:
         return
@@ -432,8 +437,8 @@ def _log_stdio_failure(target: Any, operation: str, error: BaseException | str, 
         error = bounded(detail, STDERR_LOG_CHARS)
     log.warning(
         "stdio MCP server failed",
-        extra={"fields": {"server": target.name, "operation": operation, "error": error,
-                          "stderr_tail": stderr.text(secret=target.env)}},
+        extra={"fields": {"server": target.name, "command": bounded(target.command), "operation": operation,
+                          "error": error, "stderr_tail": stderr.text(secret=target.env)}},
     )
 
 

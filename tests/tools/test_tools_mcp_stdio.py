@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from services.common.logging import JsonFormatter
 from services.tools.catalogue import ActionError
 from services.tools.mcp_servers import (
     STDERR_LOG_CHARS,
@@ -78,6 +79,29 @@ async def test_a_missing_command_logs_the_os_error(caplog):
     assert "/nonexistent" not in str(caught.value)
     (record,) = _failures(caplog)
     assert "FileNotFoundError" in record.fields["error"] and "/nonexistent/loopline-mcp-server" in record.fields["error"]
+
+
+async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_args_or_env(tmp_path, caplog):
+    """Bug (tester): the failure record of a stdio server whose command does not exist or is not
+    executable did not name the command when the error text lost it (an `env` value such as
+    VIRTUAL_ENV redacted from the path left "***/bin/python"; a long path was cut). The record's
+    `command` field is the configured executable, as written; its args and env values never appear."""
+    not_executable = tmp_path / "server.sh"
+    not_executable.write_text("#!/bin/sh\n")
+    not_executable.chmod(0o644)
+    venv = str(tmp_path / "missing-venv")
+    commands = [f"{venv}/bin/python", str(not_executable), "loopline-no-such-mcp-server", f"/opt/{'d' * 400}/server"]
+    caplog.set_level(logging.WARNING, logger="services.tools")
+    for command in commands:
+        server = StdioServer("ghost", command, ("--api-key", "arg-secret-7731"), {"VIRTUAL_ENV": venv, "API_TOKEN": TOKEN})
+        with pytest.raises(ActionError) as caught:
+            await McpConnector(5.0, 65536, False).list_tools(server)
+        assert command not in str(caught.value)  # the model's error never names it
+    records = _failures(caplog)
+    assert [r.fields["command"] for r in records] == commands
+    for record in records:
+        line = JsonFormatter("tools").format(record)
+        assert "arg-secret-7731" not in line and TOKEN not in line
 
 
 async def test_a_stdio_server_that_times_out_logs_its_stderr_and_a_cancelled_caller_logs_nothing(caplog):

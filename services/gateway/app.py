@@ -559,7 +559,7 @@ def create_app(
 
         app.include_router(tools_router(settings, principal, tools_channel, channel,
                                         user_email=lambda user_id: user_email(authenticator.sessions, user_id),
-                                        default_model=default_models.read))
+                                        hold_default_model=default_models.exclusive))
     async def check_model(who: Principal, llm: assistant_pb2.LlmConfig) -> None:
         await orchestrator.CheckModel(assistant_pb2.CheckModelRequest(caller=caller(who), llm=llm), timeout=30)
 

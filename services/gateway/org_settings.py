@@ -4,18 +4,25 @@
 GET /organizations/settings -> {llm_model_visibility: {}, composer_llm: {...} | null}
 PUT /organizations/settings/composer-llm {integration_name, provider_id, model_id, credential_id?}
     -> {composer_llm: {...}}; owner or admin only.
+
+Saving a default (check, then write) and deleting a credential (check the default, then delete)
+hold the organization's default-model lock, `DefaultModels.exclusive`, so that they never
+interleave (see there).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from cachetools import TTLCache
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from services.gateway.models import Organization
 from services.gateway.openapi import error_responses
@@ -35,6 +42,8 @@ class DefaultModels:
         self.sessions = sessions
         self.ttl_s = ttl_s
         self._cache: TTLCache[str, dict[str, Any] | None] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
+        # one lock per organization while someone holds or waits for it (weak: no growth per organization)
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     async def get(self, organization_id: str) -> dict[str, Any] | None:
         """The organization's saved default {integration_name, provider_id, model_id, credential_id?} or None."""
@@ -62,6 +71,76 @@ class DefaultModels:
             await session.execute(update(Organization).where(Organization.id == organization_id).values(default_llm=llm))
         self._cache.pop(organization_id, None)
 
+    @contextlib.asynccontextmanager
+    async def exclusive(self, organization_id: str) -> AsyncIterator[HeldDefault]:
+        """Hold the organization's default model: yields a `HeldDefault` (`saved`, read from the
+        database under the lock; `set(llm)`), and no other `exclusive` of the same organization, in
+        this gateway or any other sharing its PostgreSQL database, runs until the block exits.
+
+        Why: saving a default checks its credential in the tools service, then writes here;
+        deleting a credential checks the default here, then deletes in the tools service. Two
+        databases, so neither write can check the other's in one statement: unserialized, a PUT
+        naming credential X and a DELETE of X both succeeded and left a default whose key was gone
+        (tests/gateway/test_default_model_race.py). Both routes run check and write inside this block.
+
+        How, with the database's own locking rather than anything new:
+        - every backend: an in-process `asyncio.Lock` per organization, taken first, so that the
+          waiters of one process queue here instead of each holding a pooled connection;
+        - PostgreSQL (several gateways may share the database): a transaction holding
+          `SELECT ... FOR NO KEY UPDATE` on the organization's row until the block exits
+          (`set` writes in that transaction, committed at exit, rolled back if the block raises).
+          NO KEY UPDATE conflicts with itself and with UPDATE but not with the KEY SHARE locks that
+          inserting a membership takes, so adding members is never held up;
+        - SQLite (one file serves one gateway, so the in-process lock is the whole exclusion):
+          no transaction is held across the block's awaits, which would stall every other write of
+          the gateway (API keys' idempotency records, ...) behind a gRPC call; `saved` and `set` are
+          short transactions of their own.
+        The block should await only bounded calls (the routes' gRPC calls have deadlines): others
+        of the organization wait for it. An organization with no row yields `saved` None, and `set`
+        then changes nothing. The offline `set-default-llm` command takes no lock (it checks no
+        credential either). Raises what the database raises (e.g. the pool's timeout on PostgreSQL).
+        """
+        lock = self._locks.get(organization_id)
+        if lock is None:
+            lock = self._locks[organization_id] = asyncio.Lock()
+        async with lock:
+            try:
+                async with self.sessions() as session:
+                    if session.bind.dialect.name == "postgresql":
+                        async with session.begin():
+                            saved = await session.scalar(
+                                select(Organization.default_llm).where(Organization.id == organization_id).with_for_update(key_share=True)
+                            )
+                            yield HeldDefault(dict(saved) if saved else None, organization_id, session, self)
+                    else:
+                        yield HeldDefault(await self.read(organization_id), organization_id, None, self)
+            finally:
+                self._cache.pop(organization_id, None)  # after the commit: no read can cache the old value again
+
+
+class HeldDefault:
+    """An organization's default model while `DefaultModels.exclusive` holds it.
+
+    Attributes:
+        saved: the saved default {integration_name, provider_id, model_id, credential_id?} or None,
+            read from the database (never the cache) after the lock was taken.
+    """
+
+    def __init__(self, saved: dict[str, Any] | None, organization_id: str, session: Any, models: DefaultModels) -> None:
+        self.saved = saved
+        self._organization_id = organization_id
+        self._session = session
+        self._models = models
+
+    async def set(self, llm: dict[str, Any] | None) -> None:
+        """Save (or with None, clear) the default: in the held transaction on PostgreSQL
+        (committed when the `exclusive` block exits), at once on SQLite."""
+        if self._session is None:
+            await self._models.set(self._organization_id, llm)
+        else:
+            await self._session.execute(update(Organization).where(Organization.id == self._organization_id).values(default_llm=llm))
+        self.saved = dict(llm) if llm else None
+
 
 def _shown(llm: dict[str, Any]) -> dict[str, Any]:
     """A saved default as GET and PUT both answer it: `credential_id` always present (null without one)."""
@@ -72,7 +151,10 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
                     parse_llm: Callable[[Any], Any], read_body: Callable[[Request], Awaitable[dict[str, Any]]],
                     check_model: Callable[[Any, Any], Awaitable[Any]]) -> APIRouter:
     """The organization-settings routes; `parse_llm` validates an llm object's shape (BodyError 400) and
-    `check_model(principal, llm)` asks the orchestrator whether it can serve it (grpc error → 400)."""
+    `check_model(principal, llm)` asks the orchestrator whether it can serve it (grpc error → 400).
+
+    The PUT checks and saves inside `models.exclusive` (a DELETE of the credential it names waits,
+    then sees it as the default: 409; or it waits for that DELETE and its check fails: 400)."""
     router = APIRouter(responses=error_responses(413))
 
     @router.get("/organizations/settings", summary="The organization's model preferences", tags=["organizations"])
@@ -106,11 +188,12 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
         who = await principal(request)
         body = await read_body(request)
         parsed = parse_llm(body)
-        await check_model(who, parsed)  # an unusable default would break every turn that names no model
         llm = {"integration_name": parsed.integration_name, "provider_id": parsed.provider_id, "model_id": parsed.model_id}
         if parsed.HasField("credential_id") and parsed.credential_id:
             llm["credential_id"] = parsed.credential_id
-        await models.set(who.organization_id, llm)
+        async with models.exclusive(who.organization_id) as held:  # no DELETE /credentials/{id} between check and save
+            await check_model(who, parsed)  # an unusable default would break every turn that names no model
+            await held.set(llm)
         return JSONResponse({"composer_llm": _shown(llm)})
 
     return router

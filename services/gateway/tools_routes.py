@@ -18,9 +18,10 @@ MAX_SEARCH_BASES knowledge bases. Errors name the field and the limit, never the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import orjson
@@ -37,6 +38,9 @@ from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.identity import Principal
 from services.gateway.openapi import error_responses
+
+if TYPE_CHECKING:
+    from services.gateway.org_settings import HeldDefault
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +240,7 @@ def tools_router(
     channel: grpc.aio.Channel,
     orchestrator_channel: grpc.aio.Channel | None = None,
     user_email: Callable[[str], Awaitable[str | None]] | None = None,
-    default_model: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None,
+    hold_default_model: Callable[[str], contextlib.AbstractAsyncContextManager[HeldDefault]] | None = None,
 ) -> APIRouter:
     """The credentials and knowledge routes, calling the tools service on `channel`.
 
@@ -248,8 +252,9 @@ def tools_router(
             connected through the OAuth2 callback (NotifyCredentialConnected); None skips it.
         user_email: `async (user_id) -> email or None`, for a credential's `created_by_email`
             (None: always null).
-        default_model: `async (organization_id) -> saved default llm or None`, read before a
-            credential is deleted: the key of the organization's default model is 409 (None:
+        hold_default_model: `DefaultModels.exclusive` (org_settings.py): a credential is deleted
+            inside it, after its `saved` default is checked: the key of the organization's
+            default model is 409, and no PUT of the default can save that key in between (None:
             not checked).
     """
     router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
@@ -414,14 +419,16 @@ def tools_router(
 
     @router.delete("/credentials/{credential_id}", status_code=204, summary="Delete a credential", tags=["credentials"])
     async def delete_credential(credential_id: str, who: Principal = Who) -> Response:
-        saved = await default_model(who.organization_id) if default_model is not None else None
-        if saved is not None and saved.get("credential_id") == credential_id:
-            # deleting it would break every turn that names no model (they use the saved default)
-            raise BodyError(409, "This credential is the key of the organization's default model: save another default "
-                                 "with PUT /organizations/settings/composer-llm first")
-        await tools.DeleteCredential(
-            tools_pb2.DeleteCredentialRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_TIMEOUT_S
-        )
+        held = hold_default_model(who.organization_id) if hold_default_model is not None else contextlib.nullcontext()
+        async with held as default:  # no PUT of the default between this check and the deletion
+            saved = default.saved if default is not None else None
+            if saved is not None and saved.get("credential_id") == credential_id:
+                # deleting it would break every turn that names no model (they use the saved default)
+                raise BodyError(409, "This credential is the key of the organization's default model: save another default "
+                                     "with PUT /organizations/settings/composer-llm first")
+            await tools.DeleteCredential(
+                tools_pb2.DeleteCredentialRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_TIMEOUT_S
+            )
         return Response(status_code=204)
 
     @router.post("/credentials/{credential_id}/set-default", summary="Make a credential its integration's default", tags=["credentials"])

@@ -9,8 +9,10 @@
     python -m services.billing admin seed-dev --org ORG [--plan NAME] [--wallet-minor-units N]
 
 Admin commands print one JSON document (the account view of `admin show`) on stdout and
-exit 1 with {"error": ...} on a bad argument (unknown plan, non-positive amount,
-unknown organization for `show`).
+exit 1 with {"error": ...} on a refused command (unknown plan, unknown organization for
+`show`, a plan or price file that is missing or malformed, a database that cannot be used);
+a malformed or missing option (e.g. a non-positive amount) is argparse's usage message on
+stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -97,17 +99,38 @@ async def seed_dev(core: BillingCore, org_id: str, plan: str, wallet_minor_units
 
 
 async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    """Run one admin action; returns (exit code, JSON document).
+    """Run one admin action; returns (exit code, JSON document): the account view (0) or
+    {"error": ...} (1).
 
     Every action but `seed-dev` (which `make run` uses on a new data directory) refuses a
     SQLite database file that does not exist: the command is pointed elsewhere than the
     services (LOOPLINE_DATA_DIR or LOOPLINE_BILLING_DATABASE_URL) and would create one.
+    A plan or price file that is missing or malformed (`load_plans`, `PriceTable.load`: the
+    message names the file) and a database that cannot be used (a malformed URL, a file that
+    is not a database, a server that refuses: `db.unusable_database`, which names the file or
+    server and never the URL's password) are answered the same way, never as a traceback
+    (README "Administration from the command line"). Other errors propagate.
     """
+    try:
+        return await _admin(settings, args)
+    except Exception as error:
+        problem = db.unusable_database(error, settings.billing_database_url, "billing", "LOOPLINE_BILLING_DATABASE_URL")
+        if problem is None:
+            raise
+        return 1, {"error": problem}
+
+
+async def _admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """`admin` without its answer to an unusable database."""
     missing = db.missing_sqlite_file(settings.billing_database_url)
     if missing is not None and args.action != "seed-dev":
         return 1, {"error": f"no billing database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
                             "(or LOOPLINE_BILLING_DATABASE_URL) the services use"}
-    core, engine = await build_core(settings)
+    db.check_sqlite_file(settings.billing_database_url)
+    try:
+        core, engine = await build_core(settings)
+    except ValueError as bad_file:  # the plan or price file, or a default plan it lacks (named in the message)
+        return 1, {"error": str(bad_file)}
     try:
         if args.action in ("grant-credits", "top-up") and not args.create_account and await core.account(args.org, provision=False) is None:
             # a mistyped organization would get a new account and the money (second fresh-eyes test)

@@ -7,13 +7,13 @@ source of truth for plan terms; `sync_plans` runs at server start and in `admin 
 from __future__ import annotations
 
 import pathlib
-import tomllib
 from dataclasses import dataclass, field
 
 from limits import parse
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from services.billing.models import Plan, utcnow
+from services.common.config import read_toml_file
 
 
 @dataclass(frozen=True)
@@ -29,32 +29,67 @@ class PlanTerms:
 
 
 def load_plans(path: pathlib.Path) -> dict[str, PlanTerms]:
-    """Parse the plan file at `path`; raises ValueError on a malformed plan or rate limit."""
-    data = tomllib.loads(pathlib.Path(path).read_text())
+    """Parse the plan file at `path` (LOOPLINE_BILLING_PLANS_PATH) into {name: PlanTerms}.
+
+    Raises ValueError, its message naming the file (and the plan): the file cannot be read
+    or is not TOML (`read_toml_file`), `plans` or a plan or its `rate_limits` is not a table,
+    `monthly_run_credits` is missing, a number is not an integer, a rate limit is not in
+    `limits` notation, an amount is negative, wallet overage has no positive price, or no
+    plan is defined. The format is the shipped services/billing/plans.toml.
+    """
+    data = read_toml_file(path, "plan file", "LOOPLINE_BILLING_PLANS_PATH")
+    table = data.get("plans", {})
+    if not isinstance(table, dict):
+        raise ValueError(f"plan file {path}: `plans` must be a table of plans ([plans.<name>])")
     plans: dict[str, PlanTerms] = {}
-    for name, row in data.get("plans", {}).items():
-        rate_limits = {str(k): str(v) for k, v in row.get("rate_limits", {}).items()}
-        for rate_class, expression in rate_limits.items():
-            try:
-                parse(expression)
-            except ValueError as exc:
-                raise ValueError(f"plan {name}: bad rate limit {rate_class}={expression!r}") from exc
-        terms = PlanTerms(
-            name=name,
-            monthly_run_credits=int(row["monthly_run_credits"]),
-            max_runs_per_day=int(row["max_runs_per_day"]) if "max_runs_per_day" in row else None,
-            wallet_overage=bool(row.get("wallet_overage", False)),
-            wallet_price_minor=int(row.get("wallet_price_minor", 0)),
-            rate_limits=rate_limits,
-        )
-        if terms.monthly_run_credits < 0 or terms.wallet_price_minor < 0:
-            raise ValueError(f"plan {name}: credits and prices must be non-negative")
-        if terms.wallet_overage and terms.wallet_price_minor <= 0:
-            raise ValueError(f"plan {name}: wallet overage needs a positive wallet_price_minor")
+    for name, row in table.items():
+        try:
+            terms = _plan_terms(name, row)
+        except ValueError as exc:
+            raise ValueError(f"plan file {path}: plan {name}: {exc}") from None
         plans[name] = terms
     if not plans:
         raise ValueError(f"plan file {path} defines no plans")
     return plans
+
+
+def _plan_terms(name: str, row: object) -> PlanTerms:
+    """The PlanTerms of plan `name` from its table `row`; raises ValueError saying what is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError("must be a table ([plans.<name>])")
+    raw_limits = row.get("rate_limits", {})
+    if not isinstance(raw_limits, dict):
+        raise ValueError("rate_limits must be a table of rate class = \"N/period\"")
+    rate_limits = {str(k): str(v) for k, v in raw_limits.items()}
+    for rate_class, expression in rate_limits.items():
+        try:
+            parse(expression)
+        except ValueError:
+            raise ValueError(f"bad rate limit {rate_class}={expression!r}") from None
+    if "monthly_run_credits" not in row:
+        raise ValueError("monthly_run_credits is missing")
+    terms = PlanTerms(
+        name=name,
+        monthly_run_credits=_integer(row, "monthly_run_credits"),
+        max_runs_per_day=_integer(row, "max_runs_per_day") if "max_runs_per_day" in row else None,
+        wallet_overage=bool(row.get("wallet_overage", False)),
+        wallet_price_minor=_integer(row, "wallet_price_minor", 0),
+        rate_limits=rate_limits,
+    )
+    if terms.monthly_run_credits < 0 or terms.wallet_price_minor < 0:
+        raise ValueError("credits and prices must be non-negative")
+    if terms.wallet_overage and terms.wallet_price_minor <= 0:
+        raise ValueError("wallet overage needs a positive wallet_price_minor")
+    return terms
+
+
+def _integer(row: dict[str, object], field_name: str, default: int | None = None) -> int:
+    """`row[field_name]` (or `default` when absent) as an int; ValueError when it is not one."""
+    value = row.get(field_name, default)
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{field_name} must be an integer") from None
 
 
 async def sync_plans(sessions: async_sessionmaker, plans: dict[str, PlanTerms]) -> None:

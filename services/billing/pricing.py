@@ -9,8 +9,9 @@ usage converted to credits by a price table; bring-your-own-key usage not credit
 from __future__ import annotations
 
 import pathlib
-import tomllib
 from dataclasses import dataclass
+
+from services.common.config import read_toml_file
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,10 @@ class Price:
 
     @classmethod
     def parse(cls, row: dict[str, object], where: str) -> Price:
-        """A Price from a TOML table; raises ValueError on a missing or negative field."""
+        """A Price from a TOML table; raises ValueError when `row` is not a table or a field is
+        not a non-negative integer (a missing field is 0)."""
+        if not isinstance(row, dict):
+            raise ValueError(f"price {where} must be a table")
         values: dict[str, int] = {}
         for name in ("input", "output", "cache_read", "cache_write"):
             value = row.get(name, 0)
@@ -43,15 +47,26 @@ class PriceTable:
 
     @classmethod
     def load(cls, path: pathlib.Path) -> PriceTable:
-        """Read the TOML price table at `path`; raises ValueError when it has no [default] row."""
-        data = tomllib.loads(pathlib.Path(path).read_text())
-        if "default" not in data:
-            raise ValueError(f"price table {path} has no [default] row")
-        models: dict[tuple[str, str], Price] = {}
-        for provider, rows in data.get("models", {}).items():
-            for model, row in rows.items():
-                models[(provider, model)] = Price.parse(row, f"models.{provider}.{model}")
-        return cls(default=Price.parse(data["default"], "default"), models=models)
+        """Read the TOML price table at `path` (LOOPLINE_BILLING_PRICES_PATH).
+
+        Raises ValueError naming the file: it cannot be read or is not TOML
+        (`read_toml_file`), it has no [default] row, a row is not a table, or a price field is
+        not a non-negative integer (`Price.parse`).
+        """
+        data = read_toml_file(path, "price table", "LOOPLINE_BILLING_PRICES_PATH")
+        try:
+            if "default" not in data:
+                raise ValueError("has no [default] row")
+            providers = data.get("models", {})
+            if not isinstance(providers, dict) or not all(isinstance(rows, dict) for rows in providers.values()):
+                raise ValueError("`models` must be tables of [models.<provider>.<model>] rows")
+            models: dict[tuple[str, str], Price] = {}
+            for provider, rows in providers.items():
+                for model, row in rows.items():
+                    models[(provider, model)] = Price.parse(row, f"models.{provider}.{model}")
+            return cls(default=Price.parse(data["default"], "default"), models=models)
+        except ValueError as exc:
+            raise ValueError(f"price table {path}: {exc}") from None
 
     def price(self, provider_id: str, model_id: str) -> Price:
         """The price of a model: exact row, else the provider's "*" row, else the default."""

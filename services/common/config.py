@@ -8,6 +8,8 @@ Every setting has a safe development default; README.md lists them all.
 from __future__ import annotations
 
 import pathlib
+import tomllib
+from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -52,3 +54,25 @@ class CommonSettings(BaseSettings):
     def sqlite_url(self, name: str) -> str:
         """The default database URL of service `name`: `sqlite+aiosqlite:///<data_dir>/<name>.db`."""
         return f"sqlite+aiosqlite:///{(self.data_dir / f'{name}.db').as_posix()}"
+
+
+def read_toml_file(path: pathlib.Path | str, what: str, setting: str) -> dict[str, Any]:
+    """The TOML document in the file at `path` (a `what`, e.g. "plan file", chosen with the
+    environment variable `setting`).
+
+    Raises ValueError naming the file, the setting and what is wrong when the file cannot be
+    read (missing, a folder, not readable), is not UTF-8 or is not valid TOML, so an admin
+    command answers it as one JSON error (README "Administration from the command line")
+    and a service fails to start with that one line. The message quotes no file content
+    beyond the TOML parser's position (line and column).
+    """
+    where = f"{what} {path} ({setting})"
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as unreadable:
+        raise ValueError(f"{where} cannot be read: {unreadable.strerror or type(unreadable).__name__}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as malformed:
+        raise ValueError(f"{where} is not valid TOML: {malformed}") from None

@@ -145,6 +145,107 @@ def missing_sqlite_file(url: str) -> pathlib.Path | None:
     return None if path.exists() else path
 
 
+#: The first 16 bytes of every SQLite database file (https://www.sqlite.org/fileformat.html, 1.3).
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+class UnusableDatabaseFile(Exception):
+    """The file of a SQLite URL cannot be a database; the message says why (`check_sqlite_file`)."""
+
+
+def check_sqlite_file(url: str) -> None:
+    """Raise UnusableDatabaseFile when the file of a SQLite `url` cannot be a database, before
+    anything opens it: a folder (or other non-regular file), a file that cannot be read, a
+    non-empty file without the SQLite header (SQLITE_HEADER), or a path under a file (e.g.
+    LOOPLINE_DATA_DIR naming a file). Nothing for another dialect, an in-memory database, a
+    file that does not exist yet (see `missing_sqlite_file`) or an empty file (SQLite's empty
+    database). Opening such a file would fail later with a driver error, and for a folder the
+    aiosqlite worker thread also prints a traceback once the event loop has closed.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return
+    path = pathlib.Path(parsed.database)
+    if not path.exists():
+        for folder in path.parents:
+            if folder.exists():
+                if not folder.is_dir():
+                    raise UnusableDatabaseFile(f"its folder {folder} is a file")
+                return
+        return
+    if not path.is_file():
+        raise UnusableDatabaseFile("it is a folder, not a database file" if path.is_dir() else "it is not a regular file")
+    try:
+        with path.open("rb") as file:
+            head = file.read(len(SQLITE_HEADER))
+    except OSError as unreadable:
+        raise UnusableDatabaseFile(f"it cannot be read: {unreadable.strerror or type(unreadable).__name__}") from None
+    if head and head != SQLITE_HEADER:
+        raise UnusableDatabaseFile("the file is not a SQLite database (it lacks the SQLite header)")
+
+
+def unusable_database(error: BaseException, url: str, service: str, setting: str) -> str | None:
+    """Why `service`'s database at `url` cannot be used, as one line for an admin command's
+    `{"error": ...}` (README "Administration from the command line"), when `error` (raised
+    while the command parsed the URL, opened, migrated or used the database) is of that kind;
+    None for any other error (the caller lets it propagate).
+
+    The kind: `UnusableDatabaseFile` (`check_sqlite_file`); a URL that cannot be parsed or names
+    an unknown dialect or a driver that is not installed; a driver error other than a
+    constraint conflict (sqlalchemy `DBAPIError` but `IntegrityError`: "file is not a database", "database disk image is malformed", "unable to
+    open database file", "no such table" in a SQLite file that is not this service's, a
+    PostgreSQL database that does not exist or refuses the login); an Alembic `CommandError`
+    (the file holds another migration history); an OSError on the database file or one of
+    its folders (LOOPLINE_DATA_DIR names a file) or on the connection (the server is down).
+    The database is named by its file (SQLite) or dialect, name, host and port, never by the
+    URL (its user and password stay out); the reason is the first line of the driver's text,
+    URL password removed, cut to 300 characters; `setting` is the URL's variable, e.g.
+    "LOOPLINE_BILLING_DATABASE_URL". No traceback, no SQL statement, no bound parameter.
+    """
+    # imported here: only admin commands need them
+    from alembic.util.exc import CommandError
+    from sqlalchemy import exc
+
+    fix = f"run admin commands with the LOOPLINE_DATA_DIR (or {setting}) the services use"
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError:
+        return f"{setting} is not a database URL (e.g. sqlite+aiosqlite:///PATH, postgresql+asyncpg://HOST/NAME); {fix}"
+    sqlite = parsed.get_backend_name() == "sqlite"
+    path = pathlib.Path(parsed.database) if sqlite and parsed.database and parsed.database != ":memory:" else None
+    if path is not None:
+        where = f"at {path}"
+    else:
+        server = f"{parsed.host or 'localhost'}:{parsed.port or 'default port'}"
+        where = f"({parsed.get_backend_name()} database {parsed.database or ''!r} on {server})"
+    if isinstance(error, UnusableDatabaseFile):
+        reason = str(error)
+    elif isinstance(error, exc.ArgumentError):  # NoSuchModuleError too: an unknown dialect or driver
+        reason = f"{setting} names no installed database dialect or driver ({error})"
+    elif isinstance(error, ModuleNotFoundError):
+        reason = f"the driver of {setting} is not installed ({error}); use sqlite+aiosqlite or postgresql+asyncpg"
+    elif isinstance(error, exc.IntegrityError):
+        return None
+    elif isinstance(error, exc.DBAPIError):
+        reason = str(error.orig if error.orig is not None else error)
+    elif isinstance(error, CommandError):
+        reason = f"its migration history is not {service}'s ({error})"
+    elif isinstance(error, OSError):
+        named = pathlib.Path(error.filename) if isinstance(error.filename, str) else None
+        if named is not None and (path is None or (named != path and named not in path.parents)):
+            return None  # another file: not the database's
+        reason = error.strerror or str(error) or type(error).__name__
+        if named is not None and named != path:
+            reason = f"{reason}: {named}"
+    else:
+        return None
+    lines = reason.strip().splitlines() or [type(error).__name__]
+    reason = lines[0]
+    if parsed.password and len(str(parsed.password)) >= 3:
+        reason = reason.replace(str(parsed.password), "***")
+    return f"the {service} database {where} cannot be used: {reason[:300]}; {fix}"
+
+
 def migrate(service: str, url: str) -> None:
     """Upgrade `service`'s database at `url` to the newest migration (blocking)."""
     parsed = make_url(url)

@@ -80,7 +80,10 @@ def main() -> None:
     """Parse the command line and run the command (see the module docstring); serve is the default.
 
     Admin commands print one JSON document; on failure {"error": "..."} and exit status 1
-    (`_answer`, `_run`); a malformed argument is argparse's usage error, exit status 2.
+    (`_answer`, `_run`), a database that cannot be used included (a malformed URL, a file
+    that is not a database, a server that refuses: `db.unusable_database` names the file or
+    server, never the URL's password); a malformed argument is argparse's usage error, exit
+    status 2.
     """
     parser = argparse.ArgumentParser(prog="python -m services.gateway")
     sub = parser.add_subparsers(dest="command")
@@ -104,15 +107,35 @@ def main() -> None:
     revoke.add_argument("--key-id", help="the key's id; without it the key itself is read from standard input")
     args = parser.parse_args()
     settings = GatewaySettings()
+    if args.command in (None, "serve"):
+        runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
+        return
+    if args.command == "migrate":  # not an admin command: it prints nothing
+        db.migrate("gateway", settings.database_url)
+        return
+    try:
+        _command(args, settings)
+    except Exception as error:
+        problem = db.unusable_database(error, settings.database_url, "gateway", "LOOPLINE_GATEWAY_DATABASE_URL")
+        if problem is None:
+            raise
+        _answer(None, problem)
+
+
+def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
+    """Run the admin command `args.command` (any but serve and migrate; see `main`).
+
+    Raises what a database that cannot be used raises (`main` answers it with
+    `db.unusable_database`: {"error": ...}, exit 1); `_answer` exits on every other refusal.
+    """
     missing = db.missing_sqlite_file(settings.database_url)
     if missing is not None and args.command in ("add-member", "set-default-llm", "show-default-llm", "revoke-key", "list-keys"):
         # pointed elsewhere than the services (LOOPLINE_DATA_DIR / the database URL): migrating
         # would create an empty database and the change would go nowhere
         _answer(None, f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
                       "(or LOOPLINE_GATEWAY_DATABASE_URL) the services use")
-    if args.command == "migrate":
-        db.migrate("gateway", settings.database_url)
-    elif args.command == "seed-dev":
+    db.check_sqlite_file(settings.database_url)
+    if args.command == "seed-dev":
         if settings.dev_api_key:
             _run_check(identity.check_dev_key, settings.dev_api_key)  # before anything is written
         db.migrate("gateway", settings.database_url)
@@ -148,8 +171,6 @@ def main() -> None:
             return {"organization_id": args.org, "default_llm": await models.get(args.org)}
 
         _run(settings, work, f"no organization {args.org!r}")
-    else:
-        runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,29 @@ async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
     """`rotate-credentials`: (exit code, JSON document) — `{"rotated": N, "undecryptable": [ids],
     "oauth2_flows_rotated": M}` (credentials rewritten, those no configured key decrypts: exit 1,
     pending OAuth2 flows rewritten; rows already under the first key are skipped), or
-    `{"error": ...}` (exit 1) when no key is set, a key is malformed or the SQLite database
-    does not exist (it is never created here)."""
+    `{"error": ...}` (exit 1) when no key is set, a key is malformed, the SQLite database
+    does not exist (it is never created here) or the database cannot be used (a malformed URL,
+    a file that is not the tools database, a server that refuses: `db.unusable_database`,
+    naming the file or server, never the URL's password; README "Administration from the
+    command line")."""
     if settings.uses_dev_credential_key():
         return 1, {"error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key first) and run again"}
     url = settings.database_url()
+    try:
+        return await _rotate(settings, url)
+    except Exception as error:  # a database that cannot be used: named, never the URL's password
+        problem = db.unusable_database(error, url, "tools", "LOOPLINE_TOOLS_DATABASE_URL")
+        if problem is None:
+            raise
+        return 1, {"error": problem}
+
+
+async def _rotate(settings: ToolsSettings, url: str) -> tuple[int, dict]:
+    """`rotate_credentials` once a key is set, without its answer to an unusable database."""
     missing = db.missing_sqlite_file(url)
     if missing is not None:
         return 1, {"error": f"no tools database at {missing}: run with the services' LOOPLINE_DATA_DIR or database URL"}
+    db.check_sqlite_file(url)
     from services.tools.catalogue import Catalogue
     from services.tools.credentials import CredentialStore
     from services.tools.crypto import SecretBox

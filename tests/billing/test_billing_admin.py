@@ -11,6 +11,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
+from tests_billing_helpers import make_settings
 
 from services.billing.__main__ import _parser, admin
 from services.billing.models import Base
@@ -114,3 +115,101 @@ def test_migrations_match_the_models(tmp_path):
         diff = compare_metadata(MigrationContext.configure(connection, opts={"compare_type": True}), Base.metadata)
     engine.dispose()
     assert diff == []
+
+
+BAD_PLAN_FILES = {  # file name -> (content, or None for no file; a fragment of the error)
+    "missing.toml": (None, "cannot be read: No such file or directory"),
+    "not_toml.toml": ("this is [not toml", "is not valid TOML"),
+    "scalar.toml": ("plans = 3", "`plans` must be a table"),
+    "no_credits.toml": ("[plans.basic]\nwallet_overage = false\n", "plan basic: monthly_run_credits is missing"),
+    "text_credits.toml": ('[plans.basic]\nmonthly_run_credits = "lots"\n', "plan basic: monthly_run_credits must be an integer"),
+    "plan_scalar.toml": ("[plans]\nbasic = 3\n", "plan basic: must be a table"),
+    "limits_scalar.toml": ("[plans.basic]\nmonthly_run_credits = 1\nrate_limits = 5\n", "plan basic: rate_limits must be a table"),
+    "binary.toml": (b"\xff\xfe\x00garbage", "is not UTF-8 text"),
+}
+BAD_PRICE_FILES = {
+    "missing_prices.toml": (None, "cannot be read: No such file or directory"),
+    "not_toml_prices.toml": ("[default\ninput = 1", "is not valid TOML"),
+    "scalar_models.toml": ("[default]\ninput = 1\n[models]\nopenai = 3\n", "`models` must be tables"),
+    "scalar_default.toml": ("default = 3\n", "price default must be a table"),
+}
+
+
+def _bad_file(tmp_path, name: str, content: str | bytes | None):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    return path
+
+
+async def test_a_missing_or_malformed_plan_or_price_file_is_a_json_error_naming_the_file(tmp_path):
+    """Bug (tester): an admin command with LOOPLINE_BILLING_PLANS_PATH naming a missing file, a
+    folder or a malformed plan file printed a traceback (FileNotFoundError, TOMLDecodeError,
+    AttributeError, KeyError); the same for the price file. Each is {"error": ...} naming the
+    file and what is wrong, exit 1."""
+    args = _parser().parse_args(["admin", "seed-dev", "--org", "demo"])
+    cases = [("billing_plans_path", name, content, fragment) for name, (content, fragment) in BAD_PLAN_FILES.items()]
+    cases += [("billing_prices_path", name, content, fragment) for name, (content, fragment) in BAD_PRICE_FILES.items()]
+    cases.append(("billing_plans_path", "a_folder", None, "cannot be read: Is a directory"))
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "data").mkdir()
+    for setting, name, content, fragment in cases:
+        path = _bad_file(tmp_path, name, content)
+        settings = make_settings(tmp_path / "data", **{setting: path})
+        code, document = await admin(settings, args)
+        assert code == 1 and list(document) == ["error"], (name, document)
+        assert str(path) in document["error"] and fragment in document["error"], (name, document)
+
+
+def _billing(env: dict[str, str], *argv: str) -> tuple[int, dict, str]:
+    """(exit code, the JSON on stdout, stderr) of `python -m services.billing admin ...`."""
+    result = subprocess.run([sys.executable, "-m", "services.billing", "admin", *argv], env=env, capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, json.loads(result.stdout), result.stderr
+
+
+def test_admin_commands_answer_a_bad_plan_file_or_database_as_json_without_a_traceback(tmp_path):
+    """Bug (tester): `python -m services.billing admin ...` printed a traceback for a missing plan
+    file and for a database that is not one (LOOPLINE_DATA_DIR or the URL naming garbage, a
+    folder, a data directory that is a file). Each is one JSON error naming the file, exit 1."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
+    base["LOOPLINE_LOG_LEVEL"] = "WARNING"
+    code, document, _ = _billing({**base, "LOOPLINE_DATA_DIR": str(tmp_path / "fresh"),
+                                  "LOOPLINE_BILLING_PLANS_PATH": str(tmp_path / "nope.toml")}, "seed-dev", "--org", "demo")
+    assert code == 1 and f"plan file {tmp_path / 'nope.toml'}" in document["error"]
+
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "billing.db").write_bytes(os.urandom(4096))
+    for action in (["show", "--org", "demo"], ["seed-dev", "--org", "demo"]):
+        code, document, _ = _billing({**base, "LOOPLINE_DATA_DIR": str(garbage)}, *action)
+        assert code == 1 and f"billing database at {garbage / 'billing.db'} cannot be used" in document["error"]
+        assert "not a SQLite database" in document["error"]
+    folder = tmp_path / "folder"
+    (folder / "billing.db").mkdir(parents=True)
+    code, document, _ = _billing({**base, "LOOPLINE_DATA_DIR": str(folder)}, "show", "--org", "demo")
+    assert code == 1 and "is a folder" in document["error"]
+    code, document, _ = _billing({**base, "LOOPLINE_DATA_DIR": str(garbage / "billing.db")}, "seed-dev", "--org", "demo")
+    assert code == 1 and f"its folder {garbage / 'billing.db'} is a file" in document["error"]
+
+
+async def test_a_database_url_that_cannot_be_used_is_a_json_error_without_its_password(tmp_path):
+    """The kind of fault behind the garbage file: a malformed URL, an unknown dialect, a
+    PostgreSQL server that refuses or a SQLite file of another service are {"error": ...} (exit 1)
+    naming the database, never the URL's password."""
+    other = tmp_path / "other.db"  # a database with another service's migration history
+    await db.migrate_async("gateway", f"sqlite+aiosqlite:///{other}")
+    urls = {
+        "not a url": "is not a database URL",
+        "nosuchdialect://reader:pa55word-x@db.example/sales": "names no installed database dialect",
+        "postgresql+asyncpg://reader:pa55word-x@127.0.0.1:1/sales": "(postgresql database 'sales' on 127.0.0.1:1) cannot be used",
+        f"sqlite+aiosqlite:///{other}": "its migration history is not billing's",
+    }
+    for url, fragment in urls.items():
+        settings = make_settings(tmp_path, billing_database_url=url)
+        code, document = await admin(settings, _parser().parse_args(["admin", "show", "--org", "demo"]))
+        assert code == 1 and fragment in document["error"], (url, document)
+        assert "pa55word-x" not in document["error"] and "LOOPLINE_BILLING_DATABASE_URL" in document["error"]

@@ -244,3 +244,41 @@ async def test_rotate_credentials_skips_rows_already_under_the_first_key(start_t
     second = await rotate_credentials(settings)
     assert second == (0, {"rotated": 0, "undecryptable": [], "oauth2_flows_rotated": 0})
     assert stored() == before  # nothing was rewritten
+
+
+async def test_rotate_credentials_answers_a_database_it_cannot_use_as_json(tmp_path):
+    """Bug (tester): rotate-credentials printed a traceback when the tools database was a file of
+    garbage ("file is not a database"). That and the rest of the kind — a folder, an empty file
+    that was never migrated, a malformed URL, a PostgreSQL server that refuses — are {"error": ...}
+    (exit 1) naming the database, never the URL's password."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    from services.tools.__main__ import rotate_credentials
+    from services.tools.config import ToolsSettings
+
+    key = Fernet.generate_key().decode()
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(os.urandom(4096))
+    (tmp_path / "folder.db").mkdir()
+    (tmp_path / "empty.db").touch()
+    cases = {
+        f"sqlite+aiosqlite:///{garbage}": f"the tools database at {garbage} cannot be used: the file is not a SQLite database",
+        f"sqlite+aiosqlite:///{tmp_path / 'folder.db'}": "it is a folder, not a database file",
+        f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}": "cannot be used: no such table: credentials",
+        "not a url": "LOOPLINE_TOOLS_DATABASE_URL is not a database URL",
+        "postgresql+asyncpg://vault:pa55word-x@127.0.0.1:1/tools": "(postgresql database 'tools' on 127.0.0.1:1) cannot be used",
+    }
+    for url, fragment in cases.items():
+        code, document = await rotate_credentials(ToolsSettings(data_dir=tmp_path, tools_database_url=url, tools_credential_key=key))
+        assert code == 1 and list(document) == ["error"] and fragment in document["error"], (url, document)
+        assert "pa55word-x" not in document["error"]
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
+    env.update(LOOPLINE_TOOLS_DATABASE_URL=f"sqlite+aiosqlite:///{garbage}", LOOPLINE_TOOLS_CREDENTIAL_KEY=key)
+    command = [sys.executable, "-m", "services.tools", "rotate-credentials"]
+    result = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "not a SQLite database" in json.loads(result.stdout)["error"]

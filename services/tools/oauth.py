@@ -85,6 +85,26 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
     return providers
 
 
+def api_path_error(path: str) -> str | None:
+    """Why `path` is not a path under an OAuth2 integration's `api_base_url`, or None when it is.
+
+    The access token is sent to `api_base_url + path`, so the path must stay on that host and
+    under that base path: it starts with one '/', names no scheme, and none of its segments is
+    a dot-segment ('.' or '..', also percent-encoded: RFC 3986 §5.2.4 removes them, so
+    `/../x` would leave the base path) or hides a '/' or '\\' behind percent-encoding (which
+    some servers decode into a separator). The query and fragment are not checked: they do not
+    change the path.
+    """
+    if not path.startswith("/") or path.startswith("//") or "://" in path:
+        return "path must be a path on the API, starting with '/'"
+    raw = path.split("#", 1)[0].split("?", 1)[0]
+    for segment in raw.split("/"):
+        decoded = urllib.parse.unquote(segment)
+        if decoded in (".", "..") or "/" in decoded or "\\" in decoded:
+            return "path must be a path on the API: no '.' or '..' segments and no encoded '/' or '\\'"
+    return None
+
+
 def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
     """The integration of an OAuth2 provider: auth option oauth2, action `api_request`."""
 
@@ -93,8 +113,9 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
         if not token:
             raise ActionError("the credential has no access token; connect the integration again")
         path = params["path"]
-        if not path.startswith("/") or "://" in path or path.startswith("//"):
-            raise ActionError("path must be a path on the API, starting with '/'")
+        refusal = api_path_error(path)
+        if refusal is not None:
+            raise ActionError(refusal)
         import httpx  # loaded on first use, not at start
 
         async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False) as client:
@@ -122,7 +143,7 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
                     "type": "object",
                     "properties": {
                         "method": {"enum": ["GET", "POST"], "default": "GET"},
-                        "path": {"type": "string", "minLength": 1, "description": "The API path, e.g. /me"},
+                        "path": {"type": "string", "minLength": 1, "description": "The API path under the base URL, e.g. /me (no . or .. segments)"},
                         "body": {"type": "object", "description": "JSON body for POST"},
                     },
                     "required": ["path"],

@@ -53,10 +53,11 @@ def _run(settings: GatewaySettings, work, error: str = "") -> None:
 
 
 def _org_id(text: str) -> str:
-    """An argparse type for a new organization id: 1 to 128 characters, no whitespace or
-    control characters (billing's limit; an empty one could never be sent as X-Organization-ID)."""
-    if not 0 < len(text) <= 128 or any(c.isspace() or not c.isprintable() for c in text):
-        raise argparse.ArgumentTypeError("an organization id is 1 to 128 printable characters without spaces")
+    """An argparse type for a new organization id (`identity.org_id_error`: 1 to 128 visible
+    ASCII characters); argparse reports anything else (exit 2)."""
+    problem = identity.org_id_error(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
@@ -138,6 +139,8 @@ def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
     if args.command == "seed-dev":
         if settings.dev_api_key:
             _run_check(identity.check_dev_key, settings.dev_api_key)  # before anything is written
+        if settings.dev_org_id:
+            _run_check(identity.check_dev_org_id, settings.dev_org_id)
         db.migrate("gateway", settings.database_url)
         _run(settings, lambda s: identity.seed_dev(s, settings.dev_api_key, settings.dev_org_id))
     elif args.command == "add-member":

@@ -63,10 +63,22 @@ def test_add_member_refuses_an_unusable_organization_id(tmp_path):
     # second fresh-eyes test: "" and a 20,000-character id each created an organization
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True)
-    for org in ("", "x" * 129, "two words"):
+    for org in ("", "x" * 129, "two words", "org_ü", "org\u00a0x"):  # fresh-eyes test: org_ü was created, then unreachable
         result = subprocess.run([sys.executable, "-m", "services.gateway", "add-member", "--org", org, "--role", "owner"],
                                 env=env, capture_output=True, text=True, check=False)
         assert result.returncode == 2 and "organization id" in result.stderr
+
+
+def test_seed_dev_refuses_an_unusable_dev_organization_id(tmp_path):
+    # fresh-eyes test: organization ids outside visible ASCII were created, then no header reached them
+    gateway = _command({**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)})
+    for bad in ("org_ü", "two words", "x" * 129):
+        refused = gateway("seed-dev", LOOPLINE_DEV_ORG_ID=bad)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "visible ASCII" in json.loads(refused.stdout)["error"]
+    assert not (tmp_path / "gateway.db").exists()  # refused before anything was written
+    seeded = gateway("seed-dev", LOOPLINE_DEV_ORG_ID="org_laptop")
+    assert seeded.returncode == 0 and json.loads(seeded.stdout)["organization_id"] == "org_laptop"
 
 
 def _command(env: dict[str, str]):

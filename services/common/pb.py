@@ -1,37 +1,168 @@
-"""Conversions between JSON values and protobuf's Struct/Value/Timestamp."""
+"""Conversions between JSON values and protobuf's Struct/Value/Timestamp.
+
+Nesting depth (the one rule for JSON crossing a service boundary)
+----------------------------------------------------------------
+Python protobuf (upb) *encodes* a message of any depth but *decodes* at most
+`PROTOBUF_MAX_DEPTH` (100) levels of messages nested inside the one decoded, and raises
+DecodeError ("Exceeded upb_DecodeOptions_MaxDepth") past that: the sender succeeds and the
+receiver fails (and building a message that holds a too-deep Struct can fail in-process).
+Every JSON object level inside a Struct costs 3 message levels (map entry, Value, Struct), an
+array level 2 (Value, ListValue). A Value at level k (the decoded message is level 0) holding
+an object d levels deep reaches level k + 3·d (a Struct at level k: k + 3·d − 1), at most 100.
+
+- `MAX_WIRE_DEPTH` (32) is the deepest a JSON value may be wherever it travels. The deepest
+  place one does is a `done` event's tool call output, StreamRunResponse → Event → DoneEvent
+  → ToolCallRecord → Value (k = 4): 4 + 3·32 = 100, and 33 would be 103. Every other Struct
+  or Value field sits higher (tests/test_pb_depth.py round-trips each at its limit).
+- `MAX_JSON_DEPTH` (29) is the limit of values accepted from outside and produced by tools
+  (request bodies at the gateway, a model's tool input, tool outputs): 3 below
+  MAX_WIRE_DEPTH, because the thread wraps a tool call's input 3 levels deeper
+  (`{"tool_calls": [{"input": ...}]}`, GetChat's `thinking`).
+
+Depth counts objects and arrays on the deepest path: a scalar is 0, `{}` and `[1]` are 1,
+`{"a": {"b": 1}}` is 2. `to_struct`/`to_value` measure it while they build (no second walk)
+and raise `JsonTooDeep` past `max_depth`, or with `clip=True` replace every object or array
+that would sit deeper by its JSON text (a string), so that the result always decodes; `clip`
+is for what comes from outside (web pages, MCP servers) or was stored before the limit.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import json
 import math
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2, timestamp_pb2
 
+PROTOBUF_MAX_DEPTH = 100  # upb's decode limit in Python protobuf (levels of messages nested in the decoded one)
+MAX_WIRE_DEPTH = 32  # deepest JSON anywhere on the wire: (100 - 4 enclosing levels) // 3, see the module docstring
+MAX_JSON_DEPTH = 29  # deepest JSON accepted from outside or produced by a tool: MAX_WIRE_DEPTH - 3 (thread wrapping)
+CLIPPED_TOO_DEEP = "[JSON nested too deep to show]"  # a clipped part even json.dumps cannot write
 
-def to_struct(data: dict[str, Any] | None) -> struct_pb2.Struct:
-    """A Struct holding the JSON object `data` (empty for None)."""
+
+class JsonTooDeep(ValueError):
+    """A JSON value nested deeper than `limit` levels of objects and arrays (see the module docstring).
+
+    `str()` is safe to show a client or a model: "JSON nested deeper than 29 levels of objects
+    and arrays" (the limit is `MAX_JSON_DEPTH` unless the caller chose another).
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"JSON nested deeper than {limit} levels of objects and arrays")
+        self.limit = limit
+
+
+class _TooDeep(Exception):
+    """Raised inside `_fill_value` past the limit (the public functions raise JsonTooDeep with it)."""
+
+
+def json_depth(data: Any, limit: int | None = None) -> int:
+    """The nesting depth of the JSON value `data`: objects (dict) and arrays (list, tuple) on its
+    deepest path; 0 for a scalar (or any other object).
+
+    Iterative (no recursion limit) and, with `limit`, it stops as soon as a level deeper than
+    `limit` is seen and returns that level (limit + 1), so checking a big shallow value costs one
+    walk and a deep one less. Raises nothing.
+    """
+    if not isinstance(data, (dict, list, tuple)):
+        return 0
+    deepest = 1
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, (dict, list, tuple)):
+                if level + 1 > deepest:
+                    deepest = level + 1
+                    if limit is not None and deepest > limit:
+                        return deepest
+                stack.append((child, level + 1))
+    return deepest
+
+
+def clipped(data: Any, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`data` as JSON with every object or array that sits deeper than `max_depth` levels replaced
+    by its JSON text (a string; `_json_text`), so that `json_depth(result) <= max_depth`.
+
+    The JSON counterpart of `to_struct(..., clip=True)`, for a copy kept as JSON (a thread row);
+    shallow enough parts are copied as they are. Raises what `json.dumps` raises for a value it
+    cannot encode inside a clipped part (TypeError).
+    """
+    if not isinstance(data, (dict, list, tuple)):
+        return data
+    if max_depth < 1:
+        return _json_text(data)
+    if isinstance(data, dict):
+        return {key: clipped(item, max_depth - 1) for key, item in data.items()}
+    return [clipped(item, max_depth - 1) for item in data]
+
+
+def _json_text(data: Any) -> str:
+    """The compact JSON text of a clipped part; a marker instead when it is too deep even for
+    `json.dumps` (Python's recursion limit, about 1,000 levels, near what json.loads and orjson
+    let through)."""
+    try:
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError:
+        return CLIPPED_TOO_DEEP
+
+
+def to_struct(data: dict[str, Any] | None, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> struct_pb2.Struct:
+    """A Struct holding the JSON object `data` (empty for None or {}).
+
+    `data` itself is level 1 of `max_depth` (module docstring). Past it: JsonTooDeep (a
+    ValueError), or with `clip=True` every deeper object or array becomes its JSON text.
+    `max_depth` above MAX_JSON_DEPTH is only for a value that wraps an already-limited one
+    (never above MAX_WIRE_DEPTH). Other errors as `Struct.update` (ValueError for a value of
+    another type, TypeError for a key that is not a string).
+    """
     struct = struct_pb2.Struct()
-    if data:
-        struct.update(data)
+    if not data:
+        return struct
+    try:
+        fields = struct.fields
+        if all(isinstance(key, str) and _fill_value(fields[key], item, max_depth - 1, clip) for key, item in data.items()):
+            return struct
+    except _TooDeep:
+        raise JsonTooDeep(max_depth) from None
+    except Exception:  # noqa: BLE001, S110 - Struct.update below raises its own error for the same input
+        pass
+    struct = struct_pb2.Struct()
+    struct.update(data)
+    _check_fallback(data, max_depth)
     return struct
 
 
-def to_value(data: Any) -> struct_pb2.Value:
+def to_value(data: Any, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> struct_pb2.Value:
     """A Value holding any JSON value (dict, list/tuple, str, int, float, bool, None).
 
-    The same result and errors as `json_format.ParseDict(data, Value())` (ParseError for a
-    value of another type), built directly: ParseDict's generic walk costs several times more
-    CPU per call, and every tool result goes through here.
+    An object or array `data` is level 1 of `max_depth`; past it JsonTooDeep (a ValueError), or
+    with `clip=True` every deeper object or array becomes its JSON text (module docstring).
+    Otherwise the same result and errors as `json_format.ParseDict(data, Value())` (ParseError
+    for a value of another type), built directly: ParseDict's generic walk costs several times
+    more CPU per call, and every tool result goes through here.
     """
     value = struct_pb2.Value()
-    with contextlib.suppress(Exception):  # ParseDict below raises its own error for the same input
-        if _fill_value(value, data):
+    try:
+        if _fill_value(value, data, max_depth, clip):
             return value
+    except _TooDeep:
+        raise JsonTooDeep(max_depth) from None
+    except Exception:  # noqa: BLE001, S110 - ParseDict below raises its own error for the same input
+        pass
     value = struct_pb2.Value()
     json_format.ParseDict(data, value)
+    _check_fallback(data, max_depth)
     return value
+
+
+def _check_fallback(data: Any, max_depth: int) -> None:
+    # The generic converters accepted what `_fill_value` refused (not expected: it mirrors them);
+    # they know no depth, so the rule is checked here.
+    if json_depth(data, max_depth) > max_depth:
+        raise JsonTooDeep(max_depth)
 
 
 def from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
@@ -60,21 +191,27 @@ class _Unsupported(Exception):
     """A Value the direct conversion leaves to json_format (an infinite or NaN number)."""
 
 
-def _fill_value(message: struct_pb2.Value, data: Any) -> bool:
+def _fill_value(message: struct_pb2.Value, data: Any, room: int, clip: bool) -> bool:
     # Mirrors json_format's _ConvertValueMessage; False (nothing raised) for what it would refuse.
+    # `room`: the levels of objects and arrays `data` may still open (it being one); none left:
+    # _TooDeep, or with `clip` the JSON text in place of the object or array.
     if isinstance(data, dict):
+        if room <= 0:
+            return _clip(message, data, clip)
         struct = message.struct_value
         struct.Clear()  # marks the struct set even when empty, as ParseDict does
         fields = struct.fields
         for key, item in data.items():
-            if not isinstance(key, str) or not _fill_value(fields[key], item):
+            if not isinstance(key, str) or not _fill_value(fields[key], item, room - 1, clip):
                 return False
         return True
     if isinstance(data, (list, tuple)):
+        if room <= 0:
+            return _clip(message, data, clip)
         values = message.list_value
         values.ClearField("values")
         for item in data:
-            if not _fill_value(values.values.add(), item):
+            if not _fill_value(values.values.add(), item, room - 1, clip):
                 return False
         return True
     if data is None:
@@ -87,6 +224,13 @@ def _fill_value(message: struct_pb2.Value, data: Any) -> bool:
         message.number_value = data
     else:
         return False
+    return True
+
+
+def _clip(message: struct_pb2.Value, data: Any, clip: bool) -> bool:
+    if not clip:
+        raise _TooDeep
+    message.string_value = _json_text(data)
     return True
 
 

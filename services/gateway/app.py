@@ -64,7 +64,8 @@ class BodyError(Exception):
 
 
 async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object; BodyError 413 past `limit` bytes, 400 when not a JSON object."""
+    """The request body as a JSON object; BodyError 413 past `limit` bytes, 400 as `json_object` (not a
+    JSON object, or nested too deep)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyError(413, f"Request body exceeds {limit} bytes")
@@ -85,7 +86,8 @@ async def receive_json_object(receive: Receive, declared: str | None, limit: int
     """`read_json_object` straight from ASGI `receive` (the lean routes of `GatewayApp`).
 
     `declared` is the Content-Length header (str or None); BodyError 413 past `limit` bytes,
-    400 when not a JSON object; ClientGone when the client disconnects first.
+    400 as `json_object` (not a JSON object, or nested too deep); ClientGone when the client
+    disconnects first.
     """
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyError(413, f"Request body exceeds {limit} bytes")
@@ -111,7 +113,14 @@ async def receive_json_object(receive: Receive, declared: str | None, limit: int
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
-    """`raw` parsed as a JSON object; BodyError 400 when empty, not JSON (UTF-8) or not an object."""
+    """`raw` parsed as a JSON object; BodyError 400 when empty, not JSON (UTF-8), not an object, or
+    nested deeper than `pb.MAX_JSON_DEPTH` levels of objects and arrays (the body itself is level 1).
+
+    Every JSON body of the API is read here (`read_json_object`, `receive_json_object`), so the
+    depth rule of values that cross a gRPC boundary (services/common/pb.py: protobuf decodes at
+    most 100 message levels, 3 per JSON level in a Struct) is one check for every route: a body
+    the orchestrator or the tools service could not decode is a 400 naming the limit, not a 500.
+    """
     if not raw.strip():
         raise BodyError(400, "Request body must be a JSON object")
     try:
@@ -120,6 +129,11 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(400, "Request body is not valid JSON (UTF-8, no lone surrogates)") from None
     if not isinstance(body, dict):
         raise BodyError(400, "Request body must be a JSON object")
+    # Fewer brackets than the limit cannot nest deeper than it (a count in C, so the common small
+    # body is never walked; brackets inside strings only make the walk happen).
+    if raw.count(b"{") + raw.count(b"[") > pb.MAX_JSON_DEPTH and pb.json_depth(body, pb.MAX_JSON_DEPTH) > pb.MAX_JSON_DEPTH:
+        raise BodyError(400, f"Request body is nested deeper than {pb.MAX_JSON_DEPTH} levels of objects and arrays "
+                             "(the body itself counts as one)")
     return body
 
 

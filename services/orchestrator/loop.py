@@ -11,6 +11,7 @@ terminal event is published, so a client that sees `done` can start its next tur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf import timestamp_pb2
+from google.protobuf import struct_pb2, timestamp_pb2
 from sqlalchemy import select, update
 
 from loopline.assistant.v1 import events_pb2
@@ -31,7 +32,7 @@ from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.events import EventLog
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
-from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, clamp_usage
+from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, clamp_usage
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, estimate, split_summary, with_summary
@@ -84,6 +85,34 @@ class Outcome:
 
 class LoopFailure(Exception):
     """A failure that ends the run; `str(self)` is already safe to show."""
+
+
+UNREADABLE_RESULT = "the tool's result could not be read (its response could not be decoded); the call may have run"
+
+
+def checked_call(call: ToolCallRequest) -> tuple[ToolCallRequest, struct_pb2.Struct, str | None]:
+    """`call` with its input as a Struct, checked against the depth rule of services/common/pb.py.
+
+    Returns (call, input Struct, None); for input nested deeper than `pb.MAX_JSON_DEPTH` levels
+    (which the tools service, the event stream and GetChat could not decode), (the call with a
+    clipped copy of its input, that copy as a Struct, the error the model gets as the call's
+    result): the call is not run, and the thread, the `tool_call` event and done.tool_calls keep
+    the clipped copy (deeper parts as their JSON text), so everything stored or published stays
+    decodable. One walk of the input when it fits (to_struct measures while it builds).
+    Raises what `pb.to_struct` raises for input that is not a JSON object.
+    """
+    try:
+        return call, pb.to_struct(call.input), None
+    except pb.JsonTooDeep as deep:
+        kept = pb.clipped(call.input)
+        error = f"Invalid input for {call.name}: {deep}; the call was not run. Send a flatter input."
+        return dataclasses.replace(call, input=kept), pb.to_struct(kept), error
+
+
+def _failure(error: str) -> tuple[dict[str, Any], bool, struct_pb2.Value]:
+    """A failed tool call's result: ({"error": error, "success": False}, False, the same as a Value)."""
+    output = {"error": error, "success": False}
+    return output, False, pb.to_value(output)
 
 
 @dataclass
@@ -267,6 +296,9 @@ class TurnRunner:
             self._record_usage_later(spec, totals, call_index, reply.usage)
 
             call = reply.tool_calls[0] if reply.tool_calls else None  # serial tool calls: one per step
+            input_struct, invalid_input = None, None
+            if call is not None:
+                call, input_struct, invalid_input = checked_call(call)
             stored_calls = [{"id": call.id, "name": call.name, "input": call.input}] if call else []
             self._add_row(spec, totals, "assistant", reply.text, {"tool_calls": stored_calls} if stored_calls else None)
             if call:
@@ -289,12 +321,13 @@ class TurnRunner:
                 totals.pending_call = None
                 raise LoopFailure(f"Recursion limit of {settings.recursion_limit} steps reached without a final answer.")
 
-            input_struct = pb.to_struct(call.input)
             self._publish(
                 spec.run_id,
                 tool_call=events_pb2.ToolCallEvent(tool=call.name, input=input_struct, tool_call_id=call.id),
             )
-            if call.name in hitl.TOOL_KINDS:
+            if invalid_input is not None:  # not run: its error result is observed like any failed call
+                output, ok, output_value = _failure(invalid_input)
+            elif call.name in hitl.TOOL_KINDS:
                 interrupt, invalid = await self._ask(spec, totals, call)
                 if interrupt is not None:
                     totals.pending_call = None
@@ -303,8 +336,8 @@ class TurnRunner:
                 totals.pending_call = None
                 totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=pb.to_value(invalid)))
                 continue
-
-            output, ok, output_value = await self._execute(spec, call, input_struct)
+            else:
+                output, ok, output_value = await self._execute(spec, call, input_struct)
             self._store_tool_result(spec, totals, call.id, call.name, output)
             totals.pending_call = None
             totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=output_value))
@@ -383,19 +416,25 @@ class TurnRunner:
         """Run one non-HITL tool through the tools service.
 
         Returns (output as JSON, succeeded, output as a protobuf Value): the tools service's
-        Value is passed on to the events as it came, not converted back and forth.
+        Value is passed on to the events as it came, not converted back and forth. A response
+        that cannot be decoded (grpc.aio then logs "Exception deserializing message!" and gives
+        None, e.g. a Struct nested past protobuf's 100-level decode limit: services/common/pb.py)
+        is the call's error result like any failed call, never a crashed run; its cost is unknown,
+        so nothing is charged for it. grpc.aio.AioRpcError propagates (the run fails).
         """
         request = tools_pb2.ExecuteToolRequest(
             organization_id=spec.organization_id, tool=call.name, input=input_struct,
             run_id=spec.run_id, tool_call_id=call.id, chat_id=spec.chat_id,
         )
         response = await self.tools.ExecuteTool(request, timeout=self.settings.tool_timeout_s)
+        if not isinstance(response, tools_pb2.ExecuteToolResponse):
+            log.warning("tool response could not be decoded", extra={"fields": {"tool": call.name, "tool_call_id": call.id}})
+            return _failure(UNREADABLE_RESULT)
         if response.millicredits > 0:
             await self._record_tool_usage(spec, call, response.millicredits)
         if response.success:
             return pb.from_value(response.output), True, response.output
-        failure = {"error": response.error or "the tool failed", "success": False}
-        return failure, False, pb.to_value(failure)
+        return _failure(response.error or "the tool failed")
 
     async def _ask(self, spec: RunSpec, totals: _Totals, call: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """Prepare a HITL question for `call` (its audit row is written with the run's end);
@@ -433,6 +472,8 @@ class TurnRunner:
                 timeout=10,
             )
         except grpc.aio.AioRpcError:
+            return None
+        if not isinstance(response, tools_pb2.ExecuteToolResponse):  # undecodable (grpc.aio gives None)
             return None
         details = pb.from_value(response.output) if response.success else None
         if not isinstance(details, dict):
@@ -544,7 +585,8 @@ class TurnRunner:
             self._publish(run_id, cancelled=events_pb2.CancelledEvent(reason=outcome.reason))
         else:
             interrupt = outcome.interrupt or {}
-            self._publish(run_id, user_input_request=events_pb2.UserInputRequestEvent(request=pb.to_struct(interrupt)))
+            # clip: the question holds parts of the model's input (e.g. a placeholder) and tool output
+            self._publish(run_id, user_input_request=events_pb2.UserInputRequestEvent(request=pb.to_struct(interrupt, clip=True)))
             self._publish(run_id, interrupted=events_pb2.InterruptedEvent(request_id=interrupt["request_id"], kind=interrupt["kind"]))
         self.events.close(run_id)
         await self.archive(run_id)

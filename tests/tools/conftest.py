@@ -146,8 +146,21 @@ async def pg_schema() -> AsyncIterator[str]:
         await connection.close()
 
 
+DEEP_LEVELS = 60  # /deep: JSON objects nested this deep ({"a": {"a": ... "x"}}), past protobuf's decode limit
+DEEPER_LEVELS = 5000  # /deeper: arrays nested past what json.loads parses (RecursionError)
+
+
+def deep_json(levels: int) -> Any:
+    """`levels` objects nested in one another around "x" (what /deep serves, with DEEP_LEVELS)."""
+    value: Any = "x"
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """/json -> {"hello": "world", "authorization": <the header>}; /slow -> waits 5 s; /big -> 200 KB of text."""
+    """/json -> {"hello": "world", "authorization": <the header>}; /slow -> waits 5 s; /big -> 200 KB of text;
+    /deep -> JSON DEEP_LEVELS objects deep; /deeper -> JSON DEEPER_LEVELS arrays deep."""
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path.startswith("/slow"):
@@ -155,6 +168,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body, kind = b"late", "text/plain"
         elif self.path.startswith("/big"):
             body, kind = b"x" * 200_000, "text/plain"
+        elif self.path.startswith("/deeper"):
+            body, kind = b"[" * DEEPER_LEVELS + b"]" * DEEPER_LEVELS, "application/json"
+        elif self.path.startswith("/deep"):
+            body, kind = json.dumps(deep_json(DEEP_LEVELS)).encode(), "application/json"
         else:
             payload = {"hello": "world", "authorization": self.headers.get("Authorization"), "path": self.path}
             body, kind = json.dumps(payload).encode(), "application/json"

@@ -94,6 +94,10 @@ def _auth_headers(ctx: ActionContext) -> dict[str, str]:
 async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     """{"status_code", "url", "headers": {name: value}, "json" | "body", "body_truncated": bool}.
 
+    A JSON body comes back parsed in `json` (its parts nested deeper than pb.MAX_JSON_DEPTH as
+    their JSON text: the tools service clips every output, services/common/pb.py); one too deep
+    for `json.loads` itself (about 1,000 levels) comes back as text in `body`.
+
     Raises ActionError when the policy refuses the destination or the request fails
     (connection refused, TLS error, ...). A 4xx/5xx status is a result, not an error.
     """
@@ -145,7 +149,7 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         try:
             result["json"] = json.loads(text)
             return result
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what json.loads parses
             pass
     result["body"] = text
     return result

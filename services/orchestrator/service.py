@@ -522,7 +522,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     @unary
     async def GetChat(self, request: assistant_pb2.GetChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatResponse:
-        """The chat with its messages (oldest first) and its pending question."""
+        """The chat with its messages (oldest first) and its pending question.
+
+        Stored JSON is converted with `clip=True` (services/common/pb.py): a row stored before the
+        depth rule (a tool input or output nested past what protobuf decodes) shows its deeper parts
+        as JSON text instead of making every read of the chat fail. A message's `thinking` is
+        limited to pb.MAX_WIRE_DEPTH, which its 3 levels around a tool call's input need
+        ({"tool_calls": [{"input": ...}]}); anything stored since the rule fits unclipped.
+        """
         async with self.sessions() as session:
             chat, pending = await self._chat_and_pending(session, request.caller, request.chat_id)
             rows = (await session.execute(select(Message).where(Message.chat_id == chat.id).order_by(Message.seq))).scalars().all()
@@ -531,10 +538,10 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         for row in rows:
             if row.role in ("marker", "system"):
                 continue
-            thinking = pb.to_struct(row.extra) if row.extra else None
+            thinking = pb.to_struct(row.extra, clip=True, max_depth=pb.MAX_WIRE_DEPTH) if row.extra else None
             messages.append(
                 assistant_pb2.ChatMessage(
-                    id=row.id, role=row.role, content=pb.to_value(row.content), run_id=row.run_id or "",
+                    id=row.id, role=row.role, content=pb.to_value(row.content, clip=True), run_id=row.run_id or "",
                     running_status=statuses.get(row.run_id, ""), create_time=pb.timestamp(db.utc(row.created_at)),
                     thinking=thinking,
                 )
@@ -547,7 +554,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             create_time=pb.timestamp(db.utc(chat.created_at)), update_time=pb.timestamp(db.utc(chat.updated_at)),
         )
         if pending is not None:
-            message.pending_user_input_request.CopyFrom(pb.to_struct(pending.request))
+            message.pending_user_input_request.CopyFrom(pb.to_struct(pending.request, clip=True))  # see GetChat
         return message
 
     @unary

@@ -68,7 +68,11 @@ def _undecryptable() -> RpcError:
 
 
 def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_pb2.Credential:
-    """The Credential message of `info` (auth_data_masked only when asked)."""
+    """The Credential message of `info` (auth_data_masked only when asked).
+
+    `metadata` is clipped to pb.MAX_JSON_DEPTH (services/common/pb.py): one stored before the
+    gateway's depth check could be too deep to decode, and would break every listing.
+    """
     return tools_pb2.Credential(
         credential_id=info.id,
         organization_id=info.org_id,
@@ -78,7 +82,7 @@ def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_p
         is_default=info.is_default,
         create_time=pb.timestamp(info.created_at),
         update_time=pb.timestamp(info.updated_at),
-        metadata=pb.to_struct(info.metadata),
+        metadata=pb.to_struct(info.metadata, clip=True),
         auth_data_masked=info.masked if include_masked else "",
         created_by_user_id=info.created_by,
     )
@@ -115,8 +119,12 @@ def document_pb(document: KnowledgeDocument) -> tools_pb2.Document:
 
 
 def mcp_tool_pb(tool: dict[str, Any]) -> tools_pb2.McpTool:
-    """The McpTool message of a discovered tool {name, description, input_schema}."""
-    return tools_pb2.McpTool(name=tool["name"], description=tool["description"], input_schema=pb.to_struct(tool["input_schema"]))
+    """The McpTool message of a discovered tool {name, description, input_schema}.
+
+    The schema is the MCP server's JSON: clipped to pb.MAX_JSON_DEPTH (deeper parts as their JSON
+    text, services/common/pb.py) so that the message always decodes.
+    """
+    return tools_pb2.McpTool(name=tool["name"], description=tool["description"], input_schema=pb.to_struct(tool["input_schema"], clip=True))
 
 
 def _invalid(reason: str, message: str) -> RpcError:
@@ -144,12 +152,17 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def ExecuteTool(self, request: tools_pb2.ExecuteToolRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ExecuteToolResponse:
-        """Run one tool call. A failing tool is success=false with `error`; a cancelled call cancels the tool."""
+        """Run one tool call. A failing tool is success=false with `error`; a cancelled call cancels the tool.
+
+        The output is clipped to pb.MAX_JSON_DEPTH (services/common/pb.py): what a web page, an MCP
+        server or a database returns may nest deeper than protobuf decodes, so its deeper objects and
+        arrays arrive as their JSON text, and the response always decodes in the orchestrator.
+        """
         with bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id, tool_call_id=request.tool_call_id):
             result = await self.executor.execute(request.organization_id, request.tool, pb.from_struct(request.input))
         response = tools_pb2.ExecuteToolResponse(success=result.success, error=result.error, millicredits=result.millicredits)
         if result.success:
-            response.output.CopyFrom(pb.to_value(result.output))
+            response.output.CopyFrom(pb.to_value(result.output, clip=True))
         return response
 
     @rpc_errors

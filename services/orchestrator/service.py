@@ -59,6 +59,18 @@ class _PassThrough(Exception):
         self.status = status
 
 
+def _downstream_failure(error: grpc.aio.AioRpcError, service: str, unavailable: str) -> RpcError:
+    """The error of a turn whose call to billing or the tools service failed with `error` (no answer
+    of theirs to pass on): DEADLINE_EXCEEDED `<service>_TIMEOUT` when the call timed out (the
+    gateway's 504, README error table: "a downstream timeout"), else UNAVAILABLE
+    `<service>_UNAVAILABLE` with the message `unavailable` (503 with Retry-After).
+    `service` is "BILLING" or "TOOLS"."""
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        what = "Billing" if service == "BILLING" else "The tools service"
+        return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{service}_TIMEOUT", f"{what} did not answer in time")
+    return RpcError(grpc.StatusCode.UNAVAILABLE, f"{service}_UNAVAILABLE", unavailable)
+
+
 def _downstream_status(error: grpc.aio.AioRpcError) -> grpc.Status | None:
     for key, value in error.trailing_metadata() or ():
         if key == "grpc-status-details-bin":
@@ -169,14 +181,26 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     secret_resolver: registry.SecretResolver | None = None
 
     async def _model(self, llm: dict[str, Any], organization_id: str) -> Any:
-        """The ChatModel for `llm` (INVALID_ARGUMENT for an unknown provider, model or unusable credential)."""
+        """The ChatModel for `llm`, resolved before anything is written or charged.
+
+        Raises RpcError: INVALID_ARGUMENT UNKNOWN_MODEL for an unknown provider, model or unusable
+        credential (registry.resolve); FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE (metadata
+        `credential_id`; the gateway's 409) when the model key's credential cannot be decrypted
+        (README "Changing the key": only an operator listing the old key, or a new credential,
+        fixes it, so it is not a "try again"); DEADLINE_EXCEEDED TOOLS_TIMEOUT / UNAVAILABLE
+        TOOLS_UNAVAILABLE when the tools service does not answer in time / cannot be reached
+        (`_downstream_failure`).
+        """
         try:
             return await registry.resolve(self.settings, llm, organization_id=organization_id,
                                           secret_resolver=self.secret_resolver)
         except registry.UnknownModel as unknown:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", str(unknown)) from None
-        except grpc.aio.AioRpcError:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "TOOLS_UNAVAILABLE", "The credential service is unavailable; try again") from None
+        except registry.CredentialUndecryptable as undecryptable:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE", undecryptable.message,
+                           metadata={"credential_id": undecryptable.credential_id}) from None
+        except grpc.aio.AioRpcError as error:
+            raise _downstream_failure(error, "TOOLS", "The credential service is unavailable; try again") from None
 
     def _stream_url(self, chat_id: str, run_id: str) -> str:
         return f"{self.settings.stream_url_prefix}/{chat_id}/listen/{run_id}"
@@ -185,7 +209,15 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     @unary
     async def StartTurn(self, request: assistant_pb2.StartTurnRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.StartTurnResponse:
-        """Guards -> admission -> persist -> charge -> start the loop (nothing written on a refusal)."""
+        """Guards -> model -> admission -> persist -> charge -> start the loop (nothing written on a refusal).
+
+        The model (and its bring-your-own key) is resolved before billing is asked, so a model
+        refused (`_model`: INVALID_ARGUMENT, FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE) uses
+        no rate slot and charges nothing. A billing denial is passed through unchanged; billing
+        not answering in time is DEADLINE_EXCEEDED BILLING_TIMEOUT, any other billing failure
+        UNAVAILABLE BILLING_UNAVAILABLE (`_downstream_failure`); once admitted, a failed persist
+        or charge releases the reservation and removes what was written.
+        """
         caller = request.caller
         if not request.message.strip():
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "EMPTY_MESSAGE", "message must be a non-empty string")
@@ -230,7 +262,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 status = _downstream_status(error)
                 if status is not None:
                     raise _PassThrough(status) from None
-                raise RpcError(grpc.StatusCode.UNAVAILABLE, "BILLING_UNAVAILABLE", "Billing is unavailable; try again") from None
+                raise _downstream_failure(error, "BILLING", "Billing is unavailable; try again") from None
             context.set_trailing_metadata(_rate_metadata(admitted.rate_limit))
             try:
                 history = await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id)
@@ -243,7 +275,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             await context.abort_with_status(passthrough.status)
         except grpc.aio.AioRpcError as error:
             log.warning("charging the turn failed", extra={"fields": {"code": error.code().name}})
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "BILLING_UNAVAILABLE", "Billing is unavailable; try again") from None
+            raise _downstream_failure(error, "BILLING", "Billing is unavailable; try again") from None
         finally:
             await self._unclaim(chat_id)
         self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model,
@@ -342,7 +374,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     @unary
     async def Resume(self, request: assistant_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.ResumeResponse:
-        """Answer the pending question and start a new run on the same thread (no second run credit)."""
+        """Answer the pending question and start a new run on the same thread (no second run credit).
+
+        Errors as StartTurn's for the model (`_model`, resolved before anything is written);
+        a `credential_added` answer is checked with the tools service (`_check_credential`).
+        """
         caller = request.caller
         answer = pb.from_struct(request.response)
         llm = self._llm(request.llm, request.HasField("llm"))
@@ -452,7 +488,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     @unary
     async def CheckModel(self, request: assistant_pb2.CheckModelRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.CheckModelResponse:
-        """Validate `llm` for the caller's organization as StartTurn would (INVALID_ARGUMENT when unusable)."""
+        """Validate `llm` for the caller's organization as StartTurn would: INVALID_ARGUMENT when
+        unusable, FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE when its key cannot be decrypted (`_model`)."""
         if not request.HasField("llm") or not request.llm.provider_id:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", "llm.provider_id is required")
         llm = self._llm(request.llm, True)
@@ -466,7 +503,9 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     async def _check_credential(self, organization_id: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
         """A `credential_added` answer must name an existing credential of the organization for the
-        question's integration (400 otherwise; the question stays pending)."""
+        question's integration (INVALID_ARGUMENT INVALID_ANSWER, 400, otherwise; the question stays
+        pending). The tools service not answering in time is DEADLINE_EXCEEDED TOOLS_TIMEOUT, any
+        other failure UNAVAILABLE TOOLS_UNAVAILABLE (`_downstream_failure`)."""
         try:
             found = await self.runner.tools.GetCredential(
                 tools_pb2.GetCredentialRequest(organization_id=organization_id, credential_id=str(answer.get("credential_id"))), timeout=10
@@ -474,7 +513,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         except grpc.aio.AioRpcError as error:
             if error.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", "credential_added names a credential that does not exist") from None
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "TOOLS_UNAVAILABLE", "The tools service is unavailable; try again") from None
+            raise _downstream_failure(error, "TOOLS", "The tools service is unavailable; try again") from None
         wanted = question.get("integration_name")
         if wanted and found.credential.integration_name != wanted:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", f"the credential is for {found.credential.integration_name!r}, not {wanted!r}")

@@ -59,11 +59,19 @@ def _require_org(org_id: str) -> None:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "ORGANIZATION_REQUIRED", "organization_id is required", domain=TOOLS_DOMAIN)
 
 
-def _undecryptable() -> RpcError:
-    """The error of an RPC that needs a stored secret no configured key decrypts (the store logged it)."""
+def _undecryptable(credential_id: str) -> RpcError:
+    """FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE (metadata `credential_id`): the answer of every RPC
+    that needs the stored secret of `credential_id` and no configured key decrypts it (README,
+    "Changing the key"). Not retryable: only an operator listing the old key again, or the credential
+    connected again, fixes it. The store already logged the WARNING with the ids and
+    crypto.KEY_CHANGED_HINT (`CredentialStore._decrypt`); the message names the credential, never its secret.
+    """
     return RpcError(
         grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE",
-        "The stored credential cannot be decrypted; register it again", domain=TOOLS_DOMAIN,
+        f"Credential {credential_id!r} cannot be decrypted: the server's credential key was changed without "
+        "keeping the old one. An operator must list the old key again (after the new one), or the credential "
+        "must be connected again",
+        domain=TOOLS_DOMAIN, metadata={"credential_id": credential_id},
     )
 
 
@@ -203,13 +211,18 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     ) -> tools_pb2.ResolveCredentialSecretResponse:
         """The decrypted key of a credential, for internal callers only (bring-your-own-key models).
 
-        NOT_FOUND when absent, another organization's, for another integration, or holding no key.
+        NOT_FOUND when absent, another organization's, for another integration, or holding no key;
+        FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE (`_undecryptable`, one WARNING logged by the store)
+        when no configured key decrypts its secret (README, "Changing the key").
         """
         _require_org(request.organization_id)
         not_found = RpcError(grpc.StatusCode.NOT_FOUND, "CREDENTIAL_NOT_FOUND", "credential not found", domain=TOOLS_DOMAIN)
         if not request.credential_id:
             raise not_found
-        resolved = await self.credentials.resolve(request.organization_id, request.integration_name, request.credential_id)
+        try:
+            resolved = await self.credentials.resolve(request.organization_id, request.integration_name, request.credential_id)
+        except SecretBoxError:
+            raise _undecryptable(request.credential_id) from None
         if resolved is None:
             raise not_found
         _, secret = resolved
@@ -327,7 +340,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
                 request.organization_id, request.credential_id, MCP_AUTH_TYPE
             )
         except SecretBoxError:
-            raise _undecryptable() from None
+            raise _undecryptable(request.credential_id) from None
         try:
             tools = await self.executor.mcp.list_tools(secret)
         except TimeoutError:

@@ -101,11 +101,45 @@ async def test_mcp_discovery_of_an_undecryptable_server_is_a_clear_error_and_log
             await call(request)
         details = status_details(caught.value)
         assert (details.code, details.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE")
+        assert details.metadata == {"credential_id": info.id} and info.id in details.message
         records = _undecryptable_records(caplog)
         assert len(records) == 1 and records[0].fields["credential_id"] == info.id
         assert records[0].fields["integration"] == "mcp_docs"
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # not an "unhandled error"
         _assert_secret_free(records[0], MCP_TOKEN, "mcp-t0ken", *_ciphertexts(tmp_path / "shared.db"))
+
+
+MODEL_KEY = "sk-m0del-key-never-logged-1234567890"
+
+
+async def test_resolving_an_undecryptable_model_key_is_failed_precondition_naming_it_and_logged_once(start_tools, tmp_path, caplog):
+    # tester: ResolveCredentialSecret (the orchestrator's bring-your-own-key lookup) let the
+    # SecretBoxError escape: INTERNAL with an ERROR "unhandled error" and a traceback, which the
+    # orchestrator turned into a permanent 503 "try again".
+    writer, reader, _old, _new = await _two_replicas(start_tools, tmp_path)
+    credential = await writer.create_credential("openai", {"api_key": MODEL_KEY})
+    request = tools_pb2.ResolveCredentialSecretRequest(organization_id="org-a", credential_id=credential.credential_id,
+                                                       integration_name="openai")
+    assert (await writer.stub.ResolveCredentialSecret(request)).secret == MODEL_KEY
+    caplog.set_level(logging.WARNING)
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await reader.stub.ResolveCredentialSecret(request)
+
+    details = status_details(caught.value)
+    assert (details.code, details.reason, details.domain) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE", "tools.loopline.dev")
+    assert details.metadata == {"credential_id": credential.credential_id}
+    assert credential.credential_id in details.message and "cannot be decrypted" in details.message
+    assert "old key" in details.message and MODEL_KEY not in details.message
+    records = _undecryptable_records(caplog)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].levelno == logging.WARNING and records[0].exc_info is None
+    assert records[0].fields["credential_id"] == credential.credential_id
+    assert (records[0].fields["integration"], records[0].fields["org_id"]) == ("openai", "org-a")
+    assert "LOOPLINE_TOOLS_CREDENTIAL_KEY" in records[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # not an "unhandled error"
+    _assert_secret_free(records[0], MODEL_KEY, *_ciphertexts(tmp_path / "shared.db"))
 
 
 async def test_an_oauth2_state_the_new_key_cannot_read_asks_to_start_again_and_is_logged(start_tools, tmp_path, caplog):

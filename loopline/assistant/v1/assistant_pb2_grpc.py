@@ -104,7 +104,9 @@ class AssistantServiceServicer:
     def StartTurn(self, request, context):
         """StartTurn admits, persists and starts one turn (spec: "How a turn is admitted,
         charged, and tracked"). NOT_FOUND for a missing chat, FAILED_PRECONDITION for a
-        pending question or a run in flight.
+        pending question, a run in flight or a model key (llm.credential_id) that cannot be
+        decrypted (reason CREDENTIAL_UNDECRYPTABLE); DEADLINE_EXCEEDED when billing or the
+        tools service does not answer in time, UNAVAILABLE when either cannot be reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,7 +174,8 @@ class AssistantServiceServicer:
 
     def CheckModel(self, request, context):
         """CheckModel validates a model choice for an organization without starting anything:
-        INVALID_ARGUMENT (reason UNKNOWN_MODEL) exactly when StartTurn would refuse it.
+        INVALID_ARGUMENT (reason UNKNOWN_MODEL), or FAILED_PRECONDITION (reason
+        CREDENTIAL_UNDECRYPTABLE), exactly when StartTurn would refuse it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -192,7 +192,9 @@ class ToolsServiceServicer:
     def ResolveCredentialSecret(self, request, context):
         """ResolveCredentialSecret returns a credential's decrypted key to an internal caller (the
         orchestrator, for bring-your-own-key model calls). Never exposed through the gateway.
-        NOT_FOUND when the credential is absent, another organization's, or for another integration.
+        NOT_FOUND when the credential is absent, another organization's, or for another integration;
+        FAILED_PRECONDITION (reason CREDENTIAL_UNDECRYPTABLE, metadata credential_id) when no
+        configured credential key decrypts its secret (the key changed without keeping the old one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,7 +250,7 @@ class ToolsServiceServicer:
     def RefreshMcpDiscovery(self, request, context):
         """RefreshMcpDiscovery lists the tools of a registered MCP server again and stores
         them; NOT_FOUND when the credential is absent, another organization's or no MCP
-        server.
+        server; FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE as for ResolveCredentialSecret.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

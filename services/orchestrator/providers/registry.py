@@ -38,7 +38,8 @@ def _check_integration(llm: dict[str, Any], expected: str) -> None:
 SecretResolver = Callable[[str, str, str], Awaitable[str]]
 """`(organization_id, credential_id, integration) -> api key`, integration "openai" or
 "anthropic"; raises LookupError when the credential is absent, another organization's, for
-another integration, or not usable as a model key."""
+another integration, or not usable as a model key; CredentialUndecryptable when it exists but
+its stored secret cannot be decrypted."""
 
 RESERVED = frozenset({"scripted", "openai", "anthropic"})
 NO_KEY = "no-key"  # sent to compatible servers that need none (the SDK insists on a value)
@@ -46,6 +47,27 @@ NO_KEY = "no-key"  # sent to compatible servers that need none (the SDK insists 
 
 class UnknownModel(ValueError):
     """The `llm` names a provider, model or credential this deployment cannot serve (HTTP 400)."""
+
+
+class CredentialUndecryptable(Exception):
+    """The `llm.credential_id` credential exists but no key the tools service lists decrypts its
+    secret (LOOPLINE_TOOLS_CREDENTIAL_KEY changed without keeping the old key; README, "Changing
+    the key"). Not the client's mistake and not retryable: HTTP 409 until an operator lists the old
+    key again or the credential is connected again.
+
+    Attributes:
+        credential_id: the credential named by the request.
+        message: text for the client naming the credential and the fix (never the secret).
+    """
+
+    def __init__(self, credential_id: str, message: str = "") -> None:
+        self.credential_id = credential_id
+        self.message = message or (
+            f"Credential {credential_id!r} cannot be decrypted: the server's credential key was changed without "
+            "keeping the old one. An operator must list the old key again (after the new one), or the credential "
+            "must be connected again"
+        )
+        super().__init__(self.message)
 
 
 @dataclass(frozen=True)
@@ -110,6 +132,10 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
         UnknownModel: unknown or disabled provider, a model id outside the provider's list,
             no key available, or a credential that cannot be used (absent, another
             organization's, or bring-your-own-key not wired on this deployment).
+        CredentialUndecryptable: the credential exists but its secret cannot be decrypted
+            (raised by `secret_resolver`, passed on unchanged).
+        Whatever else `secret_resolver` raises (e.g. grpc.aio.AioRpcError when the tools
+            service is down or does not answer in time) propagates.
     """
     provider_id = llm.get("provider_id", "")
     model_id = llm.get("model_id") or ""

@@ -267,10 +267,18 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             try:
                 history = await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id)
                 await self.billing.Charge(billing_pb2.ChargeRequest(reservation_id=admitted.reservation_id), timeout=10)
-            except BaseException:
-                await self._release(admitted.reservation_id, "turn not started")
-                await self._unwind(chat_id, run_id, new_chat=not request.chat_id)
-                raise
+            except BaseException as failure:
+                if await self._release(admitted.reservation_id, "turn not started") != billing_pb2.RESERVATION_STATE_CHARGED:
+                    await self._unwind(chat_id, run_id, new_chat=not request.chat_id)
+                    raise
+                # Billing had posted the Charge when it failed on the way back (its deadline passed,
+                # the caller went away): the turn is persisted and paid for, so it runs; unwinding
+                # it would keep the credit of a turn that never ran.
+                log.warning("the turn's charge was posted though its call failed; the turn starts",
+                            extra={"fields": {"reservation_id": admitted.reservation_id, "failure": type(failure).__name__}})
+                if not isinstance(failure, grpc.aio.AioRpcError):
+                    self._start(caller, chat_id, run_id, llm, model, history)
+                    raise
         except _PassThrough as passthrough:
             await context.abort_with_status(passthrough.status)
         except grpc.aio.AioRpcError as error:
@@ -278,11 +286,15 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             raise _downstream_failure(error, "BILLING", "Billing is unavailable; try again") from None
         finally:
             await self._unclaim(chat_id)
-        self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model,
-                                  history=history))
+        self._start(caller, chat_id, run_id, llm, model, history)
         return assistant_pb2.StartTurnResponse(
             status="running", chat_id=chat_id, run_id=run_id, thread_id=chat_id, stream_url=self._stream_url(chat_id, run_id)
         )
+
+    def _start(self, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any], model: Any, history: list[ThreadRow] | None) -> None:
+        """Start the loop of a persisted and charged turn."""
+        self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model,
+                                  history=history))
 
     async def _guard(self, chat_id: str) -> Any:
         """store.turn_guard of `chat_id`, or None when it is not a UUID (then it cannot exist)."""
@@ -333,11 +345,16 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         except Exception:
             log.exception("unwinding a failed turn start failed")
 
-    async def _release(self, reservation_id: str, reason: str) -> None:
+    async def _release(self, reservation_id: str, reason: str) -> int | None:
+        """Release the reservation; returns its billing_pb2.ReservationState after the call
+        (RELEASED, CHARGED when a Charge was posted first, EXPIRED) or None when billing could not
+        be asked (logged; an unreleased hold expires by itself, billing `expire_holds`)."""
         try:
-            await self.billing.Release(billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason=reason), timeout=10)
+            response = await self.billing.Release(billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason=reason), timeout=10)
         except grpc.aio.AioRpcError as error:
             log.error("releasing a reservation failed", extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}})
+            return None
+        return response.state
 
     # ------------------------------------------------------------------ StreamRun
 

@@ -17,12 +17,13 @@ from typing import Any
 import grpc
 from sqlalchemy import func, select
 
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import LedgerEntry, Reservation
 from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.models import Chat, Interrupt, Run
 from tests.conftest import SCRIPTED, script
-from tests.orchestrator.helpers import run_turn
+from tests.orchestrator.helpers import read_frames, run_turn, wait_for
 
 DEADLINE_S = 0.5
 OPENAI = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-4o"}
@@ -123,3 +124,54 @@ async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_questio
         assert (await session.get(Interrupt, request_id)).outcome == "pending"
         runs = await session.scalar(select(func.count()).select_from(Run).where(Run.chat_id == asked["chat_id"]))
     assert runs == 1
+
+
+async def test_a_charge_posted_but_answered_too_late_starts_the_turn_instead_of_keeping_its_credit(stack, monkeypatch):
+    """Billing posts the Charge, but its answer comes after the orchestrator's deadline. Release then
+    says the reservation is charged. Before the fix the turn was unwound anyway (504): the chat and
+    run were removed and the run credit stayed charged for a turn that never ran. Now the paid turn
+    starts and answers as usual."""
+    real_charge = stack.billing.core.charge
+
+    async def posted_then_slow(reservation_id: str) -> Any:
+        result = await real_charge(reservation_id)
+        await asyncio.sleep(DEADLINE_S * 3)  # the orchestrator gives up before this answer
+        return result
+
+    monkeypatch.setattr(stack.orchestrator.servicer, "billing", _Capped(stack.orchestrator.servicer.billing))
+    monkeypatch.setattr(stack.billing.core, "charge", posted_then_slow)
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": script({"say": "paid for"}), "llm": SCRIPTED})
+        assert response.status_code == 200, response.text
+        frames = await read_frames(client, response.json()["stream_url"])
+    assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "paid for"
+    assert await _counts(stack) == (1, 1, ["charged"], 1)
+
+
+async def test_a_charge_posted_when_the_caller_went_away_still_runs_the_paid_turn(stack, monkeypatch):
+    """The caller cancels StartTurn while billing has posted the Charge but not answered: the turn
+    is paid for, so it runs to its end (before, it was unwound and its credit kept)."""
+    real_charge = stack.billing.core.charge
+    posted = asyncio.Event()
+
+    async def posted_then_hang(reservation_id: str) -> Any:
+        result = await real_charge(reservation_id)
+        posted.set()
+        await asyncio.sleep(30)
+        return result
+
+    monkeypatch.setattr(stack.billing.core, "charge", posted_then_hang)
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        call = stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "paid for"}),
+                                                             llm=assistant_pb2.LlmConfig(**SCRIPTED)))
+        await asyncio.wait_for(posted.wait(), 10)
+        call.cancel()
+
+    async def ended() -> bool:
+        async with stack.orchestrator.servicer.sessions() as session:
+            return (await session.scalars(select(Run.status).where(Run.organization_id == stack.org_id))).all() == ["completed"]
+
+    await wait_for(ended)
+    assert await _counts(stack) == (1, 1, ["charged"], 1)

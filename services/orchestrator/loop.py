@@ -36,7 +36,7 @@ from services.orchestrator.providers.base import ChatModel, ModelError, ModelRep
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, estimate, split_summary, with_summary
-from services.orchestrator.usage import UsageBatcher, call_with_retries
+from services.orchestrator.usage import Redelivery, UsageBatcher, call_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,8 @@ class TurnRunner:
         self.settings = settings
         self.sessions = sessions
         self.store = store
-        self.usage = UsageBatcher(billing)
+        self.redelivery = Redelivery()  # billing calls that failed their quick retries (usage.py)
+        self.usage = UsageBatcher(billing, redelivery=self.redelivery)
         self.events = events
         self.billing = billing
         self.tools = tools
@@ -531,14 +532,19 @@ class TurnRunner:
             byok=bool(spec.llm.get("credential_id")), estimated=usage.estimated, chat_id=spec.chat_id,
         )
 
-    @staticmethod
-    async def _send_to_billing(rpc: Any, request: Any, failure_message: str, **log_fields: Any) -> None:
+    async def _send_to_billing(self, rpc: Any, request: Any, failure_message: str, **log_fields: Any) -> None:
         """Call an idempotent billing RPC, shielded from the run's cancellation, with 3 attempts
-        (0.1 s, 0.2 s apart; usage.call_with_retries); a last failure is logged with `log_fields`,
-        never raised."""
+        (0.1 s, 0.2 s apart; usage.call_with_retries); when they fail it is logged at WARNING with
+        `log_fields` and handed to `self.redelivery` (sent again in the background; ERROR
+        `failure_message` only if it is finally lost), never raised."""
         failure = await call_with_retries(lambda: asyncio.shield(rpc(request, timeout=5)))
         if failure is not None:
-            log.error(failure_message, extra={"fields": {"code": failure.code().name, **log_fields}})
+            log.warning(f"{failure_message}; retrying in the background", extra={"fields": {"code": failure.code().name, **log_fields}})
+
+            def lost(last: grpc.aio.AioRpcError) -> None:
+                log.error(failure_message, extra={"fields": {"code": last.code().name, **log_fields}})
+
+            self.redelivery.retry(lambda: rpc(request, timeout=5), lost)
 
     # ------------------------------------------------------------------ ending
 

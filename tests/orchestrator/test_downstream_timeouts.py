@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.billing.v1 import billing_pb2_grpc
-from services.billing.models import LedgerEntry, Reservation
+from services.billing.models import LedgerEntry, Reservation, UsageRecord
 from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.models import Chat, Interrupt, Run
 from tests.conftest import SCRIPTED, script
@@ -175,3 +175,33 @@ async def test_a_charge_posted_when_the_caller_went_away_still_runs_the_paid_tur
 
     await wait_for(ended)
     assert await _counts(stack) == (1, 1, ["charged"], 1)
+
+
+async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monkeypatch):
+    """Re-test: billing stopped (SIGSTOP) for ~25 s during a run; the run completed, and its usage
+    records were never recorded (3 quick attempts, then only an ERROR line). Now the orchestrator
+    sends them again in the background until billing takes them."""
+    real = stack.billing.core.record_usage_batch
+    refused = 0
+
+    async def down_for_a_while(requests: Any) -> Any:
+        nonlocal refused
+        if refused < 5:  # more than the 3 quick attempts
+            refused += 1
+            raise RuntimeError("billing is having a bad time")
+        return await real(requests)
+
+    monkeypatch.setattr(stack.billing.core, "record_usage_batch", down_for_a_while)
+    redelivery = getattr(stack.orchestrator.runner, "redelivery", None)
+    if redelivery is not None:  # short waits for the test (1 s doubling in production)
+        monkeypatch.setattr(redelivery, "first_delay_s", 0.05)
+        monkeypatch.setattr(redelivery, "max_delay_s", 0.1)
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "one", "tool": "get_available_integrations", "input": {}}, {"say": "two"})
+    assert frames[-1]["type"] == "done"
+
+    async def recorded() -> bool:
+        async with stack.billing.core.sessions() as session:
+            return await session.scalar(select(func.count()).select_from(UsageRecord).where(UsageRecord.run_id == body["run_id"])) == 2
+
+    await wait_for(recorded, timeout=10)

@@ -29,7 +29,7 @@ import orjson
 from services.billing.config import BillingSettings
 from services.billing.core import BillingCore
 from services.billing.server import BillingServer, build_core
-from services.common import db
+from services.common import db, ids
 from services.common import logging as loopline_logging
 from services.common.runner import run
 
@@ -64,22 +64,22 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--org", required=True)
     show.add_argument("--entries", type=_whole(0, 1000), default=20)
     set_plan = admin.add_parser("set-plan", help="move an organization to a plan")
-    set_plan.add_argument("--org", required=True)
+    set_plan.add_argument("--org", required=True, type=ids.org_id_arg)
     set_plan.add_argument("--plan", required=True)
     grant = admin.add_parser("grant-credits", help="add run credits to this period's allowance")
-    grant.add_argument("--org", required=True)
+    grant.add_argument("--org", required=True, type=ids.org_id_arg)
     grant.add_argument("--credits", type=_whole(1, MAX_AMOUNT), required=True)
     grant.add_argument("--idempotency-key", default="")
     grant.add_argument("--note", default="")
     grant.add_argument("--create-account", action="store_true", help="create the billing account if the organization has none")
     top_up = admin.add_parser("top-up", help="add minor units (cents) to the prepaid wallet")
-    top_up.add_argument("--org", required=True)
+    top_up.add_argument("--org", required=True, type=ids.org_id_arg)
     top_up.add_argument("--minor-units", type=_whole(1, MAX_AMOUNT), required=True)
     top_up.add_argument("--idempotency-key", default="")
     top_up.add_argument("--note", default="")
     top_up.add_argument("--create-account", action="store_true", help="create the billing account if the organization has none")
     seed = admin.add_parser("seed-dev", help="idempotently give the demo organization an account (on --plan when new) with credits")
-    seed.add_argument("--org", required=True)
+    seed.add_argument("--org", required=True, type=ids.org_id_arg)
     seed.add_argument("--plan", default="developer")
     seed.add_argument("--wallet-minor-units", type=_whole(0, MAX_AMOUNT), default=1000)
     return parser

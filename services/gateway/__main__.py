@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
-from services.common import db, runner
+from services.common import db, ids, runner
 from services.gateway import identity
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
@@ -52,15 +52,6 @@ def _run(settings: GatewaySettings, work, error: str = "") -> None:
         _answer(result, error)
 
 
-def _org_id(text: str) -> str:
-    """An argparse type for a new organization id (`identity.org_id_error`: 1 to 128 visible
-    ASCII characters); argparse reports anything else (exit 2)."""
-    problem = identity.org_id_error(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text
-
-
 def _run_check(check, *args: Any) -> None:
     """Call `check(*args)`; an `identity.AdminError` prints {"error": its message} and exits 1."""
     try:
@@ -92,7 +83,7 @@ def main() -> None:
     sub.add_parser("migrate", help="apply the identity database migrations")
     sub.add_parser("seed-dev", help="ensure the development organization, owner and API key; prints JSON")
     member = sub.add_parser("add-member", help="create a user with a role in an organization; prints JSON with its API key")
-    member.add_argument("--org", required=True, type=_org_id)
+    member.add_argument("--org", required=True, type=ids.org_id_arg)
     member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
     member.add_argument("--email", type=_email, help="the new user's email (must not belong to an existing user)")
     llm = sub.add_parser("set-default-llm", help="save an organization's default model (used when a turn names none)")

@@ -26,7 +26,7 @@ from cachetools import TTLCache
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from services.common import pb
+from services.common import ids, pb
 from services.gateway.models import ApiKey, Membership, Organization, User
 
 ASSISTANT_ROLES = frozenset({"owner", "admin"})
@@ -74,24 +74,10 @@ def check_dev_key(key: str) -> None:
         )
 
 
-MAX_ORG_ID_CHARS = 128  # billing's limit on organization ids
-
-
-def org_id_error(org_id: str) -> str | None:
-    """Why `org_id` cannot be a new organization's id, or None: it must be 1 to 128 visible
-    ASCII characters ('!' to '~'). It travels as the X-Organization-ID header: empty it can never
-    be sent, longer it exceeds billing's limit, and outside visible ASCII clients send it in an
-    encoding the gateway does not read it back in (HTTP field values are ASCII in practice,
-    RFC 9110 §5.5: curl sends 'org_ü' as UTF-8, which matched no organization)."""
-    if not 0 < len(org_id) <= MAX_ORG_ID_CHARS or not all("!" <= c <= "~" for c in org_id):
-        return f"an organization id is 1 to {MAX_ORG_ID_CHARS} visible ASCII characters (no spaces)"
-    return None
-
-
 def check_dev_org_id(org_id: str) -> None:
     """Raise AdminError when `org_id` (LOOPLINE_DEV_ORG_ID) cannot be an organization's id
-    (`org_id_error`); the message says why."""
-    problem = org_id_error(org_id)
+    (services.common.ids); the message says why."""
+    problem = ids.org_id_error(org_id)
     if problem is not None:
         raise AdminError(f"LOOPLINE_DEV_ORG_ID: {problem}")
 
@@ -210,7 +196,7 @@ async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, s
     Raises:
         AdminError: `api_key` is given but unusable (`check_dev_key`: shorter than 20
             characters, or with spaces or non-ASCII characters), or `org_id` is given but
-            unusable (`org_id_error`); nothing is written.
+            unusable (services.common.ids); nothing is written.
     """
     if api_key:
         check_dev_key(api_key)

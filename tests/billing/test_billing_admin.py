@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 
@@ -213,3 +214,19 @@ async def test_a_database_url_that_cannot_be_used_is_a_json_error_without_its_pa
         code, document = await admin(settings, _parser().parse_args(["admin", "show", "--org", "demo"]))
         assert code == 1 and fragment in document["error"], (url, document)
         assert "pa55word-x" not in document["error"] and "LOOPLINE_BILLING_DATABASE_URL" in document["error"]
+
+
+def test_commands_that_create_accounts_refuse_an_organization_id_no_organization_can_have(tmp_path):
+    """Re-test: set-plan, grant-credits/top-up --create-account and seed-dev created accounts (and
+    money) for "org é", "  " or a 300-character id, which the gateway never lets an organization
+    have (services/common/ids.py). argparse refuses them (exit 2) and nothing is written."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}, "LOOPLINE_DATA_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-m", "services.billing", "migrate"], env=env, capture_output=True, timeout=60, check=True)
+    for org in ("org é", "  ", "a" * 300, ""):
+        for argv in (["set-plan", "--org", org, "--plan", "free"], ["grant-credits", "--org", org, "--credits", "5", "--create-account"],
+                     ["top-up", "--org", org, "--minor-units", "5", "--create-account"], ["seed-dev", "--org", org]):
+            result = subprocess.run([sys.executable, "-m", "services.billing", "admin", *argv], env=env, capture_output=True,
+                                    text=True, timeout=60, check=False)
+            assert result.returncode == 2 and "visible ASCII" in result.stderr, (argv, result.stdout, result.stderr)
+    with sqlite3.connect(tmp_path / "billing.db") as database:
+        assert database.execute("SELECT count(*) FROM accounts").fetchone() == (0,)

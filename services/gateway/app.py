@@ -125,16 +125,24 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(400, "Request body must be a JSON object")
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        # orjson refuses past 1,024 levels ("depth limit exceeded") before reading the rest: valid
+        # JSON, too deep, so the depth answer (not "not valid JSON")
+        if any(word in str(exc).lower() for word in ("depth limit", "recursion")):
+            raise BodyError(400, _TOO_DEEP) from None
         raise BodyError(400, "Request body is not valid JSON (UTF-8, no lone surrogates)") from None
+    except RecursionError:  # a parser that recurses instead (none today): the same answer
+        raise BodyError(400, _TOO_DEEP) from None
     if not isinstance(body, dict):
         raise BodyError(400, "Request body must be a JSON object")
     # Fewer brackets than the limit cannot nest deeper than it (a count in C, so the common small
     # body is never walked; brackets inside strings only make the walk happen).
     if raw.count(b"{") + raw.count(b"[") > pb.MAX_JSON_DEPTH and pb.json_depth(body, pb.MAX_JSON_DEPTH) > pb.MAX_JSON_DEPTH:
-        raise BodyError(400, f"Request body is nested deeper than {pb.MAX_JSON_DEPTH} levels of objects and arrays "
-                             "(the body itself counts as one)")
+        raise BodyError(400, _TOO_DEEP)
     return body
+
+
+_TOO_DEEP = f"Request body is nested deeper than {pb.MAX_JSON_DEPTH} levels of objects and arrays (the body itself counts as one)"
 
 
 def check_fields(body: dict[str, Any], allowed: set[str]) -> None:

@@ -89,6 +89,18 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8-sig", errors="replace")
 
 
+def _json_text(raw: str) -> str:
+    """A JSON document's text, re-indented; as uploaded when it is nested deeper than json.loads
+    or json.dumps go (about 1,000 levels: RecursionError), since a JSON document is still text,
+    as the http integration returns such a body as text. ExtractionError when it is not JSON."""
+    try:
+        return json.dumps(json.loads(raw), ensure_ascii=False, indent=1)
+    except json.JSONDecodeError as exc:
+        raise ExtractionError(f"The JSON file does not parse (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        return raw
+
+
 def extract_text(data: bytes, kind: str) -> str:
     """The text of a file of type `kind` (one of SUPPORTED_TYPES).
 
@@ -102,10 +114,7 @@ def extract_text(data: bytes, kind: str) -> str:
         parser.close()
         text = "".join(parser.parts)
     elif kind == "json":
-        try:
-            text = json.dumps(json.loads(_decode(data)), ensure_ascii=False, indent=1)
-        except json.JSONDecodeError as exc:
-            raise ExtractionError(f"The JSON file does not parse (line {exc.lineno}, column {exc.colno})") from None
+        text = _json_text(_decode(data))
     elif kind == "pdf":
         text = _pdf_text(data)
     else:

@@ -125,7 +125,7 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
             )
         try:
             body: Any = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what json.loads parses: the text
             body = response.text
         return {"status": response.status_code, "body": body}
 
@@ -262,8 +262,12 @@ class OAuth2Flows:
         try:
             async with httpx.AsyncClient(timeout=self._timeout_s, follow_redirects=False, trust_env=False) as client:
                 response = await client.post(provider.token_url, data=form, headers={"Accept": "application/json"})
-            tokens = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
+            try:
+                tokens = response.json() if response.status_code == 200 else None
+            except (ValueError, RecursionError) as exc:  # not JSON, or nested past what json.loads parses: no token
+                log.warning("oauth2 token response is not JSON", extra={"fields": {"integration": provider.name, "exc_type": type(exc).__name__}})
+                tokens = None
+        except httpx.HTTPError as exc:
             log.warning("oauth2 token exchange failed", extra={"fields": {"integration": provider.name, "exc_type": type(exc).__name__}})
             tokens = None
             response = None

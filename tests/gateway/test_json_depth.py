@@ -94,3 +94,17 @@ async def test_turn_and_settings_bodies_nested_too_deep_are_400(stack):
             assert _is_depth_400(response), (path, response.status_code, response.text)
         put = await client.put("/organizations/settings/composer-llm", json={"llm": deep(60)})
         assert _is_depth_400(put), (put.status_code, put.text)
+
+
+async def test_a_body_nested_past_the_json_parsers_own_limit_is_the_depth_400_not_invalid_json(stack):
+    # orjson refuses past 1,024 levels ("depth limit exceeded"): the body was answered "Request body
+    # is not valid JSON (UTF-8, no lone surrogates)" although it is valid JSON (tester, 10,000 levels)
+    arrays = b"[" * 10000 + b"1" + b"]" * 10000
+    in_a_field = b'{"message": "hi", "extra": ' + b'{"a": ' * 2000 + b'"x"' + b"}" * 2000 + b"}"
+    async with stack.client() as client:
+        for path, raw in (("/assistant/chat", arrays), ("/assistant/chat", in_a_field), ("/knowledge-bases", in_a_field),
+                          ("/credentials", arrays)):
+            response = await client.post(path, content=raw, headers={"Content-Type": "application/json"})
+            assert _is_depth_400(response), (path, response.status_code, response.text)
+        not_json = await client.post("/knowledge-bases", content=b'{"name": "kb", ', headers={"Content-Type": "application/json"})
+        assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["detail"]

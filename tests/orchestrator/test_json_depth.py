@@ -111,3 +111,34 @@ async def test_an_execute_tool_response_that_cannot_be_decoded_is_the_calls_erro
         assert frames[2]["data"]["output"] == {"error": UNREADABLE_RESULT, "success": False}
         assert frames[-1]["data"]["response"] == "ok" and not frames[-1]["data"].get("error")
         assert (await client.get(f"/assistant/chat/{body['chat_id']}")).status_code == 200
+
+
+def deep_text(levels: int, leaf: str = '"x"') -> str:
+    """The JSON text of `levels` objects nested around `leaf`, built as text (json.dumps recurses)."""
+    return '{"a": ' * levels + leaf + "}" * levels
+
+
+async def test_a_script_whose_tool_input_is_too_deep_for_json_loads_gives_the_calls_error_result(stack):
+    # json.loads raised RecursionError on the script (the scripted model's stack is deep): "loop
+    # crashed", "Internal error while running the turn." (tester, 990 levels). Now like 30-200.
+    message = ('{"script": [{"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", '
+               '"parameters": {"message": "hi", "deep": ' + deep_text(990) + '}}}, {"say": "ok"}]}')
+    async with stack.client() as client:
+        body, frames = await run_turn_message(client, message)
+        assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "done"], frames
+        call, result = frames[1]["data"], frames[2]["data"]["output"]
+        assert pb.json_depth(call["input"]) == pb.MAX_JSON_DEPTH
+        assert result["success"] is False and result["error"].startswith("Invalid input for execute_integration_tool")
+        assert f"nested deeper than {pb.MAX_JSON_DEPTH} levels" in result["error"]
+        assert frames[-1]["data"]["response"] == "ok" and not frames[-1]["data"].get("error")
+        chat = await client.get(f"/assistant/chat/{body['chat_id']}")
+        assert chat.status_code == 200, chat.text
+
+
+async def run_turn_message(client, message: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A turn whose user message is `message` as given (a script too deep for json.dumps to write)."""
+    from tests.orchestrator.helpers import start
+    from tests.sse_client import read_frames
+
+    body = await start(client, message=message)
+    return body, await read_frames(client, body["stream_url"])

@@ -10,6 +10,8 @@ Tools are `{"name", "description", "input_schema"}`.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -105,3 +107,51 @@ def estimate_tokens(value: Any) -> int:
     """A rough token estimate of a value: about 4 characters per token, at least 1."""
     text = value if isinstance(value, str) else repr(value)
     return max(1, len(text) // 4)
+
+
+DEEP_JSON_KEPT_LEVELS = 100  # `loads_deep` keeps this many levels as objects and arrays, deeper ones as their JSON text
+_STRUCTURAL = re.compile(r'[\[\]{}"]')
+_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*+"', re.DOTALL)  # the rest of a JSON string after its opening quote
+
+
+def loads_deep(text: str, kept_levels: int = DEEP_JSON_KEPT_LEVELS) -> Any:
+    """`json.loads(text)`, also for JSON nested deeper than json.loads itself parses.
+
+    json.loads raises RecursionError at about 1,000 levels (fewer the deeper the caller's own
+    stack is). Then the text is read again with every object or array deeper than
+    `kept_levels` replaced by its JSON text (a string, as `pb.clipped` does), so the result
+    is still deeper than `pb.MAX_JSON_DEPTH` (29) and the loop gives a model's tool call with
+    such an input its usual error result ("Invalid input … nested deeper than 29 levels"),
+    while the value stays shallow enough for repr, json.dumps and `pb.clipped`. One linear
+    pass over the text (strings are skipped by a regular expression); a part kept as text is
+    only checked for balanced brackets. Raises ValueError (json.JSONDecodeError) for text that
+    is not JSON, never RecursionError.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        pass
+    parts: list[str] = []
+    depth, copied, start, pos = 0, 0, 0, 0
+    while (found := _STRUCTURAL.search(text, pos)) is not None:
+        at, char = found.start(), found.group()
+        pos = at + 1
+        if char == '"':
+            rest = _STRING_REST.match(text, pos)
+            if rest is None:
+                raise ValueError("JSON text has an unterminated string")
+            pos = rest.end()
+        elif char in "[{":
+            depth += 1
+            if depth == kept_levels + 1:
+                start = at
+        else:
+            if depth == kept_levels + 1:
+                parts += [text[copied:start], json.dumps(text[start:pos], ensure_ascii=False)]
+                copied = pos
+            depth -= 1
+    parts.append(text[copied:])
+    try:
+        return json.loads("".join(parts))
+    except RecursionError:  # brackets that never close: not JSON
+        raise ValueError("JSON text is nested too deep and does not close") from None

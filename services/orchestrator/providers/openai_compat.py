@@ -22,7 +22,7 @@ from typing import Any
 
 import openai
 
-from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, estimate_tokens
+from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, estimate_tokens, loads_deep
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -74,11 +74,16 @@ def to_openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def parse_arguments(raw: str) -> dict[str, Any]:
-    """A tool call's JSON `arguments` as an object; `{}` for empty, invalid or non-object JSON."""
+    """A tool call's JSON `arguments` as an object; `{}` for empty, invalid or non-object JSON.
+
+    Arguments nested deeper than json.loads parses (about 1,000 levels) are read by `loads_deep`
+    (deep parts as their JSON text), so the loop gives the call its "nested deeper than 29
+    levels" error result instead of crashing the run with RecursionError.
+    """
     if not raw.strip():
         return {}
     try:
-        value = json.loads(raw)
+        value = loads_deep(raw)
     except ValueError:
         log.warning("tool call arguments are not valid JSON", extra={"fields": {"length": len(raw)}})
         return {}

@@ -20,7 +20,6 @@ anything else is answered with a short echo.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Any
 
@@ -32,6 +31,7 @@ from services.orchestrator.providers.base import (
     TokenUsage,
     ToolCallRequest,
     estimate_tokens,
+    loads_deep,
 )
 
 _DISCOVERY = re.compile(r"\b(integrations?|tools?|connect(ed|ions?)?|apps?)\b", re.IGNORECASE)
@@ -59,7 +59,7 @@ def _script_of(content: Any) -> list[Any] | None:
     if not stripped.startswith("{"):
         return None
     try:
-        data = json.loads(stripped)
+        data = loads_deep(stripped)  # a script nested past json.loads' limit: its deep tool input is the call's error result
     except ValueError:
         return None
     script = data.get("script") if isinstance(data, dict) else None

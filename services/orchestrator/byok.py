@@ -6,7 +6,10 @@ import grpc
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common.errors import status_details
-from services.orchestrator.providers.registry import CredentialUndecryptable, SecretResolver
+from services.orchestrator.providers.registry import (
+    CredentialUndecryptable,
+    SecretResolver,
+)
 
 UNDECRYPTABLE_REASON = "CREDENTIAL_UNDECRYPTABLE"
 

@@ -17,11 +17,22 @@ from services.common import pb
 from services.orchestrator.loop import checked_call
 from services.orchestrator.providers.anthropic_provider import AnthropicModel
 from services.orchestrator.providers.base import DEEP_JSON_KEPT_LEVELS, loads_deep
-from services.orchestrator.providers.openai_compat import OpenAICompatModel, parse_arguments
+from services.orchestrator.providers.openai_compat import (
+    OpenAICompatModel,
+    parse_arguments,
+)
 from services.orchestrator.providers.retry import RetryPolicy
 from tests.conftest import start_stack, stop_stack
 from tests.orchestrator.helpers import types
-from tests.providers.fakes import FakeLLMServer, Reply, anthropic_end, anthropic_start, anthropic_tool_block, openai_text, openai_tool_call
+from tests.providers.fakes import (
+    FakeLLMServer,
+    Reply,
+    anthropic_end,
+    anthropic_start,
+    anthropic_tool_block,
+    openai_text,
+    openai_tool_call,
+)
 from tests.sse_client import read_frames
 
 FAST = RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=1.0)

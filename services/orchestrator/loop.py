@@ -154,8 +154,10 @@ class TurnRunner:
         self.settings = settings
         self.sessions = sessions
         self.store = store
-        self.redelivery = Redelivery()  # billing calls that failed their quick retries (usage.py)
-        self.usage = UsageBatcher(billing, redelivery=self.redelivery)
+        self.redelivery = Redelivery(sessions)  # billing calls that failed their quick retries (usage.py)
+        self.redelivery.register(
+            "RecordToolUsage", lambda data: billing.RecordToolUsage(billing_pb2.RecordToolUsageRequest.FromString(data), timeout=5))
+        self.usage = UsageBatcher(billing, self.redelivery)
         self.events = events
         self.billing = billing
         self.tools = tools
@@ -513,7 +515,7 @@ class TurnRunner:
             organization_id=spec.organization_id, run_id=spec.run_id, tool_call_id=call.id, tool=call.name,
             detail=detail[:200], millicredits=millicredits, chat_id=spec.chat_id,
         )
-        await self._send_to_billing(self.billing.RecordToolUsage, request, "recording tool usage failed", tool_call_id=call.id)
+        await self._send_to_billing("RecordToolUsage", request, "recording tool usage failed", tool_call_id=call.id)
 
     async def _record_usage(self, spec: RunSpec, call_index: int, usage: TokenUsage) -> None:
         """Record one model call's tokens with billing now and wait for it (idempotent by run and
@@ -532,19 +534,16 @@ class TurnRunner:
             byok=bool(spec.llm.get("credential_id")), estimated=usage.estimated, chat_id=spec.chat_id,
         )
 
-    async def _send_to_billing(self, rpc: Any, request: Any, failure_message: str, **log_fields: Any) -> None:
-        """Call an idempotent billing RPC, shielded from the run's cancellation, with 3 attempts
-        (0.1 s, 0.2 s apart; usage.call_with_retries); when they fail it is logged at WARNING with
-        `log_fields` and handed to `self.redelivery` (sent again in the background; ERROR
-        `failure_message` only if it is finally lost), never raised."""
+    async def _send_to_billing(self, method: str, request: Any, failure_message: str, **log_fields: Any) -> None:
+        """Call the idempotent billing RPC `method`, shielded from the run's cancellation, with 3
+        attempts (0.1 s, 0.2 s apart; usage.call_with_retries); when they fail it is logged at
+        WARNING with `log_fields` and stored by `self.redelivery` (sent again in the background,
+        across restarts; ERROR `failure_message` only if it is finally given up), never raised."""
+        rpc = getattr(self.billing, method)
         failure = await call_with_retries(lambda: asyncio.shield(rpc(request, timeout=5)))
         if failure is not None:
             log.warning(f"{failure_message}; retrying in the background", extra={"fields": {"code": failure.code().name, **log_fields}})
-
-            def lost(last: grpc.aio.AioRpcError) -> None:
-                log.error(failure_message, extra={"fields": {"code": last.code().name, **log_fields}})
-
-            self.redelivery.retry(lambda: rpc(request, timeout=5), lost)
+            await asyncio.shield(self.redelivery.retry(method, request, failure_message, [log_fields]))
 
     # ------------------------------------------------------------------ ending
 

@@ -116,3 +116,24 @@ class Interrupt(Base):
     expires_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     resolved_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class BillingRedelivery(Base):
+    """A billing call that failed its quick retries, kept until billing takes it.
+
+    `method` is the BillingService method (`RecordUsageBatch`, `RecordToolUsage`) and
+    `request` its serialized request; the calls are idempotent, so sending one twice only
+    replays. `log_fields` are the ids logged if it is finally given up (one object per record).
+    Written and sent by `services/orchestrator/usage.py` `Redelivery`, by any replica.
+    """
+
+    __tablename__ = "billing_redeliveries"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    method: Mapped[str] = mapped_column(String(64))
+    request: Mapped[bytes] = mapped_column(LargeBinary)
+    failure_message: Mapped[str] = mapped_column(String(200))
+    log_fields: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    next_attempt_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), index=True)

@@ -59,6 +59,7 @@ class OrchestratorServer:
         self.servicer.supervisor = self.supervisor
         self.servicer.secret_resolver = tools_secret_resolver(tools)
         self.supervisor.start()
+        self.runner.redelivery.start()
         self._grpc = await start_grpc_server(
             [(assistant_pb2_grpc.add_AssistantServiceServicer_to_server, self.servicer, SERVICE_NAME)],
             settings.host,

@@ -11,28 +11,35 @@ plus the RPC in flight (README "Decisions").
 
 A billing service that is down or stalled longer than the quick retries (`call_with_retries`,
 ~0.3 s plus the calls' 5 s deadlines) does not lose a record either: the run goes on and
-`Redelivery` keeps sending it in the background (1 s, doubling to 30 s apart, for up to an
-hour), as it does the tool charges of loop.py. Only a process stopped meanwhile (one last
-attempt at shutdown) or a billing service gone for the whole hour loses it, logged at ERROR
-with its run and call.
+`Redelivery` stores the call in the orchestrator's database (`billing_redeliveries`) and
+sends it again in the background (1 s, doubling to 60 s apart, for up to 7 days), as it does
+the tool charges of loop.py. A stored call survives a stop or crash of the process: the next
+start (or, on PostgreSQL, another replica) sends it. Only a billing service gone for the
+whole 7 days loses it, logged at ERROR with its run and call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from sqlalchemy import delete, func, insert, select, update
 
 from loopline.billing.v1 import billing_pb2
+from services.orchestrator.models import BillingRedelivery, utcnow
 
 log = logging.getLogger(__name__)
 
 WINDOW_S = 0.02  # how long a usage record may wait for others before it is sent
 MAX_BATCH = 200  # records per RPC at most
 ATTEMPTS = 3  # sends of a batch before its failure is logged (0.1 s, then 0.2 s apart)
+REDELIVERY_BATCH = 20  # stored billing calls sent at once by `Redelivery`
 
 
 async def call_with_retries(call: Callable[[], Awaitable[Any]]) -> grpc.aio.AioRpcError | None:
@@ -50,66 +57,175 @@ async def call_with_retries(call: Callable[[], Awaitable[Any]]) -> grpc.aio.AioR
 
 
 class Redelivery:
-    """Sends idempotent billing calls that failed their quick retries again, in the background,
-    until billing takes them.
+    """Billing calls that failed their quick retries, kept in the orchestrator's database
+    (`billing_redeliveries`) and sent again in the background until billing takes them.
 
     Args:
-        first_delay_s / max_delay_s: the wait before the first background attempt, doubled after
-            each failure up to `max_delay_s` (1 s, 30 s).
-        horizon_s: how long a call is retried (3,600 s); past it, it is lost and logged.
+        sessions: async session factory of the orchestrator database.
+        first_delay_s / max_delay_s: the wait before a stored call's first background attempt,
+            doubled after each failure up to `max_delay_s` (1 s, 60 s).
+        horizon_s: how long a call is retried (7 days); past it, it is given up and its
+            `failure_message` logged at ERROR with its ids.
+        idle_poll_s: how often the table is read when nothing is due here (60 s): it finds the
+            calls of a replica that stopped or crashed (PostgreSQL; on SQLite the next start
+            of the process finds them at once).
 
-    `retry(call, lost)` schedules `call()` (an awaitable factory whose RPC raises
-    grpc.aio.AioRpcError on failure); `lost(failure)` is called once when it is given up (the
-    caller logs it with its ids). `close()` (shutdown) stops the waits and makes one last
-    attempt for every call still pending. Never raises.
+    `register(method, send)` names how a stored call is sent (`send(request_bytes)` raises
+    grpc.aio.AioRpcError on failure); `retry(method, request, failure_message, log_fields)`
+    stores one (a WARNING per record says so); `start()` starts the sender task and `close()`
+    stops it. Every call is idempotent in billing (by run and call index or tool call), so a
+    call sent twice (two replicas, a crash between the send and the delete) only replays.
+    Stored calls survive a crash or stop of the process; a call that could not be stored (the
+    database down as well) is kept in memory and stored, or sent, at the next pass; at
+    `close()` it gets one last attempt and is logged at ERROR if that fails. Never raises.
     """
 
-    def __init__(self, first_delay_s: float = 1.0, max_delay_s: float = 30.0, horizon_s: float = 3600.0) -> None:
+    def __init__(self, sessions: Any, first_delay_s: float = 1.0, max_delay_s: float = 60.0,
+                 horizon_s: float = 7 * 86400.0, idle_poll_s: float = 60.0) -> None:
+        self.sessions = sessions
         self.first_delay_s = first_delay_s
         self.max_delay_s = max_delay_s
         self.horizon_s = horizon_s
-        self._pending: dict[asyncio.Task, tuple[Callable[[], Awaitable[Any]], Callable[[grpc.aio.AioRpcError], None]]] = {}
+        self.idle_poll_s = idle_poll_s
+        self._senders: dict[str, Callable[[bytes], Awaitable[Any]]] = {}
+        self._unstored: list[dict[str, Any]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
 
-    @property
-    def pending(self) -> int:
-        """Calls waiting to be sent again."""
-        return len(self._pending)
+    def register(self, method: str, send: Callable[[bytes], Awaitable[Any]]) -> None:
+        """Name how a stored `method` call is sent: `send(serialized request)`."""
+        self._senders[method] = send
 
-    def retry(self, call: Callable[[], Awaitable[Any]], lost: Callable[[grpc.aio.AioRpcError], None]) -> None:
-        """Schedule `call` to be sent again in the background (see the class docstring)."""
-        task = asyncio.get_running_loop().create_task(self._redeliver(call, lost), name="billing-redelivery")
-        self._pending[task] = (call, lost)
-        task.add_done_callback(lambda done: self._pending.pop(done, None))
+    def start(self) -> None:
+        """Start the background sender (idempotent); it first sends what an earlier process left."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._main(), name="billing-redelivery")
 
-    async def _redeliver(self, call: Callable[[], Awaitable[Any]], lost: Callable[[grpc.aio.AioRpcError], None]) -> None:
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.horizon_s
-        delay = self.first_delay_s
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await call()
-                return
-            except grpc.aio.AioRpcError as failure:
-                if loop.time() + delay >= give_up_at:
-                    lost(failure)
-                    return
-            delay = min(delay * 2, self.max_delay_s)
+    async def pending(self) -> int:
+        """Calls waiting to be sent again (stored by any replica, plus those not stored yet)."""
+        async with self.sessions() as session:
+            stored = await session.scalar(select(func.count()).select_from(BillingRedelivery))
+        return int(stored or 0) + len(self._unstored)
+
+    async def retry(self, method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]]) -> None:
+        """Store `request` (a protobuf message for `method`) to be sent again in the background."""
+        now = utcnow()
+        row = {"id": str(uuid.uuid4()), "method": method, "request": request.SerializeToString(),
+               "failure_message": failure_message[:200], "log_fields": log_fields, "attempts": 0, "created_at": now,
+               "next_attempt_at": now + datetime.timedelta(seconds=self.first_delay_s)}
+        if not await self._store([row]):
+            self._unstored.append(row)
+        self._wake.set()
 
     async def close(self) -> None:
-        """Stop waiting and make one last attempt for each pending call; `lost` for those that fail."""
-        pending = list(self._pending.items())
-        for task, _ in pending:
-            task.cancel()
-        await asyncio.gather(*(task for task, _ in pending), return_exceptions=True)
+        """Stop the sender; what was not stored gets one last attempt (ERROR when that fails too).
 
-        async def last(call: Callable[[], Awaitable[Any]], lost: Callable[[grpc.aio.AioRpcError], None]) -> None:
+        Stored calls stay for the next start of the process (or another replica)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        unstored, self._unstored = self._unstored, []
+        if unstored and not await self._store(unstored):
+            await asyncio.gather(*(self._last_attempt(row) for row in unstored))
+
+    async def _last_attempt(self, row: dict[str, Any]) -> None:
+        try:
+            await self._send(row["method"], row["request"])
+        except Exception as failure:  # noqa: BLE001 - logged with the call's ids; close() never raises
+            self._give_up(row, failure.code().name if isinstance(failure, grpc.aio.AioRpcError) else type(failure).__name__)
+
+    async def _store(self, rows: list[dict[str, Any]]) -> bool:
+        try:
+            async with self.sessions() as session, session.begin():
+                await session.execute(insert(BillingRedelivery), rows)
+        except Exception as error:  # noqa: BLE001 - the database is down too: kept in memory, stored at the next pass
+            log.warning("storing billing calls to send again failed; kept in memory",
+                        extra={"fields": {"calls": len(rows), "error": type(error).__name__}})
+            return False
+        return True
+
+    async def _send(self, method: str, request: bytes) -> None:
+        await self._senders[method](request)
+
+    def _give_up(self, row: dict[str, Any], code: str) -> None:
+        for fields in row["log_fields"] or [{}]:
+            log.error(row["failure_message"], extra={"fields": {"code": code, **fields}})
+
+    async def _main(self) -> None:
+        while True:
+            wait_s = self.idle_poll_s
+            self._wake.clear()  # a call stored during this pass sets it again: no wait then
             try:
-                await call()
-            except grpc.aio.AioRpcError as failure:
-                lost(failure)
+                if self._unstored:
+                    unstored, self._unstored = self._unstored, []
+                    if not await self._store(unstored):
+                        self._unstored = unstored + self._unstored
+                wait_s = await self._deliver_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the database is unavailable: try again later
+                log.warning("sending stored billing calls failed; trying again", extra={"fields": {"error": type(error).__name__}})
+                wait_s = min(self.max_delay_s, self.idle_poll_s)
+            if self._unstored:
+                wait_s = min(wait_s, self.max_delay_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(wait_s, 0.0))
 
-        await asyncio.gather(*(last(call, lost) for _, (call, lost) in pending), return_exceptions=True)
+    async def _deliver_due(self) -> float:
+        """Send the stored calls that are due, REDELIVERY_BATCH at a time, each claimed first (one
+        replica sends each attempt); a batch of which billing took none ends the pass (billing
+        is still down: the rest wait for their next attempt). Calls of methods this process does
+        not know (a newer version's) are left to a process that does. Returns the seconds until
+        the next call is due (`idle_poll_s` at most)."""
+        table = BillingRedelivery.__table__
+        known = table.c.method.in_(sorted(self._senders))
+        while True:
+            now = utcnow()
+            async with self.sessions() as session:
+                rows = (await session.execute(
+                    select(table).where(known, table.c.next_attempt_at <= now).order_by(table.c.next_attempt_at).limit(REDELIVERY_BATCH)
+                )).mappings().all()
+            if not rows:
+                break
+            taken = await asyncio.gather(*(self._attempt(dict(row), now) for row in rows))
+            if len(rows) < REDELIVERY_BATCH or not any(taken):
+                break
+        async with self.sessions() as session:
+            next_at = await session.scalar(select(func.min(table.c.next_attempt_at)).where(known))
+        if next_at is None:
+            return self.idle_poll_s
+        return min(self.idle_poll_s, max(0.0, (_aware(next_at) - utcnow()).total_seconds()))
+
+    async def _attempt(self, row: dict[str, Any], now: datetime.datetime) -> bool:
+        """Claim one due call (compare-and-set on its attempt count) and send it; delete it once
+        billing took it (returns True) or once it is given up past the horizon."""
+        table = BillingRedelivery.__table__
+        delay = min(self.first_delay_s * 2 ** (row["attempts"] + 1), self.max_delay_s)
+        async with self.sessions() as session, session.begin():
+            claimed = await session.execute(
+                update(table).where(table.c.id == row["id"], table.c.attempts == row["attempts"])
+                .values(attempts=row["attempts"] + 1, next_attempt_at=now + datetime.timedelta(seconds=delay))
+            )
+        if claimed.rowcount != 1:
+            return False  # another replica took this attempt
+        taken = True
+        try:
+            await self._send(row["method"], row["request"])
+        except grpc.aio.AioRpcError as failure:
+            if (now - _aware(row["created_at"])).total_seconds() < self.horizon_s:
+                return False
+            self._give_up(row, failure.code().name)
+            taken = False
+        async with self.sessions() as session, session.begin():
+            await session.execute(delete(table).where(table.c.id == row["id"]))
+        return taken
+
+
+def _aware(value: datetime.datetime) -> datetime.datetime:
+    """`value` as an aware UTC datetime (SQLite hands naive ones back)."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
 
 
 class UsageBatcher:
@@ -118,20 +234,22 @@ class UsageBatcher:
     Args:
         billing: BillingService stub.
         window_s: seconds the first waiting record waits for others (0: send at once).
-        redelivery: where a batch that failed its quick retries goes (a new `Redelivery` when None).
+        redelivery: where a batch that failed its quick retries is stored (`Redelivery`; the
+            batcher registers how a stored `RecordUsageBatch` is sent).
 
     `add` returns a future that is done when the record was sent, or when its quick retries
-    failed and it was handed to `redelivery` (logged at WARNING with the run and call index;
+    failed and it was stored by `redelivery` (logged at WARNING with the run and call index;
     never raised), so that a run never waits for a billing outage. Sends are
     shielded from the callers' cancellation. Against a billing service without
     RecordUsageBatch (UNIMPLEMENTED: an older version during a rolling upgrade) each record
     is sent with RecordUsage instead.
     """
 
-    def __init__(self, billing: Any, window_s: float = WINDOW_S, redelivery: Redelivery | None = None) -> None:
+    def __init__(self, billing: Any, redelivery: Redelivery, window_s: float = WINDOW_S) -> None:
         self.billing = billing
         self.window_s = window_s
-        self.redelivery = redelivery if redelivery is not None else Redelivery()
+        self.redelivery = redelivery
+        redelivery.register("RecordUsageBatch", lambda data: self._call(list(billing_pb2.RecordUsageBatchRequest.FromString(data).calls)))
         self._waiting: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task] = set()
@@ -160,8 +278,8 @@ class UsageBatcher:
             task.add_done_callback(self._sending.discard)
 
     async def close(self) -> None:
-        """Send what is waiting, wait for every send in flight, then close the redelivery (one
-        last attempt for what billing has not taken yet; shutdown)."""
+        """Send what is waiting, wait for every send in flight, then close the redelivery
+        (shutdown; what it stored stays for the next start)."""
         self.flush()
         if self._sending:
             await asyncio.gather(*self._sending, return_exceptions=True)
@@ -175,13 +293,10 @@ class UsageBatcher:
                 for request in requests:
                     log.warning("recording usage failed; retrying in the background", extra={"fields": {
                         "code": failure.code().name, "run_id": request.run_id, "call_index": request.call_index}})
-
-                def lost(last: grpc.aio.AioRpcError) -> None:
-                    for request in requests:
-                        log.error("recording usage failed", extra={"fields": {
-                            "code": last.code().name, "run_id": request.run_id, "call_index": request.call_index}})
-
-                self.redelivery.retry(lambda: self._call(requests), lost)
+                await self.redelivery.retry(
+                    "RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), "recording usage failed",
+                    [{"run_id": request.run_id, "call_index": request.call_index} for request in requests],
+                )
         finally:
             for _, done in batch:
                 if not done.done():

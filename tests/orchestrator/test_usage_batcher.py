@@ -9,8 +9,10 @@ import grpc
 import pytest
 
 from loopline.billing.v1 import billing_pb2
+from services.common import db
 from services.orchestrator.loop import TurnRunner
 from services.orchestrator.usage import Redelivery, UsageBatcher
+from tests.conftest import postgres_databases, release_databases, selected_backend
 
 
 class _Failure(grpc.aio.AioRpcError):
@@ -39,13 +41,43 @@ class FakeBilling:
         return billing_pb2.RecordUsageResponse()
 
 
+@pytest.fixture
+async def sessions(tmp_path):
+    """A session factory of a fresh, migrated orchestrator database of the backend under test."""
+    urls = None
+    if selected_backend() == "postgres":
+        urls = await postgres_databases()
+        url = urls["orchestrator"]
+    else:
+        url = f"sqlite+aiosqlite:///{tmp_path / 'orchestrator.db'}"
+        await db.migrate_async("orchestrator", url)
+    engine = db.make_engine(url)
+    yield db.sessionmaker(engine)
+    await engine.dispose()
+    if urls is not None:
+        release_databases(list(urls.values()))
+
+
+def _fast(sessions, **overrides: float) -> Redelivery:
+    """A Redelivery with short waits for a test (1 s doubling to 60 s in production)."""
+    return Redelivery(sessions, **{"first_delay_s": 0.01, "max_delay_s": 0.02, "idle_poll_s": 0.05, **overrides})
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
 def _usage(run_id: str, index: int) -> billing_pb2.RecordUsageRequest:
     return billing_pb2.RecordUsageRequest(organization_id="org", run_id=run_id, call_index=index, input_tokens=1)
 
 
-async def test_records_within_the_window_go_in_one_batch_and_flush_sends_at_once():
+async def test_records_within_the_window_go_in_one_batch_and_flush_sends_at_once(sessions):
     billing = FakeBilling()
-    batcher = UsageBatcher(billing, window_s=0.05)
+    batcher = UsageBatcher(billing, Redelivery(sessions), window_s=0.05)
     waits = [batcher.add(_usage("a", 0)), batcher.add(_usage("b", 0))]
     await asyncio.sleep(0.01)
     assert billing.batches == []  # still inside the window
@@ -58,62 +90,130 @@ async def test_records_within_the_window_go_in_one_batch_and_flush_sends_at_once
     assert billing.batches[-1] == [("c", 0)]
 
 
-async def test_an_older_billing_without_the_batch_rpc_gets_single_calls():
+async def test_an_older_billing_without_the_batch_rpc_gets_single_calls(sessions):
     billing = FakeBilling(batch_code=grpc.StatusCode.UNIMPLEMENTED)
-    batcher = UsageBatcher(billing, window_s=0)
+    batcher = UsageBatcher(billing, Redelivery(sessions), window_s=0)
     await asyncio.wait_for(asyncio.gather(batcher.add(_usage("a", 0)), batcher.add(_usage("a", 1))), 1)
     assert sorted(billing.singles) == [("a", 0), ("a", 1)]
 
 
-async def test_a_failed_send_is_retried_and_a_last_failure_logged_not_raised(caplog: pytest.LogCaptureFixture):
+async def test_a_failed_send_is_retried_and_a_last_failure_stored_not_raised(sessions, caplog: pytest.LogCaptureFixture):
     billing = FakeBilling(failures=1)
-    batcher = UsageBatcher(billing, window_s=0)
+    batcher = UsageBatcher(billing, Redelivery(sessions), window_s=0)
     await asyncio.wait_for(batcher.add(_usage("a", 0)), 2)
     assert billing.batches == [[("a", 0)]]  # the retry went through
     billing.failures = 5
     await asyncio.wait_for(batcher.add(_usage("b", 0)), 3)
-    assert any("recording usage failed" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage() == "recording usage failed; retrying in the background" for r in caplog.records)
+    assert await batcher.redelivery.pending() == 1
     await batcher.close()
 
 
-async def test_a_billing_outage_longer_than_the_quick_retries_loses_no_record(caplog: pytest.LogCaptureFixture):
+async def test_a_billing_outage_longer_than_the_quick_retries_loses_no_record(sessions, caplog: pytest.LogCaptureFixture):
     """Re-test: billing stalled ~25 s during a run and its usage records were never recorded (3 quick
     attempts, then only an ERROR line). Now the run is not held up, and the records are sent again
     in the background until billing takes them."""
     billing = FakeBilling(failures=6)  # more than the 3 quick attempts
-    batcher = UsageBatcher(billing, window_s=0, redelivery=Redelivery(first_delay_s=0.01, max_delay_s=0.02, horizon_s=10))
+    batcher = UsageBatcher(billing, _fast(sessions), window_s=0)
+    batcher.redelivery.start()
     await asyncio.wait_for(batcher.add(_usage("a", 0)), 3)  # the run goes on after the quick retries
-    assert billing.batches == [] and batcher.redelivery.pending == 1
     assert any("retrying in the background" in r.getMessage() for r in caplog.records)
-    for _ in range(200):
-        if batcher.redelivery.pending == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert billing.batches == [[("a", 0)]] and batcher.redelivery.pending == 0
+
+    async def delivered() -> bool:
+        return await batcher.redelivery.pending() == 0
+
+    await _until(delivered)
+    assert billing.batches == [[("a", 0)]]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     await batcher.close()
 
 
-async def test_a_record_still_unsent_at_shutdown_gets_one_last_attempt_and_a_lost_one_is_logged(caplog: pytest.LogCaptureFixture):
-    billing = FakeBilling(failures=3)
-    batcher = UsageBatcher(billing, window_s=0, redelivery=Redelivery(first_delay_s=60))
+async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start_sends_it(sessions, caplog: pytest.LogCaptureFixture):
+    """Fifth session's leftover: the background retries were kept in memory, so an orchestrator
+    stopped (or crashed) while billing was down lost the records (one last attempt, then ERROR).
+    Now they are stored in the orchestrator's database and the next process sends them."""
+    billing = FakeBilling(failures=100)
+    batcher = UsageBatcher(billing, _fast(sessions, first_delay_s=0.3), window_s=0)
+    batcher.redelivery.start()
     await asyncio.wait_for(batcher.add(_usage("a", 0)), 3)
-    assert batcher.redelivery.pending == 1
-    await asyncio.wait_for(batcher.close(), 3)  # no 60 s wait: the last attempt is made at once
+    await asyncio.wait_for(batcher.close(), 3)  # stopped while billing is still down, before the next attempt
+    assert billing.batches == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
+    billing.failures = 0
+    restarted = UsageBatcher(billing, _fast(sessions), window_s=0)  # a new process on the same database
+    assert await restarted.redelivery.pending() == 1
+    restarted.redelivery.start()
+
+    async def delivered() -> bool:
+        return await restarted.redelivery.pending() == 0
+
+    await _until(delivered)
     assert billing.batches == [[("a", 0)]]
-    billing.failures = 10
-    gone = UsageBatcher(billing, window_s=0, redelivery=Redelivery(first_delay_s=0.01, max_delay_s=0.01, horizon_s=0.05))
-    await asyncio.wait_for(gone.add(_usage("b", 0)), 3)
-    for _ in range(100):
-        if gone.redelivery.pending == 0:
-            break
-        await asyncio.sleep(0.01)
+    await restarted.close()
+
+
+async def test_a_call_past_the_horizon_is_given_up_with_its_ids_at_error(sessions, caplog: pytest.LogCaptureFixture):
+    billing = FakeBilling(failures=1000)
+    batcher = UsageBatcher(billing, _fast(sessions, horizon_s=0.05), window_s=0)
+    batcher.redelivery.start()
+    await asyncio.wait_for(batcher.add(_usage("b", 3)), 3)
+
+    async def given_up() -> bool:
+        return await batcher.redelivery.pending() == 0
+
+    await _until(given_up)
     lost = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"]
-    assert len(lost) == 1 and lost[0].fields["run_id"] == "b"
-    await gone.close()
+    assert len(lost) == 1 and lost[0].fields["run_id"] == "b" and lost[0].fields["call_index"] == 3
+    assert lost[0].fields["code"] == "UNAVAILABLE"
+    await batcher.close()
 
 
-async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background():
+async def test_two_replicas_on_one_database_send_each_attempt_once(sessions):
+    billing = FakeBilling(failures=3)
+    first = UsageBatcher(billing, _fast(sessions, first_delay_s=0.2), window_s=0)
+    await asyncio.wait_for(first.add(_usage("a", 0)), 3)  # stored, due in 0.2 s
+    second = UsageBatcher(billing, _fast(sessions, first_delay_s=0.2), window_s=0)
+    await asyncio.sleep(0.25)
+    await asyncio.gather(first.redelivery._deliver_due(), second.redelivery._deliver_due())
+    assert billing.batches == [[("a", 0)]] and await first.redelivery.pending() == 0
+
+
+async def test_a_call_of_a_method_this_version_does_not_know_is_left_for_one_that_does(sessions, caplog: pytest.LogCaptureFixture):
+    newer = _fast(sessions, first_delay_s=0, horizon_s=0)  # a newer version stored a call of a new method
+    await newer.retry("RecordSomethingNew", _usage("n", 0), "recording something failed", [{"run_id": "n"}])
+    older = _fast(sessions, horizon_s=0)
+    older.register("RecordUsageBatch", FakeBilling().RecordUsageBatch)
+    assert await older._deliver_due() == older.idle_poll_s  # nothing it can send, and nothing given up
+    assert await older.pending() == 1 and not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_a_call_the_database_could_not_store_is_kept_in_memory_then_stored(sessions, caplog: pytest.LogCaptureFixture):
+    down = True
+
+    def flaky_sessions():
+        if down:
+            raise OSError("database unavailable")
+        return sessions()
+
+    billing = FakeBilling(failures=3)
+    batcher = UsageBatcher(billing, _fast(flaky_sessions), window_s=0)
+    await asyncio.wait_for(batcher.add(_usage("a", 0)), 3)
+    assert any(r.getMessage() == "storing billing calls to send again failed; kept in memory" for r in caplog.records)
+    down = False
+    batcher.redelivery.start()
+
+    async def delivered() -> bool:
+        return billing.batches == [[("a", 0)]] and await batcher.redelivery.pending() == 0
+
+    await _until(delivered)
+    down = True
+    billing.failures = 5
+    await asyncio.wait_for(batcher.add(_usage("c", 1)), 3)
+    await asyncio.wait_for(batcher.close(), 3)  # neither stored nor taken at the last attempt: ERROR
+    lost = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"]
+    assert [(r.fields["run_id"], r.fields["call_index"]) for r in lost] == [("c", 1)]
+
+
+async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background(sessions):
     calls: list[str] = []
 
     async def record_tool_usage(request, timeout=None):
@@ -122,12 +222,18 @@ async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background():
             raise _Failure(grpc.StatusCode.UNAVAILABLE)
         return billing_pb2.RecordToolUsageResponse()
 
-    runner = SimpleNamespace(redelivery=Redelivery(first_delay_s=0.01, max_delay_s=0.02, horizon_s=10))
+    billing = SimpleNamespace(RecordToolUsage=record_tool_usage)
+    redelivery = _fast(sessions)
+    redelivery.register("RecordToolUsage", lambda data: record_tool_usage(billing_pb2.RecordToolUsageRequest.FromString(data)))
+    runner = SimpleNamespace(billing=billing, redelivery=redelivery)
     request = billing_pb2.RecordToolUsageRequest(organization_id="org", run_id="r", tool_call_id="t1", millicredits=5)
-    await TurnRunner._send_to_billing(runner, record_tool_usage, request, "recording tool usage failed", tool_call_id="t1")
-    assert calls == ["t1"] * 3 and runner.redelivery.pending == 1
-    for _ in range(200):
-        if runner.redelivery.pending == 0:
-            break
-        await asyncio.sleep(0.01)
+    await TurnRunner._send_to_billing(runner, "RecordToolUsage", request, "recording tool usage failed", tool_call_id="t1")
+    assert calls == ["t1"] * 3 and await redelivery.pending() == 1
+    redelivery.start()
+
+    async def delivered() -> bool:
+        return await redelivery.pending() == 0
+
+    await _until(delivered)
     assert calls == ["t1"] * 5
+    await redelivery.close()

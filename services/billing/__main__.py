@@ -122,11 +122,11 @@ async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[in
 
 async def _admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """`admin` without its answer to an unusable database."""
+    db.check_sqlite_file(settings.billing_database_url)  # first: a folder that is a file is said as such
     missing = db.missing_sqlite_file(settings.billing_database_url)
     if missing is not None and args.action != "seed-dev":
         return 1, {"error": f"no billing database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
                             "(or LOOPLINE_BILLING_DATABASE_URL) the services use"}
-    db.check_sqlite_file(settings.billing_database_url)
     try:
         core, engine = await build_core(settings)
     except ValueError as bad_file:  # the plan or price file, or a default plan it lacks (named in the message)

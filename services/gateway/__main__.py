@@ -120,13 +120,13 @@ def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
     Raises what a database that cannot be used raises (`main` answers it with
     `db.unusable_database`: {"error": ...}, exit 1); `_answer` exits on every other refusal.
     """
+    db.check_sqlite_file(settings.database_url)  # first: a folder that is a file is said as such
     missing = db.missing_sqlite_file(settings.database_url)
     if missing is not None and args.command in ("add-member", "set-default-llm", "show-default-llm", "revoke-key", "list-keys"):
         # pointed elsewhere than the services (LOOPLINE_DATA_DIR / the database URL): migrating
         # would create an empty database and the change would go nowhere
         _answer(None, f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
                       "(or LOOPLINE_GATEWAY_DATABASE_URL) the services use")
-    db.check_sqlite_file(settings.database_url)
     if args.command == "seed-dev":
         if settings.dev_api_key:
             _run_check(identity.check_dev_key, settings.dev_api_key)  # before anything is written

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # The largest document upload, in bytes (10 MiB); larger is 413.
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+# The SDK's KnowledgeBaseStatus: the `?status=` filter of GET /knowledge-bases takes these.
+KNOWLEDGE_BASE_STATUSES = ("active", "processing", "error", "archived")
 # The SDK's DocumentStatus for the tools service's document statuses.
 DOCUMENT_STATUS = {"ready": "completed", "pending": "pending", "processing": "processing", "failed": "failed"}
 # The chunking the tools service applies (shown as a knowledge base's chunking_config).
@@ -494,8 +496,10 @@ def tools_router(
             raise BodyError(400, "limit must be between 1 and 500")
         if offset < 0:
             raise BodyError(400, "offset must be >= 0")
+        if status is not None and status not in KNOWLEDGE_BASE_STATUSES:
+            raise BodyError(400, f"status must be one of {', '.join(KNOWLEDGE_BASE_STATUSES)}")
         bases = list((await owned_bases(who.organization_id)).values())
-        if status is not None and status != "active":
+        if status is not None and status != "active":  # every base is active (indexing is per document)
             bases = []
         return JSONResponse([knowledge_base_json(kb) for kb in bases[offset:offset + limit]])
 

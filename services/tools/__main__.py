@@ -42,10 +42,10 @@ async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
 
 async def _rotate(settings: ToolsSettings, url: str) -> tuple[int, dict]:
     """`rotate_credentials` once a key is set, without its answer to an unusable database."""
+    db.check_sqlite_file(url)  # first: a folder that is a file is said as such
     missing = db.missing_sqlite_file(url)
     if missing is not None:
         return 1, {"error": f"no tools database at {missing}: run with the services' LOOPLINE_DATA_DIR or database URL"}
-    db.check_sqlite_file(url)
     from services.tools.catalogue import Catalogue
     from services.tools.credentials import CredentialStore
     from services.tools.crypto import SecretBox

@@ -53,14 +53,16 @@ def test_a_folder_a_data_directory_that_is_a_file_and_a_bad_url_are_json_errors(
     (tmp_path / "folder" / "gateway.db").mkdir(parents=True)
     (tmp_path / "a_file").write_text("not a folder")
     refused = "postgresql+asyncpg://admin:pa55word-x@127.0.0.1:1/identity"
-    folder, data_dir_file, bad_url, no_server = _gateway(
+    folder, data_dir_file, data_dir_file_listed, bad_url, no_server = _gateway(
         (_env(LOOPLINE_DATA_DIR=str(tmp_path / "folder")), ("list-keys", "--org", "acme")),
         (_env(LOOPLINE_DATA_DIR=str(tmp_path / "a_file")), ("seed-dev",)),
+        (_env(LOOPLINE_DATA_DIR=str(tmp_path / "a_file")), ("list-keys", "--org", "acme")),  # said "no gateway database at"
         (_env(LOOPLINE_GATEWAY_DATABASE_URL="not a url"), ("list-keys", "--org", "acme")),
         (_env(LOOPLINE_GATEWAY_DATABASE_URL=refused), ("add-member", "--org", "acme", "--role", "owner")),
     )
     assert folder[0] == 1 and "it is a folder, not a database file" in folder[1]["error"]
     assert data_dir_file[0] == 1 and f"its folder {tmp_path / 'a_file'} is a file" in data_dir_file[1]["error"]
+    assert data_dir_file_listed[0] == 1 and f"its folder {tmp_path / 'a_file'} is a file" in data_dir_file_listed[1]["error"]
     assert bad_url[0] == 1 and "LOOPLINE_GATEWAY_DATABASE_URL is not a database URL" in bad_url[1]["error"]
     assert no_server[0] == 1 and "(postgresql database 'identity' on 127.0.0.1:1) cannot be used" in no_server[1]["error"]
     assert "pa55word-x" not in json.dumps(no_server[1])

@@ -222,3 +222,17 @@ async def test_a_knowledge_base_names_its_creator_in_every_answer(stack):
         assert created.json()["created_by_user_id"] == stack.user_id
         listed = (await client.get("/knowledge-bases")).json()
         assert [(kb["id"], kb["created_by_user_id"]) for kb in listed] == [(created.json()["id"], stack.user_id)]
+
+
+async def test_the_status_filter_takes_the_sdk_statuses_and_refuses_others(stack):
+    """Fifth session's leftover: `GET /knowledge-bases?status=activ` answered an empty list, as
+    if the organization had no bases; a value outside the SDK's KnowledgeBaseStatus is now 400."""
+    async with stack.client() as client:
+        created = await client.post("/knowledge-bases", json={"name": "Handbook"})
+        assert created.status_code == 201, created.text
+        active = await client.get("/knowledge-bases", params={"status": "active"})
+        assert [kb["id"] for kb in active.json()] == [created.json()["id"]]
+        assert (await client.get("/knowledge-bases", params={"status": "archived"})).json() == []
+        refused = await client.get("/knowledge-bases", params={"status": "activ"})
+        assert refused.status_code == 400
+        assert refused.json() == {"detail": "status must be one of active, processing, error, archived"}

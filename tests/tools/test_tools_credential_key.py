@@ -302,6 +302,8 @@ async def test_rotate_credentials_answers_a_database_it_cannot_use_as_json(tmp_p
         f"sqlite+aiosqlite:///{garbage}": f"the tools database at {garbage} cannot be used: the file is not a SQLite database",
         f"sqlite+aiosqlite:///{tmp_path / 'folder.db'}": "it is a folder, not a database file",
         f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}": "cannot be used: no such table: credentials",
+        # a data directory that is a file: said as such (was "no tools database at FILE/tools.db")
+        f"sqlite+aiosqlite:///{garbage / 'tools.db'}": f"its folder {garbage} is a file",
         "not a url": "LOOPLINE_TOOLS_DATABASE_URL is not a database URL",
         "postgresql+asyncpg://vault:pa55word-x@127.0.0.1:1/tools": "(postgresql database 'tools' on 127.0.0.1:1) cannot be used",
     }

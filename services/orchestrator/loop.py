@@ -567,8 +567,13 @@ class TurnRunner:
             total_tokens=totals.usage.input_tokens + totals.usage.output_tokens, llm_calls=totals.llm_calls,
         )
         if totals.pending_call is not None:  # a tool call cut off by a cancel or failure still gets a result
+            pending = totals.pending_call
             note = "cancelled" if outcome.kind == "cancelled" else "not completed: the run failed"
-            self._store_tool_result(spec, totals, totals.pending_call["id"], totals.pending_call["name"], {"error": note, "success": False})
+            self._store_tool_result(spec, totals, pending["id"], pending["name"], {"error": note, "success": False})
+            if outcome.kind == "failed":  # its tool_call was streamed: its failure is too, and done lists it
+                output = pb.to_value({"error": note, "success": False})
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input=pb.to_struct(pending["input"], clip=True), output=output))
+                self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"], output=output))
         if outcome.kind == "interrupted":
             interrupt = outcome.interrupt or {}
             self._add_row(spec, totals, "marker", None,

@@ -210,3 +210,20 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
             return await session.scalar(select(func.count()).select_from(UsageRecord).where(UsageRecord.run_id == body["run_id"])) == 2
 
     await wait_for(recorded, timeout=10)
+
+
+async def test_a_tool_call_cut_off_by_a_failing_tools_service_gets_its_result_in_the_stream_and_in_done(stack, monkeypatch):
+    """Fifth session's leftover (tester: the tools service stopped mid-call): the run failed with
+    `error` then `done {error: true}`, but the streamed `tool_call` never got its `tool_result`
+    and done.tool_calls was empty. Now the call's error result is streamed and listed, as for
+    any failed tool (spec: "on failure `output` is `{error, success: false}`")."""
+    monkeypatch.setattr(stack.orchestrator.runner, "tools", _Capped(stack.orchestrator.runner.tools, only=("ExecuteTool",)))
+    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    async with stack.client() as client:
+        _, frames = await run_turn(client, slow, {"say": "never"})
+    assert [f["type"] for f in frames][-4:] == ["tool_call", "tool_result", "error", "done"]
+    call, result, done = frames[-4]["data"], frames[-3]["data"], frames[-1]["data"]
+    assert (result["tool"], result["tool_call_id"]) == (call["tool"], call["tool_call_id"])
+    assert result["output"] == {"error": "not completed: the run failed", "success": False}
+    assert done["error"] is True
+    assert done["tool_calls"] == [{"tool": "execute_integration_tool", "input": slow["input"], "output": result["output"]}]

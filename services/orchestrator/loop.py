@@ -36,7 +36,7 @@ from services.orchestrator.providers.base import ChatModel, ModelError, ModelRep
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, estimate, split_summary, with_summary
-from services.orchestrator.usage import Redelivery, UsageBatcher, call_with_retries
+from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, UsageBatcher, call_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,11 @@ class LoopFailure(Exception):
 
 
 UNREADABLE_RESULT = "the tool's result could not be read (its response could not be decoded); the call may have run"
+#: The error result of a tool call the tools service failed (`_execute`), by gRPC status.
+TOOLS_FAILED = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the tool did not answer in time; the call may have run",
+    grpc.StatusCode.UNAVAILABLE: "the tools service is unavailable; try again later",
+}
 
 
 def checked_call(call: ToolCallRequest) -> tuple[ToolCallRequest, struct_pb2.Struct, str | None]:
@@ -124,7 +129,7 @@ class _Totals:
     pending_call: dict[str, Any] | None = None  # a tool call stored without its result yet
     pending_guidance: str | None = None  # guidance to give the model after the pending tool result
     model_in_flight: bool = False  # a model call was running when the loop stopped
-    pending_writes: list[asyncio.Future] = field(default_factory=list)  # usage records still being sent to billing
+    pending_writes: list[asyncio.Future] = field(default_factory=list)  # usage records and tool charges still on their way to billing
     rows: list[ThreadRow] = field(default_factory=list)  # the chat's thread as the model sees it, stored or not
     unsaved: list[ThreadRow] = field(default_factory=list)  # this run's messages, written when the run ends
     interrupt: dict[str, Any] | None = None  # the HITL audit row, written when the run ends (paused)
@@ -156,7 +161,8 @@ class TurnRunner:
         self.store = store
         self.redelivery = Redelivery(sessions)  # billing calls that failed their quick retries (usage.py)
         self.redelivery.register(
-            "RecordToolUsage", lambda data: billing.RecordToolUsage(billing_pb2.RecordToolUsageRequest.FromString(data), timeout=5))
+            "RecordToolUsage",
+            lambda data: billing.RecordToolUsage(billing_pb2.RecordToolUsageRequest.FromString(data), timeout=CALL_TIMEOUT_S))
         self.usage = UsageBatcher(billing, self.redelivery)
         self.events = events
         self.billing = billing
@@ -340,7 +346,7 @@ class TurnRunner:
                 totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=pb.to_value(invalid)))
                 continue
             else:
-                output, ok, output_value = await self._execute(spec, call, input_struct)
+                output, ok, output_value = await self._execute(spec, totals, call, input_struct)
             self._store_tool_result(spec, totals, call.id, call.name, output)
             totals.pending_call = None
             totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=output_value))
@@ -415,7 +421,7 @@ class TurnRunner:
     def _store_tool_result(self, spec: RunSpec, totals: _Totals, call_id: str, name: str, output: Any) -> None:
         self._add_row(spec, totals, "tool", output, {"tool_call_id": call_id, "name": name})
 
-    async def _execute(self, spec: RunSpec, call: Any, input_struct: Any) -> tuple[Any, bool, Any]:
+    async def _execute(self, spec: RunSpec, totals: _Totals, call: Any, input_struct: Any) -> tuple[Any, bool, Any]:
         """Run one non-HITL tool through the tools service.
 
         Returns (output as JSON, succeeded, output as a protobuf Value): the tools service's
@@ -423,18 +429,25 @@ class TurnRunner:
         that cannot be decoded (grpc.aio then logs "Exception deserializing message!" and gives
         None, e.g. a Struct nested past protobuf's 100-level decode limit: services/common/pb.py)
         is the call's error result like any failed call, never a crashed run; its cost is unknown,
-        so nothing is charged for it. grpc.aio.AioRpcError propagates (the run fails).
+        so nothing is charged for it. A call the tools service fails (grpc.aio.AioRpcError: it did
+        not answer within `tool_timeout_s`, is down, or failed inside) is the call's error result
+        too (TOOLS_FAILED), so the model can answer without it; the run goes on.
         """
         request = tools_pb2.ExecuteToolRequest(
             organization_id=spec.organization_id, tool=call.name, input=input_struct,
             run_id=spec.run_id, tool_call_id=call.id, chat_id=spec.chat_id,
         )
-        response = await self.tools.ExecuteTool(request, timeout=self.settings.tool_timeout_s)
+        try:
+            response = await self.tools.ExecuteTool(request, timeout=self.settings.tool_timeout_s)
+        except grpc.aio.AioRpcError as failure:
+            code = failure.code()
+            log.warning("the tools service failed a tool call", extra={"fields": {"tool": call.name, "tool_call_id": call.id, "code": code.name}})
+            return _failure(TOOLS_FAILED.get(code, f"the tools service failed ({code.name.lower()})"))
         if not isinstance(response, tools_pb2.ExecuteToolResponse):
             log.warning("tool response could not be decoded", extra={"fields": {"tool": call.name, "tool_call_id": call.id}})
             return _failure(UNREADABLE_RESULT)
-        if response.millicredits > 0:
-            await self._record_tool_usage(spec, call, response.millicredits)
+        if response.millicredits > 0:  # charged beside the run, which waits for it at its end (`_finish`)
+            totals.pending_writes.append(asyncio.ensure_future(self._record_tool_usage(spec, call, response.millicredits)))
         if response.success:
             return pb.from_value(response.output), True, response.output
         return _failure(response.error or "the tool failed")
@@ -535,15 +548,16 @@ class TurnRunner:
         )
 
     async def _send_to_billing(self, method: str, request: Any, failure_message: str, **log_fields: Any) -> None:
-        """Call the idempotent billing RPC `method`, shielded from the run's cancellation, with 3
-        attempts (0.1 s, 0.2 s apart; usage.call_with_retries); when they fail it is logged at
-        WARNING with `log_fields` and stored by `self.redelivery` (sent again in the background,
-        across restarts; ERROR `failure_message` only if it is finally given up), never raised."""
+        """Call the idempotent billing RPC `method` with quick retries (usage.call_with_retries:
+        3 attempts within 2 s); when they fail it is logged at WARNING with `log_fields` and
+        stored by `self.redelivery` (sent again in the background, across restarts; ERROR
+        `failure_message` only if it is finally given up), never raised. Run as a task of its
+        own (see `_execute`), so a cancel of the run does not cut it off."""
         rpc = getattr(self.billing, method)
-        failure = await call_with_retries(lambda: asyncio.shield(rpc(request, timeout=5)))
+        failure = await call_with_retries(lambda timeout: rpc(request, timeout=timeout))
         if failure is not None:
             log.warning(f"{failure_message}; retrying in the background", extra={"fields": {"code": failure.code().name, **log_fields}})
-            await asyncio.shield(self.redelivery.retry(method, request, failure_message, [log_fields]))
+            await self.redelivery.retry(method, request, failure_message, [log_fields])
 
     # ------------------------------------------------------------------ ending
 
@@ -570,7 +584,7 @@ class TurnRunner:
             pending = totals.pending_call
             note = "cancelled" if outcome.kind == "cancelled" else "not completed: the run failed"
             self._store_tool_result(spec, totals, pending["id"], pending["name"], {"error": note, "success": False})
-            if outcome.kind == "failed":  # its tool_call was streamed: its failure is too, and done lists it
+            if outcome.kind in ("failed", "cancelled"):  # its tool_call was streamed: its end is too (and done lists it)
                 output = pb.to_value({"error": note, "success": False})
                 totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input=pb.to_struct(pending["input"], clip=True), output=output))
                 self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"], output=output))

@@ -9,8 +9,8 @@ records before its terminal event. The records are idempotent by (run_id, call_i
 retried batch only replays. What a crash of this process can lose is bounded by the window
 plus the RPC in flight (README "Decisions").
 
-A billing service that is down or stalled longer than the quick retries (`call_with_retries`,
-~0.3 s plus the calls' 5 s deadlines) does not lose a record either: the run goes on and
+A billing service that is down or stalled longer than the quick retries (`call_with_retries`:
+three sends within QUICK_BUDGET_S, 2 s, deadlines included) does not lose a record either: the run goes on and
 `Redelivery` stores the call in the orchestrator's database (`billing_redeliveries`) and
 sends it again in the background (1 s, doubling to 60 s apart, for up to 7 days), as it does
 the tool charges of loop.py. A stored call survives a stop or crash of the process: the next
@@ -38,22 +38,33 @@ log = logging.getLogger(__name__)
 
 WINDOW_S = 0.02  # how long a usage record may wait for others before it is sent
 MAX_BATCH = 200  # records per RPC at most
-ATTEMPTS = 3  # sends of a batch before its failure is logged (0.1 s, then 0.2 s apart)
+ATTEMPTS = 3  # quick sends of a billing call before it is stored (0.1 s, then 0.2 s apart)
+QUICK_BUDGET_S = 2.0  # how long the quick sends of one billing call may take in all (their deadlines included)
+CALL_TIMEOUT_S = 5.0  # deadline of a background (stored) billing call
 REDELIVERY_BATCH = 20  # stored billing calls sent at once by `Redelivery`
 
 
-async def call_with_retries(call: Callable[[], Awaitable[Any]]) -> grpc.aio.AioRpcError | None:
-    """Await `call()` (an idempotent billing RPC) up to ATTEMPTS times, 0.1 s then 0.2 s apart,
-    while it fails with AioRpcError; returns None once it succeeds, else the last failure."""
+async def call_with_retries(call: Callable[[float], Awaitable[Any]], budget_s: float = QUICK_BUDGET_S) -> grpc.aio.AioRpcError | None:
+    """Await `call(timeout)` (an idempotent billing RPC; `timeout` its deadline in seconds) up to
+    ATTEMPTS times, 0.1 s then 0.2 s apart, while it fails with AioRpcError, all within
+    `budget_s` (each attempt's deadline is what is left of it, so a stalled billing holds the
+    caller `budget_s` at most, not ATTEMPTS full deadlines); returns None once it succeeds,
+    else the last failure."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    failure: grpc.aio.AioRpcError | None = None
     for attempt in range(ATTEMPTS):
+        left = deadline - loop.time()
+        if attempt and left <= 0.05:
+            break
         try:
-            await call()
+            await call(max(left, 0.05))
             return None
-        except grpc.aio.AioRpcError as failure:
-            if attempt == ATTEMPTS - 1:
-                return failure
-            await asyncio.sleep(0.1 * (attempt + 1))
-    return None
+        except grpc.aio.AioRpcError as refused:
+            failure = refused
+        if attempt < ATTEMPTS - 1:
+            await asyncio.sleep(max(0.0, min(0.1 * (attempt + 1), deadline - loop.time())))
+    return failure
 
 
 class Redelivery:
@@ -288,7 +299,7 @@ class UsageBatcher:
     async def _send(self, batch: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]]) -> None:
         requests = [request for request, _ in batch]
         try:
-            failure = await call_with_retries(lambda: self._call(requests))
+            failure = await call_with_retries(lambda timeout: self._call(requests, timeout))
             if failure is not None:
                 for request in requests:
                     log.warning("recording usage failed; retrying in the background", extra={"fields": {
@@ -302,13 +313,13 @@ class UsageBatcher:
                 if not done.done():
                     done.set_result(None)
 
-    async def _call(self, requests: list[billing_pb2.RecordUsageRequest]) -> None:
+    async def _call(self, requests: list[billing_pb2.RecordUsageRequest], timeout: float = CALL_TIMEOUT_S) -> None:
         if self._batch_supported:
             try:
-                await self.billing.RecordUsageBatch(billing_pb2.RecordUsageBatchRequest(calls=requests), timeout=5)
+                await self.billing.RecordUsageBatch(billing_pb2.RecordUsageBatchRequest(calls=requests), timeout=timeout)
                 return
             except grpc.aio.AioRpcError as failure:
                 if failure.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 self._batch_supported = False
-        await asyncio.gather(*(self.billing.RecordUsage(request, timeout=5) for request in requests))
+        await asyncio.gather(*(self.billing.RecordUsage(request, timeout=timeout) for request in requests))

@@ -212,18 +212,47 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
     await wait_for(recorded, timeout=10)
 
 
-async def test_a_tool_call_cut_off_by_a_failing_tools_service_gets_its_result_in_the_stream_and_in_done(stack, monkeypatch):
-    """Fifth session's leftover (tester: the tools service stopped mid-call): the run failed with
-    `error` then `done {error: true}`, but the streamed `tool_call` never got its `tool_result`
-    and done.tool_calls was empty. Now the call's error result is streamed and listed, as for
-    any failed tool (spec: "on failure `output` is `{error, success: false}`")."""
+async def test_a_tool_the_tools_service_does_not_answer_in_time_is_an_error_result_and_the_run_goes_on(stack, monkeypatch):
+    """Fresh-eyes tests: a tools service stalled mid-call failed the whole run ("A backing service
+    failed (deadline_exceeded)"), and before that the streamed `tool_call` got no `tool_result`
+    and done.tool_calls was empty. Now the call is an error result for the model, as any failed
+    tool call (spec: "on failure `output` is `{error, success: false}`"), and the run goes on."""
     monkeypatch.setattr(stack.orchestrator.runner, "tools", _Capped(stack.orchestrator.runner.tools, only=("ExecuteTool",)))
     slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
     async with stack.client() as client:
-        _, frames = await run_turn(client, slow, {"say": "never"})
-    assert [f["type"] for f in frames][-4:] == ["tool_call", "tool_result", "error", "done"]
-    call, result, done = frames[-4]["data"], frames[-3]["data"], frames[-1]["data"]
+        _, frames = await run_turn(client, slow, {"say": "answered without it"})
+    kinds = [f["type"] for f in frames]
+    assert "error" not in kinds and kinds[-1] == "done"
+    call = next(f["data"] for f in frames if f["type"] == "tool_call")
+    result = next(f["data"] for f in frames if f["type"] == "tool_result")
     assert (result["tool"], result["tool_call_id"]) == (call["tool"], call["tool_call_id"])
+    assert result["output"] == {"error": "the tool did not answer in time; the call may have run", "success": False}
+    done = frames[-1]["data"]
+    assert done["response"] == "answered without it"
+    assert done["tool_calls"] == [{"tool": "execute_integration_tool", "input": slow["input"], "output": result["output"]}]
+
+
+async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_stream_and_in_done(stack, monkeypatch):
+    """Fifth session's leftover: a run that failed while a tool call was in flight ended with
+    `error` then `done {error: true}`, but the streamed `tool_call` never got its `tool_result`
+    and done.tool_calls was empty. Now the call's error result is streamed and listed."""
+
+    real = stack.orchestrator.runner.tools
+
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        async def ExecuteTool(self, *_args, **_kwargs):  # noqa: N802 - stub method name
+            raise RuntimeError("a bug in the loop's tool path")
+
+    monkeypatch.setattr(stack.orchestrator.runner, "tools", Broken())
+    call = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}}
+    async with stack.client() as client:
+        _, frames = await run_turn(client, call, {"say": "never"})
+    assert [f["type"] for f in frames][-4:] == ["tool_call", "tool_result", "error", "done"]
+    call_frame, result, done = frames[-4]["data"], frames[-3]["data"], frames[-1]["data"]
+    assert (result["tool"], result["tool_call_id"]) == (call_frame["tool"], call_frame["tool_call_id"])
     assert result["output"] == {"error": "not completed: the run failed", "success": False}
     assert done["error"] is True
-    assert done["tool_calls"] == [{"tool": "execute_integration_tool", "input": slow["input"], "output": result["output"]}]
+    assert done["tool_calls"] == [{"tool": "execute_integration_tool", "input": call["input"], "output": result["output"]}]

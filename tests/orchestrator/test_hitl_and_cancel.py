@@ -202,6 +202,8 @@ async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid
         assert asyncio.get_running_loop().time() - began < 1.0
         frames = await read_frames(client, body["stream_url"])
         assert frames[-1]["type"] == "cancelled"
+        # the streamed tool_call gets its tool_result (fresh-eyes test: it had none on a cancel)
+        assert frames[-2]["type"] == "tool_result" and frames[-2]["data"]["output"] == {"error": "cancelled", "success": False}
         _, again = await run_turn(client, {"say": "next turn fine"}, chat_id=body["chat_id"])
         assert again[-1]["type"] == "done"
     async with stack.orchestrator.servicer.sessions() as session:

@@ -1,0 +1,42 @@
+"""U+0000 in text the API stores: the same answer on SQLite and PostgreSQL (fresh-eyes test).
+
+PostgreSQL's text types cannot hold U+0000: `POST /assistant/chat` with "hi\\u0000there" was
+a 500 there (asyncpg CharacterNotInRepertoireError writing the chat title) and a 200 on SQLite.
+Every JSON body goes through `services.gateway.app.json_object`, which now refuses a string
+holding U+0000 with a 400; query parameters that reach a text column say the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.app import BodyError, json_object
+from tests.tools.tools_stack import tools_stack
+
+NUL_MESSAGE = "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
+
+
+@pytest.fixture
+async def stack(tmp_path):
+    async with tools_stack(tmp_path) as running:
+        yield running
+
+
+async def test_a_turn_whose_message_holds_nul_is_400_and_nothing_is_written_or_charged(stack):
+    async with stack.client() as client:
+        refused = await client.post("/assistant/chat", content=b'{"message": "hi\\u0000there"}',
+                                    headers={"content-type": "application/json"})
+        assert refused.status_code == 400, refused.text
+        assert refused.json() == {"detail": NUL_MESSAGE}
+        assert (await client.get("/assistant/chats")).json()["items"] == []
+        created = await client.post("/knowledge-bases", json={"name": "a\x00b"})
+        assert created.status_code == 400 and created.json() == {"detail": NUL_MESSAGE}
+        fine = await client.post("/assistant/chat", json={"message": "a backslash then u0000: \\u0000"})
+        assert fine.status_code == 200, fine.text  # the text \u0000 (escaped backslash) is no NUL
+
+
+@pytest.mark.parametrize("body", [b'{"a": "\\u0000"}', b'{"a\\u0000": 1}', b'{"a": [{"b": ["x\\u0000"]}]}'])
+def test_json_object_refuses_nul_in_any_string_or_key(body):
+    with pytest.raises(BodyError) as refused:
+        json_object(body)
+    assert refused.value.status == 400 and refused.value.message == NUL_MESSAGE

@@ -11,7 +11,8 @@ at most 1 s):
   and was last updated more than `run_lease_s` ago) and that is not active here belongs
   to a replica that died. One replica wins a conditional UPDATE to `failed`; it gives a
   tool call cut off by the crash its error result (the thread stays valid), clears the
-  chat's `running_id`, publishes `error` then `done {error: true}` on the run's stream,
+  chat's `running_id`, publishes a `tool_result` for a streamed call the crash cut off,
+  then `error` and `done {error: true}` (listing the run's tool calls) on the run's stream,
   archives the events and releases the turn's reservation if it is still held.
 
 A run gets its first lease when its row is written (`lease_deadline`), so a crashed run is
@@ -164,13 +165,16 @@ class RunSupervisor:
             )
             reservation_id = run.reservation_id
         log.warning("run lost: its replica stopped renewing the lease", extra={"fields": {"run_id": run_id, "status": status}})
+        cut_off, records = await self._tool_calls_of(run_id, status)
         if status == "failed":
             ended = [
+                *cut_off,
                 events_pb2.Event(run_id=run_id, time=pb.timestamp(), error=events_pb2.ErrorEvent(message=LOST_MESSAGE)),
-                events_pb2.Event(run_id=run_id, time=pb.timestamp(), done=events_pb2.DoneEvent(response="", usage=events_pb2.Usage(), error=True)),
+                events_pb2.Event(run_id=run_id, time=pb.timestamp(),
+                                 done=events_pb2.DoneEvent(response="", tool_calls=records, usage=events_pb2.Usage(), error=True)),
             ]
         else:
-            ended = [events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason or "cancelled"))]
+            ended = [*cut_off, events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason or "cancelled"))]
         try:
             await self.backend.events.append_after_end(run_id, *ended)
             await self.runner.archive(run_id)
@@ -182,6 +186,34 @@ class RunSupervisor:
             except grpc.aio.AioRpcError as failure:
                 log.warning("releasing a lost run's reservation failed", extra={"fields": {"code": failure.code().name}})
         return True
+
+    async def _tool_calls_of(self, run_id: str, status: str) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
+        """From the events the lost run's replica published (the Redis stream; nothing when they
+        died with it): a `tool_result` for each streamed `tool_call` that got none, with the
+        error the loop gives a call cut off by a cancel or a failure, and the run's tool calls as
+        done.tool_calls lists them (README "Stream end": every tool_call gets its tool_result)."""
+        try:
+            published = await self.backend.events.events_of(run_id)
+        except Exception:  # the stream cannot be read: the run still ends
+            log.exception("reading a lost run's events failed")
+            return [], []
+        calls: dict[str, events_pb2.ToolCallEvent] = {}
+        results: dict[str, events_pb2.ToolResultEvent] = {}
+        for event in published:
+            kind = event.WhichOneof("payload")
+            if kind == "tool_call":
+                calls.setdefault(event.tool_call.tool_call_id, event.tool_call)
+            elif kind == "tool_result":
+                results.setdefault(event.tool_result.tool_call_id, event.tool_result)
+        error = pb.to_value({"error": "cancelled" if status == "cancelled" else "not completed: the run failed", "success": False})
+        cut_off, records = [], []
+        for call_id, call in calls.items():
+            result = results.get(call_id)
+            if result is None:
+                cut_off.append(events_pb2.Event(run_id=run_id, time=pb.timestamp(), tool_result=events_pb2.ToolResultEvent(
+                    tool=call.tool, tool_call_id=call_id, output=error)))
+            records.append(events_pb2.ToolCallRecord(tool=call.tool, input=call.input, output=result.output if result else error))
+        return cut_off, records
 
     async def _close_open_tool_call(self, session: Any, run: Run, status: str) -> None:
         """Store an error result for the run's last tool call if the crash cut it off."""

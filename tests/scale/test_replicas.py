@@ -151,3 +151,30 @@ async def test_a_replica_started_after_the_crash_recovers_the_run(cluster):
         again = await _start(client, {"say": "after the restart"}, chat_id=body["chat_id"])
         final = await read_frames(client, again["stream_url"])
         assert types(final)[-1] == "done" and final[-1]["data"]["response"] == "after the restart"
+
+
+async def test_a_tool_call_cut_off_by_the_crash_gets_its_result_and_done_lists_the_calls(cluster):
+    """README "Stream end": every streamed tool_call gets its tool_result. A run whose replica
+    died during a tool call ended with error and done (no tool_calls) and the call unanswered;
+    the reaper now answers it from the Redis stream and done lists the run's calls."""
+    lease = {"LOOPLINE_RUN_LEASE_S": str(LEASE_S)}
+    doomed = await cluster.spawn_orchestrator("orchestrator-doomed", **lease)
+    survivor = await cluster.spawn_orchestrator("orchestrator-survivor", **lease)
+    gateway_doomed = await cluster.spawn_gateway("gateway-doomed", doomed)
+    gateway = await cluster.spawn_gateway("gateway-survivor", survivor)
+    slow = {"integration": "loopline", "action": "wait", "parameters": {"seconds": 120}}
+    async with cluster.client(gateway_doomed) as doomed_client, cluster.client(gateway) as client:
+        body = await _start(doomed_client, {"tool": "get_available_integrations", "input": {}},
+                            {"tool": "execute_integration_tool", "input": slow}, {"say": "never said"})
+        before = await _first_frames(doomed_client, body["stream_url"], 4)
+        assert types(before) == ["metadata", "tool_call", "tool_result", "tool_call"], types(before)
+        doomed.kill()
+        frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), LEASE_S + 20)
+    assert types(frames) == ["metadata", "tool_call", "tool_result", "tool_call", "tool_result", "error", "done"], types(frames)
+    cut = frames[4]["data"]
+    assert cut["tool_call_id"] == frames[3]["data"]["tool_call_id"]
+    assert cut["output"] == {"error": "not completed: the run failed", "success": False}
+    done = frames[-1]["data"]
+    assert done["error"] is True
+    assert [(c["tool"], c["output"]) for c in done["tool_calls"]] == [
+        ("get_available_integrations", frames[2]["data"]["output"]), ("execute_integration_tool", cut["output"])]

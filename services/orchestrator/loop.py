@@ -35,7 +35,7 @@ from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, clamp_usage
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
-from services.orchestrator.thread import choose_cut, estimate, split_summary, with_summary
+from services.orchestrator.thread import choose_cut, cut_off_result, estimate, split_summary, with_summary
 from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, UsageBatcher, call_with_retries
 
 log = logging.getLogger(__name__)
@@ -582,10 +582,9 @@ class TurnRunner:
         )
         if totals.pending_call is not None:  # a tool call cut off by a cancel or failure still gets a result
             pending = totals.pending_call
-            note = "cancelled" if outcome.kind == "cancelled" else "not completed: the run failed"
-            self._store_tool_result(spec, totals, pending["id"], pending["name"], {"error": note, "success": False})
+            self._store_tool_result(spec, totals, pending["id"], pending["name"], cut_off_result(outcome.kind))
             if outcome.kind in ("failed", "cancelled"):  # its tool_call was streamed: its end is too (and done lists it)
-                output = pb.to_value({"error": note, "success": False})
+                output = pb.to_value(cut_off_result(outcome.kind))
                 totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input=pb.to_struct(pending["input"], clip=True), output=output))
                 self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"], output=output))
         if outcome.kind == "interrupted":

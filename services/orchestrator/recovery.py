@@ -37,6 +37,7 @@ from loopline.assistant.v1 import events_pb2
 from loopline.billing.v1 import billing_pb2
 from services.common import pb
 from services.orchestrator.models import Chat, Message, Run, utcnow
+from services.orchestrator.thread import cut_off_result
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class RunSupervisor:
                 calls.setdefault(event.tool_call.tool_call_id, event.tool_call)
             elif kind == "tool_result":
                 results.setdefault(event.tool_result.tool_call_id, event.tool_result)
-        error = pb.to_value({"error": "cancelled" if status == "cancelled" else "not completed: the run failed", "success": False})
+        error = pb.to_value(cut_off_result(status))
         cut_off, records = [], []
         for call_id, call in calls.items():
             result = results.get(call_id)
@@ -231,9 +232,8 @@ class RunSupervisor:
         ).scalars().all()
         if any(isinstance(extra, dict) and extra.get("tool_call_id") == call.get("id") for extra in answered):
             return
-        note = "cancelled" if status == "cancelled" else "not completed: the run failed"
         session.add(Message(id=str(uuid.uuid4()), chat_id=run.chat_id, run_id=run.id, role="tool",
-                            content={"error": note, "success": False}, extra={"tool_call_id": call.get("id"), "name": call.get("name")}))
+                            content=cut_off_result(status), extra={"tool_call_id": call.get("id"), "name": call.get("name")}))
 
     async def cancel_elsewhere(self, run_id: str, reason: str) -> str | None:
         """Cancel a run running on another replica and wait (up to `cancel_wait_s`) until it ends.

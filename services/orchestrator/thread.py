@@ -21,6 +21,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.orchestrator.models import Message
 
 
+def cut_off_result(kind: str) -> dict[str, Any]:
+    """The error result of a tool call a run's end cut off: `kind` "cancelled" (a cancel) or any
+    other (the run failed). Stored in the thread and streamed as the call's `tool_result`, by the
+    loop (loop.py `_finish`) and by the crash reaper (recovery.py) alike."""
+    return {"error": "cancelled" if kind == "cancelled" else "not completed: the run failed", "success": False}
+
+
 def to_model_messages(rows: list[Message]) -> list[dict[str, Any]]:
     """Model messages (see providers/base.py) from stored rows, oldest first; markers are skipped."""
     messages: list[dict[str, Any]] = []

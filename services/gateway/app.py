@@ -159,6 +159,7 @@ def _has_nul(value: Any) -> bool:
 
 
 _NUL = "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
+NUL_IN_URL = "A path or query value contains a NUL character (%00); ids and text values cannot hold it"
 _TOO_DEEP = f"Request body is nested deeper than {pb.MAX_JSON_DEPTH} levels of objects and arrays (the body itself counts as one)"
 
 
@@ -256,6 +257,10 @@ class GatewayApp(FastAPI):
         """Serve one ASGI connection scope (see the class docstring for the lean routes)."""
         if scope["type"] == "http":
             scope[SERVER_SEND] = send
+            if "\x00" in scope["path"] or b"%00" in scope.get("query_string", b""):
+                # PostgreSQL's text types cannot hold U+0000 (fresh-eyes re-test: an id or query
+                # value with %00 reached a WHERE clause there and was a 500): refused on either backend
+                return await detail(400, NUL_IN_URL)(scope, receive, send)
             lean = getattr(self, "lean", None)
             if lean and not scope.get("root_path"):
                 method, path = scope["method"], scope["path"]

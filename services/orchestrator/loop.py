@@ -88,6 +88,8 @@ class LoopFailure(Exception):
 
 
 UNREADABLE_RESULT = "the tool's result could not be read (its response could not be decoded); the call may have run"
+TOOL_LIST_TIMEOUT_S = 2.0  # deadline of ListTools at a run's start (`tool_definitions`)
+TOOL_LIST_RETRY_S = 5.0  # wait before ListTools is asked again after it failed
 #: The error result of a tool call the tools service failed (`_execute`), by gRPC status.
 TOOLS_FAILED = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "the tool did not answer in time; the call may have run",
@@ -170,6 +172,7 @@ class TurnRunner:
         self.active: dict[str, RunState] = {}
         self._tool_defs: list[dict[str, Any]] | None = None
         self._tool_defs_at = 0.0
+        self._tool_defs_retry_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -258,9 +261,23 @@ class TurnRunner:
         return self.events.append(event)
 
     async def tool_definitions(self) -> list[dict[str, Any]]:
-        """The assistant profile's tools: the tools service's five plus the five HITL tools (cached 60 s)."""
-        if self._tool_defs is None or time.monotonic() - self._tool_defs_at > 60:
-            response = await self.tools.ListTools(tools_pb2.ListToolsRequest(profile="assistant"), timeout=10)
+        """The assistant profile's tools: the tools service's five plus the five HITL tools (cached 60 s).
+
+        A tools service that does not answer ListTools within TOOL_LIST_TIMEOUT_S (stalled, down)
+        does not fail the run: the definitions of the last answer are used, or the HITL tools
+        alone when there was none yet, and it is asked again TOOL_LIST_RETRY_S later (so turns
+        started meanwhile do not each wait for it). A tool call then gets the tools service's
+        error result like any other (`_execute`). Fresh-eyes test: every turn failed, charged.
+        """
+        now = time.monotonic()
+        if (self._tool_defs is None or now - self._tool_defs_at > 60) and now >= self._tool_defs_retry_at:
+            try:
+                response = await self.tools.ListTools(tools_pb2.ListToolsRequest(profile="assistant"), timeout=TOOL_LIST_TIMEOUT_S)
+            except grpc.aio.AioRpcError as failure:
+                self._tool_defs_retry_at = time.monotonic() + TOOL_LIST_RETRY_S
+                log.warning("listing the tools failed; the run goes on with the tools known", extra={"fields": {
+                    "code": failure.code().name, "known": "last answer" if self._tool_defs is not None else "HITL tools only"}})
+                return self._tool_defs if self._tool_defs is not None else list(hitl.TOOL_DEFINITIONS)
             remote = [
                 {"name": t.name, "description": t.description, "input_schema": pb.from_struct(t.input_schema)}
                 for t in response.tools
@@ -268,7 +285,7 @@ class TurnRunner:
             ]
             self._tool_defs = remote + hitl.TOOL_DEFINITIONS
             self._tool_defs_at = time.monotonic()
-        return self._tool_defs
+        return self._tool_defs if self._tool_defs is not None else list(hitl.TOOL_DEFINITIONS)
 
     async def _loop(self, state: RunState, totals: _Totals) -> Outcome:
         spec = state.spec

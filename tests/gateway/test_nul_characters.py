@@ -40,3 +40,17 @@ def test_json_object_refuses_nul_in_any_string_or_key(body):
     with pytest.raises(BodyError) as refused:
         json_object(body)
     assert refused.value.status == 400 and refused.value.message == NUL_MESSAGE
+
+
+@pytest.mark.parametrize("method,url", [
+    ("GET", "/credentials?integration_name=a%00"), ("GET", "/credentials/x%00"), ("DELETE", "/credentials/x%00"),
+    ("POST", "/credentials/x%00/set-default"), ("GET", "/knowledge-bases/x%00/documents/y%00"),
+    ("GET", "/knowledge-bases/x%00/documents/y%00/status"), ("GET", "/assistant/chat/x%00/listen/y"),
+])
+async def test_a_nul_in_a_path_or_query_value_is_400(stack, method, url):
+    """Bug (fresh-eyes re-test): on PostgreSQL these were 500 (the tools service's WHERE clause got
+    the NUL), on SQLite 404 or 200. Now every route answers 400 before anything is looked up."""
+    async with stack.client() as client:
+        response = await client.request(method, url)
+    assert response.status_code == 400, response.text
+    assert response.json() == {"detail": "A path or query value contains a NUL character (%00); ids and text values cannot hold it"}

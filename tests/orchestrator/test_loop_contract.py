@@ -217,6 +217,25 @@ async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_o
     assert (await _chat_row(stack, body["chat_id"])).running_id is None
 
 
+async def test_a_turn_starts_and_answers_while_the_tools_service_is_down(stack):
+    """Bug (fresh-eyes re-test): with the tools service stalled or down, every new turn failed
+    before its first model call ("A backing service failed (deadline_exceeded)", after 10 s) and
+    was charged: the run start's ListTools failed the run. Now the run goes on with the tools it
+    knows (the last answer, or the HITL tools alone) and a tool call gets the error result."""
+    runner = stack.orchestrator.runner
+    async with stack.client() as client:
+        await stack.tools.stop(0)
+        runner._tool_defs = None  # nothing known yet: a fresh orchestrator
+        _, first = await run_turn(client, {"say": "hello without tools"})
+        assert types(first)[-1] == "done" and first[-1]["data"]["response"] == "hello without tools"
+        runner._tool_defs = [{"name": "get_available_integrations", "description": "d", "input_schema": {"type": "object"}}]
+        runner._tool_defs_at = runner._tool_defs_retry_at = 0.0  # the last answer is stale: asked again, fails
+        _, second = await run_turn(client, {"tool": "get_available_integrations", "input": {}}, {"say": "still fine"})
+    assert types(second)[-1] == "done" and second[-1]["data"]["response"] == "still fine"
+    result = next(f["data"]["output"] for f in second if f["type"] == "tool_result")
+    assert result == {"error": "the tools service is unavailable; try again later", "success": False}
+
+
 async def test_listeners_of_one_run_share_one_upstream_stream(stack):
     fanout = stack.gateway.app.state.fanout
     async with stack.client() as client:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime
 import logging
 import uuid
@@ -165,6 +166,7 @@ class Redelivery:
             log.error(row["failure_message"], extra={"fields": {"code": code, **fields}})
 
     async def _main(self) -> None:
+        first = True  # a new process sends what waits at once: billing may be back (fresh-eyes re-test)
         while True:
             wait_s = self.idle_poll_s
             self._wake.clear()  # a call stored during this pass sets it again: no wait then
@@ -173,7 +175,8 @@ class Redelivery:
                     unstored, self._unstored = self._unstored, []
                     if not await self._store(unstored):
                         self._unstored = unstored + self._unstored
-                wait_s = await self._deliver_due()
+                wait_s = await self._deliver_due(everything=first)
+                first = False
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - the database is unavailable: try again later
@@ -184,23 +187,26 @@ class Redelivery:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(wait_s, 0.0))
 
-    async def _deliver_due(self) -> float:
-        """Send the stored calls that are due, REDELIVERY_BATCH at a time, each claimed first (one
+    async def _deliver_due(self, everything: bool = False) -> float:
+        """Send the stored calls that are due (with `everything`, all of them: the first pass of a
+        process that starts), REDELIVERY_BATCH at a time, each claimed first (one
         replica sends each attempt); a batch of which billing took none ends the pass (billing
         is still down: the rest wait for their next attempt). Calls of methods this process does
         not know (a newer version's) are left to a process that does. Returns the seconds until
         the next call is due (`idle_poll_s` at most)."""
         table = BillingRedelivery.__table__
         known = table.c.method.in_(sorted(self._senders))
+        after_id = ""  # `everything`: each stored call once, in id order (keyset pages)
         while True:
             now = utcnow()
+            page = (select(table).where(known, table.c.id > after_id).order_by(table.c.id) if everything else
+                    select(table).where(known, table.c.next_attempt_at <= now).order_by(table.c.next_attempt_at))
             async with self.sessions() as session:
-                rows = (await session.execute(
-                    select(table).where(known, table.c.next_attempt_at <= now).order_by(table.c.next_attempt_at).limit(REDELIVERY_BATCH)
-                )).mappings().all()
+                rows = (await session.execute(page.limit(REDELIVERY_BATCH))).mappings().all()
             if not rows:
                 break
             taken = await asyncio.gather(*(self._attempt(dict(row), now) for row in rows))
+            after_id = rows[-1]["id"]
             if len(rows) < REDELIVERY_BATCH or not any(taken):
                 break
         async with self.sessions() as session:
@@ -284,7 +290,9 @@ class UsageBatcher:
             self._timer = None
         while self._waiting:
             batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
-            task = asyncio.get_running_loop().create_task(self._send(batch), name="usage-batch")
+            # a fresh context: the batch holds records of several runs, so it must not log with the
+            # run (chat, organization) bound in the context of the one that happened to flush it
+            task = asyncio.get_running_loop().create_task(self._send(batch), name="usage-batch", context=contextvars.Context())
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
@@ -303,10 +311,11 @@ class UsageBatcher:
             if failure is not None:
                 for request in requests:
                     log.warning("recording usage failed; retrying in the background", extra={"fields": {
-                        "code": failure.code().name, "run_id": request.run_id, "call_index": request.call_index}})
+                        "code": failure.code().name, "run_id": request.run_id, "chat_id": request.chat_id,
+                        "call_index": request.call_index}})
                 await self.redelivery.retry(
                     "RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), "recording usage failed",
-                    [{"run_id": request.run_id, "call_index": request.call_index} for request in requests],
+                    [{"run_id": request.run_id, "chat_id": request.chat_id, "call_index": request.call_index} for request in requests],
                 )
         finally:
             for _, done in batch:

@@ -133,20 +133,20 @@ async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start
     stopped (or crashed) while billing was down lost the records (one last attempt, then ERROR).
     Now they are stored in the orchestrator's database and the next process sends them."""
     billing = FakeBilling(failures=100)
-    batcher = UsageBatcher(billing, _fast(sessions, first_delay_s=0.3), window_s=0)
+    batcher = UsageBatcher(billing, _fast(sessions, first_delay_s=60), window_s=0)
     batcher.redelivery.start()
     await asyncio.wait_for(batcher.add(_usage("a", 0)), 3)
-    await asyncio.wait_for(batcher.close(), 3)  # stopped while billing is still down, before the next attempt
+    await asyncio.wait_for(batcher.close(), 3)  # stopped while billing is still down, its next attempt a minute away
     assert billing.batches == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
     billing.failures = 0
     restarted = UsageBatcher(billing, _fast(sessions), window_s=0)  # a new process on the same database
     assert await restarted.redelivery.pending() == 1
-    restarted.redelivery.start()
+    restarted.redelivery.start()  # sends at once, not when the stopped process had scheduled it (re-test)
 
     async def delivered() -> bool:
         return await restarted.redelivery.pending() == 0
 
-    await _until(delivered)
+    await _until(delivered, timeout=3)
     assert billing.batches == [[("a", 0)]]
     await restarted.close()
 
@@ -237,3 +237,35 @@ async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background(ses
     await _until(delivered)
     assert calls == ["t1"] * 5
     await redelivery.close()
+
+
+async def test_a_batch_of_several_runs_logs_each_record_with_its_own_ids(sessions):
+    """Bug (fresh-eyes re-test): a failed batch holding records of several runs logged every
+    record with the chat (and organization) of the run whose context flushed the batch."""
+    import io
+    import json
+    import logging
+
+    from services.common import logging as loopline_logging
+
+    lines = io.StringIO()
+    handler = logging.StreamHandler(lines)
+    handler.setFormatter(loopline_logging.JsonFormatter("orchestrator"))
+    logger = logging.getLogger("services.orchestrator.usage")
+    logger.addHandler(handler)
+    try:
+        billing = FakeBilling(failures=10)
+        batcher = UsageBatcher(billing, Redelivery(sessions), window_s=0.05)
+
+        async def run(name: str) -> asyncio.Future:
+            loopline_logging.bind_task(run_id=f"run-{name}", chat_id=f"chat-{name}", org_id=f"org-{name}")
+            request = _usage(f"run-{name}", 0)
+            request.chat_id = f"chat-{name}"
+            return batcher.add(request)
+
+        waits = [await asyncio.create_task(run("one")), await asyncio.create_task(run("two"))]
+        await asyncio.wait_for(asyncio.gather(*waits), 5)
+    finally:
+        logger.removeHandler(handler)
+    warned = [json.loads(line) for line in lines.getvalue().splitlines() if "retrying in the background" in line]
+    assert sorted((w["run_id"], w["chat_id"], w.get("org_id")) for w in warned) == [("run-one", "chat-one", None), ("run-two", "chat-two", None)]

@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     loopline_logging.setup("billing", settings.log_level)
     if args.command == "migrate":
-        db.migrate("billing", settings.billing_database_url)
-        return 0
+        return db.migrate_command("billing", settings.billing_database_url)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # an admin command's output is its JSON
     code, document = asyncio.run(admin(settings, args))
     sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")

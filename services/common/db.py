@@ -11,6 +11,7 @@ import asyncio
 import datetime
 import importlib
 import pathlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
@@ -246,14 +247,39 @@ def unusable_database(error: BaseException, url: str, service: str, setting: str
     return f"the {service} database {where} cannot be used: {reason[:300]}; {fix}"
 
 
+class UnusableDatabase(Exception):
+    """`service`'s database cannot be opened at all (`migrate`); the message names it and why, for
+    a one-line answer of `migrate` and of a starting server (`migrate_command`, runner.run)."""
+
+
 def migrate(service: str, url: str) -> None:
-    """Upgrade `service`'s database at `url` to the newest migration (blocking)."""
+    """Upgrade `service`'s database at `url` to the newest migration (blocking).
+
+    Raises UnusableDatabase when its SQLite file cannot be a database (`check_sqlite_file`:
+    e.g. LOOPLINE_DATA_DIR names a file), before anything is created.
+    """
     parsed = make_url(url)
+    try:
+        check_sqlite_file(url)
+    except UnusableDatabaseFile as unusable:
+        raise UnusableDatabase(f"the {service} database at {parsed.database} cannot be used: {unusable}; "
+                               "check LOOPLINE_DATA_DIR or the database URL") from None
     if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
         pathlib.Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     from alembic import command
 
     command.upgrade(alembic_config(service, url), "head")
+
+
+def migrate_command(service: str, url: str) -> int:
+    """`python -m services.<service> migrate`: `migrate`, or one line on stderr and exit code 2
+    when the database cannot be used (UnusableDatabase), never a traceback. Returns the code."""
+    try:
+        migrate(service, url)
+    except UnusableDatabase as unusable:
+        sys.stderr.write(f"{service}: {unusable}\n")
+        return 2
+    return 0
 
 
 async def migrate_async(service: str, url: str) -> None:

@@ -6,9 +6,11 @@ import asyncio
 import ctypes
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from services.common import db
 from services.common import logging as loopline_logging
 from services.common.grpc_server import wait_for_termination_signal
 
@@ -81,4 +83,9 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
         log.info("stopped")
 
     use_uvloop()
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except db.UnusableDatabase as unusable:  # e.g. LOOPLINE_DATA_DIR names a file: one line, no traceback
+        log.error("cannot start", extra={"fields": {"reason": str(unusable)}})
+        sys.stderr.write(f"{service}: cannot start: {unusable}\n")
+        raise SystemExit(2) from None

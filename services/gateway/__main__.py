@@ -103,7 +103,9 @@ def main() -> None:
         runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
         return
     if args.command == "migrate":  # not an admin command: it prints nothing
-        db.migrate("gateway", settings.database_url)
+        code = db.migrate_command("gateway", settings.database_url)
+        if code:
+            raise SystemExit(code)
         return
     try:
         _command(args, settings)

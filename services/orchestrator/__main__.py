@@ -16,7 +16,9 @@ def main() -> None:
     args = parser.parse_args()
     settings = OrchestratorSettings()
     if args.command == "migrate":
-        db.migrate("orchestrator", settings.database_url)
+        code = db.migrate_command("orchestrator", settings.database_url)
+        if code:
+            raise SystemExit(code)
         return
     runner.run("orchestrator", settings.log_level, lambda: OrchestratorServer.start(settings), settings.shutdown_grace_s)
 

@@ -14,6 +14,8 @@ import asyncio
 import json
 import sys
 
+from sqlalchemy.engine import make_url
+
 from services.common import db
 from services.common.runner import run
 from services.tools.config import ToolsSettings
@@ -74,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = ToolsSettings()
     if args.command == "migrate":
-        db.migrate("tools", settings.database_url())
-        print(f"tools database migrated: {settings.database_url()}")
-        return 0
+        code = db.migrate_command("tools", settings.database_url())
+        if not code:  # the URL without its password
+            print(f"tools database migrated: {make_url(settings.database_url()).render_as_string(hide_password=True)}")
+        return code
     if args.command == "generate-key":
         from cryptography.fernet import Fernet
 

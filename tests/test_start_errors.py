@@ -1,0 +1,60 @@
+"""A service that cannot open its database says so in one line, never a traceback (fresh-eyes re-test).
+
+With LOOPLINE_DATA_DIR naming a file, `python -m services.<name> migrate` and the servers
+themselves ended in a 12-38 line traceback (FileExistsError); the admin commands already
+answered it as JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.conftest import postgres_databases, release_databases, selected_backend
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
+    return {**env, "LOOPLINE_LOG_LEVEL": "WARNING", **extra}
+
+
+@pytest.mark.parametrize("service", ["billing", "gateway", "orchestrator", "tools"])
+def test_migrate_with_a_data_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path, service):
+    data_dir = tmp_path / "a_file"
+    data_dir.write_text("not a folder")
+    result = subprocess.run([sys.executable, "-m", f"services.{service}", "migrate"], env=_env(LOOPLINE_DATA_DIR=str(data_dir)),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"{service}: the {service} database at {data_dir / (service + '.db')} cannot be used: "
+                                     f"its folder {data_dir} is a file; check LOOPLINE_DATA_DIR or the database URL")
+
+
+def test_a_server_with_a_data_dir_that_is_a_file_says_why_and_exits_2(tmp_path):
+    data_dir = tmp_path / "a_file"
+    data_dir.write_text("not a folder")
+    result = subprocess.run([sys.executable, "-m", "services.billing"], env=_env(LOOPLINE_DATA_DIR=str(data_dir), LOOPLINE_BILLING_PORT="0"),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"billing: cannot start: the billing database at {data_dir / 'billing.db'} cannot be used" in result.stderr
+
+
+async def test_tools_migrate_prints_its_database_without_the_password():
+    """`python -m services.tools migrate` printed its database URL with the password."""
+    if selected_backend() != "postgres":
+        pytest.skip("a URL with a password needs the PostgreSQL backend")
+    import asyncio
+
+    urls = await postgres_databases()
+    try:
+        url = make_url(urls["tools"]).set(password="pa55word-x").render_as_string(hide_password=False)
+        result = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.tools", "migrate"],
+                                         env=_env(LOOPLINE_TOOLS_DATABASE_URL=url), capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        release_databases(list(urls.values()))
+    assert result.returncode == 0, result.stderr
+    assert "pa55word-x" not in result.stdout + result.stderr and "tools database migrated" in result.stdout

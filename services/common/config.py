@@ -7,11 +7,12 @@ Every setting has a safe development default; README.md lists them all.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import tomllib
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,7 +26,10 @@ class CommonSettings(BaseSettings):
         redis_key_prefix: prefix of every Redis key and channel (LOOPLINE_REDIS_KEY_PREFIX), so
             several deployments (or parallel test stacks) can share one Redis database.
         host: interface the gRPC servers bind (LOOPLINE_HOST).
-        orchestrator_addr / billing_addr / tools_addr: downstream gRPC addresses.
+        orchestrator_addr / billing_addr / tools_addr: downstream gRPC addresses
+            (LOOPLINE_<NAME>_ADDR). Unset, each follows that service's port setting when it is
+            set (LOOPLINE_<NAME>_PORT, on 127.0.0.1), so services started one by one with other
+            ports find each other as under `make run` (README "Running it"); else the default port.
         shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled.
         internal_token: shared secret every internal gRPC call carries and every service's gRPC
             server requires when set (LOOPLINE_INTERNAL_TOKEN; empty = no check, fine while the
@@ -50,6 +54,18 @@ class CommonSettings(BaseSettings):
     shutdown_grace_s: float = 5.0
     internal_token: str = Field(default="", repr=False)
     db_pool_size: int = Field(default=4, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _addresses_follow_ports(self) -> CommonSettings:
+        """An unset LOOPLINE_<NAME>_ADDR follows LOOPLINE_<NAME>_PORT when that is set (a valid
+        port other than 0) — fresh-eyes re-test: services started by hand with other ports
+        dialed the default ones (a copy on those would have got their billing records)."""
+        for name in ("orchestrator", "billing", "tools"):
+            field = f"{name}_addr"
+            port = os.environ.get(f"LOOPLINE_{name.upper()}_PORT", "").strip()
+            if field not in self.model_fields_set and port.isdigit() and 0 < int(port) < 65536:
+                setattr(self, field, f"127.0.0.1:{int(port)}")
+        return self
 
     def sqlite_url(self, name: str) -> str:
         """The default database URL of service `name`: `sqlite+aiosqlite:///<data_dir>/<name>.db`."""

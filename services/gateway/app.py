@@ -159,6 +159,7 @@ def _has_nul(value: Any) -> bool:
 
 
 _NUL = "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
+STREAM_NEEDS_HTTP_1_1 = "Event streams need HTTP/1.1 (they are sent with chunked transfer encoding); retry with HTTP/1.1"
 NUL_IN_URL = "A path or query value contains a NUL character (%00); ids and text values cannot hold it"
 _TOO_DEEP = f"Request body is nested deeper than {pb.MAX_JSON_DEPTH} levels of objects and arrays (the body itself counts as one)"
 
@@ -261,6 +262,10 @@ class GatewayApp(FastAPI):
                 # PostgreSQL's text types cannot hold U+0000 (fresh-eyes re-test: an id or query
                 # value with %00 reached a WHERE clause there and was a 500): refused on either backend
                 return await detail(400, NUL_IN_URL)(scope, receive, send)
+            if scope.get("http_version") == "1.0" and scope["method"] == "GET" and "/listen/" in scope["path"]:
+                # an event stream is sent chunked (uvicorn frames every body without a length so,
+                # and HTTP/1.0 has no chunked encoding): say so instead of a stream the client misreads
+                return await detail(505, STREAM_NEEDS_HTTP_1_1)(scope, receive, send)
             lean = getattr(self, "lean", None)
             if lean and not scope.get("root_path"):
                 method, path = scope["method"], scope["path"]

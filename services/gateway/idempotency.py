@@ -3,7 +3,10 @@
 A retry with the same key and the same body returns the original response and starts
 nothing; the same key with another body is 422; a retry while the first request is
 still running is 409. Keys are scoped to (organization, user) and kept for
-`idempotency_ttl_s` seconds (24 h by default); a failed request frees its key.
+`idempotency_ttl_s` seconds (24 h by default); a failed request frees its key. A claim
+left without an answer for IN_PROGRESS_LEASE_S (the gateway handling it died: it cannot free
+the key) is taken over by the next request with the same body, so a client can retry after a
+crash (fresh-eyes test: the key answered 409 "still in progress" for the whole TTL).
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ from __future__ import annotations
 import datetime
 import hashlib
 
-from sqlalchemy import delete
+from sqlalchemy import delete, update
 from sqlalchemy.exc import IntegrityError
 
 from services.common import db
 from services.gateway.models import IdempotencyRecord, utcnow
 
 MAX_KEY_LENGTH = 255
+#: Seconds after which a claim still without an answer is abandoned: longer than any request
+#: the gateway serves may take (its longest downstream deadline is 120 s, MCP discovery).
+IN_PROGRESS_LEASE_S = 300.0
 
 
 class IdempotencyConflict(Exception):
@@ -44,8 +50,9 @@ class IdempotencyStore:
     async def claim(self, org_id: str, user_id: str, key: str, route: str, digest: str) -> tuple[int, str] | None:
         """Claim `key`; returns None when claimed now, or the stored (status, body) to replay.
 
-        Raises IdempotencyConflict(422) for another body, (409) while the first request runs,
-        and (400) for a key that is empty or longer than 255 characters.
+        Raises IdempotencyConflict(422) for another body, (409) while the first request runs
+        (for IN_PROGRESS_LEASE_S at most: then the claim is taken over), and (400) for a key
+        that is empty or longer than 255 characters.
         """
         if not key or len(key) > MAX_KEY_LENGTH:
             raise IdempotencyConflict(400, "Idempotency-Key must be 1 to 255 characters")
@@ -68,6 +75,17 @@ class IdempotencyStore:
                 if row.route != route or row.body_hash != digest:
                     raise IdempotencyConflict(422, "This Idempotency-Key was already used with a different request")
                 if row.status_code is None:
+                    abandoned = utcnow() - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S)
+                    if db.utc(row.created_at) < abandoned:  # its gateway died: one retry takes it over
+                        taken = await session.execute(
+                            update(IdempotencyRecord).where(
+                                IdempotencyRecord.organization_id == org_id, IdempotencyRecord.user_id == user_id,
+                                IdempotencyRecord.key == key, IdempotencyRecord.status_code.is_(None),
+                                IdempotencyRecord.created_at == row.created_at,
+                            ).values(created_at=utcnow())
+                        )
+                        if taken.rowcount == 1:
+                            return None
                     raise IdempotencyConflict(409, "A request with this Idempotency-Key is still in progress")
                 return row.status_code, row.response or ""
         raise IdempotencyConflict(409, "A request with this Idempotency-Key is still in progress")

@@ -53,3 +53,34 @@ async def test_keys_are_scoped_to_the_caller(stack):
         b = await client.post("/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "shared", **stack.headers(api_key=admin["api_key"])})
     assert a.status_code == b.status_code == 200
     assert a.json()["run_id"] != b.json()["run_id"]
+
+
+async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lease(stack):
+    """Bug (fresh-eyes test, replicas): a gateway killed while it handled a request left its key
+    "in progress" (no answer stored, nobody to free it), and every retry on either gateway got 409
+    for the whole 24 h TTL. An abandoned claim is now taken over after IN_PROGRESS_LEASE_S."""
+    import datetime
+
+    import orjson
+    from sqlalchemy import update
+
+    from services.gateway.idempotency import IN_PROGRESS_LEASE_S, body_hash
+    from services.gateway.models import IdempotencyRecord
+
+    route, body = "POST /assistant/chat", {"message": "hello"}
+    store = stack.gateway.idempotency
+    # the dead gateway's claim: made, never answered, never freed
+    assert await store.claim(stack.org_id, stack.user_id, "turn-crash", route, body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS))) is None
+    async with stack.client() as client:
+        headers = {"Idempotency-Key": "turn-crash"}
+        assert (await client.post("/assistant/chat", json=body, headers=headers)).status_code == 409  # it may still run
+        async with store.sessions() as session, session.begin():
+            old = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S + 1)
+            await session.execute(update(IdempotencyRecord).where(IdempotencyRecord.key == "turn-crash").values(created_at=old))
+        assert (await client.post("/assistant/chat", json={"message": "another"}, headers=headers)).status_code == 422
+        retried = await client.post("/assistant/chat", json=body, headers=headers)
+        assert retried.status_code == 200, retried.text
+        replayed = await client.post("/assistant/chat", json=body, headers=headers)
+        assert replayed.json() == retried.json() and replayed.headers["Idempotent-Replayed"] == "true"
+        await read_frames(client, retried.json()["stream_url"])
+    assert await _runs(stack) == 1

@@ -165,6 +165,8 @@ class TurnRunner:
         self.redelivery.register(
             "RecordToolUsage",
             lambda data: billing.RecordToolUsage(billing_pb2.RecordToolUsageRequest.FromString(data), timeout=CALL_TIMEOUT_S))
+        self.redelivery.register(  # a reservation the turn start could not release (service.py `_release`)
+            "Release", lambda data: billing.Release(billing_pb2.ReleaseRequest.FromString(data), timeout=CALL_TIMEOUT_S))
         self.usage = UsageBatcher(billing, self.redelivery)
         self.events = events
         self.billing = billing

@@ -121,7 +121,7 @@ class Interrupt(Base):
 class BillingRedelivery(Base):
     """A billing call that failed its quick retries, kept until billing takes it.
 
-    `method` is the BillingService method (`RecordUsageBatch`, `RecordToolUsage`) and
+    `method` is the BillingService method (`RecordUsageBatch`, `RecordToolUsage`, `Release`) and
     `request` its serialized request; the calls are idempotent, so sending one twice only
     replays. `log_fields` are the ids logged if it is finally given up (one object per record).
     Written and sent by `services/orchestrator/usage.py` `Redelivery`, by any replica.

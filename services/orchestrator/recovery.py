@@ -182,10 +182,14 @@ class RunSupervisor:
         except Exception:
             log.exception("publishing the end of a lost run failed")
         if reservation_id:
+            release = billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason="run lost")
             try:
-                await self.billing.Release(billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason="run lost"), timeout=10)
+                await self.billing.Release(release, timeout=10)
             except grpc.aio.AioRpcError as failure:
-                log.warning("releasing a lost run's reservation failed", extra={"fields": {"code": failure.code().name}})
+                log.warning("releasing a lost run's reservation failed; retrying in the background",
+                            extra={"fields": {"code": failure.code().name, "reservation_id": reservation_id}})
+                await self.runner.redelivery.retry("Release", release, "releasing a lost run's reservation failed",
+                                                   [{"reservation_id": reservation_id}])
         return True
 
     async def _tool_calls_of(self, run_id: str, status: str) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:

@@ -348,11 +348,16 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def _release(self, reservation_id: str, reason: str) -> int | None:
         """Release the reservation; returns its billing_pb2.ReservationState after the call
         (RELEASED, CHARGED when a Charge was posted first, EXPIRED) or None when billing could not
-        be asked (logged; an unreleased hold expires by itself, billing `expire_holds`)."""
+        be asked: then the Release is stored and sent again in the background (usage.Redelivery;
+        a hold left as it is would block its credit and count against the quota until it expires,
+        fresh-eyes test)."""
+        request = billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason=reason)
         try:
-            response = await self.billing.Release(billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason=reason), timeout=10)
+            response = await self.billing.Release(request, timeout=10)
         except grpc.aio.AioRpcError as error:
-            log.error("releasing a reservation failed", extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}})
+            log.warning("releasing a reservation failed; retrying in the background",
+                        extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}})
+            await self.runner.redelivery.retry("Release", request, "releasing a reservation failed", [{"reservation_id": reservation_id}])
             return None
         return response.state
 

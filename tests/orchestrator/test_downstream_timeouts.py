@@ -256,3 +256,38 @@ async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_strea
     assert result["output"] == {"error": "not completed: the run failed", "success": False}
     assert done["error"] is True
     assert done["tool_calls"] == [{"tool": "execute_integration_tool", "input": call["input"], "output": result["output"]}]
+
+
+async def test_a_reservation_billing_could_not_release_is_released_in_the_background(stack, monkeypatch):
+    """Bug (fresh-eyes test, replicas): billing gone when a failed turn start released its
+    reservation ("releasing a reservation failed" at ERROR, not retried): the hold blocked its
+    credit and counted against the quota until it expired 15 minutes later. The Release is now
+    stored and sent again (usage.Redelivery) until billing takes it."""
+    core = stack.billing.core
+    real_release = core.release
+    refused = 0
+
+    async def charge_fails(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("billing fell over")
+
+    async def release_refused_once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal refused
+        if refused < 1:
+            refused += 1
+            raise RuntimeError("billing fell over again")
+        return await real_release(*args, **kwargs)
+
+    monkeypatch.setattr(core, "charge", charge_fails)
+    monkeypatch.setattr(core, "release", release_refused_once)
+    redelivery = stack.orchestrator.runner.redelivery
+    monkeypatch.setattr(redelivery, "first_delay_s", 0.05)
+    monkeypatch.setattr(redelivery, "max_delay_s", 0.1)
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": script({"say": "never"})})
+    assert response.status_code >= 500
+    assert await _counts(stack) == (0, 0, ["held"], 0)  # nothing written; the hold waits for its release
+
+    async def released() -> bool:
+        return (await _counts(stack))[2] == ["released"]
+
+    await wait_for(released, timeout=10)

@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 if TYPE_CHECKING:
@@ -39,6 +39,21 @@ def apply_sqlite_pragmas(sync_engine: Any) -> None:
 DEFAULT_POOL_SIZE = 4  # CommonSettings.db_pool_size
 
 
+def engine_url(url: str) -> URL:
+    """`url` as SQLAlchemy's asyncpg dialect takes it: libpq's `sslmode` query parameter (what
+    managed PostgreSQL services document) becomes asyncpg's `ssl`, which takes the same values
+    (disable, allow, prefer, require, verify-ca, verify-full); asyncpg's connect() has no
+    `sslmode` argument (fresh-eyes test: `?sslmode=require` was a TypeError traceback at start).
+    Any other URL is returned as it is (parsed)."""
+    parsed = make_url(url)
+    if (parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() == "asyncpg"
+            and "sslmode" in parsed.query and "ssl" not in parsed.query):
+        query = dict(parsed.query)
+        query["ssl"] = query.pop("sslmode")
+        parsed = parsed.set(query=query)
+    return parsed
+
+
 def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE) -> AsyncEngine:
     """Create an async engine for `url`; SQLite gets WAL, a 30 s busy timeout and foreign keys.
 
@@ -52,7 +67,7 @@ def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE) -> AsyncEngine:
         engine = create_async_engine(url, connect_args={"timeout": 30})
         apply_sqlite_pragmas(engine.sync_engine)
         return engine
-    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    return create_async_engine(engine_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
 
 
 _INSERT_IGNORING: dict[tuple[str, str, tuple[str, ...]], Any] = {}

@@ -49,3 +49,22 @@ async def test_turns_work_with_the_token_and_direct_calls_without_it_are_refused
     async with internal_channel(target, TOKEN) as channel:
         answer = await tools_pb2_grpc.ToolsServiceStub(channel).ResolveCredentialSecret(request, timeout=5)
     assert answer.secret == "sk-probe-secret"
+
+
+async def test_a_refused_call_is_logged_by_the_refusing_service_without_the_token(guarded, caplog):
+    """Fresh-eyes test (replicas): a tools replica with another token refused every call and
+    logged nothing, while its health checks passed. Now it logs a WARNING (once a minute per
+    method) saying what to fix; never the token."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="services.common.internal_auth")
+    target = f"127.0.0.1:{guarded.tools.port}"
+    for token in ("not-the-token-1234567890", "not-the-token-1234567890", ""):
+        async with internal_channel(target, token) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await tools_pb2_grpc.ToolsServiceStub(channel).ListTools(tools_pb2.ListToolsRequest(profile="assistant"))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    logged = [r for r in caplog.records if r.name == "services.common.internal_auth"]
+    assert [r.getMessage() for r in logged] == ["refused an internal call: wrong internal token"]  # once a minute per method
+    assert logged[0].fields["method"] == "/loopline.tools.v1.ToolsService/ListTools"
+    assert "not-the-token" not in caplog.text

@@ -17,13 +17,18 @@ Empty (the default) turns the check off, as before.
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 
+log = logging.getLogger(__name__)
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _REFUSED = "missing or wrong internal token"
+REFUSAL_LOG_INTERVAL_S = 60.0  # a refused method is logged at most this often (a misconfigured peer retries a lot)
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -52,6 +57,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
+        self._logged: dict[str, float] = {}  # method -> monotonic time it was last logged
 
     async def intercept_service(
         self,
@@ -66,7 +72,19 @@ class TokenCheck(grpc.aio.ServerInterceptor):
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 if hmac.compare_digest(given, self._expected):
                     return handler
+        self._log_refusal(handler_call_details.method, any(key == "authorization" for key, _ in handler_call_details.invocation_metadata or ()))
         return _refusing(handler)
+
+    def _log_refusal(self, method: str, had_token: bool) -> None:
+        """WARNING (at most once a REFUSAL_LOG_INTERVAL_S per method) that a call was refused, so a
+        replica with another LOOPLINE_INTERNAL_TOKEN shows in the logs of the one refusing it
+        (fresh-eyes test: it logged nothing, and its health checks passed). Never the token."""
+        now = time.monotonic()
+        if now - self._logged.get(method, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
+            return
+        self._logged[method] = now
+        log.warning("refused an internal call: %s internal token", "wrong" if had_token else "no", extra={"fields": {
+            "method": method, "fix": "set the same LOOPLINE_INTERNAL_TOKEN on every service"}})
 
 
 class _SendToken:

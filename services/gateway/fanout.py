@@ -322,15 +322,32 @@ class RunFanout:
         self._stub = stub
         self._heartbeat_s = heartbeat_s
         self._hubs: dict[tuple[str, str, str], _Hub] = {}
+        self._closed = False
 
     def active_runs(self) -> int:
         """Runs with an open upstream stream (for tests and metrics)."""
         return len(self._hubs)
 
+    async def close(self) -> None:
+        """Shutdown: end every open stream now, each listener with its own reconnect frame
+        (`broken_frame`, `?after=` its position), so that clients go on through another gateway
+        at once and the HTTP server's connections finish within its grace; streams asked for
+        afterwards are StreamUnavailable (503, Retry-After). A stopped gateway cut them at the
+        end of its grace without a frame, and uvicorn logged that at ERROR (fresh-eyes test)."""
+        self._closed = True
+        hubs = list(self._hubs.values())
+        for hub in hubs:
+            hub.broken = True
+            if hub.task is not None:
+                hub.task.cancel()
+        await asyncio.gather(*(hub.task for hub in hubs if hub.task is not None), return_exceptions=True)
+
     async def open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str) -> _Hub:
         """Join (or start) the hub of a run; raises grpc.aio.AioRpcError (e.g. NOT_FOUND) or
         StreamUnavailable when the orchestrator refuses the stream. The caller must `leave` it
         (`EventStreamResponse` does)."""
+        if self._closed:
+            raise StreamUnavailable  # shutting down: the client goes to another gateway
         key = (caller.organization_id, chat_id, run_id)
         hub = self._hubs.get(key)
         if hub is None or hub.finished:

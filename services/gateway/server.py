@@ -78,6 +78,7 @@ class GatewayServer:
         """Stop taking requests, let open ones finish for up to `grace` seconds, close everything."""
         await self._grpc.health.enter_graceful_shutdown()
         self.http.should_exit = True
+        await self.app.state.fanout.close()  # open streams end now with their reconnect frame
         try:
             await asyncio.wait_for(self._http_task, grace + 1)
         except TimeoutError:

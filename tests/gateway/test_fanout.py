@@ -389,3 +389,38 @@ async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_t
         replay.queue.put_nowait(event)
     await asyncio.wait_for(resumed_task, 5)
     assert resumed.frames() == [sse.encode(chunk_event(4, "c4")), sse.encode(done_event(5))]
+
+
+async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_frame(tmp_path, caplog):
+    """Fresh-eyes test (replicas): a gateway stopped with SIGTERM kept its open streams until the
+    end of its grace, then cut them without a frame, and uvicorn logged "Cancel 1 running
+    task(s), timeout graceful shutdown exceeded" and a CancelledError traceback at ERROR. Now
+    each stream ends at once with the gateway's own error frame naming the listener's ?after=."""
+    import asyncio
+    import logging
+    import time
+
+    from tests.conftest import SCRIPTED, script, start_stack, stop_stack
+    from tests.sse_client import read_frames
+
+    stack = await start_stack(tmp_path, gateway={"shutdown_grace_s": 5.0})
+    gateway = stack.gateway
+    try:
+        async with stack.client() as client:
+            started = await client.post("/assistant/chat", json={"message": script({"say": "hi", "sleep_ms": 60_000}), "llm": SCRIPTED})
+            assert started.status_code == 200, started.text
+            listener = asyncio.create_task(read_frames(client, started.json()["stream_url"]))
+            while gateway.app.state.fanout.active_runs() == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the metadata frame is handed over
+            caplog.set_level(logging.INFO)
+            began = time.monotonic()
+            await gateway.stop(5.0)
+            frames = await asyncio.wait_for(listener, 5)
+        took = time.monotonic() - began
+    finally:
+        stack.gateway = type("Stopped", (), {"stop": staticmethod(lambda _grace: asyncio.sleep(0))})()
+        await stop_stack(stack)
+    assert took < 3, took  # not the 5 s grace
+    assert frames[-1] == {"type": "error", "data": {"message": f"The event stream was interrupted; reconnect with ?after={len(frames) - 1}"}}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

@@ -232,7 +232,10 @@ def unusable_database(error: BaseException, url: str, service: str, setting: str
     if path is not None:
         where = f"at {path}"
     else:
-        server = f"{parsed.host or 'localhost'}:{parsed.port or 'default port'}"
+        # libpq and asyncpg also take the host and port as query parameters (`…@/name?host=h&port=p`)
+        host, port = parsed.host or parsed.query.get("host"), parsed.port or parsed.query.get("port")
+        host, port = (host[0] if isinstance(host, tuple) else host), (port[0] if isinstance(port, tuple) else port)
+        server = f"{host or 'localhost'}:{port or 'default port'}"
         where = f"({parsed.get_backend_name()} database {parsed.database or ''!r} on {server})"
     if isinstance(error, UnusableDatabaseFile):
         reason = str(error)

@@ -194,6 +194,8 @@ async def test_a_database_url_that_cannot_be_used_is_a_json_error_without_its_pa
         "not a url": "is not a database URL",
         "nosuchdialect://reader:pa55word-x@db.example/sales": "names no installed database dialect",
         "postgresql+asyncpg://reader:pa55word-x@127.0.0.1:1/sales": "(postgresql database 'sales' on 127.0.0.1:1) cannot be used",
+        # the host and port as query parameters (fresh-eyes test: it said "on localhost:default port")
+        "postgresql+asyncpg://reader:pa55word-x@/sales?host=127.0.0.1&port=1": "(postgresql database 'sales' on 127.0.0.1:1) cannot be used",
         f"sqlite+aiosqlite:///{other}": "its migration history is not billing's",
     }
     for url, fragment in urls.items():

@@ -385,11 +385,11 @@ def tools_router(
     async def oauth2_callback(state: str = "", code: str = "", error: str = "", error_description: str = "") -> Response:
         # No API key here: the browser arrives from the authorization server; the
         # single-use, unguessable state names the organization and the flow.
-        if error:
-            return detail(400, bounded(f"Authorization was not granted: {error}"))  # a query parameter: any length
-        if not state or not code:
+        if not state or not (code or error):
             return detail(400, "state and code are required")
-        response = await tools.CompleteOAuth2(tools_pb2.CompleteOAuth2Request(state=state, code=code), timeout=_TIMEOUT_S)
+        # a denial (`error`) spends the single-use state too: the flow cannot go on to an exchange
+        # (fresh-eyes test); the state is checked first, so a forged one is "Unknown or expired"
+        response = await tools.CompleteOAuth2(tools_pb2.CompleteOAuth2Request(state=state, code=code, error=error[:2000]), timeout=_TIMEOUT_S)
         c = response.credential
         notified = False
         if orchestrator is not None:

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from sqlalchemy import delete
 
-from services.common.errors import TOOLS_DOMAIN, RpcError
+from services.common.errors import TOOLS_DOMAIN, RpcError, bounded
 from services.tools.catalogue import ActionContext, ActionError, Integration, integration_from_manifest
 from services.tools.credentials import CredentialInfo, CredentialStore
 from services.tools.crypto import KEY_CHANGED_HINT, SecretBox, SecretBoxError
@@ -222,14 +222,17 @@ class OAuth2Flows:
         separator = "&" if urllib.parse.urlsplit(provider.authorize_url).query else "?"
         return provider.authorize_url + separator + urllib.parse.urlencode(query), state
 
-    async def complete(self, state: str, code: str) -> tuple[CredentialInfo, str]:
+    async def complete(self, state: str, code: str, error: str = "") -> tuple[CredentialInfo, str]:
         """Consume `state`, exchange `code`, store the credential; returns (its metadata, the user who started).
 
         Raises RpcError INVALID_ARGUMENT (OAUTH2_STATE_INVALID: unknown, used or expired
-        state, or one no configured credential key decrypts (logged); missing code) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token
-        endpoint refused the code or could not be reached). The state is spent either way.
+        state, or one no configured credential key decrypts (logged); missing code;
+        OAUTH2_DENIED: the authorization server's `error`, RFC 6749 section 4.1.2.1, for a
+        valid state) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token endpoint refused
+        the code or could not be reached). The state is spent either way (it is single-use:
+        a denied flow cannot go on to an exchange).
         """
-        if not state or not code:
+        if not state or not (code or error):
             raise _invalid("OAUTH2_STATE_INVALID", "state and code are required")
         async with self._sessions() as session, session.begin():
             row = await session.get(OAuthState, state)
@@ -239,6 +242,8 @@ class OAuth2Flows:
             row.expires_at = row.expires_at.replace(tzinfo=datetime.UTC)  # SQLite returns naive UTC
         if row is None or row.expires_at < utcnow() or row.integration not in self.providers:
             raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state; start the connection again")
+        if error:
+            raise _invalid("OAUTH2_DENIED", bounded(f"Authorization was not granted: {error}"))
         provider = self.providers[row.integration]
         try:
             verifier = self._box.decrypt(row.encrypted_verifier)["verifier"]
@@ -272,10 +277,10 @@ class OAuth2Flows:
             tokens = None
             response = None
         if not isinstance(tokens, dict) or not isinstance(tokens.get("access_token"), str):
-            status = response.status_code if response is not None else "no response"
+            why = f"status {response.status_code}" if response is not None else "its token endpoint could not be reached"
             raise RpcError(
                 grpc.StatusCode.FAILED_PRECONDITION, "OAUTH2_EXCHANGE_FAILED",
-                f"The authorization server did not issue a token (status {status})", domain=TOOLS_DOMAIN,
+                f"The authorization server did not issue a token ({why}); start the connection again", domain=TOOLS_DOMAIN,
             )
         secret = {"access_token": tokens["access_token"], "token_type": str(tokens.get("token_type", "Bearer"))}
         if isinstance(tokens.get("refresh_token"), str):

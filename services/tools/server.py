@@ -389,7 +389,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         """Exchange the code for tokens and store them as a credential (see OAuth2Flows.complete for errors)."""
         if self.oauth is None:
             raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state")
-        info, user_id = await self.oauth.complete(request.state, request.code)
+        info, user_id = await self.oauth.complete(request.state, request.code, request.error)
         return tools_pb2.CompleteOAuth2Response(credential=credential_pb(info), user_id=user_id)
 
     @rpc_errors

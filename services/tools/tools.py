@@ -288,6 +288,9 @@ class ToolExecutor:
         integration = await self._integration(org_id, args["integration"])
         action = integration.actions.get(args["action"])
         if action is None:
+            if not integration.actions:  # e.g. an MCP server whose tools could not be discovered
+                raise ToolError(f"Integration {integration.name!r} has no actions (an MCP server's are those its discovery "
+                                "found; refresh it with POST /credentials/{id}/refresh-discovery).")
             names = ", ".join(integration.actions)
             raise ToolError(f"Integration {integration.name!r} has no action {args['action']!r}. Its actions: {names}.")
         parameters = args.get("parameters") or {}

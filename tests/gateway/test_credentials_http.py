@@ -396,6 +396,9 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
         provider = json.dumps([{
             "name": "acme", "display_name": "Acme", "authorize_url": f"{auth_base}/authorize", "token_url": f"{auth_base}/token",
             "client_id": "loopline-client", "client_secret": "client-secret", "scope": "read", "api_base_url": f"{auth_base}/api",
+        }, {
+            "name": "gone", "display_name": "Gone", "authorize_url": f"{auth_base}/authorize", "token_url": "http://127.0.0.1:1/token",
+            "client_id": "loopline-client", "scope": "read", "api_base_url": f"{auth_base}/api",
         }])
         async with tools_stack(tmp_path, tools={"tools_oauth2_integrations": provider}) as stack, stack.client() as client:
             callback = f"{stack.base_url}/credentials/oauth2/callback"
@@ -440,6 +443,19 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
             assert unknown.status_code == 400
             tampered = await client.get("/credentials/oauth2/callback", params={"state": "forged", "code": "x"})
             assert tampered.status_code == 400
+            # fresh-eyes test: a denial left the state usable for an exchange, and a forged state with
+            # `error` was "not granted" instead of unknown; an unreachable token endpoint said "status no response"
+            denied = (await client.post("/credentials/oauth2/initiate", json={"integration_name": "acme", "redirect_uri": callback})).json()
+            refused = await client.get("/credentials/oauth2/callback", params={"state": denied["state"], "error": "access_denied"})
+            assert refused.status_code == 400 and refused.json() == {"detail": "Authorization was not granted: access_denied"}
+            spent = await client.get("/credentials/oauth2/callback", params={"state": denied["state"], "code": "abc"})
+            assert spent.status_code == 400 and "Unknown or expired OAuth2 state" in spent.json()["detail"]
+            forged = await client.get("/credentials/oauth2/callback", params={"state": "forged", "error": "access_denied"})
+            assert forged.status_code == 400 and "Unknown or expired OAuth2 state" in forged.json()["detail"]
+            down = (await client.post("/credentials/oauth2/initiate", json={"integration_name": "gone", "redirect_uri": callback})).json()
+            unreachable = await client.get("/credentials/oauth2/callback", params={"state": down["state"], "code": "abc"})
+            assert unreachable.status_code == 409 and unreachable.json() == {
+                "detail": "The authorization server did not issue a token (its token endpoint could not be reached); start the connection again"}
 
 
 @pytest.mark.parametrize("server_url", ["http://" + "a" * 64 + ".com/mcp", "http://a..com/mcp", "http://example.com:99999/mcp", "http://[::1/mcp"])
@@ -449,3 +465,17 @@ async def test_a_malformed_mcp_server_url_is_400(stack, server_url):
         response = await client.post("/credentials/mcp-server", json={"server_url": server_url})
     assert response.status_code == 400, response.text
     assert "server_url" in response.json()["detail"]
+
+
+async def test_an_mcp_server_whose_discovery_failed_says_so_when_its_tool_is_called(stack):
+    """Fresh-eyes test: a server that could not be reached at registration has no tools, and a call
+    said "Integration 'mcp_down' has no action 'add'. Its actions: ." Now it says it has none and
+    how to discover them again."""
+    async with stack.client() as client:
+        registered = await client.post("/credentials/mcp-server", json={"server_url": "http://127.0.0.1:1/mcp", "display_name": "Down"})
+    assert registered.status_code == 201, registered.text
+    assert registered.json()["total_tools"] == 0 and registered.json()["discovery_error"]
+    result = await _tool(stack, "execute_integration_tool", {"integration": registered.json()["integration_name"], "action": "add"})
+    assert not result.success
+    assert result.error == ("Integration 'mcp_down' has no actions (an MCP server's are those its discovery found; "
+                            "refresh it with POST /credentials/{id}/refresh-discovery).")

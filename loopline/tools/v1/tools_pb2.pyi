@@ -433,12 +433,14 @@ class InitiateOAuth2Response(_message.Message):
     def __init__(self, authorization_url: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class CompleteOAuth2Request(_message.Message):
-    __slots__ = ("state", "code")
+    __slots__ = ("state", "code", "error")
     STATE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     state: str
     code: str
-    def __init__(self, state: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, state: _Optional[str] = ..., code: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CompleteOAuth2Response(_message.Message):
     __slots__ = ("credential", "user_id")

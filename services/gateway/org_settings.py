@@ -3,6 +3,7 @@
 
 GET /organizations/settings -> {llm_model_visibility: {}, composer_llm: {...} | null}
 PUT /organizations/settings/composer-llm {integration_name, provider_id, model_id, credential_id?}
+DELETE /organizations/settings/composer-llm (back to the deployment's default model)
     -> {composer_llm: {...}}; owner or admin only.
 
 Saving a default (check, then write) and deleting a credential (check the default, then delete)
@@ -195,5 +196,19 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
             await check_model(who, parsed)  # an unusable default would break every turn that names no model
             await held.set(llm)
         return JSONResponse({"composer_llm": _shown(llm)})
+
+    @router.delete(
+        "/organizations/settings/composer-llm",
+        summary="Clear the organization's saved default model (turns naming none use the deployment's again)",
+        tags=["organizations"],
+    )
+    async def clear_composer_llm(request: Request) -> JSONResponse:
+        """200 {"composer_llm": null}, also when none was saved (fresh-eyes test: there was no way
+        back to "no saved default"; PUT of another model kept a saved choice). Under the same lock
+        as PUT; the key of the model that was the default may be deleted afterwards."""
+        who = await principal(request)
+        async with models.exclusive(who.organization_id) as held:
+            await held.set(None)
+        return JSONResponse({"composer_llm": None})
 
     return router

@@ -41,6 +41,9 @@ async def test_member_cannot_read_or_set_the_default(stack):
     async with stack.client() as client:
         response = await client.get("/organizations/settings", headers=stack.headers(api_key=member["api_key"]))
     assert response.status_code == 403
+    async with stack.client() as client:
+        cleared = await client.delete("/organizations/settings/composer-llm", headers=stack.headers(api_key=member["api_key"]))
+    assert cleared.status_code == 403
 
 
 async def test_sdk_sets_and_reads_the_default(stack):
@@ -130,6 +133,25 @@ async def test_the_key_of_the_saved_default_model_cannot_be_deleted_until_anothe
             assert (await client.get(f"/credentials/{credential_id}")).status_code == 200  # nothing deleted
             scripted = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
             assert (await client.put("/organizations/settings/composer-llm", json=scripted)).status_code == 200
+            assert (await client.delete(f"/credentials/{credential_id}")).status_code == 204
+    finally:
+        await stop_stack(stack)
+
+
+async def test_the_saved_default_can_be_cleared_and_its_key_deleted_then(tmp_path):
+    """Fresh-eyes test: there was no way back to "no saved default" (DELETE was 405; a PUT of
+    another model kept a saved choice). DELETE clears it, idempotently, and frees its key."""
+    openai = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
+    stack = await start_stack(tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"})
+    try:
+        async with stack.client() as client:
+            created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-org-own-key-999999"}})
+            credential_id = created.json()["credential_id"]
+            assert (await client.put("/organizations/settings/composer-llm", json={**openai, "credential_id": credential_id})).status_code == 200
+            cleared = await client.delete("/organizations/settings/composer-llm")
+            assert cleared.status_code == 200 and cleared.json() == {"composer_llm": None}
+            assert (await client.get("/organizations/settings")).json()["composer_llm"] is None
+            assert (await client.delete("/organizations/settings/composer-llm")).status_code == 200  # none saved: the same
             assert (await client.delete(f"/credentials/{credential_id}")).status_code == 204
     finally:
         await stop_stack(stack)

@@ -33,6 +33,7 @@ import grpc
 from sqlalchemy import delete, func, insert, select, update
 
 from loopline.billing.v1 import billing_pb2
+from services.common import db
 from services.orchestrator.models import BillingRedelivery, utcnow
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ class Redelivery:
             next_at = await session.scalar(select(func.min(table.c.next_attempt_at)).where(known))
         if next_at is None:
             return self.idle_poll_s
-        return min(self.idle_poll_s, max(0.0, (_aware(next_at) - utcnow()).total_seconds()))
+        return min(self.idle_poll_s, max(0.0, (db.utc(next_at) - utcnow()).total_seconds()))
 
     async def _attempt(self, row: dict[str, Any], now: datetime.datetime) -> bool:
         """Claim one due call (compare-and-set on its attempt count) and send it; delete it once
@@ -231,18 +232,13 @@ class Redelivery:
         try:
             await self._send(row["method"], row["request"])
         except grpc.aio.AioRpcError as failure:
-            if (now - _aware(row["created_at"])).total_seconds() < self.horizon_s:
+            if (now - db.utc(row["created_at"])).total_seconds() < self.horizon_s:
                 return False
             self._give_up(row, failure.code().name)
             taken = False
         async with self.sessions() as session, session.begin():
             await session.execute(delete(table).where(table.c.id == row["id"]))
         return taken
-
-
-def _aware(value: datetime.datetime) -> datetime.datetime:
-    """`value` as an aware UTC datetime (SQLite hands naive ones back)."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
 
 
 class UsageBatcher:

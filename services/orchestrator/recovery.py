@@ -30,14 +30,13 @@ import logging
 import uuid
 from typing import Any
 
-import grpc
 from sqlalchemy import and_, or_, select, update
 
 from loopline.assistant.v1 import events_pb2
-from loopline.billing.v1 import billing_pb2
 from services.common import pb
 from services.orchestrator.models import Chat, Message, Run, utcnow
 from services.orchestrator.thread import cut_off_result
+from services.orchestrator.usage import release_or_store
 
 log = logging.getLogger(__name__)
 
@@ -182,14 +181,7 @@ class RunSupervisor:
         except Exception:
             log.exception("publishing the end of a lost run failed")
         if reservation_id:
-            release = billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason="run lost")
-            try:
-                await self.billing.Release(release, timeout=10)
-            except grpc.aio.AioRpcError as failure:
-                log.warning("releasing a lost run's reservation failed; retrying in the background",
-                            extra={"fields": {"code": failure.code().name, "reservation_id": reservation_id}})
-                await self.runner.redelivery.retry("Release", release, "releasing a lost run's reservation failed",
-                                                   [{"reservation_id": reservation_id}])
+            await release_or_store(self.billing, self.runner.redelivery, reservation_id, "run lost", "releasing a lost run's reservation failed")
         return True
 
     async def _tool_calls_of(self, run_id: str, status: str) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:

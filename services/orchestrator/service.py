@@ -36,6 +36,7 @@ from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent
 from services.orchestrator.providers import registry
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.store import ClaimLost, ThreadRow
+from services.orchestrator.usage import release_or_store
 
 log = logging.getLogger(__name__)
 
@@ -346,20 +347,9 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             log.exception("unwinding a failed turn start failed")
 
     async def _release(self, reservation_id: str, reason: str) -> int | None:
-        """Release the reservation; returns its billing_pb2.ReservationState after the call
-        (RELEASED, CHARGED when a Charge was posted first, EXPIRED) or None when billing could not
-        be asked: then the Release is stored and sent again in the background (usage.Redelivery;
-        a hold left as it is would block its credit and count against the quota until it expires,
-        fresh-eyes test)."""
-        request = billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason=reason)
-        try:
-            response = await self.billing.Release(request, timeout=10)
-        except grpc.aio.AioRpcError as error:
-            log.warning("releasing a reservation failed; retrying in the background",
-                        extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}})
-            await self.runner.redelivery.retry("Release", request, "releasing a reservation failed", [{"reservation_id": reservation_id}])
-            return None
-        return response.state
+        """Release the reservation (usage.release_or_store: its state after the call, or None when
+        billing could not be asked and the Release is sent again in the background)."""
+        return await release_or_store(self.billing, self.runner.redelivery, reservation_id, reason, "releasing a reservation failed")
 
     # ------------------------------------------------------------------ StreamRun
 

@@ -69,6 +69,23 @@ async def call_with_retries(call: Callable[[float], Awaitable[Any]], budget_s: f
     return failure
 
 
+async def release_or_store(billing: Any, redelivery: Redelivery, reservation_id: str, reason: str, failure_message: str) -> int | None:
+    """Release a reservation with billing (one call, 10 s); returns its billing_pb2.ReservationState
+    after the call (RELEASED, CHARGED when a Charge was posted first, EXPIRED), or None when
+    billing could not be asked: then WARNING `failure_message` and the Release is stored by
+    `redelivery` and sent again in the background (a hold left as it is would block its credit
+    and count against the quota until it expires). The turn start's and the crash reaper's."""
+    request = billing_pb2.ReleaseRequest(reservation_id=reservation_id, reason=reason)
+    try:
+        response = await billing.Release(request, timeout=10)
+    except grpc.aio.AioRpcError as error:
+        log.warning(f"{failure_message}; retrying in the background",
+                    extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}})
+        await redelivery.retry("Release", request, failure_message, [{"reservation_id": reservation_id}])
+        return None
+    return response.state
+
+
 class Redelivery:
     """Billing calls that failed their quick retries, kept in the orchestrator's database
     (`billing_redeliveries`) and sent again in the background until billing takes them.

@@ -36,7 +36,7 @@ from services.orchestrator.providers.base import ChatModel, ModelError, ModelRep
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, cut_off_result, estimate, split_summary, with_summary
-from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, UsageBatcher, call_with_retries
+from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, UsageBatcher
 
 log = logging.getLogger(__name__)
 
@@ -567,16 +567,12 @@ class TurnRunner:
         )
 
     async def _send_to_billing(self, method: str, request: Any, failure_message: str, **log_fields: Any) -> None:
-        """Call the idempotent billing RPC `method` with quick retries (usage.call_with_retries:
-        3 attempts within 2 s); when they fail it is logged at WARNING with `log_fields` and
-        stored by `self.redelivery` (sent again in the background, across restarts; ERROR
+        """Call the idempotent billing RPC `method` (`Redelivery.send_or_store`: quick retries, then
+        WARNING with `log_fields` and stored, sent again in the background across restarts; ERROR
         `failure_message` only if it is finally given up), never raised. Run as a task of its
         own (see `_execute`), so a cancel of the run does not cut it off."""
         rpc = getattr(self.billing, method)
-        failure = await call_with_retries(lambda timeout: rpc(request, timeout=timeout))
-        if failure is not None:
-            log.warning(f"{failure_message}; retrying in the background", extra={"fields": {"code": failure.code().name, **log_fields}})
-            await self.redelivery.retry(method, request, failure_message, [log_fields])
+        await self.redelivery.send_or_store(method, request, lambda timeout: rpc(request, timeout=timeout), failure_message, [log_fields])
 
     # ------------------------------------------------------------------ ending
 

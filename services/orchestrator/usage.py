@@ -137,6 +137,19 @@ class Redelivery:
             stored = await session.scalar(select(func.count()).select_from(BillingRedelivery))
         return int(stored or 0) + len(self._unstored)
 
+    async def send_or_store(self, method: str, request: Any, call: Callable[[float], Awaitable[Any]], failure_message: str,
+                            log_fields: list[dict[str, Any]]) -> None:
+        """Send `request` (a protobuf message for the idempotent billing RPC `method`) with
+        `call(timeout)` and quick retries (`call_with_retries`: 3 attempts within 2 s); when they
+        all fail, log WARNING "`failure_message`; retrying in the background" once per entry of
+        `log_fields` (with the gRPC code) and store it (`retry`). Never raises a billing failure."""
+        failure = await call_with_retries(call)
+        if failure is None:
+            return
+        for fields in log_fields:
+            log.warning(f"{failure_message}; retrying in the background", extra={"fields": {"code": failure.code().name, **fields}})
+        await self.retry(method, request, failure_message, log_fields)
+
     async def retry(self, method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]]) -> None:
         """Store `request` (a protobuf message for `method`) to be sent again in the background."""
         now = utcnow()
@@ -320,16 +333,11 @@ class UsageBatcher:
     async def _send(self, batch: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]]) -> None:
         requests = [request for request, _ in batch]
         try:
-            failure = await call_with_retries(lambda timeout: self._call(requests, timeout))
-            if failure is not None:
-                for request in requests:
-                    log.warning("recording usage failed; retrying in the background", extra={"fields": {
-                        "code": failure.code().name, "run_id": request.run_id, "chat_id": request.chat_id,
-                        "call_index": request.call_index}})
-                await self.redelivery.retry(
-                    "RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), "recording usage failed",
-                    [{"run_id": request.run_id, "chat_id": request.chat_id, "call_index": request.call_index} for request in requests],
-                )
+            await self.redelivery.send_or_store(
+                "RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), lambda timeout: self._call(requests, timeout),
+                "recording usage failed",
+                [{"run_id": request.run_id, "chat_id": request.chat_id, "call_index": request.call_index} for request in requests],
+            )
         finally:
             for _, done in batch:
                 if not done.done():

@@ -43,7 +43,7 @@ from typing import Any
 
 from loopline.assistant.v1 import events_pb2
 from services.common import pb
-from services.orchestrator.events import ArchiveLoader, EventLog, MemoryEventLog, is_terminal
+from services.orchestrator.events import ArchiveLoader, EventLog, MemoryEventLog, flatten, is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -477,8 +477,13 @@ class RedisEventLog:
             writer.notify()
         return list(events)
 
-    async def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
-        """Yield the run's events from index `after`, then live ones, until it ends.
+    def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
+        """Yield the run's events from index `after`, then live ones, until it ends (see `follow_batches`)."""
+        return flatten(self.follow_batches(run_id, after))
+
+    async def follow_batches(self, run_id: str, after: int = 0) -> AsyncIterator[list[events_pb2.Event]]:
+        """Yield the run's events from index `after`, then live ones, until it ends, as lists:
+        what this process's copy holds and is stored when it is taken, or one `XREAD`'s entries.
 
         A run this process publishes is served from its own copy, each event once it is
         stored in the stream (what any replica's follower sees, without reading Redis back);
@@ -494,11 +499,12 @@ class RedisEventLog:
         if writer is not None:
             ended = False  # this follower delivered the run's terminal event
             while writer.authoritative:
-                while index < writer.written:
-                    event = writer.local[index]
-                    index += 1
-                    ended = is_terminal(event)
-                    yield event
+                if index < writer.written:
+                    batch = writer.local[index:writer.written]
+                    index += len(batch)
+                    ended = is_terminal(batch[-1])
+                    yield batch
+                    continue
                 if writer.closed and index >= writer.written == len(writer.local):
                     if ended:
                         return
@@ -506,11 +512,11 @@ class RedisEventLog:
                 if writer.task is None or writer.task.done():  # forgotten or stopped: the stream has the rest
                     break
                 await asyncio.shield(writer.waiter())
-        async for event in self._follow_stream(run_id, index):
-            yield event
+        async for batch in self._follow_stream(run_id, index):
+            yield batch
 
-    async def _follow_stream(self, run_id: str, index: int) -> AsyncIterator[events_pb2.Event]:
-        """`follow` through Redis: `XREAD BLOCK` from `index`; the meta hash is read at the start,
+    async def _follow_stream(self, run_id: str, index: int) -> AsyncIterator[list[events_pb2.Event]]:
+        """`follow_batches` through Redis (a list per `XREAD`): `XREAD BLOCK` from `index`; the meta hash is read at the start,
         when a read returns nothing and after a terminal event (is the run closed?)."""
         stream, _ = self._keys(run_id)
         errors = _redis_errors()
@@ -526,8 +532,8 @@ class RedisEventLog:
                     if not exists:
                         archived = await self.archive_loader(run_id)
                         if archived or time.monotonic() - waited_open > self.open_wait_s:
-                            for event in archived[index:]:
-                                yield event
+                            if archived[index:]:
+                                yield archived[index:]
                             return
                         await asyncio.sleep(0.05)
                         continue
@@ -541,14 +547,15 @@ class RedisEventLog:
                 failing_since = failing_since or now
                 if now - failing_since > self.retry_s:
                     log.warning("follower gave up: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
-                    yield _error_event(run_id, index, "The event stream was interrupted (the event store is unreachable); "
-                                       f"listen again with after={index} to continue.")
+                    yield [_error_event(run_id, index, "The event stream was interrupted (the event store is unreachable); "
+                                        f"listen again with after={index} to continue.")]
                     return
                 check_meta = True
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
                 continue
             check_meta = not response
+            batch: list[events_pb2.Event] = []
             for _, entries in response or ():
                 for entry_id, fields in entries:
                     event = _decode(entry_id, fields)
@@ -557,15 +564,16 @@ class RedisEventLog:
                     if event.seq > index:
                         archived = await self.archive_loader(run_id)
                         if len(archived) > index:
-                            for missing in archived[index:event.seq]:
-                                yield missing
+                            batch.extend(archived[index:event.seq])
                         else:
-                            yield _error_event(run_id, index, "Events of this run are no longer available "
-                                               f"(the stream was trimmed past index {index}).")
+                            yield [*batch, _error_event(run_id, index, "Events of this run are no longer available "
+                                                        f"(the stream was trimmed past index {index}).")]
                             return
                     index = event.seq + 1
                     last_terminal = is_terminal(event)
-                    yield event
+                    batch.append(event)
+            if batch:
+                yield batch
             if last_terminal:
                 check_meta = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
@@ -28,6 +29,15 @@ def event_type(event: events_pb2.Event) -> str:
 def is_terminal(event: events_pb2.Event) -> bool:
     """True for the events after which a run's stream ends (done, cancelled, interrupted)."""
     return event_type(event) in TERMINAL_TYPES
+
+
+async def flatten(batches: AsyncIterator[list[events_pb2.Event]]) -> AsyncIterator[events_pb2.Event]:
+    """The events of `follow_batches` one at a time (`follow`); closes `batches` when it ends
+    or its consumer stops."""
+    async with contextlib.aclosing(batches):
+        async for batch in batches:
+            for event in batch:
+                yield event
 
 
 class _RunLog:
@@ -87,6 +97,10 @@ class EventLog(Protocol):
 
     def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
         """Yield the run's events from index `after`, then live ones, until the run ends."""
+
+    def follow_batches(self, run_id: str, after: int = 0) -> AsyncIterator[list[events_pb2.Event]]:
+        """`follow` in lists: each holds every event available when it is taken (at least one), so
+        a replay or a burst is one list; the same events in the same order as `follow`."""
 
 
 class MemoryEventLog:
@@ -171,25 +185,28 @@ class MemoryEventLog:
         self.close(run_id)
         return appended
 
-    async def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
-        """Yield the run's events from index `after`, then live ones, until it ends.
+    def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
+        """Yield the run's events from index `after`, then live ones, until it ends (see `follow_batches`)."""
+        return flatten(self.follow_batches(run_id, after))
 
-        A run not in memory is served from the archive (all its stored events, then return).
+    async def follow_batches(self, run_id: str, after: int = 0) -> AsyncIterator[list[events_pb2.Event]]:
+        """Yield the run's events from index `after` as lists of every event published and not yet
+        yielded (a slice of the log: no task or loop turn per event), until the run is closed and
+        all is yielded. A run not in memory is served from the archive (one list, then return).
         """
         log = self._runs.get(run_id)
         if log is None:
             archived = await self._archive_loader(run_id) if self._archive_loader else []
-            for event in archived[after:]:
-                yield event
+            if archived[after:]:
+                yield archived[after:]
             return
         index = max(after, 0)
         while True:
-            while index < len(log.events):
-                event = log.events[index]
-                index += 1
-                yield event
-                if is_terminal(event) and index >= len(log.events) and log.closed:
-                    return
+            if index < len(log.events):
+                batch = log.events[index:]
+                index += len(batch)
+                yield batch
+                continue
             if log.closed:
                 return
             await asyncio.shield(log.changed)

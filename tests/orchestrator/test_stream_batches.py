@@ -6,41 +6,59 @@ import asyncio
 
 import grpc
 
-from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
-from services.orchestrator.service import ready_batches
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
+from services.orchestrator.events import MemoryEventLog
 from tests.orchestrator.helpers import run_turn
 
 
-async def _source(gate: asyncio.Event, log: list[str]):
-    try:
-        for item in (1, 2, 3):
-            yield item
-        await gate.wait()
-        for item in (4, 5):
-            yield item
-    finally:
-        log.append("closed")
+def _chunk(run_id: str, text: str) -> events_pb2.Event:
+    return events_pb2.Event(run_id=run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=text))
 
 
-async def test_ready_batches_groups_what_is_ready_and_respects_the_limit():
-    gate, log = asyncio.Event(), []
-    batches = ready_batches(_source(gate, log), limit=2)
-    assert await batches.__anext__() == [1, 2]
-    assert await batches.__anext__() == [3]  # 4 is not ready: the batch ends
-    gate.set()
-    assert [b async for b in batches] == [[4, 5]]
-    assert log == ["closed"]
+def _done(run_id: str) -> events_pb2.Event:
+    return events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="ok"))
 
 
-async def test_ready_batches_closes_the_source_when_the_consumer_stops():
-    gate, log = asyncio.Event(), []
-    batches = ready_batches(_source(gate, log), limit=10)
-    assert await batches.__anext__() == [1, 2, 3]
-    waiting = asyncio.ensure_future(batches.__anext__())  # blocks on the gate
+async def test_follow_batches_yields_everything_published_at_once_then_follows_live():
+    log = MemoryEventLog()
+    log.open("r")
+    for text in ("a", "b", "c"):
+        log.append(_chunk("r", text))
+    batches = log.follow_batches("r", after=1)
+    assert [e.response_chunk.chunk for e in await batches.__anext__()] == ["b", "c"]
+    waiting = asyncio.ensure_future(batches.__anext__())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # nothing new: it waits, with no task or loop turn per event
+    log.append(_chunk("r", "d"))
+    log.append(_chunk("r", "e"))
+    log.append(_done("r"))
+    log.close("r")
+    assert [e.seq for e in await waiting] == [3, 4, 5]  # published together: one list
+    assert [b async for b in batches] == []  # closed and all yielded: it ends
+
+
+async def test_follow_is_follow_batches_one_event_at_a_time_and_ends_after_a_closed_run():
+    log = MemoryEventLog()
+    log.open("r")
+    log.append(_chunk("r", "a"))
+    follower = log.follow("r", after=0)
+    assert (await follower.__anext__()).seq == 0
+    log.append(_done("r"))
+    log.close("r")
+    assert [e.seq async for e in follower] == [1]
+
+
+async def test_a_follower_that_stops_early_leaves_nothing_waiting():
+    log = MemoryEventLog()
+    log.open("r")
+    follower = log.follow("r", after=0)
+    waiting = asyncio.ensure_future(follower.__anext__())
     await asyncio.sleep(0.01)
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
-    assert log == ["closed"]
+    await follower.aclose()
+    log.append(_chunk("r", "a"))  # no follower left to wake: publishing is unaffected
+    assert [e.seq for e in log.snapshot("r")] == [0]
 
 
 async def _stream(stub, request) -> list[list[str]]:

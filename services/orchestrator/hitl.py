@@ -7,6 +7,7 @@ pause" section defines the pause itself.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 _OPTION = {
@@ -190,23 +191,40 @@ ANSWER_FIELDS: dict[str, frozenset[str]] = {
 }
 
 
+# The JSON type of every answer field (the SDK's UserInputResponse models: modulex.types.realtime);
+# null is the field left out. `kind` is checked by its value, `selected_values` item by item.
+ANSWER_FIELD_TYPES: dict[str, tuple[type, str]] = {
+    "selected_value": (str, "a string"), "free_text": (str, "a string"), "selected_values": (list, "a list of strings"),
+    "answer": (bool, "true or false"), "text": (str, "a string"), "credential_id": (str, "a string"),
+    "integration_name": (str, "a string"), "auth_type": (str, "a string"), "error_code": (str, "a string"),
+    "error_message": (str, "a string"), "retryable": (bool, "true or false"), "provider_details": (dict, "an object"),
+    "reason": (str, "a string"),
+}
+
+
 def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     """Check `answer` (a UserInputResponse dict) against `request`; returns the normalized answer.
 
     Raises InvalidAnswer for a wrong kind, a field the kind does not have (ANSWER_FIELDS), a
-    value not among the options, both a value and
+    field of the wrong JSON type (ANSWER_FIELD_TYPES; null counts as absent), a value not
+    among the options, both a value and
     free text for a single choice, a selection count outside [min_selections,
     max_selections], or text whose length without surrounding whitespace is outside the
     length bounds.
     """
     kind = answer.get("kind")
     expected = request["kind"]
-    unknown = sorted(set(answer) - ANSWER_FIELDS.get(kind, frozenset(answer)))
+    if not isinstance(kind, str) or kind not in ANSWER_FIELDS:
+        raise InvalidAnswer(f"'kind' must be one of {', '.join(ANSWER_FIELDS)}")
+    unknown = sorted(set(answer) - ANSWER_FIELDS[kind])
     if unknown:
         raise InvalidAnswer(f"unknown field(s) in a {kind} answer: {', '.join(unknown)}")
+    for name, value in answer.items():
+        expected_type = ANSWER_FIELD_TYPES.get(name)
+        if expected_type is not None and value is not None and not isinstance(value, expected_type[0]):
+            raise InvalidAnswer(f"'{name}' of a {kind} answer must be {expected_type[1]}")
     if kind == "skipped":
-        reason = answer.get("reason")
-        return {"kind": "skipped", "reason": str(reason) if reason is not None else None}
+        return {"kind": "skipped", "reason": answer.get("reason")}
     if expected == "credential_request":
         if kind not in ("credential_added", "credential_failed"):
             raise InvalidAnswer(f"a credential_request is answered with credential_added, credential_failed or skipped, not {kind!r}")
@@ -223,7 +241,7 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
         if selected is not None and free is not None:
             raise InvalidAnswer("single_choice takes 'selected_value' or 'free_text', not both")
         if selected is not None and selected not in values:
-            raise InvalidAnswer(f"{selected!r} is not one of the options")
+            raise InvalidAnswer(f"{json.dumps(selected)} is not one of the options")
         if free is not None and not request.get("allow_free_text"):
             raise InvalidAnswer("this question does not allow free text")
         return {"kind": kind, "selected_value": selected, "free_text": free}
@@ -233,7 +251,7 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
             raise InvalidAnswer("multi_choice needs 'selected_values' (a list of strings)")
         unknown = [v for v in selected if v not in values]
         if unknown:
-            raise InvalidAnswer(f"{unknown[0]!r} is not one of the options")
+            raise InvalidAnswer(f"{json.dumps(unknown[0])} is not one of the options")
         if len(set(selected)) != len(selected):
             raise InvalidAnswer("a value is selected twice")
         low, high = request.get("min_selections") or 0, request.get("max_selections")

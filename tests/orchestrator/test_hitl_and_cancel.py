@@ -71,6 +71,8 @@ async def test_resume_charges_no_second_run_credit(stack):
     ("tool", "answer"),
     [
         ("ask_user_choice", {"kind": "single_choice", "selected_value": "nope"}),
+        ("ask_user_choice", {"kind": "single_choice", "selected_value": ["a"]}),  # was a 500 (fresh-eyes test)
+        ("ask_user_choice", {"kind": ["single_choice"]}),
         ("ask_user_choice", {"kind": "yes_no", "answer": True}),
         ("ask_user_multi_choice", {"kind": "multi_choice", "selected_values": ["a", "b", "c"]}),
         ("ask_user_multi_choice", {"kind": "multi_choice", "selected_values": []}),

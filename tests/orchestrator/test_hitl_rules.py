@@ -50,3 +50,39 @@ def test_an_answer_with_a_field_its_kind_does_not_have_is_refused():
     sdk_shaped = {"kind": "credential_failed", "integration_name": "github", "auth_type": "oauth2", "error_code": "popup_closed",
                   "error_message": "closed", "retryable": True, "provider_details": None}
     assert validate_answer(credential, sdk_shaped)["error_code"] == "popup_closed"  # every SDK field is known
+
+
+@pytest.mark.parametrize("answer", [
+    {"kind": "single_choice", "selected_value": ["a"]}, {"kind": "single_choice", "selected_value": {"a": 1}},
+    {"kind": "single_choice", "selected_value": True}, {"kind": "single_choice", "free_text": ["x"]},
+    {"kind": "single_choice", "free_text": {"x": 1}}, {"kind": ["single_choice"]}, {"kind": {"a": 1}}, {"kind": 5},
+])
+def test_a_single_choice_answer_of_the_wrong_json_type_is_refused_not_a_crash(answer):
+    # third fresh-eyes test: a list or object selected_value was a TypeError (500), a list free_text was stored
+    request = build_request("ask_user_choice", {"message": "pick", "options": OPTIONS, "allow_free_text": True}, "req_1")
+    with pytest.raises(InvalidAnswer, match="must be"):
+        validate_answer(request, answer)
+
+
+@pytest.mark.parametrize(("tool", "answer", "field"), [
+    ("ask_user_multi_choice", {"kind": "multi_choice", "selected_values": "a"}, "selected_values"),
+    ("ask_user_yes_no", {"kind": "yes_no", "answer": "yes"}, "answer"),
+    ("ask_user_free_text", {"kind": "free_text", "text": ["x"]}, "text"),
+    ("ask_user_yes_no", {"kind": "skipped", "reason": {"why": "busy"}}, "reason"),
+    ("request_credential", {"kind": "credential_added", "credential_id": "c1", "integration_name": 7}, "integration_name"),
+    ("request_credential", {"kind": "credential_failed", "error_message": ["x"]}, "error_message"),
+    ("request_credential", {"kind": "credential_failed", "retryable": "yes"}, "retryable"),
+    ("request_credential", {"kind": "credential_failed", "provider_details": "x"}, "provider_details"),
+])
+def test_every_answer_field_has_its_json_type(tool, answer, field):
+    question = {"message": "pick", "options": OPTIONS} if "choice" in tool else {"message": "say", "integration": "github"}
+    request = build_request(tool, question, "req_1")
+    with pytest.raises(InvalidAnswer, match=f"'{field}' of a {answer['kind']} answer must be"):
+        validate_answer(request, answer)
+
+
+def test_a_value_not_among_the_options_is_named_in_json():
+    request = build_request("ask_user_choice", {"message": "pick", "options": OPTIONS}, "req_1")
+    with pytest.raises(InvalidAnswer, match='^"zz" is not one of the options$'):
+        validate_answer(request, {"kind": "single_choice", "selected_value": "zz"})
+    assert validate_answer(request, {"kind": "skipped", "reason": None}) == {"kind": "skipped", "reason": None}

@@ -46,7 +46,9 @@ class ExtractionError(ValueError):
 def file_type(name: str, content_type: str = "") -> str:
     """The file type ("txt", ..., "pdf") of a file called `name` with media type `content_type`.
 
-    The extension wins; the media type is used when the name has no known extension.
+    The extension wins; the media type is used when the name has no known extension. A name
+    without an extension whose media type names nothing (absent, application/octet-stream:
+    what curl and the SDK send for a file part) or another text/* type is read as txt (README).
     Raises UnsupportedFileType when neither names a supported type.
     """
     extension = pathlib.PurePosixPath(name or "").suffix.lower().lstrip(".")
@@ -55,6 +57,8 @@ def file_type(name: str, content_type: str = "") -> str:
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media in _BY_MEDIA_TYPE:
         return _BY_MEDIA_TYPE[media]
+    if not extension and (media in ("", "application/octet-stream") or media.startswith("text/")):
+        return "txt"
     shown = f".{extension}" if extension else (media or "unknown")
     raise UnsupportedFileType(f"Unsupported file type {shown!r}; supported: {', '.join(SUPPORTED_TYPES)}")
 

@@ -88,6 +88,21 @@ async def test_upload_every_supported_type_then_search_it(stack):
         assert listed[0]["total_chunks"] >= len(UPLOADS)
 
 
+async def test_a_file_name_without_an_extension_is_read_as_txt_unless_its_media_type_says_otherwise(stack):
+    # fresh-eyes test: curl's and the SDK's default media type (application/octet-stream) was 415
+    async with stack.client() as client:
+        kb = await _base(client)
+        url = f"/knowledge-bases/{kb['id']}/documents"
+        for name, media in (("noext", "application/octet-stream"), ("document", "text/x-log"), ("notes", "text/markdown")):
+            response = await client.post(url, files={"file": (name, b"about lemurs", media)})
+            assert response.status_code == 201, (name, response.text)
+            assert response.json()["file_type"] == ("md" if media == "text/markdown" else "txt")
+        image = await client.post(url, files={"file": ("picture", b"\x89PNG\r\n", "image/png")})
+        assert image.status_code == 415 and "image/png" in image.json()["detail"]
+        found = (await client.post(f"/knowledge-bases/{kb['id']}/search", json={"query": "lemurs"})).json()
+        assert found["total_matches"] >= 3
+
+
 async def test_unsupported_or_empty_uploads_are_refused(stack):
     async with stack.client() as client:
         kb = await _base(client)

@@ -424,3 +424,63 @@ async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_
     assert took < 3, took  # not the 5 s grace
     assert frames[-1] == {"type": "error", "data": {"message": f"The event stream was interrupted; reconnect with ?after={len(frames) - 1}"}}
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class _Clock:
+    """The parts of an event loop a _Hub uses, on a clock the test moves (`advance`)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[tuple[float, Any]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_soon(self, callback: Any) -> asyncio.Handle:
+        return self.call_at(self.now, callback)
+
+    def call_at(self, when: float, callback: Any) -> asyncio.TimerHandle:
+        handle = asyncio.TimerHandle(when, callback, (), asyncio.get_running_loop())
+        self.timers.append((when, handle))
+        return handle
+
+    def advance(self, to: float) -> None:
+        """Run every timer due by `to`, in time order (also those they set), at its own time."""
+        while True:
+            due = sorted((when, i, h) for i, (when, h) in enumerate(self.timers) if when <= to and not h.cancelled())
+            if not due:
+                break
+            when, _, handle = due[0]
+            self.timers = [(w, h) for w, h in self.timers if h is not handle]
+            self.now = max(self.now, when)
+            handle._run()
+        self.now = to
+
+
+async def test_a_heartbeat_is_never_later_than_the_interval_of_silence():
+    """Fresh-eyes test: a frame shortly after a listener joined made its heartbeat 10% late (16.5 s
+    of silence for 15 s: the next check was at least heartbeat_s / 10 after the previous one), so a
+    16.5 s gap had none. Now everyone within 10% of its heartbeat gets it in the same round."""
+    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=15.0)
+    hub.loop = clock = _Clock()  # type: ignore[assignment]
+    transport = RecordingTransport()
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    hub.attach(_Listener(hub, 0, send, transport))  # at 0: the first check is at 15
+    clock.advance(0.3)
+    hub.publish(b"data: {\"n\":1}\n\n")  # a frame at 0.3: the silence starts again
+    clock.advance(0.3)
+    assert _dechunk(transport.writes) == b"data: {\"n\":1}\n\n"
+    beats: list[float] = []
+    for step in range(1, 8000):  # up to 80 s
+        clock.advance(0.3 + step * 0.01)
+        if len(transport.writes) > len(beats) + 1:
+            beats.append(clock.now)
+        if len(beats) == 3:
+            break
+    assert all(transport.writes[i] == fanout_module.HEARTBEAT_CHUNK for i in range(1, 4))
+    silences = [beats[0] - 0.3, beats[1] - beats[0], beats[2] - beats[1]]
+    assert all(13.5 - 1e-6 <= silence <= 15.0 + 1e-6 for silence in silences), silences
+    hub.end()

@@ -121,7 +121,8 @@ class Authenticator:
     async def authenticate(self, authorization: str | None, organization_id: str | None) -> Principal:
         """The caller, or AuthError(401) for a missing/unknown key, AuthError(403) for a wrong role.
 
-        A missing X-Organization-ID is 400 (AuthError with status 400).
+        A missing X-Organization-ID, or one no organization can have (`ids.org_id_error`: 1 to
+        128 visible ASCII characters), is 400 (AuthError with status 400).
         """
         cached = self._by_header.get((authorization, organization_id))  # type: ignore[arg-type]
         if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
@@ -135,6 +136,9 @@ class Authenticator:
             raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
         if not organization_id:
             raise AuthError(400, "X-Organization-ID header is required")
+        malformed = ids.org_id_error(organization_id)
+        if malformed is not None:  # no organization can have it: 400 like a missing one, not 403
+            raise AuthError(400, f"X-Organization-ID is malformed: {malformed}")
         digest = hash_key(key)
         entry = self._cache.get((digest, organization_id))
         now = time.monotonic()

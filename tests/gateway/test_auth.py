@@ -61,3 +61,18 @@ async def test_another_organizations_chat_is_404(stack):
             await client.post(f"/assistant/chat/{chat_id}/cancel"),
         ):
             assert response.status_code == 404, response.text
+
+
+async def test_an_organization_id_no_organization_can_have_is_400_on_every_route_not_403(stack):
+    # fresh-eyes test: 200 characters, non-ASCII and an inner space were 403 "requires owner or admin"
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        for org_id in ("o" * 129, "örg", "org one"):
+            headers = {**stack.headers(), "X-Organization-ID": org_id}
+            for method, path in (("POST", "/assistant/chat"), ("GET", "/assistant/chats"), ("GET", "/credentials"),
+                                 ("GET", "/assistant/chat/x/listen/y")):
+                response = await client.request(method, path, json={"message": "hi"} if method == "POST" else None,
+                                                headers={k: v.encode() if k == "X-Organization-ID" else v for k, v in headers.items()})
+                assert response.status_code == 400, (org_id, path, response.text)
+                assert "X-Organization-ID" in response.json()["detail"]
+        ok = await client.get("/assistant/chats", headers=stack.headers(org_id="o" * 128))
+        assert ok.status_code == 403  # well-formed, just not an organization the key's user is in

@@ -91,6 +91,8 @@ class ClaimLost(Exception):
     """The chat was taken (running_id set or deleted) between the guard and the write."""
 
 
+INLINE_ROWS = 64  # a SQLite transaction writing more rows than this stays on the worker thread (txn.py: inline)
+
 _INSERT_MESSAGE = insert(_messages)
 _INSERT_CHAT = insert(_chats)
 _INSERT_RUN = insert(_runs)
@@ -209,13 +211,13 @@ class TurnStore:
         """Every stored message of the chat, oldest first (summaries and markers included)."""
         if self.pg is not None:
             return await self.pg.load_thread(chat_id)
-        return await self.txn.run(_load_thread, chat_id)
+        return await self.txn.run(_load_thread, chat_id, inline=False)  # a thread can be long
 
     async def store_rows(self, rows: Sequence[ThreadRow]) -> None:
         """Insert thread messages in one transaction, in order."""
         if self.pg is not None:
             return await self.pg.store_rows(list(rows))
-        await self.txn.run(_store_rows, list(rows))
+        await self.txn.run(_store_rows, list(rows), inline=len(rows) <= INLINE_ROWS)
 
     async def finish(self, end: RunEnd) -> None:
         """One transaction at a run's end: its interrupt row (a pause), its unsaved thread messages,
@@ -223,7 +225,7 @@ class TurnStore:
         cancel also flips a pending audit row to `cancelled`)."""
         if self.pg is not None:
             return await self.pg.finish(end)
-        await self.txn.run(_finish, end)
+        await self.txn.run(_finish, end, inline=len(end.rows) <= INLINE_ROWS)
 
     async def turn_guard(self, chat_id: str) -> Any:
         """(organization_id, kind, deleted_at, running_id, pending_id) of the chat, pending_id being
@@ -245,7 +247,7 @@ class TurnStore:
             return
         if self.pg is not None:
             return await self.pg.archive(run_id, events)
-        await self.txn.run(self._archive_rows, run_id, list(events))
+        await self.txn.run(self._archive_rows, run_id, list(events), inline=len(events) <= INLINE_ROWS)
 
     @staticmethod
     def _archive_rows(conn: Connection, run_id: str, events: list[tuple[int, bytes]]) -> None:

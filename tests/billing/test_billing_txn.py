@@ -14,6 +14,7 @@ import concurrent.futures
 import datetime
 import os
 import pathlib
+import sqlite3
 import threading
 import uuid
 
@@ -27,6 +28,7 @@ from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import UTCDateTime
 from services.billing.rates import MemoryWindows, RateLimiter
 from services.billing.server import BillingServer
+from services.common import txn as txn_module
 from services.common.txn import TxnRunner
 from services.common.errors import status_details
 from tests_billing_helpers import admit_request, make_settings
@@ -86,7 +88,7 @@ def _insert_then_fail(conn, item_id: str) -> None:  # noqa: ANN001
 async def _in_one_batch(runner: TxnRunner, *jobs: tuple) -> list:
     """Hold the worker with a blocking job while `jobs` queue up, so they form one batch."""
     gate = threading.Event()
-    holder = asyncio.ensure_future(runner.run(lambda conn: gate.wait(5)))
+    holder = asyncio.ensure_future(runner.run(lambda conn: gate.wait(5), inline=False))  # on the worker thread
     await asyncio.sleep(0.05)  # the worker is now inside the holder's batch
     futures = [asyncio.ensure_future(runner.run(fn, *args)) for fn, *args in jobs]
     await asyncio.sleep(0.05)
@@ -128,6 +130,73 @@ async def test_a_caller_is_answered_only_after_its_commit(runner):
     for i, ids in enumerate(seen):
         assert len(ids) >= i + 1
     assert len(await _ids(engine)) == 20
+
+
+async def _worker_ready(txn: TxnRunner) -> None:
+    """Wait until the worker thread has opened its connections (inline runs need them)."""
+    for _ in range(200):
+        if txn._worker._raw is not None:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the SQLite worker did not connect")
+
+
+def _thread(conn, item_id: str) -> int:  # noqa: ANN001
+    conn.execute(INSERT_ITEM, {"id": item_id, "day": None, "at": None})
+    return threading.get_ident()
+
+
+async def test_a_lone_transaction_runs_inline_on_the_callers_thread_and_is_committed(runner):
+    txn, engine = runner
+    await _worker_ready(txn)
+    assert await txn.run(_thread, "a") == threading.get_ident()  # no hand-off to the worker thread
+    assert await txn.run(_thread, "b", inline=False) != threading.get_ident()
+    assert await _ids(engine) == ["a", "b"]  # committed: another connection sees both
+
+
+async def test_while_another_connection_writes_a_transaction_waits_on_the_worker_not_on_the_event_loop(runner, tmp_path):
+    txn, engine = runner
+    await _worker_ready(txn)
+    other = sqlite3.connect(tmp_path / "txn.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # holds the write lock
+    other.execute("INSERT INTO items (id) VALUES ('other')")
+    first = asyncio.ensure_future(txn.run(_thread, "a"))
+    second = asyncio.ensure_future(txn.run(_thread, "b"))  # must not overtake the first, now queued
+    ticks = 0
+    for _ in range(10):  # the loop keeps running while both wait for the lock
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert ticks == 10 and not first.done() and not second.done()
+    other.execute("COMMIT")
+    other.close()
+    threads = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert threading.get_ident() not in threads  # the worker waited for the lock, not the event loop
+    assert await _ids(engine) == ["a", "b", "other"]
+    async with engine.connect() as conn:  # in the order they were submitted
+        rowids = (await conn.execute(text("SELECT id FROM items ORDER BY rowid"))).scalars().all()
+    assert rowids == ["other", "a", "b"]
+
+
+async def test_the_worker_thread_checkpoints_the_wal_that_inline_commits_fill(runner, monkeypatch):
+    txn, _ = runner
+    await _worker_ready(txn)
+    worker = txn._worker
+    monkeypatch.setattr(txn_module, "CHECKPOINT_EVERY", 4)
+    checkpoints: list[int] = []
+    original = worker._checkpoint
+    def spy(raw):  # noqa: ANN001
+        checkpoints.append(threading.get_ident())
+        original(raw)
+
+    monkeypatch.setattr(worker, "_checkpoint", spy)
+    for i in range(20):
+        await txn.run(_insert, f"k{i}")
+    for _ in range(200):
+        if len(checkpoints) >= 2:
+            break
+        await asyncio.sleep(0.005)
+    # every 4 commits, on the worker thread only (an inline run waits while one is due: the WAL stays bounded)
+    assert len(checkpoints) >= 4 and threading.get_ident() not in checkpoints
 
 
 async def test_integrity_errors_surface_as_sqlalchemy_errors(runner):

@@ -46,12 +46,20 @@ class _RunLog:
     def __init__(self) -> None:
         self.events: list[events_pb2.Event] = []
         self.closed = False
-        self.changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.changed: asyncio.Future[None] | None = None  # made by the first follower that waits
 
     def wake(self) -> None:
-        if not self.changed.done():
-            self.changed.set_result(None)
-        self.changed = asyncio.get_running_loop().create_future()
+        """Wake every waiting follower (an append or the close); nothing to do when none waits."""
+        if self.changed is not None:
+            if not self.changed.done():
+                self.changed.set_result(None)
+            self.changed = None
+
+    def waiter(self) -> asyncio.Future[None]:
+        """A future done at the next `wake` (shared by every follower waiting now)."""
+        if self.changed is None:
+            self.changed = asyncio.get_running_loop().create_future()
+        return self.changed
 
 
 # Loads the archived events of a run (empty when none); used when a run is not in memory.
@@ -209,4 +217,4 @@ class MemoryEventLog:
                 continue
             if log.closed:
                 return
-            await asyncio.shield(log.changed)
+            await asyncio.shield(log.waiter())

@@ -15,13 +15,13 @@ backends:
   thread also serializes this process's writers; other processes (the admin CLI) are
   handled by SQLite's locking and busy timeout. **When the worker is idle** (no
   transaction of this process queued or unanswered) a transaction runs at once on the
-  caller's thread instead, on the same connection: a lone transaction then costs ~25 µs of
-  CPU instead of ~75 µs with the two thread hand-offs (docs/performance.md). It tries the
-  write lock without waiting (busy timeout 0 for its `BEGIN IMMEDIATE`) and, when another
-  connection holds it, goes to the worker, which waits for it; the connection's automatic
-  WAL checkpoint (its fsync) is off and the worker thread checkpoints every
-  `CHECKPOINT_EVERY` commits instead, so the event loop never waits on the disk or on
-  another writer. A caller with a large transaction passes `inline=False`.
+  caller's thread instead, on a second connection of the worker's: a lone transaction then
+  costs ~35 µs of CPU instead of ~75 µs with the two thread hand-offs (docs/performance.md).
+  That connection has a busy timeout of 0: when another connection holds the write lock its
+  `BEGIN IMMEDIATE` fails at once and the job goes to the worker, which waits for the lock.
+  Neither connection checkpoints the WAL by itself (no COMMIT on the event loop ever
+  fsyncs): the worker thread checkpoints every `CHECKPOINT_EVERY` commits, and no job runs
+  inline while one is due. A caller with a large transaction passes `inline=False`.
 - PostgreSQL (asyncpg) and anything else: `AsyncConnection.run_sync(fn)`, i.e. the same
   function on the event loop through SQLAlchemy's greenlet bridge (no thread hop exists).
 
@@ -340,7 +340,8 @@ class SqliteWorker:
         """Run `job` now on the inline connection (busy timeout 0), under `_lock`, unless another
         connection holds the write lock (False: the worker's connection waits for it)."""
         raw, conn = self._raw, self._conn
-        assert raw is not None and conn is not None
+        if raw is None or conn is None:  # the worker thread has stopped
+            return False
         try:
             raw.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError:  # busy (another process or engine writes), or worse: the worker's turn

@@ -248,7 +248,12 @@ class RedisEventLog:
         retry_s: how long a write or a follower keeps retrying Redis before giving up.
         block_ms: how long one `XREAD BLOCK` waits before checking whether the run ended.
         open_wait_s: how long a follower waits for a run that has no stream nor archive yet.
+
+    `durable`: a stored event outlives this process (the crash reaper reads it back), so a
+    run's events are archived after its end is published.
     """
+
+    durable = True
 
     def __init__(self, redis: Any, prefix: str, max_len: int, ttl_s: float, archive_loader: ArchiveLoader,
                  retry_s: float = 30.0, block_ms: int = 2000, open_wait_s: float = 10.0) -> None:

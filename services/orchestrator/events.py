@@ -74,7 +74,10 @@ class EventLog(Protocol):
     everything published so far is stored. Any process can `follow` any run and publish
     after a run ended with `append_after_end` (cancel of a paused run, run_resumed, the
     crash reaper). Events are numbered from 0 in publication order (`Event.seq`).
+    `durable` says whether published events outlive this process before they are archived.
     """
+
+    durable: bool
 
     def open(self, run_id: str) -> None:
         """Start the (empty) log of a new run owned by this process."""
@@ -117,7 +120,11 @@ class MemoryEventLog:
     `append` numbers events from 0 (`Event.seq`). `follow(run_id, after)` yields the
     events with seq >= after, then new ones as they come, and returns after a terminal
     event or when the run is closed. Ended runs are kept up to `max_runs` (oldest evicted).
+    Not `durable`: the events die with the process (the runner archives a run's stream with
+    its end, in one transaction, before it publishes the end).
     """
+
+    durable = False
 
     def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000) -> None:
         self._runs: dict[str, _RunLog] = {}

@@ -27,7 +27,7 @@ from loopline.assistant.v1 import events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import logging as loopline_logging
-from services.common import pb
+from services.common import db, pb
 from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.events import EventLog
@@ -258,9 +258,26 @@ class TurnRunner:
             self.active.pop(spec.run_id, None)
 
     def _publish(self, run_id: str, **payload: Any) -> events_pb2.Event:
-        ns = time.time_ns()
-        event = events_pb2.Event(run_id=run_id, time=timestamp_pb2.Timestamp(seconds=ns // 1_000_000_000, nanos=ns % 1_000_000_000), **payload)
-        return self.events.append(event)
+        return self.events.append(_event(run_id, **payload))
+
+    def _stream_to_archive(self, run_id: str, ending: list[events_pb2.Event]) -> list[tuple[int, bytes]]:
+        """The archive rows of the run's stream with `ending` (its terminal events, not published
+        yet, numbered here as the log will number them), for an event log that dies with this
+        process (memory): stored with the run's end in one transaction before the end is
+        published, so a crash right after a listener got `done` cannot leave an ended run with
+        no stream (fresh-eyes test). Empty for a durable log (archived after the end)."""
+        if self.events.durable:
+            return []
+        published = self.events.snapshot(run_id)
+        for index, event in enumerate(ending, start=len(published)):
+            event.seq = index
+        return [(event.seq, event.SerializeToString()) for event in (*published, *ending)]
+
+    def _end_stream(self, run_id: str, ending: list[events_pb2.Event]) -> None:
+        """Publish the run's terminal events and close its stream (after its end is stored)."""
+        for event in ending:
+            self.events.append(event)
+        self.events.close(run_id)
 
     async def tool_definitions(self) -> list[dict[str, Any]]:
         """The assistant profile's tools: the tools service's five plus the five HITL tools (cached 60 s).
@@ -606,43 +623,51 @@ class TurnRunner:
             interrupt = outcome.interrupt or {}
             self._add_row(spec, totals, "marker", None,
                           {"type": "interrupted", "request_id": interrupt.get("request_id"), "kind": interrupt.get("kind")})
+        run_id = spec.run_id
+        if outcome.kind == "completed":
+            ending = [_event(run_id, done=events_pb2.DoneEvent(response=outcome.response, tool_calls=totals.tool_calls, usage=usage))]
+        elif outcome.kind == "failed":
+            ending = [_event(run_id, error=events_pb2.ErrorEvent(message=outcome.message)),
+                      _event(run_id, done=events_pb2.DoneEvent(response="", tool_calls=totals.tool_calls, usage=usage, error=True))]
+        elif outcome.kind == "cancelled":
+            ending = [_event(run_id, cancelled=events_pb2.CancelledEvent(reason=outcome.reason))]
+        else:
+            interrupt = outcome.interrupt or {}
+            # clip: the question holds parts of the model's input (e.g. a placeholder) and tool output
+            ending = [_event(run_id, user_input_request=events_pb2.UserInputRequestEvent(request=pb.to_struct(interrupt, clip=True))),
+                      _event(run_id, interrupted=events_pb2.InterruptedEvent(request_id=interrupt["request_id"], kind=interrupt["kind"]))]
+        archived = self._stream_to_archive(run_id, ending)
         await self.store.finish(RunEnd(
             run_id=spec.run_id, chat_id=spec.chat_id, status=outcome.kind, error=outcome.message or None,
             usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
                    "total_tokens": usage.total_tokens, "llm_calls": usage.llm_calls},
-            rows=totals.unsaved, interrupt=totals.interrupt if outcome.kind == "interrupted" else None,
+            rows=totals.unsaved, interrupt=totals.interrupt if outcome.kind == "interrupted" else None, events=archived,
         ))
         totals.unsaved = []
-        run_id = spec.run_id
-        if outcome.kind == "completed":
-            self._publish(run_id, done=events_pb2.DoneEvent(response=outcome.response, tool_calls=totals.tool_calls, usage=usage))
-        elif outcome.kind == "failed":
-            self._publish(run_id, error=events_pb2.ErrorEvent(message=outcome.message))
-            self._publish(run_id, done=events_pb2.DoneEvent(response="", tool_calls=totals.tool_calls, usage=usage, error=True))
-        elif outcome.kind == "cancelled":
-            self._publish(run_id, cancelled=events_pb2.CancelledEvent(reason=outcome.reason))
-        else:
-            interrupt = outcome.interrupt or {}
-            # clip: the question holds parts of the model's input (e.g. a placeholder) and tool output
-            self._publish(run_id, user_input_request=events_pb2.UserInputRequestEvent(request=pb.to_struct(interrupt, clip=True)))
-            self._publish(run_id, interrupted=events_pb2.InterruptedEvent(request_id=interrupt["request_id"], kind=interrupt["kind"]))
-        self.events.close(run_id)
-        await self.archive(run_id)
+        self._end_stream(run_id, ending)
+        if not archived:
+            await self.archive(run_id)
         log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
 
     async def _finish_minimal(self, spec: RunSpec, outcome: Outcome) -> None:
         """The last resort when `_finish` itself failed: mark the run failed, free the chat, and end
         its stream with `error` then `done` (error: true, zero usage) so that nothing stays stuck."""
+        run_id = spec.run_id
+        ending = [_event(run_id, error=events_pb2.ErrorEvent(message=outcome.message)),
+                  _event(run_id, done=events_pb2.DoneEvent(response="", usage=events_pb2.Usage(), error=True))]
+        self.events.reopen(run_id)
+        archived = self._stream_to_archive(run_id, ending)
         async with self.sessions() as session, session.begin():
-            await session.execute(update(Run).where(Run.id == spec.run_id).values(status="failed", error=outcome.message, updated_at=utcnow()))
+            await session.execute(update(Run).where(Run.id == run_id).values(status="failed", error=outcome.message, updated_at=utcnow()))
             await session.execute(
-                update(Chat).where(Chat.id == spec.chat_id, Chat.running_id == spec.run_id).values(running_id=None, updated_at=utcnow())
+                update(Chat).where(Chat.id == spec.chat_id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
             )
-        self.events.reopen(spec.run_id)
-        self._publish(spec.run_id, error=events_pb2.ErrorEvent(message=outcome.message))
-        self._publish(spec.run_id, done=events_pb2.DoneEvent(response="", usage=events_pb2.Usage(), error=True))
-        self.events.close(spec.run_id)
-        await self.archive(spec.run_id)
+            if archived:
+                await session.execute(db.insert_ignoring(self.store.txn.dialect, RunEvent.__table__, ("run_id", "seq")),
+                                      [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in archived])
+        self._end_stream(run_id, ending)
+        if not archived:
+            await self.archive(run_id)
 
     async def archive(self, run_id: str) -> None:
         """Write the run's events to `run_events` (one transaction; existing rows kept).
@@ -661,6 +686,12 @@ class TurnRunner:
     async def load_archive(self, run_id: str) -> list[events_pb2.Event]:
         """The archived events of a run, in order (empty when none)."""
         return await load_archive(self.sessions, run_id)
+
+
+def _event(run_id: str, **payload: Any) -> events_pb2.Event:
+    """A run event of `payload` (one member of the Event oneof) stamped with the current time."""
+    ns = time.time_ns()
+    return events_pb2.Event(run_id=run_id, time=timestamp_pb2.Timestamp(seconds=ns // 1_000_000_000, nanos=ns % 1_000_000_000), **payload)
 
 
 async def load_archive(sessions: Any, run_id: str) -> list[events_pb2.Event]:

@@ -65,6 +65,7 @@ class RunSupervisor:
         self.period_s = self.lease_s / 4
         self.reap_period_s = self.lease_s / 6
         self._task: asyncio.Task | None = None
+        self._releases: set[asyncio.Task] = set()  # reservations of orphans being released (`reap_orphans`)
 
     def start(self) -> None:
         """Start the background task (idempotent)."""
@@ -72,12 +73,14 @@ class RunSupervisor:
             self._task = asyncio.create_task(self._main(), name="run-supervisor")
 
     async def stop(self) -> None:
-        """Stop the background task."""
+        """Stop the background task; wait for the releases of `reap_orphans` under way (each bounded)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
 
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
@@ -143,17 +146,33 @@ class RunSupervisor:
                 reaped.append(run_id)
         return reaped
 
-    async def take_over(self, run_id: str, status: str, *, reason: str = "", now: datetime.datetime | None = None) -> bool:
+    async def reap_orphans(self) -> list[str]:
+        """At the start of an orchestrator on the embedded backend (one process, run events in its
+        memory), fail every run still `running` at once: a previous process left it (a crash; a
+        stop ends its runs) and its events died with it. Waiting for its lease to lapse (up to
+        `run_lease_s`) gave a listener an empty stream at once and the chat 409 meanwhile
+        (fresh-eyes test). Their reservations are released in the background, so a billing
+        service that is down does not hold up the start. Returns the runs' ids."""
+        async with self.sessions() as session:
+            orphans = list((await session.execute(select(Run.id).where(Run.status == "running"))).scalars())
+        reaped = [run_id for run_id in orphans if await self.take_over(run_id, "failed", orphaned=True)]
+        if reaped:
+            log.warning("runs left running by a previous process ended", extra={"fields": {"count": len(reaped)}})
+        return reaped
+
+    async def take_over(self, run_id: str, status: str, *, reason: str = "", now: datetime.datetime | None = None,
+                        orphaned: bool = False) -> bool:
         """End a run whose owner is gone, as `failed` (crash) or `cancelled` (cancel of a lost run).
 
-        Exactly one replica wins (conditional UPDATE on the lapsed lease); the winner settles
-        the thread, the chat, the events and the reservation. Returns whether this call won.
+        Exactly one replica wins (conditional UPDATE on the lapsed lease; with `orphaned`, on the
+        run being `running`: `reap_orphans`); the winner settles the thread, the chat, the events
+        and the reservation. Returns whether this call won.
         """
         now = now or utcnow()
         error = LOST_MESSAGE if status == "failed" else None
         async with self.sessions() as session, session.begin():
             won = await session.execute(
-                update(Run).where(Run.id == run_id, self._lapsed(now))
+                update(Run).where(Run.id == run_id, Run.status == "running" if orphaned else self._lapsed(now))
                 .values(status=status, error=error, updated_at=utcnow(), lease_until=None)
             )
             if won.rowcount != 1:
@@ -181,7 +200,14 @@ class RunSupervisor:
         except Exception:
             log.exception("publishing the end of a lost run failed")
         if reservation_id:
-            await release_or_store(self.billing, self.runner.redelivery, reservation_id, "run lost", "releasing a lost run's reservation failed")
+            release = release_or_store(self.billing, self.runner.redelivery, reservation_id, "run lost",
+                                       "releasing a lost run's reservation failed")
+            if orphaned:  # at start: not waiting for billing (release_or_store stores it when billing is down)
+                task = asyncio.get_running_loop().create_task(release, name="release-orphan")
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+            else:
+                await release
         return True
 
     async def _tool_calls_of(self, run_id: str, status: str) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:

@@ -58,6 +58,8 @@ class OrchestratorServer:
         self.servicer.backend = self.backend
         self.servicer.supervisor = self.supervisor
         self.servicer.secret_resolver = tools_secret_resolver(tools)
+        if not self.backend.distributed:  # the only orchestrator: runs left running are a dead process's, end them now
+            await self.supervisor.reap_orphans()
         self.supervisor.start()
         self.runner.redelivery.start()
         self._grpc = await start_grpc_server(

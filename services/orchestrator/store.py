@@ -76,6 +76,10 @@ class RunEnd:
         usage: {input_tokens, output_tokens, total_tokens, llm_calls} (runs.usage).
         rows: the run's thread messages not stored yet, in order.
         interrupt: the HITL audit row's values when the run paused on a question (outcome pending).
+        events: (seq, payload) of the run's whole event stream, its terminal events included, to
+            archive in the same transaction (an event log that dies with the process: the run's
+            end and its stream are stored together, before the end is published); empty when
+            the events are archived after the end (Redis Streams keep them meanwhile).
     """
 
     run_id: str
@@ -85,6 +89,7 @@ class RunEnd:
     usage: dict[str, int]
     rows: list[ThreadRow]
     interrupt: dict[str, Any] | None = None
+    events: list[tuple[int, bytes]] = field(default_factory=list)
 
 
 class ClaimLost(Exception):
@@ -167,6 +172,8 @@ def _finish(conn: Connection, end: RunEnd) -> None:
         conn.execute(_INSERT_INTERRUPT, end.interrupt)
     _store_rows(conn, end.rows)
     conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error, "b_usage": end.usage})
+    if end.events:
+        TurnStore._archive_rows(conn, end.run_id, end.events)
     if end.status == "interrupted":
         conn.execute(_TOUCH_CHAT, {"b_chat_id": end.chat_id, "b_now": now})
         return
@@ -222,10 +229,10 @@ class TurnStore:
     async def finish(self, end: RunEnd) -> None:
         """One transaction at a run's end: its interrupt row (a pause), its unsaved thread messages,
         its status/error/usage, and the chat (`running_id` cleared, or only touched when paused; a
-        cancel also flips a pending audit row to `cancelled`)."""
+        cancel also flips a pending audit row to `cancelled`), and `end.events` into the archive."""
         if self.pg is not None:
             return await self.pg.finish(end)
-        await self.txn.run(_finish, end, inline=len(end.rows) <= INLINE_ROWS)
+        await self.txn.run(_finish, end, inline=len(end.rows) + len(end.events) <= INLINE_ROWS)
 
     async def turn_guard(self, chat_id: str) -> Any:
         """(organization_id, kind, deleted_at, running_id, pending_id) of the chat, pending_id being
@@ -369,7 +376,7 @@ class PgTurnStatements(PgPool):
         await pool.execute(sql, *params)
 
     async def finish(self, end: RunEnd) -> None:
-        """`TurnStore.finish` as one statement: [interrupt INSERT,] messages INSERT, run UPDATE,
+        """`TurnStore.finish` as one statement: [interrupt INSERT,] messages INSERT, [run_events INSERT,] run UPDATE,
         [pending interrupts -> cancelled,] and the chat UPDATE (freed, or only touched when paused)."""
         now = utcnow()
         params: list[Any] = [end.run_id, end.chat_id, now]
@@ -379,6 +386,10 @@ class PgTurnStatements(PgPool):
             parts.append(f"i AS (INSERT INTO interrupts ({i_cols}) VALUES ({i_vals}))")
         if end.rows:
             parts.append(f"m AS ({self._messages(end.rows, params)})")
+        if end.events:
+            params += [[seq for seq, _ in end.events], [payload for _, payload in end.events]]
+            parts.append(f"e AS (INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest(${len(params) - 1}::bigint[], "
+                         f"${len(params)}::bytea[]) AS t(s, p) ON CONFLICT (run_id, seq) DO NOTHING)")
         params += [end.status, end.error, json.dumps(end.usage)]
         n = len(params)
         parts.append(f"r AS (UPDATE runs SET status = ${n - 2}, updated_at = $3, error = ${n - 1}, usage = ${n}::json WHERE id = $1)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from services.billing.config import BillingSettings
 from services.billing.server import BillingServer
 from services.gateway.server import GatewayServer
@@ -50,3 +52,62 @@ async def test_pending_question_and_finished_runs_survive_a_restart_of_every_ser
         assert resumed.status_code == 200, resumed.text
         rest = await read_frames(client, resumed.json()["stream_url"])
     assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "resumed after restart"
+
+
+async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_published(stack, monkeypatch):
+    """Fresh-eyes test (embedded backend): `kill -9` of the orchestrator within ~100 ms after a
+    listener got `done` (or `interrupted`) lost the run's whole stream for good — the events were
+    archived after the end was published, and a restart found a completed run with none. Now the
+    stream is written in the transaction that ends the run; here the process 'dies' before any
+    later archive (TurnRunner.archive does nothing) and a restart still replays every frame."""
+    if stack.orchestrator.runner.events.durable:
+        import pytest
+
+        pytest.skip("Redis Streams keep the events until they are archived (the crash reaper reads them)")
+
+    async def died_before_archiving(run_id: str) -> None:
+        return None
+
+    monkeypatch.setattr(stack.orchestrator.runner, "archive", died_before_archiving)
+    async with stack.client() as client:
+        done_body, done_frames = await run_turn(client, {"say": "checking", "tool": "get_available_integrations", "input": {}}, {"say": "ok"})
+        paused_body, paused_frames = await run_turn(client, {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}}, {"say": "later"})
+    assert done_frames[-1]["type"] == "done" and paused_frames[-1]["type"] == "interrupted"
+    await _restart_all(stack)  # the memory event log is gone: only what was stored remains
+    async with stack.client() as client:
+        assert await read_frames(client, done_body["stream_url"]) == done_frames
+        assert await read_frames(client, paused_body["stream_url"]) == paused_frames
+
+
+async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one_starts_again(stack, monkeypatch):
+    """Fresh-eyes test (embedded backend): after a crash, listening to a run the dead process left
+    running gave an empty 200 stream at once and the chat 409, until the reaper's lease ran out
+    (up to 30 s). Now the restarted orchestrator ends such runs before it serves: the listener
+    gets `error` and `done {error: true}` and the chat takes a new turn."""
+    if stack.orchestrator.backend.distributed:
+        import pytest
+
+        pytest.skip("replicas share Redis: another replica may run it, so the lease decides")
+    async with stack.client() as client:
+        started = await client.post("/assistant/chat", json={"message": '{"script": [{"say": "slow", "sleep_ms": 60000}]}'})
+        assert started.status_code == 200, started.text
+        body = started.json()
+    runner = stack.orchestrator.runner
+    for _ in range(200):
+        if body["run_id"] in runner.active:
+            break
+        await asyncio.sleep(0.01)
+    # the process "dies": stopping it records nothing of the run (as kill -9), whose lease is far from lapsing
+    async def records_nothing(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(runner, "_finish", records_nothing)
+    monkeypatch.setattr(runner, "_finish_minimal", records_nothing)
+    await _restart_all(stack)
+    async with stack.client() as client:
+        frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
+        assert [f["type"] for f in frames] == ["error", "done"] and frames[-1]["data"]["error"] is True
+        status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+        assert status["is_running"] is False
+        again = await client.post("/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]})
+        assert again.status_code == 200, again.text

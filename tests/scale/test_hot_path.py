@@ -256,12 +256,15 @@ async def test_postgres_turn_store_keeps_the_rules_of_each_transaction(pg_store)
     guard = await store.turn_guard(chat_id)
     assert guard.running_id == third_run["id"] and guard.pending_id == interrupt["id"]
     await store.finish(RunEnd(run_id=third_run["id"], chat_id=chat_id, status="cancelled", error=None,
-                              usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "llm_calls": 1}, rows=[]))
+                              usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "llm_calls": 1}, rows=[],
+                              events=[(0, b"e0"), (1, b"e1")]))  # the memory event log's stream, stored with the end
     async with sessions() as session:
         audit = await session.get(Interrupt, interrupt["id"])
         stored_chat = await session.get(Chat, chat_id)
+        ended = (await session.execute(select(RunEvent.seq, RunEvent.payload).where(RunEvent.run_id == third_run["id"]).order_by(RunEvent.seq))).all()
     assert audit.outcome == "cancelled" and audit.request == {"kind": "question", "text": "?"}
     assert stored_chat.running_id is None
+    assert [(seq, bytes(payload)) for seq, payload in ended] == [(0, b"e0"), (1, b"e1")]
 
     # archive: one statement, rows already stored are kept
     await store.archive(run["id"], [(0, b"a"), (1, b"b")])

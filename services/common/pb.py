@@ -33,6 +33,7 @@ import json
 import math
 from typing import Any
 
+import orjson
 from google.protobuf import json_format, struct_pb2, timestamp_pb2
 
 PROTOBUF_MAX_DEPTH = 100  # upb's decode limit in Python protobuf (levels of messages nested in the decoded one)
@@ -107,6 +108,40 @@ def _json_text(data: Any) -> str:
         return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     except RecursionError:
         return CLIPPED_TOO_DEEP
+
+
+def json_bytes(data: Any, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> bytes:
+    """The compact JSON text (UTF-8, orjson) of a JSON value, for a `*_json` bytes field (a tool's
+    output: `ExecuteToolResponse.output_json`, `ToolResultEvent.output_json`).
+
+    The same depth rule as `to_value`: past `max_depth` JsonTooDeep, or with `clip=True` every
+    deeper object or array as its JSON text (`clipped`), so the text parses wherever it goes.
+    Object keys keep their order. Raises TypeError for a value JSON cannot hold (orjson writes
+    datetimes as RFC 3339 text and NaN or an infinity as null).
+    """
+    if isinstance(data, (dict, list, tuple)) and json_depth(data, max_depth) > max_depth:
+        if not clip:
+            raise JsonTooDeep(max_depth)
+        data = clipped(data, max_depth)
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError as error:  # a TypeError subclass: a value of another type, a non-str key
+        raise TypeError(str(error)) from None
+
+
+def output_json(message: Any) -> bytes:
+    """A tool output's JSON text from a message with `output_json` and the older `output` Value
+    (ExecuteToolResponse, ToolResultEvent, ToolCallRecord): `output_json` when set, else the
+    Value's JSON (`null` when neither is)."""
+    if message.output_json:
+        return message.output_json
+    return orjson.dumps(from_value(message.output))
+
+
+def output_of(message: Any) -> Any:
+    """The tool output of `message` as a JSON value (`output_json` parsed; see `output_json`).
+    Raises orjson.JSONDecodeError (a ValueError) when its text is not JSON."""
+    return orjson.loads(output_json(message))
 
 
 def to_struct(data: dict[str, Any] | None, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> struct_pb2.Struct:

@@ -17,10 +17,16 @@ from services.common import pb
 HEARTBEAT_FRAME = b'data: {"type":"heartbeat"}\n\n'
 
 
-def _output(value: Any, outputs: dict[bytes, Any] | None) -> Any:
-    """`pb.from_value(value)`, memoized in `outputs` by the Value's deterministic wire bytes (equal
-    bytes, equal JSON value): a run's `done` frame repeats the outputs its `tool_result` frames
-    carried. An object's key order is that of the first conversion (a Struct has no key order of its own)."""
+def _output(message: Any, outputs: dict[bytes, Any] | None) -> Any:
+    """The `output` of a ToolResultEvent or ToolCallRecord for the frame: its `output_json` as it
+    is (an orjson.Fragment: written into the frame without being parsed or encoded again, keys
+    in the tool's order), or, for an event of an older version, `pb.from_value(output)`,
+    memoized in `outputs` by the Value's deterministic wire bytes (equal bytes, equal JSON
+    value): a run's `done` frame repeats the outputs its `tool_result` frames carried. Such an
+    object's key order is that of the first conversion (a Struct has no key order of its own)."""
+    if message.output_json:
+        return orjson.Fragment(message.output_json)
+    value = message.output
     if outputs is None:
         return pb.from_value(value)
     key = value.SerializeToString(deterministic=True)  # map keys sorted: equal content, equal bytes
@@ -31,7 +37,7 @@ def _output(value: Any, outputs: dict[bytes, Any] | None) -> Any:
 
 
 def _tool_calls(records: Any, outputs: dict[bytes, Any] | None) -> list[dict[str, Any]]:
-    return [{"tool": r.tool, "input": pb.from_struct(r.input), "output": _output(r.output, outputs)} for r in records]
+    return [{"tool": r.tool, "input": pb.from_struct(r.input), "output": _output(r, outputs)} for r in records]
 
 
 def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> dict[str, Any]:
@@ -48,7 +54,7 @@ def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> 
         data = {"tool": e.tool, "input": pb.from_struct(e.input), "tool_call_id": e.tool_call_id, "timestamp": pb.iso(event.time)}
     elif kind == "tool_result":
         e = event.tool_result
-        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": _output(e.output, outputs), "timestamp": pb.iso(event.time)}
+        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": _output(e, outputs), "timestamp": pb.iso(event.time)}
     elif kind == "metadata":
         e = event.metadata
         data = {"run_id": e.run_id, "thread_id": e.thread_id, "workflow_id": None, "workflow_type": e.workflow_type, "timestamp": pb.iso(event.time)}

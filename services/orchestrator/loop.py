@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import orjson
 from google.protobuf import struct_pb2, timestamp_pb2
 from sqlalchemy import select, update
 
@@ -116,10 +117,10 @@ def checked_call(call: ToolCallRequest) -> tuple[ToolCallRequest, struct_pb2.Str
         return dataclasses.replace(call, input=kept), pb.to_struct(kept), error
 
 
-def _failure(error: str) -> tuple[dict[str, Any], bool, struct_pb2.Value]:
-    """A failed tool call's result: ({"error": error, "success": False}, False, the same as a Value)."""
+def _failure(error: str) -> tuple[dict[str, Any], bool, bytes]:
+    """A failed tool call's result: ({"error": error, "success": False}, False, the same as JSON text)."""
     output = {"error": error, "success": False}
-    return output, False, pb.to_value(output)
+    return output, False, pb.json_bytes(output)
 
 
 @dataclass
@@ -371,7 +372,7 @@ class TurnRunner:
                 tool_call=events_pb2.ToolCallEvent(tool=call.name, input=input_struct, tool_call_id=call.id),
             )
             if invalid_input is not None:  # not run: its error result is observed like any failed call
-                output, ok, output_value = _failure(invalid_input)
+                output, ok, output_json = _failure(invalid_input)
             elif call.name in hitl.TOOL_KINDS:
                 interrupt, invalid = await self._ask(spec, totals, call)
                 if interrupt is not None:
@@ -379,16 +380,16 @@ class TurnRunner:
                     return Outcome("interrupted", interrupt=interrupt)
                 # the question was malformed: its error result is in the thread and counts as a failed tool call
                 totals.pending_call = None
-                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=pb.to_value(invalid)))
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output_json=pb.json_bytes(invalid)))
                 continue
             else:
-                output, ok, output_value = await self._execute(spec, totals, call, input_struct)
+                output, ok, output_json = await self._execute(spec, totals, call, input_struct)
             self._store_tool_result(spec, totals, call.id, call.name, output)
             totals.pending_call = None
-            totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output=output_value))
+            totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output_json=output_json))
             self._publish(
                 spec.run_id,
-                tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=output_value),
+                tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output_json=output_json),
             )
             consecutive_failures = 0 if ok else consecutive_failures + 1
             guidance: list[str] = []
@@ -460,11 +461,11 @@ class TurnRunner:
     async def _execute(self, spec: RunSpec, totals: _Totals, call: Any, input_struct: Any) -> tuple[Any, bool, Any]:
         """Run one non-HITL tool through the tools service.
 
-        Returns (output as JSON, succeeded, output as a protobuf Value): the tools service's
-        Value is passed on to the events as it came, not converted back and forth. A response
-        that cannot be decoded (grpc.aio then logs "Exception deserializing message!" and gives
-        None, e.g. a Struct nested past protobuf's 100-level decode limit: services/common/pb.py)
-        is the call's error result like any failed call, never a crashed run; its cost is unknown,
+        Returns (output as JSON, succeeded, output as JSON text): the tools service's JSON text
+        (`output_json`; an older server's `output` Value converted once) is passed on to the
+        events as it came, parsed once for the thread and the model. A response that cannot be
+        decoded (grpc.aio then logs "Exception deserializing message!" and gives None), or an
+        output that is not JSON, is the call's error result like any failed call, never a crashed run; its cost is unknown,
         so nothing is charged for it. A call the tools service fails (grpc.aio.AioRpcError: it did
         not answer within `tool_timeout_s`, is down, or failed inside) is the call's error result
         too (TOOLS_FAILED), so the model can answer without it; the run goes on.
@@ -485,7 +486,12 @@ class TurnRunner:
         if response.millicredits > 0:  # charged beside the run, which waits for it at its end (`_finish`)
             totals.pending_writes.append(asyncio.ensure_future(self._record_tool_usage(spec, call, response.millicredits)))
         if response.success:
-            return pb.from_value(response.output), True, response.output
+            raw = pb.output_json(response)  # the tools service's JSON text, passed on to the events as it came
+            try:
+                return orjson.loads(raw), True, raw
+            except orjson.JSONDecodeError:
+                log.warning("tool output is not JSON", extra={"fields": {"tool": call.name, "tool_call_id": call.id}})
+                return _failure(UNREADABLE_RESULT)
         return _failure(response.error or "the tool failed")
 
     async def _ask(self, spec: RunSpec, totals: _Totals, call: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -501,7 +507,7 @@ class TurnRunner:
         except ValueError as invalid:
             output = {"error": f"invalid question: {invalid}", "success": False}
             self._store_tool_result(spec, totals, call.id, call.name, output)
-            self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output=pb.to_value(output)))
+            self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output_json=pb.json_bytes(output)))
             return None, output
         now = utcnow()
         totals.interrupt = {
@@ -527,7 +533,10 @@ class TurnRunner:
             return None
         if not isinstance(response, tools_pb2.ExecuteToolResponse):  # undecodable (grpc.aio gives None)
             return None
-        details = pb.from_value(response.output) if response.success else None
+        try:
+            details = pb.output_of(response) if response.success else None
+        except orjson.JSONDecodeError:
+            return None
         if not isinstance(details, dict):
             return None
         options = []
@@ -616,9 +625,11 @@ class TurnRunner:
             pending = totals.pending_call
             self._store_tool_result(spec, totals, pending["id"], pending["name"], cut_off_result(outcome.kind))
             if outcome.kind in ("failed", "cancelled"):  # its tool_call was streamed: its end is too (and done lists it)
-                output = pb.to_value(cut_off_result(outcome.kind))
-                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input=pb.to_struct(pending["input"], clip=True), output=output))
-                self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"], output=output))
+                output = pb.json_bytes(cut_off_result(outcome.kind))
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input=pb.to_struct(pending["input"], clip=True),
+                                                                   output_json=output))
+                self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"],
+                                                                                  output_json=output))
         if outcome.kind == "interrupted":
             interrupt = outcome.interrupt or {}
             self._add_row(spec, totals, "marker", None,

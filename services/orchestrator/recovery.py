@@ -228,14 +228,14 @@ class RunSupervisor:
                 calls.setdefault(event.tool_call.tool_call_id, event.tool_call)
             elif kind == "tool_result":
                 results.setdefault(event.tool_result.tool_call_id, event.tool_result)
-        error = pb.to_value(cut_off_result(status))
+        error = pb.json_bytes(cut_off_result(status))
         cut_off, records = [], []
         for call_id, call in calls.items():
             result = results.get(call_id)
             if result is None:
                 cut_off.append(events_pb2.Event(run_id=run_id, time=pb.timestamp(), tool_result=events_pb2.ToolResultEvent(
-                    tool=call.tool, tool_call_id=call_id, output=error)))
-            records.append(events_pb2.ToolCallRecord(tool=call.tool, input=call.input, output=result.output if result else error))
+                    tool=call.tool, tool_call_id=call_id, output_json=error)))
+            records.append(events_pb2.ToolCallRecord(tool=call.tool, input=call.input, output_json=pb.output_json(result) if result else error))
         return cut_off, records
 
     async def _close_open_tool_call(self, session: Any, run: Run, status: str) -> None:

@@ -162,15 +162,16 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def ExecuteTool(self, request: tools_pb2.ExecuteToolRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ExecuteToolResponse:
         """Run one tool call. A failing tool is success=false with `error`; a cancelled call cancels the tool.
 
-        The output is clipped to pb.MAX_JSON_DEPTH (services/common/pb.py): what a web page, an MCP
-        server or a database returns may nest deeper than protobuf decodes, so its deeper objects and
-        arrays arrive as their JSON text, and the response always decodes in the orchestrator.
+        The output goes as JSON text in `output_json` (pb.json_bytes: one encoding, keys in the
+        tool's order), clipped to pb.MAX_JSON_DEPTH (services/common/pb.py): what a web page, an
+        MCP server or a database returns may nest deeper than the next hops parse, so its deeper
+        objects and arrays arrive as their JSON text.
         """
         with bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id, tool_call_id=request.tool_call_id):
             result = await self.executor.execute(request.organization_id, request.tool, pb.from_struct(request.input))
         response = tools_pb2.ExecuteToolResponse(success=result.success, error=result.error, millicredits=result.millicredits)
         if result.success:
-            response.output.CopyFrom(pb.to_value(result.output, clip=True))
+            response.output_json = pb.json_bytes(result.output, clip=True)
         return response
 
     @rpc_errors

@@ -69,3 +69,19 @@ def test_done_frame_reuses_the_runs_converted_tool_outputs_and_renders_the_same_
     assert frame["data"]["tool_calls"][0]["output"] == output and frame["data"]["tool_calls"][1]["output"] == {"other": True}
     assert frame["data"]["tool_calls"][0]["output"] is sse.render(result, outputs)["data"]["output"]  # converted once
     assert len(outputs) == 2
+
+
+def test_a_tool_output_as_json_text_goes_into_the_frames_byte_for_byte() -> None:
+    """`output_json` (the tools service's JSON text) is written into the tool_result and done
+    frames as it is: not parsed, not encoded again, keys in the tool's own order."""
+    raw = b'{"zeta":1,"alpha":[1.5,null,"\xc3\xa9"],"count":2}'
+    result = events_pb2.Event(seq=3, run_id="run", time=timestamp_pb2.Timestamp(seconds=1_780_000_000),
+                              tool_result=events_pb2.ToolResultEvent(tool="t", tool_call_id="c", output_json=raw))
+    done = events_pb2.Event(seq=4, run_id="run", done=events_pb2.DoneEvent(response="ok"))
+    done.done.tool_calls.add(tool="t", input=pb.to_struct({"q": 1}), output_json=raw)
+    outputs: dict[bytes, object] = {}
+    frame = sse.encode(result, outputs)
+    assert b'"output":' + raw + b',"timestamp"' in frame
+    assert b'"output":' + raw + b'}]' in sse.encode(done, outputs)
+    assert orjson.loads(frame[6:])["data"]["output"] == {"zeta": 1, "alpha": [1.5, None, "é"], "count": 2}
+    assert outputs == {}  # nothing to convert

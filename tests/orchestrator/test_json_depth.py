@@ -14,6 +14,7 @@ import types as pytypes
 import uuid
 from typing import Any
 
+from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.orchestrator.loop import UNREADABLE_RESULT
 from services.orchestrator.models import Message, utcnow
@@ -99,11 +100,19 @@ async def test_a_chat_stored_with_too_deep_json_before_the_rule_reads_clipped(st
 async def test_an_execute_tool_response_that_cannot_be_decoded_is_the_calls_error_result(stack, monkeypatch):
     import services.tools.server as tools_server
 
-    # A tools service that does not clip (an older one, say) answers a Value 60 levels deep: the
-    # orchestrator's grpc.aio cannot decode it, logs "Exception deserializing message!", gets None.
-    unclipped = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
-    unclipped.to_value = lambda data, **_: pb.to_value({"output": data, "deep": deep(60)}, max_depth=1000)
-    monkeypatch.setattr(tools_server, "pb", unclipped)
+    # An older tools service (outputs as a protobuf Value) that does not clip answers a Value 60
+    # levels deep: the orchestrator's grpc.aio cannot decode it, logs "Exception deserializing
+    # message!", gets None.
+    older = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
+    older.json_bytes = lambda data, **_: b""  # no output_json: the reader takes `output`
+
+    def older_response(**fields: Any) -> tools_pb2.ExecuteToolResponse:
+        response = tools_pb2.ExecuteToolResponse(**fields)
+        response.output.CopyFrom(pb.to_value({"deep": deep(60)}, max_depth=1000))
+        return response
+
+    monkeypatch.setattr(tools_server, "pb", older)
+    monkeypatch.setattr(tools_server, "tools_pb2", pytypes.SimpleNamespace(ExecuteToolResponse=older_response))
     tool_input = {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}
     async with stack.client() as client:
         body, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
@@ -142,3 +151,39 @@ async def run_turn_message(client, message: str) -> tuple[dict[str, Any], list[d
 
     body = await start(client, message=message)
     return body, await read_frames(client, body["stream_url"])
+
+
+async def test_a_tool_output_that_is_not_json_is_the_calls_error_result(stack, monkeypatch):
+    import services.tools.server as tools_server
+
+    broken = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
+    broken.json_bytes = lambda data, **_: b"{not json"
+    monkeypatch.setattr(tools_server, "pb", broken)
+    tool_input = {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
+    assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "done"], frames
+    assert frames[2]["data"]["output"] == {"error": UNREADABLE_RESULT, "success": False}
+    assert frames[-1]["data"]["tool_calls"][0]["output"] == {"error": UNREADABLE_RESULT, "success": False}
+
+
+async def test_an_older_tools_services_output_value_is_read_and_streamed_like_json_text(stack, monkeypatch):
+    """A tools service of the version before `output_json` answers with the `output` Value only:
+    the orchestrator converts it once and the frames carry the same JSON (rolling upgrades)."""
+    import services.tools.server as tools_server
+
+    older = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
+    older.json_bytes = lambda data, **_: b""
+
+    def older_response(**fields: Any) -> tools_pb2.ExecuteToolResponse:
+        response = tools_pb2.ExecuteToolResponse(**fields)
+        response.output.CopyFrom(pb.to_value({"echoed": {"message": "hi"}, "n": 2}))
+        return response
+
+    monkeypatch.setattr(tools_server, "pb", older)
+    monkeypatch.setattr(tools_server, "tools_pb2", pytypes.SimpleNamespace(ExecuteToolResponse=older_response))
+    tool_input = {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}
+    async with stack.client() as client:
+        _, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
+    assert frames[2]["data"]["output"] == {"echoed": {"message": "hi"}, "n": 2}
+    assert frames[-1]["data"]["tool_calls"][0]["output"] == {"echoed": {"message": "hi"}, "n": 2}

@@ -51,12 +51,12 @@ class ToolsClient:
         response = await self.tool(tool, tool_input, org)
         assert response.success, response.error
         assert response.error == ""
-        return pb.from_value(response.output)
+        return pb.output_of(response)
 
     async def failed(self, tool: str, tool_input: dict[str, Any], org: str = ORG) -> str:
         """ExecuteTool that must fail as a result (not an RPC error); returns the error text."""
         response = await self.tool(tool, tool_input, org)
-        assert not response.success, pb.from_value(response.output)
+        assert not response.success, pb.output_of(response)
         assert response.error
         assert response.millicredits == 0
         return response.error

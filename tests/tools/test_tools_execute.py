@@ -50,9 +50,11 @@ async def test_credential_less_action_succeeds_and_reports_its_cost(tools):
     )
     assert response.success
     assert response.millicredits == 0
+    # the output travels as JSON text in the tool's key order, not as a protobuf Value tree
+    assert not response.HasField("output") and response.output_json.startswith(b'{"integration":"loopline","action":"echo"')
     from services.common import pb
 
-    assert pb.from_value(response.output) == {
+    assert pb.output_of(response) == {
         "integration": "loopline",
         "action": "echo",
         "credential_id": None,
@@ -102,7 +104,7 @@ async def test_http_to_loopback_works_when_the_operator_allows_private_networks(
     assert response.millicredits == 200
     from services.common import pb
 
-    result = pb.from_value(response.output)["result"]
+    result = pb.output_of(response)["result"]
     assert result["status_code"] == 200
     assert result["json"] == {"hello": "world", "authorization": None, "path": "/json?q=1"}
 

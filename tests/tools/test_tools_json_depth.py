@@ -42,7 +42,7 @@ async def test_http_json_nested_too_deep_arrives_with_its_deep_part_as_json_text
     )
     assert isinstance(response, tools_pb2.ExecuteToolResponse), "the response could not be decoded"
     assert response.success, response.error
-    output = pb.from_value(response.output)
+    output = pb.output_of(response)
     assert pb.json_depth(output) == pb.MAX_JSON_DEPTH
     page = output["result"]["json"]  # output -> result -> json: 2 levels above the page
     kept = pb.MAX_JSON_DEPTH - 2

@@ -48,7 +48,7 @@ async def test_search_knowledge_ranks_the_matching_chunk_first(tools):
     assert response.millicredits == 100
     from services.common import pb
 
-    output = pb.from_value(response.output)
+    output = pb.output_of(response)
     assert output["query"] == "how do I get a refund?"
     assert output["count"] == len(output["results"]) >= 1
     best = output["results"][0]

@@ -50,7 +50,7 @@ async def test_run_query_returns_columns_rows_and_costs_the_action_price(pg_tool
     )
     assert response.success, response.error
     assert response.millicredits == 500
-    result = pb.from_value(response.output)["result"]
+    result = pb.output_of(response)["result"]
     assert result["columns"] == [{"name": "id", "type": "int4"}, {"name": "name", "type": "text"}, {"name": "price", "type": "numeric"}]
     assert result["rows"] == [[2, "banana", "0.25"], [3, "cherry", "12.00"]]
     assert result["row_count"] == 2 and result["rows_truncated"] is False

@@ -71,14 +71,16 @@ class ToolCallEvent(_message.Message):
     def __init__(self, tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ToolResultEvent(_message.Message):
-    __slots__ = ("tool", "tool_call_id", "output")
+    __slots__ = ("tool", "tool_call_id", "output", "output_json")
     TOOL_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     tool: str
     tool_call_id: str
     output: _struct_pb2.Value
-    def __init__(self, tool: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ...) -> None: ...
+    output_json: bytes
+    def __init__(self, tool: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., output_json: _Optional[bytes] = ...) -> None: ...
 
 class GuidanceEvent(_message.Message):
     __slots__ = ("message", "consecutive_failures", "total_llm_calls")
@@ -111,14 +113,16 @@ class RunResumedEvent(_message.Message):
     def __init__(self, new_run_id: _Optional[str] = ...) -> None: ...
 
 class ToolCallRecord(_message.Message):
-    __slots__ = ("tool", "input", "output")
+    __slots__ = ("tool", "input", "output", "output_json")
     TOOL_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     tool: str
     input: _struct_pb2.Struct
     output: _struct_pb2.Value
-    def __init__(self, tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ...) -> None: ...
+    output_json: bytes
+    def __init__(self, tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., output_json: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("input_tokens", "output_tokens", "total_tokens", "llm_calls")

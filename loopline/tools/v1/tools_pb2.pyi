@@ -49,16 +49,18 @@ class ExecuteToolRequest(_message.Message):
     def __init__(self, organization_id: _Optional[str] = ..., tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., run_id: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., chat_id: _Optional[str] = ...) -> None: ...
 
 class ExecuteToolResponse(_message.Message):
-    __slots__ = ("success", "output", "error", "millicredits")
+    __slots__ = ("success", "output", "error", "millicredits", "output_json")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MILLICREDITS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     success: bool
     output: _struct_pb2.Value
     error: str
     millicredits: int
-    def __init__(self, success: _Optional[bool] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[str] = ..., millicredits: _Optional[int] = ...) -> None: ...
+    output_json: bytes
+    def __init__(self, success: _Optional[bool] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[str] = ..., millicredits: _Optional[int] = ..., output_json: _Optional[bytes] = ...) -> None: ...
 
 class Credential(_message.Message):
     __slots__ = ("credential_id", "organization_id", "integration_name", "auth_type", "display_name", "is_default", "create_time", "update_time", "metadata", "auth_data_masked", "created_by_user_id")

@@ -126,3 +126,14 @@ def test_one_level_past_max_wire_depth_does_not_decode_at_the_deepest_place():
     response.events.add().done.tool_calls.append(record)
     with pytest.raises(DecodeError):
         _round_trip(response)
+
+
+def test_an_objects_keys_come_back_sorted_whatever_order_the_struct_was_built_in():
+    # fresh-eyes test: a frame replayed by another process listed a Struct's keys in another order
+    built = pb.to_struct({"zeta": 1, "alpha": {"y": [{"b": 1, "a": 2}], "x": None}, "mid": True})
+    reparsed = type(built).FromString(built.SerializeToString())
+    for struct in (built, reparsed):
+        data = pb.from_struct(struct)
+        assert list(data) == ["alpha", "mid", "zeta"] and list(data["alpha"]) == ["x", "y"]
+        assert list(data["alpha"]["y"][0]) == ["a", "b"]
+    assert list(pb.from_value(pb.to_value({"b": 1, "a": 2}))) == ["a", "b"]

@@ -201,19 +201,25 @@ def _check_fallback(data: Any, max_depth: int) -> None:
 
 
 def from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
-    """The JSON object in `struct` (integral numbers come back as int).
+    """The JSON object in `struct` (integral numbers come back as int), every object's keys sorted.
+
+    A Struct is a protobuf map: it keeps no key order, and the order it iterates in differs
+    between processes, so an SSE frame replayed by another process (a restart, another
+    gateway) listed an object's keys in another order than the live one (fresh-eyes test).
+    Sorted keys make every rendering of the same value the same bytes.
 
     The same result and errors as `json_format.MessageToDict` (ValueError for an infinite
     or NaN number) followed by the int rule, without the generic walk.
     """
     try:
-        return {key: _json_of(item) for key, item in struct.fields.items()}
+        return {key: _json_of(item) for key, item in sorted(struct.fields.items())}
     except _Unsupported:
         return _ints(json_format.MessageToDict(struct))
 
 
 def from_value(value: struct_pb2.Value) -> Any:
-    """The JSON value in `value` (None when unset; integral numbers come back as int)."""
+    """The JSON value in `value` (None when unset; integral numbers come back as int; object
+    keys sorted, see `from_struct`)."""
     if value.WhichOneof("kind") is None:
         return None
     try:
@@ -280,7 +286,7 @@ def _json_of(value: struct_pb2.Value) -> Any:
             raise _Unsupported
         return int(number) if number.is_integer() and abs(number) < 2**53 else number
     if kind == "struct_value":
-        return {key: _json_of(item) for key, item in value.struct_value.fields.items()}
+        return {key: _json_of(item) for key, item in sorted(value.struct_value.fields.items())}
     if kind == "list_value":
         return [_json_of(item) for item in value.list_value.values]
     if kind == "bool_value":

@@ -134,6 +134,8 @@ class Authenticator:
         key = authorization[7:].strip()
         if not key:
             raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
+        if organization_id:
+            organization_id = organization_id.strip(" \t")  # RFC 9110 §5.5: whitespace around a field value is not part of it
         if not organization_id:
             raise AuthError(400, "X-Organization-ID header is required")
         malformed = ids.org_id_error(organization_id)

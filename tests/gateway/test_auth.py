@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from services.gateway.identity import hash_key
@@ -76,3 +78,12 @@ async def test_an_organization_id_no_organization_can_have_is_400_on_every_route
                 assert "X-Organization-ID" in response.json()["detail"]
         ok = await client.get("/assistant/chats", headers=stack.headers(org_id="o" * 128))
         assert ok.status_code == 403  # well-formed, just not an organization the key's user is in
+    url = httpx.URL(stack.base_url)
+    for padded in (stack.org_id + " ", stack.org_id + "\t", " \t" + stack.org_id):  # RFC 9110: not part of the value
+        for path, expected in (("/assistant/chats", b" 200 "), ("/assistant/chat/x/listen/y", b" 404 ")):
+            reader, writer = await asyncio.open_connection(url.host, url.port)  # httpx refuses to send such a header
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_key}\r\n"
+                         f"X-Organization-ID: {padded}\r\nConnection: close\r\n\r\n".encode())
+            status = await reader.readline()
+            writer.close()
+            assert expected in status, (repr(padded), path, status)

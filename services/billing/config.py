@@ -28,7 +28,10 @@ class BillingSettings(CommonSettings):
             (LOOPLINE_BILLING_RATE_LIMIT_STORAGE_URL); empty selects `memory://`, or the
             shared Redis (`redis_url`) when LOOPLINE_REDIS_URL is set.
         billing_hold_seconds: seconds a reservation stays HELD before the sweeper expires
-            it (LOOPLINE_BILLING_HOLD_SECONDS, default 900).
+            it (LOOPLINE_BILLING_HOLD_SECONDS, default 120). A turn start charges its hold
+            within ~50 s at worst (Admit and Charge 10 s deadlines, SQLite's 30 s busy timeout
+            for the rows between them); a hold whose turn start died with its orchestrator
+            blocks its credit, and counts against the quota, until it expires (plus a sweep).
         billing_sweep_interval_s: seconds between sweeper passes while the server runs
             (LOOPLINE_BILLING_SWEEP_INTERVAL_S); 0 disables the background sweeper.
         billing_prices_path: TOML price table (millicredits per 1k tokens per provider/model).
@@ -41,7 +44,7 @@ class BillingSettings(CommonSettings):
     billing_database_url: str = ""
     auto_migrate: bool = True
     billing_rate_limit_storage_url: str = ""
-    billing_hold_seconds: int = 900
+    billing_hold_seconds: int = 120
     billing_sweep_interval_s: float = 30.0
     billing_prices_path: pathlib.Path = _HERE / "prices.toml"
     billing_plans_path: pathlib.Path = _HERE / "plans.toml"

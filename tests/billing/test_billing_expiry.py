@@ -56,3 +56,16 @@ async def test_background_sweeper_runs_while_the_server_runs(tmp_path, org):
             assert replay.reservation_id == held.reservation_id
     finally:
         await server.stop(0)
+
+
+def test_the_default_hold_outlives_the_slowest_turn_start_and_little_more():
+    """Fresh-eyes test: a turn start whose orchestrator was killed between Admit and Charge left
+    its hold for 15 minutes (the default was 900 s), blocking a credit and a quota slot. A turn
+    start charges within the Admit and Charge deadlines (10 s each) plus SQLite's busy timeout
+    (30 s) for its rows; the hold is 120 s."""
+    from services.billing.config import BillingSettings
+    from services.common.db import SQLITE_PRAGMAS
+
+    busy_s = next(int(p.split("=")[1]) for p in SQLITE_PRAGMAS if p.startswith("busy_timeout=")) / 1000
+    hold = BillingSettings().billing_hold_seconds
+    assert 10 + busy_s + 10 < hold <= 120

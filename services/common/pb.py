@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import re
 from typing import Any
 
 import orjson
@@ -110,14 +111,47 @@ def _json_text(data: Any) -> str:
         return CLIPPED_TOO_DEEP
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def scrub(data: Any) -> Any:
+    """`data` (a JSON value) with every lone UTF-16 surrogate in its strings and object keys
+    replaced by U+FFFD. JSON text may escape one (`"\\ud800"` is valid JSON) and json.loads
+    reads it into a str that no UTF-8 encoder takes, so protobuf, orjson and the databases
+    refuse it (a model's tool call with one failed the whole turn; fresh-eyes test). Returns a
+    string without one unchanged (cheap for ASCII), containers copied."""
+    if isinstance(data, str):
+        if data.isascii() or not _LONE_SURROGATE.search(data):
+            return data
+        return _LONE_SURROGATE.sub("\ufffd", data)
+    if isinstance(data, dict):
+        return {scrub(key): scrub(item) for key, item in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [scrub(item) for item in data]
+    return data
+
+
+def _finite(data: Any) -> Any:
+    """`data` with NaN and infinities as None (what orjson writes for them), for json.dumps."""
+    if isinstance(data, float) and (math.isnan(data) or math.isinf(data)):
+        return None
+    if isinstance(data, dict):
+        return {key: _finite(item) for key, item in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(item) for item in data]
+    return data
+
+
 def json_bytes(data: Any, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> bytes:
     """The compact JSON text (UTF-8, orjson) of a JSON value, for a `*_json` bytes field (a tool's
     output: `ExecuteToolResponse.output_json`, `ToolResultEvent.output_json`).
 
     The same depth rule as `to_value`: past `max_depth` JsonTooDeep, or with `clip=True` every
     deeper object or array as its JSON text (`clipped`), so the text parses wherever it goes.
-    Object keys keep their order. Raises TypeError for a value JSON cannot hold (orjson writes
-    datetimes as RFC 3339 text and NaN or an infinity as null).
+    Object keys keep their order. A lone surrogate becomes U+FFFD (`scrub`) and an integer past
+    64 bits is written exactly (json.dumps, which also writes a key that is not a string as
+    its text), as orjson takes neither. Raises TypeError for a value JSON cannot hold (orjson
+    writes datetimes as RFC 3339 text and NaN or an infinity as null).
     """
     if isinstance(data, (dict, list, tuple)) and json_depth(data, max_depth) > max_depth:
         if not clip:
@@ -125,8 +159,17 @@ def json_bytes(data: Any, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH
         data = clipped(data, max_depth)
     try:
         return orjson.dumps(data)
-    except orjson.JSONEncodeError as error:  # a TypeError subclass: a value of another type, a non-str key
-        raise TypeError(str(error)) from None
+    except orjson.JSONEncodeError as error:  # a TypeError subclass: a lone surrogate, an integer past 64 bits, another type
+        failure = str(error)
+    data = scrub(data)
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        pass
+    try:
+        return json.dumps(_finite(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError):
+        raise TypeError(failure) from None
 
 
 def output_json(message: Any) -> bytes:

@@ -117,6 +117,16 @@ def checked_call(call: ToolCallRequest) -> tuple[ToolCallRequest, struct_pb2.Str
         return dataclasses.replace(call, input=kept), pb.to_struct(kept), error
 
 
+def _scrubbed(reply: ModelReply) -> ModelReply:
+    """`reply` with every lone UTF-16 surrogate in its text and tool calls as U+FFFD (`pb.scrub`):
+    a model's JSON may escape one (`"\\ud800"`), and protobuf, orjson and the databases take no
+    such string (it failed the whole turn; fresh-eyes test)."""
+    reply.text = pb.scrub(reply.text)
+    reply.tool_calls = [dataclasses.replace(call, id=pb.scrub(call.id), name=pb.scrub(call.name), input=pb.scrub(call.input))
+                        for call in reply.tool_calls]
+    return reply
+
+
 def _failure(error: str) -> tuple[dict[str, Any], bool, bytes]:
     """A failed tool call's result: ({"error": error, "success": False}, False, the same as JSON text)."""
     output = {"error": error, "success": False}
@@ -328,10 +338,10 @@ class TurnRunner:
 
             async def on_text(chunk: str) -> None:
                 if chunk:
-                    self._publish(spec.run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=chunk))
+                    self._publish(spec.run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=pb.scrub(chunk)))
 
             totals.model_in_flight = True
-            reply: ModelReply = await spec.model.generate(messages, tools, on_text)
+            reply: ModelReply = _scrubbed(await spec.model.generate(messages, tools, on_text))
             totals.model_in_flight = False
             reply.usage = clamp_usage(reply.usage)
             call_index = totals.llm_calls
@@ -433,7 +443,7 @@ class TurnRunner:
         async def ignore(_: str) -> None:
             return None
 
-        reply = await spec.model.generate([*older, prompt], [], ignore)
+        reply = _scrubbed(await spec.model.generate([*older, prompt], [], ignore))
         reply.usage = clamp_usage(reply.usage)
         call_index = totals.llm_calls
         totals.llm_calls += 1

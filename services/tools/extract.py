@@ -16,6 +16,8 @@ import json
 import logging
 import pathlib
 
+from services.common import pb
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("txt", "md", "html", "csv", "json", "pdf")
@@ -123,7 +125,7 @@ def extract_text(data: bytes, kind: str) -> str:
         text = _pdf_text(data)
     else:
         raise UnsupportedFileType(f"Unsupported file type {kind!r}; supported: {', '.join(SUPPORTED_TYPES)}")
-    text = text.replace("\x00", "")
+    text = pb.scrub(text.replace("\x00", ""))  # a JSON file's "\ud800" escape: U+FFFD, not a str no database stores
     if not text.strip():
         raise ExtractionError("The file contains no text")
     return text

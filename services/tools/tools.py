@@ -20,6 +20,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
+from services.common import pb
 from services.tools.catalogue import ActionContext, ActionError, Catalogue, Integration
 from services.tools.config import ToolsSettings
 from services.tools.credentials import CredentialStore
@@ -152,7 +153,11 @@ def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:
     A cut result is a string: the first bytes of the JSON text (cut on a character
     boundary) followed by "…[output truncated: N bytes exceed the limit of M bytes ...]".
     """
-    encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate (a web page's "\ud800"): U+FFFD instead (pb.scrub)
+        result = pb.scrub(result)
+        encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
     if len(encoded) <= max_bytes:
         return result, False, len(encoded)
     marker = (

@@ -103,6 +103,17 @@ async def test_a_file_name_without_an_extension_is_read_as_txt_unless_its_media_
         assert found["total_matches"] >= 3
 
 
+async def test_a_json_upload_with_a_lone_surrogate_escape_is_indexed_not_a_500(stack):
+    # fresh-eyes test: {"a": "\ud800"} (valid JSON) was 500 (a str no database stores)
+    async with stack.client() as client:
+        kb = await _base(client)
+        response = await client.post(f"/knowledge-bases/{kb['id']}/documents",
+                                     files={"file": ("d.json", b'{"a": "lemur \\ud800 here"}', "application/json")})
+        assert response.status_code == 201, response.text
+        found = (await client.post(f"/knowledge-bases/{kb['id']}/search", json={"query": "lemur"})).json()
+        assert found["total_matches"] == 1 and "\ufffd" in found["matches"][0]["content"]
+
+
 async def test_unsupported_or_empty_uploads_are_refused(stack):
     async with stack.client() as client:
         kb = await _base(client)

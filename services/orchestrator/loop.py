@@ -480,8 +480,8 @@ class TurnRunner:
         not answer within `tool_timeout_s`, is down, or failed inside) is the call's error result
         too (TOOLS_FAILED), so the model can answer without it; the run goes on.
         """
-        request = tools_pb2.ExecuteToolRequest(
-            organization_id=spec.organization_id, tool=call.name, input=input_struct,
+        request = tools_pb2.ExecuteToolRequest(  # input_json: the model's numbers exact (a Struct holds doubles)
+            organization_id=spec.organization_id, tool=call.name, input=input_struct, input_json=pb.json_bytes(call.input),
             run_id=spec.run_id, tool_call_id=call.id, chat_id=spec.chat_id,
         )
         try:

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import grpc
+import orjson
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import db, pb
@@ -139,6 +140,19 @@ def _invalid(reason: str, message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
 
 
+def _tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
+    """The call's input: `input_json` as the model produced it (numbers exact) when it is set and
+    an object, else the `input` Struct (a client of an older version)."""
+    if request.input_json:
+        try:
+            data = orjson.loads(request.input_json)
+        except orjson.JSONDecodeError:
+            data = None
+        if isinstance(data, dict):
+            return data
+    return pb.from_struct(request.input)
+
+
 class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     """`loopline.tools.v1.ToolsService` over a ToolExecutor, a CredentialStore and a KnowledgeStore."""
 
@@ -168,7 +182,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         objects and arrays arrive as their JSON text.
         """
         with bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id, tool_call_id=request.tool_call_id):
-            result = await self.executor.execute(request.organization_id, request.tool, pb.from_struct(request.input))
+            result = await self.executor.execute(request.organization_id, request.tool, _tool_input(request))
         response = tools_pb2.ExecuteToolResponse(success=result.success, error=result.error, millicredits=result.millicredits)
         if result.success:
             response.output_json = pb.json_bytes(result.output, clip=True)

@@ -33,20 +33,22 @@ class ListToolsResponse(_message.Message):
     def __init__(self, tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ...) -> None: ...
 
 class ExecuteToolRequest(_message.Message):
-    __slots__ = ("organization_id", "tool", "input", "run_id", "tool_call_id", "chat_id")
+    __slots__ = ("organization_id", "tool", "input", "run_id", "tool_call_id", "chat_id", "input_json")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     tool: str
     input: _struct_pb2.Struct
     run_id: str
     tool_call_id: str
     chat_id: str
-    def __init__(self, organization_id: _Optional[str] = ..., tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., run_id: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., chat_id: _Optional[str] = ...) -> None: ...
+    input_json: bytes
+    def __init__(self, organization_id: _Optional[str] = ..., tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., run_id: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., input_json: _Optional[bytes] = ...) -> None: ...
 
 class ExecuteToolResponse(_message.Message):
     __slots__ = ("success", "output", "error", "millicredits", "output_json")

@@ -1,0 +1,38 @@
+"""A tool gets the model's numbers exactly (fresh-eyes test): the input travelled only as a
+protobuf Struct, which holds every number as a double, so an id past 2^53 reached the tool
+changed (9007199254740993 as 9007199254740992.0: a wrong id sent to an API) and 1.0 as 1.
+`ExecuteToolRequest.input_json` carries the model's JSON; the output comes back as JSON text."""
+
+from __future__ import annotations
+
+from loopline.tools.v1 import tools_pb2
+from services.common import pb
+from services.tools.server import _tool_input
+from tests.orchestrator.helpers import run_turn, types
+
+
+async def test_a_tool_gets_the_models_integers_past_2_53_and_floats_exactly(stack, monkeypatch):
+    executor = stack.tools.servicer.executor
+    received: list[dict] = []
+    original = executor.execute
+
+    async def recording(org_id, tool, args):  # noqa: ANN001, ANN202
+        received.append(args)
+        return await original(org_id, tool, args)
+
+    monkeypatch.setattr(executor, "execute", recording)
+    parameters = {"id": 9007199254740993, "u64": 18446744073709551615, "ratio": 1.0, "neg": -0.5}
+    tool_input = {"integration": "loopline", "action": "echo", "parameters": parameters}
+    async with stack.client() as client:
+        _, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
+    assert "done" in types(frames)
+    assert received[0]["parameters"] == parameters
+    assert isinstance(received[0]["parameters"]["id"], int) and isinstance(received[0]["parameters"]["ratio"], float)
+
+
+def test_a_server_takes_input_json_when_it_is_an_object_else_the_struct():
+    struct = pb.to_struct({"a": 1})
+    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b'{"a": 9007199254740993}')) == {"a": 9007199254740993}
+    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct)) == {"a": 1}  # a client of the older version
+    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b"[1]")) == {"a": 1}
+    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b"{nope")) == {"a": 1}

@@ -97,22 +97,28 @@ async def test_a_chat_stored_with_too_deep_json_before_the_rule_reads_clipped(st
         assert json.loads(text) == deep(60 - (pb.MAX_WIRE_DEPTH - 3))
 
 
+def _older_tools_service(monkeypatch: Any, tools_server: Any, output: Any) -> None:
+    """Make the tools service answer as the version before `output_json` did: every successful
+    call's output is `output` (a protobuf Value) and `output_json` is unset."""
+    older = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
+    older.json_bytes = lambda data, **_: b""  # no output_json: the reader takes `output`
+
+    def older_response(**fields: Any) -> tools_pb2.ExecuteToolResponse:
+        response = tools_pb2.ExecuteToolResponse(**fields)
+        response.output.CopyFrom(output)
+        return response
+
+    monkeypatch.setattr(tools_server, "pb", older)
+    monkeypatch.setattr(tools_server, "tools_pb2", pytypes.SimpleNamespace(ExecuteToolResponse=older_response))
+
+
 async def test_an_execute_tool_response_that_cannot_be_decoded_is_the_calls_error_result(stack, monkeypatch):
     import services.tools.server as tools_server
 
     # An older tools service (outputs as a protobuf Value) that does not clip answers a Value 60
     # levels deep: the orchestrator's grpc.aio cannot decode it, logs "Exception deserializing
     # message!", gets None.
-    older = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
-    older.json_bytes = lambda data, **_: b""  # no output_json: the reader takes `output`
-
-    def older_response(**fields: Any) -> tools_pb2.ExecuteToolResponse:
-        response = tools_pb2.ExecuteToolResponse(**fields)
-        response.output.CopyFrom(pb.to_value({"deep": deep(60)}, max_depth=1000))
-        return response
-
-    monkeypatch.setattr(tools_server, "pb", older)
-    monkeypatch.setattr(tools_server, "tools_pb2", pytypes.SimpleNamespace(ExecuteToolResponse=older_response))
+    _older_tools_service(monkeypatch, tools_server, pb.to_value({"deep": deep(60)}, max_depth=1000))
     tool_input = {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}
     async with stack.client() as client:
         body, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
@@ -172,16 +178,7 @@ async def test_an_older_tools_services_output_value_is_read_and_streamed_like_js
     the orchestrator converts it once and the frames carry the same JSON (rolling upgrades)."""
     import services.tools.server as tools_server
 
-    older = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
-    older.json_bytes = lambda data, **_: b""
-
-    def older_response(**fields: Any) -> tools_pb2.ExecuteToolResponse:
-        response = tools_pb2.ExecuteToolResponse(**fields)
-        response.output.CopyFrom(pb.to_value({"echoed": {"message": "hi"}, "n": 2}))
-        return response
-
-    monkeypatch.setattr(tools_server, "pb", older)
-    monkeypatch.setattr(tools_server, "tools_pb2", pytypes.SimpleNamespace(ExecuteToolResponse=older_response))
+    _older_tools_service(monkeypatch, tools_server, pb.to_value({"echoed": {"message": "hi"}, "n": 2}))
     tool_input = {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}
     async with stack.client() as client:
         _, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})

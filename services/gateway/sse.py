@@ -36,8 +36,16 @@ def _output(message: Any, outputs: dict[bytes, Any] | None) -> Any:
     return result
 
 
+def _input(message: Any) -> Any:
+    """The `input` of a ToolCallEvent or ToolCallRecord for the frame: its `input_json` as it is
+    (the model's JSON), or, for an event of an older version, its `input` Struct."""
+    if message.input_json:
+        return orjson.Fragment(message.input_json)
+    return pb.from_struct(message.input)
+
+
 def _tool_calls(records: Any, outputs: dict[bytes, Any] | None) -> list[dict[str, Any]]:
-    return [{"tool": r.tool, "input": pb.from_struct(r.input), "output": _output(r, outputs)} for r in records]
+    return [{"tool": r.tool, "input": _input(r), "output": _output(r, outputs)} for r in records]
 
 
 def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> dict[str, Any]:
@@ -51,7 +59,7 @@ def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> 
         data: dict[str, Any] = {"chunk": event.response_chunk.chunk}
     elif kind == "tool_call":
         e = event.tool_call
-        data = {"tool": e.tool, "input": pb.from_struct(e.input), "tool_call_id": e.tool_call_id, "timestamp": pb.iso(event.time)}
+        data = {"tool": e.tool, "input": _input(e), "tool_call_id": e.tool_call_id, "timestamp": pb.iso(event.time)}
     elif kind == "tool_result":
         e = event.tool_result
         data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": _output(e, outputs), "timestamp": pb.iso(event.time)}

@@ -352,9 +352,10 @@ class TurnRunner:
             self._record_usage_later(spec, totals, call_index, reply.usage)
 
             call = reply.tool_calls[0] if reply.tool_calls else None  # serial tool calls: one per step
-            input_struct, invalid_input = None, None
+            input_struct, input_json, invalid_input = None, b"", None
             if call is not None:
                 call, input_struct, invalid_input = checked_call(call)
+                input_json = pb.json_bytes(call.input, clip=True)  # what the frames, done and the tool get: the model's JSON
             stored_calls = [{"id": call.id, "name": call.name, "input": call.input}] if call else []
             self._add_row(spec, totals, "assistant", reply.text, {"tool_calls": stored_calls} if stored_calls else None)
             if call:
@@ -379,7 +380,7 @@ class TurnRunner:
 
             self._publish(
                 spec.run_id,
-                tool_call=events_pb2.ToolCallEvent(tool=call.name, input=input_struct, tool_call_id=call.id),
+                tool_call=events_pb2.ToolCallEvent(tool=call.name, input_json=input_json, tool_call_id=call.id),
             )
             if invalid_input is not None:  # not run: its error result is observed like any failed call
                 output, ok, output_json = _failure(invalid_input)
@@ -390,13 +391,13 @@ class TurnRunner:
                     return Outcome("interrupted", interrupt=interrupt)
                 # the question was malformed: its error result is in the thread and counts as a failed tool call
                 totals.pending_call = None
-                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output_json=pb.json_bytes(invalid)))
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input_json=input_json, output_json=pb.json_bytes(invalid)))
                 continue
             else:
-                output, ok, output_json = await self._execute(spec, totals, call, input_struct)
+                output, ok, output_json = await self._execute(spec, totals, call, input_struct, input_json)
             self._store_tool_result(spec, totals, call.id, call.name, output)
             totals.pending_call = None
-            totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input=input_struct, output_json=output_json))
+            totals.tool_calls.append(events_pb2.ToolCallRecord(tool=call.name, input_json=input_json, output_json=output_json))
             self._publish(
                 spec.run_id,
                 tool_result=events_pb2.ToolResultEvent(tool=call.name, tool_call_id=call.id, output_json=output_json),
@@ -468,7 +469,7 @@ class TurnRunner:
     def _store_tool_result(self, spec: RunSpec, totals: _Totals, call_id: str, name: str, output: Any) -> None:
         self._add_row(spec, totals, "tool", output, {"tool_call_id": call_id, "name": name})
 
-    async def _execute(self, spec: RunSpec, totals: _Totals, call: Any, input_struct: Any) -> tuple[Any, bool, Any]:
+    async def _execute(self, spec: RunSpec, totals: _Totals, call: Any, input_struct: Any, input_json: bytes) -> tuple[Any, bool, Any]:
         """Run one non-HITL tool through the tools service.
 
         Returns (output as JSON, succeeded, output as JSON text): the tools service's JSON text
@@ -481,7 +482,7 @@ class TurnRunner:
         too (TOOLS_FAILED), so the model can answer without it; the run goes on.
         """
         request = tools_pb2.ExecuteToolRequest(  # input_json: the model's numbers exact (a Struct holds doubles)
-            organization_id=spec.organization_id, tool=call.name, input=input_struct, input_json=pb.json_bytes(call.input),
+            organization_id=spec.organization_id, tool=call.name, input=input_struct, input_json=input_json,
             run_id=spec.run_id, tool_call_id=call.id, chat_id=spec.chat_id,
         )
         try:
@@ -636,7 +637,7 @@ class TurnRunner:
             self._store_tool_result(spec, totals, pending["id"], pending["name"], cut_off_result(outcome.kind))
             if outcome.kind in ("failed", "cancelled"):  # its tool_call was streamed: its end is too (and done lists it)
                 output = pb.json_bytes(cut_off_result(outcome.kind))
-                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input=pb.to_struct(pending["input"], clip=True),
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input_json=pb.json_bytes(pending["input"], clip=True),
                                                                    output_json=output))
                 self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"],
                                                                                   output_json=output))

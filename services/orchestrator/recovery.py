@@ -235,7 +235,8 @@ class RunSupervisor:
             if result is None:
                 cut_off.append(events_pb2.Event(run_id=run_id, time=pb.timestamp(), tool_result=events_pb2.ToolResultEvent(
                     tool=call.tool, tool_call_id=call_id, output_json=error)))
-            records.append(events_pb2.ToolCallRecord(tool=call.tool, input=call.input, output_json=pb.output_json(result) if result else error))
+            records.append(events_pb2.ToolCallRecord(tool=call.tool, input=call.input, input_json=call.input_json,
+                                                     output_json=pb.output_json(result) if result else error))
         return cut_off, records
 
     async def _close_open_tool_call(self, session: Any, run: Run, status: str) -> None:

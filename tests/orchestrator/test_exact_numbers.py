@@ -36,3 +36,15 @@ def test_a_server_takes_input_json_when_it_is_an_object_else_the_struct():
     assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct)) == {"a": 1}  # a client of the older version
     assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b"[1]")) == {"a": 1}
     assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b"{nope")) == {"a": 1}
+
+
+async def test_the_tool_call_frames_show_the_models_input_exactly_and_in_its_key_order(stack):
+    # the input went into the frames as a Struct: keys sorted, an integer past 2^53 rounded, 1.0 as 1
+    parameters = {"zeta": 9007199254740993, "alpha": 1.0, "mid": [1, 2.5]}
+    tool_input = {"integration": "loopline", "action": "echo", "parameters": parameters}
+    async with stack.client() as client:
+        _, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
+    shown = [next(f for f in frames if f["type"] == "tool_call")["data"]["input"], frames[-1]["data"]["tool_calls"][0]["input"]]
+    for seen in shown:
+        assert seen == tool_input and list(seen) == ["integration", "action", "parameters"]
+        assert list(seen["parameters"]) == ["zeta", "alpha", "mid"] and isinstance(seen["parameters"]["alpha"], float)

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"loopline/assistant/v1/events.proto\x12\x15loopline.assistant.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf9\x05\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x38\n\x08metadata\x18\n \x01(\x0b\x32$.loopline.assistant.v1.MetadataEventH\x00\x12\x43\n\x0eresponse_chunk\x18\x0b \x01(\x0b\x32).loopline.assistant.v1.ResponseChunkEventH\x00\x12\x39\n\ttool_call\x18\x0c \x01(\x0b\x32$.loopline.assistant.v1.ToolCallEventH\x00\x12=\n\x0btool_result\x18\r \x01(\x0b\x32&.loopline.assistant.v1.ToolResultEventH\x00\x12\x38\n\x08guidance\x18\x0e \x01(\x0b\x32$.loopline.assistant.v1.GuidanceEventH\x00\x12J\n\x12user_input_request\x18\x0f \x01(\x0b\x32,.loopline.assistant.v1.UserInputRequestEventH\x00\x12>\n\x0binterrupted\x18\x10 \x01(\x0b\x32\'.loopline.assistant.v1.InterruptedEventH\x00\x12=\n\x0brun_resumed\x18\x11 \x01(\x0b\x32&.loopline.assistant.v1.RunResumedEventH\x00\x12\x30\n\x04\x64one\x18\x12 \x01(\x0b\x32 .loopline.assistant.v1.DoneEventH\x00\x12\x32\n\x05\x65rror\x18\x13 \x01(\x0b\x32!.loopline.assistant.v1.ErrorEventH\x00\x12:\n\tcancelled\x18\x14 \x01(\x0b\x32%.loopline.assistant.v1.CancelledEventH\x00\x42\t\n\x07payload\"Z\n\rMetadataEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x15\n\rworkflow_type\x18\x03 \x01(\t\x12\x0f\n\x07surface\x18\x04 \x01(\t\"#\n\x12ResponseChunkEvent\x12\r\n\x05\x63hunk\x18\x01 \x01(\t\"[\n\rToolCallEvent\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\"r\n\x0fToolResultEvent\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x02 \x01(\t\x12&\n\x06output\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x13\n\x0boutput_json\x18\x04 \x01(\x0c\"\x8e\x01\n\rGuidanceEvent\x12\x0f\n\x07message\x18\x01 \x01(\t\x12!\n\x14\x63onsecutive_failures\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x1c\n\x0ftotal_llm_calls\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\x17\n\x15_consecutive_failuresB\x12\n\x10_total_llm_calls\"A\n\x15UserInputRequestEvent\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"4\n\x10InterruptedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\"%\n\x0fRunResumedEvent\x12\x12\n\nnew_run_id\x18\x01 \x01(\t\"\x83\x01\n\x0eToolCallRecord\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x06output\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x13\n\x0boutput_json\x18\x04 \x01(\x0c\"]\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\x03\x12\x15\n\routput_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x11\n\tllm_calls\x18\x04 \x01(\x03\"\x94\x01\n\tDoneEvent\x12\x10\n\x08response\x18\x01 \x01(\t\x12\x39\n\ntool_calls\x18\x02 \x03(\x0b\x32%.loopline.assistant.v1.ToolCallRecord\x12+\n\x05usage\x18\x03 \x01(\x0b\x32\x1c.loopline.assistant.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\"\x1d\n\nErrorEvent\x12\x0f\n\x07message\x18\x01 \x01(\t\" \n\x0e\x43\x61ncelledEvent\x12\x0e\n\x06reason\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"loopline/assistant/v1/events.proto\x12\x15loopline.assistant.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf9\x05\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x38\n\x08metadata\x18\n \x01(\x0b\x32$.loopline.assistant.v1.MetadataEventH\x00\x12\x43\n\x0eresponse_chunk\x18\x0b \x01(\x0b\x32).loopline.assistant.v1.ResponseChunkEventH\x00\x12\x39\n\ttool_call\x18\x0c \x01(\x0b\x32$.loopline.assistant.v1.ToolCallEventH\x00\x12=\n\x0btool_result\x18\r \x01(\x0b\x32&.loopline.assistant.v1.ToolResultEventH\x00\x12\x38\n\x08guidance\x18\x0e \x01(\x0b\x32$.loopline.assistant.v1.GuidanceEventH\x00\x12J\n\x12user_input_request\x18\x0f \x01(\x0b\x32,.loopline.assistant.v1.UserInputRequestEventH\x00\x12>\n\x0binterrupted\x18\x10 \x01(\x0b\x32\'.loopline.assistant.v1.InterruptedEventH\x00\x12=\n\x0brun_resumed\x18\x11 \x01(\x0b\x32&.loopline.assistant.v1.RunResumedEventH\x00\x12\x30\n\x04\x64one\x18\x12 \x01(\x0b\x32 .loopline.assistant.v1.DoneEventH\x00\x12\x32\n\x05\x65rror\x18\x13 \x01(\x0b\x32!.loopline.assistant.v1.ErrorEventH\x00\x12:\n\tcancelled\x18\x14 \x01(\x0b\x32%.loopline.assistant.v1.CancelledEventH\x00\x42\t\n\x07payload\"Z\n\rMetadataEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x15\n\rworkflow_type\x18\x03 \x01(\t\x12\x0f\n\x07surface\x18\x04 \x01(\t\"#\n\x12ResponseChunkEvent\x12\r\n\x05\x63hunk\x18\x01 \x01(\t\"o\n\rToolCallEvent\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x12\n\ninput_json\x18\x04 \x01(\x0c\"r\n\x0fToolResultEvent\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x02 \x01(\t\x12&\n\x06output\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x13\n\x0boutput_json\x18\x04 \x01(\x0c\"\x8e\x01\n\rGuidanceEvent\x12\x0f\n\x07message\x18\x01 \x01(\t\x12!\n\x14\x63onsecutive_failures\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x1c\n\x0ftotal_llm_calls\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\x17\n\x15_consecutive_failuresB\x12\n\x10_total_llm_calls\"A\n\x15UserInputRequestEvent\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"4\n\x10InterruptedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\"%\n\x0fRunResumedEvent\x12\x12\n\nnew_run_id\x18\x01 \x01(\t\"\x97\x01\n\x0eToolCallRecord\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12&\n\x05input\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x06output\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x13\n\x0boutput_json\x18\x04 \x01(\x0c\x12\x12\n\ninput_json\x18\x05 \x01(\x0c\"]\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\x03\x12\x15\n\routput_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x11\n\tllm_calls\x18\x04 \x01(\x03\"\x94\x01\n\tDoneEvent\x12\x10\n\x08response\x18\x01 \x01(\t\x12\x39\n\ntool_calls\x18\x02 \x03(\x0b\x32%.loopline.assistant.v1.ToolCallRecord\x12+\n\x05usage\x18\x03 \x01(\x0b\x32\x1c.loopline.assistant.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\"\x1d\n\nErrorEvent\x12\x0f\n\x07message\x18\x01 \x01(\t\" \n\x0e\x43\x61ncelledEvent\x12\x0e\n\x06reason\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESPONSECHUNKEVENT']._serialized_start=980
   _globals['_RESPONSECHUNKEVENT']._serialized_end=1015
   _globals['_TOOLCALLEVENT']._serialized_start=1017
-  _globals['_TOOLCALLEVENT']._serialized_end=1108
-  _globals['_TOOLRESULTEVENT']._serialized_start=1110
-  _globals['_TOOLRESULTEVENT']._serialized_end=1224
-  _globals['_GUIDANCEEVENT']._serialized_start=1227
-  _globals['_GUIDANCEEVENT']._serialized_end=1369
-  _globals['_USERINPUTREQUESTEVENT']._serialized_start=1371
-  _globals['_USERINPUTREQUESTEVENT']._serialized_end=1436
-  _globals['_INTERRUPTEDEVENT']._serialized_start=1438
-  _globals['_INTERRUPTEDEVENT']._serialized_end=1490
-  _globals['_RUNRESUMEDEVENT']._serialized_start=1492
-  _globals['_RUNRESUMEDEVENT']._serialized_end=1529
-  _globals['_TOOLCALLRECORD']._serialized_start=1532
-  _globals['_TOOLCALLRECORD']._serialized_end=1663
-  _globals['_USAGE']._serialized_start=1665
-  _globals['_USAGE']._serialized_end=1758
-  _globals['_DONEEVENT']._serialized_start=1761
-  _globals['_DONEEVENT']._serialized_end=1909
-  _globals['_ERROREVENT']._serialized_start=1911
-  _globals['_ERROREVENT']._serialized_end=1940
-  _globals['_CANCELLEDEVENT']._serialized_start=1942
-  _globals['_CANCELLEDEVENT']._serialized_end=1974
+  _globals['_TOOLCALLEVENT']._serialized_end=1128
+  _globals['_TOOLRESULTEVENT']._serialized_start=1130
+  _globals['_TOOLRESULTEVENT']._serialized_end=1244
+  _globals['_GUIDANCEEVENT']._serialized_start=1247
+  _globals['_GUIDANCEEVENT']._serialized_end=1389
+  _globals['_USERINPUTREQUESTEVENT']._serialized_start=1391
+  _globals['_USERINPUTREQUESTEVENT']._serialized_end=1456
+  _globals['_INTERRUPTEDEVENT']._serialized_start=1458
+  _globals['_INTERRUPTEDEVENT']._serialized_end=1510
+  _globals['_RUNRESUMEDEVENT']._serialized_start=1512
+  _globals['_RUNRESUMEDEVENT']._serialized_end=1549
+  _globals['_TOOLCALLRECORD']._serialized_start=1552
+  _globals['_TOOLCALLRECORD']._serialized_end=1703
+  _globals['_USAGE']._serialized_start=1705
+  _globals['_USAGE']._serialized_end=1798
+  _globals['_DONEEVENT']._serialized_start=1801
+  _globals['_DONEEVENT']._serialized_end=1949
+  _globals['_ERROREVENT']._serialized_start=1951
+  _globals['_ERROREVENT']._serialized_end=1980
+  _globals['_CANCELLEDEVENT']._serialized_start=1982
+  _globals['_CANCELLEDEVENT']._serialized_end=2014
 # @@protoc_insertion_point(module_scope)

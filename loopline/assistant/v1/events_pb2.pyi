@@ -61,14 +61,16 @@ class ResponseChunkEvent(_message.Message):
     def __init__(self, chunk: _Optional[str] = ...) -> None: ...
 
 class ToolCallEvent(_message.Message):
-    __slots__ = ("tool", "input", "tool_call_id")
+    __slots__ = ("tool", "input", "tool_call_id", "input_json")
     TOOL_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     tool: str
     input: _struct_pb2.Struct
     tool_call_id: str
-    def __init__(self, tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+    input_json: bytes
+    def __init__(self, tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tool_call_id: _Optional[str] = ..., input_json: _Optional[bytes] = ...) -> None: ...
 
 class ToolResultEvent(_message.Message):
     __slots__ = ("tool", "tool_call_id", "output", "output_json")
@@ -113,16 +115,18 @@ class RunResumedEvent(_message.Message):
     def __init__(self, new_run_id: _Optional[str] = ...) -> None: ...
 
 class ToolCallRecord(_message.Message):
-    __slots__ = ("tool", "input", "output", "output_json")
+    __slots__ = ("tool", "input", "output", "output_json", "input_json")
     TOOL_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    INPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     tool: str
     input: _struct_pb2.Struct
     output: _struct_pb2.Value
     output_json: bytes
-    def __init__(self, tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., output_json: _Optional[bytes] = ...) -> None: ...
+    input_json: bytes
+    def __init__(self, tool: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., output_json: _Optional[bytes] = ..., input_json: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("input_tokens", "output_tokens", "total_tokens", "llm_calls")

@@ -212,8 +212,9 @@ class MemoryEventLog:
         log = self._runs.get(run_id)
         if log is None:
             archived = await self._archive_loader(run_id) if self._archive_loader else []
-            if archived[after:]:
-                yield archived[after:]
+            batch = archived[after:]
+            if batch:
+                yield batch
             return
         index = max(after, 0)
         while True:

@@ -273,6 +273,10 @@ class TurnStore:
 
 _MESSAGE_COLUMNS = ("id", "chat_id", "run_id", "role", "content", "extra", "created_at")
 # the run's thread rows as one INSERT ... SELECT FROM unnest(arrays) (seq is assigned in row order)
+# a run's archived events ($1 the run id; {seqs} and {payloads} the parameters of two arrays), rows already stored kept
+_PG_ARCHIVE = ("INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest({seqs}::bigint[], {payloads}::bytea[])"
+               " AS t(s, p) ON CONFLICT (run_id, seq) DO NOTHING")
+_PG_ARCHIVE_RUN = _PG_ARCHIVE.format(seqs="$2", payloads="$3")  # `archive`: $2 seqs, $3 payloads
 _PG_MESSAGES = (
     "INSERT INTO messages ({cols}) SELECT {cols} FROM unnest({arrays}) WITH ORDINALITY AS t({cols}, n) ORDER BY n"
 )
@@ -388,8 +392,7 @@ class PgTurnStatements(PgPool):
             parts.append(f"m AS ({self._messages(end.rows, params)})")
         if end.events:
             params += [[seq for seq, _ in end.events], [payload for _, payload in end.events]]
-            parts.append(f"e AS (INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest(${len(params) - 1}::bigint[], "
-                         f"${len(params)}::bytea[]) AS t(s, p) ON CONFLICT (run_id, seq) DO NOTHING)")
+            parts.append(f"e AS ({_PG_ARCHIVE.format(seqs=f'${len(params) - 1}', payloads=f'${len(params)}')})")
         params += [end.status, end.error, json.dumps(end.usage)]
         n = len(params)
         parts.append(f"r AS (UPDATE runs SET status = ${n - 2}, updated_at = $3, error = ${n - 1}, usage = ${n}::json WHERE id = $1)")
@@ -423,6 +426,5 @@ class PgTurnStatements(PgPool):
         """`TurnStore.archive`: one INSERT ... SELECT FROM unnest ... ON CONFLICT DO NOTHING."""
         pool = await self.pool()
         await pool.execute(
-            "INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS t(s, p)"
-            " ON CONFLICT (run_id, seq) DO NOTHING",
+            _PG_ARCHIVE_RUN,
             run_id, [seq for seq, _ in events], [payload for _, payload in events])

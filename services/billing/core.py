@@ -87,6 +87,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CREDITS = {"run": 1}
 DEFAULT_USAGE_TYPE = "run"
 DEFAULT_RATE_CLASS = "sync_exec"
+USAGE_INLINE_RECORDS = 20  # a usage batch of more records is written on the SQLite worker thread (txn.py: inline)
 
 #: Denial codes (Denial.code); the ErrorInfo reason is the same in UPPER_SNAKE.
 RATE_LIMITED = "rate_limited"
@@ -1083,18 +1084,19 @@ class BillingCore:
                 existing = await self.db.run(self._usage_txn, record, ledger)
                 if existing is not None:
                     return self._usage_replay(existing, r.organization_id)
-            log.debug(  # the usage record is its record, like a charge's ledger entry
-                "usage recorded",
-                extra={
-                    "fields": {
-                        "usage_id": record["id"],
-                        "call_index": r.call_index,
-                        "millicredits": record["millicredits"],
-                        "byok": r.byok,
-                    }
-                },
-            )
-            return UsageResult(record["id"], record["millicredits"], False)
+            return self._usage_recorded(r, record)
+
+    def _usage_batch_txn(self, conn: Connection, rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> list[Any]:
+        """`_usage_txn` for each (record, ledger entry) in one transaction; their answers in order."""
+        return [self._usage_txn(conn, record, ledger) for record, ledger in rows]
+
+    def _usage_recorded(self, r: Any, record: dict[str, Any]) -> UsageResult:
+        """The answer for a usage record written now (logged at DEBUG, in the caller's log context)."""
+        log.debug(  # the usage record is its record, like a charge's ledger entry
+            "usage recorded",
+            extra={"fields": {"usage_id": record["id"], "call_index": r.call_index, "millicredits": record["millicredits"], "byok": r.byok}},
+        )
+        return UsageResult(record["id"], record["millicredits"], False)
 
     async def record_usage_batch(self, requests: list[billing_pb2.RecordUsageRequest]) -> list[UsageResult]:
         """Record several model calls' usage, each as `record_usage`; results in request order.
@@ -1104,12 +1106,21 @@ class BillingCore:
         records, ledger entries and one account UPDATE for their sum), organizations
         concurrently; a call it did not insert (a replay, a key repeated in the batch, an
         account to roll into the new period) then runs as `record_usage` does on its own. On
-        SQLite the calls run concurrently and the worker commits them together. An error
-        fails the call; a retry replays what was recorded.
+        SQLite the whole batch is one transaction (each call as `_usage_txn`). An error fails
+        the call (a USAGE_KEY_REUSED replay after the others were written); a retry replays
+        what was recorded.
         """
-        if self.pg is None:
-            return list(await asyncio.gather(*(self.record_usage(request) for request in requests)))
         rows = [self._usage_rows(request) for request in requests]
+        if self.pg is None:  # one transaction for the whole batch (docs/performance.md, seventh round)
+            for org_id in dict.fromkeys(request.organization_id for request in requests):
+                await self._ensure_account(org_id)
+            found = await self.db.run(self._usage_batch_txn, rows, inline=len(rows) <= USAGE_INLINE_RECORDS)
+            answers = []
+            for request, (record, _), existing in zip(requests, rows, found, strict=True):
+                with loopline_logging.bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id):
+                    answers.append(self._usage_recorded(request, record) if existing is None
+                                   else self._usage_replay(existing, request.organization_id))
+            return answers
         by_org: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             by_org.setdefault(request.organization_id, []).append(index)

@@ -178,7 +178,7 @@ class TurnRunner:
             lambda data: billing.RecordToolUsage(billing_pb2.RecordToolUsageRequest.FromString(data), timeout=CALL_TIMEOUT_S))
         self.redelivery.register(  # a reservation the turn start could not release (service.py `_release`)
             "Release", lambda data: billing.Release(billing_pb2.ReleaseRequest.FromString(data), timeout=CALL_TIMEOUT_S))
-        self.usage = UsageBatcher(billing, self.redelivery)
+        self.usage = UsageBatcher(billing, self.redelivery, forget=store.forget_redeliveries)
         self.events = events
         self.billing = billing
         self.tools = tools
@@ -571,8 +571,9 @@ class TurnRunner:
 
     def _record_usage_later(self, spec: RunSpec, totals: _Totals, call_index: int, usage: TokenUsage) -> None:
         """Queue a model call's usage for billing (usage.py batches it) without holding up the loop;
-        `_finish` sends what waits and waits for it before the run's terminal event, so every
-        record lands before the run ends."""
+        `_finish` stores what still waits in the transaction of the run's end (`UsageBatcher.take`)
+        and waits for what is on its way, so every record is with billing or stored before the
+        run's terminal event."""
         totals.pending_writes.append(self.usage.add(self._usage_request(spec, call_index, usage)))
 
     async def _record_tool_usage(self, spec: RunSpec, call: Any, millicredits: int) -> None:
@@ -615,8 +616,12 @@ class TurnRunner:
 
     async def _finish(self, state: RunState, totals: _Totals, outcome: Outcome) -> None:
         spec = state.spec
+        # the run's usage records still waiting are stored with its end (usage.py `take`): the
+        # terminal event does not wait for billing; the rest (sent, tool charges) are awaited
+        handed = self.usage.take(spec.run_id)
         if totals.pending_writes:
-            self.usage.flush()
+            if handed is None:
+                self.usage.flush()
             await asyncio.gather(*totals.pending_writes, return_exceptions=True)
         if outcome.kind == "cancelled" and totals.model_in_flight:
             # tokens of a model call cut off by the cancel are billed like any other (spec: token
@@ -659,12 +664,20 @@ class TurnRunner:
             ending = [_event(run_id, user_input_request=events_pb2.UserInputRequestEvent(request=pb.to_struct(interrupt, clip=True))),
                       _event(run_id, interrupted=events_pb2.InterruptedEvent(request_id=interrupt["request_id"], kind=interrupt["kind"]))]
         archived = self._stream_to_archive(run_id, ending)
-        await self.store.finish(RunEnd(
-            run_id=spec.run_id, chat_id=spec.chat_id, status=outcome.kind, error=outcome.message or None,
-            usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-                   "total_tokens": usage.total_tokens, "llm_calls": usage.llm_calls},
-            rows=totals.unsaved, interrupt=totals.interrupt if outcome.kind == "interrupted" else None, events=archived,
-        ))
+        try:
+            await self.store.finish(RunEnd(
+                run_id=spec.run_id, chat_id=spec.chat_id, status=outcome.kind, error=outcome.message or None,
+                usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+                       "total_tokens": usage.total_tokens, "llm_calls": usage.llm_calls},
+                rows=totals.unsaved, interrupt=totals.interrupt if outcome.kind == "interrupted" else None, events=archived,
+                billing_calls=[handed[1]] if handed else [],
+            ))
+        except BaseException:
+            if handed:  # not stored: sent as before the end (never lost with the failed transaction)
+                self.usage.give_back(handed[0])
+            raise
+        if handed:
+            self.usage.stored(handed[1]["id"], handed[0])
         totals.unsaved = []
         self._end_stream(run_id, ending)
         if not archived:

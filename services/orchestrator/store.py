@@ -26,20 +26,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, bindparam, insert, select, update
+from sqlalchemy import and_, bindparam, delete, insert, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.common import db
 from services.common.pg import PgPool, loads, param, pg_type, record_type
 from services.common.txn import TxnRunner
-from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
+from services.orchestrator.models import BillingRedelivery, Chat, Interrupt, Message, Run, RunEvent, utcnow
 
 _chats = Chat.__table__
 _messages = Message.__table__
 _runs = Run.__table__
 _events = RunEvent.__table__
 _interrupts = Interrupt.__table__
+_redeliveries = BillingRedelivery.__table__
 
 
 @dataclass(slots=True)
@@ -80,6 +81,8 @@ class RunEnd:
             archive in the same transaction (an event log that dies with the process: the run's
             end and its stream are stored together, before the end is published); empty when
             the events are archived after the end (Redis Streams keep them meanwhile).
+        billing_calls: `billing_redeliveries` rows (`Redelivery.row`) of the run's usage records
+            still on their way to billing (usage.py `UsageBatcher.take`), stored with its end.
     """
 
     run_id: str
@@ -90,6 +93,7 @@ class RunEnd:
     rows: list[ThreadRow]
     interrupt: dict[str, Any] | None = None
     events: list[tuple[int, bytes]] = field(default_factory=list)
+    billing_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ClaimLost(Exception):
@@ -102,6 +106,8 @@ _INSERT_MESSAGE = insert(_messages)
 _INSERT_CHAT = insert(_chats)
 _INSERT_RUN = insert(_runs)
 _INSERT_INTERRUPT = insert(_interrupts)
+_INSERT_REDELIVERY = insert(_redeliveries)
+_DELETE_REDELIVERY = delete(_redeliveries).where(_redeliveries.c.id == bindparam("b_id"))
 _CLAIM_CHAT = (
     update(_chats)
     .where(_chats.c.id == bindparam("b_chat_id"), _chats.c.running_id.is_(None), _chats.c.deleted_at.is_(None))
@@ -174,12 +180,19 @@ def _finish(conn: Connection, end: RunEnd) -> None:
     conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error, "b_usage": end.usage})
     if end.events:
         TurnStore._archive_rows(conn, end.run_id, end.events)
+    for call in end.billing_calls:
+        conn.execute(_INSERT_REDELIVERY, call)
     if end.status == "interrupted":
         conn.execute(_TOUCH_CHAT, {"b_chat_id": end.chat_id, "b_now": now})
         return
     if end.status == "cancelled":
         conn.execute(_CANCEL_INTERRUPTS, {"b_run_id": end.run_id, "b_now": now})
     conn.execute(_FREE_CHAT, {"b_chat_id": end.chat_id, "b_run_id": end.run_id, "b_now": now})
+
+
+def _forget_redeliveries(conn: Connection, ids: list[str]) -> None:
+    for row_id in ids:
+        conn.execute(_DELETE_REDELIVERY, {"b_id": row_id})
 
 
 def _turn_guard(conn: Connection, chat_id: str) -> Any:
@@ -229,10 +242,17 @@ class TurnStore:
     async def finish(self, end: RunEnd) -> None:
         """One transaction at a run's end: its interrupt row (a pause), its unsaved thread messages,
         its status/error/usage, and the chat (`running_id` cleared, or only touched when paused; a
-        cancel also flips a pending audit row to `cancelled`), and `end.events` into the archive."""
+        cancel also flips a pending audit row to `cancelled`), `end.events` into the archive and
+        `end.billing_calls` into `billing_redeliveries`."""
         if self.pg is not None:
             return await self.pg.finish(end)
-        await self.txn.run(_finish, end, inline=len(end.rows) + len(end.events) <= INLINE_ROWS)
+        await self.txn.run(_finish, end, inline=len(end.rows) + len(end.events) + len(end.billing_calls) <= INLINE_ROWS)
+
+    async def forget_redeliveries(self, ids: list[str]) -> None:
+        """Delete `billing_redeliveries` rows by id in one transaction (billing took their calls)."""
+        if self.pg is not None:
+            return await self.pg.forget_redeliveries(ids)
+        await self.txn.run(_forget_redeliveries, ids, inline=len(ids) <= INLINE_ROWS)
 
     async def turn_guard(self, chat_id: str) -> Any:
         """(organization_id, kind, deleted_at, running_id, pending_id) of the chat, pending_id being
@@ -380,7 +400,8 @@ class PgTurnStatements(PgPool):
         await pool.execute(sql, *params)
 
     async def finish(self, end: RunEnd) -> None:
-        """`TurnStore.finish` as one statement: [interrupt INSERT,] messages INSERT, [run_events INSERT,] run UPDATE,
+        """`TurnStore.finish` as one statement: [interrupt INSERT,] messages INSERT, [run_events INSERT,]
+        [billing_redeliveries INSERT,] run UPDATE,
         [pending interrupts -> cancelled,] and the chat UPDATE (freed, or only touched when paused)."""
         now = utcnow()
         params: list[Any] = [end.run_id, end.chat_id, now]
@@ -393,6 +414,9 @@ class PgTurnStatements(PgPool):
         if end.events:
             params += [[seq for seq, _ in end.events], [payload for _, payload in end.events]]
             parts.append(f"e AS ({_PG_ARCHIVE.format(seqs=f'${len(params) - 1}', payloads=f'${len(params)}')})")
+        for index, call in enumerate(end.billing_calls):
+            b_cols, b_vals = self._insert_values(_redeliveries, call, params, select=False)
+            parts.append(f"b{index} AS (INSERT INTO billing_redeliveries ({b_cols}) VALUES ({b_vals}))")
         params += [end.status, end.error, json.dumps(end.usage)]
         n = len(params)
         parts.append(f"r AS (UPDATE runs SET status = ${n - 2}, updated_at = $3, error = ${n - 1}, usage = ${n}::json WHERE id = $1)")
@@ -405,6 +429,11 @@ class PgTurnStatements(PgPool):
         sql = "WITH " + ", ".join(parts) + " " + final
         pool = await self.pool()
         await pool.execute(sql, *params)
+
+    async def forget_redeliveries(self, ids: list[str]) -> None:
+        """`TurnStore.forget_redeliveries`: one DELETE."""
+        pool = await self.pool()
+        await pool.execute("DELETE FROM billing_redeliveries WHERE id = ANY($1::varchar[])", ids)
 
     async def turn_guard(self, chat_id: str) -> Any:
         """`TurnStore.turn_guard`: one SELECT."""

@@ -4,10 +4,14 @@ Every model call's usage is recorded with billing (spec "Persist and charge": to
 recorded whether the turn succeeds, fails or is cancelled). One RPC per model call cost
 ~0.8 ms of CPU across the two processes on the reference machine (docs/performance.md), so
 the records of all runs of this process are gathered for at most `window_s` and sent as one
-`RecordUsageBatch`; a run's end sends what is waiting at once (`flush`) and waits for its own
-records before its terminal event. The records are idempotent by (run_id, call_index), so a
-retried batch only replays. What a crash of this process can lose is bounded by the window
-plus the RPC in flight (README "Decisions").
+`RecordUsageBatch`. A run's end writes its records still waiting into its own transaction as
+a stored call (`billing_redeliveries`, a transactional outbox: `UsageBatcher.take`), so its
+terminal event does not wait for billing; the stored records of the runs that end within
+STORED_LINGER_S (0.2 s) go to billing in one call, and their rows are then deleted. A lone
+turn thereby costs no billing call of its own for its usage (docs/performance.md, seventh
+round). The records are idempotent by (run_id, call_index), so a retried batch only
+replays. What a crash of this process can lose is bounded by the window plus the RPC in
+flight, for the records of runs that have not ended (README "Decisions").
 
 A billing service that is down or stalled longer than the quick retries (`call_with_retries`:
 three sends within QUICK_BUDGET_S, 2 s, deadlines included) does not lose a record either: the run goes on and
@@ -44,6 +48,8 @@ ATTEMPTS = 3  # quick sends of a billing call before it is stored (0.1 s, then 0
 QUICK_BUDGET_S = 2.0  # how long the quick sends of one billing call may take in all (their deadlines included)
 CALL_TIMEOUT_S = 5.0  # deadline of a background (stored) billing call
 REDELIVERY_BATCH = 20  # stored billing calls sent at once by `Redelivery`
+STORED_LINGER_S = 0.2  # how long the usage stored with a run's end waits for other runs' before it is sent
+STORED_GRACE_S = 30.0  # when `Redelivery` sends a run end's stored usage itself (the batcher has not deleted it by then)
 
 
 async def call_with_retries(call: Callable[[float], Awaitable[Any]], budget_s: float = QUICK_BUDGET_S) -> grpc.aio.AioRpcError | None:
@@ -152,12 +158,23 @@ class Redelivery:
 
     async def retry(self, method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]]) -> None:
         """Store `request` (a protobuf message for `method`) to be sent again in the background."""
-        now = utcnow()
-        row = {"id": str(uuid.uuid4()), "method": method, "request": request.SerializeToString(),
-               "failure_message": failure_message[:200], "log_fields": log_fields, "attempts": 0, "created_at": now,
-               "next_attempt_at": now + datetime.timedelta(seconds=self.first_delay_s)}
+        row = self.row(method, request, failure_message, log_fields, self.first_delay_s)
         if not await self._store([row]):
             self._unstored.append(row)
+        self._wake.set()
+
+    @staticmethod
+    def row(method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]], delay_s: float) -> dict[str, Any]:
+        """A `billing_redeliveries` row (column -> value) for `request` (a protobuf message for
+        `method`), its first background attempt `delay_s` seconds from now. `retry` stores one;
+        `UsageBatcher.take` makes one for a run's end to write in its own transaction."""
+        now = utcnow()
+        return {"id": str(uuid.uuid4()), "method": method, "request": request.SerializeToString(),
+                "failure_message": failure_message[:200], "log_fields": log_fields, "attempts": 0, "created_at": now,
+                "next_attempt_at": now + datetime.timedelta(seconds=delay_s)}
+
+    def poke(self) -> None:
+        """Read the table again now: rows were stored by another writer (a run's end) and one may be due soon."""
         self._wake.set()
 
     async def close(self) -> None:
@@ -279,6 +296,10 @@ class UsageBatcher:
         window_s: seconds the first waiting record waits for others (0: send at once).
         redelivery: where a batch that failed its quick retries is stored (`Redelivery`; the
             batcher registers how a stored `RecordUsageBatch` is sent).
+        forget: `forget(row_ids)` deletes `billing_redeliveries` rows once billing took their
+            records (`TurnStore.forget_redeliveries`); None: `take` hands nothing over.
+        linger_s: seconds the records stored with a run's end wait for other runs' before they
+            are sent (STORED_LINGER_S).
 
     `add` returns a future that is done when the record was sent, or when its quick retries
     failed and it was stored by `redelivery` (logged at WARNING with the run and call index;
@@ -286,15 +307,28 @@ class UsageBatcher:
     shielded from the callers' cancellation. Against a billing service without
     RecordUsageBatch (UNIMPLEMENTED: an older version during a rolling upgrade) each record
     is sent with RecordUsage instead.
+
+    A run's end takes its records still waiting (`take`) and writes them as a stored
+    `RecordUsageBatch` call in the transaction that records the end (a transactional outbox);
+    once that is committed, `stored` queues them here: they go to billing within `linger_s`,
+    in one call with the other runs' that ended meanwhile, and their rows are then deleted.
+    The run's terminal event does not wait for billing, and a crash loses none of them (the
+    next start, or another replica after STORED_GRACE_S, sends what is stored).
     """
 
-    def __init__(self, billing: Any, redelivery: Redelivery, window_s: float = WINDOW_S) -> None:
+    def __init__(self, billing: Any, redelivery: Redelivery, window_s: float = WINDOW_S,
+                 forget: Callable[[list[str]], Awaitable[Any]] | None = None, linger_s: float = STORED_LINGER_S) -> None:
         self.billing = billing
         self.window_s = window_s
         self.redelivery = redelivery
+        self.forget = forget
+        self.linger_s = linger_s
         redelivery.register("RecordUsageBatch", lambda data: self._call(list(billing_pb2.RecordUsageBatchRequest.FromString(data).calls)))
         self._waiting: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._stored: list[tuple[str, list[billing_pb2.RecordUsageRequest]]] = []  # (row id, records) stored by runs' ends
+        self._stored_count = 0
+        self._stored_timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task] = set()
         self._batch_supported = True
 
@@ -316,32 +350,106 @@ class UsageBatcher:
             self._timer = None
         while self._waiting:
             batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
-            # a fresh context: the batch holds records of several runs, so it must not log with the
-            # run (chat, organization) bound in the context of the one that happened to flush it
-            task = asyncio.get_running_loop().create_task(self._send(batch), name="usage-batch", context=contextvars.Context())
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            self._spawn(self._send(batch))
+
+    def take(self, run_id: str) -> tuple[list[billing_pb2.RecordUsageRequest], dict[str, Any]] | None:
+        """Hand the records of `run_id` still waiting over to the run's end: returns them and the
+        `billing_redeliveries` row (`Redelivery.row`, first background attempt STORED_GRACE_S
+        later) to write in the end's transaction, or None when none waits (or no `forget`).
+        Their futures are done at once. After the transaction: `stored` (committed) or
+        `give_back` (failed)."""
+        if self.forget is None or not any(request.run_id == run_id for request, _ in self._waiting):
+            return None
+        mine = [item for item in self._waiting if item[0].run_id == run_id]
+        self._waiting = [item for item in self._waiting if item[0].run_id != run_id]
+        if not self._waiting and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for _, done in mine:
+            if not done.done():
+                done.set_result(None)
+        requests = [request for request, _ in mine]
+        row = Redelivery.row("RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), "recording usage failed",
+                             _usage_fields(requests), STORED_GRACE_S)
+        return requests, row
+
+    def give_back(self, requests: list[billing_pb2.RecordUsageRequest]) -> None:
+        """Records `take` handed over whose transaction failed: sent now, as `add` + `flush` would."""
+        for request in requests:
+            self.add(request)
+        self.flush()
+
+    def stored(self, row_id: str, requests: list[billing_pb2.RecordUsageRequest]) -> None:
+        """The records of row `row_id` (`take`) are committed: send them within `linger_s`
+        with the others stored meanwhile (at once past MAX_BATCH), then delete their rows."""
+        self._stored.append((row_id, requests))
+        self._stored_count += len(requests)
+        if self._stored_count >= MAX_BATCH:
+            self.flush_stored()
+        elif self._stored_timer is None:
+            self._stored_timer = asyncio.get_running_loop().call_later(self.linger_s, self.flush_stored)
+
+    def flush_stored(self) -> None:
+        """Send every stored run end's records now (a call per MAX_BATCH records or so)."""
+        if self._stored_timer is not None:
+            self._stored_timer.cancel()
+            self._stored_timer = None
+        rows: list[tuple[str, list[billing_pb2.RecordUsageRequest]]] = []
+        count = 0
+        for row in self._stored:
+            rows.append(row)
+            count += len(row[1])
+            if count >= MAX_BATCH:
+                self._spawn(self._send_stored(rows))
+                rows, count = [], 0
+        if rows:
+            self._spawn(self._send_stored(rows))
+        self._stored, self._stored_count = [], 0
 
     async def close(self) -> None:
         """Send what is waiting, wait for every send in flight, then close the redelivery
         (shutdown; what it stored stays for the next start)."""
         self.flush()
+        self.flush_stored()
         if self._sending:
             await asyncio.gather(*self._sending, return_exceptions=True)
         await self.redelivery.close()
+
+    def _spawn(self, send: Awaitable[None]) -> None:
+        # a fresh context: a batch holds records of several runs, so it must not log with the run
+        # (chat, organization) bound in the context of the one that happened to flush it
+        task = asyncio.get_running_loop().create_task(send, name="usage-batch", context=contextvars.Context())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]]) -> None:
         requests = [request for request, _ in batch]
         try:
             await self.redelivery.send_or_store(
                 "RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), lambda timeout: self._call(requests, timeout),
-                "recording usage failed",
-                [{"run_id": request.run_id, "chat_id": request.chat_id, "call_index": request.call_index} for request in requests],
+                "recording usage failed", _usage_fields(requests),
             )
         finally:
             for _, done in batch:
                 if not done.done():
                     done.set_result(None)
+
+    async def _send_stored(self, rows: list[tuple[str, list[billing_pb2.RecordUsageRequest]]]) -> None:
+        """Send stored records (quick retries), then delete their rows; when billing does not
+        take them, WARNING per record and they stay stored for `Redelivery`."""
+        requests = [request for _, records in rows for request in records]
+        failure = await call_with_retries(lambda timeout: self._call(requests, timeout))
+        if failure is not None:
+            for fields in _usage_fields(requests):
+                log.warning("recording usage failed; retrying in the background", extra={"fields": {"code": failure.code().name, **fields}})
+            self.redelivery.poke()
+            return
+        assert self.forget is not None
+        try:
+            await self.forget([row_id for row_id, _ in rows])
+        except Exception as error:  # noqa: BLE001 - the rows stay: Redelivery sends them again, billing replays them
+            log.warning("deleting sent usage records failed; they will be sent again (billing replays them)",
+                        extra={"fields": {"records": len(requests), "error": type(error).__name__}})
 
     async def _call(self, requests: list[billing_pb2.RecordUsageRequest], timeout: float = CALL_TIMEOUT_S) -> None:
         if self._batch_supported:
@@ -353,3 +461,8 @@ class UsageBatcher:
                     raise
                 self._batch_supported = False
         await asyncio.gather(*(self.billing.RecordUsage(request, timeout=timeout) for request in requests))
+
+
+def _usage_fields(requests: list[billing_pb2.RecordUsageRequest]) -> list[dict[str, Any]]:
+    """The ids logged for each usage record of a failed or given-up call."""
+    return [{"run_id": request.run_id, "chat_id": request.chat_id, "call_index": request.call_index} for request in requests]

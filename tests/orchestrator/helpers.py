@@ -39,6 +39,20 @@ async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> 
         await asyncio.sleep(interval)
 
 
+async def usage_delivered(stack, timeout: float = 10.0) -> None:
+    """Wait until the usage the stack's runs stored with their ends is with billing (the
+    orchestrator's `billing_redeliveries` is empty; usage.py sends it ~0.2 s after a run's end)."""
+    from sqlalchemy import func, select
+
+    from services.orchestrator.models import BillingRedelivery
+
+    async def empty() -> bool:
+        async with stack.orchestrator.runner.sessions() as session:
+            return not await session.scalar(select(func.count()).select_from(BillingRedelivery))
+
+    await wait_for(empty, timeout=timeout)
+
+
 def types(frames: list[dict[str, Any]]) -> list[str]:
     """The frame types in order."""
     return [f["type"] for f in frames]

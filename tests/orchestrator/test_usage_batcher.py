@@ -269,3 +269,115 @@ async def test_a_batch_of_several_runs_logs_each_record_with_its_own_ids(session
         logger.removeHandler(handler)
     warned = [json.loads(line) for line in lines.getvalue().splitlines() if "retrying in the background" in line]
     assert sorted((w["run_id"], w["chat_id"], w.get("org_id")) for w in warned) == [("run-one", "chat-one", None), ("run-two", "chat-two", None)]
+
+
+# ---------------------------------------------------------------- a run's end stores its usage (outbox)
+
+
+async def _stored_rows(sessions) -> list[str]:
+    from sqlalchemy import select
+
+    from services.orchestrator.models import BillingRedelivery
+
+    async with sessions() as session:
+        return list((await session.execute(select(BillingRedelivery.method))).scalars())
+
+
+async def _end_run(store, batcher: UsageBatcher, run_id: str) -> None:
+    """What `TurnRunner._finish` does with the run's waiting records: take, store with the end, queue."""
+    from services.orchestrator.store import RunEnd
+
+    handed = batcher.take(run_id)
+    assert handed is not None
+    await store.finish(RunEnd(run_id=run_id, chat_id=f"chat-{run_id}", status="completed", error=None, usage={}, rows=[],
+                              billing_calls=[handed[1]]))
+    batcher.stored(handed[1]["id"], handed[0])
+
+
+@pytest.fixture
+async def store(sessions):
+    from services.orchestrator.store import TurnStore
+
+    turn_store = TurnStore(sessions.kw["bind"])
+    yield turn_store
+    turn_store.close()
+
+
+async def test_runs_ending_within_the_linger_send_their_usage_in_one_call_and_leave_nothing_stored(sessions, store):
+    """Seventh round (docs/performance.md): a run's end no longer waits for its own
+    RecordUsageBatch; its records are stored in the end's transaction and sent with the
+    records of the other runs that end within the linger, then their rows are deleted."""
+    billing = FakeBilling()
+    batcher = UsageBatcher(billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=0.2)
+    waits = []
+    for run_id in ("r1", "r2", "r3"):
+        waits += [batcher.add(_usage(run_id, 0)), batcher.add(_usage(run_id, 1))]
+        await _end_run(store, batcher, run_id)
+        assert all(wait.done() for wait in waits)  # the run's end does not wait for billing
+    assert billing.batches == [] and await _stored_rows(sessions) == ["RecordUsageBatch"] * 3
+
+    async def sent() -> bool:
+        return bool(billing.batches) and not await _stored_rows(sessions)
+
+    await _until(sent)
+    assert billing.batches == [[(r, i) for r in ("r1", "r2", "r3") for i in (0, 1)]]
+    assert batcher.take("r1") is None  # nothing of it waits any more
+    await batcher.close()
+
+
+async def test_usage_stored_with_a_run_end_survives_a_crash_and_the_next_start_sends_it(sessions, store):
+    billing = FakeBilling()
+    crashed = UsageBatcher(billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=60)
+    crashed.add(_usage("r1", 0))
+    await _end_run(store, crashed, "r1")
+    crashed._stored_timer.cancel()  # the process dies before the linger is over: nothing sent
+    assert billing.batches == [] and await _stored_rows(sessions) == ["RecordUsageBatch"]
+
+    restarted = UsageBatcher(billing, _fast(sessions), window_s=0)  # the next start of the process
+    restarted.redelivery.start()
+
+    async def sent() -> bool:
+        return bool(billing.batches) and not await _stored_rows(sessions)
+
+    await _until(sent)
+    assert billing.batches == [[("r1", 0)]]
+    await restarted.close()
+
+
+async def test_stored_usage_billing_refuses_stays_stored_and_is_sent_again_in_the_background(sessions, store, caplog):
+    billing = FakeBilling(failures=4)  # the three quick attempts fail, and the first background one
+    redelivery = _fast(sessions)
+    batcher = UsageBatcher(billing, redelivery, window_s=5, forget=store.forget_redeliveries, linger_s=0.01)
+    batcher.add(_usage("r1", 0))
+    await _end_run(store, batcher, "r1")
+
+    def warned() -> list[tuple[str, int]]:
+        return [(r.fields["run_id"], r.fields["call_index"]) for r in caplog.records
+                if r.getMessage() == "recording usage failed; retrying in the background"]
+
+    await _until(lambda: asyncio.sleep(0, bool(warned())))
+    assert warned() == [("r1", 0)] and billing.batches == [] and await _stored_rows(sessions) == ["RecordUsageBatch"]
+    redelivery.start()  # the background sender (here: a next start, which sends everything stored at once)
+
+    async def sent() -> bool:
+        return bool(billing.batches) and not await _stored_rows(sessions)
+
+    await _until(sent)
+    assert billing.batches == [[("r1", 0)]]
+    await batcher.close()
+
+
+async def test_records_a_failed_run_end_handed_over_are_sent_as_before(sessions, store):
+    billing = FakeBilling()
+    batcher = UsageBatcher(billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=60)
+    wait = batcher.add(_usage("r1", 0))
+    handed = batcher.take("r1")
+    assert handed is not None and wait.done()
+    batcher.give_back(handed[0])  # the end's transaction failed: nothing was stored
+
+    async def sent() -> bool:
+        return bool(billing.batches)
+
+    await _until(sent)
+    assert billing.batches == [[("r1", 0)]] and await _stored_rows(sessions) == []
+    await batcher.close()

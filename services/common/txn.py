@@ -221,14 +221,16 @@ class SqliteConnection:
             compiled = self._cache[key] = _compile(statement, keys)
         return compiled
 
-    def execute(self, statement: Any, params: dict[str, Any] | None = None) -> SqliteResult:
-        """Execute `statement` with `params` (a dict of its bound parameter names)."""
+    def execute(self, statement: Any, params: dict[str, Any] | list[dict[str, Any]] | None = None) -> SqliteResult:
+        """Execute `statement` with `params` (a dict of its bound parameter names), or once per
+        dict of a list of them with the same keys (one `executemany`, as SQLAlchemy's
+        `Connection.execute` does with a list; rows are written in the list's order; the
+        result has no rows)."""
+        if isinstance(params, list):
+            return self._execute_many(statement, params)
         params = params or {}
         compiled = self._compiled(statement, params)
-        values = {**compiled.defaults, **params} if compiled.defaults else dict(params)
-        for name, convert in compiled.binds:
-            if name in values:
-                values[name] = convert(values[name])
+        values = self._values(compiled, params)
         try:
             cursor = self._raw.execute(compiled.sql, values)
             rows: list[Any] = []
@@ -241,6 +243,25 @@ class SqliteConnection:
                             raw_row[index] = convert(raw_row[index])
                     rows.append(make(raw_row))
             return SqliteResult(cursor.rowcount, rows)
+        except sqlite3.Error as error:
+            raise DBAPIError.instance(compiled.sql, values, error, sqlite3.Error) from error
+
+    @staticmethod
+    def _values(compiled: _Compiled, params: dict[str, Any]) -> dict[str, Any]:
+        values = {**compiled.defaults, **params} if compiled.defaults else dict(params)
+        for name, convert in compiled.binds:
+            if name in values:
+                values[name] = convert(values[name])
+        return values
+
+    def _execute_many(self, statement: Any, rows: list[dict[str, Any]]) -> SqliteResult:
+        if not rows:
+            return SqliteResult(0, [])
+        compiled = self._compiled(statement, rows[0])
+        values = [self._values(compiled, params) for params in rows]
+        try:
+            cursor = self._raw.executemany(compiled.sql, values)
+            return SqliteResult(cursor.rowcount, [])
         except sqlite3.Error as error:
             raise DBAPIError.instance(compiled.sql, values, error, sqlite3.Error) from error
 

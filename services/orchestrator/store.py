@@ -168,8 +168,8 @@ def _load_thread(conn: Connection, chat_id: str) -> list[ThreadRow]:
 
 
 def _store_rows(conn: Connection, rows: Sequence[ThreadRow]) -> None:
-    for row in rows:  # in order: seq follows the thread
-        conn.execute(_INSERT_MESSAGE, row.values())
+    if rows:  # one executemany, in order: seq follows the thread
+        conn.execute(_INSERT_MESSAGE, [row.values() for row in rows])
 
 
 def _finish(conn: Connection, end: RunEnd) -> None:
@@ -191,8 +191,7 @@ def _finish(conn: Connection, end: RunEnd) -> None:
 
 
 def _forget_redeliveries(conn: Connection, ids: list[str]) -> None:
-    for row_id in ids:
-        conn.execute(_DELETE_REDELIVERY, {"b_id": row_id})
+    conn.execute(_DELETE_REDELIVERY, [{"b_id": row_id} for row_id in ids])
 
 
 def _turn_guard(conn: Connection, chat_id: str) -> Any:
@@ -278,9 +277,9 @@ class TurnStore:
 
     @staticmethod
     def _archive_rows(conn: Connection, run_id: str, events: list[tuple[int, bytes]]) -> None:
-        statement = db.insert_ignoring(conn.dialect.name, _events, ("run_id", "seq"))
-        for seq, payload in events:
-            conn.execute(statement, {"run_id": run_id, "seq": seq, "payload": payload})
+        if events:  # one executemany
+            conn.execute(db.insert_ignoring(conn.dialect.name, _events, ("run_id", "seq")),
+                         [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in events])
 
     def close(self) -> None:
         """Stop the worker thread (SQLite) or close the asyncpg pool (PostgreSQL)."""

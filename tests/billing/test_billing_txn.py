@@ -199,6 +199,20 @@ async def test_the_worker_thread_checkpoints_the_wal_that_inline_commits_fill(ru
     assert len(checkpoints) >= 4 and threading.get_ident() not in checkpoints
 
 
+async def test_a_list_of_parameters_is_one_executemany_written_in_order_and_converted_like_one_row(runner):
+    txn, engine = runner
+    at = datetime.datetime(2026, 12, 1, 13, 5, 7, 123456, tzinfo=datetime.UTC)
+    await txn.run(lambda conn: conn.execute(INSERT_ITEM, [{"id": f"m{i}", "day": at.date(), "at": at} for i in range(3)]))
+    await txn.run(lambda conn: conn.execute(INSERT_ITEM, {"id": "one", "day": at.date(), "at": at}))
+    async with engine.connect() as conn:  # the same stored text as a single row's, rows in the list's order
+        stored = (await conn.execute(text("SELECT id, at FROM items ORDER BY rowid"))).all()
+    assert [r.id for r in stored] == ["m0", "m1", "m2", "one"] and len({r.at for r in stored}) == 1
+    with pytest.raises(IntegrityError):  # a duplicate in the list: the whole transaction is undone
+        await txn.run(lambda conn: conn.execute(INSERT_ITEM, [{"id": "m9"}, {"id": "m0"}]))
+    assert "m9" not in {r.id for r in await txn.run(lambda conn: conn.execute(SELECT_ITEMS).all())}
+    assert (await txn.run(lambda conn: conn.execute(INSERT_ITEM, []))).rowcount == 0
+
+
 async def test_integrity_errors_surface_as_sqlalchemy_errors(runner):
     txn, _ = runner
     await txn.run(_insert, "a")

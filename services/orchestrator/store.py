@@ -33,7 +33,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from services.common import db
 from services.common.pg import PgPool, loads, param, pg_type, record_type
 from services.common.txn import TxnRunner
-from services.orchestrator.models import BillingRedelivery, Chat, Interrupt, Message, Run, RunEvent, utcnow
+from services.orchestrator.models import (
+    BillingRedelivery,
+    Chat,
+    Interrupt,
+    Message,
+    Run,
+    RunEvent,
+    utcnow,
+)
 
 _chats = Chat.__table__
 _messages = Message.__table__

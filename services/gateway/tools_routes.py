@@ -32,7 +32,7 @@ from starlette.datastructures import UploadFile
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import pb
-from services.common.errors import TOOLS_DOMAIN, bounded, status_details
+from services.common.errors import TOOLS_DOMAIN, status_details
 from services.gateway.app import BodyError, check_fields, read_json_object
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response

@@ -20,7 +20,7 @@ import uuid
 
 import grpc
 import pytest
-from sqlalchemy import Column, Date, ForeignKey, Integer, MetaData, String, Table, bindparam, insert, select, text, update
+from sqlalchemy import Column, Date, Integer, MetaData, String, Table, bindparam, insert, select, text, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 

@@ -9,7 +9,6 @@ The rules themselves live in `services.billing.core`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -24,6 +23,7 @@ from services.billing.rates import RateDecision, RateLimiter
 from services.common import db
 from services.common.errors import rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +186,7 @@ class BillingServer:
     async def stop(self, grace: float) -> None:
         """Stop the sweeper, then the server (in-flight RPCs get `grace` s), then the engine."""
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await stop_task(self._sweeper)
         await self._running.stop(grace)
         await self.core.rates.close()
         self.core.close()

@@ -378,8 +378,9 @@ class RedisEventLog:
         writer = self._writers.get(run_id)
         if writer is None:
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(writer.idle.wait(), self.retry_s + 5)
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for can drop a cancel (services/common/tasks.py)
+            async with asyncio.timeout(self.retry_s + 5):
+                await writer.idle.wait()
 
     def forget(self, run_id: str) -> None:
         """Drop this process's writer of an ended run (after it was flushed and archived)."""
@@ -630,7 +631,8 @@ class RedisBackend(RunBackend):
         subscribed = asyncio.Event()
         self._listener = asyncio.create_task(self._listen(subscribed), name="cancel-listener")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(subscribed.wait(), 5)
+            async with asyncio.timeout(5):
+                await subscribed.wait()
 
     async def _listen(self, subscribed: asyncio.Event) -> None:
         """Deliver cancel messages to the handler; resubscribe after connection errors."""

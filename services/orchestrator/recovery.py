@@ -24,7 +24,6 @@ sync (NTP) - skew eats into the bound.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
 import uuid
@@ -34,6 +33,7 @@ from sqlalchemy import and_, or_, select, update
 
 from loopline.assistant.v1 import events_pb2
 from services.common import pb
+from services.common.tasks import stop_task
 from services.orchestrator.models import Chat, Message, Run, utcnow
 from services.orchestrator.thread import cut_off_result
 from services.orchestrator.usage import release_or_store
@@ -75,9 +75,7 @@ class RunSupervisor:
     async def stop(self) -> None:
         """Stop the background task; wait for the releases of `reap_orphans` under way (each bounded)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
             self._task = None
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)

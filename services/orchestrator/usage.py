@@ -38,6 +38,7 @@ from sqlalchemy import delete, func, insert, select, update
 
 from loopline.billing.v1 import billing_pb2
 from services.common import db
+from services.common.tasks import stop_task
 from services.orchestrator.models import BillingRedelivery, utcnow
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class Redelivery:
         self._unstored: list[dict[str, Any]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     def register(self, method: str, send: Callable[[bytes], Awaitable[Any]]) -> None:
         """Name how a stored `method` call is sent: `send(serialized request)`."""
@@ -173,8 +175,17 @@ class Redelivery:
                 "failure_message": failure_message[:200], "log_fields": log_fields, "attempts": 0, "created_at": now,
                 "next_attempt_at": now + datetime.timedelta(seconds=delay_s)}
 
-    def poke(self) -> None:
-        """Read the table again now: rows were stored by another writer (a run's end) and one may be due soon."""
+    async def due_soon(self, ids: list[str]) -> None:
+        """Stored calls (`ids`, written by another writer: a run's end) that billing did not take
+        at once: their first background attempt is `first_delay_s` from now, as for a call
+        `retry` stores (it was STORED_GRACE_S after their end). Never raises (they stay due later)."""
+        table = BillingRedelivery.__table__
+        try:
+            async with self.sessions() as session, session.begin():
+                await session.execute(update(table).where(table.c.id.in_(ids), table.c.attempts == 0)
+                                      .values(next_attempt_at=utcnow() + datetime.timedelta(seconds=self.first_delay_s)))
+        except Exception as error:  # noqa: BLE001 - the database is down too: they are sent when first due
+            log.warning("rescheduling stored billing calls failed", extra={"fields": {"calls": len(ids), "error": type(error).__name__}})
         self._wake.set()
 
     async def close(self) -> None:
@@ -182,9 +193,8 @@ class Redelivery:
 
         Stored calls stay for the next start of the process (or another replica)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._stopping = True  # the sender also stops by itself: a cancel can be lost (see `_main`)
+            await stop_task(self._task)
             self._task = None
         unstored, self._unstored = self._unstored, []
         if unstored and not await self._store(unstored):
@@ -215,7 +225,7 @@ class Redelivery:
 
     async def _main(self) -> None:
         first = True  # a new process sends what waits at once: billing may be back (fresh-eyes re-test)
-        while True:
+        while not self._stopping:
             wait_s = self.idle_poll_s
             self._wake.clear()  # a call stored during this pass sets it again: no wait then
             try:
@@ -232,8 +242,11 @@ class Redelivery:
                 wait_s = min(self.max_delay_s, self.idle_poll_s)
             if self._unstored:
                 wait_s = min(wait_s, self.max_delay_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a wait that finished in the
+            # same loop turn as a cancel and drops the cancel (a stop hung for good: fresh-eyes test)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(wait_s, 0.0))
+                async with asyncio.timeout(max(wait_s, 0.0)):
+                    await self._wake.wait()
 
     async def _deliver_due(self, everything: bool = False) -> float:
         """Send the stored calls that are due (with `everything`, all of them: the first pass of a
@@ -442,7 +455,7 @@ class UsageBatcher:
         if failure is not None:
             for fields in _usage_fields(requests):
                 log.warning("recording usage failed; retrying in the background", extra={"fields": {"code": failure.code().name, **fields}})
-            self.redelivery.poke()
+            await self.redelivery.due_soon([row_id for row_id, _ in rows])
             return
         assert self.forget is not None
         try:

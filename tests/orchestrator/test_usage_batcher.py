@@ -357,7 +357,7 @@ async def test_stored_usage_billing_refuses_stays_stored_and_is_sent_again_in_th
 
     await _until(lambda: asyncio.sleep(0, bool(warned())))
     assert warned() == [("r1", 0)] and billing.batches == [] and await _stored_rows(sessions) == ["RecordUsageBatch"]
-    redelivery.start()  # the background sender (here: a next start, which sends everything stored at once)
+    redelivery.start()
 
     async def sent() -> bool:
         return bool(billing.batches) and not await _stored_rows(sessions)
@@ -380,4 +380,41 @@ async def test_records_a_failed_run_end_handed_over_are_sent_as_before(sessions,
 
     await _until(sent)
     assert billing.batches == [[("r1", 0)]] and await _stored_rows(sessions) == []
+    await batcher.close()
+
+
+async def test_close_stops_the_sender_even_when_it_was_woken_just_before(sessions):
+    """Bug (fresh-eyes test): a SIGTERM'd orchestrator hung for good, still serving, when billing
+    was down at a run's end: the stored usage's failed send woke the redelivery sender right
+    before `close` cancelled it, and Python 3.11's `asyncio.wait_for` returns the finished wait
+    and drops a cancel that arrives in the same loop turn, so the sender went on forever."""
+    redelivery = _fast(sessions, idle_poll_s=60)
+    redelivery.start()
+    await asyncio.sleep(0.2)  # the first pass is over: the sender waits to be woken
+    redelivery._wake.set()  # what a stored usage's failed send does (`due_soon`)
+    started = asyncio.get_running_loop().time()
+    closing = asyncio.ensure_future(redelivery.close())
+    done, _ = await asyncio.wait({closing}, timeout=5)
+    assert done and asyncio.get_running_loop().time() - started < 2  # was: never (the sender went on)
+
+
+async def test_stored_usage_billing_refused_at_once_is_due_after_the_first_delay_not_the_grace(sessions, store):
+    """Fresh-eyes test: billing down when runs ended; their stored usage reached billing ~30 s
+    after it was back (the stored rows' grace), though the README says 1 s, doubling."""
+    from sqlalchemy import select
+
+    from services.orchestrator.models import BillingRedelivery
+
+    billing = FakeBilling(failures=3)  # the quick attempts fail
+    redelivery = Redelivery(sessions)  # 1 s first delay
+    batcher = UsageBatcher(billing, redelivery, window_s=5, forget=store.forget_redeliveries, linger_s=0.01)
+    batcher.add(_usage("r1", 0))
+    await _end_run(store, batcher, "r1")
+
+    async def rescheduled() -> bool:
+        async with sessions() as session:
+            row = (await session.execute(select(BillingRedelivery))).scalars().one()
+        return (db.utc(row.next_attempt_at) - db.utc(row.created_at)).total_seconds() < 10
+
+    await _until(rescheduled)  # was: created_at + 30 s
     await batcher.close()

@@ -89,6 +89,10 @@ class RunningServer:
         await self.server.stop(grace)
 
 
+class PortUnavailable(RuntimeError):
+    """The server's port cannot be bound (in use by another process, or not available here)."""
+
+
 async def start_grpc_server(
     bindings: Sequence[ServiceBinding], host: str, port: int, options: Sequence[tuple[str, Any]] = (), internal_token: str = ""
 ) -> RunningServer:
@@ -96,7 +100,8 @@ async def start_grpc_server(
 
     Adds grpc.health.v1 (every service and "" reported SERVING) and reflection. With
     `internal_token`, every call but a health check must carry it (internal_auth.TokenCheck).
-    Raises RuntimeError when the port cannot be bound.
+    Raises PortUnavailable (a RuntimeError) when the port cannot be bound (in use by another
+    process too: no SO_REUSEPORT).
     """
     server = grpc.aio.server(
         interceptors=server_interceptors(internal_token),
@@ -104,6 +109,10 @@ async def start_grpc_server(
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # gRPC sets SO_REUSEPORT on Linux by default: a second copy of a service on a port in use
+            # started and shared it silently (a listener of a run on the other copy got an empty
+            # stream; fresh-eyes test). A port in use is an error at start instead.
+            ("grpc.so_reuseport", 0),
             *options,
         ]
     )
@@ -114,9 +123,12 @@ async def start_grpc_server(
         add(servicer, server)
         names.append(name)
     server.add_generic_rpc_handlers((LazyReflection([*names, health.SERVICE_NAME, REFLECTION_SERVICE_NAME]),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind to address ..."
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+        raise PortUnavailable(f"cannot bind the gRPC port {host}:{port}: it is in use (another copy of the service?) or not available")
     await server.start()
     for name in [*names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from services.common import db
 from services.common import logging as loopline_logging
-from services.common.grpc_server import wait_for_termination_signal
+from services.common.grpc_server import PortUnavailable, wait_for_termination_signal
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
     use_uvloop()
     try:
         asyncio.run(main())
-    except db.UnusableDatabase as unusable:  # e.g. LOOPLINE_DATA_DIR names a file: one line, no traceback
+    except (db.UnusableDatabase, PortUnavailable) as unusable:  # e.g. LOOPLINE_DATA_DIR names a file, a port in use: one line
         log.error("cannot start", extra={"fields": {"reason": str(unusable)}})
         sys.stderr.write(f"{service}: cannot start: {unusable}\n")
         raise SystemExit(2) from None

@@ -9,7 +9,7 @@ import socket
 import uvicorn
 
 from services.common import db
-from services.common.grpc_server import RunningServer, start_grpc_server
+from services.common.grpc_server import PortUnavailable, RunningServer, start_grpc_server
 from services.common.internal_auth import internal_channel
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
@@ -54,7 +54,11 @@ class GatewayServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((settings.http_host, settings.http_port))
+        try:
+            sock.bind((settings.http_host, settings.http_port))
+        except OSError as error:  # one line and exit 2 (runner.run), like the gRPC port's
+            sock.close()
+            raise PortUnavailable(f"cannot bind the HTTP port {settings.http_host}:{settings.http_port}: {error.strerror}") from None
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]

@@ -9,7 +9,11 @@ import socket
 import uvicorn
 
 from services.common import db
-from services.common.grpc_server import PortUnavailable, RunningServer, start_grpc_server
+from services.common.grpc_server import (
+    PortUnavailable,
+    RunningServer,
+    start_grpc_server,
+)
 from services.common.internal_auth import internal_channel
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings

@@ -58,3 +58,37 @@ async def test_tools_migrate_prints_its_database_without_the_password():
         release_databases(list(urls.values()))
     assert result.returncode == 0, result.stderr
     assert "pa55word-x" not in result.stdout + result.stderr and "tools database migrated" in result.stdout
+
+
+def test_a_sigterm_during_start_up_stops_the_service_gracefully_once_started(tmp_path):
+    """Fresh-eyes test: SIGTERM in the first ~1.5 s after a start (imports, migrations, before
+    the event loop's handler) ended the process by the signal's default action, exit 143."""
+    import signal
+    import threading
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "services.billing"], stderr=subprocess.PIPE, text=True,
+                               env=_env(LOOPLINE_DATA_DIR=str(tmp_path), LOOPLINE_BILLING_PORT="0", LOOPLINE_LOG_LEVEL="INFO"))
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in process.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the process catches SIGTERM (SigCgt bit 15)
+            with open(f"/proc/{process.pid}/status") as status:
+                caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1], 16)
+            if caught & (1 << (signal.SIGTERM - 1)):
+                break
+            time.sleep(0.002)
+        sent_at = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        reader.join(timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = "".join(line for _, line in lines)
+    assert process.returncode == 0, text[-2000:]
+    serving_at = next(at for at, line in lines if '"message":"serving"' in line)
+    assert sent_at < serving_at  # the signal came during start-up (was: SIGTERM caught only once serving)
+    assert '"message":"stopped"' in text

@@ -17,6 +17,9 @@ stderr, exit 2.
 
 from __future__ import annotations
 
+from services.common import early_signals  # noqa: F401 - first: a SIGTERM during the imports below stops the server gracefully
+
+# isort: split
 import argparse
 import asyncio
 import logging
@@ -32,7 +35,6 @@ from services.billing.server import BillingServer, build_core
 from services.common import db, ids
 from services.common import logging as loopline_logging
 from services.common.runner import run
-
 
 MAX_AMOUNT = 10**12  # the most credits or minor units one admin command adds
 

@@ -135,11 +135,21 @@ async def start_grpc_server(
     return RunningServer(server=server, port=bound, health=health_servicer)
 
 
-async def wait_for_termination_signal() -> None:
-    """Return when the process receives SIGTERM or SIGINT."""
+def catch_termination_signals() -> asyncio.Event:
+    """From now on SIGTERM and SIGINT set the returned event instead of ending the process.
+
+    Installed before a service starts (migrations, binding), so that a signal during start-up
+    stops it gracefully once it has started (it ended the process with the signal's default
+    action, exit 143: fresh-eyes test)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
+
+
+async def wait_for_termination_signal(stop: asyncio.Event | None = None) -> None:
+    """Return when the process receives SIGTERM or SIGINT (`stop`: the event of
+    `catch_termination_signals`, when they were caught earlier)."""
+    await (stop or catch_termination_signals()).wait()
     log.info("termination signal received, stopping")

@@ -10,9 +10,13 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from services.common import db
+from services.common import db, early_signals
 from services.common import logging as loopline_logging
-from services.common.grpc_server import PortUnavailable, wait_for_termination_signal
+from services.common.grpc_server import (
+    PortUnavailable,
+    catch_termination_signals,
+    wait_for_termination_signal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +80,17 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
     loopline_logging.setup(service, level)
 
     async def main() -> None:
+        stop = catch_termination_signals()  # a signal during start-up stops the service once started
+        if early_signals.received:
+            stop.set()
         handle = await start()
         log.info("serving", extra={"fields": {"port": handle.port}})
-        await wait_for_termination_signal()
+        await wait_for_termination_signal(stop)
         await handle.stop(grace)
         log.info("stopped")
 
     use_uvloop()
+    early_signals.catch()  # until the event loop's handlers (`catch_termination_signals`); done at import by __main__
     try:
         asyncio.run(main())
     except (db.UnusableDatabase, PortUnavailable) as unusable:  # e.g. LOOPLINE_DATA_DIR names a file, a port in use: one line

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from services.common import early_signals  # noqa: F401 - first: a SIGTERM during the imports below stops the server gracefully
+
+# isort: split
 import argparse
 import asyncio
 import json

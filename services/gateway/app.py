@@ -13,6 +13,8 @@ declaration with the FastAPI endpoints of the same routes (issue 9, gateway CPU 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,15 +25,34 @@ from cachetools import LRUCache
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import pb
-from services.common.errors import ASSISTANT_DOMAIN, MAX_MESSAGE_CHARS, bounded, status_details
+from services.common.errors import (
+    ASSISTANT_DOMAIN,
+    MAX_MESSAGE_CHARS,
+    bounded,
+    status_details,
+)
 from services.gateway.config import GatewaySettings
-from services.gateway.errors import detail, grpc_error_response, unavailable_response, unexpected_error_response
-from services.gateway.fanout import SERVER_SEND, EventStreamResponse, RunFanout, StreamUnavailable
-from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
+from services.gateway.errors import (
+    detail,
+    grpc_error_response,
+    unavailable_response,
+    unexpected_error_response,
+)
+from services.gateway.fanout import (
+    SERVER_SEND,
+    EventStreamResponse,
+    RunFanout,
+    StreamUnavailable,
+)
+from services.gateway.idempotency import (
+    IdempotencyConflict,
+    IdempotencyStore,
+    body_hash,
+)
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
 from services.gateway.openapi import error_responses
 from services.gateway.org_settings import DefaultModels, settings_router
@@ -255,25 +276,47 @@ class GatewayApp(FastAPI):
     lean: dict[str, ASGIHandler]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve one ASGI connection scope (see the class docstring for the lean routes)."""
-        if scope["type"] == "http":
-            scope[SERVER_SEND] = send
-            if "\x00" in scope["path"] or b"%00" in scope.get("query_string", b""):
-                # PostgreSQL's text types cannot hold U+0000 (fresh-eyes re-test: an id or query
-                # value with %00 reached a WHERE clause there and was a 500): refused on either backend
-                return await detail(400, NUL_IN_URL)(scope, receive, send)
-            if scope.get("http_version") == "1.0" and scope["method"] == "GET" and "/listen/" in scope["path"]:
-                # an event stream is sent chunked (uvicorn frames every body without a length so,
-                # and HTTP/1.0 has no chunked encoding): say so instead of a stream the client misreads
-                return await detail(505, STREAM_NEEDS_HTTP_1_1)(scope, receive, send)
-            lean = getattr(self, "lean", None)
-            if lean and not scope.get("root_path"):
-                method, path = scope["method"], scope["path"]
-                if method == "POST":
-                    if path == "/assistant/chat":
-                        return await lean["start_turn"](scope, receive, send)
-                elif method == "GET" and path.startswith("/assistant/chat/") and path.count("/") == 5:
-                    return await lean["listen"](scope, receive, send)
+        """Serve one ASGI connection scope (see the class docstring for the lean routes).
+
+        A request still unanswered when the server's graceful shutdown runs out (uvicorn then
+        cancels it) is answered 503 with Retry-After like any "down or busy, retry" answer
+        (README error table), not uvicorn's text/plain 500 (fresh-eyes test)."""
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        scope[SERVER_SEND] = send  # the server's own: the SSE fast path finds the connection with it
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._http(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            with contextlib.suppress(Exception):
+                await unavailable_response()(scope, receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The HTTP dispatch: NUL and HTTP/1.0-stream refusals, the lean routes, else FastAPI."""
+        if "\x00" in scope["path"] or b"%00" in scope.get("query_string", b""):
+            # PostgreSQL's text types cannot hold U+0000 (fresh-eyes re-test: an id or query
+            # value with %00 reached a WHERE clause there and was a 500): refused on either backend
+            return await detail(400, NUL_IN_URL)(scope, receive, send)
+        if scope.get("http_version") == "1.0" and scope["method"] == "GET" and "/listen/" in scope["path"]:
+            # an event stream is sent chunked (uvicorn frames every body without a length so,
+            # and HTTP/1.0 has no chunked encoding): say so instead of a stream the client misreads
+            return await detail(505, STREAM_NEEDS_HTTP_1_1)(scope, receive, send)
+        lean = getattr(self, "lean", None)
+        if lean and not scope.get("root_path"):
+            method, path = scope["method"], scope["path"]
+            if method == "POST":
+                if path == "/assistant/chat":
+                    return await lean["start_turn"](scope, receive, send)
+            elif method == "GET" and path.startswith("/assistant/chat/") and path.count("/") == 5:
+                return await lean["listen"](scope, receive, send)
         await super().__call__(scope, receive, send)
 
 

@@ -469,7 +469,7 @@ class TurnRunner:
     def _store_tool_result(self, spec: RunSpec, totals: _Totals, call_id: str, name: str, output: Any) -> None:
         self._add_row(spec, totals, "tool", output, {"tool_call_id": call_id, "name": name})
 
-    async def _execute(self, spec: RunSpec, totals: _Totals, call: Any, input_struct: Any, input_json: bytes) -> tuple[Any, bool, Any]:
+    async def _execute(self, spec: RunSpec, totals: _Totals, call: Any, input_struct: Any, input_json: bytes) -> tuple[Any, bool, bytes]:
         """Run one non-HITL tool through the tools service.
 
         Returns (output as JSON, succeeded, output as JSON text): the tools service's JSON text

@@ -146,17 +146,23 @@ class Redelivery:
         return int(stored or 0) + len(self._unstored)
 
     async def send_or_store(self, method: str, request: Any, call: Callable[[float], Awaitable[Any]], failure_message: str,
-                            log_fields: list[dict[str, Any]]) -> None:
+                            log_fields: list[dict[str, Any]], stored: list[str] | None = None) -> bool:
         """Send `request` (a protobuf message for the idempotent billing RPC `method`) with
-        `call(timeout)` and quick retries (`call_with_retries`: 3 attempts within 2 s); when they
-        all fail, log WARNING "`failure_message`; retrying in the background" once per entry of
-        `log_fields` (with the gRPC code) and store it (`retry`). Never raises a billing failure."""
+        `call(timeout)` and quick retries (`call_with_retries`: 3 attempts within 2 s); returns
+        True once billing took it. When they all fail, log WARNING "`failure_message`; retrying
+        in the background" once per entry of `log_fields` (with the gRPC code), then store it
+        (`retry`), or, when `stored` names the rows that already hold it (a run's end stored
+        it), make those due soon (`due_soon`); returns False. Never raises a billing failure."""
         failure = await call_with_retries(call)
         if failure is None:
-            return
+            return True
         for fields in log_fields:
             log.warning(f"{failure_message}; retrying in the background", extra={"fields": {"code": failure.code().name, **fields}})
-        await self.retry(method, request, failure_message, log_fields)
+        if stored is None:
+            await self.retry(method, request, failure_message, log_fields)
+        else:
+            await self.due_soon(stored)
+        return False
 
     async def retry(self, method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]]) -> None:
         """Store `request` (a protobuf message for `method`) to be sent again in the background."""
@@ -451,11 +457,10 @@ class UsageBatcher:
         """Send stored records (quick retries), then delete their rows; when billing does not
         take them, WARNING per record and they stay stored for `Redelivery`."""
         requests = [request for _, records in rows for request in records]
-        failure = await call_with_retries(lambda timeout: self._call(requests, timeout))
-        if failure is not None:
-            for fields in _usage_fields(requests):
-                log.warning("recording usage failed; retrying in the background", extra={"fields": {"code": failure.code().name, **fields}})
-            await self.redelivery.due_soon([row_id for row_id, _ in rows])
+        if not await self.redelivery.send_or_store(
+            "RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), lambda timeout: self._call(requests, timeout),
+            "recording usage failed", _usage_fields(requests), stored=[row_id for row_id, _ in rows],
+        ):
             return
         assert self.forget is not None
         try:

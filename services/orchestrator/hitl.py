@@ -18,6 +18,7 @@ _OPTION = {
         "description": {"type": "string", "description": "Optional longer explanation."},
     },
     "required": ["value", "label"],
+    "additionalProperties": False,
 }
 
 TOOL_KINDS = {
@@ -40,6 +41,7 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
                 "allow_free_text": {"type": "boolean", "description": "Whether the user may answer in their own words."},
             },
             "required": ["message", "options"],
+            "additionalProperties": False,
         },
     },
     {
@@ -54,6 +56,7 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
                 "max_selections": {"type": "integer", "minimum": 1},
             },
             "required": ["message", "options"],
+            "additionalProperties": False,
         },
     },
     {
@@ -67,6 +70,7 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
                 "no_label": {"type": "string"},
             },
             "required": ["message"],
+            "additionalProperties": False,
         },
     },
     {
@@ -82,6 +86,7 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
                 "max_length": {"type": "integer", "minimum": 1},
             },
             "required": ["message"],
+            "additionalProperties": False,
         },
     },
     {
@@ -94,9 +99,32 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
                 "message": {"type": "string", "description": "Why the credential is needed."},
             },
             "required": ["integration", "message"],
+            "additionalProperties": False,
         },
     },
 ]
+
+
+_validators: dict[str, Any] = {}  # tool name -> compiled input schema (jsonschema is imported at the first question)
+
+
+def input_problems(tool: str, tool_input: Any) -> str | None:
+    """What is wrong with a question tool's input against its `input_schema` (TOOL_DEFINITIONS),
+    or None: missing or unexpected fields, wrong types, too few options, bounds
+    (`services.common.validation.schema_errors`: it names fields and rules, never a value).
+
+    Unknown fields are refused, as the tools service's five tools refuse them: a model that
+    misspells `allow_free_text` learns it from the error instead of asking a different question.
+    """
+    from jsonschema import Draft202012Validator  # not at start-up: most runs ask nothing (idle memory, issue 9)
+
+    from services.common.validation import schema_errors
+
+    validator = _validators.get(tool)
+    if validator is None:
+        schema = next(d["input_schema"] for d in TOOL_DEFINITIONS if d["name"] == tool)
+        validator = _validators[tool] = Draft202012Validator(schema)
+    return schema_errors(validator, tool_input, "input")
 
 
 class InvalidAnswer(ValueError):
@@ -105,14 +133,11 @@ class InvalidAnswer(ValueError):
 
 def _options(raw: Any) -> list[dict[str, Any]]:
     options = []
-    for item in raw if isinstance(raw, list) else []:
-        if isinstance(item, dict) and item.get("value") is not None:
-            option = {"value": str(item["value"]), "label": str(item.get("label") or item["value"])}
-            if item.get("description"):
-                option["description"] = str(item["description"])
-            options.append(option)
-        elif isinstance(item, str):
-            options.append({"value": item, "label": item})
+    for item in raw:  # each {value, label[, description]}: checked by input_problems
+        option = {"value": item["value"], "label": item["label"] or item["value"]}
+        if item.get("description"):
+            option["description"] = item["description"]
+        options.append(option)
     return options
 
 
@@ -131,11 +156,16 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
     """The `UserInputRequest` dict that `tool` called with `tool_input` asks.
 
     `integration` (for request_credential) is {name, display_name, auth_options:[...]}.
-    Raises ValueError when the input cannot make a question (e.g. no options, a count that
-    is not a whole number).
+    Raises ValueError when the input cannot make a question: it breaks the tool's input
+    schema (`input_problems`: a missing or unexpected field, a wrong type, fewer options
+    than the schema's minimum), or its parts do not fit together (an empty message,
+    duplicate option values, selection or length bounds that contradict each other).
     """
+    problems = input_problems(tool, tool_input)
+    if problems:
+        raise ValueError(problems)
     kind = TOOL_KINDS[tool]
-    message = str(tool_input.get("message") or "").strip()
+    message = tool_input["message"].strip()
     if not message:
         raise ValueError("a question needs a non-empty 'message'")
     request: dict[str, Any] = {"kind": kind, "request_id": request_id, "message": message, "required": True}
@@ -167,7 +197,7 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
         if request["max_length"] is not None and request["max_length"] < request["min_length"]:
             raise ValueError("max_length is below min_length")
     else:
-        name = str(tool_input.get("integration") or tool_input.get("integration_name") or "").strip()
+        name = tool_input["integration"].strip()
         if not name:
             raise ValueError("request_credential needs 'integration'")
         info = integration or {}

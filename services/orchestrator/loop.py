@@ -107,8 +107,12 @@ def checked_call(call: ToolCallRequest) -> tuple[ToolCallRequest, struct_pb2.Str
     result): the call is not run, and the thread, the `tool_call` event and done.tool_calls keep
     the clipped copy (deeper parts as their JSON text), so everything stored or published stays
     decodable. One walk of the input when it fits (to_struct measures while it builds).
-    Raises what `pb.to_struct` raises for input that is not a JSON object.
+    A call whose arguments could not be read as a JSON object (`call.unreadable`: invalid
+    JSON, an array, a string) has the input {} and that reason as its error: not run either.
     """
+    if call.unreadable:
+        error = f"Invalid input for {call.name}: {call.unreadable}; the call was not run. Send the input as a JSON object."
+        return call, struct_pb2.Struct(), error
     try:
         return call, pb.to_struct(call.input), None
     except pb.JsonTooDeep as deep:
@@ -513,7 +517,10 @@ class TurnRunner:
         try:
             integration = None
             if call.name == "request_credential":
-                integration = await self._integration_info(spec, call.input)
+                problems = hitl.input_problems(call.name, call.input)  # before looking the integration up
+                if problems:
+                    raise ValueError(problems)
+                integration = await self._integration_info(spec, call.input["integration"])
             request = hitl.build_request(call.name, call.input, request_id, integration)
         except ValueError as invalid:
             output = {"error": f"invalid question: {invalid}", "success": False}
@@ -528,9 +535,8 @@ class TurnRunner:
         }
         return request, None
 
-    async def _integration_info(self, spec: RunSpec, tool_input: dict[str, Any]) -> dict[str, Any] | None:
-        name = str(tool_input.get("integration") or tool_input.get("integration_name") or "")
-        if not name:
+    async def _integration_info(self, spec: RunSpec, name: str) -> dict[str, Any] | None:
+        if not name.strip():
             return None
         try:
             response = await self.tools.ExecuteTool(

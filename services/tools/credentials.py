@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from services.common import db
 from services.common.errors import TOOLS_DOMAIN, RpcError
+from services.common.validation import schema_errors
 from services.tools.catalogue import AUTH_TYPES, Catalogue
 from services.tools.crypto import (
     KEY_CHANGED_HINT,
@@ -34,7 +35,6 @@ from services.tools.crypto import (
 )
 from services.tools.mcp_servers import MCP_AUTH_TYPE
 from services.tools.models import Credential, OAuthState, utcnow
-from services.tools.validation import schema_errors
 
 log = logging.getLogger(__name__)
 

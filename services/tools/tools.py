@@ -21,6 +21,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from services.common import pb
+from services.common.validation import schema_errors
 from services.tools.catalogue import ActionContext, ActionError, Catalogue, Integration
 from services.tools.config import ToolsSettings
 from services.tools.credentials import CredentialStore
@@ -35,7 +36,6 @@ from services.tools.mcp_servers import (
     integration_of_tools,
 )
 from services.tools.netpolicy import OutboundPolicyError
-from services.tools.validation import schema_errors
 
 log = logging.getLogger(__name__)
 
@@ -438,10 +438,13 @@ class ToolExecutor:
                 raise ToolError(f"The MCP server {name!r} did not list its tools in time; try again later.") from None
             except (ActionError, OutboundPolicyError) as exc:
                 raise ToolError(f"The MCP server {name!r} is unavailable: {exc}") from None
+        org_servers: list[str] = []
         for fresh in (False, True):  # cached first; a name it lacks may be a server another replica just added
+            org_servers.clear()
             for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE, fresh=fresh):
                 if info.integration == name:
                     return self.org_mcp_integration(info, tools)
-        names = [i.name for i in self.catalogue.all()] + list(self.stdio.servers)
+                org_servers.append(info.integration)
+        names = [i.name for i in self.catalogue.all()] + list(self.stdio.servers) + org_servers
         raise ToolError(f"Unknown integration {name!r}. Available integrations include: {', '.join(names)}. "
                         "Call get_available_integrations to browse them.")

@@ -286,6 +286,24 @@ async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
     assert [c["tool"] for c in frames[-1]["data"]["tool_calls"]] == ["ask_user_yes_no"]
 
 
+@pytest.mark.parametrize(("tool", "tool_input", "expected"), [
+    ("ask_user_yes_no", {"message": "ok?", "yes_lable": "Sure"}, "input: unexpected field(s) 'yes_lable' (allowed: 'message', 'yes_label', 'no_label')"),
+    ("ask_user_choice", {"message": "pick", "options": ["a", "b"]}, "input.options[0]: must be of type object (got string)"),
+    ("ask_user_free_text", {"message": {"text": "say"}}, "input.message: must be of type string (got object)"),
+    ("request_credential", {"integration_name": "http", "message": "need http"}, "'integration' is required"),
+])
+async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_error_names_the_field(stack, tool, tool_input, expected):
+    # fresh-eyes finding: unknown fields were ignored and wrong types coerced (a dict message became its Python repr)
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"tool": tool, "input": tool_input}, {"say": "ok"})
+        assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "done"], frames
+        result = frames[2]["data"]["output"]
+        assert result["success"] is False and result["error"].startswith("invalid question: ") and expected in result["error"]
+        assert frames[-1]["data"]["tool_calls"][0]["output"] == result
+        chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
+        assert chat["pending_user_input_request"] is None  # nothing was asked
+
+
 async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})

@@ -77,7 +77,8 @@ def test_loads_deep_reads_json_too_deep_for_json_loads_and_refuses_what_is_not_j
 
 
 def test_arguments_too_deep_for_json_loads_are_the_calls_error_result_not_a_crash():
-    value = parse_arguments(deep_text(LEVELS))
+    value, unreadable = parse_arguments(deep_text(LEVELS))
+    assert unreadable == ""
     _check_too_deep_input(value)
     from services.orchestrator.providers.base import ToolCallRequest
 

@@ -65,6 +65,19 @@ async def test_mcp_server_writes_are_seen_by_the_next_tool_call_of_the_same_proc
     assert "Unknown integration" in await tools.failed("get_integration_details", {"integration": "mcp_docs"})
 
 
+async def test_the_unknown_integration_hint_names_the_organizations_mcp_servers(start_tools):
+    tools = await start_tools()
+    store = tools.server.servicer.credentials
+    await store.create_raw("org-a", "mcp_docs", MCP_AUTH_TYPE, {"url": "https://mcp.example/mcp", "headers": {}},
+                           "Docs", discovery=MCP_TOOLS)
+    error = await tools.failed("get_integration_details", {"integration": "mcp_doc"})
+    assert "Unknown integration 'mcp_doc'" in error
+    hinted = error.split("include: ", 1)[1].split(". Call", 1)[0].split(", ")
+    assert "mcp_docs" in hinted and "http" in hinted
+    other = await tools.failed("get_integration_details", {"integration": "mcp_doc"}, org="org-b")
+    assert "mcp_docs" not in other  # another organization's server is never named
+
+
 async def test_another_replicas_credential_is_seen_within_the_cache_ttl(start_tools, tmp_path):
     url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
     first = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=0.5)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from services.common.errors import status_details
-from services.tools.validation import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, schema_errors
+from services.common.validation import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, schema_errors
 
 SECRET = "postgresql://admin:Sup3r-S3cret-Pw@db.internal:5432/prod"
 

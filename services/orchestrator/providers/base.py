@@ -19,11 +19,40 @@ from typing import Any, Protocol
 
 @dataclass
 class ToolCallRequest:
-    """A tool call the model asked for."""
+    """A tool call the model asked for.
+
+    `input` is the call's arguments as a JSON object. `unreadable` says why they could not
+    be read as one ("" when they could): arguments that are not valid JSON, or JSON that is
+    not an object (an array, a string, a number). Such a call keeps `input` = {} and is not
+    run: the model gets an error result naming the reason (`loop.checked_call`), as
+    LangChain's `invalid_tool_calls` are answered instead of run with made-up arguments.
+    """
 
     id: str
     name: str
     input: dict[str, Any]
+    unreadable: str = ""
+
+
+def arguments_of(value: Any) -> tuple[dict[str, Any], str]:
+    """A decoded tool-call input as (object, "") or ({}, why it is not one); None is {}."""
+    if value is None:
+        return {}, ""
+    if isinstance(value, dict):
+        return value, ""
+    return {}, f"the arguments are {_json_kind(value)}, not a JSON object"
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "not JSON"
 
 
 @dataclass

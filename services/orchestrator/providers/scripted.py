@@ -30,6 +30,7 @@ from services.orchestrator.providers.base import (
     OnText,
     TokenUsage,
     ToolCallRequest,
+    arguments_of,
     estimate_tokens,
     loads_deep,
 )
@@ -133,11 +134,7 @@ class ScriptedModel:
     def _call(name: Any, tool_input: Any, call_id: Any) -> ToolCallRequest:
         import uuid
 
-        return ToolCallRequest(
-            id=str(call_id) if call_id else f"call_{uuid.uuid4().hex[:24]}",
-            name=str(name),
-            input=tool_input if isinstance(tool_input, dict) else {},
-        )
+        return ToolCallRequest(str(call_id) if call_id else f"call_{uuid.uuid4().hex[:24]}", str(name), *arguments_of(tool_input))
 
     def _rule_step(self, user_text: Any, since_user: list[dict[str, Any]], step_index: int) -> dict[str, Any]:
         text = user_text if isinstance(user_text, str) else ""

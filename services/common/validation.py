@@ -1,7 +1,9 @@
 """Readable JSON Schema violation messages that never quote a submitted value.
 
-One builder for everything the tools service validates: credential `auth_data` (often a
-secret), the five tools' inputs and integration actions' parameters (model-supplied).
+One builder for every model- or user-supplied JSON that Loopline validates against a schema:
+the tools service's credential `auth_data` (often a secret), its five tools' inputs and
+integration actions' parameters, and the orchestrator's question tools' inputs
+(`services/orchestrator/hitl.py`).
 jsonschema's own messages quote the offending value (`'postgres://u:pw@h' does not match
 ...`), which may be a secret and may be arbitrarily long, so each violation is described
 from the rule and the schema instead: the path to the field, the names of missing or

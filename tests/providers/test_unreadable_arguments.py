@@ -1,0 +1,105 @@
+"""A tool call whose arguments are not a JSON object is answered with an error, never run (fresh-eyes finding).
+
+The adapters read invalid or non-object arguments (`[1, 2]`, `"text"`, `{"a": 1` cut off) as
+`{}`, and the loop ran the tool with that made-up input: `get_available_integrations` listed
+everything, a question tool asked nothing useful. Now the call keeps the input `{}` in its
+frame and thread (the spec's `input` is an object) and its result is an error that names the
+reason, as LangChain answers its `invalid_tool_calls`; the model sees it and the turn goes on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.orchestrator.loop import checked_call
+from services.orchestrator.providers.base import ToolCallRequest, arguments_of
+from services.orchestrator.providers.openai_compat import OpenAICompatModel, parse_arguments
+from services.orchestrator.providers.retry import RetryPolicy
+from services.orchestrator.providers.scripted import ScriptedModel
+from tests.conftest import start_stack, stop_stack
+from tests.orchestrator.helpers import run_turn, types
+from tests.providers.fakes import FakeLLMServer, Reply, openai_text, openai_tool_call
+from tests.sse_client import read_frames
+
+FAST = RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=1.0)
+TOOLS = [{"name": "get_available_integrations", "description": "List integrations.", "input_schema": {"type": "object", "properties": {}}}]
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    ("[1, 2]", "the arguments are an array, not a JSON object"),
+    ('"all of them"', "the arguments are a string, not a JSON object"),
+    ("42", "the arguments are a number, not a JSON object"),
+    ("true", "the arguments are a boolean, not a JSON object"),
+    ('{"category": "database"', "the arguments are not valid JSON"),
+    ("not json", "the arguments are not valid JSON"),
+])
+def test_arguments_that_are_not_an_object_are_read_as_empty_with_the_reason(raw, reason):
+    assert parse_arguments(raw) == ({}, reason)
+
+
+@pytest.mark.parametrize("raw", ["", "  ", "{}", '{"category": "database"}', "null"])
+def test_empty_text_null_and_objects_are_readable(raw):
+    value, reason = parse_arguments(raw)
+    assert reason == "" and value == ({"category": "database"} if "database" in raw else {})
+
+
+def test_checked_call_answers_an_unreadable_call_without_running_it():
+    call, struct, error = checked_call(ToolCallRequest("call_1", "get_available_integrations", *arguments_of(["x"])))
+    assert call.input == {} and len(struct.fields) == 0
+    assert error == ("Invalid input for get_available_integrations: the arguments are an array, not a JSON object; "
+                     "the call was not run. Send the input as a JSON object.")
+    assert checked_call(ToolCallRequest("call_2", "get_available_integrations", {"query": "x"}))[2] is None
+
+
+async def test_the_scripted_models_non_object_input_is_unreadable():
+    model = ScriptedModel()
+    reply = await model.generate([{"role": "user", "content": '{"script": [{"tool": "get_available_integrations", "input": [1]}]}'}],
+                                 TOOLS, _noop)
+    assert [(c.name, c.input, c.unreadable) for c in reply.tool_calls] == [
+        ("get_available_integrations", {}, "the arguments are an array, not a JSON object")]
+
+
+@pytest.mark.parametrize("tool", ["get_available_integrations", "ask_user_yes_no"])
+async def test_a_turn_with_a_non_object_input_gets_the_error_result_and_goes_on(stack, tool):
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"tool": tool, "input": ["all"]}, {"say": "ok"})
+        assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "done"], frames
+        assert frames[1]["data"]["input"] == {}
+        output = frames[2]["data"]["output"]
+        assert output == {"success": False, "error": f"Invalid input for {tool}: the arguments are an array, not a JSON object; "
+                                                      "the call was not run. Send the input as a JSON object."}
+        assert frames[-1]["data"]["tool_calls"] == [{"tool": tool, "input": {}, "output": output}]
+        chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
+        assert chat["pending_user_input_request"] is None
+
+
+async def test_an_openai_call_with_invalid_json_arguments_is_answered_and_the_model_sees_why(tmp_path):
+    replies = [
+        Reply(events=openai_tool_call("get_available_integrations", '{"category": "data', call_id="call_cut")),
+        Reply(events=openai_text("Let me ", "retry.")),
+    ]
+    async with FakeLLMServer(replies) as server:
+        model = OpenAICompatModel("openai", "gpt-test", base_url=f"{server.url}/v1", api_key="sk-test-SECRET123456", policy=FAST, timeout_s=5)
+        reply = await model.generate([{"role": "user", "content": "hi"}], TOOLS, _noop)
+        assert [(c.id, c.input, c.unreadable) for c in reply.tool_calls] == [("call_cut", {}, "the arguments are not valid JSON")]
+    async with FakeLLMServer(replies) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test",
+            "llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0,
+        })
+        try:
+            async with stack.client() as client:
+                llm = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
+                started = await client.post("/assistant/chat", json={"message": "Which integrations?", "llm": llm})
+                assert started.status_code == 200, started.text
+                frames = await read_frames(client, started.json()["stream_url"])
+        finally:
+            await stop_stack(stack)
+    assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "response_chunk", "done"], frames
+    assert frames[2]["data"]["output"]["success"] is False
+    tool = next(m for m in server.requests[1].body["messages"] if m["role"] == "tool")
+    assert tool["tool_call_id"] == "call_cut" and "the arguments are not valid JSON" in tool["content"]
+
+
+async def _noop(_: str) -> None:
+    return None

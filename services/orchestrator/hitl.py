@@ -221,6 +221,11 @@ ANSWER_FIELDS: dict[str, frozenset[str]] = {
 }
 
 
+# credential_failed's error codes: the SDK's CredentialFailedResponse.error_code literals.
+CREDENTIAL_ERROR_CODES = ("oauth_denied", "oauth_provider_error", "invalid_credentials", "network_error", "popup_closed",
+                          "timeout", "unknown")
+
+
 # The JSON type of every answer field (the SDK's UserInputResponse models: modulex.types.realtime);
 # null is the field left out. `kind` is checked by its value, `selected_values` item by item.
 ANSWER_FIELD_TYPES: dict[str, tuple[type, str]] = {
@@ -238,9 +243,10 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
     Raises InvalidAnswer for a wrong kind, a field the kind does not have (ANSWER_FIELDS), a
     field of the wrong JSON type (ANSWER_FIELD_TYPES; null counts as absent), a value not
     among the options, both a value and
-    free text for a single choice, a selection count outside [min_selections,
-    max_selections], or text whose length without surrounding whitespace is outside the
-    length bounds.
+    free text for a single choice, empty free text, a selection count outside [min_selections,
+    max_selections], text whose length without surrounding whitespace (in code points) is
+    outside the length bounds, a credential answer naming another integration than the
+    question's, or a credential_failed `error_code` outside the SDK's (CREDENTIAL_ERROR_CODES).
     """
     kind = answer.get("kind")
     expected = request["kind"]
@@ -260,6 +266,13 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
             raise InvalidAnswer(f"a credential_request is answered with credential_added, credential_failed or skipped, not {kind!r}")
         if kind == "credential_added" and not isinstance(answer.get("credential_id"), str):
             raise InvalidAnswer("credential_added needs 'credential_id'")
+        named = answer.get("integration_name")
+        if named is not None and named != request.get("integration_name"):
+            raise InvalidAnswer(f"'integration_name' is {json.dumps(named)[:80]} but the question asks for "
+                                f"{json.dumps(request.get('integration_name'))}")
+        code = answer.get("error_code")
+        if kind == "credential_failed" and code is not None and code not in CREDENTIAL_ERROR_CODES:
+            raise InvalidAnswer(f"'error_code' must be one of {', '.join(CREDENTIAL_ERROR_CODES)}")
         return dict(answer)
     if kind != expected:
         raise InvalidAnswer(f"the question is {expected!r} but the answer is {kind!r}")
@@ -274,6 +287,8 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
             raise InvalidAnswer(f"{json.dumps(selected)} is not one of the options")
         if free is not None and not request.get("allow_free_text"):
             raise InvalidAnswer("this question does not allow free text")
+        if free is not None and not free.strip():
+            raise InvalidAnswer("'free_text' must not be empty")
         return {"kind": kind, "selected_value": selected, "free_text": free}
     if kind == "multi_choice":
         selected = answer.get("selected_values")
@@ -298,7 +313,8 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
     low, high = request.get("min_length") or 0, request.get("max_length")
     length = len(text.strip())  # surrounding whitespace is not an answer
     if length < low or (high is not None and length > high):
-        raise InvalidAnswer(f"the text must be between {low} and {high if high is not None else 'any'} characters")
+        raise InvalidAnswer(f"the text must be between {low} and {high if high is not None else 'any'} characters "
+                            "(surrounding whitespace not counted)")
     return {"kind": kind, "text": text}
 
 

@@ -88,3 +88,45 @@ def test_a_value_not_among_the_options_is_named_in_json():
     with pytest.raises(InvalidAnswer, match='^"zz" is not one of the options$'):
         validate_answer(request, {"kind": "single_choice", "selected_value": "zz"})
     assert validate_answer(request, {"kind": "skipped", "reason": None}) == {"kind": "skipped", "reason": None}
+
+
+CREDENTIAL_QUESTION = {"message": "connect it", "integration": "http"}
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    ({"kind": "credential_added", "credential_id": "cred_1", "integration_name": "postgresql", "auth_type": "bearer"},
+     "'integration_name' is \"postgresql\" but the question asks for \"http\""),
+    ({"kind": "credential_failed", "integration_name": "github", "auth_type": "oauth2", "error_code": "timeout", "error_message": "x"},
+     "'integration_name' is \"github\" but the question asks for \"http\""),
+    ({"kind": "credential_failed", "integration_name": "http", "auth_type": "oauth2", "error_code": "bogus", "error_message": "x"},
+     "'error_code' must be one of oauth_denied, oauth_provider_error, invalid_credentials, network_error, popup_closed, timeout, unknown"),
+])
+def test_a_credential_answer_must_name_the_questions_integration_and_an_sdk_error_code(answer, message):
+    # fresh-eyes test: both were stored, and the model was told of another integration
+    request = build_request("request_credential", CREDENTIAL_QUESTION, "req_1")
+    with pytest.raises(InvalidAnswer) as raised:
+        validate_answer(request, answer)
+    assert str(raised.value) == message
+
+
+def test_credential_answers_of_the_sdk_shape_are_taken():
+    request = build_request("request_credential", CREDENTIAL_QUESTION, "req_1")
+    added = {"kind": "credential_added", "credential_id": "cred_1", "integration_name": "http", "auth_type": "bearer_token"}
+    assert validate_answer(request, added) == added
+    for code in ("oauth_denied", "unknown"):
+        failed = {"kind": "credential_failed", "integration_name": "http", "auth_type": "oauth2", "error_code": code, "error_message": "no"}
+        assert validate_answer(request, failed) == failed
+
+
+@pytest.mark.parametrize("free_text", ["", "   "])
+def test_empty_free_text_is_not_an_answer_to_a_single_choice(free_text):
+    request = build_request("ask_user_choice", {"message": "pick", "options": OPTIONS, "allow_free_text": True}, "req_1")
+    with pytest.raises(InvalidAnswer, match="'free_text' must not be empty"):
+        validate_answer(request, {"kind": "single_choice", "free_text": free_text})
+    assert validate_answer(request, {"kind": "single_choice", "free_text": " mine "})["free_text"] == " mine "
+
+
+def test_the_length_error_says_surrounding_whitespace_is_not_counted():
+    request = build_request("ask_user_free_text", {"message": "say", "min_length": 3, "max_length": 5}, "req_1")
+    with pytest.raises(InvalidAnswer, match=r"^the text must be between 3 and 5 characters \(surrounding whitespace not counted\)$"):
+        validate_answer(request, {"kind": "free_text", "text": " ab "})

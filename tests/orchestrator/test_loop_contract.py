@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 from sqlalchemy import select
 
 from services.orchestrator.models import Chat, Message, Run
@@ -66,6 +67,26 @@ async def test_failed_run_records_token_usage_with_billing(stack):
     async with stack.billing.core.sessions() as session:
         rows = (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"]))).scalars().all()
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [(11, 5)]
+
+
+@pytest.mark.parametrize(("step", "named"), [
+    ({"say": "ok ok ok", "chunks": 1e400}, "chunks"), ({"say": "ok", "chunks": 0}, "chunks"), ({"say": "ok", "chunks": "2"}, "chunks"),
+    ({"say": "ok", "chunks": 2.5}, "chunks"), ({"say": "ok", "sleep_ms": 1e12}, "sleep_ms"), ({"say": "ok", "sleep_ms": -5}, "sleep_ms"),
+    ({"say": "ok", "sleep_ms": "10"}, "sleep_ms"),
+])
+async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_call_not_the_loop(stack, step, named):
+    # fresh-eyes test: chunks 1e400 crashed the loop (OverflowError, "Internal error"); sleep_ms 1e12 held the chat for good
+    async with stack.client() as client:
+        body, frames = await asyncio.wait_for(run_turn(client, step), 10)
+    assert types(frames)[-2:] == ["error", "done"], frames
+    assert frames[-1]["data"]["error"] is True and frames[-1]["data"]["usage"]["llm_calls"] == 1
+    assert (await _run_row(stack, body["run_id"])).status == "failed"
+
+
+async def test_scripted_chunks_and_sleep_ms_within_their_bounds_are_used(stack):
+    async with stack.client() as client:
+        _, frames = await run_turn(client, {"say": "one two three four", "chunks": 2, "sleep_ms": 1})
+    assert [f["data"]["chunk"] for f in frames if f["type"] == "response_chunk"] == ["one two ", "three four"]
 
 
 async def test_failed_tool_output_is_error_and_success_false(stack):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from services.orchestrator.loop import checked_call
-from services.orchestrator.providers.base import ToolCallRequest, arguments_of
+from services.orchestrator.providers.base import NOT_FINITE, ToolCallRequest, arguments_of
 from services.orchestrator.providers.openai_compat import OpenAICompatModel, parse_arguments
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
@@ -35,6 +35,14 @@ TOOLS = [{"name": "get_available_integrations", "description": "List integration
 ])
 def test_arguments_that_are_not_an_object_are_read_as_empty_with_the_reason(raw, reason):
     assert parse_arguments(raw) == ({}, reason)
+
+
+@pytest.mark.parametrize("raw", ['{"x": NaN}', '{"x": Infinity}', '{"a": [1, {"b": -Infinity}]}', '{"x": 1e400}', '{"x": -1e400}'])
+def test_arguments_holding_a_number_json_cannot_carry_are_unreadable(raw):
+    # fresh-eyes test: json reads these as non-finite floats; stored, they made GET chat 500 for good on
+    # SQLite and failed the run's end on PostgreSQL (its answer lost from the thread)
+    assert parse_arguments(raw) == ({}, NOT_FINITE)
+    assert arguments_of({"x": [1.5, {"y": 2}], "ok": 1e308}) == ({"x": [1.5, {"y": 2}], "ok": 1e308}, "")
 
 
 @pytest.mark.parametrize("raw", ["", "  ", "{}", '{"category": "database"}', "null"])
@@ -71,6 +79,28 @@ async def test_a_turn_with_a_non_object_input_gets_the_error_result_and_goes_on(
         assert frames[-1]["data"]["tool_calls"] == [{"tool": tool, "input": {}, "output": output}]
         chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
         assert chat["pending_user_input_request"] is None
+
+
+@pytest.mark.parametrize("number", ["NaN", "1e400", "-Infinity"])
+async def test_a_turn_whose_tool_input_holds_nan_or_infinity_keeps_its_chat_readable(stack, number):
+    script = ('{"script": [{"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", '
+              '"parameters": {"message": "hi"}, "x": %s}}, {"say": "ok"}]}' % number)
+    async with stack.client() as client:
+        started = await client.post("/assistant/chat", json={"message": script})
+        assert started.status_code == 200, started.text
+        body = started.json()
+        frames = await read_frames(client, body["stream_url"])
+        assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "done"], frames
+        assert frames[1]["data"]["input"] == {}
+        output = frames[2]["data"]["output"]
+        assert output["success"] is False and NOT_FINITE in output["error"] and "not run" in output["error"]
+        assert frames[-1]["data"]["response"] == "ok" and not frames[-1]["data"].get("error")
+        for _ in range(2):
+            chat = await client.get(f"/assistant/chat/{body['chat_id']}")
+            assert chat.status_code == 200, chat.text
+        assert [m["role"] for m in chat.json()["messages"]] == ["user", "assistant", "tool", "assistant"]
+        _, again = await run_turn(client, {"say": "still fine"}, chat_id=body["chat_id"])
+        assert again[-1]["type"] == "done" and again[-1]["data"]["response"] == "still fine"
 
 
 async def test_an_openai_call_with_invalid_json_arguments_is_answered_and_the_model_sees_why(tmp_path):

@@ -11,6 +11,7 @@ Tools are `{"name", "description", "input_schema"}`.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,13 +35,37 @@ class ToolCallRequest:
     unreadable: str = ""
 
 
+NOT_FINITE = "the arguments hold a number JSON cannot carry (NaN, Infinity, or beyond ±1.8e308)"
+
+
 def arguments_of(value: Any) -> tuple[dict[str, Any], str]:
-    """A decoded tool-call input as (object, "") or ({}, why it is not one); None is {}."""
+    """A decoded tool-call input as (object, "") or ({}, why it is not one); None is {}.
+
+    An object holding a number that is not finite (Python's json reads `NaN`, `Infinity`
+    and `1e400` as such floats; RFC 8259 section 6 has no value for them) is not one either:
+    it cannot be stored, encoded as protobuf's Value or sent to a model again (fresh-eyes test:
+    such an input made its chat unreadable, 500, and failed the run's end on PostgreSQL).
+    """
     if value is None:
         return {}, ""
     if isinstance(value, dict):
-        return value, ""
+        return (value, "") if _all_finite(value) else ({}, NOT_FINITE)
     return {}, f"the arguments are {_json_kind(value)}, not a JSON object"
+
+
+def _all_finite(value: Any) -> bool:
+    """Whether every float in a decoded JSON value is finite (one iterative walk)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
 
 
 def _json_kind(value: Any) -> str:

@@ -67,6 +67,24 @@ def _script_of(content: Any) -> list[Any] | None:
     return script if isinstance(script, list) else None
 
 
+MAX_SLEEP_MS = 600_000  # a step's `sleep_ms` at most (10 minutes)
+MAX_CHUNKS = 100_000  # a step's `chunks` at most
+
+
+def _bounded(step: dict[str, Any], key: str, low: float, high: float, default: float, kind: str, whole: bool = False) -> float:
+    """A step's numeric setting `key` (`default` when absent or null), checked against
+    [low, high]; raises ModelError naming it otherwise (a string, a boolean, NaN, 1e400, a
+    fraction where `whole`): that model call fails like a bad `usage`, never the run's loop
+    (fresh-eyes test: `chunks: 1e400` crashed the loop, `sleep_ms: 1e12` held the chat for good)."""
+    value = step.get(key)
+    if value is None:
+        return default
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high
+            or (whole and value != int(value))):
+        raise ModelError(f"scripted model: {key} must be {kind} between {low:,} and {high:,}")
+    return value
+
+
 class ScriptedModel:
     """The deterministic test and demo model (provider_id "scripted")."""
 
@@ -91,8 +109,9 @@ class ScriptedModel:
         else:
             step = self._rule_step(user_text, messages[last_user + 1 :], step_index)
 
-        sleep_ms = step.get("sleep_ms")
-        if isinstance(sleep_ms, (int, float)) and sleep_ms > 0:
+        sleep_ms = _bounded(step, "sleep_ms", 0, MAX_SLEEP_MS, 0, "a number of milliseconds")
+        chunks = int(_bounded(step, "chunks", 1, MAX_CHUNKS, 4, "a whole number", whole=True))
+        if sleep_ms > 0:
             await asyncio.sleep(sleep_ms / 1000)
 
         reported = step.get("usage") if isinstance(step.get("usage"), dict) else None
@@ -110,7 +129,7 @@ class ScriptedModel:
         if "fail" in step:
             raise ModelError(f"scripted model failed: {step['fail']}", usage=usage)
 
-        for chunk in split_chunks(text, int(step.get("chunks", 4))):
+        for chunk in split_chunks(text, chunks):
             await on_text(chunk)
 
         calls: list[ToolCallRequest] = []

@@ -187,6 +187,54 @@ def output_of(message: Any) -> Any:
     return orjson.loads(output_json(message))
 
 
+# A JSON field pair: a Struct or Value field `name` (messages of an older version) and the bytes
+# field `<name>_json` beside it holding the same value as JSON text, set instead of it
+# (ChatMessage `content` and `thinking`, Chat `pending_user_input_request`,
+# UserInputRequestEvent `request`, ResumeRequest `response`). A writer sets `<name>_json`
+# (`json_bytes`); a reader takes it when it is set, else the Struct or Value.
+
+
+def _older_field(message: Any, name: str) -> Any:
+    """The JSON value of the Struct or Value field `name` of `message` (`from_struct`/`from_value`),
+    None when it is unset."""
+    if not message.HasField(name):
+        return None
+    field = getattr(message, name)
+    return from_struct(field) if isinstance(field, struct_pb2.Struct) else from_value(field)
+
+
+def field_fragment(message: Any, name: str) -> Any:
+    """The JSON field pair `name` of `message` for a response body written by orjson: `<name>_json`
+    as an orjson.Fragment (written into the body as it is, never parsed or encoded again), else
+    the Struct's or Value's JSON value (a message of an older version), None when neither is set.
+
+    The text is trusted to be JSON (it comes from `json_bytes` in another service); raises
+    AttributeError or ValueError for a message without the pair.
+    """
+    text = getattr(message, f"{name}_json")
+    if text:
+        return orjson.Fragment(text)
+    return _older_field(message, name)
+
+
+def object_of(message: Any, name: str) -> dict[str, Any]:
+    """The JSON object of the Struct field pair `name` of `message` (ResumeRequest `response`):
+    `<name>_json` parsed when it is set and holds a JSON object, else the Struct `name` as
+    `from_struct` gives it ({} when unset: a caller checks the object's fields). Raises nothing
+    for bad text (it falls back to the Struct); AttributeError or ValueError for a message
+    without the pair.
+    """
+    text = getattr(message, f"{name}_json")
+    if text:
+        try:
+            data = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            data = None
+        if isinstance(data, dict):
+            return data
+    return from_struct(getattr(message, name))
+
+
 def to_struct(data: dict[str, Any] | None, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> struct_pb2.Struct:
     """A Struct holding the JSON object `data` (empty for None or {}).
 

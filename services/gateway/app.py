@@ -579,7 +579,8 @@ def create_app(
         if not isinstance(answer, dict) or not isinstance(answer.get("kind"), str):
             raise BodyError(400, "response must be an object with a 'kind' (the SDK's UserInputResponse)")
         llm = parse_llm(body.get("llm"))
-        rpc = assistant_pb2.ResumeRequest(caller=caller(who), chat_id=chat_id, request_id=request_id, response=pb.to_struct(answer))
+        # the answer as JSON text (numbers exact, keys in the client's order), not a Struct
+        rpc = assistant_pb2.ResumeRequest(caller=caller(who), chat_id=chat_id, request_id=request_id, response_json=pb.json_bytes(answer))
         if llm is not None:
             rpc.llm.CopyFrom(llm)
         return JSONResponse(_turn_json(await orchestrator.Resume(rpc, timeout=30)))
@@ -595,23 +596,29 @@ def create_app(
         who = await principal(request)
         response = await orchestrator.GetChat(assistant_pb2.GetChatRequest(caller=caller(who), chat_id=chat_id), timeout=30)
         chat = response.chat
-        return JSONResponse(
-            {
-                "id": chat.id,
-                "title": chat.title,
-                "running_id": chat.running_id or None,
-                "pending_user_input_request": pb.from_struct(chat.pending_user_input_request) if chat.HasField("pending_user_input_request") else None,
-                "created_at": pb.iso(chat.create_time),
-                "updated_at": pb.iso(chat.update_time),
-                "messages": [
-                    {
-                        "id": m.id, "role": m.role, "content": pb.from_value(m.content),
-                        "thinking": pb.from_struct(m.thinking) if m.HasField("thinking") else None,
-                        "run_id": m.run_id or None, "running_status": m.running_status or None, "created_at": pb.iso(m.create_time),
-                    }
-                    for m in response.messages
-                ],
-            }
+        # orjson: the JSON fields' text (`*_json`) goes into the body as the orchestrator wrote it
+        # (pb.field_fragment: numbers exact, keys in their stored order); an older orchestrator's Struct
+        # or Value is converted
+        return Response(
+            orjson.dumps(
+                {
+                    "id": chat.id,
+                    "title": chat.title,
+                    "running_id": chat.running_id or None,
+                    "pending_user_input_request": pb.field_fragment(chat, "pending_user_input_request"),
+                    "created_at": pb.iso(chat.create_time),
+                    "updated_at": pb.iso(chat.update_time),
+                    "messages": [
+                        {
+                            "id": m.id, "role": m.role, "content": pb.field_fragment(m, "content"),
+                            "thinking": pb.field_fragment(m, "thinking"),
+                            "run_id": m.run_id or None, "running_status": m.running_status or None, "created_at": pb.iso(m.create_time),
+                        }
+                        for m in response.messages
+                    ],
+                }
+            ),
+            media_type="application/json",
         )
 
     @app.get("/assistant/chats", summary="The caller's chats, newest first", responses=error_responses())
@@ -621,7 +628,7 @@ def create_app(
         return JSONResponse(
             {
                 "items": [
-                    {"id": c.id, "title": c.title, "created_at": pb.iso(c.create_time), "updated_at": pb.iso(c.update_time), "is_running": bool(c.running_id) and not c.HasField("pending_user_input_request")}
+                    {"id": c.id, "title": c.title, "created_at": pb.iso(c.create_time), "updated_at": pb.iso(c.update_time), "is_running": bool(c.running_id) and not _pending(c)}
                     for c in response.chats
                 ],
                 "next_cursor": response.next_cursor or None,
@@ -669,3 +676,9 @@ def _turn_json(response: Any) -> dict[str, Any]:
         "thread_id": response.thread_id,
         "stream_url": response.stream_url,
     }
+
+
+def _pending(chat: assistant_pb2.Chat) -> bool:
+    """Whether `chat` (of ListChats) has a pending question: its `pending_user_input_request_json`,
+    or the Struct an orchestrator of an older version sets instead."""
+    return bool(chat.pending_user_input_request_json) or chat.HasField("pending_user_input_request")

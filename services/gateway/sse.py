@@ -90,7 +90,10 @@ def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> 
         if e.HasField("total_llm_calls"):
             data["total_llm_calls"] = e.total_llm_calls
     elif kind == "user_input_request":
-        data = pb.from_struct(event.user_input_request.request)
+        # its `request_json` as it is (keys in their order, numbers exact), else an older event's Struct
+        data = pb.field_fragment(event.user_input_request, "request")
+        if data is None:
+            data = {}
     elif kind == "interrupted":
         data = {"request_id": event.interrupted.request_id, "kind": event.interrupted.kind}
     elif kind == "run_resumed":

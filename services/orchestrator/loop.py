@@ -667,7 +667,7 @@ class TurnRunner:
         else:
             interrupt = outcome.interrupt or {}
             # clip: the question holds parts of the model's input (e.g. a placeholder) and tool output
-            ending = [_event(run_id, user_input_request=events_pb2.UserInputRequestEvent(request=pb.to_struct(interrupt, clip=True))),
+            ending = [_event(run_id, user_input_request=events_pb2.UserInputRequestEvent(request_json=pb.json_bytes(interrupt, clip=True))),
                       _event(run_id, interrupted=events_pb2.InterruptedEvent(request_id=interrupt["request_id"], kind=interrupt["kind"]))]
         archived = self._stream_to_archive(run_id, ending)
         try:

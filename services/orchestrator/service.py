@@ -394,7 +394,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         a `credential_added` answer is checked with the tools service (`_check_credential`).
         """
         caller = request.caller
-        answer = pb.from_struct(request.response)
+        answer = pb.object_of(request, "response")  # the JSON text, or the Struct of a gateway of an older version
         llm = self._llm(request.llm, request.HasField("llm"))
         model = await self._model(llm, caller.organization_id)
         async with self.sessions() as session:
@@ -577,10 +577,12 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def GetChat(self, request: assistant_pb2.GetChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatResponse:
         """The chat with its messages (oldest first) and its pending question.
 
-        Stored JSON is converted with `clip=True` (services/common/pb.py): a row stored before the
-        depth rule (a tool input or output nested past what protobuf decodes) shows its deeper parts
-        as JSON text instead of making every read of the chat fail. A message's `thinking` is
-        limited to pb.MAX_WIRE_DEPTH, which its 3 levels around a tool call's input need
+        Stored JSON travels as JSON text (`content_json`, `thinking_json`,
+        `pending_user_input_request_json`: numbers exact, keys in their stored order), written
+        with `clip=True` (services/common/pb.py): a row stored before the depth rule (a tool input
+        or output nested past what the services take) shows its deeper parts as JSON text instead
+        of making every read of the chat fail. A message's `thinking` is limited to
+        pb.MAX_WIRE_DEPTH, which its 3 levels around a tool call's input need
         ({"tool_calls": [{"input": ...}]}); anything stored since the rule fits unclipped.
         """
         async with self.sessions() as session:
@@ -591,12 +593,12 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         for row in rows:
             if row.role in ("marker", "system"):
                 continue
-            thinking = pb.to_struct(row.extra, clip=True, max_depth=pb.MAX_WIRE_DEPTH) if row.extra else None
+            thinking = pb.json_bytes(row.extra, clip=True, max_depth=pb.MAX_WIRE_DEPTH) if row.extra else b""
             messages.append(
                 assistant_pb2.ChatMessage(
-                    id=row.id, role=row.role, content=pb.to_value(row.content, clip=True), run_id=row.run_id or "",
+                    id=row.id, role=row.role, content_json=pb.json_bytes(row.content, clip=True), run_id=row.run_id or "",
                     running_status=statuses.get(row.run_id, ""), create_time=pb.timestamp(db.utc(row.created_at)),
-                    thinking=thinking,
+                    thinking_json=thinking,
                 )
             )
         return assistant_pb2.GetChatResponse(chat=self._chat_message(chat, pending), messages=messages)
@@ -607,7 +609,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             create_time=pb.timestamp(db.utc(chat.created_at)), update_time=pb.timestamp(db.utc(chat.updated_at)),
         )
         if pending is not None:
-            message.pending_user_input_request.CopyFrom(pb.to_struct(pending.request, clip=True))  # see GetChat
+            message.pending_user_input_request_json = pb.json_bytes(pending.request, clip=True)  # see GetChat
         return message
 
     @unary

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from loopline.assistant.v1 import events_pb2 as loopline_dot_assistant_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%loopline/assistant/v1/assistant.proto\x12\x15loopline.assistant.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\"loopline/assistant/v1/events.proto\"z\n\tLlmConfig\x12\x18\n\x10integration_name\x18\x01 \x01(\t\x12\x13\n\x0bprovider_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1a\n\rcredential_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x10\n\x0e_credential_id\"2\n\x06\x43\x61ller\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0f\n\x07user_id\x18\x02 \x01(\t\"\xa0\x01\n\x10StartTurnRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x03 \x01(\t\x12-\n\x03llm\x18\x04 \x01(\x0b\x32 .loopline.assistant.v1.LlmConfig\x12\x0c\n\x04kind\x18\x05 \x01(\t\"k\n\x11StartTurnResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x11\n\tthread_id\x18\x04 \x01(\t\x12\x12\n\nstream_url\x18\x05 \x01(\t\"\x84\x01\n\x10StreamRunRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x04 \x01(\x03\x12\x11\n\tmax_batch\x18\x05 \x01(\r\"n\n\x11StreamRunResponse\x12+\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1c.loopline.assistant.v1.Event\x12,\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1c.loopline.assistant.v1.Event\"\xbd\x01\n\rResumeRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12)\n\x08response\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\x03llm\x18\x05 \x01(\x0b\x32 .loopline.assistant.v1.LlmConfig\"h\n\x0eResumeResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x11\n\tthread_id\x18\x04 \x01(\t\x12\x12\n\nstream_url\x18\x05 \x01(\t\"_\n\rCancelRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"A\n\x0e\x43\x61ncelResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"P\n\x0eGetChatRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\"\xd4\x01\n\x0b\x43hatMessage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\'\n\x07\x63ontent\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x16\n\x0erunning_status\x18\x05 \x01(\t\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x08thinking\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xe2\x01\n\x04\x43hat\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x12\n\nrunning_id\x18\x03 \x01(\t\x12;\n\x1apending_user_input_request\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04kind\x18\x07 \x01(\t\"r\n\x0fGetChatResponse\x12)\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x1b.loopline.assistant.v1.Chat\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".loopline.assistant.v1.ChatMessage\"`\n\x10ListChatsRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\t\"T\n\x11ListChatsResponse\x12*\n\x05\x63hats\x18\x01 \x03(\x0b\x32\x1b.loopline.assistant.v1.Chat\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\t\"V\n\x14GetChatStatusRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\"\xb1\x01\n\x15GetChatStatusResponse\x12\x0f\n\x07\x63hat_id\x18\x01 \x01(\t\x12\x12\n\nis_running\x18\x02 \x01(\x08\x12\x16\n\x0e\x61waiting_input\x18\x03 \x01(\x08\x12\x1a\n\x12pending_request_id\x18\x04 \x01(\t\x12\x12\n\nrunning_id\x18\x05 \x01(\t\x12+\n\nrun_status\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"f\n\x11\x44\x65leteChatRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x11\n\tpermanent\x18\x03 \x01(\x08\"H\n\x12\x44\x65leteChatResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x11\n\tpermanent\x18\x03 \x01(\x08\"x\n NotifyCredentialConnectedRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x13\n\x0bintegration\x18\x02 \x01(\t\x12\x15\n\rcredential_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"<\n!NotifyCredentialConnectedResponse\x12\x17\n\x0fresumed_run_ids\x18\x01 \x03(\t\"q\n\x11\x43heckModelRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12-\n\x03llm\x18\x02 \x01(\x0b\x32 .loopline.assistant.v1.LlmConfig\")\n\x12\x43heckModelResponse\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t2\xff\x07\n\x10\x41ssistantService\x12^\n\tStartTurn\x12\'.loopline.assistant.v1.StartTurnRequest\x1a(.loopline.assistant.v1.StartTurnResponse\x12`\n\tStreamRun\x12\'.loopline.assistant.v1.StreamRunRequest\x1a(.loopline.assistant.v1.StreamRunResponse0\x01\x12U\n\x06Resume\x12$.loopline.assistant.v1.ResumeRequest\x1a%.loopline.assistant.v1.ResumeResponse\x12U\n\x06\x43\x61ncel\x12$.loopline.assistant.v1.CancelRequest\x1a%.loopline.assistant.v1.CancelResponse\x12X\n\x07GetChat\x12%.loopline.assistant.v1.GetChatRequest\x1a&.loopline.assistant.v1.GetChatResponse\x12^\n\tListChats\x12\'.loopline.assistant.v1.ListChatsRequest\x1a(.loopline.assistant.v1.ListChatsResponse\x12j\n\rGetChatStatus\x12+.loopline.assistant.v1.GetChatStatusRequest\x1a,.loopline.assistant.v1.GetChatStatusResponse\x12\x61\n\nDeleteChat\x12(.loopline.assistant.v1.DeleteChatRequest\x1a).loopline.assistant.v1.DeleteChatResponse\x12\x8e\x01\n\x19NotifyCredentialConnected\x12\x37.loopline.assistant.v1.NotifyCredentialConnectedRequest\x1a\x38.loopline.assistant.v1.NotifyCredentialConnectedResponse\x12\x61\n\nCheckModel\x12(.loopline.assistant.v1.CheckModelRequest\x1a).loopline.assistant.v1.CheckModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%loopline/assistant/v1/assistant.proto\x12\x15loopline.assistant.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\"loopline/assistant/v1/events.proto\"z\n\tLlmConfig\x12\x18\n\x10integration_name\x18\x01 \x01(\t\x12\x13\n\x0bprovider_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1a\n\rcredential_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x10\n\x0e_credential_id\"2\n\x06\x43\x61ller\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0f\n\x07user_id\x18\x02 \x01(\t\"\xa0\x01\n\x10StartTurnRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x03 \x01(\t\x12-\n\x03llm\x18\x04 \x01(\x0b\x32 .loopline.assistant.v1.LlmConfig\x12\x0c\n\x04kind\x18\x05 \x01(\t\"k\n\x11StartTurnResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x11\n\tthread_id\x18\x04 \x01(\t\x12\x12\n\nstream_url\x18\x05 \x01(\t\"\x84\x01\n\x10StreamRunRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x04 \x01(\x03\x12\x11\n\tmax_batch\x18\x05 \x01(\r\"n\n\x11StreamRunResponse\x12+\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1c.loopline.assistant.v1.Event\x12,\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1c.loopline.assistant.v1.Event\"\xd4\x01\n\rResumeRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12)\n\x08response\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\x03llm\x18\x05 \x01(\x0b\x32 .loopline.assistant.v1.LlmConfig\x12\x15\n\rresponse_json\x18\x06 \x01(\x0c\"h\n\x0eResumeResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x11\n\tthread_id\x18\x04 \x01(\t\x12\x12\n\nstream_url\x18\x05 \x01(\t\"_\n\rCancelRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"A\n\x0e\x43\x61ncelResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"P\n\x0eGetChatRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\"\x81\x02\n\x0b\x43hatMessage\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\'\n\x07\x63ontent\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x16\n\x0erunning_status\x18\x05 \x01(\t\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x08thinking\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0c\x63ontent_json\x18\x08 \x01(\x0c\x12\x15\n\rthinking_json\x18\t \x01(\x0c\"\x8b\x02\n\x04\x43hat\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x12\n\nrunning_id\x18\x03 \x01(\t\x12;\n\x1apending_user_input_request\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\'\n\x1fpending_user_input_request_json\x18\x08 \x01(\x0c\"r\n\x0fGetChatResponse\x12)\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x1b.loopline.assistant.v1.Chat\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".loopline.assistant.v1.ChatMessage\"`\n\x10ListChatsRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\t\"T\n\x11ListChatsResponse\x12*\n\x05\x63hats\x18\x01 \x03(\x0b\x32\x1b.loopline.assistant.v1.Chat\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\t\"V\n\x14GetChatStatusRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\"\xb1\x01\n\x15GetChatStatusResponse\x12\x0f\n\x07\x63hat_id\x18\x01 \x01(\t\x12\x12\n\nis_running\x18\x02 \x01(\x08\x12\x16\n\x0e\x61waiting_input\x18\x03 \x01(\x08\x12\x1a\n\x12pending_request_id\x18\x04 \x01(\t\x12\x12\n\nrunning_id\x18\x05 \x01(\t\x12+\n\nrun_status\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"f\n\x11\x44\x65leteChatRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x11\n\tpermanent\x18\x03 \x01(\x08\"H\n\x12\x44\x65leteChatResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07\x63hat_id\x18\x02 \x01(\t\x12\x11\n\tpermanent\x18\x03 \x01(\x08\"x\n NotifyCredentialConnectedRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x13\n\x0bintegration\x18\x02 \x01(\t\x12\x15\n\rcredential_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"<\n!NotifyCredentialConnectedResponse\x12\x17\n\x0fresumed_run_ids\x18\x01 \x03(\t\"q\n\x11\x43heckModelRequest\x12-\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x1d.loopline.assistant.v1.Caller\x12-\n\x03llm\x18\x02 \x01(\x0b\x32 .loopline.assistant.v1.LlmConfig\")\n\x12\x43heckModelResponse\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t2\xff\x07\n\x10\x41ssistantService\x12^\n\tStartTurn\x12\'.loopline.assistant.v1.StartTurnRequest\x1a(.loopline.assistant.v1.StartTurnResponse\x12`\n\tStreamRun\x12\'.loopline.assistant.v1.StreamRunRequest\x1a(.loopline.assistant.v1.StreamRunResponse0\x01\x12U\n\x06Resume\x12$.loopline.assistant.v1.ResumeRequest\x1a%.loopline.assistant.v1.ResumeResponse\x12U\n\x06\x43\x61ncel\x12$.loopline.assistant.v1.CancelRequest\x1a%.loopline.assistant.v1.CancelResponse\x12X\n\x07GetChat\x12%.loopline.assistant.v1.GetChatRequest\x1a&.loopline.assistant.v1.GetChatResponse\x12^\n\tListChats\x12\'.loopline.assistant.v1.ListChatsRequest\x1a(.loopline.assistant.v1.ListChatsResponse\x12j\n\rGetChatStatus\x12+.loopline.assistant.v1.GetChatStatusRequest\x1a,.loopline.assistant.v1.GetChatStatusResponse\x12\x61\n\nDeleteChat\x12(.loopline.assistant.v1.DeleteChatRequest\x1a).loopline.assistant.v1.DeleteChatResponse\x12\x8e\x01\n\x19NotifyCredentialConnected\x12\x37.loopline.assistant.v1.NotifyCredentialConnectedRequest\x1a\x38.loopline.assistant.v1.NotifyCredentialConnectedResponse\x12\x61\n\nCheckModel\x12(.loopline.assistant.v1.CheckModelRequest\x1a).loopline.assistant.v1.CheckModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,41 +47,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMRUNRESPONSE']._serialized_start=746
   _globals['_STREAMRUNRESPONSE']._serialized_end=856
   _globals['_RESUMEREQUEST']._serialized_start=859
-  _globals['_RESUMEREQUEST']._serialized_end=1048
-  _globals['_RESUMERESPONSE']._serialized_start=1050
-  _globals['_RESUMERESPONSE']._serialized_end=1154
-  _globals['_CANCELREQUEST']._serialized_start=1156
-  _globals['_CANCELREQUEST']._serialized_end=1251
-  _globals['_CANCELRESPONSE']._serialized_start=1253
-  _globals['_CANCELRESPONSE']._serialized_end=1318
-  _globals['_GETCHATREQUEST']._serialized_start=1320
-  _globals['_GETCHATREQUEST']._serialized_end=1400
-  _globals['_CHATMESSAGE']._serialized_start=1403
-  _globals['_CHATMESSAGE']._serialized_end=1615
-  _globals['_CHAT']._serialized_start=1618
-  _globals['_CHAT']._serialized_end=1844
-  _globals['_GETCHATRESPONSE']._serialized_start=1846
-  _globals['_GETCHATRESPONSE']._serialized_end=1960
-  _globals['_LISTCHATSREQUEST']._serialized_start=1962
-  _globals['_LISTCHATSREQUEST']._serialized_end=2058
-  _globals['_LISTCHATSRESPONSE']._serialized_start=2060
-  _globals['_LISTCHATSRESPONSE']._serialized_end=2144
-  _globals['_GETCHATSTATUSREQUEST']._serialized_start=2146
-  _globals['_GETCHATSTATUSREQUEST']._serialized_end=2232
-  _globals['_GETCHATSTATUSRESPONSE']._serialized_start=2235
-  _globals['_GETCHATSTATUSRESPONSE']._serialized_end=2412
-  _globals['_DELETECHATREQUEST']._serialized_start=2414
-  _globals['_DELETECHATREQUEST']._serialized_end=2516
-  _globals['_DELETECHATRESPONSE']._serialized_start=2518
-  _globals['_DELETECHATRESPONSE']._serialized_end=2590
-  _globals['_NOTIFYCREDENTIALCONNECTEDREQUEST']._serialized_start=2592
-  _globals['_NOTIFYCREDENTIALCONNECTEDREQUEST']._serialized_end=2712
-  _globals['_NOTIFYCREDENTIALCONNECTEDRESPONSE']._serialized_start=2714
-  _globals['_NOTIFYCREDENTIALCONNECTEDRESPONSE']._serialized_end=2774
-  _globals['_CHECKMODELREQUEST']._serialized_start=2776
-  _globals['_CHECKMODELREQUEST']._serialized_end=2889
-  _globals['_CHECKMODELRESPONSE']._serialized_start=2891
-  _globals['_CHECKMODELRESPONSE']._serialized_end=2932
-  _globals['_ASSISTANTSERVICE']._serialized_start=2935
-  _globals['_ASSISTANTSERVICE']._serialized_end=3958
+  _globals['_RESUMEREQUEST']._serialized_end=1071
+  _globals['_RESUMERESPONSE']._serialized_start=1073
+  _globals['_RESUMERESPONSE']._serialized_end=1177
+  _globals['_CANCELREQUEST']._serialized_start=1179
+  _globals['_CANCELREQUEST']._serialized_end=1274
+  _globals['_CANCELRESPONSE']._serialized_start=1276
+  _globals['_CANCELRESPONSE']._serialized_end=1341
+  _globals['_GETCHATREQUEST']._serialized_start=1343
+  _globals['_GETCHATREQUEST']._serialized_end=1423
+  _globals['_CHATMESSAGE']._serialized_start=1426
+  _globals['_CHATMESSAGE']._serialized_end=1683
+  _globals['_CHAT']._serialized_start=1686
+  _globals['_CHAT']._serialized_end=1953
+  _globals['_GETCHATRESPONSE']._serialized_start=1955
+  _globals['_GETCHATRESPONSE']._serialized_end=2069
+  _globals['_LISTCHATSREQUEST']._serialized_start=2071
+  _globals['_LISTCHATSREQUEST']._serialized_end=2167
+  _globals['_LISTCHATSRESPONSE']._serialized_start=2169
+  _globals['_LISTCHATSRESPONSE']._serialized_end=2253
+  _globals['_GETCHATSTATUSREQUEST']._serialized_start=2255
+  _globals['_GETCHATSTATUSREQUEST']._serialized_end=2341
+  _globals['_GETCHATSTATUSRESPONSE']._serialized_start=2344
+  _globals['_GETCHATSTATUSRESPONSE']._serialized_end=2521
+  _globals['_DELETECHATREQUEST']._serialized_start=2523
+  _globals['_DELETECHATREQUEST']._serialized_end=2625
+  _globals['_DELETECHATRESPONSE']._serialized_start=2627
+  _globals['_DELETECHATRESPONSE']._serialized_end=2699
+  _globals['_NOTIFYCREDENTIALCONNECTEDREQUEST']._serialized_start=2701
+  _globals['_NOTIFYCREDENTIALCONNECTEDREQUEST']._serialized_end=2821
+  _globals['_NOTIFYCREDENTIALCONNECTEDRESPONSE']._serialized_start=2823
+  _globals['_NOTIFYCREDENTIALCONNECTEDRESPONSE']._serialized_end=2883
+  _globals['_CHECKMODELREQUEST']._serialized_start=2885
+  _globals['_CHECKMODELREQUEST']._serialized_end=2998
+  _globals['_CHECKMODELRESPONSE']._serialized_start=3000
+  _globals['_CHECKMODELRESPONSE']._serialized_end=3041
+  _globals['_ASSISTANTSERVICE']._serialized_start=3044
+  _globals['_ASSISTANTSERVICE']._serialized_end=4067
 # @@protoc_insertion_point(module_scope)

@@ -82,18 +82,20 @@ class StreamRunResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("caller", "chat_id", "request_id", "response", "llm")
+    __slots__ = ("caller", "chat_id", "request_id", "response", "llm", "response_json")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     LLM_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_JSON_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     chat_id: str
     request_id: str
     response: _struct_pb2.Struct
     llm: LlmConfig
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., chat_id: _Optional[str] = ..., request_id: _Optional[str] = ..., response: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., llm: _Optional[_Union[LlmConfig, _Mapping]] = ...) -> None: ...
+    response_json: bytes
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., chat_id: _Optional[str] = ..., request_id: _Optional[str] = ..., response: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., llm: _Optional[_Union[LlmConfig, _Mapping]] = ..., response_json: _Optional[bytes] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
     __slots__ = ("status", "chat_id", "run_id", "thread_id", "stream_url")
@@ -138,7 +140,7 @@ class GetChatRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., chat_id: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("id", "role", "content", "run_id", "running_status", "create_time", "thinking")
+    __slots__ = ("id", "role", "content", "run_id", "running_status", "create_time", "thinking", "content_json", "thinking_json")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class ChatMessage(_message.Message):
     RUNNING_STATUS_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     THINKING_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    THINKING_JSON_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     content: _struct_pb2.Value
@@ -153,10 +157,12 @@ class ChatMessage(_message.Message):
     running_status: str
     create_time: _timestamp_pb2.Timestamp
     thinking: _struct_pb2.Struct
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., content: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., run_id: _Optional[str] = ..., running_status: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., thinking: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    content_json: bytes
+    thinking_json: bytes
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., content: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., run_id: _Optional[str] = ..., running_status: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., thinking: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., content_json: _Optional[bytes] = ..., thinking_json: _Optional[bytes] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("id", "title", "running_id", "pending_user_input_request", "create_time", "update_time", "kind")
+    __slots__ = ("id", "title", "running_id", "pending_user_input_request", "create_time", "update_time", "kind", "pending_user_input_request_json")
     ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_ID_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +170,7 @@ class Chat(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    PENDING_USER_INPUT_REQUEST_JSON_FIELD_NUMBER: _ClassVar[int]
     id: str
     title: str
     running_id: str
@@ -171,7 +178,8 @@ class Chat(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     kind: str
-    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., running_id: _Optional[str] = ..., pending_user_input_request: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kind: _Optional[str] = ...) -> None: ...
+    pending_user_input_request_json: bytes
+    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., running_id: _Optional[str] = ..., pending_user_input_request: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kind: _Optional[str] = ..., pending_user_input_request_json: _Optional[bytes] = ...) -> None: ...
 
 class GetChatResponse(_message.Message):
     __slots__ = ("chat", "messages")

@@ -95,10 +95,12 @@ class GuidanceEvent(_message.Message):
     def __init__(self, message: _Optional[str] = ..., consecutive_failures: _Optional[int] = ..., total_llm_calls: _Optional[int] = ...) -> None: ...
 
 class UserInputRequestEvent(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "request_json")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_JSON_FIELD_NUMBER: _ClassVar[int]
     request: _struct_pb2.Struct
-    def __init__(self, request: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    request_json: bytes
+    def __init__(self, request: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., request_json: _Optional[bytes] = ...) -> None: ...
 
 class InterruptedEvent(_message.Message):
     __slots__ = ("request_id", "kind")

@@ -579,8 +579,10 @@ def create_app(
         if not isinstance(answer, dict) or not isinstance(answer.get("kind"), str):
             raise BodyError(400, "response must be an object with a 'kind' (the SDK's UserInputResponse)")
         llm = parse_llm(body.get("llm"))
-        # the answer as JSON text (numbers exact, keys in the client's order), not a Struct
-        rpc = assistant_pb2.ResumeRequest(caller=caller(who), chat_id=chat_id, request_id=request_id, response_json=pb.json_bytes(answer))
+        # the answer as JSON text (numbers exact, keys in the client's order), and as a Struct beside it
+        # for an orchestrator of an older version (it reads only `response`)
+        rpc = assistant_pb2.ResumeRequest(caller=caller(who), chat_id=chat_id, request_id=request_id,
+                                          response=pb.to_struct(answer), response_json=pb.json_bytes(answer))
         if llm is not None:
             rpc.llm.CopyFrom(llm)
         return JSONResponse(_turn_json(await orchestrator.Resume(rpc, timeout=30)))

@@ -13,6 +13,7 @@ Struct or Value (a service of an older version) still works.
 from __future__ import annotations
 
 import json
+import types as pytypes
 from typing import Any
 
 import orjson
@@ -120,6 +121,22 @@ async def test_a_resume_answers_provider_details_reach_the_thread_exactly(stack)
 
 
 # ---------------------------------------------------------------- a service of an older version
+
+
+async def test_a_resume_still_reaches_an_orchestrator_of_an_older_version(stack, monkeypatch):
+    import services.orchestrator.service as service
+
+    # an orchestrator that knows only `response` (the Struct): the gateway sends it beside `response_json`
+    older = pytypes.SimpleNamespace(**{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")})
+    older.object_of = lambda message, name: pb.from_struct(getattr(message, name))
+    monkeypatch.setattr(service, "pb", older)
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "ok?"}}, {"say": "fine"})
+        resumed = await client.post(f"/assistant/chat/{body['chat_id']}/resume",
+                                    json={"request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": True}, "llm": SCRIPTED})
+        assert resumed.status_code == 200, resumed.text
+        rest = await read_frames(client, resumed.json()["stream_url"])
+    assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "fine"
 
 
 def test_readers_take_the_json_text_when_set_else_an_older_versions_struct_or_value():

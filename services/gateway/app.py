@@ -382,7 +382,12 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _unexpected_error(_: Request, error: Exception) -> JSONResponse:
-        return unexpected_error_response(error)
+        # Starlette's ServerErrorMiddleware sends this answer, then re-raises the error, and
+        # uvicorn closes the connection: say so (RFC 9112 section 9.6), or a keep-alive client
+        # sends its next request into a closed socket (fresh-eyes test: "connection reset").
+        response = unexpected_error_response(error)
+        response.headers["Connection"] = "close"
+        return response
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, error: AuthError) -> JSONResponse:

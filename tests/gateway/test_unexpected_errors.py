@@ -49,6 +49,9 @@ async def test_turn_post_and_settings_get_answer_json_when_the_database_fails(st
         assert set(body) == {"detail"} and "secret" not in body["detail"]
         if status == 503:
             assert response.headers["retry-after"] == "1"
+    # a FastAPI route's unhandled error ends its connection (uvicorn closes it after Starlette re-raises): the
+    # answer says so; the lean route answers and keeps the connection
+    assert routed.headers["connection"] == "close" and "connection" not in lean.headers
 
 
 class _Context:

@@ -98,7 +98,7 @@ async def test_the_pending_question_in_get_chat_is_the_user_input_request_frame_
 async def test_a_resume_answers_provider_details_reach_the_thread_exactly(stack):
     question = {"integration": "postgresql", "message": "I need database access"}
     details = {"id": BIG, "ratio": 1.0, "code": "28P01"}
-    answer = {"kind": "credential_failed", "integration_name": "postgresql", "auth_type": "api_key", "error_code": "auth_failed",
+    answer = {"kind": "credential_failed", "integration_name": "postgresql", "auth_type": "api_key", "error_code": "invalid_credentials",
               "error_message": "password authentication failed", "retryable": False, "provider_details": details}
     async with stack.client() as client:
         body, frames = await run_turn(client, {"say": "One question.", "tool": "request_credential", "input": question}, {"say": "Understood."})

@@ -11,6 +11,7 @@ cancelled tool call stops).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -151,10 +152,12 @@ def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:
     Returns (value, truncated, original size in bytes of its compact UTF-8 JSON).
     A cut result is a string: the first bytes of the JSON text (cut on a character
     boundary) followed by "…[output truncated: N bytes exceed the limit of M bytes ...]".
-    The size is that of the text the response carries (`pb.json_bytes` with the depth
-    rule's clipping, as `ToolsServicer.ExecuteTool` encodes it; a lone surrogate as U+FFFD).
     """
-    encoded = pb.json_bytes(result, clip=True)
+    try:
+        encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate (a web page's "\ud800"): U+FFFD instead (pb.scrub)
+        result = pb.scrub(result)
+        encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
     if len(encoded) <= max_bytes:
         return result, False, len(encoded)
     marker = (

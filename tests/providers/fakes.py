@@ -215,3 +215,30 @@ def anthropic_end(output_tokens: int, stop_reason: str = "end_turn") -> list[str
                                           "usage": {"output_tokens": output_tokens}}),
         anthropic_event("message_stop", {}),
     ]
+
+
+OPENAI_LLM = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
+
+
+async def openai_turn(tmp_path: Any, replies: list[Reply], message: str) -> tuple[list[dict[str, Any]], FakeLLMServer]:
+    """One turn through a whole stack whose platform OpenAI key points at a FakeLLMServer
+    serving `replies`: returns (the turn's SSE frames, the server, whose `requests` show what
+    the model was sent)."""
+    from tests.conftest import start_stack, stop_stack
+    from tests.sse_client import read_frames
+
+    async with FakeLLMServer(replies) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test",
+            "llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0,
+        })
+        try:
+            async with stack.client() as client:
+                started = await client.post("/assistant/chat", json={"message": message, "llm": OPENAI_LLM})
+                assert started.status_code == 200, started.text
+                frames = await read_frames(client, started.json()["stream_url"])
+                chat = await client.get(f"/assistant/chat/{started.json()['chat_id']}")
+                assert chat.status_code == 200, chat.text
+        finally:
+            await stop_stack(stack)
+    return frames, server

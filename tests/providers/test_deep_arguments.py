@@ -22,7 +22,6 @@ from services.orchestrator.providers.openai_compat import (
     parse_arguments,
 )
 from services.orchestrator.providers.retry import RetryPolicy
-from tests.conftest import start_stack, stop_stack
 from tests.orchestrator.helpers import types
 from tests.providers.fakes import (
     FakeLLMServer,
@@ -32,8 +31,8 @@ from tests.providers.fakes import (
     anthropic_tool_block,
     openai_text,
     openai_tool_call,
+    openai_turn,
 )
-from tests.sse_client import read_frames
 
 FAST = RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=1.0)
 TOOLS = [{"name": "get_available_integrations", "description": "List integrations.", "input_schema": {"type": "object", "properties": {}}}]
@@ -110,25 +109,11 @@ async def test_a_turn_whose_model_sends_arguments_5000_deep_goes_on_with_the_cal
         Reply(events=openai_tool_call("get_available_integrations", deep_text(LEVELS), call_id="call_deep")),
         Reply(events=openai_text("Sorry, ", "flatter next time.")),
     ]
-    async with FakeLLMServer(replies) as server:
-        stack = await start_stack(tmp_path, orchestrator={
-            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test",
-            "llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0,
-        })
-        try:
-            async with stack.client() as client:
-                llm = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
-                started = await client.post("/assistant/chat", json={"message": "Which integrations?", "llm": llm})
-                assert started.status_code == 200, started.text
-                frames = await read_frames(client, started.json()["stream_url"])
-                chat = await client.get(f"/assistant/chat/{started.json()['chat_id']}")
-        finally:
-            await stop_stack(stack)
+    frames, server = await openai_turn(tmp_path, replies, "Which integrations?")
     assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "response_chunk", "done"], frames
     assert pb.json_depth(frames[1]["data"]["input"]) == pb.MAX_JSON_DEPTH
     output = frames[2]["data"]["output"]
     assert output["success"] is False and f"nested deeper than {pb.MAX_JSON_DEPTH} levels" in output["error"]
     assert frames[-1]["data"]["response"] == "Sorry, flatter next time." and not frames[-1]["data"].get("error")
-    assert chat.status_code == 200, chat.text
     tool = next(m for m in server.requests[1].body["messages"] if m["role"] == "tool")
     assert tool["tool_call_id"] == "call_deep" and "nested deeper" in tool["content"]

@@ -9,6 +9,8 @@ reason, as LangChain answers its `invalid_tool_calls`; the model sees it and the
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.orchestrator.loop import checked_call
@@ -16,9 +18,8 @@ from services.orchestrator.providers.base import NOT_FINITE, ToolCallRequest, ar
 from services.orchestrator.providers.openai_compat import OpenAICompatModel, parse_arguments
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
-from tests.conftest import start_stack, stop_stack
 from tests.orchestrator.helpers import run_turn, types
-from tests.providers.fakes import FakeLLMServer, Reply, openai_text, openai_tool_call
+from tests.providers.fakes import FakeLLMServer, Reply, openai_text, openai_tool_call, openai_turn
 from tests.sse_client import read_frames
 
 FAST = RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=1.0)
@@ -103,32 +104,21 @@ async def test_a_turn_whose_tool_input_holds_nan_or_infinity_keeps_its_chat_read
         assert again[-1]["type"] == "done" and again[-1]["data"]["response"] == "still fine"
 
 
-async def test_an_openai_call_with_invalid_json_arguments_is_answered_and_the_model_sees_why(tmp_path):
+@pytest.mark.parametrize(("raw", "reason"), [('{"category": "data', "the arguments are not valid JSON"), ('{"category": NaN}', NOT_FINITE)])
+async def test_an_openai_call_with_unreadable_arguments_is_answered_and_the_model_sees_why(tmp_path, raw, reason):
     replies = [
-        Reply(events=openai_tool_call("get_available_integrations", '{"category": "data', call_id="call_cut")),
+        Reply(events=openai_tool_call("get_available_integrations", raw, call_id="call_cut")),
         Reply(events=openai_text("Let me ", "retry.")),
     ]
     async with FakeLLMServer(replies) as server:
         model = OpenAICompatModel("openai", "gpt-test", base_url=f"{server.url}/v1", api_key="sk-test-SECRET123456", policy=FAST, timeout_s=5)
         reply = await model.generate([{"role": "user", "content": "hi"}], TOOLS, _noop)
-        assert [(c.id, c.input, c.unreadable) for c in reply.tool_calls] == [("call_cut", {}, "the arguments are not valid JSON")]
-    async with FakeLLMServer(replies) as server:
-        stack = await start_stack(tmp_path, orchestrator={
-            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test",
-            "llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0,
-        })
-        try:
-            async with stack.client() as client:
-                llm = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
-                started = await client.post("/assistant/chat", json={"message": "Which integrations?", "llm": llm})
-                assert started.status_code == 200, started.text
-                frames = await read_frames(client, started.json()["stream_url"])
-        finally:
-            await stop_stack(stack)
+        assert [(c.id, c.input, c.unreadable) for c in reply.tool_calls] == [("call_cut", {}, reason)]
+    frames, server = await openai_turn(tmp_path, replies, "Which integrations?")
     assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "response_chunk", "done"], frames
     assert frames[2]["data"]["output"]["success"] is False
     tool = next(m for m in server.requests[1].body["messages"] if m["role"] == "tool")
-    assert tool["tool_call_id"] == "call_cut" and "the arguments are not valid JSON" in tool["content"]
+    assert tool["tool_call_id"] == "call_cut" and reason in json.loads(tool["content"])["error"]
 
 
 async def _noop(_: str) -> None:

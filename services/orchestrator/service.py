@@ -623,10 +623,13 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             Chat.kind == ASSISTANT_KIND, Chat.deleted_at.is_(None),
         )
         if request.cursor:
-            try:
+            try:  # the cursor this method mints: an aware ISO 8601 time and a chat id (a UUID), anything else refused
                 created_raw, last_id = base64.urlsafe_b64decode(request.cursor.encode()).decode().split("|", 1)
                 created = datetime.datetime.fromisoformat(created_raw)
-            except (ValueError, UnicodeDecodeError):
+                last_id = str(uuid.UUID(last_id))
+                if created.tzinfo is None:
+                    raise ValueError("naive time")
+            except (ValueError, UnicodeDecodeError):  # e.g. a NUL PostgreSQL cannot take in the id (fresh-eyes test: 500)
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CURSOR", "cursor is not valid") from None
             query = query.where((Chat.created_at < created) | ((Chat.created_at == created) & (Chat.id < last_id)))
         query = query.order_by(Chat.created_at.desc(), Chat.id.desc()).limit(limit + 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import uuid
 
 from modulex import Modulex
@@ -37,6 +38,12 @@ async def test_list_chats_newest_first_with_cursor(stack):
         third = (await client.get("/assistant/chats", params={"limit": 2, "cursor": second["next_cursor"]})).json()
         assert (await client.get("/assistant/chats", params={"limit": 0})).status_code == 400
         assert (await client.get("/assistant/chats", params={"cursor": "garbage!"})).status_code == 400
+        # well-formed base64 of what the cursor is not: a NUL in the id (PostgreSQL: 500 before), a naive time, another id
+        for forged in (b"2026-12-01T16:26:15.091253+00:00|a\x00b", b"2026-12-01T16:26:15.091253|" + ids[0].encode(),
+                       b"2026-12-01|z", b"0001-01-01T00:00:00+00:00|not-a-chat-id"):
+            cursor = base64.urlsafe_b64encode(forged).decode()
+            refused = await client.get("/assistant/chats", params={"cursor": cursor})
+            assert refused.status_code == 400 and refused.json() == {"detail": "cursor is not valid"}, (forged, refused.text)
     listed = [c["id"] for page in (first, second, third) for c in page["items"]]
     assert listed == list(reversed(ids))
     assert third["next_cursor"] is None

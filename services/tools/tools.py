@@ -146,6 +146,21 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
 _VALIDATORS = {d["name"]: Draft202012Validator(d["input_schema"]) for d in TOOL_DEFINITIONS}
 
 
+def _field_with_nul(tool_input: dict[str, Any]) -> str | None:
+    """The first field of a tool's input (`parameters` aside: an action checks its own) whose
+    string, or a string of whose list, holds U+0000, else None. These fields name things the
+    tools service looks up in its database, and PostgreSQL's text takes no NUL: a model's
+    `credential_id` with one was "failed because of an internal error" there and "not found" on
+    SQLite (fresh-eyes test); the gateway refuses NUL in request bodies the same way."""
+    for name, value in tool_input.items():
+        if name == "parameters":
+            continue
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(item, str) and "\x00" in item for item in items):
+            return name
+    return None
+
+
 def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:
     """`result`, or its JSON text cut to fit `max_bytes` with a truncation marker.
 
@@ -217,6 +232,9 @@ class ToolExecutor:
         problems = schema_errors(_VALIDATORS[tool], tool_input, "input")
         if problems:
             return ToolResult(False, error=f"Invalid input for {tool}: {problems}")
+        nul = _field_with_nul(tool_input)
+        if nul is not None:
+            return ToolResult(False, error=f"Invalid input for {tool}: input.{nul}: must not contain U+0000 (NUL)")
         try:
             return await handler(org_id, tool_input)
         except ToolError as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from services.tools.tools import cap_result
 
 
@@ -18,6 +20,23 @@ async def test_parameters_that_break_the_action_schema_are_a_failed_result(tools
     assert "parameters: unexpected field(s) 'x' (allowed: 'sql', 'params', 'max_rows')" in error
     missing = await tools.failed("execute_integration_tool", {"integration": "postgresql", "action": "run_query"})
     assert "parameters: 'sql' is required" in missing
+
+
+@pytest.mark.parametrize(("tool", "tool_input", "field"), [
+    ("get_organization_credentials", {"integration": "h\x00ttp"}, "integration"),
+    ("get_integration_details", {"integration": "h\x00ttp"}, "integration"),
+    ("execute_integration_tool", {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}, "credential_id": "a\x00b"},
+     "credential_id"),
+    ("search_knowledge", {"query": "hello", "knowledge_base_ids": ["kb", "a\x00b"]}, "knowledge_base_ids"),
+])
+async def test_a_nul_in_a_looked_up_field_is_a_clear_error_on_every_backend(tools, tool, tool_input, field):
+    # fresh-eyes re-test: on PostgreSQL these were "failed because of an internal error; try again later" (a DBAPIError)
+    assert await tools.failed(tool, tool_input) == f"Invalid input for {tool}: input.{field}: must not contain U+0000 (NUL)"
+
+
+async def test_a_nul_in_an_actions_parameters_is_the_actions_own_business(tools):
+    output = await tools.ok("execute_integration_tool", {"integration": "loopline", "action": "echo", "parameters": {"message": "a\x00b"}})
+    assert output["result"] == {"message": "a\x00b"}
 
 
 async def test_unknown_action_lists_the_integrations_actions(tools):

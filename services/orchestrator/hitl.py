@@ -246,7 +246,7 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
     free text for a single choice, empty free text, a selection count outside [min_selections,
     max_selections], text whose length without surrounding whitespace (in code points) is
     outside the length bounds, a credential answer naming another integration than the
-    question's, or a credential_failed `error_code` outside the SDK's (CREDENTIAL_ERROR_CODES).
+    question's, or a credential_failed answer without an `error_code` of the SDK's (CREDENTIAL_ERROR_CODES).
     """
     kind = answer.get("kind")
     expected = request["kind"]
@@ -270,9 +270,8 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
         if named is not None and named != request.get("integration_name"):
             raise InvalidAnswer(f"'integration_name' is {json.dumps(named)[:80]} but the question asks for "
                                 f"{json.dumps(request.get('integration_name'))}")
-        code = answer.get("error_code")
-        if kind == "credential_failed" and code is not None and code not in CREDENTIAL_ERROR_CODES:
-            raise InvalidAnswer(f"'error_code' must be one of {', '.join(CREDENTIAL_ERROR_CODES)}")
+        if kind == "credential_failed" and answer.get("error_code") not in CREDENTIAL_ERROR_CODES:  # required, as in the SDK
+            raise InvalidAnswer(f"credential_failed needs 'error_code', one of {', '.join(CREDENTIAL_ERROR_CODES)}")
         return dict(answer)
     if kind != expected:
         raise InvalidAnswer(f"the question is {expected!r} but the answer is {kind!r}")

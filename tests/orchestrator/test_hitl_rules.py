@@ -99,7 +99,12 @@ CREDENTIAL_QUESTION = {"message": "connect it", "integration": "http"}
     ({"kind": "credential_failed", "integration_name": "github", "auth_type": "oauth2", "error_code": "timeout", "error_message": "x"},
      "'integration_name' is \"github\" but the question asks for \"http\""),
     ({"kind": "credential_failed", "integration_name": "http", "auth_type": "oauth2", "error_code": "bogus", "error_message": "x"},
-     "'error_code' must be one of oauth_denied, oauth_provider_error, invalid_credentials, network_error, popup_closed, timeout, unknown"),
+     "credential_failed needs 'error_code', one of oauth_denied, oauth_provider_error, invalid_credentials, network_error, popup_closed, "
+     "timeout, unknown"),
+    ({"kind": "credential_failed"}, "credential_failed needs 'error_code', one of oauth_denied, oauth_provider_error, invalid_credentials, "
+                                    "network_error, popup_closed, timeout, unknown"),
+    ({"kind": "credential_failed", "error_code": None}, "credential_failed needs 'error_code', one of oauth_denied, oauth_provider_error, "
+                                                        "invalid_credentials, network_error, popup_closed, timeout, unknown"),
 ])
 def test_a_credential_answer_must_name_the_questions_integration_and_an_sdk_error_code(answer, message):
     # fresh-eyes test: both were stored, and the model was told of another integration

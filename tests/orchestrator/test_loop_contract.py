@@ -72,7 +72,8 @@ async def test_failed_run_records_token_usage_with_billing(stack):
 @pytest.mark.parametrize(("step", "named"), [
     ({"say": "ok ok ok", "chunks": 1e400}, "chunks"), ({"say": "ok", "chunks": 0}, "chunks"), ({"say": "ok", "chunks": "2"}, "chunks"),
     ({"say": "ok", "chunks": 2.5}, "chunks"), ({"say": "ok", "sleep_ms": 1e12}, "sleep_ms"), ({"say": "ok", "sleep_ms": -5}, "sleep_ms"),
-    ({"say": "ok", "sleep_ms": "10"}, "sleep_ms"),
+    ({"say": "ok", "sleep_ms": "10"}, "sleep_ms"), ({"say": "ok", "usage": "5"}, "usage"), ({"say": "ok", "usage": 5}, "usage"),
+    ({"say": "ok", "usage": [1, 2]}, "usage"),
 ])
 async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_call_not_the_loop(stack, step, named):
     # fresh-eyes test: chunks 1e400 crashed the loop (OverflowError, "Internal error"); sleep_ms 1e12 held the chat for good
@@ -81,6 +82,14 @@ async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_cal
     assert types(frames)[-2:] == ["error", "done"], frames
     assert frames[-1]["data"]["error"] is True and frames[-1]["data"]["usage"]["llm_calls"] == 1
     assert (await _run_row(stack, body["run_id"])).status == "failed"
+
+
+async def test_a_scripted_usage_object_reports_its_counts_missing_ones_as_0(stack):
+    async with stack.client() as client:
+        _, frames = await run_turn(client, {"say": "hello", "usage": {}})
+        _, more = await run_turn(client, {"say": "hello", "usage": {"input_tokens": 5}})
+    assert frames[-1]["data"]["usage"]["input_tokens"] == 0 and frames[-1]["data"]["usage"]["output_tokens"] == 0
+    assert (more[-1]["data"]["usage"]["input_tokens"], more[-1]["data"]["usage"]["output_tokens"]) == (5, 0)
 
 
 async def test_scripted_chunks_and_sleep_ms_within_their_bounds_are_used(stack):

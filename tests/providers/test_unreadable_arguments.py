@@ -19,7 +19,7 @@ from services.orchestrator.providers.openai_compat import OpenAICompatModel, par
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
 from tests.orchestrator.helpers import run_turn, types
-from tests.providers.fakes import FakeLLMServer, Reply, openai_text, openai_tool_call, openai_turn
+from tests.providers.fakes import OPENAI_DONE, FakeLLMServer, Reply, openai_chunk, openai_text, openai_tool_call, openai_turn
 from tests.sse_client import read_frames
 
 FAST = RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=1.0)
@@ -119,6 +119,24 @@ async def test_an_openai_call_with_unreadable_arguments_is_answered_and_the_mode
     assert frames[2]["data"]["output"]["success"] is False
     tool = next(m for m in server.requests[1].body["messages"] if m["role"] == "tool")
     assert tool["tool_call_id"] == "call_cut" and reason in json.loads(tool["content"])["error"]
+
+
+@pytest.mark.parametrize(("arguments", "expected"), [
+    ({"category": "database"}, ({"category": "database"}, "")),
+    (5, ({}, "the arguments are a number, not a JSON object")),
+    ([1], ({}, "the arguments are an array, not a JSON object")),
+])
+async def test_a_server_that_sends_arguments_as_json_instead_of_a_string_is_read_not_a_crash(arguments, expected):
+    # fresh-eyes re-test: an object or a number in `function.arguments` ended the run with "unexpected error" (TypeError)
+    events = [openai_chunk({"role": "assistant", "content": None}),
+              openai_chunk({"tool_calls": [{"index": 0, "id": "call_obj", "type": "function",
+                                            "function": {"name": "get_available_integrations", "arguments": arguments}}]}),
+              openai_chunk({}, finish="tool_calls"), openai_chunk(usage={"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}),
+              OPENAI_DONE]
+    async with FakeLLMServer([Reply(events=events)]) as server:
+        model = OpenAICompatModel("openai", "gpt-test", base_url=f"{server.url}/v1", api_key="sk-test-SECRET123456", policy=FAST, timeout_s=5)
+        reply = await model.generate([{"role": "user", "content": "hi"}], TOOLS, _noop)
+    assert [(c.id, c.input, c.unreadable) for c in reply.tool_calls] == [("call_obj", *expected)]
 
 
 async def _noop(_: str) -> None:

@@ -195,8 +195,12 @@ class OpenAICompatModel:
                                 # deltas, others repeat it whole in every delta: append, but not a repeat
                                 if piece.function.name and piece.function.name != call["name"]:
                                     call["name"] += piece.function.name
-                                if piece.function.arguments:
-                                    call["args"] += piece.function.arguments
+                                arguments = piece.function.arguments
+                                if arguments is not None and arguments != "":
+                                    # a string per the API; a server that sends an object or a number instead
+                                    # gets it read as that JSON (a non-object: the call's error result, never a
+                                    # crashed run; fresh-eyes re-test)
+                                    call["args"] += arguments if isinstance(arguments, str) else json.dumps(arguments)
                         if choice.finish_reason:
                             state.finish_reason = choice.finish_reason
         if state.finish_reason is None:

@@ -114,7 +114,9 @@ class ScriptedModel:
         if sleep_ms > 0:
             await asyncio.sleep(sleep_ms / 1000)
 
-        reported = step.get("usage") if isinstance(step.get("usage"), dict) else None
+        reported = step.get("usage")
+        if reported is not None and not isinstance(reported, dict):  # "5", 5, [1, 2]: another type fails the call too
+            raise ModelError("scripted model: usage must be an object {input_tokens, output_tokens}")
         if reported is not None and not all(
             isinstance(reported.get(k, 0), int) and not isinstance(reported.get(k, 0), bool) and 0 <= reported.get(k, 0) <= MAX_TOKENS_PER_CALL
             for k in ("input_tokens", "output_tokens")
@@ -122,8 +124,8 @@ class ScriptedModel:
             raise ModelError("scripted model: usage counts must be integers between 0 and 1000000000")
         text = str(step.get("say", "")) if step.get("say") is not None else ""
         usage = TokenUsage(
-            input_tokens=int(reported.get("input_tokens", 0)) if reported else input_estimate,
-            output_tokens=int(reported.get("output_tokens", 0)) if reported else estimate_tokens(text or step),
+            input_tokens=int(reported.get("input_tokens", 0)) if reported is not None else input_estimate,
+            output_tokens=int(reported.get("output_tokens", 0)) if reported is not None else estimate_tokens(text or step),
             estimated=reported is None,
         )
         if "fail" in step:

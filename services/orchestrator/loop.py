@@ -536,6 +536,12 @@ class TurnRunner:
         return request, None
 
     async def _integration_info(self, spec: RunSpec, name: str) -> dict[str, Any] | None:
+        """What a credential question for integration `name` offers: {display_name, auth_options}
+        from the tools service's `get_integration_details`, or None when the tools service cannot
+        be asked (the question then offers an API key). Raises ValueError when the answer is that
+        no credential can be connected for it: the integration is unknown (the tools service's
+        error, with its list of integrations) or takes no credential (`loopline`, an operator's
+        MCP server), so the question could only be skipped (fresh-eyes re-test)."""
         if not name.strip():
             return None
         try:
@@ -550,8 +556,10 @@ class TurnRunner:
             return None
         if not isinstance(response, tools_pb2.ExecuteToolResponse):  # undecodable (grpc.aio gives None)
             return None
+        if not response.success:
+            raise ValueError(response.error or f"the integration {name!r} cannot be looked up")
         try:
-            details = pb.output_of(response) if response.success else None
+            details = pb.output_of(response)
         except orjson.JSONDecodeError:
             return None
         if not isinstance(details, dict):
@@ -573,7 +581,9 @@ class TurnRunner:
             if auth_type == "oauth2":
                 entry["oauth_initiate_endpoint"] = "/credentials/oauth2/initiate"
             options.append(entry)
-        return {"display_name": details.get("display_name") or name, "auth_options": options or None}
+        if not options:
+            raise ValueError(f"the integration {name!r} takes no credential: use it with execute_integration_tool as it is")
+        return {"display_name": details.get("display_name") or name, "auth_options": options}
 
     def _record_usage_later(self, spec: RunSpec, totals: _Totals, call_index: int, usage: TokenUsage) -> None:
         """Queue a model call's usage for billing (usage.py batches it) without holding up the loop;

@@ -291,6 +291,8 @@ async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
     ("ask_user_choice", {"message": "pick", "options": ["a", "b"]}, "input.options[0]: must be of type object (got string)"),
     ("ask_user_free_text", {"message": {"text": "say"}}, "input.message: must be of type string (got object)"),
     ("request_credential", {"integration_name": "http", "message": "need http"}, "'integration' is required"),
+    ("request_credential", {"integration": "nope", "message": "need it"}, "Unknown integration 'nope'. Available integrations include: "),
+    ("request_credential", {"integration": "loopline", "message": "need it"}, "the integration 'loopline' takes no credential"),
 ])
 async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_error_names_the_field(stack, tool, tool_input, expected):
     # fresh-eyes finding: unknown fields were ignored and wrong types coerced (a dict message became its Python repr)

@@ -35,6 +35,7 @@ from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent
 from services.orchestrator.providers import registry
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.store import ClaimLost, ThreadRow
+from services.orchestrator.thread import cut_off_result
 from services.orchestrator.usage import release_or_store
 
 log = logging.getLogger(__name__)
@@ -566,7 +567,13 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             )
             if changed.rowcount != 1:
                 raise no_active
-            await session.execute(update(Interrupt).where(Interrupt.run_id == run_id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow()))
+            cancelled = (await session.execute(
+                update(Interrupt).where(Interrupt.run_id == run_id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow())
+                .returning(Interrupt.tool_call_id, Interrupt.tool)
+            )).all()
+            for question in cancelled:  # its tool call's result, as a cancel gives a call it cuts off (GET chat shows what the model sees)
+                session.add(Message(id=str(uuid.uuid4()), chat_id=chat.id, run_id=run_id, role="tool", content=cut_off_result("cancelled"),
+                                    extra={"tool_call_id": question.tool_call_id, "name": question.tool}))
             await session.execute(update(Run).where(Run.id == run_id).values(status="cancelled", updated_at=utcnow()))
         await self._publish_after_pause(run_id, events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason)))
         return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)

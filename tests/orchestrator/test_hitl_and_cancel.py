@@ -8,6 +8,7 @@ import datetime
 import pytest
 from sqlalchemy import select, update
 
+from services.orchestrator import thread
 from services.orchestrator.models import Chat, Interrupt, Message, Run
 from tests.conftest import SCRIPTED
 from tests.orchestrator.helpers import run_turn, start, types, wait_for
@@ -304,6 +305,23 @@ async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_err
         assert frames[-1]["data"]["tool_calls"][0]["output"] == result
         chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
         assert chat["pending_user_input_request"] is None  # nothing was asked
+
+
+async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_the_model_sees_it(stack):
+    # fresh-eyes re-test: GET chat showed the question's tool call without a result, while the next model call
+    # was given {"error": "not completed"} for it
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
+        assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
+        messages = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()["messages"]
+        tool = [m for m in messages if m["role"] == "tool"]
+        assert [(m["content"], m["thinking"]["tool_call_id"]) for m in tool] == [({"error": "cancelled", "success": False}, call_id)]
+        _, more = await run_turn(client, {"say": "fresh start"}, chat_id=body["chat_id"])
+        assert more[-1]["type"] == "done" and more[-1]["data"]["response"] == "fresh start"
+    async with stack.orchestrator.servicer.sessions() as session:
+        sent = await thread.load_thread(session, body["chat_id"])  # what the next model call is given
+    assert [m["content"] for m in sent if m["role"] == "tool"] == [{"error": "cancelled", "success": False}]
 
 
 async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):

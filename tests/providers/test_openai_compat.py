@@ -149,6 +149,19 @@ async def test_retry_after_longer_than_the_cap_fails_at_once():
     assert str(failure.value).startswith("openai: rate limited (429)")
 
 
+@pytest.mark.parametrize("bad", [None, -5, 2_000_000_000, 10**30, 1.5])
+async def test_a_reported_count_that_is_no_token_count_is_estimated_not_0(bad):
+    # fresh-eyes re-test: such counts were recorded as 0, so the call's tokens went unbilled
+    usage = {"prompt_tokens": bad, "completion_tokens": 9, "total_tokens": 9}
+    async with FakeLLMServer([Reply(events=openai_text("Hel", "lo ", "there", usage=usage))]) as server:
+        reply = await model(server).generate(USER, [], Collector())
+    assert reply.usage.input_tokens > 0 and reply.usage.output_tokens == 9 and reply.usage.estimated is True
+    usage = {"prompt_tokens": 40, "completion_tokens": bad, "total_tokens": 40}
+    async with FakeLLMServer([Reply(events=openai_text("Hel", "lo ", "there", usage=usage))]) as server:
+        reply = await model(server).generate(USER, [], Collector())
+    assert reply.usage.input_tokens == 40 and reply.usage.output_tokens > 0 and reply.usage.estimated is True
+
+
 async def test_stream_that_stops_halfway_after_text_fails_without_retry_and_carries_estimated_usage():
     frames = openai_text("partial ", "answer")[:3]  # role chunk and two text chunks; no finish, no usage
     async with FakeLLMServer([Reply(events=frames, end="cut")]) as server:

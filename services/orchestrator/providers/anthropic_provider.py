@@ -25,7 +25,15 @@ from typing import Any
 
 import anthropic
 
-from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens
+from services.orchestrator.providers.base import (
+    ModelReply,
+    OnText,
+    TokenUsage,
+    ToolCallRequest,
+    arguments_of,
+    estimate_tokens,
+    with_estimates,
+)
 from services.orchestrator.providers.openai_compat import parse_arguments
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
@@ -143,9 +151,9 @@ class _Attempt:
         if self.output_tokens is not None:
             usage.output_tokens = self.output_tokens
         elif not self.finished:
-            usage.output_tokens = max(usage.output_tokens, estimated_output)
+            usage.output_tokens = max(usage.output_tokens, estimated_output) if isinstance(usage.output_tokens, int) else estimated_output
             usage.estimated = True
-        return usage
+        return with_estimates(usage, input_estimate, estimated_output)  # a count it reported that is no token count: estimated
 
 
 class AnthropicModel:
@@ -216,9 +224,9 @@ class AnthropicModel:
                     kind = event.type
                     if kind == "message_start":
                         usage = event.message.usage
-                        state.started = TokenUsage(
-                            input_tokens=int(usage.input_tokens or 0),
-                            output_tokens=int(usage.output_tokens or 0),
+                        state.started = TokenUsage(  # counts as reported: one that is no token count is estimated (usage())
+                            input_tokens=usage.input_tokens,
+                            output_tokens=usage.output_tokens or 0,
                             cache_read_tokens=int(usage.cache_read_input_tokens or 0),
                             cache_write_tokens=int(usage.cache_creation_input_tokens or 0),
                         )
@@ -246,7 +254,7 @@ class AnthropicModel:
                     elif kind == "message_delta":
                         usage = event.usage
                         if usage is not None:
-                            state.output_tokens = int(usage.output_tokens or 0)
+                            state.output_tokens = usage.output_tokens
                             if state.started is not None:
                                 if usage.input_tokens is not None:
                                     state.started.input_tokens = int(usage.input_tokens)

@@ -104,13 +104,30 @@ def clamp_usage(usage: "TokenUsage | None") -> "TokenUsage":
         return TokenUsage()
 
     def fit(value: object) -> int:
-        return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS_PER_CALL else 0
+        return value if _usable(value) else 0  # type: ignore[return-value]
 
     return TokenUsage(
         input_tokens=fit(usage.input_tokens), output_tokens=fit(usage.output_tokens),
         cache_read_tokens=fit(usage.cache_read_tokens), cache_write_tokens=fit(usage.cache_write_tokens),
         estimated=bool(usage.estimated),
     )
+
+
+def _usable(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS_PER_CALL
+
+
+def with_estimates(usage: TokenUsage, input_estimate: int, output_estimate: int) -> TokenUsage:
+    """A provider's reported `usage` with an input or output count that is no token count
+    (null, negative, not an integer, past MAX_TOKENS_PER_CALL) replaced by its estimate, and
+    then marked `estimated`: such a count was recorded as 0, so the call's tokens went unbilled
+    (fresh-eyes re-test). Cache counts that are no token count are 0, as in `clamp_usage`."""
+    result = clamp_usage(usage)
+    if not _usable(usage.input_tokens):
+        result.input_tokens, result.estimated = input_estimate, True
+    if not _usable(usage.output_tokens):
+        result.output_tokens, result.estimated = output_estimate, True
+    return result
 
 
 def add_usage(total: TokenUsage, part: TokenUsage) -> None:

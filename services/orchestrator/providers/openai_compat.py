@@ -22,7 +22,16 @@ from typing import Any
 
 import openai
 
-from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens, loads_deep
+from services.orchestrator.providers.base import (
+    ModelReply,
+    OnText,
+    TokenUsage,
+    ToolCallRequest,
+    arguments_of,
+    estimate_tokens,
+    loads_deep,
+    with_estimates,
+)
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -104,12 +113,13 @@ class _Attempt:
 
     def usage(self, input_estimate: int) -> TokenUsage:
         """Reported usage; else an estimate once the request was accepted; else nothing."""
-        if self.reported is not None:
-            return self.reported
-        if not self.opened:
+        if not self.opened and self.reported is None:
             return TokenUsage()
         produced = "".join(self.text) + "".join(c["args"] for c in self.calls.values())
-        return TokenUsage(input_tokens=input_estimate, output_tokens=estimate_tokens(produced) if produced else 0, estimated=True)
+        output_estimate = estimate_tokens(produced) if produced else 0
+        if self.reported is not None:  # a count it reported that is no token count: estimated
+            return with_estimates(self.reported, input_estimate, output_estimate)
+        return TokenUsage(input_tokens=input_estimate, output_tokens=output_estimate, estimated=True)
 
 
 class OpenAICompatModel:
@@ -208,11 +218,11 @@ class OpenAICompatModel:
 
 
 def _usage_of(usage: Any) -> TokenUsage:
-    prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
+    """The reported counts as given (a null, negative or non-integer one is left for
+    `with_estimates` to replace); input tokens are the prompt's without its cached ones."""
+    prompt = getattr(usage, "prompt_tokens", None)
     details = getattr(usage, "prompt_tokens_details", None)
-    cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
-    return TokenUsage(
-        input_tokens=max(0, prompt - cached),
-        output_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
-        cache_read_tokens=cached,
-    )
+    cached = getattr(details, "cached_tokens", 0) if details is not None else 0
+    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached else 0
+    fresh = prompt - cached if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= cached else prompt
+    return TokenUsage(input_tokens=fresh, output_tokens=getattr(usage, "completion_tokens", None), cache_read_tokens=cached)

@@ -178,6 +178,9 @@ class OpenAICompatModel:
             for _, c in sorted(done.calls.items())
             if c["name"]
         ]
+        nameless = sum(1 for c in done.calls.values() if not c["name"])
+        if nameless:  # nothing to run or to answer: dropped, but never silently (fresh-eyes re-test)
+            log.warning("tool calls without a name were dropped", extra={"fields": {"provider": self.provider_id, "count": nameless}})
         return ModelReply(text="".join(done.text), tool_calls=calls, usage=total)
 
     async def _stream_once(self, request: dict[str, Any], state: _Attempt, on_text: OnText) -> None:

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import datetime
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -77,6 +78,11 @@ def _downstream_status(error: grpc.aio.AioRpcError) -> grpc.Status | None:
         if key == "grpc-status-details-bin":
             return rpc_status.to_status(status_pb2.Status.FromString(value))
     return None
+
+
+# A ListChats cursor: "<created_at in UTC, isoformat()>|<chat id>", URL-safe base64.
+_CURSOR = re.compile(r"(?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{6})?\+00:00)\|"
+                     r"(?P<id>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 
 
 class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
@@ -630,13 +636,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             Chat.kind == ASSISTANT_KIND, Chat.deleted_at.is_(None),
         )
         if request.cursor:
-            try:  # the cursor this method mints: an aware ISO 8601 time and a chat id (a UUID), anything else refused
-                created_raw, last_id = base64.urlsafe_b64decode(request.cursor.encode()).decode().split("|", 1)
-                created = datetime.datetime.fromisoformat(created_raw)
-                last_id = str(uuid.UUID(last_id))
-                if created.tzinfo is None:
-                    raise ValueError("naive time")
-            except (ValueError, UnicodeDecodeError):  # e.g. a NUL PostgreSQL cannot take in the id (fresh-eyes test: 500)
+            # only the cursor this method mints (`_CURSOR`: a UTC time as isoformat() writes it, a chat's UUID) is taken:
+            # a forged one held a NUL PostgreSQL cannot take, or a time that overflows when made UTC (fresh-eyes tests: 500)
+            try:
+                found = _CURSOR.fullmatch(base64.urlsafe_b64decode(request.cursor.encode()).decode())
+                if found is None:
+                    raise ValueError("not a cursor of ListChats")
+                created, last_id = datetime.datetime.fromisoformat(found["time"]), found["id"]
+            except (ValueError, UnicodeDecodeError):
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CURSOR", "cursor is not valid") from None
             query = query.where((Chat.created_at < created) | ((Chat.created_at == created) & (Chat.id < last_id)))
         query = query.order_by(Chat.created_at.desc(), Chat.id.desc()).limit(limit + 1)

@@ -39,8 +39,12 @@ async def test_list_chats_newest_first_with_cursor(stack):
         assert (await client.get("/assistant/chats", params={"limit": 0})).status_code == 400
         assert (await client.get("/assistant/chats", params={"cursor": "garbage!"})).status_code == 400
         # well-formed base64 of what the cursor is not: a NUL in the id (PostgreSQL: 500 before), a naive time, another id
-        for forged in (b"2026-12-01T16:26:15.091253+00:00|a\x00b", b"2026-12-01T16:26:15.091253|" + ids[0].encode(),
-                       b"2026-12-01|z", b"0001-01-01T00:00:00+00:00|not-a-chat-id"):
+        chat = ids[0].encode()
+        for forged in (b"2026-12-01T16:26:15.091253+00:00|a\x00b", b"2026-12-01T16:26:15.091253|" + chat,
+                       b"2026-12-01|z", b"0001-01-01T00:00:00+00:00|not-a-chat-id",
+                       b"0001-01-01T00:00:00+14:00|" + chat, b"9999-12-31T23:59:59-14:00|" + chat,  # overflow as UTC: 500 on PostgreSQL
+                       b"2026-12-01T16:45:28\x00+00:00|" + chat, b"2026-12-01T16:45:28+05:00|" + chat,
+                       b"2026-12-01T16:45:28Z|" + chat, b"2026-12-01T16:45:28+00:00|{" + chat + b"}"):
             cursor = base64.urlsafe_b64encode(forged).decode()
             refused = await client.get("/assistant/chats", params={"cursor": cursor})
             assert refused.status_code == 400 and refused.json() == {"detail": "cursor is not valid"}, (forged, refused.text)

@@ -293,6 +293,9 @@ async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
     ("ask_user_free_text", {"message": {"text": "say"}}, "input.message: must be of type string (got object)"),
     ("request_credential", {"integration_name": "http", "message": "need http"}, "'integration' is required"),
     ("request_credential", {"integration": "nope", "message": "need it"}, "Unknown integration 'nope'. Available integrations include: "),
+    ("ask_user_choice", {"message": "pick", "options": [{"value": "a\x00b", "label": "A"}, {"value": "c", "label": "C"}]},
+     "input: text must not contain U+0000 (NUL)"),
+    ("ask_user_yes_no", {"message": "ok\x00?"}, "input: text must not contain U+0000 (NUL)"),
     ("request_credential", {"integration": "loopline", "message": "need it"}, "the integration 'loopline' takes no credential"),
 ])
 async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_error_names_the_field(stack, tool, tool_input, expected):

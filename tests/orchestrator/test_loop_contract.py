@@ -73,7 +73,8 @@ async def test_failed_run_records_token_usage_with_billing(stack):
     ({"say": "ok ok ok", "chunks": 1e400}, "chunks"), ({"say": "ok", "chunks": 0}, "chunks"), ({"say": "ok", "chunks": "2"}, "chunks"),
     ({"say": "ok", "chunks": 2.5}, "chunks"), ({"say": "ok", "sleep_ms": 1e12}, "sleep_ms"), ({"say": "ok", "sleep_ms": -5}, "sleep_ms"),
     ({"say": "ok", "sleep_ms": "10"}, "sleep_ms"), ({"say": "ok", "usage": "5"}, "usage"), ({"say": "ok", "usage": 5}, "usage"),
-    ({"say": "ok", "usage": [1, 2]}, "usage"),
+    ({"say": "ok", "usage": [1, 2]}, "usage"), (None, "step"), ("plain text", "step"), ({"say": ["a"]}, "say"),
+    ({"tool": 5}, "tool"), ({"tools": "x"}, "tools"), ({"tools": [{"input": {}}]}, "tools"), ({"fail": 5}, "fail"),
 ])
 async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_call_not_the_loop(stack, step, named):
     # fresh-eyes test: chunks 1e400 crashed the loop (OverflowError, "Internal error"); sleep_ms 1e12 held the chat for good

@@ -67,6 +67,23 @@ def _script_of(content: Any) -> list[Any] | None:
     return script if isinstance(script, list) else None
 
 
+def _check_step(step: Any) -> None:
+    """Raise ModelError (that model call fails, like a bad `usage`) for a script step that is
+    not an object, or whose `say`, `tool`, `tools` or `fail` has another type than the README's
+    table gives: `[null]` answered "None" and `{"say": ["a"]}` answered "['a']" (fresh-eyes test)."""
+    if not isinstance(step, dict):
+        raise ModelError("scripted model: a script step must be an object")
+    if step.get("say") is not None and not isinstance(step["say"], str):
+        raise ModelError("scripted model: say must be a string")
+    if step.get("tool") is not None and not isinstance(step["tool"], str):
+        raise ModelError("scripted model: tool must be a tool's name (a string)")
+    tools = step.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("tool"), str) for t in tools)):
+        raise ModelError("scripted model: tools must be a list of {tool, input}")
+    if "fail" in step and not isinstance(step["fail"], str):
+        raise ModelError("scripted model: fail must be a message (a string)")
+
+
 MAX_SLEEP_MS = 600_000  # a step's `sleep_ms` at most (10 minutes)
 MAX_CHUNKS = 100_000  # a step's `chunks` at most
 
@@ -104,8 +121,7 @@ class ScriptedModel:
         input_estimate = sum(estimate_tokens(m.get("content")) for m in messages)
         if script is not None:
             step = script[step_index] if step_index < len(script) else {"say": "(end of script)"}
-            if not isinstance(step, dict):
-                step = {"say": str(step)}
+            _check_step(step)
         else:
             step = self._rule_step(user_text, messages[last_user + 1 :], step_index)
 
@@ -122,7 +138,7 @@ class ScriptedModel:
             for k in ("input_tokens", "output_tokens")
         ):
             raise ModelError("scripted model: usage counts must be integers between 0 and 1000000000")
-        text = str(step.get("say", "")) if step.get("say") is not None else ""
+        text = step.get("say") or ""
         usage = TokenUsage(
             input_tokens=int(reported.get("input_tokens", 0)) if reported is not None else input_estimate,
             output_tokens=int(reported.get("output_tokens", 0)) if reported is not None else estimate_tokens(text or step),
@@ -137,9 +153,8 @@ class ScriptedModel:
         calls: list[ToolCallRequest] = []
         if "tool" in step:
             calls.append(self._call(step.get("tool"), step.get("input"), step.get("tool_call_id")))
-        for item in step.get("tools", []) if isinstance(step.get("tools"), list) else []:
-            if isinstance(item, dict):
-                calls.append(self._call(item.get("tool"), item.get("input"), item.get("tool_call_id")))
+        for item in step.get("tools") or []:
+            calls.append(self._call(item["tool"], item.get("input"), item.get("tool_call_id")))
         return ModelReply(text=text, tool_calls=calls, usage=usage)
 
     @staticmethod

@@ -421,8 +421,13 @@ class ToolExecutor:
     async def search_knowledge(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"query", "results": [{"knowledge_base_id", "document_id", "document_name", "chunk_id",
         "chunk_index", "content", "score"}], "count"}; error result when the org has no knowledge base."""
-        if not await self.knowledge.base_ids(org_id):
+        known = await self.knowledge.base_ids(org_id)
+        if not known:
             raise ToolError("This organization has no knowledge bases yet, so there is nothing to search.")
+        unknown = [i for i in dict.fromkeys(args.get("knowledge_base_ids") or []) if i not in known]
+        if unknown:  # as POST /knowledge-bases/search answers 404 for them, instead of searching the others quietly
+            shown = ", ".join(repr(i[:64]) for i in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise ToolError(f"Knowledge base(s) not found: {shown}. Leave out knowledge_base_ids to search them all.")
         hits = await self.knowledge.search(org_id, args["query"], args.get("knowledge_base_ids"), int(args.get("top_k", 5)))
         output = {"query": args["query"], "results": [h.to_json() for h in hits], "count": len(hits)}
         value, truncated, _size = cap_result(output, self.settings.tools_max_output_bytes)

@@ -68,8 +68,8 @@ async def test_no_organization_sees_another_organizations_documents(tools):
     await _base(tools, org="org-b")
     theirs = await tools.ok("search_knowledge", {"query": "refund"}, org="org-b")
     assert theirs["results"] == []
-    pointed = await tools.ok("search_knowledge", {"query": "refund", "knowledge_base_ids": [kb]}, org="org-b")
-    assert pointed["results"] == []
+    pointed = await tools.failed("search_knowledge", {"query": "refund", "knowledge_base_ids": [kb]}, org="org-b")
+    assert pointed == f"Knowledge base(s) not found: {kb!r}. Leave out knowledge_base_ids to search them all."  # another org's: unknown
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _doc(tools, kb, "intruder.txt", "refund refund", org="org-b")
     assert status_details(caught.value).code == grpc.StatusCode.NOT_FOUND
@@ -82,6 +82,9 @@ async def test_search_can_be_limited_to_some_knowledge_bases(tools):
     await _doc(tools, hr, "hr.txt", HOLIDAYS + " Refund of travel expenses goes through the HR portal.")
     only_hr = await tools.ok("search_knowledge", {"query": "refund", "knowledge_base_ids": [hr]})
     assert {r["knowledge_base_id"] for r in only_hr["results"]} == {hr}
+    # an unknown id is named, not quietly dropped (POST /knowledge-bases/search answers 404 for it; fresh-eyes test)
+    unknown = await tools.failed("search_knowledge", {"query": "refund", "knowledge_base_ids": ["not-a-kb", hr]})
+    assert unknown == "Knowledge base(s) not found: 'not-a-kb'. Leave out knowledge_base_ids to search them all."
     both = await tools.ok("search_knowledge", {"query": "refund"})
     assert {r["knowledge_base_id"] for r in both["results"]} == {support, hr}
     listed = await tools.stub.ListKnowledgeBases(tools_pb2.ListKnowledgeBasesRequest(organization_id="org-a"))

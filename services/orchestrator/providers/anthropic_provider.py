@@ -25,15 +25,7 @@ from typing import Any
 
 import anthropic
 
-from services.orchestrator.providers.base import (
-    ModelReply,
-    OnText,
-    TokenUsage,
-    ToolCallRequest,
-    arguments_of,
-    estimate_tokens,
-    with_estimates,
-)
+from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens, with_estimates
 from services.orchestrator.providers.openai_compat import parse_arguments
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries

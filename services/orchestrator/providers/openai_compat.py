@@ -22,16 +22,7 @@ from typing import Any
 
 import openai
 
-from services.orchestrator.providers.base import (
-    ModelReply,
-    OnText,
-    TokenUsage,
-    ToolCallRequest,
-    arguments_of,
-    estimate_tokens,
-    loads_deep,
-    with_estimates,
-)
+from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens, loads_deep, with_estimates
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 import uuid
 
@@ -11,6 +12,7 @@ import pytest
 
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
+from services.tools.integrations.postgresql import iso_duration, jsonable
 
 
 def run(action: str, **parameters):
@@ -144,3 +146,13 @@ async def test_outbound_policy_refuses_a_loopback_or_socket_dsn_by_default(tools
     await tools.create_credential("postgresql", {"dsn": "postgresql://postgres@/test?host=/var/run/postgresql"}, make_default=True)
     error = await tools.failed("execute_integration_tool", run("list_schemas"))
     assert "not allowed" in error
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (datetime.timedelta(days=1), "P1D"), (datetime.timedelta(days=1, hours=2, minutes=3, seconds=4.5), "P1DT2H3M4.5S"),
+    (datetime.timedelta(minutes=-30), "-PT30M"), (datetime.timedelta(0), "PT0S"), (datetime.timedelta(microseconds=1), "PT0.000001S"),
+    (datetime.timedelta(days=-1, hours=23), "-PT1H"), (datetime.timedelta(seconds=59), "PT59S"),
+])
+def test_an_interval_is_an_iso_8601_duration(value, text):
+    # fresh-eyes test: an interval column came back as Python's str(), "1 day, 0:00:00"
+    assert jsonable(value) == text == iso_duration(value)

@@ -123,8 +123,28 @@ MANIFEST: dict[str, Any] = {
 }
 
 
+def iso_duration(value: datetime.timedelta) -> str:
+    """`value` as an ISO 8601 duration (section 4.4.3.2), e.g. "P1DT2H3M4.5S", "-PT30M",
+    "PT0S": what JSON libraries write for a duration (pydantic's timedelta), where Python's
+    str() wrote "1 day, 2:03:04.500000" (fresh-eyes test). Days stay days (PostgreSQL's
+    interval as asyncpg reads it has no months part left)."""
+    total = (value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds
+    sign, total = ("-", -total) if total < 0 else ("", total)
+    days, rest = divmod(total, 86_400 * 1_000_000)
+    hours, rest = divmod(rest, 3_600 * 1_000_000)
+    minutes, rest = divmod(rest, 60 * 1_000_000)
+    seconds, micros = divmod(rest, 1_000_000)
+    clock = (f"{hours}H" if hours else "") + (f"{minutes}M" if minutes else "")
+    if seconds or micros:
+        clock += (f"{seconds}.{micros:06d}".rstrip("0") if micros else str(seconds)) + "S"
+    if not days and not clock:
+        return "PT0S"
+    return f"{sign}P" + (f"{days}D" if days else "") + (f"T{clock}" if clock else "")
+
+
 def jsonable(value: Any) -> Any:
-    """A JSON value for a PostgreSQL value: dates ISO 8601, numerics and UUIDs as strings, bytes base64."""
+    """A JSON value for a PostgreSQL value: dates ISO 8601, intervals ISO 8601 durations (`iso_duration`),
+    numerics and UUIDs as strings, bytes base64."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -134,7 +154,7 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, datetime.timedelta):
-        return str(value)
+        return iso_duration(value)
     if isinstance(value, (uuid.UUID, ipaddress.IPv4Address, ipaddress.IPv6Address, ipaddress.IPv4Network, ipaddress.IPv6Network)):
         return str(value)
     if isinstance(value, (bytes, bytearray, memoryview)):

@@ -137,3 +137,13 @@ def test_an_objects_keys_come_back_sorted_whatever_order_the_struct_was_built_in
         assert list(data) == ["alpha", "mid", "zeta"] and list(data["alpha"]) == ["x", "y"]
         assert list(data["alpha"]["y"][0]) == ["a", "b"]
     assert list(pb.from_value(pb.to_value({"b": 1, "a": 2}))) == ["a", "b"]
+
+
+@pytest.mark.parametrize("text", ['{"a": NaN}', "[Infinity]", "-Infinity", '{"a": 1e400}', "[-1e400]", "[" * 5000 + "]" * 5000, "{"])
+def test_loads_strict_refuses_what_rfc_8259_does_not_call_json(text):
+    with pytest.raises(ValueError):
+        pb.loads_strict(text)
+
+
+def test_loads_strict_reads_json_as_json_loads_does():
+    assert pb.loads_strict(b'{"a": 1.5, "b": [1e308, -0.0, 9007199254740993], "c": "\\u00e9"}') == {"a": 1.5, "b": [1e308, -0.0, 9007199254740993], "c": "é"}

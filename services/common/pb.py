@@ -131,6 +131,29 @@ def scrub(data: Any) -> Any:
     return data
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"{text} is beyond a double's range")
+    return number
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """`json.loads(text)` as RFC 8259 reads JSON: `NaN`, `Infinity` and `-Infinity` (which
+    json.loads takes) and a number beyond a double's range (which it reads as infinity) raise
+    ValueError, like any text that is not JSON; so does nesting past json.loads' own limit
+    (RecursionError). For a body from elsewhere (a web page, an OAuth2 API) that is kept as
+    text when it is not JSON: such numbers were written as null, silently (fresh-eyes test)."""
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("JSON nested deeper than json.loads reads") from None
+
+
 def _finite(data: Any) -> Any:
     """`data` with NaN and infinities as None (what orjson writes for them), for json.dumps."""
     if isinstance(data, float) and (math.isnan(data) or math.isinf(data)):

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from sqlalchemy import delete
 
+from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, RpcError, bounded
 from services.tools.catalogue import ActionContext, ActionError, Integration, integration_from_manifest
 from services.tools.credentials import CredentialInfo, CredentialStore
@@ -124,8 +125,8 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
                 headers={"Authorization": f"Bearer {token}"}, json=params.get("body"),
             )
         try:
-            body: Any = response.json()
-        except (ValueError, RecursionError):  # not JSON, or nested past what json.loads parses: the text
+            body: Any = pb.loads_strict(response.content)
+        except ValueError:  # not JSON (NaN and 1e400 included), or nested past what json.loads parses: the text
             body = response.text
         return {"status": response.status_code, "body": body}
 

@@ -160,7 +160,7 @@ def deep_json(levels: int) -> Any:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """/json -> {"hello": "world", "authorization": <the header>}; /slow -> waits 5 s; /big -> 200 KB of text;
-    /deep -> JSON DEEP_LEVELS objects deep; /deeper -> JSON DEEPER_LEVELS arrays deep."""
+    /deep -> JSON DEEP_LEVELS objects deep; /deeper -> JSON DEEPER_LEVELS arrays deep; /nan -> "JSON" with NaN and 1e400."""
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path.startswith("/slow"):
@@ -172,6 +172,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body, kind = b"[" * DEEPER_LEVELS + b"]" * DEEPER_LEVELS, "application/json"
         elif self.path.startswith("/deep"):
             body, kind = json.dumps(deep_json(DEEP_LEVELS)).encode(), "application/json"
+        elif self.path.startswith("/nan"):
+            body, kind = b'{"ratio": NaN, "big": 1e400, "ok": 1}', "application/json"
         else:
             payload = {"hello": "world", "authorization": self.headers.get("Authorization"), "path": self.path}
             body, kind = json.dumps(payload).encode(), "application/json"

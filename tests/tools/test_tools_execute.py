@@ -142,6 +142,13 @@ async def test_http_bearer_credential_is_sent_and_never_returned_in_errors(start
     assert "tok-very-secret-1234" not in error
 
 
+async def test_a_json_body_with_nan_or_a_number_past_a_double_comes_back_as_its_text(start_tools, local_http):
+    # fresh-eyes test: json.loads read them and the output wrote null, silently
+    tools = await start_tools(tools_allow_private_network=True)
+    output = await tools.ok("execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": f"{local_http}/nan"}})
+    assert "json" not in output["result"] and output["result"]["body"] == '{"ratio": NaN, "big": 1e400, "ok": 1}'
+
+
 async def test_http_body_is_read_only_up_to_the_cap(start_tools, local_http):
     tools = await start_tools(tools_allow_private_network=True, tools_max_output_bytes=8192)
     output = await tools.ok(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.common import pb
 from services.tools.catalogue import ActionContext, ActionError
 from services.tools.netpolicy import OutboundPolicyError, guarded_client
 
@@ -96,7 +97,8 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
 
     A JSON body comes back parsed in `json` (its parts nested deeper than pb.MAX_JSON_DEPTH as
     their JSON text: the tools service clips every output, services/common/pb.py); one too deep
-    for `json.loads` itself (about 1,000 levels) comes back as text in `body`.
+    for `json.loads` itself (about 1,000 levels), or holding NaN, Infinity or a number beyond a
+    double's range (`pb.loads_strict`), comes back as text in `body`.
 
     Raises ActionError when the policy refuses the destination or the request fails
     (connection refused, TLS error, ...). A 4xx/5xx status is a result, not an error.
@@ -147,9 +149,9 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     text = raw.decode(response.encoding or "utf-8", errors="replace")
     if not truncated and "json" in response.headers.get("content-type", ""):
         try:
-            result["json"] = json.loads(text)
+            result["json"] = pb.loads_strict(text)
             return result
-        except (ValueError, RecursionError):  # not JSON, or nested past what json.loads parses
+        except ValueError:  # not JSON (NaN and 1e400 included), or nested past what json.loads parses
             pass
     result["body"] = text
     return result

@@ -131,6 +131,19 @@ def scrub(data: Any) -> Any:
     return data
 
 
+def holds_nul(value: Any) -> bool:
+    """Whether a decoded JSON value holds U+0000 in a string or an object key. PostgreSQL's text
+    types cannot store it, and an answer cannot carry it (the gateway refuses it in request
+    bodies); the caller bounds the depth (`json_depth`) or knows it is bounded."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any("\x00" in key or holds_nul(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(holds_nul(item) for item in value)
+    return False
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 

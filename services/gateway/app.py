@@ -163,20 +163,9 @@ def json_object(raw: bytes) -> dict[str, Any]:
     # PostgreSQL's text types cannot hold U+0000 (and it is never meaningful text), so a body with
     # one in a string is refused on either backend alike. In valid JSON it can only be written as
     # the escape \u0000 (a raw control character is invalid), so the common body is never walked.
-    if b"\\u0000" in raw and _has_nul(body):
+    if b"\\u0000" in raw and pb.holds_nul(body):
         raise BodyError(400, _NUL)
     return body
-
-
-def _has_nul(value: Any) -> bool:
-    """Whether a parsed JSON value holds U+0000 in a string or an object key (depth already bounded)."""
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any("\x00" in key or _has_nul(item) for key, item in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(item) for item in value)
-    return False
 
 
 _NUL = "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"

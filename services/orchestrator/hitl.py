@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.common import pb
+
 _OPTION = {
     "type": "object",
     "properties": {
@@ -125,22 +127,11 @@ def input_problems(tool: str, tool_input: Any) -> str | None:
         schema = next(d["input_schema"] for d in TOOL_DEFINITIONS if d["name"] == tool)
         validator = _validators[tool] = Draft202012Validator(schema)
     problems = schema_errors(validator, tool_input, "input")
-    if problems is None and _holds_nul(tool_input):
+    if problems is None and pb.holds_nul(tool_input):
         # an answer cannot carry one (the gateway refuses U+0000 in a request body), so an option
         # holding one could never be picked (fresh-eyes test)
         return "input: text must not contain U+0000 (NUL)"
     return problems
-
-
-def _holds_nul(value: Any) -> bool:
-    """Whether a string anywhere in a decoded JSON value (keys included) holds U+0000."""
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_holds_nul(item) for item in value)
-    return False
 
 
 class InvalidAnswer(ValueError):

@@ -147,18 +147,12 @@ _VALIDATORS = {d["name"]: Draft202012Validator(d["input_schema"]) for d in TOOL_
 
 
 def _field_with_nul(tool_input: dict[str, Any]) -> str | None:
-    """The first field of a tool's input (`parameters` aside: an action checks its own) whose
-    string, or a string of whose list, holds U+0000, else None. These fields name things the
+    """The first field of a tool's input (`parameters` aside: an action checks its own) that
+    holds U+0000 (`pb.holds_nul`), else None. These fields name things the
     tools service looks up in its database, and PostgreSQL's text takes no NUL: a model's
     `credential_id` with one was "failed because of an internal error" there and "not found" on
     SQLite (fresh-eyes test); the gateway refuses NUL in request bodies the same way."""
-    for name, value in tool_input.items():
-        if name == "parameters":
-            continue
-        items = value if isinstance(value, list) else [value]
-        if any(isinstance(item, str) and "\x00" in item for item in items):
-            return name
-    return None
+    return next((name for name, value in tool_input.items() if name != "parameters" and pb.holds_nul(value)), None)
 
 
 def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:

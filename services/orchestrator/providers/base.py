@@ -104,7 +104,7 @@ def clamp_usage(usage: "TokenUsage | None") -> "TokenUsage":
         return TokenUsage()
 
     def fit(value: object) -> int:
-        return value if _usable(value) else 0  # type: ignore[return-value]
+        return value if is_token_count(value) else 0  # type: ignore[return-value]
 
     return TokenUsage(
         input_tokens=fit(usage.input_tokens), output_tokens=fit(usage.output_tokens),
@@ -113,7 +113,8 @@ def clamp_usage(usage: "TokenUsage | None") -> "TokenUsage":
     )
 
 
-def _usable(value: object) -> bool:
+def is_token_count(value: object) -> bool:
+    """Whether `value` is a token count Loopline records: an int (not a bool) in [0, MAX_TOKENS_PER_CALL]."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS_PER_CALL
 
 
@@ -123,9 +124,9 @@ def with_estimates(usage: TokenUsage, input_estimate: int, output_estimate: int)
     then marked `estimated`: such a count was recorded as 0, so the call's tokens went unbilled
     (fresh-eyes re-test). Cache counts that are no token count are 0, as in `clamp_usage`."""
     result = clamp_usage(usage)
-    if not _usable(usage.input_tokens):
+    if not is_token_count(usage.input_tokens):
         result.input_tokens, result.estimated = input_estimate, True
-    if not _usable(usage.output_tokens):
+    if not is_token_count(usage.output_tokens):
         result.output_tokens, result.estimated = output_estimate, True
     return result
 

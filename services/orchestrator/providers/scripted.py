@@ -24,7 +24,6 @@ import re
 from typing import Any
 
 from services.orchestrator.providers.base import (
-    MAX_TOKENS_PER_CALL,
     ModelError,
     ModelReply,
     OnText,
@@ -32,6 +31,7 @@ from services.orchestrator.providers.base import (
     ToolCallRequest,
     arguments_of,
     estimate_tokens,
+    is_token_count,
     loads_deep,
 )
 
@@ -133,10 +133,7 @@ class ScriptedModel:
         reported = step.get("usage")
         if reported is not None and not isinstance(reported, dict):  # "5", 5, [1, 2]: another type fails the call too
             raise ModelError("scripted model: usage must be an object {input_tokens, output_tokens}")
-        if reported is not None and not all(
-            isinstance(reported.get(k, 0), int) and not isinstance(reported.get(k, 0), bool) and 0 <= reported.get(k, 0) <= MAX_TOKENS_PER_CALL
-            for k in ("input_tokens", "output_tokens")
-        ):
+        if reported is not None and not all(is_token_count(reported.get(k, 0)) for k in ("input_tokens", "output_tokens")):
             raise ModelError("scripted model: usage counts must be integers between 0 and 1000000000")
         text = step.get("say") or ""
         usage = TokenUsage(

@@ -291,6 +291,14 @@ _CHARGE_RESERVATION = (
     .values(state=CHARGED, resolved_at=_bp("p_now", _DATETIME))
     .returning(*_RESOLVED)
 )
+# A late charge (ChargeBatch): the hold had expired, so its credits were given back; they are
+# taken from the allowance or the wallet as they stand (`BillingCore._charge_txn`).
+_CHARGE_EXPIRED = (
+    update(_R)
+    .where(_R.c.id == _bp("p_id"), _R.c.state == EXPIRED)
+    .values(state=CHARGED, resolved_at=_bp("p_now", _DATETIME))
+    .returning(*_RESOLVED)
+)
 _VOID_RESERVATION = (
     update(_R)
     .where(_R.c.id == _bp("p_id"), _R.c.state == HELD)
@@ -311,6 +319,8 @@ _CHARGE_WALLET = (
         wallet_balance_minor=_A.c.wallet_balance_minor - _bp("p_n"),
     )
 )
+_CHARGE_ALLOWANCE_LATE = update(_A).where(*_IN_PERIOD).values(allowance_used=_A.c.allowance_used + _bp("p_n"))
+_CHARGE_WALLET_LATE = update(_A).where(*_IN_PERIOD).values(wallet_balance_minor=_A.c.wallet_balance_minor - _bp("p_n"))
 _VOID_ACCOUNT = (
     update(_A)
     .where(_A.c.org_id == _bp("p_org"))
@@ -854,10 +864,15 @@ class BillingCore:
 
     # ------------------------------------------------------------------ charge / release / expire
 
-    def _charge_txn(self, conn: Connection, reservation_id: str) -> tuple[str, str, bool, str | None]:
-        """(state, ledger entry id, replayed, org_id); raises RpcError for the refusals."""
+    def _charge_txn(self, conn: Connection, reservation_id: str, late: bool = False) -> tuple[str, str, bool, str | None]:
+        """(state, ledger entry id, replayed, org_id); raises RpcError for the refusals (before
+        anything is written). With `late`, an EXPIRED reservation is charged too (`charge`)."""
         now = self.clock()
         held = conn.execute(_CHARGE_RESERVATION, {"p_id": reservation_id, "p_now": now}).first()
+        expired = False
+        if held is None and late:
+            held = conn.execute(_CHARGE_EXPIRED, {"p_id": reservation_id, "p_now": now}).first()
+            expired = held is not None
         if held is None:
             row = conn.execute(_SEL_CHARGE_STATE, {"p_id": reservation_id, "p_key": f"charge:{reservation_id}"}).first()
             if row is None:
@@ -871,12 +886,13 @@ class BillingCore:
                 domain=BILLING_DOMAIN,
             )
         if held.funding == WALLET:
-            stmt, unit, amount = _CHARGE_WALLET, UNIT_MINOR, held.wallet_minor
+            stmt, unit, amount = (_CHARGE_WALLET_LATE if expired else _CHARGE_WALLET), UNIT_MINOR, held.wallet_minor
         else:
-            stmt, unit, amount = _CHARGE_ALLOWANCE, UNIT_CREDIT, held.credits
+            stmt, unit, amount = (_CHARGE_ALLOWANCE_LATE if expired else _CHARGE_ALLOWANCE), UNIT_CREDIT, held.credits
         # A hold opened last month is charged to the current period (rolled first).
         _roll_and_retry(conn, stmt, {"p_org": held.org_id, "p_period": month_start(now.date()), "p_n": amount})
         entry_id = _new_id("led")
+        note = f"{held.usage_type} {held.credits} credit(s) via {held.funding}"
         conn.execute(
             _INS_LEDGER,
             {
@@ -888,13 +904,16 @@ class BillingCore:
                 "amount": -amount,
                 "reservation_id": reservation_id,
                 "usage_id": None,
-                "note": f"{held.usage_type} {held.credits} credit(s) via {held.funding}",
+                "note": f"{note}, charged after its hold expired" if expired else note,
                 "created_at": now,
             },
         )
+        if expired:
+            log.warning("charged a reservation after its hold expired",
+                        extra={"fields": {"reservation_id": reservation_id, "org_id": held.org_id}})
         return CHARGED, entry_id, False, held.org_id
 
-    async def charge(self, reservation_id: str) -> ChargeResult:
+    async def charge(self, reservation_id: str, *, late: bool = False) -> ChargeResult:
         """Post a HELD reservation to the ledger, exactly once.
 
         Moves the hold into `allowance_used` (or debits the wallet) and appends ledger entry
@@ -902,6 +921,13 @@ class BillingCore:
         UPDATE account, INSERT ledger). A second call returns the same entry
         (replayed=True). Raises RpcError NOT_FOUND for an unknown id, FAILED_PRECONDITION
         RESERVATION_RELEASED / RESERVATION_EXPIRED when the hold was voided.
+
+        With `late` (ChargeBatch: the charge of a turn the orchestrator committed while the
+        hold stood, stored with the turn and delivered after billing or the orchestrator was
+        away longer than the hold), an EXPIRED reservation is charged as well: its credits,
+        given back when it expired, are taken from the allowance (which may end above the
+        plan's by them) or the wallet as they stand, and the ledger entry's note says so
+        (README "Decisions": one run credit per persisted turn). RELEASED stays refused.
         """
         if not reservation_id:
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
@@ -912,13 +938,57 @@ class BillingCore:
             org_id = await self.pg.charge(reservation_id, now, month_start(now.date()), entry_id)
             if org_id is not None:
                 charged = (CHARGED, entry_id, False, org_id)
-        if charged is None:  # SQLite, or on PostgreSQL a replay, a refusal or an account to roll
-            charged = await self.db.run(self._charge_txn, reservation_id)
+        if charged is None:  # SQLite, or on PostgreSQL a replay, a refusal, a late charge or an account to roll
+            charged = await self.db.run(self._charge_txn, reservation_id, late)
+        return self._charged(reservation_id, charged)
+
+    @staticmethod
+    def _charged(reservation_id: str, charged: tuple[str, str, bool, str | None]) -> ChargeResult:
         state, entry_id, replayed, org_id = charged
         if not replayed and log.isEnabledFor(logging.DEBUG):
             with loopline_logging.bind(org_id=org_id):
                 log.debug("charged", extra={"fields": {"reservation_id": reservation_id, "ledger_entry_id": entry_id}})
         return ChargeResult(state, entry_id, replayed)
+
+    def _charge_batch_txn(self, conn: Connection, reservation_ids: list[str]) -> list[tuple[str, str, bool, str | None] | RpcError]:
+        """Each reservation as `_charge_txn(late=True)` in one transaction; a refusal (raised
+        before that charge wrote anything) is returned in its place."""
+        results: list[tuple[str, str, bool, str | None] | RpcError] = []
+        for reservation_id in reservation_ids:
+            try:
+                results.append(self._charge_txn(conn, reservation_id, True))
+            except RpcError as refused:
+                results.append(refused)
+        return results
+
+    async def charge_batch(self, reservation_ids: list[str]) -> list[ChargeResult | None]:
+        """Charge several reservations, each as `charge(late=True)`; results in order.
+
+        A reservation that cannot be charged is answered in its place instead of failing the
+        call: ChargeResult("released", "", False) for a released one, None for an unknown one.
+        RpcError INVALID_ARGUMENT (nothing written) when an id is empty. On SQLite the batch is
+        one transaction (one commit); on PostgreSQL each charge is its own statement, run
+        concurrently. Source: the ChargeBatch RPC (billing.proto), README "Decisions".
+        """
+        if not all(reservation_ids):
+            raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
+        if self.pg is None:
+            found = await self.db.run(self._charge_batch_txn, reservation_ids)
+        else:
+            async def one(reservation_id: str) -> ChargeResult | RpcError:
+                try:
+                    return await self.charge(reservation_id, late=True)
+                except RpcError as refused:
+                    return refused
+
+            found = list(await asyncio.gather(*(one(reservation_id) for reservation_id in reservation_ids)))
+        results: list[ChargeResult | None] = []
+        for reservation_id, result in zip(reservation_ids, found, strict=True):
+            if isinstance(result, RpcError):
+                results.append(ChargeResult(RELEASED, "", False) if result.reason == "RESERVATION_RELEASED" else None)
+            else:
+                results.append(result if isinstance(result, ChargeResult) else self._charged(reservation_id, result))
+        return results
 
     def _void_txn(self, conn: Connection, reservation_id: str, state: str, reason: str) -> tuple[str | None, str | None]:
         """Move a HELD reservation to `state` and return its hold: (org_id, None) if voided now,

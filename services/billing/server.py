@@ -70,6 +70,18 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
         return billing_pb2.ChargeResponse(state=STATE_TO_PB[result.state], ledger_entry_id=result.ledger_entry_id)
 
     @rpc
+    async def ChargeBatch(  # noqa: N802
+        self, request: billing_pb2.ChargeBatchRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.ChargeBatchResponse:
+        """Charge several reservations, each as Charge, an expired hold charged late and a charge
+        that cannot be posted answered in its result (`BillingCore.charge_batch`); results in order."""
+        results = await self.core.charge_batch([charge.reservation_id for charge in request.charges])
+        return billing_pb2.ChargeBatchResponse(results=[
+            billing_pb2.ChargeResponse() if r is None else billing_pb2.ChargeResponse(state=STATE_TO_PB[r.state], ledger_entry_id=r.ledger_entry_id)
+            for r in results
+        ])
+
+    @rpc
     async def Release(  # noqa: N802
         self, request: billing_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> billing_pb2.ReleaseResponse:

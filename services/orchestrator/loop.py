@@ -37,7 +37,7 @@ from services.orchestrator.providers.base import ChatModel, ModelError, ModelRep
 from services.orchestrator.sanitize import sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, cut_off_result, estimate, split_summary, with_summary
-from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, UsageBatcher
+from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, RunCharges, UsageBatcher
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,7 @@ class TurnRunner:
         self.redelivery.register(  # a reservation the turn start could not release (service.py `_release`)
             "Release", lambda data: billing.Release(billing_pb2.ReleaseRequest.FromString(data), timeout=CALL_TIMEOUT_S))
         self.usage = UsageBatcher(billing, self.redelivery, forget=store.forget_redeliveries)
+        self.charges = RunCharges(billing, self.redelivery, forget=store.forget_redeliveries)  # each turn's run charge
         self.events = events
         self.billing = billing
         self.tools = tools
@@ -222,7 +223,8 @@ class TurnRunner:
         """Cancel every active run (shutdown) and wait for them to record their outcome."""
         for run_id in list(self.active):
             await self.cancel(run_id, "shutdown")
-        await self.usage.close()
+        await self.charges.close()
+        await self.usage.close()  # closes the redelivery too
 
     # ------------------------------------------------------------------ the run
 

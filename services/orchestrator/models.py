@@ -119,9 +119,11 @@ class Interrupt(Base):
 
 
 class BillingRedelivery(Base):
-    """A billing call that failed its quick retries, kept until billing takes it.
+    """A billing call kept until billing takes it: one that failed its quick retries, or one
+    written in the transaction it belongs to (a transactional outbox: a turn start's run
+    charge, a run end's usage records; `usage.StoredBatches`).
 
-    `method` is the BillingService method (`RecordUsageBatch`, `RecordToolUsage`, `Release`) and
+    `method` is the BillingService method (`ChargeBatch`, `RecordUsageBatch`, `RecordToolUsage`, `Release`) and
     `request` its serialized request; the calls are idempotent, so sending one twice only
     replays. `log_fields` are the ids logged if it is finally given up (one object per record).
     Written and sent by `services/orchestrator/usage.py` `Redelivery`, by any replica.

@@ -13,7 +13,10 @@ at most 1 s):
   tool call cut off by the crash its error result (the thread stays valid), clears the
   chat's `running_id`, publishes a `tool_result` for a streamed call the crash cut off,
   then `error` and `done {error: true}` (listing the run's tool calls) on the run's stream,
-  archives the events and releases the turn's reservation if it is still held.
+  and archives the events. The turn's reservation is left alone: its run charge was stored
+  with the run (`usage.RunCharges`) and reaches billing from the outbox (`Redelivery`), so
+  the lost turn costs its one run credit like any other (spec "Persist and charge"); a
+  Release here would race that charge and void it.
 
 A run gets its first lease when its row is written (`lease_deadline`), so a crashed run is
 failed at most 3/4 + 1/6 of `run_lease_s` after its last renewal or its start (the lease,
@@ -36,7 +39,6 @@ from services.common import pb
 from services.common.tasks import stop_task
 from services.orchestrator.models import Chat, Message, Run, utcnow
 from services.orchestrator.thread import cut_off_result
-from services.orchestrator.usage import release_or_store
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +53,18 @@ class RunSupervisor:
         sessions: async session factory of the orchestrator database.
         runner: this replica's `TurnRunner` (active runs, cancel, archive).
         backend: the shared `RunBackend` (events, cancel flags).
-        billing: BillingService stub (Release of a lost run's held reservation).
     """
 
-    def __init__(self, settings: Any, sessions: Any, runner: Any, backend: Any, billing: Any) -> None:
+    def __init__(self, settings: Any, sessions: Any, runner: Any, backend: Any) -> None:
         self.settings = settings
         self.sessions = sessions
         self.runner = runner
         self.backend = backend
-        self.billing = billing
         self.lease_s = float(settings.run_lease_s)
         self.tick_s = max(0.05, min(1.0, self.lease_s / 30))
         self.period_s = self.lease_s / 4
         self.reap_period_s = self.lease_s / 6
         self._task: asyncio.Task | None = None
-        self._releases: set[asyncio.Task] = set()  # reservations of orphans being released (`reap_orphans`)
 
     def start(self) -> None:
         """Start the background task (idempotent)."""
@@ -73,12 +72,10 @@ class RunSupervisor:
             self._task = asyncio.create_task(self._main(), name="run-supervisor")
 
     async def stop(self) -> None:
-        """Stop the background task; wait for the releases of `reap_orphans` under way (each bounded)."""
+        """Stop the background task."""
         if self._task is not None:
             await stop_task(self._task)
             self._task = None
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
 
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
@@ -149,8 +146,7 @@ class RunSupervisor:
         memory), fail every run still `running` at once: a previous process left it (a crash; a
         stop ends its runs) and its events died with it. Waiting for its lease to lapse (up to
         `run_lease_s`) gave a listener an empty stream at once and the chat 409 meanwhile
-        (fresh-eyes test). Their reservations are released in the background, so a billing
-        service that is down does not hold up the start. Returns the runs' ids."""
+        (fresh-eyes test). Returns the runs' ids."""
         async with self.sessions() as session:
             orphans = list((await session.execute(select(Run.id).where(Run.status == "running"))).scalars())
         reaped = [run_id for run_id in orphans if await self.take_over(run_id, "failed", orphaned=True)]
@@ -163,8 +159,8 @@ class RunSupervisor:
         """End a run whose owner is gone, as `failed` (crash) or `cancelled` (cancel of a lost run).
 
         Exactly one replica wins (conditional UPDATE on the lapsed lease; with `orphaned`, on the
-        run being `running`: `reap_orphans`); the winner settles the thread, the chat, the events
-        and the reservation. Returns whether this call won.
+        run being `running`: `reap_orphans`); the winner settles the thread, the chat and the
+        events (not the reservation: its charge is stored with the run). Returns whether this call won.
         """
         now = now or utcnow()
         error = LOST_MESSAGE if status == "failed" else None
@@ -180,7 +176,6 @@ class RunSupervisor:
             await session.execute(
                 update(Chat).where(Chat.id == run.chat_id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
             )
-            reservation_id = run.reservation_id
         log.warning("run lost: its replica stopped renewing the lease", extra={"fields": {"run_id": run_id, "status": status}})
         cut_off, records = await self._tool_calls_of(run_id, status)
         if status == "failed":
@@ -197,15 +192,6 @@ class RunSupervisor:
             await self.runner.archive(run_id)
         except Exception:
             log.exception("publishing the end of a lost run failed")
-        if reservation_id:
-            release = release_or_store(self.billing, self.runner.redelivery, reservation_id, "run lost",
-                                       "releasing a lost run's reservation failed")
-            if orphaned:  # at start: not waiting for billing (release_or_store stores it when billing is down)
-                task = asyncio.get_running_loop().create_task(release, name="release-orphan")
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
-            else:
-                await release
         return True
 
     async def _tool_calls_of(self, run_id: str, status: str) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:

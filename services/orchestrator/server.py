@@ -53,7 +53,7 @@ class OrchestratorServer:
         self.store = TurnStore(self.engine)
         self.runner = TurnRunner(settings, sessions, self.store, self.backend.events, billing, tools)
         await self.backend.start(self._on_cancel)
-        self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend, billing)
+        self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend)
         self.servicer = AssistantServicer(settings, sessions, self.runner, billing)
         self.servicer.backend = self.backend
         self.servicer.supervisor = self.supervisor

@@ -32,7 +32,7 @@ from services.orchestrator import hitl
 from services.orchestrator.backend import MemoryBackend, RunBackend
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.loop import RunSpec, TurnRunner
-from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
+from services.orchestrator.models import BillingRedelivery, Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.providers import registry
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.store import ClaimLost, ThreadRow
@@ -222,8 +222,10 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         refused (`_model`: INVALID_ARGUMENT, FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE) uses
         no rate slot and charges nothing. A billing denial is passed through unchanged; billing
         not answering in time is DEADLINE_EXCEEDED BILLING_TIMEOUT, any other billing failure
-        UNAVAILABLE BILLING_UNAVAILABLE (`_downstream_failure`); once admitted, a failed persist
-        or charge releases the reservation and removes what was written.
+        UNAVAILABLE BILLING_UNAVAILABLE (`_downstream_failure`); once admitted, the run charge is
+        stored in the persist's transaction and sent in a batch (`RunCharges`), so the turn
+        start does not wait for it; a failed persist releases the reservation and removes
+        what was written.
         """
         caller = request.caller
         if not request.message.strip():
@@ -271,26 +273,19 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     raise _PassThrough(status) from None
                 raise _downstream_failure(error, "BILLING", "Billing is unavailable; try again") from None
             context.set_trailing_metadata(_rate_metadata(admitted.rate_limit))
+            # The run charge is stored with the turn's rows and sent within STORED_LINGER_S,
+            # batched with other turns' (RunCharges): a persisted turn is never left uncharged.
+            charge = self.runner.charges.row(admitted.reservation_id)
             try:
-                history = await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id)
-                await self.billing.Charge(billing_pb2.ChargeRequest(reservation_id=admitted.reservation_id), timeout=10)
-            except BaseException as failure:
-                if await self._release(admitted.reservation_id, "turn not started") != billing_pb2.RESERVATION_STATE_CHARGED:
-                    await self._unwind(chat_id, run_id, new_chat=not request.chat_id)
-                    raise
-                # Billing had posted the Charge when it failed on the way back (its deadline passed,
-                # the caller went away): the turn is persisted and paid for, so it runs; unwinding
-                # it would keep the credit of a turn that never ran.
-                log.warning("the turn's charge was posted though its call failed; the turn starts",
-                            extra={"fields": {"reservation_id": admitted.reservation_id, "failure": type(failure).__name__}})
-                if not isinstance(failure, grpc.aio.AioRpcError):
-                    self._start(caller, chat_id, run_id, llm, model, history)
-                    raise
+                history = await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id, charge)
+            except BaseException:
+                # nothing was written (or a commit whose answer was lost: removed again), so the hold goes back
+                await self._unwind(chat_id, run_id, new_chat=not request.chat_id, charge_id=charge["id"])
+                await self._release(admitted.reservation_id, "turn not started")
+                raise
+            self.runner.charges.committed(charge["id"], admitted.reservation_id)
         except _PassThrough as passthrough:
             await context.abort_with_status(passthrough.status)
-        except grpc.aio.AioRpcError as error:
-            log.warning("charging the turn failed", extra={"fields": {"code": error.code().name}})
-            raise _downstream_failure(error, "BILLING", "Billing is unavailable; try again") from None
         finally:
             await self._unclaim(chat_id)
         self._start(caller, chat_id, run_id, llm, model, history)
@@ -316,8 +311,9 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 and chat.kind == ASSISTANT_KIND and (deleted or chat.deleted_at is None))
 
     async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any],
-                            reservation_id: str) -> list[ThreadRow] | None:
-        """One transaction: chat (new, or claimed with a conditional update), user message, run row.
+                            reservation_id: str, charge: dict[str, Any]) -> list[ThreadRow] | None:
+        """One transaction: chat (new, or claimed with a conditional update), user message, run row
+        and the run charge (`charge`, a `billing_redeliveries` row: `RunCharges.row`).
 
         Returns the thread of a new chat (its user message), so the loop need not read it back;
         None for an existing chat. FAILED_PRECONDITION RUN_IN_FLIGHT when the claim is lost.
@@ -334,15 +330,18 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                "error": None, "created_at": now, "updated_at": now,
                "lease_until": RunSupervisor.lease_deadline(self.settings, now)}
         try:
-            await self.store.persist_turn(claim=bool(request.chat_id), chat=chat, message=message, run=run)
+            await self.store.persist_turn(claim=bool(request.chat_id), chat=chat, message=message, run=run, charge=charge)
         except ClaimLost:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it") from None
         return None if request.chat_id else [message]
 
-    async def _unwind(self, chat_id: str, run_id: str, new_chat: bool) -> None:
-        """Undo a turn whose charge failed: remove its rows (a new chat entirely), free the chat."""
+    async def _unwind(self, chat_id: str, run_id: str, new_chat: bool, charge_id: str) -> None:
+        """Undo a turn start whose persist failed: remove its rows (a new chat entirely) and its
+        stored charge (row `charge_id`), free the chat. Usually nothing was written; a commit
+        whose answer was lost (a cancelled call, a dropped connection) is removed here."""
         try:
             async with self.sessions() as session, session.begin():
+                await session.execute(delete(BillingRedelivery).where(BillingRedelivery.id == charge_id))
                 await session.execute(delete(Message).where(Message.run_id == run_id, Message.role == "user"))
                 await session.execute(delete(Run).where(Run.id == run_id))
                 if new_chat:

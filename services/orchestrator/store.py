@@ -155,7 +155,8 @@ _TURN_GUARD = (
 )
 
 
-def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any]) -> None:
+def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any],
+                  charge: dict[str, Any] | None) -> None:
     if claim:
         result = conn.execute(_CLAIM_CHAT, {"b_chat_id": message.chat_id, "b_run_id": run["id"], "b_now": message.created_at})
         if result.rowcount != 1:
@@ -165,6 +166,8 @@ def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, me
         conn.execute(_INSERT_CHAT, chat)
     conn.execute(_INSERT_MESSAGE, message.values())
     conn.execute(_INSERT_RUN, run)
+    if charge is not None:
+        conn.execute(_INSERT_REDELIVERY, charge)
 
 
 def _load_thread(conn: Connection, chat_id: str) -> list[ThreadRow]:
@@ -224,15 +227,17 @@ class TurnStore:
         # PostgreSQL: each transaction is one statement on asyncpg (PgTurnStatements)
         self.pg = PgTurnStatements(engine.url, max_size=engine.pool.size()) if self.txn.dialect == "postgresql" else None
 
-    async def persist_turn(self, *, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any]) -> None:
+    async def persist_turn(self, *, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any],
+                           charge: dict[str, Any] | None = None) -> None:
         """Spec "Persist and charge", one transaction: the chat (a new row when `claim` is False,
-        else a conditional `running_id` update), the user message and the run row.
+        else a conditional `running_id` update), the user message, the run row and `charge`,
+        the turn's run charge as a `billing_redeliveries` row (`RunCharges.row`; None: none).
 
-        Raises ClaimLost when `claim` is True and the chat is running, deleted or gone.
+        Raises ClaimLost when `claim` is True and the chat is running, deleted or gone (nothing written).
         """
         if self.pg is not None:
-            return await self.pg.persist_turn(claim, chat, message, run)
-        await self.txn.run(_persist_turn, claim, chat, message, run)
+            return await self.pg.persist_turn(claim, chat, message, run, charge)
+        await self.txn.run(_persist_turn, claim, chat, message, run, charge)
 
     async def load_thread(self, chat_id: str) -> list[ThreadRow]:
         """Every stored message of the chat, oldest first (summaries and markers included)."""
@@ -357,7 +362,8 @@ class PgTurnStatements(PgPool):
 
     # ------------------------------------------------------------------ transactions
 
-    async def persist_turn(self, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any]) -> None:
+    async def persist_turn(self, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any],
+                           charge: dict[str, Any] | None = None) -> None:
         """`TurnStore.persist_turn` as one statement; ClaimLost when the claim UPDATE matched nothing."""
         params: list[Any] = []
         message_values = message.values()
@@ -365,11 +371,15 @@ class PgTurnStatements(PgPool):
             params += [message.chat_id, run["id"], message.created_at]
             m_cols, m_vals = self._insert_values(_messages, message_values, params, select=True)
             r_cols, r_vals = self._insert_values(_runs, run, params, select=True)
+            charged = ""
+            if charge is not None:
+                b_cols, b_vals = self._insert_values(_redeliveries, charge, params, select=True)
+                charged = f", b AS (INSERT INTO billing_redeliveries ({b_cols}) SELECT {b_vals} FROM c)"
             sql = (
                 "WITH c AS (UPDATE chats SET running_id = $2, updated_at = $3"
                 " WHERE id = $1 AND running_id IS NULL AND deleted_at IS NULL RETURNING id),"
                 f" m AS (INSERT INTO messages ({m_cols}) SELECT {m_vals} FROM c),"
-                f" r AS (INSERT INTO runs ({r_cols}) SELECT {r_vals} FROM c)"
+                f" r AS (INSERT INTO runs ({r_cols}) SELECT {r_vals} FROM c){charged}"
                 " SELECT count(*) FROM c"
             )
             pool = await self.pool()
@@ -380,8 +390,12 @@ class PgTurnStatements(PgPool):
         c_cols, c_vals = self._insert_values(_chats, chat, params, select=False)
         m_cols, m_vals = self._insert_values(_messages, message_values, params, select=False)
         r_cols, r_vals = self._insert_values(_runs, run, params, select=False)
+        charged = ""
+        if charge is not None:
+            b_cols, b_vals = self._insert_values(_redeliveries, charge, params, select=False)
+            charged = f", b AS (INSERT INTO billing_redeliveries ({b_cols}) VALUES ({b_vals}))"
         sql = (f"WITH c AS (INSERT INTO chats ({c_cols}) VALUES ({c_vals})),"
-               f" m AS (INSERT INTO messages ({m_cols}) VALUES ({m_vals}))"
+               f" m AS (INSERT INTO messages ({m_cols}) VALUES ({m_vals})){charged}"
                f" INSERT INTO runs ({r_cols}) VALUES ({r_vals})")
         pool = await self.pool()
         await pool.execute(sql, *params)

@@ -21,7 +21,7 @@ from services.billing.models import LedgerEntry, Reservation
 from services.orchestrator.models import Chat, Interrupt, Run
 from services.tools.server import ToolsServer
 from tests.conftest import SCRIPTED
-from tests.orchestrator.helpers import run_turn, usage_delivered
+from tests.orchestrator.helpers import run_turn, billing_delivered
 
 OPENAI = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-4o"}
 MODEL_KEY = "sk-byok-never-shown-0123456789"
@@ -65,7 +65,7 @@ async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_
         credential_id = created.json()["credential_id"]
         saved = await client.put("/organizations/settings/composer-llm", json={**OPENAI, "credential_id": credential_id})
         assert saved.status_code == 200, saved.text
-        await usage_delivered(stack)  # the question's turn's token usage (stored with its end) is with billing
+        await billing_delivered(stack)  # the question's turn's token usage (stored with its end) is with billing
         before = await _counts(stack)
 
         await _restart_tools_with_only(stack, Fernet.generate_key().decode())

@@ -39,9 +39,10 @@ async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> 
         await asyncio.sleep(interval)
 
 
-async def usage_delivered(stack, timeout: float = 10.0) -> None:
-    """Wait until the usage the stack's runs stored with their ends is with billing (the
-    orchestrator's `billing_redeliveries` is empty; usage.py sends it ~0.2 s after a run's end)."""
+async def billing_delivered(stack, timeout: float = 10.0) -> None:
+    """Wait until the billing calls the stack's turns stored are with billing: the run charges
+    stored with their starts and the usage stored with their ends (the orchestrator's
+    `billing_redeliveries` is empty; usage.py sends them ~0.2 s after they were committed)."""
     from sqlalchemy import func, select
 
     from services.orchestrator.models import BillingRedelivery

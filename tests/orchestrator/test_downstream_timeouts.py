@@ -2,8 +2,9 @@
 on billing gave 503 after 10 s).
 
 Rule (README error table, services/gateway/errors.py): "a downstream timeout" is 504; a service
-that is down stays 503 with Retry-After. Either way nothing is written and nothing is charged: a
-reservation taken before a Charge that timed out is released. The orchestrator's deadlines (10 s)
+that is down stays 503 with Retry-After. Either way nothing is written and nothing is charged. The
+run charge is stored with the turn and sent in a batch, so billing not answering it holds up
+nothing: it is sent again until billing takes it. The orchestrator's deadlines (10 s)
 are shortened here by a stub wrapper; the hung service really hangs (its handler never answers),
 so the orchestrator sees gRPC's own DEADLINE_EXCEEDED.
 """
@@ -17,13 +18,12 @@ from typing import Any
 import grpc
 from sqlalchemy import func, select
 
-from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import LedgerEntry, Reservation, UsageRecord
 from services.orchestrator.byok import tools_secret_resolver
-from services.orchestrator.models import Chat, Interrupt, Run
+from services.orchestrator.models import BillingRedelivery, Chat, Interrupt, Run
 from tests.conftest import SCRIPTED, script
-from tests.orchestrator.helpers import read_frames, run_turn, wait_for
+from tests.orchestrator.helpers import billing_delivered, read_frames, run_turn, wait_for
 
 DEADLINE_S = 0.5
 OPENAI = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-4o"}
@@ -80,12 +80,52 @@ async def test_billing_admit_hanging_is_504_with_nothing_written_or_charged(stac
     assert await _counts(stack) == (0, 0, [], 0)
 
 
-async def test_billing_charge_hanging_is_504_and_the_reservation_is_released(stack, monkeypatch):
-    monkeypatch.setattr(stack.orchestrator.servicer, "billing", _Capped(stack.orchestrator.servicer.billing, only=("Charge",)))
-    monkeypatch.setattr(stack.billing.core, "charge", _hang)
+async def test_billing_charge_hanging_does_not_hold_up_the_turn_and_the_charge_is_posted_once_it_answers(stack, monkeypatch):
+    """The run charge is stored with the turn and sent in a batch (ninth round): a billing that
+    does not answer it neither delays the turn start (before: 504 after the Charge deadline, the
+    turn unwound) nor loses the credit: the stored charge is sent again until billing takes it."""
+    real = stack.billing.core.charge_batch
+    hanging = True
+
+    async def hangs_for_a_while(reservation_ids: Any) -> Any:
+        if hanging:
+            await _hang()
+        return await real(reservation_ids)
+
+    monkeypatch.setattr(stack.billing.core, "charge_batch", hangs_for_a_while)
     async with stack.client() as client:
         started = time.monotonic()
-        _assert_timed_out(await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}), started)
+        response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+        assert response.status_code == 200, response.text
+        assert time.monotonic() - started < 2
+        frames = await read_frames(client, response.json()["stream_url"])
+    assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "hi"
+    assert await _counts(stack) == (1, 1, ["held"], 0)
+    hanging = False
+    await billing_delivered(stack, timeout=20)  # quick retries (2 s), then the background sends (1 s, 2 s, ...)
+    assert await _counts(stack) == (1, 1, ["charged"], 1)
+
+
+async def test_a_turn_start_whose_commit_answer_was_lost_is_removed_with_its_stored_charge(stack, monkeypatch):
+    """The persist's transaction committed but its caller saw a failure (a dropped connection, a
+    cancelled call): the start unwinds the chat, message and run and releases the hold; the
+    run charge stored in that transaction goes with them, so no credit is charged for a turn
+    that was removed (without deleting it, the charge was sent later and refused: RELEASED)."""
+    store = stack.orchestrator.servicer.store
+    real = store.persist_turn
+
+    async def committed_then_lost(**kwargs: Any) -> None:
+        await real(**kwargs)
+        raise ConnectionResetError("the database connection dropped before the commit's answer")
+
+    monkeypatch.setattr(store, "persist_turn", committed_then_lost)
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+    assert response.status_code >= 500, response.text
+    assert await _counts(stack) == (0, 0, ["released"], 0)
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(BillingRedelivery)) == 0
+    await stack.orchestrator.runner.redelivery._deliver_due(everything=True)  # what a next start would send
     assert await _counts(stack) == (0, 0, ["released"], 0)
 
 
@@ -129,57 +169,6 @@ async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_questio
         assert (await session.get(Interrupt, request_id)).outcome == "pending"
         runs = await session.scalar(select(func.count()).select_from(Run).where(Run.chat_id == asked["chat_id"]))
     assert runs == 1
-
-
-async def test_a_charge_posted_but_answered_too_late_starts_the_turn_instead_of_keeping_its_credit(stack, monkeypatch):
-    """Billing posts the Charge, but its answer comes after the orchestrator's deadline. Release then
-    says the reservation is charged. Before the fix the turn was unwound anyway (504): the chat and
-    run were removed and the run credit stayed charged for a turn that never ran. Now the paid turn
-    starts and answers as usual."""
-    real_charge = stack.billing.core.charge
-
-    async def posted_then_slow(reservation_id: str) -> Any:
-        result = await real_charge(reservation_id)
-        await asyncio.sleep(DEADLINE_S * 3)  # the orchestrator gives up before this answer
-        return result
-
-    monkeypatch.setattr(stack.orchestrator.servicer, "billing", _Capped(stack.orchestrator.servicer.billing, only=("Charge",)))
-    monkeypatch.setattr(stack.billing.core, "charge", posted_then_slow)
-    async with stack.client() as client:
-        response = await client.post("/assistant/chat", json={"message": script({"say": "paid for"}), "llm": SCRIPTED})
-        assert response.status_code == 200, response.text
-        frames = await read_frames(client, response.json()["stream_url"])
-    assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "paid for"
-    assert await _counts(stack) == (1, 1, ["charged"], 1)
-
-
-async def test_a_charge_posted_when_the_caller_went_away_still_runs_the_paid_turn(stack, monkeypatch):
-    """The caller cancels StartTurn while billing has posted the Charge but not answered: the turn
-    is paid for, so it runs to its end (before, it was unwound and its credit kept)."""
-    real_charge = stack.billing.core.charge
-    posted = asyncio.Event()
-
-    async def posted_then_hang(reservation_id: str) -> Any:
-        result = await real_charge(reservation_id)
-        posted.set()
-        await asyncio.sleep(30)
-        return result
-
-    monkeypatch.setattr(stack.billing.core, "charge", posted_then_hang)
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
-        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
-        call = stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "paid for"}),
-                                                             llm=assistant_pb2.LlmConfig(**SCRIPTED)))
-        await asyncio.wait_for(posted.wait(), 10)
-        call.cancel()
-
-    async def ended() -> bool:
-        async with stack.orchestrator.servicer.sessions() as session:
-            return (await session.scalars(select(Run.status).where(Run.organization_id == stack.org_id))).all() == ["completed"]
-
-    await wait_for(ended)
-    assert await _counts(stack) == (1, 1, ["charged"], 1)
 
 
 async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monkeypatch):
@@ -267,8 +256,8 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
     real_release = core.release
     refused = 0
 
-    async def charge_fails(*_args: Any, **_kwargs: Any) -> Any:
-        raise RuntimeError("billing fell over")
+    async def persist_fails(**_kwargs: Any) -> Any:
+        raise ConnectionResetError("the database fell over")
 
     async def release_refused_once(*args: Any, **kwargs: Any) -> Any:
         nonlocal refused
@@ -277,7 +266,7 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
             raise RuntimeError("billing fell over again")
         return await real_release(*args, **kwargs)
 
-    monkeypatch.setattr(core, "charge", charge_fails)
+    monkeypatch.setattr(stack.orchestrator.servicer.store, "persist_turn", persist_fails)
     monkeypatch.setattr(core, "release", release_refused_once)
     redelivery = stack.orchestrator.runner.redelivery
     monkeypatch.setattr(redelivery, "first_delay_s", 0.05)

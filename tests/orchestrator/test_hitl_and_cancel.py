@@ -11,7 +11,7 @@ from sqlalchemy import select, update
 from services.orchestrator import thread
 from services.orchestrator.models import Chat, Interrupt, Message, Run
 from tests.conftest import SCRIPTED
-from tests.orchestrator.helpers import run_turn, start, types, wait_for
+from tests.orchestrator.helpers import billing_delivered, run_turn, start, types, wait_for
 from tests.sse_client import read_frames
 
 QUESTIONS = {
@@ -63,6 +63,7 @@ async def test_resume_charges_no_second_run_credit(stack):
         body, frames = await _ask(client, "ask_user_yes_no", question)
         new = (await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": frames[-1]["data"]["request_id"], "response": answer, "llm": SCRIPTED})).json()
         await read_frames(client, new["stream_url"])
+    await billing_delivered(stack)  # the run charge is sent ~0.2 s after the turn start (usage.RunCharges)
     async with stack.billing.core.sessions() as session:
         charges = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == stack.org_id))).scalars().all()
     assert len([c for c in charges if c.idempotency_key.startswith("charge:")]) == 1

@@ -31,6 +31,29 @@ async def _restart_all(stack) -> None:
         "orchestrator_addr": f"127.0.0.1:{stack.orchestrator.port}", "tools_addr": f"127.0.0.1:{stack.tools.port}"}))
 
 
+async def _die_mid_run(stack, monkeypatch) -> dict:
+    """Start a slow turn, let the orchestrator "die" mid-run (its stop records nothing of the
+    run, as kill -9; the run's lease is far from lapsing), start every service again; returns
+    the turn start's body."""
+    async with stack.client() as client:
+        started = await client.post("/assistant/chat", json={"message": '{"script": [{"say": "slow", "sleep_ms": 60000}]}'})
+        assert started.status_code == 200, started.text
+        body = started.json()
+    runner = stack.orchestrator.runner
+    for _ in range(200):
+        if body["run_id"] in runner.active:
+            break
+        await asyncio.sleep(0.01)
+
+    async def records_nothing(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(runner, "_finish", records_nothing)
+    monkeypatch.setattr(runner, "_finish_minimal", records_nothing)
+    await _restart_all(stack)
+    return body
+
+
 async def test_pending_question_and_finished_runs_survive_a_restart_of_every_service(stack):
     if stack.orchestrator.settings.redis_url or "postgresql" in stack.orchestrator.settings.database_url:
         import pytest
@@ -88,22 +111,7 @@ async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one
         import pytest
 
         pytest.skip("replicas share Redis: another replica may run it, so the lease decides")
-    async with stack.client() as client:
-        started = await client.post("/assistant/chat", json={"message": '{"script": [{"say": "slow", "sleep_ms": 60000}]}'})
-        assert started.status_code == 200, started.text
-        body = started.json()
-    runner = stack.orchestrator.runner
-    for _ in range(200):
-        if body["run_id"] in runner.active:
-            break
-        await asyncio.sleep(0.01)
-    # the process "dies": stopping it records nothing of the run (as kill -9), whose lease is far from lapsing
-    async def records_nothing(*args: object) -> None:
-        return None
-
-    monkeypatch.setattr(runner, "_finish", records_nothing)
-    monkeypatch.setattr(runner, "_finish_minimal", records_nothing)
-    await _restart_all(stack)
+    body = await _die_mid_run(stack, monkeypatch)
     async with stack.client() as client:
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
         assert [f["type"] for f in frames] == ["error", "done"] and frames[-1]["data"]["error"] is True
@@ -111,3 +119,30 @@ async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one
         assert status["is_running"] is False
         again = await client.post("/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]})
         assert again.status_code == 200, again.text
+
+
+async def test_a_run_lost_before_its_charge_was_sent_is_charged_once_and_not_released(stack, monkeypatch):
+    """The run charge is committed with the turn (usage.RunCharges). A process that dies before
+    sending it leaves it stored; the next start fails the lost run and sends the charge. The
+    reaper used to Release a lost run's reservation: racing the stored charge, it voided the
+    hold of a persisted turn, whose credit was then never charged."""
+    from sqlalchemy import func, select
+
+    from services.billing.models import LedgerEntry, Reservation
+    from tests.orchestrator.helpers import billing_delivered
+
+    if stack.orchestrator.backend.distributed:
+        import pytest
+
+        pytest.skip("replicas share Redis: the lease decides when a lost run ends")
+    monkeypatch.setattr(stack.orchestrator.runner.charges, "committed", lambda *_args: None)  # dies before sending it
+    body = await _die_mid_run(stack, monkeypatch)
+    async with stack.client() as client:
+        frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
+    assert [f["type"] for f in frames] == ["error", "done"]
+    await billing_delivered(stack)
+    async with stack.billing.core.sessions() as session:
+        states = (await session.scalars(select(Reservation.state).where(Reservation.org_id == stack.org_id))).all()
+        charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(
+            LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "run_charge"))
+    assert (states, charges) == (["charged"], 1)

@@ -330,7 +330,7 @@ async def test_usage_stored_with_a_run_end_survives_a_crash_and_the_next_start_s
     crashed = UsageBatcher(billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=60)
     crashed.add(_usage("r1", 0))
     await _end_run(store, crashed, "r1")
-    crashed._stored_timer.cancel()  # the process dies before the linger is over: nothing sent
+    crashed._stored._timer.cancel()  # the process dies before the linger is over: nothing sent
     assert billing.batches == [] and await _stored_rows(sessions) == ["RecordUsageBatch"]
 
     restarted = UsageBatcher(billing, _fast(sessions), window_s=0)  # the next start of the process

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import start_stack, stop_stack
-from tests.orchestrator.helpers import types, usage_delivered
+from tests.orchestrator.helpers import types, billing_delivered
 from tests.providers.fakes import (
     FakeLLMServer,
     Reply,
@@ -186,7 +186,7 @@ async def test_bring_your_own_key_uses_the_organizations_credential_and_is_not_c
                 assert wrong.status_code == 400
                 body = (await client.post("/assistant/chat", json={"message": "hi", "llm": {**OPENAI_LLM, "credential_id": credential_id}})).json()
                 frames = await read_frames(client, body["stream_url"])
-            await usage_delivered(stack)  # billing has a run's usage ~0.2 s after its done (stored with its end)
+            await billing_delivered(stack)  # billing has a run's usage ~0.2 s after its done (stored with its end)
             async with stack.billing.core.sessions() as session:
                 rows = (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"]))).scalars().all()
         finally:

@@ -72,6 +72,18 @@ class ChargeResponse(_message.Message):
     ledger_entry_id: str
     def __init__(self, state: _Optional[_Union[ReservationState, str]] = ..., ledger_entry_id: _Optional[str] = ...) -> None: ...
 
+class ChargeBatchRequest(_message.Message):
+    __slots__ = ("charges",)
+    CHARGES_FIELD_NUMBER: _ClassVar[int]
+    charges: _containers.RepeatedCompositeFieldContainer[ChargeRequest]
+    def __init__(self, charges: _Optional[_Iterable[_Union[ChargeRequest, _Mapping]]] = ...) -> None: ...
+
+class ChargeBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ChargeResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[ChargeResponse, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id", "reason")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]

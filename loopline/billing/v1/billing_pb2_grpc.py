@@ -72,6 +72,11 @@ class BillingServiceStub:
                 request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchRequest.SerializeToString,
                 response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchResponse.FromString,
                 _registered_method=True)
+        self.ChargeBatch = channel.unary_unary(
+                '/loopline.billing.v1.BillingService/ChargeBatch',
+                request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchRequest.SerializeToString,
+                response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchResponse.FromString,
+                _registered_method=True)
 
 
 class BillingServiceServicer:
@@ -131,6 +136,18 @@ class BillingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChargeBatch(self, request, context):
+        """ChargeBatch posts several reservations (of one or several turns), each as Charge would,
+        with two differences: a reservation whose hold expired is charged late (its turn was
+        committed while the hold stood, and the charge was stored with it: spec "Persist and
+        charge", one run credit per turn), and a charge that cannot be posted (an unknown or
+        released reservation) is answered in its result instead of failing the call. Results
+        are in the order of the charges; a retried batch replays what was posted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BillingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +180,11 @@ def add_BillingServiceServicer_to_server(servicer, server):
                     servicer.RecordUsageBatch,
                     request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchRequest.FromString,
                     response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchResponse.SerializeToString,
+            ),
+            'ChargeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChargeBatch,
+                    request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchRequest.FromString,
+                    response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -335,6 +357,33 @@ class BillingService:
             '/loopline.billing.v1.BillingService/RecordUsageBatch',
             loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchRequest.SerializeToString,
             loopline_dot_billing_dot_v1_dot_billing__pb2.RecordUsageBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChargeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.billing.v1.BillingService/ChargeBatch',
+            loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchRequest.SerializeToString,
+            loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,7 +32,7 @@ from services.orchestrator import hitl
 from services.orchestrator.backend import MemoryBackend, RunBackend
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.loop import RunSpec, TurnRunner
-from services.orchestrator.models import BillingRedelivery, Chat, Interrupt, Message, Run, RunEvent, utcnow
+from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.providers import registry
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.store import ClaimLost, ThreadRow
@@ -336,18 +336,12 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         return None if request.chat_id else [message]
 
     async def _unwind(self, chat_id: str, run_id: str, new_chat: bool, charge_id: str) -> None:
-        """Undo a turn start whose persist failed: remove its rows (a new chat entirely) and its
-        stored charge (row `charge_id`), free the chat. Usually nothing was written; a commit
-        whose answer was lost (a cancelled call, a dropped connection) is removed here."""
+        """Undo a turn start whose persist failed (`TurnStore.unwind_turn`: its rows, a new chat
+        entirely, and its stored charge, row `charge_id`; the chat freed). Usually nothing was
+        written; a commit whose answer was lost (a cancelled call, a dropped connection) is
+        removed here. Never raises (logged)."""
         try:
-            async with self.sessions() as session, session.begin():
-                await session.execute(delete(BillingRedelivery).where(BillingRedelivery.id == charge_id))
-                await session.execute(delete(Message).where(Message.run_id == run_id, Message.role == "user"))
-                await session.execute(delete(Run).where(Run.id == run_id))
-                if new_chat:
-                    await session.execute(delete(Chat).where(Chat.id == chat_id))
-                else:
-                    await session.execute(update(Chat).where(Chat.id == chat_id, Chat.running_id == run_id).values(running_id=None))
+            await self.store.unwind_turn(chat_id=chat_id, run_id=run_id, new_chat=new_chat, charge_id=charge_id)
         except Exception:
             log.exception("unwinding a failed turn start failed")
 

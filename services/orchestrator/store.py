@@ -142,6 +142,9 @@ _CANCEL_INTERRUPTS = (
     .where(_interrupts.c.run_id == bindparam("b_run_id"), _interrupts.c.outcome == "pending")
     .values(outcome="cancelled", resolved_at=bindparam("b_now"))
 )
+_UNWIND_MESSAGE = delete(_messages).where(_messages.c.run_id == bindparam("b_run_id"), _messages.c.role == "user")
+_UNWIND_RUN = delete(_runs).where(_runs.c.id == bindparam("b_run_id"))
+_UNWIND_CHAT = delete(_chats).where(_chats.c.id == bindparam("b_chat_id"))
 _STREAM_TARGET = (
     select(_chats.c.organization_id, _chats.c.kind, _chats.c.deleted_at, _runs.c.chat_id.label("run_chat_id"))
     .select_from(_chats.outerjoin(_runs, and_(_runs.c.id == bindparam("b_run_id"), _runs.c.chat_id == _chats.c.id)))
@@ -168,6 +171,16 @@ def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, me
     conn.execute(_INSERT_RUN, run)
     if charge is not None:
         conn.execute(_INSERT_REDELIVERY, charge)
+
+
+def _unwind_turn(conn: Connection, chat_id: str, run_id: str, new_chat: bool, charge_id: str) -> None:
+    conn.execute(_DELETE_REDELIVERY, {"b_id": charge_id})
+    conn.execute(_UNWIND_MESSAGE, {"b_run_id": run_id})
+    conn.execute(_UNWIND_RUN, {"b_run_id": run_id})
+    if new_chat:
+        conn.execute(_UNWIND_CHAT, {"b_chat_id": chat_id})
+    else:
+        conn.execute(_FREE_CHAT, {"b_chat_id": chat_id, "b_run_id": run_id, "b_now": utcnow()})
 
 
 def _load_thread(conn: Connection, chat_id: str) -> list[ThreadRow]:
@@ -238,6 +251,14 @@ class TurnStore:
         if self.pg is not None:
             return await self.pg.persist_turn(claim, chat, message, run, charge)
         await self.txn.run(_persist_turn, claim, chat, message, run, charge)
+
+    async def unwind_turn(self, *, chat_id: str, run_id: str, new_chat: bool, charge_id: str) -> None:
+        """Undo `persist_turn` in one transaction: the stored run charge (row `charge_id`), the
+        user message, the run, and the chat (a new one) or its `running_id`. It runs after a
+        `persist_turn` of this store whose caller gave up on it (cancelled, failed on the way
+        back): on SQLite both are jobs of one worker, in order, so a commit still on its way
+        is undone rather than overtaken."""
+        await self.txn.run(_unwind_turn, chat_id, run_id, new_chat, charge_id)
 
     async def load_thread(self, chat_id: str) -> list[ThreadRow]:
         """Every stored message of the chat, oldest first (summaries and markers included)."""

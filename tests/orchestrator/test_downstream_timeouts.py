@@ -129,6 +129,39 @@ async def test_a_turn_start_whose_commit_answer_was_lost_is_removed_with_its_sto
     assert await _counts(stack) == (0, 0, ["released"], 0)
 
 
+async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_that_commit_lands(stack, monkeypatch):
+    """SQLite: the persist's transaction waits on the database worker behind another one when the
+    turn start gives up on it (a cancelled call); the worker commits it all the same, later. The
+    unwind must undo that commit, not overtake it (a chat, a run that never ran and a stored
+    charge left behind). It runs as a job of the same worker, after the commit (`unwind_turn`);
+    before, it went through another connection and was kept in order by SQLite's write lock."""
+    import time as clock
+
+    store = stack.orchestrator.servicer.store
+    if store.pg is not None:
+        import pytest
+
+        pytest.skip("SQLite's transaction worker")
+    real = store.persist_turn
+
+    async def given_up_while_queued(**kwargs: Any) -> None:
+        busy = asyncio.ensure_future(store.txn.run(lambda conn: clock.sleep(0.3), inline=False))  # the worker is busy
+        await asyncio.sleep(0.05)
+        asyncio.ensure_future(real(**kwargs))  # queued behind it
+        await asyncio.sleep(0)
+        assert not busy.done()
+        raise ConnectionResetError("the caller gave up")
+
+    monkeypatch.setattr(store, "persist_turn", given_up_while_queued)
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+    assert response.status_code >= 500, response.text
+    await asyncio.sleep(0.5)  # the queued commit has landed
+    assert await _counts(stack) == (0, 0, ["released"], 0)
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(BillingRedelivery)) == 0
+
+
 async def test_billing_down_stays_503_with_retry_after(stack, monkeypatch):
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:  # nothing listens there
         monkeypatch.setattr(stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere))

@@ -53,6 +53,7 @@ from services.gateway.idempotency import (
     IdempotencyStore,
     body_hash,
 )
+from services.gateway.idempotency import request_id as turn_request_id  # "request_id" is also a question's id here
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
 from services.gateway.openapi import error_responses
 from services.gateway.org_settings import DefaultModels, settings_router
@@ -476,9 +477,13 @@ def create_app(
         if key is None:
             return await _start(rpc, from_default)
         route = "POST /assistant/chat"
-        replay = await idempotency.claim(who.organization_id, who.user_id, key, route, body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS)))
+        digest = body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS))
+        replay = await idempotency.claim(who.organization_id, who.user_id, key, route, digest)
         if replay is not None:
             return Response(replay[1], status_code=replay[0], media_type="application/json", headers={"Idempotent-Replayed": "true"})
+        # the orchestrator's own idempotency key (AIP-155 request_id): a retry of a start that
+        # failed here (504, 503) after the turn did start answers that turn instead of a second one
+        rpc.request_id = turn_request_id(who.organization_id, who.user_id, key, digest)
         try:
             response = await _start(rpc, from_default)
         except BaseException:

@@ -40,6 +40,14 @@ def body_hash(route: str, body: bytes) -> str:
     return hashlib.sha256(route.encode() + b"\0" + body).hexdigest()
 
 
+def request_id(org_id: str, user_id: str, key: str, digest: str) -> str:
+    """The StartTurn request_id (AIP-155; 64 hex characters) of a POST with Idempotency-Key
+    `key` and body digest `digest` (`body_hash`) by `user_id` of `org_id`: the same for every
+    retry of that request, so the orchestrator answers a retry with the turn the first attempt
+    started, when it did (its answer lost to a 504 or 503, which frees the key here)."""
+    return hashlib.sha256("\0".join((org_id, user_id, key, digest)).encode()).hexdigest()
+
+
 class IdempotencyStore:
     """Claims, completes and replays idempotency keys in the gateway database."""
 
@@ -116,4 +124,4 @@ class IdempotencyStore:
 
 
 
-__all__ = ["IdempotencyConflict", "IdempotencyStore", "body_hash"]
+__all__ = ["IdempotencyConflict", "IdempotencyStore", "body_hash", "request_id"]

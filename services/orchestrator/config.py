@@ -51,6 +51,8 @@ class OrchestratorSettings(CommonSettings):
         run_lease_s: crash-detection bound in seconds: a running run whose loop stopped renewing
             its lease (its process died) is failed by any replica within this time.
         cancel_wait_s: how long Cancel waits for a run on another replica to stop.
+        idempotency_ttl_s: how long a turn start's request_id (the gateway's Idempotency-Key)
+            answers the turn it started (24 h; the gateway keeps its keys as long).
     """
 
     orchestrator_port: int = 50051
@@ -87,6 +89,7 @@ class OrchestratorSettings(CommonSettings):
     redis_retry_s: float = 30.0
     run_lease_s: float = 30.0
     cancel_wait_s: float = 10.0
+    idempotency_ttl_s: float = 86_400.0
 
     @property
     def database_url(self) -> str:

@@ -84,6 +84,8 @@ class Run(Base):
     updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # renewed by the replica running the loop; a `running` run past it is failed by the reaper
     lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # the turn start's idempotency key (StartTurnRequest.request_id, AIP-155); NULL: none
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
 
     __table_args__ = (Index("ix_runs_status_lease", "status", "lease_until"),)
 

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 ASSISTANT_KIND = "assistant"
 STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
 TITLE_LENGTH = 50
+REQUEST_ID_LENGTH = 64  # StartTurnRequest.request_id, at most (runs.request_id)
 
 
 def _not_found(what: str = "Chat") -> RpcError:
@@ -232,6 +233,13 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "EMPTY_MESSAGE", "message must be a non-empty string")
         if request.kind and request.kind != ASSISTANT_KIND:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED_KIND", "only assistant chats are served here")
+        if len(request.request_id) > REQUEST_ID_LENGTH:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST_ID", f"request_id must be at most {REQUEST_ID_LENGTH} characters")
+        if request.request_id:  # AIP-155: a retry of a start that did start answers that turn
+            since = utcnow() - datetime.timedelta(seconds=self.settings.idempotency_ttl_s)
+            started = await self.store.run_for_request(caller.organization_id, request.request_id, since)
+            if started is not None:
+                return self._started(*started)
         llm = self._llm(request.llm, request.HasField("llm"))
         model = await self._model(llm, caller.organization_id)
         chat_id = request.chat_id or str(uuid.uuid4())
@@ -289,6 +297,10 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         finally:
             await self._unclaim(chat_id)
         self._start(caller, chat_id, run_id, llm, model, history)
+        return self._started(chat_id, run_id)
+
+    def _started(self, chat_id: str, run_id: str) -> assistant_pb2.StartTurnResponse:
+        """The StartTurn answer of a turn started (now, or before under the same request_id)."""
         return assistant_pb2.StartTurnResponse(
             status="running", chat_id=chat_id, run_id=run_id, thread_id=chat_id, stream_url=self._stream_url(chat_id, run_id)
         )
@@ -328,7 +340,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         run = {"id": run_id, "durable_id": f"run_{uuid.uuid4().hex}", "chat_id": chat_id, "organization_id": caller.organization_id,
                "parent_run_id": None, "status": "running", "llm": llm, "reservation_id": reservation_id, "usage": None,
                "error": None, "created_at": now, "updated_at": now,
-               "lease_until": RunSupervisor.lease_deadline(self.settings, now)}
+               "lease_until": RunSupervisor.lease_deadline(self.settings, now), "request_id": request.request_id or None}
         try:
             await self.store.persist_turn(claim=bool(request.chat_id), chat=chat, message=message, run=run, charge=charge)
         except ClaimLost:

@@ -145,6 +145,12 @@ _CANCEL_INTERRUPTS = (
 _UNWIND_MESSAGE = delete(_messages).where(_messages.c.run_id == bindparam("b_run_id"), _messages.c.role == "user")
 _UNWIND_RUN = delete(_runs).where(_runs.c.id == bindparam("b_run_id"))
 _UNWIND_CHAT = delete(_chats).where(_chats.c.id == bindparam("b_chat_id"))
+_RUN_FOR_REQUEST = (
+    select(_runs.c.chat_id, _runs.c.id)
+    .where(_runs.c.request_id == bindparam("b_request_id"), _runs.c.organization_id == bindparam("b_org_id"),
+           _runs.c.created_at >= bindparam("b_since"))
+    .order_by(_runs.c.created_at.desc()).limit(1)
+)
 _STREAM_TARGET = (
     select(_chats.c.organization_id, _chats.c.kind, _chats.c.deleted_at, _runs.c.chat_id.label("run_chat_id"))
     .select_from(_chats.outerjoin(_runs, and_(_runs.c.id == bindparam("b_run_id"), _runs.c.chat_id == _chats.c.id)))
@@ -181,6 +187,10 @@ def _unwind_turn(conn: Connection, chat_id: str, run_id: str, new_chat: bool, ch
         conn.execute(_UNWIND_CHAT, {"b_chat_id": chat_id})
     else:
         conn.execute(_FREE_CHAT, {"b_chat_id": chat_id, "b_run_id": run_id, "b_now": utcnow()})
+
+
+def _run_for_request(conn: Connection, organization_id: str, request_id: str, since: datetime.datetime) -> Any:
+    return conn.execute(_RUN_FOR_REQUEST, {"b_request_id": request_id, "b_org_id": organization_id, "b_since": since}).first()
 
 
 def _load_thread(conn: Connection, chat_id: str) -> list[ThreadRow]:
@@ -259,6 +269,12 @@ class TurnStore:
         back): on SQLite both are jobs of one worker, in order, so a commit still on its way
         is undone rather than overtaken."""
         await self.txn.run(_unwind_turn, chat_id, run_id, new_chat, charge_id)
+
+    async def run_for_request(self, organization_id: str, request_id: str, since: datetime.datetime) -> tuple[str, str] | None:
+        """(chat_id, run_id) of the newest run of `organization_id` started with `request_id`
+        (StartTurnRequest.request_id) at or after `since` (UTC), or None. One read."""
+        row = await self.txn.run(_run_for_request, organization_id, request_id, since)
+        return None if row is None else (row[0], row[1])
 
     async def load_thread(self, chat_id: str) -> list[ThreadRow]:
         """Every stored message of the chat, oldest first (summaries and markers included)."""

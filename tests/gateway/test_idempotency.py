@@ -84,3 +84,59 @@ async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lea
         assert replayed.json() == retried.json() and replayed.headers["Idempotent-Replayed"] == "true"
         await read_frames(client, retried.json()["stream_url"])
     assert await _runs(stack) == 1
+
+
+async def test_a_retry_after_a_start_whose_answer_was_lost_answers_the_started_turn_and_charges_once(stack, monkeypatch):
+    """Fresh-eyes test: the orchestrator started (and charged) the turn, but its answer never
+    reached the gateway in time (504 after a 30 s stall); the failure freed the key, and the
+    client's retry with the same Idempotency-Key started and charged a second turn. The
+    gateway now passes the key down as StartTurn's request_id (AIP-155), and the orchestrator
+    answers a retry with the turn it started."""
+    from services.common.errors import RpcError
+    from tests.orchestrator.helpers import billing_delivered
+
+    servicer = stack.orchestrator.servicer
+    real = servicer._started
+    lost = []
+
+    def answer_lost_once(chat_id: str, run_id: str):
+        if not lost:
+            lost.append(run_id)
+            import grpc
+
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "ANSWER_LOST", "the answer was lost on its way")
+        return real(chat_id, run_id)
+
+    monkeypatch.setattr(servicer, "_started", answer_lost_once)
+    async with stack.client() as client:
+        headers = {"Idempotency-Key": "turn-lost"}
+        first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
+        assert first.status_code == 503, first.text
+        retry = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
+        assert retry.status_code == 200, retry.text
+        assert retry.json()["run_id"] == lost[0]
+        await read_frames(client, retry.json()["stream_url"])
+        other = await client.post("/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "turn-other"})
+        assert other.status_code == 200 and other.json()["run_id"] != lost[0]  # another key: another turn
+    assert await _runs(stack) == 2
+    await billing_delivered(stack)
+    from services.billing.models import LedgerEntry
+
+    async with stack.billing.core.sessions() as session:
+        charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge"))
+    assert charges == 2
+
+
+async def test_a_request_id_longer_than_64_characters_is_refused(stack):
+    import grpc
+    import pytest
+
+    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hi", request_id="x" * 65))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await _runs(stack) == 0

@@ -32,18 +32,20 @@ class Caller(_message.Message):
     def __init__(self, organization_id: _Optional[str] = ..., user_id: _Optional[str] = ...) -> None: ...
 
 class StartTurnRequest(_message.Message):
-    __slots__ = ("caller", "message", "chat_id", "llm", "kind")
+    __slots__ = ("caller", "message", "chat_id", "llm", "kind", "request_id")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     LLM_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     message: str
     chat_id: str
     llm: LlmConfig
     kind: str
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., message: _Optional[str] = ..., chat_id: _Optional[str] = ..., llm: _Optional[_Union[LlmConfig, _Mapping]] = ..., kind: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., message: _Optional[str] = ..., chat_id: _Optional[str] = ..., llm: _Optional[_Union[LlmConfig, _Mapping]] = ..., kind: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class StartTurnResponse(_message.Message):
     __slots__ = ("status", "chat_id", "run_id", "thread_id", "stream_url")

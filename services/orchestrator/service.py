@@ -8,6 +8,7 @@ reads of the official SDK (`modulex/types/assistant.py`).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import datetime
@@ -102,6 +103,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         self.store = runner.store
         self.billing = billing
         self._claims: dict[str, str] = {}  # chat_id -> claim token, for claims taken by this process
+        self._admissions: set[asyncio.Task] = set()  # releases of holds whose turn start was cancelled
         # shared state of the replicas and this replica's supervisor; set by OrchestratorServer
         self.backend: RunBackend = MemoryBackend()
         self.supervisor: RunSupervisor | None = None
@@ -268,13 +270,17 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_PENDING", "This chat has a pending question; answer it first")
                     if running_id:
                         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+            admit = asyncio.ensure_future(self.billing.Admit(
+                billing_pb2.AdmitRequest(
+                    organization_id=caller.organization_id, turn_key=f"{chat_id}:{run_id}", usage_type="run", rate_class="sync_exec"
+                ),
+                timeout=10,
+            ))
             try:
-                admitted = await self.billing.Admit(
-                    billing_pb2.AdmitRequest(
-                        organization_id=caller.organization_id, turn_key=f"{chat_id}:{run_id}", usage_type="run", rate_class="sync_exec"
-                    ),
-                    timeout=10,
-                )
+                admitted = await asyncio.shield(admit)
+            except asyncio.CancelledError:
+                self._release_when_admitted(admit)
+                raise
             except grpc.aio.AioRpcError as error:
                 status = _downstream_status(error)
                 if status is not None:
@@ -356,6 +362,22 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             await self.store.unwind_turn(chat_id=chat_id, run_id=run_id, new_chat=new_chat, charge_id=charge_id)
         except Exception:
             log.exception("unwinding a failed turn start failed")
+
+    def _release_when_admitted(self, admit: asyncio.Future) -> None:
+        """The turn start was cancelled (its caller's deadline passed or it went away) while
+        billing was admitting it: once `admit` (the Admit call, shielded) answers, release the
+        hold it set aside, in the background. Before, such a hold stayed held until it expired
+        (120 s), counting against the allowance and the daily quota (fresh-eyes test)."""
+        async def release() -> None:
+            try:
+                admitted = await admit
+            except Exception:  # noqa: BLE001 - refused or failed: nothing was set aside
+                return
+            await self._release(admitted.reservation_id, "turn not started")
+
+        task = asyncio.get_running_loop().create_task(release(), name="release-cancelled-admission")
+        self._admissions.add(task)
+        task.add_done_callback(self._admissions.discard)
 
     async def _release(self, reservation_id: str, reason: str) -> int | None:
         """Release the reservation (usage.release_or_store: its state after the call, or None when

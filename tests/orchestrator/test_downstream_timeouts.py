@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import grpc
+import pytest
 from sqlalchemy import func, select
 
 from loopline.billing.v1 import billing_pb2_grpc
@@ -313,3 +314,36 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
         return (await _counts(stack))[2] == ["released"]
 
     await wait_for(released, timeout=10)
+
+
+async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(stack, monkeypatch):
+    """Fresh-eyes test (orchestrator stalled past the gateway's deadline): a turn start whose
+    call was cancelled while billing was admitting it left the hold billing set aside held
+    until it expired (120 s), counting against the allowance and the daily quota. It is now
+    released once billing answers."""
+    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+
+    real_admit = stack.billing.core.admit
+    answered = asyncio.Event()
+
+    async def slow_admit(*args: Any, **kwargs: Any) -> Any:
+        admitted = await real_admit(*args, **kwargs)  # the hold is set aside ...
+        answered.set()
+        await asyncio.sleep(0.5)  # ... and its answer comes after the caller gave up
+        return admitted
+
+    monkeypatch.setattr(stack.billing.core, "admit", slow_admit)
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "hi"}),
+                                                                llm=assistant_pb2.LlmConfig(**SCRIPTED)), timeout=0.2)
+    assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(answered.wait(), 10)
+
+    async def released() -> bool:
+        return (await _counts(stack))[2] == ["released"]
+
+    await wait_for(released, timeout=10)
+    assert await _counts(stack) == (0, 0, ["released"], 0)

@@ -28,12 +28,17 @@ class BillingSettings(CommonSettings):
             (LOOPLINE_BILLING_RATE_LIMIT_STORAGE_URL); empty selects `memory://`, or the
             shared Redis (`redis_url`) when LOOPLINE_REDIS_URL is set.
         billing_hold_seconds: seconds a reservation stays HELD before the sweeper expires
-            it (LOOPLINE_BILLING_HOLD_SECONDS, default 120). A turn start charges its hold
-            within ~50 s at worst (Admit and Charge 10 s deadlines, SQLite's 30 s busy timeout
-            for the rows between them); a hold whose turn start died with its orchestrator
-            blocks its credit, and counts against the quota, until it expires (plus a sweep).
+            it (LOOPLINE_BILLING_HOLD_SECONDS, default 120). A turn start stores its charge
+            with its rows and the orchestrator sends it within ~0.2 s (resent at most 60 s apart
+            while billing is away); a hold whose turn start died with its orchestrator before
+            its commit blocks its credit, and counts against the quota, until it expires (plus a sweep).
         billing_sweep_interval_s: seconds between sweeper passes while the server runs
             (LOOPLINE_BILLING_SWEEP_INTERVAL_S); 0 disables the background sweeper.
+        billing_expiry_grace_s: seconds the sweeper expires nothing after the service starts
+            or after it was held up for more than two sweep intervals (a stall, a stopped
+            process): the run charges the orchestrators stored meanwhile (resent at most 60 s
+            apart) reach billing first, instead of finding their holds expired while other
+            turns were admitted against the credits those holds gave back (fresh-eyes test).
         billing_prices_path: TOML price table (millicredits per 1k tokens per provider/model).
         billing_plans_path: TOML plan catalogue, synced into the `plans` table at start.
         billing_default_plan: plan given to an organization auto-provisioned on its first
@@ -46,6 +51,7 @@ class BillingSettings(CommonSettings):
     billing_rate_limit_storage_url: str = ""
     billing_hold_seconds: int = 120
     billing_sweep_interval_s: float = 30.0
+    billing_expiry_grace_s: float = 90.0
     billing_prices_path: pathlib.Path = _HERE / "prices.toml"
     billing_plans_path: pathlib.Path = _HERE / "plans.toml"
     billing_default_plan: str = "developer"

@@ -320,6 +320,8 @@ _CHARGE_WALLET = (
     )
 )
 _CHARGE_ALLOWANCE_LATE = update(_A).where(*_IN_PERIOD).values(allowance_used=_A.c.allowance_used + _bp("p_n"))
+# the run an expired hold gave back to the daily quota counts again (only if still that day)
+_RETAKE_QUOTA = update(_A).where(_A.c.org_id == _bp("p_org"), _A.c.quota_day == _bp("p_quota_day")).values(runs_today=_A.c.runs_today + 1)
 _CHARGE_WALLET_LATE = update(_A).where(*_IN_PERIOD).values(wallet_balance_minor=_A.c.wallet_balance_minor - _bp("p_n"))
 _VOID_ACCOUNT = (
     update(_A)
@@ -909,6 +911,8 @@ class BillingCore:
             },
         )
         if expired:
+            if held.quota_day:
+                conn.execute(_RETAKE_QUOTA, {"p_org": held.org_id, "p_quota_day": held.quota_day})
             log.warning("charged a reservation after its hold expired",
                         extra={"fields": {"reservation_id": reservation_id, "org_id": held.org_id}})
         return CHARGED, entry_id, False, held.org_id

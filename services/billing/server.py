@@ -190,7 +190,7 @@ class BillingServer:
         sweeper = None
         if settings.billing_sweep_interval_s > 0:
             sweeper = asyncio.create_task(
-                _sweep_forever(core, settings.billing_sweep_interval_s), name="billing-sweeper"
+                _sweep_forever(core, settings.billing_sweep_interval_s, settings.billing_expiry_grace_s), name="billing-sweeper"
             )
         log.info("billing started", extra={"fields": {"port": running.port}})
         return cls(running, core, engine, sweeper)
@@ -205,10 +205,23 @@ class BillingServer:
         await self._engine.dispose()
 
 
-async def _sweep_forever(core: BillingCore, interval_s: float) -> None:
-    """Expire overdue holds every `interval_s` seconds; a failed pass is logged and retried."""
+async def _sweep_forever(core: BillingCore, interval_s: float, grace_s: float = 0.0) -> None:
+    """Expire overdue holds every `interval_s` seconds; a failed pass is logged and retried.
+
+    Nothing is expired within `grace_s` seconds of the start, nor of a pass that came more
+    than two intervals late (the process was stalled or stopped): what billing could not hear
+    meanwhile — the run charges the orchestrators stored, resent at most 60 s apart — comes
+    first (`billing_expiry_grace_s`)."""
+    loop = asyncio.get_running_loop()
+    awake_since = last = loop.time()
     while True:
         await asyncio.sleep(interval_s)
+        now = loop.time()
+        if now - last > 2 * interval_s:
+            awake_since = now
+        last = now
+        if now - awake_since < grace_s:
+            continue
         try:
             await core.expire_holds()
         except asyncio.CancelledError:

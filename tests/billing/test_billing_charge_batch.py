@@ -110,3 +110,57 @@ async def test_charge_alone_still_refuses_an_expired_hold(server, stub, org):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.Charge(pb.ChargeRequest(reservation_id=held.reservation_id))
     assert status_details(caught.value).reason == "RESERVATION_EXPIRED"
+
+
+async def test_a_late_charge_counts_its_run_in_the_daily_quota_again(server, stub, org):
+    """Fresh-eyes test: an expired hold gives its run back to the daily quota; its late charge
+    did not take it again, so runs_today stayed below the runs charged (and the quota let
+    that many more turns in)."""
+    await server.core.set_plan(org, "two_a_day")
+    held = await stub.Admit(admit_request(org, "c:1"))
+    assert (await _account(server, org)).runs_today == 1
+    assert await server.core.expire_holds(now=_later()) == 1
+    assert (await _account(server, org)).runs_today == 0
+    await stub.ChargeBatch(pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=held.reservation_id)]))
+    assert (await _account(server, org)).runs_today == 1
+    await stub.Admit(admit_request(org, "c:2"))
+    code = None
+    try:
+        await stub.Admit(admit_request(org, "c:3"))
+    except grpc.aio.AioRpcError as denied:
+        code = status_details(denied).reason
+    assert code == "QUOTA_EXCEEDED"  # two runs today: the late-charged one and c:2
+
+
+async def test_the_sweeper_expires_nothing_within_the_grace_after_a_start_or_a_stall():
+    """Fresh-eyes test: billing stopped longer than the hold expired every hold at once when it
+    came back, before the orchestrators' stored charges (resent at most 60 s apart) arrived;
+    turns admitted against the credits given back then overspent a plan. The sweeper now
+    waits `billing_expiry_grace_s` after a start or a stall."""
+    import asyncio
+    import time
+
+    from services.billing.server import _sweep_forever
+
+    passes: list[float] = []
+
+    class Core:
+        async def expire_holds(self) -> int:
+            passes.append(time.monotonic())
+            return 0
+
+    task = asyncio.create_task(_sweep_forever(Core(), 0.05, grace_s=1.0))
+    try:
+        await asyncio.sleep(0.6)
+        assert passes == []  # the start's grace
+        await asyncio.sleep(1.0)
+        assert passes
+        time.sleep(0.4)  # the process stalls (more than two intervals)
+        await asyncio.sleep(0.05)
+        stalled = len(passes)
+        await asyncio.sleep(0.5)
+        assert len(passes) == stalled  # the stall's grace
+        await asyncio.sleep(1.0)
+        assert len(passes) > stalled
+    finally:
+        task.cancel()

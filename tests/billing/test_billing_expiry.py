@@ -41,7 +41,7 @@ async def test_sweeper_expires_overdue_holds_and_returns_their_credits(server, s
 
 async def test_background_sweeper_runs_while_the_server_runs(tmp_path, org):
     server = await BillingServer.start(
-        make_settings(tmp_path, billing_hold_seconds=0, billing_sweep_interval_s=0.05)
+        make_settings(tmp_path, billing_hold_seconds=0, billing_sweep_interval_s=0.05, billing_expiry_grace_s=0)
     )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:

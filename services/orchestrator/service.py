@@ -298,11 +298,13 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 await self._release(admitted.reservation_id, "turn not started")
                 raise
             self.runner.charges.committed(charge["id"], admitted.reservation_id)
+            # started before anything else is awaited: a persisted (and charged) turn runs even
+            # when the call is cancelled from here on (its caller's deadline, during the unclaim)
+            self._start(caller, chat_id, run_id, llm, model, history)
         except _PassThrough as passthrough:
             await context.abort_with_status(passthrough.status)
         finally:
             await self._unclaim(chat_id)
-        self._start(caller, chat_id, run_id, llm, model, history)
         return self._started(chat_id, run_id)
 
     def _started(self, chat_id: str, run_id: str) -> assistant_pb2.StartTurnResponse:

@@ -347,3 +347,34 @@ async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
 
     await wait_for(released, timeout=10)
     assert await _counts(stack) == (0, 0, ["released"], 0)
+
+
+async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_turn(stack, monkeypatch):
+    """A cancel reaching the turn start after its commit (the caller's deadline passing while
+    the chat claim is freed) skipped the start of the loop: the persisted turn, its charge
+    stored, sat `running` with nothing running it until the reaper failed it. The loop now
+    starts before anything else is awaited."""
+    servicer = stack.orchestrator.servicer
+    real = servicer._unclaim
+
+    async def cancelled_while_unclaiming(chat_id: str) -> None:
+        await real(chat_id)
+        raise asyncio.CancelledError()
+
+    monkeypatch.setattr(servicer, "_unclaim", cancelled_while_unclaiming)
+    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "ran"}),
+                                                                llm=assistant_pb2.LlmConfig(**SCRIPTED)), timeout=2)
+
+    async def completed() -> bool:
+        async with servicer.sessions() as session:
+            return (await session.scalars(select(Run.status).where(Run.organization_id == stack.org_id))).all() == ["completed"]
+
+    await wait_for(completed, timeout=10)
+    await billing_delivered(stack)
+    assert await _counts(stack) == (1, 1, ["charged"], 1)

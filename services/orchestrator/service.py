@@ -46,6 +46,8 @@ ASSISTANT_KIND = "assistant"
 STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
 TITLE_LENGTH = 50
 REQUEST_ID_LENGTH = 64  # StartTurnRequest.request_id, at most (runs.request_id)
+# a billing call that ended without an answer: billing may or may not have done its work
+_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
 
 
 def _not_found(what: str = "Chat") -> RpcError:
@@ -270,18 +272,18 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_PENDING", "This chat has a pending question; answer it first")
                     if running_id:
                         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
-            admit = asyncio.ensure_future(self.billing.Admit(
-                billing_pb2.AdmitRequest(
-                    organization_id=caller.organization_id, turn_key=f"{chat_id}:{run_id}", usage_type="run", rate_class="sync_exec"
-                ),
-                timeout=10,
-            ))
+            admission = billing_pb2.AdmitRequest(
+                organization_id=caller.organization_id, turn_key=f"{chat_id}:{run_id}", usage_type="run", rate_class="sync_exec"
+            )
+            admit = asyncio.ensure_future(self.billing.Admit(admission, timeout=10))
             try:
                 admitted = await asyncio.shield(admit)
             except asyncio.CancelledError:
-                self._release_when_admitted(admit)
+                self._release_when_admitted(admission, admit)
                 raise
             except grpc.aio.AioRpcError as error:
+                if error.code() in _OUTCOME_UNKNOWN:
+                    self._release_when_admitted(admission, None)
                 status = _downstream_status(error)
                 if status is not None:
                     raise _PassThrough(status) from None
@@ -365,19 +367,39 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         except Exception:
             log.exception("unwinding a failed turn start failed")
 
-    def _release_when_admitted(self, admit: asyncio.Future) -> None:
-        """The turn start was cancelled (its caller's deadline passed or it went away) while
-        billing was admitting it: once `admit` (the Admit call, shielded) answers, release the
-        hold it set aside, in the background. Before, such a hold stayed held until it expired
-        (120 s), counting against the allowance and the daily quota (fresh-eyes test)."""
+    def _release_when_admitted(self, admission: billing_pb2.AdmitRequest, admit: asyncio.Future | None) -> None:
+        """A turn start gave up on its Admit while billing may have set a hold aside for it: it
+        was cancelled (its caller's deadline passed) with `admit` (the Admit call, shielded)
+        still on its way, or the call ended without an answer (`admit` None: its deadline,
+        a lost connection). In the background, once `admit` answers — or, without an answer,
+        after asking billing again for the same turn key (Admit is idempotent by it: the hold
+        set aside, or a new one) — release the hold. Before, such a hold stayed held until it
+        expired (120 s), counting against the allowance and the daily quota (fresh-eyes tests)."""
         async def release() -> None:
             try:
-                admitted = await admit
-            except Exception:  # noqa: BLE001 - refused or failed: nothing was set aside
+                admitted = await admit if admit is not None else None
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in _OUTCOME_UNKNOWN:
+                    return  # refused: nothing was set aside
+                admitted = None
+            except Exception:  # noqa: BLE001 - nothing was set aside
+                return
+            for attempt in range(3):
+                if admitted is not None:
+                    break
+                try:
+                    admitted = await self.billing.Admit(admission, timeout=10)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in _OUTCOME_UNKNOWN:
+                        return
+                    await asyncio.sleep(1.0 * (attempt + 1))
+            if admitted is None:
+                log.warning("a hold of a turn start that gave up on billing could not be found; it expires",
+                            extra={"fields": {"turn_key": admission.turn_key}})
                 return
             await self._release(admitted.reservation_id, "turn not started")
 
-        task = asyncio.get_running_loop().create_task(release(), name="release-cancelled-admission")
+        task = asyncio.get_running_loop().create_task(release(), name="release-abandoned-admission")
         self._admissions.add(task)
         task.add_done_callback(self._admissions.discard)
 

@@ -378,3 +378,30 @@ async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_tu
     await wait_for(completed, timeout=10)
     await billing_delivered(stack)
     assert await _counts(stack) == (1, 1, ["charged"], 1)
+
+
+async def test_an_admission_answered_after_its_deadline_has_its_hold_released(stack, monkeypatch):
+    """Re-test (billing stalled): billing set the hold aside but answered after the turn start's
+    Admit deadline (504 BILLING_TIMEOUT); the hold stayed held, belonging to no turn, until it
+    expired. The turn start now asks billing again for the same turn key and releases it."""
+    real_admit = stack.billing.core.admit
+    slow = [True]
+
+    async def answers_late_once(*args: Any, **kwargs: Any) -> Any:
+        admitted = await real_admit(*args, **kwargs)
+        if slow:
+            slow.clear()
+            await asyncio.sleep(DEADLINE_S * 2)  # past the (capped) Admit deadline
+        return admitted
+
+    monkeypatch.setattr(stack.orchestrator.servicer, "billing", _Capped(stack.orchestrator.servicer.billing, only=("Admit",)))
+    monkeypatch.setattr(stack.billing.core, "admit", answers_late_once)
+    async with stack.client() as client:
+        started = time.monotonic()
+        _assert_timed_out(await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}), started)
+
+    async def released() -> bool:
+        return (await _counts(stack))[2] == ["released"]
+
+    await wait_for(released, timeout=10)
+    assert await _counts(stack) == (0, 0, ["released"], 0)

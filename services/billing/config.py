@@ -35,8 +35,7 @@ class BillingSettings(CommonSettings):
         billing_sweep_interval_s: seconds between sweeper passes while the server runs
             (LOOPLINE_BILLING_SWEEP_INTERVAL_S); 0 disables the background sweeper.
         billing_expiry_grace_s: seconds the sweeper expires nothing after the service starts
-            or after it was held up for more than two sweep intervals (a stall, a stopped
-            process): the run charges the orchestrators stored meanwhile (resent at most 60 s
+            or after a stall of the process (stopped or starved for a second or more): the run charges the orchestrators stored meanwhile (resent at most 60 s
             apart) reach billing first, instead of finding their holds expired while other
             turns were admitted against the credits those holds gave back (fresh-eyes test).
         billing_prices_path: TOML price table (millicredits per 1k tokens per provider/model).

@@ -205,21 +205,30 @@ class BillingServer:
         await self._engine.dispose()
 
 
-async def _sweep_forever(core: BillingCore, interval_s: float, grace_s: float = 0.0) -> None:
+STALL_TICK_S = 1.0  # how often the sweeper looks at the clock to notice a stall of the process
+
+
+async def _sweep_forever(core: BillingCore, interval_s: float, grace_s: float = 0.0, stall_s: float = 1.0) -> None:
     """Expire overdue holds every `interval_s` seconds; a failed pass is logged and retried.
 
-    Nothing is expired within `grace_s` seconds of the start, nor of a pass that came more
-    than two intervals late (the process was stalled or stopped): what billing could not hear
+    Nothing is expired within `grace_s` seconds of the start, nor of a stall of the process
+    (the clock, looked at every STALL_TICK_S seconds, came `stall_s` seconds or more late:
+    the process was stopped or starved), whatever the interval: what billing could not hear
     meanwhile — the run charges the orchestrators stored, resent at most 60 s apart — comes
     first (`billing_expiry_grace_s`)."""
     loop = asyncio.get_running_loop()
-    awake_since = last = loop.time()
+    awake_since = tick = loop.time()
+    next_pass = tick + interval_s
     while True:
-        await asyncio.sleep(interval_s)
+        planned = max(0.0, min(STALL_TICK_S, next_pass - tick))
+        await asyncio.sleep(planned)
         now = loop.time()
-        if now - last > 2 * interval_s:
+        if now - tick - planned >= stall_s:
             awake_since = now
-        last = now
+        tick = now
+        if now < next_pass:
+            continue
+        next_pass = now + interval_s
         if now - awake_since < grace_s:
             continue
         try:

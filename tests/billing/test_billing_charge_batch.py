@@ -136,7 +136,8 @@ async def test_the_sweeper_expires_nothing_within_the_grace_after_a_start_or_a_s
     """Fresh-eyes test: billing stopped longer than the hold expired every hold at once when it
     came back, before the orchestrators' stored charges (resent at most 60 s apart) arrived;
     turns admitted against the credits given back then overspent a plan. The sweeper now
-    waits `billing_expiry_grace_s` after a start or a stall."""
+    waits `billing_expiry_grace_s` after a start or a stall (re-test: a stall shorter than
+    two sweep intervals went unnoticed; it is now seen whatever the interval)."""
     import asyncio
     import time
 
@@ -149,18 +150,48 @@ async def test_the_sweeper_expires_nothing_within_the_grace_after_a_start_or_a_s
             passes.append(time.monotonic())
             return 0
 
-    task = asyncio.create_task(_sweep_forever(Core(), 0.05, grace_s=1.0))
+    task = asyncio.create_task(_sweep_forever(Core(), 0.05, grace_s=1.0, stall_s=0.2))
     try:
         await asyncio.sleep(0.6)
         assert passes == []  # the start's grace
         await asyncio.sleep(1.0)
         assert passes
-        time.sleep(0.4)  # the process stalls (more than two intervals)
+        time.sleep(0.4)  # the process stalls (longer than stall_s)
         await asyncio.sleep(0.05)
         stalled = len(passes)
         await asyncio.sleep(0.5)
         assert len(passes) == stalled  # the stall's grace
         await asyncio.sleep(1.0)
+        assert len(passes) > stalled
+    finally:
+        task.cancel()
+
+
+async def test_a_stall_shorter_than_two_sweep_intervals_is_noticed_too():
+    """Re-test: with 30 s sweeps and a 5 s hold, billing stopped for 30 s still expired every
+    hold at once: the stall was only noticed when passes came two intervals apart."""
+    import asyncio
+    import time
+
+    from services.billing.server import _sweep_forever
+
+    passes: list[float] = []
+
+    class Core:
+        async def expire_holds(self) -> int:
+            passes.append(time.monotonic())
+            return 0
+
+    task = asyncio.create_task(_sweep_forever(Core(), 0.5, grace_s=1.5, stall_s=0.2))
+    try:
+        await asyncio.sleep(2.2)
+        assert passes  # past the start's grace
+        time.sleep(0.6)  # a stall shorter than two intervals (1 s)
+        await asyncio.sleep(0.05)
+        stalled = len(passes)
+        await asyncio.sleep(1.0)
+        assert len(passes) == stalled  # its grace, though a pass was due
+        await asyncio.sleep(1.5)
         assert len(passes) > stalled
     finally:
         task.cancel()

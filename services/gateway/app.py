@@ -52,6 +52,7 @@ from services.gateway.idempotency import (
     IdempotencyConflict,
     IdempotencyStore,
     body_hash,
+    outcome_unknown,
 )
 from services.gateway.idempotency import request_id as turn_request_id  # "request_id" is also a question's id here
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
@@ -486,8 +487,11 @@ def create_app(
         rpc.request_id = turn_request_id(who.organization_id, who.user_id, key, digest)
         try:
             response = await _start(rpc, from_default)
-        except BaseException:
-            await idempotency.release(who.organization_id, who.user_id, key)
+        except BaseException as failure:
+            if outcome_unknown(failure) and not isinstance(failure, BodyError):  # it may have started: only the same body may retry
+                await idempotency.release_unknown(who.organization_id, who.user_id, key)
+            else:
+                await idempotency.release(who.organization_id, who.user_id, key)
             raise
         await idempotency.complete(who.organization_id, who.user_id, key, response.status_code, bytes(response.body).decode())
         return response

@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 
+import grpc
+from fastapi import HTTPException
 from sqlalchemy import delete, update
 from sqlalchemy.exc import IntegrityError
 
@@ -46,6 +48,25 @@ def request_id(org_id: str, user_id: str, key: str, digest: str) -> str:
     retry of that request, so the orchestrator answers a retry with the turn the first attempt
     started, when it did (its answer lost to a 504 or 503, which frees the key here)."""
     return hashlib.sha256("\0".join((org_id, user_id, key, digest)).encode()).hexdigest()
+
+
+#: gRPC codes of a downstream failure that settles nothing: the request was refused as it
+#: stands, so its key is freed for any request (`IdempotencyStore.release`); any other
+#: failure may have taken effect (`IdempotencyStore.release_unknown`).
+REFUSED_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,
+})
+
+
+def outcome_unknown(failure: BaseException) -> bool:
+    """Whether a request that raised `failure` may have taken effect downstream: a gRPC failure
+    other than a refusal (REFUSED_CODES: a deadline, an outage, a cancel), or anything that is
+    not a gRPC failure nor an HTTP error of the gateway's own (a disconnect, a crash)."""
+    if isinstance(failure, grpc.aio.AioRpcError):
+        return failure.code() not in REFUSED_CODES
+    return not isinstance(failure, HTTPException)
 
 
 class IdempotencyStore:
@@ -115,6 +136,22 @@ class IdempotencyStore:
                 )
             )
 
+    async def release_unknown(self, org_id: str, user_id: str, key: str) -> None:
+        """Free a claimed key whose request failed without the gateway knowing whether it took
+        effect (a downstream deadline or outage, a disconnect: `outcome_unknown`), but keep it
+        bound to its body: the next request with the same body takes it over at once (and the
+        orchestrator answers it with the turn the first one started, if it did: `request_id`),
+        another body gets 422. Its claim's start is moved back past IN_PROGRESS_LEASE_S, so the
+        key is kept 5 minutes less than the TTL. Re-test: after a 504 the key was freed, and a
+        retry with another body started and charged a second turn."""
+        async with self.sessions() as session, session.begin():
+            await session.execute(
+                update(IdempotencyRecord).where(
+                    IdempotencyRecord.organization_id == org_id, IdempotencyRecord.user_id == user_id,
+                    IdempotencyRecord.key == key, IdempotencyRecord.status_code.is_(None),
+                ).values(created_at=utcnow() - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S + 1))
+            )
+
     async def sweep(self) -> int:
         """Delete records past the TTL; returns how many."""
         cutoff = utcnow() - datetime.timedelta(seconds=self.ttl_s)
@@ -124,4 +161,4 @@ class IdempotencyStore:
 
 
 
-__all__ = ["IdempotencyConflict", "IdempotencyStore", "body_hash", "request_id"]
+__all__ = ["REFUSED_CODES", "IdempotencyConflict", "IdempotencyStore", "body_hash", "outcome_unknown", "request_id"]

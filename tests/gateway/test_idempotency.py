@@ -140,3 +140,46 @@ async def test_a_request_id_longer_than_64_characters_is_refused(stack):
             await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hi", request_id="x" * 65))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert await _runs(stack) == 0
+
+
+async def test_after_a_failure_of_unknown_outcome_the_key_stays_bound_to_its_body(stack, monkeypatch):
+    """Re-test: after a 504 the key was freed, so a retry with the same key and ANOTHER body was
+    a new request: the turn the first attempt had started and a second one were both charged.
+    A failure whose outcome the gateway cannot know now keeps the key bound to its body (422
+    for another body); the same body retries at once and gets the started turn."""
+    from services.common.errors import RpcError
+
+    servicer = stack.orchestrator.servicer
+    real = servicer._started
+    lost = []
+
+    def answer_lost_once(chat_id: str, run_id: str):
+        if not lost:
+            lost.append(run_id)
+            import grpc
+
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "ANSWER_LOST", "the answer was lost on its way")
+        return real(chat_id, run_id)
+
+    monkeypatch.setattr(servicer, "_started", answer_lost_once)
+    async with stack.client() as client:
+        headers = {"Idempotency-Key": "turn-unknown"}
+        first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
+        assert first.status_code == 503, first.text
+        other = await client.post("/assistant/chat", json={"message": "hello v2"}, headers=headers)
+        assert other.status_code == 422, other.text
+        retry = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
+        assert retry.status_code == 200 and retry.json()["run_id"] == lost[0]
+        await read_frames(client, retry.json()["stream_url"])
+    assert await _runs(stack) == 1
+
+
+async def test_a_refused_request_frees_its_key_for_another_body(stack):
+    async with stack.client() as client:
+        headers = {"Idempotency-Key": "turn-refused"}
+        refused = await client.post("/assistant/chat", json={"message": "hi", "chat_id": "00000000-0000-4000-8000-000000000000"}, headers=headers)
+        assert refused.status_code == 404
+        other = await client.post("/assistant/chat", json={"message": "another"}, headers=headers)
+        assert other.status_code == 200, other.text
+        await read_frames(client, other.json()["stream_url"])
+    assert await _runs(stack) == 1

@@ -3,7 +3,9 @@
 A retry with the same key and the same body returns the original response and starts
 nothing; the same key with another body is 422; a retry while the first request is
 still running is 409. Keys are scoped to (organization, user) and kept for
-`idempotency_ttl_s` seconds (24 h by default); a failed request frees its key. A claim
+`idempotency_ttl_s` seconds (24 h by default); a refused request frees its key, one whose
+outcome is unknown (a downstream deadline or outage) frees it for the same body only and
+passes it down as the turn start's `request_id` (`release_unknown`, `request_id`). A claim
 left without an answer for IN_PROGRESS_LEASE_S (the gateway handling it died: it cannot free
 the key) is taken over by the next request with the same body, so a client can retry after a
 crash (fresh-eyes test: the key answered 409 "still in progress" for the whole TTL).
@@ -46,7 +48,7 @@ def request_id(org_id: str, user_id: str, key: str, digest: str) -> str:
     """The StartTurn request_id (AIP-155; 64 hex characters) of a POST with Idempotency-Key
     `key` and body digest `digest` (`body_hash`) by `user_id` of `org_id`: the same for every
     retry of that request, so the orchestrator answers a retry with the turn the first attempt
-    started, when it did (its answer lost to a 504 or 503, which frees the key here)."""
+    started, when it did (its answer lost to a 504 or 503: `release_unknown`)."""
     return hashlib.sha256("\0".join((org_id, user_id, key, digest)).encode()).hexdigest()
 
 

@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CREDITS = {"run": 1}
 DEFAULT_USAGE_TYPE = "run"
 DEFAULT_RATE_CLASS = "sync_exec"
-USAGE_INLINE_RECORDS = 20  # a usage batch of more records is written on the SQLite worker thread (txn.py: inline)
+USAGE_INLINE_RECORDS = 20  # a usage or charge batch of more records is written on the SQLite worker thread (txn.py: inline)
 
 #: Denial codes (Denial.code); the ErrorInfo reason is the same in UPPER_SNAKE.
 RATE_LIMITED = "rate_limited"
@@ -977,7 +977,7 @@ class BillingCore:
         if not all(reservation_ids):
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
         if self.pg is None:
-            found = await self.db.run(self._charge_batch_txn, reservation_ids)
+            found = await self.db.run(self._charge_batch_txn, reservation_ids, inline=len(reservation_ids) <= USAGE_INLINE_RECORDS)
         else:
             async def one(reservation_id: str) -> ChargeResult | RpcError:
                 try:

@@ -86,28 +86,37 @@ async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lea
     assert await _runs(stack) == 1
 
 
+def _lose_first_answer(stack, monkeypatch) -> list[str]:
+    """The orchestrator's first StartTurn answer is lost after its turn started (and was
+    charged): it fails with UNAVAILABLE (503), later ones answer. Returns the list that gets
+    the run id of the turn whose answer was lost."""
+    import grpc
+
+    from services.common.errors import RpcError
+
+    servicer = stack.orchestrator.servicer
+    real = servicer._started
+    lost: list[str] = []
+
+    def answer_lost_once(chat_id: str, run_id: str):
+        if not lost:
+            lost.append(run_id)
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "ANSWER_LOST", "the answer was lost on its way")
+        return real(chat_id, run_id)
+
+    monkeypatch.setattr(servicer, "_started", answer_lost_once)
+    return lost
+
+
 async def test_a_retry_after_a_start_whose_answer_was_lost_answers_the_started_turn_and_charges_once(stack, monkeypatch):
     """Fresh-eyes test: the orchestrator started (and charged) the turn, but its answer never
     reached the gateway in time (504 after a 30 s stall); the failure freed the key, and the
     client's retry with the same Idempotency-Key started and charged a second turn. The
     gateway now passes the key down as StartTurn's request_id (AIP-155), and the orchestrator
     answers a retry with the turn it started."""
-    from services.common.errors import RpcError
     from tests.orchestrator.helpers import billing_delivered
 
-    servicer = stack.orchestrator.servicer
-    real = servicer._started
-    lost = []
-
-    def answer_lost_once(chat_id: str, run_id: str):
-        if not lost:
-            lost.append(run_id)
-            import grpc
-
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "ANSWER_LOST", "the answer was lost on its way")
-        return real(chat_id, run_id)
-
-    monkeypatch.setattr(servicer, "_started", answer_lost_once)
+    lost = _lose_first_answer(stack, monkeypatch)
     async with stack.client() as client:
         headers = {"Idempotency-Key": "turn-lost"}
         first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
@@ -147,21 +156,7 @@ async def test_after_a_failure_of_unknown_outcome_the_key_stays_bound_to_its_bod
     a new request: the turn the first attempt had started and a second one were both charged.
     A failure whose outcome the gateway cannot know now keeps the key bound to its body (422
     for another body); the same body retries at once and gets the started turn."""
-    from services.common.errors import RpcError
-
-    servicer = stack.orchestrator.servicer
-    real = servicer._started
-    lost = []
-
-    def answer_lost_once(chat_id: str, run_id: str):
-        if not lost:
-            lost.append(run_id)
-            import grpc
-
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "ANSWER_LOST", "the answer was lost on its way")
-        return real(chat_id, run_id)
-
-    monkeypatch.setattr(servicer, "_started", answer_lost_once)
+    lost = _lose_first_answer(stack, monkeypatch)
     async with stack.client() as client:
         headers = {"Idempotency-Key": "turn-unknown"}
         first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)

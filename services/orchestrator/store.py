@@ -272,7 +272,10 @@ class TurnStore:
 
     async def run_for_request(self, organization_id: str, request_id: str, since: datetime.datetime) -> tuple[str, str] | None:
         """(chat_id, run_id) of the newest run of `organization_id` started with `request_id`
-        (StartTurnRequest.request_id) at or after `since` (UTC), or None. One read."""
+        (StartTurnRequest.request_id) at or after `since` (UTC), or None. One read (every
+        turn start with an Idempotency-Key makes it: on PostgreSQL on asyncpg, as turn_guard)."""
+        if self.pg is not None:
+            return await self.pg.run_for_request(organization_id, request_id, since)
         row = await self.txn.run(_run_for_request, organization_id, request_id, since)
         return None if row is None else (row[0], row[1])
 
@@ -492,6 +495,14 @@ class PgTurnStatements(PgPool):
         """`TurnStore.forget_redeliveries`: one DELETE."""
         pool = await self.pool()
         await pool.execute("DELETE FROM billing_redeliveries WHERE id = ANY($1::varchar[])", ids)
+
+    async def run_for_request(self, organization_id: str, request_id: str, since: datetime.datetime) -> tuple[str, str] | None:
+        """`TurnStore.run_for_request`: one SELECT."""
+        pool = await self.pool()
+        record = await pool.fetchrow(
+            "SELECT chat_id, id FROM runs WHERE request_id = $1 AND organization_id = $2 AND created_at >= $3"
+            " ORDER BY created_at DESC LIMIT 1", request_id, organization_id, since)
+        return None if record is None else (record[0], record[1])
 
     async def turn_guard(self, chat_id: str) -> Any:
         """`TurnStore.turn_guard`: one SELECT."""

@@ -310,6 +310,28 @@ class Redelivery:
         return taken
 
 
+class BatchOrEach:
+    """A billing batch RPC with its per-item fallback: against a billing service without the
+    batch RPC (UNIMPLEMENTED: an older version during a rolling upgrade), this and every later
+    call sends each item with the single RPC instead. `RunCharges` and `UsageBatcher` use one."""
+
+    def __init__(self) -> None:
+        self.supported = True
+
+    async def call(self, batch: Callable[[], Awaitable[Any]], each: Callable[[], Awaitable[Any]]) -> Any:
+        """`await batch()` and return its answer; once billing answered UNIMPLEMENTED, `await
+        each()` and return None. Any other grpc.aio.AioRpcError is raised."""
+        if self.supported:
+            try:
+                return await batch()
+            except grpc.aio.AioRpcError as failure:
+                if failure.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self.supported = False
+        await each()
+        return None
+
+
 class StoredBatches:
     """Billing calls committed in the orchestrator's own transactions, sent in batches.
 
@@ -437,7 +459,7 @@ class RunCharges:
     def __init__(self, billing: Any, redelivery: Redelivery, forget: Callable[[list[str]], Awaitable[Any]],
                  linger_s: float = STORED_LINGER_S) -> None:
         self.billing = billing
-        self._batch_supported = True
+        self._batch = BatchOrEach()
         self.stored = StoredBatches(
             "ChargeBatch", lambda charges: billing_pb2.ChargeBatchRequest(charges=charges),
             lambda data: list(billing_pb2.ChargeBatchRequest.FromString(data).charges), self._call,
@@ -459,19 +481,13 @@ class RunCharges:
         await self.stored.close()
 
     async def _call(self, charges: list[billing_pb2.ChargeRequest], timeout: float = CALL_TIMEOUT_S) -> None:
-        if self._batch_supported:
-            try:
-                response = await self.billing.ChargeBatch(billing_pb2.ChargeBatchRequest(charges=charges), timeout=timeout)
-            except grpc.aio.AioRpcError as failure:
-                if failure.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                self._batch_supported = False
-            else:
-                for charge, result in zip(charges, response.results, strict=False):
-                    if result.state != billing_pb2.RESERVATION_STATE_CHARGED:
-                        _charge_refused(charge.reservation_id, billing_pb2.ReservationState.Name(result.state))
-                return
-        await asyncio.gather(*(self._charge_one(charge, timeout) for charge in charges))
+        response = await self._batch.call(
+            lambda: self.billing.ChargeBatch(billing_pb2.ChargeBatchRequest(charges=charges), timeout=timeout),
+            lambda: asyncio.gather(*(self._charge_one(charge, timeout) for charge in charges)),
+        )
+        for charge, result in zip(charges, response.results if response is not None else (), strict=False):
+            if result.state != billing_pb2.RESERVATION_STATE_CHARGED:
+                _charge_refused(charge.reservation_id, billing_pb2.ReservationState.Name(result.state))
 
     async def _charge_one(self, charge: billing_pb2.ChargeRequest, timeout: float) -> None:
         try:
@@ -529,7 +545,7 @@ class UsageBatcher:
             "recording usage failed", _usage_fields, redelivery, forget or _forget_nothing, linger_s,
         )
         self._sending: set[asyncio.Task] = set()
-        self._batch_supported = True
+        self._batch = BatchOrEach()
 
     def add(self, request: billing_pb2.RecordUsageRequest) -> asyncio.Future[None]:
         """Queue one model call's usage; the future is done once it has been sent."""
@@ -607,15 +623,10 @@ class UsageBatcher:
                     done.set_result(None)
 
     async def _call(self, requests: list[billing_pb2.RecordUsageRequest], timeout: float = CALL_TIMEOUT_S) -> None:
-        if self._batch_supported:
-            try:
-                await self.billing.RecordUsageBatch(billing_pb2.RecordUsageBatchRequest(calls=requests), timeout=timeout)
-                return
-            except grpc.aio.AioRpcError as failure:
-                if failure.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                self._batch_supported = False
-        await asyncio.gather(*(self.billing.RecordUsage(request, timeout=timeout) for request in requests))
+        await self._batch.call(
+            lambda: self.billing.RecordUsageBatch(billing_pb2.RecordUsageBatchRequest(calls=requests), timeout=timeout),
+            lambda: asyncio.gather(*(self.billing.RecordUsage(request, timeout=timeout) for request in requests)),
+        )
 
 
 async def _forget_nothing(row_ids: list[str]) -> None:

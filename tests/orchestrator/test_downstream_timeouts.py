@@ -19,6 +19,7 @@ import grpc
 import pytest
 from sqlalchemy import func, select
 
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import LedgerEntry, Reservation, UsageRecord
 from services.orchestrator.byok import tools_secret_resolver
@@ -64,6 +65,18 @@ async def _counts(stack) -> tuple[int, int, list[str], int]:
         charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(
             LedgerEntry.org_id == stack.org_id, LedgerEntry.idempotency_key.like("charge:%")))
     return chats, runs, sorted(states), charges
+
+
+async def _start_turn_failing(stack, say: str, timeout: float) -> grpc.StatusCode:
+    """StartTurn straight over gRPC (a scripted turn answering `say`) with a `timeout` deadline;
+    asserts that the call fails and returns its status code."""
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": say}),
+                                                                llm=assistant_pb2.LlmConfig(**SCRIPTED)), timeout=timeout)
+    return failed.value.code()
 
 
 def _assert_timed_out(response, started: float) -> None:
@@ -321,8 +334,6 @@ async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
     call was cancelled while billing was admitting it left the hold billing set aside held
     until it expired (120 s), counting against the allowance and the daily quota. It is now
     released once billing answers."""
-    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
-
     real_admit = stack.billing.core.admit
     answered = asyncio.Event()
 
@@ -333,13 +344,7 @@ async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
         return admitted
 
     monkeypatch.setattr(stack.billing.core, "admit", slow_admit)
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
-        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as gone:
-            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "hi"}),
-                                                                llm=assistant_pb2.LlmConfig(**SCRIPTED)), timeout=0.2)
-    assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await _start_turn_failing(stack, "hi", timeout=0.2) == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.wait_for(answered.wait(), 10)
 
     async def released() -> bool:
@@ -362,14 +367,7 @@ async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_tu
         raise asyncio.CancelledError()
 
     monkeypatch.setattr(servicer, "_unclaim", cancelled_while_unclaiming)
-    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
-
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
-        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError):
-            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "ran"}),
-                                                                llm=assistant_pb2.LlmConfig(**SCRIPTED)), timeout=2)
+    await _start_turn_failing(stack, "ran", timeout=2)
 
     async def completed() -> bool:
         async with servicer.sessions() as session:

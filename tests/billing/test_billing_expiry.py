@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from loopline.billing.v1 import billing_pb2 as pb
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import Account
-from services.billing.server import BillingServer
+from services.billing.server import BillingServer, _sweep_forever
 from services.common.errors import status_details
 from tests_billing_helpers import admit_request, make_settings
 
@@ -69,3 +70,59 @@ def test_the_default_hold_outlives_the_slowest_turn_start_and_little_more():
     busy_s = next(int(p.split("=")[1]) for p in SQLITE_PRAGMAS if p.startswith("busy_timeout=")) / 1000
     hold = BillingSettings().billing_hold_seconds
     assert 10 + busy_s + 10 < hold <= 120
+
+
+class _PassCounter:
+    """A billing core for the sweeper loop alone: `passes` gets the time of each expiry pass."""
+
+    def __init__(self) -> None:
+        self.passes: list[float] = []
+
+    async def expire_holds(self) -> int:
+        self.passes.append(time.monotonic())
+        return 0
+
+
+async def test_the_sweeper_expires_nothing_within_the_grace_after_a_start_or_a_stall():
+    """Fresh-eyes test: billing stopped longer than the hold expired every hold at once when it
+    came back, before the orchestrators' stored charges (resent at most 60 s apart) arrived;
+    turns admitted against the credits given back then overspent a plan. The sweeper now
+    waits `billing_expiry_grace_s` after a start or a stall (re-test: a stall shorter than
+    two sweep intervals went unnoticed; it is now seen whatever the interval)."""
+    core = _PassCounter()
+    passes = core.passes
+    task = asyncio.create_task(_sweep_forever(core, 0.05, grace_s=1.0, stall_s=0.2))
+    try:
+        await asyncio.sleep(0.6)
+        assert passes == []  # the start's grace
+        await asyncio.sleep(1.0)
+        assert passes
+        time.sleep(0.4)  # the process stalls (longer than stall_s)
+        await asyncio.sleep(0.05)
+        stalled = len(passes)
+        await asyncio.sleep(0.5)
+        assert len(passes) == stalled  # the stall's grace
+        await asyncio.sleep(1.0)
+        assert len(passes) > stalled
+    finally:
+        task.cancel()
+
+
+async def test_a_stall_shorter_than_two_sweep_intervals_is_noticed_too():
+    """Re-test: with 30 s sweeps and a 5 s hold, billing stopped for 30 s still expired every
+    hold at once: the stall was only noticed when passes came two intervals apart."""
+    core = _PassCounter()
+    passes = core.passes
+    task = asyncio.create_task(_sweep_forever(core, 0.5, grace_s=1.5, stall_s=0.2))
+    try:
+        await asyncio.sleep(2.2)
+        assert passes  # past the start's grace
+        time.sleep(0.6)  # a stall shorter than two intervals (1 s)
+        await asyncio.sleep(0.05)
+        stalled = len(passes)
+        await asyncio.sleep(1.0)
+        assert len(passes) == stalled  # its grace, though a pass was due
+        await asyncio.sleep(1.5)
+        assert len(passes) > stalled
+    finally:
+        task.cancel()

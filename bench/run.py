@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import math
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -544,6 +545,48 @@ def _loadavg() -> list[float]:
         return []
 
 
+def cpu_jiffies(stat: pathlib.Path = pathlib.Path("/proc/stat")) -> list[int] | None:
+    """The machine's CPU time so far, all cores together, from the first line of /proc/stat
+    (proc(5)): user, nice, system, idle, iowait, irq, softirq, steal, in USER_HZ ticks; None
+    where it cannot be read (not Linux). `guest` time is already inside `user` and not repeated."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+        if fields[0] != "cpu":
+            return None
+        return [int(x) for x in fields[1:9]] + [0] * (9 - len(fields))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def steal_pct(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share (%) of the machine's CPU time between two `cpu_jiffies` readings that the
+    hypervisor gave to other guests (proc(5) "steal"): a contended virtual machine runs every
+    workload slower than its cores' own speed, which the calibration loop may not show. None
+    without both readings or when no time passed."""
+    if before is None or after is None:
+        return None
+    total = sum(after) - sum(before)
+    return _r(100 * (after[7] - before[7]) / total, 1) if total > 0 else None
+
+
+STEAL_NOTE_PCT = 2.0  # a workload with this much steal or more gets a note under the table
+
+
+class StealMeter:
+    """`with steal("latency"):` records `steal_pct` over the block under that name (`by_workload`)."""
+
+    def __init__(self) -> None:
+        self.by_workload: dict[str, float | None] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, workload: str) -> Iterator[None]:
+        before = cpu_jiffies()
+        try:
+            yield
+        finally:
+            self.by_workload[workload] = steal_pct(before, cpu_jiffies())
+
+
 def calibrate() -> float:
     """CPU milliseconds of a fixed pure-Python loop (10M additions): ~400 ms on an idle modern core.
 
@@ -644,6 +687,9 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
         add("no-op tool call p50 / p99 ms (ExecuteTool loopline.echo)", f"{tl['noop_tool_call']['p50_ms']} / {tl['noop_tool_call']['p99_ms']}")
         add("no-op tool call overhead over a bare gRPC round trip, p50 ms", tl["noop_overhead_p50_ms"])
         add(f"search over {tl['chunks']} chunks p50 / p99 ms", f"{tl['search']['p50_ms']} / {tl['search']['p99_ms']}")
+    steal = (results.get("machine") or {}).get("steal_pct") or {}
+    if steal:
+        add(f"CPU stolen by the hypervisor % ({' / '.join(steal)})", " / ".join("-" if v is None else f"{v:g}" for v in steal.values()))
     mem = results.get("memory")
     if mem:
         add("RSS idle, all four MiB", mem.get("idle_total_mib"), "memory.idle_total_mib")
@@ -769,6 +815,16 @@ def _mib(value: int | None) -> float | None:
 
 async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, Any]) -> None:
     profile = Profiler(dep, args.profile)
+    steal = StealMeter()
+    results["machine"]["steal_pct"] = steal.by_workload
+
+    @contextlib.asynccontextmanager
+    async def workload(name: str) -> Any:
+        """Profile (--profile) and meter the hypervisor's steal over one workload."""
+        with steal(name):
+            async with profile(name):
+                yield
+
     await asyncio.sleep(1.0)  # let start-up work settle before "idle"
     idle, idle_pss = dep.rss(), dep.pss()
     results["memory"] = {"idle_mib": {k: _r(v / MiB, 1) for k, v in idle.items()}, "idle_total_mib": _r(sum(idle.values()) / MiB, 1),
@@ -777,11 +833,11 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
                          "idle_together_mib": _mib(dep.together())}
     if "latency" in args.only:
         print(f"[bench] latency: {args.turns} sequential turns", flush=True)
-        async with profile("latency"):
+        async with workload("latency"):
             results["latency"] = await workload_latency(dep, args.turns, warmup=min(10, args.turns))
     if "throughput" in args.only:
         print(f"[bench] throughput: {args.throughput_turns} turns at concurrency {args.concurrency} (cap {args.time_cap:g} s each)", flush=True)
-        async with profile("throughput"):
+        async with workload("throughput"):
             results["throughput"] = await workload_throughput(dep, args.throughput_turns, args.concurrency, args.time_cap)
         after = dep.rss()
         results["memory"]["after_throughput_mib"] = {k: _r(v / MiB, 1) for k, v in after.items()}
@@ -790,20 +846,20 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
         results["memory"]["after_throughput_together_mib"] = _mib(dep.together())
     if "admission" in args.only:
         print(f"[bench] admission: {args.admissions} Admit+Charge pairs at concurrency {args.admission_concurrency}", flush=True)
-        async with profile("admission"):
+        async with workload("admission"):
             results["admission"] = await workload_admission(dep, args.admissions, args.admission_concurrency, args.admission_time_cap)
     if "fanout" in args.only:
         results["fanout"] = {}
         for n in args.listeners:
             print(f"[bench] fan-out: {n} listeners", flush=True)
-            async with profile(f"fanout{n}"):
+            async with workload(f"fanout{n}"):
                 results["fanout"][str(n)] = await workload_fanout(dep, n, args.ticks, args.tick_ms, args.connect_parallel, args.connect_cap)
             fan = results["fanout"][str(n)]
             print(f"[bench]   connected in {fan['connect_s']} s, outcome {fan['outcome']}, delay p50/p99 {fan['delay']['p50_ms']}/{fan['delay']['p99_ms']} ms "
                   f"(first listener p50 {fan['first_delivery']['p50_ms']} ms, first-to-last spread p50 {fan['fanout_spread']['p50_ms']} ms)", flush=True)
     if "tools" in args.only:
         print(f"[bench] tools: {args.tool_calls} no-op tool calls; search over {args.chunks} chunks ({args.searches} searches)", flush=True)
-        async with profile("tools"):
+        async with workload("tools"):
             results["tools"] = await workload_tools(dep, args.tool_calls, args.chunks, args.searches)
     results["memory"]["final_mib"] = {k: _r(v / MiB, 1) for k, v in dep.rss().items()}
 
@@ -827,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": "client and services share the machine's cores; the client's own CPU is reported where measured",
     }
     results["machine"]["client_fd_limit"] = fd_limit
+    jiffies = cpu_jiffies()
     print(f"[bench] load average {results['machine']['loadavg_start']}, calibration loop {results['machine']['calibration_cpu_ms']} ms CPU (~400 on an idle core)", flush=True)
     print(f"[bench] {results['machine']['cores']} cores ({results['machine']['cpu_model']}), python {results['machine']['python']}, "
           f"commit {results['machine']['git_commit'][:12]}, backend {args.backend}", flush=True)
@@ -857,10 +914,15 @@ def main(argv: list[str] | None = None) -> int:
         dep.stop()
     results["elapsed_s"] = _r(time.monotonic() - started, 1)
     results["machine"]["loadavg_end"] = _loadavg()
+    results["machine"]["steal_pct_run"] = steal_pct(jiffies, cpu_jiffies())
     out = args.out or ROOT / "bench" / "results" / f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{args.backend}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
+    stolen = {name: pct for name, pct in (results["machine"].get("steal_pct") or {}).items() if pct is not None and pct >= STEAL_NOTE_PCT}
+    if stolen:
+        print(f"[bench] note: the hypervisor took CPU time from this machine ({', '.join(f'{k} {v:g}%' for k, v in stolen.items())}): "
+              "those figures read slower than its cores' own speed; compare them only with runs of little steal")
     failures = results.get("latency", {}).get("failures", 0) + sum(
         level["failures"] for level in (results.get("throughput") or {}).values()
     )

@@ -28,6 +28,8 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     assert "error" not in report
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["python"] and machine["git_commit"]
+    assert set(machine["steal_pct"]) == {"latency", "throughput", "admission", "fanout10", "tools"}
+    assert all(value is None or 0 <= value <= 100 for value in [*machine["steal_pct"].values(), machine["steal_pct_run"]])
     latency = report["latency"]
     assert latency["turns"] == 5 and latency["completed"] == 5 and latency["failures"] == 0
     assert latency["done"]["p50_ms"] > 0 and latency["first_frame"]["p99_ms"] > 0 and latency["cpu_ms_per_turn"] > 0

@@ -155,16 +155,29 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             return None
         expires_at = db.utc(interrupt.expires_at)
         if expires_at <= utcnow():
-            async with self.sessions() as writer, writer.begin():
-                result = await writer.execute(
-                    update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending")
-                    .values(outcome="expired", resolved_at=utcnow())
-                )
-                if result.rowcount:
-                    await writer.execute(update(Run).where(Run.id == interrupt.run_id, Run.status == "interrupted").values(status="expired", updated_at=utcnow()))
-                    await writer.execute(update(Chat).where(Chat.id == chat.id, Chat.running_id == interrupt.run_id).values(running_id=None))
+            await self._settle_expired(interrupt)
             raise _Expired(interrupt)
         return interrupt
+
+    async def _settle_expired(self, interrupt: Interrupt) -> bool:
+        """Settle a pending question past its `expires_at` (LOOPLINE_PENDING_TTL_S) in one
+        transaction: the audit row and its run become `expired`, the chat is free (running_id
+        cleared), and the question's tool call gets its result (`cut_off_result("expired")`), as a
+        cancel gives one, so GET chat and the next model call never see a call without a result.
+        Questions are settled when next looked at (status, get, list, a turn, a resume). Returns
+        whether this call settled it (False when an answer, a cancel or another look came first)."""
+        async with self.sessions() as writer, writer.begin():
+            result = await writer.execute(
+                update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending")
+                .values(outcome="expired", resolved_at=utcnow())
+            )
+            if not result.rowcount:
+                return False
+            await writer.execute(update(Run).where(Run.id == interrupt.run_id, Run.status == "interrupted").values(status="expired", updated_at=utcnow()))
+            await writer.execute(update(Chat).where(Chat.id == interrupt.chat_id, Chat.running_id == interrupt.run_id).values(running_id=None))
+            writer.add(Message(id=str(uuid.uuid4()), chat_id=interrupt.chat_id, run_id=interrupt.run_id, role="tool", content=cut_off_result("expired"),
+                               extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool}))
+        return True
 
     async def _chat_and_pending(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str) -> tuple[Chat, Interrupt | None]:
         """The caller's chat and its pending question; an expired question is settled and the chat re-read."""
@@ -708,10 +721,17 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         pending: dict[str, Interrupt] = {}
         if chats:
             async with self.sessions() as session:
-                rows = (await session.execute(
+                rows = list((await session.execute(
                     select(Interrupt).where(Interrupt.chat_id.in_([c.id for c in chats]), Interrupt.outcome == "pending")
-                )).scalars()
-                pending = {row.chat_id: row for row in rows if db.utc(row.expires_at) > utcnow()}
+                )).scalars())
+            now = utcnow()
+            pending = {row.chat_id: row for row in rows if db.utc(row.expires_at) > now}
+            for row in rows:  # a question past its time is settled by this look too: its chat is free (not running)
+                if row.chat_id not in pending:
+                    await self._settle_expired(row)
+                    for chat in chats:
+                        if chat.id == row.chat_id and chat.running_id == row.run_id:
+                            chat.running_id = None
         return assistant_pb2.ListChatsResponse(chats=[self._chat_message(c, pending.get(c.id)) for c in chats], next_cursor=next_cursor)
 
     @unary

@@ -22,11 +22,17 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.orchestrator.models import Message
 
 
+CUT_OFF_ERRORS = {"cancelled": "cancelled", "expired": "expired: the question was not answered in time"}
+
+
 def cut_off_result(kind: str) -> dict[str, Any]:
-    """The error result of a tool call a run's end cut off: `kind` "cancelled" (a cancel) or any
-    other (the run failed). Stored in the thread and streamed as the call's `tool_result`, by the
-    loop (loop.py `_finish`) and by the crash reaper (recovery.py) alike."""
-    return {"error": "cancelled" if kind == "cancelled" else "not completed: the run failed", "success": False}
+    """The error result of a tool call a run's end cut off: `kind` "cancelled" (a cancel),
+    "expired" (a question nobody answered within LOOPLINE_PENDING_TTL_S) or any other (the run
+    failed). Stored in the thread (and, but for an expired question, streamed as the call's
+    `tool_result`) by the loop (loop.py `_finish`), the crash reaper (recovery.py) and the
+    service (a cancelled or expired question) alike, so the thread never holds a call without
+    a result."""
+    return {"error": CUT_OFF_ERRORS.get(kind, "not completed: the run failed"), "success": False}
 
 
 def to_model_messages(rows: list[Message]) -> list[dict[str, Any]]:

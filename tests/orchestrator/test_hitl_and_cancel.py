@@ -335,3 +335,39 @@ async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):
         again = await read_frames(client, body["stream_url"])
     assert again[:-1] == frames
     assert again[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}
+
+
+async def _expire(stack, request_id: str) -> None:
+    async with stack.orchestrator.servicer.sessions() as session, session.begin():
+        await session.execute(update(Interrupt).where(Interrupt.id == request_id).values(expires_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)))
+
+
+async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(stack):
+    # fresh-eyes test: GET /assistant/chats said is_running: true until a status, get or resume looked at the chat
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        await _expire(stack, frames[-1]["data"]["request_id"])
+        listed = next(c for c in (await client.get("/assistant/chats")).json()["items"] if c["id"] == body["chat_id"])
+        assert listed["is_running"] is False
+        status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
+        assert status["is_running"] is False and status["awaiting_input"] is False
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert (await session.get(Interrupt, frames[-1]["data"]["request_id"])).outcome == "expired"
+        assert (await session.get(Run, body["run_id"])).status == "expired"
+
+
+async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
+    # fresh-eyes test: the assistant message's ask_user_yes_no call had no tool message after it (a cancel gave one)
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
+        await _expire(stack, frames[-1]["data"]["request_id"])
+        nxt, _ = await run_turn(client, {"say": "fine"}, chat_id=body["chat_id"])
+        messages = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()["messages"]
+    calls = [m for m in messages if m["role"] == "tool" and m["content"] == thread.cut_off_result("expired")]
+    assert len(calls) == 1
+    roles = [m["role"] for m in messages]
+    assert roles.index("tool") == roles.index("assistant") + 1  # right after the call
+    async with stack.orchestrator.servicer.sessions() as session:
+        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+    assert [r.extra["tool_call_id"] for r in rows] == [call_id]

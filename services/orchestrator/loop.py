@@ -34,7 +34,7 @@ from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.events import EventLog
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, clamp_usage
-from services.orchestrator.sanitize import sanitize
+from services.orchestrator.sanitize import UNPRINTABLE, sanitize
 from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, cut_off_result, estimate, split_summary, with_summary
 from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, RunCharges, UsageBatcher
@@ -124,11 +124,22 @@ def checked_call(call: ToolCallRequest) -> tuple[ToolCallRequest, struct_pb2.Str
 def _scrubbed(reply: ModelReply) -> ModelReply:
     """`reply` with every lone UTF-16 surrogate in its text and tool calls as U+FFFD (`pb.scrub`):
     a model's JSON may escape one (`"\\ud800"`), and protobuf, orjson and the databases take no
-    such string (it failed the whole turn; fresh-eyes test)."""
+    such string (it failed the whole turn; fresh-eyes test). A tool call's id also loses its
+    control characters (`_call_id`)."""
     reply.text = pb.scrub(reply.text)
-    reply.tool_calls = [dataclasses.replace(call, id=pb.scrub(call.id), name=pb.scrub(call.name), input=pb.scrub(call.input))
+    reply.tool_calls = [dataclasses.replace(call, id=_call_id(pb.scrub(call.id)), name=pb.scrub(call.name), input=pb.scrub(call.input))
                         for call in reply.tool_calls]
     return reply
+
+
+def _call_id(given: str) -> str:
+    """A tool call's id as the loop keeps it: the model's without control characters, or a new
+    `call_…` id when nothing is left. The id is stored in text columns (a question's audit row),
+    where PostgreSQL refuses a NUL (a HITL call whose id held one failed the run's end; fresh-eyes
+    test); the thread, the events and the next model call all carry the kept id, so the model's
+    calls and their results still pair up."""
+    kept = UNPRINTABLE.sub("", given)
+    return kept or f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _failure(error: str) -> tuple[dict[str, Any], bool, bytes]:

@@ -16,11 +16,21 @@ _PATTERNS = [
 ]
 
 MAX_LENGTH = 300
+# What is left of the C0 and C1 control characters once whitespace is folded (NUL among them:
+# PostgreSQL's text cannot hold it), and lone surrogates (no UTF-8 encoding: no database takes them)
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def sanitize(message: str) -> str:
-    """`message` with secrets, URLs, addresses, host names, paths and SQL replaced; one line, ≤ 300 chars."""
+    """`message` with secrets, URLs, addresses, host names, paths and SQL replaced; one line of
+    printable text (control characters dropped, lone surrogates as U+FFFD), ≤ 300 chars.
+
+    The result is stored with the run (`runs.error`) and streamed in its `error` event, on
+    either backend: a model's failure text with a NUL failed the run's end on PostgreSQL
+    (fresh-eyes test)."""
     text = " ".join(str(message).split())
+    text = _SURROGATE.sub("\ufffd", UNPRINTABLE.sub("", text))
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     if "Traceback" in text:

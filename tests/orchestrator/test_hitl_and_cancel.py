@@ -371,3 +371,28 @@ async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
     async with stack.orchestrator.servicer.sessions() as session:
         rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
     assert [r.extra["tool_call_id"] for r in rows] == [call_id]
+
+
+async def test_a_question_whose_call_id_holds_control_characters_pauses_and_resumes(stack):
+    # fresh-eyes test: on PostgreSQL a NUL in a HITL call's id failed the run's end ("Internal error while finishing the turn.")
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "ok?"}, "tool_call_id": "call\u0000_\u0007x"},
+                                      {"say": "Thanks."})
+        assert types(frames)[-2:] == ["user_input_request", "interrupted"]
+        assert next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"] == "call_x"
+        resumed = await client.post(f"/assistant/chat/{body['chat_id']}/resume",
+                                    json={"request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": True}, "llm": SCRIPTED})
+        assert resumed.status_code == 200, resumed.text
+        rest = await read_frames(client, resumed.json()["stream_url"])
+    assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "Thanks."
+    async with stack.orchestrator.servicer.sessions() as session:
+        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+    assert [r.extra["tool_call_id"] for r in rows] == ["call_x"]
+
+
+async def test_a_call_id_of_control_characters_only_gets_a_new_id():
+    from services.orchestrator.loop import _call_id
+    assert _call_id("call_1") == "call_1"
+    assert _call_id("a\u0000b\u009fc\td") == "abcd"
+    minted = _call_id("\u0000\n")
+    assert minted.startswith("call_") and len(minted) == 29

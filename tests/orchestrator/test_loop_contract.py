@@ -59,6 +59,18 @@ async def test_model_failure_emits_error_then_done_with_error_true(stack):
     assert run.usage["llm_calls"] == 2
 
 
+async def test_a_failure_text_with_control_characters_or_a_lone_surrogate_is_stored_and_streamed_clean(stack):
+    # fresh-eyes test: a model failure text with a NUL failed the run's end on PostgreSQL ("Internal error while finishing the turn.")
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"fail": "bad\u0000thing\u0007 \ud800 done"})
+    assert types(frames)[-2:] == ["error", "done"]
+    message = frames[-2]["data"]["message"]
+    assert "finishing" not in message and "\x00" not in message and "\x07" not in message
+    assert message.endswith("badthing \ufffd done")
+    run = await _run_row(stack, body["run_id"])
+    assert run.status == "failed" and run.error == message
+
+
 async def test_failed_run_records_token_usage_with_billing(stack):
     from services.billing.models import UsageRecord
 

@@ -391,6 +391,18 @@ class RedisEventLog:
                 writer.task.cancel()
             writer.notify()
 
+    async def purge(self, run_ids: list[str]) -> None:
+        """Delete the streams and meta hashes of ended runs now (a permanently deleted chat's),
+        instead of leaving their events in Redis for `ttl_s`, with this process's writers of them
+        (`forget`). One UNLINK, retried like every write (`_retry`); raises the last Redis error
+        when Redis stays away that long (the streams then expire as usual)."""
+        keys: list[str] = []
+        for run_id in run_ids:
+            self.forget(run_id)
+            keys += self._keys(run_id)
+        if keys:
+            await self._retry(lambda: self.redis.unlink(*keys))
+
     async def aclose(self) -> None:
         """Flush and stop every writer."""
         for run_id in list(self._writers):

@@ -106,6 +106,9 @@ class EventLog(Protocol):
     async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
         """Append `events` to an ended (or orphaned) run from any process, then close the log again."""
 
+    async def purge(self, run_ids: list[str]) -> None:
+        """Delete the stored events of ended runs at once (their chat was deleted permanently)."""
+
     def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
         """Yield the run's events from index `after`, then live ones, until the run ends."""
 
@@ -165,6 +168,14 @@ class MemoryEventLog:
         while len(self._ended) > self._max_runs:
             old, _ = self._ended.popitem(last=False)
             self._runs.pop(old, None)
+
+    async def purge(self, run_ids: list[str]) -> None:
+        """Drop the logs of ended runs (a permanently deleted chat's); a run still open is kept."""
+        for run_id in run_ids:
+            log = self._runs.get(run_id)
+            if log is not None and log.closed:
+                del self._runs[run_id]
+                self._ended.pop(run_id, None)
 
     def reopen(self, run_id: str) -> None:
         """Allow appends to a closed run again (used to publish run_resumed on a paused run)."""

@@ -750,12 +750,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     @unary
     async def DeleteChat(self, request: assistant_pb2.DeleteChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.DeleteChatResponse:
-        """Hide the chat (soft) or remove it and its rows (permanent); 409 while a run is in flight.
+        """Hide the chat (soft) or remove it and its rows (permanent: its runs' event logs too,
+        `EventLog.purge`: Redis streams, this process's memory); 409 while a run is in flight.
 
         A permanent delete also purges a chat that was soft-deleted before (a soft-deleted chat
         is otherwise the same 404 as a missing one)."""
         async with self.sessions() as session:
             chat_id = (await self._chat(session, request.caller, request.chat_id, deleted=request.permanent)).id
+        purged: list[str] = []  # the runs of a permanently deleted chat
         await self._claim(chat_id)
         try:
             async with self.sessions() as session, session.begin():
@@ -770,6 +772,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 await session.execute(update(Interrupt).where(Interrupt.chat_id == chat.id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow()))
                 if request.permanent:
                     run_ids = select(Run.id).where(Run.chat_id == chat.id)
+                    purged = list((await session.execute(run_ids)).scalars())
                     await session.execute(delete(RunEvent).where(RunEvent.run_id.in_(run_ids)))
                     await session.execute(delete(Interrupt).where(Interrupt.chat_id == chat.id))
                     await session.execute(delete(Message).where(Message.chat_id == chat.id))
@@ -779,6 +782,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     await session.execute(update(Chat).where(Chat.id == chat.id).values(deleted_at=utcnow(), running_id=None))
         finally:
             await self._unclaim(chat_id)
+        if request.permanent and purged:  # the runs' events outside the database too (Redis streams, memory)
+            try:
+                await self.runner.events.purge(purged)
+            except Exception:  # noqa: BLE001 - the rows are gone; the streams expire after LOOPLINE_RUN_EVENTS_TTL_S
+                log.warning("deleting the event streams of a deleted chat failed; they expire by themselves", extra={"fields": {"chat_id": chat_id}})
         return assistant_pb2.DeleteChatResponse(status="deleted", chat_id=chat_id, permanent=request.permanent)
 
 

@@ -84,6 +84,20 @@ async def test_delete_soft_then_permanent_and_in_flight_is_409(stack):
         assert (await session.execute(select(Chat).where(Chat.id == other["chat_id"]))).scalars().first() is None
 
 
+async def test_a_permanent_delete_removes_the_runs_events_outside_the_database_too(stack):
+    # fresh-eyes test: after DELETE ?permanent=true the run's Redis stream still held its text for 24 h
+    async with stack.client() as client:
+        body, _ = await run_turn(client, {"tool": "ask_user_yes_no", "input": {"message": "secret question?"}})  # paused: two runs' logs
+        await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+        nxt, _ = await run_turn(client, {"say": "secret data"}, chat_id=body["chat_id"])
+        events = stack.orchestrator.runner.events
+        assert await events.events_of(body["run_id"]) and await events.events_of(nxt["run_id"])
+        hard = await client.delete(f"/assistant/chat/{body['chat_id']}", params={"permanent": "true"})
+        assert hard.status_code == 200
+        assert await events.events_of(body["run_id"]) == [] and await events.events_of(nxt["run_id"]) == []
+        assert (await client.get(nxt["stream_url"])).status_code == 404
+
+
 async def test_a_soft_deleted_chat_can_still_be_purged_and_only_by_its_organization(stack):
     # fresh-eyes test: ?permanent=true on a soft-deleted chat was 404, so it could never be purged
     async with stack.client() as client:

@@ -96,6 +96,21 @@ TOOLS_FAILED = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "the tool did not answer in time; the call may have run",
     grpc.StatusCode.UNAVAILABLE: "the tools service is unavailable; try again later",
 }
+CUT_OFF_CALL = "the tools service went away during the call; the call may have run"
+
+
+def tools_failure(failure: grpc.aio.AioRpcError) -> str:
+    """The error result of a tool call the tools service failed (`TOOLS_FAILED` by status code).
+
+    UNAVAILABLE covers two cases gRPC tells apart only in its details: the service could not
+    be reached (no connection: the call was never sent, so trying later is safe) and a
+    connection lost during the call (the service crashed or stopped: the action may have
+    happened, so the model must not be told to simply repeat it; fresh-eyes test). Anything
+    but a failed connection counts as the second."""
+    code = failure.code()
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" not in (failure.details() or "").lower():
+        return CUT_OFF_CALL
+    return TOOLS_FAILED.get(code, f"the tools service failed ({code.name.lower()})")
 
 
 def checked_call(call: ToolCallRequest) -> tuple[ToolCallRequest, struct_pb2.Struct, str | None]:
@@ -496,7 +511,7 @@ class TurnRunner:
         output that is not JSON, is the call's error result like any failed call, never a crashed run; its cost is unknown,
         so nothing is charged for it. A call the tools service fails (grpc.aio.AioRpcError: it did
         not answer within `tool_timeout_s`, is down, or failed inside) is the call's error result
-        too (TOOLS_FAILED), so the model can answer without it; the run goes on.
+        too (`tools_failure`), so the model can answer without it; the run goes on.
         """
         request = tools_pb2.ExecuteToolRequest(  # input_json: the model's numbers exact (a Struct holds doubles)
             organization_id=spec.organization_id, tool=call.name, input=input_struct, input_json=input_json,
@@ -507,7 +522,7 @@ class TurnRunner:
         except grpc.aio.AioRpcError as failure:
             code = failure.code()
             log.warning("the tools service failed a tool call", extra={"fields": {"tool": call.name, "tool_call_id": call.id, "code": code.name}})
-            return _failure(TOOLS_FAILED.get(code, f"the tools service failed ({code.name.lower()})"))
+            return _failure(tools_failure(failure))
         if not isinstance(response, tools_pb2.ExecuteToolResponse):
             log.warning("tool response could not be decoded", extra={"fields": {"tool": call.name, "tool_call_id": call.id}})
             return _failure(UNREADABLE_RESULT)

@@ -260,6 +260,21 @@ async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_o
     assert (await _chat_row(stack, body["chat_id"])).running_id is None
 
 
+async def test_a_tool_call_cut_off_by_the_tools_service_going_away_says_it_may_have_run(stack):
+    # fresh-eyes test: a call cut off by a tools-service crash was "unavailable; try again later", which invites
+    # the model to repeat an action that may have happened
+    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    async with stack.client() as client:
+        body = await start(client, slow, {"say": "answered without it"})
+        await wait_for(lambda: any(e.HasField("tool_call") for e in stack.orchestrator.runner.events.snapshot(body["run_id"])))
+        await asyncio.sleep(0.3)  # the call is in the tools service
+        await stack.tools.stop(0)
+        frames = await read_frames(client, body["stream_url"])
+    result = next(f["data"]["output"] for f in frames if f["type"] == "tool_result")
+    assert result == {"error": "the tools service went away during the call; the call may have run", "success": False}
+    assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "answered without it"
+
+
 async def test_a_turn_starts_and_answers_while_the_tools_service_is_down(stack):
     """Bug (fresh-eyes re-test): with the tools service stalled or down, every new turn failed
     before its first model call ("A backing service failed (deadline_exceeded)", after 10 s) and

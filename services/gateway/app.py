@@ -17,12 +17,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
 import orjson
 from cachetools import LRUCache
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
@@ -57,6 +57,7 @@ from services.gateway.idempotency import (
 from services.gateway.idempotency import request_id as turn_request_id  # "request_id" is also a question's id here
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
 from services.gateway.openapi import error_responses
+from services.gateway.query import WholeNumber, single_query_values
 from services.gateway.org_settings import DefaultModels, settings_router
 
 log = logging.getLogger(__name__)
@@ -354,6 +355,7 @@ def create_app(
         # No OpenTelemetry here: without this FastAPI looks up the global tracer, meter and logger
         # providers on every request (issue 9, gateway CPU per turn).
         telemetry={"tracing": False, "metrics": False, "logs": False},
+        dependencies=[Depends(single_query_values)],  # a query parameter given twice is 400 (services/gateway/query.py)
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
     fanout = RunFanout(orchestrator, settings.heartbeat_interval_s)
@@ -517,7 +519,7 @@ def create_app(
         summary="Stream a run's events as Server-Sent Events",
         responses={**error_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
     )
-    async def listen(chat_id: str, run_id: str, request: Request, after: int = Query(0, ge=0, le=_MAX_AFTER)) -> Response:
+    async def listen(chat_id: str, run_id: str, request: Request, after: Annotated[WholeNumber, Query(ge=0, le=_MAX_AFTER)] = 0) -> Response:
         who = await principal(request)
         return await stream_response(who, chat_id, run_id, after)
 
@@ -627,7 +629,7 @@ def create_app(
         )
 
     @app.get("/assistant/chats", summary="The caller's chats, newest first", responses=error_responses())
-    async def list_chats(request: Request, limit: int = Query(20, ge=1, le=100), cursor: str | None = None) -> Response:
+    async def list_chats(request: Request, limit: Annotated[WholeNumber, Query(ge=1, le=100)] = 20, cursor: str | None = None) -> Response:
         who = await principal(request)
         response = await orchestrator.ListChats(assistant_pb2.ListChatsRequest(caller=caller(who), limit=limit, cursor=cursor or ""), timeout=30)
         return JSONResponse(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpc
 import orjson
@@ -38,6 +38,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.identity import Principal
 from services.gateway.openapi import error_responses
+from services.gateway.query import WholeNumber
 
 if TYPE_CHECKING:
     from services.gateway.org_settings import HeldDefault
@@ -302,7 +303,7 @@ def tools_router(
     @router.get("/credentials", summary="The organization's credentials (metadata only), newest first", tags=["credentials"])
     async def list_credentials(
         who: Principal = Who, integration_name: str | None = None, auth_type: str | None = None,
-        limit: int = Query(100, ge=1, le=500), offset: int = Query(0, ge=0, le=2**31 - 1),
+        limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100, offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
     ) -> Response:
         if not 1 <= limit <= 500:
             raise BodyError(400, "limit must be between 1 and 500")
@@ -490,7 +491,7 @@ def tools_router(
 
     @router.get("/knowledge-bases", summary="The organization's knowledge bases, newest first", tags=["knowledge"])
     async def list_knowledge_bases(
-        who: Principal = Who, status: str | None = None, limit: int = Query(100, ge=1, le=500), offset: int = Query(0, ge=0, le=2**31 - 1)
+        who: Principal = Who, status: str | None = None, limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100, offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0
     ) -> Response:
         if not 1 <= limit <= 500:
             raise BodyError(400, "limit must be between 1 and 500")

@@ -1,0 +1,44 @@
+"""Query-string rules shared by every gateway route: whole numbers as digits, one value per name.
+
+pydantic's lax integer parsing, which FastAPI applies to query parameters, also reads "1_0"
+(as 10), "+1", " 1" and "1.0"; and FastAPI takes the last of a repeated parameter
+(`?after=3&after=5` streamed from frame 5). A fresh-eyes test took both for bugs: a client
+that wrote either meant something it did not get. Every integer query parameter is therefore
+`WholeNumber` (decimal digits, an optional leading minus so that a negative number still gets
+its range error), and a parameter given twice is a 400 naming it (`single_query_values`, an
+app-wide dependency).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BeforeValidator
+from pydantic_core import PydanticCustomError
+
+_WHOLE_NUMBER = re.compile(r"-?[0-9]+")
+
+
+def _whole_number(value: Any) -> Any:
+    """`value` unchanged when it is not text or is decimal digits (an optional leading minus);
+    raises pydantic's error "Input should be a whole number in digits" otherwise."""
+    if isinstance(value, str) and not _WHOLE_NUMBER.fullmatch(value):
+        raise PydanticCustomError("whole_number", "Input should be a whole number in digits")
+    return value
+
+
+#: An integer query parameter written as digits (see the module docstring).
+WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
+
+
+async def single_query_values(request: Request) -> None:
+    """Refuse a request that gives a query parameter more than once (400 `{"detail": "<name>:
+    given more than once; give it once"}`): every query parameter of this API takes one value."""
+    seen: set[str] = set()
+    for name, _ in request.query_params.multi_items():
+        if name in seen:
+            raise RequestValidationError([{"loc": ("query", name), "msg": "given more than once; give it once", "type": "value_error"}])
+        seen.add(name)

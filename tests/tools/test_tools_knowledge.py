@@ -1,13 +1,26 @@
-"""Knowledge bases and search_knowledge: FTS5 BM25 ranking, organization scoping."""
+"""Knowledge bases and search_knowledge: FTS5 BM25 ranking, organization scoping.
+
+The store tests at the end (`store` fixture) run on the backend under test: SQLite, or a
+fresh PostgreSQL database with LOOPLINE_TEST_BACKEND=postgres.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import random
+import re
+import time
+
 import grpc
 import pytest
+from sqlalchemy import event, text
 
 from loopline.tools.v1 import tools_pb2
+from services.common import db
 from services.common.errors import status_details
-from services.tools.knowledge import chunk_text
+from services.tools import knowledge
+from services.tools.knowledge import KnowledgeStore, chunk_text
+from tests.conftest import postgres_databases, release_databases, selected_backend
 
 REFUNDS = """# Refund policy
 
@@ -106,3 +119,154 @@ def test_chunk_text_packs_paragraphs_and_splits_long_ones():
     assert chunks[0] == "short paragraph\n\nshort paragraph\n\nshort paragraph"
     assert all(len(c) <= 200 for c in chunks)
     assert sum(c.count("word") for c in chunks) == 500
+
+
+def _chunk_text_before(content: str, size: int = 1000) -> list[str]:
+    """chunk_text as it was before it became linear (re-slicing the rest of a long paragraph)."""
+    pieces: list[str] = []
+    for paragraph in re.split(r"\n\s*\n", content):
+        paragraph = paragraph.strip()
+        if not paragraph:
+            continue
+        while len(paragraph) > size:
+            cut = paragraph.rfind(" ", 0, size)
+            cut = cut if cut > size // 2 else size
+            pieces.append(paragraph[:cut].strip())
+            paragraph = paragraph[cut:].strip()
+        if paragraph:
+            pieces.append(paragraph)
+    chunks: list[str] = []
+    for piece in pieces:
+        if chunks and len(chunks[-1]) + 2 + len(piece) <= size:
+            chunks[-1] = f"{chunks[-1]}\n\n{piece}"
+        else:
+            chunks.append(piece)
+    return chunks
+
+
+def _messy_text(rnd: random.Random, length: int) -> str:
+    """Words, long words, every kind of whitespace (Unicode spaces too) and blank lines."""
+    parts = ["word", "x" * rnd.randint(1, 1500), "é", "日本", " ", "  ", "\t", "\n", "\n\n", "\n \n", "\u00a0",
+             "\u2003", "\u3000", "\r\n", "a_b", "42", ".", "-"]
+    out: list[str] = []
+    while sum(map(len, out)) < length:
+        out.append(rnd.choice(parts))
+    return "".join(out)
+
+
+def test_chunk_text_cuts_exactly_as_before():
+    rnd = random.Random(6)
+    for _ in range(300):
+        content = _messy_text(rnd, rnd.randint(0, 6000))
+        for size in (1000, 200, 50):
+            assert chunk_text(content, size) == _chunk_text_before(content, size)
+
+
+def test_count_tokens_counts_what_findall_finds(monkeypatch):
+    rnd = random.Random(7)
+    for window in (1, 5, 64 * 1024):
+        monkeypatch.setattr(knowledge, "TOKEN_WINDOW", window)
+        for _ in range(100):
+            content = _messy_text(rnd, rnd.randint(0, 3000))
+            assert knowledge.count_tokens(content) == len(re.findall(r"\w+", content))
+
+
+@pytest.fixture
+async def store(tmp_path):
+    """(KnowledgeStore, engine) on a fresh, migrated tools database of the backend under test."""
+    urls = None
+    if selected_backend() == "postgres":
+        urls = await postgres_databases()
+        url = urls["tools"]
+    else:
+        url = f"sqlite+aiosqlite:///{tmp_path / 'tools.db'}"
+        await db.migrate_async("tools", url)
+    engine = db.make_engine(url)
+    yield KnowledgeStore(engine, db.sessionmaker(engine)), engine
+    await engine.dispose()
+    if urls is not None:
+        release_databases(list(urls.values()))
+
+
+def _random_words(megabytes: float, seed: int = 1) -> str:
+    """About `megabytes` MiB of random words in lines of 12, with no blank line: one long paragraph."""
+    rnd = random.Random(seed)
+    vocabulary = ["".join(rnd.choices("abcdefghijklmnopqrstuvwxyz", k=rnd.randint(2, 10))) for _ in range(5000)]
+    lines = [" ".join(rnd.choices(vocabulary, k=12)) for _ in range(int(megabytes * 1024 * 1024 / 80))]
+    return "\n".join(lines)
+
+
+async def test_adding_a_large_document_never_holds_the_event_loop(store):
+    knowledge_store, _ = store
+    base, _ = await knowledge_store.create_base("org-a", "Big")
+    content = _random_words(6) + "\nzanzibarquartz appears once"
+    largest_gap, stop = 0.0, asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal largest_gap
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            largest_gap, last = max(largest_gap, now - last), now
+
+    ticking = asyncio.create_task(ticker())
+    await asyncio.sleep(0.02)
+    try:
+        document = await knowledge_store.add_document("org-a", base.id, "big.txt", content)
+    finally:
+        stop.set()
+        await ticking
+    # Before the fix this was seconds (chunking, counting and ~8,000 ORM objects on the loop).
+    assert largest_gap < 0.5, f"the event loop was held for {largest_gap:.2f} s"
+    assert document.chunk_count == len(chunk_text(content)) > 5000
+    assert document.token_count == len(re.findall(r"\w+", content))
+    assert document.file_size_bytes == len(content.encode())
+    hits = await knowledge_store.search("org-a", "zanzibarquartz", [base.id], 5)
+    assert [(h.document_id, h.chunk_index) for h in hits] == [(document.id, document.chunk_count - 1)]
+
+
+async def test_a_document_is_stored_as_one_row_per_chunk_in_order_and_indexed(store):
+    knowledge_store, engine = store
+    base, _ = await knowledge_store.create_base("org-a", "Docs")
+    content = "\n\n".join(f"Paragraph {i} about refunds and parcel {i}. " + "filler words here " * 40 for i in range(2500))
+    document = await knowledge_store.add_document("org-a", base.id, "long.md", content, "text/markdown")
+    chunks = chunk_text(content)
+    assert len(chunks) > knowledge.INSERT_PAGE  # more than one executemany page
+    async with engine.connect() as connection:
+        rows = (await connection.execute(
+            text("SELECT id, document_id, knowledge_base_id, org_id, chunk_index, content FROM knowledge_chunks ORDER BY id")
+        )).all()
+        assert [r[1:] for r in rows] == [(document.id, base.id, "org-a", i, c) for i, c in enumerate(chunks)]
+        if engine.dialect.name == "sqlite":
+            indexed = (await connection.execute(text("SELECT rowid, content FROM knowledge_chunks_fts ORDER BY rowid"))).all()
+            assert [tuple(r) for r in indexed] == [(r[0], r[5]) for r in rows]
+    hits = await knowledge_store.search("org-a", "parcel 2345", [base.id], 3)
+    assert hits[0].chunk_index == next(i for i, c in enumerate(chunks) if "parcel 2345." in c)
+    assert hits[0].score > 0
+
+
+@pytest.mark.parametrize("failing", ["INSERT INTO knowledge_chunks (", "INSERT INTO knowledge_chunks_fts"])
+async def test_a_document_that_fails_to_index_leaves_nothing_behind(store, monkeypatch, failing):
+    knowledge_store, engine = store
+    if "fts" in failing and engine.dialect.name != "sqlite":
+        pytest.skip("PostgreSQL indexes the chunks themselves (a GIN index), there is no FTS table")
+    base, _ = await knowledge_store.create_base("org-a", "Docs")
+    monkeypatch.setattr(knowledge, "INSERT_PAGE", 3)
+    calls = []
+
+    def fail_late(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith(failing):
+            calls.append(statement)
+            if len(calls) == 2 or "fts" in failing:  # after a first page of chunks is in
+                raise RuntimeError("disk on fire")
+
+    event.listen(engine.sync_engine, "before_cursor_execute", fail_late)
+    content = "\n\n".join(f"paragraph {i} " * 60 for i in range(10))
+    with pytest.raises(Exception, match="disk on fire"):
+        await knowledge_store.add_document("org-a", base.id, "doomed.txt", content)
+    event.remove(engine.sync_engine, "before_cursor_execute", fail_late)
+    async with engine.connect() as connection:
+        for table in ("knowledge_documents", "knowledge_chunks") + (("knowledge_chunks_fts",) if engine.dialect.name == "sqlite" else ()):
+            assert (await connection.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == 0, table
+    assert await knowledge_store.search("org-a", "paragraph", None, 5) == []

@@ -423,13 +423,21 @@ class CredentialStore:
         """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential;
         with `secret=False` the secret is not decrypted ({} in its place).
 
-        Raises RpcError NOT_FOUND when it is absent, another organization's, or not of `auth_type`;
+        Raises RpcError NOT_FOUND when it is absent or another organization's, INVALID_ARGUMENT
+        WRONG_CREDENTIAL_KIND when it is the organization's but not of `auth_type` (a fresh-eyes
+        test took "Credential not found" for a credential that exists for a bug);
         crypto.SecretBoxError (logged, see `_decrypt`) when its secret is asked for and cannot be decrypted.
         """
         async with self._sessions() as session:
             row = await session.get(Credential, credential_id)
-        if row is None or row.org_id != org_id or row.auth_type != auth_type:
+        if row is None or row.org_id != org_id:
             raise _not_found(credential_id)
+        if row.auth_type != auth_type:
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "WRONG_CREDENTIAL_KIND",
+                f"Credential {credential_id} has auth type {row.auth_type}, not {auth_type}: it is not an MCP server's",
+                domain=TOOLS_DOMAIN, metadata={"credential_id": credential_id, "auth_type": row.auth_type},
+            )
         when = db.utc(row.discovered_at) if row.discovered_at else None
         return CredentialInfo.of(row), row.discovery, when, self._decrypt(row) if secret else {}
 

@@ -377,8 +377,8 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def ListMcpTools(self, request: tools_pb2.ListMcpToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListMcpToolsResponse:
-        """The tools last discovered on an MCP server credential (its secret is not read); NOT_FOUND for
-        another kind of credential."""
+        """The tools last discovered on an MCP server credential (its secret is not read); INVALID_ARGUMENT
+        WRONG_CREDENTIAL_KIND for another kind of credential."""
         _require_org(request.organization_id)
         _info, tools, when, _secret = await self.credentials.discovery(
             request.organization_id, request.credential_id, MCP_AUTH_TYPE, secret=False

@@ -98,6 +98,17 @@ def test_the_credential_auth_types_the_gateway_accepts_are_the_tools_services_an
     assert set(SDK_AUTH_TYPES.values()) <= set(STORED_AUTH_TYPES)
 
 
+async def test_mcp_routes_on_a_credential_of_another_kind_say_so_instead_of_not_found(stack):
+    # fresh-eyes test: refresh-discovery and mcp-tools answered 404 "Credential not found" for a credential that exists
+    async with stack.client() as client:
+        created = await client.post("/credentials", json={"integration_name": "http", "auth_type": "bearer_token", "auth_data": {"token": "tok-1234567890"}})
+        cid = created.json()["credential_id"]
+        for response in (await client.post(f"/credentials/{cid}/refresh-discovery"), await client.get(f"/credentials/{cid}/mcp-tools")):
+            assert response.status_code == 400, response.text
+            assert response.json() == {"detail": f"Credential {cid} has auth type bearer, not mcp_server: it is not an MCP server's"}
+        assert (await client.get(f"/credentials/{uuid.uuid4()}/mcp-tools")).status_code == 404
+
+
 async def test_a_credential_names_its_creator_and_their_email(stack):
     """Bug (fresh-eyes test): a credential's `created_by` and `created_by_email` were always null
     (the creator was not stored)."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pathlib
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
-from services.common.config import CommonSettings
+from services.common.config import MAX_PORT, MAX_SECONDS, CommonSettings
 
 _HERE = pathlib.Path(__file__).resolve().parent
 
@@ -32,6 +32,7 @@ class BillingSettings(CommonSettings):
             with its rows and the orchestrator sends it within ~0.2 s (resent at most 60 s apart
             while billing is away); a hold whose turn start died with its orchestrator before
             its commit blocks its credit, and counts against the quota, until it expires (plus a sweep).
+            At least 1.
         billing_sweep_interval_s: seconds between sweeper passes while the server runs
             (LOOPLINE_BILLING_SWEEP_INTERVAL_S); 0 disables the background sweeper.
         billing_expiry_grace_s: seconds the sweeper expires nothing after the service starts
@@ -44,13 +45,13 @@ class BillingSettings(CommonSettings):
             Admit or RecordUsage (LOOPLINE_BILLING_DEFAULT_PLAN, default "developer").
     """
 
-    billing_port: int = 50052
+    billing_port: int = Field(default=50052, ge=0, le=MAX_PORT)
     billing_database_url: str = ""
     auto_migrate: bool = True
     billing_rate_limit_storage_url: str = ""
-    billing_hold_seconds: int = 120
-    billing_sweep_interval_s: float = 30.0
-    billing_expiry_grace_s: float = 90.0
+    billing_hold_seconds: int = Field(default=120, gt=0, le=MAX_SECONDS)
+    billing_sweep_interval_s: float = Field(default=30.0, ge=0, le=MAX_SECONDS)
+    billing_expiry_grace_s: float = Field(default=90.0, ge=0, le=MAX_SECONDS)
     billing_prices_path: pathlib.Path = _HERE / "prices.toml"
     billing_plans_path: pathlib.Path = _HERE / "plans.toml"
     billing_default_plan: str = "developer"

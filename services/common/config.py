@@ -10,10 +10,23 @@ from __future__ import annotations
 import os
 import pathlib
 import tomllib
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The largest port number; ports take 0 to 65535 (0 = any free port).
+MAX_PORT = 65_535
+
+#: The longest span (seconds) any duration setting takes: a century. Past about 2,000 years,
+#: `now - timedelta(seconds=...)` (idempotency keys, pending questions, holds, leases) raises
+#: OverflowError on every use; anything this long is a typo, not a choice.
+MAX_SECONDS = 100 * 365 * 24 * 3600
+
+#: A level name `logging` knows, any case ("debug" is DEBUG); another one made logging's setup
+#: raise ValueError after the settings were read.
+LogLevel = Annotated[str, StringConstraints(
+    strip_whitespace=True, to_upper=True, pattern=r"(?i)^\s*(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL|NOTSET)\s*$")]
 
 
 class CommonSettings(BaseSettings):
@@ -21,7 +34,7 @@ class CommonSettings(BaseSettings):
 
     Attributes:
         data_dir: folder of the embedded SQLite databases (LOOPLINE_DATA_DIR).
-        log_level: "DEBUG", "INFO", "WARNING" or "ERROR" (LOOPLINE_LOG_LEVEL).
+        log_level: "DEBUG", "INFO", "WARNING", "ERROR" or "CRITICAL", any case (LOOPLINE_LOG_LEVEL).
         redis_url: Redis URL; empty selects the in-memory backend (LOOPLINE_REDIS_URL).
         redis_key_prefix: prefix of every Redis key and channel (LOOPLINE_REDIS_KEY_PREFIX), so
             several deployments (or parallel test stacks) can share one Redis database.
@@ -30,7 +43,7 @@ class CommonSettings(BaseSettings):
             (LOOPLINE_<NAME>_ADDR). Unset, each follows that service's port setting when it is
             set (LOOPLINE_<NAME>_PORT, on 127.0.0.1), so services started one by one with other
             ports find each other as under `make run` (README "Running it"); else the default port.
-        shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled.
+        shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled (0 = at once).
         internal_token: shared secret every internal gRPC call carries and every service's gRPC
             server requires when set (LOOPLINE_INTERNAL_TOKEN; empty = no check, fine while the
             ports are reachable from this machine only; services/common/internal_auth.py).
@@ -39,19 +52,24 @@ class CommonSettings(BaseSettings):
             orchestrator and billing have an asyncpg pool of this size for their hot paths; so a
             process holds at most 2x (gateway, tools) or 3x (orchestrator, billing) this. Keep the
             sum over all processes under PostgreSQL's `max_connections` (README "Scale-out").
+
+    Every numeric setting has the range it can work in (pydantic constraints: ports 0-65535,
+    durations up to MAX_SECONDS, no infinity or NaN), so a value out of range stops the
+    service at start with pydantic's ValidationError naming the setting, as a non-number does,
+    instead of a gateway that floods heartbeats or answers every POST 413 (fresh-eyes test).
     """
 
-    model_config = SettingsConfigDict(env_prefix="LOOPLINE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="LOOPLINE_", extra="ignore", allow_inf_nan=False)
 
     data_dir: pathlib.Path = pathlib.Path("var")
-    log_level: str = "INFO"
+    log_level: LogLevel = "INFO"
     redis_url: str = ""
     redis_key_prefix: str = "loopline:"
     host: str = "127.0.0.1"
     orchestrator_addr: str = "127.0.0.1:50051"
     billing_addr: str = "127.0.0.1:50052"
     tools_addr: str = "127.0.0.1:50053"
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = Field(default=5.0, ge=0, le=MAX_SECONDS)
     internal_token: str = Field(default="", repr=False)
     db_pool_size: int = Field(default=4, ge=1, le=100)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import hashlib
 
-from services.common.config import CommonSettings
+from pydantic import Field
+
+from services.common.config import MAX_PORT, MAX_SECONDS, CommonSettings
 
 # DEVELOPMENT ONLY. The Fernet key used when LOOPLINE_TOOLS_CREDENTIAL_KEY is empty:
 # urlsafe-base64(sha256(b"loopline-development-credential-key")). It is public (it is
@@ -32,7 +34,7 @@ class ToolsSettings(CommonSettings):
             queries also get it as their `statement_timeout`.
         tools_max_output_bytes: the largest tool output, in bytes of UTF-8 JSON
             (LOOPLINE_TOOLS_MAX_OUTPUT_BYTES, default 65536 = 64 KiB); larger outputs
-            are cut and marked.
+            are cut and marked; at least 1.
         tools_credential_key: a Fernet key (32 url-safe base64-encoded bytes, e.g. from
             `cryptography.fernet.Fernet.generate_key()`) that encrypts credential secrets
             at rest (LOOPLINE_TOOLS_CREDENTIAL_KEY). Several keys separated by commas
@@ -42,7 +44,8 @@ class ToolsSettings(CommonSettings):
             reach loopback, link-local and private addresses
             (LOOPLINE_TOOLS_ALLOW_PRIVATE_NETWORK, default false; tests turn it on).
         tools_search_millicredits: what one `search_knowledge` call costs, in
-            millicredits (LOOPLINE_TOOLS_SEARCH_MILLICREDITS, default 100).
+            millicredits (LOOPLINE_TOOLS_SEARCH_MILLICREDITS, default 100; 0 = free; never
+            negative, which was silently free).
         tools_mcp_stdio_servers: operator-configured stdio MCP servers, a JSON list of
             {"name", "command", "args"?, "env"?, "description"?}; each becomes an
             integration called `name` that needs no credential
@@ -61,17 +64,17 @@ class ToolsSettings(CommonSettings):
             always looked up in the database).
     """
 
-    tools_port: int = 50053
+    tools_port: int = Field(default=50053, ge=0, le=MAX_PORT)
     tools_database_url: str = ""
     auto_migrate: bool = True
-    tools_timeout_s: float = 30.0
-    tools_max_output_bytes: int = 64 * 1024
+    tools_timeout_s: float = Field(default=30.0, gt=0, le=MAX_SECONDS)
+    tools_max_output_bytes: int = Field(default=64 * 1024, gt=0)
     tools_credential_key: str = ""
     tools_allow_private_network: bool = False
-    tools_search_millicredits: int = 100
+    tools_search_millicredits: int = Field(default=100, ge=0)
     tools_mcp_stdio_servers: str = ""
     tools_oauth2_integrations: str = ""
-    tools_credential_cache_ttl_s: float = 5.0
+    tools_credential_cache_ttl_s: float = Field(default=5.0, ge=0, le=MAX_SECONDS)
 
     def database_url(self) -> str:
         """The database URL to use: `tools_database_url`, or the embedded SQLite default."""

@@ -41,14 +41,15 @@ async def test_sweeper_expires_overdue_holds_and_returns_their_credits(server, s
 
 
 async def test_background_sweeper_runs_while_the_server_runs(tmp_path, org):
+    # the shortest hold billing takes is 1 s (LOOPLINE_BILLING_HOLD_SECONDS=0 is refused at start)
     server = await BillingServer.start(
-        make_settings(tmp_path, billing_hold_seconds=0, billing_sweep_interval_s=0.05, billing_expiry_grace_s=0)
+        make_settings(tmp_path, billing_hold_seconds=1, billing_sweep_interval_s=0.05, billing_expiry_grace_s=0)
     )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = billing_pb2_grpc.BillingServiceStub(channel)
             held = await stub.Admit(admit_request(org, "c:r"))
-            for _ in range(100):
+            for _ in range(250):
                 replay = await stub.Admit(admit_request(org, "c:r"))
                 if replay.state == pb.RESERVATION_STATE_EXPIRED:
                     break

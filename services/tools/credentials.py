@@ -194,7 +194,9 @@ class CredentialStore:
         if option is None or auth_type == "none":
             raise _invalid(
                 "AUTH_TYPE_NOT_SUPPORTED",
-                f"Integration {integration_name!r} takes auth types {secret_types}, not {auth_type!r}",
+                f"Integration {integration_name!r} takes auth types {secret_types}, not {auth_type!r}" if secret_types
+                # "takes auth types [], not ''" (fresh-eyes test): an integration that needs no credential
+                else f"Integration {integration_name!r} needs no credential: it is connected without one",
             )
         if option.fields is not None:
             # Names the fields and the rules (e.g. "auth_data: 'dsn' is required"), never a value: it is a secret.

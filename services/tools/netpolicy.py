@@ -69,8 +69,9 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
         for text in addresses:
             kind = classify(ipaddress.ip_address(text))
             if kind is not None:
+                article = "an" if kind[0] in "aeiou" else "a"  # "an unspecified address" (fresh-eyes test)
                 raise OutboundPolicyError(
-                    f"destination {host!r} resolves to a {kind} address, which the outbound policy "
+                    f"destination {host!r} resolves to {article} {kind} address, which the outbound policy "
                     "of this deployment does not allow"
                 )
     return addresses

@@ -130,6 +130,8 @@ async def test_deleting_the_default_promotes_the_newest_remaining_credential(too
         ("github", "", {"token": "x"}, "INTEGRATION_NOT_FOUND", "Unknown integration 'github'"),
         ("postgresql", "bearer", {"token": "abc"}, "AUTH_TYPE_NOT_SUPPORTED", "not 'bearer'"),
         ("http", "none", {}, "AUTH_TYPE_NOT_SUPPORTED", "not 'none'"),
+        # fresh-eyes test: "takes auth types [], not ''"
+        ("loopline", "", {}, "AUTH_TYPE_NOT_SUPPORTED", "Integration 'loopline' needs no credential: it is connected without one"),
         ("postgresql", "api_key", {"dsn": "mysql://root:hunter2-secret@h/db"}, "INVALID_AUTH_DATA",
          "auth_data.dsn: must match the pattern"),
         ("postgresql", "api_key", {}, "INVALID_AUTH_DATA", "auth_data: 'dsn' is required"),

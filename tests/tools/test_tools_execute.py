@@ -113,6 +113,13 @@ async def test_http_to_loopback_is_refused_by_default(tools, local_http):
         assert "outbound policy" in error, error
 
 
+async def test_the_policy_names_the_kind_of_address_with_its_article(tools):
+    # fresh-eyes test: "resolves to a unspecified address"
+    for url, says in (("http://0.0.0.0:9/", "resolves to an unspecified address"), ("http://10.1.2.3/", "resolves to a private address")):
+        error = await tools.failed("execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": url}})
+        assert says in error, error
+
+
 async def test_http_to_loopback_works_when_the_operator_allows_private_networks(start_tools, local_http):
     tools = await start_tools(tools_allow_private_network=True)
     response = await tools.tool(

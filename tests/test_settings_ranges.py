@@ -142,24 +142,14 @@ def test_every_service_refuses_a_common_setting_out_of_range(monkeypatch, settin
     _assert_refused(monkeypatch, settings, field, value)
 
 
-@pytest.mark.parametrize(("field", "value"), GATEWAY_REFUSED)
-def test_the_gateway_refuses_a_setting_out_of_range(monkeypatch, field, value):
-    _assert_refused(monkeypatch, GatewaySettings, field, value)
-
-
-@pytest.mark.parametrize(("field", "value"), ORCHESTRATOR_REFUSED)
-def test_the_orchestrator_refuses_a_setting_out_of_range(monkeypatch, field, value):
-    _assert_refused(monkeypatch, OrchestratorSettings, field, value)
-
-
-@pytest.mark.parametrize(("field", "value"), BILLING_REFUSED)
-def test_billing_refuses_a_setting_out_of_range(monkeypatch, field, value):
-    _assert_refused(monkeypatch, BillingSettings, field, value)
-
-
-@pytest.mark.parametrize(("field", "value"), TOOLS_REFUSED)
-def test_tools_refuses_a_setting_out_of_range(monkeypatch, field, value):
-    _assert_refused(monkeypatch, ToolsSettings, field, value)
+@pytest.mark.parametrize(("settings", "field", "value"), [
+    *((GatewaySettings, field, value) for field, value in GATEWAY_REFUSED),
+    *((OrchestratorSettings, field, value) for field, value in ORCHESTRATOR_REFUSED),
+    *((BillingSettings, field, value) for field, value in BILLING_REFUSED),
+    *((ToolsSettings, field, value) for field, value in TOOLS_REFUSED),
+], ids=lambda item: item.__name__ if isinstance(item, type) else str(item))
+def test_each_service_refuses_its_own_settings_out_of_range(monkeypatch, settings, field, value):
+    _assert_refused(monkeypatch, settings, field, value)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda cls: cls.__name__)

@@ -135,3 +135,11 @@ def test_the_length_error_says_surrounding_whitespace_is_not_counted():
     request = build_request("ask_user_free_text", {"message": "say", "min_length": 3, "max_length": 5}, "req_1")
     with pytest.raises(InvalidAnswer, match=r"^the text must be between 3 and 5 characters \(surrounding whitespace not counted\)$"):
         validate_answer(request, {"kind": "free_text", "text": " ab "})
+
+
+def test_a_value_selected_twice_is_named():
+    # fresh-eyes test: "a value is selected twice" named nothing, where an unknown value is named
+    request = build_request("ask_user_multi_choice", {"message": "pick", "options": OPTIONS}, "req_1")
+    with pytest.raises(InvalidAnswer, match='^"b" is selected more than once$'):
+        validate_answer(request, {"kind": "multi_choice", "selected_values": ["a", "b", "b"]})
+    assert validate_answer(request, {"kind": "multi_choice", "selected_values": ["b", "a"]})["selected_values"] == ["b", "a"]

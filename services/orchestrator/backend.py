@@ -195,9 +195,12 @@ class _Writer:
     is written in order). Local followers are served `local[:written]`, so they see what a
     follower on another replica would see, never an event that could still be lost.
     `diverged` is set when the stream holds entries this process did not write at seqs it
-    used (another replica took the run over), `dropped` when queued items were given up
-    after `retry_s` without Redis; either way the local copy is no longer the stream's, and
-    followers and `events_of` read the stream.
+    used (another replica took the run over); the local copy is then no longer the stream's,
+    and followers and `events_of` read the stream. Queued items are never given up: while
+    Redis is away they wait in `queue` (and `local`) and are written, in order, when it
+    answers again (a fresh-eyes test: items dropped after `retry_s` left the stream without
+    its end for good, and its listeners waiting forever). `forget_when_written`: `forget` came
+    while items were still queued; the writer forgets itself once they are written.
     """
 
     next_seq: int = 0
@@ -209,7 +212,8 @@ class _Writer:
     closed: bool = False
     written: int = 0
     diverged: bool = False
-    dropped: bool = False
+    forget_when_written: bool = False
+    failing_since: float | None = None  # monotonic time the current Redis outage began for this writer
     changed: asyncio.Future | None = None
 
     def notify(self) -> None:
@@ -227,7 +231,7 @@ class _Writer:
     @property
     def authoritative(self) -> bool:
         """Whether `local` is exactly what the stream holds for this run (as far as it is written)."""
-        return not (self.diverged or self.dropped)
+        return not self.diverged
 
 
 class RedisEventLog:
@@ -344,6 +348,7 @@ class RedisEventLog:
         """
         errors = _redis_errors()
         failing_since: float | None = None
+        reported = False
         while True:
             await writer.wake.wait()
             await asyncio.sleep(0)  # one loop turn: events published by tasks ready now join this batch
@@ -354,24 +359,27 @@ class RedisEventLog:
                     results = await self._run_batch(run_id, batch)
                 except errors as error:
                     now = time.monotonic()
-                    failing_since = failing_since or now
-                    if now - failing_since > self.retry_s:
-                        log.error("dropping run events: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__, "items": len(batch)}})
-                        del writer.queue[: len(batch)]
-                        failing_since = None
-                        writer.dropped = True
-                        writer.notify()
-                        continue
+                    failing_since = writer.failing_since = failing_since or now
+                    if now - failing_since > self.retry_s and not reported:
+                        reported = True  # once per outage; the items stay queued and are sent when Redis answers
+                        log.error("Redis unreachable: run events held until it answers", extra={"fields": {
+                            "run_id": run_id, "error": type(error).__name__, "items": len(batch)}})
                     await asyncio.sleep(min(1.0, 0.05 * 2 ** min(5, int((now - failing_since) * 4))))
                     continue
+                if reported:
+                    log.warning("Redis answers again: held run events written", extra={"fields": {"run_id": run_id, "items": len(batch)}})
+                    reported = False
                 if failing_since is None and any(result < 0 for result in results):
                     writer.diverged = True
                     log.warning("run events already stored by another writer", extra={"fields": {"run_id": run_id}})
-                failing_since = None
+                failing_since = writer.failing_since = None
                 del writer.queue[: len(batch)]
                 writer.written += len(results)
                 writer.notify()
             writer.idle.set()  # the writer (and its local copy) stays until `forget`
+            if writer.forget_when_written and writer.closed:
+                self.forget(run_id)
+                return
 
     async def flush(self, run_id: str) -> None:
         """Wait until the queued items of the run are written (at most `retry_s` + 5 s)."""
@@ -383,13 +391,27 @@ class RedisEventLog:
                 await writer.idle.wait()
 
     def forget(self, run_id: str) -> None:
-        """Drop this process's writer of an ended run (after it was flushed and archived)."""
+        """Drop this process's writer of an ended run (after it was flushed and archived); one
+        whose items are still queued (Redis away) forgets itself once they are written."""
         writer = self._writers.get(run_id)
-        if writer is not None and writer.closed and not writer.queue:
-            self._writers.pop(run_id, None)
-            if writer.task is not None:
-                writer.task.cancel()
-            writer.notify()
+        if writer is None or not writer.closed:
+            return
+        if writer.queue:
+            writer.forget_when_written = True
+            return
+        self._writers.pop(run_id, None)
+        if writer.task is not None and writer.task is not asyncio.current_task():
+            writer.task.cancel()
+        writer.notify()
+
+    def owned_events(self, run_id: str) -> list[events_pb2.Event] | None:
+        """Every event this process published on a run it owns, stored in Redis yet or not (the
+        run's archive needs no Redis: `TurnRunner.archive`); None for a run it does not own or
+        that another replica appended to (`_Writer.diverged`: the stream is the truth then)."""
+        writer = self._writers.get(run_id)
+        if writer is None or writer.diverged:
+            return None
+        return list(writer.local)
 
     async def purge(self, run_ids: list[str]) -> None:
         """Delete the streams and meta hashes of ended runs now (a permanently deleted chat's),
@@ -529,7 +551,13 @@ class RedisEventLog:
                     break  # ended without a terminal event here, or a late listener: what another replica appended is in the stream
                 if writer.task is None or writer.task.done():  # forgotten or stopped: the stream has the rest
                     break
-                await asyncio.shield(writer.waiter())
+                if writer.failing_since is not None and time.monotonic() - writer.failing_since > self.retry_s:
+                    # Redis away longer than retry_s: end as a follower through Redis does (the writer keeps the events)
+                    yield [_unreachable(run_id, index)]
+                    return
+                with contextlib.suppress(TimeoutError):  # looks at the outage's length at least once a second
+                    async with asyncio.timeout(1.0):
+                        await asyncio.shield(writer.waiter())
         async for batch in self._follow_stream(run_id, index):
             yield batch
 
@@ -565,8 +593,7 @@ class RedisEventLog:
                 failing_since = failing_since or now
                 if now - failing_since > self.retry_s:
                     log.warning("follower gave up: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
-                    yield [_error_event(run_id, index, "The event stream was interrupted (the event store is unreachable); "
-                                        f"listen again with after={index} to continue.")]
+                    yield [_unreachable(run_id, index)]
                     return
                 check_meta = True
                 await asyncio.sleep(delay)
@@ -603,6 +630,11 @@ def _decode(entry_id: bytes | str, fields: dict[Any, Any]) -> events_pb2.Event:
     event = events_pb2.Event.FromString(payload)
     event.seq = int(raw_id.split("-", 1)[1]) - 1
     return event
+
+
+def _unreachable(run_id: str, index: int) -> events_pb2.Event:
+    """The `error` event that ends a follower after `retry_s` without Redis, naming where to resume."""
+    return _error_event(run_id, index, f"The event stream was interrupted (the event store is unreachable); listen again with after={index} to continue.")
 
 
 def _error_event(run_id: str, seq: int, message: str) -> events_pb2.Event:

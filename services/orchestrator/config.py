@@ -53,8 +53,9 @@ class OrchestratorSettings(CommonSettings):
             archive serves it afterwards).
         chat_claim_ttl_s: seconds after which a chat claim (start/resume/delete in progress) that
             was never released expires, so a crashed replica cannot block a chat.
-        redis_retry_s: seconds event writers and followers keep retrying an unreachable Redis;
-            then a follower ends with an `error` event (0 = no retry).
+        redis_retry_s: seconds followers keep retrying an unreachable Redis, then end with an
+            `error` event (0 = no retry); event writers retry until Redis answers and log an
+            ERROR once this much time has passed.
         run_lease_s: crash-detection bound in seconds: a running run whose loop stopped renewing
             its lease (its process died) is failed by any replica within this time.
         cancel_wait_s: how long Cancel waits for a run on another replica to stop (0 = looks once).

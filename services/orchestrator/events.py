@@ -106,6 +106,10 @@ class EventLog(Protocol):
     async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
         """Append `events` to an ended (or orphaned) run from any process, then close the log again."""
 
+    def owned_events(self, run_id: str) -> list[events_pb2.Event] | None:
+        """Every event this process published on a run it owns, whether the log has stored them
+        yet or not; None when it does not own the run (or another process appended to it)."""
+
     async def purge(self, run_ids: list[str]) -> None:
         """Delete the stored events of ended runs at once (their chat was deleted permanently)."""
 
@@ -168,6 +172,11 @@ class MemoryEventLog:
         while len(self._ended) > self._max_runs:
             old, _ = self._ended.popitem(last=False)
             self._runs.pop(old, None)
+
+    def owned_events(self, run_id: str) -> list[events_pb2.Event] | None:
+        """The run's events in memory (a copy), or None when it is not in memory."""
+        log = self._runs.get(run_id)
+        return list(log.events) if log is not None else None
 
     async def purge(self, run_ids: list[str]) -> None:
         """Drop the logs of ended runs (a permanently deleted chat's); a run still open is kept."""

@@ -751,12 +751,17 @@ class TurnRunner:
     async def archive(self, run_id: str) -> None:
         """Write the run's events to `run_events` (one transaction; existing rows kept).
 
-        The events are read from the event log once everything published is stored (the
-        Redis stream, or memory), so the database holds the durable copy of every ended run.
-        Two replicas archiving the same run at once both succeed (INSERT ... ON CONFLICT DO NOTHING).
+        The events are this process's own copy of a run it published (`EventLog.owned_events`:
+        what it published, also while Redis is away, which the archive must not wait for or
+        depend on: a fresh-eyes test lost a run's end that way), else the event log's once
+        everything published is stored (the Redis stream, or memory), so the database holds the
+        durable copy of every ended run. Two replicas archiving the same run at once both
+        succeed (INSERT ... ON CONFLICT DO NOTHING).
         """
-        await self.events.flush(run_id)
-        events = await self.events.events_of(run_id)
+        events = self.events.owned_events(run_id)
+        if events is None:
+            await self.events.flush(run_id)
+            events = await self.events.events_of(run_id)
         await self.store.archive(run_id, [(event.seq, event.SerializeToString()) for event in events])
         forget = getattr(self.events, "forget", None)
         if forget is not None:

@@ -199,3 +199,53 @@ async def test_publisher_keeps_order_through_an_outage_and_flush_is_bounded(redi
         await publisher.aclose()
         await publisher_client.aclose()
         await reader_client.aclose()
+
+
+async def test_an_outage_longer_than_retry_s_loses_no_event_and_the_stream_still_ends(redis_setup):
+    # fresh-eyes test: after retry_s the publisher dropped what it held (the run's end among it): the stream stayed
+    # without its end and without a TTL for good, listeners waited forever and the archive lacked the end
+    proxy, prefix = redis_setup
+    publisher_client, reader_client = redis_client(_via(proxy)), redis_client(redis_url())
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, no_archive, retry_s=1.0)
+    reader = RedisEventLog(reader_client, prefix, 10_000, 60, no_archive, retry_s=10, block_ms=500)
+    run_id = str(uuid.uuid4())
+    archive_copy: list[events_pb2.Event] | None = None
+    try:
+        publisher.open(run_id)
+        publisher.append(_chunk(run_id, "a"))
+        await publisher.flush(run_id)
+        proxy.cut()
+        for text in ("b", "c"):
+            publisher.append(_chunk(run_id, text))
+        publisher.append(events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="ok")))
+        publisher.close(run_id)
+        local: list[events_pb2.Event] = []
+
+        async def listen_locally() -> None:
+            async for event in publisher.follow(run_id, 0):
+                local.append(event)
+
+        await asyncio.wait_for(listen_locally(), 10)  # a follower of the owner still ends, naming where to resume
+        assert [e.WhichOneof("payload") for e in local] == ["response_chunk", "error"] and "after=1" in local[-1].error.message
+        await asyncio.sleep(1.5)  # past retry_s
+        archive_copy = publisher.owned_events(run_id)  # what TurnRunner.archive writes, without Redis
+        publisher.forget(run_id)  # the archive's forget while items are held: kept until they are written
+        proxy.restore()
+
+        async def listen_again() -> list[events_pb2.Event]:
+            return [event async for event in reader.follow(run_id, 1)]
+
+        resumed = await asyncio.wait_for(listen_again(), 10)  # from where it ended: the rest, then the end
+        assert [e.seq for e in resumed] == [1, 2, 3] and resumed[-1].WhichOneof("payload") == "done"
+        assert archive_copy is not None and [e.seq for e in archive_copy] == [0, 1, 2, 3]
+        stream, _ = reader._keys(run_id)
+        assert 0 < await reader_client.pttl(stream) <= 60_000  # closed: it expires
+        for _ in range(100):
+            if publisher.owned_events(run_id) is None:
+                break
+            await asyncio.sleep(0.05)
+        assert publisher.owned_events(run_id) is None  # the writer forgot itself once all was written
+    finally:
+        await publisher.aclose()
+        await publisher_client.aclose()
+        await reader_client.aclose()

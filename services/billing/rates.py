@@ -41,13 +41,24 @@ class RateDecision:
     window_seconds: int
 
 
-def _async_url(url: str) -> tuple[str, dict[str, str]]:
-    # limits picks its asyncio storages by an "async+" scheme; the redis-py client is
-    # the one installed (coredis is not), so select it explicitly.
+def _async_url(url: str) -> tuple[str, dict[str, Any]]:
+    """`limits`' asyncio storage URL for `url` ("async+" scheme) and the client's options.
+
+    limits picks its asyncio storages by an "async+" scheme; the redis-py client is the one
+    installed (coredis is not), so it is selected explicitly. Its commands are retried on a
+    connection error (3 quick retries, as the orchestrator's Redis client): without that, the
+    first Admit on each pooled connection that Redis (or a proxy) closed while it was away
+    failed with 503 after Redis was back (fresh-eyes test)."""
     scheme = url.split("://", 1)[0]
-    options: dict[str, str] = {}
+    options: dict[str, Any] = {}
     if scheme.startswith("redis") or scheme.startswith("rediss"):
+        import redis.exceptions  # noqa: PLC0415 - only with Redis counters
+        from redis.asyncio.retry import Retry  # noqa: PLC0415
+        from redis.backoff import ExponentialWithJitterBackoff  # noqa: PLC0415
+
         options["implementation"] = "redispy"
+        options["retry"] = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3)
+        options["retry_on_error"] = [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError]
     return (url if url.startswith("async+") else f"async+{url}"), options
 
 

@@ -249,3 +249,21 @@ async def test_an_outage_longer_than_retry_s_loses_no_event_and_the_stream_still
         await publisher.aclose()
         await publisher_client.aclose()
         await reader_client.aclose()
+
+
+async def test_billing_rate_counters_answer_at_once_after_redis_comes_back(redis_setup):
+    # fresh-eyes test: after a Redis outage the first Admit on each billing replica failed with 503
+    # (the pooled connection Redis had closed was used once more, without a retry)
+    from services.billing.rates import RateLimiter
+
+    proxy, prefix = redis_setup
+    limiter = RateLimiter(_via(proxy), key_prefix=f"{prefix}billing")
+    try:
+        assert (await limiter.hit("org", "sync_exec", "100/minute")).allowed
+        proxy.cut()
+        await asyncio.sleep(0.3)
+        proxy.restore()
+        decision = await limiter.hit("org", "sync_exec", "100/minute")
+        assert decision.allowed and decision.remaining == 98
+    finally:
+        await limiter.close()

@@ -43,6 +43,21 @@ def test_a_server_with_a_data_dir_that_is_a_file_says_why_and_exits_2(tmp_path):
     assert f"billing: cannot start: the billing database at {data_dir / 'billing.db'} cannot be used" in result.stderr
 
 
+def test_an_orchestrator_whose_redis_does_not_answer_says_so_in_one_line_and_exits_2(tmp_path):
+    # fresh-eyes test: a 58-line traceback ending in redis.exceptions.ConnectionError
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "services.orchestrator"],
+                            env=_env(LOOPLINE_DATA_DIR=str(tmp_path), LOOPLINE_ORCHESTRATOR_PORT="0",
+                                     LOOPLINE_REDIS_URL=f"redis://:hunter2-secret@127.0.0.1:{port}/0"),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "hunter2-secret" not in result.stderr
+    assert f"orchestrator: cannot start: Redis at 127.0.0.1:{port} (LOOPLINE_REDIS_URL) does not answer (ConnectionError)" in result.stderr
+
+
 async def test_tools_migrate_prints_its_database_without_the_password():
     """`python -m services.tools migrate` printed its database URL with the password."""
     if selected_backend() != "postgres":

@@ -70,6 +70,11 @@ def use_uvloop() -> bool:
     return True
 
 
+class CannotStart(Exception):
+    """A service cannot start for a reason outside it that its message names (a backing server
+    that does not answer, e.g. Redis); `run` prints it as one line and exits 2, as a port in use."""
+
+
 def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], grace: float) -> None:
     """Start `service` with `start()`, serve until SIGTERM/SIGINT, then stop with `grace` seconds.
 
@@ -93,7 +98,7 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
     early_signals.catch()  # until the event loop's handlers (`catch_termination_signals`); done at import by __main__
     try:
         asyncio.run(main())
-    except (db.UnusableDatabase, PortUnavailable) as unusable:  # e.g. LOOPLINE_DATA_DIR names a file, a port in use: one line
+    except (db.UnusableDatabase, PortUnavailable, CannotStart) as unusable:  # e.g. LOOPLINE_DATA_DIR names a file, a port in use: one line
         log.error("cannot start", extra={"fields": {"reason": str(unusable)}})
         sys.stderr.write(f"{service}: cannot start: {unusable}\n")
         raise SystemExit(2) from None

@@ -669,8 +669,17 @@ class RedisBackend(RunBackend):
         self._on_cancel: CancelHandler | None = None
 
     async def start(self, on_cancel: CancelHandler) -> None:
-        """Check Redis is reachable, then subscribe to the cancel channel in a background task."""
-        await self.redis.ping()
+        """Check Redis is reachable (else CannotStart naming LOOPLINE_REDIS_URL's host and port,
+        never its password: a 58-line traceback before), then subscribe to the cancel channel in
+        a background task."""
+        try:
+            await self.redis.ping()
+        except _redis_errors() as error:
+            from services.common.runner import CannotStart  # noqa: PLC0415 - only on this failure
+
+            where = self.redis.connection_pool.connection_kwargs
+            raise CannotStart(f"Redis at {where.get('host', '?')}:{where.get('port', '?')} (LOOPLINE_REDIS_URL) does not answer "
+                              f"({type(error).__name__})") from None
         self._on_cancel = on_cancel
         subscribed = asyncio.Event()
         self._listener = asyncio.create_task(self._listen(subscribed), name="cancel-listener")

@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     admin_parser = commands.add_parser("admin", help="inspect and adjust accounts")
     admin = admin_parser.add_subparsers(dest="action", required=True)
     show = admin.add_parser("show", help="account, plan, balances and recent ledger entries")
-    show.add_argument("--org", required=True)
+    show.add_argument("--org", required=True, type=ids.org_id_arg)
     show.add_argument("--entries", type=_whole(0, 1000), default=20, metavar="N",
                       help="how many of the newest ledger entries to list (0-1000, default 20)")
     set_plan = admin.add_parser("set-plan", help="move an organization to a plan")

@@ -63,6 +63,13 @@ def _run_check(check, *args: Any) -> None:
         _answer(None, str(refused))
 
 
+def _non_empty(text: str) -> str:
+    """An argparse type for a value that must hold more than blanks (argparse reports an empty one: exit 2)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _email(text: str) -> str:
     """An argparse type for a new user's email: 3 to 320 characters with an "@", no whitespace or
     control characters (the users table's limit; a longer one failed in the database)."""
@@ -90,14 +97,15 @@ def main() -> None:
     member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
     member.add_argument("--email", type=_email, help="the new user's email (must not belong to an existing user)")
     llm = sub.add_parser("set-default-llm", help="save an organization's default model (used when a turn names none)")
-    llm.add_argument("--org", required=True)
-    llm.add_argument("--integration", required=True, help="integration_name, e.g. openai or loopline")
-    llm.add_argument("--provider", required=True, help="provider_id, e.g. openai, anthropic, scripted")
-    llm.add_argument("--model", required=True, help="model_id")
+    llm.add_argument("--org", required=True, type=ids.org_id_arg)
+    # non-empty: an empty one was stored, and every turn naming no model was then refused (fresh-eyes test)
+    llm.add_argument("--integration", required=True, type=_non_empty, help="integration_name, e.g. openai or loopline")
+    llm.add_argument("--provider", required=True, type=_non_empty, help="provider_id, e.g. openai, anthropic, scripted")
+    llm.add_argument("--model", required=True, type=_non_empty, help="model_id")
     llm.add_argument("--credential", help="credential_id of the organization's own key (bring your own key)")
-    sub.add_parser("show-default-llm", help="print an organization's saved default model").add_argument("--org", required=True)
+    sub.add_parser("show-default-llm", help="print an organization's saved default model").add_argument("--org", required=True, type=ids.org_id_arg)
     sub.add_parser("list-keys", help="the organization's API keys (id, prefix, member, role, created, revoked); never the keys").add_argument(
-        "--org", required=True)
+        "--org", required=True, type=ids.org_id_arg)
     revoke = sub.add_parser("revoke-key", help="revoke an API key by its id (key_..., printed by add-member), or the key read from stdin")
     revoke.add_argument("--key-id", help="the key's id; without it the key itself is read from standard input")
     args = parser.parse_args()

@@ -213,7 +213,8 @@ def test_commands_that_create_accounts_refuse_an_organization_id_no_organization
     subprocess.run([sys.executable, "-m", "services.billing", "migrate"], env=env, capture_output=True, timeout=60, check=True)
     for org in ("org é", "  ", "a" * 300, ""):
         for argv in (["set-plan", "--org", org, "--plan", "free"], ["grant-credits", "--org", org, "--credits", "5", "--create-account"],
-                     ["top-up", "--org", org, "--minor-units", "5", "--create-account"], ["seed-dev", "--org", org]):
+                     ["top-up", "--org", org, "--minor-units", "5", "--create-account"], ["seed-dev", "--org", org],
+                     ["show", "--org", org]):  # show too (fresh-eyes test: exit 1 "has no billing account" where the others said exit 2)
             result = subprocess.run([sys.executable, "-m", "services.billing", "admin", *argv], env=env, capture_output=True,
                                     text=True, timeout=60, check=False)
             assert result.returncode == 2 and "visible ASCII" in result.stderr, (argv, result.stdout, result.stderr)

@@ -82,6 +82,20 @@ def test_admin_command_refuses_an_unknown_organization_and_a_missing_database(tm
     assert result.returncode == 1 and json.loads(result.stdout) == {"error": "no organization 'org_typo'"}
 
 
+def test_admin_commands_refuse_an_empty_model_or_an_impossible_organization_id_before_anything_is_stored(tmp_path):
+    # fresh-eyes test: set-default-llm stored {"", "", ""} (exit 0), and every turn naming no model was then refused
+    env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
+    org = json.loads(subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True).stdout)["organization_id"]
+    for command, says in ((["set-default-llm", "--org", org, "--integration", " ", "--provider", "openai", "--model", "gpt-4o"], "must not be empty"),
+                          (["set-default-llm", "--org", org, "--integration", "openai", "--provider", "openai", "--model", ""], "must not be empty"),
+                          (["show-default-llm", "--org", ""], "visible ASCII"), (["list-keys", "--org", "a" * 300], "visible ASCII")):
+        result = subprocess.run([sys.executable, "-m", "services.gateway", *command], env=env, capture_output=True, text=True, check=False)
+        assert result.returncode == 2 and says in result.stderr, (command, result.stderr)
+    shown = json.loads(subprocess.run([sys.executable, "-m", "services.gateway", "show-default-llm", "--org", org], env=env,
+                                      capture_output=True, text=True, check=True).stdout)
+    assert shown["default_llm"] is None
+
+
 async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_default(tmp_path):
     """Bug (user test): the saved default named a credential deleted since, and a turn without
     `llm` got 400 "credential '...' cannot be used as a model key", not saying where that

@@ -22,6 +22,7 @@ import os
 import pathlib
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -688,8 +689,8 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
         add("no-op tool call overhead over a bare gRPC round trip, p50 ms", tl["noop_overhead_p50_ms"])
         add(f"search over {tl['chunks']} chunks p50 / p99 ms", f"{tl['search']['p50_ms']} / {tl['search']['p99_ms']}")
     steal = (results.get("machine") or {}).get("steal_pct") or {}
-    if steal:
-        add(f"CPU stolen by the hypervisor % ({' / '.join(steal)})", " / ".join("-" if v is None else f"{v:g}" for v in steal.values()))
+    for workload, pct in steal.items():
+        add(f"hypervisor steal % during {workload}", "-" if pct is None else pct)
     mem = results.get("memory")
     if mem:
         add("RSS idle, all four MiB", mem.get("idle_total_mib"), "memory.idle_total_mib")
@@ -874,8 +875,20 @@ def _event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a CI runner, `kill`) ends the run as Ctrl-C does: `main`'s `finally`
+    stops the deployment. scripts/dev.py runs in a session of its own (it must not get the
+    terminal's Ctrl-C twice), so a bench killed without it left five processes running."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _stop_on_sigterm()
     fd_limit = raise_fd_limit(max(args.listeners or [0]) * 2 + 1024 if "fanout" in args.only else 0)
     results: dict[str, Any] = {
         "machine": machine_info(),

@@ -50,3 +50,38 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     if memory["idle_together_mib"] is not None:  # None where the kernel hides page frame numbers
         assert 0 < memory["idle_together_mib"] <= memory["idle_total_mib"]
     assert "target (issue 9)" in result.stdout
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_services_it_started(tmp_path: pathlib.Path) -> None:
+    # found this round: scripts/dev.py runs in a session of its own, and a bench killed by SIGTERM (a timeout, a CI
+    # runner) left it and the four services running
+    import os
+    import re
+    import signal
+    import time
+
+    argv = [sys.executable, "-m", "bench", "--only", "latency", "--turns", "2", "--hold", "--out", str(tmp_path / "bench.json")]
+    process = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if "holding;" in line:
+                pids = [int(pid) for pid in re.findall(r"'\w+': (\d+)", line)]
+                break
+        assert len(pids) == 4
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        for _ in range(100):
+            alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower()]
+            if not alive:
+                break
+            time.sleep(0.1)
+        assert alive == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for pid in pids:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)

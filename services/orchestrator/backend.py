@@ -538,6 +538,7 @@ class RedisEventLog:
         writer = self._writers.get(run_id)
         if writer is not None:
             ended = False  # this follower delivered the run's terminal event
+            stalled_since: float | None = None  # when this follower began waiting on a writer that cannot reach Redis
             while writer.authoritative:
                 if index < writer.written:
                     batch = writer.local[index:writer.written]
@@ -551,10 +552,13 @@ class RedisEventLog:
                     break  # ended without a terminal event here, or a late listener: what another replica appended is in the stream
                 if writer.task is None or writer.task.done():  # forgotten or stopped: the stream has the rest
                     break
-                if writer.failing_since is not None and time.monotonic() - writer.failing_since > self.retry_s:
-                    # Redis away longer than retry_s: end as a follower through Redis does (the writer keeps the events)
-                    yield [_unreachable(run_id, index)]
-                    return
+                if writer.failing_since is None:
+                    stalled_since = None
+                else:  # Redis away for this follower longer than retry_s: end as a follower through Redis does (the writer keeps the events)
+                    stalled_since = stalled_since or time.monotonic()
+                    if time.monotonic() - stalled_since > self.retry_s:
+                        yield [_unreachable(run_id, index)]
+                        return
                 with contextlib.suppress(TimeoutError):  # looks at the outage's length at least once a second
                     async with asyncio.timeout(1.0):
                         await asyncio.shield(writer.waiter())

@@ -178,3 +178,34 @@ async def test_a_tool_call_cut_off_by_the_crash_gets_its_result_and_done_lists_t
     assert done["error"] is True
     assert [(c["tool"], c["output"]) for c in done["tool_calls"]] == [
         ("get_available_integrations", frames[2]["data"]["output"]), ("execute_integration_tool", cut["output"])]
+
+
+async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_ends_once_redis_is_back(cluster):
+    # fresh-eyes test: the cancel of a run of the same replica hung 30 s and answered 504 while Redis was away (the run's
+    # finish waited to archive its events from Redis), and the run's stream never got its end
+    from urllib.parse import urlsplit
+
+    from tests.conftest import redis_url
+    from tests.scale.test_redis_outage import CuttableProxy
+
+    target = urlsplit(redis_url())
+    proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 6379)
+    await proxy.start()
+    try:
+        orchestrator = await cluster.spawn_orchestrator(
+            "orchestrator-a", LOOPLINE_REDIS_URL=f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}", LOOPLINE_REDIS_RETRY_S="2")
+        gateway = await cluster.spawn_gateway("gateway-a", orchestrator)
+        async with cluster.client(gateway) as client:
+            body = await _start(client, {"say": "slow", "sleep_ms": 20_000})
+            assert types(await _first_frames(client, body["stream_url"], 1)) == ["metadata"]
+            proxy.cut()
+            began = time.monotonic()
+            cancelled = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+            assert cancelled.status_code == 200, cancelled.text
+            assert time.monotonic() - began < 10
+            await asyncio.sleep(3)  # past LOOPLINE_REDIS_RETRY_S: the writer holds the run's end meanwhile
+            proxy.restore()
+            frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 30)
+        assert types(frames)[0] == "metadata" and frames[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}, (types(frames), cluster.logs())
+    finally:
+        await proxy.stop()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from services.common import pb
+
 _PATTERNS = [
     (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+"), r"\1 [redacted]"),
     (re.compile(r"\b(sk|mx_live|mx_test|pk|rk|xox[abp])[-_][A-Za-z0-9_-]{6,}"), "[redacted]"),
@@ -17,9 +19,8 @@ _PATTERNS = [
 
 MAX_LENGTH = 300
 # What is left of the C0 and C1 control characters once whitespace is folded (NUL among them:
-# PostgreSQL's text cannot hold it), and lone surrogates (no UTF-8 encoding: no database takes them)
+# PostgreSQL's text cannot hold it)
 UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def sanitize(message: str) -> str:
@@ -30,7 +31,7 @@ def sanitize(message: str) -> str:
     either backend: a model's failure text with a NUL failed the run's end on PostgreSQL
     (fresh-eyes test)."""
     text = " ".join(str(message).split())
-    text = _SURROGATE.sub("\ufffd", UNPRINTABLE.sub("", text))
+    text = pb.scrub(UNPRINTABLE.sub("", text))  # lone surrogates (no UTF-8 encoding: no database takes them) as U+FFFD
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     if "Traceback" in text:

@@ -347,7 +347,6 @@ class RedisEventLog:
         an event whose seq was already taken marks the writer `diverged`.
         """
         errors = _redis_errors()
-        failing_since: float | None = None
         reported = False
         while True:
             await writer.wake.wait()
@@ -359,7 +358,7 @@ class RedisEventLog:
                     results = await self._run_batch(run_id, batch)
                 except errors as error:
                     now = time.monotonic()
-                    failing_since = writer.failing_since = failing_since or now
+                    failing_since = writer.failing_since = writer.failing_since or now
                     if now - failing_since > self.retry_s and not reported:
                         reported = True  # once per outage; the items stay queued and are sent when Redis answers
                         log.error("Redis unreachable: run events held until it answers", extra={"fields": {
@@ -369,10 +368,10 @@ class RedisEventLog:
                 if reported:
                     log.warning("Redis answers again: held run events written", extra={"fields": {"run_id": run_id, "items": len(batch)}})
                     reported = False
-                if failing_since is None and any(result < 0 for result in results):
+                if writer.failing_since is None and any(result < 0 for result in results):
                     writer.diverged = True
                     log.warning("run events already stored by another writer", extra={"fields": {"run_id": run_id}})
-                failing_since = writer.failing_since = None
+                writer.failing_since = None
                 del writer.queue[: len(batch)]
                 writer.written += len(results)
                 writer.notify()

@@ -37,6 +37,7 @@ from services.common.errors import (
 )
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import (
+    BodyError,
     detail,
     grpc_error_response,
     unavailable_response,
@@ -75,16 +76,6 @@ _LLM_SCHEMA = {"type": ["object", "null"], "properties": _LLM_PROPERTIES, "requi
 # No Connection header: persistence is HTTP/1.1's default and the server's to decide (with an
 # HTTP/1.0 client uvicorn adds "connection: close"; ours said keep-alive beside it).
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class BodyError(Exception):
-    """A request body that cannot be used; becomes `status` with `{"detail": message}`."""
-
-    def __init__(self, status: int, message: str) -> None:
-        message = bounded(message)  # it may quote the body (e.g. an unknown field's name)
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
@@ -490,7 +481,7 @@ def create_app(
         try:
             response = await _start(rpc, from_default)
         except BaseException as failure:
-            if outcome_unknown(failure) and not isinstance(failure, BodyError):  # it may have started: only the same body may retry
+            if outcome_unknown(failure):  # it may have started: only the same body may retry
                 await idempotency.release_unknown(who.organization_id, who.user_id, key)
             else:
                 await idempotency.release(who.organization_id, who.user_id, key)

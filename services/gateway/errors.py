@@ -19,9 +19,20 @@ from fastapi.responses import JSONResponse
 
 from loopline.billing.v1 import billing_pb2
 from services.common import db
-from services.common.errors import ASSISTANT_DOMAIN, BILLING_DOMAIN, status_details
+from services.common.errors import ASSISTANT_DOMAIN, BILLING_DOMAIN, bounded, status_details
 
 log = logging.getLogger(__name__)
+
+
+class BodyError(Exception):
+    """A request the gateway refuses itself (a body that cannot be used, a saved default model
+    that cannot); becomes `status` with `{"detail": message}`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        message = bounded(message)  # it may quote the body (e.g. an unknown field's name)
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 DENIAL_STATUS = {"credit": 402, "wallet": 402, "quota": 403, "rate": 429}
 

@@ -22,6 +22,7 @@ from sqlalchemy import delete, update
 from sqlalchemy.exc import IntegrityError
 
 from services.common import db
+from services.gateway.errors import BodyError
 from services.gateway.models import IdempotencyRecord, utcnow
 
 MAX_KEY_LENGTH = 255
@@ -65,10 +66,11 @@ REFUSED_CODES = frozenset({
 def outcome_unknown(failure: BaseException) -> bool:
     """Whether a request that raised `failure` may have taken effect downstream: a gRPC failure
     other than a refusal (REFUSED_CODES: a deadline, an outage, a cancel), or anything that is
-    not a gRPC failure nor an HTTP error of the gateway's own (a disconnect, a crash)."""
+    not a gRPC failure nor an HTTP error of the gateway's own (HTTPException, BodyError: e.g. a
+    saved default model the orchestrator refused) — a disconnect, a crash."""
     if isinstance(failure, grpc.aio.AioRpcError):
         return failure.code() not in REFUSED_CODES
-    return not isinstance(failure, HTTPException)
+    return not isinstance(failure, HTTPException | BodyError)
 
 
 class IdempotencyStore:

@@ -97,29 +97,52 @@ def insert_ignoring(dialect: str, table: Any, conflict: tuple[str, ...]) -> Any:
 _UNAVAILABLE_SQLSTATE_PREFIXES = ("08", "53", "57P01", "57P02", "57P03")
 
 
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and up to 5 errors along its `orig` / `__cause__` chain."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and len(chain) < 6:
+        chain.append(current)
+        current = getattr(current, "orig", None) or current.__cause__
+    return chain
+
+
 def is_unavailable(error: BaseException) -> bool:
-    """Whether `error` means the database cannot be reached or takes no more connections right now
-    (answer 503 / UNAVAILABLE: the client may retry), as opposed to a wrong statement or a bug.
+    """Whether `error` means the database (or Redis) cannot be reached or takes no more
+    connections right now (answer 503 / UNAVAILABLE: the client may retry), as opposed to a
+    wrong statement or a bug.
 
     True for: SQLAlchemy's pool timeout and invalidated connections, OS-level connection
-    errors, and driver errors whose SQLSTATE is in class 08 or 53 or is 57P01-57P03, found on
+    errors, redis-py's connection and timeout errors, and driver errors whose SQLSTATE is in class 08 or 53 or is 57P01-57P03, found on
     the error or along its `orig` / `__cause__` chain (asyncpg errors carry `sqlstate`).
+    `unavailable_store` names which of the two it was.
     """
     from sqlalchemy import exc  # noqa: PLC0415 - light: sqlalchemy is loaded by every service
 
-    seen = 0
-    current: BaseException | None = error
-    while current is not None and seen < 6:
-        seen += 1
-        if isinstance(current, (exc.TimeoutError, ConnectionError, TimeoutError)):
+    down: tuple[type[BaseException], ...] = (exc.TimeoutError, ConnectionError, TimeoutError)
+    redis_errors = sys.modules.get("redis.exceptions")  # no redis error exists unless redis-py was imported
+    if redis_errors is not None:
+        down += (redis_errors.ConnectionError, redis_errors.TimeoutError)  # BusyLoadingError is a ConnectionError
+    for current in _chain(error):
+        if isinstance(current, down):
             return True
         if isinstance(current, exc.DBAPIError) and current.connection_invalidated:
             return True
         code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
         if isinstance(code, str) and code.startswith(_UNAVAILABLE_SQLSTATE_PREFIXES):
             return True
-        current = getattr(current, "orig", None) or current.__cause__
     return False
+
+
+def unavailable_store(error: BaseException) -> str | None:
+    """What `error` says cannot serve right now: "Redis" when a redis-py error is on its chain
+    (the rate limits and event streams of a scaled-out deployment), else "database"; None when
+    `is_unavailable(error)` is False. For the log line and the status reason of the 503 /
+    UNAVAILABLE answer, so that an operator looks at the right server."""
+    if not is_unavailable(error):
+        return None
+    redis = any(type(current).__module__.split(".", 1)[0] == "redis" for current in _chain(error))
+    return "Redis" if redis else "database"
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:

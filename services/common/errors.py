@@ -116,9 +116,10 @@ def rpc_handler(*, internal_domain: str | None = None) -> Callable[[Handler], Ha
             except grpc.aio.AbortError:
                 raise
             except Exception as error:
-                if db.is_unavailable(error):  # the database is down or full: retryable, not a bug
-                    log.warning("database unavailable", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
-                    await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, "DATABASE_UNAVAILABLE",
+                store = db.unavailable_store(error)
+                if store is not None:  # the database or Redis is down or full: retryable, not a bug
+                    log.warning(f"{store} unavailable", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
+                    await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, f"{store.upper()}_UNAVAILABLE",
                                                   "The service is temporarily unavailable; try again"))
                     return None
                 if internal_domain is None:

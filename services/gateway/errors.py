@@ -138,8 +138,9 @@ def unexpected_error_response(error: Exception) -> JSONResponse:
     """The answer to an exception no route handled: 503 `{"detail": ...}` with Retry-After when the
     database cannot be reached or takes no more connections (`db.is_unavailable`), else 500
     `{"detail": "Internal server error"}`; logged with its traceback, never shown to the client."""
-    if db.is_unavailable(error):
-        log.warning("database unavailable", extra={"fields": {"error": type(error).__name__}})
+    store = db.unavailable_store(error)
+    if store is not None:
+        log.warning(f"{store} unavailable", extra={"fields": {"error": type(error).__name__}})
         return unavailable_response()
     log.error("unhandled error", exc_info=error)
     return detail(500, SAFE_MESSAGES[500])

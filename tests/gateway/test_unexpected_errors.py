@@ -73,3 +73,44 @@ async def test_servicers_answer_unavailable_when_the_database_is_full():
     with pytest.raises(grpc.aio.AbortError):
         await Servicer().Call(None, context)
     assert context.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_unavailable_redis_is_named_as_redis_not_as_the_database(caplog):
+    """Fresh-eyes test (scale-out): billing logged a Redis outage as "database unavailable" with
+    the reason DATABASE_UNAVAILABLE, sending an operator to look at PostgreSQL."""
+    import redis.exceptions
+
+    down = redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    down.__cause__ = ConnectionRefusedError(111, "refused")
+    assert db.unavailable_store(down) == "Redis"
+    assert db.unavailable_store(_too_many_clients()) == "database"
+    assert db.unavailable_store(ConnectionRefusedError(111, "refused")) == "database"
+    assert db.unavailable_store(RuntimeError("bug")) is None
+    assert db.unavailable_store(redis.exceptions.ResponseError("WRONGTYPE")) is None
+
+
+async def test_servicers_name_the_store_that_is_unavailable_in_the_log_and_the_reason(caplog):
+    """A redis-py connection error (no OSError on its chain when redis-py says `from None`) is
+    UNAVAILABLE with reason REDIS_UNAVAILABLE, logged as "Redis unavailable"."""
+    import redis.exceptions
+    from google.rpc import error_details_pb2, status_pb2
+
+    class Servicer:
+        @rpc_handler()
+        async def Admit(self, request, context):  # noqa: N802 - gRPC method name
+            raise redis.exceptions.ConnectionError("Connection refused")
+
+    class Context(_Context):
+        async def abort_with_status(self, status: grpc.Status) -> None:
+            self.status = status
+            await super().abort_with_status(status)
+
+    context = Context()
+    with caplog.at_level("WARNING"), pytest.raises(grpc.aio.AbortError):
+        await Servicer().Admit(None, context)
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert [r.getMessage() for r in caplog.records] == ["Redis unavailable"]
+    packed = dict(context.status.trailing_metadata)["grpc-status-details-bin"]
+    info = error_details_pb2.ErrorInfo()
+    status_pb2.Status.FromString(packed).details[0].Unpack(info)
+    assert info.reason == "REDIS_UNAVAILABLE"

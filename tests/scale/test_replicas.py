@@ -209,3 +209,42 @@ async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_end
         assert types(frames)[0] == "metadata" and frames[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}, (types(frames), cluster.logs())
     finally:
         await proxy.stop()
+
+
+async def test_a_cancel_through_the_other_replica_during_a_redis_outage_is_503_and_loses_nothing(cluster):
+    # fresh-eyes test (scale-out), not verified then: the cancel of a run owned by another replica
+    # reaches it through Redis only; while Redis is away it must fail as "retry" (503), at once
+    # rather than after the client's deadline, and leave the run as it was for a later cancel
+    from urllib.parse import urlsplit
+
+    from tests.conftest import redis_url
+    from tests.scale.test_redis_outage import CuttableProxy
+
+    target = urlsplit(redis_url())
+    proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 6379)
+    await proxy.start()
+    try:
+        through_proxy = {"LOOPLINE_REDIS_URL": f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}", "LOOPLINE_REDIS_RETRY_S": "2"}
+        orchestrator_a = await cluster.spawn_orchestrator("orchestrator-a", **through_proxy)
+        orchestrator_b = await cluster.spawn_orchestrator("orchestrator-b", **through_proxy)
+        gateway_a = await cluster.spawn_gateway("gateway-a", orchestrator_a)
+        gateway_b = await cluster.spawn_gateway("gateway-b", orchestrator_b)
+        async with cluster.client(gateway_a) as a, cluster.client(gateway_b) as b:
+            body = await _start(a, {"say": "never said", "sleep_ms": 60_000})
+            assert types(await _first_frames(a, body["stream_url"], 1)) == ["metadata"]
+            proxy.cut()
+            began = time.monotonic()
+            refused = await b.post(f"/assistant/chat/{body['chat_id']}/cancel")
+            elapsed = time.monotonic() - began
+            assert refused.status_code == 503, (refused.status_code, refused.text, cluster.logs())
+            assert refused.headers["retry-after"] and set(refused.json()) == {"detail"}
+            assert elapsed < 10, f"the refused cancel took {elapsed:.1f} s"
+            assert "Redis unavailable" in cluster.logs() and "database unavailable" not in cluster.logs()
+            assert await _is_running(a, body["chat_id"])  # nothing changed: the run goes on on A
+            proxy.restore()
+            cancelled = await b.post(f"/assistant/chat/{body['chat_id']}/cancel")
+            assert cancelled.status_code == 200, (cancelled.text, cluster.logs())
+            frames = await asyncio.wait_for(read_frames(b, body["stream_url"]), 30)
+        assert types(frames) == ["metadata", "cancelled"], types(frames)
+    finally:
+        await proxy.stop()

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import orjson
 from google.protobuf import struct_pb2, timestamp_pb2
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import select, update
 
 from loopline.assistant.v1 import events_pb2
@@ -71,6 +72,7 @@ class RunState:
     cancel_reason: str | None = None
     finishing: bool = False
     outcome: str | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set once the run's end is stored and published
 
 
 @dataclass
@@ -96,6 +98,9 @@ TOOLS_FAILED = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "the tool did not answer in time; the call may have run",
     grpc.StatusCode.UNAVAILABLE: "the tools service is unavailable; try again later",
 }
+ARCHIVE_RETRY_FIRST_S = 0.5  # first wait before a failed archive of an ended run is tried again (doubling)
+ARCHIVE_RETRY_MAX_S = 60.0  # longest wait between two tries
+ARCHIVE_AT_STOP_S = 2.0  # a shutdown's last try of each archive still pending
 CUT_OFF_CALL = "the tools service went away during the call; the call may have run"
 
 
@@ -214,6 +219,7 @@ class TurnRunner:
         self.billing = billing
         self.tools = tools
         self.active: dict[str, RunState] = {}
+        self._archiving: dict[str, asyncio.Task] = {}  # ended runs whose archive failed: tried again (`_archive_after_end`)
         self._tool_defs: list[dict[str, Any]] | None = None
         self._tool_defs_at = 0.0
         self._tool_defs_retry_at = 0.0
@@ -229,7 +235,8 @@ class TurnRunner:
         return state
 
     async def cancel(self, run_id: str, reason: str) -> str | None:
-        """Cancel a run of this process and wait for it to end; returns its outcome kind.
+        """Cancel a run of this process and wait for its end to be stored and published (not
+        for the archive of its events that may follow); returns its outcome kind.
 
         Returns None when the run is not active here. A run already finishing keeps
         the outcome it reached (exactly one terminal outcome).
@@ -242,13 +249,21 @@ class TurnRunner:
             if state.inner is not None:
                 state.inner.cancel()
         if state.task is not None:
-            await asyncio.shield(asyncio.wait({state.task}))
+            ended = asyncio.ensure_future(state.ended.wait())
+            try:
+                await asyncio.shield(asyncio.wait({state.task, ended}, return_when=asyncio.FIRST_COMPLETED))
+            finally:
+                ended.cancel()
         return state.outcome
 
     async def stop(self) -> None:
         """Cancel every active run (shutdown) and wait for them to record their outcome."""
         for run_id in list(self.active):
             await self.cancel(run_id, "shutdown")
+        tasks = {state.task for state in self.active.values() if state.task is not None}
+        if tasks:  # the archives of the runs just ended (a cancel answers before them)
+            await asyncio.wait(tasks)
+        await self._stop_archiving()
         await self.charges.close()
         await self.usage.close()  # closes the redelivery too
 
@@ -724,8 +739,10 @@ class TurnRunner:
             self.usage.stored(handed[1]["id"], handed[0])
         totals.unsaved = []
         self._end_stream(run_id, ending)
+        state.outcome = outcome.kind  # final from here on: nothing below may change it (one terminal outcome)
+        state.ended.set()
         if not archived:
-            await self.archive(run_id)
+            await self._archive_after_end(run_id)
         log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
 
     async def _finish_minimal(self, spec: RunSpec, outcome: Outcome) -> None:
@@ -746,7 +763,64 @@ class TurnRunner:
                                       [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in archived])
         self._end_stream(run_id, ending)
         if not archived:
+            await self._archive_after_end(run_id)
+
+    async def _archive_after_end(self, run_id: str) -> None:
+        """Archive an ended run's events (a durable log: after its end is stored and published).
+
+        The end is final by then, so a failed archive (the database unreachable for a moment)
+        must not touch the run's outcome: it is logged and tried again in the background
+        (`_archive_until_written`) while the log still holds the events. Found reading the
+        finish: a failure here made the run `failed` over its real outcome and published
+        `error` + `done` after its `done`.
+        """
+        try:
             await self.archive(run_id)
+        except Exception as error:  # noqa: BLE001 - any failure: the events are still in the log
+            log.warning("archiving the run's events failed; trying again", extra={"fields": {"error": type(error).__name__}})
+            task = asyncio.create_task(self._archive_until_written(run_id), name=f"archive:{run_id}")
+            self._archiving[run_id] = task
+            task.add_done_callback(lambda _task: self._archiving.pop(run_id, None))
+
+    async def _archive_until_written(self, run_id: str) -> None:
+        """Try the archive of an ended run again, waiting ARCHIVE_RETRY_FIRST_S doubling up to
+        ARCHIVE_RETRY_MAX_S between tries, until it is written or the log's copy has expired
+        (LOOPLINE_RUN_EVENTS_TTL_S after the end). A run deleted meanwhile (its rows are gone:
+        the insert breaks the foreign key) needs no archive."""
+        loopline_logging.bind_task(run_id=run_id)
+        delay = ARCHIVE_RETRY_FIRST_S
+        give_up_at = time.monotonic() + float(self.settings.run_events_ttl_s)
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self.archive(run_id)
+            except sa_exc.IntegrityError:
+                log.info("the run was deleted before its events were archived")
+                return
+            except Exception as error:  # noqa: BLE001 - logged, tried again
+                if time.monotonic() + delay >= give_up_at:
+                    log.error("archiving the run's events failed until its log expired; the events are lost",
+                              extra={"fields": {"error": type(error).__name__}})
+                    return
+                delay = min(delay * 2, ARCHIVE_RETRY_MAX_S)
+            else:
+                log.info("the run's events were archived after a failed try")
+                return
+
+    def archiving_runs(self) -> int:
+        """Ended runs whose archive failed and is being tried again (for tests and metrics)."""
+        return len(self._archiving)
+
+    async def _stop_archiving(self) -> None:
+        """At shutdown: each archive still being tried again gets one last try (ARCHIVE_AT_STOP_S),
+        then is left; its events stay in the durable log until they expire."""
+        for run_id, task in list(self._archiving.items()):
+            task.cancel()
+            try:
+                await asyncio.wait_for(self.archive(run_id), ARCHIVE_AT_STOP_S)
+            except Exception as error:  # noqa: BLE001 - logged; nothing else can be done at shutdown
+                log.error("a run's events could not be archived before shutdown; they stay in the event log until it expires",
+                          extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
 
     async def archive(self, run_id: str) -> None:
         """Write the run's events to `run_events` (one transaction; existing rows kept).

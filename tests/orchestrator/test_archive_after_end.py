@@ -1,0 +1,88 @@
+"""The run's events archived after its end (a durable event log: Redis) — the end is final.
+
+Regression (found reading the run's finish): on a durable event log the archive is a
+transaction of its own after the run's end is stored and published. When it failed (a
+database blip), the run's finish fell back to `_finish_minimal`: the run stored as `failed`
+over its real outcome, and `error` + `done` published again after the stream's `done` — two
+terminal outcomes for one run, and the archive never written (the Redis copy expires after
+LOOPLINE_RUN_EVENTS_TTL_S). Now the end stands, the archive is tried again in the background
+until it is written, and a cancel answers once the end is stored, not after the archive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import exc, func, select
+
+from services.orchestrator.models import Run, RunEvent
+from tests.orchestrator.helpers import run_turn, start, types, wait_for
+from tests.sse_client import read_frames
+
+
+def _durable(monkeypatch, runner) -> None:
+    """Archive after the end, as on Redis (the memory log otherwise archives with the end)."""
+    monkeypatch.setattr(runner.events, "durable", True, raising=False)
+
+
+async def _archived(stack, run_id: str) -> int:
+    async with stack.orchestrator.servicer.sessions() as session:
+        return (await session.execute(select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id))).scalar_one()
+
+
+async def _status(stack, run_id: str) -> str:
+    async with stack.orchestrator.servicer.sessions() as session:
+        return (await session.execute(select(Run.status).where(Run.id == run_id))).scalar_one()
+
+
+async def test_an_archive_failing_after_the_end_keeps_the_outcome_and_is_written_later(stack, monkeypatch):
+    runner = stack.orchestrator.runner
+    _durable(monkeypatch, runner)
+    real = runner.store.archive
+    attempts: list[str] = []
+
+    async def flaky(run_id, events):
+        attempts.append(run_id)
+        if len(attempts) == 1:
+            raise exc.OperationalError("INSERT INTO run_events", None, ConnectionRefusedError(111, "refused"))
+        await real(run_id, events)
+
+    monkeypatch.setattr(runner.store, "archive", flaky)
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "all fine"})
+        assert types(frames)[-1] == "done" and "error" not in types(frames)
+        await wait_for(lambda: len(attempts) >= 2, timeout=10)
+        await wait_for(lambda: runner.archiving_runs() == 0, timeout=10)
+        assert await _status(stack, body["run_id"]) == "completed"
+        assert await _archived(stack, body["run_id"]) == len(frames)
+        # one terminal outcome: the whole stream, listened to again, is the same
+        assert await read_frames(client, body["stream_url"]) == frames
+        # the chat is free for the next turn
+        _, again = await run_turn(client, {"say": "next"}, chat_id=body["chat_id"])
+        assert types(again)[-1] == "done"
+
+
+async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(stack, monkeypatch):
+    runner = stack.orchestrator.runner
+    _durable(monkeypatch, runner)
+    release = asyncio.Event()
+    real = runner.store.archive
+
+    async def slow(run_id, events):
+        await release.wait()
+        await real(run_id, events)
+
+    monkeypatch.setattr(runner.store, "archive", slow)
+    async with stack.client() as client:
+        body = await start(client, {"say": "never", "sleep_ms": 30_000})
+        await wait_for(lambda: body["run_id"] in runner.active)
+        try:
+            cancelled = await asyncio.wait_for(client.post(f"/assistant/chat/{body['chat_id']}/cancel"), 5)
+            assert cancelled.status_code == 200, cancelled.text
+            assert await _status(stack, body["run_id"]) == "cancelled"
+            frames = await read_frames(client, body["stream_url"])
+            assert types(frames) == ["metadata", "cancelled"]
+        finally:
+            release.set()
+        await wait_for(lambda: body["run_id"] not in runner.active)
+        assert await _archived(stack, body["run_id"]) == 2

@@ -219,7 +219,7 @@ class TurnRunner:
         self.billing = billing
         self.tools = tools
         self.active: dict[str, RunState] = {}
-        self._archiving: dict[str, asyncio.Task] = {}  # ended runs whose archive failed: tried again (`_archive_after_end`)
+        self._archiving: dict[str, asyncio.Task] = {}  # ended runs whose archive failed: tried again (`archive_after_end`)
         self._tool_defs: list[dict[str, Any]] | None = None
         self._tool_defs_at = 0.0
         self._tool_defs_retry_at = 0.0
@@ -742,7 +742,7 @@ class TurnRunner:
         state.outcome = outcome.kind  # final from here on: nothing below may change it (one terminal outcome)
         state.ended.set()
         if not archived:
-            await self._archive_after_end(run_id)
+            await self.archive_after_end(run_id)
         log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
 
     async def _finish_minimal(self, spec: RunSpec, outcome: Outcome) -> None:
@@ -763,9 +763,9 @@ class TurnRunner:
                                       [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in archived])
         self._end_stream(run_id, ending)
         if not archived:
-            await self._archive_after_end(run_id)
+            await self.archive_after_end(run_id)
 
-    async def _archive_after_end(self, run_id: str) -> None:
+    async def archive_after_end(self, run_id: str) -> None:
         """Archive an ended run's events (a durable log: after its end is stored and published).
 
         The end is final by then, so a failed archive (the database unreachable for a moment)

@@ -582,9 +582,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         return assistant_pb2.CheckModelResponse(provider_id=llm["provider_id"])
 
     async def _publish_after_pause(self, run_id: str, event: events_pb2.Event) -> None:
-        """Append `event` to a paused (closed) run's log, restoring it from the archive if needed."""
+        """Append `event` to a paused (closed) run's log, restoring it from the archive if needed,
+        then archive the log (a failed archive is tried again in the background: the change this
+        event reports is stored, so the call that made it succeeds)."""
         await self.runner.events.append_after_end(run_id, event)
-        await self.runner.archive(run_id)
+        await self.runner.archive_after_end(run_id)
 
     async def _check_credential(self, organization_id: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
         """A `credential_added` answer must name an existing credential of the organization for the

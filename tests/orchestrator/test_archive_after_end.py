@@ -86,3 +86,29 @@ async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(sta
             release.set()
         await wait_for(lambda: body["run_id"] not in runner.active)
         assert await _archived(stack, body["run_id"]) == 2
+
+
+async def test_a_paused_run_cancelled_while_its_archive_fails_answers_200_and_is_archived_later(stack, monkeypatch):
+    # the same fault on the paused run's path: the cancel was stored and published, then the
+    # archive's failure failed the call (a retry then said "No active execution to cancel")
+    runner = stack.orchestrator.runner
+    async with stack.client() as client:
+        body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Proceed?"}})
+        assert types(frames)[-1] == "interrupted"
+        real = runner.store.archive
+        attempts: list[str] = []
+
+        async def flaky(run_id, events):
+            attempts.append(run_id)
+            if len(attempts) == 1:
+                raise exc.OperationalError("INSERT INTO run_events", None, ConnectionRefusedError(111, "refused"))
+            await real(run_id, events)
+
+        monkeypatch.setattr(runner.store, "archive", flaky)
+        cancelled = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+        assert cancelled.status_code == 200, cancelled.text
+        await wait_for(lambda: len(attempts) >= 2 and runner.archiving_runs() == 0, timeout=10)
+        whole = await read_frames(client, body["stream_url"])
+        assert types(whole) == [*types(frames), "cancelled"]
+        assert await _archived(stack, body["run_id"]) == len(whole)
+        assert await _status(stack, body["run_id"]) == "cancelled"

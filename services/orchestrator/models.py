@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, LargeBinary, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -28,7 +28,7 @@ class Chat(Base):
     __tablename__ = "chats"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    organization_id: Mapped[str] = mapped_column(String(64), index=True)
+    organization_id: Mapped[str] = mapped_column(String(64))  # looked up through ix_chats_org_kind_created
     user_id: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16))
     title: Mapped[str] = mapped_column(String(64))
@@ -85,9 +85,14 @@ class Run(Base):
     # renewed by the replica running the loop; a `running` run past it is failed by the reaper
     lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # the turn start's idempotency key (StartTurnRequest.request_id, AIP-155); NULL: none
-    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
-    __table_args__ = (Index("ix_runs_status_lease", "status", "lease_until"),)
+    __table_args__ = (
+        Index("ix_runs_status_lease", "status", "lease_until"),
+        # partial: a turn started without a key (most) writes no index entry (migration 0005)
+        Index("ix_runs_request_id", "request_id", sqlite_where=text("request_id IS NOT NULL"),
+              postgresql_where=text("request_id IS NOT NULL")),
+    )
 
 
 class RunEvent(Base):

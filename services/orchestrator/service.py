@@ -12,6 +12,7 @@ import asyncio
 import base64
 import contextlib
 import datetime
+import hashlib
 import logging
 import re
 import uuid
@@ -46,6 +47,8 @@ ASSISTANT_KIND = "assistant"
 STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
 TITLE_LENGTH = 50
 REQUEST_ID_LENGTH = 64  # StartTurnRequest.request_id, at most (runs.request_id)
+REQUEST_CLAIM_WAIT_S = 30.0  # a start waits this long at most for another with its request_id (`_claim_request`)
+REQUEST_CLAIM_POLL_S = 0.02
 # a billing call that ended without an answer: billing may or may not have done its work
 _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
 
@@ -252,11 +255,44 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED_KIND", "only assistant chats are served here")
         if len(request.request_id) > REQUEST_ID_LENGTH:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST_ID", f"request_id must be at most {REQUEST_ID_LENGTH} characters")
-        if request.request_id:  # AIP-155: a retry of a start that did start answers that turn
+        if not request.request_id:
+            return await self._start_turn(request, context)
+        # AIP-155: a retry of a start that did start answers that turn; a start sent while
+        # another with the same request_id is in flight waits for it (`_claim_request`)
+        claim = await self._claim_request(caller.organization_id, request.request_id)
+        try:
             since = utcnow() - datetime.timedelta(seconds=self.settings.idempotency_ttl_s)
             started = await self.store.run_for_request(caller.organization_id, request.request_id, since)
             if started is not None:
                 return self._started(*started)
+            return await self._start_turn(request, context)
+        finally:
+            await self._unclaim(claim)
+
+    async def _claim_request(self, organization_id: str, request_id: str) -> str:
+        """Take the claim of a turn start's request_id (the chat claims' mechanism: atomic across
+        replicas, freed on a crash after LOOPLINE_CHAT_CLAIM_TTL_S); returns its key for `_unclaim`.
+
+        Held from the lookup of a started turn until the start's run is stored, so starts with
+        the same request_id sent together start one turn: the others wait here (polling every
+        REQUEST_CLAIM_POLL_S), then find it. Fresh-eyes test: ten sent together started and
+        charged ten turns. ABORTED REQUEST_IN_FLIGHT (409 at the gateway) when the claim is
+        still held after REQUEST_CLAIM_WAIT_S.
+        """
+        digest = hashlib.sha256(f"{organization_id}\n{request_id}".encode()).hexdigest()
+        key = f"request:{digest[:32]}"
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + REQUEST_CLAIM_WAIT_S
+        while not await self._try_claim(key):
+            if loop.time() >= give_up_at:
+                raise RpcError(grpc.StatusCode.ABORTED, "REQUEST_IN_FLIGHT",
+                               "A turn start with this request_id is still in flight; retry it")
+            await asyncio.sleep(REQUEST_CLAIM_POLL_S)
+        return key
+
+    async def _start_turn(self, request: assistant_pb2.StartTurnRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.StartTurnResponse:
+        """`StartTurn` past its request_id: model -> admission -> persist -> start (see there)."""
+        caller = request.caller
         llm = self._llm(request.llm, request.HasField("llm"))
         model = await self._model(llm, caller.organization_id)
         chat_id = request.chat_id or str(uuid.uuid4())

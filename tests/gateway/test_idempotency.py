@@ -178,3 +178,29 @@ async def test_a_refused_request_frees_its_key_for_another_body(stack):
         assert other.status_code == 200, other.text
         await read_frames(client, other.json()["stream_url"])
     assert await _runs(stack) == 1
+
+
+async def test_starts_sent_together_with_one_request_id_start_and_charge_one_turn(stack):
+    """Fresh-eyes test (gRPC user): ten StartTurn calls sent together with the same request_id
+    started ten turns and charged each (the lookup of a started turn ran before any of them had
+    stored its run). A start now holds the request_id's claim: the others wait for it and answer
+    the turn it started (AIP-155)."""
+    import asyncio
+
+    import grpc
+
+    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+    from tests.orchestrator.helpers import billing_delivered
+    from services.billing.models import LedgerEntry
+
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    request = assistant_pb2.StartTurnRequest(caller=caller, message="same body", request_id="together-1")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        answers = await asyncio.gather(*(stub.StartTurn(request) for _ in range(10)))
+    assert len({(a.chat_id, a.run_id) for a in answers}) == 1
+    assert await _runs(stack) == 1
+    await billing_delivered(stack)
+    async with stack.billing.core.sessions() as session:
+        charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge"))
+    assert charges == 1

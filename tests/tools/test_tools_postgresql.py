@@ -148,6 +148,80 @@ async def test_outbound_policy_refuses_a_loopback_or_socket_dsn_by_default(tools
     assert "not allowed" in error
 
 
+# Fresh-eyes test (security): the policy read the host after the LAST "@" (urlsplit) while asyncpg
+# connects to the one after the FIRST, and ignores what follows a bracketed host: the DSN below
+# passed the check as 8.8.8.8 and connected to the local PostgreSQL as its superuser.
+@pytest.mark.parametrize("dsn", [
+    "postgresql://postgres@[::ffff:127.0.0.1]:5432@8.8.8.8/test",
+    "postgresql://postgres@127.0.0.1:5432@8.8.8.8/test",
+    "postgresql://postgres:pw@127.0.0.1@8.8.8.8/test",
+    "postgresql://postgres@[::ffff:127.0.0.1]x@8.8.8.8/test",
+    "postgresql://postgres@8.8.8.8/test?host=127.0.0.1",
+    "postgresql://postgres@8.8.8.8/test?hostaddr=127.0.0.1",
+    "postgresql://postgres@8.8.8.8,127.0.0.1/test",
+    "postgresql://postgres@8.8.8.8/test?sslrootcert=/etc/passwd",
+    "postgresql://postgres@8.8.8.8/test?passfile=/root/.pgpass",
+])
+async def test_a_dsn_read_one_way_by_the_policy_and_another_by_the_driver_is_refused(tools, dsn, monkeypatch):
+    import asyncpg as driver
+
+    connected: list[dict] = []
+
+    async def spy(*args, **kwargs):
+        connected.append(kwargs)
+        raise OSError("not connecting in this test")
+
+    monkeypatch.setattr(driver, "connect", spy)
+    await tools.create_credential("postgresql", {"dsn": dsn}, make_default=True)
+    error = await tools.failed("execute_integration_tool", run("list_schemas"))
+    assert connected == [], (dsn, connected)
+    assert "dsn" in error or "not allowed" in error, error
+
+
+def test_the_dsn_is_parsed_once_and_the_driver_gets_its_parts():
+    from services.tools.integrations.postgresql import DsnError, parse_dsn
+
+    parts = parse_dsn("postgresql://us%40er:p%40ss@db.example.com:6543/my%2Fdb?sslmode=verify-full&application_name=x")
+    assert (parts.host, parts.port, parts.user, parts.password, parts.database, parts.sslmode) == (
+        "db.example.com", 6543, "us@er", "p@ss", "my/db", "verify-full")
+    bare = parse_dsn("postgres://[2001:db8::1]/")
+    assert (bare.host, bare.port, bare.user, bare.password, bare.database, bare.sslmode) == ("2001:db8::1", 5432, "postgres", "", "postgres", None)
+    for bad in ("mysql://h/db", "postgresql:///db", "postgresql://h:99999/db", "postgresql://h/db?sslmode=sometimes",
+                "postgresql://a@b@h/db", "postgresql://h/db?options=-c%20x"):
+        with pytest.raises(DsnError):
+            parse_dsn(bad)
+
+
+async def test_the_driver_connects_to_the_checked_address_not_the_name_again(start_tools, monkeypatch):
+    """No second lookup between the check and the connection (DNS rebinding): the driver gets
+    the address the policy checked (the host name only for sslmode=verify-full, whose
+    certificate check names the host)."""
+    import asyncpg as driver
+
+    from services.tools import netpolicy
+
+    async def resolved(host, port, allow_private):
+        return ["93.184.216.34"]
+
+    connected: list[dict] = []
+
+    async def spy(*args, **kwargs):
+        connected.append(kwargs)
+        raise OSError("not connecting in this test")
+
+    monkeypatch.setattr(netpolicy, "resolve_checked", resolved)
+    monkeypatch.setattr("services.tools.integrations.postgresql.resolve_checked", resolved)
+    monkeypatch.setattr(driver, "connect", spy)
+    tools = await start_tools()
+    await tools.create_credential("postgresql", {"dsn": "postgresql://u:pw@db.example.com/x"})
+    await tools.failed("execute_integration_tool", run("list_schemas"))
+    assert connected[-1]["host"] == "93.184.216.34" and connected[-1]["user"] == "u" and connected[-1]["database"] == "x"
+    assert connected[-1]["password"] == "pw" and "dsn" not in connected[-1]
+    await tools.create_credential("postgresql", {"dsn": "postgresql://u:pw@db.example.com/x?sslmode=verify-full"}, make_default=True)
+    await tools.failed("execute_integration_tool", run("list_schemas"))
+    assert connected[-1]["host"] == "db.example.com" and connected[-1]["ssl"] == "verify-full"
+
+
 @pytest.mark.parametrize(("value", "text"), [
     (datetime.timedelta(days=1), "P1D"), (datetime.timedelta(days=1, hours=2, minutes=3, seconds=4.5), "P1DT2H3M4.5S"),
     (datetime.timedelta(minutes=-30), "-PT30M"), (datetime.timedelta(0), "PT0S"), (datetime.timedelta(microseconds=1), "PT0.000001S"),

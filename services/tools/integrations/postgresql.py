@@ -18,9 +18,11 @@ import datetime
 import decimal
 import ipaddress
 import logging
+import re
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.tools.catalogue import ActionContext, ActionError
@@ -169,27 +171,97 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-async def _check_destination(dsn: str, allow_private: bool) -> None:
-    """Apply the deployment's outbound policy to the DSN's host (issue 6: URLs an organization
-    supplies may not reach loopback, link-local or private addresses unless the operator allows
-    them). Unix sockets and several hosts count as private. Raises ActionError when refused."""
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")  # libpq's sslmode values
+_IGNORED_PARAMS = frozenset({"application_name", "connect_timeout"})  # the action sets its own
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\[\]@:/,%]+)(?::[0-9]+)?")  # one host (an IPv6 address in brackets), a port
+
+
+class DsnError(ActionError):
+    """The credential's `dsn` is not one this integration connects to; the message never quotes it (a secret)."""
+
+
+@dataclass(frozen=True)
+class Dsn:
+    """The parts of a `postgresql://` URL the driver is given, one by one (`parse_dsn`)."""
+
+    host: str
+    port: int
+    user: str
+    password: str
+    database: str
+    sslmode: str | None
+
+
+def parse_dsn(dsn: str) -> Dsn:
+    """The one reading of `dsn` that both the outbound policy and the connection use.
+
+    `postgresql://[user[:password]@]host[:port][/database][?sslmode=...]` (RFC 3986 with
+    libpq's names; `postgres://` too): one host name or address (an IPv6 address in
+    brackets), at most one `@` (percent-encode one in a user name or password: `%40`), and
+    of the query parameters only `sslmode` (`application_name` and `connect_timeout` are
+    accepted and ignored: the action sets its own). Defaults: port 5432, user `postgres`,
+    database the user's name, no password, the driver's sslmode (prefer). Raises DsnError
+    for anything else: host lists and `host=`/`hostaddr=` (sockets), other parameters (some
+    name files on the tools host), a second `@`.
+
+    Found by a fresh-eyes test: the policy read the host after the last `@` (urllib) while
+    the driver (asyncpg) read it after the first and ignored text after a bracketed host, so
+    `postgres@[::ffff:127.0.0.1]:5432@8.8.8.8` passed as 8.8.8.8 and connected to loopback.
+    """
+    invalid = "the credential's `dsn` is not a valid postgresql:// URL"
     try:
         parsed = urllib.parse.urlsplit(dsn)
         port = parsed.port or 5432
-    except ValueError as exc:
-        raise ActionError("the credential's `dsn` is not a valid postgresql:// URL") from exc
+    except ValueError:
+        raise DsnError(invalid) from None
     if parsed.scheme not in ("postgresql", "postgres"):
-        raise ActionError("the credential's `dsn` must start with postgresql://")
-    query = urllib.parse.parse_qs(parsed.query)
-    hosts = [parsed.hostname] if parsed.hostname else []
-    if not hosts or "host" in query or "," in (parsed.netloc or ""):
-        if allow_private:
-            return
-        raise ActionError("the database host must be one public host name or address (sockets and host lists are not allowed here)")
+        raise DsnError("the credential's `dsn` must start with postgresql://")
+    if parsed.netloc.count("@") > 1:
+        raise DsnError("the credential's `dsn` has more than one '@' before its host; write an '@' in the user name or password as %40")
+    host_port = parsed.netloc.rpartition("@")[2]
+    if not parsed.hostname or not _HOST_PORT.fullmatch(host_port):
+        raise DsnError("the credential's `dsn` must name one database host (host lists and sockets are not allowed here)")
     try:
-        await resolve_checked(hosts[0], port, allow_private)
+        params = urllib.parse.parse_qs(parsed.query, keep_blank_values=True, strict_parsing=bool(parsed.query))
+    except ValueError:
+        raise DsnError(invalid) from None
+    unknown = sorted(set(params) - _IGNORED_PARAMS - {"sslmode"})
+    if unknown:
+        raise DsnError(f"the credential's `dsn` has parameters this integration does not take: {', '.join(unknown)} (it takes sslmode)")
+    modes = params.get("sslmode", [])
+    if len(modes) > 1 or (modes and modes[0] not in SSL_MODES):
+        raise DsnError(f"the credential's `dsn` has an sslmode that is not one of {', '.join(SSL_MODES)}")
+    user = urllib.parse.unquote(parsed.username) if parsed.username else "postgres"
+    database = urllib.parse.unquote(parsed.path[1:]) if len(parsed.path) > 1 else user
+    return Dsn(host=parsed.hostname, port=port, user=user, password=urllib.parse.unquote(parsed.password or ""),
+               database=database, sslmode=modes[0] if modes else None)
+
+
+async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
+    """The driver's connection arguments for `dsn` under the outbound policy (issue 6: URLs an
+    organization supplies may not reach loopback, link-local or private addresses unless the
+    operator allows them). Raises ActionError when refused.
+
+    When the operator allows private networks, the whole DSN goes to the driver (host lists,
+    sockets, every libpq parameter). Otherwise it is read once (`parse_dsn`), its host is
+    resolved and checked, and the driver gets the parts — and the checked address, so no
+    second lookup can lead elsewhere (DNS rebinding), except with sslmode=verify-full, whose
+    certificate check must name the host (and fails for any other server).
+    """
+    if allow_private:
+        return {"dsn": dsn}
+    parts = parse_dsn(dsn)
+    try:
+        addresses = await resolve_checked(parts.host, parts.port, False)
     except OutboundPolicyError as exc:
         raise ActionError(f"the database host is not allowed: {exc}") from exc
+    args: dict[str, Any] = {
+        "host": parts.host if parts.sslmode == "verify-full" else addresses[0],
+        "port": parts.port, "user": parts.user, "password": parts.password, "database": parts.database,
+    }
+    if parts.sslmode is not None:
+        args["ssl"] = parts.sslmode
+    return args
 
 
 @contextlib.asynccontextmanager
@@ -202,13 +274,13 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
     if not isinstance(dsn, str) or not dsn:
         raise ActionError("the credential has no `dsn` field; connect a PostgreSQL credential with a connection URL")
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
-    await _check_destination(dsn, ctx.allow_private_network)
+    target = await _connect_args(dsn, ctx.allow_private_network)
     timeout_ms = max(1, int(ctx.timeout_s * 1000))
     import asyncpg
 
     try:
         connection = await asyncpg.connect(
-            dsn,
+            **target,
             timeout=min(ctx.timeout_s, 10.0),
             statement_cache_size=0,
             server_settings={

@@ -28,9 +28,19 @@ class OutboundPolicyError(Exception):
 
 
 def classify(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    """Why `address` is not a public destination ("loopback", "private", ...), or None if it is."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    """Why `address` is not a public destination ("loopback", "private", ...), or None if it is.
+
+    An IPv6 address that carries an IPv4 address is judged by that one: IPv4-mapped
+    (::ffff:0:0/96), 6to4 (2002::/16, RFC 3056) and Teredo (2001::/32, RFC 4380: its client
+    address) — a fresh-eyes test reached 127.0.0.1 through 2002:7f00:1::.
+    """
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        elif address.sixtofour is not None:
+            address = address.sixtofour
+        elif address.teredo is not None:
+            address = address.teredo[1]
     if address.is_unspecified:
         return "unspecified"
     if address.is_loopback:

@@ -182,3 +182,15 @@ async def test_an_invalid_host_name_is_a_plain_tool_error(tools):
         error = await tools.failed("execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": url}})
         assert "UnicodeError" not in error and "idna" not in error, error
         assert "invalid URL" in error or "outbound policy" in error, error
+
+
+def test_ipv6_addresses_that_carry_an_ipv4_address_are_judged_by_it():
+    # fresh-eyes test (security): 6to4 2002:7f00:1:: (127.0.0.1 inside) passed the policy as public
+    import ipaddress
+
+    from services.tools.netpolicy import classify
+
+    for text, kind in (("2002:7f00:1::", "loopback"), ("2002:a01:203::1", "private"), ("2002:a9fe:a9fe::", "link-local"),
+                       ("::ffff:127.0.0.1", "loopback"), ("2001:0:4136:e378:8000:63bf:80ff:fffe", "loopback")):
+        assert classify(ipaddress.ip_address(text)) == kind, text
+    assert classify(ipaddress.ip_address("2002:5db8:d822::1")) is None  # 93.184.216.34 inside: public

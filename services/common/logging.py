@@ -44,6 +44,12 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+# Libraries whose INFO/DEBUG lines are noise or carry what must not be logged: the HTTP clients
+# log every request's URL, and an organization's URL can be a secret (an MCP server's, with its
+# token: the mcp SDK calls through httpx2). Kept at WARNING whatever the service's level.
+QUIET_LOGGERS = ("uvicorn.access", "aiosqlite", "sqlalchemy.engine", "httpx", "httpcore", "httpx2", "httpcore2")
+
+
 def setup(service: str, level: str = "INFO") -> None:
     """Route the root logger to stderr as JSON lines for `service` at `level`."""
     handler = logging.StreamHandler(sys.stderr)
@@ -51,7 +57,7 @@ def setup(service: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("uvicorn.access", "aiosqlite", "sqlalchemy.engine", "httpx", "httpcore"):
+    for noisy in QUIET_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -164,6 +164,12 @@ def not_found(reservation_id: str) -> RpcError:
     )
 
 
+# Bounds of what one usage call may record (fresh-eyes test: 2**63-1 millicredits was posted on
+# PostgreSQL, after which every charge of the organization overflowed its bigint sum and failed).
+MAX_TOKENS_PER_CALL = 10**9  # per token count of one model call (the orchestrator clamps to the same)
+MAX_TOOL_MILLICREDITS = 10**12  # one tool call's cost (catalogue costs are hundreds)
+
+
 def invalid(reason: str, message: str) -> RpcError:
     """INVALID_ARGUMENT with `reason` (UPPER_SNAKE)."""
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=BILLING_DOMAIN)
@@ -1081,11 +1087,14 @@ class BillingCore:
     def _usage_rows(self, r: billing_pb2.RecordUsageRequest) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(usage record, ledger entry or None) of one RecordUsage request, validated and priced.
 
-        Raises RpcError INVALID_ARGUMENT on missing ids or negative counts."""
+        Raises RpcError INVALID_ARGUMENT on missing ids, negative counts or counts past
+        MAX_TOKENS_PER_CALL."""
         if not r.organization_id or not r.run_id:
             raise invalid("USAGE_KEY_REQUIRED", "organization_id and run_id are required")
         if r.call_index < 0 or min(r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens) < 0:
             raise invalid("USAGE_NEGATIVE", "call_index and token counts must not be negative")
+        if max(r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens) > MAX_TOKENS_PER_CALL:
+            raise invalid("USAGE_TOO_LARGE", f"a token count of one model call must be at most {MAX_TOKENS_PER_CALL}")
         millicredits = self.prices.millicredits(
             r.provider_id,
             r.model_id,
@@ -1226,7 +1235,7 @@ class BillingCore:
         Posts ledger entry "tool:{run_id}:{tool_call_id}" (unit millicredit, kind tool_usage)
         and adds it to the account's `usage_millicredits` in the same transaction. Returns
         (ledger entry id, replayed); ("", False) for a zero cost. Raises RpcError
-        INVALID_ARGUMENT on missing ids or a negative cost, ALREADY_EXISTS / USAGE_KEY_REUSED
+        INVALID_ARGUMENT on missing ids or a cost below 0 or past MAX_TOOL_MILLICREDITS, ALREADY_EXISTS / USAGE_KEY_REUSED
         when the key belongs to another organization.
         """
         r = request
@@ -1234,6 +1243,8 @@ class BillingCore:
             raise invalid("USAGE_KEY_REQUIRED", "organization_id, run_id and tool_call_id are required")
         if r.millicredits < 0:
             raise invalid("USAGE_NEGATIVE", "millicredits must not be negative")
+        if r.millicredits > MAX_TOOL_MILLICREDITS:
+            raise invalid("USAGE_TOO_LARGE", f"millicredits of one tool call must be at most {MAX_TOOL_MILLICREDITS}")
         if r.millicredits == 0:
             return "", False
         with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):

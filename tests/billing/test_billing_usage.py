@@ -93,6 +93,29 @@ async def test_usage_key_of_another_org_is_already_exists(stub, org):
     assert status_details(caught.value).reason == "USAGE_KEY_REUSED"
 
 
+async def test_counts_and_costs_past_their_bounds_are_refused_and_later_charges_still_post(server, stub, org):
+    """Fresh-eyes test (gRPC user): RecordToolUsage took 2**63-1 millicredits; on PostgreSQL every
+    later charge of the organization then overflowed its bigint usage sum and failed (UNKNOWN),
+    and on SQLite 2**63-1 tokens failed with an OverflowError. One call's token counts are at
+    most 10**9 (the orchestrator's own clamp) and one tool call's cost at most 10**12."""
+    too_large = [
+        stub.RecordUsage(usage(org, run_id="big-tokens", input_tokens=10**9 + 1)),
+        stub.RecordUsage(usage(org, run_id="huge-tokens", output_tokens=2**63 - 1)),
+        stub.RecordToolUsage(pb.RecordToolUsageRequest(organization_id=org, run_id="r", tool_call_id="c1", tool="t", millicredits=2**63 - 1)),
+        stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=[usage(org, run_id="in-batch", cache_read_tokens=10**10)])),
+    ]
+    for call in too_large:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_details(caught.value).reason == "USAGE_TOO_LARGE"
+    assert (await stub.RecordUsage(usage(org, run_id="at-the-bound", input_tokens=10**9))).millicredits > 0
+    posted = await stub.RecordToolUsage(pb.RecordToolUsageRequest(organization_id=org, run_id="r", tool_call_id="c2", tool="t", millicredits=10**12))
+    assert posted.ledger_entry_id
+    later = await stub.RecordToolUsage(pb.RecordToolUsageRequest(organization_id=org, run_id="r", tool_call_id="c3", tool="t", millicredits=100))
+    assert later.ledger_entry_id
+
+
 async def test_negative_token_counts_are_invalid_argument(stub, org):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.RecordUsage(usage(org, input_tokens=-1))

@@ -21,7 +21,7 @@ from services.billing.plans import load_plans, sync_plans
 from services.billing.pricing import PriceTable
 from services.billing.rates import RateDecision, RateLimiter
 from services.common import db
-from services.common.errors import rpc_handler
+from services.common.errors import BILLING_DOMAIN, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.tasks import stop_task
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # The one wrapper every handler goes through: RpcError -> rich status; other exceptions
 # reach grpc as UNKNOWN and are logged with their traceback.
-rpc = rpc_handler()
+rpc = rpc_handler(domain=BILLING_DOMAIN)
 
 
 def _rate_pb(rate: RateDecision) -> billing_pb2.RateLimitState:

@@ -134,6 +134,25 @@ def is_unavailable(error: BaseException) -> bool:
     return False
 
 
+# SQLSTATEs of a value the database cannot store (PostgreSQL manual, Appendix A): 22001 string
+# too long for its column, 22003 numeric value out of range, 22021 character not in repertoire
+# (a NUL in text), 22P05 untranslatable character.
+_INVALID_VALUE_SQLSTATES = frozenset({"22001", "22003", "22021", "22P05"})
+
+
+def is_invalid_value(error: BaseException) -> bool:
+    """Whether `error` says a value of the statement cannot be stored (the caller's input, not a
+    bug or an outage): one of `_INVALID_VALUE_SQLSTATES` on the error or its chain (asyncpg), or
+    the sqlite3 driver's OverflowError for an integer past 64 bits."""
+    for current in _chain(error):
+        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(code, str) and code in _INVALID_VALUE_SQLSTATES:
+            return True
+        if isinstance(current, OverflowError) and "SQLite INTEGER" in str(current):
+            return True
+    return False
+
+
 def unavailable_store(error: BaseException) -> str | None:
     """What `error` says cannot serve right now: "Redis" when a redis-py error is on its chain
     (the rate limits and event streams of a scaled-out deployment), else "database"; None when

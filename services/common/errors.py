@@ -97,19 +97,29 @@ async def abort(context: grpc.aio.ServicerContext, error: RpcError) -> None:
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-def rpc_handler(*, internal_domain: str | None = None) -> Callable[[Handler], Handler]:
+def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_DOMAIN,
+                check: Callable[[Any], None] | None = None) -> Callable[[Handler], Handler]:
     """The one wrapper every unary servicer handler goes through (STYLE.md, after A2A's grpc_handler).
 
     RpcError becomes its rich status via `abort`. An abort already under way
-    (grpc.aio.AbortError) and cancellation propagate untouched. Any other exception is logged
-    with its traceback and, when `internal_domain` is given, answered as INTERNAL with a generic
-    message in that domain; otherwise it reaches grpc as UNKNOWN.
+    (grpc.aio.AbortError) and cancellation propagate untouched. A database (or Redis) that
+    cannot serve is UNAVAILABLE; a value the database cannot store (`db.is_invalid_value`: a
+    NUL character on PostgreSQL, a number past its column's range) is INVALID_ARGUMENT
+    INVALID_VALUE. Any other exception is logged with its traceback and answered with a
+    generic message and an ErrorInfo (reason INTERNAL): INTERNAL in `internal_domain` when it
+    is given, else UNKNOWN in `domain` (the caller cannot know whether the call took effect:
+    the orchestrator treats a billing UNKNOWN so). Never the exception's own text: a
+    fresh-eyes test got "Unexpected <class ...>: [SQL: SELECT ...] [parameters: ...]".
+    `check(request)`, when given, runs first and may raise RpcError (the service's checks of
+    fields every call carries, e.g. the caller's organization id).
     """
 
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
+                if check is not None:
+                    check(request)
                 return await handler(self, request, context)
             except RpcError as error:
                 await abort(context, error)
@@ -120,12 +130,19 @@ def rpc_handler(*, internal_domain: str | None = None) -> Callable[[Handler], Ha
                 if store is not None:  # the database or Redis is down or full: retryable, not a bug
                     log.warning(f"{store} unavailable", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
                     await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, f"{store.upper()}_UNAVAILABLE",
-                                                  "The service is temporarily unavailable; try again"))
+                                                  "The service is temporarily unavailable; try again", domain=domain))
                     return None
-                if internal_domain is None:
-                    raise
+                if db.is_invalid_value(error):
+                    log.warning("a value the database cannot store", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
+                    await abort(context, RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_VALUE",
+                                                  "A field holds a value that cannot be stored (a NUL character, or a number out of range)",
+                                                  domain=internal_domain or domain))
+                    return None
                 log.exception("unhandled error", extra={"fields": {"rpc": handler.__name__}})
-                await abort(context, RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=internal_domain))
+                if internal_domain is not None:
+                    await abort(context, RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=internal_domain))
+                await abort(context, RpcError(grpc.StatusCode.UNKNOWN, "INTERNAL", "Internal error; the call may or may not have taken effect",
+                                              domain=domain))
 
         return wrapper
 

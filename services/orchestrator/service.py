@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2
-from services.common import db, pb
+from services.common import db, ids, pb
 from services.common.errors import RpcError, abort, rpc_handler
 from services.orchestrator import hitl
 from services.orchestrator.backend import MemoryBackend, RunBackend
@@ -57,7 +57,25 @@ def _not_found(what: str = "Chat") -> RpcError:
     return RpcError(grpc.StatusCode.NOT_FOUND, f"{what.upper()}_NOT_FOUND", f"{what} not found")
 
 
-unary = rpc_handler()
+def _check_organization(request: Any) -> None:
+    """Every AssistantService call names an organization (`caller.organization_id`, or
+    `organization_id` itself) that an organization can have (`ids.org_id_error`: 1 to 128
+    visible ASCII characters): else INVALID_ARGUMENT INVALID_ORGANIZATION_ID. The gateway checks
+    the same on X-Organization-ID; a gRPC caller's went on to billing (fresh-eyes test: no
+    caller was billing's ORGANIZATION_ID_REQUIRED, a NUL "Billing is unavailable; try again")."""
+    fields = request.DESCRIPTOR.fields_by_name
+    if "caller" in fields:
+        name, organization_id = "caller.organization_id", request.caller.organization_id
+    elif "organization_id" in fields:
+        name, organization_id = "organization_id", request.organization_id
+    else:
+        return
+    problem = ids.org_id_error(organization_id)
+    if problem is not None:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ORGANIZATION_ID", f"{name}: {problem}")
+
+
+unary = rpc_handler(check=_check_organization)
 
 
 class _PassThrough(Exception):
@@ -72,15 +90,20 @@ def _downstream_failure(error: grpc.aio.AioRpcError, service: str, unavailable: 
     """The error of a turn whose call to billing or the tools service failed with `error` (no answer
     of theirs to pass on): DEADLINE_EXCEEDED `<service>_TIMEOUT` when the call timed out (the
     gateway's 504, README error table: "a downstream timeout"), else UNAVAILABLE
-    `<service>_UNAVAILABLE` with the message `unavailable` (503 with Retry-After).
-    `service` is "BILLING" or "TOOLS"."""
+    `<service>_UNAVAILABLE` with the message `unavailable` and a RetryInfo of 1 s (503 with
+    Retry-After; a gRPC caller gets the same hint, AIP-194). `service` is "BILLING" or "TOOLS"."""
     if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         what = "Billing" if service == "BILLING" else "The tools service"
         return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{service}_TIMEOUT", f"{what} did not answer in time")
-    return RpcError(grpc.StatusCode.UNAVAILABLE, f"{service}_UNAVAILABLE", unavailable)
+    return RpcError(grpc.StatusCode.UNAVAILABLE, f"{service}_UNAVAILABLE", unavailable, retry_after_s=1.0)
 
 
 def _downstream_status(error: grpc.aio.AioRpcError) -> grpc.Status | None:
+    """The rich status of a downstream refusal to pass on unchanged (a billing denial), or None:
+    no details, or UNKNOWN (a failure inside the service, whose outcome is unknown: answered
+    as that service being unavailable, `_downstream_failure`)."""
+    if error.code() == grpc.StatusCode.UNKNOWN:
+        return None
     for key, value in error.trailing_metadata() or ():
         if key == "grpc-status-details-bin":
             return rpc_status.to_status(status_pb2.Status.FromString(value))

@@ -63,6 +63,21 @@ class _Context:
         raise grpc.aio.AbortError()
 
 
+def _error_info(context):
+    from google.rpc import error_details_pb2, status_pb2
+
+    packed = dict(context.status.trailing_metadata)["grpc-status-details-bin"]
+    info = error_details_pb2.ErrorInfo()
+    status_pb2.Status.FromString(packed).details[0].Unpack(info)
+    return info
+
+
+class _StatusContext(_Context):
+    async def abort_with_status(self, status: grpc.Status) -> None:
+        self.status = status
+        await super().abort_with_status(status)
+
+
 async def test_servicers_answer_unavailable_when_the_database_is_full():
     class Servicer:
         @rpc_handler()
@@ -93,24 +108,59 @@ async def test_servicers_name_the_store_that_is_unavailable_in_the_log_and_the_r
     """A redis-py connection error (no OSError on its chain when redis-py says `from None`) is
     UNAVAILABLE with reason REDIS_UNAVAILABLE, logged as "Redis unavailable"."""
     import redis.exceptions
-    from google.rpc import error_details_pb2, status_pb2
 
     class Servicer:
         @rpc_handler()
         async def Admit(self, request, context):  # noqa: N802 - gRPC method name
             raise redis.exceptions.ConnectionError("Connection refused")
 
-    class Context(_Context):
-        async def abort_with_status(self, status: grpc.Status) -> None:
-            self.status = status
-            await super().abort_with_status(status)
-
-    context = Context()
+    context = _StatusContext()
     with caplog.at_level("WARNING"), pytest.raises(grpc.aio.AbortError):
         await Servicer().Admit(None, context)
     assert context.code == grpc.StatusCode.UNAVAILABLE
     assert [r.getMessage() for r in caplog.records] == ["Redis unavailable"]
-    packed = dict(context.status.trailing_metadata)["grpc-status-details-bin"]
-    info = error_details_pb2.ErrorInfo()
-    status_pb2.Status.FromString(packed).details[0].Unpack(info)
+    info = _error_info(context)
     assert info.reason == "REDIS_UNAVAILABLE"
+
+
+
+@pytest.mark.parametrize("failure", [
+    lambda: exc.DBAPIError("SELECT chats.id FROM chats WHERE organization_id = $1", ("o\x00",),
+                           asyncpg.exceptions.DataError("secret detail")),
+    lambda: RuntimeError("boom /secret/path"),
+])
+async def test_an_unhandled_error_answers_a_generic_message_with_error_info_never_its_own_text(failure):
+    """Fresh-eyes test (gRPC user): an unhandled error reached grpc, which answered UNKNOWN
+    "Unexpected <class ...>: [SQL: SELECT ...] [parameters: ...]" without an ErrorInfo."""
+    from services.common.errors import BILLING_DOMAIN
+
+    class Servicer:
+        @rpc_handler(domain=BILLING_DOMAIN)
+        async def Admit(self, request, context):  # noqa: N802 - gRPC method name
+            raise failure()
+
+    context = _StatusContext()
+    with pytest.raises(grpc.aio.AbortError):
+        await Servicer().Admit(None, context)
+    assert context.code == grpc.StatusCode.UNKNOWN
+    assert "SQL" not in context.status.details and "secret" not in context.status.details and "class" not in context.status.details
+    info = _error_info(context)
+    assert (info.reason, info.domain) == ("INTERNAL", BILLING_DOMAIN)
+
+
+@pytest.mark.parametrize("failure", [
+    lambda: exc.DBAPIError("INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError('invalid byte sequence for encoding "UTF8": 0x00')),
+    lambda: exc.DBAPIError("INSERT", None, asyncpg.exceptions.NumericValueOutOfRangeError("bigint out of range")),
+    lambda: OverflowError("Python int too large to convert to SQLite INTEGER"),
+])
+async def test_a_value_the_database_cannot_store_is_invalid_argument(failure):
+    class Servicer:
+        @rpc_handler()
+        async def StartTurn(self, request, context):  # noqa: N802 - gRPC method name
+            raise failure()
+
+    context = _StatusContext()
+    with pytest.raises(grpc.aio.AbortError):
+        await Servicer().StartTurn(None, context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert _error_info(context).reason == "INVALID_VALUE" and "0x00" not in context.status.details

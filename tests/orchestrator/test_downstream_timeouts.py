@@ -186,6 +186,22 @@ async def test_billing_down_stays_503_with_retry_after(stack, monkeypatch):
     assert await _counts(stack) == (0, 0, [], 0)
 
 
+async def test_billing_down_gives_a_grpc_caller_unavailable_with_a_retry_delay(stack, monkeypatch):
+    # fresh-eyes test (gRPC user): BILLING_UNAVAILABLE carried no RetryInfo (HTTP adds Retry-After)
+    from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+    from services.common.errors import status_details
+
+    async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:  # nothing listens there
+        monkeypatch.setattr(stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+            caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await assistant_pb2_grpc.AssistantServiceStub(channel).StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hi"))
+    details = status_details(refused.value)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and details.reason == "BILLING_UNAVAILABLE"
+    assert details.retry_after_s == 1.0
+
+
 async def test_tools_hanging_on_the_model_key_is_504_before_billing_is_asked(stack, monkeypatch):
     async with stack.client() as client:
         created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-test-1234567890"}})

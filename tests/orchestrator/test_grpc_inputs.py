@@ -1,0 +1,50 @@
+"""AssistantService over gRPC checks what the gateway checks over HTTP (fresh-eyes test, gRPC user)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+from services.common.errors import ASSISTANT_DOMAIN, status_details
+
+
+@pytest.fixture
+async def stub(stack):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        yield assistant_pb2_grpc.AssistantServiceStub(channel)
+
+
+@pytest.mark.parametrize("organization_id", ["", "org\x00x", "org ü", "o" * 129, "has space"])
+async def test_a_call_naming_no_possible_organization_is_invalid_argument_in_the_assistant_domain(stack, stub, organization_id):
+    """Before: no caller was billing's ORGANIZATION_ID_REQUIRED (billing's domain), a NUL was
+    UNAVAILABLE "Billing is unavailable; try again" (retried for ever), 129 characters billing's
+    KEY_TOO_LONG, and non-ASCII was taken."""
+    caller = assistant_pb2.Caller(organization_id=organization_id, user_id=stack.user_id)
+    calls = [
+        stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hello")),
+        stub.ListChats(assistant_pb2.ListChatsRequest(caller=caller)),
+        stub.NotifyCredentialConnected(assistant_pb2.NotifyCredentialConnectedRequest(organization_id=organization_id, integration="http")),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        details = status_details(refused.value)
+        assert (details.reason, details.domain) == ("INVALID_ORGANIZATION_ID", ASSISTANT_DOMAIN)
+
+
+async def test_a_nul_in_a_text_field_is_stored_or_invalid_argument_never_a_leak(stack, stub):
+    """PostgreSQL cannot store U+0000: StartTurn answered UNKNOWN "Unexpected <class
+    'asyncpg...CharacterNotInRepertoireError'>" and ListChats the whole SQL with its parameters.
+    SQLite stores it; PostgreSQL refuses it as INVALID_ARGUMENT INVALID_VALUE."""
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id="user\x00x")
+    for call in (stub.StartTurn(assistant_pb2.StartTurnRequest(caller=assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id),
+                                                                message="a\x00b")),
+                 stub.ListChats(assistant_pb2.ListChatsRequest(caller=caller))):
+        try:
+            await call
+        except grpc.aio.AioRpcError as refused:
+            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
+            assert status_details(refused).reason == "INVALID_VALUE"
+            assert "SQL" not in refused.details() and "class" not in refused.details()

@@ -21,15 +21,24 @@ from services.common.internal_auth import server_interceptors
 log = logging.getLogger(__name__)
 
 REFLECTION_SERVICE_NAME = "grpc.reflection.v1alpha.ServerReflection"
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"  # the same messages on the wire as v1alpha
+
+
+@dataclass(frozen=True)
+class _CallDetails:
+    method: str
+    invocation_metadata: Any
 
 
 class LazyReflection(grpc.GenericRpcHandler):
-    """gRPC server reflection (grpc.reflection.v1alpha) whose implementation is imported on first use.
+    """gRPC server reflection (grpc.reflection.v1 and v1alpha) whose implementation is imported on first use.
 
     The same service as `grpc_reflection.v1alpha.reflection.enable_server_reflection(names,
     server)`; but `grpc_reflection` imports protobuf's `descriptor_pb2` (~3 MiB resident in
     every process), which only a reflection call needs, so it is imported when the first
-    reflection call arrives (a one-time ~50 ms import on the event loop).
+    reflection call arrives (a one-time ~50 ms import on the event loop). grpcio-reflection
+    ships v1alpha only; v1 (what current tools try first: a fresh-eyes test got UNIMPLEMENTED)
+    has the same messages field for field, so its calls are served by the same handler.
 
     Args:
         service_names: the fully-qualified service names reflection lists.
@@ -38,12 +47,17 @@ class LazyReflection(grpc.GenericRpcHandler):
     def __init__(self, service_names: Sequence[str]) -> None:
         self.service_names = tuple(service_names)
         self._prefix = f"/{REFLECTION_SERVICE_NAME}/"
+        self._v1_prefix = f"/{REFLECTION_V1_SERVICE_NAME}/"
         self._handler: grpc.GenericRpcHandler | None = None
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         """The reflection method's handler, or None for any other method."""
         method = handler_call_details.method
-        if not (isinstance(method, str) and method.startswith(self._prefix)):
+        if not isinstance(method, str):
+            return None
+        if method.startswith(self._v1_prefix):
+            handler_call_details = _CallDetails(self._prefix + method[len(self._v1_prefix):], handler_call_details.invocation_metadata)
+        elif not method.startswith(self._prefix):
             return None
         if self._handler is None:
             self._handler = _reflection_handler(self.service_names)
@@ -122,7 +136,7 @@ async def start_grpc_server(
     for add, servicer, name in bindings:
         add(servicer, server)
         names.append(name)
-    server.add_generic_rpc_handlers((LazyReflection([*names, health.SERVICE_NAME, REFLECTION_SERVICE_NAME]),))
+    server.add_generic_rpc_handlers((LazyReflection([*names, health.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME, REFLECTION_SERVICE_NAME]),))
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpc's "Failed to bind to address ..."

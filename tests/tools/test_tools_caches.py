@@ -166,7 +166,8 @@ async def test_server_reflection_lists_the_services_and_resolves_their_files(too
 
     services, name, package = await asyncio.to_thread(reflect, tools.server.port)
     assert services == [
-        "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "loopline.tools.v1.ToolsService",
+        "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection",
+        "loopline.tools.v1.ToolsService",
     ]
     assert name.endswith("tools.proto") and package == "loopline.tools.v1"
 

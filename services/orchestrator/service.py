@@ -47,6 +47,7 @@ ASSISTANT_KIND = "assistant"
 STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
 TITLE_LENGTH = 50
 REQUEST_ID_LENGTH = 64  # StartTurnRequest.request_id, at most (runs.request_id)
+MAX_CANCEL_REASON_CHARS = 1000  # CancelRequest.reason, at most
 REQUEST_CLAIM_WAIT_S = 30.0  # a start waits this long at most for another with its request_id (`_claim_request`)
 REQUEST_CLAIM_POLL_S = 0.02
 # a billing call that ended without an answer: billing may or may not have done its work
@@ -669,6 +670,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     @unary
     async def Cancel(self, request: assistant_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.CancelResponse:
         """Stop the chat's active run (running or paused); 400-mapped NO_ACTIVE_EXECUTION when there is none."""
+        if len(request.reason) > MAX_CANCEL_REASON_CHARS:  # it goes into the event every listener gets (fresh-eyes test: 5,000 went)
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REASON", f"reason must be at most {MAX_CANCEL_REASON_CHARS} characters")
         reason = request.reason or "cancelled by user"
         async with self.sessions() as session:
             chat = await self._chat(session, request.caller, request.chat_id)

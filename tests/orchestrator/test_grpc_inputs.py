@@ -48,3 +48,16 @@ async def test_a_nul_in_a_text_field_is_stored_or_invalid_argument_never_a_leak(
             assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
             assert status_details(refused).reason == "INVALID_VALUE"
             assert "SQL" not in refused.details() and "class" not in refused.details()
+
+
+async def test_a_cancel_reason_longer_than_1000_characters_is_refused_and_the_run_goes_on(stack, stub):
+    # fresh-eyes test: a 5,000-character reason was stored and sent to every listener
+    from tests.conftest import script
+
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    started = await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "slow", "sleep_ms": 20_000})))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Cancel(assistant_pb2.CancelRequest(caller=caller, chat_id=started.chat_id, reason="x" * 1001))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and status_details(refused.value).reason == "INVALID_REASON"
+    cancelled = await stub.Cancel(assistant_pb2.CancelRequest(caller=caller, chat_id=started.chat_id, reason="y" * 1000))
+    assert cancelled.status == "cancelled"

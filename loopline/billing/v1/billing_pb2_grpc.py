@@ -142,7 +142,9 @@ class BillingServiceServicer:
         committed while the hold stood, and the charge was stored with it: spec "Persist and
         charge", one run credit per turn), and a charge that cannot be posted (an unknown or
         released reservation) is answered in its result instead of failing the call. Results
-        are in the order of the charges; a retried batch replays what was posted.
+        are in the order of the charges; a retried batch replays what was posted. A charge
+        without a reservation_id is a malformed request: the call fails with INVALID_ARGUMENT
+        RESERVATION_ID_REQUIRED and nothing of the batch is posted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -590,10 +590,13 @@ def create_app(
         return JSONResponse({"status": response.status, "chat_id": response.chat_id, "run_id": response.run_id})
 
     @app.get("/assistant/chat/{chat_id}", summary="A chat with its messages and pending question", responses=error_responses(404))
-    async def get_chat(chat_id: str, request: Request) -> Response:
+    async def get_chat(chat_id: str, request: Request, page_size: Annotated[WholeNumber, Query(ge=0, le=1000)] = 0,
+                       page_token: str | None = None) -> Response:
         who = await principal(request)
-        response = await orchestrator.GetChat(assistant_pb2.GetChatRequest(caller=caller(who), chat_id=chat_id), timeout=30)
+        response = await orchestrator.GetChat(assistant_pb2.GetChatRequest(caller=caller(who), chat_id=chat_id, page_size=page_size,
+                                                                           page_token=page_token or ""), timeout=30)
         chat = response.chat
+        older = {"next_page_token": response.next_page_token} if response.next_page_token else {}  # only when there are older messages
         # orjson: the JSON fields' text (`*_json`) goes into the body as the orchestrator wrote it
         # (pb.field_fragment: numbers exact, keys in their stored order); an older orchestrator's Struct
         # or Value is converted
@@ -614,6 +617,7 @@ def create_app(
                         }
                         for m in response.messages
                     ],
+                    **older,
                 }
             ),
             media_type="application/json",

@@ -134,12 +134,16 @@ class CancelResponse(_message.Message):
     def __init__(self, status: _Optional[str] = ..., chat_id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class GetChatRequest(_message.Message):
-    __slots__ = ("caller", "chat_id")
+    __slots__ = ("caller", "chat_id", "page_size", "page_token")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     chat_id: str
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., chat_id: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., chat_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("id", "role", "content", "run_id", "running_status", "create_time", "thinking", "content_json", "thinking_json")
@@ -184,12 +188,14 @@ class Chat(_message.Message):
     def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., running_id: _Optional[str] = ..., pending_user_input_request: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kind: _Optional[str] = ..., pending_user_input_request_json: _Optional[bytes] = ...) -> None: ...
 
 class GetChatResponse(_message.Message):
-    __slots__ = ("chat", "messages")
+    __slots__ = ("chat", "messages", "next_page_token")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     chat: Chat
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ListChatsRequest(_message.Message):
     __slots__ = ("caller", "limit", "cursor")

@@ -114,7 +114,9 @@ class AssistantServiceServicer:
 
     def StreamRun(self, request, context):
         """StreamRun replays a run's events from `after` and then follows live; the stream
-        ends after a terminal event.
+        ends after a terminal event. An `after` at or past the end of an ended run's events
+        gives an empty stream: the HTTP listen route's rule ("one past the end gets the run's
+        last frame", README "Stream end") is the gateway's, applied to what this returns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

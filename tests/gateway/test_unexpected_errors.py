@@ -78,16 +78,22 @@ class _StatusContext(_Context):
         await super().abort_with_status(status)
 
 
-async def test_servicers_answer_unavailable_when_the_database_is_full():
-    class Servicer:
-        @rpc_handler()
-        async def Call(self, request, context):  # noqa: N802 - gRPC method name
-            raise _too_many_clients()
+async def _abort_of(failure, **handler_options) -> _StatusContext:
+    """The context of an rpc_handler-wrapped handler (with `handler_options`) that raises `failure()`."""
 
-    context = _Context()
+    class Servicer:
+        @rpc_handler(**handler_options)
+        async def Call(self, request, context):  # noqa: N802 - gRPC method name
+            raise failure()
+
+    context = _StatusContext()
     with pytest.raises(grpc.aio.AbortError):
         await Servicer().Call(None, context)
-    assert context.code == grpc.StatusCode.UNAVAILABLE
+    return context
+
+
+async def test_servicers_answer_unavailable_when_the_database_is_full():
+    assert (await _abort_of(_too_many_clients)).code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_an_unavailable_redis_is_named_as_redis_not_as_the_database(caplog):
@@ -109,14 +115,8 @@ async def test_servicers_name_the_store_that_is_unavailable_in_the_log_and_the_r
     UNAVAILABLE with reason REDIS_UNAVAILABLE, logged as "Redis unavailable"."""
     import redis.exceptions
 
-    class Servicer:
-        @rpc_handler()
-        async def Admit(self, request, context):  # noqa: N802 - gRPC method name
-            raise redis.exceptions.ConnectionError("Connection refused")
-
-    context = _StatusContext()
-    with caplog.at_level("WARNING"), pytest.raises(grpc.aio.AbortError):
-        await Servicer().Admit(None, context)
+    with caplog.at_level("WARNING"):
+        context = await _abort_of(lambda: redis.exceptions.ConnectionError("Connection refused"))
     assert context.code == grpc.StatusCode.UNAVAILABLE
     assert [r.getMessage() for r in caplog.records] == ["Redis unavailable"]
     info = _error_info(context)
@@ -134,14 +134,7 @@ async def test_an_unhandled_error_answers_a_generic_message_with_error_info_neve
     "Unexpected <class ...>: [SQL: SELECT ...] [parameters: ...]" without an ErrorInfo."""
     from services.common.errors import BILLING_DOMAIN
 
-    class Servicer:
-        @rpc_handler(domain=BILLING_DOMAIN)
-        async def Admit(self, request, context):  # noqa: N802 - gRPC method name
-            raise failure()
-
-    context = _StatusContext()
-    with pytest.raises(grpc.aio.AbortError):
-        await Servicer().Admit(None, context)
+    context = await _abort_of(failure, domain=BILLING_DOMAIN)
     assert context.code == grpc.StatusCode.UNKNOWN
     assert "SQL" not in context.status.details and "secret" not in context.status.details and "class" not in context.status.details
     info = _error_info(context)
@@ -154,13 +147,6 @@ async def test_an_unhandled_error_answers_a_generic_message_with_error_info_neve
     lambda: OverflowError("Python int too large to convert to SQLite INTEGER"),
 ])
 async def test_a_value_the_database_cannot_store_is_invalid_argument(failure):
-    class Servicer:
-        @rpc_handler()
-        async def StartTurn(self, request, context):  # noqa: N802 - gRPC method name
-            raise failure()
-
-    context = _StatusContext()
-    with pytest.raises(grpc.aio.AbortError):
-        await Servicer().StartTurn(None, context)
+    context = await _abort_of(failure)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
     assert _error_info(context).reason == "INVALID_VALUE" and "0x00" not in context.status.details

@@ -25,6 +25,21 @@ def _durable(monkeypatch, runner) -> None:
     monkeypatch.setattr(runner.events, "durable", True, raising=False)
 
 
+def _fail_first_archive(monkeypatch, runner) -> list[str]:
+    """The store's first archive fails as an unreachable database would; returns the runs tried, in order."""
+    real = runner.store.archive
+    attempts: list[str] = []
+
+    async def flaky(run_id, events):
+        attempts.append(run_id)
+        if len(attempts) == 1:
+            raise exc.OperationalError("INSERT INTO run_events", None, ConnectionRefusedError(111, "refused"))
+        await real(run_id, events)
+
+    monkeypatch.setattr(runner.store, "archive", flaky)
+    return attempts
+
+
 async def _archived(stack, run_id: str) -> int:
     async with stack.orchestrator.servicer.sessions() as session:
         return (await session.execute(select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id))).scalar_one()
@@ -38,16 +53,7 @@ async def _status(stack, run_id: str) -> str:
 async def test_an_archive_failing_after_the_end_keeps_the_outcome_and_is_written_later(stack, monkeypatch):
     runner = stack.orchestrator.runner
     _durable(monkeypatch, runner)
-    real = runner.store.archive
-    attempts: list[str] = []
-
-    async def flaky(run_id, events):
-        attempts.append(run_id)
-        if len(attempts) == 1:
-            raise exc.OperationalError("INSERT INTO run_events", None, ConnectionRefusedError(111, "refused"))
-        await real(run_id, events)
-
-    monkeypatch.setattr(runner.store, "archive", flaky)
+    attempts = _fail_first_archive(monkeypatch, runner)
     async with stack.client() as client:
         body, frames = await run_turn(client, {"say": "all fine"})
         assert types(frames)[-1] == "done" and "error" not in types(frames)
@@ -95,16 +101,7 @@ async def test_a_paused_run_cancelled_while_its_archive_fails_answers_200_and_is
     async with stack.client() as client:
         body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Proceed?"}})
         assert types(frames)[-1] == "interrupted"
-        real = runner.store.archive
-        attempts: list[str] = []
-
-        async def flaky(run_id, events):
-            attempts.append(run_id)
-            if len(attempts) == 1:
-                raise exc.OperationalError("INSERT INTO run_events", None, ConnectionRefusedError(111, "refused"))
-            await real(run_id, events)
-
-        monkeypatch.setattr(runner.store, "archive", flaky)
+        attempts = _fail_first_archive(monkeypatch, runner)
         cancelled = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         assert cancelled.status_code == 200, cancelled.text
         await wait_for(lambda: len(attempts) >= 2 and runner.archiving_runs() == 0, timeout=10)

@@ -79,6 +79,134 @@ MAX_ID_CHARS = 64
 CREDENTIAL_AUTH_TYPES = ("api_key", "bearer", "bearer_token", "oauth2", "mcp_server")
 
 
+# ---- OpenAPI request bodies ---------------------------------------------------------------
+# What each route's hand-written checks accept (`_string`, `_object`, `_bool`, `_int`, `_number`,
+# `check_fields`), as JSON Schema for `openapi_extra` (the style of POST /assistant/chat): a
+# generated client sends the body, and a body the schema allows passes the gateway's checks
+# (tests/gateway/test_openapi_bodies.py). Byte limits of JSON objects cannot be written in JSON
+# Schema; they are in the descriptions.
+
+
+def _text_schema(name: str, *, required: bool = False) -> dict[str, Any]:
+    """A `_string` field: required ones are non-blank strings (null is refused), others a string or null."""
+    limit = STRING_LIMITS.get(name, MAX_TEXT_CHARS)
+    if required:
+        return {"type": "string", "minLength": 1, "maxLength": limit, "pattern": r"\S"}
+    return {"type": ["string", "null"], "maxLength": limit}
+
+
+def _object_schema(name: str, description: str = "") -> dict[str, Any]:
+    """An `_object` field: a JSON object or null (at most OBJECT_LIMITS[name] bytes as compact JSON)."""
+    schema: dict[str, Any] = {"type": ["object", "null"]}
+    limit = OBJECT_LIMITS.get(name)
+    text = " ".join(part for part in (description, f"At most {limit} bytes as compact UTF-8 JSON." if limit else "") if part)
+    if text:
+        schema["description"] = text
+    return schema
+
+
+_BOOLEAN = {"type": "boolean"}  # `_bool`: absent is false; null is refused
+_NOT_SUPPORTED = {"type": "null", "description": "Not supported: any value but null is refused (400)."}
+_TOP_K = {"type": "integer", "minimum": 1, "maximum": 50, "default": 5}
+_MIN_SCORE = {"type": "number", "default": 0.0}
+
+
+def _json_body(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """`openapi_extra` declaring a required JSON object body with exactly `properties`."""
+    schema = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+CREATE_CREDENTIAL_BODY = _json_body(
+    {
+        "integration_name": _text_schema("integration_name", required=True),
+        "auth_data": _object_schema("auth_data", "The secret (e.g. {\"api_key\": ...}); encrypted, never returned."),
+        "auth_type": {**_text_schema("auth_type"), "description": "One of the integration's auth types (bearer_token is bearer); "
+                                                                   "inferred from auth_data when absent."},
+        "oauth_config": {**_NOT_SUPPORTED, "description": "Not supported (connect OAuth2 with POST /credentials/oauth2/initiate): "
+                                                          "any value but null is refused (400)."},
+        "display_name": _text_schema("display_name"),
+        "metadata": _object_schema("metadata", "With expires_at merged in."),
+        "make_default": _BOOLEAN,
+        "expires_at": _text_schema("expires_at"),
+    },
+    ["integration_name"],
+)
+CREATE_MCP_SERVER_BODY = _json_body(
+    {
+        "server_url": _text_schema("server_url", required=True),
+        "headers": {**_object_schema("headers", "Header names to string values, sent to the server."), "additionalProperties": {"type": "string"}},
+        "display_name": _text_schema("display_name"),
+        "make_default": _BOOLEAN,
+    },
+    ["server_url"],
+)
+_IGNORED = {"description": "Accepted and ignored (the SDK sends it)."}
+INITIATE_OAUTH2_BODY = _json_body(
+    {
+        "integration_name": _text_schema("integration_name", required=True),
+        "redirect_uri": _text_schema("redirect_uri", required=True),
+        "use_modulex_oauth": {"not": {"const": False}, "description": "false (a custom OAuth app) is refused (400); "
+                                                                       "the operator configures each OAuth2 integration."},
+        "custom_oauth_config": _NOT_SUPPORTED,
+        "scope": _text_schema("scope"),
+        "display_name": _text_schema("display_name"),
+        "make_default": _BOOLEAN,
+        "env_var_values": _NOT_SUPPORTED,
+        "composer_chat_id": _IGNORED,
+        "composer_request_id": _IGNORED,
+        "composer_llm_config": _IGNORED,
+    },
+    ["integration_name", "redirect_uri"],
+)
+_FIXED_CONFIG = {"type": ["object", "null"], "maxProperties": 0,
+                 "description": "Cannot be set (search is full-text, chunking is fixed): only null or {} is accepted."}
+CREATE_KNOWLEDGE_BASE_BODY = _json_body(
+    {"name": _text_schema("name", required=True), "description": _text_schema("description"),
+     "embedding_config": _FIXED_CONFIG, "chunking_config": _FIXED_CONFIG},
+    ["name"],
+)
+MULTI_SEARCH_BODY = _json_body(
+    {
+        "knowledge_base_ids": {"type": "array", "minItems": 1, "maxItems": MAX_SEARCH_BASES,
+                               "items": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS}},
+        "query": _text_schema("query", required=True),
+        "top_k": _TOP_K,
+        "min_score": _MIN_SCORE,
+    },
+    ["knowledge_base_ids", "query"],
+)
+SEARCH_BODY = _json_body(
+    {
+        "query": _text_schema("query", required=True),
+        "top_k": _TOP_K,
+        "min_score": _MIN_SCORE,
+        # refused when truthy: only an empty value passes
+        "filters": {"enum": [None, False, 0, "", [], {}], "description": "Not supported: only an empty value (null, {}, ...) is accepted."},
+        "include_content": {"type": "boolean", "default": True},
+        "include_metadata": {"type": "boolean", "default": True},
+    },
+    ["query"],
+)
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "file": {"type": "string", "format": "binary",
+                                 "description": f"The document (1 to {MAX_UPLOAD_BYTES} bytes; txt, md, html, csv, json or pdf)."},
+                        "metadata": {"type": "string", "description": "Accepted and ignored."},
+                    },
+                    "required": ["file"],
+                }
+            }
+        },
+    }
+}
+
 def _string(body: dict[str, Any], name: str, *, required: bool = False, default: str = "") -> str:
     """The string field `name` of `body` (`default` when absent or null).
 
@@ -274,7 +402,8 @@ def tools_router(
 
     # ---- credentials ------------------------------------------------------------------
 
-    @router.post("/credentials", status_code=201, summary="Create a credential (secret encrypted, never returned)", tags=["credentials"])
+    @router.post("/credentials", status_code=201, summary="Create a credential (secret encrypted, never returned)", tags=["credentials"],
+                 openapi_extra=CREATE_CREDENTIAL_BODY)
     async def create_credential(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"integration_name", "auth_data", "auth_type", "oauth_config", "display_name", "metadata", "make_default", "expires_at"})
@@ -330,7 +459,8 @@ def tools_router(
             }
         )
 
-    @router.post("/credentials/mcp-server", status_code=201, summary="Register a Streamable HTTP MCP server", tags=["credentials"])
+    @router.post("/credentials/mcp-server", status_code=201, summary="Register a Streamable HTTP MCP server", tags=["credentials"],
+                 openapi_extra=CREATE_MCP_SERVER_BODY)
     async def create_mcp_server(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"server_url", "headers", "display_name", "make_default"})
@@ -363,7 +493,8 @@ def tools_router(
             status_code=201,
         )
 
-    @router.post("/credentials/oauth2/initiate", summary="Start an OAuth2 authorization code flow (PKCE)", tags=["credentials"])
+    @router.post("/credentials/oauth2/initiate", summary="Start an OAuth2 authorization code flow (PKCE)", tags=["credentials"],
+                 openapi_extra=INITIATE_OAUTH2_BODY)
     async def initiate_oauth2(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"integration_name", "redirect_uri", "use_modulex_oauth", "custom_oauth_config", "scope", "display_name",
@@ -473,7 +604,7 @@ def tools_router(
 
     # ---- knowledge ----------------------------------------------------------------------
 
-    @router.post("/knowledge-bases", status_code=201, summary="Create a knowledge base", tags=["knowledge"])
+    @router.post("/knowledge-bases", status_code=201, summary="Create a knowledge base", tags=["knowledge"], openapi_extra=CREATE_KNOWLEDGE_BASE_BODY)
     async def create_knowledge_base(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"name", "description", "embedding_config", "chunking_config"})
@@ -504,7 +635,7 @@ def tools_router(
             bases = []
         return JSONResponse([knowledge_base_json(kb) for kb in bases[offset:offset + limit]])
 
-    @router.post("/knowledge-bases/search", summary="Search several knowledge bases", tags=["knowledge"])
+    @router.post("/knowledge-bases/search", summary="Search several knowledge bases", tags=["knowledge"], openapi_extra=MULTI_SEARCH_BODY)
     async def multi_search(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"knowledge_base_ids", "query", "top_k", "min_score"})
@@ -533,7 +664,8 @@ def tools_router(
         )
         return [r for r in response.results if r.score >= min_score]
 
-    @router.post("/knowledge-bases/{knowledge_base_id}/search", summary="Search one knowledge base (full-text, BM25)", tags=["knowledge"])
+    @router.post("/knowledge-bases/{knowledge_base_id}/search", summary="Search one knowledge base (full-text, BM25)", tags=["knowledge"],
+                 openapi_extra=SEARCH_BODY)
     async def search(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"query", "top_k", "min_score", "filters", "include_content", "include_metadata"})
@@ -554,7 +686,8 @@ def tools_router(
              "matches": [match_json(m, include_content, include_metadata) for m in matches]}
         )
 
-    @router.post("/knowledge-bases/{knowledge_base_id}/documents", status_code=201, summary="Upload a document (multipart `file`)", tags=["knowledge"])
+    @router.post("/knowledge-bases/{knowledge_base_id}/documents", status_code=201, summary="Upload a document (multipart `file`)", tags=["knowledge"],
+                 openapi_extra=UPLOAD_BODY)
     async def upload_document(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + 64 * 1024:

@@ -57,7 +57,7 @@ from services.gateway.idempotency import (
 )
 from services.gateway.idempotency import request_id as turn_request_id  # "request_id" is also a question's id here
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
-from services.gateway.openapi import error_responses
+from services.gateway.openapi import error_responses, json_schema_bounds
 from services.gateway.query import WholeNumber, single_query_values
 from services.gateway.org_settings import DefaultModels, settings_router
 
@@ -257,6 +257,14 @@ class GatewayApp(FastAPI):
     """
 
     lean: dict[str, ASGIHandler]
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's OpenAPI document with numeric bounds as JSON Schema keywords (`json_schema_bounds`)."""
+        document = super().openapi()
+        if getattr(self, "_bounds_fixed", None) is not document:  # FastAPI caches it; repaired once
+            json_schema_bounds(document)
+            self._bounds_fixed = document
+        return document
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection scope (see the class docstring for the lean routes).

@@ -1,7 +1,8 @@
 """OpenAPI response declarations shared by every gateway route: the statuses each can return.
 
 Every route declares 400, 401, 403, 503 and 504 plus its own; billing denials (402/403/429)
-are the flat DenialEnvelope, everything else `{"detail": str}`.
+are the flat DenialEnvelope, everything else `{"detail": str}`. `json_schema_bounds` repairs the
+integer bounds pydantic writes under its own names (see there).
 """
 
 from __future__ import annotations
@@ -42,3 +43,31 @@ def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[s
     return result
 
 
+
+
+# pydantic's names of numeric bounds and their JSON Schema keywords
+_BOUND_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum", "multiple_of": "multipleOf"}
+
+
+def json_schema_bounds(document: Any) -> Any:
+    """`document` (an OpenAPI document, changed in place and returned) with every numeric schema's
+    bounds under their JSON Schema keywords.
+
+    Why: a bound applied after a validator function, as `Query(ge=1, le=500)` on `WholeNumber`
+    (query.py: its digits check runs before the integer parsing), is written by pydantic (2.14)
+    as `"ge": 1, "le": 500`, which JSON Schema ignores: the document allowed `?limit=-128`, which
+    the server refuses (security tester, schemathesis). Only schemas whose `type` is integer or
+    number are changed, so a property that happens to be named `ge` is left alone.
+    """
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") in ("integer", "number"):
+                for name, keyword in _BOUND_KEYWORDS.items():
+                    if name in node and keyword not in node:
+                        node[keyword] = node.pop(name)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return document

@@ -431,7 +431,10 @@ def tools_router(
 
     @router.get("/credentials", summary="The organization's credentials (metadata only), newest first", tags=["credentials"])
     async def list_credentials(
-        who: Principal = Who, integration_name: str | None = None, auth_type: str | None = None,
+        who: Principal = Who, integration_name: str | None = None,
+        # the enums are for the document only: the checks below give the 400s (their messages); an
+        # empty auth_type is no filter
+        auth_type: Annotated[str | None, Query(json_schema_extra={"enum": ["", *CREDENTIAL_AUTH_TYPES]})] = None,
         limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100, offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
     ) -> Response:
         if not 1 <= limit <= 500:
@@ -622,7 +625,7 @@ def tools_router(
 
     @router.get("/knowledge-bases", summary="The organization's knowledge bases, newest first", tags=["knowledge"])
     async def list_knowledge_bases(
-        who: Principal = Who, status: str | None = None, limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100, offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0
+        who: Principal = Who, status: Annotated[str | None, Query(json_schema_extra={"enum": list(KNOWLEDGE_BASE_STATUSES)})] = None, limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100, offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0
     ) -> Response:
         if not 1 <= limit <= 500:
             raise BodyError(400, "limit must be between 1 and 500")

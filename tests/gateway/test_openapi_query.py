@@ -1,0 +1,63 @@
+"""The OpenAPI document declares the query parameters' real bounds and values (security tester,
+schemathesis: `?limit=-128` and `?status=` were allowed by the document, 400 by the server; the
+bounds were written as pydantic's `ge`/`le`, which JSON Schema ignores)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+
+
+async def _document(stack) -> dict[str, Any]:
+    async with stack.client() as client:
+        response = await client.get("/openapi.json")
+    assert response.status_code == 200
+    return response.json()
+
+
+def _verdict(schema: dict[str, Any], value: Any) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def _walk(node: Any):  # noqa: ANN202
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value)
+
+
+async def test_integer_query_bounds_are_json_schema_keywords(stack):
+    document = await _document(stack)
+    for node in _walk(document):
+        if node.get("type") in ("integer", "number"):
+            assert not {"ge", "le", "gt", "lt"} & set(node), node  # pydantic's names, which JSON Schema ignores
+    for path in ("/credentials", "/knowledge-bases"):
+        params = {p["name"]: p["schema"] for p in document["paths"][path]["get"]["parameters"]}
+        assert (params["limit"]["minimum"], params["limit"]["maximum"]) == (1, 500), path
+        assert params["offset"]["minimum"] == 0, path
+    chats = {p["name"]: p["schema"] for p in document["paths"]["/assistant/chats"]["get"]["parameters"]}
+    assert (chats["limit"]["minimum"], chats["limit"]["maximum"]) == (1, 100)
+
+
+async def test_enum_query_filters_declare_their_values_and_the_server_agrees(stack):
+    document = await _document(stack)
+    kb_status = {p["name"]: p["schema"] for p in document["paths"]["/knowledge-bases"]["get"]["parameters"]}["status"]
+    auth_type = {p["name"]: p["schema"] for p in document["paths"]["/credentials"]["get"]["parameters"]}["auth_type"]
+    async with stack.client() as client:
+        for path, name, schema, values in (("/knowledge-bases", "status", kb_status, ["", "active", "archived", "nope", "ACTIVE"]),
+                                           ("/credentials", "auth_type", auth_type, ["", "api_key", "bearer_token", "nope"])):
+            for value in values:
+                response = await client.get(path, params={name: value})
+                assert response.status_code in (200, 400), response.text
+                assert _verdict(schema, value) is (response.status_code == 200), (path, name, value, response.text)
+        for path in ("/credentials", "/knowledge-bases"):
+            params = {p["name"]: p["schema"] for p in document["paths"][path]["get"]["parameters"]}
+            for name, value in (("limit", "-128"), ("limit", "0"), ("limit", "501"), ("offset", "-1"), ("limit", "500"), ("offset", "0")):
+                response = await client.get(path, params={name: value})
+                assert _verdict(params[name], int(value)) is (response.status_code == 200), (path, name, value, response.text)
+
+

@@ -23,8 +23,11 @@ import grpc
 import orjson
 from cachetools import LRUCache
 from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import Message, Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
@@ -329,6 +332,26 @@ def _listen_target(scope: Scope) -> tuple[str, str, int] | None:
     return (parts[3], parts[5], after) if after <= _MAX_AFTER else None
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT")
+
+
+def allowed_methods(routes: list[BaseRoute], scope: Scope) -> list[str]:
+    """The methods some route of `routes` serves at the path of `scope`: a 405's `Allow` (RFC 9110
+    section 15.5.6: every method the target supports).
+
+    Starlette's 405 lists the methods of the first route whose path matches; a path has a route per
+    method here (GET and POST /credentials), so `OPTIONS /credentials` answered `Allow: POST`
+    (security tester). Every route is asked with each method, through Starlette's `matches`, which
+    FastAPI's included routers answer too.
+    """
+    allowed = []
+    for method in _METHODS:
+        probe = {**scope, "method": method}
+        if any(route.matches(probe)[0] == Match.FULL for route in routes):
+            allowed.append(method)
+    return allowed
+
+
 def _headers(scope: Scope, *names: bytes) -> list[str | None]:
     """The first value (latin-1, as Starlette's `Headers.get`) of each header in `names` (lower case)."""
     values: list[str | None] = [None] * len(names)
@@ -380,6 +403,12 @@ def create_app(
         response = unexpected_error_response(error)
         response.headers["Connection"] = "close"
         return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
+        if error.status_code == 405:  # Starlette names only the methods of the first route on the path
+            error.headers = {**(error.headers or {}), "Allow": ", ".join(allowed_methods(request.app.router.routes, request.scope))}
+        return await http_exception_handler(request, error)
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, error: AuthError) -> JSONResponse:

@@ -188,6 +188,20 @@ SEARCH_BODY = _json_body(
     },
     ["query"],
 )
+# The OAuth2 callback's query, read by hand below (a missing state, or neither code nor error, is 400
+# "state and code are required"): declared here, so that `state` is required (OpenAPI cannot say
+# "code or error"; their descriptions do).
+OAUTH2_CALLBACK_PARAMETERS = {
+    "parameters": [
+        {"name": "state", "in": "query", "required": True, "schema": {"type": "string", "minLength": 1},
+         "description": "The single-use state of POST /credentials/oauth2/initiate."},
+        {"name": "code", "in": "query", "required": False, "schema": {"type": "string"},
+         "description": "The authorization code; required unless `error` is given."},
+        {"name": "error", "in": "query", "required": False, "schema": {"type": "string"},
+         "description": "The authorization server's denial; required unless `code` is given (the state is spent either way)."},
+        {"name": "error_description", "in": "query", "required": False, "schema": {"type": "string"}, "description": "Ignored."},
+    ]
+}
 UPLOAD_BODY = {
     "requestBody": {
         "required": True,
@@ -516,8 +530,12 @@ def tools_router(
         )
         return JSONResponse({"authorization_url": response.authorization_url, "state": response.state})
 
-    @router.get("/credentials/oauth2/callback", summary="OAuth2 redirect target: exchange the code, store the credential", tags=["credentials"])
-    async def oauth2_callback(state: str = "", code: str = "", error: str = "", error_description: str = "") -> Response:
+    @router.get("/credentials/oauth2/callback", summary="OAuth2 redirect target: exchange the code, store the credential", tags=["credentials"],
+                openapi_extra=OAUTH2_CALLBACK_PARAMETERS)
+    async def oauth2_callback(
+        state: Annotated[str, Query(include_in_schema=False)] = "", code: Annotated[str, Query(include_in_schema=False)] = "",
+        error: Annotated[str, Query(include_in_schema=False)] = "", error_description: Annotated[str, Query(include_in_schema=False)] = "",
+    ) -> Response:
         # No API key here: the browser arrives from the authorization server; the
         # single-use, unguessable state names the organization and the flow.
         if not state or not (code or error):

@@ -61,3 +61,16 @@ async def test_enum_query_filters_declare_their_values_and_the_server_agrees(sta
                 assert _verdict(params[name], int(value)) is (response.status_code == 200), (path, name, value, response.text)
 
 
+
+
+async def test_the_oauth2_callback_declares_state_required_and_its_other_parameters_once(stack):
+    document = await _document(stack)
+    params = document["paths"]["/credentials/oauth2/callback"]["get"]["parameters"]
+    assert [p["name"] for p in params] == ["state", "code", "error", "error_description"]
+    assert [p["required"] for p in params] == [True, False, False, False]
+    async with stack.client() as client:
+        for query in ({}, {"state": ""}, {"state": "s"}, {"code": "c"}):  # what the document refuses or cannot express
+            response = await client.get("/credentials/oauth2/callback", params=query)
+            assert response.status_code == 400 and response.json() == {"detail": "state and code are required"}, query
+        unknown = await client.get("/credentials/oauth2/callback", params={"state": "s", "code": "c"})
+        assert unknown.status_code != 400 or "state" in unknown.text.lower(), unknown.text  # the tools service's answer

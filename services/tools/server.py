@@ -140,6 +140,27 @@ def _invalid(reason: str, message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
 
 
+#: The longest free text each field may hold, in characters (Python's len, as the gateway counts).
+#: The same limits as the HTTP gateway's STRING_LIMITS (services/gateway/tools_routes.py: a credential's
+#: display_name and a knowledge base's name 200, a description 10,000), so that a caller reaching this
+#: service directly cannot store what the gateway refuses; a document's name is cut to 500 characters
+#: by the gateway's upload route (the column is VARCHAR(500), as display_name and name are VARCHAR(200)).
+TEXT_LIMITS = {"display_name": 200, "name": 200, "description": 10_000, "document_name": 500}
+
+
+def check_length(field: str, value: str, limit: int) -> None:
+    """Refuse `value` of the request field `field` when it is longer than `limit` characters (TEXT_LIMITS).
+
+    Raises RpcError INVALID_ARGUMENT FIELD_TOO_LONG (metadata `field`, `limit`) with the gateway's
+    message ("display_name must be at most 200 characters (it has 5000)"): never the value.
+    """
+    if len(value) > limit:
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, "FIELD_TOO_LONG", f"{field} must be at most {limit} characters (it has {len(value)})",
+            domain=TOOLS_DOMAIN, metadata={"field": field, "limit": str(limit)},
+        )
+
+
 def _tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
     """The call's input: `input_json` as the model produced it (numbers exact) when it is set and
     an object, else the `input` Struct (a client of an older version)."""
@@ -190,7 +211,9 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def CreateCredential(self, request: tools_pb2.CreateCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateCredentialResponse:
-        """Store a credential (secret encrypted); INVALID_ARGUMENT for a bad integration, auth type or auth data."""
+        """Store a credential (secret encrypted); INVALID_ARGUMENT for a bad integration, auth type or auth data,
+        or a display_name past TEXT_LIMITS (200 characters, the gateway's limit): FIELD_TOO_LONG."""
+        check_length("display_name", request.display_name, TEXT_LIMITS["display_name"])
         info = await self.credentials.create(
             request.organization_id,
             request.integration_name,
@@ -262,7 +285,10 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def CreateKnowledgeBase(self, request: tools_pb2.CreateKnowledgeBaseRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateKnowledgeBaseResponse:
-        """Create an empty knowledge base; INVALID_ARGUMENT without organization or name."""
+        """Create an empty knowledge base; INVALID_ARGUMENT without organization or name, or FIELD_TOO_LONG for a
+        name past 200 or a description past 10,000 characters (TEXT_LIMITS, the gateway's limits)."""
+        check_length("name", request.name, TEXT_LIMITS["name"])
+        check_length("description", request.description, TEXT_LIMITS["description"])
         base, count = await self.knowledge.create_base(request.organization_id, request.name, request.description, request.user_id)
         return tools_pb2.CreateKnowledgeBaseResponse(knowledge_base=knowledge_base_pb(base, count))
 
@@ -276,8 +302,10 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def AddDocument(self, request: tools_pb2.AddDocumentRequest, context: grpc.aio.ServicerContext) -> tools_pb2.AddDocumentResponse:
         """Add, chunk and index a document (text, or a file's extracted text); NOT_FOUND for another
-        organization's knowledge base; INVALID_ARGUMENT UNSUPPORTED_FILE_TYPE / DOCUMENT_HAS_NO_TEXT for a file."""
+        organization's knowledge base; INVALID_ARGUMENT UNSUPPORTED_FILE_TYPE / DOCUMENT_HAS_NO_TEXT for a file,
+        FIELD_TOO_LONG for a name past 500 characters (TEXT_LIMITS: the gateway cuts an upload's name there)."""
         _require_org(request.organization_id)
+        check_length("name", request.name, TEXT_LIMITS["document_name"])
         if request.data:
             try:
                 kind = file_type(request.name, request.content_type)
@@ -307,10 +335,12 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def CreateMcpServer(self, request: tools_pb2.CreateMcpServerRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateMcpServerResponse:
         """Register a Streamable HTTP MCP server (URL and headers encrypted) and discover its tools.
 
-        INVALID_ARGUMENT: INVALID_SERVER_URL, OUTBOUND_POLICY, INVALID_HEADERS. A failed
-        discovery still stores the credential and reports `discovery_error`.
+        INVALID_ARGUMENT: INVALID_SERVER_URL, OUTBOUND_POLICY, INVALID_HEADERS, FIELD_TOO_LONG (a display_name
+        past 200 characters, TEXT_LIMITS: the gateway's limit). A failed discovery still stores the
+        credential and reports `discovery_error`.
         """
         _require_org(request.organization_id)
+        check_length("display_name", request.display_name, TEXT_LIMITS["display_name"])
         url = request.server_url.strip()
         try:
             await check_url_policy(url, self.executor.settings.tools_allow_private_network)
@@ -390,7 +420,10 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def InitiateOAuth2(self, request: tools_pb2.InitiateOAuth2Request, context: grpc.aio.ServicerContext) -> tools_pb2.InitiateOAuth2Response:
-        """Start an authorization code flow with PKCE; INVALID_ARGUMENT for an integration without OAuth2."""
+        """Start an authorization code flow with PKCE; INVALID_ARGUMENT for an integration without OAuth2, or
+        FIELD_TOO_LONG for a display_name past 200 characters (TEXT_LIMITS: the gateway's limit; the
+        credential created at completion gets it)."""
+        check_length("display_name", request.display_name, TEXT_LIMITS["display_name"])
         if self.oauth is None:
             raise _invalid("OAUTH2_NOT_SUPPORTED", "No OAuth2 integration is configured")
         url, state = await self.oauth.initiate(

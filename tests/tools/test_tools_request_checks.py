@@ -1,0 +1,99 @@
+"""The tools service checks its requests itself (fresh-eyes test calling it over gRPC, past the
+gateway): bounded names, documented ranges, well-formed input_json, ids that can be ours, known
+profiles. Each refusal is INVALID_ARGUMENT with an ErrorInfo (domain tools.loopline.dev) naming
+the field, except an id that cannot be ours, which is NOT_FOUND like any unknown id."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from loopline.tools.v1 import tools_pb2
+from services.common import pb
+from services.common.errors import TOOLS_DOMAIN, status_details
+from services.gateway.tools_routes import STRING_LIMITS
+from services.tools.server import TEXT_LIMITS
+
+ORG = "org-a"
+
+
+async def _refused(call, request, code=grpc.StatusCode.INVALID_ARGUMENT):
+    """The parsed rich status of `call(request)`, which must fail with `code` in the tools domain."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(request)
+    details = status_details(caught.value)
+    assert details.code == code, details
+    assert details.domain == TOOLS_DOMAIN, details
+    return details
+
+
+# ---- 1. names and descriptions are bounded as the gateway bounds them ----------------------
+
+
+def test_text_limits_are_the_gateways():
+    assert TEXT_LIMITS["display_name"] == STRING_LIMITS["display_name"] == 200
+    assert TEXT_LIMITS["name"] == STRING_LIMITS["name"] == 200
+    assert TEXT_LIMITS["description"] == STRING_LIMITS["description"] == 10_000
+    assert TEXT_LIMITS["document_name"] == 500  # the gateway cuts an upload's file name to 500 characters
+
+
+def _too_long(details, field, limit, length):
+    assert details.reason == "FIELD_TOO_LONG"
+    assert details.message == f"{field} must be at most {limit} characters (it has {length})"
+    assert details.metadata == {"field": field, "limit": str(limit)}
+
+
+async def test_create_credential_refuses_a_display_name_past_200_characters(tools):
+    def request(display_name):
+        return tools_pb2.CreateCredentialRequest(
+            organization_id=ORG, integration_name="http", auth_type="bearer",
+            auth_data=pb.to_struct({"token": "tok-1234567890ab"}), display_name=display_name,
+        )
+
+    _too_long(await _refused(tools.stub.CreateCredential, request("x" * 5000)), "display_name", 200, 5000)
+    _too_long(await _refused(tools.stub.CreateCredential, request("é" * 201)), "display_name", 200, 201)
+    created = await tools.stub.CreateCredential(request("é" * 200))  # characters, not bytes, as the gateway counts
+    assert created.credential.display_name == "é" * 200
+    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id=ORG))
+    assert listed.total == 1  # nothing stored by the refused calls
+
+
+async def test_create_knowledge_base_refuses_a_long_name_or_description(tools):
+    call = tools.stub.CreateKnowledgeBase
+    _too_long(await _refused(call, tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="x" * 100_000)), "name", 200, 100_000)
+    _too_long(
+        await _refused(call, tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="Docs", description="d" * 10_001)),
+        "description", 10_000, 10_001,
+    )
+    base = await call(tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="n" * 200, description="d" * 10_000))
+    assert base.knowledge_base.name == "n" * 200
+    listed = await tools.stub.ListKnowledgeBases(tools_pb2.ListKnowledgeBasesRequest(organization_id=ORG))
+    assert len(listed.knowledge_bases) == 1
+
+
+async def test_mcp_server_and_oauth2_display_names_are_bounded_too(tools):
+    details = await _refused(
+        tools.stub.CreateMcpServer,
+        tools_pb2.CreateMcpServerRequest(organization_id=ORG, server_url="https://mcp.example.com/mcp", display_name="m" * 201),
+    )
+    _too_long(details, "display_name", 200, 201)
+    details = await _refused(
+        tools.stub.InitiateOAuth2,
+        tools_pb2.InitiateOAuth2Request(
+            organization_id=ORG, integration_name="github", redirect_uri="https://app.example.com/cb", display_name="o" * 201,
+        ),
+    )
+    _too_long(details, "display_name", 200, 201)
+
+
+async def test_add_document_refuses_a_name_past_500_characters(tools):
+    base = (await tools.stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="Docs"))).knowledge_base
+    details = await _refused(
+        tools.stub.AddDocument,
+        tools_pb2.AddDocumentRequest(organization_id=ORG, knowledge_base_id=base.knowledge_base_id, name="a" * 501 + ".txt", text="hello"),
+    )
+    _too_long(details, "name", 500, 505)
+    added = await tools.stub.AddDocument(
+        tools_pb2.AddDocumentRequest(organization_id=ORG, knowledge_base_id=base.knowledge_base_id, name="a" * 496 + ".txt", text="hello")
+    )
+    assert len(added.document.name) == 500

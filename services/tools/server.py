@@ -161,6 +161,24 @@ def check_length(field: str, value: str, limit: int) -> None:
         )
 
 
+def page_size(field: str, value: int, low: int, high: int, default: int) -> int:
+    """The page size `value` of the request field `field`: `default` for 0 (proto3's unset), else
+    `value` when it is from `low` to `high`, as tools.proto documents the field ("1 to 50; 0 means 5").
+
+    Raises RpcError INVALID_ARGUMENT INVALID_<FIELD> (metadata `field`) for any other value, rather
+    than clamping it: a caller asking for -1 or a million results is told, not served something else.
+    """
+    if value == 0:
+        return default
+    if not low <= value <= high:
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"INVALID_{field.upper()}",
+            f"{field} must be between {low} and {high} (0 means {default}), not {value}",
+            domain=TOOLS_DOMAIN, metadata={"field": field},
+        )
+    return value
+
+
 def _tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
     """The call's input: `input_json` as the model produced it (numbers exact) when it is set and
     an object, else the `input` Struct (a client of an older version)."""
@@ -442,9 +460,13 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def SearchKnowledge(self, request: tools_pb2.SearchKnowledgeRequest, context: grpc.aio.ServicerContext) -> tools_pb2.SearchKnowledgeResponse:
-        """The best chunks for the query in the organization's knowledge bases (top_k 1..50, default 5)."""
+        """The best chunks for the query in the organization's knowledge bases.
+
+        top_k is 1 to 50, 0 means 5 (tools.proto, the gateway's range); any other value is INVALID_ARGUMENT
+        INVALID_TOP_K (`page_size`), not clamped.
+        """
         _require_org(request.organization_id)
-        top_k = min(50, request.top_k) if request.top_k > 0 else 5
+        top_k = page_size("top_k", request.top_k, 1, 50, 5)
         hits = await self.knowledge.search(request.organization_id, request.query, list(request.knowledge_base_ids), top_k)
         return tools_pb2.SearchKnowledgeResponse(
             results=[tools_pb2.KnowledgeSearchResult(**h.to_json()) for h in hits]

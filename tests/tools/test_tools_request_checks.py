@@ -97,3 +97,27 @@ async def test_add_document_refuses_a_name_past_500_characters(tools):
         tools_pb2.AddDocumentRequest(organization_id=ORG, knowledge_base_id=base.knowledge_base_id, name="a" * 496 + ".txt", text="hello")
     )
     assert len(added.document.name) == 500
+
+
+# ---- 2. SearchKnowledge top_k: 1 to 50, 0 means 5 (tools.proto) ----------------------------
+
+
+@pytest.mark.parametrize("top_k", [-1, 51, 10**6, -(2**31)])
+async def test_search_knowledge_refuses_top_k_outside_1_to_50(tools, top_k):
+    details = await _refused(
+        tools.stub.SearchKnowledge, tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", top_k=top_k)
+    )
+    assert details.reason == "INVALID_TOP_K"
+    assert details.message == f"top_k must be between 1 and 50 (0 means 5), not {top_k}"
+    assert details.metadata == {"field": "top_k"}
+
+
+async def test_search_knowledge_takes_top_k_1_to_50_and_0_as_5(tools):
+    base = (await tools.stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="Docs"))).knowledge_base
+    text = "\n\n".join(f"Refund rule {i}: " + "refund " * 150 for i in range(60))  # 60 chunks that all match
+    await tools.stub.AddDocument(
+        tools_pb2.AddDocumentRequest(organization_id=ORG, knowledge_base_id=base.knowledge_base_id, name="r.txt", text=text)
+    )
+    for top_k, expected in ((0, 5), (1, 1), (50, 50)):
+        response = await tools.stub.SearchKnowledge(tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", top_k=top_k))
+        assert len(response.results) == expected

@@ -246,11 +246,20 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def ListCredentials(self, request: tools_pb2.ListCredentialsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListCredentialsResponse:
-        """A page of the organization's credentials (limit 1..500, default 100), newest first."""
+        """A page of the organization's credentials, newest first.
+
+        limit is 1 to 500, 0 means 100 (tools.proto, the gateway's range), and offset is >= 0 (the gateway's
+        `ge=0`); any other value is INVALID_ARGUMENT INVALID_LIMIT / INVALID_OFFSET, not clamped.
+        """
         _require_org(request.organization_id)
-        limit = request.limit if 0 < request.limit <= 500 else (100 if request.limit <= 0 else 500)
+        limit = page_size("limit", request.limit, 1, 500, 100)
+        if request.offset < 0:
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_OFFSET", f"offset must be >= 0, not {request.offset}",
+                domain=TOOLS_DOMAIN, metadata={"field": "offset"},
+            )
         infos, total = await self.credentials.list(
-            request.organization_id, request.integration_name, request.auth_type, limit=limit, offset=max(0, request.offset)
+            request.organization_id, request.integration_name, request.auth_type, limit=limit, offset=request.offset
         )
         return tools_pb2.ListCredentialsResponse(credentials=[credential_pb(i) for i in infos], total=total)
 

@@ -121,3 +121,36 @@ async def test_search_knowledge_takes_top_k_1_to_50_and_0_as_5(tools):
     for top_k, expected in ((0, 5), (1, 1), (50, 50)):
         response = await tools.stub.SearchKnowledge(tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", top_k=top_k))
         assert len(response.results) == expected
+
+
+# ---- 3. ListCredentials limit: 1 to 500, 0 means 100; offset >= 0 (tools.proto) -------------
+
+
+@pytest.mark.parametrize("limit", [501, -1, 2**31 - 1, -(2**31)])
+async def test_list_credentials_refuses_a_limit_outside_1_to_500(tools, limit):
+    details = await _refused(tools.stub.ListCredentials, tools_pb2.ListCredentialsRequest(organization_id=ORG, limit=limit))
+    assert details.reason == "INVALID_LIMIT"
+    assert details.message == f"limit must be between 1 and 500 (0 means 100), not {limit}"
+    assert details.metadata == {"field": "limit"}
+
+
+@pytest.mark.parametrize("offset", [-1, -(2**31)])
+async def test_list_credentials_refuses_a_negative_offset(tools, offset):
+    details = await _refused(tools.stub.ListCredentials, tools_pb2.ListCredentialsRequest(organization_id=ORG, offset=offset))
+    assert details.reason == "INVALID_OFFSET"
+    assert details.message == f"offset must be >= 0, not {offset}"
+    assert details.metadata == {"field": "offset"}
+
+
+async def test_list_credentials_pages_with_limit_1_to_500_and_0_as_100(tools):
+    for i in range(3):
+        await tools.create_credential("http", {"token": f"tok-1234567890a{i}"}, auth_type="bearer")
+
+    async def page(limit, offset=0):
+        response = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id=ORG, limit=limit, offset=offset))
+        return len(response.credentials), response.total
+
+    assert await page(0) == (3, 3)
+    assert await page(1) == (1, 3)
+    assert await page(500, offset=2) == (1, 3)
+    assert await page(2, offset=2**31 - 1) == (0, 3)

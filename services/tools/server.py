@@ -179,17 +179,42 @@ def page_size(field: str, value: int, low: int, high: int, default: int) -> int:
     return value
 
 
-def _tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
-    """The call's input: `input_json` as the model produced it (numbers exact) when it is set and
-    an object, else the `input` Struct (a client of an older version)."""
-    if request.input_json:
-        try:
-            data = orjson.loads(request.input_json)
-        except orjson.JSONDecodeError:
-            data = None
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
+    """The call's input: `input_json` as the model produced it (numbers exact) when it is set, else
+    the `input` Struct (a client of an older version), as tools.proto's `input_json` says.
+
+    An `input_json` that is set must be a JSON object as UTF-8 JSON text: anything else (not JSON,
+    not UTF-8, nested past what orjson parses, an array or a scalar) raises RpcError INVALID_ARGUMENT
+    INVALID_INPUT_JSON (metadata field=input_json) naming input_json and what it is, never its content.
+    It used to be dropped silently for `input`, and the tool then failed with a misleading
+    "'query' is required" (fresh-eyes test).
+    """
+    if not request.input_json:
+        return pb.from_struct(request.input)
+    try:
+        data = orjson.loads(request.input_json)
+    except orjson.JSONDecodeError:
+        why = "it is not valid JSON"
+    else:
         if isinstance(data, dict):
             return data
-    return pb.from_struct(request.input)
+        why = f"it is {_JSON_KINDS.get(type(data), 'not an object')}"
+    raise RpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT_JSON", f"input_json must be a JSON object (UTF-8 JSON text): {why}",
+        domain=TOOLS_DOMAIN, metadata={"field": "input_json"},
+    )
+
+
+def _tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
+    """`tool_input`, but an `input_json` that is not a JSON object falls back to `input`: the lenient
+    reading of an earlier version, kept for its callers outside this service; ExecuteTool uses `tool_input`."""
+    try:
+        return tool_input(request)
+    except RpcError:
+        return pb.from_struct(request.input)
 
 
 class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
@@ -219,9 +244,12 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         tool's order), clipped to pb.MAX_JSON_DEPTH (services/common/pb.py): what a web page, an
         MCP server or a database returns may nest deeper than the next hops parse, so its deeper
         objects and arrays arrive as their JSON text.
+
+        A request error is an RPC error: INVALID_ARGUMENT INVALID_INPUT_JSON for an `input_json` that
+        is set but is not a JSON object (`tool_input`, tools.proto).
         """
         with bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id, tool_call_id=request.tool_call_id):
-            result = await self.executor.execute(request.organization_id, request.tool, _tool_input(request))
+            result = await self.executor.execute(request.organization_id, request.tool, tool_input(request))
         response = tools_pb2.ExecuteToolResponse(success=result.success, error=result.error, millicredits=result.millicredits)
         if result.success:
             response.output_json = pb.json_bytes(result.output, clip=True)

@@ -154,3 +154,43 @@ async def test_list_credentials_pages_with_limit_1_to_500_and_0_as_100(tools):
     assert await page(1) == (1, 3)
     assert await page(500, offset=2) == (1, 3)
     assert await page(2, offset=2**31 - 1) == (0, 3)
+
+
+# ---- 4. ExecuteTool input_json: when set, a JSON object (tools.proto) ------------------------
+
+
+def _execute(input_json: bytes) -> tools_pb2.ExecuteToolRequest:
+    return tools_pb2.ExecuteToolRequest(
+        organization_id=ORG, tool="search_knowledge", input=pb.to_struct({}), input_json=input_json,
+        run_id="run-1", tool_call_id="call-1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("input_json", "why"),
+    [
+        (b"{not json", "it is not valid JSON"),
+        (b"\xff\xfe", "it is not valid JSON"),
+        (b'{"query": "\xff"}', "it is not valid JSON"),  # not UTF-8
+        (b"[" * 2000 + b"]" * 2000, "it is not valid JSON"),  # nested past what the parser takes
+        (b'[{"query": "refund"}]', "it is an array"),
+        (b"null", "it is null"),
+        (b'"refund"', "it is a string"),
+        (b"3", "it is a number"),
+        (b"true", "it is a boolean"),
+    ],
+)
+async def test_execute_tool_refuses_input_json_that_is_not_a_json_object(tools, input_json, why):
+    details = await _refused(tools.stub.ExecuteTool, _execute(input_json))
+    assert details.reason == "INVALID_INPUT_JSON"
+    assert details.message == f"input_json must be a JSON object (UTF-8 JSON text): {why}"
+    assert details.metadata == {"field": "input_json"}
+
+
+async def test_execute_tool_takes_input_json_when_it_is_an_object_and_input_when_it_is_unset(tools):
+    await tools.stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="Docs"))
+    response = await tools.stub.ExecuteTool(_execute(b'{"query": "refund"}'))
+    assert response.success, response.error
+    assert pb.output_of(response)["query"] == "refund"
+    response = await tools.stub.ExecuteTool(_execute(b""))  # unset: `input` ({} here) is the input
+    assert not response.success and "'query' is required" in response.error

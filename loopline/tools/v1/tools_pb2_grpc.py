@@ -142,7 +142,8 @@ class ToolsServiceServicer:
 
     def ExecuteTool(self, request, context):
         """ExecuteTool runs one tool call for an organization. A failing tool is not an RPC
-        error: it returns success=false with an error message the model can read.
+        error: it returns success=false with an error message the model can read. A malformed
+        request is: INVALID_ARGUMENT INVALID_INPUT_JSON for an input_json that is not a JSON object.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

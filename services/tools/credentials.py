@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ from services.tools.crypto import (
     mask_secret,
 )
 from services.tools.mcp_servers import MCP_AUTH_TYPE
-from services.tools.models import Credential, OAuthState, utcnow
+from services.tools.models import Credential, OAuthState, is_row_id, new_id, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +204,7 @@ class CredentialStore:
                 raise _invalid("INVALID_AUTH_DATA", "auth_data is invalid: " + problems)
         now = utcnow()
         row = Credential(
-            id=str(uuid.uuid4()),
+            id=new_id(),
             org_id=org_id,
             integration=integration_name,
             auth_type=auth_type,
@@ -298,7 +297,10 @@ class CredentialStore:
         return [CredentialInfo.of(r) for r in rows], int(total or 0)
 
     async def get(self, org_id: str, credential_id: str) -> CredentialInfo:
-        """One credential of the organization. Raises RpcError NOT_FOUND (absent or another org's)."""
+        """One credential of the organization. Raises RpcError NOT_FOUND (absent, another org's, or an id
+        that cannot be ours, `is_row_id`: not looked up)."""
+        if not is_row_id(credential_id):
+            raise _not_found(credential_id)
         async with self._sessions() as session:
             row = await session.get(Credential, credential_id)
         if row is None or row.org_id != org_id:
@@ -308,8 +310,10 @@ class CredentialStore:
     async def delete(self, org_id: str, credential_id: str) -> str:
         """Delete one credential; returns the id of the promoted new default ("" if none).
 
-        Raises RpcError NOT_FOUND (absent or another org's).
+        Raises RpcError NOT_FOUND (absent, another org's, or an id that cannot be ours, `is_row_id`).
         """
+        if not is_row_id(credential_id):
+            raise _not_found(credential_id)
         promoted = ""
         async with self._sessions() as session, session.begin():
             row = await session.get(Credential, credential_id)
@@ -334,7 +338,10 @@ class CredentialStore:
         return promoted
 
     async def set_default(self, org_id: str, credential_id: str) -> CredentialInfo:
-        """Make one credential its integration's default. Raises RpcError NOT_FOUND."""
+        """Make one credential its integration's default. Raises RpcError NOT_FOUND (also for an id that
+        cannot be ours, `is_row_id`)."""
+        if not is_row_id(credential_id):
+            raise _not_found(credential_id)
         async with self._sessions() as session, session.begin():
             row = await session.get(Credential, credential_id)
             if row is None or row.org_id != org_id:
@@ -371,7 +378,7 @@ class CredentialStore:
         """
         now = utcnow()
         row = Credential(
-            id=str(uuid.uuid4()),
+            id=new_id(),
             org_id=org_id,
             integration=integration_name,
             auth_type=auth_type,
@@ -429,7 +436,10 @@ class CredentialStore:
         WRONG_CREDENTIAL_KIND when it is the organization's but not of `auth_type` (a fresh-eyes
         test took "Credential not found" for a credential that exists for a bug);
         crypto.SecretBoxError (logged, see `_decrypt`) when its secret is asked for and cannot be decrypted.
+        NOT_FOUND without a query for an id that cannot be ours (`is_row_id`).
         """
+        if not is_row_id(credential_id):
+            raise _not_found(credential_id)
         async with self._sessions() as session:
             row = await session.get(Credential, credential_id)
         if row is None or row.org_id != org_id:
@@ -444,7 +454,10 @@ class CredentialStore:
         return CredentialInfo.of(row), row.discovery, when, self._decrypt(row) if secret else {}
 
     async def set_discovery(self, org_id: str, credential_id: str, tools: list[dict[str, Any]]) -> datetime.datetime:
-        """Store the tools discovered on an MCP server credential; returns the discovery time. Raises NOT_FOUND."""
+        """Store the tools discovered on an MCP server credential; returns the discovery time. Raises NOT_FOUND
+        (also for an id that cannot be ours, `is_row_id`)."""
+        if not is_row_id(credential_id):
+            raise _not_found(credential_id)
         now = utcnow()
         async with self._sessions() as session, session.begin():
             row = await session.get(Credential, credential_id)
@@ -499,10 +512,13 @@ class CredentialStore:
         """The credential an action runs with, and its decrypted secret.
 
         `credential_id` given: that credential, which must belong to `org_id` and be for
-        `integration_name` (else None). Not given: the integration's default, else its
-        newest credential, else None. Raises crypto.SecretBoxError when the secret
-        cannot be decrypted with the configured keys (logged once, see `_decrypt`).
+        `integration_name` (else None; None without a query for an id that cannot be ours, `is_row_id`).
+        Not given: the integration's default, else its newest credential, else None. Raises
+        crypto.SecretBoxError when the secret cannot be decrypted with the configured keys (logged
+        once, see `_decrypt`).
         """
+        if credential_id and not is_row_id(credential_id):
+            return None
         async with self._sessions() as session:
             if credential_id:
                 row = await session.get(Credential, credential_id)

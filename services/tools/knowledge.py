@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from sqlalchemy import func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from services.common.errors import TOOLS_DOMAIN, RpcError
-from services.tools.models import KnowledgeBase, KnowledgeChunk, KnowledgeDocument, utcnow
+from services.tools.models import KnowledgeBase, KnowledgeChunk, KnowledgeDocument, is_row_id, new_id, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +91,13 @@ def query_terms(query: str) -> list[str]:
     return seen[:32]
 
 
+def _base_not_found(knowledge_base_id: str) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.NOT_FOUND, "KNOWLEDGE_BASE_NOT_FOUND", "Knowledge base not found",
+        domain=TOOLS_DOMAIN, metadata={"knowledge_base_id": knowledge_base_id},
+    )
+
+
 @dataclass(frozen=True)
 class SearchHit:
     """One ranked chunk; `score` is higher for better matches (negated BM25 on SQLite)."""
@@ -139,7 +145,7 @@ class KnowledgeStore:
                 grpc.StatusCode.INVALID_ARGUMENT, "INVALID_KNOWLEDGE_BASE", "organization_id and name are required",
                 domain=TOOLS_DOMAIN,
             )
-        row = KnowledgeBase(id=str(uuid.uuid4()), org_id=org_id, name=name.strip(), description=description,
+        row = KnowledgeBase(id=new_id(), org_id=org_id, name=name.strip(), description=description,
                             created_by=created_by or None, created_at=utcnow())
         async with self._sessions() as session, session.begin():
             session.add(row)
@@ -178,10 +184,13 @@ class KnowledgeStore:
     async def get_document(self, org_id: str, knowledge_base_id: str, document_id: str) -> KnowledgeDocument:
         """One document of one of the organization's knowledge bases.
 
-        Raises RpcError NOT_FOUND when it is absent, in another knowledge base, or another organization's.
+        Raises RpcError NOT_FOUND when it is absent, in another knowledge base, or another organization's,
+        and without a query when either id cannot be ours (`is_row_id`).
         """
-        async with self._sessions() as session:
-            document = await session.get(KnowledgeDocument, document_id)
+        document = None
+        if is_row_id(document_id) and is_row_id(knowledge_base_id):
+            async with self._sessions() as session:
+                document = await session.get(KnowledgeDocument, document_id)
         if document is None or document.org_id != org_id or document.knowledge_base_id != knowledge_base_id:
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND, "DOCUMENT_NOT_FOUND", "Document not found",
@@ -214,8 +223,11 @@ class KnowledgeStore:
         INSERT ... SELECT of the document's chunks. A failure at any step leaves nothing behind.
 
         Raises RpcError NOT_FOUND when the knowledge base is absent or another
-        organization's, INVALID_ARGUMENT when the name or the text is empty.
+        organization's (before any work when its id cannot be ours, `is_row_id`), INVALID_ARGUMENT
+        when the name or the text is empty.
         """
+        if not is_row_id(knowledge_base_id):
+            raise _base_not_found(knowledge_base_id)
         if not name.strip() or not content or content.isspace():
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT, "INVALID_DOCUMENT", "a document needs a name and non-empty text",
@@ -223,7 +235,7 @@ class KnowledgeStore:
             )
         chunks, token_count, utf8_size = await asyncio.to_thread(_prepare, content)
         document = KnowledgeDocument(
-            id=str(uuid.uuid4()),
+            id=new_id(),
             knowledge_base_id=knowledge_base_id,
             org_id=org_id,
             name=name,
@@ -237,10 +249,7 @@ class KnowledgeStore:
         async with self._sessions() as session, session.begin():
             base = await session.get(KnowledgeBase, knowledge_base_id)
             if base is None or base.org_id != org_id:
-                raise RpcError(
-                    grpc.StatusCode.NOT_FOUND, "KNOWLEDGE_BASE_NOT_FOUND", "Knowledge base not found",
-                    domain=TOOLS_DOMAIN, metadata={"knowledge_base_id": knowledge_base_id},
-                )
+                raise _base_not_found(knowledge_base_id)
             session.add(document)
             await session.flush()  # the document row first: chunks reference it
             # Core executemany in pages: ids are assigned in chunk_index order, as the ORM did, and
@@ -273,9 +282,14 @@ class KnowledgeStore:
         """The `top_k` chunks best matching `query` (any of its words), best first.
 
         Only the organization's chunks are searched; ids in `knowledge_base_ids` that are
-        not the organization's match nothing. An empty query (no words) returns [].
+        not the organization's, or cannot be ours (`is_row_id`), match nothing. An empty query
+        (no words), or ids none of which can be ours, returns [] without a query.
         """
         terms = query_terms(query)
+        if knowledge_base_ids:
+            knowledge_base_ids = [kb for kb in knowledge_base_ids if is_row_id(kb)]
+            if not knowledge_base_ids:
+                return []
         if not terms:
             return []
         scope = "c.org_id = :org"

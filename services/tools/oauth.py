@@ -38,6 +38,9 @@ from services.tools.models import OAuthState, utcnow
 log = logging.getLogger(__name__)
 
 STATE_TTL = datetime.timedelta(minutes=10)
+# What a state can look like: `initiate` makes it with secrets.token_urlsafe(32) (43 characters of the
+# URL-safe base64 alphabet); the column holds 64. Any other state cannot be ours (`complete`).
+_STATE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 
 
@@ -229,12 +232,14 @@ class OAuth2Flows:
         Raises RpcError INVALID_ARGUMENT (OAUTH2_STATE_INVALID: unknown, used or expired
         state, or one no configured credential key decrypts (logged); missing code;
         OAUTH2_DENIED: the authorization server's `error`, RFC 6749 section 4.1.2.1, for a
-        valid state) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token endpoint refused
+        valid state; a state `initiate` cannot have made, `_STATE`, is unknown without a query) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token endpoint refused
         the code or could not be reached). The state is spent either way (it is single-use:
         a denied flow cannot go on to an exchange).
         """
         if not state or not (code or error):
             raise _invalid("OAUTH2_STATE_INVALID", "state and code are required")
+        if not _STATE.fullmatch(state):  # cannot be one of ours (U+0000 was INTERNAL on PostgreSQL): not looked up
+            raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state; start the connection again")
         async with self._sessions() as session, session.begin():
             row = await session.get(OAuthState, state)
             if row is not None:

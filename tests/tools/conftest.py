@@ -124,6 +124,25 @@ def pg_dsn() -> str:
 
 
 @pytest.fixture
+async def pg_database(pg_dsn: str) -> AsyncIterator[str]:
+    """A throwaway PostgreSQL database for the tools service's own tables (its SQLAlchemy URL); dropped afterwards.
+
+    Skips the test when PostgreSQL is unreachable.
+    """
+    try:
+        admin = await asyncpg.connect(pg_dsn, timeout=3)
+    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
+        pytest.skip(f"local PostgreSQL at {pg_dsn} is unreachable ({type(exc).__name__})")
+    name = f"loopline_tools_{uuid.uuid4().hex[:10]}"
+    await admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await admin.close()
+
+
+@pytest.fixture
 async def pg_schema() -> AsyncIterator[str]:
     """A fresh schema in the local PostgreSQL with table `items(id int primary key, name text)` of 3 rows.
 

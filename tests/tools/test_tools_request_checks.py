@@ -194,3 +194,109 @@ async def test_execute_tool_takes_input_json_when_it_is_an_object_and_input_when
     assert pb.output_of(response)["query"] == "refund"
     response = await tools.stub.ExecuteTool(_execute(b""))  # unset: `input` ({} here) is the input
     assert not response.success and "'query' is required" in response.error
+
+
+# ---- 5. an id that cannot be ours is NOT_FOUND, without a database query -------------------
+
+# Ids are str(uuid.uuid4()): 36 characters, lower-case hexadecimal and hyphens.
+NOT_OURS = ["\x00", "abc", "", "x" * 10_000, "1d5e0f5c-0b7e-4e8e-9b0e-3f1a2b3c4d5e\x00", "1D5E0F5C-0B7E-4E8E-9B0E-3F1A2B3C4D5E",
+            "{1d5e0f5c-0b7e-4e8e-9b0e-3f1a2b3c4d5e}", "1d5e0f5c0b7e4e8e9b0e3f1a2b3c4d5e", "1d5e0f5c-0b7e-4e8e-9b0e-3f1a2b3c4d5e\n"]
+
+
+def _no_database(tools, monkeypatch):
+    """Make any database session of the stores fail the test (it would show as INTERNAL)."""
+
+    def refuse():
+        raise AssertionError("the database was queried")
+
+    monkeypatch.setattr(tools.server.servicer.credentials, "_sessions", refuse)
+    monkeypatch.setattr(tools.server.servicer.knowledge, "_sessions", refuse)
+
+
+def _credential_calls(tools, credential_id):
+    stub = tools.stub
+    return [
+        (stub.GetCredential, tools_pb2.GetCredentialRequest(organization_id=ORG, credential_id=credential_id)),
+        (stub.DeleteCredential, tools_pb2.DeleteCredentialRequest(organization_id=ORG, credential_id=credential_id)),
+        (stub.SetDefaultCredential, tools_pb2.SetDefaultCredentialRequest(organization_id=ORG, credential_id=credential_id)),
+        (stub.RefreshMcpDiscovery, tools_pb2.RefreshMcpDiscoveryRequest(organization_id=ORG, credential_id=credential_id)),
+        (stub.ListMcpTools, tools_pb2.ListMcpToolsRequest(organization_id=ORG, credential_id=credential_id)),
+        (stub.ResolveCredentialSecret,
+         tools_pb2.ResolveCredentialSecretRequest(organization_id=ORG, credential_id=credential_id, integration_name="openai")),
+    ]
+
+
+@pytest.mark.parametrize("bad_id", NOT_OURS)
+async def test_a_credential_id_that_cannot_be_ours_is_not_found_without_a_query(tools, monkeypatch, bad_id):
+    _no_database(tools, monkeypatch)
+    for call, request in _credential_calls(tools, bad_id):
+        details = await _refused(call, request, grpc.StatusCode.NOT_FOUND)
+        assert details.reason == "CREDENTIAL_NOT_FOUND", (call, details)
+
+
+@pytest.mark.parametrize("bad_id", NOT_OURS)
+async def test_knowledge_ids_that_cannot_be_ours_are_not_found_without_a_query(tools, monkeypatch, bad_id):
+    good = "1d5e0f5c-0b7e-4e8e-9b0e-3f1a2b3c4d5e"
+    _no_database(tools, monkeypatch)
+    stub = tools.stub
+    for kb, doc in ((bad_id, good), (good, bad_id)):
+        details = await _refused(
+            stub.GetDocument, tools_pb2.GetDocumentRequest(organization_id=ORG, knowledge_base_id=kb, document_id=doc),
+            grpc.StatusCode.NOT_FOUND,
+        )
+        assert details.reason == "DOCUMENT_NOT_FOUND"
+    details = await _refused(
+        stub.AddDocument, tools_pb2.AddDocumentRequest(organization_id=ORG, knowledge_base_id=bad_id, name="a.txt", text="hello"),
+        grpc.StatusCode.NOT_FOUND,
+    )
+    assert details.reason == "KNOWLEDGE_BASE_NOT_FOUND"
+    # A search names knowledge bases as a filter: one that cannot be ours matches nothing (tools.proto).
+    response = await stub.SearchKnowledge(tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", knowledge_base_ids=[bad_id]))
+    assert list(response.results) == []
+
+
+async def test_a_search_filter_keeps_the_ids_that_can_be_ours(tools):
+    base = (await tools.stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="Docs"))).knowledge_base
+    await tools.stub.AddDocument(
+        tools_pb2.AddDocumentRequest(organization_id=ORG, knowledge_base_id=base.knowledge_base_id, name="r.txt", text="Refunds in 30 days.")
+    )
+    response = await tools.stub.SearchKnowledge(
+        tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", knowledge_base_ids=["\x00", base.knowledge_base_id])
+    )
+    assert [r.document_name for r in response.results] == ["r.txt"]
+
+
+async def test_an_oauth2_state_that_cannot_be_ours_is_invalid_without_a_query(start_tools, monkeypatch):
+    import json
+
+    provider = json.dumps([{
+        "name": "acme", "authorize_url": "https://auth.example/authorize", "token_url": "https://auth.example/token",
+        "client_id": "loopline-client", "api_base_url": "https://api.example",
+    }])
+    tools = await start_tools(tools_oauth2_integrations=provider)
+
+    def refuse():
+        raise AssertionError("the database was queried")
+
+    monkeypatch.setattr(tools.server.servicer.oauth, "_sessions", refuse)
+    for state in ("\x00", "s" * 65, "state with spaces", "é" * 43):
+        details = await _refused(tools.stub.CompleteOAuth2, tools_pb2.CompleteOAuth2Request(state=state, code="code-1"))
+        assert details.reason == "OAUTH2_STATE_INVALID"
+
+
+async def test_ids_with_nul_are_not_found_on_postgresql(start_tools, pg_database):
+    tools = await start_tools(tools_database_url=pg_database)
+    for call, request in _credential_calls(tools, "\x00"):
+        details = await _refused(call, request, grpc.StatusCode.NOT_FOUND)
+        assert details.reason == "CREDENTIAL_NOT_FOUND"
+    details = await _refused(
+        tools.stub.GetDocument, tools_pb2.GetDocumentRequest(organization_id=ORG, knowledge_base_id="\x00", document_id="\x00"),
+        grpc.StatusCode.NOT_FOUND,
+    )
+    assert details.reason == "DOCUMENT_NOT_FOUND"
+    details = await _refused(
+        tools.stub.CompleteOAuth2, tools_pb2.CompleteOAuth2Request(state="\x00", code="c"),
+    )
+    assert details.reason == "OAUTH2_STATE_INVALID"
+    response = await tools.stub.SearchKnowledge(tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", knowledge_base_ids=["\x00"]))
+    assert list(response.results) == []

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-
-import asyncpg
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loopline.tools.v1 import tools_pb2
@@ -17,22 +12,6 @@ async def test_health_reports_the_tools_service_serving(tools):
     for service in ("", "loopline.tools.v1.ToolsService"):
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service))
         assert response.status == health_pb2.HealthCheckResponse.SERVING
-
-
-@pytest.fixture
-async def pg_database(pg_dsn):
-    """A throwaway PostgreSQL database for the tools service's own tables; dropped afterwards."""
-    try:
-        admin = await asyncpg.connect(pg_dsn, timeout=3)
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
-        pytest.skip(f"local PostgreSQL at {pg_dsn} is unreachable ({type(exc).__name__})")
-    name = f"loopline_tools_{uuid.uuid4().hex[:10]}"
-    await admin.execute(f"CREATE DATABASE {name}")
-    try:
-        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await admin.close()
 
 
 async def test_credentials_and_knowledge_work_on_a_postgresql_database(start_tools, pg_database):

@@ -18,7 +18,7 @@ import orjson
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import db, pb
-from services.common.errors import TOOLS_DOMAIN, RpcError, rpc_handler
+from services.common.errors import TOOLS_DOMAIN, RpcError, bounded, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.logging import bind
 from services.tools.catalogue import Catalogue
@@ -39,7 +39,7 @@ from services.tools.mcp_servers import (
 from services.tools.models import KnowledgeBase, KnowledgeDocument
 from services.tools.netpolicy import OutboundPolicyError
 from services.tools.oauth import OAuth2Flows, integration_of, parse_providers
-from services.tools.tools import ToolExecutor
+from services.tools.tools import PROFILES, ToolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,18 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
     @rpc_errors
     async def ListTools(self, request: tools_pb2.ListToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListToolsResponse:
-        """The definitions of the profile's tools (the five for "assistant"; none for another profile)."""
+        """The definitions of the profile's tools: the five of "assistant" (also for an empty profile).
+
+        Any other profile is INVALID_ARGUMENT UNKNOWN_PROFILE naming the known ones (tools.PROFILES; tools.proto:
+        "assistant" is the only one today), not an empty list a caller would take for a profile without tools.
+        """
+        if request.profile and request.profile not in PROFILES:
+            known = ", ".join(PROFILES)
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_PROFILE",
+                f"Unknown profile {bounded(request.profile, 64)!r}; the known profiles are: {known} (empty means assistant)",
+                domain=TOOLS_DOMAIN, metadata={"field": "profile", "known_profiles": known},
+            )
         return tools_pb2.ListToolsResponse(
             tools=[
                 tools_pb2.ToolDefinition(name=d["name"], description=d["description"], input_schema=pb.to_struct(d["input_schema"]))

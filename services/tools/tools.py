@@ -146,6 +146,10 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
 _VALIDATORS = {d["name"]: Draft202012Validator(d["input_schema"]) for d in TOOL_DEFINITIONS}
 
 
+#: The profiles whose tools ListTools lists: "assistant" is the only one today (tools.proto, ListToolsRequest).
+PROFILES = ("assistant",)
+
+
 def _field_with_nul(tool_input: dict[str, Any]) -> str | None:
     """The first field of a tool's input (`parameters` aside: an action checks its own) that
     holds U+0000 (`pb.holds_nul`), else None. These fields name things the
@@ -212,8 +216,9 @@ class ToolExecutor:
 
     @staticmethod
     def definitions(profile: str) -> list[dict[str, Any]]:
-        """The tool definitions of `profile` ("assistant", or "" for it); [] for any other profile."""
-        return TOOL_DEFINITIONS if profile in ("", "assistant") else []
+        """The tool definitions of `profile` (one of PROFILES, or "" for "assistant"); [] for any other
+        profile (ListTools refuses those first: INVALID_ARGUMENT UNKNOWN_PROFILE)."""
+        return TOOL_DEFINITIONS if profile in ("", *PROFILES) else []
 
     async def execute(self, org_id: str, tool: str, tool_input: dict[str, Any]) -> ToolResult:
         """Run `tool` with `tool_input` for `org_id`; never raises except asyncio.CancelledError."""

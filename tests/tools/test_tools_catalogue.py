@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import grpc
+import pytest
 from jsonschema import Draft202012Validator
 
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
+from services.common.errors import TOOLS_DOMAIN, status_details
 
 FIVE = [
     "get_available_integrations",
@@ -29,9 +32,21 @@ async def test_list_tools_returns_the_five_assistant_tools_with_valid_schemas(to
     assert schemas["search_knowledge"]["properties"]["top_k"]["maximum"] == 50
 
 
-async def test_list_tools_of_an_unknown_profile_is_empty(tools):
-    response = await tools.stub.ListTools(tools_pb2.ListToolsRequest(profile="composer"))
-    assert list(response.tools) == []
+async def test_list_tools_of_an_unknown_profile_is_invalid_and_names_the_known_ones(tools):
+    # It was an empty list (fresh-eyes test: profile="zzz"), as if the profile had no tools.
+    for profile in ("zzz", "composer", "Assistant", "x" * 10_000):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await tools.stub.ListTools(tools_pb2.ListToolsRequest(profile=profile))
+        details = status_details(caught.value)
+        assert (details.code, details.reason, details.domain) == (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_PROFILE", TOOLS_DOMAIN)
+        assert details.message.endswith("; the known profiles are: assistant (empty means assistant)")
+        assert details.metadata == {"field": "profile", "known_profiles": "assistant"}
+        assert len(details.message) < 200
+
+
+async def test_list_tools_of_the_empty_profile_is_the_assistants(tools):
+    response = await tools.stub.ListTools(tools_pb2.ListToolsRequest())
+    assert [t.name for t in response.tools] == FIVE
 
 
 async def test_unknown_tool_is_a_failed_result_not_an_rpc_error(tools):

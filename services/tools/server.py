@@ -208,15 +208,6 @@ def tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
     )
 
 
-def _tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
-    """`tool_input`, but an `input_json` that is not a JSON object falls back to `input`: the lenient
-    reading of an earlier version, kept for its callers outside this service; ExecuteTool uses `tool_input`."""
-    try:
-        return tool_input(request)
-    except RpcError:
-        return pb.from_struct(request.input)
-
-
 class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     """`loopline.tools.v1.ToolsService` over a ToolExecutor, a CredentialStore and a KnowledgeStore."""
 

@@ -5,9 +5,12 @@ changed (9007199254740993 as 9007199254740992.0: a wrong id sent to an API) and 
 
 from __future__ import annotations
 
+import pytest
+
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
-from services.tools.server import _tool_input
+from services.common.errors import RpcError
+from services.tools.server import tool_input
 from tests.orchestrator.helpers import run_turn, types
 
 
@@ -30,12 +33,14 @@ async def test_a_tool_gets_the_models_integers_past_2_53_and_floats_exactly(stac
     assert isinstance(received[0]["parameters"]["id"], int) and isinstance(received[0]["parameters"]["ratio"], float)
 
 
-def test_a_server_takes_input_json_when_it_is_an_object_else_the_struct():
+def test_a_server_takes_input_json_when_it_is_set_else_the_struct():
     struct = pb.to_struct({"a": 1})
-    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b'{"a": 9007199254740993}')) == {"a": 9007199254740993}
-    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct)) == {"a": 1}  # a client of the older version
-    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b"[1]")) == {"a": 1}
-    assert _tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b"{nope")) == {"a": 1}
+    assert tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b'{"a": 9007199254740993}')) == {"a": 9007199254740993}
+    assert tool_input(tools_pb2.ExecuteToolRequest(input=struct)) == {"a": 1}  # a client of the older version
+    for bad in (b"[1]", b"{nope"):  # set but not an object: refused, never replaced by the Struct
+        with pytest.raises(RpcError) as refused:
+            tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=bad))
+        assert refused.value.reason == "INVALID_INPUT_JSON"
 
 
 async def test_the_tool_call_frames_show_the_models_input_exactly_and_in_its_key_order(stack):

@@ -772,8 +772,11 @@ class TurnRunner:
         must not touch the run's outcome: it is logged and tried again in the background
         (`_archive_until_written`) while the log still holds the events. Found reading the
         finish: a failure here made the run `failed` over its real outcome and published
-        `error` + `done` after its `done`.
+        `error` + `done` after its `done`. While a retry of the run's archive is pending, it
+        writes this archive's events too (it reads the log when it tries).
         """
+        if run_id in self._archiving:
+            return
         try:
             await self.archive(run_id)
         except Exception as error:  # noqa: BLE001 - any failure: the events are still in the log

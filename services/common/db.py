@@ -153,6 +153,22 @@ def is_invalid_value(error: BaseException) -> bool:
     return False
 
 
+# SQLSTATEs of a transaction that lost a race with another (PostgreSQL manual, Appendix A):
+# 40001 serialization failure, 40P01 deadlock detected. Retrying the request is the cure.
+_CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})
+
+
+def is_conflict(error: BaseException) -> bool:
+    """Whether `error` says the transaction was rolled back because another one changed the same
+    rows at the same time (`_CONFLICT_SQLSTATES` on the error or its chain): the request may be
+    sent again as it is."""
+    for current in _chain(error):
+        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(code, str) and code in _CONFLICT_SQLSTATES:
+            return True
+    return False
+
+
 def unavailable_store(error: BaseException) -> str | None:
     """What `error` says cannot serve right now: "Redis" when a redis-py error is on its chain
     (the rate limits and event streams of a scaled-out deployment), else "database"; None when

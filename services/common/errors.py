@@ -103,7 +103,9 @@ def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_D
 
     RpcError becomes its rich status via `abort`. An abort already under way
     (grpc.aio.AbortError) and cancellation propagate untouched. A database (or Redis) that
-    cannot serve is UNAVAILABLE; a value the database cannot store (`db.is_invalid_value`: a
+    cannot serve is UNAVAILABLE; a transaction that lost a race with another (a deadlock, a
+    serialization failure: `db.is_conflict`) is ABORTED CONCURRENT_UPDATE, to be sent again;
+    a value the database cannot store (`db.is_invalid_value`: a
     NUL character on PostgreSQL, a number past its column's range) is INVALID_ARGUMENT
     INVALID_VALUE. Any other exception is logged with its traceback and answered with a
     generic message and an ErrorInfo (reason INTERNAL): INTERNAL in `internal_domain` when it
@@ -131,6 +133,12 @@ def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_D
                     log.warning(f"{store} unavailable", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
                     await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, f"{store.upper()}_UNAVAILABLE",
                                                   "The service is temporarily unavailable; try again", domain=domain))
+                    return None
+                if db.is_conflict(error):  # a deadlock or serialization failure: nothing was kept; sent again, it goes through
+                    log.warning("a transaction lost a race with another", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
+                    await abort(context, RpcError(grpc.StatusCode.ABORTED, "CONCURRENT_UPDATE",
+                                                  "Another request changed the same data at the same time; try again",
+                                                  domain=internal_domain or domain))
                     return None
                 if db.is_invalid_value(error):
                     log.warning("a value the database cannot store", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})

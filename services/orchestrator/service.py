@@ -113,6 +113,15 @@ def _downstream_status(error: grpc.aio.AioRpcError) -> grpc.Status | None:
     return None
 
 
+async def _lock_chat(session: AsyncSession, chat_id: str) -> None:
+    """Lock the chat's row for the rest of the transaction (PostgreSQL `FOR UPDATE`; SQLite has
+    one writer at a time). Every transaction that changes a chat and its question (a resume, a
+    cancel, an expiry, a delete) takes the chat's row first, then the question's, so two of them
+    wait for each other instead of deadlocking (fresh-eyes test: a resume and a cancel sent
+    together on PostgreSQL, one of them 500 "deadlock detected")."""
+    await session.execute(select(Chat.id).where(Chat.id == chat_id).with_for_update(key_share=True))  # FOR NO KEY UPDATE
+
+
 def _page_token(chat_id: str, seq: int) -> str:
     """A GetChat page token: the messages before `seq` of the chat (URL-safe base64 of "<chat id>|<seq>")."""
     return base64.urlsafe_b64encode(f"{chat_id}|{seq}".encode()).decode()
@@ -212,6 +221,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         Questions are settled when next looked at (status, get, list, a turn, a resume). Returns
         whether this call settled it (False when an answer, a cancel or another look came first)."""
         async with self.sessions() as writer, writer.begin():
+            await _lock_chat(writer, interrupt.chat_id)
             result = await writer.execute(
                 update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending")
                 .values(outcome="expired", resolved_at=utcnow())
@@ -588,6 +598,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         run_id = str(uuid.uuid4())
         now = utcnow()
         async with self.sessions() as session, session.begin():
+            # the chat's row first, then the question's (`_lock_chat`)
+            await session.execute(update(Chat).where(Chat.id == chat_id).values(running_id=run_id, updated_at=now))
             won = await session.execute(
                 update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending", Interrupt.expires_at > now)
                 .values(outcome="answered", response=answer, resolved_at=now, resumed_run_id=run_id)
@@ -600,7 +612,6 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat_id, organization_id=organization_id,
                             parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now,
                             lease_until=RunSupervisor.lease_deadline(self.settings, now)))
-            await session.execute(update(Chat).where(Chat.id == chat_id).values(running_id=run_id, updated_at=now))
         return run_id
 
     @unary
@@ -863,7 +874,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         await self._claim(chat_id)
         try:
             async with self.sessions() as session, session.begin():
-                chat = await session.get(Chat, chat_id)
+                chat = await session.get(Chat, chat_id, with_for_update=True)  # the chat's row first (`_lock_chat`)
                 if chat is None or (chat.deleted_at is not None and not request.permanent):
                     raise _not_found()
                 active = chat.running_id is not None and (

@@ -150,3 +150,13 @@ async def test_a_value_the_database_cannot_store_is_invalid_argument(failure):
     context = await _abort_of(failure)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
     assert _error_info(context).reason == "INVALID_VALUE" and "0x00" not in context.status.details
+
+
+async def test_a_transaction_that_lost_a_race_is_aborted_to_be_sent_again():
+    """Fresh-eyes test (re-test): a resume and a cancel sent together on PostgreSQL deadlocked and
+    one answered 500; the lock order is fixed (orchestrator `_lock_chat`), and any deadlock or
+    serialization failure left is ABORTED CONCURRENT_UPDATE (the gateway's 409), not a 500."""
+    for cause in (asyncpg.exceptions.DeadlockDetectedError("deadlock detected"),
+                  asyncpg.exceptions.SerializationError("could not serialize access")):
+        context = await _abort_of(lambda cause=cause: exc.DBAPIError("UPDATE interrupts", None, cause))
+        assert context.code == grpc.StatusCode.ABORTED and _error_info(context).reason == "CONCURRENT_UPDATE"

@@ -32,7 +32,10 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     assert all(value is None or 0 <= value <= 100 for value in [*machine["steal_pct"].values(), machine["steal_pct_run"]])
     latency = report["latency"]
     assert latency["turns"] == 5 and latency["completed"] == 5 and latency["failures"] == 0
-    assert latency["done"]["p50_ms"] > 0 and latency["first_frame"]["p99_ms"] > 0 and latency["cpu_ms_per_turn"] > 0
+    assert latency["done"]["p50_ms"] > 0 and latency["first_frame"]["p99_ms"] > 0
+    # CPU time is read in clock ticks (10 ms): 5 turns of ~4 ms on a fast machine can cross no tick
+    # of any service (0.0 was seen), so only the shape is checked here; `make bench` runs 200
+    assert latency["cpu_ms_per_turn"] >= 0 and set(latency["cpu_ms_per_turn_by_service"]) == {"gateway", "orchestrator", "billing", "tools"}
     for key in ("c1", "c3"):
         level = report["throughput"][key]
         assert level["completed"] == level["turns"] > 0 and level["turns_per_s"] > 0

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from cachetools import TTLCache
 from jsonschema import Draft202012Validator
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from services.common import db
@@ -103,6 +103,22 @@ def _invalid(reason: str, message: str) -> RpcError:
 
 
 _MISS = object()
+
+
+async def _lock_defaults(session: Any, org_id: str, integration_name: str) -> None:
+    """Serialize the transactions that change which credential is an integration's default
+    (create, set-default, delete) for one organization and integration, until the transaction
+    ends, so that each reads the defaults the one before it left. PostgreSQL: an advisory
+    transaction lock. SQLite: a write that matches no row, which starts the transaction as a
+    write transaction on the latest data (SQLite's one writer; the driver would otherwise run
+    the reads before it outside any transaction). Without it, two creates with make_default
+    sent together each saw the defaults as they were and made one: a unique violation of
+    uq_credentials_one_default, or a deadlock (fresh-eyes test: 500s)."""
+    if session.bind.dialect.name == "postgresql":
+        await session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+                              {"key": f"loopline-credential-default\n{org_id}\n{integration_name}"})
+    else:
+        await session.execute(text("UPDATE credentials SET is_default = is_default WHERE 0"))
 
 
 class OrgReadCache:
@@ -319,6 +335,8 @@ class CredentialStore:
             row = await session.get(Credential, credential_id)
             if row is None or row.org_id != org_id:
                 raise _not_found(credential_id)
+            await _lock_defaults(session, org_id, row.integration)
+            await session.refresh(row)  # as the last change of the defaults left it
             was_default = row.is_default
             await session.delete(row)
             await session.flush()
@@ -346,6 +364,7 @@ class CredentialStore:
             row = await session.get(Credential, credential_id)
             if row is None or row.org_id != org_id:
                 raise _not_found(credential_id)
+            await _lock_defaults(session, org_id, row.integration)
             await session.execute(
                 update(Credential)
                 .where(Credential.org_id == org_id, Credential.integration == row.integration, Credential.id != row.id)
@@ -483,9 +502,12 @@ class CredentialStore:
 
     async def _insert(self, row: Credential, make_default: bool) -> CredentialInfo:
         """Store a new credential row; it becomes the default of its integration when asked, or
-        when the organization has none for that integration yet (then the old default is cleared)."""
+        when the organization has none for that integration yet (then the old default is cleared).
+
+        Under `_lock_defaults`: a create sent beside another sees the other's default."""
         org_id, integration_name = row.org_id, row.integration
         async with self._sessions() as session, session.begin():
+            await _lock_defaults(session, org_id, integration_name)
             existing_default = await session.scalar(
                 select(Credential.id).where(
                     Credential.org_id == org_id, Credential.integration == integration_name, Credential.is_default

@@ -165,3 +165,26 @@ async def test_list_credentials_filters_and_pages(tools):
         await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a", auth_type="apikey"))
     details = status_details(caught.value)
     assert (details.code, details.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "AUTH_TYPE_UNKNOWN")
+
+
+async def _create_defaults_together(tools) -> None:
+    """Fresh-eyes test (re-test, PostgreSQL): 15 POST /credentials with make_default sent together
+    gave 4 × 500 (a unique violation of uq_credentials_one_default: two transactions each
+    cleared the defaults they saw and inserted their own). A create that loses the race is
+    tried again; every create succeeds and one default remains."""
+    import asyncio
+
+    created = await asyncio.gather(*(
+        tools.create_credential("anthropic", {"api_key": f"sk-test-{index}-xxxxxxxx"}, make_default=True) for index in range(12)
+    ))
+    assert len({c.credential_id for c in created}) == 12
+    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a", integration_name="anthropic"))
+    assert len(listed.credentials) == 12 and sum(c.is_default for c in listed.credentials) == 1
+
+
+async def test_credentials_created_together_as_default_leave_exactly_one_default(start_tools):
+    await _create_defaults_together(await start_tools())
+
+
+async def test_credentials_created_together_as_default_leave_exactly_one_default_on_postgresql(start_tools, pg_database):
+    await _create_defaults_together(await start_tools(tools_database_url=pg_database))

@@ -20,7 +20,7 @@ from services.billing.core import STATE_TO_PB, BillingCore
 from services.billing.plans import load_plans, sync_plans
 from services.billing.pricing import PriceTable
 from services.billing.rates import RateDecision, RateLimiter
-from services.common import db
+from services.common import db, ids
 from services.common.errors import BILLING_DOMAIN, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.tasks import stop_task
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # The one wrapper every handler goes through: RpcError -> rich status; other exceptions
 # reach grpc as UNKNOWN and are logged with their traceback.
-rpc = rpc_handler(domain=BILLING_DOMAIN)
+rpc = rpc_handler(domain=BILLING_DOMAIN, check=ids.request_organization_check(BILLING_DOMAIN, "ORGANIZATION_ID_REQUIRED"))
 
 
 def _rate_pb(rate: RateDecision) -> billing_pb2.RateLimitState:

@@ -29,7 +29,7 @@ from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2
 from services.common import db, ids, pb
-from services.common.errors import RpcError, abort, rpc_handler
+from services.common.errors import ASSISTANT_DOMAIN, RpcError, abort, rpc_handler
 from services.orchestrator import hitl
 from services.orchestrator.backend import MemoryBackend, RunBackend
 from services.orchestrator.config import OrchestratorSettings
@@ -60,25 +60,7 @@ def _not_found(what: str = "Chat") -> RpcError:
     return RpcError(grpc.StatusCode.NOT_FOUND, f"{what.upper()}_NOT_FOUND", f"{what} not found")
 
 
-def _check_organization(request: Any) -> None:
-    """Every AssistantService call names an organization (`caller.organization_id`, or
-    `organization_id` itself) that an organization can have (`ids.org_id_error`: 1 to 128
-    visible ASCII characters): else INVALID_ARGUMENT INVALID_ORGANIZATION_ID. The gateway checks
-    the same on X-Organization-ID; a gRPC caller's went on to billing (fresh-eyes test: no
-    caller was billing's ORGANIZATION_ID_REQUIRED, a NUL "Billing is unavailable; try again")."""
-    fields = request.DESCRIPTOR.fields_by_name
-    if "caller" in fields:
-        name, organization_id = "caller.organization_id", request.caller.organization_id
-    elif "organization_id" in fields:
-        name, organization_id = "organization_id", request.organization_id
-    else:
-        return
-    problem = ids.org_id_error(organization_id)
-    if problem is not None:
-        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ORGANIZATION_ID", f"{name}: {problem}")
-
-
-unary = rpc_handler(check=_check_organization)
+unary = rpc_handler(check=ids.request_organization_check(ASSISTANT_DOMAIN))  # every call names a possible organization
 
 
 class _PassThrough(Exception):

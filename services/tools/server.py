@@ -17,7 +17,7 @@ import grpc
 import orjson
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
-from services.common import db, pb
+from services.common import db, ids, pb
 from services.common.errors import TOOLS_DOMAIN, RpcError, bounded, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.logging import bind
@@ -47,7 +47,7 @@ SERVICE_NAME = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"].full_name
 
 
 # RpcError -> its rich status; any other exception -> INTERNAL with a generic message.
-rpc_errors = rpc_handler(internal_domain=TOOLS_DOMAIN)
+rpc_errors = rpc_handler(internal_domain=TOOLS_DOMAIN, check=ids.request_organization_check(TOOLS_DOMAIN, "ORGANIZATION_REQUIRED"))
 
 
 def urllib_host(url: str) -> str:

@@ -61,3 +61,26 @@ async def test_a_cancel_reason_longer_than_1000_characters_is_refused_and_the_ru
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and status_details(refused.value).reason == "INVALID_REASON"
     cancelled = await stub.Cancel(assistant_pb2.CancelRequest(caller=caller, chat_id=started.chat_id, reason="y" * 1000))
     assert cancelled.status == "cancelled"
+
+
+@pytest.mark.parametrize("organization_id", ["a b", "org\x00x", "o" * 129, "org ü"])
+async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_have(stack, organization_id):
+    """Fresh-eyes re-test: billing's Admit opened an account "a b" (which its own admin commands
+    then refuse) and the tools service listed for a 129-character id; only the orchestrator checked."""
+    from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
+    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+    from services.common.errors import BILLING_DOMAIN, TOOLS_DOMAIN
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools:
+        calls = [
+            (billing_pb2_grpc.BillingServiceStub(billing).Admit(billing_pb2.AdmitRequest(
+                organization_id=organization_id, turn_key="k", usage_type="run", rate_class="sync_exec")), BILLING_DOMAIN),
+            (tools_pb2_grpc.ToolsServiceStub(tools).ListCredentials(tools_pb2.ListCredentialsRequest(organization_id=organization_id)), TOOLS_DOMAIN),
+        ]
+        for call, domain in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            details = status_details(refused.value)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (details.reason, details.domain) == ("INVALID_ORGANIZATION_ID", domain)

@@ -253,22 +253,31 @@ def field_fragment(message: Any, name: str) -> Any:
     return _older_field(message, name)
 
 
+class NotAnObject(ValueError):
+    """A `<name>_json` field that is set but is not a JSON object; the message names the field
+    and what it holds instead, never its content."""
+
+
 def object_of(message: Any, name: str) -> dict[str, Any]:
     """The JSON object of the Struct field pair `name` of `message` (ResumeRequest `response`):
-    `<name>_json` parsed when it is set and holds a JSON object, else the Struct `name` as
-    `from_struct` gives it ({} when unset: a caller checks the object's fields). Raises nothing
-    for bad text (it falls back to the Struct); AttributeError or ValueError for a message
-    without the pair.
+    `<name>_json` parsed when it is set, else the Struct `name` as `from_struct` gives it ({}
+    when unset: a caller checks the object's fields; a client of an older version sends the
+    Struct). Raises NotAnObject when `<name>_json` is set but is not a JSON object (not JSON,
+    not UTF-8, too deep for the parser, an array or a scalar): it used to fall back to the
+    Struct silently, and the answer's check then said something misleading (fresh-eyes test).
+    AttributeError for a message without the pair.
     """
     text = getattr(message, f"{name}_json")
-    if text:
-        try:
-            data = orjson.loads(text)
-        except orjson.JSONDecodeError:
-            data = None
-        if isinstance(data, dict):
-            return data
-    return from_struct(getattr(message, name))
+    if not text:
+        return from_struct(getattr(message, name))
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise NotAnObject(f"{name}_json must be a JSON object (UTF-8 JSON text): it is not valid JSON") from None
+    if not isinstance(data, dict):
+        kind = "an array" if isinstance(data, list) else "null" if data is None else "a scalar"
+        raise NotAnObject(f"{name}_json must be a JSON object: it is {kind}")
+    return data
 
 
 def to_struct(data: dict[str, Any] | None, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> struct_pb2.Struct:

@@ -535,7 +535,12 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         a `credential_added` answer is checked with the tools service (`_check_credential`).
         """
         caller = request.caller
-        answer = pb.object_of(request, "response")  # the JSON text, or the Struct of a gateway of an older version
+        try:
+            answer = pb.object_of(request, "response")  # the JSON text, or the Struct of a gateway of an older version
+        except pb.NotAnObject as bad:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", str(bad)) from None
+        if pb.holds_nul(answer):  # as the gateway refuses it in a body (fresh-eyes test: a gRPC answer carried it to the model)
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", "the answer holds a NUL character (U+0000); text cannot carry it")
         llm = self._llm(request.llm, request.HasField("llm"))
         model = await self._model(llm, caller.organization_id)
         async with self.sessions() as session:

@@ -167,6 +167,7 @@ def test_readers_take_the_json_text_when_set_else_an_older_versions_struct_or_va
     assert pb.object_of(assistant_pb2.ResumeRequest(response=pb.to_struct(answer)), "response") == answer
     assert pb.object_of(assistant_pb2.ResumeRequest(response_json=b'{"kind":"credential_failed","provider_details":{"id":9007199254740993}}'),
                         "response") == {"kind": "credential_failed", "provider_details": {"id": BIG}}
-    for bad in (b"{nope", b"[1]"):  # not an object: the Struct (empty from a new gateway: the answer's check refuses it)
-        assert pb.object_of(assistant_pb2.ResumeRequest(response=pb.to_struct(answer), response_json=bad), "response") == answer
+    for bad in (b"{nope", b"[1]", b"null", b"\xff\xfe"):  # set but not an object: refused, never replaced by the Struct
+        with pytest.raises(pb.NotAnObject):
+            pb.object_of(assistant_pb2.ResumeRequest(response=pb.to_struct(answer), response_json=bad), "response")
     assert pb.object_of(assistant_pb2.ResumeRequest(), "response") == {}

@@ -84,3 +84,28 @@ async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_h
             details = status_details(refused.value)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert (details.reason, details.domain) == ("INVALID_ORGANIZATION_ID", domain)
+
+
+@pytest.mark.parametrize("response_json, says", [
+    (b'{"kind":"free_text","text":"ab\\u0000cd"}', "NUL"),
+    (b"{not json", "not valid JSON"),
+    (b"[1]", "an array"),
+])
+async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_question_stays(stack, stub, response_json, says):
+    """Fresh-eyes re-test: a NUL in a gRPC answer was taken and given to the model (HTTP refuses
+    it), and an answer that was not JSON or not an object was read as {} ("'kind' must be one of")."""
+    from tests.conftest import script
+    from tests.sse_client import read_frames
+
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    started = await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script(
+        {"tool": "ask_user_free_text", "input": {"message": "Name it"}}, {"say": "thanks"})))
+    async with stack.client() as client:
+        frames = await read_frames(client, started.stream_url)
+    request_id = frames[-1]["data"]["request_id"]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Resume(assistant_pb2.ResumeRequest(caller=caller, chat_id=started.chat_id, request_id=request_id, response_json=response_json))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.details()
+    answered = await stub.Resume(assistant_pb2.ResumeRequest(caller=caller, chat_id=started.chat_id, request_id=request_id,
+                                                             response_json=b'{"kind":"free_text","text":"fine"}'))
+    assert answered.run_id

@@ -10,11 +10,13 @@ text raises `ExtractionError`.
 
 from __future__ import annotations
 
+import codecs
 import html.parser
 import io
 import json
 import logging
 import pathlib
+from typing import Any
 
 from services.common import pb
 
@@ -91,8 +93,27 @@ class _VisibleText(html.parser.HTMLParser):
             self.parts.append(data)
 
 
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # UTF-32 LE first: it begins as UTF-16 LE's
+
+
 def _decode(data: bytes) -> str:
-    return data.decode("utf-8-sig", errors="replace")
+    """The text of an uploaded text file: by its byte order mark when it has one (UTF-8, UTF-16,
+    UTF-32), else UTF-8 when it is valid UTF-8, else Windows-1252 (the usual encoding of a
+    text or CSV file that is not UTF-8: Latin-1's letters and more), as the WHATWG Encoding
+    standard reads a legacy document. Fresh-eyes test: a UTF-16 file was indexed as mojibake
+    with its BOM, and a Latin-1 CSV lost its accented letters ("café" not found)."""
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            return data.decode(encoding, errors="replace")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("cp1252", errors="replace")
+
+
+def _no_constant(name: str) -> Any:
+    raise ExtractionError(f"The JSON file does not parse ({name} is not JSON, RFC 8259)")
 
 
 def _json_text(raw: str) -> str:
@@ -100,7 +121,7 @@ def _json_text(raw: str) -> str:
     or json.dumps go (about 1,000 levels: RecursionError), since a JSON document is still text,
     as the http integration returns such a body as text. ExtractionError when it is not JSON."""
     try:
-        return json.dumps(json.loads(raw), ensure_ascii=False, indent=1)
+        return json.dumps(json.loads(raw, parse_constant=_no_constant), ensure_ascii=False, indent=1)
     except json.JSONDecodeError as exc:
         raise ExtractionError(f"The JSON file does not parse (line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:

@@ -7,6 +7,7 @@ fresh PostgreSQL database with LOOPLINE_TEST_BACKEND=postgres.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import random
 import re
 import time
@@ -270,3 +271,29 @@ async def test_a_document_that_fails_to_index_leaves_nothing_behind(store, monke
         for table in ("knowledge_documents", "knowledge_chunks") + (("knowledge_chunks_fts",) if engine.dialect.name == "sqlite" else ()):
             assert (await connection.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == 0, table
     assert await knowledge_store.search("org-a", "paragraph", None, 5) == []
+
+
+@pytest.mark.parametrize("data, kind, text", [
+    ("café au lait\n".encode("utf-16"), "txt", "café au lait"),  # with its BOM: was "\ufffd\ufffdc\x00a\x00..."
+    ("name,drink\nZoë,café\n".encode("latin-1"), "csv", "Zoë,café"),  # not UTF-8: was "Zo\ufffd,caf\ufffd"
+    ("smart “quotes” – dash".encode("cp1252"), "txt", "smart “quotes” – dash"),
+    ("plain UTF-8: café".encode(), "md", "plain UTF-8: café"),
+    (codecs.BOM_UTF8 + "with a BOM".encode(), "txt", "with a BOM"),
+])
+def test_an_uploaded_text_file_is_read_in_its_encoding(data, kind, text):
+    """Fresh-eyes re-test: a UTF-16 file was indexed with its BOM as mojibake and a Latin-1 CSV
+    lost its accented letters, so "café" was not found."""
+    from services.tools.extract import extract_text
+
+    extracted = extract_text(data, kind)
+    assert text in extracted and "\ufffd" not in extracted and "\x00" not in extracted
+
+
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'[Infinity]', b'{"a": -Infinity}'])
+def test_a_json_upload_with_nan_or_infinity_is_refused_as_not_json(raw):
+    """Fresh-eyes re-test: {"a": NaN} was indexed, although NaN is not JSON (RFC 8259) and the
+    README says a JSON file that does not parse is 400."""
+    from services.tools.extract import ExtractionError, extract_text
+
+    with pytest.raises(ExtractionError, match="not JSON"):
+        extract_text(raw, "json")

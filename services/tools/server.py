@@ -140,12 +140,17 @@ def _invalid(reason: str, message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
 
 
-#: The longest free text each field may hold, in characters (Python's len, as the gateway counts).
-#: The same limits as the HTTP gateway's STRING_LIMITS (services/gateway/tools_routes.py: a credential's
-#: display_name and a knowledge base's name 200, a description 10,000), so that a caller reaching this
-#: service directly cannot store what the gateway refuses; a document's name is cut to 500 characters
-#: by the gateway's upload route (the column is VARCHAR(500), as display_name and name are VARCHAR(200)).
-TEXT_LIMITS = {"display_name": 200, "name": 200, "description": 10_000, "document_name": 500}
+#: The longest value each string field may hold, in characters (Python's len, as the gateway counts).
+#: The same limits as the HTTP gateway's STRING_LIMITS and MAX_TEXT_CHARS (services/gateway/tools_routes.py:
+#: a credential's display_name and a knowledge base's name 200, a description 10,000, an integration name
+#: 100, an auth type 32, any other string - server_url, redirect_uri, scope, a search query - 2,048), so
+#: that a caller reaching this service directly cannot store, look up or send on what the gateway refuses;
+#: a document's name is cut to 500 characters by the gateway's upload route (the column is VARCHAR(500),
+#: as display_name and name are VARCHAR(200), an integration name VARCHAR(100)).
+TEXT_LIMITS = {
+    "display_name": 200, "name": 200, "description": 10_000, "document_name": 500,
+    "integration_name": 100, "auth_type": 32, "server_url": 2_048, "redirect_uri": 2_048, "scope": 2_048, "query": 2_048,
+}
 
 
 def check_length(field: str, value: str, limit: int) -> None:
@@ -159,6 +164,12 @@ def check_length(field: str, value: str, limit: int) -> None:
             grpc.StatusCode.INVALID_ARGUMENT, "FIELD_TOO_LONG", f"{field} must be at most {limit} characters (it has {len(value)})",
             domain=TOOLS_DOMAIN, metadata={"field": field, "limit": str(limit)},
         )
+
+
+def check_lengths(request: Any, *fields: str) -> None:
+    """`check_length` for each of the string fields `fields` of `request`, at its TEXT_LIMITS limit, in order."""
+    for field in fields:
+        check_length(field, getattr(request, field), TEXT_LIMITS[field])
 
 
 def page_size(field: str, value: int, low: int, high: int, default: int) -> int:
@@ -260,8 +271,9 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def CreateCredential(self, request: tools_pb2.CreateCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateCredentialResponse:
         """Store a credential (secret encrypted); INVALID_ARGUMENT for a bad integration, auth type or auth data,
-        or a display_name past TEXT_LIMITS (200 characters, the gateway's limit): FIELD_TOO_LONG."""
-        check_length("display_name", request.display_name, TEXT_LIMITS["display_name"])
+        or FIELD_TOO_LONG for an integration_name past 100, an auth_type past 32 or a display_name past 200
+        characters (TEXT_LIMITS, the gateway's limits), checked before anything is looked up or stored."""
+        check_lengths(request, "integration_name", "auth_type", "display_name")
         info = await self.credentials.create(
             request.organization_id,
             request.integration_name,
@@ -279,9 +291,11 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         """A page of the organization's credentials, newest first.
 
         limit is 1 to 500, 0 means 100 (tools.proto, the gateway's range), and offset is >= 0 (the gateway's
-        `ge=0`); any other value is INVALID_ARGUMENT INVALID_LIMIT / INVALID_OFFSET, not clamped.
+        `ge=0`); any other value is INVALID_ARGUMENT INVALID_LIMIT / INVALID_OFFSET, not clamped. A filter
+        longer than the gateway's limit (integration_name 100, auth_type 32 characters) is FIELD_TOO_LONG.
         """
         _require_org(request.organization_id)
+        check_lengths(request, "integration_name", "auth_type")
         limit = page_size("limit", request.limit, 1, 500, 100)
         if request.offset < 0:
             raise RpcError(
@@ -308,9 +322,11 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
         NOT_FOUND when absent, another organization's, for another integration, or holding no key;
         FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE (`_undecryptable`, one WARNING logged by the store)
-        when no configured key decrypts its secret (README, "Changing the key").
+        when no configured key decrypts its secret (README, "Changing the key"); INVALID_ARGUMENT FIELD_TOO_LONG
+        for an integration_name past 100 characters (TEXT_LIMITS), before any query.
         """
         _require_org(request.organization_id)
+        check_lengths(request, "integration_name")
         not_found = RpcError(grpc.StatusCode.NOT_FOUND, "CREDENTIAL_NOT_FOUND", "credential not found", domain=TOOLS_DOMAIN)
         if not request.credential_id:
             raise not_found
@@ -392,12 +408,12 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def CreateMcpServer(self, request: tools_pb2.CreateMcpServerRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateMcpServerResponse:
         """Register a Streamable HTTP MCP server (URL and headers encrypted) and discover its tools.
 
-        INVALID_ARGUMENT: INVALID_SERVER_URL, OUTBOUND_POLICY, INVALID_HEADERS, FIELD_TOO_LONG (a display_name
-        past 200 characters, TEXT_LIMITS: the gateway's limit). A failed discovery still stores the
-        credential and reports `discovery_error`.
+        INVALID_ARGUMENT: INVALID_SERVER_URL, OUTBOUND_POLICY, INVALID_HEADERS, FIELD_TOO_LONG (a server_url
+        past 2,048 or a display_name past 200 characters, TEXT_LIMITS: the gateway's limits; checked before
+        the URL is resolved or called). A failed discovery still stores the credential and reports `discovery_error`.
         """
         _require_org(request.organization_id)
-        check_length("display_name", request.display_name, TEXT_LIMITS["display_name"])
+        check_lengths(request, "server_url", "display_name")
         url = request.server_url.strip()
         try:
             await check_url_policy(url, self.executor.settings.tools_allow_private_network)
@@ -478,9 +494,10 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def InitiateOAuth2(self, request: tools_pb2.InitiateOAuth2Request, context: grpc.aio.ServicerContext) -> tools_pb2.InitiateOAuth2Response:
         """Start an authorization code flow with PKCE; INVALID_ARGUMENT for an integration without OAuth2, or
-        FIELD_TOO_LONG for a display_name past 200 characters (TEXT_LIMITS: the gateway's limit; the
-        credential created at completion gets it)."""
-        check_length("display_name", request.display_name, TEXT_LIMITS["display_name"])
+        FIELD_TOO_LONG for an integration_name past 100, a redirect_uri or scope past 2,048 or a display_name
+        past 200 characters (TEXT_LIMITS: the gateway's limits; the credential created at completion gets the
+        display_name), checked before the state is stored."""
+        check_lengths(request, "integration_name", "redirect_uri", "scope", "display_name")
         if self.oauth is None:
             raise _invalid("OAUTH2_NOT_SUPPORTED", "No OAuth2 integration is configured")
         url, state = await self.oauth.initiate(
@@ -502,9 +519,11 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         """The best chunks for the query in the organization's knowledge bases.
 
         top_k is 1 to 50, 0 means 5 (tools.proto, the gateway's range); any other value is INVALID_ARGUMENT
-        INVALID_TOP_K (`page_size`), not clamped.
+        INVALID_TOP_K (`page_size`), not clamped. A query past 2,048 characters (TEXT_LIMITS, the gateway's
+        limit) is INVALID_ARGUMENT FIELD_TOO_LONG.
         """
         _require_org(request.organization_id)
+        check_lengths(request, "query")
         top_k = page_size("top_k", request.top_k, 1, 50, 5)
         hits = await self.knowledge.search(request.organization_id, request.query, list(request.knowledge_base_ids), top_k)
         return tools_pb2.SearchKnowledgeResponse(

@@ -11,7 +11,8 @@ import pytest
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
-from services.gateway.tools_routes import STRING_LIMITS
+from services.gateway.tools_routes import MAX_TEXT_CHARS, STRING_LIMITS
+from services.tools import server as tools_server
 from services.tools.server import TEXT_LIMITS
 
 ORG = "org-a"
@@ -35,6 +36,11 @@ def test_text_limits_are_the_gateways():
     assert TEXT_LIMITS["name"] == STRING_LIMITS["name"] == 200
     assert TEXT_LIMITS["description"] == STRING_LIMITS["description"] == 10_000
     assert TEXT_LIMITS["document_name"] == 500  # the gateway cuts an upload's file name to 500 characters
+    assert TEXT_LIMITS["integration_name"] == STRING_LIMITS["integration_name"] == 100
+    assert TEXT_LIMITS["auth_type"] == STRING_LIMITS["auth_type"] == 32
+    for field in ("server_url", "redirect_uri", "scope", "query"):  # the gateway's "any other string field"
+        assert field not in STRING_LIMITS
+        assert TEXT_LIMITS[field] == MAX_TEXT_CHARS == 2_048
 
 
 def _too_long(details, field, limit, length):
@@ -211,6 +217,7 @@ def _no_database(tools, monkeypatch):
 
     monkeypatch.setattr(tools.server.servicer.credentials, "_sessions", refuse)
     monkeypatch.setattr(tools.server.servicer.knowledge, "_sessions", refuse)
+    monkeypatch.setattr(tools.server.servicer.oauth, "_sessions", refuse)
 
 
 def _credential_calls(tools, credential_id):
@@ -300,3 +307,122 @@ async def test_ids_with_nul_are_not_found_on_postgresql(start_tools, pg_database
     assert details.reason == "OAUTH2_STATE_INVALID"
     response = await tools.stub.SearchKnowledge(tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", knowledge_base_ids=["\x00"]))
     assert list(response.results) == []
+
+
+# ---- 6. integration names, auth types, URLs, scopes and queries: the gateway's limits too ---
+
+GOOD_ID = "1d5e0f5c-0b7e-4e8e-9b0e-3f1a2b3c4d5e"
+
+
+def _string_calls(stub, field, value):
+    """(call, request) of every RPC carrying the string field `field`, set to `value` (the other fields valid)."""
+    credential = {"organization_id": ORG, "integration_name": "http", "auth_type": "bearer",
+                  "auth_data": pb.to_struct({"token": "tok-1234567890ab"})}
+    oauth = {"organization_id": ORG, "integration_name": "acme", "redirect_uri": "https://app.example.com/cb"}
+    if field == "integration_name":
+        return [
+            (stub.CreateCredential, tools_pb2.CreateCredentialRequest(**{**credential, field: value})),
+            (stub.ListCredentials, tools_pb2.ListCredentialsRequest(organization_id=ORG, integration_name=value)),
+            (stub.ResolveCredentialSecret,
+             tools_pb2.ResolveCredentialSecretRequest(organization_id=ORG, credential_id=GOOD_ID, integration_name=value)),
+            (stub.InitiateOAuth2, tools_pb2.InitiateOAuth2Request(**{**oauth, field: value})),
+        ]
+    if field == "auth_type":
+        return [
+            (stub.CreateCredential, tools_pb2.CreateCredentialRequest(**{**credential, field: value})),
+            (stub.ListCredentials, tools_pb2.ListCredentialsRequest(organization_id=ORG, auth_type=value)),
+        ]
+    if field == "server_url":
+        return [(stub.CreateMcpServer, tools_pb2.CreateMcpServerRequest(organization_id=ORG, server_url=value))]
+    if field in ("redirect_uri", "scope"):
+        return [(stub.InitiateOAuth2, tools_pb2.InitiateOAuth2Request(**{**oauth, field: value}))]
+    assert field == "query", field
+    return [(stub.SearchKnowledge, tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query=value))]
+
+
+def _of_length(field, length, char="x"):
+    """A value of `field` with `length` characters (a URL for the URL fields)."""
+    prefix = "https://app.example.com/" if field in ("server_url", "redirect_uri") else ""
+    return prefix + char * (length - len(prefix))
+
+
+async def _acme(start_tools):
+    """A tools server with one OAuth2 integration, `acme`."""
+    import json
+
+    provider = json.dumps([{
+        "name": "acme", "authorize_url": "https://auth.example/authorize", "token_url": "https://auth.example/token",
+        "client_id": "loopline-client", "api_base_url": "https://api.example",
+    }])
+    return await start_tools(tools_oauth2_integrations=provider)
+
+
+def _no_network(tools, monkeypatch):
+    """Make any outbound step of an MCP server's registration (URL policy, discovery) fail the test."""
+
+    async def refuse(*_args, **_kwargs):
+        raise AssertionError("the network was used")
+
+    monkeypatch.setattr(tools_server, "check_url_policy", refuse)
+    monkeypatch.setattr(tools.server.servicer.executor.mcp, "list_tools", refuse)
+
+
+@pytest.mark.parametrize(
+    ("field", "limit"),
+    [("integration_name", 100), ("auth_type", 32), ("server_url", 2_048), ("redirect_uri", 2_048), ("scope", 2_048), ("query", 2_048)],
+)
+async def test_every_rpc_refuses_a_string_past_the_gateways_limit_before_any_work(start_tools, monkeypatch, field, limit):
+    tools = await _acme(start_tools)
+    _no_database(tools, monkeypatch)
+    _no_network(tools, monkeypatch)
+    for length, char in ((limit + 1, "x"), (limit + 1, "é"), (100_000, "x")):
+        for call, request in _string_calls(tools.stub, field, _of_length(field, length, char)):
+            details = await _refused(call, request)
+            _too_long(details, field, limit, length)
+
+
+@pytest.mark.parametrize(
+    ("field", "limit"),
+    [("integration_name", 100), ("auth_type", 32), ("server_url", 2_048), ("redirect_uri", 2_048), ("scope", 2_048), ("query", 2_048)],
+)
+async def test_a_string_at_the_limit_passes_the_length_check(start_tools, monkeypatch, field, limit):
+    tools = await _acme(start_tools)
+
+    async def stop(*_args, **_kwargs):  # a server_url at the limit goes on to the URL policy: stop there, offline
+        raise tools_server.ActionError("no network in this test")
+
+    monkeypatch.setattr(tools_server, "check_url_policy", stop)
+    for call, request in _string_calls(tools.stub, field, _of_length(field, limit, "é")):
+        try:
+            await call(request)
+        except grpc.aio.AioRpcError as error:  # refused for another reason (an unknown integration, ...), not its length
+            details = status_details(error)
+            assert details.code != grpc.StatusCode.INTERNAL, details
+            assert details.reason != "FIELD_TOO_LONG", details
+
+
+async def test_refused_strings_store_nothing(start_tools):
+    tools = await _acme(start_tools)
+    for field in ("integration_name", "auth_type"):
+        await _refused(*_string_calls(tools.stub, field, "x" * 5_000)[0])
+    for field in ("integration_name", "redirect_uri", "scope"):
+        await _refused(*_string_calls(tools.stub, field, _of_length(field, 5_000))[-1])
+    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id=ORG))
+    assert listed.total == 0
+    async with tools.server.servicer.oauth._sessions() as session:
+        from sqlalchemy import func, select
+
+        from services.tools.models import OAuthState
+
+        assert (await session.execute(select(func.count()).select_from(OAuthState))).scalar_one() == 0
+
+
+async def test_the_gateways_credential_list_refuses_a_long_integration_name_filter(tmp_path):
+    from tests.tools.tools_stack import tools_stack
+
+    async with tools_stack(tmp_path) as stack, stack.client() as client:
+        refused = await client.get("/credentials", params={"integration_name": "x" * 101})
+        assert refused.status_code == 400, refused.text
+        assert refused.json() == {"detail": "integration_name must be at most 100 characters (it has 101)"}
+        listed = await client.get("/credentials", params={"integration_name": "x" * 100})
+        assert listed.status_code == 200 and listed.json()["credentials"] == []

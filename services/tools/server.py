@@ -172,6 +172,30 @@ def check_lengths(request: Any, *fields: str) -> None:
         check_length(field, getattr(request, field), TEXT_LIMITS[field])
 
 
+#: The largest JSON object each Struct field may hold, in bytes as compact UTF-8 JSON (as the gateway
+#: measures it: orjson): the HTTP gateway's OBJECT_LIMITS (services/gateway/tools_routes.py). A credential's
+#: metadata is returned by every listing (16 KiB, with the gateway's `expires_at` merged in); a secret,
+#: auth_data (64 KiB) or an MCP server's headers (16 KiB), is encrypted and stored.
+JSON_LIMITS = {"metadata": 16 * 1024, "auth_data": 64 * 1024, "headers": 16 * 1024}
+
+
+def check_json_size(field: str, value: dict[str, Any]) -> None:
+    """Refuse the JSON object `value` of the request field `field` when it is larger than JSON_LIMITS[field]
+    bytes as compact UTF-8 JSON.
+
+    Raises RpcError INVALID_ARGUMENT FIELD_TOO_LARGE (metadata `field`, `limit`) with the gateway's message
+    ("metadata must be at most 16384 bytes when JSON-encoded (it has 20000)"): never the content, which
+    may be a secret.
+    """
+    limit = JSON_LIMITS[field]
+    size = len(orjson.dumps(value))
+    if size > limit:
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, "FIELD_TOO_LARGE", f"{field} must be at most {limit} bytes when JSON-encoded (it has {size})",
+            domain=TOOLS_DOMAIN, metadata={"field": field, "limit": str(limit)},
+        )
+
+
 def page_size(field: str, value: int, low: int, high: int, default: int) -> int:
     """The page size `value` of the request field `field`: `default` for 0 (proto3's unset), else
     `value` when it is from `low` to `high`, as tools.proto documents the field ("1 to 50; 0 means 5").
@@ -272,15 +296,19 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def CreateCredential(self, request: tools_pb2.CreateCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateCredentialResponse:
         """Store a credential (secret encrypted); INVALID_ARGUMENT for a bad integration, auth type or auth data,
         or FIELD_TOO_LONG for an integration_name past 100, an auth_type past 32 or a display_name past 200
-        characters (TEXT_LIMITS, the gateway's limits), checked before anything is looked up or stored."""
+        characters (TEXT_LIMITS, the gateway's limits), or FIELD_TOO_LARGE for auth_data past 64 KiB or metadata
+        past 16 KiB as compact JSON (JSON_LIMITS), checked before anything is looked up or stored."""
         check_lengths(request, "integration_name", "auth_type", "display_name")
+        auth_data, metadata = pb.from_struct(request.auth_data), pb.from_struct(request.metadata)
+        check_json_size("auth_data", auth_data)
+        check_json_size("metadata", metadata)
         info = await self.credentials.create(
             request.organization_id,
             request.integration_name,
             request.auth_type,
-            pb.from_struct(request.auth_data),
+            auth_data,
             display_name=request.display_name,
-            metadata=pb.from_struct(request.metadata),
+            metadata=metadata,
             make_default=request.make_default,
             created_by=request.user_id,
         )
@@ -409,11 +437,14 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         """Register a Streamable HTTP MCP server (URL and headers encrypted) and discover its tools.
 
         INVALID_ARGUMENT: INVALID_SERVER_URL, OUTBOUND_POLICY, INVALID_HEADERS, FIELD_TOO_LONG (a server_url
-        past 2,048 or a display_name past 200 characters, TEXT_LIMITS: the gateway's limits; checked before
-        the URL is resolved or called). A failed discovery still stores the credential and reports `discovery_error`.
+        past 2,048 or a display_name past 200 characters, TEXT_LIMITS: the gateway's limits), FIELD_TOO_LARGE
+        (headers past 16 KiB as compact JSON, JSON_LIMITS); the sizes are checked before the URL is resolved
+        or called. A failed discovery still stores the credential and reports `discovery_error`.
         """
         _require_org(request.organization_id)
         check_lengths(request, "server_url", "display_name")
+        headers = pb.from_struct(request.headers)
+        check_json_size("headers", headers)
         url = request.server_url.strip()
         try:
             await check_url_policy(url, self.executor.settings.tools_allow_private_network)
@@ -421,7 +452,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             raise _invalid("INVALID_SERVER_URL", str(exc)) from None
         except OutboundPolicyError as exc:
             raise _invalid("OUTBOUND_POLICY", f"server_url refused: {exc}") from None
-        headers = pb.from_struct(request.headers)
         if not all(isinstance(v, str) for v in headers.values()):
             raise _invalid("INVALID_HEADERS", "headers must map header names to strings")
         secret = {"url": url, "headers": headers}

@@ -6,14 +6,15 @@ the field, except an id that cannot be ours, which is NOT_FOUND like any unknown
 from __future__ import annotations
 
 import grpc
+import orjson
 import pytest
 
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
-from services.gateway.tools_routes import MAX_TEXT_CHARS, STRING_LIMITS
+from services.gateway.tools_routes import MAX_TEXT_CHARS, OBJECT_LIMITS, STRING_LIMITS
 from services.tools import server as tools_server
-from services.tools.server import TEXT_LIMITS
+from services.tools.server import JSON_LIMITS, TEXT_LIMITS
 
 ORG = "org-a"
 
@@ -41,6 +42,7 @@ def test_text_limits_are_the_gateways():
     for field in ("server_url", "redirect_uri", "scope", "query"):  # the gateway's "any other string field"
         assert field not in STRING_LIMITS
         assert TEXT_LIMITS[field] == MAX_TEXT_CHARS == 2_048
+    assert JSON_LIMITS == OBJECT_LIMITS == {"metadata": 16 * 1024, "auth_data": 64 * 1024, "headers": 16 * 1024}
 
 
 def _too_long(details, field, limit, length):
@@ -426,3 +428,57 @@ async def test_the_gateways_credential_list_refuses_a_long_integration_name_filt
         assert refused.json() == {"detail": "integration_name must be at most 100 characters (it has 101)"}
         listed = await client.get("/credentials", params={"integration_name": "x" * 100})
         assert listed.status_code == 200 and listed.json()["credentials"] == []
+
+
+# ---- 7. metadata, auth_data and MCP headers: at most the gateway's bytes as compact JSON ----
+
+
+def _too_large(details, field, limit, size):
+    assert details.reason == "FIELD_TOO_LARGE"
+    assert details.message == f"{field} must be at most {limit} bytes when JSON-encoded (it has {size})"
+    assert details.metadata == {"field": field, "limit": str(limit)}
+
+
+def _json_of_size(key, size, char="x"):
+    """{key: "..."} of `char` (padded with "x") that is `size` bytes as compact UTF-8 JSON."""
+    room = size - len(orjson.dumps({key: ""}))
+    width = len(char.encode())
+    value = {key: char * (room // width) + "x" * (room % width)}
+    assert len(orjson.dumps(value)) == size
+    return value
+
+
+def _credential(auth_data=None, metadata=None):
+    return tools_pb2.CreateCredentialRequest(
+        organization_id=ORG, integration_name="http", auth_type="bearer",
+        auth_data=pb.to_struct(auth_data or {"token": "tok-1234567890ab"}), metadata=pb.to_struct(metadata or {}),
+    )
+
+
+@pytest.mark.parametrize(("field", "limit"), [("metadata", 16 * 1024), ("auth_data", 64 * 1024)])
+async def test_create_credential_refuses_metadata_or_auth_data_past_the_gateways_size(tools, monkeypatch, field, limit):
+    _no_database(tools, monkeypatch)
+    key = "token" if field == "auth_data" else "note"
+    for size, char in ((limit + 2, "é"), (limit + 1, "x"), (1_000_000, "x")):
+        value = _json_of_size(key, size, char)
+        details = await _refused(tools.stub.CreateCredential, _credential(**{field: value}))
+        _too_large(details, field, limit, size)
+
+
+async def test_metadata_and_auth_data_at_the_limit_are_stored(tools):
+    metadata = _json_of_size("note", 16 * 1024, "é")
+    created = await tools.stub.CreateCredential(_credential(auth_data=_json_of_size("token", 64 * 1024), metadata=metadata))
+    assert pb.from_struct(created.credential.metadata) == metadata
+    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id=ORG))
+    assert listed.total == 1
+
+
+async def test_create_mcp_server_refuses_headers_past_16_kib_before_any_network(tools, monkeypatch):
+    _no_database(tools, monkeypatch)
+    _no_network(tools, monkeypatch)
+    headers = _json_of_size("Authorization", 16 * 1024 + 1)
+    details = await _refused(
+        tools.stub.CreateMcpServer,
+        tools_pb2.CreateMcpServerRequest(organization_id=ORG, server_url="https://mcp.example.com/mcp", headers=pb.to_struct(headers)),
+    )
+    _too_large(details, "headers", 16 * 1024, 16 * 1024 + 1)

@@ -196,6 +196,28 @@ def check_json_size(field: str, value: dict[str, Any]) -> None:
         )
 
 
+#: The most values each repeated field may hold: the HTTP gateway's MAX_SEARCH_BASES (a search names at
+#: most 100 knowledge bases; services/gateway/tools_routes.py), counted as sent, duplicates included.
+COUNT_LIMITS = {"knowledge_base_ids": 100}
+#: What each counted field names, for the message.
+_COUNTED = {"knowledge_base_ids": "knowledge bases"}
+
+
+def check_count(field: str, values: Any) -> None:
+    """Refuse the repeated request field `field` when it holds more than COUNT_LIMITS[field] values.
+
+    Raises RpcError INVALID_ARGUMENT TOO_MANY_<FIELD> (metadata `field`, `limit`) with the gateway's
+    message and the count ("knowledge_base_ids must name at most 100 knowledge bases (it names 101)").
+    """
+    limit = COUNT_LIMITS[field]
+    if len(values) > limit:
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"TOO_MANY_{field.upper()}",
+            f"{field} must name at most {limit} {_COUNTED[field]} (it names {len(values)})",
+            domain=TOOLS_DOMAIN, metadata={"field": field, "limit": str(limit)},
+        )
+
+
 def page_size(field: str, value: int, low: int, high: int, default: int) -> int:
     """The page size `value` of the request field `field`: `default` for 0 (proto3's unset), else
     `value` when it is from `low` to `high`, as tools.proto documents the field ("1 to 50; 0 means 5").
@@ -550,10 +572,12 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
         top_k is 1 to 50, 0 means 5 (tools.proto, the gateway's range); any other value is INVALID_ARGUMENT
         INVALID_TOP_K (`page_size`), not clamped. A query past 2,048 characters (TEXT_LIMITS, the gateway's
-        limit) is INVALID_ARGUMENT FIELD_TOO_LONG.
+        limit) is INVALID_ARGUMENT FIELD_TOO_LONG, more than 100 knowledge_base_ids (COUNT_LIMITS, the
+        gateway's) TOO_MANY_KNOWLEDGE_BASE_IDS; both before any query.
         """
         _require_org(request.organization_id)
         check_lengths(request, "query")
+        check_count("knowledge_base_ids", request.knowledge_base_ids)
         top_k = page_size("top_k", request.top_k, 1, 50, 5)
         hits = await self.knowledge.search(request.organization_id, request.query, list(request.knowledge_base_ids), top_k)
         return tools_pb2.SearchKnowledgeResponse(

@@ -12,7 +12,7 @@ import pytest
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
-from services.gateway.tools_routes import MAX_TEXT_CHARS, OBJECT_LIMITS, STRING_LIMITS
+from services.gateway.tools_routes import MAX_SEARCH_BASES, MAX_TEXT_CHARS, OBJECT_LIMITS, STRING_LIMITS
 from services.tools import server as tools_server
 from services.tools.server import JSON_LIMITS, TEXT_LIMITS
 
@@ -43,6 +43,7 @@ def test_text_limits_are_the_gateways():
         assert field not in STRING_LIMITS
         assert TEXT_LIMITS[field] == MAX_TEXT_CHARS == 2_048
     assert JSON_LIMITS == OBJECT_LIMITS == {"metadata": 16 * 1024, "auth_data": 64 * 1024, "headers": 16 * 1024}
+    assert tools_server.COUNT_LIMITS == {"knowledge_base_ids": MAX_SEARCH_BASES} == {"knowledge_base_ids": 100}
 
 
 def _too_long(details, field, limit, length):
@@ -482,3 +483,28 @@ async def test_create_mcp_server_refuses_headers_past_16_kib_before_any_network(
         tools_pb2.CreateMcpServerRequest(organization_id=ORG, server_url="https://mcp.example.com/mcp", headers=pb.to_struct(headers)),
     )
     _too_large(details, "headers", 16 * 1024, 16 * 1024 + 1)
+
+
+# ---- 8. a search names at most 100 knowledge bases (the gateway's MAX_SEARCH_BASES) ----------
+
+
+@pytest.mark.parametrize("count", [101, 10_000])
+async def test_search_knowledge_refuses_more_than_100_knowledge_base_ids_without_a_query(tools, monkeypatch, count):
+    _no_database(tools, monkeypatch)
+    ids = [GOOD_ID] * count  # counted as sent, duplicates too, as the gateway counts them
+    details = await _refused(
+        tools.stub.SearchKnowledge, tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", knowledge_base_ids=ids)
+    )
+    assert details.reason == "TOO_MANY_KNOWLEDGE_BASE_IDS"
+    assert details.message == f"knowledge_base_ids must name at most 100 knowledge bases (it names {count})"
+    assert details.metadata == {"field": "knowledge_base_ids", "limit": "100"}
+
+
+async def test_search_knowledge_takes_100_knowledge_base_ids(tools):
+    base = (await tools.stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id=ORG, name="Docs"))).knowledge_base
+    await tools.stub.AddDocument(
+        tools_pb2.AddDocumentRequest(organization_id=ORG, knowledge_base_id=base.knowledge_base_id, name="r.txt", text="Refunds in 30 days.")
+    )
+    ids = [base.knowledge_base_id] + [GOOD_ID] * 99
+    response = await tools.stub.SearchKnowledge(tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", knowledge_base_ids=ids))
+    assert [r.document_name for r in response.results] == ["r.txt"]

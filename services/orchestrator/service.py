@@ -50,6 +50,7 @@ REQUEST_ID_LENGTH = 64  # StartTurnRequest.request_id, at most (runs.request_id)
 MAX_CHAT_PAGE_SIZE = 1000  # GetChatRequest.page_size, at most
 CHAT_PAGE_BYTES = 3 * 1024 * 1024  # a GetChat page's messages, at most (a gRPC client's default limit is 4 MiB)
 MAX_CANCEL_REASON_CHARS = 1000  # CancelRequest.reason, at most
+CANCEL_ATTEMPTS = 3  # looks at a chat's active run by one Cancel, when it changes under the cancel (`_cancel_active`)
 REQUEST_CLAIM_WAIT_S = 30.0  # a start waits this long at most for another with its request_id (`_claim_request`)
 REQUEST_CLAIM_POLL_S = 0.02
 # a billing call that ended without an answer: billing may or may not have done its work
@@ -689,6 +690,17 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         if len(request.reason) > MAX_CANCEL_REASON_CHARS:  # it goes into the event every listener gets (fresh-eyes test: 5,000 went)
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REASON", f"reason must be at most {MAX_CANCEL_REASON_CHARS} characters")
         reason = request.reason or "cancelled by user"
+        for _ in range(CANCEL_ATTEMPTS):
+            answer = await self._cancel_active(request, reason)
+            if answer is not None:
+                return answer
+        raise RpcError(grpc.StatusCode.ABORTED, "CONCURRENT_UPDATE", "The chat's run changed while it was being cancelled; try again")
+
+    async def _cancel_active(self, request: assistant_pb2.CancelRequest, reason: str) -> assistant_pb2.CancelResponse | None:
+        """Cancel the chat's active run as it is now; None when another run became the active
+        one meanwhile (a resume or a turn start committed between the read and the cancel: the
+        caller looks again). Fresh-eyes test (replicas): a cancel sent beside a resume found the
+        paused run gone and answered "No active execution to cancel" while the resumed run ran on."""
         async with self.sessions() as session:
             chat = await self._chat(session, request.caller, request.chat_id)
             run_id = chat.running_id
@@ -709,14 +721,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
                 if final is None:
                     raise RpcError(grpc.StatusCode.UNAVAILABLE, "CANCEL_PENDING", "The run did not stop in time; try again")
-                raise no_active
+                return None  # it ended by itself meanwhile: look again (nothing active: NO_ACTIVE_EXECUTION)
         # Not running in this process: a paused run (or an orphan). Settle it here.
         async with self.sessions() as session, session.begin():
             changed = await session.execute(
                 update(Chat).where(Chat.id == chat.id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
             )
-            if changed.rowcount != 1:
-                raise no_active
+            if changed.rowcount != 1:  # it is no longer the chat's active run: another one, or none
+                return None
             cancelled = (await session.execute(
                 update(Interrupt).where(Interrupt.run_id == run_id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow())
                 .returning(Interrupt.tool_call_id, Interrupt.tool)

@@ -403,9 +403,13 @@ async def test_a_resume_and_a_cancel_sent_together_never_fail_and_leave_one_cons
     deadlocked (the resume locked the question's row, then the chat's; the cancel the other way
     round), and one of them answered 500 in 3 of 40 tries. Every such transaction now takes the
     chat's row first."""
+    # and (replicas, a second fresh-eyes test) a cancel that came while the resume committed found
+    # the paused run gone and answered 400 "No active execution to cancel" while the resumed run
+    # ran on: the cancel now cancels whichever run is active when it acts, so it is always 200
     async with stack.client() as client:
         for _ in range(12):
-            body, frames = await _ask(client, "ask_user_yes_no", {"message": "Proceed?"})
+            body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Proceed?"}},
+                                          {"say": "Done after yes.", "sleep_ms": 2000})
             request_id = frames[-2]["data"]["request_id"]
             resumed, cancelled = await asyncio.gather(
                 client.post(f"/assistant/chat/{body['chat_id']}/resume",
@@ -413,10 +417,10 @@ async def test_a_resume_and_a_cancel_sent_together_never_fail_and_leave_one_cons
                 client.post(f"/assistant/chat/{body['chat_id']}/cancel"),
             )
             assert resumed.status_code in (200, 409), resumed.text
-            assert cancelled.status_code in (200, 400), cancelled.text
+            assert cancelled.status_code == 200, cancelled.text
             if resumed.status_code == 200:
                 rest = await read_frames(client, resumed.json()["stream_url"])
-                assert rest[-1]["type"] in ("done", "cancelled")
+                assert rest[-1]["type"] == "cancelled", rest
             await wait_for(lambda: _free(client, body["chat_id"]), timeout=10)
 
 

@@ -6,6 +6,7 @@ source of truth for plan terms; `sync_plans` runs at server start and in `admin 
 
 from __future__ import annotations
 
+import importlib
 import pathlib
 from dataclasses import dataclass, field
 
@@ -93,16 +94,21 @@ def _integer(row: dict[str, object], field_name: str, default: int | None = None
 
 
 async def sync_plans(sessions: async_sessionmaker, plans: dict[str, PlanTerms]) -> None:
-    """Insert or update every plan of `plans` in the `plans` table (plans not listed are kept)."""
+    """Insert or update every plan of `plans` in the `plans` table (plans not listed are kept).
+
+    One `INSERT ... ON CONFLICT (name) DO UPDATE` per plan, so billing replicas that start
+    together (Procfile.scale) may each write the same file's plans: a fresh-eyes test saw one
+    of two exit at start on `plans_pkey` when both inserted a plan neither had found."""
     async with sessions() as session, session.begin():
+        dialect = session.bind.dialect.name
+        if dialect not in ("sqlite", "postgresql"):
+            raise ValueError(f"unsupported database dialect {dialect!r} (sqlite or postgresql)")
+        insert = importlib.import_module(f"sqlalchemy.dialects.{dialect}").insert
         for terms in plans.values():
-            row = await session.get(Plan, terms.name)
-            if row is None:
-                row = Plan(name=terms.name)
-                session.add(row)
-            row.monthly_run_credits = terms.monthly_run_credits
-            row.max_runs_per_day = terms.max_runs_per_day
-            row.rate_limits = dict(terms.rate_limits)
-            row.wallet_overage = terms.wallet_overage
-            row.wallet_price_minor = terms.wallet_price_minor
-            row.updated_at = utcnow()
+            values = {
+                "monthly_run_credits": terms.monthly_run_credits, "max_runs_per_day": terms.max_runs_per_day,
+                "rate_limits": dict(terms.rate_limits), "wallet_overage": terms.wallet_overage,
+                "wallet_price_minor": terms.wallet_price_minor, "updated_at": utcnow(),
+            }
+            statement = insert(Plan).values(name=terms.name, **values)
+            await session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))

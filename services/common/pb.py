@@ -273,11 +273,15 @@ def object_of(message: Any, name: str) -> dict[str, Any]:
     try:
         data = orjson.loads(text)
     except orjson.JSONDecodeError:
-        raise NotAnObject(f"{name}_json must be a JSON object (UTF-8 JSON text): it is not valid JSON") from None
-    if not isinstance(data, dict):
-        kind = "an array" if isinstance(data, list) else "null" if data is None else "a scalar"
-        raise NotAnObject(f"{name}_json must be a JSON object: it is {kind}")
-    return data
+        why = "it is not valid JSON"
+    else:
+        if isinstance(data, dict):
+            return data
+        why = f"it is {_JSON_KINDS.get(type(data), 'not an object')}"
+    raise NotAnObject(f"{name}_json must be a JSON object (UTF-8 JSON text): {why}")
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}
 
 
 def to_struct(data: dict[str, Any] | None, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> struct_pb2.Struct:

@@ -236,12 +236,10 @@ def page_size(field: str, value: int, low: int, high: int, default: int) -> int:
     return value
 
 
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}
-
-
 def tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
     """The call's input: `input_json` as the model produced it (numbers exact) when it is set, else
-    the `input` Struct (a client of an older version), as tools.proto's `input_json` says.
+    the `input` Struct (a client of an older version), as tools.proto's `input_json` says
+    (`pb.object_of`, the rule of every `<name>_json` pair).
 
     An `input_json` that is set must be a JSON object as UTF-8 JSON text: anything else (not JSON,
     not UTF-8, nested past what orjson parses, an array or a scalar) raises RpcError INVALID_ARGUMENT
@@ -249,20 +247,11 @@ def tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
     It used to be dropped silently for `input`, and the tool then failed with a misleading
     "'query' is required" (fresh-eyes test).
     """
-    if not request.input_json:
-        return pb.from_struct(request.input)
     try:
-        data = orjson.loads(request.input_json)
-    except orjson.JSONDecodeError:
-        why = "it is not valid JSON"
-    else:
-        if isinstance(data, dict):
-            return data
-        why = f"it is {_JSON_KINDS.get(type(data), 'not an object')}"
-    raise RpcError(
-        grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT_JSON", f"input_json must be a JSON object (UTF-8 JSON text): {why}",
-        domain=TOOLS_DOMAIN, metadata={"field": "input_json"},
-    )
+        return pb.object_of(request, "input")
+    except pb.NotAnObject as bad:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT_JSON", str(bad), domain=TOOLS_DOMAIN,
+                       metadata={"field": "input_json"}) from None
 
 
 class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):

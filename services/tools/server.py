@@ -55,11 +55,6 @@ def urllib_host(url: str) -> str:
     return urllib.parse.urlsplit(url).hostname or ""
 
 
-def _require_org(org_id: str) -> None:
-    if not org_id:
-        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "ORGANIZATION_REQUIRED", "organization_id is required", domain=TOOLS_DOMAIN)
-
-
 def _undecryptable(credential_id: str) -> RpcError:
     """FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE (metadata `credential_id`): the answer of every RPC
     that needs the stored secret of `credential_id` and no configured key decrypts it (README,
@@ -333,7 +328,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         `ge=0`); any other value is INVALID_ARGUMENT INVALID_LIMIT / INVALID_OFFSET, not clamped. A filter
         longer than the gateway's limit (integration_name 100, auth_type 32 characters) is FIELD_TOO_LONG.
         """
-        _require_org(request.organization_id)
         check_lengths(request, "integration_name", "auth_type")
         limit = page_size("limit", request.limit, 1, 500, 100)
         if request.offset < 0:
@@ -349,7 +343,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def GetCredential(self, request: tools_pb2.GetCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.GetCredentialResponse:
         """One credential; NOT_FOUND when absent or another organization's."""
-        _require_org(request.organization_id)
         info = await self.credentials.get(request.organization_id, request.credential_id)
         return tools_pb2.GetCredentialResponse(credential=credential_pb(info, include_masked=request.include_masked))
 
@@ -364,7 +357,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         when no configured key decrypts its secret (README, "Changing the key"); INVALID_ARGUMENT FIELD_TOO_LONG
         for an integration_name past 100 characters (TEXT_LIMITS), before any query.
         """
-        _require_org(request.organization_id)
         check_lengths(request, "integration_name")
         not_found = RpcError(grpc.StatusCode.NOT_FOUND, "CREDENTIAL_NOT_FOUND", "credential not found", domain=TOOLS_DOMAIN)
         if not request.credential_id:
@@ -384,14 +376,12 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def DeleteCredential(self, request: tools_pb2.DeleteCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.DeleteCredentialResponse:
         """Delete one credential; NOT_FOUND when absent or another organization's."""
-        _require_org(request.organization_id)
         promoted = await self.credentials.delete(request.organization_id, request.credential_id)
         return tools_pb2.DeleteCredentialResponse(new_default_credential_id=promoted)
 
     @rpc_errors
     async def SetDefaultCredential(self, request: tools_pb2.SetDefaultCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.SetDefaultCredentialResponse:
         """Make one credential its integration's default; NOT_FOUND when absent or another organization's."""
-        _require_org(request.organization_id)
         info = await self.credentials.set_default(request.organization_id, request.credential_id)
         return tools_pb2.SetDefaultCredentialResponse(credential=credential_pb(info))
 
@@ -407,7 +397,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def ListKnowledgeBases(self, request: tools_pb2.ListKnowledgeBasesRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListKnowledgeBasesResponse:
         """The organization's knowledge bases, newest first."""
-        _require_org(request.organization_id)
         bases = await self.knowledge.list_bases_with_totals(request.organization_id)
         return tools_pb2.ListKnowledgeBasesResponse(knowledge_bases=[knowledge_base_pb(b, *totals) for b, totals in bases])
 
@@ -416,7 +405,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         """Add, chunk and index a document (text, or a file's extracted text); NOT_FOUND for another
         organization's knowledge base; INVALID_ARGUMENT UNSUPPORTED_FILE_TYPE / DOCUMENT_HAS_NO_TEXT for a file,
         FIELD_TOO_LONG for a name past 500 characters (TEXT_LIMITS: the gateway cuts an upload's name there)."""
-        _require_org(request.organization_id)
         check_length("name", request.name, TEXT_LIMITS["document_name"])
         if request.data:
             try:
@@ -439,7 +427,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     @rpc_errors
     async def GetDocument(self, request: tools_pb2.GetDocumentRequest, context: grpc.aio.ServicerContext) -> tools_pb2.GetDocumentResponse:
         """One document; NOT_FOUND when absent, in another knowledge base or another organization's."""
-        _require_org(request.organization_id)
         document = await self.knowledge.get_document(request.organization_id, request.knowledge_base_id, request.document_id)
         return tools_pb2.GetDocumentResponse(document=document_pb(document))
 
@@ -452,7 +439,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         (headers past 16 KiB as compact JSON, JSON_LIMITS); the sizes are checked before the URL is resolved
         or called. A failed discovery still stores the credential and reports `discovery_error`.
         """
-        _require_org(request.organization_id)
         check_lengths(request, "server_url", "display_name")
         headers = pb.from_struct(request.headers)
         check_json_size("headers", headers)
@@ -493,7 +479,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
         FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE when no configured key decrypts its secret.
         """
-        _require_org(request.organization_id)
         try:
             _info, old, _when, secret = await self.credentials.discovery(
                 request.organization_id, request.credential_id, MCP_AUTH_TYPE
@@ -523,7 +508,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def ListMcpTools(self, request: tools_pb2.ListMcpToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListMcpToolsResponse:
         """The tools last discovered on an MCP server credential (its secret is not read); INVALID_ARGUMENT
         WRONG_CREDENTIAL_KIND for another kind of credential."""
-        _require_org(request.organization_id)
         _info, tools, when, _secret = await self.credentials.discovery(
             request.organization_id, request.credential_id, MCP_AUTH_TYPE, secret=False
         )
@@ -564,7 +548,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         limit) is INVALID_ARGUMENT FIELD_TOO_LONG, more than 100 knowledge_base_ids (COUNT_LIMITS, the
         gateway's) TOO_MANY_KNOWLEDGE_BASE_IDS; both before any query.
         """
-        _require_org(request.organization_id)
         check_lengths(request, "query")
         check_count("knowledge_base_ids", request.knowledge_base_ids)
         top_k = page_size("top_k", request.top_k, 1, 50, 5)

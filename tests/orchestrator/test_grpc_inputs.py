@@ -109,3 +109,25 @@ async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_questio
     answered = await stub.Resume(assistant_pb2.ResumeRequest(caller=caller, chat_id=started.chat_id, request_id=request_id,
                                                              response_json=b'{"kind":"free_text","text":"fine"}'))
     assert answered.run_id
+
+
+async def test_billing_and_tools_name_a_missing_organization_id_as_required(stack):
+    """One check (ids.request_organization_check) answers an empty organization id for every call
+    of billing and tools, with each service's own *_REQUIRED reason."""
+    from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
+    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools:
+        stub = tools_pb2_grpc.ToolsServiceStub(tools)
+        calls = [
+            (billing_pb2_grpc.BillingServiceStub(billing).Admit(billing_pb2.AdmitRequest(turn_key="k", usage_type="run")), "ORGANIZATION_ID_REQUIRED"),
+            (stub.ListCredentials(tools_pb2.ListCredentialsRequest()), "ORGANIZATION_REQUIRED"),
+            (stub.ListKnowledgeBases(tools_pb2.ListKnowledgeBasesRequest()), "ORGANIZATION_REQUIRED"),
+            (stub.GetCredential(tools_pb2.GetCredentialRequest(credential_id="00000000-0000-4000-8000-000000000000")), "ORGANIZATION_REQUIRED"),
+        ]
+        for call, reason in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert status_details(refused.value).reason == reason and "organization_id is required" in refused.value.details()

@@ -10,10 +10,13 @@ practice, RFC 9110 §5.5: curl sends 'org_ü' as UTF-8, which matched no organiz
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
 MAX_ORG_ID_CHARS = 128
+# What str(uuid.uuid4()) gives: lower-case hexadecimal in the 8-4-4-4-12 form, 36 characters.
+_ROW_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def org_id_error(org_id: str) -> str | None:
@@ -58,3 +61,14 @@ def request_organization_check(domain: str, empty_reason: str | None = None) -> 
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ORGANIZATION_ID", f"{name}: {problem}", domain=domain)
 
     return check
+
+
+def is_row_id(value: str) -> bool:
+    """Whether `value` can be the id of a row the services mint as str(uuid.uuid4()) (chats, runs
+    and questions in the orchestrator; credentials, knowledge bases and documents in tools).
+
+    One that cannot (another form of UUID, any other text, U+0000, which PostgreSQL's text cannot
+    hold and answered as INTERNAL) is unknown: the services answer it as they answer an absent id
+    (NOT_FOUND, or nothing matched), without a database query (fresh-eyes test: GetCredential("\x00")).
+    """
+    return _ROW_ID.fullmatch(value) is not None

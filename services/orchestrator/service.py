@@ -178,7 +178,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def _chat(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str, deleted: bool = False) -> Chat:
         """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind,
         deleted); with `deleted`, a soft-deleted chat of the caller's is found too (to purge it)."""
-        chat = await session.get(Chat, chat_id) if _is_uuid(chat_id) else None
+        chat = await session.get(Chat, chat_id) if ids.is_row_id(chat_id) else None
         if not self._visible(chat, caller, deleted=deleted):
             raise _not_found()
         return chat
@@ -406,7 +406,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     async def _guard(self, chat_id: str) -> Any:
         """store.turn_guard of `chat_id`, or None when it is not a UUID (then it cannot exist)."""
-        return await self.store.turn_guard(chat_id) if _is_uuid(chat_id) else None
+        return await self.store.turn_guard(chat_id) if ids.is_row_id(chat_id) else None
 
     @staticmethod
     def _visible(chat: Any, caller: assistant_pb2.Caller, deleted: bool = False) -> bool:
@@ -503,8 +503,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         active = self.runner.active.get(request.run_id)
         if active is None or active.spec.chat_id != request.chat_id or active.spec.organization_id != request.caller.organization_id:
             target = None
-            if _is_uuid(request.chat_id):
-                target = await self.store.stream_target(request.chat_id, request.run_id if _is_uuid(request.run_id) else "")
+            if ids.is_row_id(request.chat_id):
+                target = await self.store.stream_target(request.chat_id, request.run_id if ids.is_row_id(request.run_id) else "")
             if not self._visible(target, request.caller):
                 await abort(context, _not_found())
                 return
@@ -555,7 +555,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 except _Expired:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_EXPIRED", "The question expired; start a new turn") from None
                 if interrupt is None:
-                    expired = (await session.execute(select(Interrupt).where(Interrupt.id == request.request_id, Interrupt.chat_id == chat.id))).scalars().first() if _is_uuid(request.request_id) else None
+                    expired = (await session.execute(select(Interrupt).where(Interrupt.id == request.request_id, Interrupt.chat_id == chat.id))).scalars().first() if ids.is_row_id(request.request_id) else None
                     if expired is not None and expired.outcome == "expired":
                         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_EXPIRED", "The question expired; start a new turn")
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_PENDING_QUESTION", "This chat has no pending question")
@@ -909,14 +909,6 @@ class _Expired(Exception):
 
 
 MAX_STREAM_BATCH = 256  # events per StreamRun response at most, whatever the client asks
-
-
-def _is_uuid(value: str) -> bool:
-    try:
-        uuid.UUID(value)
-    except ValueError:
-        return False
-    return True
 
 
 

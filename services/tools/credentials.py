@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from services.common import db
 from services.common.errors import TOOLS_DOMAIN, RpcError
+from services.common.ids import is_row_id
 from services.common.validation import schema_errors
 from services.tools.catalogue import AUTH_TYPES, Catalogue
 from services.tools.crypto import (
@@ -33,7 +34,7 @@ from services.tools.crypto import (
     mask_secret,
 )
 from services.tools.mcp_servers import MCP_AUTH_TYPE
-from services.tools.models import Credential, OAuthState, is_row_id, new_id, utcnow
+from services.tools.models import Credential, OAuthState, new_id, utcnow
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from sqlalchemy import func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from services.common.errors import TOOLS_DOMAIN, RpcError
-from services.tools.models import KnowledgeBase, KnowledgeChunk, KnowledgeDocument, is_row_id, new_id, utcnow
+from services.common.ids import is_row_id
+from services.tools.models import KnowledgeBase, KnowledgeChunk, KnowledgeDocument, new_id, utcnow
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import datetime
-import re
 import uuid
 from typing import Any
 
@@ -25,23 +24,9 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-# What str(uuid.uuid4()) gives: lower-case hexadecimal in the 8-4-4-4-12 form, 36 characters.
-_ROW_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
 def new_id() -> str:
     """A new row id of credentials, knowledge bases and documents: str(uuid.uuid4())."""
     return str(uuid.uuid4())
-
-
-def is_row_id(value: str) -> bool:
-    """Whether `value` can be the id of one of our credentials, knowledge bases or documents (`new_id`'s form).
-
-    One that cannot (another form of UUID, any other text, U+0000, which PostgreSQL's text cannot
-    hold and answered as INTERNAL) is unknown: the stores answer it as they answer an absent id
-    (NOT_FOUND, or nothing matched), without a database query (fresh-eyes test: GetCredential("\x00")).
-    """
-    return _ROW_ID.fullmatch(value) is not None
 
 
 class Base(DeclarativeBase):

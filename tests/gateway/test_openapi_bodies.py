@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import ast
 import inspect
-import re
 import textwrap
 from typing import Any
 
 import jsonschema
-import pytest
 from fastapi.routing import APIRoute, iter_route_contexts
 
 from services.gateway.tools_routes import MAX_SEARCH_BASES, STRING_LIMITS

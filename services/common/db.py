@@ -107,6 +107,12 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
+def _sqlstates(error: BaseException) -> list[str]:
+    """The SQLSTATE codes found along `error`'s chain (asyncpg's `sqlstate`, psycopg's `pgcode`)."""
+    codes = (getattr(current, "sqlstate", None) or getattr(current, "pgcode", None) for current in _chain(error))
+    return [code for code in codes if isinstance(code, str)]
+
+
 def is_unavailable(error: BaseException) -> bool:
     """Whether `error` means the database (or Redis) cannot be reached or takes no more
     connections right now (answer 503 / UNAVAILABLE: the client may retry), as opposed to a
@@ -123,15 +129,10 @@ def is_unavailable(error: BaseException) -> bool:
     redis_errors = sys.modules.get("redis.exceptions")  # no redis error exists unless redis-py was imported
     if redis_errors is not None:
         down += (redis_errors.ConnectionError, redis_errors.TimeoutError)  # BusyLoadingError is a ConnectionError
-    for current in _chain(error):
-        if isinstance(current, down):
-            return True
-        if isinstance(current, exc.DBAPIError) and current.connection_invalidated:
-            return True
-        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
-        if isinstance(code, str) and code.startswith(_UNAVAILABLE_SQLSTATE_PREFIXES):
-            return True
-    return False
+    if any(isinstance(current, down) or (isinstance(current, exc.DBAPIError) and current.connection_invalidated)
+           for current in _chain(error)):
+        return True
+    return any(code.startswith(_UNAVAILABLE_SQLSTATE_PREFIXES) for code in _sqlstates(error))
 
 
 # SQLSTATEs of a value the database cannot store (PostgreSQL manual, Appendix A): 22001 string
@@ -144,13 +145,9 @@ def is_invalid_value(error: BaseException) -> bool:
     """Whether `error` says a value of the statement cannot be stored (the caller's input, not a
     bug or an outage): one of `_INVALID_VALUE_SQLSTATES` on the error or its chain (asyncpg), or
     the sqlite3 driver's OverflowError for an integer past 64 bits."""
-    for current in _chain(error):
-        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
-        if isinstance(code, str) and code in _INVALID_VALUE_SQLSTATES:
-            return True
-        if isinstance(current, OverflowError) and "SQLite INTEGER" in str(current):
-            return True
-    return False
+    if any(code in _INVALID_VALUE_SQLSTATES for code in _sqlstates(error)):
+        return True
+    return any(isinstance(current, OverflowError) and "SQLite INTEGER" in str(current) for current in _chain(error))
 
 
 # SQLSTATEs of a transaction that lost a race with another (PostgreSQL manual, Appendix A):
@@ -162,11 +159,7 @@ def is_conflict(error: BaseException) -> bool:
     """Whether `error` says the transaction was rolled back because another one changed the same
     rows at the same time (`_CONFLICT_SQLSTATES` on the error or its chain): the request may be
     sent again as it is."""
-    for current in _chain(error):
-        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
-        if isinstance(code, str) and code in _CONFLICT_SQLSTATES:
-            return True
-    return False
+    return any(code in _CONFLICT_SQLSTATES for code in _sqlstates(error))
 
 
 def unavailable_store(error: BaseException) -> str | None:

@@ -97,18 +97,36 @@ async def abort(context: grpc.aio.ServicerContext, error: RpcError) -> None:
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
+def storage_failure(error: BaseException, domain: str) -> tuple[str, RpcError] | None:
+    """(log message, the answer in `domain`) for a storage error that is not a bug, else None:
+    a database or Redis that cannot serve (`db.unavailable_store`: UNAVAILABLE
+    <STORE>_UNAVAILABLE, retryable), a transaction that lost a race with another (`db.is_conflict`:
+    ABORTED CONCURRENT_UPDATE; nothing was kept, sent again it goes through), a value the
+    database cannot store (`db.is_invalid_value`: INVALID_ARGUMENT INVALID_VALUE)."""
+    store = db.unavailable_store(error)
+    if store is not None:
+        return f"{store} unavailable", RpcError(grpc.StatusCode.UNAVAILABLE, f"{store.upper()}_UNAVAILABLE",
+                                                "The service is temporarily unavailable; try again", domain=domain)
+    if db.is_conflict(error):
+        return "a transaction lost a race with another", RpcError(
+            grpc.StatusCode.ABORTED, "CONCURRENT_UPDATE", "Another request changed the same data at the same time; try again", domain=domain)
+    if db.is_invalid_value(error):
+        return "a value the database cannot store", RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, "INVALID_VALUE",
+            "A field holds a value that cannot be stored (a NUL character, or a number out of range)", domain=domain)
+    return None
+
+
 def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_DOMAIN,
                 check: Callable[[Any], None] | None = None) -> Callable[[Handler], Handler]:
     """The one wrapper every unary servicer handler goes through (STYLE.md, after A2A's grpc_handler).
 
     RpcError becomes its rich status via `abort`. An abort already under way
-    (grpc.aio.AbortError) and cancellation propagate untouched. A database (or Redis) that
-    cannot serve is UNAVAILABLE; a transaction that lost a race with another (a deadlock, a
-    serialization failure: `db.is_conflict`) is ABORTED CONCURRENT_UPDATE, to be sent again;
-    a value the database cannot store (`db.is_invalid_value`: a
-    NUL character on PostgreSQL, a number past its column's range) is INVALID_ARGUMENT
-    INVALID_VALUE. Any other exception is logged with its traceback and answered with a
-    generic message and an ErrorInfo (reason INTERNAL): INTERNAL in `internal_domain` when it
+    (grpc.aio.AbortError) and cancellation propagate untouched. A storage error that is not a
+    bug (`storage_failure`: an outage, a lost race, a value the database refuses) gets its
+    answer in the service's domain (`internal_domain`, else `domain`). Any other exception is
+    logged with its traceback and answered with a generic message and an ErrorInfo (reason
+    INTERNAL): INTERNAL in `internal_domain` when it
     is given, else UNKNOWN in `domain` (the caller cannot know whether the call took effect:
     the orchestrator treats a billing UNKNOWN so). Never the exception's own text: a
     fresh-eyes test got "Unexpected <class ...>: [SQL: SELECT ...] [parameters: ...]".
@@ -128,23 +146,10 @@ def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_D
             except grpc.aio.AbortError:
                 raise
             except Exception as error:
-                store = db.unavailable_store(error)
-                if store is not None:  # the database or Redis is down or full: retryable, not a bug
-                    log.warning(f"{store} unavailable", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
-                    await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, f"{store.upper()}_UNAVAILABLE",
-                                                  "The service is temporarily unavailable; try again", domain=domain))
-                    return None
-                if db.is_conflict(error):  # a deadlock or serialization failure: nothing was kept; sent again, it goes through
-                    log.warning("a transaction lost a race with another", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
-                    await abort(context, RpcError(grpc.StatusCode.ABORTED, "CONCURRENT_UPDATE",
-                                                  "Another request changed the same data at the same time; try again",
-                                                  domain=internal_domain or domain))
-                    return None
-                if db.is_invalid_value(error):
-                    log.warning("a value the database cannot store", extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
-                    await abort(context, RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_VALUE",
-                                                  "A field holds a value that cannot be stored (a NUL character, or a number out of range)",
-                                                  domain=internal_domain or domain))
+                known = storage_failure(error, internal_domain or domain)
+                if known is not None:  # not a bug: an outage, a lost race, a value the database refuses
+                    log.warning(known[0], extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
+                    await abort(context, known[1])
                     return None
                 log.exception("unhandled error", extra={"fields": {"rpc": handler.__name__}})
                 if internal_domain is not None:

@@ -160,3 +160,15 @@ async def test_a_transaction_that_lost_a_race_is_aborted_to_be_sent_again():
                   asyncpg.exceptions.SerializationError("could not serialize access")):
         context = await _abort_of(lambda cause=cause: exc.DBAPIError("UPDATE interrupts", None, cause))
         assert context.code == grpc.StatusCode.ABORTED and _error_info(context).reason == "CONCURRENT_UPDATE"
+
+
+async def test_every_storage_failure_is_answered_in_the_services_own_domain():
+    """The tools service (`internal_domain`) answered a database outage in the assistant's domain
+    while its other storage failures carried its own: one domain for all of them now."""
+    from services.common.errors import TOOLS_DOMAIN
+
+    conflict = lambda: exc.DBAPIError("UPDATE", None, asyncpg.exceptions.DeadlockDetectedError("deadlock detected"))  # noqa: E731
+    nul = lambda: exc.DBAPIError("INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError("0x00"))  # noqa: E731
+    for failure in (_too_many_clients, conflict, nul, lambda: RuntimeError("bug")):
+        context = await _abort_of(failure, internal_domain=TOOLS_DOMAIN)
+        assert _error_info(context).domain == TOOLS_DOMAIN, failure

@@ -43,8 +43,6 @@ def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[s
     return result
 
 
-
-
 # pydantic's names of numeric bounds and their JSON Schema keywords
 _BOUND_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum", "multiple_of": "multipleOf"}
 

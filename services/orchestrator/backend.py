@@ -380,14 +380,19 @@ class RedisEventLog:
                 self.forget(run_id)
                 return
 
-    async def flush(self, run_id: str) -> None:
-        """Wait until the queued items of the run are written (at most `retry_s` + 5 s)."""
+    async def flush(self, run_id: str, timeout: float | None = None) -> None:
+        """Wait until the queued items of the run are written (at most `timeout`, by default
+        `retry_s` + 5 s)."""
         writer = self._writers.get(run_id)
         if writer is None:
             return
         with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for can drop a cancel (services/common/tasks.py)
-            async with asyncio.timeout(self.retry_s + 5):
+            async with asyncio.timeout(self.retry_s + 5 if timeout is None else timeout):
                 await writer.idle.wait()
+
+    def unstored_runs(self) -> list[str]:
+        """The runs whose writer here still holds items Redis has not stored (Redis away)."""
+        return [run_id for run_id, writer in self._writers.items() if writer.queue]
 
     def forget(self, run_id: str) -> None:
         """Drop this process's writer of an ended run (after it was flushed and archived); one

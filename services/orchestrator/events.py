@@ -97,8 +97,13 @@ class EventLog(Protocol):
     def snapshot(self, run_id: str) -> list[events_pb2.Event]:
         """The events of the run published or held by this process (a copy)."""
 
-    async def flush(self, run_id: str) -> None:
-        """Wait until every event this process published on the run is stored (bounded)."""
+    async def flush(self, run_id: str, timeout: float | None = None) -> None:
+        """Wait until every event this process published on the run is stored (bounded; at most
+        `timeout` seconds when given)."""
+
+    def unstored_runs(self) -> list[str]:
+        """The runs of which this process holds published events the log has not stored yet (a
+        durable log while its store is away): they are still this process's to write."""
 
     async def events_of(self, run_id: str) -> list[events_pb2.Event]:
         """Every stored event of the run, in order (the durable archive when the log is gone)."""
@@ -198,8 +203,12 @@ class MemoryEventLog:
         log = self._runs.get(run_id)
         return list(log.events) if log else []
 
-    async def flush(self, run_id: str) -> None:
+    async def flush(self, run_id: str, timeout: float | None = None) -> None:
         """Nothing to wait for: appends are stored at once."""
+
+    def unstored_runs(self) -> list[str]:
+        """None: appends are stored at once."""
+        return []
 
     async def events_of(self, run_id: str) -> list[events_pb2.Event]:
         """The run's events in memory, or its archived events when it is not in memory."""

@@ -32,7 +32,7 @@ from services.common import logging as loopline_logging
 from services.common import db, pb
 from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
-from services.orchestrator.events import EventLog
+from services.orchestrator.events import EventLog, is_terminal
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, clamp_usage
 from services.orchestrator.sanitize import UNPRINTABLE, sanitize
@@ -101,6 +101,7 @@ TOOLS_FAILED = {
 ARCHIVE_RETRY_FIRST_S = 0.5  # first wait before a failed archive of an ended run is tried again (doubling)
 ARCHIVE_RETRY_MAX_S = 60.0  # longest wait between two tries
 ARCHIVE_AT_STOP_S = 2.0  # a shutdown's last try of each archive still pending
+ARCHIVE_FLUSH_S = 0.5  # longest wait for the log to store the owner's events before its archive (then left due)
 CUT_OFF_CALL = "the tools service went away during the call; the call may have run"
 
 
@@ -754,7 +755,8 @@ class TurnRunner:
         self.events.reopen(run_id)
         archived = self._stream_to_archive(run_id, ending)
         async with self.sessions() as session, session.begin():
-            await session.execute(update(Run).where(Run.id == run_id).values(status="failed", error=outcome.message, updated_at=utcnow()))
+            await session.execute(update(Run).where(Run.id == run_id).values(
+                status="failed", error=outcome.message, updated_at=utcnow(), archive_due=None if archived else utcnow()))
             await session.execute(
                 update(Chat).where(Chat.id == spec.chat_id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
             )
@@ -814,6 +816,11 @@ class TurnRunner:
         """Ended runs whose archive failed and is being tried again (for tests and metrics)."""
         return len(self._archiving)
 
+    def unsettled_runs(self) -> list[str]:
+        """The runs this process still has to end or archive: active, archive being tried again,
+        or events the log has not stored yet (their leases are renewed: `RunSupervisor.renew`)."""
+        return [*self.active, *self._archiving, *self.events.unstored_runs()]
+
     async def _stop_archiving(self) -> None:
         """At shutdown: each archive still being tried again gets one last try (ARCHIVE_AT_STOP_S),
         then is left; its events stay in the durable log until they expire."""
@@ -834,12 +841,23 @@ class TurnRunner:
         everything published is stored (the Redis stream, or memory), so the database holds the
         durable copy of every ended run. Two replicas archiving the same run at once both
         succeed (INSERT ... ON CONFLICT DO NOTHING).
+
+        The run's `archive_due` is cleared with it when the log holds the run's end (what the
+        owner published is stored there, waited for up to ARCHIVE_FLUSH_S; or, read from the
+        log, it has a terminal event); otherwise the run stays due: this process renews its
+        lease while its events wait for Redis, and `RunSupervisor.settle_ended` settles it
+        once they are stored, or once the process is gone.
         """
         events = self.events.owned_events(run_id)
         if events is None:
             await self.events.flush(run_id)
             events = await self.events.events_of(run_id)
-        await self.store.archive(run_id, [(event.seq, event.SerializeToString()) for event in events])
+            settled = any(is_terminal(event) for event in events)
+        else:
+            await self.events.flush(run_id, ARCHIVE_FLUSH_S)
+            events = self.events.owned_events(run_id) or events
+            settled = run_id not in self.events.unstored_runs()
+        await self.store.archive(run_id, [(event.seq, event.SerializeToString()) for event in events], settled=settled)
         forget = getattr(self.events, "forget", None)
         if forget is not None:
             forget(run_id)

@@ -65,7 +65,10 @@ class Run(Base):
     """One execution of the loop. `durable_id` is the stable durable identifier of the spec.
 
     `lease_until` (UTC) is pushed forward by the replica whose loop runs the run (see
-    `services/orchestrator/recovery.py`); NULL until the first renewal.
+    `services/orchestrator/recovery.py`); NULL until the first renewal. `archive_due` (UTC) is
+    set when a run's end is stored before its event log holds that end and is archived (a
+    durable log: Redis) and cleared by the archive; a run still due once its lease lapsed lost
+    its replica there, and `RunSupervisor.settle_ended` ends its log and archives it.
     """
 
     __tablename__ = "runs"
@@ -86,9 +89,14 @@ class Run(Base):
     lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # the turn start's idempotency key (StartTurnRequest.request_id, AIP-155); NULL: none
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # the end is stored, its log's end and archive not yet (migration 0006); NULL: nothing due
+    archive_due: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     __table_args__ = (
         Index("ix_runs_status_lease", "status", "lease_until"),
+        # partial: only the few runs whose archive is due have an entry (the settle pass's scan)
+        Index("ix_runs_archive_due", "archive_due", sqlite_where=text("archive_due IS NOT NULL"),
+              postgresql_where=text("archive_due IS NOT NULL")),
         # partial: a turn started without a key (most) writes no index entry (migration 0005)
         Index("ix_runs_request_id", "request_id", sqlite_where=text("request_id IS NOT NULL"),
               postgresql_where=text("request_id IS NOT NULL")),

@@ -16,7 +16,17 @@ at most 1 s):
   and archives the events. The turn's reservation is left alone: its run charge was stored
   with the run (`usage.RunCharges`) and reaches billing from the outbox (`Redelivery`), so
   the lost turn costs its one run credit like any other (spec "Persist and charge"); a
-  Release here would race that charge and void it.
+  Release here would race that charge and void it;
+- in the same pass settles ended runs still due (`runs.archive_due`: the end is stored, the
+  event log's end and archive were not, on a durable log) whose lease lapsed: their replica
+  died between the two (a crash right after the run's end was stored, the crash reaper's own
+  publication failing while Redis was away, a failed archive's retries lost with their
+  process). One replica wins the run for a lease; it appends the terminal events the stored
+  end calls for when the log has none (`_ending`: what the loop would have published), then
+  archives the log and clears the mark. Until then a follower of such a run waited for good
+  on an open stream. The run's owner renews the lease of its ended runs while their events
+  wait for Redis or their archive is retried (`TurnRunner.unsettled_runs`), so a live replica
+  keeps its runs.
 
 A run gets its first lease when its row is written (`lease_deadline`), so a crashed run is
 failed at most 3/4 + 1/6 of `run_lease_s` after its last renewal or its start (the lease,
@@ -37,7 +47,8 @@ from sqlalchemy import and_, or_, select, update
 from loopline.assistant.v1 import events_pb2
 from services.common import pb
 from services.common.tasks import stop_task
-from services.orchestrator.models import Chat, Message, Run, utcnow
+from services.orchestrator.events import is_terminal
+from services.orchestrator.models import Chat, Interrupt, Message, Run, utcnow
 from services.orchestrator.thread import cut_off_result
 
 log = logging.getLogger(__name__)
@@ -90,6 +101,7 @@ class RunSupervisor:
                 if loop.time() >= next_reap:
                     next_reap = loop.time() + self.reap_period_s
                     await self.reap()
+                    await self.settle_ended()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -105,14 +117,16 @@ class RunSupervisor:
                 asyncio.create_task(self.runner.cancel(run_id, reason))
 
     async def renew(self) -> int:
-        """Push the lease of this replica's running runs forward; returns how many were renewed."""
-        run_ids = list(self.runner.active)
+        """Push the lease of this replica's running runs, and of its ended runs still due
+        (`TurnRunner.unsettled_runs`), forward; returns how many were renewed."""
+        run_ids = self.runner.unsettled_runs()
         if not run_ids:
             return 0
         until = utcnow() + datetime.timedelta(seconds=self.lease_s * 0.75)
         async with self.sessions() as session, session.begin():
             result = await session.execute(
-                update(Run).where(Run.id.in_(run_ids), Run.status == "running").values(lease_until=until)
+                update(Run).where(Run.id.in_(run_ids), or_(Run.status == "running", Run.archive_due.is_not(None)))
+                .values(lease_until=until)
             )
             return result.rowcount or 0
 
@@ -167,7 +181,8 @@ class RunSupervisor:
         async with self.sessions() as session, session.begin():
             won = await session.execute(
                 update(Run).where(Run.id == run_id, Run.status == "running" if orphaned else self._lapsed(now))
-                .values(status=status, error=error, updated_at=utcnow(), lease_until=None)
+                .values(status=status, error=error, updated_at=utcnow(), lease_until=self.lease_deadline(self.settings, utcnow()),
+                        archive_due=utcnow())  # the end below settles it; if it fails, `settle_ended` does once the lease lapses
             )
             if won.rowcount != 1:
                 return False
@@ -191,19 +206,98 @@ class RunSupervisor:
             await self.backend.events.append_after_end(run_id, *ended)
             await self.runner.archive(run_id)
         except Exception:
-            log.exception("publishing the end of a lost run failed")
+            log.exception("publishing the end of a lost run failed; settled once its lease lapses")
         return True
+
+    async def settle_ended(self) -> list[str]:
+        """Settle every ended run still due (`runs.archive_due`) whose lease lapsed and that this
+        replica is not settling itself: end its event log if it has no terminal event, archive
+        it, clear the mark (module docstring). At most 100 per pass; returns the runs settled.
+        A run whose settling fails (Redis or the database away) is tried again once its lease lapses."""
+        now = utcnow()
+        lapsed = and_(Run.archive_due.is_not(None), or_(Run.lease_until < now, Run.lease_until.is_(None)))
+        async with self.sessions() as session:
+            candidates = list((await session.execute(select(Run.id).where(lapsed).limit(100))).scalars())
+        if not candidates:
+            return []
+        mine = set(self.runner.unsettled_runs())
+        settled = []
+        for run_id in candidates:
+            if run_id in mine:
+                continue
+            async with self.sessions() as session, session.begin():
+                won = await session.execute(update(Run).where(Run.id == run_id, lapsed)
+                                            .values(lease_until=self.lease_deadline(self.settings, utcnow())))
+            if won.rowcount != 1:
+                continue
+            try:
+                published = await self.backend.events.events_of(run_id)
+                if not any(is_terminal(event) for event in published):
+                    ending = await self._ending(run_id, published)
+                    await self.backend.events.append_after_end(run_id, *ending)
+                    log.warning("an ended run's stream had no end (its replica stopped before publishing it): ended here",
+                                extra={"fields": {"run_id": run_id, "events": len(published)}})
+                await self.runner.archive(run_id)
+            except Exception:
+                log.exception("settling an ended run's events failed; tried again once its lease lapses")
+                continue
+            settled.append(run_id)
+        return settled
+
+    async def _ending(self, run_id: str, published: list[events_pb2.Event]) -> list[events_pb2.Event]:
+        """The terminal events the loop publishes for the run's stored end (loop.py `_finish`),
+        rebuilt from its rows for a stream that lost them: a `tool_result` for each streamed
+        call without one (its stored result), then `done` with the run's last answer, tool calls
+        and usage (completed), `error` + `done {error: true}` (failed), `cancelled`, or the
+        question's `user_input_request` + `interrupted` (interrupted; its call has no result)."""
+        async with self.sessions() as session:
+            run = await session.get(Run, run_id)
+            tool_rows = (await session.execute(select(Message.content, Message.extra).where(
+                Message.run_id == run_id, Message.role == "tool"))).all()
+            stored = {extra.get("tool_call_id"): content for content, extra in tool_rows if isinstance(extra, dict)}
+            response = question = None
+            if run.status == "completed":
+                response = (await session.execute(select(Message.content).where(Message.run_id == run_id, Message.role == "assistant")
+                                                  .order_by(Message.seq.desc()).limit(1))).scalar()
+            elif run.status == "interrupted":
+                question = (await session.execute(select(Interrupt).where(Interrupt.run_id == run_id)
+                                                  .order_by(Interrupt.created_at.desc()).limit(1))).scalars().first()
+        status = run.status if run.status != "interrupted" or question is not None else "failed"
+        cut_off, records = self._close_calls(run_id, published, status, {} if status == "interrupted" else stored)
+        if status == "interrupted":
+            return [events_pb2.Event(run_id=run_id, time=pb.timestamp(), user_input_request=events_pb2.UserInputRequestEvent(
+                        request_json=pb.json_bytes(question.request, clip=True))),
+                    events_pb2.Event(run_id=run_id, time=pb.timestamp(), interrupted=events_pb2.InterruptedEvent(
+                        request_id=question.id, kind=question.kind))]
+        usage = events_pb2.Usage(**{key: int((run.usage or {}).get(key) or 0)
+                                    for key in ("input_tokens", "output_tokens", "total_tokens", "llm_calls")})
+        if status == "completed":
+            return [*cut_off, events_pb2.Event(run_id=run_id, time=pb.timestamp(), done=events_pb2.DoneEvent(
+                response=response if isinstance(response, str) else "", tool_calls=records, usage=usage))]
+        if status == "cancelled":
+            return [*cut_off, events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason="cancelled"))]
+        return [*cut_off,
+                events_pb2.Event(run_id=run_id, time=pb.timestamp(), error=events_pb2.ErrorEvent(message=run.error or LOST_MESSAGE)),
+                events_pb2.Event(run_id=run_id, time=pb.timestamp(),
+                                 done=events_pb2.DoneEvent(response="", tool_calls=records, usage=usage, error=True))]
 
     async def _tool_calls_of(self, run_id: str, status: str) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
         """From the events the lost run's replica published (the Redis stream; nothing when they
-        died with it): a `tool_result` for each streamed `tool_call` that got none, with the
-        error the loop gives a call cut off by a cancel or a failure, and the run's tool calls as
-        done.tool_calls lists them (README "Stream end": every tool_call gets its tool_result)."""
+        died with it): `_close_calls` with the error the loop gives a call cut off by `status`."""
         try:
             published = await self.backend.events.events_of(run_id)
         except Exception:  # the stream cannot be read: the run still ends
             log.exception("reading a lost run's events failed")
             return [], []
+        return self._close_calls(run_id, published, status, {})
+
+    @staticmethod
+    def _close_calls(run_id: str, published: list[events_pb2.Event], status: str,
+                     stored: dict[str, Any]) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
+        """A `tool_result` for each streamed `tool_call` of `published` that got none (its result
+        in `stored`, by call id, else the error the loop gives a call cut off by `status`), and
+        the run's tool calls as done.tool_calls lists them (README "Stream end": every tool_call
+        gets its tool_result)."""
         calls: dict[str, events_pb2.ToolCallEvent] = {}
         results: dict[str, events_pb2.ToolResultEvent] = {}
         for event in published:
@@ -216,11 +310,12 @@ class RunSupervisor:
         cut_off, records = [], []
         for call_id, call in calls.items():
             result = results.get(call_id)
-            if result is None:
+            output = pb.json_bytes(stored[call_id]) if call_id in stored else error
+            if result is None and status != "interrupted":  # an interrupted run's question has no result yet
                 cut_off.append(events_pb2.Event(run_id=run_id, time=pb.timestamp(), tool_result=events_pb2.ToolResultEvent(
-                    tool=call.tool, tool_call_id=call_id, output_json=error)))
+                    tool=call.tool, tool_call_id=call_id, output_json=output)))
             records.append(events_pb2.ToolCallRecord(tool=call.tool, input=call.input, input_json=call.input_json,
-                                                     output_json=pb.output_json(result) if result else error))
+                                                     output_json=pb.output_json(result) if result else output))
         return cut_off, records
 
     async def _close_open_tool_call(self, session: Any, run: Run, status: str) -> None:

@@ -88,7 +88,8 @@ class RunEnd:
         events: (seq, payload) of the run's whole event stream, its terminal events included, to
             archive in the same transaction (an event log that dies with the process: the run's
             end and its stream are stored together, before the end is published); empty when
-            the events are archived after the end (Redis Streams keep them meanwhile).
+            the events are archived after the end (Redis Streams keep them meanwhile): the run
+            is then stored with `archive_due` set, which the archive clears (models.Run).
         billing_calls: `billing_redeliveries` rows (`Redelivery.row`) of the run's usage records
             still on their way to billing (usage.py `UsageBatcher.take`), stored with its end.
     """
@@ -129,7 +130,12 @@ _SELECT_THREAD = (
 )
 _END_RUN = (
     update(_runs).where(_runs.c.id == bindparam("b_run_id"))
-    .values(status=bindparam("b_status"), updated_at=bindparam("b_now"), error=bindparam("b_error"), usage=bindparam("b_usage"))
+    .values(status=bindparam("b_status"), updated_at=bindparam("b_now"), error=bindparam("b_error"), usage=bindparam("b_usage"),
+            archive_due=bindparam("b_archive_due"))
+)
+# the run's log holds its end and is archived: nothing due (`TurnStore.archive`)
+_ARCHIVED = (
+    update(_runs).where(_runs.c.id == bindparam("b_run_id"), _runs.c.archive_due.is_not(None)).values(archive_due=None)
 )
 _TOUCH_CHAT = update(_chats).where(_chats.c.id == bindparam("b_chat_id")).values(updated_at=bindparam("b_now"))
 _FREE_CHAT = (
@@ -211,7 +217,8 @@ def _finish(conn: Connection, end: RunEnd) -> None:
     if end.interrupt is not None:
         conn.execute(_INSERT_INTERRUPT, end.interrupt)
     _store_rows(conn, end.rows)
-    conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error, "b_usage": end.usage})
+    conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error, "b_usage": end.usage,
+                            "b_archive_due": None if end.events else now})
     if end.events:
         TurnStore._archive_rows(conn, end.run_id, end.events)
     for call in end.billing_calls:
@@ -320,19 +327,27 @@ class TurnStore:
             return await self.pg.stream_target(chat_id, run_id)
         return await self.txn.run(_stream_target, chat_id, run_id)
 
-    async def archive(self, run_id: str, events: Sequence[tuple[int, bytes]]) -> None:
-        """Store (seq, payload) events of a run; rows already stored (another replica) are kept."""
-        if not events:
+    async def archive(self, run_id: str, events: Sequence[tuple[int, bytes]], *, settled: bool = True) -> None:
+        """Store (seq, payload) events of a run in one transaction; rows already stored (another
+        replica) are kept. `settled`: the run's event log holds its end (every event is stored
+        there), so its `archive_due` is cleared in the same transaction; False leaves it due."""
+        if not events and not settled:
             return
         if self.pg is not None:
-            return await self.pg.archive(run_id, events)
-        await self.txn.run(self._archive_rows, run_id, list(events), inline=len(events) <= INLINE_ROWS)
+            return await self.pg.archive(run_id, events, settled)
+        await self.txn.run(self._archive_and_settle, run_id, list(events), settled, inline=len(events) <= INLINE_ROWS)
 
     @staticmethod
     def _archive_rows(conn: Connection, run_id: str, events: list[tuple[int, bytes]]) -> None:
         if events:  # one executemany
             conn.execute(db.insert_ignoring(conn.dialect.name, _events, ("run_id", "seq")),
                          [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in events])
+
+    @staticmethod
+    def _archive_and_settle(conn: Connection, run_id: str, events: list[tuple[int, bytes]], settled: bool) -> None:
+        TurnStore._archive_rows(conn, run_id, events)
+        if settled:
+            conn.execute(_ARCHIVED, {"b_run_id": run_id})
 
     def close(self) -> None:
         """Stop the worker thread (SQLite) or close the asyncpg pool (PostgreSQL)."""
@@ -349,6 +364,7 @@ _MESSAGE_COLUMNS = ("id", "chat_id", "run_id", "role", "content", "extra", "crea
 _PG_ARCHIVE = ("INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest({seqs}::bigint[], {payloads}::bytea[])"
                " AS t(s, p) ON CONFLICT (run_id, seq) DO NOTHING")
 _PG_ARCHIVE_RUN = _PG_ARCHIVE.format(seqs="$2", payloads="$3")  # `archive`: $2 seqs, $3 payloads
+_PG_SETTLED = "UPDATE runs SET archive_due = NULL WHERE id = $1 AND archive_due IS NOT NULL"  # `archive` when settled
 _PG_MESSAGES = (
     "INSERT INTO messages ({cols}) SELECT {cols} FROM unnest({arrays}) WITH ORDINALITY AS t({cols}, n) ORDER BY n"
 )
@@ -478,9 +494,10 @@ class PgTurnStatements(PgPool):
         for index, call in enumerate(end.billing_calls):
             b_cols, b_vals = self._insert_values(_redeliveries, call, params, select=False)
             parts.append(f"b{index} AS (INSERT INTO billing_redeliveries ({b_cols}) VALUES ({b_vals}))")
-        params += [end.status, end.error, json.dumps(end.usage)]
+        params += [end.status, end.error, json.dumps(end.usage), None if end.events else now]
         n = len(params)
-        parts.append(f"r AS (UPDATE runs SET status = ${n - 2}, updated_at = $3, error = ${n - 1}, usage = ${n}::json WHERE id = $1)")
+        parts.append(f"r AS (UPDATE runs SET status = ${n - 3}, updated_at = $3, error = ${n - 2}, usage = ${n - 1}::json,"
+                     f" archive_due = ${n} WHERE id = $1)")
         if end.status == "interrupted":
             final = "UPDATE chats SET updated_at = $3 WHERE id = $2"
         else:
@@ -520,9 +537,10 @@ class PgTurnStatements(PgPool):
             " LEFT OUTER JOIN runs r ON r.id = $2 AND r.chat_id = c.id WHERE c.id = $1 LIMIT 1", chat_id, run_id)
         return None if record is None else _TargetRow(tuple(record))
 
-    async def archive(self, run_id: str, events: Sequence[tuple[int, bytes]]) -> None:
-        """`TurnStore.archive`: one INSERT ... SELECT FROM unnest ... ON CONFLICT DO NOTHING."""
+    async def archive(self, run_id: str, events: Sequence[tuple[int, bytes]], settled: bool) -> None:
+        """`TurnStore.archive`: one INSERT ... SELECT FROM unnest ... ON CONFLICT DO NOTHING, with the
+        run's `archive_due` cleared in the same statement when `settled`."""
         pool = await self.pool()
-        await pool.execute(
-            _PG_ARCHIVE_RUN,
-            run_id, [seq for seq, _ in events], [payload for _, payload in events])
+        sql = (f"WITH e AS ({_PG_ARCHIVE_RUN}) {_PG_SETTLED}" if events else _PG_SETTLED) if settled else _PG_ARCHIVE_RUN
+        args = [run_id, [seq for seq, _ in events], [payload for _, payload in events]] if events else [run_id]
+        await pool.execute(sql, *args)

@@ -30,11 +30,11 @@ def _fail_first_archive(monkeypatch, runner) -> list[str]:
     real = runner.store.archive
     attempts: list[str] = []
 
-    async def flaky(run_id, events):
+    async def flaky(run_id, events, **kwargs):
         attempts.append(run_id)
         if len(attempts) == 1:
             raise exc.OperationalError("INSERT INTO run_events", None, ConnectionRefusedError(111, "refused"))
-        await real(run_id, events)
+        await real(run_id, events, **kwargs)
 
     monkeypatch.setattr(runner.store, "archive", flaky)
     return attempts
@@ -74,9 +74,9 @@ async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(sta
     release = asyncio.Event()
     real = runner.store.archive
 
-    async def slow(run_id, events):
+    async def slow(run_id, events, **kwargs):
         await release.wait()
-        await real(run_id, events)
+        await real(run_id, events, **kwargs)
 
     monkeypatch.setattr(runner.store, "archive", slow)
     async with stack.client() as client:

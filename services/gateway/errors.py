@@ -18,8 +18,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from loopline.billing.v1 import billing_pb2
-from services.common import db
-from services.common.errors import ASSISTANT_DOMAIN, BILLING_DOMAIN, bounded, status_details
+from services.common.errors import ASSISTANT_DOMAIN, BILLING_DOMAIN, bounded, status_details, storage_failure
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +134,17 @@ def unavailable_response(retry_after_s: float | None = None) -> JSONResponse:
 
 
 def unexpected_error_response(error: Exception) -> JSONResponse:
-    """The answer to an exception no route handled: 503 `{"detail": ...}` with Retry-After when the
-    database cannot be reached or takes no more connections (`db.is_unavailable`), else 500
-    `{"detail": "Internal server error"}`; logged with its traceback, never shown to the client."""
-    store = db.unavailable_store(error)
-    if store is not None:
-        log.warning(f"{store} unavailable", extra={"fields": {"error": type(error).__name__}})
-        return unavailable_response()
-    log.error("unhandled error", exc_info=error)
-    return detail(500, SAFE_MESSAGES[500])
+    """The answer to an exception no route handled, as the gRPC services answer the same storage
+    failures (`errors.storage_failure`, through CODE_STATUS): 503 `{"detail": ...}` with
+    Retry-After when the database cannot be reached or takes no more connections, 409 when its
+    transaction lost a race with another (deadlock, serialization failure: send it again), 400
+    when a value cannot be stored; else 500 `{"detail": "Internal server error"}`, logged with
+    its traceback. The exception's own text is never shown to the client."""
+    failure = storage_failure(error, ASSISTANT_DOMAIN)
+    if failure is None:
+        log.error("unhandled error", exc_info=error)
+        return detail(500, SAFE_MESSAGES[500])
+    message, answer = failure
+    log.warning(message, extra={"fields": {"error": type(error).__name__}})
+    status = CODE_STATUS[answer.code]
+    return unavailable_response() if status == 503 else detail(status, answer.message)

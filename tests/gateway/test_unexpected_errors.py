@@ -33,7 +33,20 @@ def test_is_unavailable_tells_a_full_or_unreachable_database_from_a_bad_statemen
     assert not db.is_unavailable(RuntimeError("bug"))
 
 
-@pytest.mark.parametrize("failure, status", [(_too_many_clients, 503), (lambda: RuntimeError("boom /secret/path"), 500)])
+def _deadlock() -> exc.DBAPIError:
+    return exc.DBAPIError("UPDATE api_keys", None, asyncpg.exceptions.DeadlockDetectedError("deadlock detected /secret/path"))
+
+
+def _nul() -> exc.DBAPIError:
+    return exc.DBAPIError("INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError('secret "UTF8": 0x00'))
+
+
+@pytest.mark.parametrize("failure, status", [
+    (_too_many_clients, 503), (lambda: RuntimeError("boom /secret/path"), 500),
+    # as the gRPC services answer them (`errors.storage_failure`): the gateway's own database
+    # answered a lost race or a value it cannot store with 500 "Internal server error"
+    (_deadlock, 409), (_nul, 400),
+])
 async def test_turn_post_and_settings_get_answer_json_when_the_database_fails(stack, monkeypatch, failure, status):
     async def broken(*_args, **_kwargs):
         raise failure()

@@ -81,9 +81,8 @@ _LLM_SCHEMA = {"type": ["object", "null"], "properties": _LLM_PROPERTIES, "requi
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object; BodyError 413 past `limit` bytes, 400 as `json_object` (not a
-    JSON object, or nested too deep)."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body's bytes; BodyError 413 past `limit` bytes (by Content-Length, else as read)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyError(413, f"Request body exceeds {limit} bytes")
@@ -93,7 +92,24 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise BodyError(413, f"Request body exceeds {limit} bytes")
         chunks.append(chunk)
-    return json_object(b"".join(chunks))
+    return b"".join(chunks)
+
+
+async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object; BodyError 413 past `limit` bytes, 400 as `json_object` (not a
+    JSON object, or nested too deep)."""
+    return json_object(await read_body(request, limit))
+
+
+async def refuse_body(request: Request, limit: int) -> None:
+    """The check of a route that takes no body (a cancel, a delete, set-default), after its
+    caller is known: no body, or an empty JSON object `{}` (what a client that always sends one
+    sends), is taken; anything else is refused as any body is (README "Errors"): over `limit`
+    bytes 413, not a JSON object 400, a field 400 `Unknown field(s): …` (a fresh-eyes test's
+    `{"reason": "mine"}` on a cancel was ignored without a word, and a 2 MiB body taken)."""
+    raw = await read_body(request, limit)
+    if raw.strip():
+        check_fields(json_object(raw), set())
 
 
 class ClientGone(Exception):
@@ -378,6 +394,10 @@ def create_app(
         # providers on every request (issue 9, gateway CPU per turn).
         telemetry={"tracing": False, "metrics": False, "logs": False},
         dependencies=[Depends(single_query_values)],  # a query parameter given twice is 400 (services/gateway/query.py)
+        # A path with a trailing slash is the 404 of any unknown path: Starlette's default redirect
+        # (307) answered before any API key was checked and wrote the request's Host header into
+        # its Location (fresh-eyes test: `Host: evil.example` gave `location: http://evil.example/…`).
+        redirect_slashes=False,
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
     fanout = RunFanout(orchestrator, settings.heartbeat_interval_s)
@@ -623,6 +643,7 @@ def create_app(
     @app.post("/assistant/chat/{chat_id}/cancel", summary="Cancel the chat's active run", responses=error_responses(404))
     async def cancel(chat_id: str, request: Request) -> Response:
         who = await principal(request)
+        await refuse_body(request, settings.max_body_bytes)
         response = await orchestrator.Cancel(assistant_pb2.CancelRequest(caller=caller(who), chat_id=chat_id, reason="cancelled by user"), timeout=30)
         return JSONResponse({"status": response.status, "chat_id": response.chat_id, "run_id": response.run_id})
 
@@ -689,6 +710,7 @@ def create_app(
     @app.delete("/assistant/chat/{chat_id}", summary="Delete a chat (soft unless permanent=true)", responses=error_responses(404, 409))
     async def delete_chat(chat_id: str, request: Request, permanent: bool = False) -> Response:
         who = await principal(request)
+        await refuse_body(request, settings.max_body_bytes)
         r = await orchestrator.DeleteChat(assistant_pb2.DeleteChatRequest(caller=caller(who), chat_id=chat_id, permanent=permanent), timeout=30)
         return JSONResponse({"status": r.status, "chat_id": r.chat_id, "permanent": r.permanent})
 
@@ -702,7 +724,8 @@ def create_app(
         await orchestrator.CheckModel(assistant_pb2.CheckModelRequest(caller=caller(who), llm=llm), timeout=30)
 
     app.include_router(
-        settings_router(default_models, principal, parse_llm, lambda r: read_json_object(r, settings.max_body_bytes), check_model)
+        settings_router(default_models, principal, parse_llm, lambda r: read_json_object(r, settings.max_body_bytes), check_model,
+                        lambda r: refuse_body(r, settings.max_body_bytes))
     )
     return app
 

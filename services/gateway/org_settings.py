@@ -150,9 +150,10 @@ def _shown(llm: dict[str, Any]) -> dict[str, Any]:
 
 def settings_router(models: DefaultModels, principal: Callable[[Request], Awaitable[Any]],
                     parse_llm: Callable[[Any], Any], read_body: Callable[[Request], Awaitable[dict[str, Any]]],
-                    check_model: Callable[[Any, Any], Awaitable[Any]]) -> APIRouter:
+                    check_model: Callable[[Any, Any], Awaitable[Any]], refuse_body: Callable[[Request], Awaitable[None]]) -> APIRouter:
     """The organization-settings routes; `parse_llm` validates an llm object's shape (BodyError 400) and
-    `check_model(principal, llm)` asks the orchestrator whether it can serve it (grpc error → 400).
+    `check_model(principal, llm)` asks the orchestrator whether it can serve it (grpc error → 400);
+    `refuse_body` is the DELETE's check that it was sent no body (app.py `refuse_body`).
 
     The PUT checks and saves inside `models.exclusive` (a DELETE of the credential it names waits,
     then sees it as the default: 409; or it waits for that DELETE and its check fails: 400)."""
@@ -207,6 +208,7 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
         back to "no saved default"; PUT of another model kept a saved choice). Under the same lock
         as PUT; the key of the model that was the default may be deleted afterwards."""
         who = await principal(request)
+        await refuse_body(request)
         async with models.exclusive(who.organization_id) as held:
             await held.set(None)
         return JSONResponse({"composer_llm": None})

@@ -33,7 +33,7 @@ from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
-from services.gateway.app import BodyError, check_fields, read_json_object
+from services.gateway.app import BodyError, check_fields, read_json_object, refuse_body
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.identity import Principal
@@ -573,7 +573,8 @@ def tools_router(
         return JSONResponse(credential_json(response.credential, detail_view=True, created_by_email=email))
 
     @router.delete("/credentials/{credential_id}", status_code=204, summary="Delete a credential", tags=["credentials"])
-    async def delete_credential(credential_id: str, who: Principal = Who) -> Response:
+    async def delete_credential(credential_id: str, request: Request, who: Principal = Who) -> Response:
+        await refuse_body(request, settings.max_body_bytes)
         held = hold_default_model(who.organization_id) if hold_default_model is not None else contextlib.nullcontext()
         async with held as default:  # no PUT of the default between this check and the deletion
             saved = default.saved if default is not None else None
@@ -587,14 +588,16 @@ def tools_router(
         return Response(status_code=204)
 
     @router.post("/credentials/{credential_id}/set-default", summary="Make a credential its integration's default", tags=["credentials"])
-    async def set_default(credential_id: str, who: Principal = Who) -> Response:
+    async def set_default(credential_id: str, request: Request, who: Principal = Who) -> Response:
+        await refuse_body(request, settings.max_body_bytes)
         response = await tools.SetDefaultCredential(
             tools_pb2.SetDefaultCredentialRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_TIMEOUT_S
         )
         return JSONResponse(credential_json(response.credential))
 
     @router.post("/credentials/{credential_id}/refresh-discovery", summary="Discover an MCP server's tools again", tags=["credentials"])
-    async def refresh_discovery(credential_id: str, who: Principal = Who) -> Response:
+    async def refresh_discovery(credential_id: str, request: Request, who: Principal = Who) -> Response:
+        await refuse_body(request, settings.max_body_bytes)
         r = await tools.RefreshMcpDiscovery(
             tools_pb2.RefreshMcpDiscoveryRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_MCP_TIMEOUT_S
         )

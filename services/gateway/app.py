@@ -662,6 +662,8 @@ def create_app(
             orjson.dumps(
                 {
                     "id": chat.id,
+                    "kind": "assistant",  # the spec's chat: the surface discriminator, and never workflow-bound
+                    "workflow_id": None,
                     "title": chat.title,
                     "running_id": chat.running_id or None,
                     "pending_user_input_request": pb.field_fragment(chat, "pending_user_input_request"),

@@ -20,6 +20,8 @@ async def test_get_chat_returns_messages_and_title(stack):
         await read_frames(client, body["stream_url"])
         details = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
     assert details["id"] == body["chat_id"]
+    # the spec's shared chat object: its surface discriminator, and never bound to a workflow (contract audit: absent)
+    assert details["kind"] == "assistant" and details["workflow_id"] is None
     assert details["title"] == message[:50]
     assert details["running_id"] is None and details["pending_user_input_request"] is None
     assert [m["role"] for m in details["messages"]] == ["user", "assistant"]

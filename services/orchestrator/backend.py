@@ -136,13 +136,16 @@ class MemoryBackend(RunBackend):
 # KEYS: stream, meta. ARGV[1]: maxlen, ARGV[2]: ttl ms after the end; then one triple per
 # operation, applied in order in one atomic call: (op, seq, payload) with op "e" (append the
 # event `payload` as seq, -1 meaning the next one; an entry already stored at that seq is
-# left as it is), "o" (mark the run open) or "c" (mark it closed; the stream and meta then
-# expire after the ttl). Returns one number per "e": the seq the event was stored at, or
-# -1 - seq when that seq was already stored (a retried write, or another writer).
+# left as it is, and nothing is appended to a closed run: a writer whose run another replica
+# ended meanwhile, `append_after_end`, is fenced off), "o" (mark the run open) or "c" (mark it
+# closed; the stream and meta then expire after the ttl). Returns one number per "e": the seq
+# the event was stored at, or -1 - seq when it was not (that seq was already stored: a
+# retried write, or another writer; or the run is closed).
 _BATCH = """
 local maxlen, ttl = ARGV[1], ARGV[2]
 local nxt = redis.call('HGET', KEYS[2], 'next')
 nxt = nxt and tonumber(nxt) or -1
+local closed = redis.call('HGET', KEYS[2], 'closed') == '1'
 local results = {}
 for i = 3, #ARGV, 3 do
   local op = ARGV[i]
@@ -150,7 +153,7 @@ for i = 3, #ARGV, 3 do
     local seq = tonumber(ARGV[i + 1])
     if nxt < 0 then nxt = 0 end
     if seq < 0 then seq = nxt end
-    if seq < nxt then
+    if seq < nxt or closed then
       results[#results + 1] = -1 - seq
     else
       redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '0-' .. (seq + 1), 'e', ARGV[i + 2])
@@ -162,10 +165,12 @@ for i = 3, #ARGV, 3 do
     end
   elseif op == 'o' then
     if nxt < 0 then nxt = 0 end
+    closed = false
     redis.call('HSET', KEYS[2], 'next', nxt, 'closed', '0')
     redis.call('PERSIST', KEYS[2])
   else
     if nxt < 0 then nxt = 0 end
+    closed = true
     redis.call('HSET', KEYS[2], 'next', nxt, 'closed', '1')
     redis.call('PEXPIRE', KEYS[2], ttl)
     if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ttl) end
@@ -501,10 +506,10 @@ class RedisEventLog:
         if writer is not None:
             await self.flush(run_id)  # this process's own queued items first, in order
         exists, _, _ = await self._retry(lambda: self._meta(run_id))
-        items: list[tuple[str, int, bytes]] = []
+        items: list[tuple[str, int, bytes]] = [("open", -1, b"")]  # a closed run takes events from here only
         if not exists:
             items += [("event", archived.seq, archived.SerializeToString()) for archived in await self.archive_loader(run_id)]
-        restored = len(items)
+        restored = len(items) - 1  # the events restored from the archive (results are per event)
         items += [("event", -1, event.SerializeToString()) for event in events]
         items.append(("close", -1, b""))
         results = await self._retry(lambda: self._run_batch(run_id, items))

@@ -36,7 +36,7 @@ from services.orchestrator.events import EventLog, is_terminal
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, clamp_usage
 from services.orchestrator.sanitize import UNPRINTABLE, sanitize
-from services.orchestrator.store import RunEnd, ThreadRow, TurnStore
+from services.orchestrator.store import RunEnd, RunTakenOver, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, cut_off_result, estimate, split_summary, with_summary
 from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, RunCharges, UsageBatcher
 
@@ -102,6 +102,8 @@ ARCHIVE_RETRY_FIRST_S = 0.5  # first wait before a failed archive of an ended ru
 ARCHIVE_RETRY_MAX_S = 60.0  # longest wait between two tries
 ARCHIVE_AT_STOP_S = 2.0  # a shutdown's last try of each archive still pending
 ARCHIVE_FLUSH_S = 0.5  # longest wait for the log to store the owner's events before its archive (then left due)
+FINISH_RETRY_FIRST_S = 0.1  # first wait before a run's end is stored again while its database is unavailable (doubling)
+FINISH_RETRY_MAX_S = 2.0  # longest wait between two tries
 CUT_OFF_CALL = "the tools service went away during the call; the call may have run"
 
 
@@ -305,6 +307,15 @@ class TurnRunner:
             await asyncio.shield(self._finish(state, totals, outcome))
         except asyncio.CancelledError:
             pass
+        except RunTakenOver:  # nothing of this end was stored or published: the run's end is the other replica's
+            log.warning("the run was ended by another replica while this one was stalled or cut off (its lease lapsed); "
+                        "this process's end of it is dropped")
+            self.events.close(spec.run_id)  # fenced off in the log (backend._BATCH); frees the writer once drained
+            forget = getattr(self.events, "forget", None)
+            if forget is not None:
+                forget(spec.run_id)
+            outcome = Outcome("failed", message="taken over")
+            state.ended.set()
         except Exception:
             log.exception("finishing the run failed")
             outcome = Outcome("failed", message="Internal error while finishing the turn.")
@@ -725,7 +736,7 @@ class TurnRunner:
                       _event(run_id, interrupted=events_pb2.InterruptedEvent(request_id=interrupt["request_id"], kind=interrupt["kind"]))]
         archived = self._stream_to_archive(run_id, ending)
         try:
-            await self.store.finish(RunEnd(
+            await self._store_end(RunEnd(
                 run_id=spec.run_id, chat_id=spec.chat_id, status=outcome.kind, error=outcome.message or None,
                 usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
                        "total_tokens": usage.total_tokens, "llm_calls": usage.llm_calls},
@@ -746,6 +757,33 @@ class TurnRunner:
             await self.archive_after_end(run_id)
         log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
 
+    async def _store_end(self, end: RunEnd) -> None:
+        """`store.finish(end)`, tried again while the database is unavailable (`db.is_unavailable`:
+        refused or dropped connections), waiting FINISH_RETRY_FIRST_S doubling up to
+        FINISH_RETRY_MAX_S, until it answers. Fresh-eyes chaos test: a 2 s drop of the database's
+        connections failed every run that ended during it (the streamed answer lost from the
+        thread, `error` + `done` ~25 s later from the crash reaper). While it waits the run stays
+        active here (its lease is renewed once the database answers; should another replica have
+        ended it meanwhile, the end is RunTakenOver). Any other error is raised at once."""
+        delay = FINISH_RETRY_FIRST_S
+        reported = False
+        while True:
+            try:
+                await self.store.finish(end)
+            except Exception as error:
+                if not db.is_unavailable(error):
+                    raise
+                if not reported:
+                    reported = True
+                    log.warning("storing the run's end failed: the database is unavailable; trying again until it answers",
+                                extra={"fields": {"error": type(error).__name__}})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, FINISH_RETRY_MAX_S)
+            else:
+                if reported:
+                    log.info("the run's end was stored once the database answered")
+                return
+
     async def _finish_minimal(self, spec: RunSpec, outcome: Outcome) -> None:
         """The last resort when `_finish` itself failed: mark the run failed, free the chat, and end
         its stream with `error` then `done` (error: true, zero usage) so that nothing stays stuck."""
@@ -755,8 +793,11 @@ class TurnRunner:
         self.events.reopen(run_id)
         archived = self._stream_to_archive(run_id, ending)
         async with self.sessions() as session, session.begin():
-            await session.execute(update(Run).where(Run.id == run_id).values(
+            mine = await session.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(
                 status="failed", error=outcome.message, updated_at=utcnow(), archive_due=None if archived else utcnow()))
+            if mine.rowcount != 1:  # ended meanwhile (stored by `_finish` after all, or by another replica): its end stands
+                log.warning("the run was ended before its last-resort end; that end stands")
+                return
             await session.execute(
                 update(Chat).where(Chat.id == spec.chat_id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
             )

@@ -126,9 +126,16 @@ class RunSupervisor:
         async with self.sessions() as session, session.begin():
             result = await session.execute(
                 update(Run).where(Run.id.in_(run_ids), or_(Run.status == "running", Run.archive_due.is_not(None)))
-                .values(lease_until=until)
+                .values(lease_until=until).returning(Run.id)
             )
-            return result.rowcount or 0
+            renewed = set(result.scalars())
+        for run_id in run_ids:  # an active run no longer `running` there was ended by another replica (its lease lapsed)
+            state = self.runner.active.get(run_id)
+            if state is not None and run_id not in renewed and not state.finishing and state.cancel_reason is None:
+                log.warning("a run of this replica was ended by another one (its lease lapsed while this one was stalled "
+                            "or cut off): stopped here, its end is the other's", extra={"fields": {"run_id": run_id}})
+                asyncio.create_task(self.runner.cancel(run_id, "taken over"))
+        return len(renewed)
 
     @staticmethod
     def lease_deadline(settings: Any, now: datetime.datetime) -> datetime.datetime:

@@ -109,6 +109,13 @@ class ClaimLost(Exception):
     """The chat was taken (running_id set or deleted) between the guard and the write."""
 
 
+class RunTakenOver(Exception):
+    """The run's end was not stored: the run is no longer `running` in the database, another
+    replica ended it (its lease lapsed while this process was stalled or cut off; recovery.py
+    `take_over`) or its chat was deleted. Nothing of the end was written; this process must not
+    publish it (one terminal outcome per run: a fresh-eyes chaos test got two)."""
+
+
 INLINE_ROWS = 64  # a SQLite transaction writing more rows than this stays on the worker thread (txn.py: inline)
 
 _INSERT_MESSAGE = insert(_messages)
@@ -128,8 +135,8 @@ _SELECT_THREAD = (
     .where(_messages.c.chat_id == bindparam("b_chat_id"))
     .order_by(_messages.c.seq)
 )
-_END_RUN = (
-    update(_runs).where(_runs.c.id == bindparam("b_run_id"))
+_END_RUN = (  # only while the run is ours: `running` (RunTakenOver otherwise)
+    update(_runs).where(_runs.c.id == bindparam("b_run_id"), _runs.c.status == "running")
     .values(status=bindparam("b_status"), updated_at=bindparam("b_now"), error=bindparam("b_error"), usage=bindparam("b_usage"),
             archive_due=bindparam("b_archive_due"))
 )
@@ -214,11 +221,13 @@ def _store_rows(conn: Connection, rows: Sequence[ThreadRow]) -> None:
 
 def _finish(conn: Connection, end: RunEnd) -> None:
     now = utcnow()
+    ended = conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error,
+                                    "b_usage": end.usage, "b_archive_due": None if end.events else now})
+    if ended.rowcount != 1:  # raising rolls this transaction (its savepoint) back: nothing written
+        raise RunTakenOver(end.run_id)
     if end.interrupt is not None:
         conn.execute(_INSERT_INTERRUPT, end.interrupt)
     _store_rows(conn, end.rows)
-    conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error, "b_usage": end.usage,
-                            "b_archive_due": None if end.events else now})
     if end.events:
         TurnStore._archive_rows(conn, end.run_id, end.events)
     for call in end.billing_calls:
@@ -302,7 +311,8 @@ class TurnStore:
         """One transaction at a run's end: its interrupt row (a pause), its unsaved thread messages,
         its status/error/usage, and the chat (`running_id` cleared, or only touched when paused; a
         cancel also flips a pending audit row to `cancelled`), `end.events` into the archive and
-        `end.billing_calls` into `billing_redeliveries`."""
+        `end.billing_calls` into `billing_redeliveries`. Only while the run is still `running`:
+        RunTakenOver, with nothing written, otherwise."""
         if self.pg is not None:
             return await self.pg.finish(end)
         await self.txn.run(_finish, end, inline=len(end.rows) + len(end.events) + len(end.billing_calls) <= INLINE_ROWS)
@@ -362,11 +372,11 @@ _MESSAGE_COLUMNS = ("id", "chat_id", "run_id", "role", "content", "extra", "crea
 # the run's thread rows as one INSERT ... SELECT FROM unnest(arrays) (seq is assigned in row order)
 # a run's archived events ($1 the run id; {seqs} and {payloads} the parameters of two arrays), rows already stored kept
 _PG_ARCHIVE = ("INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest({seqs}::bigint[], {payloads}::bytea[])"
-               " AS t(s, p) ON CONFLICT (run_id, seq) DO NOTHING")
-_PG_ARCHIVE_RUN = _PG_ARCHIVE.format(seqs="$2", payloads="$3")  # `archive`: $2 seqs, $3 payloads
+               " AS t(s, p){where} ON CONFLICT (run_id, seq) DO NOTHING")
+_PG_ARCHIVE_RUN = _PG_ARCHIVE.format(seqs="$2", payloads="$3", where="")  # `archive`: $2 seqs, $3 payloads
 _PG_SETTLED = "UPDATE runs SET archive_due = NULL WHERE id = $1 AND archive_due IS NOT NULL"  # `archive` when settled
 _PG_MESSAGES = (
-    "INSERT INTO messages ({cols}) SELECT {cols} FROM unnest({arrays}) WITH ORDINALITY AS t({cols}, n) ORDER BY n"
+    "INSERT INTO messages ({cols}) SELECT {cols} FROM unnest({arrays}) WITH ORDINALITY AS t({cols}, n){where} ORDER BY n"
 )
 
 
@@ -406,15 +416,16 @@ class PgTurnStatements(PgPool):
             places.append(f"${len(params)}::{pg_type(column)}" if select else f"${len(params)}")
         return ", ".join(cols), ", ".join(places)
 
-    def _messages(self, rows: Sequence[ThreadRow], params: list[Any]) -> str:
-        """The `_PG_MESSAGES` statement for `rows` (appends its array parameters)."""
+    def _messages(self, rows: Sequence[ThreadRow], params: list[Any], where: str = "") -> str:
+        """The `_PG_MESSAGES` statement for `rows` (appends its array parameters); `where`: a
+        condition clause (" WHERE ...") the rows are inserted under."""
         arrays = []
         for name in _MESSAGE_COLUMNS:
             column = _messages.c[name]
             params.append([param(column, getattr(row, name)) for row in rows])
             arrays.append(f"${len(params)}::{pg_type(column)}[]")
         cols = ", ".join(_MESSAGE_COLUMNS)
-        return _PG_MESSAGES.format(cols=cols, arrays=", ".join(arrays))
+        return _PG_MESSAGES.format(cols=cols, arrays=", ".join(arrays), where=where)
 
     # ------------------------------------------------------------------ transactions
 
@@ -477,36 +488,39 @@ class PgTurnStatements(PgPool):
         await pool.execute(sql, *params)
 
     async def finish(self, end: RunEnd) -> None:
-        """`TurnStore.finish` as one statement: [interrupt INSERT,] messages INSERT, [run_events INSERT,]
-        [billing_redeliveries INSERT,] run UPDATE,
-        [pending interrupts -> cancelled,] and the chat UPDATE (freed, or only touched when paused)."""
+        """`TurnStore.finish` as one statement: the run UPDATE (only while it is `running`), then,
+        each only when it matched (`EXISTS (SELECT 1 FROM r)`): [interrupt INSERT,] messages
+        INSERT, [run_events INSERT,] [billing_redeliveries INSERT,] [pending interrupts ->
+        cancelled,] and the chat UPDATE (freed, or only touched when paused). RunTakenOver,
+        with nothing written, when the run was no longer running."""
         now = utcnow()
-        params: list[Any] = [end.run_id, end.chat_id, now]
-        parts = []
+        params: list[Any] = [end.run_id, end.chat_id, now, end.status, end.error, json.dumps(end.usage), None if end.events else now]
+        parts = ["r AS (UPDATE runs SET status = $4, updated_at = $3, error = $5, usage = $6::json, archive_due = $7"
+                 " WHERE id = $1 AND status = 'running' RETURNING 1)"]
+        mine = " WHERE EXISTS (SELECT 1 FROM r)"
         if end.interrupt is not None:
-            i_cols, i_vals = self._insert_values(_interrupts, end.interrupt, params, select=False)
-            parts.append(f"i AS (INSERT INTO interrupts ({i_cols}) VALUES ({i_vals}))")
+            i_cols, i_vals = self._insert_values(_interrupts, end.interrupt, params, select=True)
+            parts.append(f"i AS (INSERT INTO interrupts ({i_cols}) SELECT {i_vals}{mine})")
         if end.rows:
-            parts.append(f"m AS ({self._messages(end.rows, params)})")
+            parts.append(f"m AS ({self._messages(end.rows, params, mine)})")
         if end.events:
             params += [[seq for seq, _ in end.events], [payload for _, payload in end.events]]
-            parts.append(f"e AS ({_PG_ARCHIVE.format(seqs=f'${len(params) - 1}', payloads=f'${len(params)}')})")
+            parts.append(f"e AS ({_PG_ARCHIVE.format(seqs=f'${len(params) - 1}', payloads=f'${len(params)}', where=mine)})")
         for index, call in enumerate(end.billing_calls):
-            b_cols, b_vals = self._insert_values(_redeliveries, call, params, select=False)
-            parts.append(f"b{index} AS (INSERT INTO billing_redeliveries ({b_cols}) VALUES ({b_vals}))")
-        params += [end.status, end.error, json.dumps(end.usage), None if end.events else now]
-        n = len(params)
-        parts.append(f"r AS (UPDATE runs SET status = ${n - 3}, updated_at = $3, error = ${n - 2}, usage = ${n - 1}::json,"
-                     f" archive_due = ${n} WHERE id = $1)")
+            b_cols, b_vals = self._insert_values(_redeliveries, call, params, select=True)
+            parts.append(f"b{index} AS (INSERT INTO billing_redeliveries ({b_cols}) SELECT {b_vals}{mine})")
         if end.status == "interrupted":
-            final = "UPDATE chats SET updated_at = $3 WHERE id = $2"
+            parts.append("c AS (UPDATE chats SET updated_at = $3 WHERE id = $2 AND EXISTS (SELECT 1 FROM r))")
         else:
             if end.status == "cancelled":
-                parts.append("x AS (UPDATE interrupts SET outcome = 'cancelled', resolved_at = $3 WHERE run_id = $1 AND outcome = 'pending')")
-            final = "UPDATE chats SET running_id = NULL, updated_at = $3 WHERE id = $2 AND running_id = $1"
-        sql = "WITH " + ", ".join(parts) + " " + final
+                parts.append("x AS (UPDATE interrupts SET outcome = 'cancelled', resolved_at = $3 WHERE run_id = $1"
+                             " AND outcome = 'pending' AND EXISTS (SELECT 1 FROM r))")
+            parts.append("c AS (UPDATE chats SET running_id = NULL, updated_at = $3 WHERE id = $2 AND running_id = $1"
+                         " AND EXISTS (SELECT 1 FROM r))")
+        sql = "WITH " + ", ".join(parts) + " SELECT count(*) FROM r"
         pool = await self.pool()
-        await pool.execute(sql, *params)
+        if not await pool.fetchval(sql, *params):
+            raise RunTakenOver(end.run_id)
 
     async def forget_redeliveries(self, ids: list[str]) -> None:
         """`TurnStore.forget_redeliveries`: one DELETE."""

@@ -15,35 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import uuid
-from urllib.parse import urlsplit
-
 import pytest
 from sqlalchemy import select, update
 
 from services.orchestrator.models import Run, utcnow
-from tests.conftest import drop_redis_prefix, redis_url, start_stack, stop_stack
 from tests.orchestrator.helpers import run_turn, start, types, wait_for
-from tests.scale.conftest import _reachable
 from tests.sse_client import read_frames
 
 ASK = {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}, "say": "Asking."}
 TOOL_THEN_ANSWER = ({"tool": "get_available_integrations", "input": {}, "say": "Looking."}, {"say": "Here they are."})
-
-
-@pytest.fixture
-async def redis_stack(tmp_path):
-    """The four services with the orchestrator's run events in Redis (its own key prefix)."""
-    target = urlsplit(redis_url())
-    if not _reachable(target.hostname or "127.0.0.1", target.port or 6379):
-        pytest.skip("Redis is not reachable (LOOPLINE_TEST_REDIS_URL)")
-    prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
-    running = await start_stack(tmp_path, orchestrator={"redis_url": redis_url(), "redis_key_prefix": prefix})
-    try:
-        yield running
-    finally:
-        await stop_stack(running)
-        await drop_redis_prefix(redis_url(), prefix)
 
 
 def _die_before_the_end_is_published(monkeypatch, runner) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 from loopline.billing.v1 import billing_pb2
 from services.common import db
 from services.orchestrator.loop import TurnRunner
+from services.orchestrator.models import utcnow
 from services.orchestrator.usage import Redelivery, UsageBatcher
 from tests.conftest import postgres_databases, release_databases, selected_backend
 
@@ -283,12 +284,27 @@ async def _stored_rows(sessions) -> list[str]:
         return list((await session.execute(select(BillingRedelivery.method))).scalars())
 
 
+async def _running_run(store, run_id: str) -> None:
+    """The chat and running run rows a run's end updates (what a turn start wrote)."""
+    from services.orchestrator.store import ThreadRow
+
+    now = utcnow()
+    chat_id = f"chat-{run_id}"
+    chat = {"id": chat_id, "organization_id": "org", "user_id": "u", "kind": "assistant", "title": "t", "workflow_id": None,
+            "running_id": run_id, "deleted_at": None, "created_at": now, "updated_at": now}
+    run = {"id": run_id, "durable_id": f"run_{run_id}", "chat_id": chat_id, "organization_id": "org", "parent_run_id": None,
+           "status": "running", "llm": {"provider_id": "p"}, "reservation_id": None, "usage": None, "error": None,
+           "created_at": now, "updated_at": now, "lease_until": now}
+    await store.persist_turn(claim=False, chat=chat, message=ThreadRow(role="user", content="hi", chat_id=chat_id, run_id=run_id), run=run)
+
+
 async def _end_run(store, batcher: UsageBatcher, run_id: str) -> None:
     """What `TurnRunner._finish` does with the run's waiting records: take, store with the end, queue."""
     from services.orchestrator.store import RunEnd
 
     handed = batcher.take(run_id)
     assert handed is not None
+    await _running_run(store, run_id)  # a run's end is stored only while it is running (store.RunTakenOver)
     await store.finish(RunEnd(run_id=run_id, chat_id=f"chat-{run_id}", status="completed", error=None, usage={}, rows=[],
                               billing_calls=[handed[1]]))
     batcher.stored(handed[1]["id"], handed[0])

@@ -18,13 +18,13 @@ import datetime
 import uuid
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from loopline.assistant.v1 import events_pb2
 from services.common import db
 from services.orchestrator.backend import RedisEventLog, redis_client
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
-from services.orchestrator.store import ClaimLost, RunEnd, ThreadRow, TurnStore
+from services.orchestrator.store import ClaimLost, RunEnd, RunTakenOver, ThreadRow, TurnStore
 from tests.conftest import drop_redis_prefix, postgres_databases, redis_url, release_databases
 from tests.scale.conftest import fresh_redis_prefix, no_archive, unavailable_reason
 
@@ -255,6 +255,18 @@ async def test_postgres_turn_store_keeps_the_rules_of_each_transaction(pg_store)
                                               run_id=third_run["id"])], interrupt=interrupt))
     guard = await store.turn_guard(chat_id)
     assert guard.running_id == third_run["id"] and guard.pending_id == interrupt["id"]
+    # an end only while the run is running: a second end of an ended run writes nothing (RunTakenOver)
+    with pytest.raises(RunTakenOver):
+        await store.finish(RunEnd(run_id=third_run["id"], chat_id=chat_id, status="completed", error=None, usage={},
+                                  rows=[ThreadRow(role="assistant", content="late", chat_id=chat_id, run_id=third_run["id"])],
+                                  events=[(0, b"late")]))
+    async with sessions() as session:
+        assert (await session.get(Run, third_run["id"])).status == "interrupted"
+        assert not (await session.execute(select(Message).where(Message.run_id == third_run["id"], Message.role == "assistant"))).scalars().all()
+        assert not (await session.execute(select(RunEvent).where(RunEvent.run_id == third_run["id"]))).scalars().all()
+    # the cancelled end's rules (its pending question cancelled), on a run that is running
+    async with sessions() as session, session.begin():
+        await session.execute(update(Run).where(Run.id == third_run["id"]).values(status="running"))
     await store.finish(RunEnd(run_id=third_run["id"], chat_id=chat_id, status="cancelled", error=None,
                               usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "llm_calls": 1}, rows=[],
                               events=[(0, b"e0"), (1, b"e1")]))  # the memory event log's stream, stored with the end

@@ -1,0 +1,100 @@
+"""A run another replica ended keeps that one end; a run's end waits out a database blip.
+
+Regressions (fresh-eyes chaos test on PostgreSQL + Redis, two orchestrators):
+
+- A replica stalled past its run's lease (SIGSTOP 40 s) woke up and ended the run a second
+  time: the crash reaper of the other replica had stored `failed` and streamed `error` +
+  `done {error: true}`; the stalled one then stored `completed` over it, streamed its last
+  chunks and a second `done` after them, and wrote its thread rows after a new turn's. A run's
+  end is now stored only while the run is `running` (RunTakenOver otherwise: nothing written,
+  nothing published), the event log takes no event on a run another replica closed, and the
+  lease renewal stops a run of this replica that another one ended.
+- A 2 s drop of the orchestrator database's connections failed every run that ended during
+  it: the end's transaction was not tried again, the streamed answer was lost from the
+  thread and the crash reaper streamed `error` + `done` ~25 s later. It is tried again until
+  the database answers.
+
+Run here in one process: `take_over(..., orphaned=True)` is the other replica's reaper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import exc, select
+
+from services.orchestrator.models import Message, Run
+from tests.orchestrator.helpers import start, types, wait_for
+from tests.sse_client import read_frames
+
+
+async def _status(stack, run_id: str) -> str:
+    async with stack.orchestrator.servicer.sessions() as session:
+        return (await session.execute(select(Run.status).where(Run.id == run_id))).scalar_one()
+
+
+async def _roles(stack, run_id: str) -> list[str]:
+    async with stack.orchestrator.servicer.sessions() as session:
+        return list((await session.execute(select(Message.role).where(Message.run_id == run_id).order_by(Message.seq))).scalars())
+
+
+@pytest.fixture(params=["memory", "redis"])
+def either_stack(request):
+    """The stack with the run events in memory (one process) and in Redis (replicas)."""
+    return request.getfixturevalue("stack" if request.param == "memory" else "redis_stack")
+
+
+async def test_a_run_another_replica_ended_is_not_ended_again_when_its_own_replica_wakes_up(either_stack):
+    stack, runner = either_stack, either_stack.orchestrator.runner
+    async with stack.client() as client:
+        body = await start(client, {"say": "slow answer one two three four", "sleep_ms": 1500})
+        listener = asyncio.create_task(read_frames(client, body["stream_url"]))
+        await wait_for(lambda: body["run_id"] in runner.active)
+        # the other replica's reaper: this one looked dead (stalled past its lease)
+        assert await stack.orchestrator.supervisor.take_over(body["run_id"], "failed", orphaned=True)
+        frames = await asyncio.wait_for(listener, 10)
+        assert types(frames) == ["metadata", "error", "done"], types(frames)
+        await wait_for(lambda: body["run_id"] not in runner.active, timeout=10)  # the stalled loop went on and ended here
+        assert await _status(stack, body["run_id"]) == "failed"  # the reaper's end stands
+        assert await _roles(stack, body["run_id"]) == ["user"]  # none of the stalled loop's rows
+        again = await read_frames(client, body["stream_url"])
+        assert again == frames  # one terminal outcome: no chunk or second `done` after it
+        # the chat took the next turn, and nothing of the old run lands in its thread
+        body2 = await start(client, {"say": "next turn"}, chat_id=body["chat_id"])
+        assert types(await read_frames(client, body2["stream_url"]))[-1] == "done"
+        assert await _roles(stack, body["run_id"]) == ["user"]
+
+
+async def test_the_lease_renewal_stops_a_run_another_replica_ended(either_stack):
+    stack, runner = either_stack, either_stack.orchestrator.runner
+    async with stack.client() as client:
+        body = await start(client, {"say": "never said", "sleep_ms": 60_000})
+        await wait_for(lambda: body["run_id"] in runner.active)
+        assert await stack.orchestrator.supervisor.take_over(body["run_id"], "failed", orphaned=True)
+        await stack.orchestrator.supervisor.renew()
+        await wait_for(lambda: body["run_id"] not in runner.active, timeout=5)  # not after its 60 s model call
+        assert await _status(stack, body["run_id"]) == "failed"
+        assert types(await read_frames(client, body["stream_url"])) == ["metadata", "error", "done"]
+
+
+async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_it_answers(stack, monkeypatch):
+    runner = stack.orchestrator.runner
+    real = runner.store.finish
+    tries: list[str] = []
+
+    async def dropped_twice(end):
+        tries.append(end.run_id)
+        if len(tries) <= 2:
+            raise exc.OperationalError("UPDATE runs", None, ConnectionResetError(104, "connection reset by peer"))
+        await real(end)
+
+    monkeypatch.setattr(runner.store, "finish", dropped_twice)
+    async with stack.client() as client:
+        body = await start(client, {"say": "the answer"})
+        frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
+    assert types(frames)[-1] == "done" and "error" not in types(frames), types(frames)
+    assert frames[-1]["data"]["response"] == "the answer"
+    assert len(tries) == 3
+    assert await _status(stack, body["run_id"]) == "completed"
+    assert await _roles(stack, body["run_id"]) == ["user", "assistant"]

@@ -40,6 +40,7 @@ from services.common.errors import (
 )
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import (
+    SAFE_MESSAGES,
     BodyError,
     detail,
     grpc_error_response,
@@ -50,6 +51,7 @@ from services.gateway.fanout import (
     SERVER_SEND,
     EventStreamResponse,
     RunFanout,
+    StreamTimeout,
     StreamUnavailable,
 )
 from services.gateway.idempotency import (
@@ -594,6 +596,8 @@ def create_app(
             return grpc_error_response(error)
         except StreamUnavailable:
             return unavailable_response()
+        except StreamTimeout:
+            return detail(504, SAFE_MESSAGES[504])
         return EventStreamResponse(fanout, hub, after, headers=_STREAM_HEADERS)
 
     app.lean = {"start_turn": start_turn_lean, "listen": listen_lean}

@@ -59,6 +59,14 @@ _UVICORN_CYCLES = frozenset({
 })
 
 
+READY_TIMEOUT_S = 30.0  # longest wait for the orchestrator to accept a stream (the unary calls' deadline)
+
+
+class StreamTimeout(Exception):
+    """The orchestrator did not accept the stream within READY_TIMEOUT_S (it is stalled: alive
+    for gRPC, answering nothing); the listen is 504 like a unary call past its deadline."""
+
+
 class StreamUnavailable(Exception):
     """The orchestrator closed the stream before validating it without a status to pass on."""
 
@@ -346,8 +354,10 @@ class RunFanout:
 
     async def open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str) -> _Hub:
         """Join (or start) the hub of a run; raises grpc.aio.AioRpcError (e.g. NOT_FOUND) or
-        StreamUnavailable when the orchestrator refuses the stream. The caller must `leave` it
-        (`EventStreamResponse` does)."""
+        StreamUnavailable when the orchestrator refuses the stream, StreamTimeout when it has not
+        accepted it within READY_TIMEOUT_S (fresh-eyes chaos test: a listen through a gateway
+        whose orchestrator was stalled got no status line at all for minutes). The caller must
+        `leave` it (`EventStreamResponse` does)."""
         if self._closed:
             raise StreamUnavailable  # shutting down: the client goes to another gateway
         key = (caller.organization_id, chat_id, run_id)
@@ -359,7 +369,11 @@ class RunFanout:
         hub.listeners += 1
         if not hub.ready.done():
             try:
-                await asyncio.shield(hub.ready)
+                async with asyncio.timeout(READY_TIMEOUT_S):
+                    await asyncio.shield(hub.ready)
+            except TimeoutError:
+                self.leave(hub)  # the last listener to leave cancels the stalled upstream call
+                raise StreamTimeout from None
             except BaseException:
                 self.leave(hub)
                 raise

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any
 
 import grpc
+import pytest
 
 from loopline.assistant.v1 import assistant_pb2, events_pb2
 from services.gateway import fanout as fanout_module
@@ -484,3 +486,40 @@ async def test_a_heartbeat_is_never_later_than_the_interval_of_silence():
     silences = [beats[0] - 0.3, beats[1] - beats[0], beats[2] - beats[1]]
     assert all(13.5 - 1e-6 <= silence <= 15.0 + 1e-6 for silence in silences), silences
     hub.end()
+
+
+class StalledCall(FakeCall):
+    """An orchestrator that is alive for gRPC and answers nothing (SIGSTOP): no initial metadata."""
+
+    async def initial_metadata(self) -> list[tuple[str, str]]:
+        await asyncio.Event().wait()
+        return []
+
+
+class StalledStub(FakeStub):
+    def StreamRun(self, request: assistant_pb2.StreamRunRequest) -> FakeCall:  # noqa: N802 - gRPC stub method name
+        self.calls.append(StalledCall())
+        return self.calls[-1]
+
+
+async def test_a_stream_the_orchestrator_never_accepts_times_out_and_cancels_its_upstream_call(monkeypatch):
+    """Fresh-eyes chaos test: a listen through a gateway whose orchestrator was stalled (SIGSTOP)
+    got no status line, header or heartbeat for minutes. It is StreamTimeout (504) after
+    READY_TIMEOUT_S, and the stalled upstream call is cancelled with its last listener."""
+    monkeypatch.setattr(fanout_module, "READY_TIMEOUT_S", 0.2)
+    stub = StalledStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    with pytest.raises(fanout_module.StreamTimeout):
+        await asyncio.wait_for(fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run"), 5)
+    await until(lambda: fan.active_runs() == 0)
+    await until(lambda: stub.calls[0].cancelled)
+
+
+async def test_a_listen_through_a_stalled_orchestrator_answers_504(stack, monkeypatch):
+    monkeypatch.setattr(fanout_module, "READY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(stack.gateway.app.state.fanout, "_stub", StalledStub())
+    async with stack.client() as client:
+        for query in ("", "?x=1"):  # the lean route, and FastAPI's for any other query
+            response = await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}{query}")
+            assert response.status_code == 504, response.text
+            assert response.json() == {"detail": "The request timed out"}

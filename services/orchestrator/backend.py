@@ -677,6 +677,7 @@ class RedisBackend(RunBackend):
         self.claim_ttl_ms = max(1, int(claim_ttl_s * 1000))
         self.events = RedisEventLog(self.redis, prefix, max_len, ttl_s, archive_loader, retry_s=retry_s)
         self._release = self.redis.register_script(_RELEASE)
+        self._releasing: set[asyncio.Task] = set()  # claims of unknown outcome being released (`try_claim`)
         self._channel = f"{prefix}cancels"
         self._listener: asyncio.Task | None = None
         self._on_cancel: CancelHandler | None = None
@@ -731,6 +732,8 @@ class RedisBackend(RunBackend):
 
     async def close(self) -> None:
         """Flush event writers, stop the listener and close the client."""
+        for task in list(self._releasing):  # those claims expire by themselves
+            task.cancel()
         await self.events.aclose()
         if self._listener is not None:
             self._listener.cancel()
@@ -739,10 +742,41 @@ class RedisBackend(RunBackend):
         await self.redis.aclose()
 
     async def try_claim(self, chat_id: str) -> str | None:
-        """`SET claim NX PX claim_ttl`; None when another request (any replica) holds it."""
+        """`SET claim NX PX claim_ttl`; None when another request (any replica) holds it.
+
+        A SET whose answer never came (the call cancelled by its caller's deadline, or a
+        connection error while Redis stalled) may still be applied when Redis answers again:
+        a claim no one holds, which blocked every retry of that start (its request_id) or turn
+        on that chat until it expired (fresh-eyes chaos test: 60 s after Redis came back). Its
+        token is then released in the background (`_release_unknown`)."""
         token = secrets.token_hex(8)
-        taken = await self.redis.set(f"{self.prefix}claim:{chat_id}", token, nx=True, px=self.claim_ttl_ms)
+        key = f"{self.prefix}claim:{chat_id}"
+        try:
+            taken = await self.redis.set(key, token, nx=True, px=self.claim_ttl_ms)
+        except BaseException:
+            task = asyncio.get_running_loop().create_task(self._release_unknown(key, token), name="release-unknown-claim")
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            raise
         return token if taken else None
+
+    async def _release_unknown(self, key: str, token: str) -> None:
+        """Delete `key` if `token` holds it, looking once a second until it is gone, held by another
+        or `claim_ttl` has passed (a SET of unknown outcome may arrive late)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.claim_ttl_ms / 1000
+        while loop.time() < deadline:
+            try:
+                held = await self.redis.get(key)
+                if held is not None and held != token.encode():
+                    return  # another request's: ours never arrived (or expired)
+                if held is not None:
+                    await self._release(keys=[key], args=[token])
+                    log.info("a claim taken by a call that never got its answer was released")
+                    return
+            except _redis_errors():
+                pass  # Redis still away: look again
+            await asyncio.sleep(1.0)
 
     async def release_claim(self, chat_id: str, token: str) -> None:
         """Delete the claim only if `token` still holds it."""

@@ -98,3 +98,33 @@ async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_
     assert len(tries) == 3
     assert await _status(stack, body["run_id"]) == "completed"
     assert await _roles(stack, body["run_id"]) == ["user", "assistant"]
+
+
+async def test_the_supervisor_says_a_database_outage_once_not_a_traceback_per_pass(stack, monkeypatch, caplog):
+    """Re-test of the durability fixes: while the database refused connections the run
+    supervisor logged "run supervisor pass failed" with a traceback on every pass (11 in 5 s)."""
+    import logging
+
+    supervisor = stack.orchestrator.supervisor
+    await supervisor.stop()
+    failing = True
+
+    async def refused() -> list[str]:
+        if failing:
+            raise exc.OperationalError("SELECT runs", None, ConnectionRefusedError(111, "refused"))
+        return []
+
+    monkeypatch.setattr(supervisor, "reap", refused)
+    monkeypatch.setattr(supervisor, "reap_period_s", 0.0)
+    monkeypatch.setattr(supervisor, "tick_s", 0.01)
+    caplog.set_level(logging.INFO, logger="services.orchestrator.recovery")
+    supervisor.start()
+    await asyncio.sleep(0.3)  # ~30 failing passes
+    failing = False
+    await asyncio.sleep(0.1)
+    await supervisor.stop()
+    records = [r for r in caplog.records if r.name == "services.orchestrator.recovery"]
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+    assert [r.getMessage() for r in records if r.levelno == logging.WARNING] == [
+        "run supervisor: database unavailable; leases, reaping and settling wait until it answers"]
+    assert any(r.getMessage() == "run supervisor: passes go through again" for r in records)

@@ -46,6 +46,8 @@ GATEWAY_REFUSED = [
     ("max_body_bytes", "-1"),
     ("auth_cache_ttl_s", "-1"),
     ("idempotency_ttl_s", "0"),
+    ("fanout_write_threads", "-2"),
+    ("fanout_write_threads", "17"),
     ("idempotency_ttl_s", "-1"),
     ("idempotency_ttl_s", "1e12"),  # past a century: `now - timedelta` overflowed on every keyed request
 ]
@@ -100,6 +102,7 @@ TAKEN = [
     (GatewaySettings, "http_port", "65535", 65535),
     (GatewaySettings, "auth_cache_ttl_s", "0", 0.0),  # no cache
     (GatewaySettings, "heartbeat_interval_s", "0.5", 0.5),
+    (GatewaySettings, "fanout_write_threads", "0", 0),  # the event loop's thread writes every frame
     (GatewaySettings, "shutdown_grace_s", "0", 0.0),
     (GatewaySettings, "log_level", "debug", "DEBUG"),
     (OrchestratorSettings, "orchestrator_port", "0", 0),

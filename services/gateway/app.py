@@ -402,7 +402,7 @@ def create_app(
         redirect_slashes=False,
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
-    fanout = RunFanout(orchestrator, settings.heartbeat_interval_s)
+    fanout = RunFanout(orchestrator, settings.heartbeat_interval_s, settings.write_threads)
     app.state.fanout = fanout
 
     async def principal(request: Request) -> Principal:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field
 
 from services.common.config import MAX_PORT, MAX_SECONDS, CommonSettings
+
+
+def _default_write_threads() -> int:
+    """One fewer than the cores this process may run on (the event loop's thread writes too), at most 3."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(0, min(3, cores - 1))
 
 
 class GatewaySettings(CommonSettings):
@@ -26,6 +37,10 @@ class GatewaySettings(CommonSettings):
             cached in memory; 0 = not cached, read the database on every request.
         idempotency_ttl_s: how long an Idempotency-Key and its response are kept (24 h); more
             than 0 (a key kept for no time would not protect a retry).
+        fanout_write_threads: helper threads that write a large fan-out round's frames to the
+            listeners' sockets beside the event loop's thread (services/gateway/parallel_write.py);
+            0 = the event loop's thread writes every frame; -1 (the default) = one fewer than the
+            cores this process may run on, at most 3 (`write_threads` resolves it).
     """
 
     http_port: int = Field(default=8000, ge=0, le=MAX_PORT)
@@ -39,6 +54,12 @@ class GatewaySettings(CommonSettings):
     dev_org_id: str = ""
     auth_cache_ttl_s: float = Field(default=30.0, ge=0, le=MAX_SECONDS)
     idempotency_ttl_s: float = Field(default=86_400.0, gt=0, le=MAX_SECONDS)
+    fanout_write_threads: int = Field(default=-1, ge=-1, le=16)
+
+    @property
+    def write_threads(self) -> int:
+        """`fanout_write_threads` with -1 resolved: one fewer than this process's cores, at most 3."""
+        return _default_write_threads() if self.fanout_write_threads < 0 else self.fanout_write_threads
 
     @property
     def database_url(self) -> str:

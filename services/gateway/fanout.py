@@ -47,6 +47,7 @@ from starlette.types import Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.gateway import sse
+from services.gateway.parallel_write import ParallelWriter, socket_fd
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +89,14 @@ def _chunk(body: bytes) -> bytes:
 class _Listener:
     """One open stream: its position in the hub's frames and how bytes reach its client."""
 
-    __slots__ = ("fed", "finishing", "gone", "hub", "index", "last", "pending", "send", "transport", "writer")
+    __slots__ = ("fd", "fed", "finishing", "gone", "hub", "index", "last", "pending", "send", "transport", "writer")
 
     def __init__(self, hub: _Hub, index: int, send: Send, transport: asyncio.Transport | None) -> None:
         self.hub = hub
         self.index = index
         self.send = send
         self.transport = transport  # None: always through ASGI send
+        self.fd = -1 if transport is None else socket_fd(transport)  # >= 0: may be written by ParallelWriter
         self.last = 0.0  # loop time of the last bytes handed over
         self.pending: list[bytes] = []  # bytes waiting for the writer task
         self.writer: asyncio.Task | None = None
@@ -115,6 +117,13 @@ class _Listener:
                 return
         self.pending.append(body)
         self._start_writer()
+
+    def direct(self) -> bool:
+        """Whether the next bytes may go straight to the socket (`ParallelWriter`): a plain TCP
+        connection, served on the fast path, open, with nothing buffered that they would overtake."""
+        transport = self.transport
+        return (self.fd >= 0 and self.writer is None and not self.gone and transport is not None
+                and not transport.is_closing() and transport.get_write_buffer_size() == 0)
 
     def finish(self) -> None:
         """The run's stream ended: send what is left, then end the response (through ASGI send)."""
@@ -144,10 +153,11 @@ class _Listener:
 
 class _Hub:
     __slots__ = ("beat_due", "beat_next", "broken", "call", "finished", "flush_handle", "frames", "heartbeat_handle", "heartbeat_s",
-                 "key", "listeners", "loop", "ready", "round", "round_at", "round_beats", "round_from", "streams", "task")
+                 "key", "listeners", "loop", "ready", "round", "round_at", "round_beats", "round_from", "streams", "task", "writer")
 
-    def __init__(self, key: tuple[str, str, str], heartbeat_s: float) -> None:
+    def __init__(self, key: tuple[str, str, str], heartbeat_s: float, writer: ParallelWriter | None = None) -> None:
         self.key = key
+        self.writer = writer  # large rounds' socket writes on every core (parallel_write)
         self.frames: list[bytes] = []
         self.finished = False
         self.broken = False  # the upstream stream failed after validation: each listener's end is `broken_frame`
@@ -218,6 +228,11 @@ class _Hub:
         now = self.loop.time()
         interval = self.heartbeat_s
         built: dict[int, tuple[bytes, bytes]] = {}
+        writer = self.writer
+        # Large rounds: the chunks of listeners whose sockets take them directly are written
+        # by the ParallelWriter on every core after the walk, the rest as before.
+        direct: list[tuple[int, bytes]] | None = [] if writer is not None and writer.enabled_for(len(listeners)) else None
+        owners: list[_Listener] = []
         for listener in listeners:
             if listener.gone:
                 continue
@@ -230,13 +245,34 @@ class _Hub:
                 listener.index = end
                 listener.last = now
                 listener.fed = True
-                listener.deliver(*prepared)
             elif beats:
                 if now - listener.last >= interval - interval / 10:  # due, or within 10%: now, with the others
                     listener.last = now
-                    listener.deliver(sse.HEARTBEAT_FRAME, HEARTBEAT_CHUNK)
-                elif listener.last + interval < self.beat_next:
-                    self.beat_next = listener.last + interval
+                    prepared = (sse.HEARTBEAT_FRAME, HEARTBEAT_CHUNK)
+                else:
+                    if listener.last + interval < self.beat_next:
+                        self.beat_next = listener.last + interval
+                    continue
+            else:
+                continue
+            if direct is not None and listener.direct():
+                direct.append((listener.fd, prepared[1]))
+                owners.append(listener)
+            else:
+                listener.deliver(*prepared)
+        if direct:
+            self._write_direct(direct, owners)
+
+    def _write_direct(self, direct: list[tuple[int, bytes]], owners: list[_Listener]) -> None:
+        """Write each `(fd, chunk)` of `direct` straight to its socket (`ParallelWriter`); what a
+        socket did not take, or refused with an error, goes to its transport's own `write`
+        (buffered with flow control, or the error seen and the connection closed as usual)."""
+        assert self.writer is not None
+        for index, written in self.writer.write(direct):
+            chunk = direct[index][1]
+            transport = owners[index].transport
+            if transport is not None and not transport.is_closing():
+                transport.write(chunk[written:] if written > 0 else chunk)
 
     def attach(self, listener: _Listener) -> None:
         """Start serving `listener`: the frames from its index on, then live ones, heartbeats."""
@@ -328,9 +364,11 @@ class RunFanout:
     (LOOPLINE_HEARTBEAT_INTERVAL_S; spec: 15 s of inter-event silence).
     """
 
-    def __init__(self, stub: assistant_pb2_grpc.AssistantServiceStub, heartbeat_s: float = 15.0) -> None:
+    def __init__(self, stub: assistant_pb2_grpc.AssistantServiceStub, heartbeat_s: float = 15.0,
+                 write_threads: int = 0) -> None:
         self._stub = stub
         self._heartbeat_s = heartbeat_s
+        self._writer = ParallelWriter(write_threads) if write_threads > 0 else None
         self._hubs: dict[tuple[str, str, str], _Hub] = {}
         self._closed = False
 
@@ -351,6 +389,8 @@ class RunFanout:
             if hub.task is not None:
                 hub.task.cancel()
         await asyncio.gather(*(hub.task for hub in hubs if hub.task is not None), return_exceptions=True)
+        if self._writer is not None:
+            self._writer.close()
 
     async def open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str) -> _Hub:
         """Join (or start) the hub of a run; raises grpc.aio.AioRpcError (e.g. NOT_FOUND) or
@@ -363,7 +403,7 @@ class RunFanout:
         key = (caller.organization_id, chat_id, run_id)
         hub = self._hubs.get(key)
         if hub is None or hub.finished:
-            hub = _Hub(key, self._heartbeat_s)
+            hub = _Hub(key, self._heartbeat_s, self._writer)
             self._hubs[key] = hub
             hub.task = asyncio.create_task(self._pump(hub, caller), name="sse-pump")
         hub.listeners += 1

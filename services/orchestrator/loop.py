@@ -34,7 +34,7 @@ from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.events import EventLog, is_terminal
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
-from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, clamp_usage
+from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, add_usage, clamp_usage
 from services.orchestrator.sanitize import UNPRINTABLE, sanitize
 from services.orchestrator.store import RunEnd, RunTakenOver, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, cut_off_result, estimate, split_summary, with_summary
@@ -185,6 +185,21 @@ class _Totals:
     unsaved: list[ThreadRow] = field(default_factory=list)  # this run's messages, written when the run ends
     interrupt: dict[str, Any] | None = None  # the HITL audit row, written when the run ends (paused)
 
+    def count(self, usage: TokenUsage) -> None:
+        """Add one model call's tokens to the run's totals (`done.usage`, see `input_tokens`)."""
+        add_usage(self.usage, usage)
+
+    def input_tokens(self) -> int:
+        """Every input token the run's model calls read, cached or not: `done.usage.input_tokens`.
+
+        A provider's own "input tokens" may leave the cached part out (Anthropic's `input_tokens`
+        excludes cache reads and writes; Loopline records OpenAI's cached prompt tokens apart
+        for pricing), so a client adding up `done.usage` counted far fewer tokens than the
+        provider read (fresh-eyes test). Billing still prices each part at its own rate.
+        """
+        usage = self.usage
+        return usage.input_tokens + usage.cache_read_tokens + usage.cache_write_tokens
+
 
 class TurnRunner:
     """Runs agent loops as background tasks and publishes their events.
@@ -291,8 +306,7 @@ class TurnRunner:
             outcome = Outcome("failed", message=str(failure))
         except ModelError as failure:
             failure.usage = clamp_usage(failure.usage)
-            totals.usage.input_tokens += failure.usage.input_tokens
-            totals.usage.output_tokens += failure.usage.output_tokens
+            totals.count(failure.usage)
             await self._record_usage(spec, totals.llm_calls, failure.usage)
             totals.llm_calls += 1
             outcome = Outcome("failed", message=sanitize(str(failure)))
@@ -393,7 +407,7 @@ class TurnRunner:
             steps += 1
             if steps > settings.recursion_limit:
                 raise LoopFailure(f"Recursion limit of {settings.recursion_limit} steps reached without a final answer.")
-            messages = await self._thread(spec, totals)
+            messages = await self._thread(spec, totals, tools)
 
             async def on_text(chunk: str) -> None:
                 if chunk:
@@ -406,8 +420,7 @@ class TurnRunner:
             call_index = totals.llm_calls
             totals.llm_calls += 1
             totals.reason_calls += 1
-            totals.usage.input_tokens += reply.usage.input_tokens
-            totals.usage.output_tokens += reply.usage.output_tokens
+            totals.count(reply.usage)
             self._record_usage_later(spec, totals, call_index, reply.usage)
 
             call = reply.tool_calls[0] if reply.tool_calls else None  # serial tool calls: one per step
@@ -478,8 +491,9 @@ class TurnRunner:
             for text in guidance:
                 self._add_row(spec, totals, "system", text, {"guidance": True})
 
-    async def _thread(self, spec: RunSpec, totals: _Totals) -> list[dict[str, Any]]:
-        """The thread for the next model call, summarizing its older part first when it is over budget.
+    async def _thread(self, spec: RunSpec, totals: _Totals, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The thread for the next model call, summarizing its older part first when it is over budget
+        (a model call given the run's `tools`, which it may not call).
 
         The thread is loaded once per run (`totals.rows`) and grows in memory; summarizing
         stores the run's messages so far and the summary, then reloads it.
@@ -503,12 +517,14 @@ class TurnRunner:
         async def ignore(_: str) -> None:
             return None
 
-        reply = _scrubbed(await spec.model.generate([*older, prompt], [], ignore))
+        # The run's tools go with it (the thread holds their calls; the cached prefix stays the
+        # same), but the model may not call one; a call it makes anyway is left out.
+        reply = _scrubbed(await spec.model.generate([*older, prompt], tools, ignore, call_tools=False))
+        reply.tool_calls = []
         reply.usage = clamp_usage(reply.usage)
         call_index = totals.llm_calls
         totals.llm_calls += 1
-        totals.usage.input_tokens += reply.usage.input_tokens
-        totals.usage.output_tokens += reply.usage.output_tokens
+        totals.count(reply.usage)
         self._record_usage_later(spec, totals, call_index, reply.usage)
         await self.store.store_rows([
             ThreadRow(role="summary", content=reply.text, extra={"covers_until_seq": rows[cut - 1].seq},
@@ -699,14 +715,15 @@ class TurnRunner:
             # usage is recorded "regardless of whether the turn succeeds, errors, or is cancelled")
             partial = getattr(spec.model, "partial_usage", None)
             partial = clamp_usage(partial) if isinstance(partial, TokenUsage) else None
-            if partial is not None and (partial.input_tokens or partial.output_tokens):
-                totals.usage.input_tokens += partial.input_tokens
-                totals.usage.output_tokens += partial.output_tokens
+            if partial is not None and (partial.input_tokens or partial.output_tokens or partial.cache_read_tokens
+                                        or partial.cache_write_tokens):
+                totals.count(partial)
                 await self._record_usage(spec, totals.llm_calls, partial)
                 totals.llm_calls += 1
+        input_tokens = totals.input_tokens()
         usage = events_pb2.Usage(
-            input_tokens=totals.usage.input_tokens, output_tokens=totals.usage.output_tokens,
-            total_tokens=totals.usage.input_tokens + totals.usage.output_tokens, llm_calls=totals.llm_calls,
+            input_tokens=input_tokens, output_tokens=totals.usage.output_tokens,
+            total_tokens=input_tokens + totals.usage.output_tokens, llm_calls=totals.llm_calls,
         )
         if totals.pending_call is not None:  # a tool call cut off by a cancel or failure still gets a result
             pending = totals.pending_call

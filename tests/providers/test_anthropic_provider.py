@@ -174,3 +174,15 @@ async def test_cancel_closes_the_provider_stream_at_once():
             await task
         await asyncio.wait_for(server.disconnected.wait(), 2)
     assert llm.partial_usage.input_tokens == 30  # reported by message_start before the cancel
+
+
+async def test_a_call_that_may_not_call_tools_sends_them_with_tool_choice_none():
+    """The Messages API refuses tool_use/tool_result blocks without `tools`: the summary call
+    (loop._thread) sends them with `tool_choice: {"type": "none"}`."""
+    events = [anthropic_start()] + anthropic_text_block(0, "A summary.") + anthropic_end(output_tokens=3)
+    async with FakeLLMServer([Reply(events=events)]) as server:
+        reply = await model(server).generate(THREAD, TOOLS, Collector(), call_tools=False)
+    assert reply.text == "A summary."
+    body = server.requests[0].body
+    assert body["tool_choice"] == {"type": "none"}
+    assert [t["name"] for t in body["tools"]] == ["get_available_integrations", "search_knowledge"]

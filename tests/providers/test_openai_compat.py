@@ -197,3 +197,15 @@ async def test_cancel_closes_the_provider_stream_at_once():
             await task
         await asyncio.wait_for(server.disconnected.wait(), 2)
     assert llm.partial_usage.estimated is True and llm.partial_usage.output_tokens > 0
+
+
+async def test_a_call_that_may_not_call_tools_sends_them_with_tool_choice_none():
+    """The summary call (loop._thread) reads a thread that holds tool calls: the tools go with
+    it, `tool_choice` "none" and no `parallel_tool_calls` (which OpenAI allows only for calls
+    that may call tools)."""
+    async with FakeLLMServer([Reply(events=openai_text("A summary."))]) as server:
+        reply = await model(server).generate(USER, TOOLS, Collector(), call_tools=False)
+    assert reply.text == "A summary."
+    body = server.requests[0].body
+    assert body["tool_choice"] == "none" and "parallel_tool_calls" not in body
+    assert [t["function"]["name"] for t in body["tools"]] == ["get_available_integrations"]

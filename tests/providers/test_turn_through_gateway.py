@@ -91,7 +91,9 @@ async def test_anthropic_turn_streams_chunks_runs_one_tool_and_reports_provider_
         finally:
             await stop_stack(stack)
     done = _check_tool_round(frames, "Checking. ", "Three are available.")
-    assert done["usage"]["input_tokens"] == 380 and done["usage"]["output_tokens"] == 26
+    # every input token read, cached or not: 300 + 1500 written to the cache, 80 + 1500 read from it
+    assert done["usage"]["input_tokens"] == 3380 and done["usage"]["output_tokens"] == 26
+    assert done["usage"]["total_tokens"] == 3406
     second_body = server.requests[1].body
     results = [b for m in second_body["messages"] for b in m["content"] if b["type"] == "tool_result"]
     assert results[0]["tool_use_id"] == "toolu_gw1"
@@ -195,3 +197,78 @@ async def test_bring_your_own_key_uses_the_organizations_credential_and_is_not_c
     assert server.requests[0].headers["authorization"] == "Bearer sk-org-own-key-999999"
     assert len(rows) == 1 and rows[0].byok is True and rows[0].millicredits == 0
     assert "sk-org-own-key-999999" not in str(frames)
+
+
+async def test_done_usage_counts_the_cached_prompt_tokens_the_provider_reported(tmp_path):
+    """Bug (fresh-eyes test): OpenAI reported prompt_tokens 1000 of which 800 cached, and
+    `done.usage` said 200 input tokens (the uncached part Loopline prices at the full rate);
+    Anthropic's cache reads and writes appeared nowhere. `input_tokens` is now every input
+    token read; billing still prices each part at its own rate."""
+    replies = [Reply(events=openai_text("Cached.", usage={"prompt_tokens": 1000, "completion_tokens": 10, "total_tokens": 1010,
+                                                           "prompt_tokens_details": {"cached_tokens": 800}}))]
+    async with FakeLLMServer(replies) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test", **FAST,
+        })
+        try:
+            frames = await _turn(stack, OPENAI_LLM)
+        finally:
+            await stop_stack(stack)
+    assert frames[-1]["data"]["usage"] == {"input_tokens": 1000, "output_tokens": 10, "total_tokens": 1010, "llm_calls": 1}
+
+
+class StrictAnthropic(FakeLLMServer):
+    """Refuses, as the Messages API does, a request whose messages hold tool_use or tool_result
+    blocks without `tools` (400 invalid_request_error); otherwise serves its replies in order."""
+
+    async def _respond(self, reply, reader, writer):  # noqa: ANN001, ANN202
+        body = self.requests[-1].body or {}
+        blocks = [b for m in body.get("messages", []) if isinstance(m.get("content"), list) for b in m["content"]]
+        if not body.get("tools") and any(b.get("type") in ("tool_use", "tool_result") for b in blocks):
+            self.refused += 1
+            error = {"type": "error", "error": {"type": "invalid_request_error",
+                                                "message": "Requests which include `tool_use` or `tool_result` blocks must define tools."}}
+            return await super()._respond(Reply(status=400, body=error), reader, writer)
+        self.served += 1
+        return await super()._respond(self.replies[min(self.served - 1, len(self.replies) - 1)], reader, writer)
+
+    refused = 0
+    served = 0
+
+
+async def test_an_anthropic_thread_with_tool_calls_is_summarized_and_the_chat_keeps_working(tmp_path):
+    """Bug (fresh-eyes test): the summary call was sent without tools while its history held
+    tool_use/tool_result blocks; the Messages API refuses that (400), so every turn of the chat
+    failed once it was long enough to summarize. The summary call now carries the run's tools
+    with tool_choice none (the same cached prefix as the other calls)."""
+    long_text = "word " * 600
+    tool_step = [anthropic_start(input_tokens=900)] + anthropic_text_block(0, long_text)
+    tool_step += anthropic_tool_block(1, "get_available_integrations", "{}", tool_id="toolu_s1") + anthropic_end(600, "tool_use")
+    answer = [anthropic_start(input_tokens=1000)] + anthropic_text_block(0, long_text) + anthropic_end(600)
+    summary = [anthropic_start(input_tokens=1200, cache_read=700)] + anthropic_text_block(0, "The user asked about integrations.")
+    summary += anthropic_end(8)
+    short = [anthropic_start(input_tokens=300)] + anthropic_text_block(0, "Still here.") + anthropic_end(3)
+    async with StrictAnthropic([Reply(events=tool_step), Reply(events=answer), Reply(events=summary), Reply(events=short)]) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "anthropic_base_url": server.url, "anthropic_api_key": "sk-ant-platform-123456", "anthropic_models": "claude-test",
+            "summarization_budget_tokens": 800, "summarization_keep_tokens": 100, **FAST,
+        })
+        try:
+            async with stack.client() as client:
+                first = await client.post("/assistant/chat", json={"message": "Which integrations can I use?", "llm": ANTHROPIC_LLM})
+                assert first.status_code == 200, first.text
+                assert types(await read_frames(client, first.json()["stream_url"]))[-1] == "done"
+                second = await client.post("/assistant/chat", json={"message": "And now?", "llm": ANTHROPIC_LLM,
+                                                                   "chat_id": first.json()["chat_id"]})
+                assert second.status_code == 200, second.text
+                frames = await read_frames(client, second.json()["stream_url"])
+        finally:
+            await stop_stack(stack)
+    assert server.refused == 0
+    assert types(frames)[-1] == "done" and frames[-1]["data"].get("error") is not True, frames[-2:]
+    assert frames[-1]["data"]["response"] == "Still here."
+    assert frames[-1]["data"]["usage"]["llm_calls"] == 2  # the summary call and the answer
+    summary_call = server.requests[2].body
+    assert summary_call["tool_choice"] == {"type": "none"}
+    assert [t["name"] for t in summary_call["tools"]] == [t["name"] for t in server.requests[0].body["tools"]]
+    assert summary_call["system"] == server.requests[0].body["system"]

@@ -180,8 +180,10 @@ class AnthropicModel:
     def _client(self) -> anthropic.AsyncAnthropic:
         return anthropic.AsyncAnthropic(api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s)
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
-        """Stream one Messages call; see the module docstring.
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
+                       call_tools: bool = True) -> ModelReply:
+        """Stream one Messages call; see the module docstring. `call_tools=False`: the tools are
+        sent with `tool_choice: {"type": "none"}` (base.ChatModel.generate).
 
         Raises:
             ModelError: after the retries of retry.py, with the usage accrued (reported or estimated).
@@ -194,6 +196,8 @@ class AnthropicModel:
         }
         if wire_tools:
             request["tools"] = wire_tools
+            if not call_tools:
+                request["tool_choice"] = {"type": "none"}
         input_estimate = estimate_tokens(json.dumps([system, wire_tools, wire_messages]))
         total = TokenUsage()
         self.partial_usage = total

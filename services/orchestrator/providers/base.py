@@ -170,8 +170,15 @@ class ChatModel(Protocol):
     provider_id: str
     model_id: str
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
-        """Run one model call. Raises ModelError on failure; cancellation propagates."""
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
+                       call_tools: bool = True) -> ModelReply:
+        """Run one model call. Raises ModelError on failure; cancellation propagates.
+
+        `call_tools=False` (the summary call): the model is given `tools` — the thread it reads
+        holds calls of them, which Anthropic refuses without their definitions ("Requests which
+        include tool_use or tool_result blocks must define tools"), and the same tools keep the
+        prompt's cached prefix — but must not call one (`tool_choice` "none").
+        """
         ...
 
 

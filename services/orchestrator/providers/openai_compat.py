@@ -143,8 +143,10 @@ class OpenAICompatModel:
     def _client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s)
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
-        """Stream one chat completion; see the module docstring.
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
+                       call_tools: bool = True) -> ModelReply:
+        """Stream one chat completion; see the module docstring. `call_tools=False`: the tools are
+        sent with `tool_choice: "none"` (base.ChatModel.generate).
 
         Raises:
             ModelError: after the retries of retry.py, with the usage accrued (reported or estimated).
@@ -157,7 +159,10 @@ class OpenAICompatModel:
         }
         if tools:
             request["tools"] = to_openai_tools(tools)
-            request["parallel_tool_calls"] = False
+            if call_tools:
+                request["parallel_tool_calls"] = False
+            else:
+                request["tool_choice"] = "none"
         input_estimate = estimate_tokens(json.dumps(wire_messages)) + (estimate_tokens(json.dumps(request["tools"])) if tools else 0)
         total = TokenUsage()
         self.partial_usage = total

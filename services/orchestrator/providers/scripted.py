@@ -110,8 +110,10 @@ class ScriptedModel:
     def __init__(self, model_id: str = "default") -> None:
         self.model_id = model_id
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText) -> ModelReply:
-        """Answer the next step; see the module docstring. Raises ModelError on a `fail` step."""
+    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
+                       call_tools: bool = True) -> ModelReply:
+        """Answer the next step; see the module docstring. Raises ModelError on a `fail` step.
+        (`call_tools` changes nothing: a summary call is recognised by its last message.)"""
         if messages and messages[-1].get("purpose") == "summarize":
             return self._summary(messages[:-1])
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)

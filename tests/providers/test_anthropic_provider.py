@@ -186,3 +186,13 @@ async def test_a_call_that_may_not_call_tools_sends_them_with_tool_choice_none()
     body = server.requests[0].body
     assert body["tool_choice"] == {"type": "none"}
     assert [t["name"] for t in body["tools"]] == ["get_available_integrations", "search_knowledge"]
+
+
+async def test_attempts_whose_stream_delivered_no_event_are_not_billed():
+    """As for OpenAI: a 200 answer that is no event stream is retried and bills nothing."""
+    async with FakeLLMServer([Reply(status=200, body={"type": "error"})]) as server:
+        with pytest.raises(ModelError) as failure:
+            await model(server).generate(THREAD, TOOLS, Collector())
+    assert len(server.requests) == 3
+    usage = failure.value.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens, usage.estimated) == (0, 0, 0, False)

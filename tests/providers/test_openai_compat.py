@@ -209,3 +209,28 @@ async def test_a_call_that_may_not_call_tools_sends_them_with_tool_choice_none()
     body = server.requests[0].body
     assert body["tool_choice"] == "none" and "parallel_tool_calls" not in body
     assert [t["function"]["name"] for t in body["tools"]] == ["get_available_integrations"]
+
+
+async def test_attempts_whose_stream_delivered_nothing_are_not_billed():
+    """Bug (fresh-eyes test): a server answering 200 with a JSON error body instead of an event
+    stream failed the call after 3 attempts and billed 3 estimates of the whole prompt (1.4 run
+    credits) for tokens no one saw. An attempt whose stream delivered no chunk records 0 tokens;
+    one that delivered a chunk before breaking still carries its estimate (above)."""
+    async with FakeLLMServer([Reply(status=200, body={"error": {"message": "overloaded"}})]) as server:
+        with pytest.raises(ModelError) as failure:
+            await model(server).generate(USER * 50, [], Collector())
+    assert str(failure.value) == "openai: stream ended early after 3 attempts" and len(server.requests) == 3
+    usage = failure.value.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.estimated) == (0, 0, False)
+
+
+async def test_a_call_cancelled_before_its_first_chunk_is_still_billed_its_estimate():
+    async with FakeLLMServer([Reply(events=[], end="hang")]) as server:
+        server.replies[0].events = [": keep-alive\n\n"]  # headers and a comment: the request was accepted
+        llm = model(server)
+        task = asyncio.create_task(llm.generate(USER, [], Collector()))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert llm.partial_usage.estimated is True and llm.partial_usage.input_tokens > 0

@@ -40,6 +40,16 @@ async def test_a_provider_without_a_platform_key_needs_a_credential():
         await registry.resolve(settings(openai_models="m1"), {"provider_id": "openai", "model_id": "m1"})
 
 
+async def test_a_compatible_provider_whose_key_variable_is_unset_does_not_point_to_bring_your_own_key(monkeypatch):
+    """Bug (fresh-eyes test): the 400 said "pass llm.credential_id", and doing so was the 400
+    "bring-your-own-key credentials work with the anthropic and openai providers"."""
+    monkeypatch.delenv("NOT_SET_ANYWHERE_VAR", raising=False)
+    s = settings(openai_compatible_providers={"vllm": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "NOT_SET_ANYWHERE_VAR"}})
+    with pytest.raises(registry.UnknownModel) as refused:
+        await registry.resolve(s, {"provider_id": "vllm", "model_id": "qwen"})
+    assert str(refused.value) == "model provider 'vllm' has no key configured on this deployment"
+
+
 async def test_named_compatible_providers_come_from_json_settings(monkeypatch):
     monkeypatch.setenv("VLLM_TEST_KEY", "sk-vllm-123456")
     s = settings(openai_compatible_providers={

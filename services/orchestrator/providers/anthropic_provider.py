@@ -122,6 +122,8 @@ class _Attempt:
 
     opened: bool = False
     emitted: bool = False
+    received: bool = False  # the stream delivered at least one event
+    cancelled: bool = False  # the call was cancelled during this attempt
     finished: bool = False
     text: list[str] = field(default_factory=list)
     blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -129,8 +131,10 @@ class _Attempt:
     output_tokens: int | None = None  # cumulative, from message_delta
 
     def usage(self, input_estimate: int) -> TokenUsage:
-        """Reported usage; output estimated when the stream broke before message_delta; zero if never opened."""
-        if not self.opened:
+        """Reported usage; output estimated when the stream broke before message_delta; an estimate
+        when it broke before message_start but after another event (or was cancelled while the
+        request was accepted); zero if it never opened or delivered no event (README "Models": an attempt that streamed nothing is not billed)."""
+        if not self.opened or (self.started is None and not (self.received or self.cancelled)):
             return TokenUsage()
         produced = "".join(self.text) + "".join(b.get("json", "") for b in self.blocks.values())
         estimated_output = estimate_tokens(produced) if produced else 0
@@ -217,6 +221,7 @@ class AnthropicModel:
             state.opened = True
             async with stream:
                 async for event in stream:
+                    state.received = True
                     kind = event.type
                     if kind == "message_start":
                         usage = event.message.usage

@@ -97,14 +97,17 @@ class _Attempt:
 
     opened: bool = False
     emitted: bool = False
+    received: bool = False  # the stream delivered at least one chunk
+    cancelled: bool = False  # the call was cancelled during this attempt
     text: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
     reported: TokenUsage | None = None
 
     def usage(self, input_estimate: int) -> TokenUsage:
-        """Reported usage; else an estimate once the request was accepted; else nothing."""
-        if not self.opened and self.reported is None:
+        """Reported usage; else an estimate once the stream delivered a chunk (or the call was
+        cancelled while the request was accepted); else nothing (README "Models": an attempt that streamed nothing is not billed)."""
+        if self.reported is None and (not self.opened or not (self.received or self.cancelled)):
             return TokenUsage()
         produced = "".join(self.text) + "".join(c["args"] for c in self.calls.values())
         output_estimate = estimate_tokens(produced) if produced else 0
@@ -185,6 +188,7 @@ class OpenAICompatModel:
             state.opened = True
             async with stream:
                 async for chunk in stream:
+                    state.received = True
                     usage = getattr(chunk, "usage", None)
                     if usage is not None:
                         state.reported = _usage_of(usage)

@@ -169,7 +169,10 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
         api_key = config.api_key
     if not api_key:
         if config.key_required:
-            raise UnknownModel(f"model provider {provider_id!r} has no key configured; pass llm.credential_id")
+            if provider_id in BYOK_PROVIDERS:
+                raise UnknownModel(f"model provider {provider_id!r} has no key configured; pass llm.credential_id")
+            # no bring-your-own-key for it (an OpenAI key is never sent to another host): the fix is the deployment's
+            raise UnknownModel(f"model provider {provider_id!r} has no key configured on this deployment")
         api_key = NO_KEY
     policy = retry_policy(settings)
     if config.kind == "anthropic":

@@ -213,7 +213,7 @@ async def stream_with_retries(
 ) -> Any:
     """Run one streamed model call under the retry rule and return the attempt that succeeded.
 
-    `new_attempt()` makes the per-attempt state (with `opened`, `emitted` and
+    `new_attempt()` makes the per-attempt state (with `opened`, `emitted`, `cancelled` and
     `usage(input_estimate)`); `stream_once(state)` streams into it. A connection that
     breaks after the stream opened is an IncompleteStream (retried only while nothing was
     emitted). Every attempt's usage is added to `total`, also when it fails. Raises
@@ -226,6 +226,9 @@ async def stream_with_retries(
         current = new_attempt()
         try:
             await stream_once(current)
+        except asyncio.CancelledError:
+            current.cancelled = True  # a cut-off call's tokens are billed (spec: "or is cancelled")
+            raise
         except Exception as error:
             if current.opened and classify(error).kind == "connection failed":
                 raise IncompleteStream("the connection broke mid-stream") from error

@@ -201,7 +201,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         transaction: the audit row and its run become `expired`, the chat is free (running_id
         cleared), and the question's tool call gets its result (`cut_off_result("expired")`), as a
         cancel gives one, so GET chat and the next model call never see a call without a result.
-        Questions are settled when next looked at (status, get, list, a turn, a resume). Returns
+        Questions are settled when next looked at (status, get, list, a turn, a resume, a cancel). Returns
         whether this call settled it (False when an answer, a cancel or another look came first)."""
         async with self.sessions() as writer, writer.begin():
             await _lock_chat(writer, interrupt.chat_id)
@@ -702,7 +702,10 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         caller looks again). Fresh-eyes test (replicas): a cancel sent beside a resume found the
         paused run gone and answered "No active execution to cancel" while the resumed run ran on."""
         async with self.sessions() as session:
-            chat = await self._chat(session, request.caller, request.chat_id)
+            # an expired question is settled first, as every other look at the chat settles it: its
+            # run is over and nothing is active (fresh-eyes test: a cancel that came first "cancelled"
+            # the expired run, 200 and a frame on its ended stream; after a status look it was 400)
+            chat, _ = await self._chat_and_pending(session, request.caller, request.chat_id)
             run_id = chat.running_id
         no_active = RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_ACTIVE_EXECUTION", "No active execution to cancel")
         if not run_id:

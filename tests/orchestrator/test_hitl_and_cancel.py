@@ -356,6 +356,24 @@ async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(stack):
         assert (await session.get(Run, body["run_id"])).status == "expired"
 
 
+async def test_cancel_of_a_run_whose_question_expired_is_400_and_adds_nothing(stack):
+    """Bug (fresh-eyes test): a cancel that was the first to look at a chat whose question had
+    expired answered 200 "cancelled", stored the run as cancelled and appended `cancelled` to
+    its ended stream; after a status look the same cancel was 400. Both are now the spec's 400."""
+    async with stack.client() as client:
+        body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
+        await _expire(stack, frames[-1]["data"]["request_id"])
+        cancel = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
+        assert cancel.status_code == 400 and cancel.json() == {"detail": "No active execution to cancel"}
+        again = await read_frames(client, body["stream_url"])
+    assert again == frames
+    async with stack.orchestrator.servicer.sessions() as session:
+        assert (await session.get(Interrupt, frames[-1]["data"]["request_id"])).outcome == "expired"
+        assert (await session.get(Run, body["run_id"])).status == "expired"
+        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+    assert [r.content for r in rows] == [thread.cut_off_result("expired")]
+
+
 async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
     # fresh-eyes test: the assistant message's ask_user_yes_no call had no tool message after it (a cancel gave one)
     async with stack.client() as client:

@@ -143,16 +143,61 @@ def tool_json(tool: Any) -> dict[str, Any]:
 
 
 def result_json(result: Any) -> dict[str, Any]:
-    """The JSON of a CallToolResult: {"content": [...], "structured_content"?: ...}."""
+    """The JSON of a CallToolResult: {"content": [...], "structured_content"?: ...}, each value once.
+
+    The MCP specification (2025-06-18, Tools, "Structured Content") asks a server that returns
+    structured content to return it serialized in a text block too, "for backwards
+    compatibility", and the SDK's servers do; passed on as it came, every such result reached
+    the model twice and counted twice against LOOPLINE_TOOLS_MAX_OUTPUT_BYTES (fresh-eyes test:
+    a 33,000-character result was refused as 66,074 bytes). So one copy is kept:
+
+    - structured content that is an object, with a text block holding its JSON: the object
+      (`structured_content`, the typed form), without that text block;
+    - the SDK's wrapping of a value that is no object, `{"result": value}`, with a text block
+      holding the value (as text or as JSON): the text block, without `structured_content`.
+
+    Anything else (structured content that says more than the text, or no text copy) is kept whole.
+    """
     content = []
     for block in result.content:
         item = block.model_dump(mode="json", by_alias=True, exclude_none=True)
         item.pop("_meta", None)
         content.append(item)
     output: dict[str, Any] = {"content": content}
-    if result.structured_content is not None:
-        output["structured_content"] = result.structured_content
+    structured = result.structured_content
+    if structured is None:
+        return output
+    wrapped = _wrapped_value(structured)
+    if wrapped is not _NOTHING and any(_holds(item, wrapped) for item in content):
+        return output
+    if wrapped is _NOTHING:
+        output["content"] = [item for item in content if not _holds(item, structured)]
+    output["structured_content"] = structured
     return output
+
+
+_NOTHING = object()
+
+
+def _wrapped_value(structured: Any) -> Any:
+    """`value` of the SDK's `{"result": value}` wrapping of a value that is no object, else _NOTHING."""
+    if isinstance(structured, dict) and len(structured) == 1 and "result" in structured and not isinstance(structured["result"], dict):
+        return structured["result"]
+    return _NOTHING
+
+
+def _holds(item: dict[str, Any], value: Any) -> bool:
+    """Whether content block `item` is a text block holding `value`: the text itself (a string
+    value) or its JSON."""
+    if item.get("type") != "text" or not isinstance(item.get("text"), str) or set(item) - {"type", "text"}:
+        return False
+    text = item["text"]
+    if isinstance(value, str) and text == value:
+        return True
+    try:
+        return json.loads(text) == value
+    except ValueError:
+        return False
 
 
 def _error_text(result: Any) -> str:

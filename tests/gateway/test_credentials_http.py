@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.parse
 import uuid
-from typing import Any
+from typing import Any, TypedDict
 
 import asyncpg
 import httpx
@@ -328,6 +328,50 @@ async def test_mcp_server_registration_discovery_and_calls(stack):
         assert not boom.success and "returned an error" in boom.error and "boom" in boom.error
         big = await _tool(stack, "execute_integration_tool", {"integration": "mcp_test_tools", "action": "big", "parameters": {"kilobytes": 200}})
         assert not big.success and "limit" in big.error
+
+
+class McpRecord(TypedDict):
+    """A structured MCP tool result (module level: the SDK reads the tool's annotations)."""
+
+    id: int
+    tags: list[str]
+
+
+def _structured_mcp_app() -> Any:
+    """An MCP server whose tools return structured content, as the SDK's MCPServer serves it."""
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("structured")
+
+    @server.tool()
+    def text(kilobytes: int) -> str:
+        """`kilobytes` KiB of text (structured as {"result": text}, and the text itself)."""
+        return "x" * (kilobytes * 1024)
+
+    @server.tool()
+    def record() -> McpRecord:
+        """An object (structured, and its JSON as text)."""
+        return {"id": 7, "tags": ["a", "b"]}
+
+    return server.streamable_http_app()
+
+
+async def test_an_mcp_result_reaches_the_model_once_and_counts_once_against_the_output_limit(stack):
+    """Bug (fresh-eyes test): a structured result came back twice (the text block the MCP
+    specification asks for "for backwards compatibility", and structured_content), so the
+    model read it twice and a 33,000-character result passed the 65,536-byte limit as 66,074."""
+    async with serve_asgi(_structured_mcp_app()) as base, stack.client() as client:
+        registered = await client.post("/credentials/mcp-server", json={"server_url": f"{base}/mcp"})
+        assert registered.status_code == 201, registered.text
+        name = registered.json()["integration_name"]
+        big = await _tool(stack, "execute_integration_tool", {"integration": name, "action": "text", "parameters": {"kilobytes": 40}})
+        assert big.success, big.error
+        assert big.output["result"] == {"content": [{"type": "text", "text": "x" * 40 * 1024}]}  # the text, not {"result": text} too
+        record = await _tool(stack, "execute_integration_tool", {"integration": name, "action": "record"})
+        assert record.success, record.error
+        assert record.output["result"] == {"content": [], "structured_content": {"id": 7, "tags": ["a", "b"]}}  # the object, not its JSON too
+        too_big = await _tool(stack, "execute_integration_tool", {"integration": name, "action": "text", "parameters": {"kilobytes": 70}})
+        assert not too_big.success and "limit" in too_big.error
 
 
 async def test_hanging_mcp_server_gives_an_error_result_within_the_timeout(tmp_path):

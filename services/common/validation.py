@@ -212,3 +212,30 @@ def _search(pattern: str, text: str) -> bool:
         return re.search(pattern, text) is not None
     except re.error:
         return False
+
+
+# RFC 9110 section 5.1: a field name is a token (section 5.6.2: tchar); section 5.5: a field value
+# is visible characters, spaces and tabs. obs-text (bytes 0x80-0xFF) is refused too: HTTP clients
+# encode header values as ASCII (httpx raised UnicodeEncodeError on "café").
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
+
+
+def header_fields_problem(headers: dict[str, Any], where: str = "headers") -> str | None:
+    """Why `headers` (names to values) cannot be sent as HTTP header fields, or None.
+
+    Names must be tokens (RFC 9110 section 5.1) and values strings of visible ASCII, spaces and
+    tabs (section 5.5: no CR, LF or NUL, which would split or end the header block). Values are
+    never quoted (an `Authorization` value is a secret); names are, cut and escaped. Used for an
+    MCP server's headers by the gateway and the tools service (a fresh-eyes test registered
+    `{"Bad Header": "v"}` and `{"X-A": "line\\r\\nInjected: 1"}`: 201, and every call failed).
+    """
+    for name, value in headers.items():
+        if not isinstance(value, str):
+            return f"{where} must map header names to strings"
+        if not _HEADER_NAME.fullmatch(name):
+            return f"{where}: {_quote(name)} is not a header name (letters, digits and !#$%&'*+-.^_`|~ only; RFC 9110 section 5.1)"
+        if not _HEADER_VALUE.fullmatch(value):
+            return (f"{where}: the value of {_quote(name)} holds a character a header cannot carry "
+                    "(visible ASCII, spaces and tabs only; RFC 9110 section 5.5)")
+    return None

@@ -33,6 +33,7 @@ from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
+from services.common.validation import header_fields_problem
 from services.gateway.app import BodyError, check_fields, read_json_object, refuse_body
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
@@ -483,8 +484,9 @@ def tools_router(
         check_fields(body, {"server_url", "headers", "display_name", "make_default"})
         url = _string(body, "server_url", required=True)
         headers = _object(body, "headers") or {}
-        if not all(isinstance(v, str) for v in headers.values()):
-            raise BodyError(400, "headers must map header names to strings")
+        problem = header_fields_problem(headers)
+        if problem is not None:
+            raise BodyError(400, problem)
         response = await tools.CreateMcpServer(
             tools_pb2.CreateMcpServerRequest(
                 organization_id=who.organization_id, server_url=url, headers=pb.to_struct(headers),

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import urllib.parse
 from dataclasses import dataclass, field
@@ -333,6 +334,8 @@ class McpConnector:
                 raise
             except BaseException as exc:
                 _log_stdio_failure(target, f"call_tool {name}", exc, stderr)
+                if _unreached(exc):  # no connection, so nothing was sent (fresh-eyes test: "failed during the call" said it may have run)
+                    raise ActionError(f"the MCP server could not be reached; the call was not sent ({_describe(exc)})") from None
                 raise ActionError(f"the MCP server failed during the call ({_describe(exc)})") from None
 
         result = await self._bounded(operation, _timeout_logger(target, f"call_tool {name}", stderr))
@@ -520,6 +523,14 @@ def _innermost(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
+
+
+def _unreached(exc: BaseException) -> bool:
+    """Whether a failure is a connection that was never made (refused, no route, unknown host):
+    an HTTP server's request, a call included, was then never sent."""
+    exc = _innermost(exc)
+    httpx2 = sys.modules.get("httpx2")
+    return (httpx2 is not None and isinstance(exc, httpx2.ConnectError)) or isinstance(exc, (ConnectionRefusedError, socket.gaierror))
 
 
 def _describe(exc: BaseException) -> str:

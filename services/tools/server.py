@@ -21,6 +21,7 @@ from services.common import db, ids, pb
 from services.common.errors import TOOLS_DOMAIN, RpcError, bounded, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.logging import bind
+from services.common.validation import header_fields_problem
 from services.tools.catalogue import Catalogue
 from services.tools.config import ToolsSettings
 from services.tools.catalogue import ActionError
@@ -442,6 +443,9 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         check_lengths(request, "server_url", "display_name")
         headers = pb.from_struct(request.headers)
         check_json_size("headers", headers)
+        problem = header_fields_problem(headers)
+        if problem is not None:
+            raise _invalid("INVALID_HEADERS", problem)
         url = request.server_url.strip()
         try:
             await check_url_policy(url, self.executor.settings.tools_allow_private_network)
@@ -449,8 +453,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             raise _invalid("INVALID_SERVER_URL", str(exc)) from None
         except OutboundPolicyError as exc:
             raise _invalid("OUTBOUND_POLICY", f"server_url refused: {exc}") from None
-        if not all(isinstance(v, str) for v in headers.values()):
-            raise _invalid("INVALID_HEADERS", "headers must map header names to strings")
         secret = {"url": url, "headers": headers}
         tools: list[dict[str, Any]] | None
         error = ""

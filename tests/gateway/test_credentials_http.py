@@ -534,3 +534,31 @@ async def test_an_mcp_server_whose_discovery_failed_says_so_when_its_tool_is_cal
     assert not result.success
     assert result.error == ("Integration 'mcp_down' has no actions (an MCP server's are those its discovery found; "
                             "refresh it with POST /credentials/{id}/refresh-discovery).")
+
+
+@pytest.mark.parametrize("headers, detail", [
+    ({"Bad Header": "v"}, "headers: 'Bad Header' is not a header name"),
+    ({"X-A": "line\r\nInjected: 1"}, "headers: the value of 'X-A' holds a character a header cannot carry"),
+    ({"X-A": "café"}, "headers: the value of 'X-A' holds a character a header cannot carry"),
+    ({"X-A": 1}, "headers must map header names to strings"),
+])
+async def test_mcp_server_headers_that_http_cannot_carry_are_400_and_nothing_is_stored(stack, headers, detail):
+    """Bug (fresh-eyes test): such headers were stored (201) and every call to the server failed
+    ("could not be reached or did not answer (LocalProtocolError)" / UnicodeEncodeError).
+    RFC 9110: names are tokens, values visible ASCII, spaces and tabs; a value is never echoed."""
+    async with stack.client() as client:
+        response = await client.post("/credentials/mcp-server", json={"server_url": "https://mcp.example.com/mcp", "headers": headers})
+        assert response.status_code == 400, response.text
+        assert detail in response.json()["detail"] and "Injected" not in response.json()["detail"]
+        assert (await client.get("/credentials")).json()["total"] == 0
+
+
+async def test_a_call_to_an_mcp_server_that_refuses_connections_says_it_was_not_sent(tmp_path):
+    # fresh-eyes test: "failed during the call (ConnectError)" suggested the call may have run
+    from services.tools.mcp_servers import McpConnector
+    from services.tools.catalogue import ActionError
+
+    connector = McpConnector(5, 65536, allow_private_network=True)
+    with pytest.raises(ActionError) as failure:
+        await connector.call_tool({"url": "http://127.0.0.1:1/mcp", "headers": {}}, "add", {})
+    assert str(failure.value) == "the MCP server could not be reached; the call was not sent (ConnectError)"

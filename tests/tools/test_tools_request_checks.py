@@ -508,3 +508,14 @@ async def test_search_knowledge_takes_100_knowledge_base_ids(tools):
     ids = [base.knowledge_base_id] + [GOOD_ID] * 99
     response = await tools.stub.SearchKnowledge(tools_pb2.SearchKnowledgeRequest(organization_id=ORG, query="refund", knowledge_base_ids=ids))
     assert [r.document_name for r in response.results] == ["r.txt"]
+
+
+@pytest.mark.parametrize("headers", [{"Bad Header": "v"}, {"X-A": "a\r\nB: c"}, {"X-A": "café"}])
+async def test_create_mcp_server_refuses_headers_http_cannot_carry_before_any_network(tools, monkeypatch, headers):
+    _no_database(tools, monkeypatch)
+    _no_network(tools, monkeypatch)
+    details = await _refused(
+        tools.stub.CreateMcpServer,
+        tools_pb2.CreateMcpServerRequest(organization_id=ORG, server_url="https://mcp.example.com/mcp", headers=pb.to_struct(headers)),
+    )
+    assert details.reason == "INVALID_HEADERS" and "RFC 9110" in details.message

@@ -429,7 +429,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         chat = None
         if not request.chat_id:
             chat = {"id": chat_id, "organization_id": caller.organization_id, "user_id": caller.user_id, "kind": ASSISTANT_KIND,
-                    "title": request.message.strip()[:TITLE_LENGTH], "workflow_id": None, "running_id": run_id,
+                    "title": request.message[:TITLE_LENGTH], "workflow_id": None, "running_id": run_id,
                     "deleted_at": None, "created_at": now, "updated_at": now}
         run = {"id": run_id, "durable_id": f"run_{uuid.uuid4().hex}", "chat_id": chat_id, "organization_id": caller.organization_id,
                "parent_run_id": None, "status": "running", "llm": llm, "reservation_id": reservation_id, "usage": None,

@@ -163,3 +163,13 @@ async def test_paused_chat_is_not_listed_as_running(stack):
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
     assert item["is_running"] is False and status["is_running"] is False and status["awaiting_input"] is True
     assert item["updated_at"] >= item["created_at"]
+
+
+async def test_the_title_is_the_first_50_characters_of_the_opening_message_as_sent(stack):
+    # spec: "Defaults to the first 50 characters of the opening message" (fresh-eyes test: leading spaces were dropped)
+    message = "   leading spaces, then more than fifty characters of text in all"
+    async with stack.client() as client:
+        started = (await client.post("/assistant/chat", json={"message": message})).json()
+        await read_frames(client, started["stream_url"])
+        details = (await client.get(f"/assistant/chat/{started['chat_id']}")).json()
+    assert details["title"] == message[:50] and details["title"].startswith("   ")

@@ -196,3 +196,16 @@ async def test_attempts_whose_stream_delivered_no_event_are_not_billed():
     assert len(server.requests) == 3
     usage = failure.value.usage
     assert (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens, usage.estimated) == (0, 0, 0, False)
+
+
+async def test_a_refused_call_logs_the_providers_error_type_but_never_its_message(caplog):
+    """Fresh-eyes test: the log said only "request rejected (400)", BadRequestError; the
+    provider's error type tells such 400s apart. Its message (which may quote the request) is
+    never logged."""
+    body = {"type": "error", "error": {"type": "invalid_request_error", "message": f"bad request with {KEY}"}}
+    async with FakeLLMServer([Reply(status=400, body=body)]) as server:
+        with pytest.raises(ModelError):
+            await model(server).generate(THREAD, TOOLS, Collector())
+    records = [r for r in caplog.records if r.getMessage() == "model call failed"]
+    assert records and records[0].fields["provider_error_type"] == "invalid_request_error"
+    assert all(KEY not in repr(r.__dict__) and "bad request with" not in repr(r.__dict__) for r in caplog.records)

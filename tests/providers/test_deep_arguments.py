@@ -16,11 +16,8 @@ import pytest
 from services.common import pb
 from services.orchestrator.loop import checked_call
 from services.orchestrator.providers.anthropic_provider import AnthropicModel
-from services.orchestrator.providers.base import DEEP_JSON_KEPT_LEVELS, loads_deep
-from services.orchestrator.providers.openai_compat import (
-    OpenAICompatModel,
-    parse_arguments,
-)
+from services.orchestrator.providers.base import DEEP_JSON_KEPT_LEVELS, loads_deep, parse_arguments
+from services.orchestrator.providers.openai_compat import OpenAICompatModel
 from services.orchestrator.providers.retry import RetryPolicy
 from tests.orchestrator.helpers import types
 from tests.providers.fakes import (

@@ -15,7 +15,8 @@ import pytest
 
 from services.orchestrator.loop import checked_call
 from services.orchestrator.providers.base import NOT_FINITE, ToolCallRequest, arguments_of
-from services.orchestrator.providers.openai_compat import OpenAICompatModel, parse_arguments
+from services.orchestrator.providers.base import parse_arguments
+from services.orchestrator.providers.openai_compat import OpenAICompatModel
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
 from tests.orchestrator.helpers import run_turn, types

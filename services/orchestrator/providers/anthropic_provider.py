@@ -25,8 +25,7 @@ from typing import Any
 
 import anthropic
 
-from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens, with_estimates
-from services.orchestrator.providers.openai_compat import parse_arguments
+from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens, parse_arguments, with_estimates
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -209,7 +208,7 @@ class AnthropicModel:
             self.provider_id, self._policy, _Attempt, lambda state: self._stream_once(request, state, on_text), total, input_estimate,
         )
         calls = [
-            ToolCallRequest(b["id"], b["name"], *(parse_arguments(b["json"]) if b["json"] else arguments_of(b["input"])))
+            ToolCallRequest(b["id"], b["name"], *(parse_arguments(b["json"], self.provider_id) if b["json"] else arguments_of(b["input"])))
             for _, b in sorted(done.blocks.items())
             if b["type"] == "tool_use"
         ]

@@ -11,11 +11,14 @@ Tools are `{"name", "description", "input_schema"}`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -234,3 +237,22 @@ def loads_deep(text: str, kept_levels: int = DEEP_JSON_KEPT_LEVELS) -> Any:
         return json.loads("".join(parts))
     except RecursionError:  # brackets that never close: not JSON
         raise ValueError("JSON text is nested too deep and does not close") from None
+
+
+def parse_arguments(raw: str, provider_id: str = "") -> tuple[dict[str, Any], str]:
+    """A tool call's JSON `arguments` text as (object, ""), or ({}, why it is not one) for
+    invalid or non-object JSON (`base.arguments_of`); empty text is ({}, "").
+
+    Arguments nested deeper than json.loads parses (about 1,000 levels) are read by `loads_deep`
+    (deep parts as their JSON text), so the loop gives the call its "nested deeper than 29
+    levels" error result instead of crashing the run with RecursionError. Text that is no JSON
+    is logged (its length and `provider_id`, never the text).
+    """
+    if not raw.strip():
+        return {}, ""
+    try:
+        value = loads_deep(raw)
+    except ValueError:
+        log.warning("tool call arguments are not valid JSON", extra={"fields": {"provider": provider_id, "length": len(raw)}})
+        return {}, "the arguments are not valid JSON"
+    return arguments_of(value)

@@ -22,7 +22,7 @@ from typing import Any
 
 import openai
 
-from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens, loads_deep, with_estimates
+from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, estimate_tokens, parse_arguments, with_estimates
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -71,24 +71,6 @@ def to_openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }}
         for t in tools
     ]
-
-
-def parse_arguments(raw: str) -> tuple[dict[str, Any], str]:
-    """A tool call's JSON `arguments` text as (object, ""), or ({}, why it is not one) for
-    invalid or non-object JSON (`base.arguments_of`); empty text is ({}, "").
-
-    Arguments nested deeper than json.loads parses (about 1,000 levels) are read by `loads_deep`
-    (deep parts as their JSON text), so the loop gives the call its "nested deeper than 29
-    levels" error result instead of crashing the run with RecursionError.
-    """
-    if not raw.strip():
-        return {}, ""
-    try:
-        value = loads_deep(raw)
-    except ValueError:
-        log.warning("tool call arguments are not valid JSON", extra={"fields": {"length": len(raw)}})
-        return {}, "the arguments are not valid JSON"
-    return arguments_of(value)
 
 
 @dataclass
@@ -173,7 +155,7 @@ class OpenAICompatModel:
             self.provider_id, self._policy, _Attempt, lambda state: self._stream_once(request, state, on_text), total, input_estimate,
         )
         calls = [
-            ToolCallRequest(c["id"] or f"call_{uuid.uuid4().hex[:24]}", c["name"], *parse_arguments(c["args"]))
+            ToolCallRequest(c["id"] or f"call_{uuid.uuid4().hex[:24]}", c["name"], *parse_arguments(c["args"], self.provider_id))
             for _, c in sorted(done.calls.items())
             if c["name"]
         ]

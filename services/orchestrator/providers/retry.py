@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -154,6 +155,28 @@ def classify(error: BaseException) -> Failure:
     return Failure("unexpected error", False)
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def provider_error_ids(error: BaseException) -> dict[str, str]:
+    """The provider's own error `type` and `code` from an SDK error's body, for the log:
+    `{"provider_error_type": "invalid_request_error", "provider_error_code": ...}`.
+
+    Only values that are identifiers (letters, digits, `_.-`, at most 64) are kept, never the
+    error's message, which may quote the request (the thread, a key); without them a 400 such
+    as Anthropic's "tool_use blocks must define tools" could not be told from any other 400 in
+    the log (fresh-eyes test)."""
+    body = getattr(error, "body", None)
+    detail = body.get("error", body) if isinstance(body, dict) else None
+    found: dict[str, str] = {}
+    if isinstance(detail, dict):
+        for key in ("type", "code"):
+            value = detail.get(key)
+            if isinstance(value, str) and _IDENTIFIER.fullmatch(value):
+                found[f"provider_error_{key}"] = value
+    return found
+
+
 async def call_with_retries(
     provider_id: str,
     policy: RetryPolicy,
@@ -191,7 +214,7 @@ async def call_with_retries(
             log.warning(
                 "model call failed",
                 extra={"fields": {"provider": provider_id, "kind": failure.kind, "attempt": attempts,
-                                  "error_class": type(error).__name__}},
+                                  "error_class": type(error).__name__, **provider_error_ids(error)}},
             )
             too_long = failure.retry_after is not None and failure.retry_after > policy.max_delay_s
             if failure.retryable and attempts <= policy.max_retries and not emitted() and not too_long:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator
 
@@ -158,6 +160,7 @@ class SSERecorder(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self.request = request
         self.pieces: list[tuple[float, bytes]] = []
+        self.stamps: list[float] = []  # StampedSSERecorder: the kernel's receive time of each piece
         self.status: asyncio.Future[int] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()
         self.transport: asyncio.Transport | None = None
@@ -193,14 +196,18 @@ class SSERecorder(asyncio.Protocol):
         if not self.closed.done():
             self.closed.set_result(None)
 
-    def frames(self) -> list[tuple[float, bytes]]:
-        """(arrival time, frame JSON bytes) of every complete `data: ...` frame received."""
+    def frames(self, at_socket: bool = False) -> list[tuple[float, bytes]]:
+        """(arrival time, frame JSON bytes) of every complete `data: ...` frame received; the
+        arrival is when the client read it, or with `at_socket` (StampedSSERecorder) when the
+        kernel received it into the listener's socket."""
         raw = b"".join(p for _, p in self.pieces)
         ends, times, offset = [], [], 0
         for arrival, piece in self.pieces:
             offset += len(piece)
             ends.append(offset)
             times.append(arrival)
+        if at_socket:
+            times = list(self.stamps)
         head_end = raw.find(b"\r\n\r\n")
         if head_end < 0:
             return []
@@ -242,4 +249,94 @@ async def open_sse(host: str, port: int, path: str, headers: dict[str, str]) -> 
     head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", "Accept": "text/event-stream", **headers}.items())
     recorder = SSERecorder(f"GET {path} HTTP/1.1\r\n{head}\r\n".encode())
     await asyncio.get_running_loop().create_connection(lambda: recorder, host, port)
+    return recorder
+
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux: SO_TIMESTAMPNS_OLD, cmsg SCM_TIMESTAMPNS (struct timespec)
+_TIMESPEC = struct.Struct("@qq")
+
+
+class _SocketHandle:
+    """What the fan-out workload needs of a transport: `close()` (and `is_closing()`)."""
+
+    def __init__(self, recorder: StampedSSERecorder) -> None:
+        self.recorder = recorder
+
+    def close(self) -> None:
+        self.recorder.shut(None)
+
+    def is_closing(self) -> bool:
+        return self.recorder.sock is None
+
+    def write(self, data: bytes) -> None:  # the request only; a few hundred bytes on an idle socket
+        if self.recorder.sock is not None:
+            self.recorder.sock.sendall(data)
+
+
+class StampedSSERecorder(SSERecorder):
+    """An SSERecorder that also keeps the kernel's receive timestamp of every read (SO_TIMESTAMPNS):
+    when the bytes reached the listener's socket, whenever this client got the CPU to read them.
+
+    With the client on the same cores as the gateway, the read time includes the client's own
+    scheduling delay; the socket time is what a listener on another machine would see, less the
+    network. Reads with `recvmsg` from a raw non-blocking socket on the event loop's reader
+    callback (one read per readiness, as uvloop's transports do). Linux only.
+    """
+
+    def __init__(self, request: bytes) -> None:
+        super().__init__(request)
+        self.sock: socket.socket | None = None
+        self.loop = asyncio.get_running_loop()
+
+    async def connect(self, host: str, port: int) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        try:
+            await self.loop.sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.loop.add_reader(sock.fileno(), self._readable)
+        self.connection_made(_SocketHandle(self))  # type: ignore[arg-type]
+
+    def _readable(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        try:
+            data, ancillary, _, _ = sock.recvmsg(262144, 64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.shut(exc)
+            return
+        if not data:
+            self.shut(None)
+            return
+        stamp = 0.0
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
+                seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+                stamp = seconds + nanoseconds / 1e9
+        self.stamps.append(stamp or time.time())
+        self.data_received(data)
+
+    def shut(self, exc: Exception | None) -> None:
+        """Stop reading and close the socket (the stream ended, broke or the workload is done)."""
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return
+        self.loop.remove_reader(sock.fileno())
+        sock.close()
+        self.connection_lost(exc)
+
+
+async def open_stamped_sse(host: str, port: int, path: str, headers: dict[str, str]) -> StampedSSERecorder:
+    """`open_sse` with kernel receive timestamps (StampedSSERecorder)."""
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", "Accept": "text/event-stream", **headers}.items())
+    recorder = StampedSSERecorder(f"GET {path} HTTP/1.1\r\n{head}\r\n".encode())
+    await recorder.connect(host, port)
     return recorder

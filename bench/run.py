@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from bench.deploy import ROOT, SERVICES, Deployment
-from bench.http import Connection, HTTPError, SSERecorder, open_sse
+from bench.http import Connection, HTTPError, SSERecorder, open_sse, open_stamped_sse
 from services import grpc_core  # noqa: F401 - the services' gRPC core settings for this client's calls too
 
 WORKLOADS = ("latency", "throughput", "admission", "fanout", "tools")
@@ -405,8 +405,15 @@ def _parse_ts(value: str) -> float:
     return datetime.datetime.fromisoformat(value).timestamp()
 
 
-async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: int, connect_parallel: int, connect_cap_s: float) -> dict[str, Any]:
-    """`listeners` SSE clients on one run; delay = arrival - the event's own `timestamp` (set at publication)."""
+async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: int, connect_parallel: int, connect_cap_s: float,
+                          socket_stamps: bool = True) -> dict[str, Any]:
+    """`listeners` SSE clients on one run; delay = arrival - the event's own `timestamp` (set at publication).
+
+    The arrival is when the client read the bytes (`delay`: the verdict against the target, the
+    client's own scheduling on the shared cores included) and, with `socket_stamps`
+    (StampedSSERecorder, Linux), also when the kernel received them into the listener's socket
+    (`delay_at_socket`: the gateway's share, what a listener on another machine would see less
+    the network)."""
     rss0 = dep.rss()
     # The run's first step waits for the listeners to connect (~6 ms per listener allowed: measured
     # 1-2 ms on a busy 2-core machine since the shared hub; was 17 before; capped), so that every later
@@ -441,7 +448,7 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
         # per-frame cost while the delay is measured is one data_received call.
         try:
             async with gate:
-                recorder = await open_sse("127.0.0.1", dep.http_port, path, dep.headers())
+                recorder = await (open_stamped_sse if socket_stamps else open_sse)("127.0.0.1", dep.http_port, path, dep.headers())
                 recorders.append(recorder)
                 status = await recorder.status
             settle("connected" if status == 200 else f"status {status}")
@@ -485,13 +492,15 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
         if recorder.transport is not None:
             recorder.transport.close()
     live_delays: list[float] = []
+    socket_delays: list[float] = []  # the same deliveries, arrival = the kernel's receive time (socket_stamps)
     live_events = set()
     first: dict[tuple[str, float], float] = {}  # per live event: its earliest and latest delivery delay
     last: dict[tuple[str, float], float] = {}
     margin = t_all + 0.05
     for recorder in recorders:
         finished = False
-        for arrival, raw in recorder.frames():
+        stamped = recorder.frames(at_socket=True) if socket_stamps else []
+        for number, (arrival, raw) in enumerate(recorder.frames()):
             frames_total += 1
             frame = orjson.loads(raw)
             kind = frame.get("type")
@@ -501,6 +510,8 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
                 published = _parse_ts(frame["data"]["timestamp"])
                 if published >= margin:
                     live_delays.append(arrival - published)
+                    if stamped:
+                        socket_delays.append(stamped[number][0] - published)
                     live_events.add(frame["data"]["timestamp"])
                     first[(kind, published)] = min(first.get((kind, published), 1e9), arrival - published)
                     last[(kind, published)] = max(last.get((kind, published), -1e9), arrival - published)
@@ -520,6 +531,7 @@ async def workload_fanout(dep: Deployment, listeners: int, ticks: int, tick_ms: 
         "live_events_measured": len(live_events), "deliveries_measured": len(live_delays),
         "delivery_wait_s": _r(budget, 1),
         "delay": summary(live_delays),
+        "delay_at_socket": summary(socket_delays) if socket_stamps else None,
         # CPU seconds from "all connected" to the end of the run (ticks, heartbeats, done), and the client's.
         "cpu_s_live": {k: _r(v, 2) for k, v in cpu_live.items()}, "client_cpu_s_live": _r(client_live, 2),
         # Per live event: delay to its first listener (upstream: orchestrator, gRPC, the gateway's pump)
@@ -674,6 +686,9 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
         add(f"fan-out {key}: delay p50 / p99 ms", f"{fan['delay']['p50_ms']} / {fan['delay']['p99_ms']}")
         if key == "10000":
             add("fan-out 10000: delay p99 ms", fan["delay"]["p99_ms"], "fanout.10000.delay_p99_ms")
+        if fan.get("delay_at_socket"):
+            add(f"fan-out {key}: delay at the socket p50 / p99 ms (kernel receive time)",
+                f"{fan['delay_at_socket']['p50_ms']} / {fan['delay_at_socket']['p99_ms']}")
     adm = results.get("admission")
     if adm:
         add("admission Admit+Charge pairs/s (c16)", adm["pairs_per_s"], "admission.pairs_per_s")
@@ -734,6 +749,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tick-ms", type=int, default=1000, help="milliseconds between fan-out ticks (1000)")
     p.add_argument("--connect-parallel", type=int, default=256, help="fan-out listeners connecting at once (256)")
     p.add_argument("--connect-cap", type=float, default=150.0, help="seconds the fan-out listeners get to connect; then it measures those connected (150)")
+    p.add_argument("--fanout-client", choices=("stamped", "protocol"), default="stamped" if sys.platform == "linux" else "protocol",
+                   help="fan-out listeners: raw sockets that also keep the kernel's receive time (stamped, Linux; default), "
+                        "or asyncio protocols (the rounds before the fourteenth)")
     p.add_argument("--heartbeat", type=float, default=2.0, help="LOOPLINE_HEARTBEAT_INTERVAL_S of the deployment (2; 15 in production)")
     p.add_argument("--admissions", type=int, help="Admit+Charge pairs (10000; quick 1000)")
     p.add_argument("--admission-concurrency", type=int, default=16)
@@ -854,10 +872,13 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
         for n in args.listeners:
             print(f"[bench] fan-out: {n} listeners", flush=True)
             async with workload(f"fanout{n}"):
-                results["fanout"][str(n)] = await workload_fanout(dep, n, args.ticks, args.tick_ms, args.connect_parallel, args.connect_cap)
+                results["fanout"][str(n)] = await workload_fanout(dep, n, args.ticks, args.tick_ms, args.connect_parallel, args.connect_cap,
+                                                                  socket_stamps=args.fanout_client == "stamped")
             fan = results["fanout"][str(n)]
             print(f"[bench]   connected in {fan['connect_s']} s, outcome {fan['outcome']}, delay p50/p99 {fan['delay']['p50_ms']}/{fan['delay']['p99_ms']} ms "
-                  f"(first listener p50 {fan['first_delivery']['p50_ms']} ms, first-to-last spread p50 {fan['fanout_spread']['p50_ms']} ms)", flush=True)
+                  f"(first listener p50 {fan['first_delivery']['p50_ms']} ms, first-to-last spread p50 {fan['fanout_spread']['p50_ms']} ms)"
+                  + (f"; at the socket p50/p99 {fan['delay_at_socket']['p50_ms']}/{fan['delay_at_socket']['p99_ms']} ms" if fan.get("delay_at_socket") else ""),
+                  flush=True)
     if "tools" in args.only:
         print(f"[bench] tools: {args.tool_calls} no-op tool calls; search over {args.chunks} chunks ({args.searches} searches)", flush=True)
         async with workload("tools"):

@@ -45,6 +45,9 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     fanout = report["fanout"]["10"]
     assert fanout["outcome"].get("connected") == 10 and fanout["outcome"].get("done") == 10
     assert fanout["deliveries_measured"] > 0 and fanout["heartbeats"] > 0
+    if sys.platform == "linux":  # the stamped client: the kernel's receive time of each delivery, never after the client read it
+        at_socket, read = fanout["delay_at_socket"], fanout["delay"]
+        assert at_socket["p50_ms"] is not None and 0 <= at_socket["p50_ms"] <= read["p50_ms"] + 0.01
     tools = report["tools"]
     assert tools["noop_calls"] == 5 and tools["chunks"] == 200 and tools["search"]["p50_ms"] > 0
     memory = report["memory"]

@@ -97,6 +97,16 @@ async def abort(context: grpc.aio.ServicerContext, error: RpcError) -> None:
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
+def stream_interrupted(position: int, why: str = "") -> str:
+    """The message of the `error` frame that ends a listener's stream when the stream itself
+    broke (not the run): "The event stream was interrupted (why); reconnect with ?after=N",
+    N the listener's position (the run's frames it has). One wording for the gateway (its
+    upstream stream broke, `fanout.broken_frame`) and the orchestrator (Redis unreachable for
+    LOOPLINE_REDIS_RETRY_S), so a client reads N from either the same way; they differed."""
+    reason = f" ({why})" if why else ""
+    return f"The event stream was interrupted{reason}; reconnect with ?after={position}"
+
+
 def storage_failure(error: BaseException, domain: str) -> tuple[str, RpcError] | None:
     """(log message, the answer in `domain`) for a storage error that is not a bug, else None:
     a database or Redis that cannot serve (`db.unavailable_store`: UNAVAILABLE

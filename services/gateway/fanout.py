@@ -46,6 +46,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+from services.common.errors import stream_interrupted
 from services.gateway import sse
 from services.gateway.parallel_write import ParallelWriter, socket_fd
 
@@ -77,7 +78,7 @@ def broken_frame(position: int) -> bytes:
     (the orchestrator died or restarted): it names `position`, the listener's `?after=` value to
     resume right after the last of the run's frames it got (the frames it was handed plus the
     `after` it joined with; heartbeats and this frame are not counted)."""
-    message = f"The event stream was interrupted; reconnect with ?after={position}"
+    message = stream_interrupted(position)
     return b"data: " + orjson.dumps({"type": "error", "data": {"message": message}}) + b"\n\n"
 
 

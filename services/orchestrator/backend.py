@@ -43,6 +43,7 @@ from typing import Any
 
 from loopline.assistant.v1 import events_pb2
 from services.common import pb
+from services.common.errors import stream_interrupted
 from services.orchestrator.events import ArchiveLoader, EventLog, MemoryEventLog, flatten, is_terminal
 
 log = logging.getLogger(__name__)
@@ -647,7 +648,7 @@ def _decode(entry_id: bytes | str, fields: dict[Any, Any]) -> events_pb2.Event:
 
 def _unreachable(run_id: str, index: int) -> events_pb2.Event:
     """The `error` event that ends a follower after `retry_s` without Redis, naming where to resume."""
-    return _error_event(run_id, index, f"The event stream was interrupted (the event store is unreachable); listen again with after={index} to continue.")
+    return _error_event(run_id, index, stream_interrupted(index, "the event store is unreachable"))
 
 
 def _error_event(run_id: str, seq: int, message: str) -> events_pb2.Event:

@@ -523,3 +523,17 @@ async def test_a_listen_through_a_stalled_orchestrator_answers_504(stack, monkey
             response = await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}{query}")
             assert response.status_code == 504, response.text
             assert response.json() == {"detail": "The request timed out"}
+
+
+def test_both_interrupted_stream_frames_name_the_position_to_reconnect_from_in_one_wording():
+    """The gateway's frame (its upstream stream broke) and the orchestrator's (Redis unreachable)
+    differed ("reconnect with ?after=N" / "listen again with after=N to continue"): a client
+    reading N had to know both (fresh-eyes chaos test, F6)."""
+    import re
+
+    from services.orchestrator.backend import _unreachable
+
+    pattern = re.compile(r"^The event stream was interrupted( \([^)]*\))?; reconnect with \?after=(\d+)$")
+    gateway = json.loads(fanout_module.broken_frame(7)[len(b"data: "):])["data"]["message"]
+    orchestrator = _unreachable("run", 7).error.message
+    assert pattern.match(gateway).group(2) == pattern.match(orchestrator).group(2) == "7"

@@ -15,6 +15,7 @@ from tests.providers.fakes import (
     anthropic_tool_block,
     openai_text,
     openai_tool_call,
+    openai_turn,
 )
 from tests.sse_client import read_frames
 
@@ -206,14 +207,7 @@ async def test_done_usage_counts_the_cached_prompt_tokens_the_provider_reported(
     token read; billing still prices each part at its own rate."""
     replies = [Reply(events=openai_text("Cached.", usage={"prompt_tokens": 1000, "completion_tokens": 10, "total_tokens": 1010,
                                                            "prompt_tokens_details": {"cached_tokens": 800}}))]
-    async with FakeLLMServer(replies) as server:
-        stack = await start_stack(tmp_path, orchestrator={
-            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test", **FAST,
-        })
-        try:
-            frames = await _turn(stack, OPENAI_LLM)
-        finally:
-            await stop_stack(stack)
+    frames, _server = await openai_turn(tmp_path, replies, "Which integrations can I use?")
     assert frames[-1]["data"]["usage"] == {"input_tokens": 1000, "output_tokens": 10, "total_tokens": 1010, "llm_calls": 1}
 
 

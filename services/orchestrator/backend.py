@@ -97,8 +97,9 @@ class RunBackend:
 class MemoryBackend(RunBackend):
     """One process: `MemoryEventLog`, a set of claimed chats, cancels delivered in-process."""
 
-    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000) -> None:
-        self.events = MemoryEventLog(archive_loader=archive_loader, max_runs=max_runs)
+    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000,
+                 max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.events = MemoryEventLog(archive_loader=archive_loader, max_runs=max_runs, max_bytes=max_bytes)
         self._claims: dict[str, str] = {}
         self._on_cancel: CancelHandler | None = None
 
@@ -820,4 +821,5 @@ def make_backend(settings: Any, archive_loader: ArchiveLoader) -> RunBackend:
             max_len=settings.run_events_max_len, ttl_s=settings.run_events_ttl_s,
             claim_ttl_s=settings.chat_claim_ttl_s, retry_s=settings.redis_retry_s,
         )
-    return MemoryBackend(archive_loader=archive_loader, max_runs=settings.event_log_max_runs)
+    return MemoryBackend(archive_loader=archive_loader, max_runs=settings.event_log_max_runs,
+                         max_bytes=settings.event_log_max_bytes)

@@ -29,6 +29,8 @@ class OrchestratorSettings(CommonSettings):
         stream_url_prefix: path prefix of the stream_url returned to clients.
         event_log_max_runs: runs whose events the in-memory log keeps after they end (older ones
             are served from the run_events archive; 1,000 keeps the idle process small; 0 = none).
+        event_log_max_bytes: about how much memory those ended runs' events may take together
+            (default 64 MiB; the oldest runs are evicted first; 0 = none kept).
         summarization_budget_tokens: estimated thread size (tokens, ~4 chars each) past which the
             older part is summarized before the next model call; 0 turns summarization off.
         summarization_keep_tokens: about how much recent conversation is kept verbatim (whole turns;
@@ -77,6 +79,7 @@ class OrchestratorSettings(CommonSettings):
     tool_timeout_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
     stream_url_prefix: str = "/assistant/chat"
     event_log_max_runs: int = Field(default=1_000, ge=0)
+    event_log_max_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     summarization_budget_tokens: int = Field(default=60_000, ge=0)
     summarization_keep_tokens: int = Field(default=12_000, ge=0)
     openai_base_url: str = "https://api.openai.com/v1"

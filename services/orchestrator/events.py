@@ -126,23 +126,37 @@ class EventLog(Protocol):
         a replay or a burst is one list; the same events in the same order as `follow`."""
 
 
+EVENT_OVERHEAD_BYTES = 800  # the memory of one event object beyond its encoded size (measured: ~920 B for a 106-byte chunk)
+
+
+def event_cost(event: events_pb2.Event) -> int:
+    """About how much memory `event` takes in the in-memory log: its encoded size plus the object's."""
+    return event.ByteSize() + EVENT_OVERHEAD_BYTES
+
+
 class MemoryEventLog:
     """In-process event log of runs.
 
     `append` numbers events from 0 (`Event.seq`). `follow(run_id, after)` yields the
     events with seq >= after, then new ones as they come, and returns after a terminal
-    event or when the run is closed. Ended runs are kept up to `max_runs` (oldest evicted).
-    Not `durable`: the events die with the process (the runner archives a run's stream with
-    its end, in one transaction, before it publishes the end).
+    event or when the run is closed. Ended runs are kept up to `max_runs` and up to about
+    `max_bytes` of memory together (`event_cost`; the oldest are evicted first, and a run larger
+    than `max_bytes` alone as soon as it ends): an evicted run is replayed from the archive.
+    Counting runs only, 1,000 long answers held ~3 GB (a fresh-eyes test measured ~0.8-1 KB per
+    event). Not `durable`: the events die with the process (the runner archives a run's stream
+    with its end, in one transaction, before it publishes the end).
     """
 
     durable = False
 
-    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000) -> None:
+    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000,
+                 max_bytes: int = 64 * 1024 * 1024) -> None:
         self._runs: dict[str, _RunLog] = {}
-        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._ended: collections.OrderedDict[str, int] = collections.OrderedDict()  # run_id -> event_cost
+        self._ended_bytes = 0
         self._archive_loader = archive_loader
         self._max_runs = max_runs
+        self._max_bytes = max_bytes
 
     def open(self, run_id: str) -> None:
         """Create the (empty) log of a new run; a second call is a no-op."""
@@ -173,10 +187,16 @@ class MemoryEventLog:
             return
         log.closed = True
         log.wake()
-        self._ended[run_id] = None
-        while len(self._ended) > self._max_runs:
-            old, _ = self._ended.popitem(last=False)
+        cost = sum(event_cost(event) for event in log.events)
+        self._ended[run_id] = cost
+        self._ended_bytes += cost
+        while self._ended and (len(self._ended) > self._max_runs or self._ended_bytes > self._max_bytes):
+            old, old_cost = self._ended.popitem(last=False)
+            self._ended_bytes -= old_cost
             self._runs.pop(old, None)
+
+    def _forget_ended(self, run_id: str) -> None:
+        self._ended_bytes -= self._ended.pop(run_id, 0)
 
     def owned_events(self, run_id: str) -> list[events_pb2.Event] | None:
         """The run's events in memory (a copy), or None when it is not in memory."""
@@ -189,14 +209,14 @@ class MemoryEventLog:
             log = self._runs.get(run_id)
             if log is not None and log.closed:
                 del self._runs[run_id]
-                self._ended.pop(run_id, None)
+                self._forget_ended(run_id)
 
     def reopen(self, run_id: str) -> None:
         """Allow appends to a closed run again (used to publish run_resumed on a paused run)."""
         log = self._runs.get(run_id)
         if log is not None and log.closed:
             log.closed = False
-            self._ended.pop(run_id, None)
+            self._forget_ended(run_id)
 
     def snapshot(self, run_id: str) -> list[events_pb2.Event]:
         """The run's events in memory so far (a copy)."""

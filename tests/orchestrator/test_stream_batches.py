@@ -85,3 +85,37 @@ async def test_stream_run_with_max_batch_sends_the_same_events_in_fewer_messages
     assert flat == [f["type"] for f in frames if f["type"] != "heartbeat"]
     assert batched == [flat]  # an ended run: everything in one message
     assert [t for m in small for t in m] == flat[2:] and max(len(m) for m in small) <= 3
+
+
+async def test_ended_runs_are_kept_in_memory_within_a_byte_budget_and_replayed_from_the_archive_past_it():
+    """Fresh-eyes test: ended runs were kept by count only (1,000), at ~0.8-1 KB an event: a
+    dozen long answers held over 1 GB. The memory log also keeps them within a byte budget,
+    oldest out first; an evicted run is served from the archive."""
+    from services.orchestrator.events import event_cost
+
+    archive: dict[str, list[events_pb2.Event]] = {}
+
+    async def loader(run_id: str) -> list[events_pb2.Event]:
+        return archive.get(run_id, [])
+
+    def run(run_id: str, chunks: int) -> int:
+        log.open(run_id)
+        for i in range(chunks):
+            log.append(_chunk(run_id, f"{run_id} {i} " + "x" * 100))
+        log.append(_done(run_id))
+        archive[run_id] = log.owned_events(run_id) or []
+        log.close(run_id)
+        return sum(event_cost(e) for e in archive[run_id])
+
+    log = MemoryEventLog(archive_loader=loader, max_runs=1000, max_bytes=700_000)
+    first = run("first", 300)
+    assert 200_000 < first < 350_000 and log.has("first")
+    run("second", 300)
+    assert log.has("first") and log.has("second")
+    run("third", 300)  # past 700,000 together: the oldest goes
+    assert not log.has("first") and log.has("second") and log.has("third")
+    run("huge", 2000)  # larger than the budget alone: out as soon as it ends, and the older ones with it
+    assert not log.has("huge") and not log.has("second") and not log.has("third")
+    replayed = [e async for e in log.follow("first", after=299)]
+    assert [e.WhichOneof("payload") for e in replayed] == ["response_chunk", "done"]
+    assert len([e async for e in log.follow("huge")]) == 2001

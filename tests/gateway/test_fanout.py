@@ -537,3 +537,115 @@ def test_both_interrupted_stream_frames_name_the_position_to_reconnect_from_in_o
     gateway = json.loads(fanout_module.broken_frame(7)[len(b"data: "):])["data"]["message"]
     orchestrator = _unreachable("run", 7).error.message
     assert pattern.match(gateway).group(2) == pattern.match(orchestrator).group(2) == "7"
+
+
+class SlowClient(AsgiClient):
+    """An ASGI client whose sends wait until `release` is set (a client that stopped reading);
+    `sent` keeps the size of each body handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.sent: list[int] = []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            self.sent.append(len(message.get("body", b"")))
+            await self.release.wait()
+        await super().send(message)
+
+
+async def test_a_listener_that_stops_reading_holds_one_slice_not_a_copy_of_the_run():
+    """Bug (fresh-eyes test): a stalled listener was handed every frame it had not read as its
+    own joined copy (pending, then ASGI send, then the transport's buffer): 100 of them on a
+    5.6 MB run took the gateway from 143 to 850 MiB. It is now pulled from the shared frames, one
+    PULL_SLICE_BYTES slice in flight, and still gets every frame in order once it reads."""
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
+    client = SlowClient()
+    listener = _Listener(hub, 0, client.send, FakeTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
+    hub.attach(listener)
+    events = [chunk_event(i, "x" * 5000) for i in range(400)]  # ~2 MB of frames
+    for event in events:
+        stub.calls[0].queue.put_nowait(event)
+    await until(lambda: len(hub.frames) == 400)
+    await asyncio.sleep(0.05)
+    assert listener.writer is not None and not listener.pending
+    assert len(client.sent) == 1 and client.sent[0] <= fanout_module.PULL_SLICE_BYTES
+    assert listener.index * 5000 <= fanout_module.PULL_SLICE_BYTES  # the rest is only in the hub's shared list
+    client.release.set()
+    stub.calls[0].queue.put_nowait(done_event(400))
+    stub.calls[0].queue.put_nowait(None)
+    await asyncio.wait_for(client.complete.wait(), 5)
+    assert client.frames() == [sse.encode(e) for e in [*events, done_event(400)]]
+    assert max(client.sent) <= fanout_module.PULL_SLICE_BYTES
+    hub.detach(listener)
+    fan.leave(hub)
+
+
+async def test_a_late_listener_on_a_large_backlog_is_pulled_in_slices_then_pushed_again():
+    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=60.0)
+    frames = [b'data: {"n":%d,"pad":"%s"}\n\n' % (i, b"y" * 2000) for i in range(200)]  # ~400 KB
+    for frame in frames:
+        hub.frames.append(frame)
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message.get("body", b""))
+
+    transport = RecordingTransport()
+    listener = _Listener(hub, 0, send, transport)  # type: ignore[arg-type]
+    hub.attach(listener)
+    assert listener.writer is not None and not transport.writes  # not joined and written whole
+    await until(lambda: listener.writer is None)
+    assert b"".join(sent) == b"".join(frames) and max(len(b) for b in sent) <= fanout_module.PULL_SLICE_BYTES
+    hub.publish(b'data: {"n":"live"}\n\n')  # caught up: pushed by the hub's round again
+    await until(lambda: bool(transport.writes))
+    assert _dechunk(transport.writes) == b'data: {"n":"live"}\n\n' and listener.index == 201
+    hub.detach(listener)
+
+
+async def test_a_client_that_leaves_while_its_writer_sends_ends_its_response_without_an_error():
+    """Bug (fresh-eyes test): every client that left mid-stream while its writer was sending made
+    the response raise CancelledError, logged by uvicorn as "Exception in ASGI application"."""
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    client = AsgiClient(block_sends=True)
+    _, task = await listen(fan, client=client)
+    stub.calls[0].queue.put_nowait(chunk_event(0, "a"))
+    await asyncio.sleep(0.05)
+    client.gone.set()
+    await asyncio.wait_for(task, 5)
+    assert task.exception() is None
+
+
+async def test_a_stopped_gateway_closes_a_listener_that_cannot_take_its_last_frame():
+    """Fresh-eyes test: a listener that did not read held the gateway's shutdown for its whole
+    grace, then was cut mid-chunk with uvicorn's ERROR tracebacks. Its connection is now closed
+    after STALLED_CLOSE_S; the listeners that read get their reconnect frame at once."""
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
+    await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
+
+    class AbortableTransport(FakeTransport):
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    stalled_transport = AbortableTransport(backlog=10 * 1024 * 1024)
+    stalled = _Listener(hub, 0, SlowClient().send, stalled_transport)  # type: ignore[arg-type]
+    reader_client = AsgiClient()
+    reader = _Listener(hub, 0, reader_client.send, FakeTransport())  # type: ignore[arg-type]
+    hub.attach(stalled)
+    hub.attach(reader)
+    stub.calls[0].queue.put_nowait(chunk_event(0, "a"))
+    await until(lambda: reader.index == 1)
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(fan.close(), 5)
+    assert asyncio.get_running_loop().time() - started < fanout_module.STALLED_CLOSE_S + 1
+    assert stalled_transport.aborted and stalled.writer is None
+    await until(lambda: reader_client.complete.is_set())
+    assert reader_client.frames()[-1] == fanout_module.broken_frame(1)

@@ -63,8 +63,8 @@ def write_share(items: Sequence[tuple[int, bytes]], start: int, stop: int) -> li
     bytes the kernel took (0 when its buffer is full) or -1 after an error."""
     write = os.write
     short: list[tuple[int, int]] = []
-    for index in range(start, stop):
-        fd, data = items[index]
+    index = start
+    for fd, data in items[start:stop]:  # as little Python as possible between the writes (the GIL is shared)
         try:
             written = write(fd, data)
         except BlockingIOError:
@@ -73,6 +73,7 @@ def write_share(items: Sequence[tuple[int, bytes]], start: int, stop: int) -> li
             written = -1
         if written != len(data):
             short.append((index, written))
+        index += 1
     return short
 
 

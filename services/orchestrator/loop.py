@@ -184,6 +184,7 @@ class _Totals:
     rows: list[ThreadRow] = field(default_factory=list)  # the chat's thread as the model sees it, stored or not
     unsaved: list[ThreadRow] = field(default_factory=list)  # this run's messages, written when the run ends
     interrupt: dict[str, Any] | None = None  # the HITL audit row, written when the run ends (paused)
+    unsummarizable: bool = False  # a summary call of this run returned no text: not asked again
 
     def count(self, usage: TokenUsage) -> None:
         """Add one model call's tokens to the run's totals (`done.usage`, see `input_tokens`)."""
@@ -501,7 +502,7 @@ class TurnRunner:
         summary, rows = split_summary(totals.rows)
         messages = with_summary(summary, rows)
         budget = self.settings.summarization_budget_tokens
-        if not budget or estimate(messages) <= budget:
+        if not budget or totals.unsummarizable or estimate(messages) <= budget:
             return messages
         if totals.unsaved:  # the cut needs stored sequence numbers
             await self.store.store_rows(totals.unsaved)
@@ -526,6 +527,10 @@ class TurnRunner:
         totals.llm_calls += 1
         totals.count(reply.usage)
         self._record_usage_later(spec, totals, call_index, reply.usage)
+        if not reply.text.strip():  # no summary (e.g. a model that answered with a tool call anyway): the older
+            totals.unsummarizable = True  # part is kept, and the run does not ask again at every step
+            log.warning("the summary call returned no text; the thread is kept whole for this run")
+            return messages
         await self.store.store_rows([
             ThreadRow(role="summary", content=reply.text, extra={"covers_until_seq": rows[cut - 1].seq},
                       chat_id=spec.chat_id, run_id=spec.run_id)

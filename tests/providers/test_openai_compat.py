@@ -234,3 +234,13 @@ async def test_a_call_cancelled_before_its_first_chunk_is_still_billed_its_estim
         with pytest.raises(asyncio.CancelledError):
             await task
     assert llm.partial_usage.estimated is True and llm.partial_usage.input_tokens > 0
+
+
+async def test_another_compatible_server_gets_no_tools_on_a_call_that_may_not_call_them():
+    """Not every OpenAI-compatible server takes tool_choice "none"; chat completions take tool
+    calls in the history without the tools, so such a call (the summary) sends none, as before."""
+    async with FakeLLMServer([Reply(events=openai_text("A summary."))]) as server:
+        vllm = OpenAICompatModel("vllm", "qwen", base_url=f"{server.url}/v1", api_key=KEY, policy=FAST, timeout_s=5)
+        await vllm.generate(USER, TOOLS, Collector(), call_tools=False)
+    body = server.requests[0].body
+    assert "tools" not in body and "tool_choice" not in body and "parallel_tool_calls" not in body

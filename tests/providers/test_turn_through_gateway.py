@@ -266,3 +266,38 @@ async def test_an_anthropic_thread_with_tool_calls_is_summarized_and_the_chat_ke
     assert summary_call["tool_choice"] == {"type": "none"}
     assert [t["name"] for t in summary_call["tools"]] == [t["name"] for t in server.requests[0].body["tools"]]
     assert summary_call["system"] == server.requests[0].body["system"]
+
+
+async def test_a_summary_call_that_returns_no_text_keeps_the_thread_whole_and_is_not_asked_again(tmp_path):
+    """A model that answers the summary call with a tool call and no text (tool_choice "none"
+    not honoured) stored an empty summary over the older part of the thread: it is now kept
+    whole, and the run does not ask again at every step."""
+    long_text = "word " * 600
+    tool_step = [anthropic_start(input_tokens=900)] + anthropic_text_block(0, long_text)
+    tool_step += anthropic_tool_block(1, "get_available_integrations", "{}", tool_id="toolu_s1") + anthropic_end(600, "tool_use")
+    answer = [anthropic_start(input_tokens=1000)] + anthropic_text_block(0, long_text) + anthropic_end(600)
+    no_summary = [anthropic_start(input_tokens=1200)] + anthropic_tool_block(0, "get_available_integrations", "{}", tool_id="toolu_x")
+    no_summary += anthropic_end(5, "tool_use")
+    again = [anthropic_start(input_tokens=300)] + anthropic_text_block(0, "Checking. ")
+    again += anthropic_tool_block(1, "get_available_integrations", "{}", tool_id="toolu_s2") + anthropic_end(3, "tool_use")
+    short = [anthropic_start(input_tokens=300)] + anthropic_text_block(0, "Still here.") + anthropic_end(3)
+    replies = [Reply(events=e) for e in (tool_step, answer, no_summary, again, short)]
+    async with StrictAnthropic(replies) as server:
+        stack = await start_stack(tmp_path, orchestrator={
+            "anthropic_base_url": server.url, "anthropic_api_key": "sk-ant-platform-123456", "anthropic_models": "claude-test",
+            "summarization_budget_tokens": 800, "summarization_keep_tokens": 100, **FAST,
+        })
+        try:
+            async with stack.client() as client:
+                first = await client.post("/assistant/chat", json={"message": "Which integrations can I use?", "llm": ANTHROPIC_LLM})
+                assert types(await read_frames(client, first.json()["stream_url"]))[-1] == "done"
+                chat_id = first.json()["chat_id"]
+                second = await client.post("/assistant/chat", json={"message": "And now?", "llm": ANTHROPIC_LLM, "chat_id": chat_id})
+                frames = await read_frames(client, second.json()["stream_url"])
+                chat = (await client.get(f"/assistant/chat/{chat_id}")).json()
+        finally:
+            await stop_stack(stack)
+    assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "Still here."
+    assert frames[-1]["data"]["usage"]["llm_calls"] == 3  # one summary call, two answers: not a summary before each
+    assert len(server.requests) == 5 and "summary" not in [m["role"] for m in chat["messages"]]
+    assert len([m for m in chat["messages"] if m["role"] == "user"]) == 2

@@ -130,8 +130,10 @@ class OpenAICompatModel:
 
     async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
                        call_tools: bool = True) -> ModelReply:
-        """Stream one chat completion; see the module docstring. `call_tools=False`: the tools are
-        sent with `tool_choice: "none"` (base.ChatModel.generate).
+        """Stream one chat completion; see the module docstring. `call_tools=False`: OpenAI itself
+        gets the tools with `tool_choice: "none"` (base.ChatModel.generate: the same cached
+        prefix); another OpenAI-compatible server gets no tools, as before (chat completions
+        take tool calls in the history without them, and not every server takes "none").
 
         Raises:
             ModelError: after the retries of retry.py, with the usage accrued (reported or estimated).
@@ -142,6 +144,8 @@ class OpenAICompatModel:
             "model": self.model_id, "messages": wire_messages, "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if not call_tools and self.provider_id != "openai":
+            tools = []
         if tools:
             request["tools"] = to_openai_tools(tools)
             if call_tools:

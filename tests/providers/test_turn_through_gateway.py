@@ -230,19 +230,18 @@ class StrictAnthropic(FakeLLMServer):
     served = 0
 
 
-async def test_an_anthropic_thread_with_tool_calls_is_summarized_and_the_chat_keeps_working(tmp_path):
-    """Bug (fresh-eyes test): the summary call was sent without tools while its history held
-    tool_use/tool_result blocks; the Messages API refuses that (400), so every turn of the chat
-    failed once it was long enough to summarize. The summary call now carries the run's tools
-    with tool_choice none (the same cached prefix as the other calls)."""
-    long_text = "word " * 600
-    tool_step = [anthropic_start(input_tokens=900)] + anthropic_text_block(0, long_text)
+LONG_TEXT = "word " * 600
+
+
+async def _summarized_anthropic_chat(tmp_path, later: list[list[str]]) -> tuple[list[dict], dict, StrictAnthropic]:
+    """Two turns on one chat through a StrictAnthropic server with a small summarization budget:
+    the first calls a tool and answers at length (~1,200 tokens), so the second starts over
+    budget; `later` are the server's replies from the second turn on. Returns (the second
+    turn's frames, GET chat, the server)."""
+    tool_step = [anthropic_start(input_tokens=900)] + anthropic_text_block(0, LONG_TEXT)
     tool_step += anthropic_tool_block(1, "get_available_integrations", "{}", tool_id="toolu_s1") + anthropic_end(600, "tool_use")
-    answer = [anthropic_start(input_tokens=1000)] + anthropic_text_block(0, long_text) + anthropic_end(600)
-    summary = [anthropic_start(input_tokens=1200, cache_read=700)] + anthropic_text_block(0, "The user asked about integrations.")
-    summary += anthropic_end(8)
-    short = [anthropic_start(input_tokens=300)] + anthropic_text_block(0, "Still here.") + anthropic_end(3)
-    async with StrictAnthropic([Reply(events=tool_step), Reply(events=answer), Reply(events=summary), Reply(events=short)]) as server:
+    answer = [anthropic_start(input_tokens=1000)] + anthropic_text_block(0, LONG_TEXT) + anthropic_end(600)
+    async with StrictAnthropic([Reply(events=e) for e in (tool_step, answer, *later)]) as server:
         stack = await start_stack(tmp_path, orchestrator={
             "anthropic_base_url": server.url, "anthropic_api_key": "sk-ant-platform-123456", "anthropic_models": "claude-test",
             "summarization_budget_tokens": 800, "summarization_keep_tokens": 100, **FAST,
@@ -252,16 +251,30 @@ async def test_an_anthropic_thread_with_tool_calls_is_summarized_and_the_chat_ke
                 first = await client.post("/assistant/chat", json={"message": "Which integrations can I use?", "llm": ANTHROPIC_LLM})
                 assert first.status_code == 200, first.text
                 assert types(await read_frames(client, first.json()["stream_url"]))[-1] == "done"
-                second = await client.post("/assistant/chat", json={"message": "And now?", "llm": ANTHROPIC_LLM,
-                                                                   "chat_id": first.json()["chat_id"]})
+                chat_id = first.json()["chat_id"]
+                second = await client.post("/assistant/chat", json={"message": "And now?", "llm": ANTHROPIC_LLM, "chat_id": chat_id})
                 assert second.status_code == 200, second.text
                 frames = await read_frames(client, second.json()["stream_url"])
+                chat = (await client.get(f"/assistant/chat/{chat_id}")).json()
         finally:
             await stop_stack(stack)
+    return frames, chat, server
+
+
+async def test_an_anthropic_thread_with_tool_calls_is_summarized_and_the_chat_keeps_working(tmp_path):
+    """Bug (fresh-eyes test): the summary call was sent without tools while its history held
+    tool_use/tool_result blocks; the Messages API refuses that (400), so every turn of the chat
+    failed once it was long enough to summarize. The summary call now carries the run's tools
+    with tool_choice none (the same cached prefix as the other calls)."""
+    summary = [anthropic_start(input_tokens=1200, cache_read=700)] + anthropic_text_block(0, "The user asked about integrations.")
+    summary += anthropic_end(8)
+    short = [anthropic_start(input_tokens=300)] + anthropic_text_block(0, "Still here.") + anthropic_end(3)
+    frames, chat, server = await _summarized_anthropic_chat(tmp_path, [summary, short])
     assert server.refused == 0
     assert types(frames)[-1] == "done" and frames[-1]["data"].get("error") is not True, frames[-2:]
     assert frames[-1]["data"]["response"] == "Still here."
     assert frames[-1]["data"]["usage"]["llm_calls"] == 2  # the summary call and the answer
+    assert "summary" in [m["role"] for m in chat["messages"]]
     summary_call = server.requests[2].body
     assert summary_call["tool_choice"] == {"type": "none"}
     assert [t["name"] for t in summary_call["tools"]] == [t["name"] for t in server.requests[0].body["tools"]]
@@ -272,31 +285,12 @@ async def test_a_summary_call_that_returns_no_text_keeps_the_thread_whole_and_is
     """A model that answers the summary call with a tool call and no text (tool_choice "none"
     not honoured) stored an empty summary over the older part of the thread: it is now kept
     whole, and the run does not ask again at every step."""
-    long_text = "word " * 600
-    tool_step = [anthropic_start(input_tokens=900)] + anthropic_text_block(0, long_text)
-    tool_step += anthropic_tool_block(1, "get_available_integrations", "{}", tool_id="toolu_s1") + anthropic_end(600, "tool_use")
-    answer = [anthropic_start(input_tokens=1000)] + anthropic_text_block(0, long_text) + anthropic_end(600)
     no_summary = [anthropic_start(input_tokens=1200)] + anthropic_tool_block(0, "get_available_integrations", "{}", tool_id="toolu_x")
     no_summary += anthropic_end(5, "tool_use")
     again = [anthropic_start(input_tokens=300)] + anthropic_text_block(0, "Checking. ")
     again += anthropic_tool_block(1, "get_available_integrations", "{}", tool_id="toolu_s2") + anthropic_end(3, "tool_use")
     short = [anthropic_start(input_tokens=300)] + anthropic_text_block(0, "Still here.") + anthropic_end(3)
-    replies = [Reply(events=e) for e in (tool_step, answer, no_summary, again, short)]
-    async with StrictAnthropic(replies) as server:
-        stack = await start_stack(tmp_path, orchestrator={
-            "anthropic_base_url": server.url, "anthropic_api_key": "sk-ant-platform-123456", "anthropic_models": "claude-test",
-            "summarization_budget_tokens": 800, "summarization_keep_tokens": 100, **FAST,
-        })
-        try:
-            async with stack.client() as client:
-                first = await client.post("/assistant/chat", json={"message": "Which integrations can I use?", "llm": ANTHROPIC_LLM})
-                assert types(await read_frames(client, first.json()["stream_url"]))[-1] == "done"
-                chat_id = first.json()["chat_id"]
-                second = await client.post("/assistant/chat", json={"message": "And now?", "llm": ANTHROPIC_LLM, "chat_id": chat_id})
-                frames = await read_frames(client, second.json()["stream_url"])
-                chat = (await client.get(f"/assistant/chat/{chat_id}")).json()
-        finally:
-            await stop_stack(stack)
+    frames, chat, server = await _summarized_anthropic_chat(tmp_path, [no_summary, again, short])
     assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "Still here."
     assert frames[-1]["data"]["usage"]["llm_calls"] == 3  # one summary call, two answers: not a summary before each
     assert len(server.requests) == 5 and "summary" not in [m["role"] for m in chat["messages"]]

@@ -31,6 +31,7 @@ COMMON_REFUSED = [
     ("shutdown_grace_s", "inf"),
     ("log_level", "verbose"),
     ("db_pool_size", "0"),
+    ("db_timeout_s", "0"),
 ]
 
 GATEWAY_REFUSED = [

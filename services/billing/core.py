@@ -450,7 +450,8 @@ class BillingCore:
             # loaded only on PostgreSQL (asyncpg, the PG dialect)
             from services.billing.pg import PgBilling
 
-            self.pg = PgBilling(sessions.kw["bind"].url, max_size=sessions.kw["bind"].pool.size())  # the engine's pool size
+            engine = sessions.kw["bind"]  # the engine's pool size and timeout
+            self.pg = PgBilling(engine.url, max_size=engine.pool.size(), timeout_s=engine.pool.timeout())
         self.plans: dict[str, PlanTerms] = {}
         self._accounts: dict[str, tuple[str, datetime.date, float]] = {}
 

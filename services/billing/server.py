@@ -135,7 +135,7 @@ async def build_core(settings: BillingSettings) -> tuple[BillingCore, Any]:
     if settings.billing_default_plan not in plans:
         raise ValueError(f"default plan {settings.billing_default_plan!r} is not in {settings.billing_plans_path}")
     prices = PriceTable.load(settings.billing_prices_path)
-    engine = db.make_engine(url, settings.db_pool_size)
+    engine = db.make_engine(url, settings.db_pool_size, settings.db_timeout_s)
     sessions = db.sessionmaker(engine)
     await sync_plans(sessions, plans)
     core = BillingCore(

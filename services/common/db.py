@@ -37,6 +37,7 @@ def apply_sqlite_pragmas(sync_engine: Any) -> None:
 
 
 DEFAULT_POOL_SIZE = 4  # CommonSettings.db_pool_size
+DEFAULT_TIMEOUT_S = 10.0  # CommonSettings.db_timeout_s
 
 
 def engine_url(url: str) -> URL:
@@ -54,11 +55,30 @@ def engine_url(url: str) -> URL:
     return parsed
 
 
-def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE) -> AsyncEngine:
+ASYNCPG_TIMEOUTS = ("timeout", "command_timeout")
+
+
+def asyncpg_timeouts(url: URL, timeout_s: float) -> dict[str, float]:
+    """asyncpg's connect arguments bounding how long one database round trip may hang, in
+    seconds: `timeout` (opening a connection, TLS and authentication included) and
+    `command_timeout` (each statement, the pool's pre-ping included). Each is `timeout_s`
+    unless `url`'s query sets it (`?command_timeout=60` wins; ValueError if not a number).
+
+    Without them a database that drops packets instead of refusing them (a host gone, a
+    firewall, a network partition) held every request past the gateway's 30 s deadline: 504
+    after 30 s instead of 503 + Retry-After (chaos test F5; asyncpg waits 60 s to connect and
+    forever for a statement by default). A timed-out round trip raises TimeoutError, which
+    `is_unavailable` reads as "the database cannot serve now"."""
+    return {name: float(url.query[name]) if name in url.query else timeout_s for name in ASYNCPG_TIMEOUTS}
+
+
+def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncEngine:
     """Create an async engine for `url`; SQLite gets WAL, a 30 s busy timeout and foreign keys.
 
-    PostgreSQL: a pool of `pool_size` connections plus as many again under bursts (a request
-    beyond that waits for a free one, up to 30 s), checked before use (`pool_pre_ping`).
+    PostgreSQL: a pool of `pool_size` connections plus as many again under bursts, checked
+    before use (`pool_pre_ping`). A request waits at most `timeout_s` seconds (the setting
+    LOOPLINE_DB_TIMEOUT_S) for a free connection, for a new one to open and for each statement
+    (`asyncpg_timeouts`), then fails with a TimeoutError that services answer 503 / UNAVAILABLE.
     """
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -67,7 +87,9 @@ def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE) -> AsyncEngine:
         engine = create_async_engine(url, connect_args={"timeout": 30})
         apply_sqlite_pragmas(engine.sync_engine)
         return engine
-    return create_async_engine(engine_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    parsed = engine_url(url)
+    return create_async_engine(parsed, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                               pool_timeout=timeout_s, connect_args=asyncpg_timeouts(parsed, timeout_s))
 
 
 _INSERT_IGNORING: dict[tuple[str, str, tuple[str, ...]], Any] = {}

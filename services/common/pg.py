@@ -28,6 +28,8 @@ from typing import Any
 
 from sqlalchemy import JSON
 
+from services.common import db
+
 
 @functools.cache
 def _dialect() -> Any:
@@ -97,10 +99,15 @@ class PgPool:
     Args:
         url: the service's SQLAlchemy URL (`postgresql+asyncpg://...`; a `sqlalchemy.engine.URL`).
         max_size: connections of the pool at most (a statement holds one for one round trip).
+        timeout_s: seconds a connection may take to open and a statement to answer, as the
+            service's SQLAlchemy engine (`db.asyncpg_timeouts`; LOOPLINE_DB_TIMEOUT_S): then
+            TimeoutError, answered 503 / UNAVAILABLE.
     """
 
-    def __init__(self, url: Any, max_size: int = 4) -> None:
-        self.dsn = asyncpg_dsn(url)
+    def __init__(self, url: Any, max_size: int = 4, timeout_s: float = db.DEFAULT_TIMEOUT_S) -> None:
+        self.timeouts = db.asyncpg_timeouts(url, timeout_s)
+        # asyncpg would take the two as server settings (unknown DSN parameters are sent to the server)
+        self.dsn = asyncpg_dsn(url.difference_update_query(db.ASYNCPG_TIMEOUTS))
         self.max_size = max_size
         self._pool: Any = None
         self._opening: asyncio.Lock | None = None
@@ -114,7 +121,8 @@ class PgPool:
                 if self._pool is None:
                     import asyncpg
 
-                    self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size, reset=no_reset)
+                    self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size, reset=no_reset,
+                                                           **self.timeouts)
         return self._pool
 
     def close(self) -> None:

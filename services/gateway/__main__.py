@@ -20,7 +20,7 @@ from services.gateway.server import GatewayServer
 
 
 async def _with_sessions(settings: GatewaySettings, work):
-    engine = db.make_engine(settings.database_url, settings.db_pool_size)
+    engine = db.make_engine(settings.database_url, settings.db_pool_size, settings.db_timeout_s)
     try:
         return await work(db.sessionmaker(engine))
     finally:

@@ -38,7 +38,7 @@ class GatewayServer:
         self = cls(settings)
         if settings.auto_migrate:
             await db.migrate_async("gateway", settings.database_url)
-        self.engine = db.make_engine(settings.database_url, settings.db_pool_size)
+        self.engine = db.make_engine(settings.database_url, settings.db_pool_size, settings.db_timeout_s)
         self.sessions = db.sessionmaker(self.engine)
         self.channel = internal_channel(
             settings.orchestrator_addr, settings.internal_token, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]

@@ -43,7 +43,7 @@ class OrchestratorServer:
         self = cls(settings)
         if settings.auto_migrate:
             await db.migrate_async("orchestrator", settings.database_url)
-        self.engine = db.make_engine(settings.database_url, settings.db_pool_size)
+        self.engine = db.make_engine(settings.database_url, settings.db_pool_size, settings.db_timeout_s)
         sessions = db.sessionmaker(self.engine)
         self.billing_channel = internal_channel(settings.billing_addr, settings.internal_token)
         self.tools_channel = internal_channel(settings.tools_addr, settings.internal_token)

@@ -264,7 +264,7 @@ class TurnStore:
             raise ValueError(f"unsupported database dialect {engine.dialect.name!r} (sqlite or postgresql)")
         self.txn = TxnRunner(engine, thread_name="orchestrator-db")
         # PostgreSQL: each transaction is one statement on asyncpg (PgTurnStatements)
-        self.pg = PgTurnStatements(engine.url, max_size=engine.pool.size()) if self.txn.dialect == "postgresql" else None
+        self.pg = PgTurnStatements(engine.url, max_size=engine.pool.size(), timeout_s=engine.pool.timeout()) if self.txn.dialect == "postgresql" else None
 
     async def persist_turn(self, *, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any],
                            charge: dict[str, Any] | None = None) -> None:

@@ -59,7 +59,7 @@ async def _rotate(settings: ToolsSettings, url: str) -> tuple[int, dict]:
         box = SecretBox(settings.credential_keys())
     except ValueError as malformed:  # the message names the rule, never the key
         return 1, {"error": f"LOOPLINE_TOOLS_CREDENTIAL_KEY: {malformed}"}
-    engine = db.make_engine(url)
+    engine = db.make_engine(url, timeout_s=settings.db_timeout_s)
     try:
         store = CredentialStore(db.sessionmaker(engine), box, Catalogue([]))
         rotated, undecryptable, flows = await store.rotate_secrets()

@@ -592,7 +592,7 @@ class ToolsServer:
         catalogue = Catalogue(Catalogue.builtin().all() + [integration_of(p, settings.tools_timeout_s) for p in providers])
         connector = McpConnector(settings.tools_timeout_s, settings.tools_max_output_bytes, settings.tools_allow_private_network)
         stdio = StdioRegistry(parse_stdio_servers(settings.tools_mcp_stdio_servers), connector)
-        engine = db.make_engine(url, settings.db_pool_size)
+        engine = db.make_engine(url, settings.db_pool_size, settings.db_timeout_s)
         sessions = db.sessionmaker(engine)
         credentials = CredentialStore(sessions, box, catalogue, settings.tools_credential_cache_ttl_s)
         executor = ToolExecutor(settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio)

@@ -1,0 +1,166 @@
+"""A PostgreSQL server that drops packets instead of refusing them (chaos test F5).
+
+A host that is gone, a firewall or a partition leaves a connection attempt or a statement
+without any answer. asyncpg waits 60 s to connect and forever for a statement by default,
+so every request was held past the gateway's 30 s deadline and answered 504. Now each
+round trip is bounded by LOOPLINE_DB_TIMEOUT_S (`db.asyncpg_timeouts`) and fails with a
+TimeoutError that `storage_failure` answers UNAVAILABLE (503 + Retry-After at the gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from services.common import db, errors
+from services.common.pg import PgPool
+from tests.conftest import postgres_url, selected_backend
+
+TIMEOUT_S = 0.5
+
+
+class Blackhole:
+    """A TCP proxy to `target` (or to nothing) that can start swallowing every byte both ways:
+    connections stay open and nothing is answered, as with a database host that vanished."""
+
+    def __init__(self, target: tuple[str, int] | None = None) -> None:
+        self.target = target
+        self.swallowing = target is None
+        self.tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.tasks.add(asyncio.current_task())
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            if self.swallowing:
+                while await reader.read(65536):
+                    pass
+                return
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+
+            async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+                while data := await source.read(65536):
+                    if not self.swallowing:
+                        sink.write(data)
+                        await sink.drain()
+
+            await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    async def stop(self) -> None:
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def _fails_in_time(work, limit_s: float) -> BaseException:
+    """The error `work()` ends with, asserting it ends within `limit_s` (a hang fails the test)."""
+    task = asyncio.ensure_future(work())
+    started = time.monotonic()
+    done, _ = await asyncio.wait({task}, timeout=limit_s + 5)
+    if not done:
+        task.cancel()
+        pytest.fail(f"the request hung past {limit_s + 5:.1f} s (no database timeout)")
+    assert time.monotonic() - started <= limit_s, f"answered after {time.monotonic() - started:.1f} s"
+    error = task.exception()
+    assert error is not None, "the request succeeded against a database that answers nothing"
+    return error
+
+
+def _assert_unavailable(error: BaseException) -> None:
+    assert db.is_unavailable(error), repr(error)
+    message, answer = errors.storage_failure(error, "test")
+    assert (message, answer.code) == ("database unavailable", grpc.StatusCode.UNAVAILABLE)
+
+
+def test_the_timeouts_are_the_setting_unless_the_url_sets_them():
+    assert db.asyncpg_timeouts(make_url("postgresql+asyncpg://u@h/d"), 7.0) == {"timeout": 7.0, "command_timeout": 7.0}
+    url = make_url("postgresql+asyncpg://u@h/d?command_timeout=60")
+    assert db.asyncpg_timeouts(url, 7.0) == {"timeout": 7.0, "command_timeout": 60.0}
+    pool = PgPool(url, timeout_s=7.0)  # not in the DSN: asyncpg would send it to the server as a setting
+    assert (pool.timeouts, pool.dsn) == ({"timeout": 7.0, "command_timeout": 60.0}, "postgresql://u@h/d")
+
+
+async def test_a_server_that_never_answers_a_new_connection_is_unavailable_within_the_timeout():
+    hole = Blackhole()
+    port = await hole.start()
+    url = f"postgresql+asyncpg://u@127.0.0.1:{port}/d"
+    engine = db.make_engine(url, 1, TIMEOUT_S)
+    pool = PgPool(make_url(url), 1, TIMEOUT_S)
+    try:
+        async def query() -> None:
+            async with db.sessionmaker(engine)() as session:
+                await session.execute(text("SELECT 1"))
+
+        _assert_unavailable(await _fails_in_time(query, TIMEOUT_S + 2))
+
+        async def pooled() -> None:
+            await (await pool.pool()).fetchval("SELECT 1")
+
+        _assert_unavailable(await _fails_in_time(pooled, TIMEOUT_S + 2))
+    finally:
+        pool.close()
+        await engine.dispose()
+        await hole.stop()
+
+
+async def test_a_connection_whose_server_goes_silent_is_unavailable_within_twice_the_timeout():
+    if selected_backend() != "postgres":
+        pytest.skip("needs the PostgreSQL backend")
+    target = make_url(postgres_url())
+    hole = Blackhole((target.host or "127.0.0.1", target.port or 5432))
+    port = await hole.start()
+    url = target.set(host="127.0.0.1", port=port)
+    engine = db.make_engine(url.render_as_string(hide_password=False), 1, TIMEOUT_S)
+    sessions = db.sessionmaker(engine)
+    pool = PgPool(url, 1, TIMEOUT_S)
+    try:
+        async with sessions() as session:  # a pooled connection that worked
+            assert (await session.execute(text("SELECT 1"))).scalar() == 1
+        assert await (await pool.pool()).fetchval("SELECT 1") == 1
+        hole.swallowing = True
+
+        async def query() -> None:  # the pre-ping times out, then the new connection does
+            async with sessions() as session:
+                await session.execute(text("SELECT 1"))
+
+        _assert_unavailable(await _fails_in_time(query, 2 * TIMEOUT_S + 2))
+
+        async def pooled() -> None:
+            await (await pool.pool()).fetchval("SELECT 1")
+
+        _assert_unavailable(await _fails_in_time(pooled, TIMEOUT_S + 2))
+    finally:
+        pool.close()
+        await engine.dispose()
+        await hole.stop()
+
+
+async def test_a_statement_the_server_stops_answering_mid_transaction_is_unavailable():
+    if selected_backend() != "postgres":
+        pytest.skip("needs the PostgreSQL backend")
+    target = make_url(postgres_url())
+    hole = Blackhole((target.host or "127.0.0.1", target.port or 5432))
+    port = await hole.start()
+    engine = db.make_engine(target.set(host="127.0.0.1", port=port).render_as_string(hide_password=False), 1, TIMEOUT_S)
+    try:
+        async def transaction() -> None:
+            async with db.sessionmaker(engine)() as session, session.begin():
+                await session.execute(text("SELECT 1"))
+                hole.swallowing = True
+                await session.execute(text("SELECT 2"))
+
+        # the statement times out, then the rollback on the way out does
+        _assert_unavailable(await _fails_in_time(transaction, 2 * TIMEOUT_S + 2))
+    finally:
+        await engine.dispose()
+        await hole.stop()

@@ -9,9 +9,6 @@ TimeoutError that `storage_failure` answers UNAVAILABLE (503 + Retry-After at th
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 
 import grpc
 import pytest
@@ -20,60 +17,10 @@ from sqlalchemy.engine import make_url
 
 from services.common import db, errors
 from services.common.pg import PgPool
+from tests.blackhole import Blackhole, fails_in_time
 from tests.conftest import postgres_url, selected_backend
 
 TIMEOUT_S = 0.5
-
-
-class Blackhole:
-    """A TCP proxy to `target` (or to nothing) that can start swallowing every byte both ways:
-    connections stay open and nothing is answered, as with a database host that vanished."""
-
-    def __init__(self, target: tuple[str, int] | None = None) -> None:
-        self.target = target
-        self.swallowing = target is None
-        self.tasks: set[asyncio.Task] = set()
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.tasks.add(asyncio.current_task())
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            if self.swallowing:
-                while await reader.read(65536):
-                    pass
-                return
-            upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
-
-            async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-                while data := await source.read(65536):
-                    if not self.swallowing:
-                        sink.write(data)
-                        await sink.drain()
-
-            await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
-
-    async def stop(self) -> None:
-        self.server.close()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-async def _fails_in_time(work, limit_s: float) -> BaseException:
-    """The error `work()` ends with, asserting it ends within `limit_s` (a hang fails the test)."""
-    task = asyncio.ensure_future(work())
-    started = time.monotonic()
-    done, _ = await asyncio.wait({task}, timeout=limit_s + 5)
-    if not done:
-        task.cancel()
-        pytest.fail(f"the request hung past {limit_s + 5:.1f} s (no database timeout)")
-    assert time.monotonic() - started <= limit_s, f"answered after {time.monotonic() - started:.1f} s"
-    error = task.exception()
-    assert error is not None, "the request succeeded against a database that answers nothing"
-    return error
 
 
 def _assert_unavailable(error: BaseException) -> None:
@@ -101,12 +48,12 @@ async def test_a_server_that_never_answers_a_new_connection_is_unavailable_withi
             async with db.sessionmaker(engine)() as session:
                 await session.execute(text("SELECT 1"))
 
-        _assert_unavailable(await _fails_in_time(query, TIMEOUT_S + 2))
+        _assert_unavailable(await fails_in_time(query, TIMEOUT_S + 2))
 
         async def pooled() -> None:
             await (await pool.pool()).fetchval("SELECT 1")
 
-        _assert_unavailable(await _fails_in_time(pooled, TIMEOUT_S + 2))
+        _assert_unavailable(await fails_in_time(pooled, TIMEOUT_S + 2))
     finally:
         pool.close()
         await engine.dispose()
@@ -133,12 +80,12 @@ async def test_a_connection_whose_server_goes_silent_is_unavailable_within_twice
             async with sessions() as session:
                 await session.execute(text("SELECT 1"))
 
-        _assert_unavailable(await _fails_in_time(query, 2 * TIMEOUT_S + 2))
+        _assert_unavailable(await fails_in_time(query, 2 * TIMEOUT_S + 2))
 
         async def pooled() -> None:
             await (await pool.pool()).fetchval("SELECT 1")
 
-        _assert_unavailable(await _fails_in_time(pooled, TIMEOUT_S + 2))
+        _assert_unavailable(await fails_in_time(pooled, TIMEOUT_S + 2))
     finally:
         pool.close()
         await engine.dispose()
@@ -160,7 +107,7 @@ async def test_a_statement_the_server_stops_answering_mid_transaction_is_unavail
                 await session.execute(text("SELECT 2"))
 
         # the statement times out, then the rollback on the way out does
-        _assert_unavailable(await _fails_in_time(transaction, 2 * TIMEOUT_S + 2))
+        _assert_unavailable(await fails_in_time(transaction, 2 * TIMEOUT_S + 2))
     finally:
         await engine.dispose()
         await hole.stop()

@@ -21,6 +21,8 @@ from limits import RateLimitItem, parse
 from limits.aio.strategies import MovingWindowRateLimiter
 from limits.storage import storage_from_string
 
+from services.common import db
+
 
 @dataclass(frozen=True)
 class RateDecision:
@@ -41,24 +43,19 @@ class RateDecision:
     window_seconds: int
 
 
-def _async_url(url: str) -> tuple[str, dict[str, Any]]:
+def _async_url(url: str, timeout_s: float = db.REDIS_TIMEOUT_S) -> tuple[str, dict[str, Any]]:
     """`limits`' asyncio storage URL for `url` ("async+" scheme) and the client's options.
 
     limits picks its asyncio storages by an "async+" scheme; the redis-py client is the one
-    installed (coredis is not), so it is selected explicitly. Its commands are retried on a
-    connection error (3 quick retries, as the orchestrator's Redis client): without that, the
-    first Admit on each pooled connection that Redis (or a proxy) closed while it was away
-    failed with 503 after Redis was back (fresh-eyes test)."""
+    installed (coredis is not), so it is selected explicitly. The client takes the services'
+    Redis options (`db.redis_client_options`): a reply waited for at most `timeout_s`, and a command
+    retried on a connection error (3 quick retries, as the orchestrator's Redis client):
+    without that, the first Admit on each pooled connection that Redis (or a proxy) closed
+    while it was away failed with 503 after Redis was back (fresh-eyes test)."""
     scheme = url.split("://", 1)[0]
     options: dict[str, Any] = {}
     if scheme.startswith("redis") or scheme.startswith("rediss"):
-        import redis.exceptions  # noqa: PLC0415 - only with Redis counters
-        from redis.asyncio.retry import Retry  # noqa: PLC0415
-        from redis.backoff import ExponentialWithJitterBackoff  # noqa: PLC0415
-
-        options["implementation"] = "redispy"
-        options["retry"] = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3)
-        options["retry_on_error"] = [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError]
+        options = {"implementation": "redispy", **db.redis_client_options(timeout_s)}
     return (url if url.startswith("async+") else f"async+{url}"), options
 
 
@@ -107,10 +104,12 @@ class RateLimiter:
     `storage_url` is "memory://" (process memory, `MemoryWindows`; `synchronous` is True
     and `hit_now` may be called from any thread) or a `limits` Redis URL
     "redis://host:port/db" (the "async+" prefix is added). Identifiers are namespaced with
-    `key_prefix` so tests can share a Redis without sharing counters.
+    `key_prefix` so tests can share a Redis without sharing counters. A Redis reply is waited
+    for at most `timeout_s` seconds (then redis-py's TimeoutError: Admit answers
+    UNAVAILABLE REDIS_UNAVAILABLE).
     """
 
-    def __init__(self, storage_url: str, key_prefix: str = "loopline-billing") -> None:
+    def __init__(self, storage_url: str, key_prefix: str = "loopline-billing", timeout_s: float = db.REDIS_TIMEOUT_S) -> None:
         self.key_prefix = key_prefix
         self._items: dict[str, RateLimitItem] = {}
         self.memory: MemoryWindows | None = None
@@ -118,7 +117,7 @@ class RateLimiter:
         if storage_url.split("://", 1)[0].removeprefix("async+") == "memory":
             self.memory = MemoryWindows()
         else:
-            url, options = _async_url(storage_url)
+            url, options = _async_url(storage_url, timeout_s)
             self.storage = storage_from_string(url, **options)
             self.limiter = MovingWindowRateLimiter(self.storage)
 

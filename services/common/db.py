@@ -135,6 +135,35 @@ def _sqlstates(error: BaseException) -> list[str]:
     return [code for code in codes if isinstance(code, str)]
 
 
+REDIS_CONNECT_TIMEOUT_S = 5.0
+REDIS_TIMEOUT_S = 10.0
+
+
+def redis_client_options(read_timeout_s: float = REDIS_TIMEOUT_S) -> dict[str, Any]:
+    """The redis-py client options of every Redis client of the services (the orchestrator's
+    event streams, claims and cancel flags; billing's rate-limit counters through `limits`).
+
+    REDIS_CONNECT_TIMEOUT_S (5 s) to connect, `read_timeout_s` seconds for each reply (a
+    client that blocks on the server, `XREAD BLOCK`, adds its block time), TCP keepalive,
+    and up to 3 quick retries (50-500 ms apart) of a command that met a *connection* error
+    (a pooled connection Redis closed while it was away). A reply that does not come in time
+    raises redis-py's TimeoutError at once, which `is_unavailable` reads as "Redis cannot serve
+    now"; the callers' own loops bound the total retry time. Before, a Redis that drops packets
+    (a host gone, a partition) held a follower for good (no read timeout) and an Admit for
+    4 x its wait (chaos test F5).
+    """
+    import redis.exceptions  # noqa: PLC0415 - only a process configured with Redis imports redis-py
+    from redis.asyncio.retry import Retry  # noqa: PLC0415
+    from redis.backoff import ExponentialWithJitterBackoff  # noqa: PLC0415
+
+    return {
+        "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S,
+        "socket_timeout": read_timeout_s,
+        "socket_keepalive": True,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3, supported_errors=(redis.exceptions.ConnectionError,)),
+    }
+
+
 def is_unavailable(error: BaseException) -> bool:
     """Whether `error` means the database (or Redis) cannot be reached or takes no more
     connections right now (answer 503 / UNAVAILABLE: the client may retry), as opposed to a

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopline.assistant.v1 import events_pb2
-from services.common import pb
+from services.common import db, pb
 from services.common.errors import stream_interrupted
 from services.orchestrator.events import ArchiveLoader, EventLog, MemoryEventLog, flatten, is_terminal
 
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # Called by a backend when a cancel for `run_id` is received: (run_id, reason).
 CancelHandler = Callable[[str, str], Awaitable[None]]
+
+XREAD_BLOCK_MS = 2000  # RedisEventLog's default wait of one XREAD BLOCK
 
 CANCEL_FLAG_TTL_S = 300
 
@@ -267,7 +269,7 @@ class RedisEventLog:
     durable = True
 
     def __init__(self, redis: Any, prefix: str, max_len: int, ttl_s: float, archive_loader: ArchiveLoader,
-                 retry_s: float = 30.0, block_ms: int = 2000, open_wait_s: float = 10.0) -> None:
+                 retry_s: float = 30.0, block_ms: int = XREAD_BLOCK_MS, open_wait_s: float = 10.0) -> None:
         self.redis = redis
         self.prefix = prefix
         self.max_len = max_len
@@ -802,15 +804,15 @@ class RedisBackend(RunBackend):
         return {run_id: value.decode() for run_id, value in zip(run_ids, values, strict=True) if value is not None}
 
 
-def redis_client(url: str) -> Any:
-    """A `redis.asyncio.Redis` for the backend: no read timeout (XREAD BLOCK waits), 5 s to
-    connect, and at most 3 quick internal retries (our own loops bound the total retry time)."""
+def redis_client(url: str, block_ms: int = XREAD_BLOCK_MS, timeout_s: float = db.REDIS_TIMEOUT_S) -> Any:
+    """A `redis.asyncio.Redis` for the backend (`db.redis_client_options`): 5 s to connect,
+    `timeout_s` plus `block_ms` (the longest `XREAD BLOCK` it sends) for each reply,
+    a PING before a command on a connection idle for 10 s, and at most 3 quick retries of a
+    connection error (our own loops bound the total retry time)."""
     import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialWithJitterBackoff
 
-    return aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=5, health_check_interval=10,
-                                   socket_keepalive=True, retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3))
+    return aioredis.Redis.from_url(url, health_check_interval=10,
+                                   **db.redis_client_options(timeout_s + block_ms / 1000))
 
 
 def make_backend(settings: Any, archive_loader: ArchiveLoader) -> RunBackend:

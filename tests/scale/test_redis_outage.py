@@ -19,6 +19,7 @@ import pytest
 
 from loopline.assistant.v1 import events_pb2
 from services.orchestrator.backend import RedisEventLog, redis_client
+from tests.blackhole import Blackhole, fails_in_time
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import _reachable, no_archive
 
@@ -266,4 +267,75 @@ async def test_billing_rate_counters_answer_at_once_after_redis_comes_back(redis
         decision = await limiter.hit("org", "sync_exec", "100/minute")
         assert decision.allowed and decision.remaining == 98
     finally:
+        await limiter.close()
+
+
+@pytest.fixture
+async def redis_blackhole():
+    """(a proxy to Redis that can start dropping every byte, its URL, key prefix); skips without Redis."""
+    target = urlsplit(redis_url())
+    host, port = target.hostname or "127.0.0.1", target.port or 6379
+    if not _reachable(host, port):
+        pytest.skip(f"Redis is not reachable at {host}:{port} (LOOPLINE_TEST_REDIS_URL)")
+    hole = Blackhole((host, port))
+    local_port = await hole.start()
+    prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
+    try:
+        yield hole, f"redis://127.0.0.1:{local_port}{target.path or '/0'}", prefix
+    finally:
+        await hole.stop()
+        await drop_redis_prefix(redis_url(), prefix)
+
+
+async def test_a_follower_of_a_redis_that_stops_answering_ends_with_the_reconnect_frame(redis_blackhole):
+    # chaos test F5: a Redis that drops packets (not refuses them) held a follower for good (no read timeout)
+    hole, url, prefix = redis_blackhole
+    publisher_client, follower_client = redis_client(redis_url()), redis_client(url, block_ms=200, timeout_s=0.5)
+    publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, no_archive, retry_s=10)
+    follower = RedisEventLog(follower_client, prefix, 10_000, 60, no_archive, retry_s=1.0, block_ms=200)
+    run_id = str(uuid.uuid4())
+    try:
+        publisher.open(run_id)
+        publisher.append(_chunk(run_id, "only"))
+        await publisher.flush(run_id)
+        received: list[events_pb2.Event] = []
+
+        async def listen() -> None:
+            async for event in follower.follow(run_id, 0):
+                received.append(event)
+
+        listener = asyncio.create_task(listen())
+        while not received:
+            await asyncio.sleep(0.01)
+        hole.swallowing = True
+        # each read waits 0.7 s at most; the follower retries for retry_s, then ends
+        assert await fails_in_time(lambda: _raising(listener), 6) is not None
+        assert [event.WhichOneof("payload") for event in received] == ["response_chunk", "error"]
+        assert "after=1" in received[-1].error.message
+    finally:
+        await publisher.aclose()
+        await publisher_client.aclose()
+        await follower_client.aclose()
+
+
+async def _raising(task: asyncio.Task) -> None:
+    """Wait for `task`, then raise (fails_in_time expects an error) so its end is timed."""
+    await task
+    raise RuntimeError("ended")
+
+
+async def test_billing_rate_counters_of_a_redis_that_stops_answering_are_unavailable_in_time(redis_blackhole):
+    # chaos test F5: an Admit on a Redis that drops packets waited for good (no read timeout, 4 attempts)
+    from services.billing.rates import RateLimiter
+    from services.common import db
+
+    hole, url, prefix = redis_blackhole
+    limiter = RateLimiter(url, key_prefix=f"{prefix}billing", timeout_s=0.5)
+    try:
+        assert (await limiter.hit("org", "sync_exec", "100/minute")).allowed
+        hole.swallowing = True
+        error = await fails_in_time(lambda: limiter.hit("org", "sync_exec", "100/minute"), 2)
+        assert db.unavailable_store(error) == "Redis", repr(error)
+    finally:
+        hole.swallowing = False
         await limiter.close()

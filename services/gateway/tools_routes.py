@@ -271,7 +271,14 @@ def _bool(body: dict[str, Any], name: str) -> bool:
 
 
 def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    """`body[name]` (else `default`) as an int in `low`..`high`; BodyError 400 otherwise.
+
+    A number with a zero fractional part (`19.0`) is an integer, as JSON Schema's `integer`
+    type that the OpenAPI document declares says (JSON Schema 2020-12 Validation, section 6.1.1;
+    JSON itself has one number type); `19.5`, a string or a boolean is not."""
     value = body.get(name, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise BodyError(400, f"{name} must be an integer between {low} and {high}")
     return value

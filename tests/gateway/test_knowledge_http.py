@@ -143,6 +143,9 @@ async def test_multi_search_ranks_across_bases_and_bad_input_is_400(stack):
         assert both["knowledge_bases_searched"] == 2 and both["total_matches"] == 2 and both["top_k"] == 5
         assert {m["metadata"]["knowledge_base_id"] for m in both["matches"]} == {first["id"], second["id"]}
         assert both["matches"][0]["score"] >= both["matches"][1]["score"]
+        # 1.0 is the integer 1 (JSON Schema's `integer`); the answer says it as an integer
+        one = (await client.post("/knowledge-bases/search", json={"knowledge_base_ids": [first["id"], second["id"]], "query": "saffron", "top_k": 1.0}))
+        assert one.status_code == 200 and '"top_k":1,' in one.text and one.json()["total_matches"] == 1, one.text
         only_one = (await client.post("/knowledge-bases/search", json={"knowledge_base_ids": [first["id"]], "query": "saffron"})).json()
         assert [m["document_filename"] for m in only_one["matches"]] == ["a.txt"]
         for body in ({"knowledge_base_ids": [], "query": "x"}, {"knowledge_base_ids": [first["id"]]},

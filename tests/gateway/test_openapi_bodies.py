@@ -122,6 +122,10 @@ CASES = [
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x" * 65], "query": "q"}, False),
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 51}, False),
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": True}, False),
+    ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 19.5}, False),
+    ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 1e300}, False),
+    # a zero fractional part is an integer to JSON Schema (2020-12 Validation 6.1.1) and so to the handler
+    ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 19.0}, True),
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "min_score": None}, False),
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 50, "min_score": -1.5}, True),
     ("/knowledge-bases/{kb}/search", {"query": "q", "filters": {"a": 1}}, False),

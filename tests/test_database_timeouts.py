@@ -29,6 +29,21 @@ def _assert_unavailable(error: BaseException) -> None:
     assert (message, answer.code) == ("database unavailable", grpc.StatusCode.UNAVAILABLE)
 
 
+async def _engine_and_pool_unavailable(engine, pool: PgPool, engine_limit_s: float) -> None:  # noqa: ANN001
+    """A statement through `engine` fails as unavailable within `engine_limit_s`, one through
+    `pool` within TIMEOUT_S + 2 s."""
+    async def query() -> None:
+        async with db.sessionmaker(engine)() as session:
+            await session.execute(text("SELECT 1"))
+
+    _assert_unavailable(await fails_in_time(query, engine_limit_s))
+
+    async def pooled() -> None:
+        await (await pool.pool()).fetchval("SELECT 1")
+
+    _assert_unavailable(await fails_in_time(pooled, TIMEOUT_S + 2))
+
+
 def test_the_timeouts_are_the_setting_unless_the_url_sets_them():
     assert db.asyncpg_timeouts(make_url("postgresql+asyncpg://u@h/d"), 7.0) == {"timeout": 7.0, "command_timeout": 7.0}
     url = make_url("postgresql+asyncpg://u@h/d?command_timeout=60")
@@ -44,16 +59,7 @@ async def test_a_server_that_never_answers_a_new_connection_is_unavailable_withi
     engine = db.make_engine(url, 1, TIMEOUT_S)
     pool = PgPool(make_url(url), 1, TIMEOUT_S)
     try:
-        async def query() -> None:
-            async with db.sessionmaker(engine)() as session:
-                await session.execute(text("SELECT 1"))
-
-        _assert_unavailable(await fails_in_time(query, TIMEOUT_S + 2))
-
-        async def pooled() -> None:
-            await (await pool.pool()).fetchval("SELECT 1")
-
-        _assert_unavailable(await fails_in_time(pooled, TIMEOUT_S + 2))
+        await _engine_and_pool_unavailable(engine, pool, TIMEOUT_S + 2)
     finally:
         pool.close()
         await engine.dispose()
@@ -75,17 +81,8 @@ async def test_a_connection_whose_server_goes_silent_is_unavailable_within_twice
             assert (await session.execute(text("SELECT 1"))).scalar() == 1
         assert await (await pool.pool()).fetchval("SELECT 1") == 1
         hole.swallowing = True
-
-        async def query() -> None:  # the pre-ping times out, then the new connection does
-            async with sessions() as session:
-                await session.execute(text("SELECT 1"))
-
-        _assert_unavailable(await fails_in_time(query, 2 * TIMEOUT_S + 2))
-
-        async def pooled() -> None:
-            await (await pool.pool()).fetchval("SELECT 1")
-
-        _assert_unavailable(await fails_in_time(pooled, TIMEOUT_S + 2))
+        # the engine's pre-ping times out, then the new connection does
+        await _engine_and_pool_unavailable(engine, pool, 2 * TIMEOUT_S + 2)
     finally:
         pool.close()
         await engine.dispose()

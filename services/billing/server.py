@@ -21,7 +21,7 @@ from services.billing.plans import load_plans, sync_plans
 from services.billing.pricing import PriceTable
 from services.billing.rates import RateDecision, RateLimiter
 from services.common import db, ids
-from services.common.errors import BILLING_DOMAIN, rpc_handler
+from services.common.errors import BILLING_DOMAIN, PassLog, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.tasks import stop_task
 
@@ -209,7 +209,8 @@ STALL_TICK_S = 1.0  # how often the sweeper looks at the clock to notice a stall
 
 
 async def _sweep_forever(core: BillingCore, interval_s: float, grace_s: float = 0.0, stall_s: float = 1.0) -> None:
-    """Expire overdue holds every `interval_s` seconds; a failed pass is logged and retried.
+    """Expire overdue holds every `interval_s` seconds; a failed pass is logged (`PassLog`: a
+    storage outage once) and retried.
 
     Nothing is expired within `grace_s` seconds of the start, nor of a stall of the process
     (the clock, looked at every STALL_TICK_S seconds, came `stall_s` seconds or more late:
@@ -219,6 +220,7 @@ async def _sweep_forever(core: BillingCore, interval_s: float, grace_s: float = 
     loop = asyncio.get_running_loop()
     awake_since = tick = loop.time()
     next_pass = tick + interval_s
+    passes = PassLog(log, "sweeper", "holds expire once it answers")
     while True:
         planned = max(0.0, min(STALL_TICK_S, next_pass - tick))
         await asyncio.sleep(planned)
@@ -235,5 +237,7 @@ async def _sweep_forever(core: BillingCore, interval_s: float, grace_s: float = 
             await core.expire_holds()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("sweeper pass failed")
+        except Exception as error:
+            passes.failed(error)
+        else:
+            passes.passed()

@@ -127,6 +127,36 @@ def storage_failure(error: BaseException, domain: str) -> tuple[str, RpcError] |
     return None
 
 
+class PassLog:
+    """What a background loop (billing's sweeper, the orchestrator's run supervisor) logs of its
+    passes: a failed pass whose cause is a storage outage (`db.unavailable_store`) is one
+    WARNING "<what>: <store> unavailable; <waiting>" when the outage starts, and one INFO
+    "<what>: passes go through again" when a pass next succeeds; any other failure is logged
+    with its traceback (ERROR), every time. A re-test saw a traceback per pass (~2 a second)
+    while the database refused connections, and one per sweep while it dropped packets (F5).
+    """
+
+    def __init__(self, logger: logging.Logger, what: str, waiting: str) -> None:
+        self.logger, self.what, self.waiting = logger, what, waiting
+        self.outage = False  # the last failed pass was an outage, already said
+
+    def failed(self, error: Exception) -> None:
+        """Log the failed pass's `error` (call it from the `except` block)."""
+        store = db.unavailable_store(error)
+        if store is None:
+            self.logger.error(f"{self.what} pass failed", exc_info=error)
+        elif not self.outage:
+            self.outage = True
+            self.logger.warning(f"{self.what}: {store} unavailable; {self.waiting}",
+                                extra={"fields": {"error": type(error).__name__}})
+
+    def passed(self) -> None:
+        """A pass went through: say so once after an outage."""
+        if self.outage:
+            self.outage = False
+            self.logger.info(f"{self.what}: passes go through again")
+
+
 def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_DOMAIN,
                 check: Callable[[Any], None] | None = None) -> Callable[[Handler], Handler]:
     """The one wrapper every unary servicer handler goes through (STYLE.md, after A2A's grpc_handler).

@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import Message, Receive, Scope, Send
@@ -37,6 +38,7 @@ from services.common.errors import (
     MAX_MESSAGE_CHARS,
     bounded,
     status_details,
+    storage_failure,
 )
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import (
@@ -425,6 +427,21 @@ def create_app(
         response = unexpected_error_response(error)
         response.headers["Connection"] = "close"
         return response
+
+    async def _storage_error(_: Request, error: Exception) -> JSONResponse:
+        # A storage failure that is not a bug (the database cannot be reached or answers nothing in
+        # LOOPLINE_DB_TIMEOUT_S, a lost race, a value it cannot store) is an answer like any other,
+        # here, before Starlette's ServerErrorMiddleware, which re-raises: it was logged as an
+        # "Exception in ASGI application" ERROR traceback per request and closed the connection
+        # (F5 re-test). Anything else of these types goes on to `_unexpected_error` (500, logged).
+        if storage_failure(error, ASSISTANT_DOMAIN) is None:
+            raise error
+        return unexpected_error_response(error)
+
+    # the exception types of a storage failure (`errors.storage_failure`): SQLAlchemy's, and
+    # OSError for a raw ConnectionError / TimeoutError (asyncpg's timeouts come through unwrapped)
+    for storage_error in (SQLAlchemyError, OSError):
+        app.add_exception_handler(storage_error, _storage_error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> Response:

@@ -46,6 +46,7 @@ from sqlalchemy import and_, or_, select, update
 
 from loopline.assistant.v1 import events_pb2
 from services.common import db, pb
+from services.common.errors import PassLog
 from services.common.tasks import stop_task
 from services.orchestrator.events import is_terminal
 from services.orchestrator.models import Chat, Interrupt, Message, Run, utcnow
@@ -91,7 +92,7 @@ class RunSupervisor:
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
         next_renew = next_reap = loop.time()
-        outage = False  # the database or Redis was unavailable at the last failed pass (said once, not every pass)
+        passes = PassLog(log, "run supervisor", "leases, reaping and settling wait until it answers")
         while True:
             try:
                 if self.backend.distributed and self.runner.active:
@@ -106,17 +107,9 @@ class RunSupervisor:
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                store = db.unavailable_store(error)
-                if store is None:
-                    log.exception("run supervisor pass failed")
-                elif not outage:  # a re-test saw a traceback per pass, ~2 a second, while the database refused connections
-                    outage = True
-                    log.warning(f"run supervisor: {store} unavailable; leases, reaping and settling wait until it answers",
-                                extra={"fields": {"error": type(error).__name__}})
+                passes.failed(error)
             else:
-                if outage:
-                    outage = False
-                    log.info("run supervisor: passes go through again")
+                passes.passed()
             await asyncio.sleep(self.tick_s)
 
     async def poll_cancels(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import time
 
 import grpc
@@ -127,3 +128,35 @@ async def test_a_stall_shorter_than_two_sweep_intervals_is_noticed_too():
         assert len(passes) > stalled
     finally:
         task.cancel()
+
+
+class _FailingPasses(_PassCounter):
+    """A core whose first passes fail with `errors` in turn, then go through."""
+
+    def __init__(self, *errors: Exception) -> None:
+        super().__init__()
+        self.errors = list(errors)
+
+    async def expire_holds(self) -> int:
+        if self.errors:
+            raise self.errors.pop(0)
+        return await super().expire_holds()
+
+
+async def test_a_database_outage_is_said_once_and_a_bug_every_pass(caplog):
+    """F5 re-test: while the database dropped packets, every sweep logged "sweeper pass failed"
+    with a traceback (ERROR). An outage is now one warning and one "go through again" line; any
+    other failure keeps its traceback."""
+    core = _FailingPasses(TimeoutError(), ConnectionRefusedError(111, "refused"), TimeoutError(), RuntimeError("bug"))
+    caplog.set_level(logging.INFO, logger="services.billing.server")
+    task = asyncio.create_task(_sweep_forever(core, 0.02))
+    try:
+        deadline = time.monotonic() + 5
+        while not core.passes and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "services.billing.server"]
+    assert said == [("WARNING", "sweeper: database unavailable; holds expire once it answers"),
+                    ("ERROR", "sweeper pass failed"), ("INFO", "sweeper: passes go through again")], said
+    assert caplog.records[-2].exc_info is not None  # the bug's traceback

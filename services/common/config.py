@@ -55,9 +55,11 @@ class CommonSettings(BaseSettings):
         db_timeout_s: seconds a PostgreSQL request may wait for a pooled connection, for a new
             one to open and for each statement to answer (LOOPLINE_DB_TIMEOUT_S); past it the
             service answers 503 / UNAVAILABLE ("database unavailable") instead of holding the
-            request. Keep it well under the gateway's 30 s downstream deadline (a request can
-            wait twice: a pre-ping of a dead connection, then a new one), else a database that
-            drops packets answers 504. Not SQLite (its busy timeout is 30 s) nor migrations.
+            request. 5 s by default: under the orchestrator's 10 s deadline on billing's Admit
+            (billing's hot statements have no pre-ping) and, twice over (a pre-ping of a dead
+            connection, then a new one), under the gateway's 30 s downstream deadline; longer,
+            a database that drops packets answers 504. Not SQLite (its busy timeout is 30 s) nor
+            migrations.
 
     Every numeric setting has the range it can work in (pydantic constraints: ports 0-65535,
     durations up to MAX_SECONDS, no infinity or NaN), so a value out of range stops the
@@ -78,7 +80,7 @@ class CommonSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=MAX_SECONDS)
     internal_token: str = Field(default="", repr=False)
     db_pool_size: int = Field(default=4, ge=1, le=100)
-    db_timeout_s: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
+    db_timeout_s: float = Field(default=5.0, gt=0, le=MAX_SECONDS)
 
     @model_validator(mode="after")
     def _addresses_follow_ports(self) -> CommonSettings:

@@ -37,7 +37,7 @@ def apply_sqlite_pragmas(sync_engine: Any) -> None:
 
 
 DEFAULT_POOL_SIZE = 4  # CommonSettings.db_pool_size
-DEFAULT_TIMEOUT_S = 10.0  # CommonSettings.db_timeout_s
+DEFAULT_TIMEOUT_S = 5.0  # CommonSettings.db_timeout_s
 
 
 def engine_url(url: str) -> URL:
@@ -136,14 +136,16 @@ def _sqlstates(error: BaseException) -> list[str]:
 
 
 REDIS_CONNECT_TIMEOUT_S = 5.0
-REDIS_TIMEOUT_S = 10.0
+# 5 s: under the orchestrator's 10 s deadline on billing's Admit (whose rate-limit counters are in
+# Redis), so a Redis that answers nothing is 503 REDIS_UNAVAILABLE, not a 504 BILLING_TIMEOUT
+REDIS_TIMEOUT_S = 5.0
 
 
 def redis_client_options(read_timeout_s: float = REDIS_TIMEOUT_S) -> dict[str, Any]:
     """The redis-py client options of every Redis client of the services (the orchestrator's
     event streams, claims and cancel flags; billing's rate-limit counters through `limits`).
 
-    REDIS_CONNECT_TIMEOUT_S (5 s) to connect, `read_timeout_s` seconds for each reply (a
+    REDIS_CONNECT_TIMEOUT_S (5 s) to connect, `read_timeout_s` seconds (REDIS_TIMEOUT_S, 5 s) for each reply (a
     client that blocks on the server, `XREAD BLOCK`, adds its block time), TCP keepalive,
     and up to 3 quick retries (50-500 ms apart) of a command that met a *connection* error
     (a pooled connection Redis closed while it was away). A reply that does not come in time

@@ -445,11 +445,17 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         """Undo a turn start whose persist failed (`TurnStore.unwind_turn`: its rows, a new chat
         entirely, and its stored charge, row `charge_id`; the chat freed). Usually nothing was
         written; a commit whose answer was lost (a cancelled call, a dropped connection) is
-        removed here. Never raises (logged)."""
+        removed here. Never raises (logged: a storage outage as a warning without a traceback,
+        the run supervisor ends such a run once its first lease lapses; anything else with it)."""
         try:
             await self.store.unwind_turn(chat_id=chat_id, run_id=run_id, new_chat=new_chat, charge_id=charge_id)
-        except Exception:
-            log.exception("unwinding a failed turn start failed")
+        except Exception as error:
+            store = db.unavailable_store(error)
+            if store is None:
+                log.exception("unwinding a failed turn start failed")
+            else:  # the turn start failed for the same outage, most likely: said once per start, no traceback
+                log.warning(f"unwinding a failed turn start: {store} unavailable; a run it wrote ends when its lease lapses",
+                            extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
 
     def _release_when_admitted(self, admission: billing_pb2.AdmitRequest, admit: asyncio.Future | None) -> None:
         """A turn start gave up on its Admit while billing may have set a hold aside for it: it

@@ -419,3 +419,25 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
 
     await wait_for(released, timeout=10)
     assert await _counts(stack) == (0, 0, ["released"], 0)
+
+
+@pytest.mark.parametrize(("failure", "level"), [(TimeoutError, "WARNING"), (lambda: RuntimeError("bug"), "ERROR")])
+async def test_an_unwind_that_meets_the_same_outage_is_a_warning_not_a_traceback(caplog, failure, level):
+    """F5 re-test: with every database dropping packets, a failed turn start's unwind (on the same
+    database) logged an ERROR traceback. A storage outage is a warning naming the store; a bug
+    keeps its traceback."""
+    from types import SimpleNamespace
+
+    from services.orchestrator.service import AssistantServicer
+
+    async def unwind_turn(**_kwargs):
+        raise failure()
+
+    servicer = SimpleNamespace(store=SimpleNamespace(unwind_turn=unwind_turn))
+    await AssistantServicer._unwind(servicer, "chat", "run", True, "charge")  # never raises
+    [record] = [r for r in caplog.records if r.name == "services.orchestrator.service"]
+    assert record.levelname == level
+    if level == "WARNING":
+        assert record.getMessage().startswith("unwinding a failed turn start: database unavailable") and not record.exc_info
+    else:
+        assert record.exc_info is not None

@@ -45,7 +45,7 @@ from typing import Any
 from sqlalchemy import and_, or_, select, update
 
 from loopline.assistant.v1 import events_pb2
-from services.common import db, pb
+from services.common import pb
 from services.common.errors import PassLog
 from services.common.tasks import stop_task
 from services.orchestrator.events import is_terminal

@@ -9,15 +9,17 @@ TimeoutError that `storage_failure` answers UNAVAILABLE (503 + Retry-After at th
 
 from __future__ import annotations
 
+import contextlib
+
 
 import grpc
 import pytest
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from services.common import db, errors
 from services.common.pg import PgPool
-from tests.blackhole import Blackhole, fails_in_time
+from tests.tcp_proxy import CuttableProxy, fails_in_time
 from tests.conftest import postgres_url, selected_backend
 
 TIMEOUT_S = 0.5
@@ -52,59 +54,52 @@ def test_the_timeouts_are_the_setting_unless_the_url_sets_them():
     assert (pool.timeouts, pool.dsn) == ({"timeout": 7.0, "command_timeout": 60.0}, "postgresql://u@h/d")
 
 
-async def test_a_server_that_never_answers_a_new_connection_is_unavailable_within_the_timeout():
-    hole = Blackhole()
-    port = await hole.start()
-    url = f"postgresql+asyncpg://u@127.0.0.1:{port}/d"
-    engine = db.make_engine(url, 1, TIMEOUT_S)
-    pool = PgPool(make_url(url), 1, TIMEOUT_S)
+@contextlib.asynccontextmanager
+async def _through(proxy: CuttableProxy, url: URL):
+    """(engine, PgPool), TIMEOUT_S each, to `url` by way of `proxy` (started here); all closed after."""
+    url = url.set(host="127.0.0.1", port=await proxy.start())
+    engine = db.make_engine(url.render_as_string(hide_password=False), 1, TIMEOUT_S)
+    pool = PgPool(url, 1, TIMEOUT_S)
     try:
-        await _engine_and_pool_unavailable(engine, pool, TIMEOUT_S + 2)
+        yield engine, pool
     finally:
         pool.close()
         await engine.dispose()
-        await hole.stop()
+        await proxy.stop()
+
+
+def _proxy_to_postgres() -> tuple[CuttableProxy, URL]:
+    """A proxy to the test PostgreSQL and its URL; skips outside the PostgreSQL pass."""
+    if selected_backend() != "postgres":
+        pytest.skip("needs the PostgreSQL backend")
+    target = make_url(postgres_url())
+    return CuttableProxy(target.host or "127.0.0.1", target.port or 5432), target
+
+
+async def test_a_server_that_never_answers_a_new_connection_is_unavailable_within_the_timeout():
+    async with _through(CuttableProxy(), make_url("postgresql+asyncpg://u@127.0.0.1/d")) as (engine, pool):
+        await _engine_and_pool_unavailable(engine, pool, TIMEOUT_S + 2)
 
 
 async def test_a_connection_whose_server_goes_silent_is_unavailable_within_twice_the_timeout():
-    if selected_backend() != "postgres":
-        pytest.skip("needs the PostgreSQL backend")
-    target = make_url(postgres_url())
-    hole = Blackhole((target.host or "127.0.0.1", target.port or 5432))
-    port = await hole.start()
-    url = target.set(host="127.0.0.1", port=port)
-    engine = db.make_engine(url.render_as_string(hide_password=False), 1, TIMEOUT_S)
-    sessions = db.sessionmaker(engine)
-    pool = PgPool(url, 1, TIMEOUT_S)
-    try:
-        async with sessions() as session:  # a pooled connection that worked
+    proxy, url = _proxy_to_postgres()
+    async with _through(proxy, url) as (engine, pool):
+        async with db.sessionmaker(engine)() as session:  # a pooled connection that worked
             assert (await session.execute(text("SELECT 1"))).scalar() == 1
         assert await (await pool.pool()).fetchval("SELECT 1") == 1
-        hole.swallowing = True
+        proxy.swallowing = True
         # the engine's pre-ping times out, then the new connection does
         await _engine_and_pool_unavailable(engine, pool, 2 * TIMEOUT_S + 2)
-    finally:
-        pool.close()
-        await engine.dispose()
-        await hole.stop()
 
 
 async def test_a_statement_the_server_stops_answering_mid_transaction_is_unavailable():
-    if selected_backend() != "postgres":
-        pytest.skip("needs the PostgreSQL backend")
-    target = make_url(postgres_url())
-    hole = Blackhole((target.host or "127.0.0.1", target.port or 5432))
-    port = await hole.start()
-    engine = db.make_engine(target.set(host="127.0.0.1", port=port).render_as_string(hide_password=False), 1, TIMEOUT_S)
-    try:
+    proxy, url = _proxy_to_postgres()
+    async with _through(proxy, url) as (engine, _pool):
         async def transaction() -> None:
             async with db.sessionmaker(engine)() as session, session.begin():
                 await session.execute(text("SELECT 1"))
-                hole.swallowing = True
+                proxy.swallowing = True
                 await session.execute(text("SELECT 2"))
 
         # the statement times out, then the rollback on the way out does
         _assert_unavailable(await fails_in_time(transaction, 2 * TIMEOUT_S + 2))
-    finally:
-        await engine.dispose()
-        await hole.stop()

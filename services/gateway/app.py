@@ -38,7 +38,6 @@ from services.common.errors import (
     MAX_MESSAGE_CHARS,
     bounded,
     status_details,
-    storage_failure,
 )
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import (
@@ -46,6 +45,7 @@ from services.gateway.errors import (
     BodyError,
     detail,
     grpc_error_response,
+    storage_error_response,
     unavailable_response,
     unexpected_error_response,
 )
@@ -434,11 +434,12 @@ def create_app(
         # here, before Starlette's ServerErrorMiddleware, which re-raises: it was logged as an
         # "Exception in ASGI application" ERROR traceback per request and closed the connection
         # (F5 re-test). Anything else of these types goes on to `_unexpected_error` (500, logged).
-        if storage_failure(error, ASSISTANT_DOMAIN) is None:
+        response = storage_error_response(error)
+        if response is None:
             raise error
-        return unexpected_error_response(error)
+        return response
 
-    # the exception types of a storage failure (`errors.storage_failure`): SQLAlchemy's, and
+    # the exception types of a storage failure (`storage_error_response`): SQLAlchemy's, and
     # OSError for a raw ConnectionError / TimeoutError (asyncpg's timeouts come through unwrapped)
     for storage_error in (SQLAlchemyError, OSError):
         app.add_exception_handler(storage_error, _storage_error)

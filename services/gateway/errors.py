@@ -133,18 +133,27 @@ def unavailable_response(retry_after_s: float | None = None) -> JSONResponse:
     return detail(503, SAFE_MESSAGES[503], {"Retry-After": retry_after(retry_after_s)})
 
 
-def unexpected_error_response(error: Exception) -> JSONResponse:
-    """The answer to an exception no route handled, as the gRPC services answer the same storage
-    failures (`errors.storage_failure`, through CODE_STATUS): 503 `{"detail": ...}` with
-    Retry-After when the database cannot be reached or takes no more connections, 409 when its
-    transaction lost a race with another (deadlock, serialization failure: send it again), 400
-    when a value cannot be stored; else 500 `{"detail": "Internal server error"}`, logged with
-    its traceback. The exception's own text is never shown to the client."""
+def storage_error_response(error: Exception) -> JSONResponse | None:
+    """The answer to a storage failure that is not a bug, as the gRPC services answer it
+    (`errors.storage_failure`, through CODE_STATUS), logged as a warning: 503 `{"detail": ...}`
+    with Retry-After when the database cannot be reached, answers nothing in time or takes no
+    more connections, 409 when its transaction lost a race with another (deadlock,
+    serialization failure: send it again), 400 when a value cannot be stored. None for any
+    other error. The exception's own text is never shown to the client."""
     failure = storage_failure(error, ASSISTANT_DOMAIN)
     if failure is None:
-        log.error("unhandled error", exc_info=error)
-        return detail(500, SAFE_MESSAGES[500])
+        return None
     message, answer = failure
     log.warning(message, extra={"fields": {"error": type(error).__name__}})
     status = CODE_STATUS[answer.code]
     return unavailable_response() if status == 503 else detail(status, answer.message)
+
+
+def unexpected_error_response(error: Exception) -> JSONResponse:
+    """The answer to an exception no route handled: `storage_error_response`'s for a storage
+    failure, else 500 `{"detail": "Internal server error"}`, logged with its traceback."""
+    response = storage_error_response(error)
+    if response is None:
+        log.error("unhandled error", exc_info=error)
+        return detail(500, SAFE_MESSAGES[500])
+    return response

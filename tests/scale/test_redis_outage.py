@@ -10,7 +10,6 @@ reached - every event exactly once, in order - or, when Redis stays away longer 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from urllib.parse import urlsplit
@@ -19,61 +18,9 @@ import pytest
 
 from loopline.assistant.v1 import events_pb2
 from services.orchestrator.backend import RedisEventLog, redis_client
-from tests.blackhole import Blackhole, fails_in_time
+from tests.tcp_proxy import CuttableProxy, fails_in_time
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import _reachable, no_archive
-
-
-class CuttableProxy:
-    """A TCP proxy to Redis that can drop every connection and refuse new ones for a while."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.down = False
-        self.connections: set[asyncio.StreamWriter] = set()
-        self.server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.down:
-            writer.close()
-            return
-        try:
-            upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
-        self.connections.update({writer, upstream_writer})
-
-        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await source.read(65536):
-                    sink.write(data)
-                    await sink.drain()
-            sink.close()
-
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
-        self.connections.difference_update({writer, upstream_writer})
-
-    def cut(self) -> None:
-        """Close every proxied connection and refuse new ones."""
-        self.down = True
-        for writer in list(self.connections):
-            writer.close()
-        self.connections.clear()
-
-    def restore(self) -> None:
-        """Accept connections again."""
-        self.down = False
-
-    async def stop(self) -> None:
-        self.cut()
-        if self.server is not None:
-            self.server.close()
 
 
 def _redis_address() -> tuple[str, int]:
@@ -281,42 +228,29 @@ async def test_billing_rate_counters_answer_at_once_after_redis_comes_back(redis
         await limiter.close()
 
 
-@pytest.fixture
-async def redis_blackhole():
-    """(a proxy to Redis that can start dropping every byte, its URL, key prefix); skips without Redis."""
-    hole = Blackhole(_redis_address())
-    local_port = await hole.start()
-    prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
-    try:
-        yield hole, f"redis://127.0.0.1:{local_port}{urlsplit(redis_url()).path or '/0'}", prefix
-    finally:
-        await hole.stop()
-        await drop_redis_prefix(redis_url(), prefix)
-
-
-async def test_a_follower_of_a_redis_that_stops_answering_ends_with_the_reconnect_frame(redis_blackhole):
+async def test_a_follower_of_a_redis_that_stops_answering_ends_with_the_reconnect_frame(redis_setup):
     # chaos test F5: a Redis that drops packets (not refuses them) held a follower for good (no read
     # timeout); each read now waits 0.7 s at most, and the follower retries for retry_s, then ends
-    hole, url, prefix = redis_blackhole
+    proxy, prefix = redis_setup
 
     def blackhole() -> None:
-        hole.swallowing = True
+        proxy.swallowing = True
 
-    await _follower_ends_with_the_reconnect_frame(prefix, url, blackhole, 6, block_ms=200, timeout_s=0.5)
+    await _follower_ends_with_the_reconnect_frame(prefix, _via(proxy), blackhole, 6, block_ms=200, timeout_s=0.5)
 
 
-async def test_billing_rate_counters_of_a_redis_that_stops_answering_are_unavailable_in_time(redis_blackhole):
+async def test_billing_rate_counters_of_a_redis_that_stops_answering_are_unavailable_in_time(redis_setup):
     # chaos test F5: an Admit on a Redis that drops packets waited for good (no read timeout, 4 attempts)
     from services.billing.rates import RateLimiter
     from services.common import db
 
-    hole, url, prefix = redis_blackhole
-    limiter = RateLimiter(url, key_prefix=f"{prefix}billing", timeout_s=0.5)
+    proxy, prefix = redis_setup
+    limiter = RateLimiter(_via(proxy), key_prefix=f"{prefix}billing", timeout_s=0.5)
     try:
         assert (await limiter.hit("org", "sync_exec", "100/minute")).allowed
-        hole.swallowing = True
+        proxy.swallowing = True
         error = await fails_in_time(lambda: limiter.hit("org", "sync_exec", "100/minute"), 2)
         assert db.unavailable_store(error) == "Redis", repr(error)
     finally:
-        hole.swallowing = False
+        proxy.swallowing = False
         await limiter.close()

@@ -186,7 +186,7 @@ async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_end
     from urllib.parse import urlsplit
 
     from tests.conftest import redis_url
-    from tests.scale.test_redis_outage import CuttableProxy
+    from tests.tcp_proxy import CuttableProxy
 
     target = urlsplit(redis_url())
     proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 6379)
@@ -218,7 +218,7 @@ async def test_a_cancel_through_the_other_replica_during_a_redis_outage_is_503_a
     from urllib.parse import urlsplit
 
     from tests.conftest import redis_url
-    from tests.scale.test_redis_outage import CuttableProxy
+    from tests.tcp_proxy import CuttableProxy
 
     target = urlsplit(redis_url())
     proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 6379)

@@ -11,7 +11,10 @@ import asyncio
 import datetime
 import importlib
 import pathlib
+import sqlite3
 import sys
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
@@ -22,18 +25,52 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 
-SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=30000")
+SQLITE_PRAGMAS = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
+SQLITE_BUSY_TIMEOUT_S = next(int(p.split("=", 1)[1]) for p in SQLITE_PRAGMAS if p.startswith("busy_timeout=")) / 1000
+_PRAGMA_RETRY_S = 0.005
+
+
+def set_sqlite_pragmas(execute: Callable[[str], Any]) -> None:
+    """Run SQLITE_PRAGMAS through `execute` (a DB-API cursor's or sqlite3 connection's
+    `execute`), the busy timeout first.
+
+    `PRAGMA journal_mode=WAL` on a database that another connection is opening at the same
+    moment can answer SQLITE_BUSY ("database is locked") at once: SQLite skips the busy handler
+    where waiting could deadlock (https://www.sqlite.org/c3ref/busy_handler.html). Such a
+    pragma is retried every 5 ms for up to the busy timeout (30 s); any other error, or a
+    database still locked then, is raised (sqlite3.OperationalError). Seen in CI: a service's
+    first connection to a new database file failed and the service never answered."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    for pragma in SQLITE_PRAGMAS:
+        while True:
+            try:
+                execute(f"PRAGMA {pragma}")
+                break
+            except sqlite3.OperationalError as exc:
+                if not _sqlite_busy(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(_PRAGMA_RETRY_S)
+
+
+def _sqlite_busy(exc: sqlite3.OperationalError) -> bool:
+    """True for SQLITE_BUSY / SQLITE_LOCKED ("database is locked", "database table is locked")."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "is locked" in str(exc)
 
 
 def apply_sqlite_pragmas(sync_engine: Any) -> None:
-    """Set WAL, synchronous=NORMAL, foreign keys and a 30 s busy timeout on every new SQLite connection."""
+    """Set a 30 s busy timeout, WAL, synchronous=NORMAL and foreign keys on every new SQLite
+    connection of `sync_engine` (set_sqlite_pragmas)."""
 
     @event.listens_for(sync_engine, "connect")
     def _pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001
         cursor = dbapi_connection.cursor()
-        for pragma in SQLITE_PRAGMAS:
-            cursor.execute(f"PRAGMA {pragma}")
-        cursor.close()
+        try:
+            set_sqlite_pragmas(cursor.execute)
+        finally:
+            cursor.close()
 
 
 DEFAULT_POOL_SIZE = 4  # CommonSettings.db_pool_size

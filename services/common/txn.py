@@ -35,6 +35,7 @@ import collections
 import contextlib
 import datetime
 import json
+import logging
 import queue
 import sqlite3
 import threading
@@ -46,9 +47,10 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.common.db import SQLITE_PRAGMAS
+from services.common.db import SQLITE_BUSY_TIMEOUT_S, set_sqlite_pragmas
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 # The dialect prebuilt statements are compiled with: sqlite3 accepts ":name" parameters
 # from a dict, so the caller's parameter dict is passed straight through.
@@ -280,7 +282,7 @@ class SqliteConnection:
 
 CHECKPOINT_EVERY = 256  # commits of the worker's connection between its WAL checkpoints (PASSIVE, on the worker thread)
 _CHECKPOINT = object()  # queued by an inline commit that reached CHECKPOINT_EVERY: the worker checkpoints
-_BUSY_TIMEOUT_MS = next(int(p.split("=", 1)[1]) for p in SQLITE_PRAGMAS if p.startswith("busy_timeout="))
+_BUSY_TIMEOUT_MS = int(SQLITE_BUSY_TIMEOUT_S * 1000)
 
 
 class _Job(NamedTuple):
@@ -387,12 +389,20 @@ class SqliteWorker:
         _deliver(items)
 
     def _main(self) -> None:
-        raw = self._connect(_BUSY_TIMEOUT_MS)
-        inline = None
+        raw = inline = None
         try:
-            conn = SqliteConnection(raw)
+            raw = self._connect(_BUSY_TIMEOUT_MS)
             if self.database != ":memory:":  # a private in-memory database has one connection: no inline runs
                 inline = self._connect(0)
+        except Exception as exc:  # noqa: BLE001 - every caller hears why (before: the thread died, callers hung)
+            for opened in (raw, inline):
+                if opened is not None:
+                    opened.close()
+            self._refuse(exc)
+            return
+        try:
+            conn = SqliteConnection(raw)
+            if inline is not None:
                 self._raw, self._conn = inline, SqliteConnection(inline)
             stop = False
             while not stop:
@@ -429,11 +439,20 @@ class SqliteWorker:
                     inline.close()
             raw.close()
 
+    def _refuse(self, error: Exception) -> None:
+        """The connection could not be opened: answer every job, queued or to come, with `error`
+        (a sqlite3 error as SQLAlchemy's, e.g. sqlalchemy.exc.OperationalError) until close()."""
+        _log.error("the database %s cannot be opened: %s", self.database, error)
+        if isinstance(error, sqlite3.Error):  # raised as SQLAlchemy's, like a statement's errors
+            error = DBAPIError.instance(None, None, error, sqlite3.Error)
+        while (job := self._queue.get()) is not None:
+            if job is not _CHECKPOINT:
+                self._dispatch([(job, False, error)])
+
     def _connect(self, busy_timeout_ms: int) -> sqlite3.Connection:
         """A connection with SQLITE_PRAGMAS, `busy_timeout_ms`, and no automatic WAL checkpoint (`_checkpoint`)."""
         raw = sqlite3.connect(self.database, isolation_level=None, check_same_thread=False, cached_statements=256)
-        for pragma in SQLITE_PRAGMAS:
-            raw.execute(f"PRAGMA {pragma}")
+        set_sqlite_pragmas(raw.execute)
         raw.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
         raw.execute("PRAGMA wal_autocheckpoint=0")  # the worker thread checkpoints, never a COMMIT on the event loop
         return raw

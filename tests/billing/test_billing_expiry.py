@@ -67,9 +67,8 @@ def test_the_default_hold_outlives_the_slowest_turn_start_and_little_more():
     start charges within the Admit and Charge deadlines (10 s each) plus SQLite's busy timeout
     (30 s) for its rows; the hold is 120 s."""
     from services.billing.config import BillingSettings
-    from services.common.db import SQLITE_PRAGMAS
+    from services.common.db import SQLITE_BUSY_TIMEOUT_S as busy_s
 
-    busy_s = next(int(p.split("=")[1]) for p in SQLITE_PRAGMAS if p.startswith("busy_timeout=")) / 1000
     hold = BillingSettings().billing_hold_seconds
     assert 10 + busy_s + 10 < hold <= 120
 

@@ -287,7 +287,10 @@ async def test_the_end_of_a_run_delivers_every_frame_at_once_even_mid_round():
 
 
 async def test_heartbeats_to_many_listeners_go_out_in_slices_and_reach_every_silent_listener():
-    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=0.05)
+    # 0.5 s, not 0.05: a round spans four loop iterations, and a CI runner that stalled this
+    # process for 50 ms between two of them let the next check beat the first slice again
+    # before the last had its first (CI: "one each" failed)
+    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=0.5)
     transports = [RecordingTransport() for _ in range(3 * fanout_module.FLUSH_SLICE + 7)]
 
     async def send(message: dict[str, Any]) -> None:

@@ -311,6 +311,10 @@ class SqliteWorker:
         database: the SQLite file path (":memory:" gives a private database).
         max_batch: most transactions committed together.
         thread_name: the worker thread's name (shows in py-spy and thread dumps).
+
+    A database the thread cannot open (a directory, no permission, locked past SQLite's busy
+    timeout) fails every transaction submitted, with the error as SQLAlchemy's
+    (`sqlalchemy.exc.OperationalError`), and is logged once.
     """
 
     def __init__(self, database: str, max_batch: int = 256, thread_name: str = "db-txn") -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -65,7 +66,7 @@ from services.gateway.idempotency import (
 from services.gateway.idempotency import request_id as turn_request_id  # "request_id" is also a question's id here
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
 from services.gateway.openapi import error_responses, json_schema_bounds
-from services.gateway.query import WholeNumber, single_query_values
+from services.gateway.query import TrueOrFalse, WholeNumber, single_query_values
 from services.gateway.org_settings import DefaultModels, settings_router
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,9 @@ async def receive_json_object(receive: Receive, declared: str | None, limit: int
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
-    """`raw` parsed as a JSON object; BodyError 400 when empty, not JSON (UTF-8), not an object, or
-    nested deeper than `pb.MAX_JSON_DEPTH` levels of objects and arrays (the body itself is level 1).
+    """`raw` parsed as a JSON object; BodyError 400 when empty, not JSON (UTF-8), not an object,
+    nested deeper than `pb.MAX_JSON_DEPTH` levels of objects and arrays (the body itself is level 1),
+    holding U+0000 in a string, or giving a name twice in one object (RFC 8259 §4, RFC 7493 §2.3).
 
     Every JSON body of the API is read here (`read_json_object`, `receive_json_object`), so the
     depth rule of values that cross a gRPC boundary (services/common/pb.py: protobuf decodes at
@@ -182,7 +184,30 @@ def json_object(raw: bytes) -> dict[str, Any]:
     # the escape \u0000 (a raw control character is invalid), so the common body is never walked.
     if b"\\u0000" in raw and pb.holds_nul(body):
         raise BodyError(400, _NUL)
+    # A name given twice in one object is refused, not read as its last value (RFC 8259 §4: the
+    # names of an object SHOULD be unique, and parsers differ on which value wins; I-JSON, RFC
+    # 7493 §2.3, forbids it). orjson keeps the last silently, so the few bodies with more than
+    # one name are read again by the standard library with a hook that sees every name.
+    if raw.count(b":") > 1:
+        try:
+            json.loads(raw, object_pairs_hook=_unique_names)
+        except _RepeatedName as exc:
+            raise BodyError(400, f"Request body gives the name {bounded(json.dumps(exc.name, ensure_ascii=False), 200)} more than once in one object; give it once") from None
     return body
+
+
+class _RepeatedName(Exception):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object hook: the object, or _RepeatedName for a name it has twice."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedName(next(name for name, _ in pairs if name in seen or seen.add(name)))
+    return obj
 
 
 _NUL = "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
@@ -732,7 +757,7 @@ def create_app(
         )
 
     @app.delete("/assistant/chat/{chat_id}", summary="Delete a chat (soft unless permanent=true)", responses=error_responses(404, 409))
-    async def delete_chat(chat_id: str, request: Request, permanent: bool = False) -> Response:
+    async def delete_chat(chat_id: str, request: Request, permanent: TrueOrFalse = False) -> Response:
         who = await principal(request)
         await refuse_body(request, settings.max_body_bytes)
         r = await orchestrator.DeleteChat(assistant_pb2.DeleteChatRequest(caller=caller(who), chat_id=chat_id, permanent=permanent), timeout=30)

@@ -1,4 +1,5 @@
-"""Query-string rules shared by every gateway route: whole numbers as digits, one value per name.
+"""Query-string rules shared by every gateway route: whole numbers as digits, booleans as
+`true`/`false`, one value per name.
 
 pydantic's lax integer parsing, which FastAPI applies to query parameters, also reads "1_0"
 (as 10), "+1", " 1" and "1.0"; and FastAPI takes the last of a repeated parameter
@@ -32,6 +33,20 @@ def _whole_number(value: Any) -> Any:
 
 #: An integer query parameter written as digits (see the module docstring).
 WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
+
+
+def _true_or_false(value: Any) -> Any:
+    """`value` unchanged when it is not text or is "true" or "false"; raises pydantic's error
+    "Input should be true or false" otherwise."""
+    if isinstance(value, str) and value not in ("true", "false"):
+        raise PydanticCustomError("true_or_false", "Input should be true or false")
+    return value
+
+
+#: A boolean query parameter written `true` or `false`: pydantic's lax booleans also read "1",
+#: "yes", "on", "t", "y" (and their opposites) in any case, and a fresh-eyes test's
+#: `DELETE /assistant/chat/{id}?permanent=yes` deleted a chat for good.
+TrueOrFalse = Annotated[bool, BeforeValidator(_true_or_false)]
 
 
 async def single_query_values(request: Request) -> None:

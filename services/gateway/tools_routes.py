@@ -39,7 +39,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.errors import detail, grpc_error_response
 from services.gateway.identity import Principal
 from services.gateway.openapi import error_responses
-from services.gateway.query import WholeNumber
+from services.gateway.query import TrueOrFalse, WholeNumber
 
 if TYPE_CHECKING:
     from services.gateway.org_settings import HeldDefault
@@ -572,7 +572,7 @@ def tools_router(
         )
 
     @router.get("/credentials/{credential_id}", summary="One credential (masked secret on request)", tags=["credentials"])
-    async def get_credential(credential_id: str, who: Principal = Who, include_masked: bool = False) -> Response:
+    async def get_credential(credential_id: str, who: Principal = Who, include_masked: TrueOrFalse = False) -> Response:
         response = await tools.GetCredential(
             tools_pb2.GetCredentialRequest(organization_id=who.organization_id, credential_id=credential_id, include_masked=include_masked),
             timeout=_TIMEOUT_S,

@@ -244,6 +244,14 @@ ANSWER_FIELD_TYPES: dict[str, tuple[type, str]] = {
 }
 
 
+# A reason or an error message a client writes (a skipped answer's `reason`, a failed
+# credential's `error_message`, a cancel's `reason`): at most this many characters. Each goes
+# into a tool_result or cancelled event every listener gets and into the model's next call
+# (fresh-eyes tests: a 5,000-character cancel reason, a 100,000-character skip reason went).
+MAX_REASON_CHARS = 1000
+_REASON_FIELDS = ("reason", "error_message")
+
+
 def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     """Check `answer` (a UserInputResponse dict) against `request`; returns the normalized answer.
 
@@ -253,7 +261,8 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
     free text for a single choice, empty free text, a selection count outside [min_selections,
     max_selections], text whose length without surrounding whitespace (in code points) is
     outside the length bounds, a credential answer naming another integration than the
-    question's, or a credential_failed answer without an `error_code` of the SDK's (CREDENTIAL_ERROR_CODES).
+    question's, a credential_failed answer without an `error_code` of the SDK's (CREDENTIAL_ERROR_CODES),
+    or a `reason` / `error_message` longer than MAX_REASON_CHARS.
     """
     kind = answer.get("kind")
     expected = request["kind"]
@@ -266,6 +275,8 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
         expected_type = ANSWER_FIELD_TYPES.get(name)
         if expected_type is not None and value is not None and not isinstance(value, expected_type[0]):
             raise InvalidAnswer(f"'{name}' of a {kind} answer must be {expected_type[1]}")
+        if name in _REASON_FIELDS and value is not None and len(value) > MAX_REASON_CHARS:
+            raise InvalidAnswer(f"'{name}' of a {kind} answer must be at most {MAX_REASON_CHARS} characters")
     if kind == "skipped":
         return {"kind": "skipped", "reason": answer.get("reason")}
     if expected == "credential_request":

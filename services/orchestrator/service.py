@@ -49,7 +49,6 @@ TITLE_LENGTH = 50
 REQUEST_ID_LENGTH = 64  # StartTurnRequest.request_id, at most (runs.request_id)
 MAX_CHAT_PAGE_SIZE = 1000  # GetChatRequest.page_size, at most
 CHAT_PAGE_BYTES = 3 * 1024 * 1024  # a GetChat page's messages, at most (a gRPC client's default limit is 4 MiB)
-MAX_CANCEL_REASON_CHARS = 1000  # CancelRequest.reason, at most
 CANCEL_ATTEMPTS = 3  # looks at a chat's active run by one Cancel, when it changes under the cancel (`_cancel_active`)
 REQUEST_CLAIM_WAIT_S = 30.0  # a start waits this long at most for another with its request_id (`_claim_request`)
 REQUEST_CLAIM_POLL_S = 0.02
@@ -693,8 +692,8 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     @unary
     async def Cancel(self, request: assistant_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.CancelResponse:
         """Stop the chat's active run (running or paused); 400-mapped NO_ACTIVE_EXECUTION when there is none."""
-        if len(request.reason) > MAX_CANCEL_REASON_CHARS:  # it goes into the event every listener gets (fresh-eyes test: 5,000 went)
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REASON", f"reason must be at most {MAX_CANCEL_REASON_CHARS} characters")
+        if len(request.reason) > hitl.MAX_REASON_CHARS:  # it goes into the event every listener gets (fresh-eyes test: 5,000 went)
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REASON", f"reason must be at most {hitl.MAX_REASON_CHARS} characters")
         reason = request.reason or "cancelled by user"
         for _ in range(CANCEL_ATTEMPTS):
             answer = await self._cancel_active(request, reason)

@@ -7,6 +7,7 @@ import uuid
 import pytest
 from sqlalchemy import func, select
 
+from services.gateway.app import json_object
 from services.orchestrator.models import Chat, Message, Run
 
 
@@ -112,3 +113,27 @@ async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(stack):
     for answer in (response, nested):
         assert answer.status_code == 400 and len(answer.json()["detail"]) <= 1000
     assert await _counts(stack) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("content", [b'{"message": "hi", "message": "ho"}', b'{"message": "hi", "metadata": {"a": 1, "a": 2}}',
+                                     b'{"message": "hi", "metadata": {"l": [{"\xc3\xa9": 1, "\xc3\xa9": 2}]}}'])
+async def test_a_name_given_twice_in_an_object_is_400_not_its_last_value(stack, content):
+    # fresh-eyes test: {"message": "hi", "message": "ho"} started a turn with "ho" (RFC 8259 §4, RFC 7493 §2.3)
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400
+        assert response.json()["detail"].startswith("Request body gives the name ")
+        assert response.json()["detail"].endswith(" more than once in one object; give it once")
+        credential = await client.post("/credentials", content=b'{"integration_name": "http", "integration_name": "postgresql"}',
+                                       headers={"Content-Type": "application/json"})  # a FastAPI route reads bodies the same way
+        assert credential.status_code == 400 and '"integration_name" more than once' in credential.json()["detail"]
+    assert await _counts(stack) == (0, 0, 0)
+
+
+async def test_the_same_name_in_different_objects_and_colons_in_strings_are_fine(stack):
+    nested = b'{"a": {"a": {"a": 1}}, "b": [{"a": 1}, {"a": 2}], "c": "x: y: z"}'
+    assert json_object(nested) == {"a": {"a": {"a": 1}}, "b": [{"a": 1}, {"a": 2}], "c": "x: y: z"}
+    async with stack.client() as client:
+        response = await client.post("/assistant/chat", content=b'{"message": "a: b: c", "chat_id": null}',
+                                     headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text

@@ -1,4 +1,5 @@
-"""Query strings: integers as digits only, one value per parameter (services/gateway/query.py).
+"""Query strings: integers as digits only, booleans as true/false, one value per parameter
+(services/gateway/query.py).
 
 Fresh-eyes test: `?after=1_0` streamed from frame 10 (pydantic's lax int also reads "+1",
 " 1", "1.0") and `?after=3&after=5` from frame 5 (FastAPI takes the last value).
@@ -47,3 +48,17 @@ async def test_a_query_parameter_given_twice_is_400_naming_it(stack):
             response = await method(url)
             assert response.status_code == 400 and response.json() == {"detail": f"{name}: given more than once; give it once"}, url
         assert (await client.get(f"/assistant/chat/{body['chat_id']}")).status_code == 200  # nothing was deleted
+
+
+@pytest.mark.parametrize("written", ["yes", "1", "on", "True", "t", "no", "0", ""])
+async def test_a_boolean_query_parameter_is_true_or_false_only(stack, written):
+    # fresh-eyes test: DELETE /assistant/chat/{id}?permanent=yes deleted the chat for good
+    async with stack.client() as client:
+        body, _ = await run_turn(client, {"say": "one two three"})
+        deleted = await client.delete(f"/assistant/chat/{body['chat_id']}", params={"permanent": written})
+        assert deleted.status_code == 400 and deleted.json() == {"detail": "permanent: Input should be true or false"}
+        masked = await client.get("/credentials/cred_unknown", params={"include_masked": written})
+        assert masked.status_code == 400 and masked.json() == {"detail": "include_masked: Input should be true or false"}
+        assert (await client.get(f"/assistant/chat/{body['chat_id']}")).status_code == 200  # nothing was deleted
+        assert (await client.delete(f"/assistant/chat/{body['chat_id']}", params={"permanent": "false"})).status_code == 200
+        assert (await client.get("/credentials/cred_unknown", params={"include_masked": "true"})).status_code == 404

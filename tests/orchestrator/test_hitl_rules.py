@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.orchestrator import hitl
 from services.orchestrator.hitl import InvalidAnswer, build_request, validate_answer
 
 OPTIONS = [{"value": "a", "label": "A"}, {"value": "b", "label": "B"}]
@@ -143,3 +144,17 @@ def test_a_value_selected_twice_is_named():
     with pytest.raises(InvalidAnswer, match='^"b" is selected more than once$'):
         validate_answer(request, {"kind": "multi_choice", "selected_values": ["a", "b", "b"]})
     assert validate_answer(request, {"kind": "multi_choice", "selected_values": ["b", "a"]})["selected_values"] == ["b", "a"]
+
+
+@pytest.mark.parametrize(("tool", "kind", "field"), [
+    ("ask_user_yes_no", "skipped", "reason"), ("request_credential", "skipped", "reason"),
+    ("request_credential", "credential_failed", "error_message"),
+])
+def test_a_reason_or_error_message_is_at_most_1000_characters(tool, kind, field):
+    # fresh-eyes test: a 100,000-character skip reason was stored and fed to the model
+    question = {"message": "connect it", "integration": "http"} if tool == "request_credential" else {"message": "say"}
+    request = build_request(tool, question, "req_1")
+    answer = {"kind": kind, **({"error_code": "timeout"} if kind == "credential_failed" else {})}
+    assert validate_answer(request, {**answer, field: "r" * hitl.MAX_REASON_CHARS})[field] == "r" * 1000
+    with pytest.raises(InvalidAnswer, match=f"^'{field}' of a {kind} answer must be at most 1000 characters$"):
+        validate_answer(request, {**answer, field: "r" * (hitl.MAX_REASON_CHARS + 1)})

@@ -21,7 +21,8 @@ most `PULL_SLICE_BYTES` a send, through the ASGI `send` that honours flow contro
 has caught up it returns to being pushed. So one slow listener never holds up the others,
 and one that stops reading holds an index into the shared frames and one slice, not a copy
 of all it has not read (fresh-eyes test: 100 stalled listeners on a 5.6 MB run took the
-gateway from 143 to 850 MiB). The response's start and its end (`more_body: False`) always
+gateway from 143 to 850 MiB); one whose client takes nothing of a send for `STALLED_SEND_S`
+has its connection closed, so a dead client does not keep an ended run's frames alive. The response's start and its end (`more_body: False`) always
 go through ASGI `send`, the end after the listener's own last frame (`_Hub._end_frame`).
 
 Heartbeats (`data: {"type":"heartbeat"}`, not counted by `?after=N`) come from one timer
@@ -67,6 +68,7 @@ _UVICORN_CYCLES = frozenset({
 })
 
 
+STALLED_SEND_S = 60.0  # longest a listener's client may take to accept one send before its connection is closed (nginx's send_timeout)
 STALLED_CLOSE_S = 1.0  # at shutdown, how long a listener's writer may take to send its last frame before its connection is closed
 READY_TIMEOUT_S = 30.0  # longest wait for the orchestrator to accept a stream (the unary calls' deadline)
 
@@ -148,6 +150,21 @@ class _Listener:
         self.finishing = True
         self.pull()
 
+    async def _send(self, message: dict[str, Any]) -> None:
+        """ASGI `send` of `message`, bounded: a client that takes none of it for STALLED_SEND_S
+        (it stopped reading, or its host is gone without a FIN) has its connection closed and
+        TimeoutError is raised. Without this bound such a listener held its run's frames (and the
+        hub) in the gateway for as long as its TCP connection stayed open, a run long ended too."""
+        try:
+            async with asyncio.timeout(STALLED_SEND_S):
+                await self.send(message)
+        except TimeoutError:
+            self.gone = True
+            log.info("closing a stream whose client took nothing for %.0f s", STALLED_SEND_S)
+            if self.transport is not None:
+                self.transport.abort()
+            raise
+
     async def _write(self) -> None:
         hub = self.hub
         try:
@@ -163,18 +180,18 @@ class _Listener:
                     self.index = stop
                     self.fed = True
                     self.last = hub.loop.time()
-                    await self.send({"type": "http.response.body", "body": body, "more_body": True})
+                    await self._send({"type": "http.response.body", "body": body, "more_body": True})
                 elif self.pending:
                     body = b"".join(self.pending)
                     self.pending.clear()
-                    await self.send({"type": "http.response.body", "body": body, "more_body": True})
+                    await self._send({"type": "http.response.body", "body": body, "more_body": True})
                 elif self.finishing and not self.ended:
                     self.ended = True
                     frame = hub._end_frame(self)  # every frame is handed over: its position is final
                     if frame is not None:
                         self.pending.append(frame)
                 elif self.finishing:
-                    await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await self._send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
                 else:
                     return  # caught up: pushed again by the hub's rounds

@@ -169,6 +169,13 @@ class FakeTransport:
         return False
 
 
+class AbortableTransport(FakeTransport):
+    aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
 async def test_a_listener_that_stops_reading_does_not_hold_up_the_others():
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
@@ -632,12 +639,6 @@ async def test_a_stopped_gateway_closes_a_listener_that_cannot_take_its_last_fra
     hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
     await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
 
-    class AbortableTransport(FakeTransport):
-        aborted = False
-
-        def abort(self) -> None:
-            self.aborted = True
-
     stalled_transport = AbortableTransport(backlog=10 * 1024 * 1024)
     stalled = _Listener(hub, 0, SlowClient().send, stalled_transport)  # type: ignore[arg-type]
     reader_client = AsgiClient()
@@ -652,3 +653,37 @@ async def test_a_stopped_gateway_closes_a_listener_that_cannot_take_its_last_fra
     assert stalled_transport.aborted and stalled.writer is None
     await until(lambda: reader_client.complete.is_set())
     assert reader_client.frames()[-1] == fanout_module.broken_frame(1)
+
+
+async def test_a_client_that_takes_nothing_for_stalled_send_s_has_its_connection_closed(monkeypatch):
+    """A listener that stopped reading (or whose host vanished without a FIN) held its run's
+    frames and hub in the gateway for as long as its connection stayed open, the run long
+    ended too. A send it takes none of within STALLED_SEND_S closes its connection (uvicorn then
+    reports the disconnect, and the listener leaves); a listener that reads is not touched."""
+    monkeypatch.setattr(fanout_module, "STALLED_SEND_S", 0.5)
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
+    stalled_transport = AbortableTransport(backlog=10 * 1024 * 1024)
+    stalled = _Listener(hub, 0, AsgiClient(block_sends=True).send, stalled_transport)  # type: ignore[arg-type]
+    reader_client = SlowClient()  # takes each send after ~0.05 s: slow, within the bound
+    reader = _Listener(hub, 0, reader_client.send, AbortableTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
+    hub.attach(stalled)
+    hub.attach(reader)
+    for i in range(3):
+        stub.calls[0].queue.put_nowait(chunk_event(i, "a"))
+    stub.calls[0].queue.put_nowait(done_event(3))
+    stub.calls[0].queue.put_nowait(None)
+
+    async def read_slowly() -> None:
+        while not reader_client.complete.is_set():
+            await asyncio.sleep(0.05)
+            reader_client.release.set()
+            reader_client.release.clear()
+
+    reading = asyncio.create_task(read_slowly())
+    await until(lambda: stalled_transport.aborted)  # before: never
+    await until(lambda: stalled.writer is None)
+    assert stalled.gone
+    await asyncio.wait_for(reading, 5)
+    assert len(reader_client.frames()) == 4 and not reader.transport.aborted  # type: ignore[union-attr]

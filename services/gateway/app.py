@@ -193,6 +193,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
             json.loads(raw, object_pairs_hook=_unique_names)
         except _RepeatedName as exc:
             raise BodyError(400, f"Request body gives the name {bounded(json.dumps(exc.name, ensure_ascii=False), 200)} more than once in one object; give it once") from None
+        except (ValueError, RecursionError):  # a limit of the second parser only: orjson read the body
+            pass
     return body
 
 

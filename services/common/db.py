@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 
-SQLITE_PRAGMAS = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
-SQLITE_BUSY_TIMEOUT_S = next(int(p.split("=", 1)[1]) for p in SQLITE_PRAGMAS if p.startswith("busy_timeout=")) / 1000
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+SQLITE_BUSY_TIMEOUT_S = SQLITE_BUSY_TIMEOUT_MS / 1000
+SQLITE_PRAGMAS = (f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
 _PRAGMA_RETRY_S = 0.005
 
 
@@ -53,11 +54,9 @@ def set_sqlite_pragmas(execute: Callable[[str], Any]) -> None:
 
 
 def _sqlite_busy(exc: sqlite3.OperationalError) -> bool:
-    """True for SQLITE_BUSY / SQLITE_LOCKED ("database is locked", "database table is locked")."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-    return "is locked" in str(exc)
+    """True for SQLITE_BUSY / SQLITE_LOCKED ("database is locked", "database table is locked"),
+    read from the primary result code SQLite sets on its errors (Python 3.11+)."""
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def apply_sqlite_pragmas(sync_engine: Any) -> None:

@@ -47,7 +47,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.common.db import SQLITE_BUSY_TIMEOUT_S, set_sqlite_pragmas
+from services.common.db import SQLITE_BUSY_TIMEOUT_MS, set_sqlite_pragmas
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -282,7 +282,6 @@ class SqliteConnection:
 
 CHECKPOINT_EVERY = 256  # commits of the worker's connection between its WAL checkpoints (PASSIVE, on the worker thread)
 _CHECKPOINT = object()  # queued by an inline commit that reached CHECKPOINT_EVERY: the worker checkpoints
-_BUSY_TIMEOUT_MS = int(SQLITE_BUSY_TIMEOUT_S * 1000)
 
 
 class _Job(NamedTuple):
@@ -395,7 +394,7 @@ class SqliteWorker:
     def _main(self) -> None:
         raw = inline = None
         try:
-            raw = self._connect(_BUSY_TIMEOUT_MS)
+            raw = self._connect(SQLITE_BUSY_TIMEOUT_MS)
             if self.database != ":memory:":  # a private in-memory database has one connection: no inline runs
                 inline = self._connect(0)
         except Exception as exc:  # noqa: BLE001 - every caller hears why (before: the thread died, callers hung)

@@ -208,7 +208,10 @@ def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        raise _RepeatedName(next(name for name, _ in pairs if name in seen or seen.add(name)))
+        for name, _ in pairs:
+            if name in seen:
+                raise _RepeatedName(name)
+            seen.add(name)
     return obj
 
 

@@ -22,8 +22,9 @@ has caught up it returns to being pushed. So one slow listener never holds up th
 and one that stops reading holds an index into the shared frames and one slice, not a copy
 of all it has not read (fresh-eyes test: 100 stalled listeners on a 5.6 MB run took the
 gateway from 143 to 850 MiB); one whose client takes nothing of a send for `STALLED_SEND_S`
-has its connection closed, so a dead client does not keep an ended run's frames alive. The response's start and its end (`more_body: False`) always
-go through ASGI `send`, the end after the listener's own last frame (`_Hub._end_frame`).
+has its connection closed, so a dead client does not keep an ended run's frames alive. The
+response's start and its end (`more_body: False`) always go through ASGI `send`, the end
+after the listener's own last frame (`_Hub._end_frame`).
 
 Heartbeats (`data: {"type":"heartbeat"}`, not counted by `?after=N`) come from one timer
 per hub, instead of a timer per listener: when the first listener falls silent for

@@ -533,14 +533,16 @@ class RunFanout:
             metadata = await call.initial_metadata()
             if any(key == STREAM_READY for key, _ in metadata or ()):
                 _set_ready(hub)
+            last = ""
             async for item in call:
                 _set_ready(hub)
-                if item.events:
-                    for event in item.events:
-                        hub.publish(sse.encode(event, outputs))
-                else:
-                    hub.publish(sse.encode(item.event, outputs))
+                for event in item.events or (item.event,):
+                    hub.publish(sse.encode(event, outputs))
+                    last = event.WhichOneof("payload") or ""
             _set_ready(hub)
+            if last not in _STREAM_ENDS:  # ended without the run's end nor the orchestrator's reconnect frame
+                log.warning("run stream ended without its end", extra={"fields": {"run_id": run_id}})
+                hub.broken = True
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -558,6 +560,10 @@ class RunFanout:
 
 
 STREAM_BATCH = 128  # StreamRunRequest.max_batch: events per upstream message at most
+# the last event of an upstream stream that ended well: the run's end (a paused run's may be followed
+# by `run_resumed`), or the orchestrator's own `error` frame that names where to reconnect; any
+# other end is a broken stream (`broken_frame`)
+_STREAM_ENDS = frozenset({"done", "cancelled", "interrupted", "run_resumed", "error"})
 
 
 def _set_ready(hub: _Hub) -> None:

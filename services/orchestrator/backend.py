@@ -137,7 +137,10 @@ class MemoryBackend(RunBackend):
 
 # ---------------------------------------------------------------------------- Redis
 
-# KEYS: stream, meta. ARGV[1]: maxlen, ARGV[2]: ttl ms after the end; then one triple per
+# KEYS: stream, meta. ARGV[1]: maxlen, ARGV[2]: ttl ms after the end, ARGV[3]: how many of the
+# writer's events the stream already holds (-1: unknown); when that is more than 0 and the run's
+# meta is gone (Redis restarted empty, or the keys were deleted), nothing is written and the call
+# returns {"lost"}: the writer then writes its whole copy again first. Then one triple per
 # operation, applied in order in one atomic call: (op, seq, payload) with op "e" (append the
 # event `payload` as seq, -1 meaning the next one; an entry already stored at that seq is
 # left as it is, and nothing is appended to a closed run: a writer whose run another replica
@@ -149,9 +152,10 @@ _BATCH = """
 local maxlen, ttl = ARGV[1], ARGV[2]
 local nxt = redis.call('HGET', KEYS[2], 'next')
 nxt = nxt and tonumber(nxt) or -1
+if nxt < 0 and tonumber(ARGV[3]) > 0 then return {'lost'} end
 local closed = redis.call('HGET', KEYS[2], 'closed') == '1'
 local results = {}
-for i = 3, #ARGV, 3 do
+for i = 4, #ARGV, 3 do
   local op = ARGV[i]
   if op == 'e' then
     local seq = tonumber(ARGV[i + 1])
@@ -189,6 +193,10 @@ return 0
 """
 
 
+class StreamLost(Exception):
+    """Redis no longer holds the stream of a run this process writes (restarted empty)."""
+
+
 def _redis_errors() -> tuple[type[BaseException], ...]:
     import redis.exceptions
 
@@ -224,6 +232,7 @@ class _Writer:
     forget_when_written: bool = False
     failing_since: float | None = None  # monotonic time the current Redis outage began for this writer
     changed: asyncio.Future | None = None
+    probe: bool = False  # send a batch even with nothing queued: does Redis still hold the stream? (`restore_lost`)
 
     def notify(self) -> None:
         """Wake the local followers (one shared future, replaced at each wake)."""
@@ -280,17 +289,23 @@ class RedisEventLog:
         self.open_wait_s = open_wait_s
         self._writers: dict[str, _Writer] = {}
         self._batch = redis.register_script(_BATCH)
+        self.reader: Any = None  # the replica's StreamReader, shared by its followers (RedisBackend)
 
     def _keys(self, run_id: str) -> tuple[str, str]:
         return f"{self.prefix}run:{run_id}:events", f"{self.prefix}run:{run_id}:meta"
 
-    async def _run_batch(self, run_id: str, items: list[tuple[str, int, bytes]]) -> list[int]:
-        """One atomic `_BATCH` call for `items` ((op, seq, payload), in order); its per-event results."""
+    async def _run_batch(self, run_id: str, items: list[tuple[str, int, bytes]], stored: int = -1) -> list[int]:
+        """One atomic `_BATCH` call for `items` ((op, seq, payload), in order); its per-event
+        results. `stored`: how many events the caller already wrote (-1: not its own run);
+        raises StreamLost when the stream should hold some and Redis has lost it."""
         stream, meta = self._keys(run_id)
-        args: list[Any] = [self.max_len, self.ttl_ms]
+        args: list[Any] = [self.max_len, self.ttl_ms, stored]
         for kind, seq, payload in items:
             args += ("e" if kind == "event" else "o" if kind == "open" else "c", seq, payload)
-        return [int(value) for value in await self._batch(keys=[stream, meta], args=args)]
+        results = await self._batch(keys=[stream, meta], args=args)
+        if results and results[0] == b"lost":
+            raise StreamLost(run_id)
+        return [int(value) for value in results]
 
     # ------------------------------------------------------------------ the owner's side
 
@@ -353,7 +368,8 @@ class RedisEventLog:
 
         A batch is atomic in Redis; after a failure it is sent again whole, and entries a lost
         reply had already stored are recognized by their seq (no duplicate). On a first attempt
-        an event whose seq was already taken marks the writer `diverged`.
+        an event whose seq was already taken marks the writer `diverged`. When Redis lost the
+        stream (`StreamLost`), the whole copy is queued again first (`_rewrite`).
         """
         errors = _redis_errors()
         reported = False
@@ -361,10 +377,13 @@ class RedisEventLog:
             await writer.wake.wait()
             await asyncio.sleep(0)  # one loop turn: events published by tasks ready now join this batch
             writer.wake.clear()
-            while writer.queue:
+            while writer.queue or writer.probe:
                 batch = list(writer.queue)
                 try:
-                    results = await self._run_batch(run_id, batch)
+                    results = await self._run_batch(run_id, batch, -1 if writer.diverged else writer.written)
+                except StreamLost:
+                    self._rewrite(run_id, writer)
+                    continue
                 except errors as error:
                     now = time.monotonic()
                     failing_since = writer.failing_since = writer.failing_since or now
@@ -381,6 +400,7 @@ class RedisEventLog:
                     writer.diverged = True
                     log.warning("run events already stored by another writer", extra={"fields": {"run_id": run_id}})
                 writer.failing_since = None
+                writer.probe = False
                 del writer.queue[: len(batch)]
                 writer.written += len(results)
                 writer.notify()
@@ -388,6 +408,40 @@ class RedisEventLog:
             if writer.forget_when_written and writer.closed:
                 self.forget(run_id)
                 return
+
+    @staticmethod
+    def _rewrite(run_id: str, writer: _Writer) -> None:
+        """Queue the writer's whole copy again, before what is queued: Redis lost the stream
+        (restarted without persistence). Its followers here wait until it is stored again."""
+        items: list[tuple[str, int, bytes]] = [("open", -1, b"")]
+        items += [("event", event.seq, event.SerializeToString()) for event in writer.local[:writer.written]]
+        if writer.closed and not writer.queue:  # its close was stored: store it again
+            items.append(("close", -1, b""))
+        writer.queue[:0] = items
+        writer.written = 0
+        log.warning("Redis lost a run's stream: written again from this replica's copy",
+                    extra={"fields": {"run_id": run_id, "events": len(items) - 1}})
+
+    async def restore_lost(self) -> int:
+        """Probe the streams of this process's runs that Redis may have lost (one pipelined
+        EXISTS of their meta hashes): the writer of each missing one checks atomically and
+        writes its whole copy again (`StreamLost`). Returns how many writers were asked."""
+        suspects = [(run_id, writer) for run_id, writer in self._writers.items()
+                    if writer.written and not writer.diverged and writer.task is not None and not writer.task.done()]
+        if not suspects:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id, _ in suspects:
+                pipe.exists(self._keys(run_id)[1])
+            found = await pipe.execute()
+        asked = 0
+        for (_, writer), exists in zip(suspects, found, strict=True):
+            if not exists:
+                writer.probe = True
+                writer.idle.clear()
+                writer.wake.set()
+                asked += 1
+        return asked
 
     async def flush(self, run_id: str, timeout: float | None = None) -> None:
         """Wait until the queued items of the run are written (at most `timeout`, by default
@@ -580,12 +634,19 @@ class RedisEventLog:
 
     async def _follow_stream(self, run_id: str, index: int) -> AsyncIterator[list[events_pb2.Event]]:
         """`follow_batches` through Redis (a list per `XREAD`): `XREAD BLOCK` from `index`; the meta hash is read at the start,
-        when a read returns nothing and after a terminal event (is the run closed?)."""
+        when a read returns nothing and after a terminal event (is the run closed?).
+
+        A run with neither a stream nor an archive is waited for: `open_wait_s` before its
+        stream was seen (it may not have started), `retry_s` once it was (Redis lost it: its
+        owner writes it again from its copy within a second, `restore_lost`, or the archive
+        comes with the run's end). Then, as after `retry_s` without Redis, the follower ends
+        with the reconnect `error` frame naming `index`: never without a terminal frame."""
         stream, _ = self._keys(run_id)
         errors = _redis_errors()
         failing_since: float | None = None
         delay = 0.05
-        waited_open = time.monotonic()
+        missing_since = time.monotonic()
+        missing_bound = self.open_wait_s
         last_terminal = False
         check_meta = True
         while True:
@@ -594,16 +655,20 @@ class RedisEventLog:
                     exists, closed, nxt = await self._meta(run_id)
                     if not exists:
                         archived = await self.archive_loader(run_id)
-                        if archived or time.monotonic() - waited_open > self.open_wait_s:
+                        if archived:
                             if archived[index:]:
                                 yield archived[index:]
                             return
-                        await asyncio.sleep(0.05)
+                        if time.monotonic() - missing_since > missing_bound:
+                            yield [_error_event(run_id, index, stream_interrupted(index, "the run's events are not available"))]
+                            return
+                        await asyncio.sleep(0.05 if missing_bound == self.open_wait_s else 0.25)
                         continue
+                    missing_since, missing_bound = time.monotonic(), self.retry_s
                     if closed and index >= nxt:
                         return
                 block = 50 if last_terminal else self.block_ms
-                response = await self.redis.xread({stream: f"0-{index}"}, count=512, block=block)
+                response = await self._xread(stream, index, block)
                 failing_since, delay = None, 0.05
             except errors as error:
                 now = time.monotonic()
@@ -618,26 +683,33 @@ class RedisEventLog:
                 continue
             check_meta = not response
             batch: list[events_pb2.Event] = []
-            for _, entries in response or ():
-                for entry_id, fields in entries:
-                    event = _decode(entry_id, fields)
-                    if event.seq < index:
-                        continue
-                    if event.seq > index:
-                        archived = await self.archive_loader(run_id)
-                        if len(archived) > index:
-                            batch.extend(archived[index:event.seq])
-                        else:
-                            yield [*batch, _error_event(run_id, index, "Events of this run are no longer available "
-                                                        f"(the stream was trimmed past index {index}).")]
-                            return
-                    index = event.seq + 1
-                    last_terminal = is_terminal(event)
-                    batch.append(event)
+            for entry_id, fields in response:
+                event = _decode(entry_id, fields)
+                if event.seq < index:
+                    continue
+                if event.seq > index:
+                    archived = await self.archive_loader(run_id)
+                    if len(archived) > index:
+                        batch.extend(archived[index:event.seq])
+                    else:
+                        yield [*batch, _error_event(run_id, index, "Events of this run are no longer available "
+                                                    f"(the stream was trimmed past index {index}).")]
+                        return
+                index = event.seq + 1
+                last_terminal = is_terminal(event)
+                batch.append(event)
             if batch:
                 yield batch
             if last_terminal:
                 check_meta = True
+
+    async def _xread(self, stream: str, index: int, block_ms: int) -> list[tuple[Any, Any]]:
+        """The entries of `stream` from seq `index` on, waiting up to `block_ms` for some:
+        through the shared `StreamReader` when there is one, else one `XREAD` of its own."""
+        if self.reader is not None:
+            return await self.reader.read(stream, f"0-{index}", block_ms)
+        response = await self.redis.xread({stream: f"0-{index}"}, count=512, block=block_ms)
+        return [entry for _, entries in response or () for entry in entries]
 
 
 def _decode(entry_id: bytes | str, fields: dict[Any, Any]) -> events_pb2.Event:
@@ -675,11 +747,15 @@ class RedisBackend(RunBackend):
     distributed = True
 
     def __init__(self, url: str, prefix: str, archive_loader: ArchiveLoader, *, max_len: int = 10_000,
-                 ttl_s: float = 86_400, claim_ttl_s: float = 60.0, retry_s: float = 30.0) -> None:
-        self.redis = redis_client(url)
+                 ttl_s: float = 86_400, claim_ttl_s: float = 60.0, retry_s: float = 30.0,
+                 max_connections: int = 32, readers: int = 2) -> None:
+        from services.orchestrator.stream_reader import StreamReader  # noqa: PLC0415 - Redis deployments only
+
+        self.redis = redis_client(url, max_connections=max_connections)
         self.prefix = prefix
         self.claim_ttl_ms = max(1, int(claim_ttl_s * 1000))
         self.events = RedisEventLog(self.redis, prefix, max_len, ttl_s, archive_loader, retry_s=retry_s)
+        self.events.reader = StreamReader(self.redis, f"{prefix}reader:{secrets.token_hex(6)}", shards=readers)
         self._release = self.redis.register_script(_RELEASE)
         self._releasing: set[asyncio.Task] = set()  # claims of unknown outcome being released (`try_claim`)
         self._channel = f"{prefix}cancels"
@@ -739,6 +815,7 @@ class RedisBackend(RunBackend):
         for task in list(self._releasing):  # those claims expire by themselves
             task.cancel()
         await self.events.aclose()
+        await self.events.reader.aclose()
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -804,15 +881,20 @@ class RedisBackend(RunBackend):
         return {run_id: value.decode() for run_id, value in zip(run_ids, values, strict=True) if value is not None}
 
 
-def redis_client(url: str, block_ms: int = XREAD_BLOCK_MS, timeout_s: float = db.REDIS_TIMEOUT_S) -> Any:
+def redis_client(url: str, block_ms: int = XREAD_BLOCK_MS, timeout_s: float = db.REDIS_TIMEOUT_S,
+                 max_connections: int | None = None) -> Any:
     """A `redis.asyncio.Redis` for the backend (`db.redis_client_options`): 5 s to connect,
     `timeout_s` plus `block_ms` (the longest `XREAD BLOCK` it sends) for each reply,
     a PING before a command on a connection idle for 10 s, and at most 3 quick retries of a
-    connection error (our own loops bound the total retry time)."""
+    connection error (our own loops bound the total retry time). With `max_connections` its
+    pool holds at most that many and a command waits for a free one instead of failing."""
     import redis.asyncio as aioredis
 
-    return aioredis.Redis.from_url(url, health_check_interval=10,
-                                   **db.redis_client_options(timeout_s + block_ms / 1000))
+    options = {"health_check_interval": 10, **db.redis_client_options(timeout_s + block_ms / 1000)}
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=None, **options)
+    return aioredis.Redis(connection_pool=pool)
 
 
 def make_backend(settings: Any, archive_loader: ArchiveLoader) -> RunBackend:
@@ -822,6 +904,7 @@ def make_backend(settings: Any, archive_loader: ArchiveLoader) -> RunBackend:
             settings.redis_url, settings.redis_key_prefix, archive_loader,
             max_len=settings.run_events_max_len, ttl_s=settings.run_events_ttl_s,
             claim_ttl_s=settings.chat_claim_ttl_s, retry_s=settings.redis_retry_s,
+            max_connections=settings.redis_max_connections, readers=settings.redis_readers,
         )
     return MemoryBackend(archive_loader=archive_loader, max_runs=settings.event_log_max_runs,
                          max_bytes=settings.event_log_max_bytes)

@@ -58,6 +58,11 @@ class OrchestratorSettings(CommonSettings):
         redis_retry_s: seconds followers keep retrying an unreachable Redis, then end with an
             `error` event (0 = no retry); event writers retry until Redis answers and log an
             ERROR once this much time has passed.
+        redis_max_connections: the most Redis connections one orchestrator holds (a pool every
+            command shares, waited for when all are busy, never an error); the shared follower
+            reads take `redis_readers` more, each on a connection of its own.
+        redis_readers: connections over which one replica's followers of runs it does not own
+            share their blocking stream reads (`StreamReader`).
         run_lease_s: crash-detection bound in seconds: a running run whose loop stopped renewing
             its lease (its process died) is failed by any replica within this time.
         cancel_wait_s: how long Cancel waits for a run on another replica to stop (0 = looks once).
@@ -98,6 +103,8 @@ class OrchestratorSettings(CommonSettings):
     run_events_ttl_s: float = Field(default=86_400.0, gt=0, le=MAX_SECONDS)
     chat_claim_ttl_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
     redis_retry_s: float = Field(default=30.0, ge=0, le=MAX_SECONDS)
+    redis_max_connections: int = Field(default=32, ge=2, le=10_000)
+    redis_readers: int = Field(default=2, ge=1, le=64)
     run_lease_s: float = Field(default=30.0, gt=0, le=MAX_SECONDS)
     cancel_wait_s: float = Field(default=10.0, ge=0, le=MAX_SECONDS)
     idempotency_ttl_s: float = Field(default=86_400.0, gt=0, le=MAX_SECONDS)

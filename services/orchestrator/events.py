@@ -105,6 +105,10 @@ class EventLog(Protocol):
         """The runs of which this process holds published events the log has not stored yet (a
         durable log while its store is away): they are still this process's to write."""
 
+    async def restore_lost(self) -> int:
+        """Store again the runs of this process whose stored events the log's store lost (a
+        Redis restarted empty); returns how many were found missing."""
+
     async def events_of(self, run_id: str) -> list[events_pb2.Event]:
         """Every stored event of the run, in order (the durable archive when the log is gone)."""
 
@@ -229,6 +233,10 @@ class MemoryEventLog:
     def unstored_runs(self) -> list[str]:
         """None: appends are stored at once."""
         return []
+
+    async def restore_lost(self) -> int:
+        """Nothing is lost: the log lives and dies with this process."""
+        return 0
 
     async def events_of(self, run_id: str) -> list[events_pb2.Event]:
         """The run's events in memory, or its archived events when it is not in memory."""

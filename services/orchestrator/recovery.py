@@ -1,32 +1,33 @@
-"""Run leases, the crash reaper and cross-replica cancel delivery (issue 8).
+"""Run leases, the crash reaper and cross-replica cancel delivery.
 
-Every orchestrator replica runs one `RunSupervisor` task that, each tick (`run_lease_s`/30,
-at most 1 s):
+Run ownership is decided in the orchestrator database alone: a run belongs to the replica
+that renews `runs.lease_until`, and any replica may end a run whose lease lapsed. Redis
+carries events, cancel flags and claims, and may be slow, away or emptied without a live
+run losing its lease. Every replica runs three independent tasks (`RunSupervisor.start`),
+so that no step waits on another's store:
 
-- polls the cancel flags of its active runs (Redis backend), so a cancel whose pub/sub
-  message was lost still stops the loop within a second;
-- every `run_lease_s`/4 renews `runs.lease_until = now + 3/4 * run_lease_s` for its active
-  runs (one UPDATE), so two renewals may be missed before a lease lapses;
-- every `run_lease_s`/6 reaps: a `running` run whose lease lapsed (or that never got one
-  and was last updated more than `run_lease_s` ago) and that is not active here belongs
-  to a replica that died. One replica wins a conditional UPDATE to `failed`; it gives a
-  tool call cut off by the crash its error result (the thread stays valid), clears the
-  chat's `running_id`, publishes a `tool_result` for a streamed call the crash cut off,
-  then `error` and `done {error: true}` (listing the run's tool calls) on the run's stream,
-  and archives the events. The turn's reservation is left alone: its run charge was stored
-  with the run (`usage.RunCharges`) and reaches billing from the outbox (`Redelivery`), so
-  the lost turn costs its one run credit like any other (spec "Persist and charge"); a
-  Release here would race that charge and void it;
-- in the same pass settles ended runs still due (`runs.archive_due`: the end is stored, the
-  event log's end and archive were not, on a durable log) whose lease lapsed: their replica
-  died between the two (a crash right after the run's end was stored, the crash reaper's own
-  publication failing while Redis was away, a failed archive's retries lost with their
-  process). One replica wins the run for a lease; it appends the terminal events the stored
-  end calls for when the log has none (`_ending`: what the loop would have published), then
-  archives the log and clears the mark. Until then a follower of such a run waited for good
-  on an open stream. The run's owner renews the lease of its ended runs while their events
-  wait for Redis or their archive is retried (`TurnRunner.unsettled_runs`), so a live replica
-  keeps its runs.
+- **lease renewal** (database only, its own connection pool: `lease_sessions`): every
+  `run_lease_s`/4 pushes `runs.lease_until = now + 3/4 * run_lease_s` for the runs this
+  replica executes and its ended runs still due (one UPDATE), so two renewals may be missed
+  before a lease lapses. A run it executes that is no longer `running` there was ended by
+  another replica (this one stalled past its lease): it is stopped here, its late writes
+  refused (`RunTakenOver`, the `_BATCH` fence);
+- **reaping** (database, then events): every `run_lease_s`/6 ends each `running` run whose
+  lease lapsed and that is not active here: its replica died. One replica wins a conditional
+  UPDATE to `failed`; it gives a tool call cut off by the crash its error result (the thread
+  stays valid), clears the chat's `running_id`, publishes a `tool_result` for a streamed call
+  the crash cut off, then `error` and `done {error: true}` (listing the run's tool calls) on
+  the run's stream, and archives the events. The turn's reservation is left alone: its run
+  charge was stored with the run (`usage.RunCharges`) and reaches billing from the outbox.
+  The same pass settles ended runs still due (`runs.archive_due`: the end is stored, the
+  event log's end and archive were not) whose lease lapsed: their replica died between the
+  two. One replica wins the run for a lease, appends the terminal events the stored end
+  calls for when the log has none (`_ending`), archives the log and clears the mark;
+- **Redis polling** (Redis only, distributed backend): every tick (`run_lease_s`/30, at most
+  1 s) reads the cancel flags of the runs active here, so a cancel whose pub/sub message was
+  lost still stops the loop within a second, and has the event log restore the streams of
+  this replica's runs that Redis lost (`RedisEventLog.restore_lost`: a restart without
+  persistence).
 
 A run gets its first lease when its row is written (`lease_deadline`), so a crashed run is
 failed at most 3/4 + 1/6 of `run_lease_s` after its last renewal or its start (the lease,
@@ -58,59 +59,72 @@ LOST_MESSAGE = "The turn was interrupted: the server running it stopped unexpect
 
 
 class RunSupervisor:
-    """Leases, reaping and cancel polling for one orchestrator replica.
+    """Leases, reaping and Redis polling for one orchestrator replica (module docstring).
 
     Args:
         settings: orchestrator settings (`run_lease_s`).
         sessions: async session factory of the orchestrator database.
         runner: this replica's `TurnRunner` (active runs, cancel, archive).
         backend: the shared `RunBackend` (events, cancel flags).
+        lease_sessions: the session factory lease renewal uses (its own pool on PostgreSQL,
+            so that busy request handlers cannot delay it); `sessions` when None.
     """
 
-    def __init__(self, settings: Any, sessions: Any, runner: Any, backend: Any) -> None:
+    def __init__(self, settings: Any, sessions: Any, runner: Any, backend: Any, lease_sessions: Any = None) -> None:
         self.settings = settings
         self.sessions = sessions
+        self.lease_sessions = lease_sessions or sessions
         self.runner = runner
         self.backend = backend
         self.lease_s = float(settings.run_lease_s)
         self.tick_s = max(0.05, min(1.0, self.lease_s / 30))
         self.period_s = self.lease_s / 4
         self.reap_period_s = self.lease_s / 6
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        """Start the background task (idempotent)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._main(), name="run-supervisor")
+        """Start the independent tasks: lease renewal, reaping, and (with Redis) Redis polling (idempotent)."""
+        if self._tasks:
+            return
+        loops = [("lease renewal", self.period_s, self.renew, "leases are renewed once the database answers"),
+                 ("run reaper", self.reap_period_s, self._reap_and_settle, "reaping and settling wait until it answers")]
+        if self.backend.distributed:
+            loops.append(("Redis polling", self.tick_s, self.poll_redis, "cancel flags are read once Redis answers"))
+        self._tasks = [asyncio.create_task(self._every(what, period, step, waiting), name=f"run-supervisor: {what}")
+                       for what, period, step, waiting in loops]
 
     async def stop(self) -> None:
-        """Stop the background task."""
-        if self._task is not None:
-            await stop_task(self._task)
-            self._task = None
+        """Stop the background tasks."""
+        for task in self._tasks:
+            await stop_task(task)
+        self._tasks = []
 
-    async def _main(self) -> None:
+    @staticmethod
+    async def _every(what: str, period_s: float, step: Any, waiting: str) -> None:
+        """Run `step` every `period_s` seconds; a failed pass is logged (`PassLog`) and the next one tried."""
+        passes = PassLog(log, what, waiting)
         loop = asyncio.get_running_loop()
-        next_renew = next_reap = loop.time()
-        passes = PassLog(log, "run supervisor", "leases, reaping and settling wait until it answers")
         while True:
+            started = loop.time()
             try:
-                if self.backend.distributed and self.runner.active:
-                    await self.poll_cancels()
-                if loop.time() >= next_renew:
-                    next_renew = loop.time() + self.period_s
-                    await self.renew()
-                if loop.time() >= next_reap:
-                    next_reap = loop.time() + self.reap_period_s
-                    await self.reap()
-                    await self.settle_ended()
+                await step()
             except asyncio.CancelledError:
                 raise
             except Exception as error:
                 passes.failed(error)
             else:
                 passes.passed()
-            await asyncio.sleep(self.tick_s)
+            await asyncio.sleep(max(0.0, started + period_s - loop.time()))
+
+    async def _reap_and_settle(self) -> None:
+        await self.reap()
+        await self.settle_ended()
+
+    async def poll_redis(self) -> None:
+        """Cancel flags of the runs active here, then the streams Redis lost (module docstring)."""
+        if self.runner.active:
+            await self.poll_cancels()
+        await self.backend.events.restore_lost()
 
     async def poll_cancels(self) -> None:
         """Cancel active runs of this replica whose cancel flag is set."""
@@ -127,7 +141,7 @@ class RunSupervisor:
         if not run_ids:
             return 0
         until = utcnow() + datetime.timedelta(seconds=self.lease_s * 0.75)
-        async with self.sessions() as session, session.begin():
+        async with self.lease_sessions() as session, session.begin():
             result = await session.execute(
                 update(Run).where(Run.id.in_(run_ids), or_(Run.status == "running", Run.archive_due.is_not(None)))
                 .values(lease_until=until).returning(Run.id)

@@ -53,7 +53,11 @@ class OrchestratorServer:
         self.store = TurnStore(self.engine)
         self.runner = TurnRunner(settings, sessions, self.store, self.backend.events, billing, tools)
         await self.backend.start(self._on_cancel)
-        self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend)
+        # leases on connections of their own: request handlers holding the pool cannot delay a renewal
+        sqlite = self.engine.dialect.name == "sqlite"
+        self.lease_engine = None if sqlite else db.make_engine(settings.database_url, 1, settings.db_timeout_s)
+        lease_sessions = db.sessionmaker(self.lease_engine) if self.lease_engine is not None else None
+        self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend, lease_sessions)
         self.servicer = AssistantServicer(settings, sessions, self.runner, billing)
         self.servicer.backend = self.backend
         self.servicer.supervisor = self.supervisor
@@ -89,3 +93,5 @@ class OrchestratorServer:
         await self.tools_channel.close()
         self.store.close()
         await self.engine.dispose()
+        if self.lease_engine is not None:
+            await self.lease_engine.dispose()

@@ -147,9 +147,10 @@ async def test_heartbeat_only_after_the_interval_of_silence_and_not_counted_by_a
     call.queue.put_nowait(chunk_event(1, "b"))
     await until(lambda: sse.encode(chunk_event(1, "b")) in client.frames())
     again, again_task = await listen(fan, after=1)  # after counts events only: b is index 1
+    call.queue.put_nowait(done_event(2))
     call.queue.put_nowait(None)
     await asyncio.wait_for(asyncio.gather(task, again_task), 5)
-    assert [f for f in again.frames() if f != sse.HEARTBEAT_FRAME] == [sse.encode(chunk_event(1, "b"))]
+    assert [f for f in again.frames() if f != sse.HEARTBEAT_FRAME] == [sse.encode(chunk_event(1, "b")), sse.encode(done_event(2))]
 
 
 class FakeTransport:
@@ -401,6 +402,20 @@ async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_t
         replay.queue.put_nowait(event)
     await asyncio.wait_for(resumed_task, 5)
     assert resumed.frames() == [sse.encode(chunk_event(4, "c4")), sse.encode(done_event(5))]
+
+
+async def test_an_upstream_stream_that_ends_without_the_runs_end_gives_each_listener_its_reconnect_frame():
+    """Reliability test: after Redis restarted empty a follower's stream ended 2 s later with
+    neither the run's end nor an error frame; every stream now ends with one or the other."""
+    stub = FakeStub()
+    fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
+    first, first_task = await listen(fan)
+    call = stub.calls[0]
+    events = [chunk_event(i, f"c{i}") for i in range(2)]
+    for event in (*events, None):
+        call.queue.put_nowait(event)
+    await asyncio.wait_for(first_task, 5)
+    assert first.frames() == [*(sse.encode(e) for e in events), fanout_module.broken_frame(2)]
 
 
 async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_frame(tmp_path, caplog):

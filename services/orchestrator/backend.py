@@ -465,6 +465,7 @@ class RedisEventLog:
             return
         if writer.queue:
             writer.forget_when_written = True
+            writer.notify()  # its followers here may take the rest: the archive holds it
             return
         self._writers.pop(run_id, None)
         if writer.task is not None and writer.task is not asyncio.current_task():
@@ -593,11 +594,12 @@ class RedisEventLog:
         what this process's copy holds and is stored when it is taken, or one `XREAD`'s entries.
 
         A run this process publishes is served from its own copy, each event once it is
-        stored in the stream (what any replica's follower sees, without reading Redis back);
-        should that copy stop being the stream's (`_Writer.authoritative`), the follower goes
-        on from the stream at the index it reached. Otherwise: the stream; without a stream
-        the archive is served (a run that has neither yet is waited for up to `open_wait_s`).
-        On Redis errors the follower retries with backoff from the index it reached; after
+        stored in the stream (what any replica's follower sees, without reading Redis back),
+        all of it once the run is archived; should that copy stop being the stream's
+        (`_Writer.authoritative`), the follower goes on from the stream at the index it
+        reached. Otherwise: the stream; without a stream the archive is served (a run that has
+        neither yet is waited for, `_follow_stream`). On Redis errors the follower serves the
+        archive if the run has one, else retries with backoff from the index it reached; after
         `retry_s` without Redis it yields an `error` event and returns. A stream trimmed past
         the follower's index also ends with an `error` event.
         """
@@ -607,13 +609,14 @@ class RedisEventLog:
             ended = False  # this follower delivered the run's terminal event
             stalled_since: float | None = None  # when this follower began waiting on a writer that cannot reach Redis
             while writer.authoritative:
-                if index < writer.written:
-                    batch = writer.local[index:writer.written]
+                stored = len(writer.local) if writer.forget_when_written else writer.written  # archived: all in the database
+                if index < stored:
+                    batch = writer.local[index:stored]
                     index += len(batch)
                     ended = is_terminal(batch[-1])
                     yield batch
                     continue
-                if writer.closed and index >= writer.written == len(writer.local):
+                if writer.closed and index >= stored == len(writer.local):
                     if ended:
                         return
                     break  # ended without a terminal event here, or a late listener: what another replica appended is in the stream
@@ -671,6 +674,14 @@ class RedisEventLog:
                 response = await self._xread(stream, index, block)
                 failing_since, delay = None, 0.05
             except errors as error:
+                try:  # an ended run needs no Redis: the database has it whole
+                    archived = await self.archive_loader(run_id)
+                except Exception:  # the database is away too: retry both
+                    archived = []
+                if archived:
+                    if archived[index:]:
+                        yield archived[index:]
+                    return
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since > self.retry_s:

@@ -254,3 +254,39 @@ async def test_billing_rate_counters_of_a_redis_that_stops_answering_are_unavail
     finally:
         proxy.swallowing = False
         await limiter.close()
+
+
+async def test_an_archived_run_is_served_whole_while_redis_is_away(redis_setup):
+    # reliability test: listeners of a run that had ended and been archived during a Redis outage got the
+    # reconnect frame after retry_s, and so did every reconnect until Redis came back, though the database held it all
+    proxy, prefix = redis_setup
+    archive: list[events_pb2.Event] = []
+
+    async def archived(run_id: str) -> list[events_pb2.Event]:
+        return list(archive)
+
+    owner_client, other_client = redis_client(_via(proxy)), redis_client(_via(proxy))
+    owner = RedisEventLog(owner_client, prefix, 10_000, 60, archived, retry_s=30)
+    other = RedisEventLog(other_client, prefix, 10_000, 60, archived, retry_s=30, block_ms=200)
+    run_id = str(uuid.uuid4())
+    try:
+        owner.open(run_id)
+        owner.append(_chunk(run_id, "a"))
+        await owner.flush(run_id)
+        proxy.cut()
+        owner.append(events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="a")))
+        owner.close(run_id)
+        archive.extend(owner.owned_events(run_id) or [])  # TurnRunner.archive: from the owner's copy, then forget
+        owner.forget(run_id)
+
+        async def listen(log: RedisEventLog) -> list[events_pb2.Event]:
+            return [event async for event in log.follow(run_id, 0)]
+
+        for log in (owner, other):
+            events = await asyncio.wait_for(listen(log), 5)
+            assert [(e.seq, e.WhichOneof("payload")) for e in events] == [(0, "response_chunk"), (1, "done")]
+    finally:
+        proxy.restore()
+        await owner.aclose()
+        await owner_client.aclose()
+        await other_client.aclose()

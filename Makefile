@@ -26,7 +26,7 @@ BENCH_ARGS ?=
 LOOPLINE_TEST_POSTGRES_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 LOOPLINE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: help venv buf gen gen-check lint breaking migrate run test test-pg bench clean distclean
+.PHONY: help venv buf gen gen-check lint breaking migrate run test test-pg test-faults bench clean distclean
 
 help: ## list the targets
 	@echo "Loopline make targets:"
@@ -88,11 +88,17 @@ run: $(VENV_STAMP) ## set up, migrate, seed and start all four services; Ctrl-C 
 test: $(VENV_STAMP) $(BUF) ## run the whole test suite on the embedded backends
 	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
 
-test-pg: $(VENV_STAMP) $(BUF) ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379)
+test-pg: $(VENV_STAMP) $(BUF) ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379), without tests/faults (make test-faults)
 	LOOPLINE_TEST_BACKEND=postgres \
 	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
 	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \
-	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
+	$(PYTEST) -q $(TESTS) --ignore=tests/faults $(PYTEST_ARGS)
+
+test-faults: $(VENV_STAMP) ## the fault suite on real processes: PostgreSQL (127.0.0.1:5432 db test) and a redis-server per test (tests/faults)
+	LOOPLINE_TEST_BACKEND=postgres \
+	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
+	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \
+	$(PYTEST) -q tests/faults $(PYTEST_ARGS)
 
 bench: $(VENV_STAMP) ## benchmark the real processes (latency, throughput, fan-out, admission, memory); BENCH_ARGS='--quick'; JSON in bench/results/
 	$(PY) -m bench $(BENCH_ARGS)

@@ -26,7 +26,7 @@ Two implementations of one seam (`RunBackend`), picked by `make_backend(settings
     lost message still stops the run within a second.
 
 Redis errors while publishing are retried with backoff (`redis_retry_s` in total); a
-follower that cannot reach Redis for that long ends with an `error` event (so a listener
+follower that cannot reach Redis for that long raises StreamInterrupted (so a listener
 never hangs), and otherwise resumes at the index it reached (no gaps, no duplicates).
 """
 
@@ -54,6 +54,8 @@ CancelHandler = Callable[[str, str], Awaitable[None]]
 XREAD_BLOCK_MS = 2000  # RedisEventLog's default wait of one XREAD BLOCK
 
 CANCEL_FLAG_TTL_S = 300
+
+UNREACHABLE = "the event store is unreachable"
 
 
 class RunBackend:
@@ -146,8 +148,9 @@ class MemoryBackend(RunBackend):
 # left as it is, and nothing is appended to a closed run: a writer whose run another replica
 # ended meanwhile, `append_after_end`, is fenced off), "o" (mark the run open) or "c" (mark it
 # closed; the stream and meta then expire after the ttl). Returns one number per "e": the seq
-# the event was stored at, or -1 - seq when it was not (that seq was already stored: a
-# retried write, or another writer; or the run is closed).
+# the event is stored at (also when that seq already held this very payload: a retried write
+# whose reply was lost), or -1 - seq when it was refused (another writer's entry holds that
+# seq, or the run is closed).
 _BATCH = """
 local maxlen, ttl = ARGV[1], ARGV[2]
 local nxt = redis.call('HGET', KEYS[2], 'next')
@@ -161,7 +164,14 @@ for i = 4, #ARGV, 3 do
     local seq = tonumber(ARGV[i + 1])
     if nxt < 0 then nxt = 0 end
     if seq < 0 then seq = nxt end
-    if seq < nxt or closed then
+    if seq < nxt then
+      local stored = redis.call('XRANGE', KEYS[1], '0-' .. (seq + 1), '0-' .. (seq + 1))
+      if stored[1] == nil or stored[1][2][2] == ARGV[i + 2] then
+        results[#results + 1] = seq
+      else
+        results[#results + 1] = -1 - seq
+      end
+    elseif closed then
       results[#results + 1] = -1 - seq
     else
       redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '0-' .. (seq + 1), 'e', ARGV[i + 2])
@@ -195,6 +205,16 @@ return 0
 
 class StreamLost(Exception):
     """Redis no longer holds the stream of a run this process writes (restarted empty)."""
+
+
+class StreamInterrupted(Exception):
+    """A follower cannot go on for now (Redis unreachable for `retry_s`, or the run's events
+    not to be found): `index` is the seq it would have sent next, from which a new follow goes on."""
+
+    def __init__(self, index: int, why: str) -> None:
+        super().__init__(why)
+        self.index = index
+        self.message = stream_interrupted(index, why)
 
 
 def _redis_errors() -> tuple[type[BaseException], ...]:
@@ -233,6 +253,7 @@ class _Writer:
     failing_since: float | None = None  # monotonic time the current Redis outage began for this writer
     changed: asyncio.Future | None = None
     probe: bool = False  # send a batch even with nothing queued: does Redis still hold the stream? (`restore_lost`)
+    archived: bool = False  # the database holds `local` whole (`forget(archived=True)`): followers here need no Redis
 
     def notify(self) -> None:
         """Wake the local followers (one shared future, replaced at each wake)."""
@@ -367,8 +388,9 @@ class RedisEventLog:
         """Send the queued items in order, all that are queued in one `_BATCH` call; retry on errors.
 
         A batch is atomic in Redis; after a failure it is sent again whole, and entries a lost
-        reply had already stored are recognized by their seq (no duplicate). On a first attempt
-        an event whose seq was already taken marks the writer `diverged`. When Redis lost the
+        reply had already stored are recognized (no duplicate). A refused event (another
+        replica ended the run, or wrote at its seq) marks the writer `diverged`: its followers
+        here then read the stream, never an event the stream refused. When Redis lost the
         stream (`StreamLost`), the whole copy is queued again first (`_rewrite`).
         """
         errors = _redis_errors()
@@ -396,7 +418,7 @@ class RedisEventLog:
                 if reported:
                     log.warning("Redis answers again: held run events written", extra={"fields": {"run_id": run_id, "items": len(batch)}})
                     reported = False
-                if writer.failing_since is None and any(result < 0 for result in results):
+                if any(result < 0 for result in results):
                     writer.diverged = True
                     log.warning("run events already stored by another writer", extra={"fields": {"run_id": run_id}})
                 writer.failing_since = None
@@ -457,15 +479,17 @@ class RedisEventLog:
         """The runs whose writer here still holds items Redis has not stored (Redis away)."""
         return [run_id for run_id, writer in self._writers.items() if writer.queue]
 
-    def forget(self, run_id: str) -> None:
+    def forget(self, run_id: str, archived: bool = False) -> None:
         """Drop this process's writer of an ended run (after it was flushed and archived); one
-        whose items are still queued (Redis away) forgets itself once they are written."""
+        whose items are still queued (Redis away) forgets itself once they are written, its
+        followers here served all of its copy meanwhile when that copy is what was `archived`."""
         writer = self._writers.get(run_id)
         if writer is None or not writer.closed:
             return
         if writer.queue:
             writer.forget_when_written = True
-            writer.notify()  # its followers here may take the rest: the archive holds it
+            writer.archived = archived and not writer.diverged
+            writer.notify()
             return
         self._writers.pop(run_id, None)
         if writer.task is not None and writer.task is not asyncio.current_task():
@@ -600,8 +624,9 @@ class RedisEventLog:
         reached. Otherwise: the stream; without a stream the archive is served (a run that has
         neither yet is waited for, `_follow_stream`). On Redis errors the follower serves the
         archive if the run has one, else retries with backoff from the index it reached; after
-        `retry_s` without Redis it yields an `error` event and returns. A stream trimmed past
-        the follower's index also ends with an `error` event.
+        `retry_s` without Redis it raises StreamInterrupted (StreamRun's UNAVAILABLE, from which
+        the gateway gives each listener its reconnect frame). A stream trimmed past the
+        follower's index ends with an `error` event.
         """
         index = max(after, 0)
         writer = self._writers.get(run_id)
@@ -609,7 +634,7 @@ class RedisEventLog:
             ended = False  # this follower delivered the run's terminal event
             stalled_since: float | None = None  # when this follower began waiting on a writer that cannot reach Redis
             while writer.authoritative:
-                stored = len(writer.local) if writer.forget_when_written else writer.written  # archived: all in the database
+                stored = len(writer.local) if writer.archived else writer.written
                 if index < stored:
                     batch = writer.local[index:stored]
                     index += len(batch)
@@ -627,8 +652,7 @@ class RedisEventLog:
                 else:  # Redis away for this follower longer than retry_s: end as a follower through Redis does (the writer keeps the events)
                     stalled_since = stalled_since or time.monotonic()
                     if time.monotonic() - stalled_since > self.retry_s:
-                        yield [_unreachable(run_id, index)]
-                        return
+                        raise StreamInterrupted(index, UNREACHABLE)
                 with contextlib.suppress(TimeoutError):  # looks at the outage's length at least once a second
                     async with asyncio.timeout(1.0):
                         await asyncio.shield(writer.waiter())
@@ -643,7 +667,7 @@ class RedisEventLog:
         stream was seen (it may not have started), `retry_s` once it was (Redis lost it: its
         owner writes it again from its copy within a second, `restore_lost`, or the archive
         comes with the run's end). Then, as after `retry_s` without Redis, the follower ends
-        with the reconnect `error` frame naming `index`: never without a terminal frame."""
+        with StreamInterrupted naming `index`: never without the run's end."""
         stream, _ = self._keys(run_id)
         errors = _redis_errors()
         failing_since: float | None = None
@@ -663,8 +687,7 @@ class RedisEventLog:
                                 yield archived[index:]
                             return
                         if time.monotonic() - missing_since > missing_bound:
-                            yield [_error_event(run_id, index, stream_interrupted(index, "the run's events are not available"))]
-                            return
+                            raise StreamInterrupted(index, "the run's events are not available")
                         await asyncio.sleep(0.05 if missing_bound == self.open_wait_s else 0.25)
                         continue
                     missing_since, missing_bound = time.monotonic(), self.retry_s
@@ -686,8 +709,7 @@ class RedisEventLog:
                 failing_since = failing_since or now
                 if now - failing_since > self.retry_s:
                     log.warning("follower gave up: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
-                    yield [_unreachable(run_id, index)]
-                    return
+                    raise StreamInterrupted(index, UNREACHABLE) from None
                 check_meta = True
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
@@ -702,10 +724,10 @@ class RedisEventLog:
                     archived = await self.archive_loader(run_id)
                     if len(archived) > index:
                         batch.extend(archived[index:event.seq])
-                    else:
-                        yield [*batch, _error_event(run_id, index, "Events of this run are no longer available "
-                                                    f"(the stream was trimmed past index {index}).")]
-                        return
+                    else:  # its archive comes with the run's end
+                        if batch:
+                            yield batch
+                        raise StreamInterrupted(index, "the stream no longer holds these events")
                 index = event.seq + 1
                 last_terminal = is_terminal(event)
                 batch.append(event)
@@ -730,16 +752,6 @@ def _decode(entry_id: bytes | str, fields: dict[Any, Any]) -> events_pb2.Event:
     event = events_pb2.Event.FromString(payload)
     event.seq = int(raw_id.split("-", 1)[1]) - 1
     return event
-
-
-def _unreachable(run_id: str, index: int) -> events_pb2.Event:
-    """The `error` event that ends a follower after `retry_s` without Redis, naming where to resume."""
-    return _error_event(run_id, index, stream_interrupted(index, "the event store is unreachable"))
-
-
-def _error_event(run_id: str, seq: int, message: str) -> events_pb2.Event:
-    """An `error` event (not stored) that ends a follower with a reason."""
-    return events_pb2.Event(run_id=run_id, seq=seq, time=pb.timestamp(), error=events_pb2.ErrorEvent(message=message))
 
 
 class RedisBackend(RunBackend):

@@ -35,7 +35,7 @@ from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.events import EventLog, is_terminal
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import ChatModel, ModelError, ModelReply, TokenUsage, ToolCallRequest, add_usage, clamp_usage
-from services.orchestrator.sanitize import UNPRINTABLE, sanitize
+from services.orchestrator.sanitize import UNPRINTABLE, model_failure
 from services.orchestrator.store import RunEnd, RunTakenOver, ThreadRow, TurnStore
 from services.orchestrator.thread import choose_cut, cut_off_result, estimate, split_summary, with_summary
 from services.orchestrator.usage import CALL_TIMEOUT_S, Redelivery, RunCharges, UsageBatcher
@@ -180,6 +180,7 @@ class _Totals:
     pending_call: dict[str, Any] | None = None  # a tool call stored without its result yet
     pending_guidance: str | None = None  # guidance to give the model after the pending tool result
     model_in_flight: bool = False  # a model call was running when the loop stopped
+    streamed: list[str] = field(default_factory=list)  # the response_chunk texts the latest model call published
     pending_writes: list[asyncio.Future] = field(default_factory=list)  # usage records and tool charges still on their way to billing
     rows: list[ThreadRow] = field(default_factory=list)  # the chat's thread as the model sees it, stored or not
     unsaved: list[ThreadRow] = field(default_factory=list)  # this run's messages, written when the run ends
@@ -310,7 +311,9 @@ class TurnRunner:
             totals.count(failure.usage)
             await self._record_usage(spec, totals.llm_calls, failure.usage)
             totals.llm_calls += 1
-            outcome = Outcome("failed", message=sanitize(str(failure)))
+            # built from the provider's name and the failure's kind, never its text (issue 33)
+            provider = str(getattr(spec.model, "provider_id", "") or spec.llm.get("provider_id") or "model")
+            outcome = Outcome("failed", message=model_failure(provider, failure))
         except grpc.aio.AioRpcError as failure:
             log.warning("downstream call failed", extra={"fields": {"code": failure.code().name}})
             outcome = Outcome("failed", message=f"A backing service failed ({failure.code().name.lower()}); the turn was stopped.")
@@ -409,20 +412,7 @@ class TurnRunner:
             if steps > settings.recursion_limit:
                 raise LoopFailure(f"Recursion limit of {settings.recursion_limit} steps reached without a final answer.")
             messages = await self._thread(spec, totals, tools)
-
-            async def on_text(chunk: str) -> None:
-                if chunk:
-                    self._publish(spec.run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=pb.scrub(chunk)))
-
-            totals.model_in_flight = True
-            reply: ModelReply = _scrubbed(await spec.model.generate(messages, tools, on_text))
-            totals.model_in_flight = False
-            reply.usage = clamp_usage(reply.usage)
-            call_index = totals.llm_calls
-            totals.llm_calls += 1
-            totals.reason_calls += 1
-            totals.count(reply.usage)
-            self._record_usage_later(spec, totals, call_index, reply.usage)
+            reply = await self._reason(spec, totals, messages, tools)
 
             call = reply.tool_calls[0] if reply.tool_calls else None  # serial tool calls: one per step
             input_struct, input_json, invalid_input = None, b"", None
@@ -491,6 +481,28 @@ class TurnRunner:
                 guidance.append(text)
             for text in guidance:
                 self._add_row(spec, totals, "system", text, {"guidance": True})
+
+    async def _reason(self, spec: RunSpec, totals: _Totals, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelReply:
+        """One reason step: the model call on `messages`, each text delta published as a
+        `response_chunk` and kept in `totals.streamed` as published (the answer `_finish` keeps when
+        a cancel or failure cuts the call off); the call's usage is counted and queued for billing."""
+        async def on_text(chunk: str) -> None:
+            if chunk:
+                shown = pb.scrub(chunk)
+                self._publish(spec.run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=shown))
+                totals.streamed.append(shown)
+
+        totals.streamed = []
+        totals.model_in_flight = True
+        reply: ModelReply = _scrubbed(await spec.model.generate(messages, tools, on_text))
+        totals.model_in_flight = False
+        reply.usage = clamp_usage(reply.usage)
+        call_index = totals.llm_calls
+        totals.llm_calls += 1
+        totals.reason_calls += 1
+        totals.count(reply.usage)
+        self._record_usage_later(spec, totals, call_index, reply.usage)
+        return reply
 
     async def _thread(self, spec: RunSpec, totals: _Totals, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The thread for the next model call, summarizing its older part first when it is over budget
@@ -730,15 +742,7 @@ class TurnRunner:
             input_tokens=input_tokens, output_tokens=totals.usage.output_tokens,
             total_tokens=input_tokens + totals.usage.output_tokens, llm_calls=totals.llm_calls,
         )
-        if totals.pending_call is not None:  # a tool call cut off by a cancel or failure still gets a result
-            pending = totals.pending_call
-            self._store_tool_result(spec, totals, pending["id"], pending["name"], cut_off_result(outcome.kind))
-            if outcome.kind in ("failed", "cancelled"):  # its tool_call was streamed: its end is too (and done lists it)
-                output = pb.json_bytes(cut_off_result(outcome.kind))
-                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input_json=pb.json_bytes(pending["input"], clip=True),
-                                                                   output_json=output))
-                self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"],
-                                                                                  output_json=output))
+        self._keep_cut_off(spec, totals, outcome)
         if outcome.kind == "interrupted":
             interrupt = outcome.interrupt or {}
             self._add_row(spec, totals, "marker", None,
@@ -778,6 +782,25 @@ class TurnRunner:
         if not archived:
             await self.archive_after_end(run_id)
         log.info("run ended", extra={"fields": {"outcome": outcome.kind, "llm_calls": totals.llm_calls}})
+
+    def _keep_cut_off(self, spec: RunSpec, totals: _Totals, outcome: Outcome) -> None:
+        """What a cancel or failure cut off still joins the run's thread, in order: a pending tool
+        call gets its error result (`cut_off_result`; streamed as its `tool_result` and listed in
+        done), and the text a cut-off model call streamed (`totals.streamed`, as listeners saw it)
+        becomes the run's assistant message, marked `extra.cut_off` = "cancelled" or "failed"
+        (a message's `thinking` in GetChat); none when that call streamed only whitespace."""
+        if totals.pending_call is not None:  # a tool call cut off by a cancel or failure still gets a result
+            pending = totals.pending_call
+            self._store_tool_result(spec, totals, pending["id"], pending["name"], cut_off_result(outcome.kind))
+            if outcome.kind in ("failed", "cancelled"):  # its tool_call was streamed: its end is too (and done lists it)
+                output = pb.json_bytes(cut_off_result(outcome.kind))
+                totals.tool_calls.append(events_pb2.ToolCallRecord(tool=pending["name"], input_json=pb.json_bytes(pending["input"], clip=True),
+                                                                   output_json=output))
+                self._publish(spec.run_id, tool_result=events_pb2.ToolResultEvent(tool=pending["name"], tool_call_id=pending["id"],
+                                                                                  output_json=output))
+        partial = "".join(totals.streamed)
+        if outcome.kind in ("failed", "cancelled") and totals.model_in_flight and partial.strip():
+            self._add_row(spec, totals, "assistant", partial, {"cut_off": outcome.kind})
 
     async def _store_end(self, end: RunEnd) -> None:
         """`store.finish(end)`, tried again while the database is unavailable (`db.is_unavailable`:
@@ -912,18 +935,20 @@ class TurnRunner:
         once they are stored, or once the process is gone.
         """
         events = self.events.owned_events(run_id)
+        owned = events is not None
         if events is None:
             await self.events.flush(run_id)
             events = await self.events.events_of(run_id)
             settled = any(is_terminal(event) for event in events)
         else:
             await self.events.flush(run_id, ARCHIVE_FLUSH_S)
-            events = self.events.owned_events(run_id) or events
+            owned_now = self.events.owned_events(run_id)
+            owned, events = owned_now is not None, owned_now or events
             settled = run_id not in self.events.unstored_runs()
         await self.store.archive(run_id, [(event.seq, event.SerializeToString()) for event in events], settled=settled)
         forget = getattr(self.events, "forget", None)
         if forget is not None:
-            forget(run_id)
+            forget(run_id, archived=owned)
 
     async def load_archive(self, run_id: str) -> list[events_pb2.Event]:
         """The archived events of a run, in order (empty when none)."""

@@ -31,7 +31,7 @@ from loopline.tools.v1 import tools_pb2
 from services.common import db, ids, pb
 from services.common.errors import ASSISTANT_DOMAIN, RpcError, abort, rpc_handler
 from services.orchestrator import hitl
-from services.orchestrator.backend import MemoryBackend, RunBackend
+from services.orchestrator.backend import MemoryBackend, RunBackend, StreamInterrupted
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.loop import RunSpec, TurnRunner
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
@@ -520,16 +520,19 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             await abort(context, RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"))
             return
         await context.send_initial_metadata(((STREAM_READY, "1"),))
-        if request.max_batch > 1:  # every event available at once in one message (EventLog.follow_batches)
-            limit = min(int(request.max_batch), MAX_STREAM_BATCH)
-            async with contextlib.aclosing(self.runner.events.follow_batches(request.run_id, int(request.after))) as batches:
-                async for batch in batches:
-                    for start in range(0, len(batch), limit):
-                        yield assistant_pb2.StreamRunResponse(events=batch[start:start + limit])
-        else:
-            async with contextlib.aclosing(self.runner.events.follow(request.run_id, int(request.after))) as events:
-                async for event in events:
-                    yield assistant_pb2.StreamRunResponse(event=event)
+        try:
+            if request.max_batch > 1:  # every event available at once in one message (EventLog.follow_batches)
+                limit = min(int(request.max_batch), MAX_STREAM_BATCH)
+                async with contextlib.aclosing(self.runner.events.follow_batches(request.run_id, int(request.after))) as batches:
+                    async for batch in batches:
+                        for start in range(0, len(batch), limit):
+                            yield assistant_pb2.StreamRunResponse(events=batch[start:start + limit])
+            else:
+                async with contextlib.aclosing(self.runner.events.follow(request.run_id, int(request.after))) as events:
+                    async for event in events:
+                        yield assistant_pb2.StreamRunResponse(event=event)
+        except StreamInterrupted as interrupted:  # the gateway gives each listener its own reconnect frame
+            await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, "STREAM_INTERRUPTED", interrupted.message))
 
     # ------------------------------------------------------------------ Resume
 

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from loopline.assistant.v1 import events_pb2
-from services.orchestrator.backend import RedisEventLog, redis_client
+from services.orchestrator.backend import RedisEventLog, StreamInterrupted, redis_client
 from tests.tcp_proxy import CuttableProxy, fails_in_time
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import _reachable, no_archive
@@ -112,15 +112,15 @@ async def _follower_ends_with_the_reconnect_frame(prefix: str, follower_url: str
         async def listen() -> None:
             async for event in follower.follow(run_id, 0):
                 received.append(event)
-            raise RuntimeError("ended")  # fails_in_time times an ending with an error
 
         listener = asyncio.create_task(listen())
         while not received:
             await asyncio.sleep(0.01)
         outage()
-        assert str(await fails_in_time(lambda: listener, limit_s)) == "ended"  # bounded: never hangs
-        assert [event.WhichOneof("payload") for event in received] == ["response_chunk", "error"]
-        assert "after=1" in received[-1].error.message  # says where to resume
+        interrupted = await fails_in_time(lambda: listener, limit_s)  # bounded: never hangs
+        assert isinstance(interrupted, StreamInterrupted) and interrupted.index == 1, interrupted  # says where to resume
+        assert interrupted.message.endswith("reconnect with ?after=1")
+        assert [event.WhichOneof("payload") for event in received] == ["response_chunk"]
     finally:
         await publisher.aclose()
         await publisher_client.aclose()
@@ -184,8 +184,9 @@ async def test_an_outage_longer_than_retry_s_loses_no_event_and_the_stream_still
             async for event in publisher.follow(run_id, 0):
                 local.append(event)
 
-        await asyncio.wait_for(listen_locally(), 10)  # a follower of the owner still ends, naming where to resume
-        assert [e.WhichOneof("payload") for e in local] == ["response_chunk", "error"] and "after=1" in local[-1].error.message
+        with pytest.raises(StreamInterrupted) as interrupted:  # a follower of the owner still ends, naming where to resume
+            await asyncio.wait_for(listen_locally(), 10)
+        assert [e.WhichOneof("payload") for e in local] == ["response_chunk"] and interrupted.value.index == 1
         await asyncio.sleep(1.5)  # past retry_s
         archive_copy = publisher.owned_events(run_id)  # what TurnRunner.archive writes, without Redis
         publisher.forget(run_id)  # the archive's forget while items are held: kept until they are written
@@ -277,7 +278,7 @@ async def test_an_archived_run_is_served_whole_while_redis_is_away(redis_setup):
         owner.append(events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="a")))
         owner.close(run_id)
         archive.extend(owner.owned_events(run_id) or [])  # TurnRunner.archive: from the owner's copy, then forget
-        owner.forget(run_id)
+        owner.forget(run_id, archived=True)
 
         async def listen(log: RedisEventLog) -> list[events_pb2.Event]:
             return [event async for event in log.follow(run_id, 0)]
@@ -287,6 +288,38 @@ async def test_an_archived_run_is_served_whole_while_redis_is_away(redis_setup):
             assert [(e.seq, e.WhichOneof("payload")) for e in events] == [(0, "response_chunk"), (1, "done")]
     finally:
         proxy.restore()
+        await owner.aclose()
+        await owner_client.aclose()
+        await other_client.aclose()
+
+
+async def test_events_refused_after_an_outage_are_never_served_by_their_writer(redis_setup):
+    # fault suite (partition): a replica cut off past its run's lease wrote its held events once back; the stream
+    # refused them (another replica had ended the run) but its own listeners were served them, unlike the archive
+    proxy, prefix = redis_setup
+    owner_client, other_client = redis_client(_via(proxy)), redis_client(redis_url())
+    owner = RedisEventLog(owner_client, prefix, 10_000, 60, no_archive, retry_s=30)
+    other = RedisEventLog(other_client, prefix, 10_000, 60, no_archive, retry_s=30, block_ms=200)
+    run_id = str(uuid.uuid4())
+    try:
+        owner.open(run_id)
+        owner.append(_chunk(run_id, "a"))
+        await owner.flush(run_id)
+        proxy.cut()
+        owner.append(_chunk(run_id, "held"))
+        await asyncio.sleep(0.3)  # the write fails and waits for Redis
+        reaped = events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="", error=True))
+        await other.append_after_end(run_id, reaped)  # the other replica's reaper ended the run meanwhile
+        proxy.restore()
+        await owner.flush(run_id, 10)
+
+        async def listen() -> list[events_pb2.Event]:
+            return [event async for event in owner.follow(run_id, 0)]
+
+        events = await asyncio.wait_for(listen(), 10)
+        assert [(e.seq, e.WhichOneof("payload")) for e in events] == [(0, "response_chunk"), (1, "done")]
+        assert owner.owned_events(run_id) is None  # its copy is no longer the stream's
+    finally:
         await owner.aclose()
         await owner_client.aclose()
         await other_client.aclose()

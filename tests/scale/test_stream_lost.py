@@ -3,7 +3,7 @@
 The owner writes its whole copy again, atomically, on its next write or when polled
 (`RedisEventLog.restore_lost`), so a follower on another replica goes on from the index it
 reached and gets every event once, in order. A follower of a stream that stays gone ends
-with the reconnect `error` frame, never a bare end. A lost stream is simulated by deleting
+with StreamInterrupted (the listener's reconnect frame), never a bare end. A lost stream is simulated by deleting
 its keys (what a Redis restarted empty shows a client). Skipped without Redis.
 """
 
@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from loopline.assistant.v1 import events_pb2
-from services.orchestrator.backend import RedisEventLog, redis_client
+from services.orchestrator.backend import RedisEventLog, StreamInterrupted, redis_client
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import fresh_redis_prefix, no_archive
 
@@ -124,6 +124,7 @@ async def test_a_follower_of_a_stream_that_stays_lost_ends_with_the_reconnect_fr
         await asyncio.sleep(0.02)
     owner._writers.pop(run_id).task.cancel()  # its owner is gone, and its copy with it
     await _lose(owner, client, run_id)
-    await asyncio.wait_for(task, 10)  # retry_s (2 s) after the stream went missing; before: a bare end at once
-    assert [event.WhichOneof("payload") for event in seen] == ["response_chunk", "error"]
-    assert seen[-1].error.message.endswith("reconnect with ?after=1")
+    with pytest.raises(StreamInterrupted) as interrupted:  # retry_s (2 s) after the stream went missing; before: a bare end at once
+        await asyncio.wait_for(task, 10)
+    assert [event.WhichOneof("payload") for event in seen] == ["response_chunk"]
+    assert interrupted.value.message.endswith("reconnect with ?after=1")

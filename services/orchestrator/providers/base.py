@@ -153,15 +153,26 @@ class ModelReply:
 
 
 class ModelError(Exception):
-    """A model call failed; `str(self)` is safe to show a client (names provider and kind only).
+    """A model call failed.
+
+    What a client is told (the run's `error` event, its stored `error`, and so GET
+    /assistant/chat/{id}) is `public`: text the raiser built from known fields only (the
+    provider's name, a kind of failure from a closed set, an HTTP status, a count of attempts;
+    `retry.call_with_retries`, the scripted model's checks of its script). A ModelError raised
+    without it is told as "<provider>: the model call failed" (`sanitize.model_failure`).
+    `str(self)` may hold anything (a provider's or a script's text): it goes to the log only,
+    redacted (issue 33: a failure's text reached the `error` frame after a pattern-based scrub,
+    and an internal host name without a dotted suffix passed it).
 
     Attributes:
         usage: tokens the provider reported (or that were estimated) before the failure.
+        public: the client-visible text, or None.
     """
 
-    def __init__(self, message: str, usage: TokenUsage | None = None) -> None:
+    def __init__(self, message: str, usage: TokenUsage | None = None, *, public: str | None = None) -> None:
         super().__init__(message)
         self.usage = usage or TokenUsage()
+        self.public = public
 
 
 OnText = Callable[[str], Awaitable[None]]

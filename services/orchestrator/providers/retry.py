@@ -10,9 +10,10 @@ The rule, in one place:
   sent `Retry-After` (seconds or an HTTP date) or `retry-after-ms`, the delay is at least
   that. A `Retry-After` longer than `max_delay_s` is not waited for: the call fails at once.
 - Everything else (400, 401, 403, 404, 422, a malformed response, ...) fails at once.
-- A failure raises `ModelError` whose message names the provider and the kind of failure
-  only (e.g. "openai: rate limited (429) after 3 attempts"); the provider's own error
-  text, the key and the URL never appear in it.
+- A failure raises `ModelError` whose message (and `public` text) names the provider and the
+  kind of failure only (e.g. "openai: rate limited (429) after 3 attempts"): the kinds are
+  `classify`'s closed set (the HTTP status a number); the provider's own error text, the key
+  and the URL never appear in it.
 - The SDKs' own retries are turned off (`max_retries=0`) so that this is the only rule.
 """
 
@@ -223,7 +224,8 @@ async def call_with_retries(
             suffix = f" after {attempts} attempts" if attempts > 1 else ""
             if too_long and failure.retryable:
                 suffix += " (retry-after too long)"
-            raise ModelError(f"{provider_id}: {failure.kind}{suffix}", usage=usage()) from None
+            text = f"{provider_id}: {failure.kind}{suffix}"  # built from the provider's id, a kind and counts only
+            raise ModelError(text, usage=usage(), public=text) from None
 
 
 async def stream_with_retries(

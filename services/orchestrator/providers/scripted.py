@@ -6,8 +6,9 @@ number k after that message consumes step k. A step is an object with:
 - `{"tool": name, "input": {...}, "say": optional text first}`: one tool call;
 - `{"tools": [{"tool", "input"}, ...]}`: several tool calls in one step (the loop runs one);
 - `{"fail": message}`: the model call raises;
-and optionally `"sleep_ms"` (wait before answering; cancellable) and `"usage"`
-(`{"input_tokens", "output_tokens"}` to report instead of the estimate).
+and optionally `"sleep_ms"` (wait before answering; cancellable), `"chunk_ms"` (wait between
+two streamed chunks; cancellable) and `"usage"` (`{"input_tokens", "output_tokens"}` to
+report instead of the estimate).
 After the last step the model answers "(end of script)". Asked to summarize (the last
 message has `purpose: "summarize"`), it returns the earlier summary and each user message
 cut to 80 characters, joined by " | ".
@@ -67,24 +68,31 @@ def _script_of(content: Any) -> list[Any] | None:
     return script if isinstance(script, list) else None
 
 
+def _invalid(text: str) -> ModelError:
+    """The failure of a script check: `text` is built from the check's constants and a
+    setting's name only, so a client is told it (`ModelError.public`). A `fail` step's own text
+    is not: it stands for a provider's failure text and goes to the log only (issue 33)."""
+    return ModelError(text, public=text)
+
+
 def _check_step(step: Any) -> None:
     """Raise ModelError (that model call fails, like a bad `usage`) for a script step that is
     not an object, or whose `say`, `tool`, `tools` or `fail` has another type than the README's
     table gives: `[null]` answered "None" and `{"say": ["a"]}` answered "['a']" (fresh-eyes test)."""
     if not isinstance(step, dict):
-        raise ModelError("scripted model: a script step must be an object")
+        raise _invalid("scripted model: a script step must be an object")
     if step.get("say") is not None and not isinstance(step["say"], str):
-        raise ModelError("scripted model: say must be a string")
+        raise _invalid("scripted model: say must be a string")
     if step.get("tool") is not None and not isinstance(step["tool"], str):
-        raise ModelError("scripted model: tool must be a tool's name (a string)")
+        raise _invalid("scripted model: tool must be a tool's name (a string)")
     tools = step.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("tool"), str) for t in tools)):
-        raise ModelError("scripted model: tools must be a list of {tool, input}")
+        raise _invalid("scripted model: tools must be a list of {tool, input}")
     if "fail" in step and not isinstance(step["fail"], str):
-        raise ModelError("scripted model: fail must be a message (a string)")
+        raise _invalid("scripted model: fail must be a message (a string)")
 
 
-MAX_SLEEP_MS = 600_000  # a step's `sleep_ms` at most (10 minutes)
+MAX_SLEEP_MS = 600_000  # a step's `sleep_ms` and `chunk_ms` at most (10 minutes)
 MAX_CHUNKS = 100_000  # a step's `chunks` at most
 
 
@@ -98,7 +106,7 @@ def _bounded(step: dict[str, Any], key: str, low: float, high: float, default: f
         return default
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high
             or (whole and value != int(value))):
-        raise ModelError(f"scripted model: {key} must be {kind} between {low:,} and {high:,}")
+        raise _invalid(f"scripted model: {key} must be {kind} between {low:,} and {high:,}")
     return value
 
 
@@ -128,15 +136,16 @@ class ScriptedModel:
             step = self._rule_step(user_text, messages[last_user + 1 :], step_index)
 
         sleep_ms = _bounded(step, "sleep_ms", 0, MAX_SLEEP_MS, 0, "a number of milliseconds")
+        chunk_ms = _bounded(step, "chunk_ms", 0, MAX_SLEEP_MS, 0, "a number of milliseconds")
         chunks = int(_bounded(step, "chunks", 1, MAX_CHUNKS, 4, "a whole number", whole=True))
         if sleep_ms > 0:
             await asyncio.sleep(sleep_ms / 1000)
 
         reported = step.get("usage")
         if reported is not None and not isinstance(reported, dict):  # "5", 5, [1, 2]: another type fails the call too
-            raise ModelError("scripted model: usage must be an object {input_tokens, output_tokens}")
+            raise _invalid("scripted model: usage must be an object {input_tokens, output_tokens}")
         if reported is not None and not all(is_token_count(reported.get(k, 0)) for k in ("input_tokens", "output_tokens")):
-            raise ModelError("scripted model: usage counts must be integers between 0 and 1000000000")
+            raise _invalid("scripted model: usage counts must be integers between 0 and 1000000000")
         text = step.get("say") or ""
         usage = TokenUsage(
             input_tokens=int(reported.get("input_tokens", 0)) if reported is not None else input_estimate,
@@ -146,7 +155,9 @@ class ScriptedModel:
         if "fail" in step:
             raise ModelError(f"scripted model failed: {step['fail']}", usage=usage)
 
-        for chunk in split_chunks(text, chunks):
+        for index, chunk in enumerate(split_chunks(text, chunks)):
+            if index and chunk_ms > 0:
+                await asyncio.sleep(chunk_ms / 1000)
             await on_text(chunk)
 
         calls: list[ToolCallRequest] = []

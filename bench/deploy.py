@@ -175,6 +175,12 @@ class Deployment:
             "LOOPLINE_DEV_ORG_ID": self.org_id,
             "LOOPLINE_HEARTBEAT_INTERVAL_S": str(self.heartbeat_s),
             "LOOPLINE_BILLING_PLANS_PATH": str(plans),
+            # one key drives every workload (thousands of requests a second, 10,000 listeners):
+            # the gateway's rate limits are raised past that, as the plans' rate limits are,
+            # and still counted on every request (their cost is part of what is measured)
+            "LOOPLINE_KEY_REQUESTS_PER_MINUTE": "100000000",
+            "LOOPLINE_FAILED_AUTHS_PER_MINUTE": "100000000",
+            "LOOPLINE_HTTP_LISTENS_PER_KEY": "1000000",  # the fan-out's listeners all use the one key
         }
         for name in ("orchestrator", "billing", "tools"):
             env[f"LOOPLINE_{name.upper()}_ADDR"] = f"127.0.0.1:{env[f'LOOPLINE_{name.upper()}_PORT']}"

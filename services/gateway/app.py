@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 from starlette.types import Message, Receive, Scope, Send
 
@@ -56,7 +57,9 @@ from services.gateway.fanout import (
     RunFanout,
     StreamTimeout,
     StreamUnavailable,
+    TooManyListens,
 )
+from services.gateway.http_limits import listens_refusal
 from services.gateway.idempotency import (
     IdempotencyConflict,
     IdempotencyStore,
@@ -67,6 +70,7 @@ from services.gateway.idempotency import request_id as turn_request_id  # "reque
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
 from services.gateway.openapi import error_responses, json_schema_bounds
 from services.gateway.query import TrueOrFalse, WholeNumber, single_query_values
+from services.gateway.ratelimit import RateLimited, RequestLimits, key_of
 from services.gateway.org_settings import DefaultModels, settings_router
 
 log = logging.getLogger(__name__)
@@ -248,7 +252,10 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
 
 
 def auth_error_response(error: AuthError) -> JSONResponse:
-    """`{"detail": ...}` with the status of `error` (401 adds `WWW-Authenticate: Bearer`)."""
+    """`{"detail": ...}` with the status of `error` (401 adds `WWW-Authenticate: Bearer`); a rate
+    limit's refusal (ratelimit.py) is the rate denial envelope with 429."""
+    if isinstance(error, RateLimited):
+        return error.response()
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
     return detail(error.status, error.detail, headers)
 
@@ -434,11 +441,17 @@ def create_app(
         redirect_slashes=False,
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
-    fanout = RunFanout(orchestrator, settings.heartbeat_interval_s, settings.write_threads)
+    # every authentication goes through the per-key and per-client limits (issue 33)
+    limits = app.state.request_limits = RequestLimits(
+        authenticator, settings.key_requests_per_minute, settings.failed_auths_per_minute,
+        settings.rate_limit_storage_url, settings.redis_key_prefix,
+    )
+    fanout = RunFanout(orchestrator, settings.heartbeat_interval_s, settings.write_threads, settings.http_send_timeout_s,
+                       settings.http_listens_per_key)
     app.state.fanout = fanout
 
     async def principal(request: Request) -> Principal:
-        return await authenticator.authenticate(request.headers.get("authorization"), request.headers.get("x-organization-id"))
+        return await limits.authenticate(request.scope, request.headers.get("authorization"), request.headers.get("x-organization-id"))
 
     # built once per principal (only ever copied into requests); least recently used out past 10,000
     callers: LRUCache[Principal, assistant_pb2.Caller] = LRUCache(10_000)
@@ -492,6 +505,13 @@ def create_app(
     async def _body_error(_: Request, error: BodyError) -> JSONResponse:
         return detail(error.status, error.message)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, _error: ClientDisconnect) -> JSONResponse:
+        # The client broke its own body (a malformed chunk: uvicorn has answered 400 and logged one
+        # warning) or left before sending it whole: nothing is logged here (issue 33: two ERROR
+        # tracebacks per request), and this answer goes nowhere when the connection is gone.
+        return detail(400, "The request body was not received whole")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in item.get('loc', ())[1:]) or 'request'}: {item.get('msg')}" for item in error.errors())
@@ -537,7 +557,7 @@ def create_app(
     async def start_turn_lean(scope: Scope, receive: Receive, send: Send) -> None:
         authorization, organization, length, key = _headers(scope, b"authorization", b"x-organization-id", b"content-length", b"idempotency-key")
         try:
-            who = await authenticator.authenticate(authorization, organization)
+            who = await limits.authenticate(scope, authorization, organization)
             body = await receive_json_object(receive, length, settings.max_body_bytes)
             response = await turn_response(who, body, key)
         except _REQUEST_ERRORS as error:
@@ -619,7 +639,7 @@ def create_app(
     )
     async def listen(chat_id: str, run_id: str, request: Request, after: Annotated[WholeNumber, Query(ge=0, le=_MAX_AFTER)] = 0) -> Response:
         who = await principal(request)
-        return await stream_response(who, chat_id, run_id, after)
+        return await stream_response(who, chat_id, run_id, after, request.headers.get("authorization"))
 
     async def listen_lean(scope: Scope, receive: Receive, send: Send) -> None:
         target = _listen_target(scope)
@@ -628,25 +648,29 @@ def create_app(
             return
         authorization, organization = _headers(scope, b"authorization", b"x-organization-id")
         try:
-            who = await authenticator.authenticate(authorization, organization)
-            response: Response = await stream_response(who, *target)
+            who = await limits.authenticate(scope, authorization, organization)
+            response: Response = await stream_response(who, *target, authorization)
         except AuthError as error:
             response = auth_error_response(error)
         except Exception as error:  # noqa: BLE001 - the same answer as FastAPI's handler below
             response = unexpected_error_response(error)
         await response(scope, receive, send)
 
-    async def stream_response(who: Principal, chat_id: str, run_id: str, after: int) -> Response:
-        """The SSE response of `who` listening to a run from frame `after`, or the error response."""
+    async def stream_response(who: Principal, chat_id: str, run_id: str, after: int, authorization: str | None) -> Response:
+        """The SSE response of `who` (with `authorization`, whose key's listens are counted) listening
+        to a run from frame `after`, or the error response."""
+        key = key_of(authorization or "")
         try:
-            hub = await fanout.open(caller(who), chat_id, run_id)
+            hub = await fanout.open(caller(who), chat_id, run_id, key)
+        except TooManyListens as refused:
+            return listens_refusal(refused.limit)
         except grpc.aio.AioRpcError as error:
             return grpc_error_response(error)
         except StreamUnavailable:
             return unavailable_response()
         except StreamTimeout:
             return detail(504, SAFE_MESSAGES[504])
-        return EventStreamResponse(fanout, hub, after, headers=_STREAM_HEADERS)
+        return EventStreamResponse(fanout, hub, after, headers=_STREAM_HEADERS, key=key)
 
     app.lean = {"start_turn": start_turn_lean, "listen": listen_lean}
 

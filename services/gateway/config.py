@@ -41,6 +41,34 @@ class GatewaySettings(CommonSettings):
             listeners' sockets beside the event loop's thread (services/gateway/parallel_write.py);
             0 = the event loop's thread writes every frame; -1 (the default) = one fewer than the
             cores this process may run on, at most 3 (`write_threads` resolves it).
+        key_requests_per_minute: requests one API key may make per minute on every authenticated
+            route (more: 429 with the rate denial envelope); 0 = not limited (ratelimit.py).
+        failed_auths_per_minute: failed authentications (401, 403) one client (IP address, an IPv6
+            /64) may make per minute; past it every request of that client is 429 until the
+            minute ends; 0 = not limited.
+        gateway_rate_limit_storage_url: `limits` storage of those counters; empty selects
+            LOOPLINE_REDIS_URL when set (shared by replicas), else process memory (`memory://`).
+        http_max_header_bytes / http_max_headers: the most bytes (request line and header lines
+            together) and header lines one request's head may have; more is 431 and the connection
+            is closed, before authentication (services/gateway/http_limits.py, docs/security.md).
+        http_header_timeout_s: seconds a request's head may take to arrive, from the connection's
+            opening or its first byte; then the connection is closed (408 when part of it came).
+        http_body_timeout_s / http_body_min_rate: a request body must bring at least
+            `http_body_min_rate` bytes a second (at least one byte) over every
+            `http_body_timeout_s`; else 408 and the connection is closed.
+        http_send_timeout_s: seconds a client may take none of a response's waiting bytes (the
+            connection's buffer full) before its connection is aborted; streams too.
+        http_max_connections: open connections (or requests being served) past which a request
+            is answered 503 with Retry-After and its connection closed (uvicorn's
+            `limit_concurrency`, answered in the API's error shape).
+        http_listens_per_key: concurrent listens (event streams) one API key may hold on this
+            gateway process; one more is 429 with the rate denial envelope and Retry-After.
+        tcp_keepalive_idle_s / tcp_keepalive_interval_s / tcp_keepalive_count: TCP keepalive of
+            the HTTP connections: probes after this much silence, this far apart, this many
+            unanswered before the kernel drops the connection (an idle peer that vanished).
+        tcp_user_timeout_s: TCP_USER_TIMEOUT of the HTTP connections: seconds sent data may stay
+            unacknowledged before the kernel drops the connection (a peer that vanished while
+            bytes were owed to it); 0 = the kernel's default (~15 minutes of retransmissions).
     """
 
     http_port: int = Field(default=8000, ge=0, le=MAX_PORT)
@@ -55,6 +83,26 @@ class GatewaySettings(CommonSettings):
     auth_cache_ttl_s: float = Field(default=30.0, ge=0, le=MAX_SECONDS)
     idempotency_ttl_s: float = Field(default=86_400.0, gt=0, le=MAX_SECONDS)
     fanout_write_threads: int = Field(default=-1, ge=-1, le=16)
+    key_requests_per_minute: int = Field(default=6_000, ge=0, le=100_000_000)
+    failed_auths_per_minute: int = Field(default=30, ge=0, le=100_000_000)
+    gateway_rate_limit_storage_url: str = ""
+    http_max_header_bytes: int = Field(default=65_536, ge=1_024, le=16_777_216)
+    http_max_headers: int = Field(default=100, ge=10, le=10_000)
+    http_header_timeout_s: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
+    http_body_timeout_s: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
+    http_body_min_rate: int = Field(default=1_024, ge=0, le=1_073_741_824)
+    http_send_timeout_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
+    http_max_connections: int = Field(default=20_000, ge=1, le=10_000_000)
+    http_listens_per_key: int = Field(default=1_000, ge=1, le=10_000_000)
+    tcp_keepalive_idle_s: int = Field(default=30, ge=1, le=32_767)
+    tcp_keepalive_interval_s: int = Field(default=10, ge=1, le=32_767)
+    tcp_keepalive_count: int = Field(default=3, ge=1, le=127)
+    tcp_user_timeout_s: int = Field(default=60, ge=0, le=2_147_483)
+
+    @property
+    def rate_limit_storage_url(self) -> str:
+        """`gateway_rate_limit_storage_url`, else `redis_url`, else "memory://"."""
+        return self.gateway_rate_limit_storage_url or self.redis_url or "memory://"
 
     @property
     def write_threads(self) -> int:

@@ -21,9 +21,9 @@ most `PULL_SLICE_BYTES` a send, through the ASGI `send` that honours flow contro
 has caught up it returns to being pushed. So one slow listener never holds up the others,
 and one that stops reading holds an index into the shared frames and one slice, not a copy
 of all it has not read (fresh-eyes test: 100 stalled listeners on a 5.6 MB run took the
-gateway from 143 to 850 MiB); one whose client takes nothing of a send for `STALLED_SEND_S`
-has its connection closed, so a dead client does not keep an ended run's frames alive. The
-response's start and its end (`more_body: False`) always go through ASGI `send`, the end
+gateway from 143 to 850 MiB); one whose client takes nothing of a send for `send_timeout_s`
+(LOOPLINE_HTTP_SEND_TIMEOUT_S) has its connection closed, so a dead client does not keep an
+ended run's frames alive. The response's start and its end (`more_body: False`) always go through ASGI `send`, the end
 after the listener's own last frame (`_Hub._end_frame`).
 
 Heartbeats (`data: {"type":"heartbeat"}`, not counted by `?after=N`) come from one timer
@@ -35,7 +35,12 @@ check is at least `heartbeat_s / 10` later.
 Lifetime: the upstream call starts with the first listener and is validated by it (the
 orchestrator sends initial metadata `x-loopline-stream` once the chat and run check out,
 or fails with NOT_FOUND); it ends when the run's stream ends, or is cancelled when the
-last listener leaves. A finished hub is forgotten at once, so a later listener starts a
+last listener leaves: between two reads, once the read under way has brought its message (a
+replay's next one comes at once), or after ABANDONED_CANCEL_S if none comes (a live run gone
+quiet). grpc.aio frees a read's buffers only when its reader takes the result
+(grpc/grpc#43360): cancelling the task under a read leaked the message being read (~40 KB of
+frames) per listener that left a replay early, and cancelling the call under one still leaks
+a little (docs/security.md). A finished hub is forgotten at once, so a later listener starts a
 fresh replay from the orchestrator (which has every event of the run). When the upstream
 call fails after validation (the orchestrator died or restarted), each listener's stream
 ends with the gateway's own `error` frame naming that listener's `?after=` position to
@@ -81,6 +86,14 @@ class StreamTimeout(Exception):
 
 class StreamUnavailable(Exception):
     """The orchestrator closed the stream before validating it without a status to pass on."""
+
+
+class TooManyListens(Exception):
+    """The caller's API key already holds `limit` listens on this gateway (`RunFanout.listens_per_key`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
 
 
 def broken_frame(position: int) -> bytes:
@@ -152,16 +165,16 @@ class _Listener:
         self.pull()
 
     async def _send(self, message: dict[str, Any]) -> None:
-        """ASGI `send` of `message`, bounded: a client that takes none of it for STALLED_SEND_S
+        """ASGI `send` of `message`, bounded: a client that takes none of it for `hub.send_timeout_s`
         (it stopped reading, or its host is gone without a FIN) has its connection closed and
         TimeoutError is raised. Without this bound such a listener held its run's frames (and the
         hub) in the gateway for as long as its TCP connection stayed open, a run long ended too."""
         try:
-            async with asyncio.timeout(STALLED_SEND_S):
+            async with asyncio.timeout(self.hub.send_timeout_s):
                 await self.send(message)
         except TimeoutError:
             self.gone = True
-            log.info("closing a stream whose client took nothing for %.0f s", STALLED_SEND_S)
+            log.info("closing a stream whose client took nothing for %.0f s", self.hub.send_timeout_s)
             if self.transport is not None:
                 self.transport.abort()
             raise
@@ -203,11 +216,15 @@ class _Listener:
 
 
 class _Hub:
-    __slots__ = ("beat_due", "beat_next", "broken", "call", "finished", "flush_handle", "frames", "heartbeat_handle", "heartbeat_s",
-                 "key", "listeners", "loop", "ready", "round", "round_at", "round_beats", "round_from", "streams", "task", "writer")
+    __slots__ = ("abandoned", "beat_due", "beat_next", "broken", "call", "finished", "flush_handle", "frames", "heartbeat_handle",
+                 "heartbeat_s", "key", "listeners", "loop", "ready", "round", "round_at", "round_beats", "round_from", "send_timeout_s",
+                 "streams", "task", "writer")
 
-    def __init__(self, key: tuple[str, str, str], heartbeat_s: float, writer: ParallelWriter | None = None) -> None:
+    def __init__(self, key: tuple[str, str, str], heartbeat_s: float, writer: ParallelWriter | None = None,
+                 send_timeout_s: float = STALLED_SEND_S) -> None:
         self.key = key
+        self.send_timeout_s = send_timeout_s  # a listener's send bound (`_Listener._send`)
+        self.abandoned: asyncio.TimerHandle | None = None  # `_cancel_abandoned` of a hub its last listener left
         self.writer = writer  # large rounds' socket writes on every core (parallel_write)
         self.frames: list[bytes] = []
         self.finished = False
@@ -431,16 +448,22 @@ class RunFanout:
     """Shares upstream StreamRun calls between the listeners of a run (see the module docstring).
 
     `heartbeat_s` is the silence (seconds) after which a listener gets a heartbeat frame
-    (LOOPLINE_HEARTBEAT_INTERVAL_S; spec: 15 s of inter-event silence).
+    (LOOPLINE_HEARTBEAT_INTERVAL_S; spec: 15 s of inter-event silence); `send_timeout_s` bounds
+    each send to a listener (LOOPLINE_HTTP_SEND_TIMEOUT_S; None: STALLED_SEND_S);
+    `listens_per_key` is how many listens one API key may hold at once (LOOPLINE_HTTP_LISTENS_PER_KEY;
+    0: not limited), counted by the `key` given to `open` and `leave`.
     """
 
     def __init__(self, stub: assistant_pb2_grpc.AssistantServiceStub, heartbeat_s: float = 15.0,
-                 write_threads: int = 0) -> None:
+                 write_threads: int = 0, send_timeout_s: float | None = None, listens_per_key: int = 0) -> None:
         self._stub = stub
         self._heartbeat_s = heartbeat_s
         self._writer = ParallelWriter(write_threads) if write_threads > 0 else None
+        self._send_timeout_s = STALLED_SEND_S if send_timeout_s is None else send_timeout_s
         self._hubs: dict[tuple[str, str, str], _Hub] = {}
         self._closed = False
+        self.listens_per_key = listens_per_key
+        self._listens: dict[str, int] = {}  # open listens per key (entries at 0 are removed)
 
     def active_runs(self) -> int:
         """Runs with an open upstream stream (for tests and metrics)."""
@@ -475,18 +498,39 @@ class RunFanout:
         if self._writer is not None:
             self._writer.close()
 
-    async def open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str) -> _Hub:
+    async def open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str, key: str | None = None) -> _Hub:
         """Join (or start) the hub of a run; raises grpc.aio.AioRpcError (e.g. NOT_FOUND) or
         StreamUnavailable when the orchestrator refuses the stream, StreamTimeout when it has not
         accepted it within READY_TIMEOUT_S (fresh-eyes chaos test: a listen through a gateway
-        whose orchestrator was stalled got no status line at all for minutes). The caller must
-        `leave` it (`EventStreamResponse` does)."""
+        whose orchestrator was stalled got no status line at all for minutes), TooManyListens
+        when `key` (the caller's API key, see `listens_per_key`) holds as many listens as it may.
+        The caller must `leave` it with the same `key` (`EventStreamResponse` does)."""
         if self._closed:
             raise StreamUnavailable  # shutting down: the client goes to another gateway
+        if key is None or not self.listens_per_key:
+            return await self._open(caller, chat_id, run_id)
+        held = self._listens.get(key, 0)
+        if held >= self.listens_per_key:
+            raise TooManyListens(self.listens_per_key)
+        self._listens[key] = held + 1
+        try:
+            return await self._open(caller, chat_id, run_id)
+        except BaseException:
+            self._release(key)
+            raise
+
+    def _release(self, key: str) -> None:
+        held = self._listens.get(key, 0) - 1
+        if held > 0:
+            self._listens[key] = held
+        else:
+            self._listens.pop(key, None)
+
+    async def _open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str) -> _Hub:
         key = (caller.organization_id, chat_id, run_id)
         hub = self._hubs.get(key)
         if hub is None or hub.finished:
-            hub = _Hub(key, self._heartbeat_s, self._writer)
+            hub = _Hub(key, self._heartbeat_s, self._writer, self._send_timeout_s)
             self._hubs[key] = hub
             hub.task = asyncio.create_task(self._pump(hub, caller), name="sse-pump")
         hub.listeners += 1
@@ -505,13 +549,18 @@ class RunFanout:
             raise hub.ready.exception()  # type: ignore[misc]
         return hub
 
-    def leave(self, hub: _Hub) -> None:
-        """A listener is gone; the last one to leave a live hub cancels its upstream call."""
+    def leave(self, hub: _Hub, key: str | None = None) -> None:
+        """A listener (of API key `key`, as given to `open`) is gone; the last one to leave a live
+        hub has its upstream call cancelled between two reads (module docstring, "Lifetime")."""
+        if key is not None and self.listens_per_key:
+            self._release(key)
         hub.listeners -= 1
         if hub.listeners <= 0 and not hub.finished:
-            hub.finished = True
-            if hub.task is not None:
-                hub.task.cancel()
+            hub.finished = True  # the pump cancels the call after the read under way (`_pump`)
+            if hub.call is not None:
+                hub.abandoned = hub.loop.call_later(ABANDONED_CANCEL_S, _cancel_abandoned, hub)
+            elif hub.task is not None:
+                hub.task.cancel()  # not reading yet
             self._forget(hub)
 
     def _forget(self, hub: _Hub) -> None:
@@ -534,7 +583,12 @@ class RunFanout:
             if any(key == STREAM_READY for key, _ in metadata or ()):
                 _set_ready(hub)
             last = ""
-            async for item in call:
+            messages = aiter(call)
+            async for item in messages:
+                if hub.finished:  # its last listener left (`leave`): cancelled with no read under way
+                    call.cancel()
+                    await messages.aclose()  # now, not when the garbage collector breaks the call's cycle with it
+                    return
                 _set_ready(hub)
                 for event in item.events or (item.event,):
                     hub.publish(sse.encode(event, outputs))
@@ -555,15 +609,24 @@ class RunFanout:
         finally:
             if not hub.ready.done():
                 hub.ready.set_exception(StreamUnavailable())
+            if hub.abandoned is not None:
+                hub.abandoned.cancel()  # and with it the timer's hold on the hub and its frames
             hub.end()
             self._forget(hub)
 
 
 STREAM_BATCH = 128  # StreamRunRequest.max_batch: events per upstream message at most
+ABANDONED_CANCEL_S = 1.0  # how long the read of a hub without listeners may wait for a message before its call is cancelled
 # the last event of an upstream stream that ended well: the run's end (a paused run's may be followed
 # by `run_resumed`), or the orchestrator's own `error` frame that names where to reconnect; any
 # other end is a broken stream (`broken_frame`)
 _STREAM_ENDS = frozenset({"done", "cancelled", "interrupted", "run_resumed", "error"})
+
+
+def _cancel_abandoned(hub: _Hub) -> None:
+    """Timer of `leave`: cancel the upstream call of an abandoned hub whose pump still waits for a
+    message (at the cost of the grpc.aio leak described in the module docstring)."""
+    hub.call.cancel()
 
 
 def _set_ready(hub: _Hub) -> None:
@@ -592,16 +655,18 @@ def _transport_of(scope: Scope) -> asyncio.Transport | None:
 class EventStreamResponse(Response):
     """The `text/event-stream` response of one listener of a run (status 200, frames from `after`).
 
-    Joined to `hub` by `RunFanout.open`; the response leaves the hub when the client goes
-    away or the run's stream ended (then the response ends after the last frame).
+    Joined to `hub` by `RunFanout.open` (with the caller's API key `key`); the response leaves
+    the hub when the client goes away or the run's stream ended (then the response ends after
+    the last frame).
     """
 
     media_type = "text/event-stream"
 
     _raw_headers: ClassVar[dict[tuple[tuple[str, str], ...], list[tuple[bytes, bytes]]]] = {}  # rendered once per header set
 
-    def __init__(self, fanout: RunFanout, hub: _Hub, after: int, headers: dict[str, str] | None = None) -> None:
-        self.fanout, self.hub, self.after = fanout, hub, after
+    def __init__(self, fanout: RunFanout, hub: _Hub, after: int, headers: dict[str, str] | None = None,
+                 key: str | None = None) -> None:
+        self.fanout, self.hub, self.after, self.key = fanout, hub, after, key
         self.status_code = 200
         self.background = None
         key = tuple(headers.items()) if headers else ()
@@ -630,7 +695,7 @@ class EventStreamResponse(Response):
                 hub.detach(listener)
                 if listener.writer is not None and not listener.finishing:
                     listener.writer.cancel()
-            self.fanout.leave(hub)
+            self.fanout.leave(hub, self.key)
         if listener is not None and listener.writer is not None:
             # an in-process transport reports the end before the last send: let the writer finish.
             # asyncio.wait, not an await of the task: a writer cancelled above (the client left) must

@@ -1,8 +1,8 @@
 """OpenAPI response declarations shared by every gateway route: the statuses each can return.
 
-Every route declares 400, 401, 403, 503 and 504 plus its own; billing denials (402/403/429)
-are the flat DenialEnvelope, everything else `{"detail": str}`. `json_schema_bounds` repairs the
-integer bounds pydantic writes under its own names (see there).
+Every route declares 400, 401, 403, 429, 503 and 504 plus its own; billing denials (402/403/429)
+and the gateway's rate limits (429) are the flat DenialEnvelope, everything else `{"detail": str}`.
+`json_schema_bounds` repairs the integer bounds pydantic writes under its own names (see there).
 """
 
 from __future__ import annotations
@@ -26,10 +26,19 @@ _DENIAL = {
 }
 
 
-def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
-    """The `responses` of a route: 400, 401, 403, 503, 504 and `codes`, each with its body schema.
+# A 429 of any route: the gateway's own rate limits (services/gateway/ratelimit.py) answer with the
+# DenialEnvelope; a limit of another kind may answer `{"detail": str}`.
+_RATE_LIMITED = {"content": {"application/json": {"schema": {"anyOf": [
+    _DENIAL["content"]["application/json"]["schema"], _ERROR["content"]["application/json"]["schema"],
+]}}}}
 
-    With `denial`, 402/403/429 are documented as the spec's flat DenialEnvelope.
+
+def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route: 400, 401, 403, 429, 503, 504 and `codes`, each with its body schema.
+
+    Every route may answer 429: each authenticated request counts against its API key's limit, and
+    failed authentications against the client's (ratelimit.py). With `denial`, 402/403/429 are
+    documented as the spec's flat DenialEnvelope.
     """
     names = {
         400: "Bad request", 401: "Missing or unknown API key", 402: "Billing denial (credit or wallet layer)",
@@ -37,8 +46,8 @@ def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[s
         413: "Request body too large", 415: "Unsupported media type", 422: "Idempotency-Key reused with another request", 429: "Rate limited", 503: "A backing service is unavailable", 504: "Timed out",
     }
     result: dict[int | str, dict[str, Any]] = {}
-    for code in (400, 401, 403, *codes, 503, 504):
-        shape = _DENIAL if denial and code in (402, 403, 429) else _ERROR
+    for code in (400, 401, 403, *codes, 429, 503, 504):
+        shape = _DENIAL if denial and code in (402, 403, 429) else _RATE_LIMITED if code == 429 else _ERROR
         result[code] = {"description": names.get(code, "Error"), **shape}
     return result
 

@@ -17,6 +17,7 @@ from services.common.grpc_server import (
 from services.common.internal_auth import internal_channel
 from services.gateway.app import create_app
 from services.gateway.config import GatewaySettings
+from services.gateway.http_limits import HttpLimits, protocol_class, tune_listener
 from services.gateway.idempotency import IdempotencyStore
 from services.gateway.identity import Authenticator
 from services.gateway.org_settings import DefaultModels
@@ -58,6 +59,7 @@ class GatewayServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tune_listener(sock, settings)  # TCP keepalive and TCP_USER_TIMEOUT, inherited too (docs/security.md)
         try:
             sock.bind((settings.http_host, settings.http_port))
         except OSError as error:  # one line and exit 2 (runner.run), like the gRPC port's
@@ -68,7 +70,7 @@ class GatewayServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
-            backlog=2048,
+            backlog=2048, http=protocol_class(HttpLimits.of(settings)),  # head, body and write bounds (http_limits.py)
         )
         self.http = uvicorn.Server(config)
         self.http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -91,6 +93,7 @@ class GatewayServer:
             await asyncio.wait_for(self._http_task, grace + 1)
         except TimeoutError:
             self.http.force_exit = True
+        await self.app.state.request_limits.close()  # the rate counters' Redis connections, if any
         await self._grpc.server.stop(grace)
         await self.channel.close()
         await self.tools_channel.close()

@@ -28,6 +28,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
+from starlette.types import Message, Receive
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 # The largest document upload, in bytes (10 MiB); larger is 413.
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+# The largest upload body (the document and its multipart framing): reading stops past it, 413.
+MAX_UPLOAD_BODY_BYTES = MAX_UPLOAD_BYTES + 64 * 1024
 # The SDK's KnowledgeBaseStatus: the `?status=` filter of GET /knowledge-bases takes these.
 KNOWLEDGE_BASE_STATUSES = ("active", "processing", "error", "archived")
 # The SDK's DocumentStatus for the tools service's document statuses.
@@ -387,6 +390,24 @@ def mcp_tool_json(t: tools_pb2.McpTool) -> dict[str, Any]:
     return {"name": t.name, "description": t.description, "input_schema": pb.from_struct(t.input_schema)}
 
 
+def _bounded_receive(receive: Receive, limit: int) -> Receive:
+    """ASGI `receive` that raises BodyError 413 as soon as the body passes `limit` bytes, whatever
+    the framing (Content-Length or chunked): the multipart parser reading through it stops there
+    instead of spooling the whole body to disk first (issue 33)."""
+    received = 0
+
+    async def bounded() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise BodyError(413, f"Upload exceeds {MAX_UPLOAD_BYTES} bytes")
+        return message
+
+    return bounded
+
+
 def tools_router(
     settings: GatewaySettings,
     principal_dependency: Callable[[Request], Awaitable[Principal]],
@@ -723,12 +744,18 @@ def tools_router(
                  openapi_extra=UPLOAD_BODY)
     async def upload_document(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + 64 * 1024:
+        if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BODY_BYTES:
             raise BodyError(413, f"Upload exceeds {MAX_UPLOAD_BYTES} bytes")
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise BodyError(400, "Upload the document as multipart/form-data with a 'file' part")
+        # Issue 33: the knowledge base is looked up before a byte of the body is read (a chunked
+        # 200 MiB upload to a base that does not exist was spooled to disk in full, then 404).
+        if knowledge_base_id not in await owned_bases(who.organization_id):
+            return detail(404, "Knowledge base not found")
         try:
-            form = await request.form(max_files=1, max_fields=5)
+            form = await Request(request.scope, _bounded_receive(request.receive, MAX_UPLOAD_BODY_BYTES)).form(max_files=1, max_fields=5)
+        except BodyError:
+            raise
         except Exception:  # noqa: BLE001 - a malformed multipart body is bad input
             raise BodyError(400, "The multipart body cannot be parsed (one 'file' part, optional 'metadata')") from None
         try:

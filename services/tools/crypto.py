@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from services.common import redaction
+
 if TYPE_CHECKING:
     from cryptography.fernet import Fernet, MultiFernet
 
@@ -131,24 +133,11 @@ def mask_secret(secret: dict[str, Any]) -> str:
 
 
 def redact(text: str, secret: dict[str, Any] | None) -> str:
-    """`text` with every secret value (4+ characters) and URL password in it replaced by "***".
+    """`text` with every secret value (4+ characters) replaced by "***", in every form an error
+    or an echo gives it: raw, stripped, backslash- or JSON-escaped, URL-encoded, base64 (as in
+    `Basic`), a URL's password (`services.common.redaction`).
 
     Used on every error message that leaves the service, since driver errors may quote
     a connection string.
     """
-    if not secret:
-        return text
-    values: list[str] = []
-    for value in secret.values():
-        if isinstance(value, str) and len(value) >= 4:
-            values.append(value)
-            # A password inside a URL ("scheme://user:password@host") on its own.
-            if "://" in value and "@" in value:
-                userinfo = value.split("://", 1)[1].split("@", 1)[0]
-                if ":" in userinfo:
-                    password = userinfo.split(":", 1)[1]
-                    if len(password) >= 3:
-                        values.append(password)
-    for value in sorted(values, key=len, reverse=True):
-        text = text.replace(value, "***")
-    return text
+    return redaction.redact(text, secret)

@@ -21,7 +21,10 @@ and its command (never its args or env values) and quotes the last STDERR_LOG_CH
 never includes it).
 Outbound policy: an organization's URL must pass `netpolicy.resolve_checked` (no
 loopback, link-local or private address unless the operator allows it) when it is
-registered and before every connection.
+registered and before every operation, and every connection of the MCP client goes through
+`netpolicy.guarded_mcp_client`: its host is resolved and checked once there and the socket
+goes to the checked address, so a DNS answer that changes after the check (rebinding) cannot
+lead the organization's headers elsewhere.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from services.tools.catalogue import (
     Integration,
 )
 from services.tools.crypto import redact
-from services.tools.netpolicy import OutboundPolicyError, resolve_checked
+from services.tools.netpolicy import OutboundPolicyError, guarded_mcp_client, resolve_checked
 
 if TYPE_CHECKING:
     from mcp import Client
@@ -225,7 +228,6 @@ class McpConnector:
         """A Client for `target`; a stdio server's stderr goes to `stderr` (discarded when None)."""
         # the mcp SDK is imported on first use: it costs ~30 MiB and start-up time in every
         # tools process, most of which never talk to an MCP server
-        import httpx2  # the HTTP client the mcp SDK uses; loaded with it
         from mcp import Client, StdioServerParameters
         from mcp.client.stdio import stdio_client
         from mcp.client.streamable_http import streamable_http_client
@@ -234,10 +236,11 @@ class McpConnector:
             params = StdioServerParameters(command=target.command, args=list(target.args), env=target.env or None)
             transport = stdio_client(params, errlog=_DEVNULL) if stderr is None else _capturing(stdio_client, params, stderr)
         else:
-            headers = {str(k): str(v) for k, v in (target.get("headers") or {}).items()}
-            http = httpx2.AsyncClient(
-                headers=headers, timeout=httpx2.Timeout(self.timeout_s), follow_redirects=False, trust_env=False
-            )
+            # values with surrounding whitespace stripped, as the `http` integration's credentials (issue 33)
+            headers = {str(k).strip(): str(v).strip() for k, v in (target.get("headers") or {}).items()}
+            # every connection resolves the host once, checks it and connects to the checked
+            # address (netpolicy): no second lookup between the check and the socket
+            http = guarded_mcp_client(self.allow_private_network, self.timeout_s, headers)
             transport = _owning(http, streamable_http_client(
                 target["url"], http_client=http, max_sse_event_size=max(4 * self.max_output_bytes, 1 << 20)
             ))
@@ -310,6 +313,7 @@ class McpConnector:
             except (ActionError, asyncio.CancelledError):
                 raise
             except BaseException as exc:
+                _raise_policy_refusal(exc)
                 _log_stdio_failure(target, "list_tools", exc, stderr)
                 raise ActionError(f"the MCP server could not be reached or did not answer ({_describe(exc)})") from None
             return tools
@@ -333,6 +337,7 @@ class McpConnector:
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
+                _raise_policy_refusal(exc)  # refused before the connection: nothing was sent
                 _log_stdio_failure(target, f"call_tool {name}", exc, stderr)
                 if _unreached(exc):  # no connection, so nothing was sent (fresh-eyes test: "failed during the call" said it may have run)
                     raise ActionError(f"the MCP server could not be reached; the call was not sent ({_describe(exc)})") from None
@@ -523,6 +528,26 @@ def _innermost(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
+
+
+def _raise_policy_refusal(exc: BaseException) -> None:
+    """Raise the OutboundPolicyError inside `exc` (an exception group of the SDK's tasks, or an
+    error it wrapped), if there is one: a connection the policy refused is reported as the
+    refusal (its message is safe to show), not as a server that failed."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OutboundPolicyError):
+            raise OutboundPolicyError(str(current)) from None
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                pending.append(linked)
 
 
 def _unreached(exc: BaseException) -> bool:

@@ -1,4 +1,5 @@
-"""The outbound policy for URLs an organization supplies (the `http` integration).
+"""The outbound policy for URLs an organization supplies (the `http` integration, MCP servers
+over HTTP, the `postgresql` integration's host).
 
 Rule (issue #6, DESIGN.md "services/tools"): org-supplied URLs may not reach loopback,
 link-local or private addresses unless the operator allows them
@@ -87,17 +88,26 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
     return addresses
 
 
-_guarded_backend: type | None = None
+_guarded_backends: dict[str, type] = {}
 
 
-def _guarded_backend_class() -> type:
-    """The GuardedBackend class, defined on first use (it subclasses an httpcore class)."""
-    global _guarded_backend
-    if _guarded_backend is None:
-        import httpcore
+def _guarded_backend_class(core: str = "httpcore") -> type:
+    """The GuardedBackend class of the httpcore module named `core`, defined on first use (it
+    subclasses that module's network backend). `httpcore` serves httpx (the `http` integration),
+    `httpcore2` serves httpx2 (the HTTP client of the `mcp` SDK: MCP servers over HTTP)."""
+    backend = _guarded_backends.get(core)
+    if backend is None:
+        import importlib
 
-        class GuardedBackend(httpcore.AsyncNetworkBackend):
+        httpcore = importlib.import_module(core)
+
+        class GuardedBackend(httpcore.AsyncNetworkBackend):  # type: ignore[name-defined,misc]
             """An httpcore network backend that checks every TCP destination against the policy.
+
+            The host is resolved here, once per connection; every address it resolves to is
+            checked and the socket is opened to one of those addresses (never to the name, which
+            a second lookup could resolve elsewhere: DNS rebinding). The connection above keeps
+            the name for the Host header and for TLS (SNI and the certificate check).
 
             Args:
                 allow_private: the operator's `tools_allow_private_network`.
@@ -114,7 +124,7 @@ def _guarded_backend_class() -> type:
                 timeout: float | None = None,
                 local_address: str | None = None,
                 socket_options: Iterable[Any] | None = None,
-            ) -> httpcore.AsyncNetworkStream:
+            ) -> Any:
                 """Resolve and check `host`, then connect to its first allowed address."""
                 addresses = await resolve_checked(host, port, self._allow_private)
                 last: Exception | None = None
@@ -136,8 +146,8 @@ def _guarded_backend_class() -> type:
                 """Sleep (used by httpcore's retries)."""
                 await self._inner.sleep(seconds)
 
-        _guarded_backend = GuardedBackend
-    return _guarded_backend
+        backend = _guarded_backends[core] = GuardedBackend
+    return backend
 
 
 def __getattr__(name: str) -> Any:
@@ -165,3 +175,30 @@ def guarded_client(allow_private: bool, timeout_s: float) -> httpx.AsyncClient:
         network_backend=_guarded_backend_class()(allow_private),
     )
     return httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False, timeout=timeout_s)
+
+
+def guarded_mcp_client(allow_private: bool, timeout_s: float, headers: dict[str, str]) -> Any:
+    """An httpx2 client (the `mcp` SDK's HTTP client) whose every connection passes the outbound
+    policy, as `guarded_client`: each connection resolves and checks its host once and connects
+    to the checked address (issue 33: the SDK resolved the name again when it connected, and a
+    second answer of 127.0.0.1 reached a loopback server with the organization's headers).
+
+    No proxies from the environment, no redirects followed by the client (the SDK follows
+    same-origin ones itself, through this client, so through the policy), `timeout_s` for each
+    phase, `headers` on every request. Relies on httpx2's `AsyncHTTPTransport._pool` (httpx2
+    2.16, the version the pinned mcp brings), as `guarded_client` does on httpx's.
+    """
+    import httpcore2
+    import httpx2
+
+    ssl_context = httpx2.create_ssl_context(trust_env=False)  # one context (loading CAs costs ms), both uses
+    transport = httpx2.AsyncHTTPTransport(verify=ssl_context, trust_env=False)
+    transport._pool = httpcore2.AsyncConnectionPool(  # noqa: SLF001 - see docstring
+        ssl_context=ssl_context,
+        max_connections=10,
+        max_keepalive_connections=10,
+        network_backend=_guarded_backend_class("httpcore2")(allow_private),
+    )
+    return httpx2.AsyncClient(
+        transport=transport, headers=headers, timeout=httpx2.Timeout(timeout_s), follow_redirects=False, trust_env=False
+    )

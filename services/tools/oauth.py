@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import secrets
+import unicodedata
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -89,23 +90,45 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
     return providers
 
 
+#: The most percent-decoding passes a path segment may need before it stops changing (`api_path_error`).
+MAX_DECODE_PASSES = 4
+_PATH_REFUSAL = ("path must be a path on the API: no '.' or '..' segments, no ';' parameters, no control "
+                 "characters and no encoded '/' or '\\' (in any percent-encoding)")
+
+
+def _decoded(segment: str) -> str | None:
+    """`segment` percent-decoded until it stops changing (at most MAX_DECODE_PASSES passes), or
+    None when it still changes after them (an encoding nested that deep is refused)."""
+    for _ in range(MAX_DECODE_PASSES + 1):
+        decoded = urllib.parse.unquote(segment)
+        if decoded == segment:
+            return decoded
+        segment = decoded
+    return None
+
+
 def api_path_error(path: str) -> str | None:
     """Why `path` is not a path under an OAuth2 integration's `api_base_url`, or None when it is.
 
     The access token is sent to `api_base_url + path`, so the path must stay on that host and
-    under that base path: it starts with one '/', names no scheme, and none of its segments is
-    a dot-segment ('.' or '..', also percent-encoded: RFC 3986 §5.2.4 removes them, so
-    `/../x` would leave the base path) or hides a '/' or '\\' behind percent-encoding (which
-    some servers decode into a separator). The query and fragment are not checked: they do not
-    change the path.
+    under that base path: it starts with one '/', names no scheme, and none of its segments,
+    percent-decoded until it stops changing (a server or a proxy in front of it may decode more
+    than once: `%252e%252e` is `..` after two passes), is a dot-segment ('.' or '..', also in
+    Unicode compatibility forms such as U+FF0E: RFC 3986 §5.2.4 removes them, so `/../x` would
+    leave the base path), holds a ';' (a path parameter: `..;` is `..` to servlet containers,
+    which strip parameters after normalizing — issue 33: `/api/..;/secret` reached the provider
+    with the token), a '/' or '\\' (which some servers decode into a separator) or a control
+    character. The query and fragment are not checked: they do not change the path.
     """
     if not path.startswith("/") or path.startswith("//") or "://" in path:
         return "path must be a path on the API, starting with '/'"
     raw = path.split("#", 1)[0].split("?", 1)[0]
     for segment in raw.split("/"):
-        decoded = urllib.parse.unquote(segment)
-        if decoded in (".", "..") or "/" in decoded or "\\" in decoded:
-            return "path must be a path on the API: no '.' or '..' segments and no encoded '/' or '\\'"
+        decoded = _decoded(segment)
+        if decoded is None or any(c in decoded for c in "/\\;") or any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded):
+            return _PATH_REFUSAL
+        if unicodedata.normalize("NFKC", decoded).strip() in (".", ".."):
+            return _PATH_REFUSAL
     return None
 
 
@@ -147,7 +170,7 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
                     "type": "object",
                     "properties": {
                         "method": {"enum": ["GET", "POST"], "default": "GET"},
-                        "path": {"type": "string", "minLength": 1, "description": "The API path under the base URL, e.g. /me (no . or .. segments)"},
+                        "path": {"type": "string", "minLength": 1, "description": "The API path under the base URL, e.g. /me (no . or .. segments, no ;)"},
                         "body": {"type": "object", "description": "JSON body for POST"},
                     },
                     "required": ["path"],

@@ -5,7 +5,10 @@ Contract (DESIGN.md "A turn, end to end" and issue #6 "Catalogue and the five to
 `execute_integration_tool` and `search_knowledge`. Every failure is a `ToolResult` with
 success=false and a readable, secret-free `error` — never an exception out of
 `ToolExecutor.execute` (except asyncio.CancelledError, which must propagate so that a
-cancelled tool call stops).
+cancelled tool call stops). The `error` is built from known fields and a kind of failure
+(`services/tools/failures.py`), never an exception's own text, which is logged, redacted; an
+integration's error and its result both go through the credential's redaction
+(`services/common/redaction.py`) before they leave (issue 33, docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from services.common import pb
+from services.common.errors import bounded
+from services.common.redaction import Redactor
 from services.common.validation import schema_errors
+from services.tools import failures
 from services.tools.catalogue import ActionContext, ActionError, Catalogue, Integration
 from services.tools.config import ToolsSettings
 from services.tools.credentials import CredentialStore
-from services.tools.crypto import SecretBoxError, redact
+from services.tools.crypto import SecretBoxError
 from services.tools.knowledge import KnowledgeStore
 from services.tools.mcp_servers import (
     MCP_AUTH_TYPE,
@@ -356,6 +362,8 @@ class ToolExecutor:
         )
         started = time.monotonic()
         outcome = "error"
+        cause: BaseException | None = None
+        redactor = Redactor(secret)
         try:
             async with asyncio.timeout(self.settings.tools_timeout_s):
                 result = await action.handler(context, parameters)
@@ -365,16 +373,22 @@ class ToolExecutor:
             raise ToolError(
                 f"{integration.name}.{action.name} timed out after {self.settings.tools_timeout_s:g} s and was stopped."
             ) from exc
-        except ActionError as exc:
-            raise ToolError(f"{integration.name}.{action.name} failed: {redact(str(exc), secret)}") from exc
-        except OutboundPolicyError as exc:
-            raise ToolError(f"{integration.name}.{action.name} refused: {exc}") from exc
+        except ActionError as exc:  # built by the integration from known fields; redacted all the same (defence in depth)
+            cause = exc.__cause__
+            raise ToolError(f"{integration.name}.{action.name} failed: {redactor.text(str(exc))}") from exc
+        except OutboundPolicyError as exc:  # an MCP server's host: the organization's, not the model's, so not named
+            raise ToolError(
+                f"{integration.name}.{action.name} refused: {failures.policy_refusal(exc, 'the server host')}"
+            ) from exc
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         except Exception as exc:  # noqa: BLE001 - an action bug is the call's failure, not the RPC's
-            # An httpx error is an expected failure (same message, not logged); anything else
-            # is logged without traceback: a driver's message may quote the secret; log where, not what.
+            # The model gets the failure's kind (`failures.unexpected`), never the exception's text:
+            # a driver's message may quote the secret, a host, an address or a path (issue 33).
+            # An httpx error is an expected failure (not logged as an error); anything else is
+            # logged with where it was raised; its text goes to the log only, redacted.
+            cause = exc
             if not _is_httpx_error(exc):
                 frame = exc.__traceback__
                 while frame is not None and frame.tb_next is not None:
@@ -385,23 +399,21 @@ class ToolExecutor:
                     extra={"fields": {"integration": integration.name, "action": action.name,
                                       "exc_type": type(exc).__name__, "where": where}},
                 )
-            raise ToolError(
-                f"{integration.name}.{action.name} failed: {type(exc).__name__}: {redact(str(exc), secret)}"
-            ) from exc
+            raise ToolError(f"{integration.name}.{action.name} failed: {failures.unexpected(exc)}") from exc
         finally:
-            log.info(
-                "integration action finished",
-                extra={
-                    "fields": {
-                        "org_id": org_id,
-                        "integration": integration.name,
-                        "action": action.name,
-                        "credential_id": info.id if info else None,
-                        "outcome": outcome,
-                        "duration_ms": round((time.monotonic() - started) * 1000, 1),
-                    }
-                },
-            )
+            fields: dict[str, Any] = {
+                "org_id": org_id,
+                "integration": integration.name,
+                "action": action.name,
+                "credential_id": info.id if info else None,
+                "outcome": outcome,
+                "duration_ms": round((time.monotonic() - started) * 1000, 1),
+            }
+            if cause is not None:  # for the operator only, redacted (never in the tool's result)
+                fields["cause"] = bounded(redactor.text(f"{type(cause).__name__}: {cause}"), 300)
+            log.info("integration action finished", extra={"fields": fields})
+        if redactor:  # a server that echoes the credential (a header, a URL, an error body) must not hand it to the model
+            result = redactor.value(result)
         budget = max(256, self.settings.tools_max_output_bytes - _ENVELOPE_BYTES)
         value, truncated, size = cap_result(result, budget)
         return ToolResult(

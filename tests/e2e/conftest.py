@@ -48,15 +48,19 @@ class Deployment:
         return {"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id}
 
 
-def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, piped: bool = False) -> Deployment:
+def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, piped: bool = False,
+                     env: dict[str, str] | None = None) -> Deployment:
     """Start scripts/dev.py on free ports with a fixed dev key and org, its data under `data`
     (logs in `log_dir` when given, else dev.py's default); returns once it printed the curl pair.
 
     `piped`: dev.py writes into a pipe that a thread copies to `data/dev.log` (as `make run |
-    tee`); `Deployment.close_pipe()` closes the reading end, as when Ctrl-C also stops `tee`."""
+    tee`); `Deployment.close_pipe()` closes the reading end, as when Ctrl-C also stops `tee`.
+    `env`: more environment variables (settings) for the services."""
     http_port = free_port()
+    extra = env or {}
     env = {
         **os.environ,
+        **extra,
         "LOOPLINE_DATA_DIR": str(data / "var"),
         "LOOPLINE_HTTP_PORT": str(http_port),
         "LOOPLINE_GATEWAY_GRPC_PORT": str(free_port()),

@@ -8,8 +8,25 @@ import subprocess
 import sys
 
 import httpx
+import pytest
+
+from tests.e2e.conftest import start_deployment, stop_deployment
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """The module's deployment (conftest's) with rate limits raised past what the run sends: ~1,500
+    requests in ~10 s with one key, and schemathesis' probes without or with a wrong key
+    (`ignored_auth`), which the defaults (600 requests per key, 30 failed authentications per
+    client a minute) would answer 429 (documented, but then the run would test little else)."""
+    data = tmp_path_factory.mktemp("fuzz")
+    started = start_deployment(data, data / "logs", env={
+        "LOOPLINE_KEY_REQUESTS_PER_MINUTE": "1000000", "LOOPLINE_FAILED_AUTHS_PER_MINUTE": "1000000",
+    })
+    yield started
+    stop_deployment(started)
 
 
 def test_openapi_documents_every_route_and_status(deployment):

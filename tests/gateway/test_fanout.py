@@ -44,9 +44,13 @@ class FakeCall:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.queue.put_nowait(asyncio.CancelledError())  # as grpc.aio: a read of a locally cancelled call raises it
 
     def __aiter__(self) -> FakeCall:
         return self
+
+    async def aclose(self) -> None:
+        """As the async generator grpc.aio's call iterates with."""
 
     async def __anext__(self) -> Any:
         event = await self.queue.get()
@@ -556,11 +560,11 @@ def test_both_interrupted_stream_frames_name_the_position_to_reconnect_from_in_o
     reading N had to know both (fresh-eyes chaos test, F6)."""
     import re
 
-    from services.orchestrator.backend import _unreachable
+    from services.orchestrator.backend import UNREACHABLE, StreamInterrupted
 
     pattern = re.compile(r"^The event stream was interrupted( \([^)]*\))?; reconnect with \?after=(\d+)$")
     gateway = json.loads(fanout_module.broken_frame(7)[len(b"data: "):])["data"]["message"]
-    orchestrator = _unreachable("run", 7).error.message
+    orchestrator = StreamInterrupted(7, UNREACHABLE).message
     assert pattern.match(gateway).group(2) == pattern.match(orchestrator).group(2) == "7"
 
 

@@ -231,7 +231,7 @@ async def test_credential_added_must_name_an_existing_credential_of_the_integrat
         assert response.status_code == 400
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
             created = await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
-                tools_pb2.CreateCredentialRequest(organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test"})
+                tools_pb2.CreateCredentialRequest(organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"})
             )
         answer = {**bogus, "credential_id": created.credential.credential_id}
         response = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request["request_id"], "response": answer})

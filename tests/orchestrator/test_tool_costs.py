@@ -26,7 +26,7 @@ async def stack(tmp_path):
 async def test_integration_action_cost_is_charged_once(stack):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
         await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(tools_pb2.CreateCredentialRequest(
-            organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test"}))
+            organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"}))
     call = {"tool": "execute_integration_tool", "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}}, "tool_call_id": "call_pg1"}
     free = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}}
     async with stack.client() as client:
@@ -60,7 +60,7 @@ async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
         await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(tools_pb2.CreateCredentialRequest(
-            organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test"}))
+            organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"}))
     stalled = asyncio.Event()
 
     async def hang(*_args, **_kwargs):

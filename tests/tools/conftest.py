@@ -24,7 +24,7 @@ from services.common import pb
 from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
 
-PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"  # the local server has no TLS: said explicitly (TLS is required otherwise)
 ORG = "org-a"
 OTHER_ORG = "org-b"
 

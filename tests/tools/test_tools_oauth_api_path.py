@@ -48,3 +48,26 @@ async def test_a_path_on_the_api_is_sent_under_the_base_path(sent, path):
     result = await action.handler(CTX, {"path": path})
     assert result == {"status": 200, "body": {"ok": True}}
     assert sent[0].startswith("http://api.test/api/")
+
+
+# Issue 33: `..;` is `..` to servlet containers (they drop path parameters after normalizing), so
+# `/..;/secret` reached the provider as `/api/..;/secret` with the access token; percent-encoded
+# once or more (a proxy may decode before the server does) it passed too.
+@pytest.mark.parametrize("path", [
+    "/..;/secret", "/v1/..;/secret", "/%2e%2e%3b/secret", "/%2E%2E%3B/secret", "/%2E%2E/secret", "/.%2E/secret",
+    "/%252e%252e/secret", "/%25252e%25252e%25253b/secret", "/v1/%252F%252Fevil", "/v1/%255c..%255csecret",
+    "/v1;jsessionid=x/me", "/v1/me;x=1", "/v1/%3Bx", "/%EF%BC%8E%EF%BC%8E/secret", "/\uff0e\uff0e/secret",
+    "/v1/a%00b", "/v1/a%0d%0ab", "/%" + "25" * 6 + "2e",
+])
+async def test_path_parameters_and_dot_segments_in_every_encoding_are_refused(sent, path):
+    action = integration_of(PROVIDER, 5).actions["api_request"]
+    with pytest.raises(ActionError, match="path must be a path on the API"):
+        await action.handler(CTX, {"path": path})
+    assert sent == []
+
+
+@pytest.mark.parametrize("path", ["/v1/items?filter=a;b", "/v1/%2541", "/v1/...", "/v1/a.b.c", "/v1/%E2%82%AC"])
+async def test_paths_that_only_look_alike_are_sent(sent, path):
+    assert api_path_error(path) is None
+    action = integration_of(PROVIDER, 5).actions["api_request"]
+    assert (await action.handler(CTX, {"path": path}))["status"] == 200

@@ -24,7 +24,7 @@ from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
 from tests.conftest import Stack, stop_stack
 
-PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"  # the local server has no TLS: said explicitly (TLS is required otherwise)
 
 # Explicit tools settings, so that LOOPLINE_* variables in the environment cannot change a test.
 TOOLS_DEFAULTS: dict[str, Any] = {

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from services.common import pb
+from services.tools import failures
 from services.tools.catalogue import ActionContext, ActionError
 from services.tools.netpolicy import OutboundPolicyError, guarded_client
 
@@ -84,11 +85,14 @@ MANIFEST: dict[str, Any] = {
 
 
 def _auth_headers(ctx: ActionContext) -> dict[str, str]:
+    """The credential's header. Its values are used with surrounding whitespace stripped: a token
+    pasted with a trailing newline (common) is sent as the token; a line break inside one is a
+    header error (`failures.BAD_HEADER`), whose message never quotes the value (issue 33)."""
     secret = ctx.secret or {}
     if ctx.auth_type == "bearer":
-        return {"Authorization": f"Bearer {secret['token']}"}
+        return {"Authorization": f"Bearer {str(secret['token']).strip()}"}
     if ctx.auth_type == "api_key":
-        return {secret.get("header_name") or "X-API-Key": secret["api_key"]}
+        return {(str(secret.get("header_name") or "").strip() or "X-API-Key"): str(secret["api_key"]).strip()}
     return {}
 
 
@@ -101,7 +105,8 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     double's range (`pb.loads_strict`), comes back as text in `body`.
 
     Raises ActionError when the policy refuses the destination or the request fails
-    (connection refused, TLS error, ...). A 4xx/5xx status is a result, not an error.
+    (connection refused, TLS error, ...), naming the failure's kind (`services.tools.failures`),
+    never the library's text. A 4xx/5xx status is a result, not an error.
     """
     headers = dict(params.get("headers") or {})
     headers.update(_auth_headers(ctx))
@@ -132,14 +137,16 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
                         truncated = True
                         break
                 raw = b"".join(chunks)[:limit]
-    except OutboundPolicyError as exc:
+    except OutboundPolicyError as exc:  # built by netpolicy from the URL's host (the model's own input) and a kind
         raise ActionError(str(exc)) from exc
-    except httpx.InvalidURL as exc:
-        raise ActionError(f"invalid URL: {exc}") from exc
+    except httpx.InvalidURL as exc:  # its text quotes the URL: the kind is enough
+        raise ActionError(failures.INVALID_URL) from exc
+    except UnicodeEncodeError as exc:  # a header (the model's or the credential's) with a character that is not ASCII
+        raise ActionError(f"the request could not be sent: {failures.BAD_HEADER}") from exc
     except UnicodeError:  # a host label that is empty or over 63 characters (IDNA)
         raise ActionError("invalid URL: the host name is not valid") from None
-    except httpx.HTTPError as exc:
-        raise ActionError(f"request failed: {type(exc).__name__}: {exc}") from exc
+    except httpx.HTTPError as exc:  # the kind only: h11 quotes an illegal header value, the token in it (issue 33)
+        raise ActionError(f"the HTTP request failed: {failures.http_failure(exc)}") from exc
     result: dict[str, Any] = {
         "status_code": response.status_code,
         "url": str(response.url),

@@ -1,7 +1,9 @@
 """The `postgresql` integration: inspect a database and run read-only queries.
 
 The connection comes from the organization's credential: an `api_key`-type secret
-whose one field is `dsn` (`postgresql://user:password@host:port/database`). Every
+whose one field is `dsn` (`postgresql://user:password@host:port/database`). The connection
+requires TLS unless the DSN's `sslmode` says otherwise (`?sslmode=disable` for a server without
+TLS; DEFAULT_SSLMODE). Every
 action opens its own connection with `default_transaction_read_only=on` and a
 `statement_timeout` equal to the action's time limit, runs inside a READ ONLY
 transaction, and closes the connection in `finally` (also when the tool call is
@@ -25,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.tools import failures
 from services.tools.catalogue import ActionContext, ActionError
 from services.tools.netpolicy import OutboundPolicyError, resolve_checked
 
@@ -172,6 +175,11 @@ def jsonable(value: Any) -> Any:
 
 
 SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")  # libpq's sslmode values
+# The sslmode of a DSN that names none (issue 33): TLS is required. libpq's and the driver's own
+# default, `prefer`, falls back to a plain connection when the server refuses TLS, and then sends
+# the password in clear to whoever answered. `sslmode=disable` (or `prefer`, `allow`) in the DSN
+# asks for a plain connection explicitly; `verify-ca` / `verify-full` also check the certificate.
+DEFAULT_SSLMODE = "require"
 _IGNORED_PARAMS = frozenset({"application_name", "connect_timeout"})  # the action sets its own
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\[\]@:/,%]+)(?::[0-9]+)?")  # one host (an IPv6 address in brackets), a port
 
@@ -200,7 +208,8 @@ def parse_dsn(dsn: str) -> Dsn:
     brackets), at most one `@` (percent-encode one in a user name or password: `%40`), and
     of the query parameters only `sslmode` (`application_name` and `connect_timeout` are
     accepted and ignored: the action sets its own). Defaults: port 5432, user `postgres`,
-    database the user's name, no password, the driver's sslmode (prefer). Raises DsnError
+    database the user's name, no password, sslmode None (the connection then requires TLS:
+    DEFAULT_SSLMODE). Raises DsnError
     for anything else: host lists and `host=`/`hostaddr=` (sockets), other parameters (some
     name files on the tools host), a second `@`.
 
@@ -249,19 +258,27 @@ async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
     certificate check must name the host (and fails for any other server).
     """
     if allow_private:
-        return {"dsn": dsn}
+        return {"dsn": dsn, "ssl": _dsn_sslmode(dsn) or DEFAULT_SSLMODE}
     parts = parse_dsn(dsn)
     try:
         addresses = await resolve_checked(parts.host, parts.port, False)
-    except OutboundPolicyError as exc:
-        raise ActionError(f"the database host is not allowed: {exc}") from exc
+    except OutboundPolicyError as exc:  # the host is the credential's (a secret's part): not named
+        raise ActionError(failures.policy_refusal(exc, "the database host in the credential")) from exc
     args: dict[str, Any] = {
         "host": parts.host if parts.sslmode == "verify-full" else addresses[0],
         "port": parts.port, "user": parts.user, "password": parts.password, "database": parts.database,
     }
-    if parts.sslmode is not None:
-        args["ssl"] = parts.sslmode
+    args["ssl"] = parts.sslmode or DEFAULT_SSLMODE
     return args
+
+
+def _dsn_sslmode(dsn: str) -> str | None:
+    """The `sslmode` a DSN names in its query (the last one, as the driver reads it), or None."""
+    try:
+        modes = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query, keep_blank_values=True).get("sslmode")
+    except ValueError:
+        return None
+    return modes[-1] if modes else None
 
 
 @contextlib.asynccontextmanager
@@ -291,7 +308,7 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
             },
         )
     except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
-        raise ActionError(f"could not connect to PostgreSQL: {type(exc).__name__}: {exc}") from exc
+        raise ActionError(f"could not connect to PostgreSQL: {_connect_failure(exc)}") from exc
     try:
         try:
             async with connection.transaction(readonly=True):
@@ -308,6 +325,69 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
             connection.terminate()
             if not _cancelling():  # while cancelled, the cancel goes on (the time limit's answer), not the close's error
                 raise
+
+
+# What a failed connection is called (`_connect_failure`), by the server's SQLSTATE class or code.
+_CONNECT_SQLSTATES = {
+    "28P01": "authentication failed (check the user name and password in the credential)",
+    "28000": "the server refused the user (check the user name in the credential and the server's pg_hba.conf)",
+    "3D000": "the database named in the credential does not exist",
+    "53300": "the server has too many connections; try again later",
+    "57P03": "the server is starting up or shutting down; try again later",
+}
+_QUERY_PARAMETER = re.compile(r"query argument \$(\d+)")
+_ARGUMENT_COUNT = re.compile(r"expects (\d+) arguments?.*?(\d+) (?:was|were) passed")
+_SQLSTATE = re.compile(r"[0-9A-Z]{5}")
+
+
+def _connect_failure(exc: BaseException) -> str:
+    """Why the connection failed, built from the exception's type and SQLSTATE, never its text
+    (which names the host and address: the credential's, issue 33)."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(sqlstate, str) and _SQLSTATE.fullmatch(sqlstate):
+        return _CONNECT_SQLSTATES.get(sqlstate) or _CONNECT_SQLSTATES.get(sqlstate[:2] + "000") or (
+            f"the server refused the connection (SQLSTATE {sqlstate})")
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return failures.TIMED_OUT_CONNECTING
+    kind = failures.network_failure(exc)
+    if kind is not None:
+        return kind
+    if isinstance(exc, ValueError):
+        return "the connection settings in the credential are not valid"
+    if "ssl" in type(exc).__name__.lower() or "SSL" in str(exc):  # asyncpg's "rejected SSL upgrade", an sslmode the server refuses
+        return "the server refused TLS, or TLS failed (check sslmode in the credential's dsn)"
+    return "the server could not be reached or broke the connection"
+
+
+def _query_failure(exc: BaseException) -> str:
+    """The database's own answer to the query: its SQLSTATE, condition name, primary message and
+    hint (never DETAIL, which may quote row values). That message is the server's reply to the
+    model's own statement (like a response body), which the model needs to correct it (`column
+    "nme" does not exist`); an error asyncpg raised itself has no server message and is named
+    by `_parameter_failure`."""
+    message = getattr(exc, "message", None)
+    if not isinstance(message, str) or not message:
+        return _parameter_failure(exc)
+    sqlstate = getattr(exc, "sqlstate", None)
+    code = f" {sqlstate}" if isinstance(sqlstate, str) and _SQLSTATE.fullmatch(sqlstate) else ""
+    text = f"PostgreSQL error{code} ({type(exc).__name__}): {' '.join(message.split())}"
+    hint = getattr(exc, "hint", None)
+    if isinstance(hint, str) and hint:
+        text += f" (hint: {' '.join(hint.split())})"
+    return text
+
+
+def _parameter_failure(exc: BaseException) -> str:
+    """Which query parameter does not fit, built from the placeholder's number or the counts in
+    asyncpg's message (never its text, which quotes the value)."""
+    text = str(exc)
+    counts = _ARGUMENT_COUNT.search(text)
+    if counts:
+        return f"invalid query parameters: the query takes {counts.group(1)} parameter(s) ($1, $2, ...), {counts.group(2)} given in params"
+    number = _QUERY_PARAMETER.search(text)
+    if number:
+        return f"invalid query parameters: the value for ${number.group(1)} does not fit its placeholder's type"
+    return "invalid query parameters: a value in params does not fit its placeholder ($1, $2, ...)"
 
 
 def _cancelling() -> bool:
@@ -389,8 +469,9 @@ async def run_query(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any
     """{"columns": [{"name", "type"}], "rows": [[value, ...]], "row_count": n, "rows_truncated": bool}.
 
     One statement only (asyncpg's extended protocol refuses several). Raises
-    ActionError with PostgreSQL's message on an SQL error, e.g. "cannot execute INSERT
-    in a read-only transaction" for a write.
+    ActionError with PostgreSQL's answer on an SQL error (`_query_failure`: SQLSTATE,
+    condition, message, hint), e.g. "cannot execute INSERT in a read-only transaction" for a
+    write; for a parameter that does not fit, which one (`_parameter_failure`).
     """
     max_rows = int(params.get("max_rows", 100))
     args = params.get("params") or []
@@ -407,9 +488,9 @@ async def run_query(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any
                 await statement.fetch(*args)
                 records = []
         except asyncpg.PostgresError as exc:
-            raise ActionError(f"PostgreSQL error ({type(exc).__name__}): {exc}") from exc
-        except (asyncpg.InterfaceError, asyncpg.exceptions.DataError, TypeError, ValueError, OverflowError) as exc:
-            raise ActionError(f"invalid query parameters: {exc}") from exc
+            raise ActionError(_query_failure(exc)) from exc
+        except (asyncpg.InterfaceError, TypeError, ValueError, OverflowError) as exc:
+            raise ActionError(_parameter_failure(exc)) from exc
     truncated = len(records) > max_rows
     records = records[:max_rows]
     return {

@@ -1,0 +1,120 @@
+"""Document uploads stop reading at their limit and look the knowledge base up first; a client
+that breaks its own body is answered 400 with at most one warning line (issue 33).
+
+Found by a security test: a chunked 200 MiB upload was spooled to disk in full before any limit
+or the knowledge base's existence was checked, and a malformed chunked body to POST /credentials
+logged two ERROR tracebacks per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from services.gateway.tools_routes import MAX_UPLOAD_BODY_BYTES, MAX_UPLOAD_BYTES
+from tests.tools.tools_stack import tools_stack
+
+BOUNDARY = "loopline-test-boundary"
+CHUNK = 256 * 1024
+
+
+@pytest.fixture
+async def stack(tmp_path):
+    async with tools_stack(tmp_path) as running:
+        yield running
+
+
+async def _open(stack, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent the head of a chunked multipart upload to `path`."""
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    )
+    part = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="big.txt"\r\nContent-Type: text/plain\r\n\r\n'.encode()
+    writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+    await writer.drain()
+    return reader, writer
+
+
+def _status(head: bytes) -> int:
+    return int(head.split(b"\r\n", 1)[0].split(b" ")[1])
+
+
+async def test_a_chunked_upload_past_the_limit_is_413_before_the_body_ends(stack):
+    async with stack.client() as client:
+        kb = (await client.post("/knowledge-bases", json={"name": "Docs"})).json()
+    reader, writer = await _open(stack, f"/knowledge-bases/{kb['id']}/documents")
+    answer = asyncio.ensure_future(reader.read(65536))
+    sent, limit = 0, 8 * MAX_UPLOAD_BYTES  # 80 MiB offered; the server must stop long before
+    data = b"%x\r\n%s\r\n" % (CHUNK, b"a" * CHUNK)
+    try:
+        while sent < limit and not answer.done():
+            writer.write(data)
+            try:
+                await asyncio.wait_for(writer.drain(), 5)
+            except (ConnectionError, TimeoutError):
+                break  # the server stopped reading (or closed): the answer says which
+            sent += CHUNK
+        raw = await asyncio.wait_for(answer, 10)
+    finally:
+        writer.close()
+    assert raw, f"no answer after {sent} bytes"
+    assert _status(raw) == 413 and b"Upload exceeds" in raw
+    assert sent < limit  # answered before the body was sent whole: reading stopped at the limit
+    assert sent < MAX_UPLOAD_BODY_BYTES + 16 * 1024 * 1024  # the limit plus what socket buffers hold
+
+
+async def test_an_upload_to_a_knowledge_base_that_does_not_exist_is_404_before_its_body_is_read(stack):
+    reader, writer = await _open(stack, "/knowledge-bases/kb_missing/documents")
+    writer.write(b"%x\r\n%s\r\n" % (CHUNK, b"a" * CHUNK))  # a body that never ends
+    await writer.drain()
+    started = time.monotonic()
+    try:
+        raw = await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        writer.close()
+    assert _status(raw) == 404 and b"Knowledge base not found" in raw
+    assert time.monotonic() - started < 5
+
+
+async def test_an_upload_within_the_limit_is_still_indexed(stack):
+    async with stack.client() as client:
+        kb = (await client.post("/knowledge-bases", json={"name": "Docs"})).json()
+        text = ("Walruses sleep in the water. " * 20_000).encode()  # ~580 KiB, several chunks
+        response = await client.post(f"/knowledge-bases/{kb['id']}/documents", files={"file": ("w.txt", text, "text/plain")})
+        assert response.status_code == 201, response.text
+
+
+@pytest.mark.parametrize("broken", [
+    b"5\r\n{\"a\":\r\nzz\r\n",  # a chunk size that is no number
+    b"ffffffffffffffffffff\r\nabc",  # a chunk size past any limit
+    b"3\r\n{\"a\r\n",  # the client goes away in the middle of its body
+])
+async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warning(stack, caplog, broken):
+    caplog.set_level(logging.INFO)
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
+    writer.write(f"POST /credentials HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\n"
+                 f"Transfer-Encoding: chunked\r\n\r\n".encode() + broken)
+    await writer.drain()
+    if broken.endswith(b"{\"a\r\n"):
+        writer.write_eof()  # half-close: the body will never end
+    try:
+        raw = await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        writer.close()
+    await asyncio.sleep(0.3)  # the request's task finishes after the connection closed
+    if raw:
+        assert _status(raw) == 400
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "CREDENTIAL_KEY" not in r.getMessage()]
+    assert errors == [], [r.getMessage() for r in errors]
+    assert len(warnings) <= 1, [r.getMessage() for r in warnings]
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback at any level

@@ -68,35 +68,23 @@ def network_failure(exc: BaseException) -> str | None:
     return None
 
 
+# httpx's exception classes by name, most specific first, with the kind each means
+_HTTPX_KINDS = (
+    ("ConnectTimeout", TIMED_OUT_CONNECTING), ("ReadTimeout", NO_ANSWER), ("WriteTimeout", SEND_TIMED_OUT),
+    ("TimeoutException", NO_ANSWER), ("ConnectError", NOT_CONNECTED), ("ReadError", BROKE_READING),
+    ("WriteError", BROKE_SENDING), ("LocalProtocolError", BAD_HEADER), ("RemoteProtocolError", BAD_ANSWER),
+    ("DecodingError", UNDECODABLE), ("UnsupportedProtocol", UNSUPPORTED_SCHEME), ("TooManyRedirects", "too many redirects"),
+)
+
+
 def http_failure(exc: BaseException) -> str:
     """The kind of a failed httpx request (`exc` an httpx.HTTPError, or an error behind one)."""
     httpx = sys.modules.get("httpx")
     if httpx is None or not isinstance(exc, httpx.HTTPError):
         return network_failure(exc) or FAILED
-    if isinstance(exc, httpx.ConnectTimeout):
-        return TIMED_OUT_CONNECTING
-    if isinstance(exc, httpx.ReadTimeout):
-        return NO_ANSWER
-    if isinstance(exc, httpx.WriteTimeout):
-        return SEND_TIMED_OUT
-    if isinstance(exc, httpx.TimeoutException):
-        return NO_ANSWER
-    if isinstance(exc, httpx.ConnectError):
-        return network_failure(exc) or NOT_CONNECTED
-    if isinstance(exc, httpx.ReadError):
-        return BROKE_READING
-    if isinstance(exc, httpx.WriteError):
-        return BROKE_SENDING
-    if isinstance(exc, httpx.LocalProtocolError):
-        return BAD_HEADER
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return BAD_ANSWER
-    if isinstance(exc, httpx.DecodingError):
-        return UNDECODABLE
-    if isinstance(exc, httpx.UnsupportedProtocol):
-        return UNSUPPORTED_SCHEME
-    if isinstance(exc, httpx.TooManyRedirects):
-        return "too many redirects"
+    for name, kind in _HTTPX_KINDS:
+        if isinstance(exc, getattr(httpx, name)):
+            return (network_failure(exc) or kind) if name == "ConnectError" else kind
     return network_failure(exc) or FAILED
 
 

@@ -49,6 +49,22 @@ async def _stored_seqs(log: RedisEventLog, client, run_id: str) -> list[int]:  #
     return [int(entry_id.decode().split("-")[1]) - 1 for entry_id, _ in entries]
 
 
+async def _following(follower: RedisEventLog, run_id: str) -> tuple[asyncio.Task, list[events_pb2.Event]]:
+    """A follower of the run in the background, once it has its first event: (its task, what it got)."""
+    seen: list[events_pb2.Event] = []
+
+    async def listen() -> None:
+        async for event in follower.follow(run_id, 0):
+            seen.append(event)
+
+    task = asyncio.create_task(listen())
+    for _ in range(100):
+        if seen:
+            break
+        await asyncio.sleep(0.02)
+    return task, seen
+
+
 async def test_the_next_write_after_the_stream_was_lost_writes_the_whole_run_again(logs):
     owner, _, client = logs
     run_id = str(uuid.uuid4())
@@ -82,17 +98,7 @@ async def test_a_follower_on_another_replica_goes_on_after_the_stream_was_lost(l
     owner.open(run_id)
     owner.append(_chunk(run_id, "a"))
     await owner.flush(run_id)
-    seen: list[events_pb2.Event] = []
-
-    async def listen() -> None:
-        async for event in follower.follow(run_id, 0):
-            seen.append(event)
-
-    task = asyncio.create_task(listen())
-    for _ in range(100):
-        if seen:
-            break
-        await asyncio.sleep(0.02)
+    task, seen = await _following(follower, run_id)
     await _lose(owner, client, run_id)
     await asyncio.sleep(0.5)  # the follower finds the stream gone and waits (before: a bare end at once)
     assert not task.done()
@@ -111,17 +117,7 @@ async def test_a_follower_of_a_stream_that_stays_lost_ends_with_the_reconnect_fr
     owner.open(run_id)
     owner.append(_chunk(run_id, "a"))
     await owner.flush(run_id)
-    seen: list[events_pb2.Event] = []
-
-    async def listen() -> None:
-        async for event in follower.follow(run_id, 0):
-            seen.append(event)
-
-    task = asyncio.create_task(listen())
-    for _ in range(100):
-        if seen:
-            break
-        await asyncio.sleep(0.02)
+    task, seen = await _following(follower, run_id)
     owner._writers.pop(run_id).task.cancel()  # its owner is gone, and its copy with it
     await _lose(owner, client, run_id)
     with pytest.raises(StreamInterrupted) as interrupted:  # retry_s (2 s) after the stream went missing; before: a bare end at once

@@ -17,7 +17,11 @@ how slowly a body may come, or on how long a client may leave a response's bytes
 - a request that finds `max_connections` connections open (or requests being served: uvicorn's
   `limit_concurrency` count) is answered 503 with `Retry-After` and its connection closed;
 - a connection whose client takes none of a response's waiting bytes for `send_timeout_s`
-  (its buffer stays full, above the transport's high-water mark) is aborted.
+  (its buffer stays full, above the transport's high-water mark) is aborted;
+- a chunked body's trailer fields count against the head's limits and are dropped (uvicorn
+  added each to the request's headers, without bound); past them the connection is closed;
+- a client that pipelines more than MAX_PIPELINED requests ahead of the responses it has read
+  has its connection closed (uvicorn parsed and queued every request of a read, ~2.5 KB each).
 
 Size is counted as bytes arrive, before the parser buffers them (httptools keeps a header's
 value until its line ends, so counting whole headers would not bound one endless line); a
@@ -55,6 +59,12 @@ log = logging.getLogger(__name__)
 
 #: Seconds a refused connection is kept for its client to read the answer (what it sends is dropped).
 LINGER_S = 2.0
+#: Requests a connection may have queued behind the one being answered (HTTP/1.1 pipelining).
+MAX_PIPELINED = 16
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a connection that was just closed."""
 
 HEAD_TOO_LARGE = "The request's header fields are too large (at most {} bytes with the request line)"
 TOO_MANY_HEADERS = "The request has too many header fields (at most {})"
@@ -134,6 +144,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._stall: asyncio.TimerHandle | None = None  # `_check_stall` while writing is paused
         self._drained = False  # writing resumed since the stall window began
         self._done = False  # refused: the connection takes nothing more
+        self._trailers: int | None = None  # bytes of a chunked body's trailer section so far; None: not in one
+        self._trailer_fields = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -159,9 +171,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._past_head_limit(data, left)
                 return
             self._head_left = left - len(data)
+        in_trailers = self._trailers is not None
         super().data_received(data)
         if self._done:
             return
+        if in_trailers and self._trailers is not None:  # the whole read was in a chunked body's trailer section
+            self._trailers += len(data)
+            if self._trailers > self.limits.max_header_bytes:
+                self._close()
+                return
         if self._head_left is None:  # a body is coming: its first window
             self._arm(self._body_since + self.limits.body_timeout_s)
         elif self._head_since is not None and self.headers is not None and len(self.headers) > self.limits.max_headers:
@@ -180,7 +198,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self.data_received(data[left:])
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_left is not None:
+            super().on_header(name, value)
+            return
+        self._trailer_fields += 1  # a trailer field: not one of the request's headers, dropped
+        if self._trailer_fields > self.limits.max_headers:
+            self._close()
+            raise _Refused
+
+    def on_chunk_header(self) -> None:
+        self._trailers = 0  # the last chunk's header (size 0) is followed by the trailers; any other by data
+
+    def on_body(self, body: bytes) -> None:
+        self._trailers = None
+        super().on_body(body)
+
     def on_headers_complete(self) -> None:
+        if len(self.pipeline) >= MAX_PIPELINED:
+            self._close()
+            raise _Refused  # stops the parser: the rest of the read is not turned into requests
+        self._trailers, self._trailer_fields = None, 0
         self._head_left = self._head_since = None
         self._body_got = self._body_mark = 0
         self._body_since = self.loop.time()
@@ -203,7 +241,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._head_left = self.limits.max_header_bytes
+        self._trailers = None
         super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._done:  # a parser error of our own making (`_Refused`): the connection is closed already
+            super().send_400_response(msg)
 
     def _begin_head(self) -> None:
         self._head_since = now = self.loop.time()

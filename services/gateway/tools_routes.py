@@ -743,15 +743,15 @@ def tools_router(
     @router.post("/knowledge-bases/{knowledge_base_id}/documents", status_code=201, summary="Upload a document (multipart `file`)", tags=["knowledge"],
                  openapi_extra=UPLOAD_BODY)
     async def upload_document(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise BodyError(400, "Upload the document as multipart/form-data with a 'file' part")
+        # the knowledge base is looked up before a byte of the body is read (a chunked 200 MiB
+        # upload to a base that does not exist was spooled to disk in full, then 404)
+        if knowledge_base_id not in await owned_bases(who.organization_id):
+            return detail(404, "Knowledge base not found")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BODY_BYTES:
             raise BodyError(413, f"Upload exceeds {MAX_UPLOAD_BYTES} bytes")
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise BodyError(400, "Upload the document as multipart/form-data with a 'file' part")
-        # Issue 33: the knowledge base is looked up before a byte of the body is read (a chunked
-        # 200 MiB upload to a base that does not exist was spooled to disk in full, then 404).
-        if knowledge_base_id not in await owned_bases(who.organization_id):
-            return detail(404, "Knowledge base not found")
         try:
             form = await Request(request.scope, _bounded_receive(request.receive, MAX_UPLOAD_BODY_BYTES)).form(max_files=1, max_fields=5)
         except BodyError:

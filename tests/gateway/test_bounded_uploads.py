@@ -118,3 +118,19 @@ async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warnin
     assert errors == [], [r.getMessage() for r in errors]
     assert len(warnings) <= 1, [r.getMessage() for r in warnings]
     assert not [r for r in caplog.records if r.exc_info]  # no traceback at any level
+
+
+async def test_an_upload_declared_too_large_to_a_missing_knowledge_base_is_404(stack):
+    # fresh-eyes test: an 11 MB upload (Content-Length) to a knowledge base that does not exist was 413, not 404
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
+    writer.write(f"POST /knowledge-bases/kb_missing/documents HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
+                 f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+                 f"Content-Length: {MAX_UPLOAD_BODY_BYTES + 1}\r\n\r\n".encode())
+    await writer.drain()
+    try:
+        head = await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        writer.close()
+    assert _status(head) == 404, head[:200]

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from services.gateway import fanout as fanout_module
+from services.gateway import http_limits
 from services.gateway.fanout import RunFanout
 from services.gateway.ratelimit import key_of
 from tests.conftest import Stack, script, start_stack, stop_stack
@@ -263,7 +264,7 @@ async def test_a_client_that_takes_none_of_a_response_is_cut_off_after_the_send_
         await wait_for(lambda: len(connections) == 1)
         protocol = next(iter(connections))
         protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        client.sendall(_request("GET", "/openapi.json") * 40)  # pipelined: ~40 documents to take, never read
+        client.sendall(_request("GET", "/openapi.json") * 12)  # pipelined (fewer than MAX_PIPELINED): documents to take, never read
         await wait_for(lambda: protocol.flow.write_paused, timeout=10)
         await wait_for(lambda: protocol not in connections, timeout=10)
         client.close()
@@ -404,3 +405,33 @@ async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp
         assert not fanout._listens
         # before the fix: +50 MB (~100 KB a replay: the message being read); since, within +-2 MB
         assert after - before < 3_000_000, f"the C heap grew by {after - before:,} bytes over 500 replays"
+
+
+async def test_a_chunked_bodys_trailer_fields_count_against_the_heads_limits(stack):
+    # fresh-eyes test: trailers were added to the request's headers without bound (100 MB of them took the
+    # gateway from 96 MB to 1.6 GB, before authentication)
+    head = b"POST /assistant/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n0\r\n"
+    many = await _exchange(_port(stack), head + b"X-T: y\r\n" * 5_000 + b"\r\n")
+    assert many == b"" or _status(many) != 200, many[:200]  # closed: no request came of it
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(stack))
+    try:
+        writer.write(head + b"X-T: ")
+        for _ in range(64):  # one endless trailer line, 4 MiB
+            writer.write(b"y" * 65_536)
+            await writer.drain()
+            await asyncio.sleep(0)
+    except ConnectionError:
+        pass  # closed while it sent: what the test wants
+    finally:
+        closed = await _read_to_end(reader, 10.0)
+        writer.close()
+    assert b"200 OK" not in closed
+
+
+async def test_a_client_that_pipelines_too_far_ahead_is_closed(stack):
+    # fresh-eyes test: 200,000 pipelined requests on one connection that read nothing were all parsed and
+    # queued (~2.5 KB each: 125 -> 609 MB)
+    raw = await _exchange(_port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2_000)
+    assert raw.count(b"HTTP/1.1 200") <= http_limits.MAX_PIPELINED + 1, raw.count(b"HTTP/1.1 200")
+    ok = await _exchange(_port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" * 1)
+    assert _status(ok) == 200  # a normal client is served

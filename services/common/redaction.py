@@ -1,4 +1,4 @@
-"""Secret redaction that knows the encodings a secret takes in an error or an echo (issue 33).
+"""Secret redaction that knows the encodings a secret takes in an error or an echo.
 
 The defence in depth behind the rule "client-visible text is built, never passed through"
 (docs/security.md, "Client-visible text"): whatever text or JSON value may still carry a

@@ -441,7 +441,7 @@ def create_app(
         redirect_slashes=False,
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
-    # every authentication goes through the per-key and per-client limits (issue 33)
+    # every authentication goes through the per-key and per-client limits
     limits = app.state.request_limits = RequestLimits(
         authenticator, settings.key_requests_per_minute, settings.failed_auths_per_minute,
         settings.rate_limit_storage_url, settings.redis_key_prefix,
@@ -508,8 +508,8 @@ def create_app(
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(_: Request, _error: ClientDisconnect) -> JSONResponse:
         # The client broke its own body (a malformed chunk: uvicorn has answered 400 and logged one
-        # warning) or left before sending it whole: nothing is logged here (issue 33: two ERROR
-        # tracebacks per request), and this answer goes nowhere when the connection is gone.
+        # warning) or left before sending it whole: nothing is logged here, and this answer goes
+        # nowhere when the connection is gone.
         return detail(400, "The request body was not received whole")
 
     @app.exception_handler(RequestValidationError)

@@ -1,4 +1,4 @@
-"""Bounds on the gateway's HTTP connections that uvicorn's httptools protocol lacks (issue 33).
+"""Bounds on the gateway's HTTP connections that uvicorn's httptools protocol lacks.
 
 uvicorn offers a keep-alive timeout between requests and `limit_concurrency`; its httptools
 protocol has no bound on a request's head (size, number of header lines, time to arrive), on

@@ -1,4 +1,4 @@
-"""Request rate limits of the gateway: per API key, and per client for failed authentications (issue 33).
+"""Request rate limits of the gateway: per API key, and per client for failed authentications.
 
 Before, only turn starts were rate-limited (billing's `sync_exec` class, per organization):
 credential reads, listings and wrong keys were not. Now:

@@ -393,7 +393,7 @@ def mcp_tool_json(t: tools_pb2.McpTool) -> dict[str, Any]:
 def _bounded_receive(receive: Receive, limit: int) -> Receive:
     """ASGI `receive` that raises BodyError 413 as soon as the body passes `limit` bytes, whatever
     the framing (Content-Length or chunked): the multipart parser reading through it stops there
-    instead of spooling the whole body to disk first (issue 33)."""
+    instead of spooling the whole body to disk first."""
     received = 0
 
     async def bounded() -> Message:

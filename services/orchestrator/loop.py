@@ -311,7 +311,7 @@ class TurnRunner:
             totals.count(failure.usage)
             await self._record_usage(spec, totals.llm_calls, failure.usage)
             totals.llm_calls += 1
-            # built from the provider's name and the failure's kind, never its text (issue 33)
+            # built from the provider's name and the failure's kind, never its text
             provider = str(getattr(spec.model, "provider_id", "") or spec.llm.get("provider_id") or "model")
             outcome = Outcome("failed", message=model_failure(provider, failure))
         except grpc.aio.AioRpcError as failure:

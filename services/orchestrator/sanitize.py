@@ -1,6 +1,6 @@
 """Error messages safe to show a client: no traceback, secret, host name, path or SQL.
 
-The rule (issue 33, docs/security.md "Client-visible text"): a message that reaches a client,
+The rule (docs/security.md "Client-visible text"): a message that reaches a client,
 a stream frame, a stored message or a model call is built from a closed set of kinds and safe
 fields (the provider's name, an HTTP status, a tool's name, a count), never passed through from
 an exception. `model_failure` builds a failed model call's message that way; `sanitize` stays

@@ -1,4 +1,4 @@
-"""What a failed outbound call is called in a tool's error: a closed set of kinds (issue 33).
+"""What a failed outbound call is called in a tool's error: a closed set of kinds.
 
 An exception's own text never reaches a tool result (the model, the stream, the stored chat):
 a driver's or HTTP library's message may quote a header value (a token), a connection string,

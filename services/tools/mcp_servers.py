@@ -236,7 +236,7 @@ class McpConnector:
             params = StdioServerParameters(command=target.command, args=list(target.args), env=target.env or None)
             transport = stdio_client(params, errlog=_DEVNULL) if stderr is None else _capturing(stdio_client, params, stderr)
         else:
-            # values with surrounding whitespace stripped, as the `http` integration's credentials (issue 33)
+            # values with surrounding whitespace stripped, as the `http` integration's credentials
             headers = {str(k).strip(): str(v).strip() for k, v in (target.get("headers") or {}).items()}
             # every connection resolves the host once, checks it and connects to the checked
             # address (netpolicy): no second lookup between the check and the socket

@@ -180,8 +180,7 @@ def guarded_client(allow_private: bool, timeout_s: float) -> httpx.AsyncClient:
 def guarded_mcp_client(allow_private: bool, timeout_s: float, headers: dict[str, str]) -> Any:
     """An httpx2 client (the `mcp` SDK's HTTP client) whose every connection passes the outbound
     policy, as `guarded_client`: each connection resolves and checks its host once and connects
-    to the checked address (issue 33: the SDK resolved the name again when it connected, and a
-    second answer of 127.0.0.1 reached a loopback server with the organization's headers).
+    to the checked address (never resolving the name again: DNS rebinding).
 
     No proxies from the environment, no redirects followed by the client (the SDK follows
     same-origin ones itself, through this client, so through the policy), `timeout_s` for each

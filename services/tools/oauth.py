@@ -116,8 +116,7 @@ def api_path_error(path: str) -> str | None:
     than once: `%252e%252e` is `..` after two passes), is a dot-segment ('.' or '..', also in
     Unicode compatibility forms such as U+FF0E: RFC 3986 §5.2.4 removes them, so `/../x` would
     leave the base path), holds a ';' (a path parameter: `..;` is `..` to servlet containers,
-    which strip parameters after normalizing — issue 33: `/api/..;/secret` reached the provider
-    with the token), a '/' or '\\' (which some servers decode into a separator) or a control
+    which strip parameters after normalizing), a '/' or '\\' (which some servers decode into a separator) or a control
     character. The query and fragment are not checked: they do not change the path.
     """
     if not path.startswith("/") or path.startswith("//") or "://" in path:

@@ -8,7 +8,7 @@ success=false and a readable, secret-free `error` — never an exception out of
 cancelled tool call stops). The `error` is built from known fields and a kind of failure
 (`services/tools/failures.py`), never an exception's own text, which is logged, redacted; an
 integration's error and its result both go through the credential's redaction
-(`services/common/redaction.py`) before they leave (issue 33, docs/security.md).
+(`services/common/redaction.py`) before they leave (docs/security.md).
 """
 
 from __future__ import annotations
@@ -385,7 +385,7 @@ class ToolExecutor:
             raise
         except Exception as exc:  # noqa: BLE001 - an action bug is the call's failure, not the RPC's
             # The model gets the failure's kind (`failures.unexpected`), never the exception's text:
-            # a driver's message may quote the secret, a host, an address or a path (issue 33).
+            # a driver's message may quote the secret, a host, an address or a path.
             # An httpx error is an expected failure (not logged as an error); anything else is
             # logged with where it was raised; its text goes to the log only, redacted.
             cause = exc

@@ -49,6 +49,15 @@ async def _stored_seqs(log: RedisEventLog, client, run_id: str) -> list[int]:  #
     return [int(entry_id.decode().split("-")[1]) - 1 for entry_id, _ in entries]
 
 
+async def _one_event_stored(owner: RedisEventLog) -> str:
+    """A new run of `owner` whose first event (a chunk "a") is stored; its id."""
+    run_id = str(uuid.uuid4())
+    owner.open(run_id)
+    owner.append(_chunk(run_id, "a"))
+    await owner.flush(run_id)
+    return run_id
+
+
 async def _following(follower: RedisEventLog, run_id: str) -> tuple[asyncio.Task, list[events_pb2.Event]]:
     """A follower of the run in the background, once it has its first event: (its task, what it got)."""
     seen: list[events_pb2.Event] = []
@@ -81,10 +90,7 @@ async def test_the_next_write_after_the_stream_was_lost_writes_the_whole_run_aga
 
 async def test_an_idle_run_whose_stream_was_lost_is_written_again_when_polled(logs):
     owner, _, client = logs
-    run_id = str(uuid.uuid4())
-    owner.open(run_id)
-    owner.append(_chunk(run_id, "a"))
-    await owner.flush(run_id)
+    run_id = await _one_event_stored(owner)
     await _lose(owner, client, run_id)
     assert await owner.restore_lost() == 1
     await owner.flush(run_id)
@@ -94,10 +100,7 @@ async def test_an_idle_run_whose_stream_was_lost_is_written_again_when_polled(lo
 
 async def test_a_follower_on_another_replica_goes_on_after_the_stream_was_lost(logs):
     owner, follower, client = logs
-    run_id = str(uuid.uuid4())
-    owner.open(run_id)
-    owner.append(_chunk(run_id, "a"))
-    await owner.flush(run_id)
+    run_id = await _one_event_stored(owner)
     task, seen = await _following(follower, run_id)
     await _lose(owner, client, run_id)
     await asyncio.sleep(0.5)  # the follower finds the stream gone and waits (before: a bare end at once)
@@ -113,10 +116,7 @@ async def test_a_follower_on_another_replica_goes_on_after_the_stream_was_lost(l
 
 async def test_a_follower_of_a_stream_that_stays_lost_ends_with_the_reconnect_frame(logs):
     owner, follower, client = logs
-    run_id = str(uuid.uuid4())
-    owner.open(run_id)
-    owner.append(_chunk(run_id, "a"))
-    await owner.flush(run_id)
+    run_id = await _one_event_stored(owner)
     task, seen = await _following(follower, run_id)
     owner._writers.pop(run_id).task.cancel()  # its owner is gone, and its copy with it
     await _lose(owner, client, run_id)

@@ -161,8 +161,7 @@ class ModelError(Exception):
     `retry.call_with_retries`, the scripted model's checks of its script). A ModelError raised
     without it is told as "<provider>: the model call failed" (`sanitize.model_failure`).
     `str(self)` may hold anything (a provider's or a script's text): it goes to the log only,
-    redacted (issue 33: a failure's text reached the `error` frame after a pattern-based scrub,
-    and an internal host name without a dotted suffix passed it).
+    redacted.
 
     Attributes:
         usage: tokens the provider reported (or that were estimated) before the failure.

@@ -71,7 +71,7 @@ def _script_of(content: Any) -> list[Any] | None:
 def _invalid(text: str) -> ModelError:
     """The failure of a script check: `text` is built from the check's constants and a
     setting's name only, so a client is told it (`ModelError.public`). A `fail` step's own text
-    is not: it stands for a provider's failure text and goes to the log only (issue 33)."""
+    is not: it stands for a provider's failure text and goes to the log only."""
     return ModelError(text, public=text)
 
 

@@ -87,7 +87,7 @@ MANIFEST: dict[str, Any] = {
 def _auth_headers(ctx: ActionContext) -> dict[str, str]:
     """The credential's header. Its values are used with surrounding whitespace stripped: a token
     pasted with a trailing newline (common) is sent as the token; a line break inside one is a
-    header error (`failures.BAD_HEADER`), whose message never quotes the value (issue 33)."""
+    header error (`failures.BAD_HEADER`), whose message never quotes the value."""
     secret = ctx.secret or {}
     if ctx.auth_type == "bearer":
         return {"Authorization": f"Bearer {str(secret['token']).strip()}"}
@@ -145,7 +145,7 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         raise ActionError(f"the request could not be sent: {failures.BAD_HEADER}") from exc
     except UnicodeError:  # a host label that is empty or over 63 characters (IDNA)
         raise ActionError("invalid URL: the host name is not valid") from None
-    except httpx.HTTPError as exc:  # the kind only: h11 quotes an illegal header value, the token in it (issue 33)
+    except httpx.HTTPError as exc:  # the kind only: h11 quotes an illegal header value, the token in it
         raise ActionError(f"the HTTP request failed: {failures.http_failure(exc)}") from exc
     result: dict[str, Any] = {
         "status_code": response.status_code,

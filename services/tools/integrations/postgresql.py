@@ -175,7 +175,7 @@ def jsonable(value: Any) -> Any:
 
 
 SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")  # libpq's sslmode values
-# The sslmode of a DSN that names none (issue 33): TLS is required. libpq's and the driver's own
+# The sslmode of a DSN that names none: TLS is required. libpq's and the driver's own
 # default, `prefer`, falls back to a plain connection when the server refuses TLS, and then sends
 # the password in clear to whoever answered. `sslmode=disable` (or `prefer`, `allow`) in the DSN
 # asks for a plain connection explicitly; `verify-ca` / `verify-full` also check the certificate.
@@ -342,7 +342,7 @@ _SQLSTATE = re.compile(r"[0-9A-Z]{5}")
 
 def _connect_failure(exc: BaseException) -> str:
     """Why the connection failed, built from the exception's type and SQLSTATE, never its text
-    (which names the host and address: the credential's, issue 33)."""
+    (which names the host and address: the credential's)."""
     sqlstate = getattr(exc, "sqlstate", None)
     if isinstance(sqlstate, str) and _SQLSTATE.fullmatch(sqlstate):
         return _CONNECT_SQLSTATES.get(sqlstate) or _CONNECT_SQLSTATES.get(sqlstate[:2] + "000") or (

@@ -84,11 +84,16 @@ def resident_frames(pid: int) -> set[int] | None:
     """
     frames: set[int] = set()
     hidden = True
-    with open(f"/proc/{pid}/maps", "rb") as maps, open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
+    with (
+        open(f"/proc/{pid}/maps", "rb") as maps,
+        open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap,
+    ):
         for line in maps:
             span = line.split(None, 1)[0]
             start, end = (int(x, 16) for x in span.split(b"-"))
-            for first in range(start // PAGE, end // PAGE, _PAGES_PER_READ):  # bounded reads of large mappings
+            for first in range(
+                start // PAGE, end // PAGE, _PAGES_PER_READ
+            ):  # bounded reads of large mappings
                 try:
                     pagemap.seek(first * 8)
                     raw = pagemap.read(min(_PAGES_PER_READ, end // PAGE - first) * 8)
@@ -151,7 +156,10 @@ class Deployment:
 
     @property
     def grpc_addr(self) -> dict[str, str]:
-        return {name: f"127.0.0.1:{self.env[f'LOOPLINE_{name.upper()}_PORT']}" for name in ("orchestrator", "billing", "tools")}
+        return {
+            name: f"127.0.0.1:{self.env[f'LOOPLINE_{name.upper()}_PORT']}"
+            for name in ("orchestrator", "billing", "tools")
+        }
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id}
@@ -183,7 +191,9 @@ class Deployment:
             "LOOPLINE_HTTP_LISTENS_PER_KEY": "1000000",  # the fan-out's listeners all use the one key
         }
         for name in ("orchestrator", "billing", "tools"):
-            env[f"LOOPLINE_{name.upper()}_ADDR"] = f"127.0.0.1:{env[f'LOOPLINE_{name.upper()}_PORT']}"
+            env[f"LOOPLINE_{name.upper()}_ADDR"] = (
+                f"127.0.0.1:{env[f'LOOPLINE_{name.upper()}_PORT']}"
+            )
         if self.log_level:
             env["LOOPLINE_LOG_LEVEL"] = self.log_level
         if self.backend == "postgres":
@@ -192,26 +202,44 @@ class Deployment:
         log = self.workdir / "dev.log"
         with log.open("wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "scripts/dev.py", "--log-dir", str(self.workdir / "logs"), "--timeout", str(timeout)],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                [
+                    sys.executable,
+                    "scripts/dev.py",
+                    "--log-dir",
+                    str(self.workdir / "logs"),
+                    "--timeout",
+                    str(timeout),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"scripts/dev.py exited ({self.process.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
+                raise RuntimeError(
+                    f"scripts/dev.py exited ({self.process.returncode}):\n{log.read_text(errors='replace')[-4000:]}"
+                )
             if "Loopline is running." in log.read_text(errors="replace"):
                 break
             time.sleep(0.2)
         else:
             self.stop()
-            raise RuntimeError(f"scripts/dev.py not ready within {timeout:.0f} s:\n{log.read_text(errors='replace')[-4000:]}")
+            raise RuntimeError(
+                f"scripts/dev.py not ready within {timeout:.0f} s:\n{log.read_text(errors='replace')[-4000:]}"
+            )
         for pid, cmdline in _children(self.process.pid).items():
             for name in SERVICES:
                 if f"services.{name}" in cmdline.split():
                     self.pids[name] = pid
         missing = [name for name in SERVICES if name not in self.pids]
         if missing:
-            raise RuntimeError(f"could not find the processes of {missing} under scripts/dev.py (pid {self.process.pid})")
+            raise RuntimeError(
+                f"could not find the processes of {missing} under scripts/dev.py (pid {self.process.pid})"
+            )
 
     def cpu(self) -> dict[str, float]:
         return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
@@ -272,8 +300,12 @@ class Deployment:
 
         asyncio.run(create())
         self._databases = list(names.values())
-        base = self.postgres_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
-        env = {f"LOOPLINE_{name.upper()}_DATABASE_URL": f"{base}/{db}" for name, db in names.items()}
+        base = self.postgres_url.rsplit("/", 1)[0].replace(
+            "postgresql://", "postgresql+asyncpg://", 1
+        )
+        env = {
+            f"LOOPLINE_{name.upper()}_DATABASE_URL": f"{base}/{db}" for name, db in names.items()
+        }
         env["LOOPLINE_REDIS_URL"] = self.redis_url
         return env
 
@@ -295,5 +327,8 @@ class Deployment:
         try:
             asyncio.run(drop())
         except Exception as exc:  # noqa: BLE001 - cleanup must not hide the results
-            print(f"[bench] could not drop the bench databases {self._databases}: {exc}", file=sys.stderr)
+            print(
+                f"[bench] could not drop the bench databases {self._databases}: {exc}",
+                file=sys.stderr,
+            )
         self._databases = []

@@ -26,13 +26,17 @@ class Connection:
 
     def __init__(self, host: str, port: int, headers: dict[str, str]) -> None:
         self.host, self.port = host, port
-        self._fixed = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", **headers}.items())
+        self._fixed = "".join(
+            f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", **headers}.items()
+        )
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
     async def open(self) -> None:
         if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+            self.reader, self.writer = await asyncio.open_connection(
+                self.host, self.port, limit=1 << 20
+            )
 
     def close(self) -> None:
         if self.writer is not None:
@@ -40,7 +44,9 @@ class Connection:
             self.writer = None
             self.reader = None
 
-    async def _send(self, method: str, path: str, body: bytes | None, extra: dict[str, str] | None) -> None:
+    async def _send(
+        self, method: str, path: str, body: bytes | None, extra: dict[str, str] | None
+    ) -> None:
         await self.open()
         assert self.writer is not None
         head = f"{method} {path} HTTP/1.1\r\n{self._fixed}"
@@ -94,7 +100,9 @@ class Connection:
         if headers.get("connection", "").lower() == "close":
             self.close()
 
-    async def request(self, method: str, path: str, body: bytes | None = None, extra: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    async def request(
+        self, method: str, path: str, body: bytes | None = None, extra: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         """Send one request and read its whole response."""
         for attempt in (0, 1):
             reused = self.writer is not None
@@ -113,7 +121,9 @@ class Connection:
             return status, headers, data
         raise HTTPError("unreachable")
 
-    async def stream(self, path: str, extra: dict[str, str] | None = None) -> tuple[int, AsyncIterator[tuple[float, dict]]]:
+    async def stream(
+        self, path: str, extra: dict[str, str] | None = None
+    ) -> tuple[int, AsyncIterator[tuple[float, dict]]]:
         """GET `path` as SSE: (status, an iterator of (arrival time.time(), frame object))."""
         await self._send("GET", path, None, extra)
         status, headers = await self._head()
@@ -192,7 +202,9 @@ class SSERecorder(asyncio.Protocol):
         if exc is not None:
             self.error = f"{type(exc).__name__}: {exc}"
         if not self.status.done():
-            self.status.set_exception(HTTPError(f"connection closed before the response head: {exc!r}"))
+            self.status.set_exception(
+                HTTPError(f"connection closed before the response head: {exc!r}")
+            )
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -213,7 +225,9 @@ class SSERecorder(asyncio.Protocol):
             return []
         pos = head_end + 4
         body = bytearray()
-        chunk_marks: list[tuple[int, int]] = []  # (body length after the chunk, raw offset of its end)
+        chunk_marks: list[
+            tuple[int, int]
+        ] = []  # (body length after the chunk, raw offset of its end)
         while True:
             line_end = raw.find(b"\r\n", pos)
             if line_end < 0:
@@ -246,13 +260,18 @@ class SSERecorder(asyncio.Protocol):
 
 async def open_sse(host: str, port: int, path: str, headers: dict[str, str]) -> SSERecorder:
     """Connect and send `GET path` for an SSE stream; the returned recorder fills as bytes arrive."""
-    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", "Accept": "text/event-stream", **headers}.items())
+    head = "".join(
+        f"{k}: {v}\r\n"
+        for k, v in {"Host": f"{host}:{port}", "Accept": "text/event-stream", **headers}.items()
+    )
     recorder = SSERecorder(f"GET {path} HTTP/1.1\r\n{head}\r\n".encode())
     await asyncio.get_running_loop().create_connection(lambda: recorder, host, port)
     return recorder
 
 
-SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux: SO_TIMESTAMPNS_OLD, cmsg SCM_TIMESTAMPNS (struct timespec)
+SO_TIMESTAMPNS = getattr(
+    socket, "SO_TIMESTAMPNS", 35
+)  # Linux: SO_TIMESTAMPNS_OLD, cmsg SCM_TIMESTAMPNS (struct timespec)
 _TIMESPEC = struct.Struct("@qq")
 
 
@@ -318,7 +337,11 @@ class StampedSSERecorder(SSERecorder):
             return
         stamp = 0.0
         for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
+            if (
+                level == socket.SOL_SOCKET
+                and kind == SO_TIMESTAMPNS
+                and len(payload) >= _TIMESPEC.size
+            ):
                 seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
                 stamp = seconds + nanoseconds / 1e9
         self.stamps.append(stamp or time.time())
@@ -334,9 +357,14 @@ class StampedSSERecorder(SSERecorder):
         self.connection_lost(exc)
 
 
-async def open_stamped_sse(host: str, port: int, path: str, headers: dict[str, str]) -> StampedSSERecorder:
+async def open_stamped_sse(
+    host: str, port: int, path: str, headers: dict[str, str]
+) -> StampedSSERecorder:
     """`open_sse` with kernel receive timestamps (StampedSSERecorder)."""
-    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", "Accept": "text/event-stream", **headers}.items())
+    head = "".join(
+        f"{k}: {v}\r\n"
+        for k, v in {"Host": f"{host}:{port}", "Accept": "text/event-stream", **headers}.items()
+    )
     recorder = StampedSSERecorder(f"GET {path} HTTP/1.1\r\n{head}\r\n".encode())
     await recorder.connect(host, port)
     return recorder

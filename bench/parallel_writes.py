@@ -56,17 +56,25 @@ def _read_forever(peers: list[socket.socket]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.parallel_writes", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.parallel_writes", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--connections", type=int, default=9000)
-    parser.add_argument("--threads", default="", help="comma-separated helper thread counts (default 0..cores-1)")
+    parser.add_argument(
+        "--threads", default="", help="comma-separated helper thread counts (default 0..cores-1)"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--reader", choices=("process", "none"), default="process")
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if 2 * args.connections + 64 > hard:
-        parser.error(f"{args.connections} connections need {2 * args.connections + 64} descriptors; the limit is {hard}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        parser.error(
+            f"{args.connections} connections need {2 * args.connections + 64} descriptors; the limit is {hard}"
+        )
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     levels = [int(x) for x in args.threads.split(",") if x] or list(range(cores))
     ours, peers = _pairs(args.connections)
     if args.reader == "process":
@@ -78,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.reader == "process":
             peer.close()
     items = [(sock.fileno(), CHUNK) for sock in ours]
-    print(f"{args.connections} connections, {len(CHUNK)}-byte chunk, reader {args.reader}, {cores} cores")
+    print(
+        f"{args.connections} connections, {len(CHUNK)}-byte chunk, reader {args.reader}, {cores} cores"
+    )
     for threads in levels:
         writer = ParallelWriter(threads, min_batch=1)
         walls = []
@@ -88,11 +98,16 @@ def main(argv: list[str] | None = None) -> int:
             short = writer.write(items)
             walls.append(time.perf_counter() - started)
             if short:
-                print(f"  {len(short)} writes short (full buffers): raise the interval or read them", file=sys.stderr)
+                print(
+                    f"  {len(short)} writes short (full buffers): raise the interval or read them",
+                    file=sys.stderr,
+                )
         writer.close()
         median = statistics.median(walls)
-        print(f"  {threads} helper thread(s): median {median * 1000:.1f} ms per round, {median / args.connections * 1e6:.2f} µs per write "
-              f"(min {min(walls) * 1000:.1f}, max {max(walls) * 1000:.1f} ms)")
+        print(
+            f"  {threads} helper thread(s): median {median * 1000:.1f} ms per round, {median / args.connections * 1e6:.2f} µs per write "
+            f"(min {min(walls) * 1000:.1f}, max {max(walls) * 1000:.1f} ms)"
+        )
     for sock in ours:
         sock.close()
     return 0

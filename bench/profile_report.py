@@ -1,6 +1,6 @@
 """Summarize py-spy collapsed stacks (`bench --profile DIR` writes them): top self and inclusive frames.
 
-    .venv/bin/python -m bench.profile_report DIR/latency-billing.txt [--top 25] [--grep services/]
+.venv/bin/python -m bench.profile_report DIR/latency-billing.txt [--top 25] [--grep services/]
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import collections
 import re
 import sys
 
-_IDLE = re.compile(r"select|epoll|poll \(|_run_once.*\(asyncio|wait \(threading|_worker \(concurrent")
+_IDLE = re.compile(
+    r"select|epoll|poll \(|_run_once.*\(asyncio|wait \(threading|_worker \(concurrent"
+)
 
 
 def load(path: str) -> list[tuple[list[str], int]]:
@@ -32,7 +34,7 @@ _FILE = re.compile(r"\(([^():]+)(?::\d+)?\)$")
 
 
 def package_of(frame: str) -> str:
-    """"sqlalchemy", "grpc", "asyncio", "services/gateway", ... of a py-spy frame "fn (path:line)"."""
+    """ "sqlalchemy", "grpc", "asyncio", "services/gateway", ... of a py-spy frame "fn (path:line)"."""
     match = _FILE.search(frame)
     if not match:
         return frame or "(native/unknown)"
@@ -56,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--grep", default="", help="inclusive table only for frames containing this text")
+    parser.add_argument(
+        "--grep", default="", help="inclusive table only for frames containing this text"
+    )
     args = parser.parse_args(argv)
     stacks = load(args.path)
     total = sum(c for _, c in stacks) or 1

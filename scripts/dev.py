@@ -103,7 +103,10 @@ class Ports:
             "billing": "LOOPLINE_BILLING_PORT",
             "tools": "LOOPLINE_TOOLS_PORT",
         }
-        labels += [(self.host, port, f"{name} gRPC ({variables[name]})") for name, port in self.grpc.items()]
+        labels += [
+            (self.host, port, f"{name} gRPC ({variables[name]})")
+            for name, port in self.grpc.items()
+        ]
         return labels
 
     @property
@@ -130,7 +133,9 @@ def _port(env: dict[str, str], name: str, default: int) -> int:
     except ValueError:
         raise Failure(f"{name}={raw!r} is not a port number") from None
     if not 0 < port < 65536:
-        raise Failure(f"{name}={port}: the development runner needs fixed ports between 1 and 65535")
+        raise Failure(
+            f"{name}={port}: the development runner needs fixed ports between 1 and 65535"
+        )
     return port
 
 
@@ -152,7 +157,9 @@ class Console:
             print(message, file=stream, flush=True)
         except (BrokenPipeError, ValueError, OSError):
             self._closed.add(id(stream))
-            with contextlib.suppress(OSError, ValueError):  # so the flush at exit does not fail again
+            with contextlib.suppress(
+                OSError, ValueError
+            ):  # so the flush at exit does not fail again
                 os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
     def say(self, message: str = "") -> None:
@@ -204,7 +211,9 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return preexec
 
 
-def spawn(argv: Sequence[str], env: dict[str, str], stdout: IO[bytes] | int, stderr: IO[bytes] | int) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: Sequence[str], env: dict[str, str], stdout: IO[bytes] | int, stderr: IO[bytes] | int
+) -> subprocess.Popen[bytes]:
     """Start a child in its own process group (so a terminal's Ctrl-C reaches only us)."""
     return subprocess.Popen(
         list(argv),
@@ -261,7 +270,9 @@ def log_tail(path: pathlib.Path, lines: int = 25) -> str:
         except ValueError:
             record = None
         if isinstance(record, dict) and "message" in record:
-            out.append(f"    {record.get('level', '?')} {record.get('logger', '')}: {record['message']}")
+            out.append(
+                f"    {record.get('level', '?')} {record.get('logger', '')}: {record['message']}"
+            )
             if record.get("traceback"):
                 out += ["      " + tb for tb in str(record["traceback"]).splitlines()[-15:]]
         else:
@@ -278,7 +289,9 @@ class Runner:
         self.ports = Ports.from_env(dict(os.environ))
         self.env = self._environment()
         data_dir = pathlib.Path(self.env.get("LOOPLINE_DATA_DIR") or ROOT / "var")
-        self.log_dir: pathlib.Path = args.log_dir or (data_dir if data_dir.is_absolute() else ROOT / data_dir) / "logs"
+        self.log_dir: pathlib.Path = (
+            args.log_dir or (data_dir if data_dir.is_absolute() else ROOT / data_dir) / "logs"
+        )
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.log_files: dict[str, IO[bytes]] = {}
         self.log_starts: dict[str, int] = {}  # where this run's lines begin in each log (open_logs)
@@ -291,7 +304,9 @@ class Runner:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         for name in BACKENDS:  # where the others reach each backend, unless set
-            env.setdefault(f"LOOPLINE_{name.upper()}_ADDR", _hostport(self.ports.host, self.ports.grpc[name]))
+            env.setdefault(
+                f"LOOPLINE_{name.upper()}_ADDR", _hostport(self.ports.host, self.ports.grpc[name])
+            )
         return env
 
     def module(self, name: str) -> str:
@@ -321,8 +336,10 @@ class Runner:
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise Failure(f"cannot create the log folder {self.log_dir}: {error.strerror} "
-                          "(LOOPLINE_DATA_DIR must be a folder, or a path where one can be made)") from None
+            raise Failure(
+                f"cannot create the log folder {self.log_dir}: {error.strerror} "
+                "(LOOPLINE_DATA_DIR must be a folder, or a path where one can be made)"
+            ) from None
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         for name in ALL:
             handle = open(self.log_path(name), "ab")  # noqa: SIM115 - closed in close_logs
@@ -335,7 +352,9 @@ class Runner:
         for handle in self.log_files.values():
             handle.close()
 
-    def run_steps(self, steps: Sequence[tuple[str, list[str]]], capture: bool, timeout: float) -> dict[str, str]:
+    def run_steps(
+        self, steps: Sequence[tuple[str, list[str]]], capture: bool, timeout: float
+    ) -> dict[str, str]:
         """Run one-shot commands concurrently (output to the service's log); stdout when `capture`."""
         procs: dict[str, subprocess.Popen[bytes]] = {}
         outputs: dict[str, str] = {}
@@ -355,13 +374,19 @@ class Runner:
                         if self.stop.requested:
                             raise Interrupted from None
                         if time.monotonic() > deadline:
-                            raise Failure(f"`{self._show(steps, name)}` did not finish within {timeout:.0f} s", name) from None
+                            raise Failure(
+                                f"`{self._show(steps, name)}` did not finish within {timeout:.0f} s",
+                                name,
+                            ) from None
                 outputs[name] = (out or b"").decode("utf-8", "replace")
                 if capture:  # logged without secrets (the seed step prints the dev API key)
                     self.log_files[name].write(redact(out or b""))
                     self.log_files[name].flush()
                 if proc.returncode != 0:
-                    raise Failure(f"`{self._show(steps, name)}` failed ({describe_exit(proc.returncode)})", name)
+                    raise Failure(
+                        f"`{self._show(steps, name)}` failed ({describe_exit(proc.returncode)})",
+                        name,
+                    )
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
@@ -376,11 +401,17 @@ class Runner:
 
     def migrate(self) -> None:
         console.say("[dev] applying migrations: " + ", ".join(ALL))
-        self.run_steps([(name, [sys.executable, "-m", self.module(name), "migrate"]) for name in ALL], False, 180)
+        self.run_steps(
+            [(name, [sys.executable, "-m", self.module(name), "migrate"]) for name in ALL],
+            False,
+            180,
+        )
 
     def seed(self) -> dict[str, Any]:
         console.say("[dev] seeding the development organization")
-        out = self.run_steps([("gateway", [sys.executable, "-m", self.module("gateway"), "seed-dev"])], True, 120)
+        out = self.run_steps(
+            [("gateway", [sys.executable, "-m", self.module("gateway"), "seed-dev"])], True, 120
+        )
         seeded = None
         for line in reversed(out["gateway"].splitlines()):
             try:
@@ -398,7 +429,22 @@ class Runner:
             )
         org = str(seeded["organization_id"])
         self.run_steps(
-            [("billing", [sys.executable, "-m", self.module("billing"), "admin", "seed-dev", "--org", org])], False, 120
+            [
+                (
+                    "billing",
+                    [
+                        sys.executable,
+                        "-m",
+                        self.module("billing"),
+                        "admin",
+                        "seed-dev",
+                        "--org",
+                        org,
+                    ],
+                )
+            ],
+            False,
+            120,
         )
         return seeded
 
@@ -417,7 +463,9 @@ class Runner:
         target = _hostport(self.ports.host, self.ports.grpc[name])
         channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1.0
+            )
             if response.status != health_pb2.HealthCheckResponse.SERVING:
                 return f"gRPC health on {target} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
         except grpc.RpcError as error:
@@ -497,7 +545,11 @@ class Runner:
         "shutdown"}` (README "Decisions"), which the gateway still delivers to open streams
         before it stops; billing stays up until the orchestrator has recorded their usage.
         """
-        for wave in (["orchestrator"], ["gateway"], [name for name in BACKENDS if name != "orchestrator"]):
+        for wave in (
+            ["orchestrator"],
+            ["gateway"],
+            [name for name in BACKENDS if name != "orchestrator"],
+        ):
             procs = {name: self.children[name] for name in wave if name in self.children}
             running = {name: proc for name, proc in procs.items() if proc.poll() is None}
             if not running:
@@ -510,7 +562,11 @@ class Runner:
                 if time.monotonic() > deadline or self.stop.hurry:
                     for name, proc in running.items():
                         if proc.poll() is None:
-                            why = "a second signal" if self.stop.hurry else f"no exit within {self.args.stop_timeout:.0f} s"
+                            why = (
+                                "a second signal"
+                                if self.stop.hurry
+                                else f"no exit within {self.args.stop_timeout:.0f} s"
+                            )
                             console.error(f"[dev] killing {name} ({why})")
                             signal_group(proc, signal.SIGKILL)
                     for proc in running.values():
@@ -582,9 +638,9 @@ class Runner:
             f"-H \"Content-Type: application/json\" -d '{CHAT_EXAMPLE}'"
         )
         chain = (
-            f"R=$({post}) && echo \"$R\" && "
-            "U=$(printf '%s' \"$R\" | sed -n 's/.*\"stream_url\" *: *\"\\([^\"]*\\)\".*/\\1/p') && "
-            f"curl -sS -N \"{url}$U\" {auth}"
+            f'R=$({post}) && echo "$R" && '
+            'U=$(printf \'%s\' "$R" | sed -n \'s/.*"stream_url" *: *"\\([^"]*\\)".*/\\1/p\') && '
+            f'curl -sS -N "{url}$U" {auth}'
         )
         logs = ", ".join(self._rel(self.log_path(name)) for name in ALL)
         console.say(
@@ -615,21 +671,31 @@ class Runner:
                     "",
                     chain,
                     "",
-                    "Press Ctrl-C to stop all four services." if not (self.args.exit_when_ready or self.args.smoke) else "",
+                    "Press Ctrl-C to stop all four services."
+                    if not (self.args.exit_when_ready or self.args.smoke)
+                    else "",
                 ]
             )
         )
 
     def smoke(self, seeded: dict[str, Any]) -> int:
         """Drive the printed curl pair once over HTTP and check the stream ends with `done`."""
-        headers = {"Authorization": f"Bearer {seeded['api_key']}", "X-Organization-ID": str(seeded["organization_id"])}
+        headers = {
+            "Authorization": f"Bearer {seeded['api_key']}",
+            "X-Organization-ID": str(seeded["organization_id"]),
+        }
         with httpx.Client(base_url=self.ports.url, trust_env=False, timeout=30.0) as client:
-            response = client.post("/assistant/chat", headers=headers, json=json.loads(CHAT_EXAMPLE))
+            response = client.post(
+                "/assistant/chat", headers=headers, json=json.loads(CHAT_EXAMPLE)
+            )
             console.say(f"[smoke] POST /assistant/chat -> {response.status_code} {response.text}")
             if response.status_code != 200:
                 raise Failure("the smoke turn was refused", "gateway")
             body = response.json()
-            path = body.get("stream_url") or f"/assistant/chat/{body['chat_id']}/listen/{body['run_id']}"
+            path = (
+                body.get("stream_url")
+                or f"/assistant/chat/{body['chat_id']}/listen/{body['run_id']}"
+            )
             types = []
             with client.stream("GET", path, headers=headers) as stream:
                 if stream.status_code != 200:
@@ -654,15 +720,47 @@ def _q(value: str) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--logs", action="store_true", help="also echo every service's log here, prefixed with its name")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for all services to be healthy (60)")
-    parser.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a child gets after SIGTERM before SIGKILL (10)")
-    parser.add_argument("--log-dir", type=pathlib.Path, default=None,
-                        help="folder of the service logs ($LOOPLINE_DATA_DIR/logs, by default var/logs)")
-    parser.add_argument("--exit-when-ready", action="store_true", help="stop everything once all services are healthy (a check)")
-    parser.add_argument("--smoke", action="store_true", help="once ready, run the printed turn over HTTP, check it ends with done, stop")
-    parser.add_argument("--module", default="services.{name}", help="module run for each service, {name} replaced (for testing this runner)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--logs",
+        action="store_true",
+        help="also echo every service's log here, prefixed with its name",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for all services to be healthy (60)",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a child gets after SIGTERM before SIGKILL (10)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=pathlib.Path,
+        default=None,
+        help="folder of the service logs ($LOOPLINE_DATA_DIR/logs, by default var/logs)",
+    )
+    parser.add_argument(
+        "--exit-when-ready",
+        action="store_true",
+        help="stop everything once all services are healthy (a check)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="once ready, run the printed turn over HTTP, check it ends with done, stop",
+    )
+    parser.add_argument(
+        "--module",
+        default="services.{name}",
+        help="module run for each service, {name} replaced (for testing this runner)",
+    )
     return parser.parse_args(argv)
 
 

@@ -44,7 +44,11 @@ def allowed(metadata: list[Any]) -> str:
             high = f"< {item.lt:,}"
         elif isinstance(item, StringConstraints) and item.pattern:
             names = re.search(r"\(([A-Z|]+)\)", str(item.pattern))
-            return ", ".join(names.group(1).split("|")) + (" (any case)" if item.to_upper else "") if names else ""
+            return (
+                ", ".join(names.group(1).split("|")) + (" (any case)" if item.to_upper else "")
+                if names
+                else ""
+            )
     if low.startswith("≥ ") and high.startswith("≤ "):
         return f"{low[2:]} to {high[2:]}"
     return ", ".join(part for part in (low, high) if part)
@@ -65,13 +69,17 @@ def rows() -> list[tuple[str, str, str, str]]:
             shown = "(empty)" if default in ("", None) else str(default)
             found.setdefault(variable, (shown, allowed(info.metadata), []))[2].append(name)
     everyone = len(SERVICES) - 1
-    return [(v, d, r, "all" if len(o) == everyone else ", ".join(o)) for v, (d, r, o) in found.items()]
+    return [
+        (v, d, r, "all" if len(o) == everyone else ", ".join(o)) for v, (d, r, o) in found.items()
+    ]
 
 
 def table() -> list[str]:
     """The table's lines: header, then one row per variable (shared ones first)."""
     lines = ["| variable | default | range | service |", "|---|---|---|---|"]
-    for variable, default, allowed_values, owner in sorted(rows(), key=lambda r: (r[3] != "all", r[3], r[0])):
+    for variable, default, allowed_values, owner in sorted(
+        rows(), key=lambda r: (r[3] != "all", r[3], r[0])
+    ):
         lines.append(f"| `{variable}` | `{default}` | {allowed_values} | {owner} |")
     return lines
 

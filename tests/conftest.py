@@ -59,10 +59,15 @@ class Stack:
         return f"http://127.0.0.1:{self.gateway.port}"
 
     def headers(self, api_key: str | None = None, org_id: str | None = None) -> dict[str, str]:
-        return {"Authorization": f"Bearer {api_key or self.api_key}", "X-Organization-ID": org_id or self.org_id}
+        return {
+            "Authorization": f"Bearer {api_key or self.api_key}",
+            "X-Organization-ID": org_id or self.org_id,
+        }
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers(), timeout=30, **kwargs)
+        return httpx.AsyncClient(
+            base_url=self.base_url, headers=self.headers(), timeout=30, **kwargs
+        )
 
     async def member(self, role: str, org_id: str | None = None) -> dict[str, str]:
         """A new user with `role` in `org_id` (default: the stack's org); returns its api_key."""
@@ -74,13 +79,15 @@ SERVICES = ("gateway", "orchestrator", "billing", "tools")
 
 
 def selected_backend() -> str:
-    """"sqlite" (default) or "postgres" (LOOPLINE_TEST_BACKEND)."""
+    """ "sqlite" (default) or "postgres" (LOOPLINE_TEST_BACKEND)."""
     return os.environ.get("LOOPLINE_TEST_BACKEND", "sqlite").strip().lower() or "sqlite"
 
 
 def postgres_url() -> str:
     """The SQLAlchemy URL of the test PostgreSQL server (its `test` database)."""
-    return os.environ.get("LOOPLINE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+    return os.environ.get(
+        "LOOPLINE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+    )
 
 
 def redis_url() -> str:
@@ -100,8 +107,13 @@ async def _maintenance():  # noqa: ANN202
     from sqlalchemy.engine import make_url
 
     url = make_url(postgres_url())
-    return await asyncpg.connect(host=url.host or "127.0.0.1", port=url.port or 5432, user=url.username or "postgres",
-                                 password=url.password, database="postgres")
+    return await asyncpg.connect(
+        host=url.host or "127.0.0.1",
+        port=url.port or 5432,
+        user=url.username or "postgres",
+        password=url.password,
+        database="postgres",
+    )
 
 
 async def _postgres_templates() -> dict[str, str]:
@@ -176,12 +188,16 @@ class _DatabasePool:
                 async def create(service: str, template: str) -> None:
                     connection = await _maintenance()
                     try:
-                        await connection.execute(f'CREATE DATABASE "{tag}_{service}" TEMPLATE "{template}"')
+                        await connection.execute(
+                            f'CREATE DATABASE "{tag}_{service}" TEMPLATE "{template}"'
+                        )
                     finally:
                         await connection.close()
 
                 try:
-                    await asyncio.gather(*(create(service, template) for service, template in templates.items()))
+                    await asyncio.gather(
+                        *(create(service, template) for service, template in templates.items())
+                    )
                 except BaseException as error:  # noqa: BLE001
                     self.failure = error
                     self.ready.put(None)
@@ -238,14 +254,16 @@ def release_databases(urls: list[str]) -> None:
 
 async def drop_databases(urls: list[str]) -> None:
     """Drop the databases (closing any connection still open to them)."""
-    from sqlalchemy.engine import make_url
-
     import asyncio
+
+    from sqlalchemy.engine import make_url
 
     async def drop(url: str) -> None:
         connection = await _maintenance()
         try:
-            await connection.execute(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
+            await connection.execute(
+                f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'
+            )
         finally:
             await connection.close()
 
@@ -275,7 +293,9 @@ async def _scan_batches(client, pattern: str):  # noqa: ANN001, ANN202
         yield batch
 
 
-async def backend_settings(tmp_path) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+async def backend_settings(
+    tmp_path,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
     """Settings that select the test backend for one stack.
 
     Returns (common settings, {service: its database setting}, cleanup info for `cleanup_backend`).
@@ -284,8 +304,14 @@ async def backend_settings(tmp_path) -> tuple[dict[str, Any], dict[str, dict[str
     """
     import asyncio
 
-    common: dict[str, Any] = {"data_dir": tmp_path, "host": "127.0.0.1", "redis_url": "", "log_level": "WARNING",
-                              "shutdown_grace_s": 1.0, "auto_migrate": False}
+    common: dict[str, Any] = {
+        "data_dir": tmp_path,
+        "host": "127.0.0.1",
+        "redis_url": "",
+        "log_level": "WARNING",
+        "shutdown_grace_s": 1.0,
+        "auto_migrate": False,
+    }
     if selected_backend() == "postgres":
         urls = await postgres_databases()
         prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
@@ -320,8 +346,14 @@ def _migrated_template(tmp_root) -> object:
     return _TEMPLATE["dir"]
 
 
-async def start_stack(tmp_path, *, orchestrator: dict[str, Any] | None = None, gateway: dict[str, Any] | None = None,
-                      billing: dict[str, Any] | None = None, tools: dict[str, Any] | None = None) -> Stack:
+async def start_stack(
+    tmp_path,
+    *,
+    orchestrator: dict[str, Any] | None = None,
+    gateway: dict[str, Any] | None = None,
+    billing: dict[str, Any] | None = None,
+    tools: dict[str, Any] | None = None,
+) -> Stack:
     """Start the four services with data in `tmp_path`; keyword dicts override settings.
 
     The databases are copies of a template migrated once per test session (a fresh
@@ -333,20 +365,44 @@ async def start_stack(tmp_path, *, orchestrator: dict[str, Any] | None = None, g
     def settings(service: str, overrides: dict[str, Any] | None) -> dict[str, Any]:
         return {**common, **db_settings[service], **(overrides or {})}
 
-    billing_server = await BillingServer.start(BillingSettings(**{**settings("billing", billing), "billing_port": 0}))
-    tools_server = await ToolsServer.start(ToolsSettings(**{**settings("tools", tools), "tools_port": 0}))
-    addrs = {"billing_addr": f"127.0.0.1:{billing_server.port}", "tools_addr": f"127.0.0.1:{tools_server.port}"}
+    billing_server = await BillingServer.start(
+        BillingSettings(**{**settings("billing", billing), "billing_port": 0})
+    )
+    tools_server = await ToolsServer.start(
+        ToolsSettings(**{**settings("tools", tools), "tools_port": 0})
+    )
+    addrs = {
+        "billing_addr": f"127.0.0.1:{billing_server.port}",
+        "tools_addr": f"127.0.0.1:{tools_server.port}",
+    }
     orchestrator_server = await OrchestratorServer.start(
-        OrchestratorSettings(**{**settings("orchestrator", orchestrator), **addrs, "orchestrator_port": 0})
+        OrchestratorSettings(
+            **{**settings("orchestrator", orchestrator), **addrs, "orchestrator_port": 0}
+        )
     )
     gateway_server = await GatewayServer.start(
-        GatewaySettings(**{**settings("gateway", gateway), "orchestrator_addr": f"127.0.0.1:{orchestrator_server.port}",
-                           "tools_addr": addrs["tools_addr"], "http_port": 0, "gateway_grpc_port": 0})
+        GatewaySettings(
+            **{
+                **settings("gateway", gateway),
+                "orchestrator_addr": f"127.0.0.1:{orchestrator_server.port}",
+                "tools_addr": addrs["tools_addr"],
+                "http_port": 0,
+                "gateway_grpc_port": 0,
+            }
+        )
     )
     org_id = f"org_{uuid.uuid4().hex[:12]}"
     owner = await identity.create_member(gateway_server.sessions, org_id, "owner")
-    return Stack(billing_server, tools_server, orchestrator_server, gateway_server, org_id, owner["api_key"], owner["user_id"],
-                 extra={"cleanup": cleanup})
+    return Stack(
+        billing_server,
+        tools_server,
+        orchestrator_server,
+        gateway_server,
+        org_id,
+        owner["api_key"],
+        owner["user_id"],
+        extra={"cleanup": cleanup},
+    )
 
 
 async def stop_stack(stack: Stack) -> None:

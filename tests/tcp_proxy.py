@@ -101,7 +101,9 @@ async def fails_in_time(work, limit_s: float) -> BaseException:  # noqa: ANN001
     if not done:
         task.cancel()
         pytest.fail(f"the request hung past {limit_s + 5:.1f} s (no timeout)")
-    assert time.monotonic() - started <= limit_s, f"answered after {time.monotonic() - started:.1f} s"
+    assert time.monotonic() - started <= limit_s, (
+        f"answered after {time.monotonic() - started:.1f} s"
+    )
     error = task.exception()
     assert error is not None, "the request succeeded against a server that answers nothing"
     return error

@@ -14,7 +14,9 @@ from bench.deploy import resident_frames, rss_bytes, together_bytes
 def sleepers():
     """Two idle Python processes with the same interpreter (they share its file-backed pages)."""
     code = "import sys, time; sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(60)"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)
+    ]
     try:
         for proc in procs:
             assert proc.stdout.readline() == b"ready\n"

@@ -18,9 +18,39 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "bench.json"
     argv = [
-        sys.executable, "-m", "bench", "--turns", "5", "--throughput-turns", "6", "--concurrency", "1,3",
-        "--time-cap", "20", "--listeners", "10", "--ticks", "1", "--tick-ms", "300", "--heartbeat", "0.4",
-        "--admissions", "30", "--admission-concurrency", "4", "--admission-time-cap", "5", "--tool-calls", "5", "--chunks", "200", "--searches", "5", "--out", str(out),
+        sys.executable,
+        "-m",
+        "bench",
+        "--turns",
+        "5",
+        "--throughput-turns",
+        "6",
+        "--concurrency",
+        "1,3",
+        "--time-cap",
+        "20",
+        "--listeners",
+        "10",
+        "--ticks",
+        "1",
+        "--tick-ms",
+        "300",
+        "--heartbeat",
+        "0.4",
+        "--admissions",
+        "30",
+        "--admission-concurrency",
+        "4",
+        "--admission-time-cap",
+        "5",
+        "--tool-calls",
+        "5",
+        "--chunks",
+        "200",
+        "--searches",
+        "5",
+        "--out",
+        str(out),
     ]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -29,13 +59,21 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["python"] and machine["git_commit"]
     assert set(machine["steal_pct"]) == {"latency", "throughput", "admission", "fanout10", "tools"}
-    assert all(value is None or 0 <= value <= 100 for value in [*machine["steal_pct"].values(), machine["steal_pct_run"]])
+    assert all(
+        value is None or 0 <= value <= 100
+        for value in [*machine["steal_pct"].values(), machine["steal_pct_run"]]
+    )
     latency = report["latency"]
     assert latency["turns"] == 5 and latency["completed"] == 5 and latency["failures"] == 0
     assert latency["done"]["p50_ms"] > 0 and latency["first_frame"]["p99_ms"] > 0
     # CPU time is read in clock ticks (10 ms): 5 turns of ~4 ms on a fast machine can cross no tick
     # of any service (0.0 was seen), so only the shape is checked here; `make bench` runs 200
-    assert latency["cpu_ms_per_turn"] >= 0 and set(latency["cpu_ms_per_turn_by_service"]) == {"gateway", "orchestrator", "billing", "tools"}
+    assert latency["cpu_ms_per_turn"] >= 0 and set(latency["cpu_ms_per_turn_by_service"]) == {
+        "gateway",
+        "orchestrator",
+        "billing",
+        "tools",
+    }
     for key in ("c1", "c3"):
         level = report["throughput"][key]
         assert level["completed"] == level["turns"] > 0 and level["turns_per_s"] > 0
@@ -45,7 +83,9 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     fanout = report["fanout"]["10"]
     assert fanout["outcome"].get("connected") == 10 and fanout["outcome"].get("done") == 10
     assert fanout["deliveries_measured"] > 0 and fanout["heartbeats"] > 0
-    if sys.platform == "linux":  # the stamped client: the kernel's receive time of each delivery, never after the client read it
+    if (
+        sys.platform == "linux"
+    ):  # the stamped client: the kernel's receive time of each delivery, never after the client read it
         at_socket, read = fanout["delay_at_socket"], fanout["delay"]
         assert at_socket["p50_ms"] is not None and 0 <= at_socket["p50_ms"] <= read["p50_ms"] + 0.01
     tools = report["tools"]
@@ -66,8 +106,26 @@ def test_a_bench_stopped_by_sigterm_stops_the_services_it_started(tmp_path: path
     import signal
     import time
 
-    argv = [sys.executable, "-m", "bench", "--only", "latency", "--turns", "2", "--hold", "--out", str(tmp_path / "bench.json")]
-    process = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--only",
+        "latency",
+        "--turns",
+        "2",
+        "--hold",
+        "--out",
+        str(tmp_path / "bench.json"),
+    ]
+    process = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 180
@@ -80,7 +138,12 @@ def test_a_bench_stopped_by_sigterm_stops_the_services_it_started(tmp_path: path
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
         for _ in range(100):
-            alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower()]
+            alive = [
+                pid
+                for pid in pids
+                if os.path.exists(f"/proc/{pid}")
+                and "zombie" not in open(f"/proc/{pid}/status").read().lower()
+            ]
             if not alive:
                 break
             time.sleep(0.1)

@@ -16,10 +16,21 @@ def _stat(tmp_path: pathlib.Path, line: str) -> pathlib.Path:
 
 def test_cpu_jiffies_reads_the_first_eight_fields_of_the_cpu_line(tmp_path: pathlib.Path) -> None:
     # user nice system idle iowait irq softirq steal guest guest_nice: guest is inside user already
-    assert cpu_jiffies(_stat(tmp_path, "cpu  100 1 50 800 9 0 4 36 70 0")) == [100, 1, 50, 800, 9, 0, 4, 36]
+    assert cpu_jiffies(_stat(tmp_path, "cpu  100 1 50 800 9 0 4 36 70 0")) == [
+        100,
+        1,
+        50,
+        800,
+        9,
+        0,
+        4,
+        36,
+    ]
 
 
-def test_cpu_jiffies_of_an_old_kernel_without_steal_counts_it_as_zero(tmp_path: pathlib.Path) -> None:
+def test_cpu_jiffies_of_an_old_kernel_without_steal_counts_it_as_zero(
+    tmp_path: pathlib.Path,
+) -> None:
     assert cpu_jiffies(_stat(tmp_path, "cpu  100 1 50 800 9 0 4")) == [100, 1, 50, 800, 9, 0, 4, 0]
 
 
@@ -39,7 +50,9 @@ def test_steal_pct_is_the_share_of_all_cpu_time_between_two_readings() -> None:
 def test_steal_meter_records_each_workload_by_name() -> None:
     steal = StealMeter()
     with steal("latency"):
-        time.sleep(0.1)  # /proc/stat counts in 10 ms ticks, idle ones too: a block this long always has some
+        time.sleep(
+            0.1
+        )  # /proc/stat counts in 10 ms ticks, idle ones too: a block this long always has some
     with steal("admission"):
         pass
     assert list(steal.by_workload) == ["latency", "admission"]

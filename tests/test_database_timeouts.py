@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 
-
 import grpc
 import pytest
 from sqlalchemy import text
@@ -19,8 +18,8 @@ from sqlalchemy.engine import URL, make_url
 
 from services.common import db, errors
 from services.common.pg import PgPool
-from tests.tcp_proxy import CuttableProxy, fails_in_time
 from tests.conftest import postgres_url, selected_backend
+from tests.tcp_proxy import CuttableProxy, fails_in_time
 
 TIMEOUT_S = 0.5
 
@@ -34,6 +33,7 @@ def _assert_unavailable(error: BaseException) -> None:
 async def _engine_and_pool_unavailable(engine, pool: PgPool, engine_limit_s: float) -> None:  # noqa: ANN001
     """A statement through `engine` fails as unavailable within `engine_limit_s`, one through
     `pool` within TIMEOUT_S + 2 s."""
+
     async def query() -> None:
         async with db.sessionmaker(engine)() as session:
             await session.execute(text("SELECT 1"))
@@ -47,11 +47,19 @@ async def _engine_and_pool_unavailable(engine, pool: PgPool, engine_limit_s: flo
 
 
 def test_the_timeouts_are_the_setting_unless_the_url_sets_them():
-    assert db.asyncpg_timeouts(make_url("postgresql+asyncpg://u@h/d"), 7.0) == {"timeout": 7.0, "command_timeout": 7.0}
+    assert db.asyncpg_timeouts(make_url("postgresql+asyncpg://u@h/d"), 7.0) == {
+        "timeout": 7.0,
+        "command_timeout": 7.0,
+    }
     url = make_url("postgresql+asyncpg://u@h/d?command_timeout=60")
     assert db.asyncpg_timeouts(url, 7.0) == {"timeout": 7.0, "command_timeout": 60.0}
-    pool = PgPool(url, timeout_s=7.0)  # not in the DSN: asyncpg would send it to the server as a setting
-    assert (pool.timeouts, pool.dsn) == ({"timeout": 7.0, "command_timeout": 60.0}, "postgresql://u@h/d")
+    pool = PgPool(
+        url, timeout_s=7.0
+    )  # not in the DSN: asyncpg would send it to the server as a setting
+    assert (pool.timeouts, pool.dsn) == (
+        {"timeout": 7.0, "command_timeout": 60.0},
+        "postgresql://u@h/d",
+    )
 
 
 @contextlib.asynccontextmanager
@@ -77,7 +85,10 @@ def _proxy_to_postgres() -> tuple[CuttableProxy, URL]:
 
 
 async def test_a_server_that_never_answers_a_new_connection_is_unavailable_within_the_timeout():
-    async with _through(CuttableProxy(), make_url("postgresql+asyncpg://u@127.0.0.1/d")) as (engine, pool):
+    async with _through(CuttableProxy(), make_url("postgresql+asyncpg://u@127.0.0.1/d")) as (
+        engine,
+        pool,
+    ):
         await _engine_and_pool_unavailable(engine, pool, TIMEOUT_S + 2)
 
 
@@ -95,6 +106,7 @@ async def test_a_connection_whose_server_goes_silent_is_unavailable_within_twice
 async def test_a_statement_the_server_stops_answering_mid_transaction_is_unavailable():
     proxy, url = _proxy_to_postgres()
     async with _through(proxy, url) as (engine, _pool):
+
         async def transaction() -> None:
             async with db.sessionmaker(engine)() as session, session.begin():
                 await session.execute(text("SELECT 1"))

@@ -15,12 +15,21 @@ from services.common import db
 from tests.conftest import postgres_databases, release_databases, selected_backend
 
 
-@pytest.mark.parametrize("url,expected", [
-    ("postgresql+asyncpg://u:p@h/d?sslmode=require", "postgresql+asyncpg://u:p@h/d?ssl=require"),
-    ("postgresql+asyncpg://u:p@h/d?ssl=verify-full", "postgresql+asyncpg://u:p@h/d?ssl=verify-full"),
-    ("postgresql+asyncpg://u:p@h/d", "postgresql+asyncpg://u:p@h/d"),
-    ("sqlite+aiosqlite:///x.db?sslmode=require", "sqlite+aiosqlite:///x.db?sslmode=require"),
-])
+@pytest.mark.parametrize(
+    "url,expected",
+    [
+        (
+            "postgresql+asyncpg://u:p@h/d?sslmode=require",
+            "postgresql+asyncpg://u:p@h/d?ssl=require",
+        ),
+        (
+            "postgresql+asyncpg://u:p@h/d?ssl=verify-full",
+            "postgresql+asyncpg://u:p@h/d?ssl=verify-full",
+        ),
+        ("postgresql+asyncpg://u:p@h/d", "postgresql+asyncpg://u:p@h/d"),
+        ("sqlite+aiosqlite:///x.db?sslmode=require", "sqlite+aiosqlite:///x.db?sslmode=require"),
+    ],
+)
 def test_libpq_sslmode_becomes_asyncpg_ssl(url, expected):
     assert db.engine_url(url).render_as_string(hide_password=False) == expected
 
@@ -30,7 +39,11 @@ async def test_an_engine_and_a_migration_take_a_url_with_sslmode():
         pytest.skip("needs the PostgreSQL backend")
     urls = await postgres_databases()
     try:
-        url = make_url(urls["billing"]).update_query_dict({"sslmode": "disable"}).render_as_string(hide_password=False)
+        url = (
+            make_url(urls["billing"])
+            .update_query_dict({"sslmode": "disable"})
+            .render_as_string(hide_password=False)
+        )
         engine = db.make_engine(url)
         try:
             async with engine.connect() as connection:

@@ -8,8 +8,12 @@ from services.common.errors import MAX_MESSAGE_CHARS, RpcError, bounded
 
 
 def test_long_messages_and_metadata_are_cut_with_an_ellipsis():
-    error = RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", "unknown model " + "d" * 20_000,
-                     metadata={"model_id": "d" * 20_000, "short": "ok"})
+    error = RpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "UNKNOWN_MODEL",
+        "unknown model " + "d" * 20_000,
+        metadata={"model_id": "d" * 20_000, "short": "ok"},
+    )
     assert len(error.message) == MAX_MESSAGE_CHARS and error.message.endswith("…")
     assert str(error) == error.message
     assert len(error.metadata["model_id"]) <= 500 and error.metadata["short"] == "ok"

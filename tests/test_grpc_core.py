@@ -41,7 +41,15 @@ def test_every_service_sets_it_before_grpc_is_imported(service: str) -> None:
         print(repr(seen))
     """)
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == repr([grpc_core.EXPERIMENTS])
 
@@ -80,12 +88,22 @@ EE_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names and switches from /proc")
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task"), reason="reads thread names and switches from /proc"
+)
 def test_calls_do_not_hop_through_event_engine_threads() -> None:
     """The effect itself: with the EventEngine endpoints on (grpcio's default since 1.80), 300
     unary calls within one process woke grpc's `event_engine` threads ~1,800 times (measured
     1,761-1,817); with the services' settings ~20 (timers). Bounded at one per two calls."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
-    out = subprocess.run([sys.executable, "-c", EE_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", EE_PROBE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) < 150

@@ -19,7 +19,9 @@ TOKEN = "internal-test-token-1234567890"
 @pytest.fixture
 async def guarded(tmp_path):
     overrides = {"internal_token": TOKEN}
-    running = await start_stack(tmp_path, orchestrator=overrides, gateway=overrides, billing=overrides, tools=overrides)
+    running = await start_stack(
+        tmp_path, orchestrator=overrides, gateway=overrides, billing=overrides, tools=overrides
+    )
     try:
         yield running
     finally:
@@ -28,26 +30,47 @@ async def guarded(tmp_path):
 
 async def test_turns_work_with_the_token_and_direct_calls_without_it_are_refused(guarded):
     async with guarded.client() as client:
-        created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-probe-secret"}})
+        created = await client.post(
+            "/credentials",
+            json={"integration_name": "openai", "auth_data": {"api_key": "sk-probe-secret"}},
+        )
         assert created.status_code == 201, created.text
-        turn = await client.post("/assistant/chat", json={"message": script({"tool": "get_available_integrations", "input": {}},
-                                                                              {"say": "done"}), "llm": SCRIPTED})
+        turn = await client.post(
+            "/assistant/chat",
+            json={
+                "message": script(
+                    {"tool": "get_available_integrations", "input": {}}, {"say": "done"}
+                ),
+                "llm": SCRIPTED,
+            },
+        )
         assert turn.status_code == 200, turn.text
         frames = await read_frames(client, turn.json()["stream_url"])
-        assert frames[-1]["type"] == "done"  # StartTurn, StreamRun, Admit/Charge/usage and ExecuteTool all passed
-    request = tools_pb2.ResolveCredentialSecretRequest(organization_id=guarded.org_id, credential_id=created.json()["credential_id"],
-                                                       integration_name="openai")
+        assert (
+            frames[-1]["type"] == "done"
+        )  # StartTurn, StreamRun, Admit/Charge/usage and ExecuteTool all passed
+    request = tools_pb2.ResolveCredentialSecretRequest(
+        organization_id=guarded.org_id,
+        credential_id=created.json()["credential_id"],
+        integration_name="openai",
+    )
     target = f"127.0.0.1:{guarded.tools.port}"
     for token in ("", "wrong-token"):
         async with internal_channel(target, token) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await tools_pb2_grpc.ToolsServiceStub(channel).ResolveCredentialSecret(request, timeout=5)
+                await tools_pb2_grpc.ToolsServiceStub(channel).ResolveCredentialSecret(
+                    request, timeout=5
+                )
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "sk-probe" not in str(refused.value)
-            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
             assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
     async with internal_channel(target, TOKEN) as channel:
-        answer = await tools_pb2_grpc.ToolsServiceStub(channel).ResolveCredentialSecret(request, timeout=5)
+        answer = await tools_pb2_grpc.ToolsServiceStub(channel).ResolveCredentialSecret(
+            request, timeout=5
+        )
     assert answer.secret == "sk-probe-secret"
 
 
@@ -62,9 +85,13 @@ async def test_a_refused_call_is_logged_by_the_refusing_service_without_the_toke
     for token in ("not-the-token-1234567890", "not-the-token-1234567890", ""):
         async with internal_channel(target, token) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await tools_pb2_grpc.ToolsServiceStub(channel).ListTools(tools_pb2.ListToolsRequest(profile="assistant"))
+                await tools_pb2_grpc.ToolsServiceStub(channel).ListTools(
+                    tools_pb2.ListToolsRequest(profile="assistant")
+                )
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     logged = [r for r in caplog.records if r.name == "services.common.internal_auth"]
-    assert [r.getMessage() for r in logged] == ["refused an internal call: wrong internal token"]  # once a minute per method
+    assert [r.getMessage() for r in logged] == [
+        "refused an internal call: wrong internal token"
+    ]  # once a minute per method
     assert logged[0].fields["method"] == "/loopline.tools.v1.ToolsService/ListTools"
     assert "not-the-token" not in caplog.text

@@ -22,11 +22,15 @@ def restore_logging():
 
 
 @pytest.mark.parametrize("name", ["httpx", "httpx2", "httpcore.http11", "httpcore2.connection"])
-def test_a_client_library_request_line_with_a_secret_url_is_not_logged(capsys, restore_logging, name):
+def test_a_client_library_request_line_with_a_secret_url_is_not_logged(
+    capsys, restore_logging, name
+):
     """Fresh-eyes test (gRPC user): registering an MCP server logged `HTTP Request: POST
     http://…/mcp?token=QUERYSECRET` twice through the mcp SDK's httpx2 (httpx was quieted, httpx2 not)."""
     loopline_logging.setup("tools", "DEBUG")
-    logging.getLogger(name).info("HTTP Request: POST http://1.1.1.1:9/mcp?token=QUERYSECRET \"HTTP/1.1 404 Not Found\"")
+    logging.getLogger(name).info(
+        'HTTP Request: POST http://1.1.1.1:9/mcp?token=QUERYSECRET "HTTP/1.1 404 Not Found"'
+    )
     logging.getLogger(name).warning("a warning still shows")
     err = capsys.readouterr().err
     assert "QUERYSECRET" not in err and "a warning still shows" in err

@@ -40,7 +40,9 @@ def _round_trip(message: Any) -> Any:
 
 
 def test_json_depth_counts_objects_and_arrays_and_stops_early():
-    assert [pb.json_depth(v) for v in ("x", 1, None, {}, [], [1], {"a": 1}, {"a": [1, {"b": {}}]})] == [0, 0, 0, 1, 1, 1, 1, 4]
+    assert [
+        pb.json_depth(v) for v in ("x", 1, None, {}, [], [1], {"a": 1}, {"a": [1, {"b": {}}]})
+    ] == [0, 0, 0, 1, 1, 1, 1, 4]
     assert pb.json_depth(deep(50)) == 50
     assert pb.json_depth(deep(50), limit=10) == 11  # the first level past the limit
     assert pb.json_depth(nested_lists(100_000)) == 100_000  # iterative: no recursion limit
@@ -50,8 +52,14 @@ def test_json_depth_counts_objects_and_arrays_and_stops_early():
 def test_to_struct_and_to_value_refuse_json_deeper_than_the_limit(convert):
     assert pb.from_struct(pb.to_struct(deep(pb.MAX_JSON_DEPTH))) == deep(pb.MAX_JSON_DEPTH)
     assert pb.from_value(pb.to_value(deep(pb.MAX_JSON_DEPTH))) == deep(pb.MAX_JSON_DEPTH)
-    for too_deep in (deep(pb.MAX_JSON_DEPTH + 1), {"k": nested_lists(pb.MAX_JSON_DEPTH)}, deep(5000)):
-        with pytest.raises(pb.JsonTooDeep, match=f"nested deeper than {pb.MAX_JSON_DEPTH} levels") as raised:
+    for too_deep in (
+        deep(pb.MAX_JSON_DEPTH + 1),
+        {"k": nested_lists(pb.MAX_JSON_DEPTH)},
+        deep(5000),
+    ):
+        with pytest.raises(
+            pb.JsonTooDeep, match=f"nested deeper than {pb.MAX_JSON_DEPTH} levels"
+        ) as raised:
             convert(too_deep)
         assert isinstance(raised.value, ValueError) and raised.value.limit == pb.MAX_JSON_DEPTH
     with pytest.raises(pb.JsonTooDeep, match="deeper than 3 levels"):
@@ -70,9 +78,15 @@ def test_clip_replaces_the_deeper_parts_by_their_json_text():
         text, kept = text["a"], kept + 1
     assert kept == pb.MAX_JSON_DEPTH - 1  # levels 2 .. MAX_JSON_DEPTH (the value itself is level 1)
     assert json.loads(text) == deep(60 - kept, leaf=[1.5, None, "é"])
-    assert pb.clipped(value, 1) == {"keep": json.dumps([1, {"b": True}], separators=(",", ":")), "deep": json.dumps(value["deep"], separators=(",", ":"), ensure_ascii=False)}
+    assert pb.clipped(value, 1) == {
+        "keep": json.dumps([1, {"b": True}], separators=(",", ":")),
+        "deep": json.dumps(value["deep"], separators=(",", ":"), ensure_ascii=False),
+    }
     shallow = {"a": [1, 2], "b": "x"}
-    assert pb.clipped(shallow) == shallow and pb.from_struct(pb.to_struct(shallow, clip=True)) == shallow
+    assert (
+        pb.clipped(shallow) == shallow
+        and pb.from_struct(pb.to_struct(shallow, clip=True)) == shallow
+    )
 
 
 def test_a_part_too_deep_even_for_json_dumps_becomes_a_marker():
@@ -95,17 +109,34 @@ def test_every_place_json_travels_decodes_at_its_limit():
     at_limit = deep(pb.MAX_JSON_DEPTH)
     struct, value = pb.to_struct(at_limit), pb.to_value(at_limit)
     # the wrapping GetChat adds around a stored tool call's input (thinking), MAX_WIRE_DEPTH in all
-    thinking = pb.to_struct({"tool_calls": [{"id": "c", "name": "t", "input": at_limit}]}, max_depth=pb.MAX_WIRE_DEPTH)
+    thinking = pb.to_struct(
+        {"tool_calls": [{"id": "c", "name": "t", "input": at_limit}]}, max_depth=pb.MAX_WIRE_DEPTH
+    )
     wire = deep(pb.MAX_WIRE_DEPTH)
-    record = events_pb2.ToolCallRecord(tool="t", input=pb.to_struct(wire, max_depth=pb.MAX_WIRE_DEPTH),
-                                       output=pb.to_value(wire, max_depth=pb.MAX_WIRE_DEPTH))
+    record = events_pb2.ToolCallRecord(
+        tool="t",
+        input=pb.to_struct(wire, max_depth=pb.MAX_WIRE_DEPTH),
+        output=pb.to_value(wire, max_depth=pb.MAX_WIRE_DEPTH),
+    )
     messages = [
-        assistant_pb2.StreamRunResponse(events=[events_pb2.Event(done=events_pb2.DoneEvent(tool_calls=[record]))]),
-        assistant_pb2.StreamRunResponse(event=events_pb2.Event(tool_call=events_pb2.ToolCallEvent(input=struct))),
-        assistant_pb2.StreamRunResponse(event=events_pb2.Event(tool_result=events_pb2.ToolResultEvent(output=value))),
-        assistant_pb2.StreamRunResponse(event=events_pb2.Event(user_input_request=events_pb2.UserInputRequestEvent(request=struct))),
-        assistant_pb2.GetChatResponse(chat=assistant_pb2.Chat(pending_user_input_request=struct),
-                                      messages=[assistant_pb2.ChatMessage(content=value, thinking=thinking)]),
+        assistant_pb2.StreamRunResponse(
+            events=[events_pb2.Event(done=events_pb2.DoneEvent(tool_calls=[record]))]
+        ),
+        assistant_pb2.StreamRunResponse(
+            event=events_pb2.Event(tool_call=events_pb2.ToolCallEvent(input=struct))
+        ),
+        assistant_pb2.StreamRunResponse(
+            event=events_pb2.Event(tool_result=events_pb2.ToolResultEvent(output=value))
+        ),
+        assistant_pb2.StreamRunResponse(
+            event=events_pb2.Event(
+                user_input_request=events_pb2.UserInputRequestEvent(request=struct)
+            )
+        ),
+        assistant_pb2.GetChatResponse(
+            chat=assistant_pb2.Chat(pending_user_input_request=struct),
+            messages=[assistant_pb2.ChatMessage(content=value, thinking=thinking)],
+        ),
         assistant_pb2.ResumeRequest(response=struct),
         tools_pb2.ExecuteToolRequest(input=struct),
         tools_pb2.ExecuteToolResponse(output=value),
@@ -139,11 +170,26 @@ def test_an_objects_keys_come_back_sorted_whatever_order_the_struct_was_built_in
     assert list(pb.from_value(pb.to_value({"b": 1, "a": 2}))) == ["a", "b"]
 
 
-@pytest.mark.parametrize("text", ['{"a": NaN}', "[Infinity]", "-Infinity", '{"a": 1e400}', "[-1e400]", "[" * 5000 + "]" * 5000, "{"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": NaN}',
+        "[Infinity]",
+        "-Infinity",
+        '{"a": 1e400}',
+        "[-1e400]",
+        "[" * 5000 + "]" * 5000,
+        "{",
+    ],
+)
 def test_loads_strict_refuses_what_rfc_8259_does_not_call_json(text):
     with pytest.raises(ValueError):
         pb.loads_strict(text)
 
 
 def test_loads_strict_reads_json_as_json_loads_does():
-    assert pb.loads_strict(b'{"a": 1.5, "b": [1e308, -0.0, 9007199254740993], "c": "\\u00e9"}') == {"a": 1.5, "b": [1e308, -0.0, 9007199254740993], "c": "é"}
+    assert pb.loads_strict(b'{"a": 1.5, "b": [1e308, -0.0, 9007199254740993], "c": "\\u00e9"}') == {
+        "a": 1.5,
+        "b": [1e308, -0.0, 9007199254740993],
+        "c": "é",
+    }

@@ -25,7 +25,10 @@ def test_an_unset_address_follows_the_services_port(monkeypatch):
     monkeypatch.setenv("LOOPLINE_TOOLS_PORT", "18753")
     monkeypatch.setenv("LOOPLINE_ORCHESTRATOR_PORT", "18751")
     orchestrator = OrchestratorSettings()
-    assert (orchestrator.billing_addr, orchestrator.tools_addr) == ("127.0.0.1:18752", "127.0.0.1:18753")
+    assert (orchestrator.billing_addr, orchestrator.tools_addr) == (
+        "127.0.0.1:18752",
+        "127.0.0.1:18753",
+    )
     assert GatewaySettings().orchestrator_addr == "127.0.0.1:18751"
 
 
@@ -34,5 +37,8 @@ def test_an_address_given_wins_and_an_unusable_port_keeps_the_default(monkeypatc
     monkeypatch.setenv("LOOPLINE_BILLING_ADDR", "billing.internal:7000")
     monkeypatch.setenv("LOOPLINE_TOOLS_PORT", "0")  # any free port: nothing to dial
     settings = OrchestratorSettings()
-    assert settings.billing_addr == "billing.internal:7000" and settings.tools_addr == "127.0.0.1:50053"
+    assert (
+        settings.billing_addr == "billing.internal:7000"
+        and settings.tools_addr == "127.0.0.1:50053"
+    )
     assert OrchestratorSettings(billing_addr="x:1").billing_addr == "x:1"

@@ -50,7 +50,10 @@ GATEWAY_REFUSED = [
     ("fanout_write_threads", "-2"),
     ("fanout_write_threads", "17"),
     ("idempotency_ttl_s", "-1"),
-    ("idempotency_ttl_s", "1e12"),  # past a century: `now - timedelta` overflowed on every keyed request
+    (
+        "idempotency_ttl_s",
+        "1e12",
+    ),  # past a century: `now - timedelta` overflowed on every keyed request
 ]
 
 ORCHESTRATOR_REFUSED = [
@@ -148,12 +151,16 @@ def test_every_service_refuses_a_common_setting_out_of_range(monkeypatch, settin
     _assert_refused(monkeypatch, settings, field, value)
 
 
-@pytest.mark.parametrize(("settings", "field", "value"), [
-    *((GatewaySettings, field, value) for field, value in GATEWAY_REFUSED),
-    *((OrchestratorSettings, field, value) for field, value in ORCHESTRATOR_REFUSED),
-    *((BillingSettings, field, value) for field, value in BILLING_REFUSED),
-    *((ToolsSettings, field, value) for field, value in TOOLS_REFUSED),
-], ids=lambda item: item.__name__ if isinstance(item, type) else str(item))
+@pytest.mark.parametrize(
+    ("settings", "field", "value"),
+    [
+        *((GatewaySettings, field, value) for field, value in GATEWAY_REFUSED),
+        *((OrchestratorSettings, field, value) for field, value in ORCHESTRATOR_REFUSED),
+        *((BillingSettings, field, value) for field, value in BILLING_REFUSED),
+        *((ToolsSettings, field, value) for field, value in TOOLS_REFUSED),
+    ],
+    ids=lambda item: item.__name__ if isinstance(item, type) else str(item),
+)
 def test_each_service_refuses_its_own_settings_out_of_range(monkeypatch, settings, field, value):
     _assert_refused(monkeypatch, settings, field, value)
 
@@ -161,34 +168,62 @@ def test_each_service_refuses_its_own_settings_out_of_range(monkeypatch, setting
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda cls: cls.__name__)
 def test_the_defaults_load_and_are_within_their_ranges(settings):
     settings()
-    given = settings(**{field: info.default for field, info in settings.model_fields.items()})  # validated, unlike defaults
+    given = settings(
+        **{field: info.default for field, info in settings.model_fields.items()}
+    )  # validated, unlike defaults
     for field, info in settings.model_fields.items():
-        if field not in ("billing_database_url", "billing_rate_limit_storage_url"):  # filled in from data_dir / redis_url
+        if field not in (
+            "billing_database_url",
+            "billing_rate_limit_storage_url",
+        ):  # filled in from data_dir / redis_url
             assert getattr(given, field) == info.default, field
 
 
-@pytest.mark.parametrize(("settings", "field", "value", "expected"), TAKEN,
-                         ids=[f"{field}={value}" for _, field, value, _ in TAKEN])
+@pytest.mark.parametrize(
+    ("settings", "field", "value", "expected"),
+    TAKEN,
+    ids=[f"{field}={value}" for _, field, value, _ in TAKEN],
+)
 def test_a_meaningful_edge_value_is_taken(monkeypatch, settings, field, value, expected):
     monkeypatch.setenv(f"LOOPLINE_{field.upper()}", value)
     assert getattr(settings(), field) == expected
 
 
-@pytest.mark.parametrize(("service", "variable", "value", "field"), [
-    ("gateway", "LOOPLINE_HEARTBEAT_INTERVAL_S", "0", "heartbeat_interval_s"),
-    ("gateway", "LOOPLINE_MAX_BODY_BYTES", "-1", "max_body_bytes"),
-    ("orchestrator", "LOOPLINE_RUN_LEASE_S", "0", "run_lease_s"),
-    ("billing", "LOOPLINE_BILLING_HOLD_SECONDS", "-1", "billing_hold_seconds"),
-    ("tools", "LOOPLINE_TOOLS_TIMEOUT_S", "0", "tools_timeout_s"),
-])
-def test_a_service_started_with_a_setting_out_of_range_exits_1_naming_it(tmp_path, service, variable, value, field):
+@pytest.mark.parametrize(
+    ("service", "variable", "value", "field"),
+    [
+        ("gateway", "LOOPLINE_HEARTBEAT_INTERVAL_S", "0", "heartbeat_interval_s"),
+        ("gateway", "LOOPLINE_MAX_BODY_BYTES", "-1", "max_body_bytes"),
+        ("orchestrator", "LOOPLINE_RUN_LEASE_S", "0", "run_lease_s"),
+        ("billing", "LOOPLINE_BILLING_HOLD_SECONDS", "-1", "billing_hold_seconds"),
+        ("tools", "LOOPLINE_TOOLS_TIMEOUT_S", "0", "tools_timeout_s"),
+    ],
+)
+def test_a_service_started_with_a_setting_out_of_range_exits_1_naming_it(
+    tmp_path, service, variable, value, field
+):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
-    env.update({"LOOPLINE_DATA_DIR": str(tmp_path), "LOOPLINE_LOG_LEVEL": "WARNING", variable: value,
-                "LOOPLINE_HTTP_PORT": "0", "LOOPLINE_GATEWAY_GRPC_PORT": "0", "LOOPLINE_ORCHESTRATOR_PORT": "0",
-                "LOOPLINE_BILLING_PORT": "0", "LOOPLINE_TOOLS_PORT": "0"})
+    env.update(
+        {
+            "LOOPLINE_DATA_DIR": str(tmp_path),
+            "LOOPLINE_LOG_LEVEL": "WARNING",
+            variable: value,
+            "LOOPLINE_HTTP_PORT": "0",
+            "LOOPLINE_GATEWAY_GRPC_PORT": "0",
+            "LOOPLINE_ORCHESTRATOR_PORT": "0",
+            "LOOPLINE_BILLING_PORT": "0",
+            "LOOPLINE_TOOLS_PORT": "0",
+        }
+    )
     try:
-        result = subprocess.run([sys.executable, "-m", f"services.{service}"], env=env, capture_output=True, text=True,
-                                timeout=20, check=False)
+        result = subprocess.run(
+            [sys.executable, "-m", f"services.{service}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{service} started with {variable}={value} instead of refusing it")
     assert result.returncode == 1, result.stderr[-2000:]

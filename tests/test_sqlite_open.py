@@ -22,7 +22,9 @@ from services.common.db import make_engine, set_sqlite_pragmas
 from services.common.txn import SqliteWorker
 
 HOLD_S = 0.3
-COUNT_ITEMS = select(func.count()).select_from(table("items"))  # built once: the worker caches by identity
+COUNT_ITEMS = select(func.count()).select_from(
+    table("items")
+)  # built once: the worker caches by identity
 
 
 def _write_lock_held_for(path: pathlib.Path, seconds: float) -> threading.Timer:
@@ -84,7 +86,8 @@ async def test_the_transaction_thread_waits_for_a_writer(tmp_path):
     worker = SqliteWorker(str(tmp_path / "x.db"))
     try:
         count = await asyncio.wait_for(
-            worker.submit(lambda conn: conn.execute(COUNT_ITEMS).scalar(), ()), 10)
+            worker.submit(lambda conn: conn.execute(COUNT_ITEMS).scalar(), ()), 10
+        )
         assert count == 1  # before: the thread died and this waited forever
     finally:
         worker.close()

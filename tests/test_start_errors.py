@@ -26,21 +26,38 @@ def _env(**extra: str) -> dict[str, str]:
 def test_migrate_with_a_data_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path, service):
     data_dir = tmp_path / "a_file"
     data_dir.write_text("not a folder")
-    result = subprocess.run([sys.executable, "-m", f"services.{service}", "migrate"], env=_env(LOOPLINE_DATA_DIR=str(data_dir)),
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", f"services.{service}", "migrate"],
+        env=_env(LOOPLINE_DATA_DIR=str(data_dir)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip() == (f"{service}: the {service} database at {data_dir / (service + '.db')} cannot be used: "
-                                     f"its folder {data_dir} is a file; check LOOPLINE_DATA_DIR or the database URL")
+    assert result.stderr.strip() == (
+        f"{service}: the {service} database at {data_dir / (service + '.db')} cannot be used: "
+        f"its folder {data_dir} is a file; check LOOPLINE_DATA_DIR or the database URL"
+    )
 
 
 def test_a_server_with_a_data_dir_that_is_a_file_says_why_and_exits_2(tmp_path):
     data_dir = tmp_path / "a_file"
     data_dir.write_text("not a folder")
-    result = subprocess.run([sys.executable, "-m", "services.billing"], env=_env(LOOPLINE_DATA_DIR=str(data_dir), LOOPLINE_BILLING_PORT="0"),
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "services.billing"],
+        env=_env(LOOPLINE_DATA_DIR=str(data_dir), LOOPLINE_BILLING_PORT="0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"billing: cannot start: the billing database at {data_dir / 'billing.db'} cannot be used" in result.stderr
+    assert (
+        f"billing: cannot start: the billing database at {data_dir / 'billing.db'} cannot be used"
+        in result.stderr
+    )
 
 
 def test_an_orchestrator_whose_redis_does_not_answer_says_so_in_one_line_and_exits_2(tmp_path):
@@ -50,12 +67,27 @@ def test_an_orchestrator_whose_redis_does_not_answer_says_so_in_one_line_and_exi
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = subprocess.run([sys.executable, "-m", "services.orchestrator"],
-                            env=_env(LOOPLINE_DATA_DIR=str(tmp_path), LOOPLINE_ORCHESTRATOR_PORT="0",
-                                     LOOPLINE_REDIS_URL=f"redis://:hunter2-secret@127.0.0.1:{port}/0"),
-                            capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 2 and "Traceback" not in result.stderr and "hunter2-secret" not in result.stderr
-    assert f"orchestrator: cannot start: Redis at 127.0.0.1:{port} (LOOPLINE_REDIS_URL) does not answer (ConnectionError)" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "services.orchestrator"],
+        env=_env(
+            LOOPLINE_DATA_DIR=str(tmp_path),
+            LOOPLINE_ORCHESTRATOR_PORT="0",
+            LOOPLINE_REDIS_URL=f"redis://:hunter2-secret@127.0.0.1:{port}/0",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (
+        result.returncode == 2
+        and "Traceback" not in result.stderr
+        and "hunter2-secret" not in result.stderr
+    )
+    assert (
+        f"orchestrator: cannot start: Redis at 127.0.0.1:{port} (LOOPLINE_REDIS_URL) does not answer (ConnectionError)"
+        in result.stderr
+    )
 
 
 async def test_tools_migrate_prints_its_database_without_the_password():
@@ -66,13 +98,25 @@ async def test_tools_migrate_prints_its_database_without_the_password():
 
     urls = await postgres_databases()
     try:
-        url = make_url(urls["tools"]).set(password="pa55word-x").render_as_string(hide_password=False)
-        result = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.tools", "migrate"],
-                                         env=_env(LOOPLINE_TOOLS_DATABASE_URL=url), capture_output=True, text=True, timeout=60, check=False)
+        url = (
+            make_url(urls["tools"]).set(password="pa55word-x").render_as_string(hide_password=False)
+        )
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "services.tools", "migrate"],
+            env=_env(LOOPLINE_TOOLS_DATABASE_URL=url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     finally:
         release_databases(list(urls.values()))
     assert result.returncode == 0, result.stderr
-    assert "pa55word-x" not in result.stdout + result.stderr and "tools database migrated" in result.stdout
+    assert (
+        "pa55word-x" not in result.stdout + result.stderr
+        and "tools database migrated" in result.stdout
+    )
 
 
 def test_a_sigterm_during_start_up_stops_the_service_gracefully_once_started(tmp_path):
@@ -82,16 +126,27 @@ def test_a_sigterm_during_start_up_stops_the_service_gracefully_once_started(tmp
     import threading
     import time
 
-    process = subprocess.Popen([sys.executable, "-m", "services.billing"], stderr=subprocess.PIPE, text=True,
-                               env=_env(LOOPLINE_DATA_DIR=str(tmp_path), LOOPLINE_BILLING_PORT="0", LOOPLINE_LOG_LEVEL="INFO"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.billing"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(
+            LOOPLINE_DATA_DIR=str(tmp_path), LOOPLINE_BILLING_PORT="0", LOOPLINE_LOG_LEVEL="INFO"
+        ),
+    )
     lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in process.stderr), daemon=True)
+    reader = threading.Thread(
+        target=lambda: lines.extend((time.monotonic(), line) for line in process.stderr),
+        daemon=True,
+    )
     reader.start()
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # until the process catches SIGTERM (SigCgt bit 15)
             with open(f"/proc/{process.pid}/status") as status:
-                caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1], 16)
+                caught = int(
+                    next(line for line in status if line.startswith("SigCgt:")).split()[1], 16
+                )
             if caught & (1 << (signal.SIGTERM - 1)):
                 break
             time.sleep(0.002)
@@ -105,5 +160,7 @@ def test_a_sigterm_during_start_up_stops_the_service_gracefully_once_started(tmp
     text = "".join(line for _, line in lines)
     assert process.returncode == 0, text[-2000:]
     serving_at = next(at for at, line in lines if '"message":"serving"' in line)
-    assert sent_at < serving_at  # the signal came during start-up (was: SIGTERM caught only once serving)
+    assert (
+        sent_at < serving_at
+    )  # the signal came during start-up (was: SIGTERM caught only once serving)
     assert '"message":"stopped"' in text

@@ -41,33 +41,58 @@ def test_generated_code_is_up_to_date_with_protos(tmp_path: pathlib.Path) -> Non
     shutil.copy(ROOT / "scripts" / "gen_protos.py", tmp_path / "scripts" / "gen_protos.py")
     shutil.copytree(ROOT / "protos", tmp_path / "protos")
     result = subprocess.run(
-        [sys.executable, str(tmp_path / "scripts" / "gen_protos.py")], capture_output=True, text=True, timeout=120
+        [sys.executable, str(tmp_path / "scripts" / "gen_protos.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     fresh, committed = tmp_path / "loopline", ROOT / "loopline"
     assert _tree(fresh) == _tree(committed), "files differ: run `make gen` and commit loopline/"
-    changed = [name for name in sorted(_tree(fresh)) if not filecmp.cmp(fresh / name, committed / name, shallow=False)]
+    changed = [
+        name
+        for name in sorted(_tree(fresh))
+        if not filecmp.cmp(fresh / name, committed / name, shallow=False)
+    ]
     assert not changed, f"stale generated code in loopline/: {changed}; run `make gen`"
 
 
 @pytest.mark.skipif(not BUF.exists(), reason="node_modules/.bin/buf is not installed (`make buf`)")
 def test_buf_lint_passes() -> None:
-    result = subprocess.run([str(BUF), "lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BUF), "lint"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_help_lists_every_target() -> None:
-    result = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     listed = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")}
-    expected = {"venv", "buf", "gen", "gen-check", "lint", "breaking", "migrate", "run", "test", "test-pg", "clean"}
+    expected = {
+        "venv",
+        "buf",
+        "gen",
+        "gen-check",
+        "lint",
+        "breaking",
+        "migrate",
+        "run",
+        "test",
+        "test-pg",
+        "clean",
+    }
     assert expected <= listed
 
 
 def test_ci_run_is_valid_bash_with_strict_mode() -> None:
     script = ROOT / ".ci" / "run"
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    assert (
+        subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    )
     assert "set -euo pipefail" in script.read_text()
 
 
@@ -171,7 +196,9 @@ def fake_env(tmp_path: pathlib.Path) -> dict[str, str]:
     for name in SERVICES:
         (package / name).mkdir()
         (package / name / "__init__.py").write_text("")
-        (package / name / "__main__.py").write_text(f"from fakeloop._fake import main\nmain({name!r})\n")
+        (package / name / "__main__.py").write_text(
+            f"from fakeloop._fake import main\nmain({name!r})\n"
+        )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPLINE_", "FAKE_"))}
     http, gateway, orchestrator, billing, tools = _free_ports(5)
     env.update(
@@ -187,12 +214,27 @@ def fake_env(tmp_path: pathlib.Path) -> dict[str, str]:
 
 
 def _dev_argv(tmp_path: pathlib.Path, *extra: str) -> list[str]:
-    return [sys.executable, str(DEV), "--module", "fakeloop.{name}", "--log-dir", str(tmp_path / "logs"), *extra]
+    return [
+        sys.executable,
+        str(DEV),
+        "--module",
+        "fakeloop.{name}",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *extra,
+    ]
 
 
-def _run_dev(tmp_path: pathlib.Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+def _run_dev(
+    tmp_path: pathlib.Path, env: dict[str, str], *extra: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        _dev_argv(tmp_path, *extra), env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=90
+        _dev_argv(tmp_path, *extra),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
 
 
@@ -210,7 +252,9 @@ def _wait_for_banner(proc: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
-def test_dev_runner_starts_everything_and_prints_the_curl_pair(tmp_path: pathlib.Path, fake_env: dict[str, str]) -> None:
+def test_dev_runner_starts_everything_and_prints_the_curl_pair(
+    tmp_path: pathlib.Path, fake_env: dict[str, str]
+) -> None:
     fake_env.update(LOOPLINE_DEV_API_KEY="mx_dev_fixed", LOOPLINE_DEV_ORG_ID="org-fixed")
     result = _run_dev(tmp_path, fake_env, "--exit-when-ready")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -218,7 +262,10 @@ def test_dev_runner_starts_everything_and_prints_the_curl_pair(tmp_path: pathlib
     out = result.stdout
     assert url in out and "org-fixed" in out and "mx_dev_fixed" in out
     assert f"curl -sS -X POST {url}/assistant/chat" in out
-    assert '-H "Authorization: Bearer mx_dev_fixed"' in out and '-H "X-Organization-ID: org-fixed"' in out
+    assert (
+        '-H "Authorization: Bearer mx_dev_fixed"' in out
+        and '-H "X-Organization-ID: org-fixed"' in out
+    )
     assert '-H "Content-Type: application/json"' in out
     assert """-d '{"message":"What integrations are available?"}'""" in out
     assert f"curl -N {url}/assistant/chat/CHAT_ID/listen/RUN_ID" in out
@@ -229,10 +276,14 @@ def test_dev_runner_starts_everything_and_prints_the_curl_pair(tmp_path: pathlib
         assert "stopped gracefully" in text, text
     assert "credits for org-fixed" in (logs / "billing.log").read_text()
     # the gateway reaches the orchestrator on the port the runner was given
-    assert f"127.0.0.1:{fake_env['LOOPLINE_ORCHESTRATOR_PORT']}" in (logs / "gateway.log").read_text()
+    assert (
+        f"127.0.0.1:{fake_env['LOOPLINE_ORCHESTRATOR_PORT']}" in (logs / "gateway.log").read_text()
+    )
 
 
-def test_dev_runner_names_the_service_that_cannot_start(tmp_path: pathlib.Path, fake_env: dict[str, str]) -> None:
+def test_dev_runner_names_the_service_that_cannot_start(
+    tmp_path: pathlib.Path, fake_env: dict[str, str]
+) -> None:
     fake_env["FAKE_BILLING"] = "crash"
     result = _run_dev(tmp_path, fake_env, "--exit-when-ready")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -240,19 +291,26 @@ def test_dev_runner_names_the_service_that_cannot_start(tmp_path: pathlib.Path, 
     assert "boom: cannot open the database" in result.stderr
     assert "RuntimeError: boom" in result.stderr
     assert "Loopline is running" not in result.stdout
-    for name in ("orchestrator", "tools"):  # stopped, gracefully or not (they may still be starting)
+    for name in (
+        "orchestrator",
+        "tools",
+    ):  # stopped, gracefully or not (they may still be starting)
         assert f"[dev] {name} stopped (" in result.stdout
         port = int(fake_env[f"LOOPLINE_{name.upper()}_PORT"])
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, f"{name} still listens on {port}"
 
 
-def test_dev_runner_times_out_naming_the_unhealthy_service(tmp_path: pathlib.Path, fake_env: dict[str, str]) -> None:
+def test_dev_runner_times_out_naming_the_unhealthy_service(
+    tmp_path: pathlib.Path, fake_env: dict[str, str]
+) -> None:
     fake_env["FAKE_TOOLS"] = "unhealthy"
     result = _run_dev(tmp_path, fake_env, "--exit-when-ready", "--timeout", "5")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "not healthy within 5 s: " in result.stderr
-    assert re.search(r"tools \(gRPC health on 127\.0\.0\.1:\d+ reports NOT_SERVING\)", result.stderr), result.stderr
+    assert re.search(
+        r"tools \(gRPC health on 127\.0\.0\.1:\d+ reports NOT_SERVING\)", result.stderr
+    ), result.stderr
     assert "last lines of" in result.stderr and "tools.log" in result.stderr
 
 
@@ -266,17 +324,28 @@ def test_dev_runner_refuses_a_busy_port(tmp_path: pathlib.Path, fake_env: dict[s
     assert "LOOPLINE_HTTP_PORT" in result.stderr and "already in use" in result.stderr
 
 
-def test_dev_runner_reports_a_failed_migration(tmp_path: pathlib.Path, fake_env: dict[str, str]) -> None:
-    result = _run_dev(tmp_path, fake_env, "--exit-when-ready", "--module", "fakeloop.missing_{name}")
+def test_dev_runner_reports_a_failed_migration(
+    tmp_path: pathlib.Path, fake_env: dict[str, str]
+) -> None:
+    result = _run_dev(
+        tmp_path, fake_env, "--exit-when-ready", "--module", "fakeloop.missing_{name}"
+    )
     assert result.returncode == 1
     assert "migrate` failed (exit code 1)" in result.stderr
     assert "No module named fakeloop.missing_" in result.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_dev_runner_stops_every_child_on_a_signal(tmp_path: pathlib.Path, fake_env: dict[str, str], sig: int) -> None:
+def test_dev_runner_stops_every_child_on_a_signal(
+    tmp_path: pathlib.Path, fake_env: dict[str, str], sig: int
+) -> None:
     proc = subprocess.Popen(
-        _dev_argv(tmp_path), env=fake_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _dev_argv(tmp_path),
+        env=fake_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         lines = _wait_for_banner(proc)
@@ -290,16 +359,27 @@ def test_dev_runner_stops_every_child_on_a_signal(tmp_path: pathlib.Path, fake_e
     assert "stopping" in out
     for name in SERVICES:
         assert "stopped gracefully" in (tmp_path / "logs" / f"{name}.log").read_text()
-        port = int(fake_env[{"gateway": "LOOPLINE_GATEWAY_GRPC_PORT"}.get(name, f"LOOPLINE_{name.upper()}_PORT")])
+        port = int(
+            fake_env[
+                {"gateway": "LOOPLINE_GATEWAY_GRPC_PORT"}.get(name, f"LOOPLINE_{name.upper()}_PORT")
+            ]
+        )
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, f"{name} still listens on {port}"
 
 
-def test_dev_runner_stops_the_rest_when_a_service_dies(tmp_path: pathlib.Path, fake_env: dict[str, str]) -> None:
+def test_dev_runner_stops_the_rest_when_a_service_dies(
+    tmp_path: pathlib.Path, fake_env: dict[str, str]
+) -> None:
     die = tmp_path / "die-now"
     fake_env.update(FAKE_ORCHESTRATOR="die", FAKE_DIE_FILE=str(die))
     proc = subprocess.Popen(
-        _dev_argv(tmp_path), env=fake_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _dev_argv(tmp_path),
+        env=fake_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         lines = _wait_for_banner(proc)

@@ -56,7 +56,9 @@ def _whole(low: int, high: int) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.billing", description="Loopline billing service")
+    parser = argparse.ArgumentParser(
+        prog="python -m services.billing", description="Loopline billing service"
+    )
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("serve", help="serve gRPC (the default)")
     commands.add_parser("migrate", help="upgrade the database to the newest migration")
@@ -64,8 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     admin = admin_parser.add_subparsers(dest="action", required=True)
     show = admin.add_parser("show", help="account, plan, balances and recent ledger entries")
     show.add_argument("--org", required=True, type=ids.org_id_arg)
-    show.add_argument("--entries", type=_whole(0, 1000), default=20, metavar="N",
-                      help="how many of the newest ledger entries to list (0-1000, default 20)")
+    show.add_argument(
+        "--entries",
+        type=_whole(0, 1000),
+        default=20,
+        metavar="N",
+        help="how many of the newest ledger entries to list (0-1000, default 20)",
+    )
     set_plan = admin.add_parser("set-plan", help="move an organization to a plan")
     set_plan.add_argument("--org", required=True, type=ids.org_id_arg)
     set_plan.add_argument("--plan", required=True)
@@ -74,14 +81,25 @@ def _parser() -> argparse.ArgumentParser:
     grant.add_argument("--credits", type=_whole(1, MAX_AMOUNT), required=True)
     grant.add_argument("--idempotency-key", default="")
     grant.add_argument("--note", default="")
-    grant.add_argument("--create-account", action="store_true", help="create the billing account if the organization has none")
+    grant.add_argument(
+        "--create-account",
+        action="store_true",
+        help="create the billing account if the organization has none",
+    )
     top_up = admin.add_parser("top-up", help="add minor units (cents) to the prepaid wallet")
     top_up.add_argument("--org", required=True, type=ids.org_id_arg)
     top_up.add_argument("--minor-units", type=_whole(1, MAX_AMOUNT), required=True)
     top_up.add_argument("--idempotency-key", default="")
     top_up.add_argument("--note", default="")
-    top_up.add_argument("--create-account", action="store_true", help="create the billing account if the organization has none")
-    seed = admin.add_parser("seed-dev", help="idempotently give the demo organization an account (on --plan when new) with credits")
+    top_up.add_argument(
+        "--create-account",
+        action="store_true",
+        help="create the billing account if the organization has none",
+    )
+    seed = admin.add_parser(
+        "seed-dev",
+        help="idempotently give the demo organization an account (on --plan when new) with credits",
+    )
     seed.add_argument("--org", required=True, type=ids.org_id_arg)
     seed.add_argument("--plan", default="developer")
     seed.add_argument("--wallet-minor-units", type=_whole(0, MAX_AMOUNT), default=1000)
@@ -98,7 +116,9 @@ async def seed_dev(core: BillingCore, org_id: str, plan: str, wallet_minor_units
     if await core.account(org_id, provision=False) is None:
         await core.set_plan(org_id, plan)
     if wallet_minor_units > 0:
-        await core.top_up(org_id, wallet_minor_units, f"seed-dev:{org_id}:wallet", "development seed")
+        await core.top_up(
+            org_id, wallet_minor_units, f"seed-dev:{org_id}:wallet", "development seed"
+        )
 
 
 async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
@@ -117,7 +137,9 @@ async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[in
     try:
         return await _admin(settings, args)
     except Exception as error:
-        problem = db.unusable_database(error, settings.billing_database_url, "billing", "LOOPLINE_BILLING_DATABASE_URL")
+        problem = db.unusable_database(
+            error, settings.billing_database_url, "billing", "LOOPLINE_BILLING_DATABASE_URL"
+        )
         if problem is None:
             raise
         return 1, {"error": problem}
@@ -125,20 +147,32 @@ async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[in
 
 async def _admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """`admin` without its answer to an unusable database."""
-    db.check_sqlite_file(settings.billing_database_url)  # first: a folder that is a file is said as such
+    db.check_sqlite_file(
+        settings.billing_database_url
+    )  # first: a folder that is a file is said as such
     missing = db.missing_sqlite_file(settings.billing_database_url)
     if missing is not None and args.action != "seed-dev":
-        return 1, {"error": f"no billing database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
-                            "(or LOOPLINE_BILLING_DATABASE_URL) the services use"}
+        return 1, {
+            "error": f"no billing database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
+            "(or LOOPLINE_BILLING_DATABASE_URL) the services use"
+        }
     try:
         core, engine = await build_core(settings)
-    except ValueError as bad_file:  # the plan or price file, or a default plan it lacks (named in the message)
+    except (
+        ValueError
+    ) as bad_file:  # the plan or price file, or a default plan it lacks (named in the message)
         return 1, {"error": str(bad_file)}
     try:
-        if args.action in ("grant-credits", "top-up") and not args.create_account and await core.account(args.org, provision=False) is None:
+        if (
+            args.action in ("grant-credits", "top-up")
+            and not args.create_account
+            and await core.account(args.org, provision=False) is None
+        ):
             # a mistyped organization would get a new account and the money (second fresh-eyes test)
-            return 1, {"error": f"organization {args.org!r} has no billing account; check the id, or pass "
-                                "--create-account (set-plan also creates one)"}
+            return 1, {
+                "error": f"organization {args.org!r} has no billing account; check the id, or pass "
+                "--create-account (set-plan also creates one)"
+            }
         if args.action == "set-plan":
             await core.set_plan(args.org, args.plan)
         elif args.action == "grant-credits":
@@ -164,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     settings = BillingSettings()
     if args.command in (None, "serve"):
-        run("billing", settings.log_level, lambda: BillingServer.start(settings), settings.shutdown_grace_s)
+        run(
+            "billing",
+            settings.log_level,
+            lambda: BillingServer.start(settings),
+            settings.shutdown_grace_s,
+        )
         return 0
     loopline_logging.setup("billing", settings.log_level)
     if args.command == "migrate":

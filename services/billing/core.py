@@ -140,11 +140,15 @@ def denial_error(
     if rate is not None:
         denial.retry_after_seconds = rate.reset_seconds
         denial.rate_limit.CopyFrom(
-            billing_pb2.RateLimitState(limit=rate.limit, remaining=rate.remaining, reset_seconds=rate.reset_seconds)
+            billing_pb2.RateLimitState(
+                limit=rate.limit, remaining=rate.remaining, reset_seconds=rate.reset_seconds
+            )
         )
         retry_after = float(rate.reset_seconds)
     return RpcError(
-        code=grpc.StatusCode.RESOURCE_EXHAUSTED if layer == "rate" else grpc.StatusCode.FAILED_PRECONDITION,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED
+        if layer == "rate"
+        else grpc.StatusCode.FAILED_PRECONDITION,
         reason=code.upper(),
         message=reason,
         domain=BILLING_DOMAIN,
@@ -166,7 +170,9 @@ def not_found(reservation_id: str) -> RpcError:
 
 # Bounds of what one usage call may record (fresh-eyes test: 2**63-1 millicredits was posted on
 # PostgreSQL, after which every charge of the organization overflowed its bigint sum and failed).
-MAX_TOKENS_PER_CALL = 10**9  # per token count of one model call (the orchestrator clamps to the same)
+MAX_TOKENS_PER_CALL = (
+    10**9
+)  # per token count of one model call (the orchestrator clamps to the same)
 MAX_TOOL_MILLICREDITS = 10**12  # one tool call's cost (catalogue costs are hundreds)
 
 
@@ -243,7 +249,9 @@ _ROLL_PERIOD = (
     .where(_A.c.org_id == _bp("p_org"), _A.c.period_start < _bp("p_period", _DATE))
     .values(
         period_start=_bp("p_period", _DATE),
-        period_allowance=select(_P.c.monthly_run_credits).where(_P.c.name == _A.c.plan).scalar_subquery(),
+        period_allowance=select(_P.c.monthly_run_credits)
+        .where(_P.c.name == _A.c.plan)
+        .scalar_subquery(),
         granted_credits=0,
         allowance_used=0,
         usage_millicredits=0,
@@ -255,7 +263,9 @@ _QUOTA_VALUES = {
     "runs_today": case((_A.c.quota_day == _bp("p_today"), _A.c.runs_today + 1), else_=1),
     "quota_day": _bp("p_today"),
 }
-_ALLOWANCE_FITS = _A.c.allowance_used + _A.c.allowance_reserved + _bp("p_credits") <= _A.c.period_allowance
+_ALLOWANCE_FITS = (
+    _A.c.allowance_used + _A.c.allowance_reserved + _bp("p_credits") <= _A.c.period_allowance
+)
 
 
 def _fast_reserve_stmt(counts_runs: bool, has_quota: bool) -> Any:
@@ -277,7 +287,9 @@ def _fast_reserve_stmt(counts_runs: bool, has_quota: bool) -> Any:
 _FAST_RESERVE = {(c, q): _fast_reserve_stmt(c, q) for c in (False, True) for q in (False, True)}
 _QUOTA_UPDATE = {
     False: update(_A).where(_A.c.org_id == _bp("p_org")).values(**_QUOTA_VALUES),
-    True: update(_A).where(_A.c.org_id == _bp("p_org"), _RUNS_TODAY + 1 <= _bp("p_max_runs")).values(**_QUOTA_VALUES),
+    True: update(_A)
+    .where(_A.c.org_id == _bp("p_org"), _RUNS_TODAY + 1 <= _bp("p_max_runs"))
+    .values(**_QUOTA_VALUES),
 }
 _ALLOWANCE_UPDATE = (
     update(_A)
@@ -286,11 +298,21 @@ _ALLOWANCE_UPDATE = (
 )
 _WALLET_UPDATE = (
     update(_A)
-    .where(_A.c.org_id == _bp("p_org"), _A.c.wallet_balance_minor - _A.c.wallet_reserved_minor >= _bp("p_cost"))
+    .where(
+        _A.c.org_id == _bp("p_org"),
+        _A.c.wallet_balance_minor - _A.c.wallet_reserved_minor >= _bp("p_cost"),
+    )
     .values(wallet_reserved_minor=_A.c.wallet_reserved_minor + _bp("p_cost"))
 )
 
-_RESOLVED = (_R.c.org_id, _R.c.credits, _R.c.funding, _R.c.wallet_minor, _R.c.usage_type, _R.c.quota_day)
+_RESOLVED = (
+    _R.c.org_id,
+    _R.c.credits,
+    _R.c.funding,
+    _R.c.wallet_minor,
+    _R.c.usage_type,
+    _R.c.quota_day,
+)
 _CHARGE_RESERVATION = (
     update(_R)
     .where(_R.c.id == _bp("p_id"), _R.c.state == HELD)
@@ -308,14 +330,19 @@ _CHARGE_EXPIRED = (
 _VOID_RESERVATION = (
     update(_R)
     .where(_R.c.id == _bp("p_id"), _R.c.state == HELD)
-    .values(state=_bp("p_state"), resolved_at=_bp("p_now", _DATETIME), release_reason=_bp("p_reason"))
+    .values(
+        state=_bp("p_state"), resolved_at=_bp("p_now", _DATETIME), release_reason=_bp("p_reason")
+    )
     .returning(*_RESOLVED)
 )
 _IN_PERIOD = (_A.c.org_id == _bp("p_org"), _A.c.period_start >= _bp("p_period", _DATE))
 _CHARGE_ALLOWANCE = (
     update(_A)
     .where(*_IN_PERIOD)
-    .values(allowance_reserved=_A.c.allowance_reserved - _bp("p_n"), allowance_used=_A.c.allowance_used + _bp("p_n"))
+    .values(
+        allowance_reserved=_A.c.allowance_reserved - _bp("p_n"),
+        allowance_used=_A.c.allowance_used + _bp("p_n"),
+    )
 )
 _CHARGE_WALLET = (
     update(_A)
@@ -325,10 +352,20 @@ _CHARGE_WALLET = (
         wallet_balance_minor=_A.c.wallet_balance_minor - _bp("p_n"),
     )
 )
-_CHARGE_ALLOWANCE_LATE = update(_A).where(*_IN_PERIOD).values(allowance_used=_A.c.allowance_used + _bp("p_n"))
+_CHARGE_ALLOWANCE_LATE = (
+    update(_A).where(*_IN_PERIOD).values(allowance_used=_A.c.allowance_used + _bp("p_n"))
+)
 # the run an expired hold gave back to the daily quota counts again (only if still that day)
-_RETAKE_QUOTA = update(_A).where(_A.c.org_id == _bp("p_org"), _A.c.quota_day == _bp("p_quota_day")).values(runs_today=_A.c.runs_today + 1)
-_CHARGE_WALLET_LATE = update(_A).where(*_IN_PERIOD).values(wallet_balance_minor=_A.c.wallet_balance_minor - _bp("p_n"))
+_RETAKE_QUOTA = (
+    update(_A)
+    .where(_A.c.org_id == _bp("p_org"), _A.c.quota_day == _bp("p_quota_day"))
+    .values(runs_today=_A.c.runs_today + 1)
+)
+_CHARGE_WALLET_LATE = (
+    update(_A)
+    .where(*_IN_PERIOD)
+    .values(wallet_balance_minor=_A.c.wallet_balance_minor - _bp("p_n"))
+)
 _VOID_ACCOUNT = (
     update(_A)
     .where(_A.c.org_id == _bp("p_org"))
@@ -350,14 +387,19 @@ _SET_PLAN = (
 _GRANT_CREDITS = (
     update(_A)
     .where(_A.c.org_id == _bp("p_org"))
-    .values(granted_credits=_A.c.granted_credits + _bp("p_n"), period_allowance=_A.c.period_allowance + _bp("p_n"))
+    .values(
+        granted_credits=_A.c.granted_credits + _bp("p_n"),
+        period_allowance=_A.c.period_allowance + _bp("p_n"),
+    )
 )
 _TOP_UP = (
     update(_A)
     .where(_A.c.org_id == _bp("p_org"))
     .values(wallet_balance_minor=_A.c.wallet_balance_minor + _bp("p_n"))
 )
-_ADD_USAGE = update(_A).where(*_IN_PERIOD).values(usage_millicredits=_A.c.usage_millicredits + _bp("p_n"))
+_ADD_USAGE = (
+    update(_A).where(*_IN_PERIOD).values(usage_millicredits=_A.c.usage_millicredits + _bp("p_n"))
+)
 _SEL_CHARGE_STATE = (
     select(_R.c.state, _L.c.id)
     .select_from(_R.outerjoin(_L, _L.c.idempotency_key == _bp("p_key")))
@@ -367,13 +409,16 @@ _SEL_RESERVATION_STATE = select(_R.c.state).where(_R.c.id == _bp("p_id"))
 _SEL_USAGE = select(_U.c.id, _U.c.org_id, _U.c.millicredits).where(
     _U.c.run_id == _bp("p_run"), _U.c.call_index == _bp("p_call")
 )
-_SEL_LEDGER_BY_KEY = select(_L.c.id, _L.c.org_id, _L.c.kind, _L.c.amount).where(_L.c.idempotency_key == _bp("p_key"))
+_SEL_LEDGER_BY_KEY = select(_L.c.id, _L.c.org_id, _L.c.kind, _L.c.amount).where(
+    _L.c.idempotency_key == _bp("p_key")
+)
 _SEL_EXPIRED = (
     select(_R.c.id)
     .where(_R.c.state == HELD, _R.c.expires_at <= _bp("p_now", _DATETIME))
     .order_by(_R.c.expires_at)
     .limit(_bp("p_batch"))
 )
+
 
 def _insert_if_absent(conn: Connection, table: Any, conflict: tuple[str, ...]) -> Any:
     """INSERT ... ON CONFLICT (conflict) DO NOTHING for `table` on this connection's dialect."""
@@ -451,7 +496,9 @@ class BillingCore:
             from services.billing.pg import PgBilling
 
             engine = sessions.kw["bind"]  # the engine's pool size and timeout
-            self.pg = PgBilling(engine.url, max_size=engine.pool.size(), timeout_s=engine.pool.timeout())
+            self.pg = PgBilling(
+                engine.url, max_size=engine.pool.size(), timeout_s=engine.pool.timeout()
+            )
         self.plans: dict[str, PlanTerms] = {}
         self._accounts: dict[str, tuple[str, datetime.date, float]] = {}
 
@@ -488,7 +535,11 @@ class BillingCore:
         than ACCOUNT_CACHE_TTL_S ago — a plan changed by another process (the admin command, another
         replica) applies to every layer, the rate layer included, within that time."""
         known = self._accounts.get(org_id)
-        if known is None or known[1] < period or time.monotonic() - known[2] > self.ACCOUNT_CACHE_TTL_S:
+        if (
+            known is None
+            or known[1] < period
+            or time.monotonic() - known[2] > self.ACCOUNT_CACHE_TTL_S
+        ):
             return None
         return known[0]
 
@@ -524,7 +575,9 @@ class BillingCore:
                 },
             )
             if result.rowcount == 1:
-                log.info("account provisioned", extra={"fields": {"org_id": org_id, "plan": plan.name}})
+                log.info(
+                    "account provisioned", extra={"fields": {"org_id": org_id, "plan": plan.name}}
+                )
         else:
             conn.execute(_ROLL_PERIOD, {"p_org": org_id, "p_period": period})
         return conn.execute(_SEL_ACCOUNT, {"p_org": org_id}).one()
@@ -548,7 +601,9 @@ class BillingCore:
 
     # ------------------------------------------------------------------ admit
 
-    def _prepare_txn(self, conn: Connection, org_id: str, turn_key: str, need_account: bool) -> tuple[Any, Any]:
+    def _prepare_txn(
+        self, conn: Connection, org_id: str, turn_key: str, need_account: bool
+    ) -> tuple[Any, Any]:
         """(existing reservation or None, account row if `need_account` or None)."""
         existing = conn.execute(_SEL_RESERVATION, {"p_org": org_id, "p_turn_key": turn_key}).first()
         if not need_account:
@@ -564,7 +619,9 @@ class BillingCore:
                 raise RuntimeError(f"plan {name!r} is not in the plans table")
         return plan
 
-    async def _replay(self, existing: Any, usage_type: str, credits: int, rate_limit: str | None) -> Admission:
+    async def _replay(
+        self, existing: Any, usage_type: str, credits: int, rate_limit: str | None
+    ) -> Admission:
         if existing.usage_type != usage_type or existing.credits != credits:
             raise RpcError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -573,11 +630,19 @@ class BillingCore:
                 domain=BILLING_DOMAIN,
             )
         rate = await self.rates.peek(existing.org_id, existing.rate_class, rate_limit)
-        log.info("admission replayed", extra={"fields": {"reservation_id": existing.id, "state": existing.state}})
+        log.info(
+            "admission replayed",
+            extra={"fields": {"reservation_id": existing.id, "state": existing.state}},
+        )
         return Admission(existing, True, rate)
 
     async def admit(
-        self, org_id: str, turn_key: str, usage_type: str = "", rate_class: str = "", credits: int = 0
+        self,
+        org_id: str,
+        turn_key: str,
+        usage_type: str = "",
+        rate_class: str = "",
+        credits: int = 0,
     ) -> Admission:
         """Check rate -> quota -> credit -> wallet and hold `credits` for `turn_key`.
 
@@ -608,7 +673,9 @@ class BillingCore:
             raise invalid("CREDITS_NEGATIVE", "credits must not be negative")
         if credits == 0:
             if usage_type not in DEFAULT_CREDITS:
-                raise invalid("CREDITS_REQUIRED", f"credits are required for usage type {usage_type!r}")
+                raise invalid(
+                    "CREDITS_REQUIRED", f"credits are required for usage type {usage_type!r}"
+                )
             credits = DEFAULT_CREDITS[usage_type]
 
         with loopline_logging.bind(org_id=org_id):
@@ -636,24 +703,37 @@ class BillingCore:
                 if self.pg is not None:
                     kind, detail, row, plan = await self._admit_pg(values, plan_name, period, today)
                 elif self.rates.synchronous:
-                    kind, detail, row, plan = await self.db.run(self._admit_txn, values, plan_name, period, today)
+                    kind, detail, row, plan = await self.db.run(
+                        self._admit_txn, values, plan_name, period, today
+                    )
                 else:
-                    kind, detail, row, plan = await self._admit_two_step(values, plan_name, period, today)
+                    kind, detail, row, plan = await self._admit_two_step(
+                        values, plan_name, period, today
+                    )
             except IntegrityError:
                 # A concurrent Admit with the same turn key won the insert; ours rolled back.
                 known = self._known(org_id, period)
-                existing, row = await self.db.run(self._prepare_txn, org_id, turn_key, known is None)
+                existing, row = await self.db.run(
+                    self._prepare_txn, org_id, turn_key, known is None
+                )
                 if existing is None:
                     raise
                 plan = await self._plan(row.plan if row is not None else known)  # type: ignore[arg-type]
-                return await self._replay(existing, usage_type, credits, plan.rate_limits.get(rate_class))
+                return await self._replay(
+                    existing, usage_type, credits, plan.rate_limits.get(rate_class)
+                )
             if row is not None:
                 self._remember(org_id, row.plan, row.period_start)
             if kind == "replay":
-                return await self._replay(detail, usage_type, credits, plan.rate_limits.get(rate_class))
+                return await self._replay(
+                    detail, usage_type, credits, plan.rate_limits.get(rate_class)
+                )
             if kind == "rate":
                 rate_limit = plan.rate_limits.get(rate_class)
-                log.info("admission denied", extra={"fields": {"layer": "rate", "rate_class": rate_class}})
+                log.info(
+                    "admission denied",
+                    extra={"fields": {"layer": "rate", "rate_class": rate_class}},
+                )
                 raise denial_error(
                     RATE_LIMITED,
                     "rate",
@@ -684,7 +764,12 @@ class BillingCore:
             return Admission(SimpleNamespace(**values), False, rate)
 
     def _admit_txn(
-        self, conn: Connection, values: dict[str, Any], plan_name: str | None, period: datetime.date, today: str
+        self,
+        conn: Connection,
+        values: dict[str, Any],
+        plan_name: str | None,
+        period: datetime.date,
+        today: str,
     ) -> tuple[str, Any, Any, PlanTerms]:
         """The whole admission in one transaction (memory rate counters, any thread).
 
@@ -695,7 +780,9 @@ class BillingCore:
         (RateDecision, `_reserve_txn`'s result)). Mutates `values` (funding, wallet_minor).
         """
         org_id = values["org_id"]
-        existing = conn.execute(_SEL_RESERVATION, {"p_org": org_id, "p_turn_key": values["turn_key"]}).first()
+        existing = conn.execute(
+            _SEL_RESERVATION, {"p_org": org_id, "p_turn_key": values["turn_key"]}
+        ).first()
         row = None
         if plan_name is None:
             row = self._account_txn(conn, org_id, True)
@@ -703,11 +790,15 @@ class BillingCore:
         plan = self._plan_in_txn(conn, plan_name)
         if existing is not None:
             return "replay", existing, row, plan
-        rate = self.rates.hit_now(org_id, values["rate_class"], plan.rate_limits.get(values["rate_class"]))
+        rate = self.rates.hit_now(
+            org_id, values["rate_class"], plan.rate_limits.get(values["rate_class"])
+        )
         if not rate.allowed:
             return "rate", rate, row, plan
         try:
-            fresh = self._reserve_txn(conn, values, plan, period, today, values["usage_type"] == "run")
+            fresh = self._reserve_txn(
+                conn, values, plan, period, today, values["usage_type"] == "run"
+            )
         except _Denied as denied:
             return "denied", denied, row, plan
         return "admitted", (rate, fresh), row, plan
@@ -761,7 +852,9 @@ class BillingCore:
         """
         org_id, rate_class = values["org_id"], values["rate_class"]
         async with self.db.transaction() as run:
-            existing, row = await run(self._prepare_txn, org_id, values["turn_key"], plan_name is None)
+            existing, row = await run(
+                self._prepare_txn, org_id, values["turn_key"], plan_name is None
+            )
             if row is not None:
                 plan_name = row.plan
             assert plan_name is not None
@@ -772,8 +865,12 @@ class BillingCore:
             if not rate.allowed:
                 return "rate", rate, row, plan
             try:
-                fresh = await run(self._reserve_txn, values, plan, period, today, values["usage_type"] == "run")
-            except _Denied as denied:  # raised after its SAVEPOINT rolled back: the read stays valid
+                fresh = await run(
+                    self._reserve_txn, values, plan, period, today, values["usage_type"] == "run"
+                )
+            except (
+                _Denied
+            ) as denied:  # raised after its SAVEPOINT rolled back: the read stays valid
                 return "denied", denied, row, plan
             return "admitted", (rate, fresh), row, plan
 
@@ -812,7 +909,12 @@ class BillingCore:
             return self._reserve_slow(conn, values, params, period, counts_runs)
 
     def _reserve_slow(
-        self, conn: Connection, values: dict[str, Any], params: dict[str, Any], period: datetime.date, counts_runs: bool
+        self,
+        conn: Connection,
+        values: dict[str, Any],
+        params: dict[str, Any],
+        period: datetime.date,
+        counts_runs: bool,
     ) -> tuple[str, datetime.date]:
         credits = values["credits"]
         account = conn.execute(_SEL_ACCOUNT, params).one()
@@ -824,7 +926,10 @@ class BillingCore:
         def refuse(layer: str) -> _Denied:
             return _Denied(layer, conn.execute(_SEL_ACCOUNT, params).one(), plan)
 
-        if counts_runs and conn.execute(_QUOTA_UPDATE[plan.max_runs_per_day is not None], params).rowcount != 1:
+        if (
+            counts_runs
+            and conn.execute(_QUOTA_UPDATE[plan.max_runs_per_day is not None], params).rowcount != 1
+        ):
             raise refuse("quota")
         if conn.execute(_ALLOWANCE_UPDATE, params).rowcount != 1:
             if not plan.wallet_overage:
@@ -873,7 +978,9 @@ class BillingCore:
 
     # ------------------------------------------------------------------ charge / release / expire
 
-    def _charge_txn(self, conn: Connection, reservation_id: str, late: bool = False) -> tuple[str, str, bool, str | None]:
+    def _charge_txn(
+        self, conn: Connection, reservation_id: str, late: bool = False
+    ) -> tuple[str, str, bool, str | None]:
         """(state, ledger entry id, replayed, org_id); raises RpcError for the refusals (before
         anything is written). With `late`, an EXPIRED reservation is charged too (`charge`)."""
         now = self.clock()
@@ -883,7 +990,9 @@ class BillingCore:
             held = conn.execute(_CHARGE_EXPIRED, {"p_id": reservation_id, "p_now": now}).first()
             expired = held is not None
         if held is None:
-            row = conn.execute(_SEL_CHARGE_STATE, {"p_id": reservation_id, "p_key": f"charge:{reservation_id}"}).first()
+            row = conn.execute(
+                _SEL_CHARGE_STATE, {"p_id": reservation_id, "p_key": f"charge:{reservation_id}"}
+            ).first()
             if row is None:
                 raise not_found(reservation_id)
             if row.state == CHARGED:
@@ -895,11 +1004,21 @@ class BillingCore:
                 domain=BILLING_DOMAIN,
             )
         if held.funding == WALLET:
-            stmt, unit, amount = (_CHARGE_WALLET_LATE if expired else _CHARGE_WALLET), UNIT_MINOR, held.wallet_minor
+            stmt, unit, amount = (
+                (_CHARGE_WALLET_LATE if expired else _CHARGE_WALLET),
+                UNIT_MINOR,
+                held.wallet_minor,
+            )
         else:
-            stmt, unit, amount = (_CHARGE_ALLOWANCE_LATE if expired else _CHARGE_ALLOWANCE), UNIT_CREDIT, held.credits
+            stmt, unit, amount = (
+                (_CHARGE_ALLOWANCE_LATE if expired else _CHARGE_ALLOWANCE),
+                UNIT_CREDIT,
+                held.credits,
+            )
         # A hold opened last month is charged to the current period (rolled first).
-        _roll_and_retry(conn, stmt, {"p_org": held.org_id, "p_period": month_start(now.date()), "p_n": amount})
+        _roll_and_retry(
+            conn, stmt, {"p_org": held.org_id, "p_period": month_start(now.date()), "p_n": amount}
+        )
         entry_id = _new_id("led")
         note = f"{held.usage_type} {held.credits} credit(s) via {held.funding}"
         conn.execute(
@@ -920,8 +1039,10 @@ class BillingCore:
         if expired:
             if held.quota_day:
                 conn.execute(_RETAKE_QUOTA, {"p_org": held.org_id, "p_quota_day": held.quota_day})
-            log.warning("charged a reservation after its hold expired",
-                        extra={"fields": {"reservation_id": reservation_id, "org_id": held.org_id}})
+            log.warning(
+                "charged a reservation after its hold expired",
+                extra={"fields": {"reservation_id": reservation_id, "org_id": held.org_id}},
+            )
         return CHARGED, entry_id, False, held.org_id
 
     async def charge(self, reservation_id: str, *, late: bool = False) -> ChargeResult:
@@ -949,7 +1070,9 @@ class BillingCore:
             org_id = await self.pg.charge(reservation_id, now, month_start(now.date()), entry_id)
             if org_id is not None:
                 charged = (CHARGED, entry_id, False, org_id)
-        if charged is None:  # SQLite, or on PostgreSQL a replay, a refusal, a late charge or an account to roll
+        if (
+            charged is None
+        ):  # SQLite, or on PostgreSQL a replay, a refusal, a late charge or an account to roll
             charged = await self.db.run(self._charge_txn, reservation_id, late)
         return self._charged(reservation_id, charged)
 
@@ -958,10 +1081,17 @@ class BillingCore:
         state, entry_id, replayed, org_id = charged
         if not replayed and log.isEnabledFor(logging.DEBUG):
             with loopline_logging.bind(org_id=org_id):
-                log.debug("charged", extra={"fields": {"reservation_id": reservation_id, "ledger_entry_id": entry_id}})
+                log.debug(
+                    "charged",
+                    extra={
+                        "fields": {"reservation_id": reservation_id, "ledger_entry_id": entry_id}
+                    },
+                )
         return ChargeResult(state, entry_id, replayed)
 
-    def _charge_batch_txn(self, conn: Connection, reservation_ids: list[str]) -> list[tuple[str, str, bool, str | None] | RpcError]:
+    def _charge_batch_txn(
+        self, conn: Connection, reservation_ids: list[str]
+    ) -> list[tuple[str, str, bool, str | None] | RpcError]:
         """Each reservation as `_charge_txn(late=True)` in one transaction; a refusal (raised
         before that charge wrote anything) is returned in its place."""
         results: list[tuple[str, str, bool, str | None] | RpcError] = []
@@ -984,29 +1114,51 @@ class BillingCore:
         if not all(reservation_ids):
             raise invalid("RESERVATION_ID_REQUIRED", "reservation_id is required")
         if self.pg is None:
-            found = await self.db.run(self._charge_batch_txn, reservation_ids, inline=len(reservation_ids) <= USAGE_INLINE_RECORDS)
+            found = await self.db.run(
+                self._charge_batch_txn,
+                reservation_ids,
+                inline=len(reservation_ids) <= USAGE_INLINE_RECORDS,
+            )
         else:
+
             async def one(reservation_id: str) -> ChargeResult | RpcError:
                 try:
                     return await self.charge(reservation_id, late=True)
                 except RpcError as refused:
                     return refused
 
-            found = list(await asyncio.gather(*(one(reservation_id) for reservation_id in reservation_ids)))
+            found = list(
+                await asyncio.gather(*(one(reservation_id) for reservation_id in reservation_ids))
+            )
         results: list[ChargeResult | None] = []
         for reservation_id, result in zip(reservation_ids, found, strict=True):
             if isinstance(result, RpcError):
-                results.append(ChargeResult(RELEASED, "", False) if result.reason == "RESERVATION_RELEASED" else None)
+                results.append(
+                    ChargeResult(RELEASED, "", False)
+                    if result.reason == "RESERVATION_RELEASED"
+                    else None
+                )
             else:
-                results.append(result if isinstance(result, ChargeResult) else self._charged(reservation_id, result))
+                results.append(
+                    result
+                    if isinstance(result, ChargeResult)
+                    else self._charged(reservation_id, result)
+                )
         return results
 
-    def _void_txn(self, conn: Connection, reservation_id: str, state: str, reason: str) -> tuple[str | None, str | None]:
+    def _void_txn(
+        self, conn: Connection, reservation_id: str, state: str, reason: str
+    ) -> tuple[str | None, str | None]:
         """Move a HELD reservation to `state` and return its hold: (org_id, None) if voided now,
         (None, current state) if it was not HELD, (None, None) if it does not exist."""
         held = conn.execute(
             _VOID_RESERVATION,
-            {"p_id": reservation_id, "p_state": state, "p_now": self.clock(), "p_reason": reason[:255] or None},
+            {
+                "p_id": reservation_id,
+                "p_state": state,
+                "p_now": self.clock(),
+                "p_reason": reason[:255] or None,
+            },
         ).first()
         if held is None:
             return None, conn.execute(_SEL_RESERVATION_STATE, {"p_id": reservation_id}).scalar()
@@ -1022,7 +1174,9 @@ class BillingCore:
         )
         return held.org_id, None
 
-    async def _void(self, reservation_id: str, state: str, reason: str) -> tuple[str | None, str | None]:
+    async def _void(
+        self, reservation_id: str, state: str, reason: str
+    ) -> tuple[str | None, str | None]:
         """`_void_txn`'s result: one statement on PostgreSQL (`PgBilling.void`), else one transaction."""
         if self.pg is not None:
             return await self.pg.void(reservation_id, state, self.clock(), reason[:255] or None)
@@ -1039,7 +1193,10 @@ class BillingCore:
         org_id, state = await self._void(reservation_id, RELEASED, reason)
         if org_id is not None:
             with loopline_logging.bind(org_id=org_id):
-                log.info("released", extra={"fields": {"reservation_id": reservation_id, "reason": reason[:255]}})
+                log.info(
+                    "released",
+                    extra={"fields": {"reservation_id": reservation_id, "reason": reason[:255]}},
+                )
             return RELEASED
         if state is None:
             raise not_found(reservation_id)
@@ -1055,7 +1212,9 @@ class BillingCore:
         expired = 0
         while True:
             ids = await self.db.run(
-                lambda conn: conn.execute(_SEL_EXPIRED, {"p_now": now, "p_batch": batch}).scalars().all()
+                lambda conn: (
+                    conn.execute(_SEL_EXPIRED, {"p_now": now, "p_batch": batch}).scalars().all()
+                )
             )
             if not ids:
                 return expired
@@ -1070,32 +1229,54 @@ class BillingCore:
 
     # ------------------------------------------------------------------ usage
 
-    def _usage_txn(self, conn: Connection, record: dict[str, Any], ledger: dict[str, Any] | None) -> Any:
+    def _usage_txn(
+        self, conn: Connection, record: dict[str, Any], ledger: dict[str, Any] | None
+    ) -> Any:
         """INSERT the usage record unless (run_id, call_index) exists; then its ledger entry and
         the account total. Returns None when inserted, else the existing (id, org_id, millicredits)."""
-        inserted = conn.execute(_insert_if_absent(conn, _U, ("run_id", "call_index")), record).rowcount == 1
+        inserted = (
+            conn.execute(_insert_if_absent(conn, _U, ("run_id", "call_index")), record).rowcount
+            == 1
+        )
         if not inserted:
-            return conn.execute(_SEL_USAGE, {"p_run": record["run_id"], "p_call": record["call_index"]}).one()
+            return conn.execute(
+                _SEL_USAGE, {"p_run": record["run_id"], "p_call": record["call_index"]}
+            ).one()
         if ledger is not None:
             conn.execute(_INS_LEDGER, ledger)
             _roll_and_retry(
                 conn,
                 _ADD_USAGE,
-                {"p_org": ledger["org_id"], "p_period": month_start(ledger["created_at"].date()), "p_n": -ledger["amount"]},
+                {
+                    "p_org": ledger["org_id"],
+                    "p_period": month_start(ledger["created_at"].date()),
+                    "p_n": -ledger["amount"],
+                },
             )
         return None
 
-    def _usage_rows(self, r: billing_pb2.RecordUsageRequest) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _usage_rows(
+        self, r: billing_pb2.RecordUsageRequest
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(usage record, ledger entry or None) of one RecordUsage request, validated and priced.
 
         Raises RpcError INVALID_ARGUMENT on missing ids, negative counts or counts past
         MAX_TOKENS_PER_CALL."""
         if not r.organization_id or not r.run_id:
             raise invalid("USAGE_KEY_REQUIRED", "organization_id and run_id are required")
-        if r.call_index < 0 or min(r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens) < 0:
+        if (
+            r.call_index < 0
+            or min(r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens) < 0
+        ):
             raise invalid("USAGE_NEGATIVE", "call_index and token counts must not be negative")
-        if max(r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens) > MAX_TOKENS_PER_CALL:
-            raise invalid("USAGE_TOO_LARGE", f"a token count of one model call must be at most {MAX_TOKENS_PER_CALL}")
+        if (
+            max(r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens)
+            > MAX_TOKENS_PER_CALL
+        ):
+            raise invalid(
+                "USAGE_TOO_LARGE",
+                f"a token count of one model call must be at most {MAX_TOKENS_PER_CALL}",
+            )
         millicredits = self.prices.millicredits(
             r.provider_id,
             r.model_id,
@@ -1156,7 +1337,11 @@ class BillingCore:
         return await self._record_usage_rows(request, record, ledger, None)
 
     async def _record_usage_rows(
-        self, r: Any, record: dict[str, Any], ledger: dict[str, Any] | None, inserted: set[str] | None
+        self,
+        r: Any,
+        record: dict[str, Any],
+        ledger: dict[str, Any] | None,
+        inserted: set[str] | None,
     ) -> UsageResult:
         """Finish one usage call: `inserted` holds the record ids the PostgreSQL statement wrote
         (None: nothing tried yet); a record not among them goes through `_usage_txn`
@@ -1170,7 +1355,9 @@ class BillingCore:
                     return self._usage_replay(existing, r.organization_id)
             return self._usage_recorded(r, record)
 
-    def _usage_batch_txn(self, conn: Connection, rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> list[Any]:
+    def _usage_batch_txn(
+        self, conn: Connection, rows: list[tuple[dict[str, Any], dict[str, Any] | None]]
+    ) -> list[Any]:
         """`_usage_txn` for each (record, ledger entry) in one transaction; their answers in order."""
         return [self._usage_txn(conn, record, ledger) for record, ledger in rows]
 
@@ -1178,11 +1365,20 @@ class BillingCore:
         """The answer for a usage record written now (logged at DEBUG, in the caller's log context)."""
         log.debug(  # the usage record is its record, like a charge's ledger entry
             "usage recorded",
-            extra={"fields": {"usage_id": record["id"], "call_index": r.call_index, "millicredits": record["millicredits"], "byok": r.byok}},
+            extra={
+                "fields": {
+                    "usage_id": record["id"],
+                    "call_index": r.call_index,
+                    "millicredits": record["millicredits"],
+                    "byok": r.byok,
+                }
+            },
         )
         return UsageResult(record["id"], record["millicredits"], False)
 
-    async def record_usage_batch(self, requests: list[billing_pb2.RecordUsageRequest]) -> list[UsageResult]:
+    async def record_usage_batch(
+        self, requests: list[billing_pb2.RecordUsageRequest]
+    ) -> list[UsageResult]:
         """Record several model calls' usage, each as `record_usage`; results in request order.
 
         Every request is validated first (RpcError INVALID_ARGUMENT before anything is written).
@@ -1195,15 +1391,24 @@ class BillingCore:
         what was recorded.
         """
         rows = [self._usage_rows(request) for request in requests]
-        if self.pg is None:  # one transaction for the whole batch (docs/performance.md, seventh round)
+        if (
+            self.pg is None
+        ):  # one transaction for the whole batch (docs/performance.md, seventh round)
             for org_id in dict.fromkeys(request.organization_id for request in requests):
                 await self._ensure_account(org_id)
-            found = await self.db.run(self._usage_batch_txn, rows, inline=len(rows) <= USAGE_INLINE_RECORDS)
+            found = await self.db.run(
+                self._usage_batch_txn, rows, inline=len(rows) <= USAGE_INLINE_RECORDS
+            )
             answers = []
             for request, (record, _), existing in zip(requests, rows, found, strict=True):
-                with loopline_logging.bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id):
-                    answers.append(self._usage_recorded(request, record) if existing is None
-                                   else self._usage_replay(existing, request.organization_id))
+                with loopline_logging.bind(
+                    org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id
+                ):
+                    answers.append(
+                        self._usage_recorded(request, record)
+                        if existing is None
+                        else self._usage_replay(existing, request.organization_id)
+                    )
             return answers
         by_org: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
@@ -1214,14 +1419,18 @@ class BillingCore:
             await self._ensure_account(org_id)
             return await self.pg.record_usage(org_id, period, [rows[i] for i in indexes])
 
-        done = await asyncio.gather(*(one_org(org_id, indexes) for org_id, indexes in by_org.items()))
+        done = await asyncio.gather(
+            *(one_org(org_id, indexes) for org_id, indexes in by_org.items())
+        )
         inserted = set().union(*done)
         results = []
         for request, (record, ledger) in zip(requests, rows, strict=True):
             results.append(await self._record_usage_rows(request, record, ledger, inserted))
         return results
 
-    def _ledger_txn(self, conn: Connection, entry: dict[str, Any], account_stmt: Any, params: dict[str, Any]) -> Any:
+    def _ledger_txn(
+        self, conn: Connection, entry: dict[str, Any], account_stmt: Any, params: dict[str, Any]
+    ) -> Any:
         """INSERT the ledger entry unless its idempotency key exists, then update the account.
 
         Returns None when inserted, else the existing entry's (id, org_id)."""
@@ -1230,7 +1439,9 @@ class BillingCore:
         _roll_and_retry(conn, account_stmt, params)
         return None
 
-    async def record_tool_usage(self, request: billing_pb2.RecordToolUsageRequest) -> tuple[str, bool]:
+    async def record_tool_usage(
+        self, request: billing_pb2.RecordToolUsageRequest
+    ) -> tuple[str, bool]:
         """Charge one tool call's catalogue cost; idempotent by (run_id, tool_call_id).
 
         Posts ledger entry "tool:{run_id}:{tool_call_id}" (unit millicredit, kind tool_usage)
@@ -1241,11 +1452,16 @@ class BillingCore:
         """
         r = request
         if not r.organization_id or not r.run_id or not r.tool_call_id:
-            raise invalid("USAGE_KEY_REQUIRED", "organization_id, run_id and tool_call_id are required")
+            raise invalid(
+                "USAGE_KEY_REQUIRED", "organization_id, run_id and tool_call_id are required"
+            )
         if r.millicredits < 0:
             raise invalid("USAGE_NEGATIVE", "millicredits must not be negative")
         if r.millicredits > MAX_TOOL_MILLICREDITS:
-            raise invalid("USAGE_TOO_LARGE", f"millicredits of one tool call must be at most {MAX_TOOL_MILLICREDITS}")
+            raise invalid(
+                "USAGE_TOO_LARGE",
+                f"millicredits of one tool call must be at most {MAX_TOOL_MILLICREDITS}",
+            )
         if r.millicredits == 0:
             return "", False
         with loopline_logging.bind(org_id=r.organization_id, run_id=r.run_id, chat_id=r.chat_id):
@@ -1263,15 +1479,25 @@ class BillingCore:
                 "note": f"{r.tool} {r.detail}".strip()[:255],
                 "created_at": now,
             }
-            params = {"p_org": r.organization_id, "p_period": month_start(now.date()), "p_n": r.millicredits}
-            if self.pg is not None and await self.pg.post_usage_entry(entry, params["p_period"], r.millicredits):
+            params = {
+                "p_org": r.organization_id,
+                "p_period": month_start(now.date()),
+                "p_n": r.millicredits,
+            }
+            if self.pg is not None and await self.pg.post_usage_entry(
+                entry, params["p_period"], r.millicredits
+            ):
                 return entry["id"], False
             existing = await self.db.run(self._ledger_txn, entry, _ADD_USAGE, params)
             if existing is None:
                 return entry["id"], False
             if existing.org_id != r.organization_id:
-                raise RpcError(grpc.StatusCode.ALREADY_EXISTS, "USAGE_KEY_REUSED",
-                               "this (run_id, tool_call_id) was recorded for another organization", domain=BILLING_DOMAIN)
+                raise RpcError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    "USAGE_KEY_REUSED",
+                    "this (run_id, tool_call_id) was recorded for another organization",
+                    domain=BILLING_DOMAIN,
+                )
             return existing.id, True
 
     @staticmethod
@@ -1301,13 +1527,16 @@ class BillingCore:
 
         await self.db.run(
             lambda conn: conn.execute(
-                _SET_PLAN, {"p_org": org_id, "p_plan": plan_name, "p_credits": plan.monthly_run_credits}
+                _SET_PLAN,
+                {"p_org": org_id, "p_plan": plan_name, "p_credits": plan.monthly_run_credits},
             )
         )
         self._remember(org_id, plan_name, row.period_start)
         log.info("plan set", extra={"fields": {"org_id": org_id, "plan": plan_name}})
 
-    async def grant_credits(self, org_id: str, credits: int, idempotency_key: str = "", note: str = "") -> str:
+    async def grant_credits(
+        self, org_id: str, credits: int, idempotency_key: str = "", note: str = ""
+    ) -> str:
         """Add `credits` (> 0) run credits to `org_id`'s allowance for the current period.
 
         Posts ledger entry kind "grant" (unit credit); idempotent by `idempotency_key`
@@ -1328,7 +1557,9 @@ class BillingCore:
             _GRANT_CREDITS,
         )
 
-    async def top_up(self, org_id: str, minor_units: int, idempotency_key: str = "", note: str = "") -> str:
+    async def top_up(
+        self, org_id: str, minor_units: int, idempotency_key: str = "", note: str = ""
+    ) -> str:
         """Add `minor_units` (> 0) to `org_id`'s prepaid wallet.
 
         Posts ledger entry kind "top_up" (unit minor); idempotent by `idempotency_key`.
@@ -1349,7 +1580,9 @@ class BillingCore:
             _TOP_UP,
         )
 
-    async def _post_admin(self, org_id: str, key: str, kind: str, unit: str, amount: int, note: str, stmt: Any) -> str:
+    async def _post_admin(
+        self, org_id: str, key: str, kind: str, unit: str, amount: int, note: str, stmt: Any
+    ) -> str:
         entry = {
             "id": _new_id("led"),
             "idempotency_key": key,
@@ -1362,14 +1595,21 @@ class BillingCore:
             "note": note[:255] or None,
             "created_at": self.clock(),
         }
-        existing = await self.db.run(self._ledger_txn, entry, stmt, {"p_org": org_id, "p_n": amount})
+        existing = await self.db.run(
+            self._ledger_txn, entry, stmt, {"p_org": org_id, "p_n": amount}
+        )
         if existing is not None:
             if (existing.org_id, existing.kind, existing.amount) != (org_id, kind, amount):
                 # the same key for another posting: refuse, like an Idempotency-Key reused with another body
-                raise ValueError(f"idempotency key {key!r} was already used for another entry "
-                                 f"({existing.kind} of {existing.amount} for {existing.org_id})")
+                raise ValueError(
+                    f"idempotency key {key!r} was already used for another entry "
+                    f"({existing.kind} of {existing.amount} for {existing.org_id})"
+                )
             return existing.id
-        log.info("ledger posted", extra={"fields": {"org_id": org_id, "kind": kind, "amount": amount, "unit": unit}})
+        log.info(
+            "ledger posted",
+            extra={"fields": {"org_id": org_id, "kind": kind, "amount": amount, "unit": unit}},
+        )
         return entry["id"]
 
     async def show(self, org_id: str, entries: int = 20) -> dict[str, Any] | None:
@@ -1383,18 +1623,22 @@ class BillingCore:
         account, plan = found
         async with self.sessions() as session:
             rows = (
-                await session.execute(
-                    select(LedgerEntry)
-                    .where(LedgerEntry.org_id == org_id)
-                    .order_by(LedgerEntry.created_at.desc(), LedgerEntry.id)
-                    .limit(entries)
+                (
+                    await session.execute(
+                        select(LedgerEntry)
+                        .where(LedgerEntry.org_id == org_id)
+                        .order_by(LedgerEntry.created_at.desc(), LedgerEntry.id)
+                        .limit(entries)
+                    )
                 )
-            ).scalars().all()
+                .scalars()
+                .all()
+            )
             held = (
                 await session.execute(
-                    select(func.count()).select_from(Reservation).where(
-                        and_(Reservation.org_id == org_id, Reservation.state == HELD)
-                    )
+                    select(func.count())
+                    .select_from(Reservation)
+                    .where(and_(Reservation.org_id == org_id, Reservation.state == HELD))
                 )
             ).scalar_one()
         return {
@@ -1413,7 +1657,10 @@ class BillingCore:
                 "granted_credits": account.granted_credits,
                 "used": account.allowance_used,
                 "reserved": account.allowance_reserved,
-                "available": max(0, account.period_allowance - account.allowance_used - account.allowance_reserved),
+                "available": max(
+                    0,
+                    account.period_allowance - account.allowance_used - account.allowance_reserved,
+                ),
             },
             "wallet": {
                 "balance_minor": account.wallet_balance_minor,
@@ -1421,7 +1668,9 @@ class BillingCore:
                 "available_minor": account.wallet_balance_minor - account.wallet_reserved_minor,
             },
             "usage_millicredits_this_period": account.usage_millicredits,
-            "runs_today": account.runs_today if account.quota_day == self.clock().date().isoformat() else 0,
+            "runs_today": account.runs_today
+            if account.quota_day == self.clock().date().isoformat()
+            else 0,
             "held_reservations": held,
             "recent_ledger_entries": [
                 {

@@ -22,7 +22,18 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Date, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Date,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    UniqueConstraint,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -45,7 +56,11 @@ class UTCDateTime(TypeDecorator):
     def process_result_value(self, value: Any, dialect: Dialect) -> Any:
         if value is None:
             return None
-        return value.replace(tzinfo=datetime.UTC) if value.tzinfo is None else value.astimezone(datetime.UTC)
+        return (
+            value.replace(tzinfo=datetime.UTC)
+            if value.tzinfo is None
+            else value.astimezone(datetime.UTC)
+        )
 
 
 def utcnow() -> datetime.datetime:
@@ -80,7 +95,9 @@ class Plan(Base):
     rate_limits: Mapped[dict[str, str]] = mapped_column(JSON, nullable=False, default=dict)
     wallet_overage: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     wallet_price_minor: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
-    updated_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    updated_at: Mapped[datetime.datetime] = mapped_column(
+        UTCDateTime, nullable=False, default=utcnow
+    )
 
 
 class Account(Base):
@@ -105,7 +122,9 @@ class Account(Base):
     usage_millicredits: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     quota_day: Mapped[str] = mapped_column(String(10), nullable=False, default="")
     runs_today: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
-    created_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        UTCDateTime, nullable=False, default=utcnow
+    )
 
 
 class Reservation(Base):
@@ -131,7 +150,9 @@ class Reservation(Base):
     wallet_minor: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     quota_day: Mapped[str] = mapped_column(String(10), nullable=False, default="")
     state: Mapped[str] = mapped_column(String(16), nullable=False, default=HELD)
-    created_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        UTCDateTime, nullable=False, default=utcnow
+    )
     expires_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, nullable=False)
     resolved_at: Mapped[datetime.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     release_reason: Mapped[str | None] = mapped_column(String(255), nullable=True)
@@ -160,7 +181,9 @@ class LedgerEntry(Base):
     reservation_id: Mapped[str | None] = mapped_column(ForeignKey("reservations.id"), nullable=True)
     usage_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     note: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    created_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        UTCDateTime, nullable=False, default=utcnow
+    )
 
 
 class UsageRecord(Base):
@@ -187,4 +210,6 @@ class UsageRecord(Base):
     byok: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     estimated: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     millicredits: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
-    created_at: Mapped[datetime.datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        UTCDateTime, nullable=False, default=utcnow
+    )

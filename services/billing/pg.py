@@ -43,8 +43,21 @@ _SELECT_RESERVATION = f"SELECT {', '.join(_RESERVATION_COLUMNS)} FROM reservatio
 
 # usage_records columns sent as arrays by `record_usage` (then the ledger entry's id and note)
 _USAGE_COLUMNS = (
-    "id", "org_id", "run_id", "call_index", "chat_id", "provider_id", "model_id", "input_tokens", "output_tokens",
-    "cache_read_tokens", "cache_write_tokens", "byok", "estimated", "millicredits", "created_at",
+    "id",
+    "org_id",
+    "run_id",
+    "call_index",
+    "chat_id",
+    "provider_id",
+    "model_id",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "byok",
+    "estimated",
+    "millicredits",
+    "created_at",
 )
 
 
@@ -179,7 +192,12 @@ class PgBilling(PgPool):
     """
 
     async def reserve(
-        self, values: dict[str, Any], plan: Any, period: datetime.date, today: str, counts_runs: bool
+        self,
+        values: dict[str, Any],
+        plan: Any,
+        period: datetime.date,
+        today: str,
+        counts_runs: bool,
     ) -> bool:
         """Hold `values["credits"]` for the reservation `values` (Reservation columns) in one statement.
 
@@ -194,9 +212,21 @@ class PgBilling(PgPool):
         """
         credits = values["credits"]
         args = [
-            values["org_id"], plan.name, period, credits, today, plan.max_runs_per_day, counts_runs, 0,
-            values["id"], values["turn_key"], values["usage_type"], values["rate_class"], values["quota_day"],
-            utc(values["created_at"]), utc(values["expires_at"]),
+            values["org_id"],
+            plan.name,
+            period,
+            credits,
+            today,
+            plan.max_runs_per_day,
+            counts_runs,
+            0,
+            values["id"],
+            values["turn_key"],
+            values["usage_type"],
+            values["rate_class"],
+            values["quota_day"],
+            utc(values["created_at"]),
+            utc(values["expires_at"]),
         ]
         pool = await self.pool()
         try:
@@ -219,7 +249,9 @@ class PgBilling(PgPool):
         record = await pool.fetchrow(_SELECT_RESERVATION, org_id, turn_key)
         return None if record is None else _ReservationRow(tuple(record))
 
-    async def charge(self, reservation_id: str, now: datetime.datetime, period: datetime.date, entry_id: str) -> str | None:
+    async def charge(
+        self, reservation_id: str, now: datetime.datetime, period: datetime.date, entry_id: str
+    ) -> str | None:
         """Charge a HELD reservation of an account in `period`: state CHARGED, ledger entry
         `entry_id` ("charge:{id}", unit credit or minor), hold moved into used/debited. Returns
         the org id when charged here; None when the reservation is not HELD, unknown, or its
@@ -227,7 +259,9 @@ class PgBilling(PgPool):
         pool = await self.pool()
         return await pool.fetchval(_CHARGE, reservation_id, utc(now), period, entry_id)
 
-    async def void(self, reservation_id: str, state: str, now: datetime.datetime, reason: str | None) -> tuple[str | None, str | None]:
+    async def void(
+        self, reservation_id: str, state: str, now: datetime.datetime, reason: str | None
+    ) -> tuple[str | None, str | None]:
         """Move a HELD reservation to `state` (released/expired) and give its hold back, one
         statement; then, if it was not HELD, one SELECT of its state. Returns (org_id, None) when
         voided now, (None, current state) when it was not HELD, (None, None) when unknown."""
@@ -235,10 +269,15 @@ class PgBilling(PgPool):
         org_id = await pool.fetchval(_VOID, reservation_id, state, utc(now), reason)
         if org_id is not None:
             return org_id, None
-        return None, await pool.fetchval("SELECT state FROM reservations WHERE id = $1", reservation_id)
+        return None, await pool.fetchval(
+            "SELECT state FROM reservations WHERE id = $1", reservation_id
+        )
 
     async def record_usage(
-        self, org_id: str, period: datetime.date, calls: list[tuple[dict[str, Any], dict[str, Any] | None]]
+        self,
+        org_id: str,
+        period: datetime.date,
+        calls: list[tuple[dict[str, Any], dict[str, Any] | None]],
     ) -> set[str]:
         """Insert the usage records of `calls` ((record, ledger entry or None), all of `org_id`) unless
         their (run_id, call_index) exists, their ledger entries, and add the new millicredits to
@@ -255,13 +294,24 @@ class PgBilling(PgPool):
         pool = await self.pool()
         return {r[0] for r in await pool.fetch(_USAGE, *columns, org_id, period)}
 
-    async def post_usage_entry(self, entry: dict[str, Any], period: datetime.date, millicredits: int) -> str | None:
+    async def post_usage_entry(
+        self, entry: dict[str, Any], period: datetime.date, millicredits: int
+    ) -> str | None:
         """Insert ledger entry `entry` (LedgerEntry columns, no reservation/usage id) unless its
         idempotency key exists, and add `millicredits` to the account's usage total, if the
         account is in `period`. Returns the entry id when posted here, None otherwise (replay or
         account to roll: nothing written)."""
         pool = await self.pool()
         return await pool.fetchval(
-            _LEDGER_USAGE, entry["id"], entry["idempotency_key"], entry["org_id"], entry["kind"], entry["unit"],
-            entry["amount"], entry["note"], utc(entry["created_at"]), period, millicredits,
+            _LEDGER_USAGE,
+            entry["id"],
+            entry["idempotency_key"],
+            entry["org_id"],
+            entry["kind"],
+            entry["unit"],
+            entry["amount"],
+            entry["note"],
+            utc(entry["created_at"]),
+            period,
+            millicredits,
         )

@@ -60,7 +60,7 @@ def _plan_terms(name: str, row: object) -> PlanTerms:
         raise ValueError("must be a table ([plans.<name>])")
     raw_limits = row.get("rate_limits", {})
     if not isinstance(raw_limits, dict):
-        raise ValueError("rate_limits must be a table of rate class = \"N/period\"")
+        raise ValueError('rate_limits must be a table of rate class = "N/period"')
     rate_limits = {str(k): str(v) for k, v in raw_limits.items()}
     for rate_class, expression in rate_limits.items():
         try:
@@ -106,9 +106,14 @@ async def sync_plans(sessions: async_sessionmaker, plans: dict[str, PlanTerms]) 
         insert = importlib.import_module(f"sqlalchemy.dialects.{dialect}").insert
         for terms in plans.values():
             values = {
-                "monthly_run_credits": terms.monthly_run_credits, "max_runs_per_day": terms.max_runs_per_day,
-                "rate_limits": dict(terms.rate_limits), "wallet_overage": terms.wallet_overage,
-                "wallet_price_minor": terms.wallet_price_minor, "updated_at": utcnow(),
+                "monthly_run_credits": terms.monthly_run_credits,
+                "max_runs_per_day": terms.max_runs_per_day,
+                "rate_limits": dict(terms.rate_limits),
+                "wallet_overage": terms.wallet_overage,
+                "wallet_price_minor": terms.wallet_price_minor,
+                "updated_at": utcnow(),
             }
             statement = insert(Plan).values(name=terms.name, **values)
-            await session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))
+            await session.execute(
+                statement.on_conflict_do_update(index_elements=["name"], set_=values)
+            )

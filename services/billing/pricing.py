@@ -58,7 +58,9 @@ class PriceTable:
             if "default" not in data:
                 raise ValueError("has no [default] row")
             providers = data.get("models", {})
-            if not isinstance(providers, dict) or not all(isinstance(rows, dict) for rows in providers.values()):
+            if not isinstance(providers, dict) or not all(
+                isinstance(rows, dict) for rows in providers.values()
+            ):
                 raise ValueError("`models` must be tables of [models.<provider>.<model>] rows")
             models: dict[tuple[str, str], Price] = {}
             for provider, rows in providers.items():
@@ -70,7 +72,11 @@ class PriceTable:
 
     def price(self, provider_id: str, model_id: str) -> Price:
         """The price of a model: exact row, else the provider's "*" row, else the default."""
-        return self.models.get((provider_id, model_id)) or self.models.get((provider_id, "*")) or self.default
+        return (
+            self.models.get((provider_id, model_id))
+            or self.models.get((provider_id, "*"))
+            or self.default
+        )
 
     def millicredits(
         self,

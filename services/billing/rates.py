@@ -73,7 +73,9 @@ class MemoryWindows:
         self._hits: dict[tuple[str, ...], collections.deque[float]] = {}
         self._lock = threading.Lock()
 
-    def check(self, key: tuple[str, ...], limit: int, window_s: int, count: bool) -> tuple[bool, int, float]:
+    def check(
+        self, key: tuple[str, ...], limit: int, window_s: int, count: bool
+    ) -> tuple[bool, int, float]:
         """Count one hit of `key` (when `count`) if the window has room.
 
         Returns (allowed, hits in the window after the call, reset time as a Unix
@@ -109,7 +111,12 @@ class RateLimiter:
     UNAVAILABLE REDIS_UNAVAILABLE).
     """
 
-    def __init__(self, storage_url: str, key_prefix: str = "loopline-billing", timeout_s: float = db.REDIS_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        storage_url: str,
+        key_prefix: str = "loopline-billing",
+        timeout_s: float = db.REDIS_TIMEOUT_S,
+    ) -> None:
         self.key_prefix = key_prefix
         self._items: dict[str, RateLimitItem] = {}
         self.memory: MemoryWindows | None = None
@@ -126,15 +133,21 @@ class RateLimiter:
         """True when counters are in process memory and `hit_now` is available."""
         return self.memory is not None
 
-    def _memory_decision(self, org_id: str, rate_class: str, expression: str, count: bool) -> RateDecision:
+    def _memory_decision(
+        self, org_id: str, rate_class: str, expression: str, count: bool
+    ) -> RateDecision:
         assert self.memory is not None
         item = self._item(expression)
         window = item.get_expiry()
-        allowed, used, reset_at = self.memory.check((self.key_prefix, org_id, rate_class), item.amount, window, count)
+        allowed, used, reset_at = self.memory.check(
+            (self.key_prefix, org_id, rate_class), item.amount, window, count
+        )
         reset = max(0, math.ceil(reset_at - time.time()))
         if count and not allowed:
             reset = max(1, reset)
-        return RateDecision(allowed or not count, item.amount, max(0, item.amount - used), reset, window)
+        return RateDecision(
+            allowed or not count, item.amount, max(0, item.amount - used), reset, window
+        )
 
     def hit_now(self, org_id: str, rate_class: str, expression: str | None) -> RateDecision:
         """`hit` for memory counters, synchronously (any thread). Raises RuntimeError for Redis."""
@@ -150,7 +163,9 @@ class RateLimiter:
             item = self._items[expression] = parse(expression)
         return item
 
-    async def _state(self, item: RateLimitItem, keys: tuple[str, ...], allowed: bool) -> RateDecision:
+    async def _state(
+        self, item: RateLimitItem, keys: tuple[str, ...], allowed: bool
+    ) -> RateDecision:
         stats = await self.limiter.get_window_stats(item, *keys)
         reset = max(0, math.ceil(stats.reset_time - time.time()))
         if not allowed:

@@ -28,14 +28,18 @@ from services.common.tasks import stop_task
 log = logging.getLogger(__name__)
 
 
-
 # The one wrapper every handler goes through: RpcError -> rich status; other exceptions
 # reach grpc as UNKNOWN and are logged with their traceback.
-rpc = rpc_handler(domain=BILLING_DOMAIN, check=ids.request_organization_check(BILLING_DOMAIN, "ORGANIZATION_ID_REQUIRED"))
+rpc = rpc_handler(
+    domain=BILLING_DOMAIN,
+    check=ids.request_organization_check(BILLING_DOMAIN, "ORGANIZATION_ID_REQUIRED"),
+)
 
 
 def _rate_pb(rate: RateDecision) -> billing_pb2.RateLimitState:
-    return billing_pb2.RateLimitState(limit=rate.limit, remaining=rate.remaining, reset_seconds=rate.reset_seconds)
+    return billing_pb2.RateLimitState(
+        limit=rate.limit, remaining=rate.remaining, reset_seconds=rate.reset_seconds
+    )
 
 
 class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
@@ -50,7 +54,11 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
     ) -> billing_pb2.AdmitResponse:
         """Admit (or replay) a turn; denials are rich errors carrying a Denial detail."""
         admission = await self.core.admit(
-            request.organization_id, request.turn_key, request.usage_type, request.rate_class, request.credits
+            request.organization_id,
+            request.turn_key,
+            request.usage_type,
+            request.rate_class,
+            request.credits,
         )
         r = admission.reservation
         return billing_pb2.AdmitResponse(
@@ -67,7 +75,9 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
     ) -> billing_pb2.ChargeResponse:
         """Charge a held reservation exactly once (a replay returns the same ledger entry)."""
         result = await self.core.charge(request.reservation_id)
-        return billing_pb2.ChargeResponse(state=STATE_TO_PB[result.state], ledger_entry_id=result.ledger_entry_id)
+        return billing_pb2.ChargeResponse(
+            state=STATE_TO_PB[result.state], ledger_entry_id=result.ledger_entry_id
+        )
 
     @rpc
     async def ChargeBatch(  # noqa: N802
@@ -75,11 +85,19 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
     ) -> billing_pb2.ChargeBatchResponse:
         """Charge several reservations, each as Charge, an expired hold charged late and a charge
         that cannot be posted answered in its result (`BillingCore.charge_batch`); results in order."""
-        results = await self.core.charge_batch([charge.reservation_id for charge in request.charges])
-        return billing_pb2.ChargeBatchResponse(results=[
-            billing_pb2.ChargeResponse() if r is None else billing_pb2.ChargeResponse(state=STATE_TO_PB[r.state], ledger_entry_id=r.ledger_entry_id)
-            for r in results
-        ])
+        results = await self.core.charge_batch(
+            [charge.reservation_id for charge in request.charges]
+        )
+        return billing_pb2.ChargeBatchResponse(
+            results=[
+                billing_pb2.ChargeResponse()
+                if r is None
+                else billing_pb2.ChargeResponse(
+                    state=STATE_TO_PB[r.state], ledger_entry_id=r.ledger_entry_id
+                )
+                for r in results
+            ]
+        )
 
     @rpc
     async def Release(  # noqa: N802
@@ -108,10 +126,14 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
         per organization, on SQLite one group commit); an error fails the call, and a retry replays
         what was recorded."""
         results = await self.core.record_usage_batch(list(request.calls))
-        return billing_pb2.RecordUsageBatchResponse(results=[
-            billing_pb2.RecordUsageResponse(usage_id=r.usage_id, millicredits=r.millicredits, replayed=r.replayed)
-            for r in results
-        ])
+        return billing_pb2.RecordUsageBatchResponse(
+            results=[
+                billing_pb2.RecordUsageResponse(
+                    usage_id=r.usage_id, millicredits=r.millicredits, replayed=r.replayed
+                )
+                for r in results
+            ]
+        )
 
     @rpc
     async def RecordToolUsage(  # noqa: N802
@@ -133,14 +155,19 @@ async def build_core(settings: BillingSettings) -> tuple[BillingCore, Any]:
         await db.migrate_async("billing", url)
     plans = load_plans(settings.billing_plans_path)
     if settings.billing_default_plan not in plans:
-        raise ValueError(f"default plan {settings.billing_default_plan!r} is not in {settings.billing_plans_path}")
+        raise ValueError(
+            f"default plan {settings.billing_default_plan!r} is not in {settings.billing_plans_path}"
+        )
     prices = PriceTable.load(settings.billing_prices_path)
     engine = db.make_engine(url, settings.db_pool_size, settings.db_timeout_s)
     sessions = db.sessionmaker(engine)
     await sync_plans(sessions, plans)
     core = BillingCore(
         sessions,
-        RateLimiter(settings.billing_rate_limit_storage_url, key_prefix=f"{settings.redis_key_prefix}billing"),
+        RateLimiter(
+            settings.billing_rate_limit_storage_url,
+            key_prefix=f"{settings.redis_key_prefix}billing",
+        ),
         prices,
         default_plan=settings.billing_default_plan,
         hold_seconds=settings.billing_hold_seconds,
@@ -157,7 +184,9 @@ class BillingServer:
         core: the BillingCore (tests call `core.expire_holds()` directly).
     """
 
-    def __init__(self, running: RunningServer, core: BillingCore, engine: Any, sweeper: asyncio.Task | None) -> None:
+    def __init__(
+        self, running: RunningServer, core: BillingCore, engine: Any, sweeper: asyncio.Task | None
+    ) -> None:
         self._running = running
         self.port = running.port
         self.core = core
@@ -190,7 +219,10 @@ class BillingServer:
         sweeper = None
         if settings.billing_sweep_interval_s > 0:
             sweeper = asyncio.create_task(
-                _sweep_forever(core, settings.billing_sweep_interval_s, settings.billing_expiry_grace_s), name="billing-sweeper"
+                _sweep_forever(
+                    core, settings.billing_sweep_interval_s, settings.billing_expiry_grace_s
+                ),
+                name="billing-sweeper",
             )
         log.info("billing started", extra={"fields": {"port": running.port}})
         return cls(running, core, engine, sweeper)
@@ -208,7 +240,9 @@ class BillingServer:
 STALL_TICK_S = 1.0  # how often the sweeper looks at the clock to notice a stall of the process
 
 
-async def _sweep_forever(core: BillingCore, interval_s: float, grace_s: float = 0.0, stall_s: float = 1.0) -> None:
+async def _sweep_forever(
+    core: BillingCore, interval_s: float, grace_s: float = 0.0, stall_s: float = 1.0
+) -> None:
     """Expire overdue holds every `interval_s` seconds; a failed pass is logged (`PassLog`: a
     storage outage once) and retried.
 

@@ -25,8 +25,14 @@ MAX_SECONDS = 100 * 365 * 24 * 3600
 
 #: A level name `logging` knows, any case ("debug" is DEBUG); another one made logging's setup
 #: raise ValueError after the settings were read.
-LogLevel = Annotated[str, StringConstraints(
-    strip_whitespace=True, to_upper=True, pattern=r"(?i)^\s*(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL|NOTSET)\s*$")]
+LogLevel = Annotated[
+    str,
+    StringConstraints(
+        strip_whitespace=True,
+        to_upper=True,
+        pattern=r"(?i)^\s*(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL|NOTSET)\s*$",
+    ),
+]
 
 
 class CommonSettings(BaseSettings):
@@ -114,7 +120,9 @@ def read_toml_file(path: pathlib.Path | str, what: str, setting: str) -> dict[st
         with open(path, "rb") as file:
             return tomllib.load(file)
     except OSError as unreadable:
-        raise ValueError(f"{where} cannot be read: {unreadable.strerror or type(unreadable).__name__}") from None
+        raise ValueError(
+            f"{where} cannot be read: {unreadable.strerror or type(unreadable).__name__}"
+        ) from None
     except UnicodeDecodeError:
         raise ValueError(f"{where} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as malformed:

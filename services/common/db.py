@@ -27,7 +27,12 @@ if TYPE_CHECKING:
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_BUSY_TIMEOUT_S = SQLITE_BUSY_TIMEOUT_MS / 1000
-SQLITE_PRAGMAS = (f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
+SQLITE_PRAGMAS = (
+    f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}",
+    "journal_mode=WAL",
+    "synchronous=NORMAL",
+    "foreign_keys=ON",
+)
 _PRAGMA_RETRY_S = 0.005
 
 
@@ -56,7 +61,10 @@ def set_sqlite_pragmas(execute: Callable[[str], Any]) -> None:
 def _sqlite_busy(exc: sqlite3.OperationalError) -> bool:
     """True for SQLITE_BUSY / SQLITE_LOCKED ("database is locked", "database table is locked"),
     read from the primary result code SQLite sets on its errors (Python 3.11+)."""
-    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+    )
 
 
 def apply_sqlite_pragmas(sync_engine: Any) -> None:
@@ -83,8 +91,12 @@ def engine_url(url: str) -> URL:
     `sslmode` argument (fresh-eyes test: `?sslmode=require` was a TypeError traceback at start).
     Any other URL is returned as it is (parsed)."""
     parsed = make_url(url)
-    if (parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() == "asyncpg"
-            and "sslmode" in parsed.query and "ssl" not in parsed.query):
+    if (
+        parsed.get_backend_name() == "postgresql"
+        and parsed.get_driver_name() == "asyncpg"
+        and "sslmode" in parsed.query
+        and "ssl" not in parsed.query
+    ):
         query = dict(parsed.query)
         query["ssl"] = query.pop("sslmode")
         parsed = parsed.set(query=query)
@@ -105,10 +117,15 @@ def asyncpg_timeouts(url: URL, timeout_s: float) -> dict[str, float]:
     after 30 s instead of 503 + Retry-After (chaos test F5; asyncpg waits 60 s to connect and
     forever for a statement by default). A timed-out round trip raises TimeoutError, which
     `is_unavailable` reads as "the database cannot serve now"."""
-    return {name: float(url.query[name]) if name in url.query else timeout_s for name in ASYNCPG_TIMEOUTS}
+    return {
+        name: float(url.query[name]) if name in url.query else timeout_s
+        for name in ASYNCPG_TIMEOUTS
+    }
 
 
-def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncEngine:
+def make_engine(
+    url: str, pool_size: int = DEFAULT_POOL_SIZE, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> AsyncEngine:
     """Create an async engine for `url`; SQLite gets WAL, a 30 s busy timeout and foreign keys.
 
     PostgreSQL: a pool of `pool_size` connections plus as many again under bursts, checked
@@ -124,8 +141,14 @@ def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE, timeout_s: float =
         apply_sqlite_pragmas(engine.sync_engine)
         return engine
     parsed = engine_url(url)
-    return create_async_engine(parsed, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
-                               pool_timeout=timeout_s, connect_args=asyncpg_timeouts(parsed, timeout_s))
+    return create_async_engine(
+        parsed,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        pool_timeout=timeout_s,
+        connect_args=asyncpg_timeouts(parsed, timeout_s),
+    )
 
 
 _INSERT_IGNORING: dict[tuple[str, str, tuple[str, ...]], Any] = {}
@@ -145,7 +168,9 @@ def insert_ignoring(dialect: str, table: Any, conflict: tuple[str, ...]) -> Any:
         if dialect not in ("sqlite", "postgresql"):
             raise ValueError(f"unsupported database dialect {dialect!r} (sqlite or postgresql)")
         module = importlib.import_module(f"sqlalchemy.dialects.{dialect}")
-        statement = _INSERT_IGNORING[key] = module.insert(table).on_conflict_do_nothing(index_elements=list(conflict))
+        statement = _INSERT_IGNORING[key] = module.insert(table).on_conflict_do_nothing(
+            index_elements=list(conflict)
+        )
     return statement
 
 
@@ -167,7 +192,10 @@ def _chain(error: BaseException) -> list[BaseException]:
 
 def _sqlstates(error: BaseException) -> list[str]:
     """The SQLSTATE codes found along `error`'s chain (asyncpg's `sqlstate`, psycopg's `pgcode`)."""
-    codes = (getattr(current, "sqlstate", None) or getattr(current, "pgcode", None) for current in _chain(error))
+    codes = (
+        getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        for current in _chain(error)
+    )
     return [code for code in codes if isinstance(code, str)]
 
 
@@ -198,7 +226,11 @@ def redis_client_options(read_timeout_s: float = REDIS_TIMEOUT_S) -> dict[str, A
         "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S,
         "socket_timeout": read_timeout_s,
         "socket_keepalive": True,
-        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3, supported_errors=(redis.exceptions.ConnectionError,)),
+        "retry": Retry(
+            ExponentialWithJitterBackoff(base=0.05, cap=0.5),
+            3,
+            supported_errors=(redis.exceptions.ConnectionError,),
+        ),
     }
 
 
@@ -215,11 +247,19 @@ def is_unavailable(error: BaseException) -> bool:
     from sqlalchemy import exc  # noqa: PLC0415 - light: sqlalchemy is loaded by every service
 
     down: tuple[type[BaseException], ...] = (exc.TimeoutError, ConnectionError, TimeoutError)
-    redis_errors = sys.modules.get("redis.exceptions")  # no redis error exists unless redis-py was imported
+    redis_errors = sys.modules.get(
+        "redis.exceptions"
+    )  # no redis error exists unless redis-py was imported
     if redis_errors is not None:
-        down += (redis_errors.ConnectionError, redis_errors.TimeoutError)  # BusyLoadingError is a ConnectionError
-    if any(isinstance(current, down) or (isinstance(current, exc.DBAPIError) and current.connection_invalidated)
-           for current in _chain(error)):
+        down += (
+            redis_errors.ConnectionError,
+            redis_errors.TimeoutError,
+        )  # BusyLoadingError is a ConnectionError
+    if any(
+        isinstance(current, down)
+        or (isinstance(current, exc.DBAPIError) and current.connection_invalidated)
+        for current in _chain(error)
+    ):
         return True
     return any(code.startswith(_UNAVAILABLE_SQLSTATE_PREFIXES) for code in _sqlstates(error))
 
@@ -236,7 +276,10 @@ def is_invalid_value(error: BaseException) -> bool:
     the sqlite3 driver's OverflowError for an integer past 64 bits."""
     if any(code in _INVALID_VALUE_SQLSTATES for code in _sqlstates(error)):
         return True
-    return any(isinstance(current, OverflowError) and "SQLite INTEGER" in str(current) for current in _chain(error))
+    return any(
+        isinstance(current, OverflowError) and "SQLite INTEGER" in str(current)
+        for current in _chain(error)
+    )
 
 
 # SQLSTATEs of a transaction that lost a race with another (PostgreSQL manual, Appendix A):
@@ -295,7 +338,11 @@ def missing_sqlite_file(url: str) -> pathlib.Path | None:
     in-memory database, or a file that exists). Admin commands refuse to run on such a URL:
     migrating it would create an empty database beside the one the services use."""
     parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+    if (
+        parsed.get_backend_name() != "sqlite"
+        or not parsed.database
+        or parsed.database == ":memory:"
+    ):
         return None
     path = pathlib.Path(parsed.database)
     return None if path.exists() else path
@@ -319,7 +366,11 @@ def check_sqlite_file(url: str) -> None:
     aiosqlite worker thread also prints a traceback once the event loop has closed.
     """
     parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+    if (
+        parsed.get_backend_name() != "sqlite"
+        or not parsed.database
+        or parsed.database == ":memory:"
+    ):
         return
     path = pathlib.Path(parsed.database)
     if not path.exists():
@@ -330,12 +381,16 @@ def check_sqlite_file(url: str) -> None:
                 return
         return
     if not path.is_file():
-        raise UnusableDatabaseFile("it is a folder, not a database file" if path.is_dir() else "it is not a regular file")
+        raise UnusableDatabaseFile(
+            "it is a folder, not a database file" if path.is_dir() else "it is not a regular file"
+        )
     try:
         with path.open("rb") as file:
             head = file.read(len(SQLITE_HEADER))
     except OSError as unreadable:
-        raise UnusableDatabaseFile(f"it cannot be read: {unreadable.strerror or type(unreadable).__name__}") from None
+        raise UnusableDatabaseFile(
+            f"it cannot be read: {unreadable.strerror or type(unreadable).__name__}"
+        ) from None
     if head and head != SQLITE_HEADER:
         raise UnusableDatabaseFile("the file is not a SQLite database (it lacks the SQLite header)")
 
@@ -368,18 +423,30 @@ def unusable_database(error: BaseException, url: str, service: str, setting: str
     except exc.ArgumentError:
         return f"{setting} is not a database URL (e.g. sqlite+aiosqlite:///PATH, postgresql+asyncpg://HOST/NAME); {fix}"
     sqlite = parsed.get_backend_name() == "sqlite"
-    path = pathlib.Path(parsed.database) if sqlite and parsed.database and parsed.database != ":memory:" else None
+    path = (
+        pathlib.Path(parsed.database)
+        if sqlite and parsed.database and parsed.database != ":memory:"
+        else None
+    )
     if path is not None:
         where = f"at {path}"
     else:
         # libpq and asyncpg also take the host and port as query parameters (`…@/name?host=h&port=p`)
-        host, port = parsed.host or parsed.query.get("host"), parsed.port or parsed.query.get("port")
-        host, port = (host[0] if isinstance(host, tuple) else host), (port[0] if isinstance(port, tuple) else port)
+        host, port = (
+            parsed.host or parsed.query.get("host"),
+            parsed.port or parsed.query.get("port"),
+        )
+        host, port = (
+            (host[0] if isinstance(host, tuple) else host),
+            (port[0] if isinstance(port, tuple) else port),
+        )
         server = f"{host or 'localhost'}:{port or 'default port'}"
         where = f"({parsed.get_backend_name()} database {parsed.database or ''!r} on {server})"
     if isinstance(error, UnusableDatabaseFile):
         reason = str(error)
-    elif isinstance(error, exc.ArgumentError):  # NoSuchModuleError too: an unknown dialect or driver
+    elif isinstance(
+        error, exc.ArgumentError
+    ):  # NoSuchModuleError too: an unknown dialect or driver
         reason = f"{setting} names no installed database dialect or driver ({error})"
     elif isinstance(error, ModuleNotFoundError):
         reason = f"the driver of {setting} is not installed ({error}); use sqlite+aiosqlite or postgresql+asyncpg"
@@ -420,8 +487,10 @@ def migrate(service: str, url: str) -> None:
     try:
         check_sqlite_file(url)
     except UnusableDatabaseFile as unusable:
-        raise UnusableDatabase(f"the {service} database at {parsed.database} cannot be used: {unusable}; "
-                               "check LOOPLINE_DATA_DIR or the database URL") from None
+        raise UnusableDatabase(
+            f"the {service} database at {parsed.database} cannot be used: {unusable}; "
+            "check LOOPLINE_DATA_DIR or the database URL"
+        ) from None
     if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
         pathlib.Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     from alembic import command

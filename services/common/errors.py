@@ -18,7 +18,6 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-
 from grpc_status import rpc_status
 
 from services.common import db
@@ -68,13 +67,17 @@ class RpcError(Exception):
         # in grpc-status-details-bin; the receiving channel refuses more than 16 KiB) and
         # the error never carries an echo of a huge field back to a client.
         self.message = bounded(self.message)
-        self.metadata = {key: bounded(value, MAX_METADATA_VALUE_CHARS) for key, value in self.metadata.items()}
+        self.metadata = {
+            key: bounded(value, MAX_METADATA_VALUE_CHARS) for key, value in self.metadata.items()
+        }
         super().__init__(self.message)
 
     def to_status(self) -> grpc.Status:
         """The grpc.Status carrying this error (code, message, packed details)."""
         packed: list[any_pb2.Any] = []
-        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=self.domain, metadata=self.metadata)
+        info = error_details_pb2.ErrorInfo(
+            reason=self.reason, domain=self.domain, metadata=self.metadata
+        )
         for message in (info, *self.details):
             item = any_pb2.Any()
             item.Pack(message)
@@ -115,15 +118,26 @@ def storage_failure(error: BaseException, domain: str) -> tuple[str, RpcError] |
     database cannot store (`db.is_invalid_value`: INVALID_ARGUMENT INVALID_VALUE)."""
     store = db.unavailable_store(error)
     if store is not None:
-        return f"{store} unavailable", RpcError(grpc.StatusCode.UNAVAILABLE, f"{store.upper()}_UNAVAILABLE",
-                                                "The service is temporarily unavailable; try again", domain=domain)
+        return f"{store} unavailable", RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{store.upper()}_UNAVAILABLE",
+            "The service is temporarily unavailable; try again",
+            domain=domain,
+        )
     if db.is_conflict(error):
         return "a transaction lost a race with another", RpcError(
-            grpc.StatusCode.ABORTED, "CONCURRENT_UPDATE", "Another request changed the same data at the same time; try again", domain=domain)
+            grpc.StatusCode.ABORTED,
+            "CONCURRENT_UPDATE",
+            "Another request changed the same data at the same time; try again",
+            domain=domain,
+        )
     if db.is_invalid_value(error):
         return "a value the database cannot store", RpcError(
-            grpc.StatusCode.INVALID_ARGUMENT, "INVALID_VALUE",
-            "A field holds a value that cannot be stored (a NUL character, or a number out of range)", domain=domain)
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_VALUE",
+            "A field holds a value that cannot be stored (a NUL character, or a number out of range)",
+            domain=domain,
+        )
     return None
 
 
@@ -147,8 +161,10 @@ class PassLog:
             self.logger.error(f"{self.what} pass failed", exc_info=error)
         elif not self.outage:
             self.outage = True
-            self.logger.warning(f"{self.what}: {store} unavailable; {self.waiting}",
-                                extra={"fields": {"error": type(error).__name__}})
+            self.logger.warning(
+                f"{self.what}: {store} unavailable; {self.waiting}",
+                extra={"fields": {"error": type(error).__name__}},
+            )
 
     def passed(self) -> None:
         """A pass went through: say so once after an outage."""
@@ -157,8 +173,12 @@ class PassLog:
             self.logger.info(f"{self.what}: passes go through again")
 
 
-def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_DOMAIN,
-                check: Callable[[Any], None] | None = None) -> Callable[[Handler], Handler]:
+def rpc_handler(
+    *,
+    internal_domain: str | None = None,
+    domain: str = ASSISTANT_DOMAIN,
+    check: Callable[[Any], None] | None = None,
+) -> Callable[[Handler], Handler]:
     """The one wrapper every unary servicer handler goes through (STYLE.md, after A2A's grpc_handler).
 
     RpcError becomes its rich status via `abort`. An abort already under way
@@ -187,15 +207,35 @@ def rpc_handler(*, internal_domain: str | None = None, domain: str = ASSISTANT_D
                 raise
             except Exception as error:
                 known = storage_failure(error, internal_domain or domain)
-                if known is not None:  # not a bug: an outage, a lost race, a value the database refuses
-                    log.warning(known[0], extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}})
+                if (
+                    known is not None
+                ):  # not a bug: an outage, a lost race, a value the database refuses
+                    log.warning(
+                        known[0],
+                        extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}},
+                    )
                     await abort(context, known[1])
                     return None
                 log.exception("unhandled error", extra={"fields": {"rpc": handler.__name__}})
                 if internal_domain is not None:
-                    await abort(context, RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=internal_domain))
-                await abort(context, RpcError(grpc.StatusCode.UNKNOWN, "INTERNAL", "Internal error; the call may or may not have taken effect",
-                                              domain=domain))
+                    await abort(
+                        context,
+                        RpcError(
+                            grpc.StatusCode.INTERNAL,
+                            "INTERNAL",
+                            "Internal error",
+                            domain=internal_domain,
+                        ),
+                    )
+                await abort(
+                    context,
+                    RpcError(
+                        grpc.StatusCode.UNKNOWN,
+                        "INTERNAL",
+                        "Internal error; the call may or may not have taken effect",
+                        domain=domain,
+                    ),
+                )
 
         return wrapper
 
@@ -237,7 +277,11 @@ def status_details(error: grpc.aio.AioRpcError | grpc.RpcError) -> StatusDetails
                 if item.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
                     info = error_details_pb2.ErrorInfo()
                     item.Unpack(info)
-                    parsed.reason, parsed.domain, parsed.metadata = info.reason, info.domain, dict(info.metadata)
+                    parsed.reason, parsed.domain, parsed.metadata = (
+                        info.reason,
+                        info.domain,
+                        dict(info.metadata),
+                    )
                 elif item.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
                     retry = error_details_pb2.RetryInfo()
                     item.Unpack(retry)

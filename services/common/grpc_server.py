@@ -21,7 +21,9 @@ from services.common.internal_auth import server_interceptors
 log = logging.getLogger(__name__)
 
 REFLECTION_SERVICE_NAME = "grpc.reflection.v1alpha.ServerReflection"
-REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"  # the same messages on the wire as v1alpha
+REFLECTION_V1_SERVICE_NAME = (
+    "grpc.reflection.v1.ServerReflection"  # the same messages on the wire as v1alpha
+)
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,18 @@ class LazyReflection(grpc.GenericRpcHandler):
         self._v1_prefix = f"/{REFLECTION_V1_SERVICE_NAME}/"
         self._handler: grpc.GenericRpcHandler | None = None
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
         """The reflection method's handler, or None for any other method."""
         method = handler_call_details.method
         if not isinstance(method, str):
             return None
         if method.startswith(self._v1_prefix):
-            handler_call_details = _CallDetails(self._prefix + method[len(self._v1_prefix):], handler_call_details.invocation_metadata)
+            handler_call_details = _CallDetails(
+                self._prefix + method[len(self._v1_prefix) :],
+                handler_call_details.invocation_metadata,
+            )
         elif not method.startswith(self._prefix):
             return None
         if self._handler is None:
@@ -81,9 +88,12 @@ def _reflection_handler(service_names: Sequence[str]) -> grpc.GenericRpcHandler:
     from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
     collected = _Handlers()
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(service_names), collected)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer(service_names), collected
+    )
     (handler,) = collected.generic
     return handler
+
 
 # (add_XServicer_to_server, servicer instance, full service name)
 ServiceBinding = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
@@ -108,7 +118,11 @@ class PortUnavailable(RuntimeError):
 
 
 async def start_grpc_server(
-    bindings: Sequence[ServiceBinding], host: str, port: int, options: Sequence[tuple[str, Any]] = (), internal_token: str = ""
+    bindings: Sequence[ServiceBinding],
+    host: str,
+    port: int,
+    options: Sequence[tuple[str, Any]] = (),
+    internal_token: str = "",
 ) -> RunningServer:
     """Start a server on host:port (port 0 picks a free one) serving `bindings`.
 
@@ -128,7 +142,7 @@ async def start_grpc_server(
             # stream; fresh-eyes test). A port in use is an error at start instead.
             ("grpc.so_reuseport", 0),
             *options,
-        ]
+        ],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -136,13 +150,21 @@ async def start_grpc_server(
     for add, servicer, name in bindings:
         add(servicer, server)
         names.append(name)
-    server.add_generic_rpc_handlers((LazyReflection([*names, health.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME, REFLECTION_SERVICE_NAME]),))
+    server.add_generic_rpc_handlers(
+        (
+            LazyReflection(
+                [*names, health.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME, REFLECTION_SERVICE_NAME]
+            ),
+        )
+    )
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpc's "Failed to bind to address ..."
         bound = 0
     if bound == 0:
-        raise PortUnavailable(f"cannot bind the gRPC port {host}:{port}: it is in use (another copy of the service?) or not available")
+        raise PortUnavailable(
+            f"cannot bind the gRPC port {host}:{port}: it is in use (another copy of the service?) or not available"
+        )
     await server.start()
     for name in [*names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

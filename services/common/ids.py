@@ -34,7 +34,9 @@ def org_id_arg(text: str) -> str:
     return text
 
 
-def request_organization_check(domain: str, empty_reason: str | None = None) -> Callable[[Any], None]:
+def request_organization_check(
+    domain: str, empty_reason: str | None = None
+) -> Callable[[Any], None]:
     """A `rpc_handler(check=...)` for a gRPC service: the organization a request names
     (`caller.organization_id`, else `organization_id`; a request with neither is not checked)
     must be one an organization can have (`org_id_error`), else RpcError INVALID_ARGUMENT
@@ -55,10 +57,17 @@ def request_organization_check(domain: str, empty_reason: str | None = None) -> 
         else:
             return
         if not organization_id and empty_reason is not None:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, empty_reason, f"{name} is required", domain=domain)
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, empty_reason, f"{name} is required", domain=domain
+            )
         problem = org_id_error(organization_id)
         if problem is not None:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ORGANIZATION_ID", f"{name}: {problem}", domain=domain)
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_ORGANIZATION_ID",
+                f"{name}: {problem}",
+                domain=domain,
+            )
 
     return check
 

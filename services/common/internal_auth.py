@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _REFUSED = "missing or wrong internal token"
-REFUSAL_LOG_INTERVAL_S = 60.0  # a refused method is logged at most this often (a misconfigured peer retries a lot)
+REFUSAL_LOG_INTERVAL_S = (
+    60.0  # a refused method is logged at most this often (a misconfigured peer retries a lot)
+)
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -42,7 +44,10 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
         yield  # pragma: no cover - abort raises
 
-    kinds = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    kinds = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary, **kinds)
     if handler.unary_stream:
@@ -72,7 +77,12 @@ class TokenCheck(grpc.aio.ServerInterceptor):
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 if hmac.compare_digest(given, self._expected):
                     return handler
-        self._log_refusal(handler_call_details.method, any(key == "authorization" for key, _ in handler_call_details.invocation_metadata or ()))
+        self._log_refusal(
+            handler_call_details.method,
+            any(
+                key == "authorization" for key, _ in handler_call_details.invocation_metadata or ()
+            ),
+        )
         return _refusing(handler)
 
     def _log_refusal(self, method: str, had_token: bool) -> None:
@@ -83,8 +93,16 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         if now - self._logged.get(method, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
             return
         self._logged[method] = now
-        log.warning("refused an internal call: %s internal token", "wrong" if had_token else "no", extra={"fields": {
-            "method": method, "fix": "set the same LOOPLINE_INTERNAL_TOKEN on every service"}})
+        log.warning(
+            "refused an internal call: %s internal token",
+            "wrong" if had_token else "no",
+            extra={
+                "fields": {
+                    "method": method,
+                    "fix": "set the same LOOPLINE_INTERNAL_TOKEN on every service",
+                }
+            },
+        )
 
 
 class _SendToken:
@@ -94,18 +112,26 @@ class _SendToken:
         self._pair = ("authorization", f"Bearer {token}")
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()), self._pair)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
+        metadata = grpc.aio.Metadata(
+            *(tuple(details.metadata) if details.metadata else ()), self._pair
+        )
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 # One class per call kind: grpc.aio files an interceptor under the first call kind it implements only.
 class _SendTokenUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+    async def intercept_unary_unary(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
 class _SendTokenStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+    async def intercept_unary_stream(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
@@ -114,7 +140,9 @@ def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
     return [TokenCheck(token)] if token else []
 
 
-def internal_channel(target: str, token: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+def internal_channel(
+    target: str, token: str, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
     """An insecure channel to another Loopline service that sends `token` when it is set."""
     interceptors = [_SendTokenUnary(token), _SendTokenStream(token)] if token else None
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)

@@ -16,7 +16,9 @@ from typing import Any
 
 import orjson
 
-_context: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("loopline_log_context", default={})
+_context: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "loopline_log_context", default={}
+)
 
 
 class JsonFormatter(logging.Formatter):
@@ -47,7 +49,15 @@ class JsonFormatter(logging.Formatter):
 # Libraries whose INFO/DEBUG lines are noise or carry what must not be logged: the HTTP clients
 # log every request's URL, and an organization's URL can be a secret (an MCP server's, with its
 # token: the mcp SDK calls through httpx2). Kept at WARNING whatever the service's level.
-QUIET_LOGGERS = ("uvicorn.access", "aiosqlite", "sqlalchemy.engine", "httpx", "httpcore", "httpx2", "httpcore2")
+QUIET_LOGGERS = (
+    "uvicorn.access",
+    "aiosqlite",
+    "sqlalchemy.engine",
+    "httpx",
+    "httpcore",
+    "httpx2",
+    "httpcore2",
+)
 
 
 def setup(service: str, level: str = "INFO") -> None:

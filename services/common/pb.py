@@ -37,7 +37,9 @@ from typing import Any
 import orjson
 from google.protobuf import json_format, struct_pb2, timestamp_pb2
 
-PROTOBUF_MAX_DEPTH = 100  # upb's decode limit in Python protobuf (levels of messages nested in the decoded one)
+PROTOBUF_MAX_DEPTH = (
+    100  # upb's decode limit in Python protobuf (levels of messages nested in the decoded one)
+)
 MAX_WIRE_DEPTH = 32  # deepest JSON anywhere on the wire: (100 - 4 enclosing levels) // 3, see the module docstring
 MAX_JSON_DEPTH = 29  # deepest JSON accepted from outside or produced by a tool: MAX_WIRE_DEPTH - 3 (thread wrapping)
 CLIPPED_TOO_DEEP = "[JSON nested too deep to show]"  # a clipped part even json.dumps cannot write
@@ -195,7 +197,9 @@ def json_bytes(data: Any, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH
         data = clipped(data, max_depth)
     try:
         return orjson.dumps(data)
-    except orjson.JSONEncodeError as error:  # a TypeError subclass: a lone surrogate, an integer past 64 bits, another type
+    except (
+        orjson.JSONEncodeError
+    ) as error:  # a TypeError subclass: a lone surrogate, an integer past 64 bits, another type
         failure = str(error)
     data = scrub(data)
     try:
@@ -203,7 +207,9 @@ def json_bytes(data: Any, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH
     except orjson.JSONEncodeError:
         pass
     try:
-        return json.dumps(_finite(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(
+            _finite(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        ).encode()
     except (TypeError, ValueError):
         raise TypeError(failure) from None
 
@@ -281,10 +287,19 @@ def object_of(message: Any, name: str) -> dict[str, Any]:
     raise NotAnObject(f"{name}_json must be a JSON object (UTF-8 JSON text): {why}")
 
 
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}
+_JSON_KINDS = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
-def to_struct(data: dict[str, Any] | None, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH) -> struct_pb2.Struct:
+def to_struct(
+    data: dict[str, Any] | None, *, clip: bool = False, max_depth: int = MAX_JSON_DEPTH
+) -> struct_pb2.Struct:
     """A Struct holding the JSON object `data` (empty for None or {}).
 
     `data` itself is level 1 of `max_depth` (module docstring). Past it: JsonTooDeep (a
@@ -298,7 +313,10 @@ def to_struct(data: dict[str, Any] | None, *, clip: bool = False, max_depth: int
         return struct
     try:
         fields = struct.fields
-        if all(isinstance(key, str) and _fill_value(fields[key], item, max_depth - 1, clip) for key, item in data.items()):
+        if all(
+            isinstance(key, str) and _fill_value(fields[key], item, max_depth - 1, clip)
+            for key, item in data.items()
+        ):
             return struct
     except _TooDeep:
         raise JsonTooDeep(max_depth) from None
@@ -454,8 +472,13 @@ def timestamp(moment: datetime.datetime | None = None) -> timestamp_pb2.Timestam
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-_MIN_SECONDS, _MAX_SECONDS = -62135596800, 253402300799  # 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z (protobuf's range)
-_SECONDS_TEXT: dict[int, str] = {}  # whole seconds -> "YYYY-MM-DDTHH:MM:SS"; a run's events share a few seconds
+_MIN_SECONDS, _MAX_SECONDS = (
+    -62135596800,
+    253402300799,
+)  # 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z (protobuf's range)
+_SECONDS_TEXT: dict[
+    int, str
+] = {}  # whole seconds -> "YYYY-MM-DDTHH:MM:SS"; a run's events share a few seconds
 
 
 def iso(ts: timestamp_pb2.Timestamp | datetime.datetime | None) -> str | None:
@@ -477,7 +500,9 @@ def iso(ts: timestamp_pb2.Timestamp | datetime.datetime | None) -> str | None:
             if text is None:
                 if len(_SECONDS_TEXT) >= 4096:
                     _SECONDS_TEXT.clear()
-                text = _SECONDS_TEXT[seconds] = (_EPOCH + datetime.timedelta(seconds=seconds)).isoformat()[:19]
+                text = _SECONDS_TEXT[seconds] = (
+                    _EPOCH + datetime.timedelta(seconds=seconds)
+                ).isoformat()[:19]
             micros = nanos // 1000
             return f"{text}.{micros:06d}+00:00" if micros else text + "+00:00"
         moment = ts.ToDatetime(tzinfo=datetime.UTC)

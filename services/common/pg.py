@@ -104,7 +104,9 @@ class PgPool:
             TimeoutError, answered 503 / UNAVAILABLE.
     """
 
-    def __init__(self, url: Any, max_size: int = 4, timeout_s: float = db.DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, url: Any, max_size: int = 4, timeout_s: float = db.DEFAULT_TIMEOUT_S
+    ) -> None:
         self.timeouts = db.asyncpg_timeouts(url, timeout_s)
         # asyncpg would take the two as server settings (unknown DSN parameters are sent to the server)
         self.dsn = asyncpg_dsn(url.difference_update_query(db.ASYNCPG_TIMEOUTS))
@@ -121,8 +123,13 @@ class PgPool:
                 if self._pool is None:
                     import asyncpg
 
-                    self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size, reset=no_reset,
-                                                           **self.timeouts)
+                    self._pool = await asyncpg.create_pool(
+                        self.dsn,
+                        min_size=1,
+                        max_size=self.max_size,
+                        reset=no_reset,
+                        **self.timeouts,
+                    )
         return self._pool
 
     def close(self) -> None:

@@ -70,7 +70,9 @@ def _parts(value: str) -> set[str]:
         found.add(token)
         if scheme.group(1).lower() == "basic":
             try:
-                decoded = base64.b64decode(token + "=" * (-len(token) % 4), validate=True).decode("utf-8")
+                decoded = base64.b64decode(token + "=" * (-len(token) % 4), validate=True).decode(
+                    "utf-8"
+                )
             except (binascii.Error, ValueError):
                 decoded = ""
             if decoded:
@@ -81,7 +83,13 @@ def _parts(value: str) -> set[str]:
         if ":" in userinfo:
             password = userinfo.split(":", 1)[1]
             for form in (password, urllib.parse.unquote(password)):
-                found.add(form if len(form) >= MIN_LENGTH else _Short(form) if len(form) >= _URL_PASSWORD_MIN else "")
+                found.add(
+                    form
+                    if len(form) >= MIN_LENGTH
+                    else _Short(form)
+                    if len(form) >= _URL_PASSWORD_MIN
+                    else ""
+                )
     found.discard("")
     return found
 
@@ -89,9 +97,13 @@ def _parts(value: str) -> set[str]:
 def _encodings(value: str) -> set[str]:
     """The forms `value` takes when an error quotes it, escapes it, URL-encodes it or base64-encodes it."""
     forms = {value}
-    forms.add(repr(value)[1:-1])  # Python's escapes (\n, \t, \x00, \\), as str() of a tuple or repr shows it
+    forms.add(
+        repr(value)[1:-1]
+    )  # Python's escapes (\n, \t, \x00, \\), as str() of a tuple or repr shows it
     try:
-        forms.add(repr(value.encode("utf-8"))[2:-1])  # the bytes' repr (h11: "Illegal header value b'…\\n'")
+        forms.add(
+            repr(value.encode("utf-8"))[2:-1]
+        )  # the bytes' repr (h11: "Illegal header value b'…\\n'")
     except UnicodeEncodeError:  # a lone surrogate
         pass
     forms.add(json.dumps(value)[1:-1])  # JSON escapes, non-ASCII as \uXXXX
@@ -156,7 +168,10 @@ class Redactor:
         if _depth > 200:
             return value
         if isinstance(value, dict):
-            return {self.text(k) if isinstance(k, str) else k: self.value(v, _depth + 1) for k, v in value.items()}
+            return {
+                self.text(k) if isinstance(k, str) else k: self.value(v, _depth + 1)
+                for k, v in value.items()
+            }
         if isinstance(value, (list, tuple)):
             return [self.value(v, _depth + 1) for v in value]
         return value

@@ -85,7 +85,9 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
     loopline_logging.setup(service, level)
 
     async def main() -> None:
-        stop = catch_termination_signals()  # a signal during start-up stops the service once started
+        stop = (
+            catch_termination_signals()
+        )  # a signal during start-up stops the service once started
         if early_signals.received:
             stop.set()
         handle = await start()
@@ -98,7 +100,11 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
     early_signals.catch()  # until the event loop's handlers (`catch_termination_signals`); done at import by __main__
     try:
         asyncio.run(main())
-    except (db.UnusableDatabase, PortUnavailable, CannotStart) as unusable:  # e.g. LOOPLINE_DATA_DIR names a file, a port in use: one line
+    except (
+        db.UnusableDatabase,
+        PortUnavailable,
+        CannotStart,
+    ) as unusable:  # e.g. LOOPLINE_DATA_DIR names a file, a port in use: one line
         log.error("cannot start", extra={"fields": {"reason": str(unusable)}})
         sys.stderr.write(f"{service}: cannot start: {unusable}\n")
         raise SystemExit(2) from None

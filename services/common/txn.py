@@ -73,7 +73,9 @@ def _date_text(value: datetime.date | None) -> str | None:
 
 
 def _datetime_value(text: str | None) -> datetime.datetime | None:
-    return None if text is None else datetime.datetime.fromisoformat(text).replace(tzinfo=datetime.UTC)
+    return (
+        None if text is None else datetime.datetime.fromisoformat(text).replace(tzinfo=datetime.UTC)
+    )
 
 
 def _date_value(text: str | None) -> datetime.date | None:
@@ -120,16 +122,24 @@ class _Compiled(NamedTuple):
 
 
 def _compile(statement: Any, keys: tuple[str, ...] | None) -> _Compiled:
-    compiled = statement.compile(dialect=_NAMED_SQLITE, column_keys=list(keys) if keys is not None else None)
+    compiled = statement.compile(
+        dialect=_NAMED_SQLITE, column_keys=list(keys) if keys is not None else None
+    )
     params = compiled.params
     if keys is not None:  # an INSERT: every column it renders must come from the caller
         missing = [name for name in params if name not in keys]
         if missing:
             raise ValueError(f"INSERT into {statement.table.name} needs values for {missing}")
     # values written into the statement (e.g. `.values(running_id=None)`), not the caller's bindparam()s
-    defaults = {name: value for name, value in params.items() if keys is None and not compiled.binds[name].required}
+    defaults = {
+        name: value
+        for name, value in params.items()
+        if keys is None and not compiled.binds[name].required
+    }
     binds = tuple(
-        (name, convert) for name in params if (convert := _BIND_CONVERTERS.get(_kind(compiled.binds[name].type))) is not None
+        (name, convert)
+        for name in params
+        if (convert := _BIND_CONVERTERS.get(_kind(compiled.binds[name].type))) is not None
     )
     row: type | None = None
     columns: tuple[tuple[int, Callable[[Any], Any]], ...] = ()
@@ -223,7 +233,9 @@ class SqliteConnection:
             compiled = self._cache[key] = _compile(statement, keys)
         return compiled
 
-    def execute(self, statement: Any, params: dict[str, Any] | list[dict[str, Any]] | None = None) -> SqliteResult:
+    def execute(
+        self, statement: Any, params: dict[str, Any] | list[dict[str, Any]] | None = None
+    ) -> SqliteResult:
         """Execute `statement` with `params` (a dict of its bound parameter names), or once per
         dict of a list of them with the same keys (one `executemany`, as SQLAlchemy's
         `Connection.execute` does with a list; rows are written in the list's order; the
@@ -281,7 +293,9 @@ class SqliteConnection:
 
 
 CHECKPOINT_EVERY = 256  # commits of the worker's connection between its WAL checkpoints (PASSIVE, on the worker thread)
-_CHECKPOINT = object()  # queued by an inline commit that reached CHECKPOINT_EVERY: the worker checkpoints
+_CHECKPOINT = (
+    object()
+)  # queued by an inline commit that reached CHECKPOINT_EVERY: the worker checkpoints
 
 
 class _Job(NamedTuple):
@@ -321,16 +335,24 @@ class SqliteWorker:
         self.max_batch = max_batch
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
-        self._lock = threading.Lock()  # held while the connection is used (a worker batch, an inline job, a checkpoint)
-        self._raw: sqlite3.Connection | None = None  # the inline connection, set by the worker thread once connected
+        self._lock = (
+            threading.Lock()
+        )  # held while the connection is used (a worker batch, an inline job, a checkpoint)
+        self._raw: sqlite3.Connection | None = (
+            None  # the inline connection, set by the worker thread once connected
+        )
         self._conn: SqliteConnection | None = None
-        self._outstanding = 0  # jobs queued and not yet answered: none, or a job would overtake them inline
+        self._outstanding = (
+            0  # jobs queued and not yet answered: none, or a job would overtake them inline
+        )
         self._commits = 0  # commits since the last checkpoint (under _lock)
         self._checkpoint_queued = False
         self._thread = threading.Thread(target=self._main, name=thread_name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., T], args: tuple[Any, ...], inline: bool = True) -> asyncio.Future[T]:
+    def submit(
+        self, fn: Callable[..., T], args: tuple[Any, ...], inline: bool = True
+    ) -> asyncio.Future[T]:
         """Run `fn(conn, *args)` in a transaction; the future resolves after the COMMIT that contains it.
 
         With `inline` (the default), when nothing of this worker is queued or unanswered (a
@@ -343,8 +365,13 @@ class SqliteWorker:
             raise RuntimeError("the database worker is closed")
         loop = asyncio.get_running_loop()
         job = _Job(fn, args, loop.create_future(), loop)
-        if (inline and self._outstanding == 0 and not self._checkpoint_queued and self._raw is not None
-                and self._lock.acquire(blocking=False)):
+        if (
+            inline
+            and self._outstanding == 0
+            and not self._checkpoint_queued
+            and self._raw is not None
+            and self._lock.acquire(blocking=False)
+        ):
             try:
                 ran = self._run_inline(job)
             finally:
@@ -370,7 +397,9 @@ class SqliteWorker:
             return False
         try:
             raw.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError:  # busy (another process or engine writes), or worse: the worker's turn
+        except (
+            sqlite3.OperationalError
+        ):  # busy (another process or engine writes), or worse: the worker's turn
             return False
         outcomes = self._transact(raw, conn, [job], begun=True)
         # answered on the next loop turn, as from the worker: awaiting a transaction still lets
@@ -395,7 +424,9 @@ class SqliteWorker:
         raw = inline = None
         try:
             raw = self._connect(SQLITE_BUSY_TIMEOUT_MS)
-            if self.database != ":memory:":  # a private in-memory database has one connection: no inline runs
+            if (
+                self.database != ":memory:"
+            ):  # a private in-memory database has one connection: no inline runs
                 inline = self._connect(0)
         except Exception as exc:  # noqa: BLE001 - every caller hears why (before: the thread died, callers hung)
             for opened in (raw, inline):
@@ -454,10 +485,14 @@ class SqliteWorker:
 
     def _connect(self, busy_timeout_ms: int) -> sqlite3.Connection:
         """A connection with SQLITE_PRAGMAS, `busy_timeout_ms`, and no automatic WAL checkpoint (`_checkpoint`)."""
-        raw = sqlite3.connect(self.database, isolation_level=None, check_same_thread=False, cached_statements=256)
+        raw = sqlite3.connect(
+            self.database, isolation_level=None, check_same_thread=False, cached_statements=256
+        )
         set_sqlite_pragmas(raw.execute)
         raw.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
-        raw.execute("PRAGMA wal_autocheckpoint=0")  # the worker thread checkpoints, never a COMMIT on the event loop
+        raw.execute(
+            "PRAGMA wal_autocheckpoint=0"
+        )  # the worker thread checkpoints, never a COMMIT on the event loop
         return raw
 
     def _checkpoint(self, raw: sqlite3.Connection) -> None:
@@ -477,7 +512,9 @@ class SqliteWorker:
                 loop.call_soon_threadsafe(self._answer, items)
 
     @staticmethod
-    def _transact(raw: sqlite3.Connection, conn: SqliteConnection, batch: list[_Job], begun: bool = False) -> list[tuple[_Job, bool, Any]]:
+    def _transact(
+        raw: sqlite3.Connection, conn: SqliteConnection, batch: list[_Job], begun: bool = False
+    ) -> list[tuple[_Job, bool, Any]]:
         """Run `batch` in one transaction (`begun`: its BEGIN IMMEDIATE was executed), a savepoint
         per job; COMMIT; returns each job's (job, ok, result or error)."""
         outcomes: list[tuple[_Job, bool, Any]] = []
@@ -505,7 +542,9 @@ class SqliteWorker:
                 if not single and not raw.in_transaction:
                     # SQLite itself rolled the transaction back (I/O error, disk full, ...):
                     # nothing of this batch is kept, so nobody may hear "done".
-                    raise sqlite3.OperationalError("the batch transaction was rolled back by SQLite")
+                    raise sqlite3.OperationalError(
+                        "the batch transaction was rolled back by SQLite"
+                    )
             if raw.in_transaction:
                 raw.execute("COMMIT")
         except BaseException as error:  # BEGIN, savepoint bookkeeping or COMMIT failed
@@ -513,7 +552,9 @@ class SqliteWorker:
                 with contextlib.suppress(sqlite3.Error):
                     raw.execute("ROLLBACK")
             failure = (
-                DBAPIError.instance("COMMIT", None, error, sqlite3.Error) if isinstance(error, sqlite3.Error) else error
+                DBAPIError.instance("COMMIT", None, error, sqlite3.Error)
+                if isinstance(error, sqlite3.Error)
+                else error
             )
             outcomes = [(job, False, failure) for job in batch]
         return outcomes

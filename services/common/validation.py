@@ -35,7 +35,14 @@ MAX_MESSAGE_CHARS = 1000
 
 Renderer = Callable[[list[str]], str]
 
-_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
+_JSON_TYPES = (
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
 # In-place applicators: with one of them, properties declared elsewhere may be evaluated too.
 _APPLICATORS = ("allOf", "anyOf", "oneOf", "if", "$ref", "$dynamicRef", "dependentSchemas")
 
@@ -61,10 +68,15 @@ def schema_errors(validator: Draft202012Validator, instance: Any, where: str) ->
         at = _path(where, error.absolute_path)
         key, render, names = _describe(error)
         _render, merged = problems.setdefault((at, key), (render, []))
-        merged.extend(n for n in names if n not in merged)  # "required" yields one error per missing field
+        merged.extend(
+            n for n in names if n not in merged
+        )  # "required" yields one error per missing field
     if not problems:
         return None
-    parts = [f"{at}: {render(names) if render else key}" for (at, key), (render, names) in list(problems.items())[:MAX_PROBLEMS]]
+    parts = [
+        f"{at}: {render(names) if render else key}"
+        for (at, key), (render, names) in list(problems.items())[:MAX_PROBLEMS]
+    ]
     if len(problems) > MAX_PROBLEMS:
         parts.append(f"… and {len(problems) - MAX_PROBLEMS} more problems")
     return bounded("; ".join(parts), MAX_MESSAGE_CHARS)
@@ -80,11 +92,21 @@ def _describe(error: ValidationError) -> tuple[str, Renderer | None, list[str]]:
     value = error.validator_value
     schema = error.schema if isinstance(error.schema, dict) else {}
     instance = error.instance
-    if "propertyNames" in error.relative_schema_path:  # `instance` is a field name here, not a value
-        return f"field name {_quote(instance)} is not allowed: {_describe_rule(rule, value, schema, instance)}", None, []
+    if (
+        "propertyNames" in error.relative_schema_path
+    ):  # `instance` is a field name here, not a value
+        return (
+            f"field name {_quote(instance)} is not allowed: {_describe_rule(rule, value, schema, instance)}",
+            None,
+            [],
+        )
     if rule == "required" and isinstance(instance, dict) and isinstance(value, list):
         missing = [str(n) for n in value if n not in instance]
-        return "required", lambda names: f"{_names(names)} {'are' if len(names) > 1 else 'is'} required", missing
+        return (
+            "required",
+            lambda names: f"{_names(names)} {'are' if len(names) > 1 else 'is'} required",
+            missing,
+        )
     if rule == "dependentRequired" and isinstance(instance, dict) and isinstance(value, dict):
         problems = []
         for present, needed in value.items():
@@ -98,11 +120,19 @@ def _describe(error: ValidationError) -> tuple[str, Renderer | None, list[str]]:
         if rule == "unevaluatedProperties" and any(k in schema for k in _APPLICATORS):
             return "has fields the schema does not allow", None, []
         patterns = [p for p in (schema.get("patternProperties") or {}) if isinstance(p, str)]
-        extras = sorted(str(k) for k in instance if k not in allowed and not any(_search(p, str(k)) for p in patterns))
+        extras = sorted(
+            str(k)
+            for k in instance
+            if k not in allowed and not any(_search(p, str(k)) for p in patterns)
+        )
         if not extras:
             return "has fields the schema does not allow", None, []
         hint = f" (allowed: {_names(allowed)})" if allowed else " (no field is allowed here)"
-        return "unexpected" + hint, lambda names: f"unexpected field(s) {_names(names)}{hint}", extras
+        return (
+            "unexpected" + hint,
+            lambda names: f"unexpected field(s) {_names(names)}{hint}",
+            extras,
+        )
     return _describe_rule(rule, value, schema, instance), None, []
 
 
@@ -115,7 +145,11 @@ def _describe_rule(rule: Any, value: Any, schema: dict[str, Any], instance: Any)
         return f"must be of type {' or '.join(str(t) for t in types)} (got {_json_type(instance)})"
     if rule == "enum":
         shown = [_schema_value(v) for v in (value if isinstance(value, list) else [])[:MAX_NAMES]]
-        more = f" and {len(value) - MAX_NAMES} more" if isinstance(value, list) and len(value) > MAX_NAMES else ""
+        more = (
+            f" and {len(value) - MAX_NAMES} more"
+            if isinstance(value, list) and len(value) > MAX_NAMES
+            else ""
+        )
         return f"must be one of {', '.join(shown)}{more}"
     if rule == "const":
         return f"must be {_schema_value(value)}"
@@ -172,7 +206,7 @@ def _path_key(error: ValidationError) -> list[tuple[int, int, str]]:
 
 
 def _names(names: Iterable[str]) -> str:
-    """"'a', 'b'" for up to MAX_NAMES names (each cut), then "and N more"."""
+    """ "'a', 'b'" for up to MAX_NAMES names (each cut), then "and N more"."""
     listed = list(dict.fromkeys(names))
     shown = ", ".join(_quote(n) for n in listed[:MAX_NAMES])
     return shown + (f" and {len(listed) - MAX_NAMES} more" if len(listed) > MAX_NAMES else "")
@@ -185,7 +219,9 @@ def _quote(name: Any) -> str:
 def _plain(text: str) -> str:
     """`text` cut to MAX_NAME_CHARS, with control characters escaped (a name may be anything)."""
     text = bounded(text, MAX_NAME_CHARS)
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
 
 
 def _schema_value(value: Any) -> str:
@@ -236,6 +272,8 @@ def header_fields_problem(headers: dict[str, Any], where: str = "headers") -> st
         if not _HEADER_NAME.fullmatch(name):
             return f"{where}: {_quote(name)} is not a header name (letters, digits and !#$%&'*+-.^_`|~ only; RFC 9110 section 5.1)"
         if not _HEADER_VALUE.fullmatch(value):
-            return (f"{where}: the value of {_quote(name)} holds a character a header cannot carry "
-                    "(visible ASCII, spaces and tabs only; RFC 9110 section 5.5)")
+            return (
+                f"{where}: the value of {_quote(name)} holds a character a header cannot carry "
+                "(visible ASCII, spaces and tabs only; RFC 9110 section 5.5)"
+            )
     return None

@@ -73,8 +73,14 @@ def _non_empty(text: str) -> str:
 def _email(text: str) -> str:
     """An argparse type for a new user's email: 3 to 320 characters with an "@", no whitespace or
     control characters (the users table's limit; a longer one failed in the database)."""
-    if not 3 <= len(text) <= 320 or "@" not in text or any(c.isspace() or not c.isprintable() for c in text):
-        raise argparse.ArgumentTypeError("an email is 3 to 320 printable characters with an '@' and no spaces")
+    if (
+        not 3 <= len(text) <= 320
+        or "@" not in text
+        or any(c.isspace() or not c.isprintable() for c in text)
+    ):
+        raise argparse.ArgumentTypeError(
+            "an email is 3 to 320 printable characters with an '@' and no spaces"
+        )
     return text
 
 
@@ -91,27 +97,62 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("serve", help="serve HTTP (default)")
     sub.add_parser("migrate", help="apply the identity database migrations")
-    sub.add_parser("seed-dev", help="ensure the development organization, owner and API key; prints JSON")
-    member = sub.add_parser("add-member", help="create a user with a role in an organization; prints JSON with its API key")
+    sub.add_parser(
+        "seed-dev", help="ensure the development organization, owner and API key; prints JSON"
+    )
+    member = sub.add_parser(
+        "add-member",
+        help="create a user with a role in an organization; prints JSON with its API key",
+    )
     member.add_argument("--org", required=True, type=ids.org_id_arg)
     member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
-    member.add_argument("--email", type=_email, help="the new user's email (must not belong to an existing user)")
-    llm = sub.add_parser("set-default-llm", help="save an organization's default model (used when a turn names none)")
+    member.add_argument(
+        "--email", type=_email, help="the new user's email (must not belong to an existing user)"
+    )
+    llm = sub.add_parser(
+        "set-default-llm", help="save an organization's default model (used when a turn names none)"
+    )
     llm.add_argument("--org", required=True, type=ids.org_id_arg)
     # non-empty: an empty one was stored, and every turn naming no model was then refused (fresh-eyes test)
-    llm.add_argument("--integration", required=True, type=_non_empty, help="integration_name, e.g. openai or loopline")
-    llm.add_argument("--provider", required=True, type=_non_empty, help="provider_id, e.g. openai, anthropic, scripted")
+    llm.add_argument(
+        "--integration",
+        required=True,
+        type=_non_empty,
+        help="integration_name, e.g. openai or loopline",
+    )
+    llm.add_argument(
+        "--provider",
+        required=True,
+        type=_non_empty,
+        help="provider_id, e.g. openai, anthropic, scripted",
+    )
     llm.add_argument("--model", required=True, type=_non_empty, help="model_id")
-    llm.add_argument("--credential", help="credential_id of the organization's own key (bring your own key)")
-    sub.add_parser("show-default-llm", help="print an organization's saved default model").add_argument("--org", required=True, type=ids.org_id_arg)
-    sub.add_parser("list-keys", help="the organization's API keys (id, prefix, member, role, created, revoked); never the keys").add_argument(
-        "--org", required=True, type=ids.org_id_arg)
-    revoke = sub.add_parser("revoke-key", help="revoke an API key by its id (key_..., printed by add-member), or the key read from stdin")
-    revoke.add_argument("--key-id", help="the key's id; without it the key itself is read from standard input")
+    llm.add_argument(
+        "--credential", help="credential_id of the organization's own key (bring your own key)"
+    )
+    sub.add_parser(
+        "show-default-llm", help="print an organization's saved default model"
+    ).add_argument("--org", required=True, type=ids.org_id_arg)
+    sub.add_parser(
+        "list-keys",
+        help="the organization's API keys (id, prefix, member, role, created, revoked); never the keys",
+    ).add_argument("--org", required=True, type=ids.org_id_arg)
+    revoke = sub.add_parser(
+        "revoke-key",
+        help="revoke an API key by its id (key_..., printed by add-member), or the key read from stdin",
+    )
+    revoke.add_argument(
+        "--key-id", help="the key's id; without it the key itself is read from standard input"
+    )
     args = parser.parse_args()
     settings = GatewaySettings()
     if args.command in (None, "serve"):
-        runner.run("gateway", settings.log_level, lambda: GatewayServer.start(settings), settings.shutdown_grace_s)
+        runner.run(
+            "gateway",
+            settings.log_level,
+            lambda: GatewayServer.start(settings),
+            settings.shutdown_grace_s,
+        )
         return
     if args.command == "migrate":  # not an admin command: it prints nothing
         code = db.migrate_command("gateway", settings.database_url)
@@ -121,7 +162,9 @@ def main() -> None:
     try:
         _command(args, settings)
     except Exception as error:
-        problem = db.unusable_database(error, settings.database_url, "gateway", "LOOPLINE_GATEWAY_DATABASE_URL")
+        problem = db.unusable_database(
+            error, settings.database_url, "gateway", "LOOPLINE_GATEWAY_DATABASE_URL"
+        )
         if problem is None:
             raise
         _answer(None, problem)
@@ -135,11 +178,20 @@ def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
     """
     db.check_sqlite_file(settings.database_url)  # first: a folder that is a file is said as such
     missing = db.missing_sqlite_file(settings.database_url)
-    if missing is not None and args.command in ("add-member", "set-default-llm", "show-default-llm", "revoke-key", "list-keys"):
+    if missing is not None and args.command in (
+        "add-member",
+        "set-default-llm",
+        "show-default-llm",
+        "revoke-key",
+        "list-keys",
+    ):
         # pointed elsewhere than the services (LOOPLINE_DATA_DIR / the database URL): migrating
         # would create an empty database and the change would go nowhere
-        _answer(None, f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
-                      "(or LOOPLINE_GATEWAY_DATABASE_URL) the services use")
+        _answer(
+            None,
+            f"no gateway database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
+            "(or LOOPLINE_GATEWAY_DATABASE_URL) the services use",
+        )
     if args.command == "seed-dev":
         if settings.dev_api_key:
             _run_check(identity.check_dev_key, settings.dev_api_key)  # before anything is written
@@ -151,6 +203,7 @@ def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
         db.migrate("gateway", settings.database_url)
         _run(settings, lambda s: identity.create_member(s, args.org, args.role, args.email))
     elif args.command == "list-keys":
+
         async def listing(sessions):
             keys = await identity.list_keys(sessions, args.org)
             return None if keys is None else {"organization_id": args.org, "keys": keys}
@@ -159,7 +212,9 @@ def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
     elif args.command == "revoke-key":
         if args.key_id is not None and not args.key_id.strip():
             _answer(None, "no key id given: --key-id is empty")
-        key = None if args.key_id else sys.stdin.readline().strip()  # an empty key: identity.AdminError
+        key = (
+            None if args.key_id else sys.stdin.readline().strip()
+        )  # an empty key: identity.AdminError
         _run(settings, lambda s: identity.revoke_key(s, args.key_id, key), "no such API key")
     elif args.command in ("set-default-llm", "show-default-llm"):
         from services.gateway.org_settings import DefaultModels
@@ -171,7 +226,11 @@ def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
             if not await models.exists(args.org):
                 return None
             if args.command == "set-default-llm":
-                chosen = {"integration_name": args.integration, "provider_id": args.provider, "model_id": args.model}
+                chosen = {
+                    "integration_name": args.integration,
+                    "provider_id": args.provider,
+                    "model_id": args.model,
+                }
                 if args.credential:
                     chosen["credential_id"] = args.credential
                 await models.set(args.org, chosen)

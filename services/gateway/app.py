@@ -66,12 +66,14 @@ from services.gateway.idempotency import (
     body_hash,
     outcome_unknown,
 )
-from services.gateway.idempotency import request_id as turn_request_id  # "request_id" is also a question's id here
+from services.gateway.idempotency import (
+    request_id as turn_request_id,
+)  # "request_id" is also a question's id here
 from services.gateway.identity import Authenticator, AuthError, Principal, user_email
 from services.gateway.openapi import error_responses, json_schema_bounds
+from services.gateway.org_settings import DefaultModels, settings_router
 from services.gateway.query import TrueOrFalse, WholeNumber, single_query_values
 from services.gateway.ratelimit import RateLimited, RequestLimits, key_of
-from services.gateway.org_settings import DefaultModels, settings_router
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,12 @@ _LLM_PROPERTIES = {
     "model_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
     "credential_id": {"type": ["string", "null"]},
 }
-_LLM_SCHEMA = {"type": ["object", "null"], "properties": _LLM_PROPERTIES, "required": ["integration_name", "provider_id", "model_id"], "additionalProperties": False}
+_LLM_SCHEMA = {
+    "type": ["object", "null"],
+    "properties": _LLM_PROPERTIES,
+    "required": ["integration_name", "provider_id", "model_id"],
+    "additionalProperties": False,
+}
 
 
 # No Connection header: persistence is HTTP/1.1's default and the server's to decide (with an
@@ -181,7 +188,10 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(400, "Request body must be a JSON object")
     # Fewer brackets than the limit cannot nest deeper than it (a count in C, so the common small
     # body is never walked; brackets inside strings only make the walk happen).
-    if raw.count(b"{") + raw.count(b"[") > pb.MAX_JSON_DEPTH and pb.json_depth(body, pb.MAX_JSON_DEPTH) > pb.MAX_JSON_DEPTH:
+    if (
+        raw.count(b"{") + raw.count(b"[") > pb.MAX_JSON_DEPTH
+        and pb.json_depth(body, pb.MAX_JSON_DEPTH) > pb.MAX_JSON_DEPTH
+    ):
         raise BodyError(400, _TOO_DEEP)
     # PostgreSQL's text types cannot hold U+0000 (and it is never meaningful text), so a body with
     # one in a string is refused on either backend alike. In valid JSON it can only be written as
@@ -196,8 +206,14 @@ def json_object(raw: bytes) -> dict[str, Any]:
         try:
             json.loads(raw, object_pairs_hook=_unique_names)
         except _RepeatedName as exc:
-            raise BodyError(400, f"Request body gives the name {bounded(json.dumps(exc.name, ensure_ascii=False), 200)} more than once in one object; give it once") from None
-        except (ValueError, RecursionError):  # a limit of the second parser only: orjson read the body
+            raise BodyError(
+                400,
+                f"Request body gives the name {bounded(json.dumps(exc.name, ensure_ascii=False), 200)} more than once in one object; give it once",
+            ) from None
+        except (
+            ValueError,
+            RecursionError,
+        ):  # a limit of the second parser only: orjson read the body
             pass
     return body
 
@@ -221,7 +237,9 @@ def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 _NUL = "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
 STREAM_NEEDS_HTTP_1_1 = "Event streams need HTTP/1.1 (they are sent with chunked transfer encoding); retry with HTTP/1.1"
-NUL_IN_URL = "A path or query value contains a NUL character (%00); ids and text values cannot hold it"
+NUL_IN_URL = (
+    "A path or query value contains a NUL character (%00); ids and text values cannot hold it"
+)
 _TOO_DEEP = f"Request body is nested deeper than {pb.MAX_JSON_DEPTH} levels of objects and arrays (the body itself counts as one)"
 
 
@@ -237,7 +255,9 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise BodyError(400, "llm must be an object {integration_name, provider_id, model_id, credential_id?}")
+        raise BodyError(
+            400, "llm must be an object {integration_name, provider_id, model_id, credential_id?}"
+        )
     check_fields(value, {"integration_name", "provider_id", "model_id", "credential_id"})
     fields = {}
     for name in ("integration_name", "provider_id", "model_id"):
@@ -248,7 +268,11 @@ def parse_llm(value: Any) -> assistant_pb2.LlmConfig | None:
     credential = value.get("credential_id")
     if credential is not None and not isinstance(credential, str):
         raise BodyError(400, "llm.credential_id must be a string")
-    return assistant_pb2.LlmConfig(**fields, credential_id=credential) if credential else assistant_pb2.LlmConfig(**fields)
+    return (
+        assistant_pb2.LlmConfig(**fields, credential_id=credential)
+        if credential
+        else assistant_pb2.LlmConfig(**fields)
+    )
 
 
 def auth_error_response(error: AuthError) -> JSONResponse:
@@ -277,13 +301,17 @@ def request_error_response(error: Exception) -> Response:
 _REQUEST_ERRORS = (AuthError, BodyError, IdempotencyConflict, grpc.aio.AioRpcError)
 # Appended to the orchestrator's 400 about an unusable model when the turn named none and the
 # organization's saved default was used: without it the client cannot tell where the model came from.
-FROM_SAVED_DEFAULT = " (from the organization's default model, PUT /organizations/settings/composer-llm)"
+FROM_SAVED_DEFAULT = (
+    " (from the organization's default model, PUT /organizations/settings/composer-llm)"
+)
 
 
 def from_saved_default(message: str) -> BodyError:
     """BodyError 400 with `message` about a turn's model and FROM_SAVED_DEFAULT appended (the
     message cut to fit the detail's bound, never the suffix)."""
-    return BodyError(400, bounded(message, MAX_MESSAGE_CHARS - len(FROM_SAVED_DEFAULT)) + FROM_SAVED_DEFAULT)
+    return BodyError(
+        400, bounded(message, MAX_MESSAGE_CHARS - len(FROM_SAVED_DEFAULT)) + FROM_SAVED_DEFAULT
+    )
 
 
 def saved_default_error(error: grpc.aio.AioRpcError) -> BodyError | None:
@@ -292,7 +320,11 @@ def saved_default_error(error: grpc.aio.AioRpcError) -> BodyError | None:
     credential, e.g. a deleted one): `from_saved_default` of its message. None for any other
     error, which the error table renders as it is."""
     parsed = status_details(error)
-    if parsed.domain != ASSISTANT_DOMAIN or parsed.reason != "UNKNOWN_MODEL" or parsed.code != grpc.StatusCode.INVALID_ARGUMENT:
+    if (
+        parsed.domain != ASSISTANT_DOMAIN
+        or parsed.reason != "UNKNOWN_MODEL"
+        or parsed.code != grpc.StatusCode.INVALID_ARGUMENT
+    ):
         return None
     return from_saved_default(parsed.message or "the model cannot be used")
 
@@ -334,7 +366,9 @@ class GatewayApp(FastAPI):
         (README error table), not uvicorn's text/plain 500 (fresh-eyes test)."""
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
-        scope[SERVER_SEND] = send  # the server's own: the SSE fast path finds the connection with it
+        scope[SERVER_SEND] = (
+            send  # the server's own: the SSE fast path finds the connection with it
+        )
         started = False
 
         async def tracked(message: Message) -> None:
@@ -356,7 +390,11 @@ class GatewayApp(FastAPI):
             # PostgreSQL's text types cannot hold U+0000 (fresh-eyes re-test: an id or query
             # value with %00 reached a WHERE clause there and was a 500): refused on either backend
             return await detail(400, NUL_IN_URL)(scope, receive, send)
-        if scope.get("http_version") == "1.0" and scope["method"] == "GET" and "/listen/" in scope["path"]:
+        if (
+            scope.get("http_version") == "1.0"
+            and scope["method"] == "GET"
+            and "/listen/" in scope["path"]
+        ):
             # an event stream is sent chunked (uvicorn frames every body without a length so,
             # and HTTP/1.0 has no chunked encoding): say so instead of a stream the client misreads
             return await detail(505, STREAM_NEEDS_HTTP_1_1)(scope, receive, send)
@@ -421,7 +459,10 @@ def _headers(scope: Scope, *names: bytes) -> list[str | None]:
 
 
 def create_app(
-    settings: GatewaySettings, authenticator: Authenticator, channel: grpc.aio.Channel, idempotency: IdempotencyStore,
+    settings: GatewaySettings,
+    authenticator: Authenticator,
+    channel: grpc.aio.Channel,
+    idempotency: IdempotencyStore,
     default_models: DefaultModels,
     tools_channel: grpc.aio.Channel | None = None,
 ) -> FastAPI:
@@ -434,7 +475,9 @@ def create_app(
         # No OpenTelemetry here: without this FastAPI looks up the global tracer, meter and logger
         # providers on every request (issue 9, gateway CPU per turn).
         telemetry={"tracing": False, "metrics": False, "logs": False},
-        dependencies=[Depends(single_query_values)],  # a query parameter given twice is 400 (services/gateway/query.py)
+        dependencies=[
+            Depends(single_query_values)
+        ],  # a query parameter given twice is 400 (services/gateway/query.py)
         # A path with a trailing slash is the 404 of any unknown path: Starlette's default redirect
         # (307) answered before any API key was checked and wrote the request's Host header into
         # its Location (fresh-eyes test: `Host: evil.example` gave `location: http://evil.example/…`).
@@ -443,15 +486,27 @@ def create_app(
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
     # every authentication goes through the per-key and per-client limits
     limits = app.state.request_limits = RequestLimits(
-        authenticator, settings.key_requests_per_minute, settings.failed_auths_per_minute,
-        settings.rate_limit_storage_url, settings.redis_key_prefix,
+        authenticator,
+        settings.key_requests_per_minute,
+        settings.failed_auths_per_minute,
+        settings.rate_limit_storage_url,
+        settings.redis_key_prefix,
     )
-    fanout = RunFanout(orchestrator, settings.heartbeat_interval_s, settings.write_threads, settings.http_send_timeout_s,
-                       settings.http_listens_per_key)
+    fanout = RunFanout(
+        orchestrator,
+        settings.heartbeat_interval_s,
+        settings.write_threads,
+        settings.http_send_timeout_s,
+        settings.http_listens_per_key,
+    )
     app.state.fanout = fanout
 
     async def principal(request: Request) -> Principal:
-        return await limits.authenticate(request.scope, request.headers.get("authorization"), request.headers.get("x-organization-id"))
+        return await limits.authenticate(
+            request.scope,
+            request.headers.get("authorization"),
+            request.headers.get("x-organization-id"),
+        )
 
     # built once per principal (only ever copied into requests); least recently used out past 10,000
     callers: LRUCache[Principal, assistant_pb2.Caller] = LRUCache(10_000)
@@ -459,7 +514,9 @@ def create_app(
     def caller(who: Principal) -> assistant_pb2.Caller:
         built = callers.get(who)
         if built is None:
-            built = callers[who] = assistant_pb2.Caller(organization_id=who.organization_id, user_id=who.user_id)
+            built = callers[who] = assistant_pb2.Caller(
+                organization_id=who.organization_id, user_id=who.user_id
+            )
         return built
 
     @app.exception_handler(Exception)
@@ -489,8 +546,13 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
-        if error.status_code == 405:  # Starlette names only the methods of the first route on the path
-            error.headers = {**(error.headers or {}), "Allow": ", ".join(allowed_methods(request.app.router.routes, request.scope))}
+        if (
+            error.status_code == 405
+        ):  # Starlette names only the methods of the first route on the path
+            error.headers = {
+                **(error.headers or {}),
+                "Allow": ", ".join(allowed_methods(request.app.router.routes, request.scope)),
+            }
         return await http_exception_handler(request, error)
 
     @app.exception_handler(AuthError)
@@ -514,7 +576,10 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in item.get('loc', ())[1:]) or 'request'}: {item.get('msg')}" for item in error.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in item.get('loc', ())[1:]) or 'request'}: {item.get('msg')}"
+            for item in error.errors()
+        )
         return detail(400, problems or "Invalid request")
 
     @app.exception_handler(grpc.aio.AioRpcError)
@@ -555,7 +620,9 @@ def create_app(
         return await turn_response(who, body, request.headers.get("idempotency-key"))
 
     async def start_turn_lean(scope: Scope, receive: Receive, send: Send) -> None:
-        authorization, organization, length, key = _headers(scope, b"authorization", b"x-organization-id", b"content-length", b"idempotency-key")
+        authorization, organization, length, key = _headers(
+            scope, b"authorization", b"x-organization-id", b"content-length", b"idempotency-key"
+        )
         try:
             who = await limits.authenticate(scope, authorization, organization)
             body = await receive_json_object(receive, length, settings.max_body_bytes)
@@ -589,10 +656,14 @@ def create_app(
             saved = await default_models.get(who.organization_id)
             try:
                 llm = parse_llm(saved) if saved else None
-            except BodyError as malformed:  # saved by an admin command, which checks less than PUT does
+            except (
+                BodyError
+            ) as malformed:  # saved by an admin command, which checks less than PUT does
                 raise from_saved_default(malformed.message) from None
             from_default = llm is not None
-        rpc = assistant_pb2.StartTurnRequest(caller=caller(who), message=message, chat_id=chat_id or "", kind="assistant")
+        rpc = assistant_pb2.StartTurnRequest(
+            caller=caller(who), message=message, chat_id=chat_id or "", kind="assistant"
+        )
         if llm is not None:
             rpc.llm.CopyFrom(llm)
         if key is None:
@@ -601,7 +672,12 @@ def create_app(
         digest = body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS))
         replay = await idempotency.claim(who.organization_id, who.user_id, key, route, digest)
         if replay is not None:
-            return Response(replay[1], status_code=replay[0], media_type="application/json", headers={"Idempotent-Replayed": "true"})
+            return Response(
+                replay[1],
+                status_code=replay[0],
+                media_type="application/json",
+                headers={"Idempotent-Replayed": "true"},
+            )
         # the orchestrator's own idempotency key (AIP-155 request_id): a retry of a start that
         # failed here (504, 503) after the turn did start answers that turn instead of a second one
         rpc.request_id = turn_request_id(who.organization_id, who.user_id, key, digest)
@@ -613,7 +689,13 @@ def create_app(
             else:
                 await idempotency.release(who.organization_id, who.user_id, key)
             raise
-        await idempotency.complete(who.organization_id, who.user_id, key, response.status_code, bytes(response.body).decode())
+        await idempotency.complete(
+            who.organization_id,
+            who.user_id,
+            key,
+            response.status_code,
+            bytes(response.body).decode(),
+        )
         return response
 
     async def _start(rpc: assistant_pb2.StartTurnRequest, from_default: bool = False) -> Response:
@@ -628,18 +710,33 @@ def create_app(
         headers = {}
         for key, value in await call.trailing_metadata() or ():
             if key.startswith("x-ratelimit-"):
-                headers["X-RateLimit-" + key[len("x-ratelimit-"):].capitalize()] = value
+                headers["X-RateLimit-" + key[len("x-ratelimit-") :].capitalize()] = value
         # orjson: the same compact JSON as JSONResponse's json.dumps for these ASCII fields, cheaper
-        return Response(orjson.dumps(_turn_json(response)), headers=headers, media_type="application/json")
+        return Response(
+            orjson.dumps(_turn_json(response)), headers=headers, media_type="application/json"
+        )
 
     @app.get(
         "/assistant/chat/{chat_id}/listen/{run_id}",
         summary="Stream a run's events as Server-Sent Events",
-        responses={**error_responses(404), 200: {"description": "text/event-stream of `data: <json>` frames", "content": {"text/event-stream": {}}}},
+        responses={
+            **error_responses(404),
+            200: {
+                "description": "text/event-stream of `data: <json>` frames",
+                "content": {"text/event-stream": {}},
+            },
+        },
     )
-    async def listen(chat_id: str, run_id: str, request: Request, after: Annotated[WholeNumber, Query(ge=0, le=_MAX_AFTER)] = 0) -> Response:
+    async def listen(
+        chat_id: str,
+        run_id: str,
+        request: Request,
+        after: Annotated[WholeNumber, Query(ge=0, le=_MAX_AFTER)] = 0,
+    ) -> Response:
         who = await principal(request)
-        return await stream_response(who, chat_id, run_id, after, request.headers.get("authorization"))
+        return await stream_response(
+            who, chat_id, run_id, after, request.headers.get("authorization")
+        )
 
     async def listen_lean(scope: Scope, receive: Receive, send: Send) -> None:
         target = _listen_target(scope)
@@ -656,7 +753,9 @@ def create_app(
             response = unexpected_error_response(error)
         await response(scope, receive, send)
 
-    async def stream_response(who: Principal, chat_id: str, run_id: str, after: int, authorization: str | None) -> Response:
+    async def stream_response(
+        who: Principal, chat_id: str, run_id: str, after: int, authorization: str | None
+    ) -> Response:
         """The SSE response of `who` (with `authorization`, whose key's listens are counted) listening
         to a run from frame `after`, or the error response."""
         key = key_of(authorization or "")
@@ -687,7 +786,11 @@ def create_app(
                             "type": "object",
                             "properties": {
                                 "request_id": {"type": "string", "minLength": 1},
-                                "response": {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]},
+                                "response": {
+                                    "type": "object",
+                                    "properties": {"kind": {"type": "string"}},
+                                    "required": ["kind"],
+                                },
                                 "llm": _LLM_SCHEMA,
                             },
                             "required": ["request_id", "response"],
@@ -706,31 +809,66 @@ def create_app(
         if not isinstance(request_id, str) or not request_id:
             raise BodyError(400, "request_id must be a non-empty string")
         if not isinstance(answer, dict) or not isinstance(answer.get("kind"), str):
-            raise BodyError(400, "response must be an object with a 'kind' (the SDK's UserInputResponse)")
+            raise BodyError(
+                400, "response must be an object with a 'kind' (the SDK's UserInputResponse)"
+            )
         llm = parse_llm(body.get("llm"))
         # the answer as JSON text (numbers exact, keys in the client's order), and as a Struct beside it
         # for an orchestrator of an older version (it reads only `response`)
-        rpc = assistant_pb2.ResumeRequest(caller=caller(who), chat_id=chat_id, request_id=request_id,
-                                          response=pb.to_struct(answer), response_json=pb.json_bytes(answer))
+        rpc = assistant_pb2.ResumeRequest(
+            caller=caller(who),
+            chat_id=chat_id,
+            request_id=request_id,
+            response=pb.to_struct(answer),
+            response_json=pb.json_bytes(answer),
+        )
         if llm is not None:
             rpc.llm.CopyFrom(llm)
         return JSONResponse(_turn_json(await orchestrator.Resume(rpc, timeout=30)))
 
-    @app.post("/assistant/chat/{chat_id}/cancel", summary="Cancel the chat's active run", responses=error_responses(404))
+    @app.post(
+        "/assistant/chat/{chat_id}/cancel",
+        summary="Cancel the chat's active run",
+        responses=error_responses(404),
+    )
     async def cancel(chat_id: str, request: Request) -> Response:
         who = await principal(request)
         await refuse_body(request, settings.max_body_bytes)
-        response = await orchestrator.Cancel(assistant_pb2.CancelRequest(caller=caller(who), chat_id=chat_id, reason="cancelled by user"), timeout=30)
-        return JSONResponse({"status": response.status, "chat_id": response.chat_id, "run_id": response.run_id})
+        response = await orchestrator.Cancel(
+            assistant_pb2.CancelRequest(
+                caller=caller(who), chat_id=chat_id, reason="cancelled by user"
+            ),
+            timeout=30,
+        )
+        return JSONResponse(
+            {"status": response.status, "chat_id": response.chat_id, "run_id": response.run_id}
+        )
 
-    @app.get("/assistant/chat/{chat_id}", summary="A chat with its messages and pending question", responses=error_responses(404))
-    async def get_chat(chat_id: str, request: Request, page_size: Annotated[WholeNumber, Query(ge=0, le=1000)] = 0,
-                       page_token: str | None = None) -> Response:
+    @app.get(
+        "/assistant/chat/{chat_id}",
+        summary="A chat with its messages and pending question",
+        responses=error_responses(404),
+    )
+    async def get_chat(
+        chat_id: str,
+        request: Request,
+        page_size: Annotated[WholeNumber, Query(ge=0, le=1000)] = 0,
+        page_token: str | None = None,
+    ) -> Response:
         who = await principal(request)
-        response = await orchestrator.GetChat(assistant_pb2.GetChatRequest(caller=caller(who), chat_id=chat_id, page_size=page_size,
-                                                                           page_token=page_token or ""), timeout=30)
+        response = await orchestrator.GetChat(
+            assistant_pb2.GetChatRequest(
+                caller=caller(who),
+                chat_id=chat_id,
+                page_size=page_size,
+                page_token=page_token or "",
+            ),
+            timeout=30,
+        )
         chat = response.chat
-        older = {"next_page_token": response.next_page_token} if response.next_page_token else {}  # only when there are older messages
+        older = (
+            {"next_page_token": response.next_page_token} if response.next_page_token else {}
+        )  # only when there are older messages
         # orjson: the JSON fields' text (`*_json`) goes into the body as the orchestrator wrote it
         # (pb.field_fragment: numbers exact, keys in their stored order); an older orchestrator's Struct
         # or Value is converted
@@ -742,14 +880,20 @@ def create_app(
                     "workflow_id": None,
                     "title": chat.title,
                     "running_id": chat.running_id or None,
-                    "pending_user_input_request": pb.field_fragment(chat, "pending_user_input_request"),
+                    "pending_user_input_request": pb.field_fragment(
+                        chat, "pending_user_input_request"
+                    ),
                     "created_at": pb.iso(chat.create_time),
                     "updated_at": pb.iso(chat.update_time),
                     "messages": [
                         {
-                            "id": m.id, "role": m.role, "content": pb.field_fragment(m, "content"),
+                            "id": m.id,
+                            "role": m.role,
+                            "content": pb.field_fragment(m, "content"),
                             "thinking": pb.field_fragment(m, "thinking"),
-                            "run_id": m.run_id or None, "running_status": m.running_status or None, "created_at": pb.iso(m.create_time),
+                            "run_id": m.run_id or None,
+                            "running_status": m.running_status or None,
+                            "created_at": pb.iso(m.create_time),
                         }
                         for m in response.messages
                     ],
@@ -759,51 +903,102 @@ def create_app(
             media_type="application/json",
         )
 
-    @app.get("/assistant/chats", summary="The caller's chats, newest first", responses=error_responses())
-    async def list_chats(request: Request, limit: Annotated[WholeNumber, Query(ge=1, le=100)] = 20, cursor: str | None = None) -> Response:
+    @app.get(
+        "/assistant/chats", summary="The caller's chats, newest first", responses=error_responses()
+    )
+    async def list_chats(
+        request: Request,
+        limit: Annotated[WholeNumber, Query(ge=1, le=100)] = 20,
+        cursor: str | None = None,
+    ) -> Response:
         who = await principal(request)
-        response = await orchestrator.ListChats(assistant_pb2.ListChatsRequest(caller=caller(who), limit=limit, cursor=cursor or ""), timeout=30)
+        response = await orchestrator.ListChats(
+            assistant_pb2.ListChatsRequest(caller=caller(who), limit=limit, cursor=cursor or ""),
+            timeout=30,
+        )
         return JSONResponse(
             {
                 "items": [
-                    {"id": c.id, "title": c.title, "created_at": pb.iso(c.create_time), "updated_at": pb.iso(c.update_time), "is_running": bool(c.running_id) and not _pending(c)}
+                    {
+                        "id": c.id,
+                        "title": c.title,
+                        "created_at": pb.iso(c.create_time),
+                        "updated_at": pb.iso(c.update_time),
+                        "is_running": bool(c.running_id) and not _pending(c),
+                    }
                     for c in response.chats
                 ],
                 "next_cursor": response.next_cursor or None,
             }
         )
 
-    @app.get("/assistant/chat/{chat_id}/status", summary="Whether the chat is running or awaiting input", responses=error_responses(404))
+    @app.get(
+        "/assistant/chat/{chat_id}/status",
+        summary="Whether the chat is running or awaiting input",
+        responses=error_responses(404),
+    )
     async def status(chat_id: str, request: Request) -> Response:
         who = await principal(request)
-        r = await orchestrator.GetChatStatus(assistant_pb2.GetChatStatusRequest(caller=caller(who), chat_id=chat_id), timeout=30)
+        r = await orchestrator.GetChatStatus(
+            assistant_pb2.GetChatStatusRequest(caller=caller(who), chat_id=chat_id), timeout=30
+        )
         return JSONResponse(
             {
-                "chat_id": r.chat_id, "is_running": r.is_running, "awaiting_input": r.awaiting_input,
-                "pending_request_id": r.pending_request_id or None, "running_id": r.running_id or None,
+                "chat_id": r.chat_id,
+                "is_running": r.is_running,
+                "awaiting_input": r.awaiting_input,
+                "pending_request_id": r.pending_request_id or None,
+                "running_id": r.running_id or None,
                 "run_status": pb.from_struct(r.run_status) if r.HasField("run_status") else None,
             }
         )
 
-    @app.delete("/assistant/chat/{chat_id}", summary="Delete a chat (soft unless permanent=true)", responses=error_responses(404, 409))
-    async def delete_chat(chat_id: str, request: Request, permanent: TrueOrFalse = False) -> Response:
+    @app.delete(
+        "/assistant/chat/{chat_id}",
+        summary="Delete a chat (soft unless permanent=true)",
+        responses=error_responses(404, 409),
+    )
+    async def delete_chat(
+        chat_id: str, request: Request, permanent: TrueOrFalse = False
+    ) -> Response:
         who = await principal(request)
         await refuse_body(request, settings.max_body_bytes)
-        r = await orchestrator.DeleteChat(assistant_pb2.DeleteChatRequest(caller=caller(who), chat_id=chat_id, permanent=permanent), timeout=30)
+        r = await orchestrator.DeleteChat(
+            assistant_pb2.DeleteChatRequest(
+                caller=caller(who), chat_id=chat_id, permanent=permanent
+            ),
+            timeout=30,
+        )
         return JSONResponse({"status": r.status, "chat_id": r.chat_id, "permanent": r.permanent})
 
     if tools_channel is not None:
         from services.gateway.tools_routes import tools_router  # noqa: PLC0415 - tools_routes imports this module
 
-        app.include_router(tools_router(settings, principal, tools_channel, channel,
-                                        user_email=lambda user_id: user_email(authenticator.sessions, user_id),
-                                        hold_default_model=default_models.exclusive))
+        app.include_router(
+            tools_router(
+                settings,
+                principal,
+                tools_channel,
+                channel,
+                user_email=lambda user_id: user_email(authenticator.sessions, user_id),
+                hold_default_model=default_models.exclusive,
+            )
+        )
+
     async def check_model(who: Principal, llm: assistant_pb2.LlmConfig) -> None:
-        await orchestrator.CheckModel(assistant_pb2.CheckModelRequest(caller=caller(who), llm=llm), timeout=30)
+        await orchestrator.CheckModel(
+            assistant_pb2.CheckModelRequest(caller=caller(who), llm=llm), timeout=30
+        )
 
     app.include_router(
-        settings_router(default_models, principal, parse_llm, lambda r: read_json_object(r, settings.max_body_bytes), check_model,
-                        lambda r: refuse_body(r, settings.max_body_bytes))
+        settings_router(
+            default_models,
+            principal,
+            parse_llm,
+            lambda r: read_json_object(r, settings.max_body_bytes),
+            check_model,
+            lambda r: refuse_body(r, settings.max_body_bytes),
+        )
     )
     return app
 

@@ -107,7 +107,9 @@ class GatewaySettings(CommonSettings):
     @property
     def write_threads(self) -> int:
         """`fanout_write_threads` with -1 resolved: one fewer than this process's cores, at most 3."""
-        return _default_write_threads() if self.fanout_write_threads < 0 else self.fanout_write_threads
+        return (
+            _default_write_threads() if self.fanout_write_threads < 0 else self.fanout_write_threads
+        )
 
     @property
     def database_url(self) -> str:

@@ -18,7 +18,13 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from loopline.billing.v1 import billing_pb2
-from services.common.errors import ASSISTANT_DOMAIN, BILLING_DOMAIN, bounded, status_details, storage_failure
+from services.common.errors import (
+    ASSISTANT_DOMAIN,
+    BILLING_DOMAIN,
+    bounded,
+    status_details,
+    storage_failure,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,7 @@ class BodyError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
 
 DENIAL_STATUS = {"credit": 402, "wallet": 402, "quota": 403, "rate": 429}
 
@@ -89,7 +96,9 @@ def denial_response(denial: billing_pb2.Denial, retry_after_s: float | None) -> 
     status = DENIAL_STATUS.get(denial.layer, 402)
     headers: dict[str, str] = {}
     if denial.layer == "rate":
-        seconds = denial.retry_after_seconds if denial.HasField("retry_after_seconds") else retry_after_s
+        seconds = (
+            denial.retry_after_seconds if denial.HasField("retry_after_seconds") else retry_after_s
+        )
         headers["Retry-After"] = retry_after(seconds)
         headers.update(rate_headers(denial.rate_limit))
         headers.setdefault("X-RateLimit-Remaining", "0")
@@ -110,7 +119,10 @@ def grpc_error_response(error: grpc.aio.AioRpcError) -> JSONResponse:
         # about the request and its text is not for clients.
         status = 500
     if status >= 500:
-        log.warning("downstream error", extra={"fields": {"code": parsed.code.name, "reason": parsed.reason}})
+        log.warning(
+            "downstream error",
+            extra={"fields": {"code": parsed.code.name, "reason": parsed.reason}},
+        )
         detail = SAFE_MESSAGES.get(status, SAFE_MESSAGES[500])
     else:
         detail = parsed.message or "Request failed"

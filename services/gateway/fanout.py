@@ -66,17 +66,25 @@ from services.gateway.parallel_write import ParallelWriter, socket_fd
 log = logging.getLogger(__name__)
 
 STREAM_READY = "x-loopline-stream"
-SERVER_SEND = "loopline.server_send"  # scope key where `app.GatewayApp` leaves the server's own `send`
-_LAG_BYTES = 64 * 1024  # a connection with more unsent bytes than this is pulled, through ASGI send (flow control)
-_UVICORN_CYCLES = frozenset({
-    "uvicorn.protocols.http.httptools_impl.RequestResponseCycle",
-    "uvicorn.protocols.http.h11_impl.RequestResponseCycle",
-})
+SERVER_SEND = (
+    "loopline.server_send"  # scope key where `app.GatewayApp` leaves the server's own `send`
+)
+_LAG_BYTES = (
+    64 * 1024
+)  # a connection with more unsent bytes than this is pulled, through ASGI send (flow control)
+_UVICORN_CYCLES = frozenset(
+    {
+        "uvicorn.protocols.http.httptools_impl.RequestResponseCycle",
+        "uvicorn.protocols.http.h11_impl.RequestResponseCycle",
+    }
+)
 
 
 STALLED_SEND_S = 60.0  # longest a listener's client may take to accept one send before its connection is closed (nginx's send_timeout)
 STALLED_CLOSE_S = 1.0  # at shutdown, how long a listener's writer may take to send its last frame before its connection is closed
-READY_TIMEOUT_S = 30.0  # longest wait for the orchestrator to accept a stream (the unary calls' deadline)
+READY_TIMEOUT_S = (
+    30.0  # longest wait for the orchestrator to accept a stream (the unary calls' deadline)
+)
 
 
 class StreamTimeout(Exception):
@@ -119,14 +127,31 @@ class _Listener:
     of its own (a heartbeat for an ASGI-only listener, its end frame) that its writer sends.
     """
 
-    __slots__ = ("ended", "fd", "fed", "finishing", "gone", "hub", "index", "last", "pending", "send", "transport", "writer")
+    __slots__ = (
+        "ended",
+        "fd",
+        "fed",
+        "finishing",
+        "gone",
+        "hub",
+        "index",
+        "last",
+        "pending",
+        "send",
+        "transport",
+        "writer",
+    )
 
-    def __init__(self, hub: _Hub, index: int, send: Send, transport: asyncio.Transport | None) -> None:
+    def __init__(
+        self, hub: _Hub, index: int, send: Send, transport: asyncio.Transport | None
+    ) -> None:
         self.hub = hub
         self.index = index
         self.send = send
         self.transport = transport  # None: always through ASGI send
-        self.fd = -1 if transport is None else socket_fd(transport)  # >= 0: may be written by ParallelWriter
+        self.fd = (
+            -1 if transport is None else socket_fd(transport)
+        )  # >= 0: may be written by ParallelWriter
         self.last = 0.0  # loop time of the last bytes handed over
         self.pending: list[bytes] = []  # frames of its own for the writer task
         self.writer: asyncio.Task | None = None
@@ -138,8 +163,13 @@ class _Listener:
     def pushable(self) -> bool:
         """Whether the hub may write to it now: pushed mode, a uvicorn transport that is open and keeps up."""
         transport = self.transport
-        return (self.writer is None and not self.gone and transport is not None and not transport.is_closing()
-                and transport.get_write_buffer_size() < _LAG_BYTES)
+        return (
+            self.writer is None
+            and not self.gone
+            and transport is not None
+            and not transport.is_closing()
+            and transport.get_write_buffer_size() < _LAG_BYTES
+        )
 
     def deliver(self, body: bytes, chunk: bytes | None = None) -> None:
         """Write `body` (whole SSE frames) to the transport; only for a `pushable` listener
@@ -151,8 +181,14 @@ class _Listener:
         """Whether the next bytes may go straight to the socket (`ParallelWriter`): a plain TCP
         connection, pushed, open, with nothing buffered that they would overtake."""
         transport = self.transport
-        return (self.fd >= 0 and self.writer is None and not self.gone and transport is not None
-                and not transport.is_closing() and transport.get_write_buffer_size() == 0)
+        return (
+            self.fd >= 0
+            and self.writer is None
+            and not self.gone
+            and transport is not None
+            and not transport.is_closing()
+            and transport.get_write_buffer_size() == 0
+        )
 
     def pull(self) -> None:
         """Serve it by its own writer task from now on, until it has caught up (no-op when one runs)."""
@@ -174,7 +210,9 @@ class _Listener:
                 await self.send(message)
         except TimeoutError:
             self.gone = True
-            log.info("closing a stream whose client took nothing for %.0f s", self.hub.send_timeout_s)
+            log.info(
+                "closing a stream whose client took nothing for %.0f s", self.hub.send_timeout_s
+            )
             if self.transport is not None:
                 self.transport.abort()
             raise
@@ -187,25 +225,35 @@ class _Listener:
                 start = self.index
                 if start < len(frames):
                     stop, size = start, 0
-                    while stop < len(frames) and (stop == start or size + len(frames[stop]) <= PULL_SLICE_BYTES):
+                    while stop < len(frames) and (
+                        stop == start or size + len(frames[stop]) <= PULL_SLICE_BYTES
+                    ):
                         size += len(frames[stop])
                         stop += 1
                     body = frames[start] if stop - start == 1 else b"".join(frames[start:stop])
                     self.index = stop
                     self.fed = True
                     self.last = hub.loop.time()
-                    await self._send({"type": "http.response.body", "body": body, "more_body": True})
+                    await self._send(
+                        {"type": "http.response.body", "body": body, "more_body": True}
+                    )
                 elif self.pending:
                     body = b"".join(self.pending)
                     self.pending.clear()
-                    await self._send({"type": "http.response.body", "body": body, "more_body": True})
+                    await self._send(
+                        {"type": "http.response.body", "body": body, "more_body": True}
+                    )
                 elif self.finishing and not self.ended:
                     self.ended = True
-                    frame = hub._end_frame(self)  # every frame is handed over: its position is final
+                    frame = hub._end_frame(
+                        self
+                    )  # every frame is handed over: its position is final
                     if frame is not None:
                         self.pending.append(frame)
                 elif self.finishing:
-                    await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await self._send(
+                        {"type": "http.response.body", "body": b"", "more_body": False}
+                    )
                     return
                 else:
                     return  # caught up: pushed again by the hub's rounds
@@ -216,22 +264,52 @@ class _Listener:
 
 
 class _Hub:
-    __slots__ = ("abandoned", "beat_due", "beat_next", "broken", "call", "finished", "flush_handle", "frames", "heartbeat_handle",
-                 "heartbeat_s", "key", "listeners", "loop", "ready", "round", "round_at", "round_beats", "round_from", "send_timeout_s",
-                 "streams", "task", "writer")
+    __slots__ = (
+        "abandoned",
+        "beat_due",
+        "beat_next",
+        "broken",
+        "call",
+        "finished",
+        "flush_handle",
+        "frames",
+        "heartbeat_handle",
+        "heartbeat_s",
+        "key",
+        "listeners",
+        "loop",
+        "ready",
+        "round",
+        "round_at",
+        "round_beats",
+        "round_from",
+        "send_timeout_s",
+        "streams",
+        "task",
+        "writer",
+    )
 
-    def __init__(self, key: tuple[str, str, str], heartbeat_s: float, writer: ParallelWriter | None = None,
-                 send_timeout_s: float = STALLED_SEND_S) -> None:
+    def __init__(
+        self,
+        key: tuple[str, str, str],
+        heartbeat_s: float,
+        writer: ParallelWriter | None = None,
+        send_timeout_s: float = STALLED_SEND_S,
+    ) -> None:
         self.key = key
         self.send_timeout_s = send_timeout_s  # a listener's send bound (`_Listener._send`)
-        self.abandoned: asyncio.TimerHandle | None = None  # `_cancel_abandoned` of a hub its last listener left
+        self.abandoned: asyncio.TimerHandle | None = (
+            None  # `_cancel_abandoned` of a hub its last listener left
+        )
         self.writer = writer  # large rounds' socket writes on every core (parallel_write)
         self.frames: list[bytes] = []
         self.finished = False
         self.broken = False  # the upstream stream failed after validation: each listener's end is `broken_frame`
         self.loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[None] = self.loop.create_future()
-        self.ready.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # mark retrieved
+        self.ready.add_done_callback(
+            lambda f: None if f.cancelled() else f.exception()
+        )  # mark retrieved
         self.listeners = 0  # joined (open() returned or is waiting), attached or not
         self.streams: dict[_Listener, None] = {}  # attached listeners, in arrival order
         self.task: asyncio.Task | None = None
@@ -275,7 +353,7 @@ class _Hub:
             self.round_beats, self.beat_due = self.beat_due, False
             self.beat_next = self.loop.time() + self.heartbeat_s
         stop = min(self.round_at + FLUSH_SLICE, len(self.round))
-        self._serve(self.round[self.round_at:stop], self.round_beats)
+        self._serve(self.round[self.round_at : stop], self.round_beats)
         self.round_at = stop
         if stop < len(self.round):
             self._schedule()
@@ -284,8 +362,9 @@ class _Hub:
         if self.round_beats and not self.finished and self.streams:
             if self.heartbeat_handle is not None:
                 self.heartbeat_handle.cancel()
-            self.heartbeat_handle = self.loop.call_at(max(self.beat_next, self.loop.time() + self.heartbeat_s / 10),
-                                                      self._heartbeat)
+            self.heartbeat_handle = self.loop.call_at(
+                max(self.beat_next, self.loop.time() + self.heartbeat_s / 10), self._heartbeat
+            )
         if len(self.frames) > self.round_from or self.beat_due:
             self._schedule()
 
@@ -299,14 +378,18 @@ class _Hub:
         writer = self.writer
         # Large rounds: the chunks of listeners whose sockets take them directly are written
         # by the ParallelWriter on every core after the walk, the rest as before.
-        direct: list[tuple[int, bytes]] | None = [] if writer is not None and writer.enabled_for(len(listeners)) else None
+        direct: list[tuple[int, bytes]] | None = (
+            [] if writer is not None and writer.enabled_for(len(listeners)) else None
+        )
         owners: list[_Listener] = []
         for listener in listeners:
             if listener.gone or listener.writer is not None:
                 continue  # pulled: its writer takes the frames itself
             start = listener.index
             if start < end:
-                if not listener.pushable():  # it lags (or has no uvicorn transport): pulled from here on
+                if (
+                    not listener.pushable()
+                ):  # it lags (or has no uvicorn transport): pulled from here on
                     listener.pull()
                     continue
                 prepared = built.get(start)
@@ -317,7 +400,9 @@ class _Hub:
                 listener.last = now
                 listener.fed = True
             elif beats:
-                if now - listener.last >= interval - interval / 10:  # due, or within 10%: now, with the others
+                if (
+                    now - listener.last >= interval - interval / 10
+                ):  # due, or within 10%: now, with the others
                     listener.last = now
                     if not listener.pushable():
                         listener.pending.append(sse.HEARTBEAT_FRAME)
@@ -355,7 +440,7 @@ class _Hub:
         listener.last = self.loop.time()
         if listener.index < len(self.frames):
             if listener.pushable() and _backlog_fits(self.frames, listener.index):
-                body = b"".join(self.frames[listener.index:])
+                body = b"".join(self.frames[listener.index :])
                 listener.index = len(self.frames)
                 listener.fed = True
                 listener.deliver(body)
@@ -363,8 +448,14 @@ class _Hub:
                 listener.pull()
         if self.finished:
             listener.finish()
-        elif self.heartbeat_handle is None and not self.beat_due and not (self.round is not None and self.round_beats):
-            self.heartbeat_handle = self.loop.call_at(listener.last + self.heartbeat_s, self._heartbeat)
+        elif (
+            self.heartbeat_handle is None
+            and not self.beat_due
+            and not (self.round is not None and self.round_beats)
+        ):
+            self.heartbeat_handle = self.loop.call_at(
+                listener.last + self.heartbeat_s, self._heartbeat
+            )
 
     def detach(self, listener: _Listener) -> None:
         """Stop serving `listener` (its client is gone or its response ended)."""
@@ -422,7 +513,9 @@ class _Hub:
         if listener.fed or listener.gone or not self.frames:
             return None
         end = len(self.frames)
-        if listener.index > end or (listener.index == end and not self.frames[0].startswith(METADATA_FRAME_START)):
+        if listener.index > end or (
+            listener.index == end and not self.frames[0].startswith(METADATA_FRAME_START)
+        ):
             listener.fed = True
             return self.frames[-1]
         return None
@@ -439,7 +532,9 @@ def _backlog_fits(frames: list[bytes], index: int) -> bool:
 
 
 HEARTBEAT_CHUNK = _chunk(sse.HEARTBEAT_FRAME)
-PULL_SLICE_BYTES = 64 * 1024  # a pulled listener's writer sends at most this much a send (one frame at least)
+PULL_SLICE_BYTES = (
+    64 * 1024
+)  # a pulled listener's writer sends at most this much a send (one frame at least)
 METADATA_FRAME_START = b'data: {"type":"metadata"'  # how every whole run stream begins (sse.encode)
 FLUSH_SLICE = 256  # listeners served per event-loop iteration by one flush (see _Hub.flush)
 
@@ -454,8 +549,14 @@ class RunFanout:
     0: not limited), counted by the `key` given to `open` and `leave`.
     """
 
-    def __init__(self, stub: assistant_pb2_grpc.AssistantServiceStub, heartbeat_s: float = 15.0,
-                 write_threads: int = 0, send_timeout_s: float | None = None, listens_per_key: int = 0) -> None:
+    def __init__(
+        self,
+        stub: assistant_pb2_grpc.AssistantServiceStub,
+        heartbeat_s: float = 15.0,
+        write_threads: int = 0,
+        send_timeout_s: float | None = None,
+        listens_per_key: int = 0,
+    ) -> None:
         self._stub = stub
         self._heartbeat_s = heartbeat_s
         self._writer = ParallelWriter(write_threads) if write_threads > 0 else None
@@ -486,8 +587,15 @@ class RunFanout:
             hub.broken = True
             if hub.task is not None:
                 hub.task.cancel()
-        await asyncio.gather(*(hub.task for hub in hubs if hub.task is not None), return_exceptions=True)
-        writing = {listener: listener.writer for hub in hubs for listener in hub.streams if listener.writer is not None}
+        await asyncio.gather(
+            *(hub.task for hub in hubs if hub.task is not None), return_exceptions=True
+        )
+        writing = {
+            listener: listener.writer
+            for hub in hubs
+            for listener in hub.streams
+            if listener.writer is not None
+        }
         if writing:
             await asyncio.wait(set(writing.values()), timeout=STALLED_CLOSE_S)
         for listener, writer in writing.items():
@@ -498,7 +606,9 @@ class RunFanout:
         if self._writer is not None:
             self._writer.close()
 
-    async def open(self, caller: assistant_pb2.Caller, chat_id: str, run_id: str, key: str | None = None) -> _Hub:
+    async def open(
+        self, caller: assistant_pb2.Caller, chat_id: str, run_id: str, key: str | None = None
+    ) -> _Hub:
         """Join (or start) the hub of a run; raises grpc.aio.AioRpcError (e.g. NOT_FOUND) or
         StreamUnavailable when the orchestrator refuses the stream, StreamTimeout when it has not
         accepted it within READY_TIMEOUT_S (fresh-eyes chaos test: a listen through a gateway
@@ -571,8 +681,11 @@ class RunFanout:
         org_id, chat_id, run_id = hub.key
         # max_batch: the orchestrator sends every ready event in one message (a streamed message
         # costs ~0.15-0.2 ms of CPU on each side; docs/performance.md)
-        call = self._stub.StreamRun(assistant_pb2.StreamRunRequest(caller=caller, chat_id=chat_id, run_id=run_id, after=0,
-                                                                    max_batch=STREAM_BATCH))
+        call = self._stub.StreamRun(
+            assistant_pb2.StreamRunRequest(
+                caller=caller, chat_id=chat_id, run_id=run_id, after=0, max_batch=STREAM_BATCH
+            )
+        )
         hub.call = call
         outputs: dict[bytes, Any] = {}  # tool outputs converted once per run (sse.render)
         try:
@@ -585,17 +698,25 @@ class RunFanout:
             last = ""
             messages = aiter(call)
             async for item in messages:
-                if hub.finished:  # its last listener left (`leave`): cancelled with no read under way
+                if (
+                    hub.finished
+                ):  # its last listener left (`leave`): cancelled with no read under way
                     call.cancel()
-                    await messages.aclose()  # now, not when the garbage collector breaks the call's cycle with it
+                    await (
+                        messages.aclose()
+                    )  # now, not when the garbage collector breaks the call's cycle with it
                     return
                 _set_ready(hub)
                 for event in item.events or (item.event,):
                     hub.publish(sse.encode(event, outputs))
                     last = event.WhichOneof("payload") or ""
             _set_ready(hub)
-            if last not in _STREAM_ENDS:  # ended without the run's end nor the orchestrator's reconnect frame
-                log.warning("run stream ended without its end", extra={"fields": {"run_id": run_id}})
+            if (
+                last not in _STREAM_ENDS
+            ):  # ended without the run's end nor the orchestrator's reconnect frame
+                log.warning(
+                    "run stream ended without its end", extra={"fields": {"run_id": run_id}}
+                )
                 hub.broken = True
         except asyncio.CancelledError:
             call.cancel()
@@ -605,7 +726,9 @@ class RunFanout:
                 hub.ready.set_exception(error)
             elif error.code() != grpc.StatusCode.CANCELLED:
                 log.warning("run stream broke", extra={"fields": {"run_id": run_id}})
-                hub.broken = True  # not one of the run's frames: each listener's own, naming its position
+                hub.broken = (
+                    True  # not one of the run's frames: each listener's own, naming its position
+                )
         finally:
             if not hub.ready.done():
                 hub.ready.set_exception(StreamUnavailable())
@@ -641,13 +764,19 @@ def _transport_of(scope: Scope) -> asyncio.Transport | None:
     the server's `send` is its bound method, with `.transport` and `.chunked_encoding`.
     """
     cycle = getattr(scope.get(SERVER_SEND), "__self__", None)
-    if cycle is None or f"{type(cycle).__module__}.{type(cycle).__qualname__}" not in _UVICORN_CYCLES:
+    if (
+        cycle is None
+        or f"{type(cycle).__module__}.{type(cycle).__qualname__}" not in _UVICORN_CYCLES
+    ):
         return None
     transport = getattr(cycle, "transport", None)
     if scope.get("method") != "GET" or getattr(cycle, "chunked_encoding", None) is not True:
         return None
     # asyncio's and uvloop's TCP transports (uvloop's are not asyncio.Transport subclasses).
-    if all(callable(getattr(transport, name, None)) for name in ("write", "get_write_buffer_size", "is_closing")):
+    if all(
+        callable(getattr(transport, name, None))
+        for name in ("write", "get_write_buffer_size", "is_closing")
+    ):
         return transport
     return None
 
@@ -662,10 +791,18 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    _raw_headers: ClassVar[dict[tuple[tuple[str, str], ...], list[tuple[bytes, bytes]]]] = {}  # rendered once per header set
+    _raw_headers: ClassVar[
+        dict[tuple[tuple[str, str], ...], list[tuple[bytes, bytes]]]
+    ] = {}  # rendered once per header set
 
-    def __init__(self, fanout: RunFanout, hub: _Hub, after: int, headers: dict[str, str] | None = None,
-                 key: str | None = None) -> None:
+    def __init__(
+        self,
+        fanout: RunFanout,
+        hub: _Hub,
+        after: int,
+        headers: dict[str, str] | None = None,
+        key: str | None = None,
+    ) -> None:
         self.fanout, self.hub, self.after, self.key = fanout, hub, after, key
         self.status_code = 200
         self.background = None
@@ -683,7 +820,13 @@ class EventStreamResponse(Response):
         hub = self.hub
         listener: _Listener | None = None
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
             listener = _Listener(hub, self.after, send, _transport_of(scope))
             hub.attach(listener)
             while True:  # returns once the response is complete (uvicorn) or the client has gone
@@ -702,4 +845,3 @@ class EventStreamResponse(Response):
             # not raise CancelledError out of the response, which uvicorn logged as an ERROR with a
             # traceback for every client that left mid-stream (fresh-eyes test)
             await asyncio.wait({listener.writer})
-

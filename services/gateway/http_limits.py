@@ -66,7 +66,10 @@ MAX_PIPELINED = 16
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing a connection that was just closed."""
 
-HEAD_TOO_LARGE = "The request's header fields are too large (at most {} bytes with the request line)"
+
+HEAD_TOO_LARGE = (
+    "The request's header fields are too large (at most {} bytes with the request line)"
+)
 TOO_MANY_HEADERS = "The request has too many header fields (at most {})"
 HEAD_TOO_SLOW = "The request's header fields did not arrive in time ({:g} s)"
 BODY_TOO_SLOW = "The request body arrives too slowly (at least {} bytes a second over {:g} s)"
@@ -89,9 +92,15 @@ class HttpLimits:
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> HttpLimits:
-        return cls(settings.http_max_header_bytes, settings.http_max_headers, settings.http_header_timeout_s,
-                   settings.http_body_timeout_s, settings.http_body_min_rate, settings.http_send_timeout_s,
-                   settings.http_max_connections)
+        return cls(
+            settings.http_max_header_bytes,
+            settings.http_max_headers,
+            settings.http_header_timeout_s,
+            settings.http_body_timeout_s,
+            settings.http_body_min_rate,
+            settings.http_send_timeout_s,
+            settings.http_max_connections,
+        )
 
 
 def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
@@ -104,8 +113,11 @@ def tune_listener(sock: socket.socket, settings: GatewaySettings) -> None:
     the kernel) on the listening socket `sock`; accepted connections inherit them (Linux). An
     option this platform does not have is skipped."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    options = [("TCP_KEEPIDLE", settings.tcp_keepalive_idle_s), ("TCP_KEEPINTVL", settings.tcp_keepalive_interval_s),
-               ("TCP_KEEPCNT", settings.tcp_keepalive_count)]
+    options = [
+        ("TCP_KEEPIDLE", settings.tcp_keepalive_idle_s),
+        ("TCP_KEEPINTVL", settings.tcp_keepalive_interval_s),
+        ("TCP_KEEPCNT", settings.tcp_keepalive_count),
+    ]
     if settings.tcp_user_timeout_s:
         options.append(("TCP_USER_TIMEOUT", settings.tcp_user_timeout_s * 1000))  # milliseconds
     for name, value in options:
@@ -135,16 +147,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._head_left: int | None = self.limits.max_header_bytes  # bytes the head may still take; None: in a body
-        self._head_since: float | None = None  # loop time the head being received began; None: between requests
+        self._head_left: int | None = (
+            self.limits.max_header_bytes
+        )  # bytes the head may still take; None: in a body
+        self._head_since: float | None = (
+            None  # loop time the head being received began; None: between requests
+        )
         self._body_got = 0  # bytes received since the head ended
         self._body_mark = 0  # ... when the body's current window began
         self._body_since = 0.0  # loop time that window began
-        self._deadline: asyncio.TimerHandle | None = None  # head and body deadlines (`_check`), then the linger
+        self._deadline: asyncio.TimerHandle | None = (
+            None  # head and body deadlines (`_check`), then the linger
+        )
         self._stall: asyncio.TimerHandle | None = None  # `_check_stall` while writing is paused
         self._drained = False  # writing resumed since the stall window began
         self._done = False  # refused: the connection takes nothing more
-        self._trailers: int | None = None  # bytes of a chunked body's trailer section so far; None: not in one
+        self._trailers: int | None = (
+            None  # bytes of a chunked body's trailer section so far; None: not in one
+        )
         self._trailer_fields = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -175,14 +195,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data)
         if self._done:
             return
-        if in_trailers and self._trailers is not None:  # the whole read was in a chunked body's trailer section
+        if (
+            in_trailers and self._trailers is not None
+        ):  # the whole read was in a chunked body's trailer section
             self._trailers += len(data)
             if self._trailers > self.limits.max_header_bytes:
                 self._close()
                 return
         if self._head_left is None:  # a body is coming: its first window
             self._arm(self._body_since + self.limits.body_timeout_s)
-        elif self._head_since is not None and self.headers is not None and len(self.headers) > self.limits.max_headers:
+        elif (
+            self._head_since is not None
+            and self.headers is not None
+            and len(self.headers) > self.limits.max_headers
+        ):
             self._refuse_head(431, TOO_MANY_HEADERS.format(self.limits.max_headers))
 
     def _past_head_limit(self, data: bytes, left: int) -> None:
@@ -208,7 +234,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raise _Refused
 
     def on_chunk_header(self) -> None:
-        self._trailers = 0  # the last chunk's header (size 0) is followed by the trailers; any other by data
+        self._trailers = (
+            0  # the last chunk's header (size 0) is followed by the trailers; any other by data
+        )
 
     def on_body(self, body: bytes) -> None:
         self._trailers = None
@@ -224,8 +252,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_since = self.loop.time()
         limits = self.limits
         if len(self.headers) > limits.max_headers:
-            refusal = detail(431, TOO_MANY_HEADERS.format(limits.max_headers), {"Connection": "close"})
-        elif len(self.connections) >= limits.max_connections or len(self.tasks) >= limits.max_connections:
+            refusal = detail(
+                431, TOO_MANY_HEADERS.format(limits.max_headers), {"Connection": "close"}
+            )
+        elif (
+            len(self.connections) >= limits.max_connections
+            or len(self.tasks) >= limits.max_connections
+        ):
             refusal = _busy
         else:
             super().on_headers_complete()
@@ -245,7 +278,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        if not self._done:  # a parser error of our own making (`_Refused`): the connection is closed already
+        if (
+            not self._done
+        ):  # a parser error of our own making (`_Refused`): the connection is closed already
             super().send_400_response(msg)
 
     def _begin_head(self) -> None:
@@ -271,15 +306,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_left is None:  # a body is coming
             cycle = self.cycle
             if self.flow.read_paused or cycle is None or cycle.waiting_for_100_continue:
-                self._body_mark, self._body_since = self._body_got, now  # the server is not reading: not the client's delay
+                self._body_mark, self._body_since = (
+                    self._body_got,
+                    now,
+                )  # the server is not reading: not the client's delay
             elif now - self._body_since >= limits.body_timeout_s:
-                if self._body_got - self._body_mark < max(1.0, limits.body_min_rate * (now - self._body_since)):
+                if self._body_got - self._body_mark < max(
+                    1.0, limits.body_min_rate * (now - self._body_since)
+                ):
                     if cycle.response_started:
                         self._close()  # answered already (without reading the body): nothing more to say
                     else:
-                        cycle.disconnected = True  # the application's receive() reports the client gone
+                        cycle.disconnected = (
+                            True  # the application's receive() reports the client gone
+                        )
                         cycle.message_event.set()
-                        self._answer(408, BODY_TOO_SLOW.format(limits.body_min_rate, limits.body_timeout_s))
+                        self._answer(
+                            408, BODY_TOO_SLOW.format(limits.body_min_rate, limits.body_timeout_s)
+                        )
                     return
                 self._body_mark, self._body_since = self._body_got, now
             self._arm(self._body_since + limits.body_timeout_s)
@@ -309,7 +353,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
-        head += [b"content-type: application/json\r\ncontent-length: ", b"%d" % len(body), b"\r\nconnection: close\r\n\r\n", body]
+        head += [
+            b"content-type: application/json\r\ncontent-length: ",
+            b"%d" % len(body),
+            b"\r\nconnection: close\r\n\r\n",
+            body,
+        ]
         transport = self.transport
         transport.write(b"".join(head))
         self.flow.resume_reading()
@@ -344,5 +393,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._drained = False
             self._stall = self.loop.call_later(self.limits.send_timeout_s, self._check_stall)
             return
-        log.info("closing a connection whose client took nothing for %.0f s", self.limits.send_timeout_s)
+        log.info(
+            "closing a connection whose client took nothing for %.0f s", self.limits.send_timeout_s
+        )
         self.transport.abort()

@@ -56,11 +56,19 @@ def request_id(org_id: str, user_id: str, key: str, digest: str) -> str:
 #: gRPC codes of a downstream failure that settles nothing: the request was refused as it
 #: stands, so its key is freed for any request (`IdempotencyStore.release`); any other
 #: failure may have taken effect (`IdempotencyStore.release_unknown`).
-REFUSED_CODES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,
-})
+REFUSED_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 def outcome_unknown(failure: BaseException) -> bool:
@@ -80,7 +88,9 @@ class IdempotencyStore:
         self.sessions = sessions
         self.ttl_s = ttl_s
 
-    async def claim(self, org_id: str, user_id: str, key: str, route: str, digest: str) -> tuple[int, str] | None:
+    async def claim(
+        self, org_id: str, user_id: str, key: str, route: str, digest: str
+    ) -> tuple[int, str] | None:
         """Claim `key`; returns None when claimed now, or the stored (status, body) to replay.
 
         Raises IdempotencyConflict(422) for another body, (409) while the first request runs
@@ -99,27 +109,45 @@ class IdempotencyStore:
                     row = None
                 if row is None:
                     try:
-                        session.add(IdempotencyRecord(organization_id=org_id, user_id=user_id, key=key, route=route, body_hash=digest))
+                        session.add(
+                            IdempotencyRecord(
+                                organization_id=org_id,
+                                user_id=user_id,
+                                key=key,
+                                route=route,
+                                body_hash=digest,
+                            )
+                        )
                         await session.flush()
                         return None
                     except IntegrityError:
                         await session.rollback()
                         continue
                 if row.route != route or row.body_hash != digest:
-                    raise IdempotencyConflict(422, "This Idempotency-Key was already used with a different request")
+                    raise IdempotencyConflict(
+                        422, "This Idempotency-Key was already used with a different request"
+                    )
                 if row.status_code is None:
                     abandoned = utcnow() - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S)
-                    if db.utc(row.created_at) < abandoned:  # its gateway died: one retry takes it over
+                    if (
+                        db.utc(row.created_at) < abandoned
+                    ):  # its gateway died: one retry takes it over
                         taken = await session.execute(
-                            update(IdempotencyRecord).where(
-                                IdempotencyRecord.organization_id == org_id, IdempotencyRecord.user_id == user_id,
-                                IdempotencyRecord.key == key, IdempotencyRecord.status_code.is_(None),
+                            update(IdempotencyRecord)
+                            .where(
+                                IdempotencyRecord.organization_id == org_id,
+                                IdempotencyRecord.user_id == user_id,
+                                IdempotencyRecord.key == key,
+                                IdempotencyRecord.status_code.is_(None),
                                 IdempotencyRecord.created_at == row.created_at,
-                            ).values(created_at=utcnow())
+                            )
+                            .values(created_at=utcnow())
                         )
                         if taken.rowcount == 1:
                             return None
-                    raise IdempotencyConflict(409, "A request with this Idempotency-Key is still in progress")
+                    raise IdempotencyConflict(
+                        409, "A request with this Idempotency-Key is still in progress"
+                    )
                 return row.status_code, row.response or ""
         raise IdempotencyConflict(409, "A request with this Idempotency-Key is still in progress")
 
@@ -135,8 +163,10 @@ class IdempotencyStore:
         async with self.sessions() as session, session.begin():
             await session.execute(
                 delete(IdempotencyRecord).where(
-                    IdempotencyRecord.organization_id == org_id, IdempotencyRecord.user_id == user_id,
-                    IdempotencyRecord.key == key, IdempotencyRecord.status_code.is_(None),
+                    IdempotencyRecord.organization_id == org_id,
+                    IdempotencyRecord.user_id == user_id,
+                    IdempotencyRecord.key == key,
+                    IdempotencyRecord.status_code.is_(None),
                 )
             )
 
@@ -150,19 +180,31 @@ class IdempotencyStore:
         retry with another body started and charged a second turn."""
         async with self.sessions() as session, session.begin():
             await session.execute(
-                update(IdempotencyRecord).where(
-                    IdempotencyRecord.organization_id == org_id, IdempotencyRecord.user_id == user_id,
-                    IdempotencyRecord.key == key, IdempotencyRecord.status_code.is_(None),
-                ).values(created_at=utcnow() - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S + 1))
+                update(IdempotencyRecord)
+                .where(
+                    IdempotencyRecord.organization_id == org_id,
+                    IdempotencyRecord.user_id == user_id,
+                    IdempotencyRecord.key == key,
+                    IdempotencyRecord.status_code.is_(None),
+                )
+                .values(created_at=utcnow() - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S + 1))
             )
 
     async def sweep(self) -> int:
         """Delete records past the TTL; returns how many."""
         cutoff = utcnow() - datetime.timedelta(seconds=self.ttl_s)
         async with self.sessions() as session, session.begin():
-            result = await session.execute(delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff))
+            result = await session.execute(
+                delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff)
+            )
             return result.rowcount or 0
 
 
-
-__all__ = ["REFUSED_CODES", "IdempotencyConflict", "IdempotencyStore", "body_hash", "outcome_unknown", "request_id"]
+__all__ = [
+    "REFUSED_CODES",
+    "IdempotencyConflict",
+    "IdempotencyStore",
+    "body_hash",
+    "outcome_unknown",
+    "request_id",
+]

@@ -114,11 +114,17 @@ class Authenticator:
     def __init__(self, sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:  # noqa: ANN001
         self.sessions = sessions
         self.ttl_s = ttl_s
-        self._cache: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
-        self._by_header: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
+        self._cache: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(
+            max_entries, ttl_s, timer=time.monotonic
+        )
+        self._by_header: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(
+            max_entries, ttl_s, timer=time.monotonic
+        )
         self._inflight: dict[tuple[str, str], asyncio.Future[Principal | AuthError]] = {}
 
-    async def authenticate(self, authorization: str | None, organization_id: str | None) -> Principal:
+    async def authenticate(
+        self, authorization: str | None, organization_id: str | None
+    ) -> Principal:
         """The caller, or AuthError(401) for a missing/unknown key, AuthError(403) for a wrong role.
 
         A missing X-Organization-ID, or one no organization can have (`ids.org_id_error`: 1 to
@@ -135,7 +141,9 @@ class Authenticator:
         if not key:
             raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
         if organization_id:
-            organization_id = organization_id.strip(" \t")  # RFC 9110 §5.5: whitespace around a field value is not part of it
+            organization_id = organization_id.strip(
+                " \t"
+            )  # RFC 9110 §5.5: whitespace around a field value is not part of it
         if not organization_id:
             raise AuthError(400, "X-Organization-ID header is required")
         malformed = ids.org_id_error(organization_id)
@@ -146,13 +154,17 @@ class Authenticator:
         now = time.monotonic()
         if not (entry and now - entry[0] < self.ttl_s):
             entry = await self._resolve_once((digest, organization_id), now)
-        self._by_header[(authorization, organization_id)] = entry  # the same age as the hash-keyed entry
+        self._by_header[(authorization, organization_id)] = (
+            entry  # the same age as the hash-keyed entry
+        )
         result = entry[1]
         if isinstance(result, AuthError):
             raise result
         return result
 
-    async def _resolve_once(self, cache_key: tuple[str, str], now: float) -> tuple[float, Principal | AuthError]:
+    async def _resolve_once(
+        self, cache_key: tuple[str, str], now: float
+    ) -> tuple[float, Principal | AuthError]:
         """One database look-up per (key, organization) at a time: concurrent requests that miss the
         cache together (e.g. 10,000 listeners connecting when the entry expires) share it.
         Returns the cache entry (`now`, result)."""
@@ -171,12 +183,19 @@ class Authenticator:
 
     async def _resolve(self, digest: str, organization_id: str) -> Principal | AuthError:
         async with self.sessions() as session:
-            key = (await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))).scalars().first()
+            key = (
+                (await session.execute(select(ApiKey).where(ApiKey.key_hash == digest)))
+                .scalars()
+                .first()
+            )
             if key is None or key.revoked_at is not None:
                 return AuthError(401, "Invalid API key")
             role = (
                 await session.execute(
-                    select(Membership.role).where(Membership.user_id == key.user_id, Membership.organization_id == organization_id)
+                    select(Membership.role).where(
+                        Membership.user_id == key.user_id,
+                        Membership.organization_id == organization_id,
+                    )
                 )
             ).scalar()
         if role not in ASSISTANT_ROLES:
@@ -189,7 +208,9 @@ async def user_email(sessions, user_id: str) -> str | None:  # noqa: ANN001
     if not user_id:
         return None
     async with sessions() as session:
-        return (await session.execute(select(User.email).where(User.id == user_id))).scalar_one_or_none()
+        return (
+            await session.execute(select(User.email).where(User.id == user_id))
+        ).scalar_one_or_none()
 
 
 async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, str]:  # noqa: ANN001
@@ -217,24 +238,48 @@ async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, s
             await session.flush()
         if not org_id:
             org_id = (
-                await session.execute(select(Membership.organization_id).where(Membership.user_id == user.id, Membership.role == "owner"))
+                await session.execute(
+                    select(Membership.organization_id).where(
+                        Membership.user_id == user.id, Membership.role == "owner"
+                    )
+                )
             ).scalar() or f"org_{uuid.uuid4().hex[:16]}"
         if await session.get(Organization, org_id) is None:
             session.add(Organization(id=org_id, name="Development organization"))
             await session.flush()
         membership = (
-            await session.execute(select(Membership).where(Membership.user_id == user.id, Membership.organization_id == org_id))
-        ).scalars().first()
+            (
+                await session.execute(
+                    select(Membership).where(
+                        Membership.user_id == user.id, Membership.organization_id == org_id
+                    )
+                )
+            )
+            .scalars()
+            .first()
+        )
         if membership is None:
             session.add(Membership(organization_id=org_id, user_id=user.id, role="owner"))
         key = api_key or new_key()
         digest = hash_key(key)
-        if (await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))).scalars().first() is None:
-            session.add(ApiKey(id=f"key_{uuid.uuid4().hex[:16]}", user_id=user.id, key_hash=digest, prefix=key_prefix(key), name="development key"))
+        if (
+            await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))
+        ).scalars().first() is None:
+            session.add(
+                ApiKey(
+                    id=f"key_{uuid.uuid4().hex[:16]}",
+                    user_id=user.id,
+                    key_hash=digest,
+                    prefix=key_prefix(key),
+                    name="development key",
+                )
+            )
     return {"organization_id": org_id, "api_key": key, "user_id": user.id}
 
 
-async def create_member(sessions, organization_id: str, role: str, email: str | None = None) -> dict[str, str]:  # noqa: ANN001
+async def create_member(
+    sessions, organization_id: str, role: str, email: str | None = None
+) -> dict[str, str]:  # noqa: ANN001
     """Create a user with `role` in `organization_id` (created if absent) and an API key for them.
 
     Returns {organization_id, user_id, key_id, api_key}. Used by tests and the admin command.
@@ -251,21 +296,43 @@ async def create_member(sessions, organization_id: str, role: str, email: str | 
         raise
 
 
-async def _create_member(sessions, organization_id: str, role: str, email: str | None) -> dict[str, str]:  # noqa: ANN001
+async def _create_member(
+    sessions, organization_id: str, role: str, email: str | None
+) -> dict[str, str]:  # noqa: ANN001
     async with sessions() as session, session.begin():
-        if email and (await session.execute(select(User.id).where(User.email == email))).first() is not None:
+        if (
+            email
+            and (await session.execute(select(User.id).where(User.email == email))).first()
+            is not None
+        ):
             raise AdminError(f"a user with email {email!r} already exists")
         if await session.get(Organization, organization_id) is None:
             session.add(Organization(id=organization_id, name=organization_id))
             await session.flush()
-        user = User(id=f"user_{uuid.uuid4().hex[:16]}", email=email or f"{uuid.uuid4().hex[:12]}@example.test")
+        user = User(
+            id=f"user_{uuid.uuid4().hex[:16]}",
+            email=email or f"{uuid.uuid4().hex[:12]}@example.test",
+        )
         session.add(user)
         await session.flush()
         session.add(Membership(organization_id=organization_id, user_id=user.id, role=role))
         key = new_key()
         key_id = f"key_{uuid.uuid4().hex[:16]}"
-        session.add(ApiKey(id=key_id, user_id=user.id, key_hash=hash_key(key), prefix=key_prefix(key), name=f"{role} key"))
-    return {"organization_id": organization_id, "user_id": user.id, "key_id": key_id, "api_key": key}
+        session.add(
+            ApiKey(
+                id=key_id,
+                user_id=user.id,
+                key_hash=hash_key(key),
+                prefix=key_prefix(key),
+                name=f"{role} key",
+            )
+        )
+    return {
+        "organization_id": organization_id,
+        "user_id": user.id,
+        "key_id": key_id,
+        "api_key": key,
+    }
 
 
 async def list_keys(sessions, organization_id: str) -> list[dict[str, str | None]] | None:  # noqa: ANN001
@@ -287,8 +354,18 @@ async def list_keys(sessions, organization_id: str) -> list[dict[str, str | None
             )
         ).all()
 
-    return [{"key_id": key.id, "prefix": _shown_prefix(key), "name": key.name, "user_id": key.user_id, "role": role,
-             "created_at": pb.iso(key.created_at), "revoked_at": pb.iso(key.revoked_at)} for key, role in rows]
+    return [
+        {
+            "key_id": key.id,
+            "prefix": _shown_prefix(key),
+            "name": key.name,
+            "user_id": key.user_id,
+            "role": role,
+            "created_at": pb.iso(key.created_at),
+            "revoked_at": pb.iso(key.revoked_at),
+        }
+        for key, role in rows
+    ]
 
 
 def _shown_prefix(key: ApiKey) -> str:
@@ -296,7 +373,9 @@ def _shown_prefix(key: ApiKey) -> str:
     return key_prefix(key.prefix) if hash_key(key.prefix) == key.key_hash else key.prefix
 
 
-async def revoke_key(sessions, key_id: str | None = None, key: str | None = None) -> dict[str, str] | None:  # noqa: ANN001
+async def revoke_key(
+    sessions, key_id: str | None = None, key: str | None = None
+) -> dict[str, str] | None:  # noqa: ANN001
     """Revoke an API key named by its id (`key_...`, printed by add-member) or by the key itself.
 
     Returns {key_id, user_id, revoked_at} (ISO 8601; the first revocation's time when it was
@@ -309,14 +388,36 @@ async def revoke_key(sessions, key_id: str | None = None, key: str | None = None
     if not key_id and not key:
         raise AdminError("no API key given: write the key to standard input, or pass --key-id")
     async with sessions() as session, session.begin():
-        query = select(ApiKey).where(ApiKey.id == key_id) if key_id else select(ApiKey).where(ApiKey.key_hash == hash_key(key or ""))
+        query = (
+            select(ApiKey).where(ApiKey.id == key_id)
+            if key_id
+            else select(ApiKey).where(ApiKey.key_hash == hash_key(key or ""))
+        )
         found = (await session.execute(query)).scalars().first()
         if found is None:
             return None
         if found.revoked_at is None:
             found.revoked_at = datetime.datetime.now(datetime.UTC)
-        return {"key_id": found.id, "user_id": found.user_id, "revoked_at": pb.iso(found.revoked_at)}
+        return {
+            "key_id": found.id,
+            "user_id": found.user_id,
+            "revoked_at": pb.iso(found.revoked_at),
+        }
 
 
-__all__ = ["ASSISTANT_ROLES", "ROLE_REQUIRED", "AdminError", "AuthError", "Authenticator", "Principal", "check_dev_key", "create_member",
-           "hash_key", "key_prefix", "list_keys", "new_key", "revoke_key", "seed_dev"]
+__all__ = [
+    "ASSISTANT_ROLES",
+    "ROLE_REQUIRED",
+    "AdminError",
+    "AuthError",
+    "Authenticator",
+    "Principal",
+    "check_dev_key",
+    "create_member",
+    "hash_key",
+    "key_prefix",
+    "list_keys",
+    "new_key",
+    "revoke_key",
+    "seed_dev",
+]

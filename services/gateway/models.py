@@ -63,7 +63,9 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(16))
     name: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
 
 
 class IdempotencyRecord(Base):
@@ -83,4 +85,6 @@ class IdempotencyRecord(Base):
     body_hash: Mapped[str] = mapped_column(String(64))
     status_code: Mapped[int | None] = mapped_column(nullable=True)
     response: Mapped[str | None] = mapped_column(String, nullable=True)
-    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, index=True
+    )

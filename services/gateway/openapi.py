@@ -9,15 +9,29 @@ from __future__ import annotations
 
 from typing import Any
 
-_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}}}}
+_ERROR = {
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {"detail": {"type": "string"}},
+                "required": ["detail"],
+            }
+        }
+    }
+}
 _DENIAL = {
     "content": {
         "application/json": {
             "schema": {
                 "type": "object",
                 "properties": {
-                    "code": {"type": "string"}, "layer": {"type": "string"}, "key": {"type": ["string", "null"]},
-                    "current": {"type": ["integer", "null"]}, "limit": {"type": ["integer", "null"]}, "reason": {"type": "string"},
+                    "code": {"type": "string"},
+                    "layer": {"type": "string"},
+                    "key": {"type": ["string", "null"]},
+                    "current": {"type": ["integer", "null"]},
+                    "limit": {"type": ["integer", "null"]},
+                    "reason": {"type": "string"},
                 },
                 "required": ["code", "layer", "reason"],
             }
@@ -28,9 +42,18 @@ _DENIAL = {
 
 # A 429 of any route: the gateway's own rate limits (services/gateway/ratelimit.py) answer with the
 # DenialEnvelope; a limit of another kind may answer `{"detail": str}`.
-_RATE_LIMITED = {"content": {"application/json": {"schema": {"anyOf": [
-    _DENIAL["content"]["application/json"]["schema"], _ERROR["content"]["application/json"]["schema"],
-]}}}}
+_RATE_LIMITED = {
+    "content": {
+        "application/json": {
+            "schema": {
+                "anyOf": [
+                    _DENIAL["content"]["application/json"]["schema"],
+                    _ERROR["content"]["application/json"]["schema"],
+                ]
+            }
+        }
+    }
+}
 
 
 def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
@@ -41,19 +64,40 @@ def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[s
     documented as the spec's flat DenialEnvelope.
     """
     names = {
-        400: "Bad request", 401: "Missing or unknown API key", 402: "Billing denial (credit or wallet layer)",
-        403: "Role not allowed, or quota denial", 404: "Chat or run not found", 409: "Conflict with the chat's state",
-        413: "Request body too large", 415: "Unsupported media type", 422: "Idempotency-Key reused with another request", 429: "Rate limited", 503: "A backing service is unavailable", 504: "Timed out",
+        400: "Bad request",
+        401: "Missing or unknown API key",
+        402: "Billing denial (credit or wallet layer)",
+        403: "Role not allowed, or quota denial",
+        404: "Chat or run not found",
+        409: "Conflict with the chat's state",
+        413: "Request body too large",
+        415: "Unsupported media type",
+        422: "Idempotency-Key reused with another request",
+        429: "Rate limited",
+        503: "A backing service is unavailable",
+        504: "Timed out",
     }
     result: dict[int | str, dict[str, Any]] = {}
     for code in (400, 401, 403, *codes, 429, 503, 504):
-        shape = _DENIAL if denial and code in (402, 403, 429) else _RATE_LIMITED if code == 429 else _ERROR
+        shape = (
+            _DENIAL
+            if denial and code in (402, 403, 429)
+            else _RATE_LIMITED
+            if code == 429
+            else _ERROR
+        )
         result[code] = {"description": names.get(code, "Error"), **shape}
     return result
 
 
 # pydantic's names of numeric bounds and their JSON Schema keywords
-_BOUND_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum", "multiple_of": "multipleOf"}
+_BOUND_KEYWORDS = {
+    "ge": "minimum",
+    "le": "maximum",
+    "gt": "exclusiveMinimum",
+    "lt": "exclusiveMaximum",
+    "multiple_of": "multipleOf",
+}
 
 
 def json_schema_bounds(document: Any) -> Any:

@@ -42,7 +42,9 @@ class DefaultModels:
     def __init__(self, sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:  # noqa: ANN001
         self.sessions = sessions
         self.ttl_s = ttl_s
-        self._cache: TTLCache[str, dict[str, Any] | None] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
+        self._cache: TTLCache[str, dict[str, Any] | None] = TTLCache(
+            max_entries, ttl_s, timer=time.monotonic
+        )
         # one lock per organization while someone holds or waits for it (weak: no growth per organization)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -69,7 +71,11 @@ class DefaultModels:
     async def set(self, organization_id: str, llm: dict[str, Any] | None) -> None:
         """Save (or with None, clear) the organization's default model."""
         async with self.sessions() as session, session.begin():
-            await session.execute(update(Organization).where(Organization.id == organization_id).values(default_llm=llm))
+            await session.execute(
+                update(Organization)
+                .where(Organization.id == organization_id)
+                .values(default_llm=llm)
+            )
         self._cache.pop(organization_id, None)
 
     @contextlib.asynccontextmanager
@@ -110,13 +116,21 @@ class DefaultModels:
                     if session.bind.dialect.name == "postgresql":
                         async with session.begin():
                             saved = await session.scalar(
-                                select(Organization.default_llm).where(Organization.id == organization_id).with_for_update(key_share=True)
+                                select(Organization.default_llm)
+                                .where(Organization.id == organization_id)
+                                .with_for_update(key_share=True)
                             )
-                            yield HeldDefault(dict(saved) if saved else None, organization_id, session, self)
+                            yield HeldDefault(
+                                dict(saved) if saved else None, organization_id, session, self
+                            )
                     else:
-                        yield HeldDefault(await self.read(organization_id), organization_id, None, self)
+                        yield HeldDefault(
+                            await self.read(organization_id), organization_id, None, self
+                        )
             finally:
-                self._cache.pop(organization_id, None)  # after the commit: no read can cache the old value again
+                self._cache.pop(
+                    organization_id, None
+                )  # after the commit: no read can cache the old value again
 
 
 class HeldDefault:
@@ -127,7 +141,13 @@ class HeldDefault:
             read from the database (never the cache) after the lock was taken.
     """
 
-    def __init__(self, saved: dict[str, Any] | None, organization_id: str, session: Any, models: DefaultModels) -> None:
+    def __init__(
+        self,
+        saved: dict[str, Any] | None,
+        organization_id: str,
+        session: Any,
+        models: DefaultModels,
+    ) -> None:
         self.saved = saved
         self._organization_id = organization_id
         self._session = session
@@ -139,7 +159,11 @@ class HeldDefault:
         if self._session is None:
             await self._models.set(self._organization_id, llm)
         else:
-            await self._session.execute(update(Organization).where(Organization.id == self._organization_id).values(default_llm=llm))
+            await self._session.execute(
+                update(Organization)
+                .where(Organization.id == self._organization_id)
+                .values(default_llm=llm)
+            )
         self.saved = dict(llm) if llm else None
 
 
@@ -148,9 +172,14 @@ def _shown(llm: dict[str, Any]) -> dict[str, Any]:
     return {**llm, "credential_id": llm.get("credential_id")}
 
 
-def settings_router(models: DefaultModels, principal: Callable[[Request], Awaitable[Any]],
-                    parse_llm: Callable[[Any], Any], read_body: Callable[[Request], Awaitable[dict[str, Any]]],
-                    check_model: Callable[[Any, Any], Awaitable[Any]], refuse_body: Callable[[Request], Awaitable[None]]) -> APIRouter:
+def settings_router(
+    models: DefaultModels,
+    principal: Callable[[Request], Awaitable[Any]],
+    parse_llm: Callable[[Any], Any],
+    read_body: Callable[[Request], Awaitable[dict[str, Any]]],
+    check_model: Callable[[Any, Any], Awaitable[Any]],
+    refuse_body: Callable[[Request], Awaitable[None]],
+) -> APIRouter:
     """The organization-settings routes; `parse_llm` validates an llm object's shape (BodyError 400) and
     `check_model(principal, llm)` asks the orchestrator whether it can serve it (grpc error → 400);
     `refuse_body` is the DELETE's check that it was sent no body (app.py `refuse_body`).
@@ -159,11 +188,17 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
     then sees it as the default: 409; or it waits for that DELETE and its check fails: 400)."""
     router = APIRouter(responses=error_responses(413))
 
-    @router.get("/organizations/settings", summary="The organization's model preferences", tags=["organizations"])
+    @router.get(
+        "/organizations/settings",
+        summary="The organization's model preferences",
+        tags=["organizations"],
+    )
     async def get_settings(request: Request) -> JSONResponse:
         who = await principal(request)
         saved = await models.get(who.organization_id)
-        return JSONResponse({"llm_model_visibility": {}, "composer_llm": _shown(saved) if saved else None})
+        return JSONResponse(
+            {"llm_model_visibility": {}, "composer_llm": _shown(saved) if saved else None}
+        )
 
     @router.put(
         "/organizations/settings/composer-llm",
@@ -172,17 +207,25 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": {
-                    "type": "object",
-                    "properties": {
-                        "integration_name": {"type": "string", "minLength": 1, "pattern": r"\S"},
-                        "provider_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
-                        "model_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
-                        "credential_id": {"type": ["string", "null"]},
-                    },
-                    "required": ["integration_name", "provider_id", "model_id"],
-                    "additionalProperties": False,
-                }}},
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "integration_name": {
+                                    "type": "string",
+                                    "minLength": 1,
+                                    "pattern": r"\S",
+                                },
+                                "provider_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
+                                "model_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
+                                "credential_id": {"type": ["string", "null"]},
+                            },
+                            "required": ["integration_name", "provider_id", "model_id"],
+                            "additionalProperties": False,
+                        }
+                    }
+                },
             }
         },
     )
@@ -190,11 +233,19 @@ def settings_router(models: DefaultModels, principal: Callable[[Request], Awaita
         who = await principal(request)
         body = await read_body(request)
         parsed = parse_llm(body)
-        llm = {"integration_name": parsed.integration_name, "provider_id": parsed.provider_id, "model_id": parsed.model_id}
+        llm = {
+            "integration_name": parsed.integration_name,
+            "provider_id": parsed.provider_id,
+            "model_id": parsed.model_id,
+        }
         if parsed.HasField("credential_id") and parsed.credential_id:
             llm["credential_id"] = parsed.credential_id
-        async with models.exclusive(who.organization_id) as held:  # no DELETE /credentials/{id} between check and save
-            await check_model(who, parsed)  # an unusable default would break every turn that names no model
+        async with models.exclusive(
+            who.organization_id
+        ) as held:  # no DELETE /credentials/{id} between check and save
+            await check_model(
+                who, parsed
+            )  # an unusable default would break every turn that names no model
             await held.set(llm)
         return JSONResponse({"composer_llm": _shown(llm)})
 

@@ -36,10 +36,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-_PLAIN_TCP_TRANSPORTS = frozenset({
-    "uvloop.loop.TCPTransport",
-    "asyncio.selector_events._SelectorSocketTransport",
-})
+_PLAIN_TCP_TRANSPORTS = frozenset(
+    {
+        "uvloop.loop.TCPTransport",
+        "asyncio.selector_events._SelectorSocketTransport",
+    }
+)
 
 
 def socket_fd(transport: Any) -> int:
@@ -64,7 +66,9 @@ def write_share(items: Sequence[tuple[int, bytes]], start: int, stop: int) -> li
     write = os.write
     short: list[tuple[int, int]] = []
     index = start
-    for fd, data in items[start:stop]:  # as little Python as possible between the writes (the GIL is shared)
+    for fd, data in items[
+        start:stop
+    ]:  # as little Python as possible between the writes (the GIL is shared)
         try:
             written = write(fd, data)
         except BlockingIOError:
@@ -88,7 +92,9 @@ class ParallelWriter:
     def __init__(self, threads: int, min_batch: int = 128) -> None:
         self.threads = max(0, threads)
         self.min_batch = max(1, min_batch)
-        self._jobs: list[queue.SimpleQueue[tuple[Sequence[tuple[int, bytes]], int, int] | None]] = []
+        self._jobs: list[
+            queue.SimpleQueue[tuple[Sequence[tuple[int, bytes]], int, int] | None]
+        ] = []
         self._done: queue.SimpleQueue[list[tuple[int, int]] | BaseException] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._closed = False
@@ -134,13 +140,22 @@ class ParallelWriter:
 
     def _start(self) -> None:
         while len(self._workers) < self.threads:
-            jobs: queue.SimpleQueue[tuple[Sequence[tuple[int, bytes]], int, int] | None] = queue.SimpleQueue()
-            worker = threading.Thread(target=self._run, args=(jobs,), name=f"fanout-writer-{len(self._workers)}", daemon=True)
+            jobs: queue.SimpleQueue[tuple[Sequence[tuple[int, bytes]], int, int] | None] = (
+                queue.SimpleQueue()
+            )
+            worker = threading.Thread(
+                target=self._run,
+                args=(jobs,),
+                name=f"fanout-writer-{len(self._workers)}",
+                daemon=True,
+            )
             worker.start()
             self._jobs.append(jobs)
             self._workers.append(worker)
 
-    def _run(self, jobs: queue.SimpleQueue[tuple[Sequence[tuple[int, bytes]], int, int] | None]) -> None:
+    def _run(
+        self, jobs: queue.SimpleQueue[tuple[Sequence[tuple[int, bytes]], int, int] | None]
+    ) -> None:
         while True:
             job = jobs.get()
             if job is None:

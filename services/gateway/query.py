@@ -55,5 +55,13 @@ async def single_query_values(request: Request) -> None:
     seen: set[str] = set()
     for name, _ in request.query_params.multi_items():
         if name in seen:
-            raise RequestValidationError([{"loc": ("query", name), "msg": "given more than once; give it once", "type": "value_error"}])
+            raise RequestValidationError(
+                [
+                    {
+                        "loc": ("query", name),
+                        "msg": "given more than once; give it once",
+                        "type": "value_error",
+                    }
+                ]
+            )
         seen.add(name)

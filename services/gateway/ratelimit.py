@@ -74,9 +74,18 @@ class RateLimited(AuthError):
 
     def response(self) -> JSONResponse:
         """The flat denial envelope with 429, Retry-After and X-RateLimit-*."""
-        denial = billing_pb2.Denial(code=RATE_LIMITED, layer="rate", key=self.key, current=self.limit, limit=self.limit,
-                                    reason=self.detail, retry_after_seconds=self.reset_s)
-        denial.rate_limit.CopyFrom(billing_pb2.RateLimitState(limit=self.limit, remaining=0, reset_seconds=self.reset_s))
+        denial = billing_pb2.Denial(
+            code=RATE_LIMITED,
+            layer="rate",
+            key=self.key,
+            current=self.limit,
+            limit=self.limit,
+            reason=self.detail,
+            retry_after_seconds=self.reset_s,
+        )
+        denial.rate_limit.CopyFrom(
+            billing_pb2.RateLimitState(limit=self.limit, remaining=0, reset_seconds=self.reset_s)
+        )
         return denial_response(denial, self.reset_s)
 
 
@@ -88,7 +97,9 @@ class MemoryWindow:
     first). Used from the event loop's thread only.
     """
 
-    def __init__(self, amount: int, window_s: int = WINDOW_S, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(
+        self, amount: int, window_s: int = WINDOW_S, max_entries: int = MAX_ENTRIES
+    ) -> None:
         self.amount = amount
         self.window_s = window_s
         self.max_entries = max_entries
@@ -179,15 +190,23 @@ class RequestLimits:
             do not share counters.
     """
 
-    def __init__(self, authenticator: Authenticator, key_per_minute: int, failed_auth_per_minute: int,
-                 storage_url: str = "memory://", prefix: str = "loopline:") -> None:
+    def __init__(
+        self,
+        authenticator: Authenticator,
+        key_per_minute: int,
+        failed_auth_per_minute: int,
+        storage_url: str = "memory://",
+        prefix: str = "loopline:",
+    ) -> None:
         self.authenticator = authenticator
         self.storage: Any = None
         self._blocked: dict[str, float] = {}  # client -> time its failed-authentication window ends
         self._warned_at = -math.inf
         if storage_url.split("://", 1)[0].removeprefix("async+") in ("", "memory"):
             self.keys: Any = MemoryWindow(key_per_minute) if key_per_minute else None
-            self.failures: Any = MemoryWindow(failed_auth_per_minute) if failed_auth_per_minute else None
+            self.failures: Any = (
+                MemoryWindow(failed_auth_per_minute) if failed_auth_per_minute else None
+            )
             self._shared = False
         else:
             from limits.aio.strategies import FixedWindowRateLimiter  # noqa: PLC0415
@@ -196,11 +215,21 @@ class RequestLimits:
             url, options = _storage_url(storage_url)
             self.storage = storage_from_string(url, **options)
             limiter = FixedWindowRateLimiter(self.storage)
-            self.keys = RedisWindow(limiter, key_per_minute, f"{prefix}gateway", "key") if key_per_minute else None
-            self.failures = RedisWindow(limiter, failed_auth_per_minute, f"{prefix}gateway", "auth-failure") if failed_auth_per_minute else None
+            self.keys = (
+                RedisWindow(limiter, key_per_minute, f"{prefix}gateway", "key")
+                if key_per_minute
+                else None
+            )
+            self.failures = (
+                RedisWindow(limiter, failed_auth_per_minute, f"{prefix}gateway", "auth-failure")
+                if failed_auth_per_minute
+                else None
+            )
             self._shared = True
 
-    async def authenticate(self, scope: Scope, authorization: str | None, organization_id: str | None) -> Principal:
+    async def authenticate(
+        self, scope: Scope, authorization: str | None, organization_id: str | None
+    ) -> Principal:
         """`Authenticator.authenticate` under the limits: raises RateLimited (429) when the client
         is blocked for failed authentications or the key is past its limit, AuthError as the
         authenticator does (each 401 and 403 counted against the client)."""
@@ -221,8 +250,12 @@ class RequestLimits:
         if self.keys is not None:
             allowed, reset_s = await self._hit(self.keys, key_of(authorization or ""))
             if not allowed:
-                raise RateLimited(KEY_LIMIT, self.keys.amount, reset_s,
-                                  f"rate limit of {self.keys.amount} requests per minute exceeded for this API key; retry in {reset_s} s")
+                raise RateLimited(
+                    KEY_LIMIT,
+                    self.keys.amount,
+                    reset_s,
+                    f"rate limit of {self.keys.amount} requests per minute exceeded for this API key; retry in {reset_s} s",
+                )
         return who
 
     async def _failed(self, client: str) -> None:
@@ -233,14 +266,26 @@ class RequestLimits:
             if len(self._blocked) >= MAX_ENTRIES:
                 del self._blocked[next(iter(self._blocked))]
             self._blocked[client] = time.time() + reset_s
-            log.warning("client blocked for failed authentications",
-                        extra={"fields": {"client": client, "limit_per_minute": self.failures.amount, "retry_after_s": reset_s}})
+            log.warning(
+                "client blocked for failed authentications",
+                extra={
+                    "fields": {
+                        "client": client,
+                        "limit_per_minute": self.failures.amount,
+                        "retry_after_s": reset_s,
+                    }
+                },
+            )
             raise self._failures_refusal(reset_s)
 
     def _failures_refusal(self, reset_s: int) -> RateLimited:
         amount = self.failures.amount
-        return RateLimited(FAILED_AUTH_LIMIT, amount, reset_s,
-                           f"too many failed authentications from this client (limit {amount} per minute); retry in {max(1, reset_s)} s")
+        return RateLimited(
+            FAILED_AUTH_LIMIT,
+            amount,
+            reset_s,
+            f"too many failed authentications from this client (limit {amount} per minute); retry in {max(1, reset_s)} s",
+        )
 
     async def _hit(self, window: Any, identifier: str) -> tuple[bool, int]:
         if not self._shared:
@@ -251,14 +296,18 @@ class RequestLimits:
             now = time.monotonic()
             if now - self._warned_at >= WARN_EVERY_S:
                 self._warned_at = now
-                log.warning("rate-limit counters unavailable; requests pass uncounted",
-                            extra={"fields": {"error": type(error).__name__}})
+                log.warning(
+                    "rate-limit counters unavailable; requests pass uncounted",
+                    extra={"fields": {"error": type(error).__name__}},
+                )
             return True, 0
 
     async def close(self) -> None:
         """Close the Redis storage's connections, if any."""
         storage, self.storage = self.storage, None
-        client = getattr(getattr(storage, "bridge", None), "storage", None)  # limits' redis-py client
+        client = getattr(
+            getattr(storage, "bridge", None), "storage", None
+        )  # limits' redis-py client
         closer = getattr(client, "aclose", None)
         if closer is not None:
             try:

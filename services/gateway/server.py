@@ -39,19 +39,29 @@ class GatewayServer:
         self = cls(settings)
         if settings.auto_migrate:
             await db.migrate_async("gateway", settings.database_url)
-        self.engine = db.make_engine(settings.database_url, settings.db_pool_size, settings.db_timeout_s)
+        self.engine = db.make_engine(
+            settings.database_url, settings.db_pool_size, settings.db_timeout_s
+        )
         self.sessions = db.sessionmaker(self.engine)
         self.channel = internal_channel(
-            settings.orchestrator_addr, settings.internal_token, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+            settings.orchestrator_addr,
+            settings.internal_token,
+            options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
         )
         self.idempotency = IdempotencyStore(self.sessions, settings.idempotency_ttl_s)
         self.tools_channel = internal_channel(
-            settings.tools_addr, settings.internal_token, options=[("grpc.max_send_message_length", 16 * 1024 * 1024)]
+            settings.tools_addr,
+            settings.internal_token,
+            options=[("grpc.max_send_message_length", 16 * 1024 * 1024)],
         )
         self.default_models = DefaultModels(self.sessions, settings.auth_cache_ttl_s)
         self.app = create_app(
-            settings, Authenticator(self.sessions, settings.auth_cache_ttl_s), self.channel, self.idempotency,
-            self.default_models, self.tools_channel,
+            settings,
+            Authenticator(self.sessions, settings.auth_cache_ttl_s),
+            self.channel,
+            self.idempotency,
+            self.default_models,
+            self.tools_channel,
         )
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
         # and without it every keep-alive response waits ~40 ms for the client's delayed ACK
@@ -59,18 +69,29 @@ class GatewayServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        tune_listener(sock, settings)  # TCP keepalive and TCP_USER_TIMEOUT, inherited too (docs/security.md)
+        tune_listener(
+            sock, settings
+        )  # TCP keepalive and TCP_USER_TIMEOUT, inherited too (docs/security.md)
         try:
             sock.bind((settings.http_host, settings.http_port))
         except OSError as error:  # one line and exit 2 (runner.run), like the gRPC port's
             sock.close()
-            raise PortUnavailable(f"cannot bind the HTTP port {settings.http_host}:{settings.http_port}: {error.strerror}") from None
+            raise PortUnavailable(
+                f"cannot bind the HTTP port {settings.http_host}:{settings.http_port}: {error.strerror}"
+            ) from None
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
-            backlog=2048, http=protocol_class(HttpLimits.of(settings)),  # head, body and write bounds (http_limits.py)
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(settings.shutdown_grace_s) or 1,
+            backlog=2048,
+            http=protocol_class(
+                HttpLimits.of(settings)
+            ),  # head, body and write bounds (http_limits.py)
         )
         self.http = uvicorn.Server(config)
         self.http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -80,7 +101,9 @@ class GatewayServer:
                 await self._http_task
                 raise RuntimeError("HTTP server failed to start")
             await asyncio.sleep(0.01)
-        self._grpc: RunningServer = await start_grpc_server([], settings.host, settings.gateway_grpc_port)
+        self._grpc: RunningServer = await start_grpc_server(
+            [], settings.host, settings.gateway_grpc_port
+        )
         self.grpc_port = self._grpc.port
         return self
 

@@ -59,13 +59,29 @@ def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> 
         data: dict[str, Any] = {"chunk": event.response_chunk.chunk}
     elif kind == "tool_call":
         e = event.tool_call
-        data = {"tool": e.tool, "input": _input(e), "tool_call_id": e.tool_call_id, "timestamp": pb.iso(event.time)}
+        data = {
+            "tool": e.tool,
+            "input": _input(e),
+            "tool_call_id": e.tool_call_id,
+            "timestamp": pb.iso(event.time),
+        }
     elif kind == "tool_result":
         e = event.tool_result
-        data = {"tool": e.tool, "tool_call_id": e.tool_call_id, "output": _output(e, outputs), "timestamp": pb.iso(event.time)}
+        data = {
+            "tool": e.tool,
+            "tool_call_id": e.tool_call_id,
+            "output": _output(e, outputs),
+            "timestamp": pb.iso(event.time),
+        }
     elif kind == "metadata":
         e = event.metadata
-        data = {"run_id": e.run_id, "thread_id": e.thread_id, "workflow_id": None, "workflow_type": e.workflow_type, "timestamp": pb.iso(event.time)}
+        data = {
+            "run_id": e.run_id,
+            "thread_id": e.thread_id,
+            "workflow_id": None,
+            "workflow_type": e.workflow_type,
+            "timestamp": pb.iso(event.time),
+        }
     elif kind == "done":
         e = event.done
         data = {

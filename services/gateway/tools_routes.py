@@ -54,13 +54,24 @@ MAX_UPLOAD_BODY_BYTES = MAX_UPLOAD_BYTES + 64 * 1024
 # The SDK's KnowledgeBaseStatus: the `?status=` filter of GET /knowledge-bases takes these.
 KNOWLEDGE_BASE_STATUSES = ("active", "processing", "error", "archived")
 # The SDK's DocumentStatus for the tools service's document statuses.
-DOCUMENT_STATUS = {"ready": "completed", "pending": "pending", "processing": "processing", "failed": "failed"}
+DOCUMENT_STATUS = {
+    "ready": "completed",
+    "pending": "pending",
+    "processing": "processing",
+    "failed": "failed",
+}
 # The chunking the tools service applies (shown as a knowledge base's chunking_config).
 CHUNKING_CONFIG = {"strategy": "paragraphs", "max_chars": 1000}
 # Search is full-text (BM25 on SQLite, ts_rank_cd on PostgreSQL), not embeddings.
 EMBEDDING_CONFIG = {"type": "full_text"}
-_FILE_TYPES = {"text/plain": "txt", "text/markdown": "md", "text/html": "html", "text/csv": "csv",
-               "application/json": "json", "application/pdf": "pdf"}
+_FILE_TYPES = {
+    "text/plain": "txt",
+    "text/markdown": "md",
+    "text/html": "html",
+    "text/csv": "csv",
+    "application/json": "json",
+    "application/pdf": "pdf",
+}
 _TIMEOUT_S = 30.0
 _MCP_TIMEOUT_S = 120.0
 
@@ -68,8 +79,14 @@ _MCP_TIMEOUT_S = 120.0
 # the tools service's columns (a credential's display_name and a knowledge base's name are
 # VARCHAR(200) there, an integration name VARCHAR(100)); a listed credential or knowledge base
 # also lands in model tool results, so its free text stays small.
-STRING_LIMITS = {"display_name": 200, "name": 200, "integration_name": 100, "auth_type": 32, "expires_at": 64,
-                 "description": 10_000}
+STRING_LIMITS = {
+    "display_name": 200,
+    "name": 200,
+    "integration_name": 100,
+    "auth_type": 32,
+    "expires_at": 64,
+    "description": 10_000,
+}
 # Any other string field (server_url, redirect_uri, scope, a search query), in characters.
 MAX_TEXT_CHARS = 2_048
 # The largest JSON object field, in bytes of compact UTF-8 JSON, by field name: credential metadata
@@ -103,32 +120,52 @@ def _object_schema(name: str, description: str = "") -> dict[str, Any]:
     """An `_object` field: a JSON object or null (at most OBJECT_LIMITS[name] bytes as compact JSON)."""
     schema: dict[str, Any] = {"type": ["object", "null"]}
     limit = OBJECT_LIMITS.get(name)
-    text = " ".join(part for part in (description, f"At most {limit} bytes as compact UTF-8 JSON." if limit else "") if part)
+    text = " ".join(
+        part
+        for part in (description, f"At most {limit} bytes as compact UTF-8 JSON." if limit else "")
+        if part
+    )
     if text:
         schema["description"] = text
     return schema
 
 
 _BOOLEAN = {"type": "boolean"}  # `_bool`: absent is false; null is refused
-_NOT_SUPPORTED = {"type": "null", "description": "Not supported: any value but null is refused (400)."}
+_NOT_SUPPORTED = {
+    "type": "null",
+    "description": "Not supported: any value but null is refused (400).",
+}
 _TOP_K = {"type": "integer", "minimum": 1, "maximum": 50, "default": 5}
 _MIN_SCORE = {"type": "number", "default": 0.0}
 
 
 def _json_body(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
     """`openapi_extra` declaring a required JSON object body with exactly `properties`."""
-    schema = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 CREATE_CREDENTIAL_BODY = _json_body(
     {
         "integration_name": _text_schema("integration_name", required=True),
-        "auth_data": _object_schema("auth_data", "The secret (e.g. {\"api_key\": ...}); encrypted, never returned."),
-        "auth_type": {**_text_schema("auth_type"), "description": "One of the integration's auth types (bearer_token is bearer); "
-                                                                   "inferred from auth_data when absent."},
-        "oauth_config": {**_NOT_SUPPORTED, "description": "Not supported (connect OAuth2 with POST /credentials/oauth2/initiate): "
-                                                          "any value but null is refused (400)."},
+        "auth_data": _object_schema(
+            "auth_data", 'The secret (e.g. {"api_key": ...}); encrypted, never returned.'
+        ),
+        "auth_type": {
+            **_text_schema("auth_type"),
+            "description": "One of the integration's auth types (bearer_token is bearer); "
+            "inferred from auth_data when absent.",
+        },
+        "oauth_config": {
+            **_NOT_SUPPORTED,
+            "description": "Not supported (connect OAuth2 with POST /credentials/oauth2/initiate): "
+            "any value but null is refused (400).",
+        },
         "display_name": _text_schema("display_name"),
         "metadata": _object_schema("metadata", "With expires_at merged in."),
         "make_default": _BOOLEAN,
@@ -139,7 +176,10 @@ CREATE_CREDENTIAL_BODY = _json_body(
 CREATE_MCP_SERVER_BODY = _json_body(
     {
         "server_url": _text_schema("server_url", required=True),
-        "headers": {**_object_schema("headers", "Header names to string values, sent to the server."), "additionalProperties": {"type": "string"}},
+        "headers": {
+            **_object_schema("headers", "Header names to string values, sent to the server."),
+            "additionalProperties": {"type": "string"},
+        },
         "display_name": _text_schema("display_name"),
         "make_default": _BOOLEAN,
     },
@@ -150,8 +190,11 @@ INITIATE_OAUTH2_BODY = _json_body(
     {
         "integration_name": _text_schema("integration_name", required=True),
         "redirect_uri": _text_schema("redirect_uri", required=True),
-        "use_modulex_oauth": {"not": {"const": False}, "description": "false (a custom OAuth app) is refused (400); "
-                                                                       "the operator configures each OAuth2 integration."},
+        "use_modulex_oauth": {
+            "not": {"const": False},
+            "description": "false (a custom OAuth app) is refused (400); "
+            "the operator configures each OAuth2 integration.",
+        },
         "custom_oauth_config": _NOT_SUPPORTED,
         "scope": _text_schema("scope"),
         "display_name": _text_schema("display_name"),
@@ -163,17 +206,28 @@ INITIATE_OAUTH2_BODY = _json_body(
     },
     ["integration_name", "redirect_uri"],
 )
-_FIXED_CONFIG = {"type": ["object", "null"], "maxProperties": 0,
-                 "description": "Cannot be set (search is full-text, chunking is fixed): only null or {} is accepted."}
+_FIXED_CONFIG = {
+    "type": ["object", "null"],
+    "maxProperties": 0,
+    "description": "Cannot be set (search is full-text, chunking is fixed): only null or {} is accepted.",
+}
 CREATE_KNOWLEDGE_BASE_BODY = _json_body(
-    {"name": _text_schema("name", required=True), "description": _text_schema("description"),
-     "embedding_config": _FIXED_CONFIG, "chunking_config": _FIXED_CONFIG},
+    {
+        "name": _text_schema("name", required=True),
+        "description": _text_schema("description"),
+        "embedding_config": _FIXED_CONFIG,
+        "chunking_config": _FIXED_CONFIG,
+    },
     ["name"],
 )
 MULTI_SEARCH_BODY = _json_body(
     {
-        "knowledge_base_ids": {"type": "array", "minItems": 1, "maxItems": MAX_SEARCH_BASES,
-                               "items": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS}},
+        "knowledge_base_ids": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_SEARCH_BASES,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS},
+        },
         "query": _text_schema("query", required=True),
         "top_k": _TOP_K,
         "min_score": _MIN_SCORE,
@@ -186,7 +240,10 @@ SEARCH_BODY = _json_body(
         "top_k": _TOP_K,
         "min_score": _MIN_SCORE,
         # refused when truthy: only an empty value passes
-        "filters": {"enum": [None, False, 0, "", [], {}], "description": "Not supported: only an empty value (null, {}, ...) is accepted."},
+        "filters": {
+            "enum": [None, False, 0, "", [], {}],
+            "description": "Not supported: only an empty value (null, {}, ...) is accepted.",
+        },
         "include_content": {"type": "boolean", "default": True},
         "include_metadata": {"type": "boolean", "default": True},
     },
@@ -197,13 +254,34 @@ SEARCH_BODY = _json_body(
 # "code or error"; their descriptions do).
 OAUTH2_CALLBACK_PARAMETERS = {
     "parameters": [
-        {"name": "state", "in": "query", "required": True, "schema": {"type": "string", "minLength": 1},
-         "description": "The single-use state of POST /credentials/oauth2/initiate."},
-        {"name": "code", "in": "query", "required": False, "schema": {"type": "string"},
-         "description": "The authorization code; required unless `error` is given."},
-        {"name": "error", "in": "query", "required": False, "schema": {"type": "string"},
-         "description": "The authorization server's denial; required unless `code` is given (the state is spent either way)."},
-        {"name": "error_description", "in": "query", "required": False, "schema": {"type": "string"}, "description": "Ignored."},
+        {
+            "name": "state",
+            "in": "query",
+            "required": True,
+            "schema": {"type": "string", "minLength": 1},
+            "description": "The single-use state of POST /credentials/oauth2/initiate.",
+        },
+        {
+            "name": "code",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "The authorization code; required unless `error` is given.",
+        },
+        {
+            "name": "error",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "The authorization server's denial; required unless `code` is given (the state is spent either way).",
+        },
+        {
+            "name": "error_description",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "Ignored.",
+        },
     ]
 }
 UPLOAD_BODY = {
@@ -214,8 +292,11 @@ UPLOAD_BODY = {
                 "schema": {
                     "type": "object",
                     "properties": {
-                        "file": {"type": "string", "format": "binary",
-                                 "description": f"The document (1 to {MAX_UPLOAD_BYTES} bytes; txt, md, html, csv, json or pdf)."},
+                        "file": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": f"The document (1 to {MAX_UPLOAD_BYTES} bytes; txt, md, html, csv, json or pdf).",
+                        },
                         "metadata": {"type": "string", "description": "Accepted and ignored."},
                     },
                     "required": ["file"],
@@ -224,6 +305,7 @@ UPLOAD_BODY = {
         },
     }
 }
+
 
 def _string(body: dict[str, Any], name: str, *, required: bool = False, default: str = "") -> str:
     """The string field `name` of `body` (`default` when absent or null).
@@ -237,7 +319,9 @@ def _string(body: dict[str, Any], name: str, *, required: bool = False, default:
             raise BodyError(400, f"{name} is required")
         return default
     if not isinstance(value, str) or (required and not value.strip()):
-        raise BodyError(400, f"{name} must be a non-empty string" if required else f"{name} must be a string")
+        raise BodyError(
+            400, f"{name} must be a non-empty string" if required else f"{name} must be a string"
+        )
     limit = STRING_LIMITS.get(name, MAX_TEXT_CHARS)
     if len(value) > limit:
         raise BodyError(400, f"{name} must be at most {limit} characters (it has {len(value)})")
@@ -263,7 +347,9 @@ def check_json_size(name: str, value: Any, limit: int) -> None:
     names `name` and the sizes, never the content: it may be a secret)."""
     size = len(orjson.dumps(value))
     if size > limit:
-        raise BodyError(400, f"{name} must be at most {limit} bytes when JSON-encoded (it has {size})")
+        raise BodyError(
+            400, f"{name} must be at most {limit} bytes when JSON-encoded (it has {size})"
+        )
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -310,7 +396,9 @@ def infer_auth_type(auth_data: dict[str, Any] | None) -> str:
     return ""
 
 
-def credential_json(c: tools_pb2.Credential, detail_view: bool = False, created_by_email: str | None = None) -> dict[str, Any]:
+def credential_json(
+    c: tools_pb2.Credential, detail_view: bool = False, created_by_email: str | None = None
+) -> dict[str, Any]:
     """The SDK's CredentialResponse (or CredentialDetailResponse when `detail_view`) of a Credential."""
     metadata = pb.from_struct(c.metadata)
     body: dict[str, Any] = {
@@ -328,7 +416,9 @@ def credential_json(c: tools_pb2.Credential, detail_view: bool = False, created_
     }
     if detail_view:
         body.update(
-            organization_id=c.organization_id, created_by=c.created_by_user_id or None, created_by_email=created_by_email,
+            organization_id=c.organization_id,
+            created_by=c.created_by_user_id or None,
+            created_by_email=created_by_email,
             auth_data_masked=c.auth_data_masked or None,
         )
     return body
@@ -372,7 +462,9 @@ def document_json(d: tools_pb2.Document) -> dict[str, Any]:
     }
 
 
-def match_json(r: tools_pb2.KnowledgeSearchResult, include_content: bool = True, include_metadata: bool = True) -> dict[str, Any]:
+def match_json(
+    r: tools_pb2.KnowledgeSearchResult, include_content: bool = True, include_metadata: bool = True
+) -> dict[str, Any]:
     """The SDK's SearchMatch of a search result."""
     return {
         "chunk_id": r.chunk_id,
@@ -387,7 +479,11 @@ def match_json(r: tools_pb2.KnowledgeSearchResult, include_content: bool = True,
 
 def mcp_tool_json(t: tools_pb2.McpTool) -> dict[str, Any]:
     """{name, description, input_schema} of a discovered MCP tool."""
-    return {"name": t.name, "description": t.description, "input_schema": pb.from_struct(t.input_schema)}
+    return {
+        "name": t.name,
+        "description": t.description,
+        "input_schema": pb.from_struct(t.input_schema),
+    }
 
 
 def _bounded_receive(receive: Receive, limit: int) -> Receive:
@@ -414,7 +510,8 @@ def tools_router(
     channel: grpc.aio.Channel,
     orchestrator_channel: grpc.aio.Channel | None = None,
     user_email: Callable[[str], Awaitable[str | None]] | None = None,
-    hold_default_model: Callable[[str], contextlib.AbstractAsyncContextManager[HeldDefault]] | None = None,
+    hold_default_model: Callable[[str], contextlib.AbstractAsyncContextManager[HeldDefault]]
+    | None = None,
 ) -> APIRouter:
     """The credentials and knowledge routes, calling the tools service on `channel`.
 
@@ -433,52 +530,93 @@ def tools_router(
     """
     router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
     tools = tools_pb2_grpc.ToolsServiceStub(channel)
-    orchestrator = assistant_pb2_grpc.AssistantServiceStub(orchestrator_channel) if orchestrator_channel else None
+    orchestrator = (
+        assistant_pb2_grpc.AssistantServiceStub(orchestrator_channel)
+        if orchestrator_channel
+        else None
+    )
     Who = Depends(principal_dependency)  # noqa: N806 - reads like a type in the signatures
 
     async def body_of(request: Request) -> dict[str, Any]:
         return await read_json_object(request, settings.max_body_bytes)
 
     async def owned_bases(org_id: str) -> dict[str, tools_pb2.KnowledgeBase]:
-        response = await tools.ListKnowledgeBases(tools_pb2.ListKnowledgeBasesRequest(organization_id=org_id), timeout=_TIMEOUT_S)
+        response = await tools.ListKnowledgeBases(
+            tools_pb2.ListKnowledgeBasesRequest(organization_id=org_id), timeout=_TIMEOUT_S
+        )
         return {kb.knowledge_base_id: kb for kb in response.knowledge_bases}
 
     # ---- credentials ------------------------------------------------------------------
 
-    @router.post("/credentials", status_code=201, summary="Create a credential (secret encrypted, never returned)", tags=["credentials"],
-                 openapi_extra=CREATE_CREDENTIAL_BODY)
+    @router.post(
+        "/credentials",
+        status_code=201,
+        summary="Create a credential (secret encrypted, never returned)",
+        tags=["credentials"],
+        openapi_extra=CREATE_CREDENTIAL_BODY,
+    )
     async def create_credential(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        check_fields(body, {"integration_name", "auth_data", "auth_type", "oauth_config", "display_name", "metadata", "make_default", "expires_at"})
+        check_fields(
+            body,
+            {
+                "integration_name",
+                "auth_data",
+                "auth_type",
+                "oauth_config",
+                "display_name",
+                "metadata",
+                "make_default",
+                "expires_at",
+            },
+        )
         integration = _string(body, "integration_name", required=True)
         auth_data = _object(body, "auth_data")
         if body.get("oauth_config") is not None:
-            raise BodyError(400, "oauth_config is not supported; connect OAuth2 integrations with POST /credentials/oauth2/initiate")
+            raise BodyError(
+                400,
+                "oauth_config is not supported; connect OAuth2 integrations with POST /credentials/oauth2/initiate",
+            )
         metadata = dict(_object(body, "metadata") or {})
         expires_at = _string(body, "expires_at")
         if expires_at:
             metadata["expires_at"] = expires_at
-            check_json_size("metadata", metadata, OBJECT_LIMITS["metadata"])  # as stored, with expires_at
+            check_json_size(
+                "metadata", metadata, OBJECT_LIMITS["metadata"]
+            )  # as stored, with expires_at
         auth_type = _string(body, "auth_type") or infer_auth_type(auth_data)
         # the SDK's CredentialAuthOption names a bearer token "bearer_token" (modulex/types/realtime.py)
         auth_type = SDK_AUTH_TYPES.get(auth_type, auth_type)
         response = await tools.CreateCredential(
             tools_pb2.CreateCredentialRequest(
-                organization_id=who.organization_id, integration_name=integration, auth_type=auth_type,
-                auth_data=pb.to_struct(auth_data or {}), display_name=_string(body, "display_name"),
-                metadata=pb.to_struct(metadata), make_default=_bool(body, "make_default"), user_id=who.user_id,
+                organization_id=who.organization_id,
+                integration_name=integration,
+                auth_type=auth_type,
+                auth_data=pb.to_struct(auth_data or {}),
+                display_name=_string(body, "display_name"),
+                metadata=pb.to_struct(metadata),
+                make_default=_bool(body, "make_default"),
+                user_id=who.user_id,
             ),
             timeout=_TIMEOUT_S,
         )
         return JSONResponse(credential_json(response.credential), status_code=201)
 
-    @router.get("/credentials", summary="The organization's credentials (metadata only), newest first", tags=["credentials"])
+    @router.get(
+        "/credentials",
+        summary="The organization's credentials (metadata only), newest first",
+        tags=["credentials"],
+    )
     async def list_credentials(
-        who: Principal = Who, integration_name: str | None = None,
+        who: Principal = Who,
+        integration_name: str | None = None,
         # the enums are for the document only: the checks below give the 400s (their messages); an
         # empty auth_type is no filter
-        auth_type: Annotated[str | None, Query(json_schema_extra={"enum": ["", *CREDENTIAL_AUTH_TYPES]})] = None,
-        limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100, offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
+        auth_type: Annotated[
+            str | None, Query(json_schema_extra={"enum": ["", *CREDENTIAL_AUTH_TYPES]})
+        ] = None,
+        limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100,
+        offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
     ) -> Response:
         if not 1 <= limit <= 500:
             raise BodyError(400, "limit must be between 1 and 500")
@@ -488,9 +626,13 @@ def tools_router(
             raise BodyError(400, f"auth_type must be one of {', '.join(CREDENTIAL_AUTH_TYPES)}")
         response = await tools.ListCredentials(
             tools_pb2.ListCredentialsRequest(
-                organization_id=who.organization_id, integration_name=integration_name or "",
-                auth_type=SDK_AUTH_TYPES.get(auth_type, auth_type) if auth_type else "",  # the SDK's names, as on create
-                limit=limit, offset=offset,
+                organization_id=who.organization_id,
+                integration_name=integration_name or "",
+                auth_type=SDK_AUTH_TYPES.get(auth_type, auth_type)
+                if auth_type
+                else "",  # the SDK's names, as on create
+                limit=limit,
+                offset=offset,
             ),
             timeout=_TIMEOUT_S,
         )
@@ -505,8 +647,13 @@ def tools_router(
             }
         )
 
-    @router.post("/credentials/mcp-server", status_code=201, summary="Register a Streamable HTTP MCP server", tags=["credentials"],
-                 openapi_extra=CREATE_MCP_SERVER_BODY)
+    @router.post(
+        "/credentials/mcp-server",
+        status_code=201,
+        summary="Register a Streamable HTTP MCP server",
+        tags=["credentials"],
+        openapi_extra=CREATE_MCP_SERVER_BODY,
+    )
     async def create_mcp_server(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"server_url", "headers", "display_name", "make_default"})
@@ -517,8 +664,11 @@ def tools_router(
             raise BodyError(400, problem)
         response = await tools.CreateMcpServer(
             tools_pb2.CreateMcpServerRequest(
-                organization_id=who.organization_id, server_url=url, headers=pb.to_struct(headers),
-                display_name=_string(body, "display_name"), make_default=_bool(body, "make_default"),
+                organization_id=who.organization_id,
+                server_url=url,
+                headers=pb.to_struct(headers),
+                display_name=_string(body, "display_name"),
+                make_default=_bool(body, "make_default"),
                 user_id=who.user_id,
             ),
             timeout=_MCP_TIMEOUT_S,
@@ -540,31 +690,64 @@ def tools_router(
             status_code=201,
         )
 
-    @router.post("/credentials/oauth2/initiate", summary="Start an OAuth2 authorization code flow (PKCE)", tags=["credentials"],
-                 openapi_extra=INITIATE_OAUTH2_BODY)
+    @router.post(
+        "/credentials/oauth2/initiate",
+        summary="Start an OAuth2 authorization code flow (PKCE)",
+        tags=["credentials"],
+        openapi_extra=INITIATE_OAUTH2_BODY,
+    )
     async def initiate_oauth2(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        check_fields(body, {"integration_name", "redirect_uri", "use_modulex_oauth", "custom_oauth_config", "scope", "display_name",
-                       "make_default", "env_var_values", "composer_chat_id", "composer_request_id", "composer_llm_config"})
+        check_fields(
+            body,
+            {
+                "integration_name",
+                "redirect_uri",
+                "use_modulex_oauth",
+                "custom_oauth_config",
+                "scope",
+                "display_name",
+                "make_default",
+                "env_var_values",
+                "composer_chat_id",
+                "composer_request_id",
+                "composer_llm_config",
+            },
+        )
         if body.get("custom_oauth_config") is not None or body.get("use_modulex_oauth") is False:
-            raise BodyError(400, "custom OAuth apps are not supported; the operator configures each OAuth2 integration")
+            raise BodyError(
+                400,
+                "custom OAuth apps are not supported; the operator configures each OAuth2 integration",
+            )
         if body.get("env_var_values") is not None:
             raise BodyError(400, "env_var_values is not supported")
         response = await tools.InitiateOAuth2(
             tools_pb2.InitiateOAuth2Request(
-                organization_id=who.organization_id, integration_name=_string(body, "integration_name", required=True),
-                redirect_uri=_string(body, "redirect_uri", required=True), scope=_string(body, "scope"),
-                display_name=_string(body, "display_name"), make_default=_bool(body, "make_default"), user_id=who.user_id,
+                organization_id=who.organization_id,
+                integration_name=_string(body, "integration_name", required=True),
+                redirect_uri=_string(body, "redirect_uri", required=True),
+                scope=_string(body, "scope"),
+                display_name=_string(body, "display_name"),
+                make_default=_bool(body, "make_default"),
+                user_id=who.user_id,
             ),
             timeout=_TIMEOUT_S,
         )
-        return JSONResponse({"authorization_url": response.authorization_url, "state": response.state})
+        return JSONResponse(
+            {"authorization_url": response.authorization_url, "state": response.state}
+        )
 
-    @router.get("/credentials/oauth2/callback", summary="OAuth2 redirect target: exchange the code, store the credential", tags=["credentials"],
-                openapi_extra=OAUTH2_CALLBACK_PARAMETERS)
+    @router.get(
+        "/credentials/oauth2/callback",
+        summary="OAuth2 redirect target: exchange the code, store the credential",
+        tags=["credentials"],
+        openapi_extra=OAUTH2_CALLBACK_PARAMETERS,
+    )
     async def oauth2_callback(
-        state: Annotated[str, Query(include_in_schema=False)] = "", code: Annotated[str, Query(include_in_schema=False)] = "",
-        error: Annotated[str, Query(include_in_schema=False)] = "", error_description: Annotated[str, Query(include_in_schema=False)] = "",
+        state: Annotated[str, Query(include_in_schema=False)] = "",
+        code: Annotated[str, Query(include_in_schema=False)] = "",
+        error: Annotated[str, Query(include_in_schema=False)] = "",
+        error_description: Annotated[str, Query(include_in_schema=False)] = "",
     ) -> Response:
         # No API key here: the browser arrives from the authorization server; the
         # single-use, unguessable state names the organization and the flow.
@@ -572,14 +755,19 @@ def tools_router(
             return detail(400, "state and code are required")
         # a denial (`error`) spends the single-use state too: the flow cannot go on to an exchange
         # (fresh-eyes test); the state is checked first, so a forged one is "Unknown or expired"
-        response = await tools.CompleteOAuth2(tools_pb2.CompleteOAuth2Request(state=state, code=code, error=error[:2000]), timeout=_TIMEOUT_S)
+        response = await tools.CompleteOAuth2(
+            tools_pb2.CompleteOAuth2Request(state=state, code=code, error=error[:2000]),
+            timeout=_TIMEOUT_S,
+        )
         c = response.credential
         notified = False
         if orchestrator is not None:
             try:
                 await orchestrator.NotifyCredentialConnected(
                     assistant_pb2.NotifyCredentialConnectedRequest(
-                        organization_id=c.organization_id, integration=c.integration_name, credential_id=c.credential_id,
+                        organization_id=c.organization_id,
+                        integration=c.integration_name,
+                        credential_id=c.credential_id,
                         user_id=response.user_id,
                     ),
                     timeout=10,
@@ -587,49 +775,97 @@ def tools_router(
                 notified = True
             except grpc.aio.AioRpcError as exc:
                 # The credential is stored either way; a paused run can still be resumed by hand.
-                log.warning("credential notice not delivered", extra={"fields": {"code": exc.code().name, "credential_id": c.credential_id}})
+                log.warning(
+                    "credential notice not delivered",
+                    extra={"fields": {"code": exc.code().name, "credential_id": c.credential_id}},
+                )
         return JSONResponse(
             {"status": "connected", "orchestrator_notified": notified, **credential_json(c)}
         )
 
-    @router.get("/credentials/{credential_id}", summary="One credential (masked secret on request)", tags=["credentials"])
-    async def get_credential(credential_id: str, who: Principal = Who, include_masked: TrueOrFalse = False) -> Response:
+    @router.get(
+        "/credentials/{credential_id}",
+        summary="One credential (masked secret on request)",
+        tags=["credentials"],
+    )
+    async def get_credential(
+        credential_id: str, who: Principal = Who, include_masked: TrueOrFalse = False
+    ) -> Response:
         response = await tools.GetCredential(
-            tools_pb2.GetCredentialRequest(organization_id=who.organization_id, credential_id=credential_id, include_masked=include_masked),
+            tools_pb2.GetCredentialRequest(
+                organization_id=who.organization_id,
+                credential_id=credential_id,
+                include_masked=include_masked,
+            ),
             timeout=_TIMEOUT_S,
         )
         creator = response.credential.created_by_user_id
         email = await user_email(creator) if user_email is not None and creator else None
-        return JSONResponse(credential_json(response.credential, detail_view=True, created_by_email=email))
+        return JSONResponse(
+            credential_json(response.credential, detail_view=True, created_by_email=email)
+        )
 
-    @router.delete("/credentials/{credential_id}", status_code=204, summary="Delete a credential", tags=["credentials"])
-    async def delete_credential(credential_id: str, request: Request, who: Principal = Who) -> Response:
+    @router.delete(
+        "/credentials/{credential_id}",
+        status_code=204,
+        summary="Delete a credential",
+        tags=["credentials"],
+    )
+    async def delete_credential(
+        credential_id: str, request: Request, who: Principal = Who
+    ) -> Response:
         await refuse_body(request, settings.max_body_bytes)
-        held = hold_default_model(who.organization_id) if hold_default_model is not None else contextlib.nullcontext()
+        held = (
+            hold_default_model(who.organization_id)
+            if hold_default_model is not None
+            else contextlib.nullcontext()
+        )
         async with held as default:  # no PUT of the default between this check and the deletion
             saved = default.saved if default is not None else None
             if saved is not None and saved.get("credential_id") == credential_id:
                 # deleting it would break every turn that names no model (they use the saved default)
-                raise BodyError(409, "This credential is the key of the organization's default model: save another default "
-                                     "with PUT /organizations/settings/composer-llm first")
+                raise BodyError(
+                    409,
+                    "This credential is the key of the organization's default model: save another default "
+                    "with PUT /organizations/settings/composer-llm first",
+                )
             await tools.DeleteCredential(
-                tools_pb2.DeleteCredentialRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_TIMEOUT_S
+                tools_pb2.DeleteCredentialRequest(
+                    organization_id=who.organization_id, credential_id=credential_id
+                ),
+                timeout=_TIMEOUT_S,
             )
         return Response(status_code=204)
 
-    @router.post("/credentials/{credential_id}/set-default", summary="Make a credential its integration's default", tags=["credentials"])
+    @router.post(
+        "/credentials/{credential_id}/set-default",
+        summary="Make a credential its integration's default",
+        tags=["credentials"],
+    )
     async def set_default(credential_id: str, request: Request, who: Principal = Who) -> Response:
         await refuse_body(request, settings.max_body_bytes)
         response = await tools.SetDefaultCredential(
-            tools_pb2.SetDefaultCredentialRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_TIMEOUT_S
+            tools_pb2.SetDefaultCredentialRequest(
+                organization_id=who.organization_id, credential_id=credential_id
+            ),
+            timeout=_TIMEOUT_S,
         )
         return JSONResponse(credential_json(response.credential))
 
-    @router.post("/credentials/{credential_id}/refresh-discovery", summary="Discover an MCP server's tools again", tags=["credentials"])
-    async def refresh_discovery(credential_id: str, request: Request, who: Principal = Who) -> Response:
+    @router.post(
+        "/credentials/{credential_id}/refresh-discovery",
+        summary="Discover an MCP server's tools again",
+        tags=["credentials"],
+    )
+    async def refresh_discovery(
+        credential_id: str, request: Request, who: Principal = Who
+    ) -> Response:
         await refuse_body(request, settings.max_body_bytes)
         r = await tools.RefreshMcpDiscovery(
-            tools_pb2.RefreshMcpDiscoveryRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_MCP_TIMEOUT_S
+            tools_pb2.RefreshMcpDiscoveryRequest(
+                organization_id=who.organization_id, credential_id=credential_id
+            ),
+            timeout=_MCP_TIMEOUT_S,
         )
         return JSONResponse(
             {
@@ -642,10 +878,17 @@ def tools_router(
             }
         )
 
-    @router.get("/credentials/{credential_id}/mcp-tools", summary="The tools discovered on an MCP server", tags=["credentials"])
+    @router.get(
+        "/credentials/{credential_id}/mcp-tools",
+        summary="The tools discovered on an MCP server",
+        tags=["credentials"],
+    )
     async def mcp_tools(credential_id: str, who: Principal = Who) -> Response:
         r = await tools.ListMcpTools(
-            tools_pb2.ListMcpToolsRequest(organization_id=who.organization_id, credential_id=credential_id), timeout=_TIMEOUT_S
+            tools_pb2.ListMcpToolsRequest(
+                organization_id=who.organization_id, credential_id=credential_id
+            ),
+            timeout=_TIMEOUT_S,
         )
         return JSONResponse(
             {
@@ -658,25 +901,45 @@ def tools_router(
 
     # ---- knowledge ----------------------------------------------------------------------
 
-    @router.post("/knowledge-bases", status_code=201, summary="Create a knowledge base", tags=["knowledge"], openapi_extra=CREATE_KNOWLEDGE_BASE_BODY)
+    @router.post(
+        "/knowledge-bases",
+        status_code=201,
+        summary="Create a knowledge base",
+        tags=["knowledge"],
+        openapi_extra=CREATE_KNOWLEDGE_BASE_BODY,
+    )
     async def create_knowledge_base(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"name", "description", "embedding_config", "chunking_config"})
         for name in ("embedding_config", "chunking_config"):
             if _object(body, name):
-                raise BodyError(400, f"{name} cannot be set: search is full-text and chunking is fixed ({CHUNKING_CONFIG})")
+                raise BodyError(
+                    400,
+                    f"{name} cannot be set: search is full-text and chunking is fixed ({CHUNKING_CONFIG})",
+                )
         response = await tools.CreateKnowledgeBase(
             tools_pb2.CreateKnowledgeBaseRequest(
-                organization_id=who.organization_id, name=_string(body, "name", required=True),
-                description=_string(body, "description"), user_id=who.user_id,
+                organization_id=who.organization_id,
+                name=_string(body, "name", required=True),
+                description=_string(body, "description"),
+                user_id=who.user_id,
             ),
             timeout=_TIMEOUT_S,
         )
         return JSONResponse(knowledge_base_json(response.knowledge_base), status_code=201)
 
-    @router.get("/knowledge-bases", summary="The organization's knowledge bases, newest first", tags=["knowledge"])
+    @router.get(
+        "/knowledge-bases",
+        summary="The organization's knowledge bases, newest first",
+        tags=["knowledge"],
+    )
     async def list_knowledge_bases(
-        who: Principal = Who, status: Annotated[str | None, Query(json_schema_extra={"enum": list(KNOWLEDGE_BASE_STATUSES)})] = None, limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100, offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0
+        who: Principal = Who,
+        status: Annotated[
+            str | None, Query(json_schema_extra={"enum": list(KNOWLEDGE_BASE_STATUSES)})
+        ] = None,
+        limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100,
+        offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
     ) -> Response:
         if not 1 <= limit <= 500:
             raise BodyError(400, "limit must be between 1 and 500")
@@ -685,19 +948,35 @@ def tools_router(
         if status is not None and status not in KNOWLEDGE_BASE_STATUSES:
             raise BodyError(400, f"status must be one of {', '.join(KNOWLEDGE_BASE_STATUSES)}")
         bases = list((await owned_bases(who.organization_id)).values())
-        if status is not None and status != "active":  # every base is active (indexing is per document)
+        if (
+            status is not None and status != "active"
+        ):  # every base is active (indexing is per document)
             bases = []
-        return JSONResponse([knowledge_base_json(kb) for kb in bases[offset:offset + limit]])
+        return JSONResponse([knowledge_base_json(kb) for kb in bases[offset : offset + limit]])
 
-    @router.post("/knowledge-bases/search", summary="Search several knowledge bases", tags=["knowledge"], openapi_extra=MULTI_SEARCH_BODY)
+    @router.post(
+        "/knowledge-bases/search",
+        summary="Search several knowledge bases",
+        tags=["knowledge"],
+        openapi_extra=MULTI_SEARCH_BODY,
+    )
     async def multi_search(request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
         check_fields(body, {"knowledge_base_ids", "query", "top_k", "min_score"})
         ids = body.get("knowledge_base_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and 0 < len(i) <= MAX_ID_CHARS for i in ids):
-            raise BodyError(400, f"knowledge_base_ids must be a non-empty list of ids (at most {MAX_ID_CHARS} characters each)")
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(i, str) and 0 < len(i) <= MAX_ID_CHARS for i in ids)
+        ):
+            raise BodyError(
+                400,
+                f"knowledge_base_ids must be a non-empty list of ids (at most {MAX_ID_CHARS} characters each)",
+            )
         if len(ids) > MAX_SEARCH_BASES:
-            raise BodyError(400, f"knowledge_base_ids must name at most {MAX_SEARCH_BASES} knowledge bases")
+            raise BodyError(
+                400, f"knowledge_base_ids must name at most {MAX_SEARCH_BASES} knowledge bases"
+            )
         query = _string(body, "query", required=True)
         top_k = _int(body, "top_k", 5, 1, 50)
         min_score = _number(body, "min_score", 0.0)
@@ -705,24 +984,41 @@ def tools_router(
         missing = [i for i in ids if i not in owned]
         if missing:
             return detail(404, "Knowledge base not found")
-        matches = await _search(who.organization_id, query, list(dict.fromkeys(ids)), top_k, min_score)
+        matches = await _search(
+            who.organization_id, query, list(dict.fromkeys(ids)), top_k, min_score
+        )
         return JSONResponse(
-            {"query": query, "knowledge_bases_searched": len(set(ids)), "top_k": top_k, "total_matches": len(matches),
-             "matches": [match_json(m) for m in matches]}
+            {
+                "query": query,
+                "knowledge_bases_searched": len(set(ids)),
+                "top_k": top_k,
+                "total_matches": len(matches),
+                "matches": [match_json(m) for m in matches],
+            }
         )
 
-    async def _search(org_id: str, query: str, ids: list[str], top_k: int, min_score: float) -> list[tools_pb2.KnowledgeSearchResult]:
+    async def _search(
+        org_id: str, query: str, ids: list[str], top_k: int, min_score: float
+    ) -> list[tools_pb2.KnowledgeSearchResult]:
         response = await tools.SearchKnowledge(
-            tools_pb2.SearchKnowledgeRequest(organization_id=org_id, query=query, knowledge_base_ids=ids, top_k=top_k),
+            tools_pb2.SearchKnowledgeRequest(
+                organization_id=org_id, query=query, knowledge_base_ids=ids, top_k=top_k
+            ),
             timeout=_TIMEOUT_S,
         )
         return [r for r in response.results if r.score >= min_score]
 
-    @router.post("/knowledge-bases/{knowledge_base_id}/search", summary="Search one knowledge base (full-text, BM25)", tags=["knowledge"],
-                 openapi_extra=SEARCH_BODY)
+    @router.post(
+        "/knowledge-bases/{knowledge_base_id}/search",
+        summary="Search one knowledge base (full-text, BM25)",
+        tags=["knowledge"],
+        openapi_extra=SEARCH_BODY,
+    )
     async def search(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
         body = await body_of(request)
-        check_fields(body, {"query", "top_k", "min_score", "filters", "include_content", "include_metadata"})
+        check_fields(
+            body, {"query", "top_k", "min_score", "filters", "include_content", "include_metadata"}
+        )
         if body.get("filters"):
             raise BodyError(400, "filters are not supported")
         query = _string(body, "query", required=True)
@@ -736,13 +1032,25 @@ def tools_router(
             return detail(404, "Knowledge base not found")
         matches = await _search(who.organization_id, query, [knowledge_base_id], top_k, min_score)
         return JSONResponse(
-            {"query": query, "knowledge_base_id": knowledge_base_id, "top_k": top_k, "total_matches": len(matches),
-             "matches": [match_json(m, include_content, include_metadata) for m in matches]}
+            {
+                "query": query,
+                "knowledge_base_id": knowledge_base_id,
+                "top_k": top_k,
+                "total_matches": len(matches),
+                "matches": [match_json(m, include_content, include_metadata) for m in matches],
+            }
         )
 
-    @router.post("/knowledge-bases/{knowledge_base_id}/documents", status_code=201, summary="Upload a document (multipart `file`)", tags=["knowledge"],
-                 openapi_extra=UPLOAD_BODY)
-    async def upload_document(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
+    @router.post(
+        "/knowledge-bases/{knowledge_base_id}/documents",
+        status_code=201,
+        summary="Upload a document (multipart `file`)",
+        tags=["knowledge"],
+        openapi_extra=UPLOAD_BODY,
+    )
+    async def upload_document(
+        knowledge_base_id: str, request: Request, who: Principal = Who
+    ) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise BodyError(400, "Upload the document as multipart/form-data with a 'file' part")
         # the knowledge base is looked up before a byte of the body is read (a chunked 200 MiB
@@ -753,11 +1061,15 @@ def tools_router(
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BODY_BYTES:
             raise BodyError(413, f"Upload exceeds {MAX_UPLOAD_BYTES} bytes")
         try:
-            form = await Request(request.scope, _bounded_receive(request.receive, MAX_UPLOAD_BODY_BYTES)).form(max_files=1, max_fields=5)
+            form = await Request(
+                request.scope, _bounded_receive(request.receive, MAX_UPLOAD_BODY_BYTES)
+            ).form(max_files=1, max_fields=5)
         except BodyError:
             raise
         except Exception:  # noqa: BLE001 - a malformed multipart body is bad input
-            raise BodyError(400, "The multipart body cannot be parsed (one 'file' part, optional 'metadata')") from None
+            raise BodyError(
+                400, "The multipart body cannot be parsed (one 'file' part, optional 'metadata')"
+            ) from None
         try:
             upload = form.get("file")
             if not isinstance(upload, UploadFile):
@@ -774,8 +1086,11 @@ def tools_router(
         try:
             response = await tools.AddDocument(
                 tools_pb2.AddDocumentRequest(
-                    organization_id=who.organization_id, knowledge_base_id=knowledge_base_id, name=name,
-                    content_type=content_type, data=data,
+                    organization_id=who.organization_id,
+                    knowledge_base_id=knowledge_base_id,
+                    name=name,
+                    content_type=content_type,
+                    data=data,
                 ),
                 timeout=_MCP_TIMEOUT_S,
             )
@@ -786,19 +1101,39 @@ def tools_router(
             return grpc_error_response(exc)
         return JSONResponse(document_json(response.document), status_code=201)
 
-    @router.get("/knowledge-bases/{knowledge_base_id}/documents/{document_id}", summary="One document", tags=["knowledge"])
-    async def get_document(knowledge_base_id: str, document_id: str, who: Principal = Who) -> Response:
+    @router.get(
+        "/knowledge-bases/{knowledge_base_id}/documents/{document_id}",
+        summary="One document",
+        tags=["knowledge"],
+    )
+    async def get_document(
+        knowledge_base_id: str, document_id: str, who: Principal = Who
+    ) -> Response:
         response = await tools.GetDocument(
-            tools_pb2.GetDocumentRequest(organization_id=who.organization_id, knowledge_base_id=knowledge_base_id, document_id=document_id),
+            tools_pb2.GetDocumentRequest(
+                organization_id=who.organization_id,
+                knowledge_base_id=knowledge_base_id,
+                document_id=document_id,
+            ),
             timeout=_TIMEOUT_S,
         )
         return JSONResponse(document_json(response.document))
 
-    @router.get("/knowledge-bases/{knowledge_base_id}/documents/{document_id}/status", summary="A document's processing status", tags=["knowledge"])
-    async def document_status(knowledge_base_id: str, document_id: str, who: Principal = Who) -> Response:
+    @router.get(
+        "/knowledge-bases/{knowledge_base_id}/documents/{document_id}/status",
+        summary="A document's processing status",
+        tags=["knowledge"],
+    )
+    async def document_status(
+        knowledge_base_id: str, document_id: str, who: Principal = Who
+    ) -> Response:
         d = (
             await tools.GetDocument(
-                tools_pb2.GetDocumentRequest(organization_id=who.organization_id, knowledge_base_id=knowledge_base_id, document_id=document_id),
+                tools_pb2.GetDocumentRequest(
+                    organization_id=who.organization_id,
+                    knowledge_base_id=knowledge_base_id,
+                    document_id=document_id,
+                ),
                 timeout=_TIMEOUT_S,
             )
         ).document
@@ -810,7 +1145,9 @@ def tools_router(
                 "status": status,
                 "filename": d.name,
                 "file_type": _FILE_TYPES.get(d.content_type, d.content_type),
-                "message": f"Indexed into {d.chunk_count} chunks" if status == "completed" else None,
+                "message": f"Indexed into {d.chunk_count} chunks"
+                if status == "completed"
+                else None,
                 # Documents are indexed within the upload request: it starts and ends then.
                 "processing_started_at": created,
                 "processing_completed_at": created if status == "completed" else None,

@@ -23,7 +23,12 @@ def main() -> None:
         if code:
             raise SystemExit(code)
         return
-    runner.run("orchestrator", settings.log_level, lambda: OrchestratorServer.start(settings), settings.shutdown_grace_s)
+    runner.run(
+        "orchestrator",
+        settings.log_level,
+        lambda: OrchestratorServer.start(settings),
+        settings.shutdown_grace_s,
+    )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopline.assistant.v1 import events_pb2
-from services.common import db, pb
+from services.common import db
 from services.common.errors import stream_interrupted
-from services.orchestrator.events import ArchiveLoader, EventLog, MemoryEventLog, flatten, is_terminal
+from services.orchestrator.events import (
+    ArchiveLoader,
+    EventLog,
+    MemoryEventLog,
+    flatten,
+    is_terminal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +107,15 @@ class RunBackend:
 class MemoryBackend(RunBackend):
     """One process: `MemoryEventLog`, a set of claimed chats, cancels delivered in-process."""
 
-    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000,
-                 max_bytes: int = 64 * 1024 * 1024) -> None:
-        self.events = MemoryEventLog(archive_loader=archive_loader, max_runs=max_runs, max_bytes=max_bytes)
+    def __init__(
+        self,
+        archive_loader: ArchiveLoader | None = None,
+        max_runs: int = 10_000,
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.events = MemoryEventLog(
+            archive_loader=archive_loader, max_runs=max_runs, max_bytes=max_bytes
+        )
         self._claims: dict[str, str] = {}
         self._on_cancel: CancelHandler | None = None
 
@@ -220,7 +232,12 @@ class StreamInterrupted(Exception):
 def _redis_errors() -> tuple[type[BaseException], ...]:
     import redis.exceptions
 
-    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError, OSError)
+    return (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        ConnectionError,
+        OSError,
+    )
 
 
 @dataclass
@@ -250,7 +267,9 @@ class _Writer:
     written: int = 0
     diverged: bool = False
     forget_when_written: bool = False
-    failing_since: float | None = None  # monotonic time the current Redis outage began for this writer
+    failing_since: float | None = (
+        None  # monotonic time the current Redis outage began for this writer
+    )
     changed: asyncio.Future | None = None
     probe: bool = False  # send a batch even with nothing queued: does Redis still hold the stream? (`restore_lost`)
     archived: bool = False  # the database holds `local` whole (`forget(archived=True)`): followers here need no Redis
@@ -298,8 +317,17 @@ class RedisEventLog:
 
     durable = True
 
-    def __init__(self, redis: Any, prefix: str, max_len: int, ttl_s: float, archive_loader: ArchiveLoader,
-                 retry_s: float = 30.0, block_ms: int = XREAD_BLOCK_MS, open_wait_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        prefix: str,
+        max_len: int,
+        ttl_s: float,
+        archive_loader: ArchiveLoader,
+        retry_s: float = 30.0,
+        block_ms: int = XREAD_BLOCK_MS,
+        open_wait_s: float = 10.0,
+    ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.max_len = max_len
@@ -310,12 +338,16 @@ class RedisEventLog:
         self.open_wait_s = open_wait_s
         self._writers: dict[str, _Writer] = {}
         self._batch = redis.register_script(_BATCH)
-        self.reader: Any = None  # the replica's StreamReader, shared by its followers (RedisBackend)
+        self.reader: Any = (
+            None  # the replica's StreamReader, shared by its followers (RedisBackend)
+        )
 
     def _keys(self, run_id: str) -> tuple[str, str]:
         return f"{self.prefix}run:{run_id}:events", f"{self.prefix}run:{run_id}:meta"
 
-    async def _run_batch(self, run_id: str, items: list[tuple[str, int, bytes]], stored: int = -1) -> list[int]:
+    async def _run_batch(
+        self, run_id: str, items: list[tuple[str, int, bytes]], stored: int = -1
+    ) -> list[int]:
         """One atomic `_BATCH` call for `items` ((op, seq, payload), in order); its per-event
         results. `stored`: how many events the caller already wrote (-1: not its own run);
         raises StreamLost when the stream should hold some and Redis has lost it."""
@@ -397,12 +429,16 @@ class RedisEventLog:
         reported = False
         while True:
             await writer.wake.wait()
-            await asyncio.sleep(0)  # one loop turn: events published by tasks ready now join this batch
+            await asyncio.sleep(
+                0
+            )  # one loop turn: events published by tasks ready now join this batch
             writer.wake.clear()
             while writer.queue or writer.probe:
                 batch = list(writer.queue)
                 try:
-                    results = await self._run_batch(run_id, batch, -1 if writer.diverged else writer.written)
+                    results = await self._run_batch(
+                        run_id, batch, -1 if writer.diverged else writer.written
+                    )
                 except StreamLost:
                     self._rewrite(run_id, writer)
                     continue
@@ -411,16 +447,32 @@ class RedisEventLog:
                     failing_since = writer.failing_since = writer.failing_since or now
                     if now - failing_since > self.retry_s and not reported:
                         reported = True  # once per outage; the items stay queued and are sent when Redis answers
-                        log.error("Redis unreachable: run events held until it answers", extra={"fields": {
-                            "run_id": run_id, "error": type(error).__name__, "items": len(batch)}})
-                    await asyncio.sleep(min(1.0, 0.05 * 2 ** min(5, int((now - failing_since) * 4))))
+                        log.error(
+                            "Redis unreachable: run events held until it answers",
+                            extra={
+                                "fields": {
+                                    "run_id": run_id,
+                                    "error": type(error).__name__,
+                                    "items": len(batch),
+                                }
+                            },
+                        )
+                    await asyncio.sleep(
+                        min(1.0, 0.05 * 2 ** min(5, int((now - failing_since) * 4)))
+                    )
                     continue
                 if reported:
-                    log.warning("Redis answers again: held run events written", extra={"fields": {"run_id": run_id, "items": len(batch)}})
+                    log.warning(
+                        "Redis answers again: held run events written",
+                        extra={"fields": {"run_id": run_id, "items": len(batch)}},
+                    )
                     reported = False
                 if any(result < 0 for result in results):
                     writer.diverged = True
-                    log.warning("run events already stored by another writer", extra={"fields": {"run_id": run_id}})
+                    log.warning(
+                        "run events already stored by another writer",
+                        extra={"fields": {"run_id": run_id}},
+                    )
                 writer.failing_since = None
                 writer.probe = False
                 del writer.queue[: len(batch)]
@@ -436,20 +488,31 @@ class RedisEventLog:
         """Queue the writer's whole copy again, before what is queued: Redis lost the stream
         (restarted without persistence). Its followers here wait until it is stored again."""
         items: list[tuple[str, int, bytes]] = [("open", -1, b"")]
-        items += [("event", event.seq, event.SerializeToString()) for event in writer.local[:writer.written]]
+        items += [
+            ("event", event.seq, event.SerializeToString())
+            for event in writer.local[: writer.written]
+        ]
         if writer.closed and not writer.queue:  # its close was stored: store it again
             items.append(("close", -1, b""))
         writer.queue[:0] = items
         writer.written = 0
-        log.warning("Redis lost a run's stream: written again from this replica's copy",
-                    extra={"fields": {"run_id": run_id, "events": len(items) - 1}})
+        log.warning(
+            "Redis lost a run's stream: written again from this replica's copy",
+            extra={"fields": {"run_id": run_id, "events": len(items) - 1}},
+        )
 
     async def restore_lost(self) -> int:
         """Probe the streams of this process's runs that Redis may have lost (one pipelined
         EXISTS of their meta hashes): the writer of each missing one checks atomically and
         writes its whole copy again (`StreamLost`). Returns how many writers were asked."""
-        suspects = [(run_id, writer) for run_id, writer in self._writers.items()
-                    if writer.written and not writer.diverged and writer.task is not None and not writer.task.done()]
+        suspects = [
+            (run_id, writer)
+            for run_id, writer in self._writers.items()
+            if writer.written
+            and not writer.diverged
+            and writer.task is not None
+            and not writer.task.done()
+        ]
         if not suspects:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -471,7 +534,9 @@ class RedisEventLog:
         writer = self._writers.get(run_id)
         if writer is None:
             return
-        with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for can drop a cancel (services/common/tasks.py)
+        with contextlib.suppress(
+            TimeoutError
+        ):  # asyncio.timeout: wait_for can drop a cancel (services/common/tasks.py)
             async with asyncio.timeout(self.retry_s + 5 if timeout is None else timeout):
                 await writer.idle.wait()
 
@@ -554,7 +619,12 @@ class RedisEventLog:
     def _owned_copy(self, run_id: str) -> list[events_pb2.Event] | None:
         """This process's copy of a run it publishes, when it is whole and all stored; else None."""
         writer = self._writers.get(run_id)
-        if writer is None or not writer.authoritative or writer.queue or writer.written != len(writer.local):
+        if (
+            writer is None
+            or not writer.authoritative
+            or writer.queue
+            or writer.written != len(writer.local)
+        ):
             return None
         return list(writer.local)
 
@@ -579,7 +649,9 @@ class RedisEventLog:
             return events
         return await self.archive_loader(run_id)
 
-    async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
+    async def append_after_end(
+        self, run_id: str, *events: events_pb2.Event
+    ) -> list[events_pb2.Event]:
         """Append `events` to an ended or orphaned run from any replica, then close the log again.
 
         When the stream expired it is first restored from the archive, so seq numbers go on.
@@ -589,9 +661,14 @@ class RedisEventLog:
         if writer is not None:
             await self.flush(run_id)  # this process's own queued items first, in order
         exists, _, _ = await self._retry(lambda: self._meta(run_id))
-        items: list[tuple[str, int, bytes]] = [("open", -1, b"")]  # a closed run takes events from here only
+        items: list[tuple[str, int, bytes]] = [
+            ("open", -1, b"")
+        ]  # a closed run takes events from here only
         if not exists:
-            items += [("event", archived.seq, archived.SerializeToString()) for archived in await self.archive_loader(run_id)]
+            items += [
+                ("event", archived.seq, archived.SerializeToString())
+                for archived in await self.archive_loader(run_id)
+            ]
         restored = len(items) - 1  # the events restored from the archive (results are per event)
         items += [("event", -1, event.SerializeToString()) for event in events]
         items.append(("close", -1, b""))
@@ -599,7 +676,9 @@ class RedisEventLog:
         for event, result in zip(events, results[restored:], strict=True):
             event.seq = result if result >= 0 else -1 - result
         if writer is not None:  # keep this process's copy whole
-            whole = writer.authoritative and writer.written == len(writer.local) and not writer.queue
+            whole = (
+                writer.authoritative and writer.written == len(writer.local) and not writer.queue
+            )
             writer.local.extend(events)
             writer.next_seq = max([writer.next_seq, *(event.seq + 1 for event in events)])
             if whole and [event.seq for event in writer.local] == list(range(len(writer.local))):
@@ -613,7 +692,9 @@ class RedisEventLog:
         """Yield the run's events from index `after`, then live ones, until it ends (see `follow_batches`)."""
         return flatten(self.follow_batches(run_id, after))
 
-    async def follow_batches(self, run_id: str, after: int = 0) -> AsyncIterator[list[events_pb2.Event]]:
+    async def follow_batches(
+        self, run_id: str, after: int = 0
+    ) -> AsyncIterator[list[events_pb2.Event]]:
         """Yield the run's events from index `after`, then live ones, until it ends, as lists:
         what this process's copy holds and is stored when it is taken, or one `XREAD`'s entries.
 
@@ -632,7 +713,9 @@ class RedisEventLog:
         writer = self._writers.get(run_id)
         if writer is not None:
             ended = False  # this follower delivered the run's terminal event
-            stalled_since: float | None = None  # when this follower began waiting on a writer that cannot reach Redis
+            stalled_since: float | None = (
+                None  # when this follower began waiting on a writer that cannot reach Redis
+            )
             while writer.authoritative:
                 stored = len(writer.local) if writer.archived else writer.written
                 if index < stored:
@@ -645,7 +728,9 @@ class RedisEventLog:
                     if ended:
                         return
                     break  # ended without a terminal event here, or a late listener: what another replica appended is in the stream
-                if writer.task is None or writer.task.done():  # forgotten or stopped: the stream has the rest
+                if (
+                    writer.task is None or writer.task.done()
+                ):  # forgotten or stopped: the stream has the rest
                     break
                 if writer.failing_since is None:
                     stalled_since = None
@@ -653,13 +738,17 @@ class RedisEventLog:
                     stalled_since = stalled_since or time.monotonic()
                     if time.monotonic() - stalled_since > self.retry_s:
                         raise StreamInterrupted(index, UNREACHABLE)
-                with contextlib.suppress(TimeoutError):  # looks at the outage's length at least once a second
+                with contextlib.suppress(
+                    TimeoutError
+                ):  # looks at the outage's length at least once a second
                     async with asyncio.timeout(1.0):
                         await asyncio.shield(writer.waiter())
         async for batch in self._follow_stream(run_id, index):
             yield batch
 
-    async def _follow_stream(self, run_id: str, index: int) -> AsyncIterator[list[events_pb2.Event]]:
+    async def _follow_stream(
+        self, run_id: str, index: int
+    ) -> AsyncIterator[list[events_pb2.Event]]:
         """`follow_batches` through Redis (a list per `XREAD`): `XREAD BLOCK` from `index`; the meta hash is read at the start,
         when a read returns nothing and after a terminal event (is the run closed?).
 
@@ -708,7 +797,10 @@ class RedisEventLog:
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since > self.retry_s:
-                    log.warning("follower gave up: Redis unreachable", extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
+                    log.warning(
+                        "follower gave up: Redis unreachable",
+                        extra={"fields": {"run_id": run_id, "error": type(error).__name__}},
+                    )
                     raise StreamInterrupted(index, UNREACHABLE) from None
                 check_meta = True
                 await asyncio.sleep(delay)
@@ -723,7 +815,7 @@ class RedisEventLog:
                 if event.seq > index:
                     archived = await self.archive_loader(run_id)
                     if len(archived) > index:
-                        batch.extend(archived[index:event.seq])
+                        batch.extend(archived[index : event.seq])
                     else:  # its archive comes with the run's end
                         if batch:
                             yield batch
@@ -769,18 +861,34 @@ class RedisBackend(RunBackend):
 
     distributed = True
 
-    def __init__(self, url: str, prefix: str, archive_loader: ArchiveLoader, *, max_len: int = 10_000,
-                 ttl_s: float = 86_400, claim_ttl_s: float = 60.0, retry_s: float = 30.0,
-                 max_connections: int = 32, readers: int = 2) -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        archive_loader: ArchiveLoader,
+        *,
+        max_len: int = 10_000,
+        ttl_s: float = 86_400,
+        claim_ttl_s: float = 60.0,
+        retry_s: float = 30.0,
+        max_connections: int = 32,
+        readers: int = 2,
+    ) -> None:
         from services.orchestrator.stream_reader import StreamReader  # noqa: PLC0415 - Redis deployments only
 
         self.redis = redis_client(url, max_connections=max_connections)
         self.prefix = prefix
         self.claim_ttl_ms = max(1, int(claim_ttl_s * 1000))
-        self.events = RedisEventLog(self.redis, prefix, max_len, ttl_s, archive_loader, retry_s=retry_s)
-        self.events.reader = StreamReader(self.redis, f"{prefix}reader:{secrets.token_hex(6)}", shards=readers)
+        self.events = RedisEventLog(
+            self.redis, prefix, max_len, ttl_s, archive_loader, retry_s=retry_s
+        )
+        self.events.reader = StreamReader(
+            self.redis, f"{prefix}reader:{secrets.token_hex(6)}", shards=readers
+        )
         self._release = self.redis.register_script(_RELEASE)
-        self._releasing: set[asyncio.Task] = set()  # claims of unknown outcome being released (`try_claim`)
+        self._releasing: set[asyncio.Task] = (
+            set()
+        )  # claims of unknown outcome being released (`try_claim`)
         self._channel = f"{prefix}cancels"
         self._listener: asyncio.Task | None = None
         self._on_cancel: CancelHandler | None = None
@@ -795,8 +903,10 @@ class RedisBackend(RunBackend):
             from services.common.runner import CannotStart  # noqa: PLC0415 - only on this failure
 
             where = self.redis.connection_pool.connection_kwargs
-            raise CannotStart(f"Redis at {where.get('host', '?')}:{where.get('port', '?')} (LOOPLINE_REDIS_URL) does not answer "
-                              f"({type(error).__name__})") from None
+            raise CannotStart(
+                f"Redis at {where.get('host', '?')}:{where.get('port', '?')} (LOOPLINE_REDIS_URL) does not answer "
+                f"({type(error).__name__})"
+            ) from None
         self._on_cancel = on_cancel
         subscribed = asyncio.Event()
         self._listener = asyncio.create_task(self._listen(subscribed), name="cancel-listener")
@@ -858,7 +968,9 @@ class RedisBackend(RunBackend):
         try:
             taken = await self.redis.set(key, token, nx=True, px=self.claim_ttl_ms)
         except BaseException:
-            task = asyncio.get_running_loop().create_task(self._release_unknown(key, token), name="release-unknown-claim")
+            task = asyncio.get_running_loop().create_task(
+                self._release_unknown(key, token), name="release-unknown-claim"
+            )
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
             raise
@@ -887,7 +999,10 @@ class RedisBackend(RunBackend):
         try:
             await self._release(keys=[f"{self.prefix}claim:{chat_id}"], args=[token])
         except _redis_errors():
-            log.warning("releasing a chat claim failed; it expires by itself", extra={"fields": {"chat_id": chat_id}})
+            log.warning(
+                "releasing a chat claim failed; it expires by itself",
+                extra={"fields": {"chat_id": chat_id}},
+            )
 
     async def request_cancel(self, run_id: str, reason: str) -> None:
         """Set the run's cancel flag (TTL 300 s) and publish it to every replica."""
@@ -901,11 +1016,19 @@ class RedisBackend(RunBackend):
         if not run_ids:
             return {}
         values = await self.redis.mget([f"{self.prefix}cancel:{run_id}" for run_id in run_ids])
-        return {run_id: value.decode() for run_id, value in zip(run_ids, values, strict=True) if value is not None}
+        return {
+            run_id: value.decode()
+            for run_id, value in zip(run_ids, values, strict=True)
+            if value is not None
+        }
 
 
-def redis_client(url: str, block_ms: int = XREAD_BLOCK_MS, timeout_s: float = db.REDIS_TIMEOUT_S,
-                 max_connections: int | None = None) -> Any:
+def redis_client(
+    url: str,
+    block_ms: int = XREAD_BLOCK_MS,
+    timeout_s: float = db.REDIS_TIMEOUT_S,
+    max_connections: int | None = None,
+) -> Any:
     """A `redis.asyncio.Redis` for the backend (`db.redis_client_options`): 5 s to connect,
     `timeout_s` plus `block_ms` (the longest `XREAD BLOCK` it sends) for each reply,
     a PING before a command on a connection idle for 10 s, and at most 3 quick retries of a
@@ -916,7 +1039,9 @@ def redis_client(url: str, block_ms: int = XREAD_BLOCK_MS, timeout_s: float = db
     options = {"health_check_interval": 10, **db.redis_client_options(timeout_s + block_ms / 1000)}
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options)
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=None, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=None, **options
+    )
     return aioredis.Redis(connection_pool=pool)
 
 
@@ -924,10 +1049,18 @@ def make_backend(settings: Any, archive_loader: ArchiveLoader) -> RunBackend:
     """`RedisBackend` when `settings.redis_url` is set, else `MemoryBackend`."""
     if settings.redis_url:
         return RedisBackend(
-            settings.redis_url, settings.redis_key_prefix, archive_loader,
-            max_len=settings.run_events_max_len, ttl_s=settings.run_events_ttl_s,
-            claim_ttl_s=settings.chat_claim_ttl_s, retry_s=settings.redis_retry_s,
-            max_connections=settings.redis_max_connections, readers=settings.redis_readers,
+            settings.redis_url,
+            settings.redis_key_prefix,
+            archive_loader,
+            max_len=settings.run_events_max_len,
+            ttl_s=settings.run_events_ttl_s,
+            claim_ttl_s=settings.chat_claim_ttl_s,
+            retry_s=settings.redis_retry_s,
+            max_connections=settings.redis_max_connections,
+            readers=settings.redis_readers,
         )
-    return MemoryBackend(archive_loader=archive_loader, max_runs=settings.event_log_max_runs,
-                         max_bytes=settings.event_log_max_bytes)
+    return MemoryBackend(
+        archive_loader=archive_loader,
+        max_runs=settings.event_log_max_runs,
+        max_bytes=settings.event_log_max_bytes,
+    )

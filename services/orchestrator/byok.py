@@ -29,7 +29,9 @@ def tools_secret_resolver(tools: tools_pb2_grpc.ToolsServiceStub) -> SecretResol
         try:
             response = await tools.ResolveCredentialSecret(
                 tools_pb2.ResolveCredentialSecretRequest(
-                    organization_id=organization_id, credential_id=credential_id, integration_name=integration
+                    organization_id=organization_id,
+                    credential_id=credential_id,
+                    integration_name=integration,
                 ),
                 timeout=10,
             )

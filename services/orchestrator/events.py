@@ -31,7 +31,9 @@ def is_terminal(event: events_pb2.Event) -> bool:
     return event_type(event) in TERMINAL_TYPES
 
 
-async def flatten(batches: AsyncIterator[list[events_pb2.Event]]) -> AsyncIterator[events_pb2.Event]:
+async def flatten(
+    batches: AsyncIterator[list[events_pb2.Event]],
+) -> AsyncIterator[events_pb2.Event]:
     """The events of `follow_batches` one at a time (`follow`); closes `batches` when it ends
     or its consumer stops."""
     async with contextlib.aclosing(batches):
@@ -112,7 +114,9 @@ class EventLog(Protocol):
     async def events_of(self, run_id: str) -> list[events_pb2.Event]:
         """Every stored event of the run, in order (the durable archive when the log is gone)."""
 
-    async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
+    async def append_after_end(
+        self, run_id: str, *events: events_pb2.Event
+    ) -> list[events_pb2.Event]:
         """Append `events` to an ended (or orphaned) run from any process, then close the log again."""
 
     def owned_events(self, run_id: str) -> list[events_pb2.Event] | None:
@@ -153,10 +157,16 @@ class MemoryEventLog:
 
     durable = False
 
-    def __init__(self, archive_loader: ArchiveLoader | None = None, max_runs: int = 10_000,
-                 max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        archive_loader: ArchiveLoader | None = None,
+        max_runs: int = 10_000,
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
         self._runs: dict[str, _RunLog] = {}
-        self._ended: collections.OrderedDict[str, int] = collections.OrderedDict()  # run_id -> event_cost
+        self._ended: collections.OrderedDict[str, int] = (
+            collections.OrderedDict()
+        )  # run_id -> event_cost
         self._ended_bytes = 0
         self._archive_loader = archive_loader
         self._max_runs = max_runs
@@ -194,7 +204,9 @@ class MemoryEventLog:
         cost = sum(event_cost(event) for event in log.events)
         self._ended[run_id] = cost
         self._ended_bytes += cost
-        while self._ended and (len(self._ended) > self._max_runs or self._ended_bytes > self._max_bytes):
+        while self._ended and (
+            len(self._ended) > self._max_runs or self._ended_bytes > self._max_bytes
+        ):
             old, old_cost = self._ended.popitem(last=False)
             self._ended_bytes -= old_cost
             self._runs.pop(old, None)
@@ -244,7 +256,9 @@ class MemoryEventLog:
             return self.snapshot(run_id)
         return await self._archive_loader(run_id) if self._archive_loader else []
 
-    async def append_after_end(self, run_id: str, *events: events_pb2.Event) -> list[events_pb2.Event]:
+    async def append_after_end(
+        self, run_id: str, *events: events_pb2.Event
+    ) -> list[events_pb2.Event]:
         """Reload the run from the archive when it fell out of memory, append `events`, close again."""
         if run_id not in self._runs:
             archived = await self._archive_loader(run_id) if self._archive_loader else []
@@ -261,7 +275,9 @@ class MemoryEventLog:
         """Yield the run's events from index `after`, then live ones, until it ends (see `follow_batches`)."""
         return flatten(self.follow_batches(run_id, after))
 
-    async def follow_batches(self, run_id: str, after: int = 0) -> AsyncIterator[list[events_pb2.Event]]:
+    async def follow_batches(
+        self, run_id: str, after: int = 0
+    ) -> AsyncIterator[list[events_pb2.Event]]:
         """Yield the run's events from index `after` as lists of every event published and not yet
         yielded (a slice of the log: no task or loop turn per event), until the run is closed and
         all is yielded. A run not in memory is served from the archive (one list, then return).

@@ -40,7 +40,10 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
             "properties": {
                 "message": {"type": "string", "description": "The question."},
                 "options": {"type": "array", "items": _OPTION, "minItems": 2},
-                "allow_free_text": {"type": "boolean", "description": "Whether the user may answer in their own words."},
+                "allow_free_text": {
+                    "type": "boolean",
+                    "description": "Whether the user may answer in their own words.",
+                },
             },
             "required": ["message", "options"],
             "additionalProperties": False,
@@ -97,7 +100,10 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
         "input_schema": {
             "type": "object",
             "properties": {
-                "integration": {"type": "string", "description": "The integration's name, e.g. 'postgresql'."},
+                "integration": {
+                    "type": "string",
+                    "description": "The integration's name, e.g. 'postgresql'.",
+                },
                 "message": {"type": "string", "description": "Why the credential is needed."},
             },
             "required": ["integration", "message"],
@@ -107,7 +113,9 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
 ]
 
 
-_validators: dict[str, Any] = {}  # tool name -> compiled input schema (jsonschema is imported at the first question)
+_validators: dict[
+    str, Any
+] = {}  # tool name -> compiled input schema (jsonschema is imported at the first question)
 
 
 def input_problems(tool: str, tool_input: Any) -> str | None:
@@ -118,7 +126,9 @@ def input_problems(tool: str, tool_input: Any) -> str | None:
     Unknown fields are refused, as the tools service's five tools refuse them: a model that
     misspells `allow_free_text` learns it from the error instead of asking a different question.
     """
-    from jsonschema import Draft202012Validator  # not at start-up: most runs ask nothing (idle memory, issue 9)
+    from jsonschema import (
+        Draft202012Validator,
+    )  # not at start-up: most runs ask nothing (idle memory, issue 9)
 
     from services.common.validation import schema_errors
 
@@ -154,12 +164,22 @@ def _count(tool_input: dict[str, Any], name: str) -> int | None:
     value = tool_input.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != int(value)
+        or value < 0
+    ):
         raise ValueError(f"'{name}' must be a whole number of at least 0")
     return int(value)
 
 
-def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integration: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_request(
+    tool: str,
+    tool_input: dict[str, Any],
+    request_id: str,
+    integration: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The `UserInputRequest` dict that `tool` called with `tool_input` asks.
 
     `integration` (for request_credential) is {name, display_name, auth_options:[...]}.
@@ -175,7 +195,12 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
     message = tool_input["message"].strip()
     if not message:
         raise ValueError("a question needs a non-empty 'message'")
-    request: dict[str, Any] = {"kind": kind, "request_id": request_id, "message": message, "required": True}
+    request: dict[str, Any] = {
+        "kind": kind,
+        "request_id": request_id,
+        "message": message,
+        "required": True,
+    }
     if kind in ("single_choice", "multi_choice"):
         options = _options(tool_input.get("options"))
         if not options:
@@ -210,7 +235,9 @@ def build_request(tool: str, tool_input: dict[str, Any], request_id: str, integr
         info = integration or {}
         request["integration_name"] = name
         request["integration_display_name"] = str(info.get("display_name") or name)
-        request["auth_options"] = info.get("auth_options") or [{"auth_type": "api_key", "display_name": "API key"}]
+        request["auth_options"] = info.get("auth_options") or [
+            {"auth_type": "api_key", "display_name": "API key"}
+        ]
     return request
 
 
@@ -222,24 +249,48 @@ ANSWER_FIELDS: dict[str, frozenset[str]] = {
     "yes_no": frozenset({"kind", "answer"}),
     "free_text": frozenset({"kind", "text"}),
     "credential_added": frozenset({"kind", "credential_id", "integration_name", "auth_type"}),
-    "credential_failed": frozenset({"kind", "integration_name", "auth_type", "error_code", "error_message", "retryable",
-                                    "provider_details"}),
+    "credential_failed": frozenset(
+        {
+            "kind",
+            "integration_name",
+            "auth_type",
+            "error_code",
+            "error_message",
+            "retryable",
+            "provider_details",
+        }
+    ),
     "skipped": frozenset({"kind", "reason"}),
 }
 
 
 # credential_failed's error codes: the SDK's CredentialFailedResponse.error_code literals.
-CREDENTIAL_ERROR_CODES = ("oauth_denied", "oauth_provider_error", "invalid_credentials", "network_error", "popup_closed",
-                          "timeout", "unknown")
+CREDENTIAL_ERROR_CODES = (
+    "oauth_denied",
+    "oauth_provider_error",
+    "invalid_credentials",
+    "network_error",
+    "popup_closed",
+    "timeout",
+    "unknown",
+)
 
 
 # The JSON type of every answer field (the SDK's UserInputResponse models: modulex.types.realtime);
 # null is the field left out. `kind` is checked by its value, `selected_values` item by item.
 ANSWER_FIELD_TYPES: dict[str, tuple[type, str]] = {
-    "selected_value": (str, "a string"), "free_text": (str, "a string"), "selected_values": (list, "a list of strings"),
-    "answer": (bool, "true or false"), "text": (str, "a string"), "credential_id": (str, "a string"),
-    "integration_name": (str, "a string"), "auth_type": (str, "a string"), "error_code": (str, "a string"),
-    "error_message": (str, "a string"), "retryable": (bool, "true or false"), "provider_details": (dict, "an object"),
+    "selected_value": (str, "a string"),
+    "free_text": (str, "a string"),
+    "selected_values": (list, "a list of strings"),
+    "answer": (bool, "true or false"),
+    "text": (str, "a string"),
+    "credential_id": (str, "a string"),
+    "integration_name": (str, "a string"),
+    "auth_type": (str, "a string"),
+    "error_code": (str, "a string"),
+    "error_message": (str, "a string"),
+    "retryable": (bool, "true or false"),
+    "provider_details": (dict, "an object"),
     "reason": (str, "a string"),
 }
 
@@ -273,23 +324,37 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
         raise InvalidAnswer(f"unknown field(s) in a {kind} answer: {', '.join(unknown)}")
     for name, value in answer.items():
         expected_type = ANSWER_FIELD_TYPES.get(name)
-        if expected_type is not None and value is not None and not isinstance(value, expected_type[0]):
+        if (
+            expected_type is not None
+            and value is not None
+            and not isinstance(value, expected_type[0])
+        ):
             raise InvalidAnswer(f"'{name}' of a {kind} answer must be {expected_type[1]}")
         if name in _REASON_FIELDS and value is not None and len(value) > MAX_REASON_CHARS:
-            raise InvalidAnswer(f"'{name}' of a {kind} answer must be at most {MAX_REASON_CHARS} characters")
+            raise InvalidAnswer(
+                f"'{name}' of a {kind} answer must be at most {MAX_REASON_CHARS} characters"
+            )
     if kind == "skipped":
         return {"kind": "skipped", "reason": answer.get("reason")}
     if expected == "credential_request":
         if kind not in ("credential_added", "credential_failed"):
-            raise InvalidAnswer(f"a credential_request is answered with credential_added, credential_failed or skipped, not {kind!r}")
+            raise InvalidAnswer(
+                f"a credential_request is answered with credential_added, credential_failed or skipped, not {kind!r}"
+            )
         if kind == "credential_added" and not isinstance(answer.get("credential_id"), str):
             raise InvalidAnswer("credential_added needs 'credential_id'")
         named = answer.get("integration_name")
         if named is not None and named != request.get("integration_name"):
-            raise InvalidAnswer(f"'integration_name' is {json.dumps(named)[:80]} but the question asks for "
-                                f"{json.dumps(request.get('integration_name'))}")
-        if kind == "credential_failed" and answer.get("error_code") not in CREDENTIAL_ERROR_CODES:  # required, as in the SDK
-            raise InvalidAnswer(f"credential_failed needs 'error_code', one of {', '.join(CREDENTIAL_ERROR_CODES)}")
+            raise InvalidAnswer(
+                f"'integration_name' is {json.dumps(named)[:80]} but the question asks for "
+                f"{json.dumps(request.get('integration_name'))}"
+            )
+        if (
+            kind == "credential_failed" and answer.get("error_code") not in CREDENTIAL_ERROR_CODES
+        ):  # required, as in the SDK
+            raise InvalidAnswer(
+                f"credential_failed needs 'error_code', one of {', '.join(CREDENTIAL_ERROR_CODES)}"
+            )
         return dict(answer)
     if kind != expected:
         raise InvalidAnswer(f"the question is {expected!r} but the answer is {kind!r}")
@@ -297,7 +362,9 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
     if kind == "single_choice":
         selected, free = answer.get("selected_value"), answer.get("free_text")
         if selected is None and free is None:
-            raise InvalidAnswer("single_choice needs 'selected_value' (or 'free_text' when allowed)")
+            raise InvalidAnswer(
+                "single_choice needs 'selected_value' (or 'free_text' when allowed)"
+            )
         if selected is not None and free is not None:
             raise InvalidAnswer("single_choice takes 'selected_value' or 'free_text', not both")
         if selected is not None and selected not in values:
@@ -315,11 +382,15 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
         if unknown:
             raise InvalidAnswer(f"{json.dumps(unknown[0])} is not one of the options")
         twice = next((v for i, v in enumerate(selected) if v in selected[:i]), None)
-        if twice is not None:  # named, as an unknown value is (fresh-eyes test: "a value is selected twice")
+        if (
+            twice is not None
+        ):  # named, as an unknown value is (fresh-eyes test: "a value is selected twice")
             raise InvalidAnswer(f"{json.dumps(twice)} is selected more than once")
         low, high = request.get("min_selections") or 0, request.get("max_selections")
         if len(selected) < low or (high is not None and len(selected) > high):
-            raise InvalidAnswer(f"select between {low} and {high if high is not None else len(values)} options")
+            raise InvalidAnswer(
+                f"select between {low} and {high if high is not None else len(values)} options"
+            )
         return {"kind": kind, "selected_values": selected}
     if kind == "yes_no":
         if not isinstance(answer.get("answer"), bool):
@@ -331,8 +402,10 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
     low, high = request.get("min_length") or 0, request.get("max_length")
     length = len(text.strip())  # surrounding whitespace is not an answer
     if length < low or (high is not None and length > high):
-        raise InvalidAnswer(f"the text must be between {low} and {high if high is not None else 'any'} characters "
-                            "(surrounding whitespace not counted)")
+        raise InvalidAnswer(
+            f"the text must be between {low} and {high if high is not None else 'any'} characters "
+            "(surrounding whitespace not counted)"
+        )
     return {"kind": kind, "text": text}
 
 
@@ -340,7 +413,16 @@ def answer_as_tool_output(answer: dict[str, Any]) -> dict[str, Any]:
     """The tool result the model sees for an answer: {"success": bool, "answer": {...}}."""
     kind = answer.get("kind")
     if kind == "skipped":
-        return {"success": False, "skipped": True, "reason": answer.get("reason"), "note": "The user skipped the question; continue without it."}
+        return {
+            "success": False,
+            "skipped": True,
+            "reason": answer.get("reason"),
+            "note": "The user skipped the question; continue without it.",
+        }
     if kind == "credential_failed":
-        return {"success": False, "error": answer.get("error_message") or "connecting the credential failed", "answer": answer}
+        return {
+            "success": False,
+            "error": answer.get("error_message") or "connecting the credential failed",
+            "answer": answer,
+        }
     return {"success": True, "answer": answer}

@@ -9,7 +9,18 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, LargeBinary, String, Text, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -28,13 +39,17 @@ class Chat(Base):
     __tablename__ = "chats"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    organization_id: Mapped[str] = mapped_column(String(64))  # looked up through ix_chats_org_kind_created
+    organization_id: Mapped[str] = mapped_column(
+        String(64)
+    )  # looked up through ix_chats_org_kind_created
     user_id: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16))
     title: Mapped[str] = mapped_column(String(64))
     workflow_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     running_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
-    deleted_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    deleted_at: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -86,20 +101,32 @@ class Run(Base):
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # renewed by the replica running the loop; a `running` run past it is failed by the reaper
-    lease_until: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    lease_until: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
     # the turn start's idempotency key (StartTurnRequest.request_id, AIP-155); NULL: none
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # the end is stored, its log's end and archive not yet (migration 0006); NULL: nothing due
-    archive_due: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    archive_due: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
 
     __table_args__ = (
         Index("ix_runs_status_lease", "status", "lease_until"),
         # partial: only the few runs whose archive is due have an entry (the settle pass's scan)
-        Index("ix_runs_archive_due", "archive_due", sqlite_where=text("archive_due IS NOT NULL"),
-              postgresql_where=text("archive_due IS NOT NULL")),
+        Index(
+            "ix_runs_archive_due",
+            "archive_due",
+            sqlite_where=text("archive_due IS NOT NULL"),
+            postgresql_where=text("archive_due IS NOT NULL"),
+        ),
         # partial: a turn started without a key (most) writes no index entry (migration 0005)
-        Index("ix_runs_request_id", "request_id", sqlite_where=text("request_id IS NOT NULL"),
-              postgresql_where=text("request_id IS NOT NULL")),
+        Index(
+            "ix_runs_request_id",
+            "request_id",
+            sqlite_where=text("request_id IS NOT NULL"),
+            postgresql_where=text("request_id IS NOT NULL"),
+        ),
     )
 
 
@@ -130,7 +157,9 @@ class Interrupt(Base):
     resumed_run_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     expires_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    resolved_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    resolved_at: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
 
 
 class BillingRedelivery(Base):

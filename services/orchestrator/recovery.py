@@ -55,7 +55,9 @@ from services.orchestrator.thread import cut_off_result
 
 log = logging.getLogger(__name__)
 
-LOST_MESSAGE = "The turn was interrupted: the server running it stopped unexpectedly. Please try again."
+LOST_MESSAGE = (
+    "The turn was interrupted: the server running it stopped unexpectedly. Please try again."
+)
 
 
 class RunSupervisor:
@@ -70,7 +72,9 @@ class RunSupervisor:
             so that busy request handlers cannot delay it); `sessions` when None.
     """
 
-    def __init__(self, settings: Any, sessions: Any, runner: Any, backend: Any, lease_sessions: Any = None) -> None:
+    def __init__(
+        self, settings: Any, sessions: Any, runner: Any, backend: Any, lease_sessions: Any = None
+    ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.lease_sessions = lease_sessions or sessions
@@ -86,12 +90,35 @@ class RunSupervisor:
         """Start the independent tasks: lease renewal, reaping, and (with Redis) Redis polling (idempotent)."""
         if self._tasks:
             return
-        loops = [("lease renewal", self.period_s, self.renew, "leases are renewed once the database answers"),
-                 ("run reaper", self.reap_period_s, self._reap_and_settle, "reaping and settling wait until it answers")]
+        loops = [
+            (
+                "lease renewal",
+                self.period_s,
+                self.renew,
+                "leases are renewed once the database answers",
+            ),
+            (
+                "run reaper",
+                self.reap_period_s,
+                self._reap_and_settle,
+                "reaping and settling wait until it answers",
+            ),
+        ]
         if self.backend.distributed:
-            loops.append(("Redis polling", self.tick_s, self.poll_redis, "cancel flags are read once Redis answers"))
-        self._tasks = [asyncio.create_task(self._every(what, period, step, waiting), name=f"run-supervisor: {what}")
-                       for what, period, step, waiting in loops]
+            loops.append(
+                (
+                    "Redis polling",
+                    self.tick_s,
+                    self.poll_redis,
+                    "cancel flags are read once Redis answers",
+                )
+            )
+        self._tasks = [
+            asyncio.create_task(
+                self._every(what, period, step, waiting), name=f"run-supervisor: {what}"
+            )
+            for what, period, step, waiting in loops
+        ]
 
     async def stop(self) -> None:
         """Stop the background tasks."""
@@ -143,15 +170,27 @@ class RunSupervisor:
         until = utcnow() + datetime.timedelta(seconds=self.lease_s * 0.75)
         async with self.lease_sessions() as session, session.begin():
             result = await session.execute(
-                update(Run).where(Run.id.in_(run_ids), or_(Run.status == "running", Run.archive_due.is_not(None)))
-                .values(lease_until=until).returning(Run.id)
+                update(Run)
+                .where(
+                    Run.id.in_(run_ids), or_(Run.status == "running", Run.archive_due.is_not(None))
+                )
+                .values(lease_until=until)
+                .returning(Run.id)
             )
             renewed = set(result.scalars())
         for run_id in run_ids:  # an active run no longer `running` there was ended by another replica (its lease lapsed)
             state = self.runner.active.get(run_id)
-            if state is not None and run_id not in renewed and not state.finishing and state.cancel_reason is None:
-                log.warning("a run of this replica was ended by another one (its lease lapsed while this one was stalled "
-                            "or cut off): stopped here, its end is the other's", extra={"fields": {"run_id": run_id}})
+            if (
+                state is not None
+                and run_id not in renewed
+                and not state.finishing
+                and state.cancel_reason is None
+            ):
+                log.warning(
+                    "a run of this replica was ended by another one (its lease lapsed while this one was stalled "
+                    "or cut off): stopped here, its end is the other's",
+                    extra={"fields": {"run_id": run_id}},
+                )
                 asyncio.create_task(self.runner.cancel(run_id, "taken over"))
         return len(renewed)
 
@@ -164,14 +203,21 @@ class RunSupervisor:
         never_renewed_before = now - datetime.timedelta(seconds=self.lease_s)
         return and_(
             Run.status == "running",
-            or_(Run.lease_until < now, and_(Run.lease_until.is_(None), Run.updated_at < never_renewed_before)),
+            or_(
+                Run.lease_until < now,
+                and_(Run.lease_until.is_(None), Run.updated_at < never_renewed_before),
+            ),
         )
 
     async def reap(self) -> list[str]:
         """Fail every running run whose lease lapsed and that is not active here; returns their ids."""
         now = utcnow()
         async with self.sessions() as session:
-            candidates = list((await session.execute(select(Run.id).where(self._lapsed(now)).limit(100))).scalars())
+            candidates = list(
+                (
+                    await session.execute(select(Run.id).where(self._lapsed(now)).limit(100))
+                ).scalars()
+            )
         reaped = []
         for run_id in candidates:
             if run_id in self.runner.active:
@@ -187,14 +233,28 @@ class RunSupervisor:
         `run_lease_s`) gave a listener an empty stream at once and the chat 409 meanwhile
         (fresh-eyes test). Returns the runs' ids."""
         async with self.sessions() as session:
-            orphans = list((await session.execute(select(Run.id).where(Run.status == "running"))).scalars())
-        reaped = [run_id for run_id in orphans if await self.take_over(run_id, "failed", orphaned=True)]
+            orphans = list(
+                (await session.execute(select(Run.id).where(Run.status == "running"))).scalars()
+            )
+        reaped = [
+            run_id for run_id in orphans if await self.take_over(run_id, "failed", orphaned=True)
+        ]
         if reaped:
-            log.warning("runs left running by a previous process ended", extra={"fields": {"count": len(reaped)}})
+            log.warning(
+                "runs left running by a previous process ended",
+                extra={"fields": {"count": len(reaped)}},
+            )
         return reaped
 
-    async def take_over(self, run_id: str, status: str, *, reason: str = "", now: datetime.datetime | None = None,
-                        orphaned: bool = False) -> bool:
+    async def take_over(
+        self,
+        run_id: str,
+        status: str,
+        *,
+        reason: str = "",
+        now: datetime.datetime | None = None,
+        orphaned: bool = False,
+    ) -> bool:
         """End a run whose owner is gone, as `failed` (crash) or `cancelled` (cancel of a lost run).
 
         Exactly one replica wins (conditional UPDATE on the lapsed lease; with `orphaned`, on the
@@ -205,28 +265,55 @@ class RunSupervisor:
         error = LOST_MESSAGE if status == "failed" else None
         async with self.sessions() as session, session.begin():
             won = await session.execute(
-                update(Run).where(Run.id == run_id, Run.status == "running" if orphaned else self._lapsed(now))
-                .values(status=status, error=error, updated_at=utcnow(), lease_until=self.lease_deadline(self.settings, utcnow()),
-                        archive_due=utcnow())  # the end below settles it; if it fails, `settle_ended` does once the lease lapses
+                update(Run)
+                .where(Run.id == run_id, Run.status == "running" if orphaned else self._lapsed(now))
+                .values(
+                    status=status,
+                    error=error,
+                    updated_at=utcnow(),
+                    lease_until=self.lease_deadline(self.settings, utcnow()),
+                    archive_due=utcnow(),
+                )  # the end below settles it; if it fails, `settle_ended` does once the lease lapses
             )
             if won.rowcount != 1:
                 return False
             run = await session.get(Run, run_id)
             await self._close_open_tool_call(session, run, status)
             await session.execute(
-                update(Chat).where(Chat.id == run.chat_id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
+                update(Chat)
+                .where(Chat.id == run.chat_id, Chat.running_id == run_id)
+                .values(running_id=None, updated_at=utcnow())
             )
-        log.warning("run lost: its replica stopped renewing the lease", extra={"fields": {"run_id": run_id, "status": status}})
+        log.warning(
+            "run lost: its replica stopped renewing the lease",
+            extra={"fields": {"run_id": run_id, "status": status}},
+        )
         cut_off, records = await self._tool_calls_of(run_id, status)
         if status == "failed":
             ended = [
                 *cut_off,
-                events_pb2.Event(run_id=run_id, time=pb.timestamp(), error=events_pb2.ErrorEvent(message=LOST_MESSAGE)),
-                events_pb2.Event(run_id=run_id, time=pb.timestamp(),
-                                 done=events_pb2.DoneEvent(response="", tool_calls=records, usage=events_pb2.Usage(), error=True)),
+                events_pb2.Event(
+                    run_id=run_id,
+                    time=pb.timestamp(),
+                    error=events_pb2.ErrorEvent(message=LOST_MESSAGE),
+                ),
+                events_pb2.Event(
+                    run_id=run_id,
+                    time=pb.timestamp(),
+                    done=events_pb2.DoneEvent(
+                        response="", tool_calls=records, usage=events_pb2.Usage(), error=True
+                    ),
+                ),
             ]
         else:
-            ended = [*cut_off, events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason or "cancelled"))]
+            ended = [
+                *cut_off,
+                events_pb2.Event(
+                    run_id=run_id,
+                    time=pb.timestamp(),
+                    cancelled=events_pb2.CancelledEvent(reason=reason or "cancelled"),
+                ),
+            ]
         try:
             await self.backend.events.append_after_end(run_id, *ended)
             await self.runner.archive(run_id)
@@ -240,9 +327,13 @@ class RunSupervisor:
         it, clear the mark (module docstring). At most 100 per pass; returns the runs settled.
         A run whose settling fails (Redis or the database away) is tried again once its lease lapses."""
         now = utcnow()
-        lapsed = and_(Run.archive_due.is_not(None), or_(Run.lease_until < now, Run.lease_until.is_(None)))
+        lapsed = and_(
+            Run.archive_due.is_not(None), or_(Run.lease_until < now, Run.lease_until.is_(None))
+        )
         async with self.sessions() as session:
-            candidates = list((await session.execute(select(Run.id).where(lapsed).limit(100))).scalars())
+            candidates = list(
+                (await session.execute(select(Run.id).where(lapsed).limit(100))).scalars()
+            )
         if not candidates:
             return []
         mine = set(self.runner.unsettled_runs())
@@ -251,8 +342,11 @@ class RunSupervisor:
             if run_id in mine:
                 continue
             async with self.sessions() as session, session.begin():
-                won = await session.execute(update(Run).where(Run.id == run_id, lapsed)
-                                            .values(lease_until=self.lease_deadline(self.settings, utcnow())))
+                won = await session.execute(
+                    update(Run)
+                    .where(Run.id == run_id, lapsed)
+                    .values(lease_until=self.lease_deadline(self.settings, utcnow()))
+                )
             if won.rowcount != 1:
                 continue
             try:
@@ -260,16 +354,22 @@ class RunSupervisor:
                 if not any(is_terminal(event) for event in published):
                     ending = await self._ending(run_id, published)
                     await self.backend.events.append_after_end(run_id, *ending)
-                    log.warning("an ended run's stream had no end (its replica stopped before publishing it): ended here",
-                                extra={"fields": {"run_id": run_id, "events": len(published)}})
+                    log.warning(
+                        "an ended run's stream had no end (its replica stopped before publishing it): ended here",
+                        extra={"fields": {"run_id": run_id, "events": len(published)}},
+                    )
                 await self.runner.archive(run_id)
             except Exception:
-                log.exception("settling an ended run's events failed; tried again once its lease lapses")
+                log.exception(
+                    "settling an ended run's events failed; tried again once its lease lapses"
+                )
                 continue
             settled.append(run_id)
         return settled
 
-    async def _ending(self, run_id: str, published: list[events_pb2.Event]) -> list[events_pb2.Event]:
+    async def _ending(
+        self, run_id: str, published: list[events_pb2.Event]
+    ) -> list[events_pb2.Event]:
         """The terminal events the loop publishes for the run's stored end (loop.py `_finish`),
         rebuilt from its rows for a stream that lost them: a `tool_result` for each streamed
         call without one (its stored result), then `done` with the run's last answer, tool calls
@@ -277,36 +377,107 @@ class RunSupervisor:
         question's `user_input_request` + `interrupted` (interrupted; its call has no result)."""
         async with self.sessions() as session:
             run = await session.get(Run, run_id)
-            tool_rows = (await session.execute(select(Message.content, Message.extra).where(
-                Message.run_id == run_id, Message.role == "tool"))).all()
-            stored = {extra.get("tool_call_id"): content for content, extra in tool_rows if isinstance(extra, dict)}
+            tool_rows = (
+                await session.execute(
+                    select(Message.content, Message.extra).where(
+                        Message.run_id == run_id, Message.role == "tool"
+                    )
+                )
+            ).all()
+            stored = {
+                extra.get("tool_call_id"): content
+                for content, extra in tool_rows
+                if isinstance(extra, dict)
+            }
             response = question = None
             if run.status == "completed":
-                response = (await session.execute(select(Message.content).where(Message.run_id == run_id, Message.role == "assistant")
-                                                  .order_by(Message.seq.desc()).limit(1))).scalar()
+                response = (
+                    await session.execute(
+                        select(Message.content)
+                        .where(Message.run_id == run_id, Message.role == "assistant")
+                        .order_by(Message.seq.desc())
+                        .limit(1)
+                    )
+                ).scalar()
             elif run.status == "interrupted":
-                question = (await session.execute(select(Interrupt).where(Interrupt.run_id == run_id)
-                                                  .order_by(Interrupt.created_at.desc()).limit(1))).scalars().first()
+                question = (
+                    (
+                        await session.execute(
+                            select(Interrupt)
+                            .where(Interrupt.run_id == run_id)
+                            .order_by(Interrupt.created_at.desc())
+                            .limit(1)
+                        )
+                    )
+                    .scalars()
+                    .first()
+                )
         status = run.status if run.status != "interrupted" or question is not None else "failed"
-        cut_off, records = self._close_calls(run_id, published, status, {} if status == "interrupted" else stored)
+        cut_off, records = self._close_calls(
+            run_id, published, status, {} if status == "interrupted" else stored
+        )
         if status == "interrupted":
-            return [events_pb2.Event(run_id=run_id, time=pb.timestamp(), user_input_request=events_pb2.UserInputRequestEvent(
-                        request_json=pb.json_bytes(question.request, clip=True))),
-                    events_pb2.Event(run_id=run_id, time=pb.timestamp(), interrupted=events_pb2.InterruptedEvent(
-                        request_id=question.id, kind=question.kind))]
-        usage = events_pb2.Usage(**{key: int((run.usage or {}).get(key) or 0)
-                                    for key in ("input_tokens", "output_tokens", "total_tokens", "llm_calls")})
+            return [
+                events_pb2.Event(
+                    run_id=run_id,
+                    time=pb.timestamp(),
+                    user_input_request=events_pb2.UserInputRequestEvent(
+                        request_json=pb.json_bytes(question.request, clip=True)
+                    ),
+                ),
+                events_pb2.Event(
+                    run_id=run_id,
+                    time=pb.timestamp(),
+                    interrupted=events_pb2.InterruptedEvent(
+                        request_id=question.id, kind=question.kind
+                    ),
+                ),
+            ]
+        usage = events_pb2.Usage(
+            **{
+                key: int((run.usage or {}).get(key) or 0)
+                for key in ("input_tokens", "output_tokens", "total_tokens", "llm_calls")
+            }
+        )
         if status == "completed":
-            return [*cut_off, events_pb2.Event(run_id=run_id, time=pb.timestamp(), done=events_pb2.DoneEvent(
-                response=response if isinstance(response, str) else "", tool_calls=records, usage=usage))]
+            return [
+                *cut_off,
+                events_pb2.Event(
+                    run_id=run_id,
+                    time=pb.timestamp(),
+                    done=events_pb2.DoneEvent(
+                        response=response if isinstance(response, str) else "",
+                        tool_calls=records,
+                        usage=usage,
+                    ),
+                ),
+            ]
         if status == "cancelled":
-            return [*cut_off, events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason="cancelled"))]
-        return [*cut_off,
-                events_pb2.Event(run_id=run_id, time=pb.timestamp(), error=events_pb2.ErrorEvent(message=run.error or LOST_MESSAGE)),
-                events_pb2.Event(run_id=run_id, time=pb.timestamp(),
-                                 done=events_pb2.DoneEvent(response="", tool_calls=records, usage=usage, error=True))]
+            return [
+                *cut_off,
+                events_pb2.Event(
+                    run_id=run_id,
+                    time=pb.timestamp(),
+                    cancelled=events_pb2.CancelledEvent(reason="cancelled"),
+                ),
+            ]
+        return [
+            *cut_off,
+            events_pb2.Event(
+                run_id=run_id,
+                time=pb.timestamp(),
+                error=events_pb2.ErrorEvent(message=run.error or LOST_MESSAGE),
+            ),
+            events_pb2.Event(
+                run_id=run_id,
+                time=pb.timestamp(),
+                done=events_pb2.DoneEvent(response="", tool_calls=records, usage=usage, error=True),
+            ),
+        ]
 
-    async def _tool_calls_of(self, run_id: str, status: str) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
+    async def _tool_calls_of(
+        self, run_id: str, status: str
+    ) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
         """From the events the lost run's replica published (the Redis stream; nothing when they
         died with it): `_close_calls` with the error the loop gives a call cut off by `status`."""
         try:
@@ -317,8 +488,9 @@ class RunSupervisor:
         return self._close_calls(run_id, published, status, {})
 
     @staticmethod
-    def _close_calls(run_id: str, published: list[events_pb2.Event], status: str,
-                     stored: dict[str, Any]) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
+    def _close_calls(
+        run_id: str, published: list[events_pb2.Event], status: str, stored: dict[str, Any]
+    ) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
         """A `tool_result` for each streamed `tool_call` of `published` that got none (its result
         in `stored`, by call id, else the error the loop gives a call cut off by `status`), and
         the run's tool calls as done.tool_calls lists them (README "Stream end": every tool_call
@@ -336,31 +508,74 @@ class RunSupervisor:
         for call_id, call in calls.items():
             result = results.get(call_id)
             output = pb.json_bytes(stored[call_id]) if call_id in stored else error
-            if result is None and status != "interrupted":  # an interrupted run's question has no result yet
-                cut_off.append(events_pb2.Event(run_id=run_id, time=pb.timestamp(), tool_result=events_pb2.ToolResultEvent(
-                    tool=call.tool, tool_call_id=call_id, output_json=output)))
-            records.append(events_pb2.ToolCallRecord(tool=call.tool, input=call.input, input_json=call.input_json,
-                                                     output_json=pb.output_json(result) if result else output))
+            if (
+                result is None and status != "interrupted"
+            ):  # an interrupted run's question has no result yet
+                cut_off.append(
+                    events_pb2.Event(
+                        run_id=run_id,
+                        time=pb.timestamp(),
+                        tool_result=events_pb2.ToolResultEvent(
+                            tool=call.tool, tool_call_id=call_id, output_json=output
+                        ),
+                    )
+                )
+            records.append(
+                events_pb2.ToolCallRecord(
+                    tool=call.tool,
+                    input=call.input,
+                    input_json=call.input_json,
+                    output_json=pb.output_json(result) if result else output,
+                )
+            )
         return cut_off, records
 
     async def _close_open_tool_call(self, session: Any, run: Run, status: str) -> None:
         """Store an error result for the run's last tool call if the crash cut it off."""
         last = (
-            await session.execute(
-                select(Message).where(Message.run_id == run.id, Message.role == "assistant").order_by(Message.seq.desc()).limit(1)
+            (
+                await session.execute(
+                    select(Message)
+                    .where(Message.run_id == run.id, Message.role == "assistant")
+                    .order_by(Message.seq.desc())
+                    .limit(1)
+                )
             )
-        ).scalars().first()
+            .scalars()
+            .first()
+        )
         calls = (last.extra or {}).get("tool_calls") if last is not None else None
         if not calls:
             return
         call = calls[0]
         answered = (
-            await session.execute(select(Message.extra).where(Message.chat_id == run.chat_id, Message.role == "tool", Message.seq > last.seq))
-        ).scalars().all()
-        if any(isinstance(extra, dict) and extra.get("tool_call_id") == call.get("id") for extra in answered):
+            (
+                await session.execute(
+                    select(Message.extra).where(
+                        Message.chat_id == run.chat_id,
+                        Message.role == "tool",
+                        Message.seq > last.seq,
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
+        if any(
+            isinstance(extra, dict) and extra.get("tool_call_id") == call.get("id")
+            for extra in answered
+        ):
             return
-        session.add(Message(id=str(uuid.uuid4()), chat_id=run.chat_id, run_id=run.id, role="tool",
-                            content=cut_off_result(status), extra={"tool_call_id": call.get("id"), "name": call.get("name")}))
+        session.add(
+            Message(
+                id=str(uuid.uuid4()),
+                chat_id=run.chat_id,
+                run_id=run.id,
+                role="tool",
+                content=cut_off_result(status),
+                extra={"tool_call_id": call.get("id"), "name": call.get("name")},
+            )
+        )
 
     async def cancel_elsewhere(self, run_id: str, reason: str) -> str | None:
         """Cancel a run running on another replica and wait (up to `cancel_wait_s`) until it ends.
@@ -373,7 +588,9 @@ class RunSupervisor:
         deadline = loop.time() + float(self.settings.cancel_wait_s)
         while True:
             async with self.sessions() as session:
-                status = (await session.execute(select(Run.status).where(Run.id == run_id))).scalar()
+                status = (
+                    await session.execute(select(Run.status).where(Run.id == run_id))
+                ).scalar()
             if status != "running":
                 return status
             if await self.take_over(run_id, "cancelled", reason=reason):

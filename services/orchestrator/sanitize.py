@@ -22,10 +22,16 @@ log = logging.getLogger(__name__)
 _PATTERNS = [
     (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+"), r"\1 [redacted]"),
     (re.compile(r"\b(sk|mx_live|mx_test|pk|rk|xox[abp])[-_][A-Za-z0-9_-]{6,}"), "[redacted]"),
-    (re.compile(r"(?i)(api[_-]?key|token|secret|password|passwd|pwd)(\s*[=:]\s*)\S+"), r"\1\2[redacted]"),
+    (
+        re.compile(r"(?i)(api[_-]?key|token|secret|password|passwd|pwd)(\s*[=:]\s*)\S+"),
+        r"\1\2[redacted]",
+    ),
     (re.compile(r"[a-z][a-z0-9+.-]*://[^\s'\"]+"), "[url]"),
     (re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"), "[address]"),
-    (re.compile(r"\b[\w-]+(?:\.[\w-]+)*\.(?:internal|local|lan|svc|cluster\.local|corp)\b"), "[host]"),
+    (
+        re.compile(r"\b[\w-]+(?:\.[\w-]+)*\.(?:internal|local|lan|svc|cluster\.local|corp)\b"),
+        "[host]",
+    ),
     (re.compile(r"(?:/[\w.-]+){2,}"), "[path]"),
     (re.compile(r"(?is)\b(select|insert|update|delete)\b.+\b(from|into|set|where)\b.*"), "[query]"),
 ]
@@ -44,7 +50,9 @@ def sanitize(message: str) -> str:
     either backend: a model's failure text with a NUL failed the run's end on PostgreSQL
     (fresh-eyes test)."""
     text = " ".join(str(message).split())
-    text = pb.scrub(UNPRINTABLE.sub("", text))  # lone surrogates (no UTF-8 encoding: no database takes them) as U+FFFD
+    text = pb.scrub(
+        UNPRINTABLE.sub("", text)
+    )  # lone surrogates (no UTF-8 encoding: no database takes them) as U+FFFD
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     if "Traceback" in text:
@@ -72,7 +80,17 @@ def model_failure(provider: str, failure: Any) -> str:
     built by the raiser from known fields (e.g. "openai: rate limited (429) after 3
     attempts"), or "<provider>: the model call failed" when it has none; through `sanitize`
     all the same. The failure's own text is logged (`for_log`), never returned."""
-    log.warning("the model call failed; the run fails", extra={"fields": {
-        "provider": provider, "error_class": type(failure).__name__, "error": for_log(str(failure))}})
+    log.warning(
+        "the model call failed; the run fails",
+        extra={
+            "fields": {
+                "provider": provider,
+                "error_class": type(failure).__name__,
+                "error": for_log(str(failure)),
+            }
+        },
+    )
     public = getattr(failure, "public", None)
-    return sanitize(public if isinstance(public, str) and public else f"{provider}: the model call failed")
+    return sanitize(
+        public if isinstance(public, str) and public else f"{provider}: the model call failed"
+    )

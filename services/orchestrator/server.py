@@ -43,7 +43,9 @@ class OrchestratorServer:
         self = cls(settings)
         if settings.auto_migrate:
             await db.migrate_async("orchestrator", settings.database_url)
-        self.engine = db.make_engine(settings.database_url, settings.db_pool_size, settings.db_timeout_s)
+        self.engine = db.make_engine(
+            settings.database_url, settings.db_pool_size, settings.db_timeout_s
+        )
         sessions = db.sessionmaker(self.engine)
         self.billing_channel = internal_channel(settings.billing_addr, settings.internal_token)
         self.tools_channel = internal_channel(settings.tools_addr, settings.internal_token)
@@ -51,23 +53,39 @@ class OrchestratorServer:
         tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
         self.backend: RunBackend = make_backend(settings, functools.partial(load_archive, sessions))
         self.store = TurnStore(self.engine)
-        self.runner = TurnRunner(settings, sessions, self.store, self.backend.events, billing, tools)
+        self.runner = TurnRunner(
+            settings, sessions, self.store, self.backend.events, billing, tools
+        )
         await self.backend.start(self._on_cancel)
         # leases on connections of their own: request handlers holding the pool cannot delay a renewal
         sqlite = self.engine.dialect.name == "sqlite"
-        self.lease_engine = None if sqlite else db.make_engine(settings.database_url, 1, settings.db_timeout_s)
-        lease_sessions = db.sessionmaker(self.lease_engine) if self.lease_engine is not None else None
-        self.supervisor = RunSupervisor(settings, sessions, self.runner, self.backend, lease_sessions)
+        self.lease_engine = (
+            None if sqlite else db.make_engine(settings.database_url, 1, settings.db_timeout_s)
+        )
+        lease_sessions = (
+            db.sessionmaker(self.lease_engine) if self.lease_engine is not None else None
+        )
+        self.supervisor = RunSupervisor(
+            settings, sessions, self.runner, self.backend, lease_sessions
+        )
         self.servicer = AssistantServicer(settings, sessions, self.runner, billing)
         self.servicer.backend = self.backend
         self.servicer.supervisor = self.supervisor
         self.servicer.secret_resolver = tools_secret_resolver(tools)
-        if not self.backend.distributed:  # the only orchestrator: runs left running are a dead process's, end them now
+        if (
+            not self.backend.distributed
+        ):  # the only orchestrator: runs left running are a dead process's, end them now
             await self.supervisor.reap_orphans()
         self.supervisor.start()
         self.runner.redelivery.start()
         self._grpc = await start_grpc_server(
-            [(assistant_pb2_grpc.add_AssistantServiceServicer_to_server, self.servicer, SERVICE_NAME)],
+            [
+                (
+                    assistant_pb2_grpc.add_AssistantServiceServicer_to_server,
+                    self.servicer,
+                    SERVICE_NAME,
+                )
+            ],
             settings.host,
             settings.orchestrator_port,
             internal_token=settings.internal_token,

@@ -48,19 +48,27 @@ STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun req
 TITLE_LENGTH = 50
 REQUEST_ID_LENGTH = 64  # StartTurnRequest.request_id, at most (runs.request_id)
 MAX_CHAT_PAGE_SIZE = 1000  # GetChatRequest.page_size, at most
-CHAT_PAGE_BYTES = 3 * 1024 * 1024  # a GetChat page's messages, at most (a gRPC client's default limit is 4 MiB)
+CHAT_PAGE_BYTES = (
+    3 * 1024 * 1024
+)  # a GetChat page's messages, at most (a gRPC client's default limit is 4 MiB)
 CANCEL_ATTEMPTS = 3  # looks at a chat's active run by one Cancel, when it changes under the cancel (`_cancel_active`)
-REQUEST_CLAIM_WAIT_S = 30.0  # a start waits this long at most for another with its request_id (`_claim_request`)
+REQUEST_CLAIM_WAIT_S = (
+    30.0  # a start waits this long at most for another with its request_id (`_claim_request`)
+)
 REQUEST_CLAIM_POLL_S = 0.02
 # a billing call that ended without an answer: billing may or may not have done its work
-_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+_OUTCOME_UNKNOWN = frozenset(
+    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+)
 
 
 def _not_found(what: str = "Chat") -> RpcError:
     return RpcError(grpc.StatusCode.NOT_FOUND, f"{what.upper()}_NOT_FOUND", f"{what} not found")
 
 
-unary = rpc_handler(check=ids.request_organization_check(ASSISTANT_DOMAIN))  # every call names a possible organization
+unary = rpc_handler(
+    check=ids.request_organization_check(ASSISTANT_DOMAIN)
+)  # every call names a possible organization
 
 
 class _PassThrough(Exception):
@@ -79,8 +87,14 @@ def _downstream_failure(error: grpc.aio.AioRpcError, service: str, unavailable: 
     Retry-After; a gRPC caller gets the same hint, AIP-194). `service` is "BILLING" or "TOOLS"."""
     if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         what = "Billing" if service == "BILLING" else "The tools service"
-        return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{service}_TIMEOUT", f"{what} did not answer in time")
-    return RpcError(grpc.StatusCode.UNAVAILABLE, f"{service}_UNAVAILABLE", unavailable, retry_after_s=1.0)
+        return RpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{service}_TIMEOUT",
+            f"{what} did not answer in time",
+        )
+    return RpcError(
+        grpc.StatusCode.UNAVAILABLE, f"{service}_UNAVAILABLE", unavailable, retry_after_s=1.0
+    )
 
 
 def _downstream_status(error: grpc.aio.AioRpcError) -> grpc.Status | None:
@@ -101,7 +115,9 @@ async def _lock_chat(session: AsyncSession, chat_id: str) -> None:
     cancel, an expiry, a delete) takes the chat's row first, then the question's, so two of them
     wait for each other instead of deadlocking (fresh-eyes test: a resume and a cancel sent
     together on PostgreSQL, one of them 500 "deadlock detected")."""
-    await session.execute(select(Chat.id).where(Chat.id == chat_id).with_for_update(key_share=True))  # FOR NO KEY UPDATE
+    await session.execute(
+        select(Chat.id).where(Chat.id == chat_id).with_for_update(key_share=True)
+    )  # FOR NO KEY UPDATE
 
 
 def _page_token(chat_id: str, seq: int) -> str:
@@ -117,12 +133,18 @@ def _page_token_seq(token: str, chat_id: str) -> int:
             raise ValueError("not a page token of this chat")
         return int(seq)
     except (ValueError, UnicodeError):
-        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_PAGE_TOKEN", "page_token is not valid for this chat") from None
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_PAGE_TOKEN",
+            "page_token is not valid for this chat",
+        ) from None
 
 
 # A ListChats cursor: "<created_at in UTC, isoformat()>|<chat id>", URL-safe base64.
-_CURSOR = re.compile(r"(?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{6})?\+00:00)\|"
-                     r"(?P<id>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
+_CURSOR = re.compile(
+    r"(?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{6})?\+00:00)\|"
+    r"(?P<id>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+)
 
 
 class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
@@ -140,8 +162,12 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         self.runner = runner
         self.store = runner.store
         self.billing = billing
-        self._claims: dict[str, str] = {}  # chat_id -> claim token, for claims taken by this process
-        self._admissions: set[asyncio.Task] = set()  # releases of holds whose turn start was cancelled
+        self._claims: dict[
+            str, str
+        ] = {}  # chat_id -> claim token, for claims taken by this process
+        self._admissions: set[asyncio.Task] = (
+            set()
+        )  # releases of holds whose turn start was cancelled
         # shared state of the replicas and this replica's supervisor; set by OrchestratorServer
         self.backend: RunBackend = MemoryBackend()
         self.supervisor: RunSupervisor | None = None
@@ -157,7 +183,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             token = await self.backend.try_claim(chat_id)
         except Exception:
             log.exception("taking a chat claim failed")
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "BACKEND_UNAVAILABLE", "The service is temporarily unavailable; try again") from None
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                "BACKEND_UNAVAILABLE",
+                "The service is temporarily unavailable; try again",
+            ) from None
         if token is None:
             return False
         self._claims[chat_id] = token
@@ -166,7 +196,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def _claim(self, chat_id: str) -> None:
         """Take the chat's claim or raise 409 RUN_IN_FLIGHT; two racing requests (any replicas): exactly one proceeds."""
         if not await self._try_claim(chat_id):
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "RUN_IN_FLIGHT",
+                "A run is already in flight on this chat; wait for it or cancel it",
+            )
 
     async def _unclaim(self, chat_id: str) -> None:
         """Release this process's claim of the chat (a no-op when it holds none)."""
@@ -174,7 +208,13 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         if token is not None:
             await self.backend.release_claim(chat_id, token)
 
-    async def _chat(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str, deleted: bool = False) -> Chat:
+    async def _chat(
+        self,
+        session: AsyncSession,
+        caller: assistant_pb2.Caller,
+        chat_id: str,
+        deleted: bool = False,
+    ) -> Chat:
         """The caller's assistant chat or NOT_FOUND (same error for absent, other org, other kind,
         deleted); with `deleted`, a soft-deleted chat of the caller's is found too (to purge it)."""
         chat = await session.get(Chat, chat_id) if ids.is_row_id(chat_id) else None
@@ -185,8 +225,16 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def _pending(self, session: AsyncSession, chat: Chat) -> Interrupt | None:
         """The chat's pending question; an expired one is marked `expired` and frees the chat."""
         interrupt = (
-            await session.execute(select(Interrupt).where(Interrupt.chat_id == chat.id, Interrupt.outcome == "pending"))
-        ).scalars().first()
+            (
+                await session.execute(
+                    select(Interrupt).where(
+                        Interrupt.chat_id == chat.id, Interrupt.outcome == "pending"
+                    )
+                )
+            )
+            .scalars()
+            .first()
+        )
         if interrupt is None:
             return None
         expires_at = db.utc(interrupt.expires_at)
@@ -205,18 +253,37 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         async with self.sessions() as writer, writer.begin():
             await _lock_chat(writer, interrupt.chat_id)
             result = await writer.execute(
-                update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending")
+                update(Interrupt)
+                .where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending")
                 .values(outcome="expired", resolved_at=utcnow())
             )
             if not result.rowcount:
                 return False
-            await writer.execute(update(Run).where(Run.id == interrupt.run_id, Run.status == "interrupted").values(status="expired", updated_at=utcnow()))
-            await writer.execute(update(Chat).where(Chat.id == interrupt.chat_id, Chat.running_id == interrupt.run_id).values(running_id=None))
-            writer.add(Message(id=str(uuid.uuid4()), chat_id=interrupt.chat_id, run_id=interrupt.run_id, role="tool", content=cut_off_result("expired"),
-                               extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool}))
+            await writer.execute(
+                update(Run)
+                .where(Run.id == interrupt.run_id, Run.status == "interrupted")
+                .values(status="expired", updated_at=utcnow())
+            )
+            await writer.execute(
+                update(Chat)
+                .where(Chat.id == interrupt.chat_id, Chat.running_id == interrupt.run_id)
+                .values(running_id=None)
+            )
+            writer.add(
+                Message(
+                    id=str(uuid.uuid4()),
+                    chat_id=interrupt.chat_id,
+                    run_id=interrupt.run_id,
+                    role="tool",
+                    content=cut_off_result("expired"),
+                    extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool},
+                )
+            )
         return True
 
-    async def _chat_and_pending(self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str) -> tuple[Chat, Interrupt | None]:
+    async def _chat_and_pending(
+        self, session: AsyncSession, caller: assistant_pb2.Caller, chat_id: str
+    ) -> tuple[Chat, Interrupt | None]:
         """The caller's chat and its pending question; an expired question is settled and the chat re-read."""
         chat = await self._chat(session, caller, chat_id)
         try:
@@ -228,7 +295,11 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
 
     def _llm(self, message: assistant_pb2.LlmConfig | None, has: bool) -> dict[str, Any]:
         if has and message is not None and message.provider_id:
-            llm = {"integration_name": message.integration_name, "provider_id": message.provider_id, "model_id": message.model_id}
+            llm = {
+                "integration_name": message.integration_name,
+                "provider_id": message.provider_id,
+                "model_id": message.model_id,
+            }
             if message.HasField("credential_id") and message.credential_id:
                 llm["credential_id"] = message.credential_id
             return llm
@@ -254,15 +325,27 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         (`_downstream_failure`).
         """
         try:
-            return await registry.resolve(self.settings, llm, organization_id=organization_id,
-                                          secret_resolver=self.secret_resolver)
+            return await registry.resolve(
+                self.settings,
+                llm,
+                organization_id=organization_id,
+                secret_resolver=self.secret_resolver,
+            )
         except registry.UnknownModel as unknown:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", str(unknown)) from None
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", str(unknown)
+            ) from None
         except registry.CredentialUndecryptable as undecryptable:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE", undecryptable.message,
-                           metadata={"credential_id": undecryptable.credential_id}) from None
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "CREDENTIAL_UNDECRYPTABLE",
+                undecryptable.message,
+                metadata={"credential_id": undecryptable.credential_id},
+            ) from None
         except grpc.aio.AioRpcError as error:
-            raise _downstream_failure(error, "TOOLS", "The credential service is unavailable; try again") from None
+            raise _downstream_failure(
+                error, "TOOLS", "The credential service is unavailable; try again"
+            ) from None
 
     def _stream_url(self, chat_id: str, run_id: str) -> str:
         return f"{self.settings.stream_url_prefix}/{chat_id}/listen/{run_id}"
@@ -270,7 +353,9 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     # ------------------------------------------------------------------ StartTurn
 
     @unary
-    async def StartTurn(self, request: assistant_pb2.StartTurnRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.StartTurnResponse:
+    async def StartTurn(
+        self, request: assistant_pb2.StartTurnRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.StartTurnResponse:
         """Guards -> model -> admission -> persist -> charge -> start the loop (nothing written on a refusal).
 
         The model (and its bring-your-own key) is resolved before billing is asked, so a model
@@ -284,11 +369,23 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         """
         caller = request.caller
         if not request.message.strip():
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "EMPTY_MESSAGE", "message must be a non-empty string")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "EMPTY_MESSAGE",
+                "message must be a non-empty string",
+            )
         if request.kind and request.kind != ASSISTANT_KIND:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED_KIND", "only assistant chats are served here")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "UNSUPPORTED_KIND",
+                "only assistant chats are served here",
+            )
         if len(request.request_id) > REQUEST_ID_LENGTH:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST_ID", f"request_id must be at most {REQUEST_ID_LENGTH} characters")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_REQUEST_ID",
+                f"request_id must be at most {REQUEST_ID_LENGTH} characters",
+            )
         if not request.request_id:
             return await self._start_turn(request, context)
         # AIP-155: a retry of a start that did start answers that turn; a start sent while
@@ -296,7 +393,9 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         claim = await self._claim_request(caller.organization_id, request.request_id)
         try:
             since = utcnow() - datetime.timedelta(seconds=self.settings.idempotency_ttl_s)
-            started = await self.store.run_for_request(caller.organization_id, request.request_id, since)
+            started = await self.store.run_for_request(
+                caller.organization_id, request.request_id, since
+            )
             if started is not None:
                 return self._started(*started)
             return await self._start_turn(request, context)
@@ -319,30 +418,47 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         give_up_at = loop.time() + REQUEST_CLAIM_WAIT_S
         while not await self._try_claim(key):
             if loop.time() >= give_up_at:
-                raise RpcError(grpc.StatusCode.ABORTED, "REQUEST_IN_FLIGHT",
-                               "A turn start with this request_id is still in flight; retry it")
+                raise RpcError(
+                    grpc.StatusCode.ABORTED,
+                    "REQUEST_IN_FLIGHT",
+                    "A turn start with this request_id is still in flight; retry it",
+                )
             await asyncio.sleep(REQUEST_CLAIM_POLL_S)
         return key
 
-    async def _start_turn(self, request: assistant_pb2.StartTurnRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.StartTurnResponse:
+    async def _start_turn(
+        self, request: assistant_pb2.StartTurnRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.StartTurnResponse:
         """`StartTurn` past its request_id: model -> admission -> persist -> start (see there)."""
         caller = request.caller
         llm = self._llm(request.llm, request.HasField("llm"))
         model = await self._model(llm, caller.organization_id)
         chat_id = request.chat_id or str(uuid.uuid4())
         run_id = str(uuid.uuid4())
-        if request.chat_id and not await self._try_claim(chat_id):  # a new chat's id is minted here: no race
+        if request.chat_id and not await self._try_claim(
+            chat_id
+        ):  # a new chat's id is minted here: no race
             # someone holds the claim: 409, unless the chat is not the caller's (the same 404 as always)
             if not self._visible(await self._guard(request.chat_id), caller):
                 raise _not_found()
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "RUN_IN_FLIGHT",
+                "A run is already in flight on this chat; wait for it or cancel it",
+            )
         try:
             guard = await self._guard(request.chat_id) if request.chat_id else None
             if request.chat_id and not self._visible(guard, caller):
                 raise _not_found()
             if guard is not None and guard.pending_id is None and guard.running_id:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
-            if guard is not None and guard.pending_id is not None:  # a question: pending (409) or expired (settled here)
+                raise RpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "RUN_IN_FLIGHT",
+                    "A run is already in flight on this chat; wait for it or cancel it",
+                )
+            if (
+                guard is not None and guard.pending_id is not None
+            ):  # a question: pending (409) or expired (settled here)
                 async with self.sessions() as session:
                     chat = await self._chat(session, caller, request.chat_id)
                     running_id = chat.running_id
@@ -352,11 +468,22 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                         pending = None
                         running_id = None if running_id == expired.interrupt.run_id else running_id
                     if pending is not None:
-                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_PENDING", "This chat has a pending question; answer it first")
+                        raise RpcError(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            "QUESTION_PENDING",
+                            "This chat has a pending question; answer it first",
+                        )
                     if running_id:
-                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it")
+                        raise RpcError(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            "RUN_IN_FLIGHT",
+                            "A run is already in flight on this chat; wait for it or cancel it",
+                        )
             admission = billing_pb2.AdmitRequest(
-                organization_id=caller.organization_id, turn_key=f"{chat_id}:{run_id}", usage_type="run", rate_class="sync_exec"
+                organization_id=caller.organization_id,
+                turn_key=f"{chat_id}:{run_id}",
+                usage_type="run",
+                rate_class="sync_exec",
             )
             admit = asyncio.ensure_future(self.billing.Admit(admission, timeout=10))
             try:
@@ -370,16 +497,22 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 status = _downstream_status(error)
                 if status is not None:
                     raise _PassThrough(status) from None
-                raise _downstream_failure(error, "BILLING", "Billing is unavailable; try again") from None
+                raise _downstream_failure(
+                    error, "BILLING", "Billing is unavailable; try again"
+                ) from None
             context.set_trailing_metadata(_rate_metadata(admitted.rate_limit))
             # The run charge is stored with the turn's rows and sent within STORED_LINGER_S,
             # batched with other turns' (RunCharges): a persisted turn is never left uncharged.
             charge = self.runner.charges.row(admitted.reservation_id)
             try:
-                history = await self._persist_turn(request, caller, chat_id, run_id, llm, admitted.reservation_id, charge)
+                history = await self._persist_turn(
+                    request, caller, chat_id, run_id, llm, admitted.reservation_id, charge
+                )
             except BaseException:
                 # nothing was written (or a commit whose answer was lost: removed again), so the hold goes back
-                await self._unwind(chat_id, run_id, new_chat=not request.chat_id, charge_id=charge["id"])
+                await self._unwind(
+                    chat_id, run_id, new_chat=not request.chat_id, charge_id=charge["id"]
+                )
                 await self._release(admitted.reservation_id, "turn not started")
                 raise
             self.runner.charges.committed(charge["id"], admitted.reservation_id)
@@ -395,13 +528,33 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     def _started(self, chat_id: str, run_id: str) -> assistant_pb2.StartTurnResponse:
         """The StartTurn answer of a turn started (now, or before under the same request_id)."""
         return assistant_pb2.StartTurnResponse(
-            status="running", chat_id=chat_id, run_id=run_id, thread_id=chat_id, stream_url=self._stream_url(chat_id, run_id)
+            status="running",
+            chat_id=chat_id,
+            run_id=run_id,
+            thread_id=chat_id,
+            stream_url=self._stream_url(chat_id, run_id),
         )
 
-    def _start(self, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any], model: Any, history: list[ThreadRow] | None) -> None:
+    def _start(
+        self,
+        caller: Any,
+        chat_id: str,
+        run_id: str,
+        llm: dict[str, Any],
+        model: Any,
+        history: list[ThreadRow] | None,
+    ) -> None:
         """Start the loop of a persisted and charged turn."""
-        self.runner.start(RunSpec(run_id=run_id, chat_id=chat_id, organization_id=caller.organization_id, llm=llm, model=model,
-                                  history=history))
+        self.runner.start(
+            RunSpec(
+                run_id=run_id,
+                chat_id=chat_id,
+                organization_id=caller.organization_id,
+                llm=llm,
+                model=model,
+                history=history,
+            )
+        )
 
     async def _guard(self, chat_id: str) -> Any:
         """store.turn_guard of `chat_id`, or None when it is not a UUID (then it cannot exist)."""
@@ -412,11 +565,23 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         """Whether `chat` (a Chat, or a row with its organization_id, kind and deleted_at) is a live
         assistant chat of the caller's organization (with `deleted`, a soft-deleted one too); None
         is not. Everything else is the same 404."""
-        return (chat is not None and chat.organization_id == caller.organization_id
-                and chat.kind == ASSISTANT_KIND and (deleted or chat.deleted_at is None))
+        return (
+            chat is not None
+            and chat.organization_id == caller.organization_id
+            and chat.kind == ASSISTANT_KIND
+            and (deleted or chat.deleted_at is None)
+        )
 
-    async def _persist_turn(self, request: Any, caller: Any, chat_id: str, run_id: str, llm: dict[str, Any],
-                            reservation_id: str, charge: dict[str, Any]) -> list[ThreadRow] | None:
+    async def _persist_turn(
+        self,
+        request: Any,
+        caller: Any,
+        chat_id: str,
+        run_id: str,
+        llm: dict[str, Any],
+        reservation_id: str,
+        charge: dict[str, Any],
+    ) -> list[ThreadRow] | None:
         """One transaction: chat (new, or claimed with a conditional update), user message, run row
         and the run charge (`charge`, a `billing_redeliveries` row: `RunCharges.row`).
 
@@ -427,17 +592,44 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         now = message.created_at
         chat = None
         if not request.chat_id:
-            chat = {"id": chat_id, "organization_id": caller.organization_id, "user_id": caller.user_id, "kind": ASSISTANT_KIND,
-                    "title": request.message[:TITLE_LENGTH], "workflow_id": None, "running_id": run_id,
-                    "deleted_at": None, "created_at": now, "updated_at": now}
-        run = {"id": run_id, "durable_id": f"run_{uuid.uuid4().hex}", "chat_id": chat_id, "organization_id": caller.organization_id,
-               "parent_run_id": None, "status": "running", "llm": llm, "reservation_id": reservation_id, "usage": None,
-               "error": None, "created_at": now, "updated_at": now,
-               "lease_until": RunSupervisor.lease_deadline(self.settings, now), "request_id": request.request_id or None}
+            chat = {
+                "id": chat_id,
+                "organization_id": caller.organization_id,
+                "user_id": caller.user_id,
+                "kind": ASSISTANT_KIND,
+                "title": request.message[:TITLE_LENGTH],
+                "workflow_id": None,
+                "running_id": run_id,
+                "deleted_at": None,
+                "created_at": now,
+                "updated_at": now,
+            }
+        run = {
+            "id": run_id,
+            "durable_id": f"run_{uuid.uuid4().hex}",
+            "chat_id": chat_id,
+            "organization_id": caller.organization_id,
+            "parent_run_id": None,
+            "status": "running",
+            "llm": llm,
+            "reservation_id": reservation_id,
+            "usage": None,
+            "error": None,
+            "created_at": now,
+            "updated_at": now,
+            "lease_until": RunSupervisor.lease_deadline(self.settings, now),
+            "request_id": request.request_id or None,
+        }
         try:
-            await self.store.persist_turn(claim=bool(request.chat_id), chat=chat, message=message, run=run, charge=charge)
+            await self.store.persist_turn(
+                claim=bool(request.chat_id), chat=chat, message=message, run=run, charge=charge
+            )
         except ClaimLost:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is already in flight on this chat; wait for it or cancel it") from None
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "RUN_IN_FLIGHT",
+                "A run is already in flight on this chat; wait for it or cancel it",
+            ) from None
         return None if request.chat_id else [message]
 
     async def _unwind(self, chat_id: str, run_id: str, new_chat: bool, charge_id: str) -> None:
@@ -447,16 +639,22 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         removed here. Never raises (logged: a storage outage as a warning without a traceback,
         the run supervisor ends such a run once its first lease lapses; anything else with it)."""
         try:
-            await self.store.unwind_turn(chat_id=chat_id, run_id=run_id, new_chat=new_chat, charge_id=charge_id)
+            await self.store.unwind_turn(
+                chat_id=chat_id, run_id=run_id, new_chat=new_chat, charge_id=charge_id
+            )
         except Exception as error:
             store = db.unavailable_store(error)
             if store is None:
                 log.exception("unwinding a failed turn start failed")
             else:  # the turn start failed for the same outage, most likely: said once per start, no traceback
-                log.warning(f"unwinding a failed turn start: {store} unavailable; a run it wrote ends when its lease lapses",
-                            extra={"fields": {"run_id": run_id, "error": type(error).__name__}})
+                log.warning(
+                    f"unwinding a failed turn start: {store} unavailable; a run it wrote ends when its lease lapses",
+                    extra={"fields": {"run_id": run_id, "error": type(error).__name__}},
+                )
 
-    def _release_when_admitted(self, admission: billing_pb2.AdmitRequest, admit: asyncio.Future | None) -> None:
+    def _release_when_admitted(
+        self, admission: billing_pb2.AdmitRequest, admit: asyncio.Future | None
+    ) -> None:
         """A turn start gave up on its Admit while billing may have set a hold aside for it: it
         was cancelled (its caller's deadline passed) with `admit` (the Admit call, shielded)
         still on its way, or the call ended without an answer (`admit` None: its deadline,
@@ -464,6 +662,7 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         after asking billing again for the same turn key (Admit is idempotent by it: the hold
         set aside, or a new one) — release the hold. Before, such a hold stayed held until it
         expired (120 s), counting against the allowance and the daily quota (fresh-eyes tests)."""
+
         async def release() -> None:
             try:
                 admitted = await admit if admit is not None else None
@@ -483,8 +682,10 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                         return
                     await asyncio.sleep(1.0 * (attempt + 1))
             if admitted is None:
-                log.warning("a hold of a turn start that gave up on billing could not be found; it expires",
-                            extra={"fields": {"turn_key": admission.turn_key}})
+                log.warning(
+                    "a hold of a turn start that gave up on billing could not be found; it expires",
+                    extra={"fields": {"turn_key": admission.turn_key}},
+                )
                 return
             await self._release(admitted.reservation_id, "turn not started")
 
@@ -495,21 +696,35 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
     async def _release(self, reservation_id: str, reason: str) -> int | None:
         """Release the reservation (usage.release_or_store: its state after the call, or None when
         billing could not be asked and the Release is sent again in the background)."""
-        return await release_or_store(self.billing, self.runner.redelivery, reservation_id, reason, "releasing a reservation failed")
+        return await release_or_store(
+            self.billing,
+            self.runner.redelivery,
+            reservation_id,
+            reason,
+            "releasing a reservation failed",
+        )
 
     # ------------------------------------------------------------------ StreamRun
 
-    async def StreamRun(self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[assistant_pb2.StreamRunResponse]:
+    async def StreamRun(
+        self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[assistant_pb2.StreamRunResponse]:
         """Replay the run's events from `after`, then follow live; ends after a terminal event.
 
         A run active in this process is checked against its RunSpec (its chat cannot be deleted
         while it runs); any other run against the database (store.stream_target).
         """
         active = self.runner.active.get(request.run_id)
-        if active is None or active.spec.chat_id != request.chat_id or active.spec.organization_id != request.caller.organization_id:
+        if (
+            active is None
+            or active.spec.chat_id != request.chat_id
+            or active.spec.organization_id != request.caller.organization_id
+        ):
             target = None
             if ids.is_row_id(request.chat_id):
-                target = await self.store.stream_target(request.chat_id, request.run_id if ids.is_row_id(request.run_id) else "")
+                target = await self.store.stream_target(
+                    request.chat_id, request.run_id if ids.is_row_id(request.run_id) else ""
+                )
             if not self._visible(target, request.caller):
                 await abort(context, _not_found())
                 return
@@ -517,27 +732,45 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 await abort(context, _not_found("Run"))
                 return
         if request.after < 0:
-            await abort(context, RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"))
+            await abort(
+                context,
+                RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"),
+            )
             return
         await context.send_initial_metadata(((STREAM_READY, "1"),))
         try:
-            if request.max_batch > 1:  # every event available at once in one message (EventLog.follow_batches)
+            if (
+                request.max_batch > 1
+            ):  # every event available at once in one message (EventLog.follow_batches)
                 limit = min(int(request.max_batch), MAX_STREAM_BATCH)
-                async with contextlib.aclosing(self.runner.events.follow_batches(request.run_id, int(request.after))) as batches:
+                async with contextlib.aclosing(
+                    self.runner.events.follow_batches(request.run_id, int(request.after))
+                ) as batches:
                     async for batch in batches:
                         for start in range(0, len(batch), limit):
-                            yield assistant_pb2.StreamRunResponse(events=batch[start:start + limit])
+                            yield assistant_pb2.StreamRunResponse(
+                                events=batch[start : start + limit]
+                            )
             else:
-                async with contextlib.aclosing(self.runner.events.follow(request.run_id, int(request.after))) as events:
+                async with contextlib.aclosing(
+                    self.runner.events.follow(request.run_id, int(request.after))
+                ) as events:
                     async for event in events:
                         yield assistant_pb2.StreamRunResponse(event=event)
-        except StreamInterrupted as interrupted:  # the gateway gives each listener its own reconnect frame
-            await abort(context, RpcError(grpc.StatusCode.UNAVAILABLE, "STREAM_INTERRUPTED", interrupted.message))
+        except (
+            StreamInterrupted
+        ) as interrupted:  # the gateway gives each listener its own reconnect frame
+            await abort(
+                context,
+                RpcError(grpc.StatusCode.UNAVAILABLE, "STREAM_INTERRUPTED", interrupted.message),
+            )
 
     # ------------------------------------------------------------------ Resume
 
     @unary
-    async def Resume(self, request: assistant_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.ResumeResponse:
+    async def Resume(
+        self, request: assistant_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.ResumeResponse:
         """Answer the pending question and start a new run on the same thread (no second run credit).
 
         Errors as StartTurn's for the model (`_model`, resolved before anything is written);
@@ -545,11 +778,19 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         """
         caller = request.caller
         try:
-            answer = pb.object_of(request, "response")  # the JSON text, or the Struct of a gateway of an older version
+            answer = pb.object_of(
+                request, "response"
+            )  # the JSON text, or the Struct of a gateway of an older version
         except pb.NotAnObject as bad:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", str(bad)) from None
-        if pb.holds_nul(answer):  # as the gateway refuses it in a body (fresh-eyes test: a gRPC answer carried it to the model)
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", "the answer holds a NUL character (U+0000); text cannot carry it")
+        if pb.holds_nul(
+            answer
+        ):  # as the gateway refuses it in a body (fresh-eyes test: a gRPC answer carried it to the model)
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_ANSWER",
+                "the answer holds a NUL character (U+0000); text cannot carry it",
+            )
         llm = self._llm(request.llm, request.HasField("llm"))
         model = await self._model(llm, caller.organization_id)
         async with self.sessions() as session:
@@ -561,33 +802,88 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 try:
                     interrupt = await self._pending(session, chat)
                 except _Expired:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_EXPIRED", "The question expired; start a new turn") from None
+                    raise RpcError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "QUESTION_EXPIRED",
+                        "The question expired; start a new turn",
+                    ) from None
                 if interrupt is None:
-                    expired = (await session.execute(select(Interrupt).where(Interrupt.id == request.request_id, Interrupt.chat_id == chat.id))).scalars().first() if ids.is_row_id(request.request_id) else None
+                    expired = (
+                        (
+                            await session.execute(
+                                select(Interrupt).where(
+                                    Interrupt.id == request.request_id, Interrupt.chat_id == chat.id
+                                )
+                            )
+                        )
+                        .scalars()
+                        .first()
+                        if ids.is_row_id(request.request_id)
+                        else None
+                    )
                     if expired is not None and expired.outcome == "expired":
-                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "QUESTION_EXPIRED", "The question expired; start a new turn")
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_PENDING_QUESTION", "This chat has no pending question")
+                        raise RpcError(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            "QUESTION_EXPIRED",
+                            "The question expired; start a new turn",
+                        )
+                    raise RpcError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "NO_PENDING_QUESTION",
+                        "This chat has no pending question",
+                    )
                 if interrupt.id != request.request_id:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "STALE_REQUEST", "request_id does not match the pending question")
+                    raise RpcError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "STALE_REQUEST",
+                        "request_id does not match the pending question",
+                    )
                 try:
                     normalized = hitl.validate_answer(interrupt.request, answer)
                 except hitl.InvalidAnswer as invalid:
-                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", str(invalid)) from None
+                    raise RpcError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", str(invalid)
+                    ) from None
                 if normalized.get("kind") == "credential_added":
-                    await self._check_credential(caller.organization_id, interrupt.request, normalized)
+                    await self._check_credential(
+                        caller.organization_id, interrupt.request, normalized
+                    )
             if not request.HasField("llm") or not request.llm.provider_id:
                 async with self.sessions() as session:
                     paused = await session.get(Run, interrupt.run_id)
                 if paused is not None and paused.llm:
                     llm = dict(paused.llm)
                     model = await self._model(llm, caller.organization_id)
-            run_id = await self._continue(chat.id, caller.organization_id, interrupt, normalized, llm)
+            run_id = await self._continue(
+                chat.id, caller.organization_id, interrupt, normalized, llm
+            )
         finally:
             await self._unclaim(chat_id)
-        self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=caller.organization_id, llm=llm, model=model))
-        return assistant_pb2.ResumeResponse(status="running", chat_id=chat.id, run_id=run_id, thread_id=chat.id, stream_url=self._stream_url(chat.id, run_id))
+        self.runner.start(
+            RunSpec(
+                run_id=run_id,
+                chat_id=chat.id,
+                organization_id=caller.organization_id,
+                llm=llm,
+                model=model,
+            )
+        )
+        return assistant_pb2.ResumeResponse(
+            status="running",
+            chat_id=chat.id,
+            run_id=run_id,
+            thread_id=chat.id,
+            stream_url=self._stream_url(chat.id, run_id),
+        )
 
-    async def _continue(self, chat_id: str, organization_id: str, interrupt: Interrupt, answer: dict[str, Any], llm: dict[str, Any]) -> str:
+    async def _continue(
+        self,
+        chat_id: str,
+        organization_id: str,
+        interrupt: Interrupt,
+        answer: dict[str, Any],
+        llm: dict[str, Any],
+    ) -> str:
         """Mark the question answered (exactly once), store the answer as the HITL tool's result and
         create the continuation run; returns its run_id. FAILED_PRECONDITION when the question is no
         longer pending (answered, cancelled or expired meanwhile)."""
@@ -595,24 +891,60 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         now = utcnow()
         async with self.sessions() as session, session.begin():
             # the chat's row first, then the question's (`_lock_chat`)
-            await session.execute(update(Chat).where(Chat.id == chat_id).values(running_id=run_id, updated_at=now))
+            await session.execute(
+                update(Chat).where(Chat.id == chat_id).values(running_id=run_id, updated_at=now)
+            )
             won = await session.execute(
-                update(Interrupt).where(Interrupt.id == interrupt.id, Interrupt.outcome == "pending", Interrupt.expires_at > now)
+                update(Interrupt)
+                .where(
+                    Interrupt.id == interrupt.id,
+                    Interrupt.outcome == "pending",
+                    Interrupt.expires_at > now,
+                )
                 .values(outcome="answered", response=answer, resolved_at=now, resumed_run_id=run_id)
             )
             if won.rowcount != 1:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_PENDING_QUESTION", "The question was already answered, cancelled or expired")
-            await session.execute(update(Run).where(Run.id == interrupt.run_id).values(status="resumed", updated_at=now))
-            session.add(Message(id=str(uuid.uuid4()), chat_id=chat_id, run_id=run_id, role="tool",
-                                content=hitl.answer_as_tool_output(answer), extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool}))
-            session.add(Run(id=run_id, durable_id=f"run_{uuid.uuid4().hex}", chat_id=chat_id, organization_id=organization_id,
-                            parent_run_id=interrupt.run_id, status="running", llm=llm, created_at=now, updated_at=now,
-                            lease_until=RunSupervisor.lease_deadline(self.settings, now)))
+                raise RpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "NO_PENDING_QUESTION",
+                    "The question was already answered, cancelled or expired",
+                )
+            await session.execute(
+                update(Run)
+                .where(Run.id == interrupt.run_id)
+                .values(status="resumed", updated_at=now)
+            )
+            session.add(
+                Message(
+                    id=str(uuid.uuid4()),
+                    chat_id=chat_id,
+                    run_id=run_id,
+                    role="tool",
+                    content=hitl.answer_as_tool_output(answer),
+                    extra={"tool_call_id": interrupt.tool_call_id, "name": interrupt.tool},
+                )
+            )
+            session.add(
+                Run(
+                    id=run_id,
+                    durable_id=f"run_{uuid.uuid4().hex}",
+                    chat_id=chat_id,
+                    organization_id=organization_id,
+                    parent_run_id=interrupt.run_id,
+                    status="running",
+                    llm=llm,
+                    created_at=now,
+                    updated_at=now,
+                    lease_until=RunSupervisor.lease_deadline(self.settings, now),
+                )
+            )
         return run_id
 
     @unary
     async def NotifyCredentialConnected(
-        self, request: assistant_pb2.NotifyCredentialConnectedRequest, context: grpc.aio.ServicerContext
+        self,
+        request: assistant_pb2.NotifyCredentialConnectedRequest,
+        context: grpc.aio.ServicerContext,
     ) -> assistant_pb2.NotifyCredentialConnectedResponse:
         """Resume every run of the organization paused on a credential_request for `integration`
         (spec: OAuth auto-resume): a new run continues each, and `run_resumed {new_run_id}` is
@@ -620,9 +952,14 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         async with self.sessions() as session:
             rows = (
                 await session.execute(
-                    select(Interrupt, Chat).join(Chat, Chat.id == Interrupt.chat_id).where(
-                        Chat.organization_id == request.organization_id, Chat.kind == ASSISTANT_KIND, Chat.deleted_at.is_(None),
-                        Interrupt.outcome == "pending", Interrupt.kind == "credential_request",
+                    select(Interrupt, Chat)
+                    .join(Chat, Chat.id == Interrupt.chat_id)
+                    .where(
+                        Chat.organization_id == request.organization_id,
+                        Chat.kind == ASSISTANT_KIND,
+                        Chat.deleted_at.is_(None),
+                        Interrupt.outcome == "pending",
+                        Interrupt.kind == "credential_request",
                     )
                 )
             ).all()
@@ -632,8 +969,12 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                 continue
             if db.utc(interrupt.expires_at) <= utcnow():
                 continue
-            answer = {"kind": "credential_added", "credential_id": request.credential_id,
-                      "integration_name": request.integration, "auth_type": "oauth2"}
+            answer = {
+                "kind": "credential_added",
+                "credential_id": request.credential_id,
+                "integration_name": request.integration,
+                "auth_type": "oauth2",
+            }
             async with self.sessions() as session:
                 paused = await session.get(Run, interrupt.run_id)
             llm = dict(paused.llm) if paused is not None and paused.llm else self._llm(None, False)
@@ -645,23 +986,43 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             if not await self._try_claim(chat.id):
                 continue
             try:
-                run_id = await self._continue(chat.id, request.organization_id, interrupt, answer, llm)
+                run_id = await self._continue(
+                    chat.id, request.organization_id, interrupt, answer, llm
+                )
             except RpcError:
                 continue
             finally:
                 await self._unclaim(chat.id)
-            await self._publish_after_pause(interrupt.run_id, events_pb2.Event(
-                run_id=interrupt.run_id, time=pb.timestamp(), run_resumed=events_pb2.RunResumedEvent(new_run_id=run_id)))
-            self.runner.start(RunSpec(run_id=run_id, chat_id=chat.id, organization_id=request.organization_id, llm=llm, model=model))
+            await self._publish_after_pause(
+                interrupt.run_id,
+                events_pb2.Event(
+                    run_id=interrupt.run_id,
+                    time=pb.timestamp(),
+                    run_resumed=events_pb2.RunResumedEvent(new_run_id=run_id),
+                ),
+            )
+            self.runner.start(
+                RunSpec(
+                    run_id=run_id,
+                    chat_id=chat.id,
+                    organization_id=request.organization_id,
+                    llm=llm,
+                    model=model,
+                )
+            )
             resumed.append(run_id)
         return assistant_pb2.NotifyCredentialConnectedResponse(resumed_run_ids=resumed)
 
     @unary
-    async def CheckModel(self, request: assistant_pb2.CheckModelRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.CheckModelResponse:
+    async def CheckModel(
+        self, request: assistant_pb2.CheckModelRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.CheckModelResponse:
         """Validate `llm` for the caller's organization as StartTurn would: INVALID_ARGUMENT when
         unusable, FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE when its key cannot be decrypted (`_model`)."""
         if not request.HasField("llm") or not request.llm.provider_id:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", "llm.provider_id is required")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_MODEL", "llm.provider_id is required"
+            )
         llm = self._llm(request.llm, True)
         await self._model(llm, request.caller.organization_id)
         return assistant_pb2.CheckModelResponse(provider_id=llm["provider_id"])
@@ -673,38 +1034,67 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         await self.runner.events.append_after_end(run_id, event)
         await self.runner.archive_after_end(run_id)
 
-    async def _check_credential(self, organization_id: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
+    async def _check_credential(
+        self, organization_id: str, question: dict[str, Any], answer: dict[str, Any]
+    ) -> None:
         """A `credential_added` answer must name an existing credential of the organization for the
         question's integration (INVALID_ARGUMENT INVALID_ANSWER, 400, otherwise; the question stays
         pending). The tools service not answering in time is DEADLINE_EXCEEDED TOOLS_TIMEOUT, any
         other failure UNAVAILABLE TOOLS_UNAVAILABLE (`_downstream_failure`)."""
         try:
             found = await self.runner.tools.GetCredential(
-                tools_pb2.GetCredentialRequest(organization_id=organization_id, credential_id=str(answer.get("credential_id"))), timeout=10
+                tools_pb2.GetCredentialRequest(
+                    organization_id=organization_id, credential_id=str(answer.get("credential_id"))
+                ),
+                timeout=10,
             )
         except grpc.aio.AioRpcError as error:
             if error.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", "credential_added names a credential that does not exist") from None
-            raise _downstream_failure(error, "TOOLS", "The tools service is unavailable; try again") from None
+                raise RpcError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "INVALID_ANSWER",
+                    "credential_added names a credential that does not exist",
+                ) from None
+            raise _downstream_failure(
+                error, "TOOLS", "The tools service is unavailable; try again"
+            ) from None
         wanted = question.get("integration_name")
         if wanted and found.credential.integration_name != wanted:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ANSWER", f"the credential is for {found.credential.integration_name!r}, not {wanted!r}")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_ANSWER",
+                f"the credential is for {found.credential.integration_name!r}, not {wanted!r}",
+            )
 
     # ------------------------------------------------------------------ Cancel
 
     @unary
-    async def Cancel(self, request: assistant_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.CancelResponse:
+    async def Cancel(
+        self, request: assistant_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.CancelResponse:
         """Stop the chat's active run (running or paused); 400-mapped NO_ACTIVE_EXECUTION when there is none."""
-        if len(request.reason) > hitl.MAX_REASON_CHARS:  # it goes into the event every listener gets (fresh-eyes test: 5,000 went)
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REASON", f"reason must be at most {hitl.MAX_REASON_CHARS} characters")
+        if (
+            len(request.reason) > hitl.MAX_REASON_CHARS
+        ):  # it goes into the event every listener gets (fresh-eyes test: 5,000 went)
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_REASON",
+                f"reason must be at most {hitl.MAX_REASON_CHARS} characters",
+            )
         reason = request.reason or "cancelled by user"
         for _ in range(CANCEL_ATTEMPTS):
             answer = await self._cancel_active(request, reason)
             if answer is not None:
                 return answer
-        raise RpcError(grpc.StatusCode.ABORTED, "CONCURRENT_UPDATE", "The chat's run changed while it was being cancelled; try again")
+        raise RpcError(
+            grpc.StatusCode.ABORTED,
+            "CONCURRENT_UPDATE",
+            "The chat's run changed while it was being cancelled; try again",
+        )
 
-    async def _cancel_active(self, request: assistant_pb2.CancelRequest, reason: str) -> assistant_pb2.CancelResponse | None:
+    async def _cancel_active(
+        self, request: assistant_pb2.CancelRequest, reason: str
+    ) -> assistant_pb2.CancelResponse | None:
         """Cancel the chat's active run as it is now; None when another run became the active
         one meanwhile (a resume or a turn start committed between the read and the cancel: the
         caller looks again). Fresh-eyes test (replicas): a cancel sent beside a resume found the
@@ -715,46 +1105,87 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             # the expired run, 200 and a frame on its ended stream; after a status look it was 400)
             chat, _ = await self._chat_and_pending(session, request.caller, request.chat_id)
             run_id = chat.running_id
-        no_active = RpcError(grpc.StatusCode.FAILED_PRECONDITION, "NO_ACTIVE_EXECUTION", "No active execution to cancel")
+        no_active = RpcError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "NO_ACTIVE_EXECUTION",
+            "No active execution to cancel",
+        )
         if not run_id:
             raise no_active
         outcome = await self.runner.cancel(run_id, reason)
-        if outcome is not None and outcome != "interrupted":  # a run that just paused is cancelled below
+        if (
+            outcome is not None and outcome != "interrupted"
+        ):  # a run that just paused is cancelled below
             if outcome != "cancelled":
                 raise no_active
             return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
         if self.backend.distributed and self.supervisor is not None:
             async with self.sessions() as session:
-                status = (await session.execute(select(Run.status).where(Run.id == run_id))).scalar()
-            if status == "running":  # running on another replica: ask it to stop, wait for the outcome
+                status = (
+                    await session.execute(select(Run.status).where(Run.id == run_id))
+                ).scalar()
+            if (
+                status == "running"
+            ):  # running on another replica: ask it to stop, wait for the outcome
                 final = await self.supervisor.cancel_elsewhere(run_id, reason)
                 if final == "cancelled":
-                    return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
+                    return assistant_pb2.CancelResponse(
+                        status="cancelled", chat_id=chat.id, run_id=run_id
+                    )
                 if final is None:
-                    raise RpcError(grpc.StatusCode.UNAVAILABLE, "CANCEL_PENDING", "The run did not stop in time; try again")
+                    raise RpcError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "CANCEL_PENDING",
+                        "The run did not stop in time; try again",
+                    )
                 return None  # it ended by itself meanwhile: look again (nothing active: NO_ACTIVE_EXECUTION)
         # Not running in this process: a paused run (or an orphan). Settle it here.
         async with self.sessions() as session, session.begin():
             changed = await session.execute(
-                update(Chat).where(Chat.id == chat.id, Chat.running_id == run_id).values(running_id=None, updated_at=utcnow())
+                update(Chat)
+                .where(Chat.id == chat.id, Chat.running_id == run_id)
+                .values(running_id=None, updated_at=utcnow())
             )
             if changed.rowcount != 1:  # it is no longer the chat's active run: another one, or none
                 return None
-            cancelled = (await session.execute(
-                update(Interrupt).where(Interrupt.run_id == run_id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow())
-                .returning(Interrupt.tool_call_id, Interrupt.tool)
-            )).all()
+            cancelled = (
+                await session.execute(
+                    update(Interrupt)
+                    .where(Interrupt.run_id == run_id, Interrupt.outcome == "pending")
+                    .values(outcome="cancelled", resolved_at=utcnow())
+                    .returning(Interrupt.tool_call_id, Interrupt.tool)
+                )
+            ).all()
             for question in cancelled:  # its tool call's result, as a cancel gives a call it cuts off (GET chat shows what the model sees)
-                session.add(Message(id=str(uuid.uuid4()), chat_id=chat.id, run_id=run_id, role="tool", content=cut_off_result("cancelled"),
-                                    extra={"tool_call_id": question.tool_call_id, "name": question.tool}))
-            await session.execute(update(Run).where(Run.id == run_id).values(status="cancelled", updated_at=utcnow()))
-        await self._publish_after_pause(run_id, events_pb2.Event(run_id=run_id, time=pb.timestamp(), cancelled=events_pb2.CancelledEvent(reason=reason)))
+                session.add(
+                    Message(
+                        id=str(uuid.uuid4()),
+                        chat_id=chat.id,
+                        run_id=run_id,
+                        role="tool",
+                        content=cut_off_result("cancelled"),
+                        extra={"tool_call_id": question.tool_call_id, "name": question.tool},
+                    )
+                )
+            await session.execute(
+                update(Run).where(Run.id == run_id).values(status="cancelled", updated_at=utcnow())
+            )
+        await self._publish_after_pause(
+            run_id,
+            events_pb2.Event(
+                run_id=run_id,
+                time=pb.timestamp(),
+                cancelled=events_pb2.CancelledEvent(reason=reason),
+            ),
+        )
         return assistant_pb2.CancelResponse(status="cancelled", chat_id=chat.id, run_id=run_id)
 
     # ------------------------------------------------------------------ reads
 
     @unary
-    async def GetChat(self, request: assistant_pb2.GetChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatResponse:
+    async def GetChat(
+        self, request: assistant_pb2.GetChatRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.GetChatResponse:
         """The chat with its messages (oldest first) and its pending question.
 
         Stored JSON travels as JSON text (`content_json`, `thinking_json`,
@@ -773,25 +1204,43 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         0..MAX_CHAT_PAGE_SIZE or a token this chat did not give.
         """
         if not 0 <= request.page_size <= MAX_CHAT_PAGE_SIZE:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_PAGE_SIZE", f"page_size must be between 0 and {MAX_CHAT_PAGE_SIZE}")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_PAGE_SIZE",
+                f"page_size must be between 0 and {MAX_CHAT_PAGE_SIZE}",
+            )
         async with self.sessions() as session:
             chat, pending = await self._chat_and_pending(session, request.caller, request.chat_id)
-            query = select(Message).where(Message.chat_id == chat.id, Message.role.not_in(("marker", "system")))
+            query = select(Message).where(
+                Message.chat_id == chat.id, Message.role.not_in(("marker", "system"))
+            )
             if request.page_token:
                 query = query.where(Message.seq < _page_token_seq(request.page_token, chat.id))
             if request.page_size:
                 query = query.limit(request.page_size + 1)
             rows = (await session.execute(query.order_by(Message.seq.desc()))).scalars().all()
-            statuses = dict((await session.execute(select(Run.id, Run.status).where(Run.chat_id == chat.id))).all())
+            statuses = dict(
+                (
+                    await session.execute(select(Run.id, Run.status).where(Run.chat_id == chat.id))
+                ).all()
+            )
         messages: list[assistant_pb2.ChatMessage] = []
         size = 0
         next_page_token = ""
         last_seq = 0
         for row in rows:  # newest first
-            thinking = pb.json_bytes(row.extra, clip=True, max_depth=pb.MAX_WIRE_DEPTH) if row.extra else b""
+            thinking = (
+                pb.json_bytes(row.extra, clip=True, max_depth=pb.MAX_WIRE_DEPTH)
+                if row.extra
+                else b""
+            )
             message = assistant_pb2.ChatMessage(
-                id=row.id, role=row.role, content_json=pb.json_bytes(row.content, clip=True), run_id=row.run_id or "",
-                running_status=statuses.get(row.run_id, ""), create_time=pb.timestamp(db.utc(row.created_at)),
+                id=row.id,
+                role=row.role,
+                content_json=pb.json_bytes(row.content, clip=True),
+                run_id=row.run_id or "",
+                running_status=statuses.get(row.run_id, ""),
+                create_time=pb.timestamp(db.utc(row.created_at)),
                 thinking_json=thinking,
             )
             size += message.ByteSize()
@@ -801,38 +1250,60 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
             messages.append(message)
             last_seq = row.seq
         messages.reverse()
-        return assistant_pb2.GetChatResponse(chat=self._chat_message(chat, pending), messages=messages, next_page_token=next_page_token)
+        return assistant_pb2.GetChatResponse(
+            chat=self._chat_message(chat, pending),
+            messages=messages,
+            next_page_token=next_page_token,
+        )
 
     def _chat_message(self, chat: Chat, pending: Interrupt | None = None) -> assistant_pb2.Chat:
         message = assistant_pb2.Chat(
-            id=chat.id, title=chat.title, running_id=chat.running_id or "", kind=chat.kind,
-            create_time=pb.timestamp(db.utc(chat.created_at)), update_time=pb.timestamp(db.utc(chat.updated_at)),
+            id=chat.id,
+            title=chat.title,
+            running_id=chat.running_id or "",
+            kind=chat.kind,
+            create_time=pb.timestamp(db.utc(chat.created_at)),
+            update_time=pb.timestamp(db.utc(chat.updated_at)),
         )
         if pending is not None:
-            message.pending_user_input_request_json = pb.json_bytes(pending.request, clip=True)  # see GetChat
+            message.pending_user_input_request_json = pb.json_bytes(
+                pending.request, clip=True
+            )  # see GetChat
         return message
 
     @unary
-    async def ListChats(self, request: assistant_pb2.ListChatsRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.ListChatsResponse:
+    async def ListChats(
+        self, request: assistant_pb2.ListChatsRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.ListChatsResponse:
         """The caller's assistant chats, newest first; `cursor` continues a previous page."""
         limit = request.limit or 20
         if not 1 <= limit <= 100:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_LIMIT", "limit must be between 1 and 100")
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_LIMIT", "limit must be between 1 and 100"
+            )
         query = select(Chat).where(
-            Chat.organization_id == request.caller.organization_id, Chat.user_id == request.caller.user_id,
-            Chat.kind == ASSISTANT_KIND, Chat.deleted_at.is_(None),
+            Chat.organization_id == request.caller.organization_id,
+            Chat.user_id == request.caller.user_id,
+            Chat.kind == ASSISTANT_KIND,
+            Chat.deleted_at.is_(None),
         )
         if request.cursor:
             # only the cursor this method mints (`_CURSOR`: a UTC time as isoformat() writes it, a chat's UUID) is taken:
             # a forged one held a NUL PostgreSQL cannot take, or a time that overflows when made UTC (fresh-eyes tests: 500)
             try:
-                found = _CURSOR.fullmatch(base64.urlsafe_b64decode(request.cursor.encode()).decode())
+                found = _CURSOR.fullmatch(
+                    base64.urlsafe_b64decode(request.cursor.encode()).decode()
+                )
                 if found is None:
                     raise ValueError("not a cursor of ListChats")
                 created, last_id = datetime.datetime.fromisoformat(found["time"]), found["id"]
             except (ValueError, UnicodeDecodeError):
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CURSOR", "cursor is not valid") from None
-            query = query.where((Chat.created_at < created) | ((Chat.created_at == created) & (Chat.id < last_id)))
+                raise RpcError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CURSOR", "cursor is not valid"
+                ) from None
+            query = query.where(
+                (Chat.created_at < created) | ((Chat.created_at == created) & (Chat.id < last_id))
+            )
         query = query.order_by(Chat.created_at.desc(), Chat.id.desc()).limit(limit + 1)
         async with self.sessions() as session:
             chats = list((await session.execute(query)).scalars())
@@ -840,13 +1311,22 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
         if len(chats) > limit:
             chats = chats[:limit]
             last = chats[-1]
-            next_cursor = base64.urlsafe_b64encode(f"{db.utc(last.created_at).isoformat()}|{last.id}".encode()).decode()
+            next_cursor = base64.urlsafe_b64encode(
+                f"{db.utc(last.created_at).isoformat()}|{last.id}".encode()
+            ).decode()
         pending: dict[str, Interrupt] = {}
         if chats:
             async with self.sessions() as session:
-                rows = list((await session.execute(
-                    select(Interrupt).where(Interrupt.chat_id.in_([c.id for c in chats]), Interrupt.outcome == "pending")
-                )).scalars())
+                rows = list(
+                    (
+                        await session.execute(
+                            select(Interrupt).where(
+                                Interrupt.chat_id.in_([c.id for c in chats]),
+                                Interrupt.outcome == "pending",
+                            )
+                        )
+                    ).scalars()
+                )
             now = utcnow()
             pending = {row.chat_id: row for row in rows if db.utc(row.expires_at) > now}
             for row in rows:  # a question past its time is settled by this look too: its chat is free (not running)
@@ -855,44 +1335,86 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     for chat in chats:
                         if chat.id == row.chat_id and chat.running_id == row.run_id:
                             chat.running_id = None
-        return assistant_pb2.ListChatsResponse(chats=[self._chat_message(c, pending.get(c.id)) for c in chats], next_cursor=next_cursor)
+        return assistant_pb2.ListChatsResponse(
+            chats=[self._chat_message(c, pending.get(c.id)) for c in chats], next_cursor=next_cursor
+        )
 
     @unary
-    async def GetChatStatus(self, request: assistant_pb2.GetChatStatusRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.GetChatStatusResponse:
+    async def GetChatStatus(
+        self, request: assistant_pb2.GetChatStatusRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.GetChatStatusResponse:
         """running / awaiting_input / idle, the pending question's id and the latest run's status."""
         async with self.sessions() as session:
             chat, pending = await self._chat_and_pending(session, request.caller, request.chat_id)
-            latest = (await session.execute(select(Run).where(Run.chat_id == chat.id).order_by(Run.created_at.desc()).limit(1))).scalars().first()
+            latest = (
+                (
+                    await session.execute(
+                        select(Run)
+                        .where(Run.chat_id == chat.id)
+                        .order_by(Run.created_at.desc())
+                        .limit(1)
+                    )
+                )
+                .scalars()
+                .first()
+            )
         response = assistant_pb2.GetChatStatusResponse(
-            chat_id=chat.id, is_running=bool(chat.running_id) and pending is None, awaiting_input=pending is not None,
-            pending_request_id=pending.id if pending else "", running_id=chat.running_id or "",
+            chat_id=chat.id,
+            is_running=bool(chat.running_id) and pending is None,
+            awaiting_input=pending is not None,
+            pending_request_id=pending.id if pending else "",
+            running_id=chat.running_id or "",
         )
         if latest is not None:
-            response.run_status.CopyFrom(pb.to_struct({"run_id": latest.id, "status": latest.status, "durable_id": latest.durable_id}))
+            response.run_status.CopyFrom(
+                pb.to_struct(
+                    {"run_id": latest.id, "status": latest.status, "durable_id": latest.durable_id}
+                )
+            )
         return response
 
     @unary
-    async def DeleteChat(self, request: assistant_pb2.DeleteChatRequest, context: grpc.aio.ServicerContext) -> assistant_pb2.DeleteChatResponse:
+    async def DeleteChat(
+        self, request: assistant_pb2.DeleteChatRequest, context: grpc.aio.ServicerContext
+    ) -> assistant_pb2.DeleteChatResponse:
         """Hide the chat (soft) or remove it and its rows (permanent: its runs' event logs too,
         `EventLog.purge`: Redis streams, this process's memory); 409 while a run is in flight.
 
         A permanent delete also purges a chat that was soft-deleted before (a soft-deleted chat
         is otherwise the same 404 as a missing one)."""
         async with self.sessions() as session:
-            chat_id = (await self._chat(session, request.caller, request.chat_id, deleted=request.permanent)).id
+            chat_id = (
+                await self._chat(
+                    session, request.caller, request.chat_id, deleted=request.permanent
+                )
+            ).id
         purged: list[str] = []  # the runs of a permanently deleted chat
         await self._claim(chat_id)
         try:
             async with self.sessions() as session, session.begin():
-                chat = await session.get(Chat, chat_id, with_for_update=True)  # the chat's row first (`_lock_chat`)
+                chat = await session.get(
+                    Chat, chat_id, with_for_update=True
+                )  # the chat's row first (`_lock_chat`)
                 if chat is None or (chat.deleted_at is not None and not request.permanent):
                     raise _not_found()
-                active = chat.running_id is not None and (
-                    await session.execute(select(Run.status).where(Run.id == chat.running_id))
-                ).scalar() == "running"
+                active = (
+                    chat.running_id is not None
+                    and (
+                        await session.execute(select(Run.status).where(Run.id == chat.running_id))
+                    ).scalar()
+                    == "running"
+                )
                 if active:
-                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "RUN_IN_FLIGHT", "A run is in flight on this chat; cancel it before deleting")
-                await session.execute(update(Interrupt).where(Interrupt.chat_id == chat.id, Interrupt.outcome == "pending").values(outcome="cancelled", resolved_at=utcnow()))
+                    raise RpcError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "RUN_IN_FLIGHT",
+                        "A run is in flight on this chat; cancel it before deleting",
+                    )
+                await session.execute(
+                    update(Interrupt)
+                    .where(Interrupt.chat_id == chat.id, Interrupt.outcome == "pending")
+                    .values(outcome="cancelled", resolved_at=utcnow())
+                )
                 if request.permanent:
                     run_ids = select(Run.id).where(Run.chat_id == chat.id)
                     purged = list((await session.execute(run_ids)).scalars())
@@ -902,15 +1424,26 @@ class AssistantServicer(assistant_pb2_grpc.AssistantServiceServicer):
                     await session.execute(delete(Run).where(Run.chat_id == chat.id))
                     await session.execute(delete(Chat).where(Chat.id == chat.id))
                 else:
-                    await session.execute(update(Chat).where(Chat.id == chat.id).values(deleted_at=utcnow(), running_id=None))
+                    await session.execute(
+                        update(Chat)
+                        .where(Chat.id == chat.id)
+                        .values(deleted_at=utcnow(), running_id=None)
+                    )
         finally:
             await self._unclaim(chat_id)
-        if request.permanent and purged:  # the runs' events outside the database too (Redis streams, memory)
+        if (
+            request.permanent and purged
+        ):  # the runs' events outside the database too (Redis streams, memory)
             try:
                 await self.runner.events.purge(purged)
             except Exception:  # noqa: BLE001 - the rows are gone; the streams expire after LOOPLINE_RUN_EVENTS_TTL_S
-                log.warning("deleting the event streams of a deleted chat failed; they expire by themselves", extra={"fields": {"chat_id": chat_id}})
-        return assistant_pb2.DeleteChatResponse(status="deleted", chat_id=chat_id, permanent=request.permanent)
+                log.warning(
+                    "deleting the event streams of a deleted chat failed; they expire by themselves",
+                    extra={"fields": {"chat_id": chat_id}},
+                )
+        return assistant_pb2.DeleteChatResponse(
+            status="deleted", chat_id=chat_id, permanent=request.permanent
+        )
 
 
 class _Expired(Exception):
@@ -920,7 +1453,6 @@ class _Expired(Exception):
 
 
 MAX_STREAM_BATCH = 256  # events per StreamRun response at most, whatever the client asks
-
 
 
 def _rate_metadata(state: billing_pb2.RateLimitState) -> tuple[tuple[str, str], ...]:

@@ -70,8 +70,15 @@ class ThreadRow:
 
     def values(self) -> dict[str, Any]:
         """The row as INSERT parameters (seq is assigned by the database)."""
-        return {"id": self.id, "chat_id": self.chat_id, "run_id": self.run_id, "role": self.role,
-                "content": self.content, "extra": self.extra, "created_at": self.created_at}
+        return {
+            "id": self.id,
+            "chat_id": self.chat_id,
+            "run_id": self.run_id,
+            "role": self.role,
+            "content": self.content,
+            "extra": self.extra,
+            "created_at": self.created_at,
+        }
 
 
 @dataclass(slots=True)
@@ -126,25 +133,48 @@ _INSERT_REDELIVERY = insert(_redeliveries)
 _DELETE_REDELIVERY = delete(_redeliveries).where(_redeliveries.c.id == bindparam("b_id"))
 _CLAIM_CHAT = (
     update(_chats)
-    .where(_chats.c.id == bindparam("b_chat_id"), _chats.c.running_id.is_(None), _chats.c.deleted_at.is_(None))
+    .where(
+        _chats.c.id == bindparam("b_chat_id"),
+        _chats.c.running_id.is_(None),
+        _chats.c.deleted_at.is_(None),
+    )
     .values(running_id=bindparam("b_run_id"), updated_at=bindparam("b_now"))
 )
 _SELECT_THREAD = (
-    select(_messages.c.seq, _messages.c.id, _messages.c.role, _messages.c.content, _messages.c.extra,
-           _messages.c.run_id, _messages.c.created_at)
+    select(
+        _messages.c.seq,
+        _messages.c.id,
+        _messages.c.role,
+        _messages.c.content,
+        _messages.c.extra,
+        _messages.c.run_id,
+        _messages.c.created_at,
+    )
     .where(_messages.c.chat_id == bindparam("b_chat_id"))
     .order_by(_messages.c.seq)
 )
 _END_RUN = (  # only while the run is ours: `running` (RunTakenOver otherwise)
-    update(_runs).where(_runs.c.id == bindparam("b_run_id"), _runs.c.status == "running")
-    .values(status=bindparam("b_status"), updated_at=bindparam("b_now"), error=bindparam("b_error"), usage=bindparam("b_usage"),
-            archive_due=bindparam("b_archive_due"))
+    update(_runs)
+    .where(_runs.c.id == bindparam("b_run_id"), _runs.c.status == "running")
+    .values(
+        status=bindparam("b_status"),
+        updated_at=bindparam("b_now"),
+        error=bindparam("b_error"),
+        usage=bindparam("b_usage"),
+        archive_due=bindparam("b_archive_due"),
+    )
 )
 # the run's log holds its end and is archived: nothing due (`TurnStore.archive`)
 _ARCHIVED = (
-    update(_runs).where(_runs.c.id == bindparam("b_run_id"), _runs.c.archive_due.is_not(None)).values(archive_due=None)
+    update(_runs)
+    .where(_runs.c.id == bindparam("b_run_id"), _runs.c.archive_due.is_not(None))
+    .values(archive_due=None)
 )
-_TOUCH_CHAT = update(_chats).where(_chats.c.id == bindparam("b_chat_id")).values(updated_at=bindparam("b_now"))
+_TOUCH_CHAT = (
+    update(_chats)
+    .where(_chats.c.id == bindparam("b_chat_id"))
+    .values(updated_at=bindparam("b_now"))
+)
 _FREE_CHAT = (
     update(_chats)
     .where(_chats.c.id == bindparam("b_chat_id"), _chats.c.running_id == bindparam("b_run_id"))
@@ -155,32 +185,66 @@ _CANCEL_INTERRUPTS = (
     .where(_interrupts.c.run_id == bindparam("b_run_id"), _interrupts.c.outcome == "pending")
     .values(outcome="cancelled", resolved_at=bindparam("b_now"))
 )
-_UNWIND_MESSAGE = delete(_messages).where(_messages.c.run_id == bindparam("b_run_id"), _messages.c.role == "user")
+_UNWIND_MESSAGE = delete(_messages).where(
+    _messages.c.run_id == bindparam("b_run_id"), _messages.c.role == "user"
+)
 _UNWIND_RUN = delete(_runs).where(_runs.c.id == bindparam("b_run_id"))
 _UNWIND_CHAT = delete(_chats).where(_chats.c.id == bindparam("b_chat_id"))
 _RUN_FOR_REQUEST = (
     select(_runs.c.chat_id, _runs.c.id)
-    .where(_runs.c.request_id == bindparam("b_request_id"), _runs.c.organization_id == bindparam("b_org_id"),
-           _runs.c.created_at >= bindparam("b_since"))
-    .order_by(_runs.c.created_at.desc()).limit(1)
+    .where(
+        _runs.c.request_id == bindparam("b_request_id"),
+        _runs.c.organization_id == bindparam("b_org_id"),
+        _runs.c.created_at >= bindparam("b_since"),
+    )
+    .order_by(_runs.c.created_at.desc())
+    .limit(1)
 )
 _STREAM_TARGET = (
-    select(_chats.c.organization_id, _chats.c.kind, _chats.c.deleted_at, _runs.c.chat_id.label("run_chat_id"))
-    .select_from(_chats.outerjoin(_runs, and_(_runs.c.id == bindparam("b_run_id"), _runs.c.chat_id == _chats.c.id)))
+    select(
+        _chats.c.organization_id,
+        _chats.c.kind,
+        _chats.c.deleted_at,
+        _runs.c.chat_id.label("run_chat_id"),
+    )
+    .select_from(
+        _chats.outerjoin(
+            _runs, and_(_runs.c.id == bindparam("b_run_id"), _runs.c.chat_id == _chats.c.id)
+        )
+    )
     .where(_chats.c.id == bindparam("b_chat_id"))
 )
 _TURN_GUARD = (
-    select(_chats.c.organization_id, _chats.c.kind, _chats.c.deleted_at, _chats.c.running_id,
-           _interrupts.c.id.label("pending_id"))
-    .select_from(_chats.outerjoin(_interrupts, and_(_interrupts.c.chat_id == _chats.c.id, _interrupts.c.outcome == "pending")))
+    select(
+        _chats.c.organization_id,
+        _chats.c.kind,
+        _chats.c.deleted_at,
+        _chats.c.running_id,
+        _interrupts.c.id.label("pending_id"),
+    )
+    .select_from(
+        _chats.outerjoin(
+            _interrupts,
+            and_(_interrupts.c.chat_id == _chats.c.id, _interrupts.c.outcome == "pending"),
+        )
+    )
     .where(_chats.c.id == bindparam("b_chat_id"))
 )
 
 
-def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any],
-                  charge: dict[str, Any] | None) -> None:
+def _persist_turn(
+    conn: Connection,
+    claim: bool,
+    chat: dict[str, Any] | None,
+    message: ThreadRow,
+    run: dict[str, Any],
+    charge: dict[str, Any] | None,
+) -> None:
     if claim:
-        result = conn.execute(_CLAIM_CHAT, {"b_chat_id": message.chat_id, "b_run_id": run["id"], "b_now": message.created_at})
+        result = conn.execute(
+            _CLAIM_CHAT,
+            {"b_chat_id": message.chat_id, "b_run_id": run["id"], "b_now": message.created_at},
+        )
         if result.rowcount != 1:
             raise ClaimLost(message.chat_id)
     else:
@@ -192,7 +256,9 @@ def _persist_turn(conn: Connection, claim: bool, chat: dict[str, Any] | None, me
         conn.execute(_INSERT_REDELIVERY, charge)
 
 
-def _unwind_turn(conn: Connection, chat_id: str, run_id: str, new_chat: bool, charge_id: str) -> None:
+def _unwind_turn(
+    conn: Connection, chat_id: str, run_id: str, new_chat: bool, charge_id: str
+) -> None:
     conn.execute(_DELETE_REDELIVERY, {"b_id": charge_id})
     conn.execute(_UNWIND_MESSAGE, {"b_run_id": run_id})
     conn.execute(_UNWIND_RUN, {"b_run_id": run_id})
@@ -202,14 +268,27 @@ def _unwind_turn(conn: Connection, chat_id: str, run_id: str, new_chat: bool, ch
         conn.execute(_FREE_CHAT, {"b_chat_id": chat_id, "b_run_id": run_id, "b_now": utcnow()})
 
 
-def _run_for_request(conn: Connection, organization_id: str, request_id: str, since: datetime.datetime) -> Any:
-    return conn.execute(_RUN_FOR_REQUEST, {"b_request_id": request_id, "b_org_id": organization_id, "b_since": since}).first()
+def _run_for_request(
+    conn: Connection, organization_id: str, request_id: str, since: datetime.datetime
+) -> Any:
+    return conn.execute(
+        _RUN_FOR_REQUEST,
+        {"b_request_id": request_id, "b_org_id": organization_id, "b_since": since},
+    ).first()
 
 
 def _load_thread(conn: Connection, chat_id: str) -> list[ThreadRow]:
     return [
-        ThreadRow(role=r.role, content=r.content, extra=r.extra, chat_id=chat_id, run_id=r.run_id, id=r.id,
-                  created_at=r.created_at, seq=r.seq)
+        ThreadRow(
+            role=r.role,
+            content=r.content,
+            extra=r.extra,
+            chat_id=chat_id,
+            run_id=r.run_id,
+            id=r.id,
+            created_at=r.created_at,
+            seq=r.seq,
+        )
         for r in conn.execute(_SELECT_THREAD, {"b_chat_id": chat_id})
     ]
 
@@ -221,8 +300,17 @@ def _store_rows(conn: Connection, rows: Sequence[ThreadRow]) -> None:
 
 def _finish(conn: Connection, end: RunEnd) -> None:
     now = utcnow()
-    ended = conn.execute(_END_RUN, {"b_run_id": end.run_id, "b_status": end.status, "b_now": now, "b_error": end.error,
-                                    "b_usage": end.usage, "b_archive_due": None if end.events else now})
+    ended = conn.execute(
+        _END_RUN,
+        {
+            "b_run_id": end.run_id,
+            "b_status": end.status,
+            "b_now": now,
+            "b_error": end.error,
+            "b_usage": end.usage,
+            "b_archive_due": None if end.events else now,
+        },
+    )
     if ended.rowcount != 1:  # raising rolls this transaction (its savepoint) back: nothing written
         raise RunTakenOver(end.run_id)
     if end.interrupt is not None:
@@ -261,13 +349,28 @@ class TurnStore:
 
     def __init__(self, engine: AsyncEngine) -> None:
         if engine.dialect.name not in ("sqlite", "postgresql"):
-            raise ValueError(f"unsupported database dialect {engine.dialect.name!r} (sqlite or postgresql)")
+            raise ValueError(
+                f"unsupported database dialect {engine.dialect.name!r} (sqlite or postgresql)"
+            )
         self.txn = TxnRunner(engine, thread_name="orchestrator-db")
         # PostgreSQL: each transaction is one statement on asyncpg (PgTurnStatements)
-        self.pg = PgTurnStatements(engine.url, max_size=engine.pool.size(), timeout_s=engine.pool.timeout()) if self.txn.dialect == "postgresql" else None
+        self.pg = (
+            PgTurnStatements(
+                engine.url, max_size=engine.pool.size(), timeout_s=engine.pool.timeout()
+            )
+            if self.txn.dialect == "postgresql"
+            else None
+        )
 
-    async def persist_turn(self, *, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any],
-                           charge: dict[str, Any] | None = None) -> None:
+    async def persist_turn(
+        self,
+        *,
+        claim: bool,
+        chat: dict[str, Any] | None,
+        message: ThreadRow,
+        run: dict[str, Any],
+        charge: dict[str, Any] | None = None,
+    ) -> None:
         """Spec "Persist and charge", one transaction: the chat (a new row when `claim` is False,
         else a conditional `running_id` update), the user message, the run row and `charge`,
         the turn's run charge as a `billing_redeliveries` row (`RunCharges.row`; None: none).
@@ -278,7 +381,9 @@ class TurnStore:
             return await self.pg.persist_turn(claim, chat, message, run, charge)
         await self.txn.run(_persist_turn, claim, chat, message, run, charge)
 
-    async def unwind_turn(self, *, chat_id: str, run_id: str, new_chat: bool, charge_id: str) -> None:
+    async def unwind_turn(
+        self, *, chat_id: str, run_id: str, new_chat: bool, charge_id: str
+    ) -> None:
         """Undo `persist_turn` in one transaction: the stored run charge (row `charge_id`), the
         user message, the run, and the chat (a new one) or its `running_id`. It runs after a
         `persist_turn` of this store whose caller gave up on it (cancelled, failed on the way
@@ -286,7 +391,9 @@ class TurnStore:
         is undone rather than overtaken."""
         await self.txn.run(_unwind_turn, chat_id, run_id, new_chat, charge_id)
 
-    async def run_for_request(self, organization_id: str, request_id: str, since: datetime.datetime) -> tuple[str, str] | None:
+    async def run_for_request(
+        self, organization_id: str, request_id: str, since: datetime.datetime
+    ) -> tuple[str, str] | None:
         """(chat_id, run_id) of the newest run of `organization_id` started with `request_id`
         (StartTurnRequest.request_id) at or after `since` (UTC), or None. One read (every
         turn start with an Idempotency-Key makes it: on PostgreSQL on asyncpg, as turn_guard)."""
@@ -315,7 +422,11 @@ class TurnStore:
         RunTakenOver, with nothing written, otherwise."""
         if self.pg is not None:
             return await self.pg.finish(end)
-        await self.txn.run(_finish, end, inline=len(end.rows) + len(end.events) + len(end.billing_calls) <= INLINE_ROWS)
+        await self.txn.run(
+            _finish,
+            end,
+            inline=len(end.rows) + len(end.events) + len(end.billing_calls) <= INLINE_ROWS,
+        )
 
     async def forget_redeliveries(self, ids: list[str]) -> None:
         """Delete `billing_redeliveries` rows by id in one transaction (billing took their calls)."""
@@ -337,7 +448,9 @@ class TurnStore:
             return await self.pg.stream_target(chat_id, run_id)
         return await self.txn.run(_stream_target, chat_id, run_id)
 
-    async def archive(self, run_id: str, events: Sequence[tuple[int, bytes]], *, settled: bool = True) -> None:
+    async def archive(
+        self, run_id: str, events: Sequence[tuple[int, bytes]], *, settled: bool = True
+    ) -> None:
         """Store (seq, payload) events of a run in one transaction; rows already stored (another
         replica) are kept. `settled`: the run's event log holds its end (every event is stored
         there), so its `archive_due` is cleared in the same transaction; False leaves it due."""
@@ -345,16 +458,26 @@ class TurnStore:
             return
         if self.pg is not None:
             return await self.pg.archive(run_id, events, settled)
-        await self.txn.run(self._archive_and_settle, run_id, list(events), settled, inline=len(events) <= INLINE_ROWS)
+        await self.txn.run(
+            self._archive_and_settle,
+            run_id,
+            list(events),
+            settled,
+            inline=len(events) <= INLINE_ROWS,
+        )
 
     @staticmethod
     def _archive_rows(conn: Connection, run_id: str, events: list[tuple[int, bytes]]) -> None:
         if events:  # one executemany
-            conn.execute(db.insert_ignoring(conn.dialect.name, _events, ("run_id", "seq")),
-                         [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in events])
+            conn.execute(
+                db.insert_ignoring(conn.dialect.name, _events, ("run_id", "seq")),
+                [{"run_id": run_id, "seq": seq, "payload": payload} for seq, payload in events],
+            )
 
     @staticmethod
-    def _archive_and_settle(conn: Connection, run_id: str, events: list[tuple[int, bytes]], settled: bool) -> None:
+    def _archive_and_settle(
+        conn: Connection, run_id: str, events: list[tuple[int, bytes]], settled: bool
+    ) -> None:
         TurnStore._archive_rows(conn, run_id, events)
         if settled:
             conn.execute(_ARCHIVED, {"b_run_id": run_id})
@@ -371,13 +494,15 @@ class TurnStore:
 _MESSAGE_COLUMNS = ("id", "chat_id", "run_id", "role", "content", "extra", "created_at")
 # the run's thread rows as one INSERT ... SELECT FROM unnest(arrays) (seq is assigned in row order)
 # a run's archived events ($1 the run id; {seqs} and {payloads} the parameters of two arrays), rows already stored kept
-_PG_ARCHIVE = ("INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest({seqs}::bigint[], {payloads}::bytea[])"
-               " AS t(s, p){where} ON CONFLICT (run_id, seq) DO NOTHING")
-_PG_ARCHIVE_RUN = _PG_ARCHIVE.format(seqs="$2", payloads="$3", where="")  # `archive`: $2 seqs, $3 payloads
-_PG_SETTLED = "UPDATE runs SET archive_due = NULL WHERE id = $1 AND archive_due IS NOT NULL"  # `archive` when settled
-_PG_MESSAGES = (
-    "INSERT INTO messages ({cols}) SELECT {cols} FROM unnest({arrays}) WITH ORDINALITY AS t({cols}, n){where} ORDER BY n"
+_PG_ARCHIVE = (
+    "INSERT INTO run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest({seqs}::bigint[], {payloads}::bytea[])"
+    " AS t(s, p){where} ON CONFLICT (run_id, seq) DO NOTHING"
 )
+_PG_ARCHIVE_RUN = _PG_ARCHIVE.format(
+    seqs="$2", payloads="$3", where=""
+)  # `archive`: $2 seqs, $3 payloads
+_PG_SETTLED = "UPDATE runs SET archive_due = NULL WHERE id = $1 AND archive_due IS NOT NULL"  # `archive` when settled
+_PG_MESSAGES = "INSERT INTO messages ({cols}) SELECT {cols} FROM unnest({arrays}) WITH ORDINALITY AS t({cols}, n){where} ORDER BY n"
 
 
 _GuardRow = record_type("organization_id", "kind", "deleted_at", "running_id", "pending_id")
@@ -404,7 +529,9 @@ class PgTurnStatements(PgPool):
 
     # ------------------------------------------------------------------ statement text
 
-    def _insert_values(self, table: Any, values: dict[str, Any], params: list[Any], select: bool) -> tuple[str, str]:
+    def _insert_values(
+        self, table: Any, values: dict[str, Any], params: list[Any], select: bool
+    ) -> tuple[str, str]:
         """(column list, value list) of an INSERT of `values` into `table`; appends the parameters.
 
         `select`: the values go in a SELECT list (each parameter cast to its column's type)."""
@@ -429,8 +556,14 @@ class PgTurnStatements(PgPool):
 
     # ------------------------------------------------------------------ transactions
 
-    async def persist_turn(self, claim: bool, chat: dict[str, Any] | None, message: ThreadRow, run: dict[str, Any],
-                           charge: dict[str, Any] | None = None) -> None:
+    async def persist_turn(
+        self,
+        claim: bool,
+        chat: dict[str, Any] | None,
+        message: ThreadRow,
+        run: dict[str, Any],
+        charge: dict[str, Any] | None = None,
+    ) -> None:
         """`TurnStore.persist_turn` as one statement; ClaimLost when the claim UPDATE matched nothing."""
         params: list[Any] = []
         message_values = message.values()
@@ -441,7 +574,9 @@ class PgTurnStatements(PgPool):
             charged = ""
             if charge is not None:
                 b_cols, b_vals = self._insert_values(_redeliveries, charge, params, select=True)
-                charged = f", b AS (INSERT INTO billing_redeliveries ({b_cols}) SELECT {b_vals} FROM c)"
+                charged = (
+                    f", b AS (INSERT INTO billing_redeliveries ({b_cols}) SELECT {b_vals} FROM c)"
+                )
             sql = (
                 "WITH c AS (UPDATE chats SET running_id = $2, updated_at = $3"
                 " WHERE id = $1 AND running_id IS NULL AND deleted_at IS NULL RETURNING id),"
@@ -461,9 +596,11 @@ class PgTurnStatements(PgPool):
         if charge is not None:
             b_cols, b_vals = self._insert_values(_redeliveries, charge, params, select=False)
             charged = f", b AS (INSERT INTO billing_redeliveries ({b_cols}) VALUES ({b_vals}))"
-        sql = (f"WITH c AS (INSERT INTO chats ({c_cols}) VALUES ({c_vals})),"
-               f" m AS (INSERT INTO messages ({m_cols}) VALUES ({m_vals})){charged}"
-               f" INSERT INTO runs ({r_cols}) VALUES ({r_vals})")
+        sql = (
+            f"WITH c AS (INSERT INTO chats ({c_cols}) VALUES ({c_vals})),"
+            f" m AS (INSERT INTO messages ({m_cols}) VALUES ({m_vals})){charged}"
+            f" INSERT INTO runs ({r_cols}) VALUES ({r_vals})"
+        )
         pool = await self.pool()
         await pool.execute(sql, *params)
 
@@ -471,10 +608,20 @@ class PgTurnStatements(PgPool):
         """`TurnStore.load_thread`: one SELECT."""
         pool = await self.pool()
         records = await pool.fetch(
-            "SELECT seq, id, role, content, extra, run_id, created_at FROM messages WHERE chat_id = $1 ORDER BY seq", chat_id)
+            "SELECT seq, id, role, content, extra, run_id, created_at FROM messages WHERE chat_id = $1 ORDER BY seq",
+            chat_id,
+        )
         return [
-            ThreadRow(role=r["role"], content=loads(r["content"]), extra=loads(r["extra"]), chat_id=chat_id,
-                      run_id=r["run_id"], id=r["id"], created_at=r["created_at"], seq=r["seq"])
+            ThreadRow(
+                role=r["role"],
+                content=loads(r["content"]),
+                extra=loads(r["extra"]),
+                chat_id=chat_id,
+                run_id=r["run_id"],
+                id=r["id"],
+                created_at=r["created_at"],
+                seq=r["seq"],
+            )
             for r in records
         ]
 
@@ -494,9 +641,19 @@ class PgTurnStatements(PgPool):
         cancelled,] and the chat UPDATE (freed, or only touched when paused). RunTakenOver,
         with nothing written, when the run was no longer running."""
         now = utcnow()
-        params: list[Any] = [end.run_id, end.chat_id, now, end.status, end.error, json.dumps(end.usage), None if end.events else now]
-        parts = ["r AS (UPDATE runs SET status = $4, updated_at = $3, error = $5, usage = $6::json, archive_due = $7"
-                 " WHERE id = $1 AND status = 'running' RETURNING 1)"]
+        params: list[Any] = [
+            end.run_id,
+            end.chat_id,
+            now,
+            end.status,
+            end.error,
+            json.dumps(end.usage),
+            None if end.events else now,
+        ]
+        parts = [
+            "r AS (UPDATE runs SET status = $4, updated_at = $3, error = $5, usage = $6::json, archive_due = $7"
+            " WHERE id = $1 AND status = 'running' RETURNING 1)"
+        ]
         mine = " WHERE EXISTS (SELECT 1 FROM r)"
         if end.interrupt is not None:
             i_cols, i_vals = self._insert_values(_interrupts, end.interrupt, params, select=True)
@@ -505,18 +662,28 @@ class PgTurnStatements(PgPool):
             parts.append(f"m AS ({self._messages(end.rows, params, mine)})")
         if end.events:
             params += [[seq for seq, _ in end.events], [payload for _, payload in end.events]]
-            parts.append(f"e AS ({_PG_ARCHIVE.format(seqs=f'${len(params) - 1}', payloads=f'${len(params)}', where=mine)})")
+            parts.append(
+                f"e AS ({_PG_ARCHIVE.format(seqs=f'${len(params) - 1}', payloads=f'${len(params)}', where=mine)})"
+            )
         for index, call in enumerate(end.billing_calls):
             b_cols, b_vals = self._insert_values(_redeliveries, call, params, select=True)
-            parts.append(f"b{index} AS (INSERT INTO billing_redeliveries ({b_cols}) SELECT {b_vals}{mine})")
+            parts.append(
+                f"b{index} AS (INSERT INTO billing_redeliveries ({b_cols}) SELECT {b_vals}{mine})"
+            )
         if end.status == "interrupted":
-            parts.append("c AS (UPDATE chats SET updated_at = $3 WHERE id = $2 AND EXISTS (SELECT 1 FROM r))")
+            parts.append(
+                "c AS (UPDATE chats SET updated_at = $3 WHERE id = $2 AND EXISTS (SELECT 1 FROM r))"
+            )
         else:
             if end.status == "cancelled":
-                parts.append("x AS (UPDATE interrupts SET outcome = 'cancelled', resolved_at = $3 WHERE run_id = $1"
-                             " AND outcome = 'pending' AND EXISTS (SELECT 1 FROM r))")
-            parts.append("c AS (UPDATE chats SET running_id = NULL, updated_at = $3 WHERE id = $2 AND running_id = $1"
-                         " AND EXISTS (SELECT 1 FROM r))")
+                parts.append(
+                    "x AS (UPDATE interrupts SET outcome = 'cancelled', resolved_at = $3 WHERE run_id = $1"
+                    " AND outcome = 'pending' AND EXISTS (SELECT 1 FROM r))"
+                )
+            parts.append(
+                "c AS (UPDATE chats SET running_id = NULL, updated_at = $3 WHERE id = $2 AND running_id = $1"
+                " AND EXISTS (SELECT 1 FROM r))"
+            )
         sql = "WITH " + ", ".join(parts) + " SELECT count(*) FROM r"
         pool = await self.pool()
         if not await pool.fetchval(sql, *params):
@@ -527,12 +694,18 @@ class PgTurnStatements(PgPool):
         pool = await self.pool()
         await pool.execute("DELETE FROM billing_redeliveries WHERE id = ANY($1::varchar[])", ids)
 
-    async def run_for_request(self, organization_id: str, request_id: str, since: datetime.datetime) -> tuple[str, str] | None:
+    async def run_for_request(
+        self, organization_id: str, request_id: str, since: datetime.datetime
+    ) -> tuple[str, str] | None:
         """`TurnStore.run_for_request`: one SELECT."""
         pool = await self.pool()
         record = await pool.fetchrow(
             "SELECT chat_id, id FROM runs WHERE request_id = $1 AND organization_id = $2 AND created_at >= $3"
-            " ORDER BY created_at DESC LIMIT 1", request_id, organization_id, since)
+            " ORDER BY created_at DESC LIMIT 1",
+            request_id,
+            organization_id,
+            since,
+        )
         return None if record is None else (record[0], record[1])
 
     async def turn_guard(self, chat_id: str) -> Any:
@@ -540,7 +713,9 @@ class PgTurnStatements(PgPool):
         pool = await self.pool()
         record = await pool.fetchrow(
             "SELECT c.organization_id, c.kind, c.deleted_at, c.running_id, i.id AS pending_id FROM chats c"
-            " LEFT OUTER JOIN interrupts i ON i.chat_id = c.id AND i.outcome = 'pending' WHERE c.id = $1 LIMIT 1", chat_id)
+            " LEFT OUTER JOIN interrupts i ON i.chat_id = c.id AND i.outcome = 'pending' WHERE c.id = $1 LIMIT 1",
+            chat_id,
+        )
         return None if record is None else _GuardRow(tuple(record))
 
     async def stream_target(self, chat_id: str, run_id: str) -> Any:
@@ -548,13 +723,26 @@ class PgTurnStatements(PgPool):
         pool = await self.pool()
         record = await pool.fetchrow(
             "SELECT c.organization_id, c.kind, c.deleted_at, r.chat_id AS run_chat_id FROM chats c"
-            " LEFT OUTER JOIN runs r ON r.id = $2 AND r.chat_id = c.id WHERE c.id = $1 LIMIT 1", chat_id, run_id)
+            " LEFT OUTER JOIN runs r ON r.id = $2 AND r.chat_id = c.id WHERE c.id = $1 LIMIT 1",
+            chat_id,
+            run_id,
+        )
         return None if record is None else _TargetRow(tuple(record))
 
-    async def archive(self, run_id: str, events: Sequence[tuple[int, bytes]], settled: bool) -> None:
+    async def archive(
+        self, run_id: str, events: Sequence[tuple[int, bytes]], settled: bool
+    ) -> None:
         """`TurnStore.archive`: one INSERT ... SELECT FROM unnest ... ON CONFLICT DO NOTHING, with the
         run's `archive_due` cleared in the same statement when `settled`."""
         pool = await self.pool()
-        sql = (f"WITH e AS ({_PG_ARCHIVE_RUN}) {_PG_SETTLED}" if events else _PG_SETTLED) if settled else _PG_ARCHIVE_RUN
-        args = [run_id, [seq for seq, _ in events], [payload for _, payload in events]] if events else [run_id]
+        sql = (
+            (f"WITH e AS ({_PG_ARCHIVE_RUN}) {_PG_SETTLED}" if events else _PG_SETTLED)
+            if settled
+            else _PG_ARCHIVE_RUN
+        )
+        args = (
+            [run_id, [seq for seq, _ in events], [payload for _, payload in events]]
+            if events
+            else [run_id]
+        )
         await pool.execute(sql, *args)

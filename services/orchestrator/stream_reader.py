@@ -24,12 +24,18 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-MAX_BLOCK_MS = 1000  # longest BLOCK of a shared XREAD (bounded further by the client's socket timeout)
+MAX_BLOCK_MS = (
+    1000  # longest BLOCK of a shared XREAD (bounded further by the client's socket timeout)
+)
 LINGER_S = 0.002  # after delivering entries, let their readers ask again before the next XREAD
 WAKE_MAXLEN = 16
 WAKE_TTL_MS = 60_000
-_POOL_INTERNAL = ("maint_notifications_pool_handler", "orig_host_address", "orig_socket_timeout",
-                  "orig_socket_connect_timeout")
+_POOL_INTERNAL = (
+    "maint_notifications_pool_handler",
+    "orig_host_address",
+    "orig_socket_timeout",
+    "orig_socket_connect_timeout",
+)
 
 StreamId = tuple[int, int]
 Entry = tuple[Any, dict]
@@ -80,10 +86,14 @@ class _Shard:
         self.wakes: set[asyncio.Task] = set()
         source = reader.redis.connection_pool
         kwargs = {k: v for k, v in source.connection_kwargs.items() if k not in _POOL_INTERNAL}
-        pool = aioredis.ConnectionPool(connection_class=source.connection_class, max_connections=1, **kwargs)
+        pool = aioredis.ConnectionPool(
+            connection_class=source.connection_class, max_connections=1, **kwargs
+        )
         self.conn = aioredis.Redis.from_pool(pool)
         timeout = kwargs.get("socket_timeout")
-        self.max_block_ms = MAX_BLOCK_MS if not timeout else max(1, min(MAX_BLOCK_MS, int(timeout * 500)))
+        self.max_block_ms = (
+            MAX_BLOCK_MS if not timeout else max(1, min(MAX_BLOCK_MS, int(timeout * 500)))
+        )
 
     def add(self, waiter: _Waiter) -> None:
         """Register `waiter`; start the task if needed and wake the XREAD in flight if it does not serve it."""
@@ -108,7 +118,12 @@ class _Shard:
             if not waiters:
                 del self.waiters[waiter.key]
 
-    def _resolve(self, waiter: _Waiter, entries: list[Entry] | None = None, error: BaseException | None = None) -> None:
+    def _resolve(
+        self,
+        waiter: _Waiter,
+        entries: list[Entry] | None = None,
+        error: BaseException | None = None,
+    ) -> None:
         """Forget `waiter` and answer it: `entries` ([] by default), or raise `error` in its reader."""
         self.discard(waiter)
         if not waiter.future.done():
@@ -160,7 +175,9 @@ class _Shard:
             self.inflight = None
         if self.failing:
             self.failing = False
-            log.info("stream reads from Redis work again", extra={"fields": {"wake_key": self.wake_key}})
+            log.info(
+                "stream reads from Redis work again", extra={"fields": {"wake_key": self.wake_key}}
+            )
         delivered = self._deliver(response, sent)
         now = time.monotonic()
         for waiters in list(self.waiters.values()):
@@ -186,7 +203,9 @@ class _Shard:
                 continue
             ids = [parse_id(entry[0]) for entry in entries]
             for waiter in list(self.waiters[key]):
-                if waiter.after < floor:  # registered during the round, from before what was read: next round
+                if (
+                    waiter.after < floor
+                ):  # registered during the round, from before what was read: next round
                     continue
                 start = bisect.bisect_right(ids, waiter.after)
                 if start < len(ids):
@@ -203,8 +222,12 @@ class _Shard:
             import redis.exceptions  # noqa: PLC0415
 
             expected = isinstance(error, (redis.exceptions.RedisError, OSError))
-            log.warning("stream reads from Redis failing: %s", type(error).__name__, exc_info=not expected,
-                        extra={"fields": {"wake_key": self.wake_key, "error": type(error).__name__}})
+            log.warning(
+                "stream reads from Redis failing: %s",
+                type(error).__name__,
+                exc_info=not expected,
+                extra={"fields": {"wake_key": self.wake_key, "error": type(error).__name__}},
+            )
         for waiters in list(self.waiters.values()):
             for waiter in [w for w in waiters if w.since < self.round]:
                 self._resolve(waiter, error=error)
@@ -248,8 +271,13 @@ class StreamReader:
             raise redis.exceptions.ConnectionError("the stream reader is closed")
         shard = self._shards[zlib.crc32(key.encode()) % len(self._shards)]
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(key, parse_id(after_id), time.monotonic() + max(block_ms, 0) / 1000,
-                         loop.create_future(), shard.round)
+        waiter = _Waiter(
+            key,
+            parse_id(after_id),
+            time.monotonic() + max(block_ms, 0) / 1000,
+            loop.create_future(),
+            shard.round,
+        )
         shard.add(waiter)
         try:
             return await waiter.future

@@ -21,8 +21,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.orchestrator.models import Message
 
-
-CUT_OFF_ERRORS = {"cancelled": "cancelled", "expired": "expired: the question was not answered in time"}
+CUT_OFF_ERRORS = {
+    "cancelled": "cancelled",
+    "expired": "expired: the question was not answered in time",
+}
 
 
 def cut_off_result(kind: str) -> dict[str, Any]:
@@ -47,13 +49,22 @@ def to_model_messages(rows: list[Message]) -> list[dict[str, Any]]:
             if call_id not in open_calls:
                 continue  # a result whose call is gone: drop it
             open_calls.pop(call_id)
-            messages.append({"role": "tool", "tool_call_id": call_id, "name": (row.extra or {}).get("name", ""), "content": row.content})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "name": (row.extra or {}).get("name", ""),
+                    "content": row.content,
+                }
+            )
             continue
         if open_calls:
             _close(messages, open_calls)
         if row.role == "assistant":
             calls = list((row.extra or {}).get("tool_calls") or [])
-            messages.append({"role": "assistant", "content": row.content or "", "tool_calls": calls})
+            messages.append(
+                {"role": "assistant", "content": row.content or "", "tool_calls": calls}
+            )
             open_calls.update({c["id"]: c["name"] for c in calls})
         else:
             messages.append({"role": row.role, "content": row.content})
@@ -64,13 +75,26 @@ def to_model_messages(rows: list[Message]) -> list[dict[str, Any]]:
 
 def _close(messages: list[dict[str, Any]], open_calls: dict[str, str]) -> None:
     for call_id, name in list(open_calls.items()):
-        messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": {"error": "not completed", "success": False}})
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "name": name,
+                "content": {"error": "not completed", "success": False},
+            }
+        )
     open_calls.clear()
 
 
 async def load_rows(session: AsyncSession, chat_id: str) -> tuple[Message | None, list[Message]]:
     """(latest summary row or None, the rows after what it covers), oldest first."""
-    rows = list((await session.execute(select(Message).where(Message.chat_id == chat_id).order_by(Message.seq))).scalars())
+    rows = list(
+        (
+            await session.execute(
+                select(Message).where(Message.chat_id == chat_id).order_by(Message.seq)
+            )
+        ).scalars()
+    )
     return split_summary(rows)
 
 
@@ -94,7 +118,13 @@ def with_summary(summary: Message | None, rows: list[Message]) -> list[dict[str,
     """Model messages: the summary (as a system message) then the rows."""
     messages = to_model_messages(rows)
     if summary is not None:
-        messages.insert(0, {"role": "system", "content": f"Summary of the earlier conversation:\n{summary.content}"})
+        messages.insert(
+            0,
+            {
+                "role": "system",
+                "content": f"Summary of the earlier conversation:\n{summary.content}",
+            },
+        )
     return messages
 
 
@@ -114,7 +144,9 @@ def estimate(messages: list[dict[str, Any]]) -> int:
 def _json_size(message: dict[str, Any]) -> int:
     try:
         return len(orjson.dumps(message, default=str, option=orjson.OPT_NON_STR_KEYS))
-    except TypeError:  # what orjson refuses (a lone surrogate, a nesting past 254 levels): the stdlib's size
+    except (
+        TypeError
+    ):  # what orjson refuses (a lone surrogate, a nesting past 254 levels): the stdlib's size
         import json
 
         return len(json.dumps(message, default=str, separators=(",", ":")))

@@ -49,14 +49,20 @@ log = logging.getLogger(__name__)
 WINDOW_S = 0.02  # how long a usage record may wait for others before it is sent
 MAX_BATCH = 200  # records per RPC at most
 ATTEMPTS = 3  # quick sends of a billing call before it is stored (0.1 s, then 0.2 s apart)
-QUICK_BUDGET_S = 2.0  # how long the quick sends of one billing call may take in all (their deadlines included)
+QUICK_BUDGET_S = (
+    2.0  # how long the quick sends of one billing call may take in all (their deadlines included)
+)
 CALL_TIMEOUT_S = 5.0  # deadline of a background (stored) billing call
 REDELIVERY_BATCH = 20  # stored billing calls sent at once by `Redelivery`
-STORED_LINGER_S = 0.2  # how long the usage stored with a run's end waits for other runs' before it is sent
+STORED_LINGER_S = (
+    0.2  # how long the usage stored with a run's end waits for other runs' before it is sent
+)
 STORED_GRACE_S = 30.0  # when `Redelivery` sends a run end's stored usage itself (the batcher has not deleted it by then)
 
 
-async def call_with_retries(call: Callable[[float], Awaitable[Any]], budget_s: float = QUICK_BUDGET_S) -> grpc.aio.AioRpcError | None:
+async def call_with_retries(
+    call: Callable[[float], Awaitable[Any]], budget_s: float = QUICK_BUDGET_S
+) -> grpc.aio.AioRpcError | None:
     """Await `call(timeout)` (an idempotent billing RPC; `timeout` its deadline in seconds) up to
     ATTEMPTS times, 0.1 s then 0.2 s apart, while it fails with AioRpcError, all within
     `budget_s` (each attempt's deadline is what is left of it, so a stalled billing holds the
@@ -79,7 +85,9 @@ async def call_with_retries(call: Callable[[float], Awaitable[Any]], budget_s: f
     return failure
 
 
-async def release_or_store(billing: Any, redelivery: Redelivery, reservation_id: str, reason: str, failure_message: str) -> int | None:
+async def release_or_store(
+    billing: Any, redelivery: Redelivery, reservation_id: str, reason: str, failure_message: str
+) -> int | None:
     """Release a reservation with billing (one call, 10 s); returns its billing_pb2.ReservationState
     after the call (RELEASED, CHARGED when a Charge was posted first, EXPIRED), or None when
     billing could not be asked: then WARNING `failure_message` and the Release is stored by
@@ -89,9 +97,13 @@ async def release_or_store(billing: Any, redelivery: Redelivery, reservation_id:
     try:
         response = await billing.Release(request, timeout=10)
     except grpc.aio.AioRpcError as error:
-        log.warning(f"{failure_message}; retrying in the background",
-                    extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}})
-        await redelivery.retry("Release", request, failure_message, [{"reservation_id": reservation_id}])
+        log.warning(
+            f"{failure_message}; retrying in the background",
+            extra={"fields": {"reservation_id": reservation_id, "code": error.code().name}},
+        )
+        await redelivery.retry(
+            "Release", request, failure_message, [{"reservation_id": reservation_id}]
+        )
         return None
     return response.state
 
@@ -120,8 +132,14 @@ class Redelivery:
     `close()` it gets one last attempt and is logged at ERROR if that fails. Never raises.
     """
 
-    def __init__(self, sessions: Any, first_delay_s: float = 1.0, max_delay_s: float = 60.0,
-                 horizon_s: float = 7 * 86400.0, idle_poll_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        sessions: Any,
+        first_delay_s: float = 1.0,
+        max_delay_s: float = 60.0,
+        horizon_s: float = 7 * 86400.0,
+        idle_poll_s: float = 60.0,
+    ) -> None:
         self.sessions = sessions
         self.first_delay_s = first_delay_s
         self.max_delay_s = max_delay_s
@@ -140,7 +158,9 @@ class Redelivery:
     def start(self) -> None:
         """Start the background sender (idempotent); it first sends what an earlier process left."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._main(), name="billing-redelivery")
+            self._task = asyncio.get_running_loop().create_task(
+                self._main(), name="billing-redelivery"
+            )
 
     async def pending(self) -> int:
         """Calls waiting to be sent again (stored by any replica, plus those not stored yet)."""
@@ -148,8 +168,15 @@ class Redelivery:
             stored = await session.scalar(select(func.count()).select_from(BillingRedelivery))
         return int(stored or 0) + len(self._unstored)
 
-    async def send_or_store(self, method: str, request: Any, call: Callable[[float], Awaitable[Any]], failure_message: str,
-                            log_fields: list[dict[str, Any]], stored: list[str] | None = None) -> bool:
+    async def send_or_store(
+        self,
+        method: str,
+        request: Any,
+        call: Callable[[float], Awaitable[Any]],
+        failure_message: str,
+        log_fields: list[dict[str, Any]],
+        stored: list[str] | None = None,
+    ) -> bool:
         """Send `request` (a protobuf message for the idempotent billing RPC `method`) with
         `call(timeout)` and quick retries (`call_with_retries`: 3 attempts within 2 s); returns
         True once billing took it. When they all fail, log WARNING "`failure_message`; retrying
@@ -160,14 +187,19 @@ class Redelivery:
         if failure is None:
             return True
         for fields in log_fields:
-            log.warning(f"{failure_message}; retrying in the background", extra={"fields": {"code": failure.code().name, **fields}})
+            log.warning(
+                f"{failure_message}; retrying in the background",
+                extra={"fields": {"code": failure.code().name, **fields}},
+            )
         if stored is None:
             await self.retry(method, request, failure_message, log_fields)
         else:
             await self.due_soon(stored)
         return False
 
-    async def retry(self, method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]]) -> None:
+    async def retry(
+        self, method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]]
+    ) -> None:
         """Store `request` (a protobuf message for `method`) to be sent again in the background."""
         row = self.row(method, request, failure_message, log_fields, self.first_delay_s)
         if not await self._store([row]):
@@ -175,14 +207,27 @@ class Redelivery:
         self._wake.set()
 
     @staticmethod
-    def row(method: str, request: Any, failure_message: str, log_fields: list[dict[str, Any]], delay_s: float) -> dict[str, Any]:
+    def row(
+        method: str,
+        request: Any,
+        failure_message: str,
+        log_fields: list[dict[str, Any]],
+        delay_s: float,
+    ) -> dict[str, Any]:
         """A `billing_redeliveries` row (column -> value) for `request` (a protobuf message for
         `method`), its first background attempt `delay_s` seconds from now. `retry` stores one;
         `UsageBatcher.take` makes one for a run's end to write in its own transaction."""
         now = utcnow()
-        return {"id": str(uuid.uuid4()), "method": method, "request": request.SerializeToString(),
-                "failure_message": failure_message[:200], "log_fields": log_fields, "attempts": 0, "created_at": now,
-                "next_attempt_at": now + datetime.timedelta(seconds=delay_s)}
+        return {
+            "id": str(uuid.uuid4()),
+            "method": method,
+            "request": request.SerializeToString(),
+            "failure_message": failure_message[:200],
+            "log_fields": log_fields,
+            "attempts": 0,
+            "created_at": now,
+            "next_attempt_at": now + datetime.timedelta(seconds=delay_s),
+        }
 
     async def due_soon(self, ids: list[str]) -> None:
         """Stored calls (`ids`, written by another writer: a run's end) that billing did not take
@@ -191,10 +236,18 @@ class Redelivery:
         table = BillingRedelivery.__table__
         try:
             async with self.sessions() as session, session.begin():
-                await session.execute(update(table).where(table.c.id.in_(ids), table.c.attempts == 0)
-                                      .values(next_attempt_at=utcnow() + datetime.timedelta(seconds=self.first_delay_s)))
+                await session.execute(
+                    update(table)
+                    .where(table.c.id.in_(ids), table.c.attempts == 0)
+                    .values(
+                        next_attempt_at=utcnow() + datetime.timedelta(seconds=self.first_delay_s)
+                    )
+                )
         except Exception as error:  # noqa: BLE001 - the database is down too: they are sent when first due
-            log.warning("rescheduling stored billing calls failed", extra={"fields": {"calls": len(ids), "error": type(error).__name__}})
+            log.warning(
+                "rescheduling stored billing calls failed",
+                extra={"fields": {"calls": len(ids), "error": type(error).__name__}},
+            )
         self._wake.set()
 
     async def close(self) -> None:
@@ -202,7 +255,9 @@ class Redelivery:
 
         Stored calls stay for the next start of the process (or another replica)."""
         if self._task is not None:
-            self._stopping = True  # the sender also stops by itself: a cancel can be lost (see `_main`)
+            self._stopping = (
+                True  # the sender also stops by itself: a cancel can be lost (see `_main`)
+            )
             await stop_task(self._task)
             self._task = None
         unstored, self._unstored = self._unstored, []
@@ -213,15 +268,22 @@ class Redelivery:
         try:
             await self._send(row["method"], row["request"])
         except Exception as failure:  # noqa: BLE001 - logged with the call's ids; close() never raises
-            self._give_up(row, failure.code().name if isinstance(failure, grpc.aio.AioRpcError) else type(failure).__name__)
+            self._give_up(
+                row,
+                failure.code().name
+                if isinstance(failure, grpc.aio.AioRpcError)
+                else type(failure).__name__,
+            )
 
     async def _store(self, rows: list[dict[str, Any]]) -> bool:
         try:
             async with self.sessions() as session, session.begin():
                 await session.execute(insert(BillingRedelivery), rows)
         except Exception as error:  # noqa: BLE001 - the database is down too: kept in memory, stored at the next pass
-            log.warning("storing billing calls to send again failed; kept in memory",
-                        extra={"fields": {"calls": len(rows), "error": type(error).__name__}})
+            log.warning(
+                "storing billing calls to send again failed; kept in memory",
+                extra={"fields": {"calls": len(rows), "error": type(error).__name__}},
+            )
             return False
         return True
 
@@ -233,7 +295,9 @@ class Redelivery:
             log.error(row["failure_message"], extra={"fields": {"code": code, **fields}})
 
     async def _main(self) -> None:
-        first = True  # a new process sends what waits at once: billing may be back (fresh-eyes re-test)
+        first = (
+            True  # a new process sends what waits at once: billing may be back (fresh-eyes re-test)
+        )
         while not self._stopping:
             wait_s = self.idle_poll_s
             self._wake.clear()  # a call stored during this pass sets it again: no wait then
@@ -247,7 +311,10 @@ class Redelivery:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - the database is unavailable: try again later
-                log.warning("sending stored billing calls failed; trying again", extra={"fields": {"error": type(error).__name__}})
+                log.warning(
+                    "sending stored billing calls failed; trying again",
+                    extra={"fields": {"error": type(error).__name__}},
+                )
                 wait_s = min(self.max_delay_s, self.idle_poll_s)
             if self._unstored:
                 wait_s = min(wait_s, self.max_delay_s)
@@ -269,8 +336,13 @@ class Redelivery:
         after_id = ""  # `everything`: each stored call once, in id order (keyset pages)
         while True:
             now = utcnow()
-            page = (select(table).where(known, table.c.id > after_id).order_by(table.c.id) if everything else
-                    select(table).where(known, table.c.next_attempt_at <= now).order_by(table.c.next_attempt_at))
+            page = (
+                select(table).where(known, table.c.id > after_id).order_by(table.c.id)
+                if everything
+                else select(table)
+                .where(known, table.c.next_attempt_at <= now)
+                .order_by(table.c.next_attempt_at)
+            )
             async with self.sessions() as session:
                 rows = (await session.execute(page.limit(REDELIVERY_BATCH))).mappings().all()
             if not rows:
@@ -292,8 +364,12 @@ class Redelivery:
         delay = min(self.first_delay_s * 2 ** (row["attempts"] + 1), self.max_delay_s)
         async with self.sessions() as session, session.begin():
             claimed = await session.execute(
-                update(table).where(table.c.id == row["id"], table.c.attempts == row["attempts"])
-                .values(attempts=row["attempts"] + 1, next_attempt_at=now + datetime.timedelta(seconds=delay))
+                update(table)
+                .where(table.c.id == row["id"], table.c.attempts == row["attempts"])
+                .values(
+                    attempts=row["attempts"] + 1,
+                    next_attempt_at=now + datetime.timedelta(seconds=delay),
+                )
             )
         if claimed.rowcount != 1:
             return False  # another replica took this attempt
@@ -318,7 +394,9 @@ class BatchOrEach:
     def __init__(self) -> None:
         self.supported = True
 
-    async def call(self, batch: Callable[[], Awaitable[Any]], each: Callable[[], Awaitable[Any]]) -> Any:
+    async def call(
+        self, batch: Callable[[], Awaitable[Any]], each: Callable[[], Awaitable[Any]]
+    ) -> Any:
         """`await batch()` and return its answer; once billing answered UNIMPLEMENTED, `await
         each()` and return None. Any other grpc.aio.AioRpcError is raised."""
         if self.supported:
@@ -357,10 +435,18 @@ class StoredBatches:
     start, or another replica after STORED_GRACE_S, sends what is stored.
     """
 
-    def __init__(self, method: str, request_of: Callable[[list[Any]], Any], items_of: Callable[[Any], list[Any]],
-                 call: Callable[[list[Any], float], Awaitable[Any]], failure_message: str,
-                 fields_of: Callable[[list[Any]], list[dict[str, Any]]], redelivery: Redelivery,
-                 forget: Callable[[list[str]], Awaitable[Any]], linger_s: float = STORED_LINGER_S) -> None:
+    def __init__(
+        self,
+        method: str,
+        request_of: Callable[[list[Any]], Any],
+        items_of: Callable[[Any], list[Any]],
+        call: Callable[[list[Any], float], Awaitable[Any]],
+        failure_message: str,
+        fields_of: Callable[[list[Any]], list[dict[str, Any]]],
+        redelivery: Redelivery,
+        forget: Callable[[list[str]], Awaitable[Any]],
+        linger_s: float = STORED_LINGER_S,
+    ) -> None:
         self.method = method
         self.request_of = request_of
         self.call = call
@@ -378,7 +464,13 @@ class StoredBatches:
     def row(self, items: list[Any]) -> dict[str, Any]:
         """The `billing_redeliveries` row (`Redelivery.row`) that stores `items` as one call, its
         first background attempt STORED_GRACE_S from now, for a transaction to write."""
-        return Redelivery.row(self.method, self.request_of(items), self.failure_message, self.fields_of(items), STORED_GRACE_S)
+        return Redelivery.row(
+            self.method,
+            self.request_of(items),
+            self.failure_message,
+            self.fields_of(items),
+            STORED_GRACE_S,
+        )
 
     def add(self, row_id: str, items: list[Any]) -> None:
         """Row `row_id` (`row(items)`) is committed: send its items within `linger_s` with the
@@ -416,15 +508,27 @@ class StoredBatches:
     async def _send(self, rows: list[tuple[str, list[Any]]]) -> None:
         items = [item for _, row_items in rows for item in row_items]
         if not await self.redelivery.send_or_store(
-            self.method, self.request_of(items), lambda timeout: self.call(items, timeout), self.failure_message,
-            self.fields_of(items), stored=[row_id for row_id, _ in rows],
+            self.method,
+            self.request_of(items),
+            lambda timeout: self.call(items, timeout),
+            self.failure_message,
+            self.fields_of(items),
+            stored=[row_id for row_id, _ in rows],
         ):
             return
         try:
             await self.forget([row_id for row_id, _ in rows])
         except Exception as error:  # noqa: BLE001 - the rows stay: Redelivery sends them again, billing replays them
-            log.warning("deleting sent billing calls failed; they will be sent again (billing replays them)",
-                        extra={"fields": {"method": self.method, "items": len(items), "error": type(error).__name__}})
+            log.warning(
+                "deleting sent billing calls failed; they will be sent again (billing replays them)",
+                extra={
+                    "fields": {
+                        "method": self.method,
+                        "items": len(items),
+                        "error": type(error).__name__,
+                    }
+                },
+            )
 
 
 def _spawn(tasks: set[asyncio.Task], send: Awaitable[None], name: str) -> None:
@@ -456,15 +560,25 @@ class RunCharges:
         redelivery / forget / linger_s: as for `StoredBatches`.
     """
 
-    def __init__(self, billing: Any, redelivery: Redelivery, forget: Callable[[list[str]], Awaitable[Any]],
-                 linger_s: float = STORED_LINGER_S) -> None:
+    def __init__(
+        self,
+        billing: Any,
+        redelivery: Redelivery,
+        forget: Callable[[list[str]], Awaitable[Any]],
+        linger_s: float = STORED_LINGER_S,
+    ) -> None:
         self.billing = billing
         self._batch = BatchOrEach()
         self.stored = StoredBatches(
-            "ChargeBatch", lambda charges: billing_pb2.ChargeBatchRequest(charges=charges),
-            lambda data: list(billing_pb2.ChargeBatchRequest.FromString(data).charges), self._call,
-            "charging a turn failed", lambda charges: [{"reservation_id": charge.reservation_id} for charge in charges],
-            redelivery, forget, linger_s,
+            "ChargeBatch",
+            lambda charges: billing_pb2.ChargeBatchRequest(charges=charges),
+            lambda data: list(billing_pb2.ChargeBatchRequest.FromString(data).charges),
+            self._call,
+            "charging a turn failed",
+            lambda charges: [{"reservation_id": charge.reservation_id} for charge in charges],
+            redelivery,
+            forget,
+            linger_s,
         )
 
     def row(self, reservation_id: str) -> dict[str, Any]:
@@ -480,28 +594,41 @@ class RunCharges:
         """Send the charges committed and wait for them (shutdown; unsent ones stay stored)."""
         await self.stored.close()
 
-    async def _call(self, charges: list[billing_pb2.ChargeRequest], timeout: float = CALL_TIMEOUT_S) -> None:
+    async def _call(
+        self, charges: list[billing_pb2.ChargeRequest], timeout: float = CALL_TIMEOUT_S
+    ) -> None:
         response = await self._batch.call(
-            lambda: self.billing.ChargeBatch(billing_pb2.ChargeBatchRequest(charges=charges), timeout=timeout),
+            lambda: self.billing.ChargeBatch(
+                billing_pb2.ChargeBatchRequest(charges=charges), timeout=timeout
+            ),
             lambda: asyncio.gather(*(self._charge_one(charge, timeout) for charge in charges)),
         )
-        for charge, result in zip(charges, response.results if response is not None else (), strict=False):
+        for charge, result in zip(
+            charges, response.results if response is not None else (), strict=False
+        ):
             if result.state != billing_pb2.RESERVATION_STATE_CHARGED:
-                _charge_refused(charge.reservation_id, billing_pb2.ReservationState.Name(result.state))
+                _charge_refused(
+                    charge.reservation_id, billing_pb2.ReservationState.Name(result.state)
+                )
 
     async def _charge_one(self, charge: billing_pb2.ChargeRequest, timeout: float) -> None:
         try:
             await self.billing.Charge(charge, timeout=timeout)
         except grpc.aio.AioRpcError as failure:
-            if failure.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+            if failure.code() not in (
+                grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ):
                 raise
             _charge_refused(charge.reservation_id, failure.code().name)
 
 
 def _charge_refused(reservation_id: str, state: str) -> None:
     """A committed turn's charge that billing refused for good: ERROR (the credit is not posted)."""
-    log.error("billing refused a started turn's run charge; the turn is not charged",
-              extra={"fields": {"reservation_id": reservation_id, "state": state}})
+    log.error(
+        "billing refused a started turn's run charge; the turn is not charged",
+        extra={"fields": {"reservation_id": reservation_id, "state": state}},
+    )
 
 
 class UsageBatcher:
@@ -531,8 +658,14 @@ class UsageBatcher:
     deleted. The run's terminal event does not wait for billing, and a crash loses none of them.
     """
 
-    def __init__(self, billing: Any, redelivery: Redelivery, window_s: float = WINDOW_S,
-                 forget: Callable[[list[str]], Awaitable[Any]] | None = None, linger_s: float = STORED_LINGER_S) -> None:
+    def __init__(
+        self,
+        billing: Any,
+        redelivery: Redelivery,
+        window_s: float = WINDOW_S,
+        forget: Callable[[list[str]], Awaitable[Any]] | None = None,
+        linger_s: float = STORED_LINGER_S,
+    ) -> None:
         self.billing = billing
         self.window_s = window_s
         self.redelivery = redelivery
@@ -540,9 +673,15 @@ class UsageBatcher:
         self._waiting: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._stored = StoredBatches(
-            "RecordUsageBatch", lambda requests: billing_pb2.RecordUsageBatchRequest(calls=requests),
-            lambda data: list(billing_pb2.RecordUsageBatchRequest.FromString(data).calls), self._call,
-            "recording usage failed", _usage_fields, redelivery, forget or _forget_nothing, linger_s,
+            "RecordUsageBatch",
+            lambda requests: billing_pb2.RecordUsageBatchRequest(calls=requests),
+            lambda data: list(billing_pb2.RecordUsageBatchRequest.FromString(data).calls),
+            self._call,
+            "recording usage failed",
+            _usage_fields,
+            redelivery,
+            forget or _forget_nothing,
+            linger_s,
         )
         self._sending: set[asyncio.Task] = set()
         self._batch = BatchOrEach()
@@ -567,7 +706,9 @@ class UsageBatcher:
             batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
             _spawn(self._sending, self._send(batch), "usage-batch")
 
-    def take(self, run_id: str) -> tuple[list[billing_pb2.RecordUsageRequest], dict[str, Any]] | None:
+    def take(
+        self, run_id: str
+    ) -> tuple[list[billing_pb2.RecordUsageRequest], dict[str, Any]] | None:
         """Hand the records of `run_id` still waiting over to the run's end: returns them and the
         `billing_redeliveries` row (`StoredBatches.row`, first background attempt STORED_GRACE_S
         later) to write in the end's transaction, or None when none waits (or no `forget`).
@@ -610,22 +751,33 @@ class UsageBatcher:
             await asyncio.gather(*self._sending, return_exceptions=True)
         await self.redelivery.close()
 
-    async def _send(self, batch: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]]) -> None:
+    async def _send(
+        self, batch: list[tuple[billing_pb2.RecordUsageRequest, asyncio.Future[None]]]
+    ) -> None:
         requests = [request for request, _ in batch]
         try:
             await self.redelivery.send_or_store(
-                "RecordUsageBatch", billing_pb2.RecordUsageBatchRequest(calls=requests), lambda timeout: self._call(requests, timeout),
-                "recording usage failed", _usage_fields(requests),
+                "RecordUsageBatch",
+                billing_pb2.RecordUsageBatchRequest(calls=requests),
+                lambda timeout: self._call(requests, timeout),
+                "recording usage failed",
+                _usage_fields(requests),
             )
         finally:
             for _, done in batch:
                 if not done.done():
                     done.set_result(None)
 
-    async def _call(self, requests: list[billing_pb2.RecordUsageRequest], timeout: float = CALL_TIMEOUT_S) -> None:
+    async def _call(
+        self, requests: list[billing_pb2.RecordUsageRequest], timeout: float = CALL_TIMEOUT_S
+    ) -> None:
         await self._batch.call(
-            lambda: self.billing.RecordUsageBatch(billing_pb2.RecordUsageBatchRequest(calls=requests), timeout=timeout),
-            lambda: asyncio.gather(*(self.billing.RecordUsage(request, timeout=timeout) for request in requests)),
+            lambda: self.billing.RecordUsageBatch(
+                billing_pb2.RecordUsageBatchRequest(calls=requests), timeout=timeout
+            ),
+            lambda: asyncio.gather(
+                *(self.billing.RecordUsage(request, timeout=timeout) for request in requests)
+            ),
         )
 
 
@@ -635,4 +787,7 @@ async def _forget_nothing(row_ids: list[str]) -> None:
 
 def _usage_fields(requests: list[billing_pb2.RecordUsageRequest]) -> list[dict[str, Any]]:
     """The ids logged for each usage record of a failed or given-up call."""
-    return [{"run_id": request.run_id, "chat_id": request.chat_id, "call_index": request.call_index} for request in requests]
+    return [
+        {"run_id": request.run_id, "chat_id": request.chat_id, "call_index": request.call_index}
+        for request in requests
+    ]

@@ -34,7 +34,9 @@ async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
     naming the file or server, never the URL's password; README "Administration from the
     command line")."""
     if settings.uses_dev_credential_key():
-        return 1, {"error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key first) and run again"}
+        return 1, {
+            "error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key first) and run again"
+        }
     url = settings.database_url()
     try:
         return await _rotate(settings, url)
@@ -50,7 +52,9 @@ async def _rotate(settings: ToolsSettings, url: str) -> tuple[int, dict]:
     db.check_sqlite_file(url)  # first: a folder that is a file is said as such
     missing = db.missing_sqlite_file(url)
     if missing is not None:
-        return 1, {"error": f"no tools database at {missing}: run with the services' LOOPLINE_DATA_DIR or database URL"}
+        return 1, {
+            "error": f"no tools database at {missing}: run with the services' LOOPLINE_DATA_DIR or database URL"
+        }
     from services.tools.catalogue import Catalogue
     from services.tools.credentials import CredentialStore
     from services.tools.crypto import SecretBox
@@ -65,23 +69,34 @@ async def _rotate(settings: ToolsSettings, url: str) -> tuple[int, dict]:
         rotated, undecryptable, flows = await store.rotate_secrets()
     finally:
         await engine.dispose()
-    return (1 if undecryptable else 0), {"rotated": rotated, "undecryptable": undecryptable, "oauth2_flows_rotated": flows}
+    return (1 if undecryptable else 0), {
+        "rotated": rotated,
+        "undecryptable": undecryptable,
+        "oauth2_flows_rotated": flows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen command; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m services.tools", description="Loopline tools service")
+    parser = argparse.ArgumentParser(
+        prog="python -m services.tools", description="Loopline tools service"
+    )
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("serve", help="serve gRPC (the default)")
     sub.add_parser("migrate", help="upgrade the database to the newest migration")
     sub.add_parser("generate-key", help="print a new Fernet key for LOOPLINE_TOOLS_CREDENTIAL_KEY")
-    sub.add_parser("rotate-credentials", help="encrypt every stored secret again with the first configured key (prints JSON)")
+    sub.add_parser(
+        "rotate-credentials",
+        help="encrypt every stored secret again with the first configured key (prints JSON)",
+    )
     args = parser.parse_args(argv)
     settings = ToolsSettings()
     if args.command == "migrate":
         code = db.migrate_command("tools", settings.database_url())
         if not code:  # the URL without its password
-            print(f"tools database migrated: {make_url(settings.database_url()).render_as_string(hide_password=True)}")
+            print(
+                f"tools database migrated: {make_url(settings.database_url()).render_as_string(hide_password=True)}"
+            )
         return code
     if args.command == "generate-key":
         from cryptography.fernet import Fernet

@@ -64,7 +64,12 @@ class AuthOption:
 
     def to_json(self) -> dict[str, Any]:
         """The option as shown by get_integration_details."""
-        return {"type": self.type, "label": self.label, "description": self.description, "fields": self.fields}
+        return {
+            "type": self.type,
+            "label": self.label,
+            "description": self.description,
+            "fields": self.fields,
+        }
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,9 @@ class Integration:
         return next((o for o in self.auth_options if o.type == auth_type), None)
 
 
-def integration_from_manifest(manifest: dict[str, Any], handlers: dict[str, Handler]) -> Integration:
+def integration_from_manifest(
+    manifest: dict[str, Any], handlers: dict[str, Handler]
+) -> Integration:
     """Build an Integration from a manifest dict and its handlers.
 
     Raises ValueError when the manifest is malformed: a missing key, an unknown auth
@@ -136,7 +143,14 @@ def integration_from_manifest(manifest: dict[str, Any], handlers: dict[str, Hand
             raise ValueError(f"integration {name}: unknown auth type {raw['type']!r}")
         if raw.get("fields") is not None:
             Draft202012Validator.check_schema(raw["fields"])
-        options.append(AuthOption(raw["type"], raw.get("label", raw["type"]), raw.get("description", ""), raw.get("fields")))
+        options.append(
+            AuthOption(
+                raw["type"],
+                raw.get("label", raw["type"]),
+                raw.get("description", ""),
+                raw.get("fields"),
+            )
+        )
     if not options:
         raise ValueError(f"integration {name}: no auth option")
     actions: dict[str, Action] = {}

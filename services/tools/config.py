@@ -18,7 +18,9 @@ from services.common.config import MAX_PORT, MAX_SECONDS, CommonSettings
 # DEVELOPMENT ONLY. The Fernet key used when LOOPLINE_TOOLS_CREDENTIAL_KEY is empty:
 # urlsafe-base64(sha256(b"loopline-development-credential-key")). It is public (it is
 # in this file), so anything encrypted with it is effectively plain text.
-DEV_CREDENTIAL_KEY = base64.urlsafe_b64encode(hashlib.sha256(b"loopline-development-credential-key").digest()).decode()
+DEV_CREDENTIAL_KEY = base64.urlsafe_b64encode(
+    hashlib.sha256(b"loopline-development-credential-key").digest()
+).decode()
 
 
 class ToolsSettings(CommonSettings):

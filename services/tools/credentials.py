@@ -116,8 +116,10 @@ async def _lock_defaults(session: Any, org_id: str, integration_name: str) -> No
     sent together each saw the defaults as they were and made one: a unique violation of
     uq_credentials_one_default, or a deadlock (fresh-eyes test: 500s)."""
     if session.bind.dialect.name == "postgresql":
-        await session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
-                              {"key": f"loopline-credential-default\n{org_id}\n{integration_name}"})
+        await session.execute(
+            text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+            {"key": f"loopline-credential-default\n{org_id}\n{integration_name}"},
+        )
     else:
         await session.execute(text("UPDATE credentials SET is_default = is_default WHERE 0"))
 
@@ -141,7 +143,9 @@ class OrgReadCache:
         self.ttl_s = ttl_s
         self.max_orgs = max_orgs
         self.generation = 0
-        self._entries: TTLCache[str, dict[Any, Any]] = TTLCache(max_orgs, max(ttl_s, 0.0), timer=time.monotonic)
+        self._entries: TTLCache[str, dict[Any, Any]] = TTLCache(
+            max_orgs, max(ttl_s, 0.0), timer=time.monotonic
+        )
 
     def get(self, org_id: str, key: Any) -> Any:
         """The cached value of (`org_id`, `key`), or `_MISS` when absent or expired."""
@@ -175,7 +179,13 @@ class CredentialStore:
             0 = no cache, the default here; the server passes LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S).
     """
 
-    def __init__(self, sessions: async_sessionmaker, box: SecretBox, catalogue: Catalogue, cache_ttl_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        sessions: async_sessionmaker,
+        box: SecretBox,
+        catalogue: Catalogue,
+        cache_ttl_s: float = 0.0,
+    ) -> None:
         self._sessions = sessions
         self._box = box
         self._catalogue = catalogue
@@ -210,7 +220,8 @@ class CredentialStore:
         if option is None or auth_type == "none":
             raise _invalid(
                 "AUTH_TYPE_NOT_SUPPORTED",
-                f"Integration {integration_name!r} takes auth types {secret_types}, not {auth_type!r}" if secret_types
+                f"Integration {integration_name!r} takes auth types {secret_types}, not {auth_type!r}"
+                if secret_types
                 # "takes auth types [], not ''" (fresh-eyes test): an integration that needs no credential
                 else f"Integration {integration_name!r} needs no credential: it is connected without one",
             )
@@ -249,7 +260,9 @@ class CredentialStore:
         that no configured key decrypts, left as they are, pending OAuth2 flows rewritten; one
         no key decrypts is left to expire). Never logs or returns a secret.
         """
-        rotated, undecryptable = await self._rotate(Credential.id, Credential.encrypted_secret, page_size)
+        rotated, undecryptable = await self._rotate(
+            Credential.id, Credential.encrypted_secret, page_size
+        )
         flows, _ = await self._rotate(OAuthState.state, OAuthState.encrypted_verifier, page_size)
         return rotated, undecryptable, flows
 
@@ -260,7 +273,11 @@ class CredentialStore:
         after = ""
         while True:
             async with self._sessions() as session:
-                rows = (await session.execute(select(key, token_column).where(key > after).order_by(key).limit(page_size))).all()
+                rows = (
+                    await session.execute(
+                        select(key, token_column).where(key > after).order_by(key).limit(page_size)
+                    )
+                ).all()
             if not rows:
                 break
             after = rows[-1][0]
@@ -274,7 +291,9 @@ class CredentialStore:
                     continue
                 async with self._sessions() as session, session.begin():
                     result = await session.execute(
-                        update(table).where(key == row_key, token_column == token).values({token_column.key: fresh})
+                        update(table)
+                        .where(key == row_key, token_column == token)
+                        .values({token_column.key: fresh})
                     )
                 rotated += result.rowcount
         return rotated, undecryptable
@@ -294,14 +313,18 @@ class CredentialStore:
         the organization had no such credentials); an unknown `integration_name` lists nothing.
         """
         if auth_type and auth_type not in STORED_AUTH_TYPES:
-            raise _invalid("AUTH_TYPE_UNKNOWN", f"auth_type must be one of {', '.join(STORED_AUTH_TYPES)}")
+            raise _invalid(
+                "AUTH_TYPE_UNKNOWN", f"auth_type must be one of {', '.join(STORED_AUTH_TYPES)}"
+            )
         conditions = [Credential.org_id == org_id]
         if integration_name:
             conditions.append(Credential.integration == integration_name)
         if auth_type:
             conditions.append(Credential.auth_type == auth_type)
         async with self._sessions() as session:
-            total = await session.scalar(select(func.count()).select_from(Credential).where(*conditions))
+            total = await session.scalar(
+                select(func.count()).select_from(Credential).where(*conditions)
+            )
             rows = (
                 await session.scalars(
                     select(Credential)
@@ -353,7 +376,10 @@ class CredentialStore:
                     successor.updated_at = utcnow()
                     promoted = successor.id
         self.cache.invalidate(org_id)
-        log.info("credential deleted", extra={"fields": {"credential_id": credential_id, "org_id": org_id}})
+        log.info(
+            "credential deleted",
+            extra={"fields": {"credential_id": credential_id, "org_id": org_id}},
+        )
         return promoted
 
     async def set_default(self, org_id: str, credential_id: str) -> CredentialInfo:
@@ -368,7 +394,11 @@ class CredentialStore:
             await _lock_defaults(session, org_id, row.integration)
             await session.execute(
                 update(Credential)
-                .where(Credential.org_id == org_id, Credential.integration == row.integration, Credential.id != row.id)
+                .where(
+                    Credential.org_id == org_id,
+                    Credential.integration == row.integration,
+                    Credential.id != row.id,
+                )
                 .values(is_default=False)
             )
             await session.flush()
@@ -419,7 +449,9 @@ class CredentialStore:
         """Whether the organization has a credential for `integration_name`."""
         async with self._sessions() as session:
             found = await session.scalar(
-                select(Credential.id).where(Credential.org_id == org_id, Credential.integration == integration_name).limit(1)
+                select(Credential.id)
+                .where(Credential.org_id == org_id, Credential.integration == integration_name)
+                .limit(1)
             )
         return found is not None
 
@@ -445,10 +477,16 @@ class CredentialStore:
                 )
             ).all()
         found = [(CredentialInfo.of(r), list(r.discovery or [])) for r in rows]
-        self.cache.put(org_id, key, tuple((info, tuple(tools)) for info, tools in found), generation)
+        self.cache.put(
+            org_id, key, tuple((info, tuple(tools)) for info, tools in found), generation
+        )
         return found
 
-    async def discovery(self, org_id: str, credential_id: str, auth_type: str, *, secret: bool = True) -> tuple[CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]]:
+    async def discovery(
+        self, org_id: str, credential_id: str, auth_type: str, *, secret: bool = True
+    ) -> tuple[
+        CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]
+    ]:
         """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential;
         with `secret=False` the secret is not decrypted ({} in its place).
 
@@ -466,14 +504,18 @@ class CredentialStore:
             raise _not_found(credential_id)
         if row.auth_type != auth_type:
             raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, "WRONG_CREDENTIAL_KIND",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "WRONG_CREDENTIAL_KIND",
                 f"Credential {credential_id} has auth type {row.auth_type}, not {auth_type}: it is not an MCP server's",
-                domain=TOOLS_DOMAIN, metadata={"credential_id": credential_id, "auth_type": row.auth_type},
+                domain=TOOLS_DOMAIN,
+                metadata={"credential_id": credential_id, "auth_type": row.auth_type},
             )
         when = db.utc(row.discovered_at) if row.discovered_at else None
         return CredentialInfo.of(row), row.discovery, when, self._decrypt(row) if secret else {}
 
-    async def set_discovery(self, org_id: str, credential_id: str, tools: list[dict[str, Any]]) -> datetime.datetime:
+    async def set_discovery(
+        self, org_id: str, credential_id: str, tools: list[dict[str, Any]]
+    ) -> datetime.datetime:
         """Store the tools discovered on an MCP server credential; returns the discovery time. Raises NOT_FOUND
         (also for an id that cannot be ours, `is_row_id`)."""
         if not is_row_id(credential_id):
@@ -496,7 +538,9 @@ class CredentialStore:
             return set(cached)
         generation = self.cache.generation
         async with self._sessions() as session:
-            rows = await session.scalars(select(Credential.integration).where(Credential.org_id == org_id).distinct())
+            rows = await session.scalars(
+                select(Credential.integration).where(Credential.org_id == org_id).distinct()
+            )
             names = set(rows.all())
         self.cache.put(org_id, "connected", frozenset(names), generation)
         return names
@@ -511,7 +555,9 @@ class CredentialStore:
             await _lock_defaults(session, org_id, integration_name)
             existing_default = await session.scalar(
                 select(Credential.id).where(
-                    Credential.org_id == org_id, Credential.integration == integration_name, Credential.is_default
+                    Credential.org_id == org_id,
+                    Credential.integration == integration_name,
+                    Credential.is_default,
                 )
             )
             if make_default and existing_default:
@@ -525,7 +571,13 @@ class CredentialStore:
         self.cache.invalidate(org_id)
         log.info(
             "credential created",
-            extra={"fields": {"credential_id": row.id, "org_id": org_id, "integration": integration_name}},
+            extra={
+                "fields": {
+                    "credential_id": row.id,
+                    "org_id": org_id,
+                    "integration": integration_name,
+                }
+            },
         )
         return CredentialInfo.of(row)
 
@@ -551,7 +603,9 @@ class CredentialStore:
                 row = await session.scalar(
                     select(Credential)
                     .where(Credential.org_id == org_id, Credential.integration == integration_name)
-                    .order_by(Credential.is_default.desc(), Credential.created_at.desc(), Credential.id)
+                    .order_by(
+                        Credential.is_default.desc(), Credential.created_at.desc(), Credential.id
+                    )
                     .limit(1)
                 )
                 if row is None:
@@ -570,7 +624,13 @@ class CredentialStore:
         except SecretBoxError:
             log.warning(
                 f"stored credential cannot be decrypted: {KEY_CHANGED_HINT}",
-                extra={"fields": {"credential_id": row.id, "integration": row.integration, "org_id": row.org_id,
-                                  "auth_type": row.auth_type}},
+                extra={
+                    "fields": {
+                        "credential_id": row.id,
+                        "integration": row.integration,
+                        "org_id": row.org_id,
+                        "auth_type": row.auth_type,
+                    }
+                },
             )
             raise

@@ -84,7 +84,11 @@ class SecretBox:
 
     def encrypt(self, secret: dict[str, Any]) -> str:
         """The Fernet token (ASCII text) of the JSON object `secret`."""
-        return self._multi().encrypt(json.dumps(secret, separators=(",", ":")).encode()).decode("ascii")
+        return (
+            self._multi()
+            .encrypt(json.dumps(secret, separators=(",", ":")).encode())
+            .decode("ascii")
+        )
 
     def rotate(self, token: str) -> str:
         """`token` encrypted again with the first key (`MultiFernet.rotate`: the same secret and
@@ -94,7 +98,9 @@ class SecretBox:
         try:
             return self._multi().rotate(token.encode("ascii")).decode("ascii")
         except (InvalidToken, ValueError) as exc:
-            raise SecretBoxError("the credential cannot be decrypted with the configured key") from exc
+            raise SecretBoxError(
+                "the credential cannot be decrypted with the configured key"
+            ) from exc
 
     def decrypt(self, token: str) -> dict[str, Any]:
         """The JSON object in `token`. Raises SecretBoxError when it cannot be decrypted."""
@@ -103,7 +109,9 @@ class SecretBox:
         try:
             return json.loads(self._multi().decrypt(token.encode("ascii")))
         except (InvalidToken, ValueError) as exc:
-            raise SecretBoxError("the credential cannot be decrypted with the configured key") from exc
+            raise SecretBoxError(
+                "the credential cannot be decrypted with the configured key"
+            ) from exc
 
 
 def _check_fernet_key(key: Any) -> None:
@@ -114,7 +122,9 @@ def _check_fernet_key(key: Any) -> None:
     try:
         raw = base64.urlsafe_b64decode(key)
     except (binascii.Error, ValueError, TypeError) as exc:
-        raise ValueError("the credential key must be a Fernet key (32 url-safe base64 bytes)") from exc
+        raise ValueError(
+            "the credential key must be a Fernet key (32 url-safe base64 bytes)"
+        ) from exc
     if len(raw) != 32:
         raise ValueError("the credential key must be a Fernet key (32 url-safe base64 bytes)")
 

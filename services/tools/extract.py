@@ -34,9 +34,21 @@ MEDIA_TYPES = {
     "pdf": "application/pdf",
 }
 
-_EXTENSIONS = {"txt": "txt", "text": "txt", "md": "md", "markdown": "md", "html": "html", "htm": "html",
-               "csv": "csv", "json": "json", "pdf": "pdf"}
-_BY_MEDIA_TYPE = {media: kind for kind, media in MEDIA_TYPES.items()} | {"application/xhtml+xml": "html", "text/x-markdown": "md"}
+_EXTENSIONS = {
+    "txt": "txt",
+    "text": "txt",
+    "md": "md",
+    "markdown": "md",
+    "html": "html",
+    "htm": "html",
+    "csv": "csv",
+    "json": "json",
+    "pdf": "pdf",
+}
+_BY_MEDIA_TYPE = {media: kind for kind, media in MEDIA_TYPES.items()} | {
+    "application/xhtml+xml": "html",
+    "text/x-markdown": "md",
+}
 
 
 class UnsupportedFileType(ValueError):
@@ -64,12 +76,30 @@ def file_type(name: str, content_type: str = "") -> str:
     if not extension and (media in ("", "application/octet-stream") or media.startswith("text/")):
         return "txt"
     shown = f".{extension}" if extension else (media or "unknown")
-    raise UnsupportedFileType(f"Unsupported file type {shown!r}; supported: {', '.join(SUPPORTED_TYPES)}")
+    raise UnsupportedFileType(
+        f"Unsupported file type {shown!r}; supported: {', '.join(SUPPORTED_TYPES)}"
+    )
 
 
 class _VisibleText(html.parser.HTMLParser):
     _SKIP = {"script", "style", "noscript", "template", "head"}
-    _BLOCK = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "section", "article", "pre", "table"}
+    _BLOCK = {
+        "p",
+        "div",
+        "br",
+        "li",
+        "tr",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "section",
+        "article",
+        "pre",
+        "table",
+    }
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
@@ -93,8 +123,13 @@ class _VisibleText(html.parser.HTMLParser):
             self.parts.append(data)
 
 
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # UTF-32 LE first: it begins as UTF-16 LE's
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)  # UTF-32 LE first: it begins as UTF-16 LE's
 
 
 def _decode(data: bytes) -> str:
@@ -121,9 +156,13 @@ def _json_text(raw: str) -> str:
     or json.dumps go (about 1,000 levels: RecursionError), since a JSON document is still text,
     as the http integration returns such a body as text. ExtractionError when it is not JSON."""
     try:
-        return json.dumps(json.loads(raw, parse_constant=_no_constant), ensure_ascii=False, indent=1)
+        return json.dumps(
+            json.loads(raw, parse_constant=_no_constant), ensure_ascii=False, indent=1
+        )
     except json.JSONDecodeError as exc:
-        raise ExtractionError(f"The JSON file does not parse (line {exc.lineno}, column {exc.colno})") from None
+        raise ExtractionError(
+            f"The JSON file does not parse (line {exc.lineno}, column {exc.colno})"
+        ) from None
     except RecursionError:
         return raw
 
@@ -145,8 +184,12 @@ def extract_text(data: bytes, kind: str) -> str:
     elif kind == "pdf":
         text = _pdf_text(data)
     else:
-        raise UnsupportedFileType(f"Unsupported file type {kind!r}; supported: {', '.join(SUPPORTED_TYPES)}")
-    text = pb.scrub(text.replace("\x00", ""))  # a JSON file's "\ud800" escape: U+FFFD, not a str no database stores
+        raise UnsupportedFileType(
+            f"Unsupported file type {kind!r}; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    text = pb.scrub(
+        text.replace("\x00", "")
+    )  # a JSON file's "\ud800" escape: U+FFFD, not a str no database stores
     if not text.strip():
         raise ExtractionError("The file contains no text")
     return text

@@ -29,7 +29,9 @@ NOT_CONNECTED = "could not connect to the server"
 BROKE_READING = "the connection broke while reading the response"
 BROKE_SENDING = "the connection broke while sending the request"
 BAD_ANSWER = "the server's answer is not valid HTTP, or it closed the connection"
-BAD_HEADER = "a header name or value is not valid HTTP (a line break or a character that is not ASCII)"
+BAD_HEADER = (
+    "a header name or value is not valid HTTP (a line break or a character that is not ASCII)"
+)
 UNDECODABLE = "the response body could not be decoded"
 INVALID_URL = "invalid URL: check its host, port and characters"
 UNSUPPORTED_SCHEME = "the URL's scheme is not supported (use http or https)"
@@ -63,17 +65,29 @@ def network_failure(exc: BaseException) -> str | None:
         if isinstance(cause, (TimeoutError, asyncio.TimeoutError)):
             return TIMED_OUT_CONNECTING
     for cause in causes(exc):
-        if isinstance(cause, OSError) and isinstance(cause.errno, int) and cause.errno in errno.errorcode:
+        if (
+            isinstance(cause, OSError)
+            and isinstance(cause.errno, int)
+            and cause.errno in errno.errorcode
+        ):
             return f"a network error ({errno.errorcode[cause.errno]})"
     return None
 
 
 # httpx's exception classes by name, most specific first, with the kind each means
 _HTTPX_KINDS = (
-    ("ConnectTimeout", TIMED_OUT_CONNECTING), ("ReadTimeout", NO_ANSWER), ("WriteTimeout", SEND_TIMED_OUT),
-    ("TimeoutException", NO_ANSWER), ("ConnectError", NOT_CONNECTED), ("ReadError", BROKE_READING),
-    ("WriteError", BROKE_SENDING), ("LocalProtocolError", BAD_HEADER), ("RemoteProtocolError", BAD_ANSWER),
-    ("DecodingError", UNDECODABLE), ("UnsupportedProtocol", UNSUPPORTED_SCHEME), ("TooManyRedirects", "too many redirects"),
+    ("ConnectTimeout", TIMED_OUT_CONNECTING),
+    ("ReadTimeout", NO_ANSWER),
+    ("WriteTimeout", SEND_TIMED_OUT),
+    ("TimeoutException", NO_ANSWER),
+    ("ConnectError", NOT_CONNECTED),
+    ("ReadError", BROKE_READING),
+    ("WriteError", BROKE_SENDING),
+    ("LocalProtocolError", BAD_HEADER),
+    ("RemoteProtocolError", BAD_ANSWER),
+    ("DecodingError", UNDECODABLE),
+    ("UnsupportedProtocol", UNSUPPORTED_SCHEME),
+    ("TooManyRedirects", "too many redirects"),
 )
 
 
@@ -93,7 +107,9 @@ def policy_refusal(exc: BaseException, what: str) -> str:
     without naming the host or its addresses: it does not resolve, or it resolves to an address
     of one of POLICY_KINDS. Read from the exception's type, its cause, and which of those
     words netpolicy's message holds."""
-    if any(isinstance(cause, socket.gaierror) for cause in causes(exc)) or "cannot resolve" in str(exc):
+    if any(isinstance(cause, socket.gaierror) for cause in causes(exc)) or "cannot resolve" in str(
+        exc
+    ):
         return f"{what} does not resolve"
     text = str(exc)
     for kind in POLICY_KINDS:

@@ -94,8 +94,11 @@ def query_terms(query: str) -> list[str]:
 
 def _base_not_found(knowledge_base_id: str) -> RpcError:
     return RpcError(
-        grpc.StatusCode.NOT_FOUND, "KNOWLEDGE_BASE_NOT_FOUND", "Knowledge base not found",
-        domain=TOOLS_DOMAIN, metadata={"knowledge_base_id": knowledge_base_id},
+        grpc.StatusCode.NOT_FOUND,
+        "KNOWLEDGE_BASE_NOT_FOUND",
+        "Knowledge base not found",
+        domain=TOOLS_DOMAIN,
+        metadata={"knowledge_base_id": knowledge_base_id},
     )
 
 
@@ -136,18 +139,28 @@ class KnowledgeStore:
         self._dialect = engine.dialect.name
         self._sessions = sessions
 
-    async def create_base(self, org_id: str, name: str, description: str = "", created_by: str = "") -> tuple[KnowledgeBase, int]:
+    async def create_base(
+        self, org_id: str, name: str, description: str = "", created_by: str = ""
+    ) -> tuple[KnowledgeBase, int]:
         """Create a knowledge base (`created_by`: the creating user's id, or ""); returns it and its document count (0).
 
         Raises RpcError INVALID_ARGUMENT when `org_id` or `name` is empty.
         """
         if not org_id or not name.strip():
             raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_KNOWLEDGE_BASE", "organization_id and name are required",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_KNOWLEDGE_BASE",
+                "organization_id and name are required",
                 domain=TOOLS_DOMAIN,
             )
-        row = KnowledgeBase(id=new_id(), org_id=org_id, name=name.strip(), description=description,
-                            created_by=created_by or None, created_at=utcnow())
+        row = KnowledgeBase(
+            id=new_id(),
+            org_id=org_id,
+            name=name.strip(),
+            description=description,
+            created_by=created_by or None,
+            created_at=utcnow(),
+        )
         async with self._sessions() as session, session.begin():
             session.add(row)
         return row, 0
@@ -156,7 +169,9 @@ class KnowledgeStore:
         """The organization's knowledge bases, newest first, each with its document count."""
         return [(base, totals[0]) for base, totals in await self.list_bases_with_totals(org_id)]
 
-    async def list_bases_with_totals(self, org_id: str) -> list[tuple[KnowledgeBase, tuple[int, int, int]]]:
+    async def list_bases_with_totals(
+        self, org_id: str
+    ) -> list[tuple[KnowledgeBase, tuple[int, int, int]]]:
         """The organization's knowledge bases, newest first, each with (documents, chunks, tokens)."""
         async with self._sessions() as session:
             counts = (
@@ -180,9 +195,13 @@ class KnowledgeStore:
                 .where(KnowledgeBase.org_id == org_id)
                 .order_by(KnowledgeBase.created_at.desc(), KnowledgeBase.id)
             )
-            return [(base, (int(n), int(chunks), int(tokens))) for base, n, chunks, tokens in rows.all()]
+            return [
+                (base, (int(n), int(chunks), int(tokens))) for base, n, chunks, tokens in rows.all()
+            ]
 
-    async def get_document(self, org_id: str, knowledge_base_id: str, document_id: str) -> KnowledgeDocument:
+    async def get_document(
+        self, org_id: str, knowledge_base_id: str, document_id: str
+    ) -> KnowledgeDocument:
         """One document of one of the organization's knowledge bases.
 
         Raises RpcError NOT_FOUND when it is absent, in another knowledge base, or another organization's,
@@ -192,17 +211,30 @@ class KnowledgeStore:
         if is_row_id(document_id) and is_row_id(knowledge_base_id):
             async with self._sessions() as session:
                 document = await session.get(KnowledgeDocument, document_id)
-        if document is None or document.org_id != org_id or document.knowledge_base_id != knowledge_base_id:
+        if (
+            document is None
+            or document.org_id != org_id
+            or document.knowledge_base_id != knowledge_base_id
+        ):
             raise RpcError(
-                grpc.StatusCode.NOT_FOUND, "DOCUMENT_NOT_FOUND", "Document not found",
-                domain=TOOLS_DOMAIN, metadata={"document_id": document_id},
+                grpc.StatusCode.NOT_FOUND,
+                "DOCUMENT_NOT_FOUND",
+                "Document not found",
+                domain=TOOLS_DOMAIN,
+                metadata={"document_id": document_id},
             )
         return document
 
     async def base_ids(self, org_id: str) -> list[str]:
         """Ids of the organization's knowledge bases."""
         async with self._sessions() as session:
-            return list((await session.scalars(select(KnowledgeBase.id).where(KnowledgeBase.org_id == org_id))).all())
+            return list(
+                (
+                    await session.scalars(
+                        select(KnowledgeBase.id).where(KnowledgeBase.org_id == org_id)
+                    )
+                ).all()
+            )
 
     async def add_document(
         self,
@@ -231,7 +263,9 @@ class KnowledgeStore:
             raise _base_not_found(knowledge_base_id)
         if not name.strip() or not content or content.isspace():
             raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_DOCUMENT", "a document needs a name and non-empty text",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_DOCUMENT",
+                "a document needs a name and non-empty text",
                 domain=TOOLS_DOMAIN,
             )
         chunks, token_count, utf8_size = await asyncio.to_thread(_prepare, content)
@@ -259,9 +293,14 @@ class KnowledgeStore:
                 await session.execute(
                     insert(KnowledgeChunk.__table__),
                     [
-                        {"document_id": document.id, "knowledge_base_id": knowledge_base_id, "org_id": org_id,
-                         "chunk_index": i, "content": c}
-                        for i, c in enumerate(chunks[first:first + INSERT_PAGE], start=first)
+                        {
+                            "document_id": document.id,
+                            "knowledge_base_id": knowledge_base_id,
+                            "org_id": org_id,
+                            "chunk_index": i,
+                            "content": c,
+                        }
+                        for i, c in enumerate(chunks[first : first + INSERT_PAGE], start=first)
                     ],
                 )
             if self._dialect == "sqlite":
@@ -275,11 +314,19 @@ class KnowledgeStore:
                 )
         log.info(
             "document indexed",
-            extra={"fields": {"document_id": document.id, "knowledge_base_id": knowledge_base_id, "chunks": len(chunks)}},
+            extra={
+                "fields": {
+                    "document_id": document.id,
+                    "knowledge_base_id": knowledge_base_id,
+                    "chunks": len(chunks),
+                }
+            },
         )
         return document
 
-    async def search(self, org_id: str, query: str, knowledge_base_ids: list[str] | None, top_k: int) -> list[SearchHit]:
+    async def search(
+        self, org_id: str, query: str, knowledge_base_ids: list[str] | None, top_k: int
+    ) -> list[SearchHit]:
         """The `top_k` chunks best matching `query` (any of its words), best first.
 
         Only the organization's chunks are searched; ids in `knowledge_base_ids` that are

@@ -93,7 +93,11 @@ def parse_stdio_servers(raw: str) -> list[StdioServer]:
         raise ValueError("tools_mcp_stdio_servers must be a JSON list")
     servers = []
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(item.get("command"), str):
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("name"), str)
+            or not isinstance(item.get("command"), str)
+        ):
             raise ValueError("each stdio MCP server needs a string 'name' and 'command'")
         if not _NAME_RE.match(item["name"]):
             raise ValueError(f"stdio MCP server name {item['name']!r} must match [a-z][a-z0-9_]*")
@@ -103,7 +107,15 @@ def parse_stdio_servers(raw: str) -> list[StdioServer]:
             raise ValueError(f"stdio MCP server {item['name']}: 'args' must be a list of strings")
         if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
             raise ValueError(f"stdio MCP server {item['name']}: 'env' must map names to strings")
-        servers.append(StdioServer(item["name"], item["command"], tuple(args), dict(env), str(item.get("description", ""))))
+        servers.append(
+            StdioServer(
+                item["name"],
+                item["command"],
+                tuple(args),
+                dict(env),
+                str(item.get("description", "")),
+            )
+        )
     return servers
 
 
@@ -133,7 +145,9 @@ def check_url_shape(url: str) -> urllib.parse.SplitResult:
 async def check_url_policy(url: str, allow_private: bool) -> None:
     """Raise OutboundPolicyError when the URL's host resolves to an address the policy refuses."""
     parts = check_url_shape(url)
-    await resolve_checked(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), allow_private)
+    await resolve_checked(
+        parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), allow_private
+    )
 
 
 def tool_json(tool: Any) -> dict[str, Any]:
@@ -185,7 +199,12 @@ _NOTHING = object()
 
 def _wrapped_value(structured: Any) -> Any:
     """`value` of the SDK's `{"result": value}` wrapping of a value that is no object, else _NOTHING."""
-    if isinstance(structured, dict) and len(structured) == 1 and "result" in structured and not isinstance(structured["result"], dict):
+    if (
+        isinstance(structured, dict)
+        and len(structured) == 1
+        and "result" in structured
+        and not isinstance(structured["result"], dict)
+    ):
         return structured["result"]
     return _NOTHING
 
@@ -193,7 +212,11 @@ def _wrapped_value(structured: Any) -> Any:
 def _holds(item: dict[str, Any], value: Any) -> bool:
     """Whether content block `item` is a text block holding `value`: the text itself (a string
     value) or its JSON."""
-    if item.get("type") != "text" or not isinstance(item.get("text"), str) or set(item) - {"type", "text"}:
+    if (
+        item.get("type") != "text"
+        or not isinstance(item.get("text"), str)
+        or set(item) - {"type", "text"}
+    ):
         return False
     text = item["text"]
     if isinstance(value, str) and text == value:
@@ -218,13 +241,17 @@ class McpConnector:
         allow_private_network: the outbound policy for organization URLs.
     """
 
-    def __init__(self, timeout_s: float, max_output_bytes: int, allow_private_network: bool) -> None:
+    def __init__(
+        self, timeout_s: float, max_output_bytes: int, allow_private_network: bool
+    ) -> None:
         self.timeout_s = timeout_s
         self.max_output_bytes = max_output_bytes
         self.allow_private_network = allow_private_network
         self._closing: set[asyncio.Task[Any]] = set()
 
-    def _client(self, target: StdioServer | dict[str, Any], stderr: StderrTail | None = None) -> Client:
+    def _client(
+        self, target: StdioServer | dict[str, Any], stderr: StderrTail | None = None
+    ) -> Client:
         """A Client for `target`; a stdio server's stderr goes to `stderr` (discarded when None)."""
         # the mcp SDK is imported on first use: it costs ~30 MiB and start-up time in every
         # tools process, most of which never talk to an MCP server
@@ -233,17 +260,30 @@ class McpConnector:
         from mcp.client.streamable_http import streamable_http_client
 
         if isinstance(target, StdioServer):
-            params = StdioServerParameters(command=target.command, args=list(target.args), env=target.env or None)
-            transport = stdio_client(params, errlog=_DEVNULL) if stderr is None else _capturing(stdio_client, params, stderr)
+            params = StdioServerParameters(
+                command=target.command, args=list(target.args), env=target.env or None
+            )
+            transport = (
+                stdio_client(params, errlog=_DEVNULL)
+                if stderr is None
+                else _capturing(stdio_client, params, stderr)
+            )
         else:
             # values with surrounding whitespace stripped, as the `http` integration's credentials
-            headers = {str(k).strip(): str(v).strip() for k, v in (target.get("headers") or {}).items()}
+            headers = {
+                str(k).strip(): str(v).strip() for k, v in (target.get("headers") or {}).items()
+            }
             # every connection resolves the host once, checks it and connects to the checked
             # address (netpolicy): no second lookup between the check and the socket
             http = guarded_mcp_client(self.allow_private_network, self.timeout_s, headers)
-            transport = _owning(http, streamable_http_client(
-                target["url"], http_client=http, max_sse_event_size=max(4 * self.max_output_bytes, 1 << 20)
-            ))
+            transport = _owning(
+                http,
+                streamable_http_client(
+                    target["url"],
+                    http_client=http,
+                    max_sse_event_size=max(4 * self.max_output_bytes, 1 << 20),
+                ),
+            )
         return Client(transport, cache=None, read_timeout_seconds=self.timeout_s)
 
     async def _checked(self, target: StdioServer | dict[str, Any]) -> None:
@@ -315,12 +355,16 @@ class McpConnector:
             except BaseException as exc:
                 _raise_policy_refusal(exc)
                 _log_stdio_failure(target, "list_tools", exc, stderr)
-                raise ActionError(f"the MCP server could not be reached or did not answer ({_describe(exc)})") from None
+                raise ActionError(
+                    f"the MCP server could not be reached or did not answer ({_describe(exc)})"
+                ) from None
             return tools
 
         return await self._bounded(operation, _timeout_logger(target, "list_tools", stderr))
 
-    async def call_tool(self, target: StdioServer | dict[str, Any], name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    async def call_tool(
+        self, target: StdioServer | dict[str, Any], name: str, arguments: dict[str, Any]
+    ) -> dict[str, Any]:
         """Call one tool; returns result_json of its result.
 
         Raises ActionError when the server cannot be reached, fails, reports is_error, or
@@ -339,11 +383,19 @@ class McpConnector:
             except BaseException as exc:
                 _raise_policy_refusal(exc)  # refused before the connection: nothing was sent
                 _log_stdio_failure(target, f"call_tool {name}", exc, stderr)
-                if _unreached(exc):  # no connection, so nothing was sent (fresh-eyes test: "failed during the call" said it may have run)
-                    raise ActionError(f"the MCP server could not be reached; the call was not sent ({_describe(exc)})") from None
-                raise ActionError(f"the MCP server failed during the call ({_describe(exc)})") from None
+                if _unreached(
+                    exc
+                ):  # no connection, so nothing was sent (fresh-eyes test: "failed during the call" said it may have run)
+                    raise ActionError(
+                        f"the MCP server could not be reached; the call was not sent ({_describe(exc)})"
+                    ) from None
+                raise ActionError(
+                    f"the MCP server failed during the call ({_describe(exc)})"
+                ) from None
 
-        result = await self._bounded(operation, _timeout_logger(target, f"call_tool {name}", stderr))
+        result = await self._bounded(
+            operation, _timeout_logger(target, f"call_tool {name}", stderr)
+        )
         if result.is_error:
             raise ActionError(f"the MCP tool {name!r} returned an error: {_error_text(result)}")
         output = result_json(result)
@@ -386,7 +438,9 @@ class StderrTail:
 
     def open(self) -> TextIO:
         """The file the server's stderr is written to (the caller closes it once the server started)."""
-        read_fd, write_fd = os.pipe()  # both non-inheritable; the child gets the write end as its fd 2 only
+        read_fd, write_fd = (
+            os.pipe()
+        )  # both non-inheritable; the child gets the write end as its fd 2 only
         os.set_blocking(read_fd, False)
         loop = asyncio.get_running_loop()
         try:
@@ -438,7 +492,7 @@ class StderrTail:
     def text(self, max_chars: int = STDERR_LOG_CHARS, secret: dict[str, Any] | None = None) -> str:
         """The last `max_chars` characters kept (after `secret`'s values are redacted), "…" first when cut."""
         text = redact(self._data.decode("utf-8", errors="replace"), secret).strip()
-        return text if len(text) <= max_chars else "…" + text[-(max_chars - 1):]
+        return text if len(text) <= max_chars else "…" + text[-(max_chars - 1) :]
 
 
 class _capturing:
@@ -468,7 +522,9 @@ class _capturing:
             self._tail.close()
 
 
-def _log_stdio_failure(target: Any, operation: str, error: BaseException | str, stderr: StderrTail | None) -> None:
+def _log_stdio_failure(
+    target: Any, operation: str, error: BaseException | str, stderr: StderrTail | None
+) -> None:
     """Log (WARNING) that a stdio server's `operation` failed: the command, the error and the end
     of the server's stderr.
 
@@ -490,8 +546,15 @@ def _log_stdio_failure(target: Any, operation: str, error: BaseException | str, 
         error = bounded(detail, STDERR_LOG_CHARS)
     log.warning(
         "stdio MCP server failed",
-        extra={"fields": {"server": target.name, "command": bounded(target.command), "operation": operation,
-                          "error": error, "stderr_tail": stderr.text(secret=target.env)}},
+        extra={
+            "fields": {
+                "server": target.name,
+                "command": bounded(target.command),
+                "operation": operation,
+                "error": error,
+                "stderr_tail": stderr.text(secret=target.env),
+            }
+        },
     )
 
 
@@ -499,7 +562,9 @@ def _timeout_logger(target: Any, operation: str, stderr: StderrTail | None) -> A
     """The `on_timeout` of a stdio operation (None for an HTTP server)."""
     if not isinstance(target, StdioServer) or stderr is None:
         return None
-    return lambda: _log_stdio_failure(target, operation, f"no answer within the time limit ({operation})", stderr)
+    return lambda: _log_stdio_failure(
+        target, operation, f"no answer within the time limit ({operation})", stderr
+    )
 
 
 class _owning:
@@ -555,7 +620,9 @@ def _unreached(exc: BaseException) -> bool:
     an HTTP server's request, a call included, was then never sent."""
     exc = _innermost(exc)
     httpx2 = sys.modules.get("httpx2")
-    return (httpx2 is not None and isinstance(exc, httpx2.ConnectError)) or isinstance(exc, (ConnectionRefusedError, socket.gaierror))
+    return (httpx2 is not None and isinstance(exc, httpx2.ConnectError)) or isinstance(
+        exc, (ConnectionRefusedError, socket.gaierror)
+    )
 
 
 def _describe(exc: BaseException) -> str:
@@ -569,7 +636,11 @@ def _describe(exc: BaseException) -> str:
 
 
 def integration_of_tools(
-    name: str, display_name: str, description: str, tools: list[dict[str, Any]], auth_options: tuple[AuthOption, ...],
+    name: str,
+    display_name: str,
+    description: str,
+    tools: list[dict[str, Any]],
+    auth_options: tuple[AuthOption, ...],
     call: Any,
 ) -> Integration:
     """An Integration whose actions are MCP `tools`; each action's handler is `call(ctx, tool_name, params)`."""
@@ -591,12 +662,20 @@ def integration_of_tools(
         for t in tools
     }
     return Integration(
-        name=name, display_name=display_name, description=description, categories=("mcp",),
-        auth_options=auth_options, actions=actions,
+        name=name,
+        display_name=display_name,
+        description=description,
+        categories=("mcp",),
+        auth_options=auth_options,
+        actions=actions,
     )
 
 
-ORG_SERVER_AUTH = (AuthOption(MCP_AUTH_TYPE, "MCP server", "A Streamable HTTP MCP server URL and its headers", None),)
+ORG_SERVER_AUTH = (
+    AuthOption(
+        MCP_AUTH_TYPE, "MCP server", "A Streamable HTTP MCP server URL and its headers", None
+    ),
+)
 NO_AUTH = (AuthOption("none", "No credential", "Configured by the operator", None),)
 
 

@@ -48,12 +48,22 @@ class Credential(Base):
     # The user who created it (the gateway's user id); NULL when not recorded.
     created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
     masked_secret: Mapped[str] = mapped_column(String(500), nullable=False, default="")
-    metadata_json: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, nullable=False, default=dict)
+    metadata_json: Mapped[dict[str, Any]] = mapped_column(
+        "metadata", JSON, nullable=False, default=dict
+    )
     # MCP server credentials only: the tools last discovered ([{name, description, input_schema}]) and when.
-    discovery: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True, default=None)
-    discovered_at: Mapped[datetime.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, default=None)
-    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
-    updated_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    discovery: Mapped[list[dict[str, Any]] | None] = mapped_column(
+        JSON, nullable=True, default=None
+    )
+    discovered_at: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True, default=None
+    )
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, default=utcnow
+    )
+    updated_at: Mapped[datetime.datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, default=utcnow
+    )
 
     __table_args__ = (
         Index("ix_credentials_org_integration", "org_id", "integration"),
@@ -79,7 +89,9 @@ class KnowledgeBase(Base):
     description: Mapped[str] = mapped_column(Text, nullable=False, default="")
     # The user who created it (the gateway's user id); NULL when not recorded.
     created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
-    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, default=utcnow
+    )
 
 
 class KnowledgeDocument(Base):
@@ -96,9 +108,13 @@ class KnowledgeDocument(Base):
     content_type: Mapped[str] = mapped_column(String(100), nullable=False, default="text/plain")
     status: Mapped[str] = mapped_column(String(20), nullable=False, default="ready")
     chunk_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    file_size_bytes: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    file_size_bytes: Mapped[int] = mapped_column(
+        Integer, nullable=False, default=0, server_default="0"
+    )
     token_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
-    created_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    created_at: Mapped[datetime.datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, default=utcnow
+    )
 
 
 class KnowledgeChunk(Base):
@@ -108,7 +124,10 @@ class KnowledgeChunk(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     document_id: Mapped[str] = mapped_column(
-        String(36), ForeignKey("knowledge_documents.id", ondelete="CASCADE"), nullable=False, index=True
+        String(36),
+        ForeignKey("knowledge_documents.id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
     )
     knowledge_base_id: Mapped[str] = mapped_column(String(36), nullable=False)
     org_id: Mapped[str] = mapped_column(String(64), nullable=False)

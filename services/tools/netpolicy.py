@@ -80,7 +80,9 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
         for text in addresses:
             kind = classify(ipaddress.ip_address(text))
             if kind is not None:
-                article = "an" if kind[0] in "aeiou" else "a"  # "an unspecified address" (fresh-eyes test)
+                article = (
+                    "an" if kind[0] in "aeiou" else "a"
+                )  # "an unspecified address" (fresh-eyes test)
                 raise OutboundPolicyError(
                     f"destination {host!r} resolves to {article} {kind} address, which the outbound policy "
                     "of this deployment does not allow"
@@ -131,14 +133,20 @@ def _guarded_backend_class(core: str = "httpcore") -> type:
                 for address in addresses:
                     try:
                         return await self._inner.connect_tcp(
-                            address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+                            address,
+                            port,
+                            timeout=timeout,
+                            local_address=local_address,
+                            socket_options=socket_options,
                         )
                     except httpcore.ConnectError as exc:
                         last = exc
                 assert last is not None
                 raise last
 
-            async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
+            async def connect_unix_socket(
+                self, path: str, timeout: float | None = None, socket_options: Any = None
+            ) -> Any:
                 """Unix sockets are never an allowed destination."""
                 raise OutboundPolicyError("unix sockets are not an allowed destination")
 
@@ -174,7 +182,9 @@ def guarded_client(allow_private: bool, timeout_s: float) -> httpx.AsyncClient:
         max_keepalive_connections=0,
         network_backend=_guarded_backend_class()(allow_private),
     )
-    return httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False, timeout=timeout_s)
+    return httpx.AsyncClient(
+        transport=transport, trust_env=False, follow_redirects=False, timeout=timeout_s
+    )
 
 
 def guarded_mcp_client(allow_private: bool, timeout_s: float, headers: dict[str, str]) -> Any:
@@ -190,7 +200,9 @@ def guarded_mcp_client(allow_private: bool, timeout_s: float, headers: dict[str,
     import httpcore2
     import httpx2
 
-    ssl_context = httpx2.create_ssl_context(trust_env=False)  # one context (loading CAs costs ms), both uses
+    ssl_context = httpx2.create_ssl_context(
+        trust_env=False
+    )  # one context (loading CAs costs ms), both uses
     transport = httpx2.AsyncHTTPTransport(verify=ssl_context, trust_env=False)
     transport._pool = httpcore2.AsyncConnectionPool(  # noqa: SLF001 - see docstring
         ssl_context=ssl_context,
@@ -199,5 +211,9 @@ def guarded_mcp_client(allow_private: bool, timeout_s: float, headers: dict[str,
         network_backend=_guarded_backend_class("httpcore2")(allow_private),
     )
     return httpx2.AsyncClient(
-        transport=transport, headers=headers, timeout=httpx2.Timeout(timeout_s), follow_redirects=False, trust_env=False
+        transport=transport,
+        headers=headers,
+        timeout=httpx2.Timeout(timeout_s),
+        follow_redirects=False,
+        trust_env=False,
     )

@@ -31,7 +31,12 @@ from sqlalchemy import delete
 
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, RpcError, bounded
-from services.tools.catalogue import ActionContext, ActionError, Integration, integration_from_manifest
+from services.tools.catalogue import (
+    ActionContext,
+    ActionError,
+    Integration,
+    integration_from_manifest,
+)
 from services.tools.credentials import CredentialInfo, CredentialStore
 from services.tools.crypto import KEY_CHANGED_HINT, SecretBox, SecretBoxError
 from services.tools.models import OAuthState, utcnow
@@ -69,7 +74,11 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
         raise ValueError("tools_oauth2_integrations must be a JSON list")
     providers = []
     for item in items:
-        missing = [k for k in ("name", "authorize_url", "token_url", "client_id", "api_base_url") if not isinstance(item.get(k), str) or not item[k]]
+        missing = [
+            k
+            for k in ("name", "authorize_url", "token_url", "client_id", "api_base_url")
+            if not isinstance(item.get(k), str) or not item[k]
+        ]
         if missing:
             raise ValueError(f"OAuth2 integration {item.get('name')!r} lacks {', '.join(missing)}")
         if not _NAME_RE.match(item["name"]):
@@ -78,7 +87,8 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
             OAuth2Provider(
                 name=item["name"],
                 display_name=item.get("display_name") or item["name"],
-                description=item.get("description") or f"{item.get('display_name') or item['name']} API (OAuth2)",
+                description=item.get("description")
+                or f"{item.get('display_name') or item['name']} API (OAuth2)",
                 authorize_url=item["authorize_url"],
                 token_url=item["token_url"],
                 client_id=item["client_id"],
@@ -92,8 +102,10 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
 
 #: The most percent-decoding passes a path segment may need before it stops changing (`api_path_error`).
 MAX_DECODE_PASSES = 4
-_PATH_REFUSAL = ("path must be a path on the API: no '.' or '..' segments, no ';' parameters, no control "
-                 "characters and no encoded '/' or '\\' (in any percent-encoding)")
+_PATH_REFUSAL = (
+    "path must be a path on the API: no '.' or '..' segments, no ';' parameters, no control "
+    "characters and no encoded '/' or '\\' (in any percent-encoding)"
+)
 
 
 def _decoded(segment: str) -> str | None:
@@ -124,7 +136,11 @@ def api_path_error(path: str) -> str | None:
     raw = path.split("#", 1)[0].split("?", 1)[0]
     for segment in raw.split("/"):
         decoded = _decoded(segment)
-        if decoded is None or any(c in decoded for c in "/\\;") or any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded):
+        if (
+            decoded is None
+            or any(c in decoded for c in "/\\;")
+            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded)
+        ):
             return _PATH_REFUSAL
         if unicodedata.normalize("NFKC", decoded).strip() in (".", ".."):
             return _PATH_REFUSAL
@@ -144,14 +160,20 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
             raise ActionError(refusal)
         import httpx  # loaded on first use, not at start
 
-        async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False) as client:
+        async with httpx.AsyncClient(
+            timeout=timeout_s, follow_redirects=False, trust_env=False
+        ) as client:
             response = await client.request(
-                params.get("method", "GET"), provider.api_base_url + path,
-                headers={"Authorization": f"Bearer {token}"}, json=params.get("body"),
+                params.get("method", "GET"),
+                provider.api_base_url + path,
+                headers={"Authorization": f"Bearer {token}"},
+                json=params.get("body"),
             )
         try:
             body: Any = pb.loads_strict(response.content)
-        except ValueError:  # not JSON (NaN and 1e400 included), or nested past what json.loads parses: the text
+        except (
+            ValueError
+        ):  # not JSON (NaN and 1e400 included), or nested past what json.loads parses: the text
             body = response.text
         return {"status": response.status_code, "body": body}
 
@@ -160,7 +182,14 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
         "display_name": provider.display_name,
         "description": provider.description,
         "categories": ["oauth2"],
-        "auth": [{"type": "oauth2", "label": "Sign in", "description": f"Connect with {provider.display_name} (OAuth2)", "fields": None}],
+        "auth": [
+            {
+                "type": "oauth2",
+                "label": "Sign in",
+                "description": f"Connect with {provider.display_name} (OAuth2)",
+                "fields": None,
+            }
+        ],
         "actions": [
             {
                 "name": "api_request",
@@ -169,7 +198,11 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
                     "type": "object",
                     "properties": {
                         "method": {"enum": ["GET", "POST"], "default": "GET"},
-                        "path": {"type": "string", "minLength": 1, "description": "The API path under the base URL, e.g. /me (no . or .. segments, no ;)"},
+                        "path": {
+                            "type": "string",
+                            "minLength": 1,
+                            "description": "The API path under the base URL, e.g. /me (no . or .. segments, no ;)",
+                        },
                         "body": {"type": "object", "description": "JSON body for POST"},
                     },
                     "required": ["path"],
@@ -188,7 +221,9 @@ def _invalid(reason: str, message: str) -> RpcError:
 
 def pkce_challenge(verifier: str) -> str:
     """The S256 code challenge of a PKCE verifier: base64url(sha256(verifier)) without padding."""
-    return base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+    return (
+        base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+    )
 
 
 class OAuth2Flows:
@@ -202,7 +237,14 @@ class OAuth2Flows:
         timeout_s: the token request's time limit, in seconds.
     """
 
-    def __init__(self, providers: list[OAuth2Provider], sessions: Any, box: SecretBox, credentials: CredentialStore, timeout_s: float) -> None:
+    def __init__(
+        self,
+        providers: list[OAuth2Provider],
+        sessions: Any,
+        box: SecretBox,
+        credentials: CredentialStore,
+        timeout_s: float,
+    ) -> None:
         self.providers = {p.name: p for p in providers}
         self._sessions = sessions
         self._box = box
@@ -210,8 +252,14 @@ class OAuth2Flows:
         self._timeout_s = timeout_s
 
     async def initiate(
-        self, org_id: str, integration: str, redirect_uri: str, scope: str = "", display_name: str = "",
-        make_default: bool = False, user_id: str = "",
+        self,
+        org_id: str,
+        integration: str,
+        redirect_uri: str,
+        scope: str = "",
+        display_name: str = "",
+        make_default: bool = False,
+        user_id: str = "",
     ) -> tuple[str, str]:
         """(authorization_url, state). Raises RpcError INVALID_ARGUMENT for an integration
         without OAuth2 or a redirect_uri that is not an absolute http(s) URL."""
@@ -219,10 +267,14 @@ class OAuth2Flows:
             raise _invalid("ORGANIZATION_REQUIRED", "organization_id is required")
         provider = self.providers.get(integration)
         if provider is None:
-            raise _invalid("OAUTH2_NOT_SUPPORTED", f"Integration {integration!r} does not offer OAuth2")
+            raise _invalid(
+                "OAUTH2_NOT_SUPPORTED", f"Integration {integration!r} does not offer OAuth2"
+            )
         parts = urllib.parse.urlsplit(redirect_uri)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise _invalid("INVALID_REDIRECT_URI", "redirect_uri must be an absolute http or https URL")
+            raise _invalid(
+                "INVALID_REDIRECT_URI", "redirect_uri must be an absolute http or https URL"
+            )
         state = secrets.token_urlsafe(32)
         verifier = secrets.token_urlsafe(64)
         scope = scope or provider.scope
@@ -230,9 +282,16 @@ class OAuth2Flows:
             await session.execute(delete(OAuthState).where(OAuthState.expires_at < utcnow()))
             session.add(
                 OAuthState(
-                    state=state, org_id=org_id, user_id=user_id, integration=integration,
-                    encrypted_verifier=self._box.encrypt({"verifier": verifier}), redirect_uri=redirect_uri,
-                    scope=scope, display_name=display_name, make_default=make_default, expires_at=utcnow() + STATE_TTL,
+                    state=state,
+                    org_id=org_id,
+                    user_id=user_id,
+                    integration=integration,
+                    encrypted_verifier=self._box.encrypt({"verifier": verifier}),
+                    redirect_uri=redirect_uri,
+                    scope=scope,
+                    display_name=display_name,
+                    make_default=make_default,
+                    expires_at=utcnow() + STATE_TTL,
                 )
             )
         query = {
@@ -260,8 +319,13 @@ class OAuth2Flows:
         """
         if not state or not (code or error):
             raise _invalid("OAUTH2_STATE_INVALID", "state and code are required")
-        if not _STATE.fullmatch(state):  # cannot be one of ours (U+0000 was INTERNAL on PostgreSQL): not looked up
-            raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state; start the connection again")
+        if not _STATE.fullmatch(
+            state
+        ):  # cannot be one of ours (U+0000 was INTERNAL on PostgreSQL): not looked up
+            raise _invalid(
+                "OAUTH2_STATE_INVALID",
+                "Unknown or expired OAuth2 state; start the connection again",
+            )
         async with self._sessions() as session, session.begin():
             row = await session.get(OAuthState, state)
             if row is not None:
@@ -269,18 +333,26 @@ class OAuth2Flows:
         if row is not None and row.expires_at.tzinfo is None:
             row.expires_at = row.expires_at.replace(tzinfo=datetime.UTC)  # SQLite returns naive UTC
         if row is None or row.expires_at < utcnow() or row.integration not in self.providers:
-            raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state; start the connection again")
+            raise _invalid(
+                "OAUTH2_STATE_INVALID",
+                "Unknown or expired OAuth2 state; start the connection again",
+            )
         if error:
             raise _invalid("OAUTH2_DENIED", bounded(f"Authorization was not granted: {error}"))
         provider = self.providers[row.integration]
         try:
             verifier = self._box.decrypt(row.encrypted_verifier)["verifier"]
-        except SecretBoxError:  # the key changed between initiate and complete (see KEY_CHANGED_HINT)
+        except (
+            SecretBoxError
+        ):  # the key changed between initiate and complete (see KEY_CHANGED_HINT)
             log.warning(
                 f"stored OAuth2 state cannot be decrypted: {KEY_CHANGED_HINT}",
                 extra={"fields": {"integration": row.integration, "org_id": row.org_id}},
             )
-            raise _invalid("OAUTH2_STATE_INVALID", "The OAuth2 state cannot be read; start the connection again") from None
+            raise _invalid(
+                "OAUTH2_STATE_INVALID",
+                "The OAuth2 state cannot be read; start the connection again",
+            ) from None
         form = {
             "grant_type": "authorization_code",
             "code": code,
@@ -293,32 +365,63 @@ class OAuth2Flows:
         import httpx  # loaded on first use, not at start
 
         try:
-            async with httpx.AsyncClient(timeout=self._timeout_s, follow_redirects=False, trust_env=False) as client:
-                response = await client.post(provider.token_url, data=form, headers={"Accept": "application/json"})
+            async with httpx.AsyncClient(
+                timeout=self._timeout_s, follow_redirects=False, trust_env=False
+            ) as client:
+                response = await client.post(
+                    provider.token_url, data=form, headers={"Accept": "application/json"}
+                )
             try:
                 tokens = response.json() if response.status_code == 200 else None
-            except (ValueError, RecursionError) as exc:  # not JSON, or nested past what json.loads parses: no token
-                log.warning("oauth2 token response is not JSON", extra={"fields": {"integration": provider.name, "exc_type": type(exc).__name__}})
+            except (
+                ValueError,
+                RecursionError,
+            ) as exc:  # not JSON, or nested past what json.loads parses: no token
+                log.warning(
+                    "oauth2 token response is not JSON",
+                    extra={
+                        "fields": {"integration": provider.name, "exc_type": type(exc).__name__}
+                    },
+                )
                 tokens = None
         except httpx.HTTPError as exc:
-            log.warning("oauth2 token exchange failed", extra={"fields": {"integration": provider.name, "exc_type": type(exc).__name__}})
+            log.warning(
+                "oauth2 token exchange failed",
+                extra={"fields": {"integration": provider.name, "exc_type": type(exc).__name__}},
+            )
             tokens = None
             response = None
         if not isinstance(tokens, dict) or not isinstance(tokens.get("access_token"), str):
-            why = f"status {response.status_code}" if response is not None else "its token endpoint could not be reached"
-            raise RpcError(
-                grpc.StatusCode.FAILED_PRECONDITION, "OAUTH2_EXCHANGE_FAILED",
-                f"The authorization server did not issue a token ({why}); start the connection again", domain=TOOLS_DOMAIN,
+            why = (
+                f"status {response.status_code}"
+                if response is not None
+                else "its token endpoint could not be reached"
             )
-        secret = {"access_token": tokens["access_token"], "token_type": str(tokens.get("token_type", "Bearer"))}
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "OAUTH2_EXCHANGE_FAILED",
+                f"The authorization server did not issue a token ({why}); start the connection again",
+                domain=TOOLS_DOMAIN,
+            )
+        secret = {
+            "access_token": tokens["access_token"],
+            "token_type": str(tokens.get("token_type", "Bearer")),
+        }
         if isinstance(tokens.get("refresh_token"), str):
             secret["refresh_token"] = tokens["refresh_token"]
         metadata: dict[str, Any] = {"scope": str(tokens.get("scope", row.scope))}
         if isinstance(tokens.get("expires_in"), int | float):
-            metadata["expires_at"] = (utcnow() + datetime.timedelta(seconds=float(tokens["expires_in"]))).isoformat()
+            metadata["expires_at"] = (
+                utcnow() + datetime.timedelta(seconds=float(tokens["expires_in"]))
+            ).isoformat()
         info = await self._credentials.create_raw(
-            row.org_id, provider.name, "oauth2", secret,
-            display_name=row.display_name or f"{provider.display_name} account", metadata=metadata,
-            make_default=row.make_default, created_by=row.user_id,
+            row.org_id,
+            provider.name,
+            "oauth2",
+            secret,
+            display_name=row.display_name or f"{provider.display_name} account",
+            metadata=metadata,
+            make_default=row.make_default,
+            created_by=row.user_id,
         )
         return info, row.user_id

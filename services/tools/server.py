@@ -22,12 +22,17 @@ from services.common.errors import TOOLS_DOMAIN, RpcError, bounded, rpc_handler
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.logging import bind
 from services.common.validation import header_fields_problem
-from services.tools.catalogue import Catalogue
+from services.tools.catalogue import ActionError, Catalogue
 from services.tools.config import ToolsSettings
-from services.tools.catalogue import ActionError
 from services.tools.credentials import CredentialInfo, CredentialStore
 from services.tools.crypto import SecretBox, SecretBoxError
-from services.tools.extract import MEDIA_TYPES, ExtractionError, UnsupportedFileType, extract_text, file_type
+from services.tools.extract import (
+    MEDIA_TYPES,
+    ExtractionError,
+    UnsupportedFileType,
+    extract_text,
+    file_type,
+)
 from services.tools.knowledge import KnowledgeStore
 from services.tools.mcp_servers import (
     MCP_AUTH_TYPE,
@@ -48,7 +53,10 @@ SERVICE_NAME = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"].full_name
 
 
 # RpcError -> its rich status; any other exception -> INTERNAL with a generic message.
-rpc_errors = rpc_handler(internal_domain=TOOLS_DOMAIN, check=ids.request_organization_check(TOOLS_DOMAIN, "ORGANIZATION_REQUIRED"))
+rpc_errors = rpc_handler(
+    internal_domain=TOOLS_DOMAIN,
+    check=ids.request_organization_check(TOOLS_DOMAIN, "ORGANIZATION_REQUIRED"),
+)
 
 
 def urllib_host(url: str) -> str:
@@ -64,11 +72,13 @@ def _undecryptable(credential_id: str) -> RpcError:
     crypto.KEY_CHANGED_HINT (`CredentialStore._decrypt`); the message names the credential, never its secret.
     """
     return RpcError(
-        grpc.StatusCode.FAILED_PRECONDITION, "CREDENTIAL_UNDECRYPTABLE",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "CREDENTIAL_UNDECRYPTABLE",
         f"Credential {credential_id!r} cannot be decrypted: the server's credential key was changed without "
         "keeping the old one. An operator must list the old key again (after the new one), or the credential "
         "must be connected again",
-        domain=TOOLS_DOMAIN, metadata={"credential_id": credential_id},
+        domain=TOOLS_DOMAIN,
+        metadata={"credential_id": credential_id},
     )
 
 
@@ -93,7 +103,9 @@ def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_p
     )
 
 
-def knowledge_base_pb(base: KnowledgeBase, document_count: int, total_chunks: int = 0, total_tokens: int = 0) -> tools_pb2.KnowledgeBase:
+def knowledge_base_pb(
+    base: KnowledgeBase, document_count: int, total_chunks: int = 0, total_tokens: int = 0
+) -> tools_pb2.KnowledgeBase:
     """The KnowledgeBase message of a row."""
     return tools_pb2.KnowledgeBase(
         knowledge_base_id=base.id,
@@ -129,7 +141,11 @@ def mcp_tool_pb(tool: dict[str, Any]) -> tools_pb2.McpTool:
     The schema is the MCP server's JSON: clipped to pb.MAX_JSON_DEPTH (deeper parts as their JSON
     text, services/common/pb.py) so that the message always decodes.
     """
-    return tools_pb2.McpTool(name=tool["name"], description=tool["description"], input_schema=pb.to_struct(tool["input_schema"], clip=True))
+    return tools_pb2.McpTool(
+        name=tool["name"],
+        description=tool["description"],
+        input_schema=pb.to_struct(tool["input_schema"], clip=True),
+    )
 
 
 def _invalid(reason: str, message: str) -> RpcError:
@@ -144,8 +160,16 @@ def _invalid(reason: str, message: str) -> RpcError:
 #: a document's name is cut to 500 characters by the gateway's upload route (the column is VARCHAR(500),
 #: as display_name and name are VARCHAR(200), an integration name VARCHAR(100)).
 TEXT_LIMITS = {
-    "display_name": 200, "name": 200, "description": 10_000, "document_name": 500,
-    "integration_name": 100, "auth_type": 32, "server_url": 2_048, "redirect_uri": 2_048, "scope": 2_048, "query": 2_048,
+    "display_name": 200,
+    "name": 200,
+    "description": 10_000,
+    "document_name": 500,
+    "integration_name": 100,
+    "auth_type": 32,
+    "server_url": 2_048,
+    "redirect_uri": 2_048,
+    "scope": 2_048,
+    "query": 2_048,
 }
 
 
@@ -157,8 +181,11 @@ def check_length(field: str, value: str, limit: int) -> None:
     """
     if len(value) > limit:
         raise RpcError(
-            grpc.StatusCode.INVALID_ARGUMENT, "FIELD_TOO_LONG", f"{field} must be at most {limit} characters (it has {len(value)})",
-            domain=TOOLS_DOMAIN, metadata={"field": field, "limit": str(limit)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "FIELD_TOO_LONG",
+            f"{field} must be at most {limit} characters (it has {len(value)})",
+            domain=TOOLS_DOMAIN,
+            metadata={"field": field, "limit": str(limit)},
         )
 
 
@@ -187,8 +214,11 @@ def check_json_size(field: str, value: dict[str, Any]) -> None:
     size = len(orjson.dumps(value))
     if size > limit:
         raise RpcError(
-            grpc.StatusCode.INVALID_ARGUMENT, "FIELD_TOO_LARGE", f"{field} must be at most {limit} bytes when JSON-encoded (it has {size})",
-            domain=TOOLS_DOMAIN, metadata={"field": field, "limit": str(limit)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "FIELD_TOO_LARGE",
+            f"{field} must be at most {limit} bytes when JSON-encoded (it has {size})",
+            domain=TOOLS_DOMAIN,
+            metadata={"field": field, "limit": str(limit)},
         )
 
 
@@ -208,9 +238,11 @@ def check_count(field: str, values: Any) -> None:
     limit = COUNT_LIMITS[field]
     if len(values) > limit:
         raise RpcError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"TOO_MANY_{field.upper()}",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"TOO_MANY_{field.upper()}",
             f"{field} must name at most {limit} {_COUNTED[field]} (it names {len(values)})",
-            domain=TOOLS_DOMAIN, metadata={"field": field, "limit": str(limit)},
+            domain=TOOLS_DOMAIN,
+            metadata={"field": field, "limit": str(limit)},
         )
 
 
@@ -225,9 +257,11 @@ def page_size(field: str, value: int, low: int, high: int, default: int) -> int:
         return default
     if not low <= value <= high:
         raise RpcError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"INVALID_{field.upper()}",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"INVALID_{field.upper()}",
             f"{field} must be between {low} and {high} (0 means {default}), not {value}",
-            domain=TOOLS_DOMAIN, metadata={"field": field},
+            domain=TOOLS_DOMAIN,
+            metadata={"field": field},
         )
     return value
 
@@ -246,8 +280,13 @@ def tool_input(request: tools_pb2.ExecuteToolRequest) -> dict[str, Any]:
     try:
         return pb.object_of(request, "input")
     except pb.NotAnObject as bad:
-        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT_JSON", str(bad), domain=TOOLS_DOMAIN,
-                       metadata={"field": "input_json"}) from None
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_INPUT_JSON",
+            str(bad),
+            domain=TOOLS_DOMAIN,
+            metadata={"field": "input_json"},
+        ) from None
 
 
 class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
@@ -260,7 +299,9 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         self.oauth = oauth
 
     @rpc_errors
-    async def ListTools(self, request: tools_pb2.ListToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListToolsResponse:
+    async def ListTools(
+        self, request: tools_pb2.ListToolsRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.ListToolsResponse:
         """The definitions of the profile's tools: the five of "assistant" (also for an empty profile).
 
         Any other profile is INVALID_ARGUMENT UNKNOWN_PROFILE naming the known ones (tools.PROFILES; tools.proto:
@@ -269,19 +310,27 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         if request.profile and request.profile not in PROFILES:
             known = ", ".join(PROFILES)
             raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_PROFILE",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "UNKNOWN_PROFILE",
                 f"Unknown profile {bounded(request.profile, 64)!r}; the known profiles are: {known} (empty means assistant)",
-                domain=TOOLS_DOMAIN, metadata={"field": "profile", "known_profiles": known},
+                domain=TOOLS_DOMAIN,
+                metadata={"field": "profile", "known_profiles": known},
             )
         return tools_pb2.ListToolsResponse(
             tools=[
-                tools_pb2.ToolDefinition(name=d["name"], description=d["description"], input_schema=pb.to_struct(d["input_schema"]))
+                tools_pb2.ToolDefinition(
+                    name=d["name"],
+                    description=d["description"],
+                    input_schema=pb.to_struct(d["input_schema"]),
+                )
                 for d in self.executor.definitions(request.profile)
             ]
         )
 
     @rpc_errors
-    async def ExecuteTool(self, request: tools_pb2.ExecuteToolRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ExecuteToolResponse:
+    async def ExecuteTool(
+        self, request: tools_pb2.ExecuteToolRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.ExecuteToolResponse:
         """Run one tool call. A failing tool is success=false with `error`; a cancelled call cancels the tool.
 
         The output goes as JSON text in `output_json` (pb.json_bytes: one encoding, keys in the
@@ -292,15 +341,26 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         A request error is an RPC error: INVALID_ARGUMENT INVALID_INPUT_JSON for an `input_json` that
         is set but is not a JSON object (`tool_input`, tools.proto).
         """
-        with bind(org_id=request.organization_id, run_id=request.run_id, chat_id=request.chat_id, tool_call_id=request.tool_call_id):
-            result = await self.executor.execute(request.organization_id, request.tool, tool_input(request))
-        response = tools_pb2.ExecuteToolResponse(success=result.success, error=result.error, millicredits=result.millicredits)
+        with bind(
+            org_id=request.organization_id,
+            run_id=request.run_id,
+            chat_id=request.chat_id,
+            tool_call_id=request.tool_call_id,
+        ):
+            result = await self.executor.execute(
+                request.organization_id, request.tool, tool_input(request)
+            )
+        response = tools_pb2.ExecuteToolResponse(
+            success=result.success, error=result.error, millicredits=result.millicredits
+        )
         if result.success:
             response.output_json = pb.json_bytes(result.output, clip=True)
         return response
 
     @rpc_errors
-    async def CreateCredential(self, request: tools_pb2.CreateCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateCredentialResponse:
+    async def CreateCredential(
+        self, request: tools_pb2.CreateCredentialRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.CreateCredentialResponse:
         """Store a credential (secret encrypted); INVALID_ARGUMENT for a bad integration, auth type or auth data,
         or FIELD_TOO_LONG for an integration_name past 100, an auth_type past 32 or a display_name past 200
         characters (TEXT_LIMITS, the gateway's limits), or FIELD_TOO_LARGE for auth_data past 64 KiB or metadata
@@ -322,7 +382,9 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         return tools_pb2.CreateCredentialResponse(credential=credential_pb(info))
 
     @rpc_errors
-    async def ListCredentials(self, request: tools_pb2.ListCredentialsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListCredentialsResponse:
+    async def ListCredentials(
+        self, request: tools_pb2.ListCredentialsRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.ListCredentialsResponse:
         """A page of the organization's credentials, newest first.
 
         limit is 1 to 500, 0 means 100 (tools.proto, the gateway's range), and offset is >= 0 (the gateway's
@@ -333,19 +395,32 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         limit = page_size("limit", request.limit, 1, 500, 100)
         if request.offset < 0:
             raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_OFFSET", f"offset must be >= 0, not {request.offset}",
-                domain=TOOLS_DOMAIN, metadata={"field": "offset"},
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_OFFSET",
+                f"offset must be >= 0, not {request.offset}",
+                domain=TOOLS_DOMAIN,
+                metadata={"field": "offset"},
             )
         infos, total = await self.credentials.list(
-            request.organization_id, request.integration_name, request.auth_type, limit=limit, offset=request.offset
+            request.organization_id,
+            request.integration_name,
+            request.auth_type,
+            limit=limit,
+            offset=request.offset,
         )
-        return tools_pb2.ListCredentialsResponse(credentials=[credential_pb(i) for i in infos], total=total)
+        return tools_pb2.ListCredentialsResponse(
+            credentials=[credential_pb(i) for i in infos], total=total
+        )
 
     @rpc_errors
-    async def GetCredential(self, request: tools_pb2.GetCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.GetCredentialResponse:
+    async def GetCredential(
+        self, request: tools_pb2.GetCredentialRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.GetCredentialResponse:
         """One credential; NOT_FOUND when absent or another organization's."""
         info = await self.credentials.get(request.organization_id, request.credential_id)
-        return tools_pb2.GetCredentialResponse(credential=credential_pb(info, include_masked=request.include_masked))
+        return tools_pb2.GetCredentialResponse(
+            credential=credential_pb(info, include_masked=request.include_masked)
+        )
 
     @rpc_errors
     async def ResolveCredentialSecret(
@@ -359,11 +434,18 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         for an integration_name past 100 characters (TEXT_LIMITS), before any query.
         """
         check_lengths(request, "integration_name")
-        not_found = RpcError(grpc.StatusCode.NOT_FOUND, "CREDENTIAL_NOT_FOUND", "credential not found", domain=TOOLS_DOMAIN)
+        not_found = RpcError(
+            grpc.StatusCode.NOT_FOUND,
+            "CREDENTIAL_NOT_FOUND",
+            "credential not found",
+            domain=TOOLS_DOMAIN,
+        )
         if not request.credential_id:
             raise not_found
         try:
-            resolved = await self.credentials.resolve(request.organization_id, request.integration_name, request.credential_id)
+            resolved = await self.credentials.resolve(
+                request.organization_id, request.integration_name, request.credential_id
+            )
         except SecretBoxError:
             raise _undecryptable(request.credential_id) from None
         if resolved is None:
@@ -375,34 +457,48 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         return tools_pb2.ResolveCredentialSecretResponse(secret=key)
 
     @rpc_errors
-    async def DeleteCredential(self, request: tools_pb2.DeleteCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.DeleteCredentialResponse:
+    async def DeleteCredential(
+        self, request: tools_pb2.DeleteCredentialRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.DeleteCredentialResponse:
         """Delete one credential; NOT_FOUND when absent or another organization's."""
         promoted = await self.credentials.delete(request.organization_id, request.credential_id)
         return tools_pb2.DeleteCredentialResponse(new_default_credential_id=promoted)
 
     @rpc_errors
-    async def SetDefaultCredential(self, request: tools_pb2.SetDefaultCredentialRequest, context: grpc.aio.ServicerContext) -> tools_pb2.SetDefaultCredentialResponse:
+    async def SetDefaultCredential(
+        self, request: tools_pb2.SetDefaultCredentialRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.SetDefaultCredentialResponse:
         """Make one credential its integration's default; NOT_FOUND when absent or another organization's."""
         info = await self.credentials.set_default(request.organization_id, request.credential_id)
         return tools_pb2.SetDefaultCredentialResponse(credential=credential_pb(info))
 
     @rpc_errors
-    async def CreateKnowledgeBase(self, request: tools_pb2.CreateKnowledgeBaseRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateKnowledgeBaseResponse:
+    async def CreateKnowledgeBase(
+        self, request: tools_pb2.CreateKnowledgeBaseRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.CreateKnowledgeBaseResponse:
         """Create an empty knowledge base; INVALID_ARGUMENT without organization or name, or FIELD_TOO_LONG for a
         name past 200 or a description past 10,000 characters (TEXT_LIMITS, the gateway's limits)."""
         check_length("name", request.name, TEXT_LIMITS["name"])
         check_length("description", request.description, TEXT_LIMITS["description"])
-        base, count = await self.knowledge.create_base(request.organization_id, request.name, request.description, request.user_id)
+        base, count = await self.knowledge.create_base(
+            request.organization_id, request.name, request.description, request.user_id
+        )
         return tools_pb2.CreateKnowledgeBaseResponse(knowledge_base=knowledge_base_pb(base, count))
 
     @rpc_errors
-    async def ListKnowledgeBases(self, request: tools_pb2.ListKnowledgeBasesRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListKnowledgeBasesResponse:
+    async def ListKnowledgeBases(
+        self, request: tools_pb2.ListKnowledgeBasesRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.ListKnowledgeBasesResponse:
         """The organization's knowledge bases, newest first."""
         bases = await self.knowledge.list_bases_with_totals(request.organization_id)
-        return tools_pb2.ListKnowledgeBasesResponse(knowledge_bases=[knowledge_base_pb(b, *totals) for b, totals in bases])
+        return tools_pb2.ListKnowledgeBasesResponse(
+            knowledge_bases=[knowledge_base_pb(b, *totals) for b, totals in bases]
+        )
 
     @rpc_errors
-    async def AddDocument(self, request: tools_pb2.AddDocumentRequest, context: grpc.aio.ServicerContext) -> tools_pb2.AddDocumentResponse:
+    async def AddDocument(
+        self, request: tools_pb2.AddDocumentRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.AddDocumentResponse:
         """Add, chunk and index a document (text, or a file's extracted text); NOT_FOUND for another
         organization's knowledge base; INVALID_ARGUMENT UNSUPPORTED_FILE_TYPE / DOCUMENT_HAS_NO_TEXT for a file,
         FIELD_TOO_LONG for a name past 500 characters (TEXT_LIMITS: the gateway cuts an upload's name there)."""
@@ -416,23 +512,37 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             except ExtractionError as exc:
                 raise _invalid("DOCUMENT_HAS_NO_TEXT", str(exc)) from None
             document = await self.knowledge.add_document(
-                request.organization_id, request.knowledge_base_id, request.name, text, MEDIA_TYPES[kind],
+                request.organization_id,
+                request.knowledge_base_id,
+                request.name,
+                text,
+                MEDIA_TYPES[kind],
                 file_size_bytes=len(request.data),
             )
         else:
             document = await self.knowledge.add_document(
-                request.organization_id, request.knowledge_base_id, request.name, request.text, request.content_type
+                request.organization_id,
+                request.knowledge_base_id,
+                request.name,
+                request.text,
+                request.content_type,
             )
         return tools_pb2.AddDocumentResponse(document=document_pb(document))
 
     @rpc_errors
-    async def GetDocument(self, request: tools_pb2.GetDocumentRequest, context: grpc.aio.ServicerContext) -> tools_pb2.GetDocumentResponse:
+    async def GetDocument(
+        self, request: tools_pb2.GetDocumentRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.GetDocumentResponse:
         """One document; NOT_FOUND when absent, in another knowledge base or another organization's."""
-        document = await self.knowledge.get_document(request.organization_id, request.knowledge_base_id, request.document_id)
+        document = await self.knowledge.get_document(
+            request.organization_id, request.knowledge_base_id, request.document_id
+        )
         return tools_pb2.GetDocumentResponse(document=document_pb(document))
 
     @rpc_errors
-    async def CreateMcpServer(self, request: tools_pb2.CreateMcpServerRequest, context: grpc.aio.ServicerContext) -> tools_pb2.CreateMcpServerResponse:
+    async def CreateMcpServer(
+        self, request: tools_pb2.CreateMcpServerRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.CreateMcpServerResponse:
         """Register a Streamable HTTP MCP server (URL and headers encrypted) and discover its tools.
 
         INVALID_ARGUMENT: INVALID_SERVER_URL, OUTBOUND_POLICY, INVALID_HEADERS, FIELD_TOO_LONG (a server_url
@@ -464,19 +574,33 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             tools, error = None, str(exc)
         display_name = request.display_name.strip() or (urllib_host(url) or "MCP server")
         integration = f"mcp_{slug(display_name)}"
-        if self.executor.catalogue.get(integration) or integration in self.executor.stdio.servers or await self.credentials.integration_taken(request.organization_id, integration):
+        if (
+            self.executor.catalogue.get(integration)
+            or integration in self.executor.stdio.servers
+            or await self.credentials.integration_taken(request.organization_id, integration)
+        ):
             integration = f"{integration}_{uuid.uuid4().hex[:6]}"
         info = await self.credentials.create_raw(
-            request.organization_id, integration, MCP_AUTH_TYPE, secret, display_name,
-            metadata={"server_url_host": urllib_host(url)}, make_default=request.make_default, discovery=tools,
+            request.organization_id,
+            integration,
+            MCP_AUTH_TYPE,
+            secret,
+            display_name,
+            metadata={"server_url_host": urllib_host(url)},
+            make_default=request.make_default,
+            discovery=tools,
             created_by=request.user_id,
         )
         return tools_pb2.CreateMcpServerResponse(
-            credential=credential_pb(info), tools=[mcp_tool_pb(t) for t in tools or []], discovery_error=error
+            credential=credential_pb(info),
+            tools=[mcp_tool_pb(t) for t in tools or []],
+            discovery_error=error,
         )
 
     @rpc_errors
-    async def RefreshMcpDiscovery(self, request: tools_pb2.RefreshMcpDiscoveryRequest, context: grpc.aio.ServicerContext) -> tools_pb2.RefreshMcpDiscoveryResponse:
+    async def RefreshMcpDiscovery(
+        self, request: tools_pb2.RefreshMcpDiscoveryRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.RefreshMcpDiscoveryResponse:
         """List an MCP server's tools again; success=false with `error` (tools kept) when it cannot be reached.
 
         FAILED_PRECONDITION CREDENTIAL_UNDECRYPTABLE when no configured key decrypts its secret.
@@ -495,31 +619,46 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             tools, error = None, str(exc)
         if tools is None:
             return tools_pb2.RefreshMcpDiscoveryResponse(
-                credential_id=request.credential_id, success=False, total_tools=len(old or []),
-                refresh_time=pb.timestamp(), error=error,
+                credential_id=request.credential_id,
+                success=False,
+                total_tools=len(old or []),
+                refresh_time=pb.timestamp(),
+                error=error,
             )
-        when = await self.credentials.set_discovery(request.organization_id, request.credential_id, tools)
+        when = await self.credentials.set_discovery(
+            request.organization_id, request.credential_id, tools
+        )
         before = {t["name"] for t in old or []}
         after = {t["name"] for t in tools}
         return tools_pb2.RefreshMcpDiscoveryResponse(
-            credential_id=request.credential_id, success=True, total_tools=len(tools),
-            added=sorted(after - before), removed=sorted(before - after), refresh_time=pb.timestamp(when),
+            credential_id=request.credential_id,
+            success=True,
+            total_tools=len(tools),
+            added=sorted(after - before),
+            removed=sorted(before - after),
+            refresh_time=pb.timestamp(when),
         )
 
     @rpc_errors
-    async def ListMcpTools(self, request: tools_pb2.ListMcpToolsRequest, context: grpc.aio.ServicerContext) -> tools_pb2.ListMcpToolsResponse:
+    async def ListMcpTools(
+        self, request: tools_pb2.ListMcpToolsRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.ListMcpToolsResponse:
         """The tools last discovered on an MCP server credential (its secret is not read); INVALID_ARGUMENT
         WRONG_CREDENTIAL_KIND for another kind of credential."""
         _info, tools, when, _secret = await self.credentials.discovery(
             request.organization_id, request.credential_id, MCP_AUTH_TYPE, secret=False
         )
-        response = tools_pb2.ListMcpToolsResponse(credential_id=request.credential_id, tools=[mcp_tool_pb(t) for t in tools or []])
+        response = tools_pb2.ListMcpToolsResponse(
+            credential_id=request.credential_id, tools=[mcp_tool_pb(t) for t in tools or []]
+        )
         if when is not None:
             response.discovery_time.CopyFrom(pb.timestamp(when))
         return response
 
     @rpc_errors
-    async def InitiateOAuth2(self, request: tools_pb2.InitiateOAuth2Request, context: grpc.aio.ServicerContext) -> tools_pb2.InitiateOAuth2Response:
+    async def InitiateOAuth2(
+        self, request: tools_pb2.InitiateOAuth2Request, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.InitiateOAuth2Response:
         """Start an authorization code flow with PKCE; INVALID_ARGUMENT for an integration without OAuth2, or
         FIELD_TOO_LONG for an integration_name past 100, a redirect_uri or scope past 2,048 or a display_name
         past 200 characters (TEXT_LIMITS: the gateway's limits; the credential created at completion gets the
@@ -528,13 +667,20 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         if self.oauth is None:
             raise _invalid("OAUTH2_NOT_SUPPORTED", "No OAuth2 integration is configured")
         url, state = await self.oauth.initiate(
-            request.organization_id, request.integration_name, request.redirect_uri, request.scope,
-            request.display_name, request.make_default, request.user_id,
+            request.organization_id,
+            request.integration_name,
+            request.redirect_uri,
+            request.scope,
+            request.display_name,
+            request.make_default,
+            request.user_id,
         )
         return tools_pb2.InitiateOAuth2Response(authorization_url=url, state=state)
 
     @rpc_errors
-    async def CompleteOAuth2(self, request: tools_pb2.CompleteOAuth2Request, context: grpc.aio.ServicerContext) -> tools_pb2.CompleteOAuth2Response:
+    async def CompleteOAuth2(
+        self, request: tools_pb2.CompleteOAuth2Request, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.CompleteOAuth2Response:
         """Exchange the code for tokens and store them as a credential (see OAuth2Flows.complete for errors)."""
         if self.oauth is None:
             raise _invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state")
@@ -542,7 +688,9 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         return tools_pb2.CompleteOAuth2Response(credential=credential_pb(info), user_id=user_id)
 
     @rpc_errors
-    async def SearchKnowledge(self, request: tools_pb2.SearchKnowledgeRequest, context: grpc.aio.ServicerContext) -> tools_pb2.SearchKnowledgeResponse:
+    async def SearchKnowledge(
+        self, request: tools_pb2.SearchKnowledgeRequest, context: grpc.aio.ServicerContext
+    ) -> tools_pb2.SearchKnowledgeResponse:
         """The best chunks for the query in the organization's knowledge bases.
 
         top_k is 1 to 50, 0 means 5 (tools.proto, the gateway's range); any other value is INVALID_ARGUMENT
@@ -553,7 +701,9 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         check_lengths(request, "query")
         check_count("knowledge_base_ids", request.knowledge_base_ids)
         top_k = page_size("top_k", request.top_k, 1, 50, 5)
-        hits = await self.knowledge.search(request.organization_id, request.query, list(request.knowledge_base_ids), top_k)
+        hits = await self.knowledge.search(
+            request.organization_id, request.query, list(request.knowledge_base_ids), top_k
+        )
         return tools_pb2.SearchKnowledgeResponse(
             results=[tools_pb2.KnowledgeSearchResult(**h.to_json()) for h in hits]
         )
@@ -589,13 +739,24 @@ class ToolsServer:
             )
         box = SecretBox(settings.credential_keys())
         providers = parse_providers(settings.tools_oauth2_integrations)
-        catalogue = Catalogue(Catalogue.builtin().all() + [integration_of(p, settings.tools_timeout_s) for p in providers])
-        connector = McpConnector(settings.tools_timeout_s, settings.tools_max_output_bytes, settings.tools_allow_private_network)
+        catalogue = Catalogue(
+            Catalogue.builtin().all()
+            + [integration_of(p, settings.tools_timeout_s) for p in providers]
+        )
+        connector = McpConnector(
+            settings.tools_timeout_s,
+            settings.tools_max_output_bytes,
+            settings.tools_allow_private_network,
+        )
         stdio = StdioRegistry(parse_stdio_servers(settings.tools_mcp_stdio_servers), connector)
         engine = db.make_engine(url, settings.db_pool_size, settings.db_timeout_s)
         sessions = db.sessionmaker(engine)
-        credentials = CredentialStore(sessions, box, catalogue, settings.tools_credential_cache_ttl_s)
-        executor = ToolExecutor(settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio)
+        credentials = CredentialStore(
+            sessions, box, catalogue, settings.tools_credential_cache_ttl_s
+        )
+        executor = ToolExecutor(
+            settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio
+        )
         oauth = OAuth2Flows(providers, sessions, box, credentials, settings.tools_timeout_s)
         servicer = ToolsServicer(executor, oauth)
         try:

@@ -84,8 +84,14 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
         "input_schema": {
             "type": "object",
             "properties": {
-                "category": {"type": "string", "description": "Only integrations in this category, e.g. \"database\"."},
-                "query": {"type": "string", "description": "Only integrations whose name or description contains this text."},
+                "category": {
+                    "type": "string",
+                    "description": 'Only integrations in this category, e.g. "database".',
+                },
+                "query": {
+                    "type": "string",
+                    "description": "Only integrations whose name or description contains this text.",
+                },
             },
             "additionalProperties": False,
         },
@@ -96,7 +102,13 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
         "and its auth options. Call it before execute_integration_tool.",
         "input_schema": {
             "type": "object",
-            "properties": {"integration": {"type": "string", "minLength": 1, "description": "Integration name, e.g. \"postgresql\"."}},
+            "properties": {
+                "integration": {
+                    "type": "string",
+                    "minLength": 1,
+                    "description": 'Integration name, e.g. "postgresql".',
+                }
+            },
             "required": ["integration"],
             "additionalProperties": False,
         },
@@ -107,7 +119,12 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
         "display name, default flag, dates). Secrets are never shown.",
         "input_schema": {
             "type": "object",
-            "properties": {"integration": {"type": "string", "description": "Only this integration's credentials."}},
+            "properties": {
+                "integration": {
+                    "type": "string",
+                    "description": "Only this integration's credentials.",
+                }
+            },
             "additionalProperties": False,
         },
     },
@@ -119,10 +136,21 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
         "input_schema": {
             "type": "object",
             "properties": {
-                "integration": {"type": "string", "minLength": 1, "description": "Integration name."},
+                "integration": {
+                    "type": "string",
+                    "minLength": 1,
+                    "description": "Integration name.",
+                },
                 "action": {"type": "string", "minLength": 1, "description": "Action name."},
-                "parameters": {"type": "object", "description": "The action's parameters.", "default": {}},
-                "credential_id": {"type": "string", "description": "A credential id from get_organization_credentials."},
+                "parameters": {
+                    "type": "object",
+                    "description": "The action's parameters.",
+                    "default": {},
+                },
+                "credential_id": {
+                    "type": "string",
+                    "description": "A credential id from get_organization_credentials.",
+                },
             },
             "required": ["integration", "action"],
             "additionalProperties": False,
@@ -141,7 +169,13 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
                     "items": {"type": "string"},
                     "description": "Only these knowledge bases (default: all of the organization's).",
                 },
-                "top_k": {"type": "integer", "minimum": 1, "maximum": 50, "default": 5, "description": "How many passages."},
+                "top_k": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": 50,
+                    "default": 5,
+                    "description": "How many passages.",
+                },
             },
             "required": ["query"],
             "additionalProperties": False,
@@ -162,7 +196,14 @@ def _field_with_nul(tool_input: dict[str, Any]) -> str | None:
     tools service looks up in its database, and PostgreSQL's text takes no NUL: a model's
     `credential_id` with one was "failed because of an internal error" there and "not found" on
     SQLite (fresh-eyes test); the gateway refuses NUL in request bodies the same way."""
-    return next((name for name, value in tool_input.items() if name != "parameters" and pb.holds_nul(value)), None)
+    return next(
+        (
+            name
+            for name, value in tool_input.items()
+            if name != "parameters" and pb.holds_nul(value)
+        ),
+        None,
+    )
 
 
 def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:
@@ -174,7 +215,9 @@ def cap_result(result: Any, max_bytes: int) -> tuple[Any, bool, int]:
     """
     try:
         encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:  # a lone surrogate (a web page's "\ud800"): U+FFFD instead (pb.scrub)
+    except (
+        UnicodeEncodeError
+    ):  # a lone surrogate (a web page's "\ud800"): U+FFFD instead (pb.scrub)
         result = pb.scrub(result)
         encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
     if len(encoded) <= max_bytes:
@@ -201,15 +244,22 @@ class ToolExecutor:
     """
 
     def __init__(
-        self, settings: ToolsSettings, catalogue: Catalogue, credentials: CredentialStore, knowledge: KnowledgeStore,
-        mcp: McpConnector | None = None, stdio: StdioRegistry | None = None,
+        self,
+        settings: ToolsSettings,
+        catalogue: Catalogue,
+        credentials: CredentialStore,
+        knowledge: KnowledgeStore,
+        mcp: McpConnector | None = None,
+        stdio: StdioRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.catalogue = catalogue
         self.credentials = credentials
         self.knowledge = knowledge
         self.mcp = mcp or McpConnector(
-            settings.tools_timeout_s, settings.tools_max_output_bytes, settings.tools_allow_private_network
+            settings.tools_timeout_s,
+            settings.tools_max_output_bytes,
+            settings.tools_allow_private_network,
         )
         self.stdio = stdio or StdioRegistry([], self.mcp)
         self._handlers = {
@@ -231,7 +281,9 @@ class ToolExecutor:
         handler = self._handlers.get(tool)
         if handler is None:
             names = ", ".join(self._handlers)
-            return ToolResult(False, error=f"Unknown tool {tool!r}. The tools service executes: {names}.")
+            return ToolResult(
+                False, error=f"Unknown tool {tool!r}. The tools service executes: {names}."
+            )
         if not org_id:
             return ToolResult(False, error="No organization given for this tool call.")
         problems = schema_errors(_VALIDATORS[tool], tool_input, "input")
@@ -239,7 +291,9 @@ class ToolExecutor:
             return ToolResult(False, error=f"Invalid input for {tool}: {problems}")
         nul = _field_with_nul(tool_input)
         if nul is not None:
-            return ToolResult(False, error=f"Invalid input for {tool}: input.{nul}: must not contain U+0000 (NUL)")
+            return ToolResult(
+                False, error=f"Invalid input for {tool}: input.{nul}: must not contain U+0000 (NUL)"
+            )
         try:
             return await handler(org_id, tool_input)
         except ToolError as exc:
@@ -247,8 +301,13 @@ class ToolExecutor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a tool failure is a result, never a failed RPC
-            log.exception("tool failed unexpectedly", extra={"fields": {"tool": tool, "exc_type": type(exc).__name__}})
-            return ToolResult(False, error=f"{tool} failed because of an internal error; try again later.")
+            log.exception(
+                "tool failed unexpectedly",
+                extra={"fields": {"tool": tool, "exc_type": type(exc).__name__}},
+            )
+            return ToolResult(
+                False, error=f"{tool} failed because of an internal error; try again later."
+            )
 
     async def get_available_integrations(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"integrations": [{"name", "display_name", "description", "categories", "connected", "auth_types"}], "count"}."""
@@ -261,11 +320,16 @@ class ToolExecutor:
             Integration(s.name, s.name, self.stdio.describe(s), ("mcp",), NO_AUTH, {})
             for s in self.stdio.servers.values()
         ]
-        listed += [self.org_mcp_integration(info, tools) for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE)]
+        listed += [
+            self.org_mcp_integration(info, tools)
+            for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE)
+        ]
         for integration in listed:
             if category and category not in (c.lower() for c in integration.categories):
                 continue
-            haystack = f"{integration.name} {integration.display_name} {integration.description}".lower()
+            haystack = (
+                f"{integration.name} {integration.display_name} {integration.description}".lower()
+            )
             if query and query not in haystack:
                 continue
             items.append(
@@ -274,7 +338,8 @@ class ToolExecutor:
                     "display_name": integration.display_name,
                     "description": integration.description,
                     "categories": list(integration.categories),
-                    "connected": integration.name in connected or integration.auth_types == ["none"],
+                    "connected": integration.name in connected
+                    or integration.auth_types == ["none"],
                     "auth_types": integration.auth_types,
                 }
             )
@@ -303,8 +368,12 @@ class ToolExecutor:
     async def get_organization_credentials(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"credentials": [{"id", "integration", "auth_type", "display_name", "is_default",
         "created_at", "updated_at"}], "count"} — metadata only, newest first (at most 500)."""
-        infos, total = await self.credentials.list(org_id, integration_name=args.get("integration") or "", limit=500)
-        return ToolResult(True, output={"credentials": [i.to_tool_json() for i in infos], "count": total})
+        infos, total = await self.credentials.list(
+            org_id, integration_name=args.get("integration") or "", limit=500
+        )
+        return ToolResult(
+            True, output={"credentials": [i.to_tool_json() for i in infos], "count": total}
+        )
 
     async def execute_integration_tool(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"integration", "action", "credential_id" (or null), "result", "truncated", "result_bytes"}.
@@ -317,10 +386,14 @@ class ToolExecutor:
         action = integration.actions.get(args["action"])
         if action is None:
             if not integration.actions:  # e.g. an MCP server whose tools could not be discovered
-                raise ToolError(f"Integration {integration.name!r} has no actions (an MCP server's are those its discovery "
-                                "found; refresh it with POST /credentials/{id}/refresh-discovery).")
+                raise ToolError(
+                    f"Integration {integration.name!r} has no actions (an MCP server's are those its discovery "
+                    "found; refresh it with POST /credentials/{id}/refresh-discovery)."
+                )
             names = ", ".join(integration.actions)
-            raise ToolError(f"Integration {integration.name!r} has no action {args['action']!r}. Its actions: {names}.")
+            raise ToolError(
+                f"Integration {integration.name!r} has no action {args['action']!r}. Its actions: {names}."
+            )
         parameters = args.get("parameters") or {}
         problems = schema_errors(action.validator, parameters, "parameters")
         if problems:
@@ -332,7 +405,9 @@ class ToolExecutor:
             # An integration without a secret auth type (e.g. loopline) can have no credential
             # (CreateCredential refuses one), so there is nothing to look up unless an id is named.
             if args.get("credential_id") or integration.secret_auth_types:
-                resolved = await self.credentials.resolve(org_id, integration.name, args.get("credential_id"))
+                resolved = await self.credentials.resolve(
+                    org_id, integration.name, args.get("credential_id")
+                )
             else:
                 resolved = None
         except SecretBoxError as exc:
@@ -375,8 +450,12 @@ class ToolExecutor:
             ) from exc
         except ActionError as exc:  # built by the integration from known fields; redacted all the same (defence in depth)
             cause = exc.__cause__
-            raise ToolError(f"{integration.name}.{action.name} failed: {redactor.text(str(exc))}") from exc
-        except OutboundPolicyError as exc:  # an MCP server's host: the organization's, not the model's, so not named
+            raise ToolError(
+                f"{integration.name}.{action.name} failed: {redactor.text(str(exc))}"
+            ) from exc
+        except (
+            OutboundPolicyError
+        ) as exc:  # an MCP server's host: the organization's, not the model's, so not named
             raise ToolError(
                 f"{integration.name}.{action.name} refused: {failures.policy_refusal(exc, 'the server host')}"
             ) from exc
@@ -396,10 +475,18 @@ class ToolExecutor:
                 where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame else "?"
                 log.error(
                     "integration action raised",
-                    extra={"fields": {"integration": integration.name, "action": action.name,
-                                      "exc_type": type(exc).__name__, "where": where}},
+                    extra={
+                        "fields": {
+                            "integration": integration.name,
+                            "action": action.name,
+                            "exc_type": type(exc).__name__,
+                            "where": where,
+                        }
+                    },
                 )
-            raise ToolError(f"{integration.name}.{action.name} failed: {failures.unexpected(exc)}") from exc
+            raise ToolError(
+                f"{integration.name}.{action.name} failed: {failures.unexpected(exc)}"
+            ) from exc
         finally:
             fields: dict[str, Any] = {
                 "org_id": org_id,
@@ -434,16 +521,33 @@ class ToolExecutor:
         "chunk_index", "content", "score"}], "count"}; error result when the org has no knowledge base."""
         known = await self.knowledge.base_ids(org_id)
         if not known:
-            raise ToolError("This organization has no knowledge bases yet, so there is nothing to search.")
+            raise ToolError(
+                "This organization has no knowledge bases yet, so there is nothing to search."
+            )
         unknown = [i for i in dict.fromkeys(args.get("knowledge_base_ids") or []) if i not in known]
         if unknown:  # as POST /knowledge-bases/search answers 404 for them, instead of searching the others quietly
-            shown = ", ".join(repr(i[:64]) for i in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            raise ToolError(f"Knowledge base(s) not found: {shown}. Leave out knowledge_base_ids to search them all.")
-        hits = await self.knowledge.search(org_id, args["query"], args.get("knowledge_base_ids"), int(args.get("top_k", 5)))
-        output = {"query": args["query"], "results": [h.to_json() for h in hits], "count": len(hits)}
+            shown = ", ".join(repr(i[:64]) for i in unknown[:5]) + (
+                f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            )
+            raise ToolError(
+                f"Knowledge base(s) not found: {shown}. Leave out knowledge_base_ids to search them all."
+            )
+        hits = await self.knowledge.search(
+            org_id, args["query"], args.get("knowledge_base_ids"), int(args.get("top_k", 5))
+        )
+        output = {
+            "query": args["query"],
+            "results": [h.to_json() for h in hits],
+            "count": len(hits),
+        }
         value, truncated, _size = cap_result(output, self.settings.tools_max_output_bytes)
         if truncated:
-            output = {"query": args["query"], "results": value, "count": len(hits), "truncated": True}
+            output = {
+                "query": args["query"],
+                "results": value,
+                "count": len(hits),
+                "truncated": True,
+            }
         return ToolResult(True, output=output, millicredits=self.settings.tools_search_millicredits)
 
     def org_mcp_integration(self, info: Any, tools: list[dict[str, Any]]) -> Integration:
@@ -454,8 +558,12 @@ class ToolExecutor:
                 raise ActionError("the MCP server credential has no URL; register the server again")
             return await self.mcp.call_tool(ctx.secret, tool_name, params)
 
-        description = str(info.metadata.get("description") or f"Tools of the MCP server {info.display_name!r}")
-        return integration_of_tools(info.integration, info.display_name, description, tools, ORG_SERVER_AUTH, call)
+        description = str(
+            info.metadata.get("description") or f"Tools of the MCP server {info.display_name!r}"
+        )
+        return integration_of_tools(
+            info.integration, info.display_name, description, tools, ORG_SERVER_AUTH, call
+        )
 
     async def _integration(self, org_id: str, name: str) -> Integration:
         """The integration `name`: built-in or OAuth2 (catalogue), operator stdio MCP, or the org's MCP server.
@@ -469,16 +577,25 @@ class ToolExecutor:
             try:
                 return await self.stdio.integration(name)
             except TimeoutError:
-                raise ToolError(f"The MCP server {name!r} did not list its tools in time; try again later.") from None
+                raise ToolError(
+                    f"The MCP server {name!r} did not list its tools in time; try again later."
+                ) from None
             except (ActionError, OutboundPolicyError) as exc:
                 raise ToolError(f"The MCP server {name!r} is unavailable: {exc}") from None
         org_servers: list[str] = []
-        for fresh in (False, True):  # cached first; a name it lacks may be a server another replica just added
+        for fresh in (
+            False,
+            True,
+        ):  # cached first; a name it lacks may be a server another replica just added
             org_servers.clear()
-            for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE, fresh=fresh):
+            for info, tools in await self.credentials.of_auth_type(
+                org_id, MCP_AUTH_TYPE, fresh=fresh
+            ):
                 if info.integration == name:
                     return self.org_mcp_integration(info, tools)
                 org_servers.append(info.integration)
         names = [i.name for i in self.catalogue.all()] + list(self.stdio.servers) + org_servers
-        raise ToolError(f"Unknown integration {name!r}. Available integrations include: {', '.join(names)}. "
-                        "Call get_available_integrations to browse them.")
+        raise ToolError(
+            f"Unknown integration {name!r}. Available integrations include: {', '.join(names)}. "
+            "Call get_available_integrations to browse them."
+        )

@@ -16,11 +16,12 @@ import asyncpg
 import grpc
 import pytest
 from sqlalchemy.engine import make_url
+from tests_billing_helpers import make_settings
 
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.config import BillingSettings
 from services.billing.server import BillingServer
-from tests_billing_helpers import make_settings
+
 
 @pytest.fixture
 def settings(tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> BillingSettings:

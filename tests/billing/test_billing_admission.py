@@ -9,12 +9,12 @@ import uuid
 import grpc
 import pytest
 from sqlalchemy import func, select
+from tests_billing_helpers import admit_request, make_settings
 
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from services.billing.models import Account, LedgerEntry, Reservation
 from services.billing.server import BillingServer
 from services.common.errors import BILLING_DOMAIN, status_details
-from tests_billing_helpers import admit_request, make_settings
 
 pb = billing_pb2
 
@@ -29,7 +29,9 @@ async def _account(server: BillingServer, org: str) -> Account:
 async def _reservation_count(server: BillingServer, org: str) -> int:
     async with server.core.sessions() as session:
         return (
-            await session.execute(select(func.count()).select_from(Reservation).where(Reservation.org_id == org))
+            await session.execute(
+                select(func.count()).select_from(Reservation).where(Reservation.org_id == org)
+            )
         ).scalar_one()
 
 
@@ -77,12 +79,18 @@ async def test_unknown_org_is_auto_provisioned_on_the_default_plan(server, stub,
     assert view["plan"]["rate_limits"] == {"sync_exec": "600/minute"}
 
 
-async def test_admit_replay_returns_the_same_reservation_without_counting_the_rate_limit(server, stub, org):
+async def test_admit_replay_returns_the_same_reservation_without_counting_the_rate_limit(
+    server, stub, org
+):
     await server.core.set_plan(org, "three_a_minute")
     first = await stub.Admit(admit_request(org, "chat:run"))
     again = await stub.Admit(admit_request(org, "chat:run"))
     assert again.replayed and not first.replayed
-    assert (again.reservation_id, again.credits, again.state) == (first.reservation_id, 1, pb.RESERVATION_STATE_HELD)
+    assert (again.reservation_id, again.credits, again.state) == (
+        first.reservation_id,
+        1,
+        pb.RESERVATION_STATE_HELD,
+    )
     assert again.rate_limit.remaining == first.rate_limit.remaining == 2
     assert await _reservation_count(server, org) == 1
     assert (await _account(server, org)).allowance_reserved == 1
@@ -116,7 +124,11 @@ async def test_charge_twice_posts_once_and_returns_the_same_entry(server, stub, 
     assert first.ledger_entry_id == second.ledger_entry_id
     assert second.state == pb.RESERVATION_STATE_CHARGED
     async with server.core.sessions() as session:
-        entries = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org))).scalars().all()
+        entries = (
+            (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org)))
+            .scalars()
+            .all()
+        )
     assert len(entries) == 1
     assert (await _account(server, org)).allowance_used == 1
 
@@ -133,7 +145,9 @@ async def test_parallel_charges_of_one_reservation_post_once(server, stub, org):
 
 async def test_release_returns_the_hold_and_is_at_most_once(server, stub, org):
     admitted = await stub.Admit(admit_request(org, "c:r"))
-    released = await stub.Release(pb.ReleaseRequest(reservation_id=admitted.reservation_id, reason="persist failed"))
+    released = await stub.Release(
+        pb.ReleaseRequest(reservation_id=admitted.reservation_id, reason="persist failed")
+    )
     assert released.state == pb.RESERVATION_STATE_RELEASED
     again = await stub.Release(pb.ReleaseRequest(reservation_id=admitted.reservation_id))
     assert again.state == pb.RESERVATION_STATE_RELEASED
@@ -156,7 +170,11 @@ async def test_release_after_charge_is_a_noop_reporting_charged(server, stub, or
 
 @pytest.mark.parametrize("rpc", ["Charge", "Release"])
 async def test_unknown_reservation_is_not_found(stub, rpc):
-    request = pb.ChargeRequest(reservation_id="res_nope") if rpc == "Charge" else pb.ReleaseRequest(reservation_id="res_nope")
+    request = (
+        pb.ChargeRequest(reservation_id="res_nope")
+        if rpc == "Charge"
+        else pb.ReleaseRequest(reservation_id="res_nope")
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await getattr(stub, rpc)(request)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
@@ -275,12 +293,19 @@ async def _hundred_against_seven(stub: billing_pb2_grpc.BillingServiceStub, org:
     )
     admitted = [r for r in results if isinstance(r, pb.AdmitResponse)]
     denied = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    assert len(admitted) + len(denied) == 100, [r for r in results if not isinstance(r, (pb.AdmitResponse, grpc.aio.AioRpcError))]
-    assert {status_details(e).reason for e in denied} <= {"CREDIT_PLAN_EXHAUSTED", "WALLET_INSUFFICIENT_FUNDS"}
+    assert len(admitted) + len(denied) == 100, [
+        r for r in results if not isinstance(r, (pb.AdmitResponse, grpc.aio.AioRpcError))
+    ]
+    assert {status_details(e).reason for e in denied} <= {
+        "CREDIT_PLAN_EXHAUSTED",
+        "WALLET_INSUFFICIENT_FUNDS",
+    }
     return admitted
 
 
-async def test_hundred_parallel_admissions_against_seven_credits_admit_exactly_seven(server, stub, org):
+async def test_hundred_parallel_admissions_against_seven_credits_admit_exactly_seven(
+    server, stub, org
+):
     await server.core.set_plan(org, "seven")
     admitted = await _hundred_against_seven(stub, org)
     assert len(admitted) == 7
@@ -289,7 +314,9 @@ async def test_hundred_parallel_admissions_against_seven_credits_admit_exactly_s
     assert await _reservation_count(server, org) == 7
 
 
-async def test_hundred_parallel_admissions_against_a_seven_credit_wallet_admit_exactly_seven(server, stub, org):
+async def test_hundred_parallel_admissions_against_a_seven_credit_wallet_admit_exactly_seven(
+    server, stub, org
+):
     await server.core.set_plan(org, "wallet_only")
     await server.core.top_up(org, 35)
     admitted = await _hundred_against_seven(stub, org)
@@ -298,7 +325,9 @@ async def test_hundred_parallel_admissions_against_a_seven_credit_wallet_admit_e
     assert (account.wallet_balance_minor, account.wallet_reserved_minor) == (35, 35)
 
 
-async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(tmp_path, postgres_url, org):
+async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(
+    tmp_path, postgres_url, org
+):
     server = await BillingServer.start(make_settings(tmp_path, billing_database_url=postgres_url))
     try:
         await server.core.set_plan(org, "seven")
@@ -320,7 +349,9 @@ async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(tmp
         assert account.allowance_reserved == 0
         async with server.core.sessions() as session:
             charged = (
-                await session.execute(select(func.count()).select_from(LedgerEntry).where(LedgerEntry.org_id == org))
+                await session.execute(
+                    select(func.count()).select_from(LedgerEntry).where(LedgerEntry.org_id == org)
+                )
             ).scalar_one()
         assert account.allowance_used == charged <= 7
     finally:
@@ -338,4 +369,8 @@ async def test_period_rollover_resets_the_allowance(server, stub, org):
     admitted = await stub.Admit(admit_request(org, f"c:{uuid.uuid4().hex}"))
     assert not admitted.replayed
     account = await _account(server, org)
-    assert (account.allowance_used, account.allowance_reserved, account.period_allowance) == (0, 1, 7)
+    assert (account.allowance_used, account.allowance_reserved, account.period_allowance) == (
+        0,
+        1,
+        7,
+    )

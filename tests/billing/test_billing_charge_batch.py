@@ -9,11 +9,11 @@ import datetime
 import grpc
 import pytest
 from sqlalchemy import select
+from tests_billing_helpers import admit_request
 
 from loopline.billing.v1 import billing_pb2 as pb
 from services.billing.models import Account, LedgerEntry
 from services.common.errors import status_details
-from tests_billing_helpers import admit_request
 
 
 def _later() -> datetime.datetime:
@@ -27,13 +27,22 @@ async def _account(server, org: str) -> Account:
 
 async def _charges(server, org: str) -> list[LedgerEntry]:
     async with server.core.sessions() as session:
-        return list((await session.scalars(select(LedgerEntry).where(LedgerEntry.org_id == org, LedgerEntry.kind == "run_charge")
-                                            .order_by(LedgerEntry.created_at))).all())
+        return list(
+            (
+                await session.scalars(
+                    select(LedgerEntry)
+                    .where(LedgerEntry.org_id == org, LedgerEntry.kind == "run_charge")
+                    .order_by(LedgerEntry.created_at)
+                )
+            ).all()
+        )
 
 
 async def test_a_batch_charges_each_hold_once_and_a_retry_replays(server, stub, org):
     held = [await stub.Admit(admit_request(org, f"c:{i}")) for i in range(3)]
-    request = pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=h.reservation_id) for h in held])
+    request = pb.ChargeBatchRequest(
+        charges=[pb.ChargeRequest(reservation_id=h.reservation_id) for h in held]
+    )
     first = await stub.ChargeBatch(request)
     assert [r.state for r in first.results] == [pb.RESERVATION_STATE_CHARGED] * 3
     assert len({r.ledger_entry_id for r in first.results}) == 3
@@ -56,13 +65,19 @@ async def test_an_expired_hold_is_charged_late_and_only_once(server, stub, org):
 
     request = pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=held.reservation_id)])
     first = await stub.ChargeBatch(request)
-    assert first.results[0].state == pb.RESERVATION_STATE_CHARGED and first.results[0].ledger_entry_id
+    assert (
+        first.results[0].state == pb.RESERVATION_STATE_CHARGED and first.results[0].ledger_entry_id
+    )
     replay = await stub.ChargeBatch(request)
     assert replay.results[0].ledger_entry_id == first.results[0].ledger_entry_id
     account = await _account(server, org)
     assert (account.allowance_reserved, account.allowance_used) == (0, 1)
     [entry] = await _charges(server, org)
-    assert entry.amount == -1 and entry.reservation_id == held.reservation_id and "after its hold expired" in entry.note
+    assert (
+        entry.amount == -1
+        and entry.reservation_id == held.reservation_id
+        and "after its hold expired" in entry.note
+    )
     released = await stub.Release(pb.ReleaseRequest(reservation_id=held.reservation_id))
     assert released.state == pb.RESERVATION_STATE_CHARGED  # charged now: a Release leaves it alone
 
@@ -74,7 +89,9 @@ async def test_a_late_charge_debits_the_wallet(server, stub, org):
     assert await server.core.expire_holds(now=_later()) == 1
     account = await _account(server, org)
     assert (account.wallet_balance_minor, account.wallet_reserved_minor) == (7, 0)
-    answer = await stub.ChargeBatch(pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=paid.reservation_id)]))
+    answer = await stub.ChargeBatch(
+        pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=paid.reservation_id)])
+    )
     assert answer.results[0].state == pb.RESERVATION_STATE_CHARGED
     account = await _account(server, org)
     assert (account.wallet_balance_minor, account.wallet_reserved_minor) == (2, 0)
@@ -82,23 +99,38 @@ async def test_a_late_charge_debits_the_wallet(server, stub, org):
 
 async def test_a_released_or_unknown_reservation_is_answered_in_its_result(server, stub, org):
     released = await stub.Admit(admit_request(org, "c:released"))
-    await stub.Release(pb.ReleaseRequest(reservation_id=released.reservation_id, reason="turn not started"))
+    await stub.Release(
+        pb.ReleaseRequest(reservation_id=released.reservation_id, reason="turn not started")
+    )
     held = await stub.Admit(admit_request(org, "c:held"))
-    answer = await stub.ChargeBatch(pb.ChargeBatchRequest(charges=[
-        pb.ChargeRequest(reservation_id=released.reservation_id),
-        pb.ChargeRequest(reservation_id="res_nope"),
-        pb.ChargeRequest(reservation_id=held.reservation_id),
-    ]))
+    answer = await stub.ChargeBatch(
+        pb.ChargeBatchRequest(
+            charges=[
+                pb.ChargeRequest(reservation_id=released.reservation_id),
+                pb.ChargeRequest(reservation_id="res_nope"),
+                pb.ChargeRequest(reservation_id=held.reservation_id),
+            ]
+        )
+    )
     assert [(r.state, bool(r.ledger_entry_id)) for r in answer.results] == [
-        (pb.RESERVATION_STATE_RELEASED, False), (pb.RESERVATION_STATE_UNSPECIFIED, False), (pb.RESERVATION_STATE_CHARGED, True)]
+        (pb.RESERVATION_STATE_RELEASED, False),
+        (pb.RESERVATION_STATE_UNSPECIFIED, False),
+        (pb.RESERVATION_STATE_CHARGED, True),
+    ]
     account = await _account(server, org)
     assert (account.allowance_reserved, account.allowance_used) == (0, 1)
 
 
-async def test_an_empty_reservation_id_fails_the_batch_before_anything_is_written(server, stub, org):
+async def test_an_empty_reservation_id_fails_the_batch_before_anything_is_written(
+    server, stub, org
+):
     held = await stub.Admit(admit_request(org, "c:1"))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stub.ChargeBatch(pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=held.reservation_id), pb.ChargeRequest()]))
+        await stub.ChargeBatch(
+            pb.ChargeBatchRequest(
+                charges=[pb.ChargeRequest(reservation_id=held.reservation_id), pb.ChargeRequest()]
+            )
+        )
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert status_details(caught.value).reason == "RESERVATION_ID_REQUIRED"
     assert await _charges(server, org) == []
@@ -121,7 +153,9 @@ async def test_a_late_charge_counts_its_run_in_the_daily_quota_again(server, stu
     assert (await _account(server, org)).runs_today == 1
     assert await server.core.expire_holds(now=_later()) == 1
     assert (await _account(server, org)).runs_today == 0
-    await stub.ChargeBatch(pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=held.reservation_id)]))
+    await stub.ChargeBatch(
+        pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=held.reservation_id)])
+    )
     assert (await _account(server, org)).runs_today == 1
     await stub.Admit(admit_request(org, "c:2"))
     code = None

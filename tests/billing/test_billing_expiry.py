@@ -9,13 +9,13 @@ import time
 
 import grpc
 import pytest
+from tests_billing_helpers import admit_request, make_settings
 
 from loopline.billing.v1 import billing_pb2 as pb
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import Account
 from services.billing.server import BillingServer, _sweep_forever
 from services.common.errors import status_details
-from tests_billing_helpers import admit_request, make_settings
 
 
 async def test_sweeper_expires_overdue_holds_and_returns_their_credits(server, stub, org):
@@ -44,7 +44,12 @@ async def test_sweeper_expires_overdue_holds_and_returns_their_credits(server, s
 async def test_background_sweeper_runs_while_the_server_runs(tmp_path, org):
     # the shortest hold billing takes is 1 s (LOOPLINE_BILLING_HOLD_SECONDS=0 is refused at start)
     server = await BillingServer.start(
-        make_settings(tmp_path, billing_hold_seconds=1, billing_sweep_interval_s=0.05, billing_expiry_grace_s=0)
+        make_settings(
+            tmp_path,
+            billing_hold_seconds=1,
+            billing_sweep_interval_s=0.05,
+            billing_expiry_grace_s=0,
+        )
     )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -146,7 +151,9 @@ async def test_a_database_outage_is_said_once_and_a_bug_every_pass(caplog):
     """F5 re-test: while the database dropped packets, every sweep logged "sweeper pass failed"
     with a traceback (ERROR). An outage is now one warning and one "go through again" line; any
     other failure keeps its traceback."""
-    core = _FailingPasses(TimeoutError(), ConnectionRefusedError(111, "refused"), TimeoutError(), RuntimeError("bug"))
+    core = _FailingPasses(
+        TimeoutError(), ConnectionRefusedError(111, "refused"), TimeoutError(), RuntimeError("bug")
+    )
     caplog.set_level(logging.INFO, logger="services.billing.server")
     task = asyncio.create_task(_sweep_forever(core, 0.02))
     try:
@@ -155,7 +162,12 @@ async def test_a_database_outage_is_said_once_and_a_bug_every_pass(caplog):
             await asyncio.sleep(0.02)
     finally:
         task.cancel()
-    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "services.billing.server"]
-    assert said == [("WARNING", "sweeper: database unavailable; holds expire once it answers"),
-                    ("ERROR", "sweeper pass failed"), ("INFO", "sweeper: passes go through again")], said
+    said = [
+        (r.levelname, r.getMessage()) for r in caplog.records if r.name == "services.billing.server"
+    ]
+    assert said == [
+        ("WARNING", "sweeper: database unavailable; holds expire once it answers"),
+        ("ERROR", "sweeper pass failed"),
+        ("INFO", "sweeper: passes go through again"),
+    ], said
     assert caplog.records[-2].exc_info is not None  # the bug's traceback

@@ -14,8 +14,17 @@ from tests.conftest import postgres_url, selected_backend
 
 
 def _terms(credits: int) -> dict[str, PlanTerms]:
-    return {name: PlanTerms(name=name, monthly_run_credits=credits, max_runs_per_day=50, rate_limits={}, wallet_overage=False,
-                            wallet_price_minor=0) for name in ("free", "developer", "team")}
+    return {
+        name: PlanTerms(
+            name=name,
+            monthly_run_credits=credits,
+            max_runs_per_day=50,
+            rate_limits={},
+            wallet_overage=False,
+            wallet_price_minor=0,
+        )
+        for name in ("free", "developer", "team")
+    }
 
 
 async def test_two_replicas_writing_the_plans_at_once_both_start_and_the_file_wins(tmp_path):
@@ -52,11 +61,15 @@ async def _race(url: str) -> None:
         async with engines[0].begin() as connection:
             await connection.run_sync(Base.metadata.create_all)
         for credits in (100, 200, 300):  # fresh plans, then updates of existing ones, all at once
-            await asyncio.gather(*(sync_plans(db.sessionmaker(engine), _terms(credits)) for engine in engines))
+            await asyncio.gather(
+                *(sync_plans(db.sessionmaker(engine), _terms(credits)) for engine in engines)
+            )
         async with db.sessionmaker(engines[0])() as session:
-            plans = {plan.name: plan.monthly_run_credits for plan in (await session.execute(select(Plan))).scalars()}
+            plans = {
+                plan.name: plan.monthly_run_credits
+                for plan in (await session.execute(select(Plan))).scalars()
+            }
         assert plans == {"free": 300, "developer": 300, "team": 300}
     finally:
         for engine in engines:
             await engine.dispose()
-

@@ -10,7 +10,9 @@ import pytest
 
 from services.billing.rates import RateLimiter
 
-BACKENDS = ["memory://"] + ([os.environ["LOOPLINE_TEST_REDIS_URL"]] if os.environ.get("LOOPLINE_TEST_REDIS_URL") else [])
+BACKENDS = ["memory://"] + (
+    [os.environ["LOOPLINE_TEST_REDIS_URL"]] if os.environ.get("LOOPLINE_TEST_REDIS_URL") else []
+)
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda url: url.split(":", 1)[0])

@@ -35,10 +35,14 @@ async def _ledger(server, org: str) -> list[tuple[str, int]]:
         return sorted((key, amount) for key, amount in rows)
 
 
-async def test_twenty_parallel_charges_of_one_hold_post_one_entry_and_answer_it_to_all(server, stub, org):
+async def test_twenty_parallel_charges_of_one_hold_post_one_entry_and_answer_it_to_all(
+    server, stub, org
+):
     await server.core.set_plan(org, "seven")
     admitted = await stub.Admit(admit_request(org, "t1"))
-    answers = await asyncio.gather(*(stub.Charge(pb.ChargeRequest(reservation_id=admitted.reservation_id)) for _ in range(20)))
+    answers = await asyncio.gather(
+        *(stub.Charge(pb.ChargeRequest(reservation_id=admitted.reservation_id)) for _ in range(20))
+    )
     assert len({a.ledger_entry_id for a in answers}) == 1
     assert all(a.state == pb.RESERVATION_STATE_CHARGED for a in answers)
     assert await _ledger(server, org) == [(f"charge:{admitted.reservation_id}", -1)]
@@ -56,7 +60,11 @@ async def test_a_wallet_funded_hold_is_charged_in_minor_units_once(server, stub,
     for reservation in (first, second, first):
         await stub.Charge(pb.ChargeRequest(reservation_id=reservation.reservation_id))
     account = await _account(server, org)
-    assert (account.wallet_balance_minor, account.wallet_reserved_minor, account.allowance_used) == (2, 0, 0)
+    assert (
+        account.wallet_balance_minor,
+        account.wallet_reserved_minor,
+        account.allowance_used,
+    ) == (2, 0, 0)
     charges = [entry for entry in await _ledger(server, org) if entry[0].startswith("charge:")]
     assert sorted(amount for _, amount in charges) == [-5, -5]
 
@@ -67,7 +75,10 @@ async def test_release_gives_the_hold_and_the_quota_slot_back_once(server, stub,
     await stub.Admit(admit_request(org, "q2"))
     assert (await _refusal(stub.Admit(admit_request(org, "q3")))).reason == "QUOTA_EXCEEDED"
     answers = await asyncio.gather(
-        *(stub.Release(pb.ReleaseRequest(reservation_id=first.reservation_id, reason="test")) for _ in range(5))
+        *(
+            stub.Release(pb.ReleaseRequest(reservation_id=first.reservation_id, reason="test"))
+            for _ in range(5)
+        )
     )
     assert all(a.state == pb.RESERVATION_STATE_RELEASED for a in answers)
     account = await _account(server, org)
@@ -88,10 +99,20 @@ async def test_a_hold_opened_last_month_is_charged_to_the_new_period(server, stu
     assert (account.allowance_used, account.allowance_reserved) == (1, 0)
 
 
-async def test_a_batch_repeating_a_key_records_it_once_and_its_replay_changes_nothing(server, stub, org):
-    calls = [usage(org, "runR", 0), usage(org, "runR", 1, output_tokens=1000), usage(org, "runR", 0)]
+async def test_a_batch_repeating_a_key_records_it_once_and_its_replay_changes_nothing(
+    server, stub, org
+):
+    calls = [
+        usage(org, "runR", 0),
+        usage(org, "runR", 1, output_tokens=1000),
+        usage(org, "runR", 0),
+    ]
     first = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls))
-    assert [(r.millicredits, r.replayed) for r in first.results] == [(20, False), (30, False), (20, True)]
+    assert [(r.millicredits, r.replayed) for r in first.results] == [
+        (20, False),
+        (30, False),
+        (20, True),
+    ]
     assert first.results[2].usage_id == first.results[0].usage_id
     again = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls))
     assert [r.usage_id for r in again.results] == [r.usage_id for r in first.results]
@@ -99,7 +120,11 @@ async def test_a_batch_repeating_a_key_records_it_once_and_its_replay_changes_no
     assert (await _account(server, org)).usage_millicredits == 50
     assert await _ledger(server, org) == [("usage:runR:0", -20), ("usage:runR:1", -30)]
     async with server.core.sessions() as session:
-        count = (await session.execute(select(func.count()).select_from(UsageRecord).where(UsageRecord.org_id == org))).scalar_one()
+        count = (
+            await session.execute(
+                select(func.count()).select_from(UsageRecord).where(UsageRecord.org_id == org)
+            )
+        ).scalar_one()
     assert count == 2
 
 
@@ -117,14 +142,24 @@ async def test_usage_of_a_new_month_rolls_the_period_before_it_counts(server, st
     next_month = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=32)
     server.core.clock = lambda: next_month
     server.core._accounts.clear()  # as after ACCOUNT_CACHE_TTL_S
-    await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=[usage(org, "runM", 1, output_tokens=1000)]))
+    await stub.RecordUsageBatch(
+        pb.RecordUsageBatchRequest(calls=[usage(org, "runM", 1, output_tokens=1000)])
+    )
     account = await _account(server, org)
-    assert (account.period_start, account.usage_millicredits) == (next_month.date().replace(day=1), 30)
+    assert (account.period_start, account.usage_millicredits) == (
+        next_month.date().replace(day=1),
+        30,
+    )
 
 
 async def test_parallel_tool_usage_replays_post_one_entry_and_count_once(server, stub, org):
     request = pb.RecordToolUsageRequest(
-        organization_id=org, run_id="runT", tool_call_id="call1", tool="http", detail="GET", millicredits=7
+        organization_id=org,
+        run_id="runT",
+        tool_call_id="call1",
+        tool="http",
+        detail="GET",
+        millicredits=7,
     )
     answers = await asyncio.gather(*(stub.RecordToolUsage(request) for _ in range(10)))
     assert len({a.ledger_entry_id for a in answers}) == 1

@@ -15,15 +15,21 @@ import uuid
 import grpc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 from sqlalchemy import func, select, update
+from tests_billing_helpers import admit_request, make_settings
 
 from loopline.billing.v1 import billing_pb2 as pb
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import Account, LedgerEntry, Reservation
 from services.billing.server import BillingServer
 from services.common.errors import status_details
-from tests_billing_helpers import admit_request, make_settings
 
 KEYS = [f"chat:{i}" for i in range(6)]
 ALLOWANCE = 3  # plan "machine": 3 run credits, then the wallet at 5 minor units a credit
@@ -80,10 +86,18 @@ class BillingMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- model helpers
 
     def _held(self, funding: str) -> int:
-        return sum(1 for r in self.reservations.values() if r["funding"] == funding and r["state"] == "held")
+        return sum(
+            1
+            for r in self.reservations.values()
+            if r["funding"] == funding and r["state"] == "held"
+        )
 
     def _charged(self, funding: str) -> int:
-        return sum(1 for r in self.reservations.values() if r["funding"] == funding and r["state"] == "charged")
+        return sum(
+            1
+            for r in self.reservations.values()
+            if r["funding"] == funding and r["state"] == "charged"
+        )
 
     # ---------------------------------------------------------------- rules
 
@@ -105,8 +119,16 @@ class BillingMachine(RuleBasedStateMachine):
             assert STATE[response.state] == known["state"]
             return
         assert not response.replayed and response.state == pb.RESERVATION_STATE_HELD
-        funding = "allowance" if self._held("allowance") + self._charged("allowance") < ALLOWANCE else "wallet"
-        self.reservations[key] = {"id": response.reservation_id, "funding": funding, "state": "held"}
+        funding = (
+            "allowance"
+            if self._held("allowance") + self._charged("allowance") < ALLOWANCE
+            else "wallet"
+        )
+        self.reservations[key] = {
+            "id": response.reservation_id,
+            "funding": funding,
+            "state": "held",
+        }
 
     @rule(key=st.sampled_from(KEYS))
     def charge(self, key: str) -> None:
@@ -114,7 +136,9 @@ class BillingMachine(RuleBasedStateMachine):
         if known is None:
             return
         try:
-            response = self.harness.run(self.harness.stub.Charge(pb.ChargeRequest(reservation_id=known["id"])))
+            response = self.harness.run(
+                self.harness.stub.Charge(pb.ChargeRequest(reservation_id=known["id"]))
+            )
         except grpc.aio.AioRpcError as error:
             assert known["state"] in ("released", "expired")
             assert status_details(error).reason == f"RESERVATION_{known['state'].upper()}"
@@ -130,7 +154,9 @@ class BillingMachine(RuleBasedStateMachine):
         known = self.reservations.get(key)
         if known is None:
             return
-        response = self.harness.run(self.harness.stub.Release(pb.ReleaseRequest(reservation_id=known["id"])))
+        response = self.harness.run(
+            self.harness.stub.Release(pb.ReleaseRequest(reservation_id=known["id"]))
+        )
         if known["state"] == "held":
             known["state"] = "released"
         assert STATE[response.state] == known["state"]
@@ -145,7 +171,9 @@ class BillingMachine(RuleBasedStateMachine):
 
         async def backdate() -> int:
             async with core.sessions() as session, session.begin():
-                await session.execute(update(Reservation).where(Reservation.id == known["id"]).values(expires_at=past))
+                await session.execute(
+                    update(Reservation).where(Reservation.id == known["id"]).values(expires_at=past)
+                )
             return await core.expire_holds()
 
         expired = self.harness.run(backdate())
@@ -165,12 +193,20 @@ class BillingMachine(RuleBasedStateMachine):
             async with core.sessions() as session:
                 account = await session.get(Account, self.org)
                 entries = (
-                    await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == self.org))
-                ).scalars().all()
+                    (
+                        await session.execute(
+                            select(LedgerEntry).where(LedgerEntry.org_id == self.org)
+                        )
+                    )
+                    .scalars()
+                    .all()
+                )
                 postings = (
                     await session.execute(
                         select(LedgerEntry.reservation_id, func.count())
-                        .where(LedgerEntry.org_id == self.org, LedgerEntry.reservation_id.is_not(None))
+                        .where(
+                            LedgerEntry.org_id == self.org, LedgerEntry.reservation_id.is_not(None)
+                        )
                         .group_by(LedgerEntry.reservation_id)
                     )
                 ).all()
@@ -184,14 +220,20 @@ class BillingMachine(RuleBasedStateMachine):
             account.wallet_reserved_minor,
         ):
             assert value >= 0
-        assert account.allowance_used + account.allowance_reserved <= account.period_allowance == ALLOWANCE
+        assert (
+            account.allowance_used + account.allowance_reserved
+            <= account.period_allowance
+            == ALLOWANCE
+        )
         assert account.wallet_reserved_minor <= account.wallet_balance_minor
         assert account.allowance_used == self._charged("allowance")
         assert account.allowance_reserved == self._held("allowance")
         assert account.wallet_balance_minor == WALLET - PRICE * self._charged("wallet")
         assert account.wallet_reserved_minor == PRICE * self._held("wallet")
         # ledger balanced with the account
-        assert account.allowance_used == -sum(e.amount for e in entries if e.kind == "run_charge" and e.unit == "credit")
+        assert account.allowance_used == -sum(
+            e.amount for e in entries if e.kind == "run_charge" and e.unit == "credit"
+        )
         assert account.wallet_balance_minor == sum(e.amount for e in entries if e.unit == "minor")
         # each reservation posted at most once
         assert all(count == 1 for _, count in postings)

@@ -20,18 +20,30 @@ import uuid
 
 import grpc
 import pytest
-from sqlalchemy import Column, Date, Integer, MetaData, String, Table, bindparam, insert, select, text, update
+from sqlalchemy import (
+    Column,
+    Date,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    bindparam,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
+from tests_billing_helpers import admit_request, make_settings
 
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import UTCDateTime
 from services.billing.rates import MemoryWindows, RateLimiter
 from services.billing.server import BillingServer
 from services.common import txn as txn_module
-from services.common.txn import TxnRunner
 from services.common.errors import status_details
-from tests_billing_helpers import admit_request, make_settings
+from services.common.txn import TxnRunner
 
 metadata = MetaData()
 items = Table(
@@ -43,7 +55,9 @@ items = Table(
 )
 # A deferred foreign key is checked at COMMIT, not at the INSERT: the way to make a COMMIT fail.
 parents = Table("parents", metadata, Column("id", Integer, primary_key=True))
-children = Table("children", metadata, Column("id", Integer, primary_key=True), Column("parent_id", Integer))
+children = Table(
+    "children", metadata, Column("id", Integer, primary_key=True), Column("parent_id", Integer)
+)
 
 INSERT_ITEM = insert(items)
 SELECT_ITEMS = select(items.c.id, items.c.day, items.c.at).order_by(items.c.id)
@@ -88,7 +102,9 @@ def _insert_then_fail(conn, item_id: str) -> None:  # noqa: ANN001
 async def _in_one_batch(runner: TxnRunner, *jobs: tuple) -> list:
     """Hold the worker with a blocking job while `jobs` queue up, so they form one batch."""
     gate = threading.Event()
-    holder = asyncio.ensure_future(runner.run(lambda conn: gate.wait(5), inline=False))  # on the worker thread
+    holder = asyncio.ensure_future(
+        runner.run(lambda conn: gate.wait(5), inline=False)
+    )  # on the worker thread
     await asyncio.sleep(0.05)  # the worker is now inside the holder's batch
     futures = [asyncio.ensure_future(runner.run(fn, *args)) for fn, *args in jobs]
     await asyncio.sleep(0.05)
@@ -154,7 +170,9 @@ async def test_a_lone_transaction_runs_inline_on_the_callers_thread_and_is_commi
     assert await _ids(engine) == ["a", "b"]  # committed: another connection sees both
 
 
-async def test_while_another_connection_writes_a_transaction_waits_on_the_worker_not_on_the_event_loop(runner, tmp_path):
+async def test_while_another_connection_writes_a_transaction_waits_on_the_worker_not_on_the_event_loop(
+    runner, tmp_path
+):
     txn, engine = runner
     await _worker_ready(txn)
     other = sqlite3.connect(tmp_path / "txn.db", isolation_level=None)
@@ -170,7 +188,9 @@ async def test_while_another_connection_writes_a_transaction_waits_on_the_worker
     other.execute("COMMIT")
     other.close()
     threads = await asyncio.wait_for(asyncio.gather(first, second), 10)
-    assert threading.get_ident() not in threads  # the worker waited for the lock, not the event loop
+    assert (
+        threading.get_ident() not in threads
+    )  # the worker waited for the lock, not the event loop
     assert await _ids(engine) == ["a", "b", "other"]
     async with engine.connect() as conn:  # in the order they were submitted
         rowids = (await conn.execute(text("SELECT id FROM items ORDER BY rowid"))).scalars().all()
@@ -184,6 +204,7 @@ async def test_the_worker_thread_checkpoints_the_wal_that_inline_commits_fill(ru
     monkeypatch.setattr(txn_module, "CHECKPOINT_EVERY", 4)
     checkpoints: list[int] = []
     original = worker._checkpoint
+
     def spy(raw):  # noqa: ANN001
         checkpoints.append(threading.get_ident())
         original(raw)
@@ -199,12 +220,20 @@ async def test_the_worker_thread_checkpoints_the_wal_that_inline_commits_fill(ru
     assert len(checkpoints) >= 4 and threading.get_ident() not in checkpoints
 
 
-async def test_a_list_of_parameters_is_one_executemany_written_in_order_and_converted_like_one_row(runner):
+async def test_a_list_of_parameters_is_one_executemany_written_in_order_and_converted_like_one_row(
+    runner,
+):
     txn, engine = runner
     at = datetime.datetime(2026, 12, 1, 13, 5, 7, 123456, tzinfo=datetime.UTC)
-    await txn.run(lambda conn: conn.execute(INSERT_ITEM, [{"id": f"m{i}", "day": at.date(), "at": at} for i in range(3)]))
+    await txn.run(
+        lambda conn: conn.execute(
+            INSERT_ITEM, [{"id": f"m{i}", "day": at.date(), "at": at} for i in range(3)]
+        )
+    )
     await txn.run(lambda conn: conn.execute(INSERT_ITEM, {"id": "one", "day": at.date(), "at": at}))
-    async with engine.connect() as conn:  # the same stored text as a single row's, rows in the list's order
+    async with (
+        engine.connect() as conn
+    ):  # the same stored text as a single row's, rows in the list's order
         stored = (await conn.execute(text("SELECT id, at FROM items ORDER BY rowid"))).all()
     assert [r.id for r in stored] == ["m0", "m1", "m2", "one"] and len({r.at for r in stored}) == 1
     with pytest.raises(IntegrityError):  # a duplicate in the list: the whole transaction is undone
@@ -225,7 +254,9 @@ async def test_dates_and_datetimes_round_trip_in_sqlalchemy_formats(runner):
     moments = [
         datetime.datetime(2026, 11, 30, 13, 5, 7, 123456, tzinfo=datetime.UTC),
         datetime.datetime(2026, 11, 30, 13, 5, 7, tzinfo=datetime.UTC),  # no microseconds
-        datetime.datetime(2026, 11, 30, 15, 5, 7, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=2))),
+        datetime.datetime(
+            2026, 11, 30, 15, 5, 7, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=2))
+        ),
     ]
 
     def write(conn) -> None:  # noqa: ANN001
@@ -241,14 +272,20 @@ async def test_dates_and_datetimes_round_trip_in_sqlalchemy_formats(runner):
     for row, at in zip([r for r in by_worker if r.id.startswith("w")], moments, strict=True):
         assert row.at == at and row.at.tzinfo is not None and row.day == at.date()
     async with engine.connect() as conn:  # the stored text is the same for both writers
-        stored = (await conn.execute(text("SELECT at FROM items WHERE id IN ('w1', 's0')"))).scalars().all()
+        stored = (
+            (await conn.execute(text("SELECT at FROM items WHERE id IN ('w1', 's0')")))
+            .scalars()
+            .all()
+        )
     assert stored[0] == stored[1]
 
 
 def test_memory_windows_admit_exactly_the_limit_from_many_threads():
     windows = MemoryWindows()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outcomes = list(pool.map(lambda _: windows.check(("org", "sync_exec"), 50, 60, True)[0], range(400)))
+        outcomes = list(
+            pool.map(lambda _: windows.check(("org", "sync_exec"), 50, 60, True)[0], range(400))
+        )
     assert outcomes.count(True) == 50
     allowed, used, _ = windows.check(("org", "sync_exec"), 50, 60, False)
     assert not allowed and used == 50
@@ -281,7 +318,9 @@ async def test_a_first_admission_that_is_denied_still_provisions_the_account(tmp
 
 
 async def test_admission_replays_within_one_batch_return_the_first_reservation(server, stub, org):
-    outcomes = await asyncio.gather(*(stub.Admit(admit_request(org, "chat:same")) for _ in range(30)))
+    outcomes = await asyncio.gather(
+        *(stub.Admit(admit_request(org, "chat:same")) for _ in range(30))
+    )
     assert len({o.reservation_id for o in outcomes}) == 1
     assert sum(not o.replayed for o in outcomes) == 1
 
@@ -297,7 +336,12 @@ async def _seven_with_redis_rates(tmp_path: pathlib.Path, org: str, **settings: 
     """The two-step admission (shared Redis rate counters): exactly 7 of 100 admitted, each once."""
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
     server = await BillingServer.start(
-        make_settings(tmp_path, billing_rate_limit_storage_url=_redis_url(), redis_key_prefix=prefix, **settings)
+        make_settings(
+            tmp_path,
+            billing_rate_limit_storage_url=_redis_url(),
+            redis_key_prefix=prefix,
+            **settings,
+        )
     )
     try:
         assert not server.core.rates.synchronous
@@ -323,7 +367,9 @@ async def test_two_step_admission_with_redis_rates_on_sqlite_admits_exactly_seve
     await _seven_with_redis_rates(tmp_path, org)
 
 
-async def test_two_step_admission_with_redis_rates_on_postgresql_admits_exactly_seven(tmp_path, postgres_url, org):
+async def test_two_step_admission_with_redis_rates_on_postgresql_admits_exactly_seven(
+    tmp_path, postgres_url, org
+):
     await _seven_with_redis_rates(tmp_path, org, billing_database_url=postgres_url)
 
 
@@ -331,11 +377,17 @@ CLEAR_DAY = update(items).where(items.c.id == bindparam("b_id")).values(day=None
 SET_DAY = update(items).where(items.c.id == bindparam("b_id")).values(day=bindparam("b_day"))
 
 
-async def test_a_none_written_into_a_statement_is_stored_as_null_and_a_missing_bindparam_is_an_error(runner):
+async def test_a_none_written_into_a_statement_is_stored_as_null_and_a_missing_bindparam_is_an_error(
+    runner,
+):
     # regression: `.values(day=None)` lost its value ("You did not supply a value for binding
     # parameter :day") once the orchestrator's `UPDATE chats SET running_id=NULL` ran on this runner
     txn, engine = runner
-    await txn.run(lambda conn: conn.execute(INSERT_ITEM, {"id": "a", "day": datetime.date(2026, 11, 30), "at": None}))
+    await txn.run(
+        lambda conn: conn.execute(
+            INSERT_ITEM, {"id": "a", "day": datetime.date(2026, 11, 30), "at": None}
+        )
+    )
     await txn.run(lambda conn: conn.execute(CLEAR_DAY, {"b_id": "a"}))
     rows = await txn.run(lambda conn: conn.execute(SELECT_ITEMS).all())
     assert [(r.id, r.day) for r in rows] == [("a", None)]

@@ -14,10 +14,14 @@ from services.billing.models import Account, LedgerEntry, UsageRecord
 from services.billing.pricing import PriceTable
 from services.common.errors import status_details
 
-SHIPPED_PRICES = pathlib.Path(__file__).resolve().parents[2] / "services" / "billing" / "prices.toml"
+SHIPPED_PRICES = (
+    pathlib.Path(__file__).resolve().parents[2] / "services" / "billing" / "prices.toml"
+)
 
 
-def usage(org: str, run_id: str = "run1", call_index: int = 0, **fields: object) -> pb.RecordUsageRequest:
+def usage(
+    org: str, run_id: str = "run1", call_index: int = 0, **fields: object
+) -> pb.RecordUsageRequest:
     values: dict[str, object] = {
         "organization_id": org,
         "run_id": run_id,
@@ -41,10 +45,20 @@ def test_price_table_looks_up_exact_then_provider_then_default_and_rounds_up():
     assert table.millicredits("scripted", "x", input_tokens=1000, output_tokens=500) == 20
     assert table.millicredits("scripted", "x", input_tokens=1, output_tokens=0) == 1  # 0.01 -> 1
     assert (
-        table.millicredits("scripted", "x", input_tokens=0, output_tokens=0, cache_read_tokens=2000, cache_write_tokens=1000)
+        table.millicredits(
+            "scripted",
+            "x",
+            input_tokens=0,
+            output_tokens=0,
+            cache_read_tokens=2000,
+            cache_write_tokens=1000,
+        )
         == 12
     )
-    assert table.millicredits("openai", "gpt-4o", input_tokens=10**6, output_tokens=10**6, byok=True) == 0
+    assert (
+        table.millicredits("openai", "gpt-4o", input_tokens=10**6, output_tokens=10**6, byok=True)
+        == 0
+    )
 
 
 async def test_record_usage_prices_the_call_and_posts_it_once(server, stub, org):
@@ -53,7 +67,11 @@ async def test_record_usage_prices_the_call_and_posts_it_once(server, stub, org)
     again = await stub.RecordUsage(usage(org))
     assert (again.usage_id, again.millicredits, again.replayed) == (first.usage_id, 20, True)
     async with server.core.sessions() as session:
-        entries = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org))).scalars().all()
+        entries = (
+            (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org)))
+            .scalars()
+            .all()
+        )
         account = await session.get(Account, org)
     assert [(e.idempotency_key, e.kind, e.unit, e.amount, e.usage_id) for e in entries] == [
         ("usage:run1:0", "token_usage", "millicredit", -20, first.usage_id)
@@ -73,14 +91,31 @@ async def test_parallel_duplicate_usage_reports_record_once(server, stub, org):
 
 async def test_byok_usage_is_recorded_with_zero_credits(server, stub, org):
     result = await stub.RecordUsage(
-        usage(org, provider_id="openai", model_id="gpt-4o", input_tokens=5000, cache_read_tokens=100, byok=True, estimated=True)
+        usage(
+            org,
+            provider_id="openai",
+            model_id="gpt-4o",
+            input_tokens=5000,
+            cache_read_tokens=100,
+            byok=True,
+            estimated=True,
+        )
     )
     assert result.millicredits == 0
     async with server.core.sessions() as session:
         record = await session.get(UsageRecord, result.usage_id)
-        entries = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org))).scalars().all()
+        entries = (
+            (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org)))
+            .scalars()
+            .all()
+        )
         account = await session.get(Account, org)
-    assert (record.byok, record.estimated, record.input_tokens, record.cache_read_tokens) == (True, True, 5000, 100)
+    assert (record.byok, record.estimated, record.input_tokens, record.cache_read_tokens) == (
+        True,
+        True,
+        5000,
+        100,
+    )
     assert (record.provider_id, record.model_id, record.chat_id) == ("openai", "gpt-4o", "chat1")
     assert entries == [] and account.usage_millicredits == 0
 
@@ -93,7 +128,9 @@ async def test_usage_key_of_another_org_is_already_exists(stub, org):
     assert status_details(caught.value).reason == "USAGE_KEY_REUSED"
 
 
-async def test_counts_and_costs_past_their_bounds_are_refused_and_later_charges_still_post(server, stub, org):
+async def test_counts_and_costs_past_their_bounds_are_refused_and_later_charges_still_post(
+    server, stub, org
+):
     """Fresh-eyes test (gRPC user): RecordToolUsage took 2**63-1 millicredits; on PostgreSQL every
     later charge of the organization then overflowed its bigint usage sum and failed (UNKNOWN),
     and on SQLite 2**63-1 tokens failed with an OverflowError. One call's token counts are at
@@ -101,18 +138,36 @@ async def test_counts_and_costs_past_their_bounds_are_refused_and_later_charges_
     too_large = [
         stub.RecordUsage(usage(org, run_id="big-tokens", input_tokens=10**9 + 1)),
         stub.RecordUsage(usage(org, run_id="huge-tokens", output_tokens=2**63 - 1)),
-        stub.RecordToolUsage(pb.RecordToolUsageRequest(organization_id=org, run_id="r", tool_call_id="c1", tool="t", millicredits=2**63 - 1)),
-        stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=[usage(org, run_id="in-batch", cache_read_tokens=10**10)])),
+        stub.RecordToolUsage(
+            pb.RecordToolUsageRequest(
+                organization_id=org, run_id="r", tool_call_id="c1", tool="t", millicredits=2**63 - 1
+            )
+        ),
+        stub.RecordUsageBatch(
+            pb.RecordUsageBatchRequest(
+                calls=[usage(org, run_id="in-batch", cache_read_tokens=10**10)]
+            )
+        ),
     ]
     for call in too_large:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await call
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert status_details(caught.value).reason == "USAGE_TOO_LARGE"
-    assert (await stub.RecordUsage(usage(org, run_id="at-the-bound", input_tokens=10**9))).millicredits > 0
-    posted = await stub.RecordToolUsage(pb.RecordToolUsageRequest(organization_id=org, run_id="r", tool_call_id="c2", tool="t", millicredits=10**12))
+    assert (
+        await stub.RecordUsage(usage(org, run_id="at-the-bound", input_tokens=10**9))
+    ).millicredits > 0
+    posted = await stub.RecordToolUsage(
+        pb.RecordToolUsageRequest(
+            organization_id=org, run_id="r", tool_call_id="c2", tool="t", millicredits=10**12
+        )
+    )
     assert posted.ledger_entry_id
-    later = await stub.RecordToolUsage(pb.RecordToolUsageRequest(organization_id=org, run_id="r", tool_call_id="c3", tool="t", millicredits=100))
+    later = await stub.RecordToolUsage(
+        pb.RecordToolUsageRequest(
+            organization_id=org, run_id="r", tool_call_id="c3", tool="t", millicredits=100
+        )
+    )
     assert later.ledger_entry_id
 
 

@@ -10,16 +10,30 @@ from tests.billing.test_billing_usage import usage
 
 
 async def test_batch_records_each_call_once_in_order_and_replays(server, stub, org):
-    calls = [usage(org, "runA", 0), usage(org, "runA", 1, output_tokens=1000), usage(org, "runB", 0)]
+    calls = [
+        usage(org, "runA", 0),
+        usage(org, "runA", 1, output_tokens=1000),
+        usage(org, "runB", 0),
+    ]
     first = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls))
-    assert [(r.millicredits, r.replayed) for r in first.results] == [(20, False), (30, False), (20, False)]
+    assert [(r.millicredits, r.replayed) for r in first.results] == [
+        (20, False),
+        (30, False),
+        (20, False),
+    ]
     single = await stub.RecordUsage(usage(org, "runA", 1, output_tokens=1000))
     assert (single.usage_id, single.replayed) == (first.results[1].usage_id, True)
     again = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls))
     assert [r.usage_id for r in again.results] == [r.usage_id for r in first.results]
     assert all(r.replayed for r in again.results)
     async with server.core.sessions() as session:
-        keys = sorted((await session.execute(select(LedgerEntry.idempotency_key).where(LedgerEntry.org_id == org))).scalars())
+        keys = sorted(
+            (
+                await session.execute(
+                    select(LedgerEntry.idempotency_key).where(LedgerEntry.org_id == org)
+                )
+            ).scalars()
+        )
     assert keys == ["usage:runA:0", "usage:runA:1", "usage:runB:0"]
 
 
@@ -33,7 +47,9 @@ async def test_a_batch_is_one_transaction_on_sqlite(server, stub, org, monkeypat
     core = server.core
     if core.pg is not None:
         return  # PostgreSQL: one statement per organization (test_billing_single_statements)
-    await stub.RecordUsage(usage(org, "first", 0))  # the account exists (its own transaction, once per process)
+    await stub.RecordUsage(
+        usage(org, "first", 0)
+    )  # the account exists (its own transaction, once per process)
     transactions = []
     run = core.db.run
 
@@ -46,5 +62,9 @@ async def test_a_batch_is_one_transaction_on_sqlite(server, stub, org, monkeypat
     answer = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls))
     assert len(answer.results) == 10 and not any(r.replayed for r in answer.results)
     assert len(transactions) == 1
-    again = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls[:1] + [usage(org, "runX", 0)]))
-    assert [r.replayed for r in again.results] == [True, False] and again.results[0].usage_id == answer.results[0].usage_id
+    again = await stub.RecordUsageBatch(
+        pb.RecordUsageBatchRequest(calls=calls[:1] + [usage(org, "runX", 0)])
+    )
+    assert [r.replayed for r in again.results] == [True, False] and again.results[
+        0
+    ].usage_id == answer.results[0].usage_id

@@ -73,5 +73,9 @@ def make_settings(tmp_path: pathlib.Path, **overrides: object) -> BillingSetting
 def admit_request(org: str, turn_key: str, credits: int = 0) -> billing_pb2.AdmitRequest:
     """An assistant-turn admission: usage type "run", rate class "sync_exec"."""
     return billing_pb2.AdmitRequest(
-        organization_id=org, turn_key=turn_key, usage_type="run", rate_class="sync_exec", credits=credits
+        organization_id=org,
+        turn_key=turn_key,
+        usage_type="run",
+        rate_class="sync_exec",
+        credits=credits,
     )

@@ -48,8 +48,12 @@ class Deployment:
         return {"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id}
 
 
-def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, piped: bool = False,
-                     env: dict[str, str] | None = None) -> Deployment:
+def start_deployment(
+    data: pathlib.Path,
+    log_dir: pathlib.Path | None = None,
+    piped: bool = False,
+    env: dict[str, str] | None = None,
+) -> Deployment:
     """Start scripts/dev.py on free ports with a fixed dev key and org, its data under `data`
     (logs in `log_dir` when given, else dev.py's default); returns once it printed the curl pair.
 
@@ -75,11 +79,18 @@ def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, pi
     env["LOOPLINE_BILLING_ADDR"] = f"127.0.0.1:{env['LOOPLINE_BILLING_PORT']}"
     env["LOOPLINE_TOOLS_ADDR"] = f"127.0.0.1:{env['LOOPLINE_TOOLS_PORT']}"
     log = data / "dev.log"
-    argv = [sys.executable, "scripts/dev.py"] + (["--log-dir", str(log_dir)] if log_dir is not None else [])
+    argv = [sys.executable, "scripts/dev.py"] + (
+        ["--log-dir", str(log_dir)] if log_dir is not None else []
+    )
     out = log.open("wb")  # opened here: the readiness loop below reads it
     process = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE if piped else out, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE if piped else out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     pipe = process.stdout  # None unless piped
     if pipe is None:
@@ -106,9 +117,13 @@ def start_deployment(data: pathlib.Path, log_dir: pathlib.Path | None = None, pi
         time.sleep(0.2)
     if not ready:
         process.kill()
-        pytest.fail(f"scripts/dev.py did not become ready:\n{log.read_text(errors='replace')[-4000:]}")
+        pytest.fail(
+            f"scripts/dev.py did not become ready:\n{log.read_text(errors='replace')[-4000:]}"
+        )
     assert httpx.get(f"{base_url}/healthz").status_code == 200
-    return Deployment(base_url, env["LOOPLINE_DEV_ORG_ID"], env["LOOPLINE_DEV_API_KEY"], process, log, pipe)
+    return Deployment(
+        base_url, env["LOOPLINE_DEV_ORG_ID"], env["LOOPLINE_DEV_API_KEY"], process, log, pipe
+    )
 
 
 def stop_deployment(deployment: Deployment, timeout: float = 30) -> None:

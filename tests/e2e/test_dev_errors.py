@@ -16,6 +16,17 @@ def test_a_data_dir_that_is_a_file_is_explained(tmp_path):
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(not_a_folder)}
     for name in ("HTTP", "GATEWAY_GRPC", "ORCHESTRATOR", "BILLING", "TOOLS"):
         env[f"LOOPLINE_{name}_PORT"] = str(free_port())
-    result = subprocess.run([sys.executable, "scripts/dev.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "scripts/dev.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
-    assert "LOOPLINE_DATA_DIR must be a folder" in result.stderr and "Traceback" not in result.stderr + result.stdout
+    assert (
+        "LOOPLINE_DATA_DIR must be a folder" in result.stderr
+        and "Traceback" not in result.stderr + result.stdout
+    )

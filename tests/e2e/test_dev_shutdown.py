@@ -25,8 +25,13 @@ def test_stopping_dev_mid_turn_ends_live_streams_with_cancelled_and_logs_hold_no
     frames: list[dict] = []
     ended = threading.Event()
     try:
-        with httpx.Client(base_url=deployment.base_url, headers=deployment.headers(), timeout=60) as client:
-            started = client.post("/assistant/chat", json={"message": json.dumps({"script": [{"say": "late", "sleep_ms": 30000}]})})
+        with httpx.Client(
+            base_url=deployment.base_url, headers=deployment.headers(), timeout=60
+        ) as client:
+            started = client.post(
+                "/assistant/chat",
+                json={"message": json.dumps({"script": [{"say": "late", "sleep_ms": 30000}]})},
+            )
             assert started.status_code == 200, started.text
             stream_url = started.json()["stream_url"]
 
@@ -57,9 +62,16 @@ def test_stopping_dev_mid_turn_ends_live_streams_with_cancelled_and_logs_hold_no
     logs = tmp_path / "var" / "logs"
     assert (logs / "gateway.log").exists() and (logs / "orchestrator.log").exists()
     for log in logs.iterdir():
-        assert deployment.api_key not in log.read_text(errors="replace"), f"the dev API key is in {log.name}"
-    first_run = {name: (logs / name).read_text(errors="replace") for name in ("gateway.log", "orchestrator.log")}
-    stop_deployment(start_deployment(tmp_path), timeout=60)  # a second start on the same data directory
+        assert deployment.api_key not in log.read_text(errors="replace"), (
+            f"the dev API key is in {log.name}"
+        )
+    first_run = {
+        name: (logs / name).read_text(errors="replace")
+        for name in ("gateway.log", "orchestrator.log")
+    }
+    stop_deployment(
+        start_deployment(tmp_path), timeout=60
+    )  # a second start on the same data directory
     for name, before in first_run.items():
         text = (logs / name).read_text(errors="replace")
         assert text.startswith(before) and text.count("===== make run started") == 2, name

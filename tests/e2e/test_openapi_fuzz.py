@@ -22,9 +22,14 @@ def deployment(tmp_path_factory):
     (`ignored_auth`), which the defaults (600 requests per key, 30 failed authentications per
     client a minute) would answer 429 (documented, but then the run would test little else)."""
     data = tmp_path_factory.mktemp("fuzz")
-    started = start_deployment(data, data / "logs", env={
-        "LOOPLINE_KEY_REQUESTS_PER_MINUTE": "1000000", "LOOPLINE_FAILED_AUTHS_PER_MINUTE": "1000000",
-    })
+    started = start_deployment(
+        data,
+        data / "logs",
+        env={
+            "LOOPLINE_KEY_REQUESTS_PER_MINUTE": "1000000",
+            "LOOPLINE_FAILED_AUTHS_PER_MINUTE": "1000000",
+        },
+    )
     yield started
     stop_deployment(started)
 
@@ -45,10 +50,32 @@ def test_schemathesis_finds_no_server_error_or_undocumented_status(deployment):
     One worker: CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth
     mismatch"), and hypothesis parses lambdas while schemathesis generates cases in threads."""
     command = [
-        str(pathlib.Path(sys.executable).parent / "schemathesis"), "run", f"{deployment.base_url}/openapi.json",
-        "-H", f"Authorization: Bearer {deployment.api_key}", "-H", f"X-Organization-ID: {deployment.org_id}",
-        "--checks", "all", "--exclude-checks", "positive_data_acceptance,allow_header_conformance",
-        "--max-examples", "15", "--phases", "coverage,fuzzing,stateful", "--workers", "1", "--seed", "20261130",
+        str(pathlib.Path(sys.executable).parent / "schemathesis"),
+        "run",
+        f"{deployment.base_url}/openapi.json",
+        "-H",
+        f"Authorization: Bearer {deployment.api_key}",
+        "-H",
+        f"X-Organization-ID: {deployment.org_id}",
+        "--checks",
+        "all",
+        "--exclude-checks",
+        "positive_data_acceptance,allow_header_conformance",
+        "--max-examples",
+        "15",
+        "--phases",
+        "coverage,fuzzing,stateful",
+        "--workers",
+        "1",
+        "--seed",
+        "20261130",
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "NO_COLOR": "1"})
+    result = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -18,7 +18,9 @@ EXPECTED_KEYS = {
 
 
 async def test_sdk_drives_a_turn_with_a_tool_call(deployment):
-    client = Modulex(api_key=deployment.api_key, organization_id=deployment.org_id, base_url=deployment.base_url)
+    client = Modulex(
+        api_key=deployment.api_key, organization_id=deployment.org_id, base_url=deployment.base_url
+    )
     try:
         started = await client.assistant.chat("Which integrations can I use?")
         assert started.status == "running" and started.thread_id == started.chat_id
@@ -32,7 +34,7 @@ async def test_sdk_drives_a_turn_with_a_tool_call(deployment):
     assert names[0] == "metadata" and names[-1] == "done"
     call_at = names.index("tool_call")
     assert names[call_at + 1] == "tool_result"
-    assert "response_chunk" in names[1:call_at] and "response_chunk" in names[call_at + 2:-1]
+    assert "response_chunk" in names[1:call_at] and "response_chunk" in names[call_at + 2 : -1]
     for event in events:
         assert set(event.data["data"]) == EXPECTED_KEYS[event.event], event.data
     assert events[call_at].data["data"]["tool"] == "get_available_integrations"
@@ -40,11 +42,22 @@ async def test_sdk_drives_a_turn_with_a_tool_call(deployment):
 
 
 async def test_raw_stream_frames_are_exactly_data_json(deployment):
-    message = json.dumps({"script": [
-        {"say": "Checking.", "tool": "get_available_integrations", "input": {}, "sleep_ms": 1500},
-        {"say": "All done here."},
-    ]})
-    async with httpx.AsyncClient(base_url=deployment.base_url, headers=deployment.headers(), timeout=30) as client:
+    message = json.dumps(
+        {
+            "script": [
+                {
+                    "say": "Checking.",
+                    "tool": "get_available_integrations",
+                    "input": {},
+                    "sleep_ms": 1500,
+                },
+                {"say": "All done here."},
+            ]
+        }
+    )
+    async with httpx.AsyncClient(
+        base_url=deployment.base_url, headers=deployment.headers(), timeout=30
+    ) as client:
         body = (await client.post("/assistant/chat", json={"message": message})).json()
         raw = b""
         async with client.stream("GET", body["stream_url"]) as response:

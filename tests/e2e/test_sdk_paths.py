@@ -62,7 +62,10 @@ async def test_sdk_listen_ends_on_cancelled_during_model_wait(stack):
 
 async def test_sdk_listen_ends_on_cancelled_during_tool_call(stack):
     client = _client(stack)
-    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    slow = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
+    }
     turn = await client.assistant.chat(_script(slow, {"say": "never"}), llm=SCRIPTED)
     seen: list = []
 
@@ -83,14 +86,18 @@ async def test_sdk_listen_ends_on_cancelled_during_tool_call(stack):
 async def test_sdk_ask_resume_done_round_for_each_question_kind(stack, tool):
     question, answer = QUESTIONS[tool]
     client = _client(stack)
-    turn = await client.assistant.chat(_script({"tool": tool, "input": question}, {"say": "thanks"}), llm=SCRIPTED)
+    turn = await client.assistant.chat(
+        _script({"tool": tool, "input": question}, {"say": "thanks"}), llm=SCRIPTED
+    )
     events = await _events(client, turn.chat_id, turn.run_id)
     assert [e.event for e in events][-2:] == ["user_input_request", "interrupted"]
     request = user_input_request_from_event(events[-2].data)  # the SDK parses the question itself
     assert request.kind == question.get("kind", request.kind)
     status = await client.assistant.status(turn.chat_id)
     assert status.awaiting_input and status.pending_request_id == request.request_id
-    resumed = await client.assistant.resume(turn.chat_id, request_id=request.request_id, response=answer, llm=SCRIPTED)
+    resumed = await client.assistant.resume(
+        turn.chat_id, request_id=request.request_id, response=answer, llm=SCRIPTED
+    )
     assert resumed.run_id != turn.run_id and resumed.thread_id == turn.chat_id
     rest = await _events(client, turn.chat_id, resumed.run_id)
     assert rest[-1].event == "done" and rest[-1].data["data"]["response"] == "thanks"

@@ -84,16 +84,32 @@ class Store:
     async def runs(self, run_ids: list[str]) -> dict[str, dict[str, Any]]:
         """{run_id: {status, error, archive_due, events}} (events: how many `run_events` rows)."""
         async with self.orchestrator.connect() as conn:
-            rows = (await conn.execute(text(
-                "SELECT r.id, r.status, r.error, r.archive_due, (SELECT count(*) FROM run_events e WHERE e.run_id = r.id) AS events "
-                "FROM runs r WHERE r.id = ANY(:ids)"), {"ids": run_ids})).mappings().all()
+            rows = (
+                (
+                    await conn.execute(
+                        text(
+                            "SELECT r.id, r.status, r.error, r.archive_due, (SELECT count(*) FROM run_events e WHERE e.run_id = r.id) AS events "
+                            "FROM runs r WHERE r.id = ANY(:ids)"
+                        ),
+                        {"ids": run_ids},
+                    )
+                )
+                .mappings()
+                .all()
+            )
         return {row["id"]: dict(row) for row in rows}
 
     async def archives(self, run_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
         """{run_id: its archived frames, in seq order} (a gap in the seqs is reported as a frame of type "missing")."""
         async with self.orchestrator.connect() as conn:
-            rows = (await conn.execute(text("SELECT run_id, seq, payload FROM run_events WHERE run_id = ANY(:ids) ORDER BY run_id, seq"),
-                                       {"ids": run_ids})).all()
+            rows = (
+                await conn.execute(
+                    text(
+                        "SELECT run_id, seq, payload FROM run_events WHERE run_id = ANY(:ids) ORDER BY run_id, seq"
+                    ),
+                    {"ids": run_ids},
+                )
+            ).all()
         archives: dict[str, list[dict[str, Any]]] = {run_id: [] for run_id in run_ids}
         for run_id, seq, payload in rows:
             frames = archives[run_id]
@@ -105,9 +121,15 @@ class Store:
     async def charges(self, turn_keys: list[str]) -> dict[str, tuple[int, str | None]]:
         """{turn_key: (run_charge ledger entries, reservation state)}; a turn without a reservation is absent."""
         async with self.billing.connect() as conn:
-            rows = (await conn.execute(text(
-                "SELECT r.turn_key, r.state, (SELECT count(*) FROM ledger_entries l WHERE l.reservation_id = r.id AND l.kind = 'run_charge') "
-                "FROM reservations r WHERE r.turn_key = ANY(:keys)"), {"keys": turn_keys})).all()
+            rows = (
+                await conn.execute(
+                    text(
+                        "SELECT r.turn_key, r.state, (SELECT count(*) FROM ledger_entries l WHERE l.reservation_id = r.id AND l.kind = 'run_charge') "
+                        "FROM reservations r WHERE r.turn_key = ANY(:keys)"
+                    ),
+                    {"keys": turn_keys},
+                )
+            ).all()
         found: dict[str, tuple[int, str | None]] = {}
         for key, state, count in rows:
             previous = found.get(key, (0, None))[0]
@@ -125,57 +147,99 @@ async def _gather_bounded(calls: Sequence[Any], limit: int = 16) -> list[Any]:
     return await asyncio.gather(*(one(call) for call in calls))
 
 
-def check_listener(listener: Listener, archive: list[dict[str, Any]], *, allow_reconnects: bool, gap_bound_s: float,
-                   forbid: Sequence[str]) -> list[str]:
+def check_listener(
+    listener: Listener,
+    archive: list[dict[str, Any]],
+    *,
+    allow_reconnects: bool,
+    gap_bound_s: float,
+    forbid: Sequence[str],
+) -> list[str]:
     """Invariants 2 and 5 for one listener against its run's archive."""
     problems = list(listener.problems)
     name = listener.name
     expected_after = 0
     for number, segment in enumerate(listener.segments):
-        where = f"{name} connection {number + 1} (through {segment.gateway}, ?after={segment.after})"
+        where = (
+            f"{name} connection {number + 1} (through {segment.gateway}, ?after={segment.after})"
+        )
         for frame in segment.frames:
             text_of = json.dumps(frame)
             for needle in forbid:
                 if needle in text_of:
                     problems.append(f"{where}: a frame says {needle!r}: {_short(frame)}")
         if segment.max_gap > gap_bound_s:
-            problems.append(f"{where}: waited {segment.max_gap:.1f} s for a frame (bound {gap_bound_s:.1f} s; "
-                            f"the wait ended {segment.max_gap_at:.1f} s after it began listening; "
-                            f"response headers after {segment.headers_s:.1f} s)")
+            problems.append(
+                f"{where}: waited {segment.max_gap:.1f} s for a frame (bound {gap_bound_s:.1f} s; "
+                f"the wait ended {segment.max_gap_at:.1f} s after it began listening; "
+                f"response headers after {segment.headers_s:.1f} s)"
+            )
         if segment.after != expected_after:
-            problems.append(f"{where}: asked ?after={segment.after}, the previous connection said {expected_after}")
+            problems.append(
+                f"{where}: asked ?after={segment.after}, the previous connection said {expected_after}"
+            )
         start = segment.after
         reconnect = segment.reconnect_at
         if reconnect is not None:
             body = segment.frames[:-1]
             if not allow_reconnects:
-                problems.append(f"{where}: ended with a reconnect frame after {len(body)} frames: {_short(segment.frames[-1])}")
+                problems.append(
+                    f"{where}: ended with a reconnect frame after {len(body)} frames: {_short(segment.frames[-1])}"
+                )
             if reconnect != start + len(body):
-                problems.append(f"{where}: the reconnect frame says ?after={reconnect} after {start + len(body)} frames of the run")
-            if body != archive[start:start + len(body)]:
-                problems.append(f"{where}: frames before the reconnect frame are not the archive's: "
-                                f"{_first_difference(body, archive[start:start + len(body)])}")
+                problems.append(
+                    f"{where}: the reconnect frame says ?after={reconnect} after {start + len(body)} frames of the run"
+                )
+            if body != archive[start : start + len(body)]:
+                problems.append(
+                    f"{where}: frames before the reconnect frame are not the archive's: "
+                    f"{_first_difference(body, archive[start : start + len(body)])}"
+                )
             expected_after = reconnect
             continue
         want = archive[start:]
         if segment.ending != "terminal":
-            prefix = archive[start:start + len(segment.frames)]
-            relation = "the archive's" if segment.frames == prefix else f"not the archive's ({_first_difference(segment.frames, prefix)})"
-            problems.append(f"{where}: ended '{segment.ending}' with neither an end frame nor a reconnect frame, after "
-                            f"{len(segment.frames)} frames, {relation}; last {_short(segment.frames[-1] if segment.frames else None)}")
-        elif segment.frames != want and not (start >= len(archive) and segment.frames == archive[-1:]):  # past the end: the last frame (README "Stream end")
-            problems.append(f"{where}: not the archive from {start}: {_first_difference(segment.frames, want)}")
+            prefix = archive[start : start + len(segment.frames)]
+            relation = (
+                "the archive's"
+                if segment.frames == prefix
+                else f"not the archive's ({_first_difference(segment.frames, prefix)})"
+            )
+            problems.append(
+                f"{where}: ended '{segment.ending}' with neither an end frame nor a reconnect frame, after "
+                f"{len(segment.frames)} frames, {relation}; last {_short(segment.frames[-1] if segment.frames else None)}"
+            )
+        elif segment.frames != want and not (
+            start >= len(archive) and segment.frames == archive[-1:]
+        ):  # past the end: the last frame (README "Stream end")
+            problems.append(
+                f"{where}: not the archive from {start}: {_first_difference(segment.frames, want)}"
+            )
         expected_after = start + len(segment.frames)
-    if listener.segments and listener.segments[-1].reconnect_at is not None and not any("still open" in p for p in problems):
-        problems.append(f"{name}: its last connection ended with a reconnect frame and it never got the rest")
+    if (
+        listener.segments
+        and listener.segments[-1].reconnect_at is not None
+        and not any("still open" in p for p in problems)
+    ):
+        problems.append(
+            f"{name}: its last connection ended with a reconnect frame and it never got the rest"
+        )
     if not listener.segments and not problems:
         problems.append(f"{name}: never connected ({listener.refused[-5:]})")
     return problems
 
 
-async def check(cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[Listener], *, allow_reconnects: bool = True,
-                gap_bound_s: float = HEARTBEAT_S + GAP_MARGIN_S, forbid: Sequence[str] = (), end_timeout_s: float = END_TIMEOUT_S,
-                served_replay: bool = True) -> list[str]:
+async def check(
+    cluster: FaultCluster,
+    runs: Sequence[Run],
+    listeners: Sequence[Listener],
+    *,
+    allow_reconnects: bool = True,
+    gap_bound_s: float = HEARTBEAT_S + GAP_MARGIN_S,
+    forbid: Sequence[str] = (),
+    end_timeout_s: float = END_TIMEOUT_S,
+    served_replay: bool = True,
+) -> list[str]:
     """Every invariant of the module docstring; returns the violations (empty: all hold)."""
     problems: list[str] = []
     store = Store(cluster)
@@ -185,15 +249,23 @@ async def check(cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[
         deadline = time.monotonic() + end_timeout_s
         while True:
             rows = await store.runs(list(by_id))
-            pending = [rid for rid in by_id if rid not in rows or rows[rid]["status"] not in ENDED
-                       or rows[rid]["archive_due"] is not None or not rows[rid]["events"]]
+            pending = [
+                rid
+                for rid in by_id
+                if rid not in rows
+                or rows[rid]["status"] not in ENDED
+                or rows[rid]["archive_due"] is not None
+                or not rows[rid]["events"]
+            ]
             if not pending or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.25)
         for rid in pending:
             row = rows.get(rid)
-            problems.append(f"run {rid}: not ended and archived {end_timeout_s:.0f} s after the scenario "
-                            f"(status {row and row['status']}, archive_due {row and row['archive_due']}, {row and row['events']} archived events)")
+            problems.append(
+                f"run {rid}: not ended and archived {end_timeout_s:.0f} s after the scenario "
+                f"(status {row and row['status']}, archive_due {row and row['archive_due']}, {row and row['events']} archived events)"
+            )
         archives = await store.archives(list(by_id))
         for run in runs:
             row, archive = rows.get(run.run_id), archives.get(run.run_id, [])
@@ -205,47 +277,84 @@ async def check(cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[
                 problems.append(f"run {run.run_id}: the archive has gaps in its seqs: {types}")
             if run.expect == "completed":
                 if row["status"] != "completed":
-                    problems.append(f"run {run.run_id} (started through {run.via}): ended {row['status']!r}, not its owner's "
-                                    f"'completed' (error: {row['error']!r}); archive ends {types[-3:]}")
-                elif not archive or types[-1] != "done" or archive[-1]["data"].get("error") or archive[-1]["data"].get("response") != run.turn.answer:
-                    problems.append(f"run {run.run_id}: completed, but its stream ends {_short(archive[-1] if archive else None)} "
-                                    f"(want done with {run.turn.answer[:60]!r})")
+                    problems.append(
+                        f"run {run.run_id} (started through {run.via}): ended {row['status']!r}, not its owner's "
+                        f"'completed' (error: {row['error']!r}); archive ends {types[-3:]}"
+                    )
+                elif (
+                    not archive
+                    or types[-1] != "done"
+                    or archive[-1]["data"].get("error")
+                    or archive[-1]["data"].get("response") != run.turn.answer
+                ):
+                    problems.append(
+                        f"run {run.run_id}: completed, but its stream ends {_short(archive[-1] if archive else None)} "
+                        f"(want done with {run.turn.answer[:60]!r})"
+                    )
             elif run.expect == "failed":
                 if row["status"] != "failed":
-                    problems.append(f"run {run.run_id} (lost with its owner): ended {row['status']!r}, not 'failed'")
+                    problems.append(
+                        f"run {run.run_id} (lost with its owner): ended {row['status']!r}, not 'failed'"
+                    )
                 if types[-2:] != ["error", "done"] or not archive[-1]["data"].get("error"):
-                    problems.append(f"run {run.run_id} (lost with its owner): its stream ends {types[-3:]}, not error + done {{error: true}}")
+                    problems.append(
+                        f"run {run.run_id} (lost with its owner): its stream ends {types[-3:]}, not error + done {{error: true}}"
+                    )
             if types and types[0] != "metadata":
-                problems.append(f"run {run.run_id}: its archive begins with {types[0]!r}, not metadata")
+                problems.append(
+                    f"run {run.run_id}: its archive begins with {types[0]!r}, not metadata"
+                )
             if sum(1 for t in types if t in TERMINAL) != 1 or (types and types[-1] not in TERMINAL):
-                problems.append(f"run {run.run_id}: its archive has {sum(1 for t in types if t in TERMINAL)} end frames "
-                                f"and ends {types[-1:] }: {types[-6:]}")
+                problems.append(
+                    f"run {run.run_id}: its archive has {sum(1 for t in types if t in TERMINAL)} end frames "
+                    f"and ends {types[-1:]}: {types[-6:]}"
+                )
 
         # 2 + 5. listeners against the archive
         for listener in listeners:
-            problems += check_listener(listener, archives.get(listener.run.run_id, []), allow_reconnects=allow_reconnects,
-                                       gap_bound_s=gap_bound_s, forbid=forbid)
+            problems += check_listener(
+                listener,
+                archives.get(listener.run.run_id, []),
+                allow_reconnects=allow_reconnects,
+                gap_bound_s=gap_bound_s,
+                forbid=forbid,
+            )
 
         # 2. the replay served after the end is the archive; 3. the stored messages
         clients = [cluster.client(gateway, timeout=30) for gateway in cluster.live_gateways()]
         try:
+
             async def served(run: Run, client: httpx.AsyncClient) -> None:
                 frames = await _replay(client, run.url)
                 want = archives.get(run.run_id, [])
                 if frames != want:
-                    problems.append(f"run {run.run_id}: the replay through {client.base_url} is not the archive: {_first_difference(frames, want)}")
+                    problems.append(
+                        f"run {run.run_id}: the replay through {client.base_url} is not the archive: {_first_difference(frames, want)}"
+                    )
 
             async def messages(run: Run, client: httpx.AsyncClient) -> None:
                 response = await client.get(f"/assistant/chat/{run.chat_id}")
                 if response.status_code != 200:
-                    problems.append(f"run {run.run_id}: GET chat answered {response.status_code} {response.text[:200]}")
+                    problems.append(
+                        f"run {run.run_id}: GET chat answered {response.status_code} {response.text[:200]}"
+                    )
                     return
                 mine = [m for m in response.json()["messages"] if m.get("run_id") == run.run_id]
-                if not any(m["role"] == "user" and m["content"] == run.turn.message for m in response.json()["messages"]):
-                    problems.append(f"run {run.run_id}: its user message is not stored (chat has {len(response.json()['messages'])} messages)")
-                if run.expect == "completed" and not any(m["role"] == "assistant" and _text(m["content"]) == run.turn.answer for m in mine):
-                    problems.append(f"run {run.run_id}: its answer {run.turn.answer[:50]!r} is not stored; the run's messages: "
-                                    f"{[(m['role'], str(m['content'])[:40]) for m in mine]}")
+                if not any(
+                    m["role"] == "user" and m["content"] == run.turn.message
+                    for m in response.json()["messages"]
+                ):
+                    problems.append(
+                        f"run {run.run_id}: its user message is not stored (chat has {len(response.json()['messages'])} messages)"
+                    )
+                if run.expect == "completed" and not any(
+                    m["role"] == "assistant" and _text(m["content"]) == run.turn.answer
+                    for m in mine
+                ):
+                    problems.append(
+                        f"run {run.run_id}: its answer {run.turn.answer[:50]!r} is not stored; the run's messages: "
+                        f"{[(m['role'], str(m['content'])[:40]) for m in mine]}"
+                    )
 
             calls = []
             for i, run in enumerate(runs):
@@ -254,7 +363,9 @@ async def check(cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[
                     continue
                 if served_replay:
                     calls.append(lambda run=run, client=client: served(run, client))
-                calls.append(lambda run=run, client=clients[(i + 1) % len(clients)]: messages(run, client))
+                calls.append(
+                    lambda run=run, client=clients[(i + 1) % len(clients)]: messages(run, client)
+                )
             await _gather_bounded(calls)
         finally:
             for client in clients:
@@ -265,7 +376,10 @@ async def check(cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[
         deadline = time.monotonic() + CHARGE_TIMEOUT_S
         while True:
             charges = await store.charges(keys)
-            if all(charges.get(key, (0, None))[0] == 1 for key in keys) or time.monotonic() > deadline:
+            if (
+                all(charges.get(key, (0, None))[0] == 1 for key in keys)
+                or time.monotonic() > deadline
+            ):
                 break
             if any(count > 1 for count, _ in charges.values()):
                 break
@@ -273,7 +387,9 @@ async def check(cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[
         for key in keys:
             count, state = charges.get(key, (0, None))
             if count != 1:
-                problems.append(f"turn {key}: charged {count} times (reservation {state or 'absent'}), want exactly once")
+                problems.append(
+                    f"turn {key}: charged {count} times (reservation {state or 'absent'}), want exactly once"
+                )
     finally:
         await store.close()
     return problems
@@ -297,7 +413,7 @@ async def _replay(client: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
             buffer += chunk
             while b"\n\n" in buffer:
                 raw, buffer = buffer.split(b"\n\n", 1)
-                frame = json.loads(raw[len(b"data: "):])
+                frame = json.loads(raw[len(b"data: ") :])
                 if frame.get("type") != "heartbeat":
                     frames.append(frame)
     return frames
@@ -311,7 +427,9 @@ def summary(problems: Sequence[str], limit: int = 25) -> str:
     return f"{len(problems)} invariant violation(s):\n  " + "\n  ".join(shown)
 
 
-async def assert_invariants(cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[Listener], **options: Any) -> None:
+async def assert_invariants(
+    cluster: FaultCluster, runs: Sequence[Run], listeners: Sequence[Listener], **options: Any
+) -> None:
     """`check`, raising AssertionError with the violations and the replicas' log tails."""
     problems = await check(cluster, runs, listeners, **options)
     print(report(runs, listeners))
@@ -323,15 +441,26 @@ def report(runs: Sequence[Run], listeners: Sequence[Listener], limit: int = 12) 
     """One line per listener (its connections: gateway, ?after, frames, how it ended, longest wait)."""
     lines = [f"{len(runs)} run(s), {len(listeners)} listener(s)"]
     for listener in listeners[:limit]:
-        parts = [f"{s.gateway}@{s.after}:{len(s.frames)}f/{s.heartbeats}hb {s.ending} gap {s.max_gap:.1f}s" for s in listener.segments]
-        lines.append(f"  {listener.name}: " + " | ".join(parts) + (f" refused {listener.refused[:4]}" if listener.refused else ""))
+        parts = [
+            f"{s.gateway}@{s.after}:{len(s.frames)}f/{s.heartbeats}hb {s.ending} gap {s.max_gap:.1f}s"
+            for s in listener.segments
+        ]
+        lines.append(
+            f"  {listener.name}: "
+            + " | ".join(parts)
+            + (f" refused {listener.refused[:4]}" if listener.refused else "")
+        )
     if len(listeners) > limit:
         gaps = sorted(s.max_gap for listener in listeners for s in listener.segments)
         heads = sorted(s.headers_s for listener in listeners for s in listener.segments)
-        reconnects = sum(1 for listener in listeners for s in listener.segments if s.ending == "reconnect")
-        lines.append(f"  ... {len(listeners) - limit} more; longest wait {gaps[-1] if gaps else 0:.2f} s, "
-                     f"p99 {gaps[int(len(gaps) * 0.99)] if gaps else 0:.2f} s; response headers after {heads[-1] if heads else 0:.2f} s "
-                     f"at most, p99 {heads[int(len(heads) * 0.99)] if heads else 0:.2f} s; reconnect frames {reconnects}")
+        reconnects = sum(
+            1 for listener in listeners for s in listener.segments if s.ending == "reconnect"
+        )
+        lines.append(
+            f"  ... {len(listeners) - limit} more; longest wait {gaps[-1] if gaps else 0:.2f} s, "
+            f"p99 {gaps[int(len(gaps) * 0.99)] if gaps else 0:.2f} s; response headers after {heads[-1] if heads else 0:.2f} s "
+            f"at most, p99 {heads[int(len(heads) * 0.99)] if heads else 0:.2f} s; reconnect frames {reconnects}"
+        )
     return "\n".join(lines)
 
 

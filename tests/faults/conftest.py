@@ -32,7 +32,9 @@ def _unavailable() -> str | None:
 @pytest.fixture(autouse=True)
 def _postgres_pass_only() -> None:
     if selected_backend() != "postgres":
-        pytest.skip("fault tests run real processes on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-faults)")
+        pytest.skip(
+            "fault tests run real processes on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-faults)"
+        )
 
 
 @pytest.fixture

@@ -44,7 +44,9 @@ from tests.scale.conftest import Cluster, Replica, free_port, wait_port
 from tests.sse_client import validate_frame
 
 REDIS_SERVER = "/usr/bin/redis-server"
-HEARTBEAT_S = 1.0  # LOOPLINE_HEARTBEAT_INTERVAL_S of every gateway (tests/scale's spawn_gateway sets it)
+HEARTBEAT_S = (
+    1.0  # LOOPLINE_HEARTBEAT_INTERVAL_S of every gateway (tests/scale's spawn_gateway sets it)
+)
 RECONNECT = re.compile(r"reconnect with \?after=(\d+)$")
 TERMINAL = frozenset({"done", "cancelled", "interrupted"})
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
@@ -83,17 +85,42 @@ class RedisServer:
             elif path.exists():
                 path.unlink()
         self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory), "--logfile", str(self.log), "--daemonize", "no", "--protected-mode", "no",
-             "--maxclients", "10000"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+                "--logfile",
+                str(self.log),
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "no",
+                "--maxclients",
+                "10000",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         self.paused = False
         deadline = time.monotonic() + timeout
         while not await asyncio.to_thread(self.ping):
             if self.process.poll() is not None:
-                raise AssertionError(f"redis-server exited with {self.process.returncode}:\n{self._log_tail()}")
+                raise AssertionError(
+                    f"redis-server exited with {self.process.returncode}:\n{self._log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"redis-server did not answer on port {self.port} within {timeout} s:\n{self._log_tail()}")
+                raise AssertionError(
+                    f"redis-server did not answer on port {self.port} within {timeout} s:\n{self._log_tail()}"
+                )
             await asyncio.sleep(0.05)
 
     def ping(self) -> bool:
@@ -157,21 +184,31 @@ class FaultCluster(Cluster):
 
     def live_gateways(self) -> list[Replica]:
         """The gateways that run and whose orchestrator runs."""
-        return [g for g in self.gateways if g.process.poll() is None
-                and (g.name not in self.upstream or self.upstream[g.name].process.poll() is None)]
+        return [
+            g
+            for g in self.gateways
+            if g.process.poll() is None
+            and (g.name not in self.upstream or self.upstream[g.name].process.poll() is None)
+        ]
 
     def env(self, **extra: str) -> dict[str, str]:
         """Cluster.env, with the test's own Redis (an `extra` LOOPLINE_REDIS_URL, e.g. a proxy, wins)."""
         assert self.redis is not None
         extra.setdefault("LOOPLINE_REDIS_URL", self.redis.url)
-        extra.setdefault("LOOPLINE_KEY_REQUESTS_PER_MINUTE", "0")  # the load scenario is one key's thousands of requests
+        extra.setdefault(
+            "LOOPLINE_KEY_REQUESTS_PER_MINUTE", "0"
+        )  # the load scenario is one key's thousands of requests
         return super().env(**extra)
 
     async def spawn_billing(self, **settings: str) -> Replica:
         """Billing as a process, on the port chosen when the cluster was made."""
         port = self.billing.port
-        env = self.env(LOOPLINE_BILLING_PORT=str(port), LOOPLINE_BILLING_DATABASE_URL=self.urls["billing"],
-                       LOOPLINE_BILLING_DEFAULT_PLAN="team", **settings)
+        env = self.env(
+            LOOPLINE_BILLING_PORT=str(port),
+            LOOPLINE_BILLING_DATABASE_URL=self.urls["billing"],
+            LOOPLINE_BILLING_DEFAULT_PLAN="team",
+            **settings,
+        )
         process, log = self._spawn("billing", "billing", env)
         replica = Replica("billing", port, process, log)
         self.replicas.append(replica)
@@ -182,7 +219,11 @@ class FaultCluster(Cluster):
     async def spawn_tools(self, **settings: str) -> Replica:
         """Tools as a process, on the port chosen when the cluster was made."""
         port = self.tools.port
-        env = self.env(LOOPLINE_TOOLS_PORT=str(port), LOOPLINE_TOOLS_DATABASE_URL=self.urls["tools"], **settings)
+        env = self.env(
+            LOOPLINE_TOOLS_PORT=str(port),
+            LOOPLINE_TOOLS_DATABASE_URL=self.urls["tools"],
+            **settings,
+        )
         process, log = self._spawn("tools", "tools", env)
         replica = Replica("tools", port, process, log)
         self.replicas.append(replica)
@@ -190,24 +231,41 @@ class FaultCluster(Cluster):
         self.tools = replica  # type: ignore[assignment]
         return replica
 
-    async def start_default(self, *, lease_s: float = 6.0, redis_retry_s: float = 5.0, late_gateway: bool = False,
-                            orchestrator_redis_url: str | None = None, o1_settings: dict[str, str] | None = None,
-                            **orchestrator_settings: str) -> None:
+    async def start_default(
+        self,
+        *,
+        lease_s: float = 6.0,
+        redis_retry_s: float = 5.0,
+        late_gateway: bool = False,
+        orchestrator_redis_url: str | None = None,
+        o1_settings: dict[str, str] | None = None,
+        **orchestrator_settings: str,
+    ) -> None:
         """billing + tools, orchestrators o1 and o2, gateways g1 -> o1 and g2 -> o2; with
         `late_gateway`, also g3 -> o2 for listeners that join late: a gateway serves every
         listener of a run from one shared upstream stream, so a late listener on g1 or g2 joins
         that copy, while one on g3 makes o2 read the run from Redis (or its archive).
         `o1_settings`: more LOOPLINE_* variables for o1 only (e.g. its database through a proxy)."""
         await asyncio.gather(self.spawn_billing(), self.spawn_tools())
-        settings = {"LOOPLINE_RUN_LEASE_S": str(lease_s), "LOOPLINE_REDIS_RETRY_S": str(redis_retry_s), **orchestrator_settings}
+        settings = {
+            "LOOPLINE_RUN_LEASE_S": str(lease_s),
+            "LOOPLINE_REDIS_RETRY_S": str(redis_retry_s),
+            **orchestrator_settings,
+        }
         if orchestrator_redis_url:
             settings["LOOPLINE_REDIS_URL"] = orchestrator_redis_url
-        self.orchestrators = list(await asyncio.gather(self.spawn_orchestrator("o1", **{**settings, **(o1_settings or {})}),
-                                                       self.spawn_orchestrator("o2", **settings)))
+        self.orchestrators = list(
+            await asyncio.gather(
+                self.spawn_orchestrator("o1", **{**settings, **(o1_settings or {})}),
+                self.spawn_orchestrator("o2", **settings),
+            )
+        )
         plan = [("g1", self.orchestrators[0]), ("g2", self.orchestrators[1])]
         if late_gateway:
             plan.append(("g3", self.orchestrators[1]))
-        self.gateways = list(await asyncio.gather(*(self.spawn_gateway(name, upstream) for name, upstream in plan)))
+        self.gateways = list(
+            await asyncio.gather(*(self.spawn_gateway(name, upstream) for name, upstream in plan))
+        )
         self.upstream = {name: upstream for name, upstream in plan}
         self.started = time.monotonic()
 
@@ -215,8 +273,11 @@ class FaultCluster(Cluster):
         """An HTTP client of `gateway` with the owner's credentials (`kwargs`: httpx options)."""
         options: dict[str, Any] = {"timeout": 30}
         options.update(kwargs)
-        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}",
-                                 headers={"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id}, **options)
+        return httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{gateway.port}",
+            headers={"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id},
+            **options,
+        )
 
     def logs(self, lines: int = 6, width: int = 400) -> str:
         """The last `lines` warnings and errors of each process's log (each cut to `width`
@@ -225,10 +286,15 @@ class FaultCluster(Cluster):
         for replica in self.replicas:
             if not replica.log.exists():
                 continue
-            notable = [line for line in replica.log.read_text(errors="replace").splitlines()
-                       if '"level":"warning"' in line or '"level":"error"' in line or "Traceback" in line]
+            notable = [
+                line
+                for line in replica.log.read_text(errors="replace").splitlines()
+                if '"level":"warning"' in line or '"level":"error"' in line or "Traceback" in line
+            ]
             if notable:
-                parts.append(f"--- {replica.name}: {len(notable)} warning/error lines, the last ones:")
+                parts.append(
+                    f"--- {replica.name}: {len(notable)} warning/error lines, the last ones:"
+                )
                 parts += [f"    {line[:width]}" for line in notable[-lines:]]
         return "\n".join(parts)
 
@@ -237,7 +303,11 @@ class FaultCluster(Cluster):
         found = {}
         for replica in self.replicas:
             if replica.log.exists():
-                count = sum(1 for line in replica.log.read_text(errors="replace").splitlines() if needle in line)
+                count = sum(
+                    1
+                    for line in replica.log.read_text(errors="replace").splitlines()
+                    if needle in line
+                )
                 if count:
                     found[replica.name] = count
         return found
@@ -256,8 +326,17 @@ async def make_cluster(tmp_path: pathlib.Path) -> FaultCluster:
     finally:
         await engine.dispose()
     prefix = f"llfault:{uuid.uuid4().hex[:8]}:"
-    return FaultCluster(tmp_path, urls, prefix, _Pending(free_port()), _Pending(free_port()),  # type: ignore[arg-type]
-                        org_id, owner["api_key"], owner["user_id"], redis=redis)
+    return FaultCluster(
+        tmp_path,
+        urls,
+        prefix,
+        _Pending(free_port()),
+        _Pending(free_port()),  # type: ignore[arg-type]
+        org_id,
+        owner["api_key"],
+        owner["user_id"],
+        redis=redis,
+    )
 
 
 async def stop_cluster(cluster: FaultCluster) -> None:
@@ -273,7 +352,13 @@ async def stop_cluster(cluster: FaultCluster) -> None:
 # ---------------------------------------------------------------------------- scripts
 
 
-SCRIPTED_PATH = pathlib.Path(__file__).resolve().parents[2] / "services" / "orchestrator" / "providers" / "scripted.py"
+SCRIPTED_PATH = (
+    pathlib.Path(__file__).resolve().parents[2]
+    / "services"
+    / "orchestrator"
+    / "providers"
+    / "scripted.py"
+)
 
 
 def supports_chunk_ms() -> bool:
@@ -315,11 +400,22 @@ def long_turn(seconds: float, label: str, tick_s: float = 1.0) -> Turn:
     answer_words = [f"{label}-{i}" for i in range(ticks)]
     if supports_chunk_ms():
         answer = " ".join(answer_words) + "."
-        return Turn(script({"say": answer, "chunks": ticks, "chunk_ms": int(tick_s * 1000)}), answer)
-    ticks = min(ticks, 45)  # LOOPLINE_RECURSION_LIMIT 100: a model call and a tool call are a step each
+        return Turn(
+            script({"say": answer, "chunks": ticks, "chunk_ms": int(tick_s * 1000)}), answer
+        )
+    ticks = min(
+        ticks, 45
+    )  # LOOPLINE_RECURSION_LIMIT 100: a model call and a tool call are a step each
     tick_ms = int(seconds * 1000 / (ticks + 1))
-    steps: list[dict[str, Any]] = [{"tool": ECHO, "input": echo_input(f"{label} tick {i}"), "say": f"Tick {i}. ", "sleep_ms": tick_ms}
-                                   for i in range(ticks)]
+    steps: list[dict[str, Any]] = [
+        {
+            "tool": ECHO,
+            "input": echo_input(f"{label} tick {i}"),
+            "say": f"Tick {i}. ",
+            "sleep_ms": tick_ms,
+        }
+        for i in range(ticks)
+    ]
     answer = f"The answer of {label}: " + " ".join(answer_words[:8]) + "."
     steps.append({"say": answer, "chunks": 4, "sleep_ms": tick_ms})
     return Turn(script(*steps), answer)
@@ -353,8 +449,14 @@ class Run:
         return f"{self.chat_id}:{self.run_id}"
 
 
-async def start_turn(client: httpx.AsyncClient, turn: Turn, *, chat_id: str | None = None, via: str = "",
-                     attempts: int = 1) -> Run:
+async def start_turn(
+    client: httpx.AsyncClient,
+    turn: Turn,
+    *,
+    chat_id: str | None = None,
+    via: str = "",
+    attempts: int = 1,
+) -> Run:
     """POST /assistant/chat; returns the Run (a 503 is retried `attempts` times in all)."""
     body: dict[str, Any] = {"message": turn.message}
     if chat_id:
@@ -364,7 +466,9 @@ async def start_turn(client: httpx.AsyncClient, turn: Turn, *, chat_id: str | No
         if response.status_code == 503 and attempt + 1 < attempts:
             await asyncio.sleep(min(1.0, float(response.headers.get("retry-after", "1") or 1)))
             continue
-        assert response.status_code == 200, f"starting a turn through {via or client.base_url}: {response.status_code} {response.text}"
+        assert response.status_code == 200, (
+            f"starting a turn through {via or client.base_url}: {response.status_code} {response.text}"
+        )
         data = response.json()
         return Run(data["chat_id"], data["run_id"], turn, via=via, started_at=time.monotonic())
     raise AssertionError("unreachable")
@@ -381,7 +485,9 @@ class Segment:
     after: int
     frames: list[dict[str, Any]] = field(default_factory=list)
     heartbeats: int = 0
-    max_gap: float = 0.0  # longest wait, from the request to the first byte, between frames, to the end
+    max_gap: float = (
+        0.0  # longest wait, from the request to the first byte, between frames, to the end
+    )
     max_gap_at: float = 0.0  # when (seconds since the listener started) that wait ended
     ending: str = ""  # "terminal", "reconnect", "closed" (neither), "timeout", "error: ..."
     headers_s: float = 0.0  # from the request to the response's headers
@@ -407,15 +513,21 @@ class Listener:
     name: str
     run: Run
     gateways: Sequence[tuple[str, httpx.AsyncClient]]
-    gap_limit_s: float = 30.0  # the client's own read timeout (longer than any wait the checker accepts)
+    gap_limit_s: float = (
+        30.0  # the client's own read timeout (longer than any wait the checker accepts)
+    )
     segments: list[Segment] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)  # retryable answers to (re)connects, for the report
+    refused: list[str] = field(
+        default_factory=list
+    )  # retryable answers to (re)connects, for the report
     finished: bool = False
     began: float = field(default_factory=time.monotonic)
     ended_at: float | None = None
     task: asyncio.Task | None = None
-    received_types: list[str] = field(default_factory=list)  # every frame's type as it came (all connections)
+    received_types: list[str] = field(
+        default_factory=list
+    )  # every frame's type as it came (all connections)
 
     @property
     def received(self) -> int:
@@ -446,7 +558,9 @@ class Listener:
                 try:
                     status, retry_after = await self._read(client, segment)
                 except (httpx.TransportError, OSError) as error:  # refused, reset before the answer
-                    if segment.frames or segment.heartbeats:  # broke mid-stream: the checker reports the segment
+                    if (
+                        segment.frames or segment.heartbeats
+                    ):  # broke mid-stream: the checker reports the segment
                         self.segments.append(segment)
                         segment.ending = f"error: {type(error).__name__}"
                         return
@@ -460,7 +574,9 @@ class Listener:
                     await asyncio.sleep(min(retry_after, 1.0))
                     continue
                 if status != 200:
-                    self.problems.append(f"{self.name}: GET {self.run.url}?after={after} through {name} answered {status}")
+                    self.problems.append(
+                        f"{self.name}: GET {self.run.url}?after={after} through {name} answered {status}"
+                    )
                     return
                 self.segments.append(segment)
                 if segment.ending == "terminal":
@@ -489,13 +605,19 @@ class Listener:
 
         timeout = httpx.Timeout(self.gap_limit_s, connect=10)
         try:
-            async with client.stream("GET", self.run.url, params={"after": segment.after} if segment.after else None,
-                                     timeout=timeout) as response:
+            async with client.stream(
+                "GET",
+                self.run.url,
+                params={"after": segment.after} if segment.after else None,
+                timeout=timeout,
+            ) as response:
                 segment.headers_s = time.monotonic() - last
                 if response.status_code != 200:
                     await response.aread()
                     retry = response.headers.get("retry-after", "1")
-                    return response.status_code, float(retry) if retry.replace(".", "", 1).isdigit() else 1.0
+                    return response.status_code, float(retry) if retry.replace(
+                        ".", "", 1
+                    ).isdigit() else 1.0
                 buffer = b""
                 async for chunk in response.aiter_bytes():
                     buffer += chunk
@@ -503,25 +625,33 @@ class Listener:
                         tick()
                         raw, buffer = buffer.split(b"\n\n", 1)
                         if not raw.startswith(b"data: ") or b"\n" in raw:
-                            self.problems.append(f"{self.name}: a frame that is not `data: <json>`: {raw[:200]!r}")
+                            self.problems.append(
+                                f"{self.name}: a frame that is not `data: <json>`: {raw[:200]!r}"
+                            )
                             continue
-                        frame = json.loads(raw[len(b"data: "):])
+                        frame = json.loads(raw[len(b"data: ") :])
                         try:
                             validate_frame(frame)
                         except jsonschema.ValidationError as error:
-                            self.problems.append(f"{self.name}: frame off schemas/sse-frame.json ({error.message[:120]}): {raw[:200]!r}")
+                            self.problems.append(
+                                f"{self.name}: frame off schemas/sse-frame.json ({error.message[:120]}): {raw[:200]!r}"
+                            )
                         if frame.get("type") == "heartbeat":
                             segment.heartbeats += 1
                             continue
                         segment.frames.append(frame)
                         self.received_types.append(frame.get("type", ""))
                 if buffer:
-                    self.problems.append(f"{self.name}: the stream ended inside a frame: {buffer[:200]!r}")
+                    self.problems.append(
+                        f"{self.name}: the stream ended inside a frame: {buffer[:200]!r}"
+                    )
         except httpx.ReadTimeout:
             tick()
             segment.ending = "timeout"
             return 200, 0.0
-        except httpx.RemoteProtocolError as error:  # the connection dropped mid-response (a peer died)
+        except (
+            httpx.RemoteProtocolError
+        ) as error:  # the connection dropped mid-response (a peer died)
             tick()
             if not (segment.frames or segment.heartbeats):
                 raise
@@ -550,22 +680,37 @@ async def wait_listeners(listeners: Sequence[Listener], timeout: float) -> list[
             with contextlib.suppress(BaseException):
                 await listener.task
             frames = sum(len(s.frames) for s in listener.segments)
-            hung.append(f"{listener.name}: still open {timeout:.0f} s later ({frames} frames in finished segments)")
+            hung.append(
+                f"{listener.name}: still open {timeout:.0f} s later ({frames} frames in finished segments)"
+            )
             listener.problems.append(hung[-1])
     for listener in listeners:
-        if listener.task is not None and listener.task.done() and not listener.task.cancelled() and listener.task.exception():
-            listener.problems.append(f"{listener.name}: the listener crashed: {listener.task.exception()!r}")
+        if (
+            listener.task is not None
+            and listener.task.done()
+            and not listener.task.cancelled()
+            and listener.task.exception()
+        ):
+            listener.problems.append(
+                f"{listener.name}: the listener crashed: {listener.task.exception()!r}"
+            )
     return hung
 
 
-async def wait_frames(listener: Listener, count: int, timeout: float = 20, kind: str | None = None) -> None:
+async def wait_frames(
+    listener: Listener, count: int, timeout: float = 20, kind: str | None = None
+) -> None:
     """Wait until `listener` has received `count` frames (of type `kind`, when given; reconnect
     frames included), all its connections together."""
     deadline = time.monotonic() + timeout
     while (listener.received if kind is None else listener.received_types.count(kind)) < count:
         if listener.task is not None and listener.task.done():
-            raise AssertionError(f"{listener.name}: ended with {listener.received_types} before {count} {kind or 'frames'}: "
-                                 f"{listener.problems}")
+            raise AssertionError(
+                f"{listener.name}: ended with {listener.received_types} before {count} {kind or 'frames'}: "
+                f"{listener.problems}"
+            )
         if time.monotonic() > deadline:
-            raise AssertionError(f"{listener.name}: fewer than {count} {kind or 'frames'} after {timeout} s: {listener.received_types}")
+            raise AssertionError(
+                f"{listener.name}: fewer than {count} {kind or 'frames'} after {timeout} s: {listener.received_types}"
+            )
         await asyncio.sleep(0.02)

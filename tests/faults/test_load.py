@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from tests.faults.checker import assert_invariants
 from tests.conftest import script
+from tests.faults.checker import assert_invariants
 from tests.faults.harness import ECHO, Listener, Run, Turn, echo_input, start_turn, wait_listeners
 
 RUNS = 500
@@ -24,8 +24,18 @@ RUNS = 500
 def _turn(i: int) -> Turn:
     """About a second of run: a model step and a tool call, then the answer in 4 chunks."""
     answer = f"Load answer {i}: alpha beta gamma delta epsilon."
-    return Turn(script({"tool": ECHO, "input": echo_input(f"load {i}"), "say": f"Run {i} checks. ", "sleep_ms": 500},
-                       {"say": answer, "chunks": 4, "sleep_ms": 500}), answer)
+    return Turn(
+        script(
+            {
+                "tool": ECHO,
+                "input": echo_input(f"load {i}"),
+                "say": f"Run {i} checks. ",
+                "sleep_ms": 500,
+            },
+            {"say": answer, "chunks": 4, "sleep_ms": 500},
+        ),
+        answer,
+    )
 
 
 LISTENERS_PER_RUN = 3
@@ -43,7 +53,10 @@ async def test_500_runs_each_followed_by_3_listeners_through_the_other_replica(f
     listeners: list[Listener] = []
     failures: list[str] = []
     gate = asyncio.Semaphore(IN_FLIGHT)
-    limits = httpx.Limits(max_connections=IN_FLIGHT * (LISTENERS_PER_RUN + 1) + 10, max_keepalive_connections=IN_FLIGHT * 4)
+    limits = httpx.Limits(
+        max_connections=IN_FLIGHT * (LISTENERS_PER_RUN + 1) + 10,
+        max_keepalive_connections=IN_FLIGHT * 4,
+    )
     began = time.monotonic()
     async with faults.client(g1, limits=limits) as c1, faults.client(g2, limits=limits) as c2:
 
@@ -55,12 +68,19 @@ async def test_500_runs_each_followed_by_3_listeners_through_the_other_replica(f
                     failures.append(str(error))
                     return
                 runs.append(run)
-                mine = [Listener(f"run {i} listener {k} on g2", run, [("g2", c2)]).start() for k in range(LISTENERS_PER_RUN)]
+                mine = [
+                    Listener(f"run {i} listener {k} on g2", run, [("g2", c2)]).start()
+                    for k in range(LISTENERS_PER_RUN)
+                ]
                 listeners.extend(mine)
                 await wait_listeners(mine, 60)
 
         await asyncio.gather(*(one(i) for i in range(RUNS)))
     took = time.monotonic() - began
-    print(f"{len(runs)} runs, {len(listeners)} listeners in {took:.1f} s ({len(runs) / took:.1f} runs/s)")
+    print(
+        f"{len(runs)} runs, {len(listeners)} listeners in {took:.1f} s ({len(runs) / took:.1f} runs/s)"
+    )
     assert not failures, f"{len(failures)} turn starts failed, e.g. {failures[:3]}"
-    await assert_invariants(faults, runs, listeners, allow_reconnects=False, forbid=("event store is unreachable",))
+    await assert_invariants(
+        faults, runs, listeners, allow_reconnects=False, forbid=("event store is unreachable",)
+    )

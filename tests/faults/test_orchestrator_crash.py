@@ -12,9 +12,19 @@ import time
 
 import pytest
 
-from tests.faults.checker import assert_invariants
-from tests.faults.harness import ECHO, Listener, Turn, echo_input, short_turn, start_turn, wait_frames, wait_input, wait_listeners
 from tests.conftest import script
+from tests.faults.checker import assert_invariants
+from tests.faults.harness import (
+    ECHO,
+    Listener,
+    Turn,
+    echo_input,
+    short_turn,
+    start_turn,
+    wait_frames,
+    wait_input,
+    wait_listeners,
+)
 
 LEASE_S = 6.0
 DETECTION_MARGIN_S = 2.0  # the reaper's period (lease / 6) and a poll of the listener
@@ -38,13 +48,19 @@ async def _killed_mid(faults, turn: Turn, what: str, kill_after: str, count: int
         killed_at = time.monotonic()
         await wait_listeners([on_g2, on_g1], LEASE_S + 30)
         detected = (on_g2.ended_at or time.monotonic()) - killed_at
-        print(f"o1 killed -9 mid {what}: the listener on g2 got the run's end {detected:.1f} s later (lease {LEASE_S} s)")
+        print(
+            f"o1 killed -9 mid {what}: the listener on g2 got the run's end {detected:.1f} s later (lease {LEASE_S} s)"
+        )
         # the chat takes a new turn through the surviving side
-        again = await start_turn(c2, short_turn("after the crash", sleep_ms=100), chat_id=run.chat_id, via="g2")
+        again = await start_turn(
+            c2, short_turn("after the crash", sleep_ms=100), chat_id=run.chat_id, via="g2"
+        )
         follow = Listener("L3 next turn on g2", again, [("g2", c2)]).start()
         await wait_listeners([follow], 30)
     await assert_invariants(faults, [run, again], [on_g2, on_g1, follow])
-    assert detected <= LEASE_S + DETECTION_MARGIN_S, f"the crash was detected {detected:.1f} s after the kill (bound {LEASE_S} s + {DETECTION_MARGIN_S} s)"
+    assert detected <= LEASE_S + DETECTION_MARGIN_S, (
+        f"the crash was detected {detected:.1f} s after the kill (bound {LEASE_S} s + {DETECTION_MARGIN_S} s)"
+    )
     types = on_g2.received_types
     assert types[-2:] == ["error", "done"], types
     if what == "tool call":  # the call the crash cut off is answered
@@ -54,15 +70,28 @@ async def _killed_mid(faults, turn: Turn, what: str, kill_after: str, count: int
 
 @pytest.mark.timeout(120)
 async def test_orchestrator_killed_mid_model_call(faults):
-    turn = Turn(script({"tool": ECHO, "input": echo_input("before the crash"), "say": "Checking first."},
-                       {"say": "never said", "sleep_ms": 120_000}), "never said")
-    await _killed_mid(faults, turn, "model call", "tool_result")  # the echo's result: the model call that sleeps is next
+    turn = Turn(
+        script(
+            {"tool": ECHO, "input": echo_input("before the crash"), "say": "Checking first."},
+            {"say": "never said", "sleep_ms": 120_000},
+        ),
+        "never said",
+    )
+    await _killed_mid(
+        faults, turn, "model call", "tool_result"
+    )  # the echo's result: the model call that sleeps is next
 
 
 @pytest.mark.timeout(120)
 async def test_orchestrator_killed_mid_tool_call(faults):
-    turn = Turn(script({"tool": ECHO, "input": echo_input("before the crash")},
-                       {"tool": ECHO, "input": wait_input(120), "say": "Waiting on the slow action."},
-                       {"say": "never said"}), "never said")
-    await _killed_mid(faults, turn, "tool call", "tool_call", 2)  # the slow call (the first is the echo)
-
+    turn = Turn(
+        script(
+            {"tool": ECHO, "input": echo_input("before the crash")},
+            {"tool": ECHO, "input": wait_input(120), "say": "Waiting on the slow action."},
+            {"say": "never said"},
+        ),
+        "never said",
+    )
+    await _killed_mid(
+        faults, turn, "tool call", "tool_call", 2
+    )  # the slow call (the first is the echo)

@@ -19,7 +19,14 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.faults.checker import assert_invariants
-from tests.faults.harness import Listener, long_turn, short_turn, start_turn, wait_frames, wait_listeners
+from tests.faults.harness import (
+    Listener,
+    long_turn,
+    short_turn,
+    start_turn,
+    wait_frames,
+    wait_listeners,
+)
 from tests.tcp_proxy import CuttableProxy
 
 LEASE_S = 6.0
@@ -35,7 +42,9 @@ async def test_run_owner_cut_off_from_postgresql_and_redis_past_its_lease(faults
     await redis_proxy.start()
     try:
         o1_settings = {
-            "LOOPLINE_ORCHESTRATOR_DATABASE_URL": database.set(host="127.0.0.1", port=pg_proxy.port).render_as_string(hide_password=False),
+            "LOOPLINE_ORCHESTRATOR_DATABASE_URL": database.set(
+                host="127.0.0.1", port=pg_proxy.port
+            ).render_as_string(hide_password=False),
             "LOOPLINE_REDIS_URL": f"redis://127.0.0.1:{redis_proxy.port}/0",
         }
         await faults.start_default(lease_s=LEASE_S, o1_settings=o1_settings)
@@ -43,23 +52,35 @@ async def test_run_owner_cut_off_from_postgresql_and_redis_past_its_lease(faults
         async with faults.client(g1) as c1, faults.client(g2) as c2:
             run = await start_turn(c1, long_turn(40, "partitioned"), via="g1")
             run.expect = "failed"  # its owner is cut off past the lease: o2 ends it
-            listeners = [Listener("L1 on g2", run, [("g2", c2), ("g1", c1)]).start(),
-                         Listener("L2 on g1", run, [("g1", c1), ("g2", c2)]).start()]
+            listeners = [
+                Listener("L1 on g2", run, [("g2", c2), ("g1", c1)]).start(),
+                Listener("L2 on g1", run, [("g1", c1), ("g2", c2)]).start(),
+            ]
             await wait_frames(listeners[0], 3)
             await asyncio.sleep(1.0)
             pg_proxy.swallowing = redis_proxy.swallowing = True
             cut_at = time.monotonic()
             await wait_frames(listeners[0], 1, timeout=LEASE_S + 15, kind="done")
-            print(f"o2 ended the run {time.monotonic() - cut_at:.1f} s into the partition (lease {LEASE_S} s)")
+            print(
+                f"o2 ended the run {time.monotonic() - cut_at:.1f} s into the partition (lease {LEASE_S} s)"
+            )
             await asyncio.sleep(max(0.0, PARTITION_S - (time.monotonic() - cut_at)))
             pg_proxy.swallowing = redis_proxy.swallowing = False
             print(f"partition healed after {time.monotonic() - cut_at:.1f} s")
             late = Listener("L3 late on g2", run, [("g2", c2)]).start(delay=1.0)
             listeners.append(late)
             await wait_listeners(listeners, 60)
-            await asyncio.sleep(LEASE_S)  # o1 has had time to notice, and must not write a second end
+            await asyncio.sleep(
+                LEASE_S
+            )  # o1 has had time to notice, and must not write a second end
             # o1 serves new turns again once healed (its next connections go through the healed proxies)
-            again = await start_turn(c1, short_turn("after the partition", sleep_ms=100), chat_id=run.chat_id, via="g1", attempts=40)
+            again = await start_turn(
+                c1,
+                short_turn("after the partition", sleep_ms=100),
+                chat_id=run.chat_id,
+                via="g1",
+                attempts=40,
+            )
             follow = Listener("L4 next turn on g1", again, [("g1", c1), ("g2", c2)]).start()
             await wait_listeners([follow], 40)
         await assert_invariants(faults, [run, again], [*listeners, follow])

@@ -19,7 +19,16 @@ import time
 import pytest
 
 from tests.faults.checker import assert_invariants
-from tests.faults.harness import FaultCluster, Listener, Run, long_turn, short_turn, start_turn, wait_frames, wait_listeners
+from tests.faults.harness import (
+    FaultCluster,
+    Listener,
+    Run,
+    long_turn,
+    short_turn,
+    start_turn,
+    wait_frames,
+    wait_listeners,
+)
 from tests.tcp_proxy import CuttableProxy
 
 LEASE_S = 6.0  # short: a replica that wrongly reaps a live run during the outage shows up within it
@@ -35,12 +44,16 @@ def _listeners(runs_clients: dict[str, object], run: Run, *plan: tuple[str, str]
     return listeners
 
 
-async def _turns_after(faults: FaultCluster, clients: dict[str, object], label: str) -> tuple[list[Run], list[Listener]]:
+async def _turns_after(
+    faults: FaultCluster, clients: dict[str, object], label: str
+) -> tuple[list[Run], list[Listener]]:
     """A new short turn through each gateway once the fault is over (retrying a 503 for a while),
     each listened to through the other gateway: the cluster is back in service."""
     runs, listeners = [], []
     for via, other in (("g1", "g2"), ("g2", "g1")):
-        run = await start_turn(clients[via], short_turn(f"{label}-{via}", sleep_ms=200), via=via, attempts=40)  # type: ignore[arg-type]
+        run = await start_turn(
+            clients[via], short_turn(f"{label}-{via}", sleep_ms=200), via=via, attempts=40
+        )  # type: ignore[arg-type]
         runs.append(run)
         listeners += _listeners(clients, run, (f"after {via} on {other}", other))
     for listener in listeners:
@@ -56,7 +69,14 @@ async def test_redis_killed_then_restarted_empty_while_a_run_streams(faults):
     async with faults.client(g1) as c1, faults.client(g2) as c2, faults.client(g3) as c3:
         clients = {"g1": c1, "g2": c2, "g3": c3}
         run = await start_turn(c1, long_turn(16, "killed"), via="g1")
-        listeners = _listeners(clients, run, ("L1 on g1", "g1"), ("L2 on g1", "g1"), ("L3 on g2", "g2"), ("L4 on g2", "g2"))
+        listeners = _listeners(
+            clients,
+            run,
+            ("L1 on g1", "g1"),
+            ("L2 on g1", "g1"),
+            ("L3 on g2", "g2"),
+            ("L4 on g2", "g2"),
+        )
         for listener in listeners:
             listener.start()
         await wait_frames(listeners[2], 3)
@@ -83,7 +103,9 @@ async def test_redis_stopped_for_a_minute_while_a_run_streams(faults):
     async with faults.client(g1) as c1, faults.client(g2) as c2, faults.client(g3) as c3:
         clients = {"g1": c1, "g2": c2, "g3": c3}
         run = await start_turn(c1, long_turn(80, "stopped", tick_s=2.0), via="g1")
-        listeners = _listeners(clients, run, ("L1 on g1", "g1"), ("L2 on g2", "g2"), ("L3 on g2", "g2"))
+        listeners = _listeners(
+            clients, run, ("L1 on g1", "g1"), ("L2 on g2", "g2"), ("L3 on g2", "g2")
+        )
         for listener in listeners:
             listener.start()
         await wait_frames(listeners[1], 3)
@@ -109,13 +131,19 @@ async def test_redis_reachable_but_silent_for_twenty_seconds(faults):
     await proxy.start()
     try:
         # both orchestrators reach Redis through the proxy; billing and tools directly
-        await faults.start_default(lease_s=LEASE_S, redis_retry_s=REDIS_RETRY_S, late_gateway=True,
-                                   orchestrator_redis_url=f"redis://127.0.0.1:{proxy.port}/0")
+        await faults.start_default(
+            lease_s=LEASE_S,
+            redis_retry_s=REDIS_RETRY_S,
+            late_gateway=True,
+            orchestrator_redis_url=f"redis://127.0.0.1:{proxy.port}/0",
+        )
         g1, g2, g3 = faults.gateways
         async with faults.client(g1) as c1, faults.client(g2) as c2, faults.client(g3) as c3:
             clients = {"g1": c1, "g2": c2, "g3": c3}
             run = await start_turn(c1, long_turn(36, "silent", tick_s=1.5), via="g1")
-            listeners = _listeners(clients, run, ("L1 on g1", "g1"), ("L2 on g2", "g2"), ("L3 on g2", "g2"))
+            listeners = _listeners(
+                clients, run, ("L1 on g1", "g1"), ("L2 on g2", "g2"), ("L3 on g2", "g2")
+            )
             for listener in listeners:
                 listener.start()
             await wait_frames(listeners[1], 3)

@@ -11,14 +11,18 @@ from services.gateway.identity import hash_key
 
 async def test_missing_key_is_401(stack):
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
-        response = await client.post("/assistant/chat", json={"message": "hi"}, headers={"X-Organization-ID": stack.org_id})
+        response = await client.post(
+            "/assistant/chat", json={"message": "hi"}, headers={"X-Organization-ID": stack.org_id}
+        )
     assert response.status_code == 401
     assert "detail" in response.json()
 
 
 async def test_unknown_key_is_401(stack):
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
-        response = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key="mx_live_nope"))
+        response = await client.post(
+            "/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key="mx_live_nope")
+        )
     assert response.status_code == 401
 
 
@@ -26,17 +30,29 @@ async def test_member_role_is_403_and_admin_is_allowed(stack):
     member = await stack.member("member")
     admin = await stack.member("admin")
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
-        denied = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key=member["api_key"]))
-        allowed = await client.post("/assistant/chat", json={"message": "hi"}, headers=stack.headers(api_key=admin["api_key"]))
+        denied = await client.post(
+            "/assistant/chat",
+            json={"message": "hi"},
+            headers=stack.headers(api_key=member["api_key"]),
+        )
+        allowed = await client.post(
+            "/assistant/chat",
+            json={"message": "hi"},
+            headers=stack.headers(api_key=admin["api_key"]),
+        )
     assert denied.status_code == 403
-    assert denied.json() == {"detail": "This requires the owner or admin role in this organization"}  # fits every route
+    assert denied.json() == {
+        "detail": "This requires the owner or admin role in this organization"
+    }  # fits every route
     assert allowed.status_code == 200
 
 
 async def test_key_of_another_organization_is_403(stack):
     outsider = await stack.member("owner", org_id="org_other")
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
-        response = await client.get("/assistant/chats", headers=stack.headers(api_key=outsider["api_key"]))
+        response = await client.get(
+            "/assistant/chats", headers=stack.headers(api_key=outsider["api_key"])
+        )
     assert response.status_code == 403
 
 
@@ -54,8 +70,12 @@ async def test_keys_are_stored_only_as_hashes(stack):
 async def test_another_organizations_chat_is_404(stack):
     other = await stack.member("owner", org_id="org_second")
     async with stack.client() as client:
-        chat_id = (await client.post("/assistant/chat", json={"message": "hello"})).json()["chat_id"]
-    async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.headers(other["api_key"], "org_second")) as client:
+        chat_id = (await client.post("/assistant/chat", json={"message": "hello"})).json()[
+            "chat_id"
+        ]
+    async with httpx.AsyncClient(
+        base_url=stack.base_url, headers=stack.headers(other["api_key"], "org_second")
+    ) as client:
         for response in (
             await client.post("/assistant/chat", json={"message": "hi", "chat_id": chat_id}),
             await client.get(f"/assistant/chat/{chat_id}"),
@@ -70,20 +90,41 @@ async def test_an_organization_id_no_organization_can_have_is_400_on_every_route
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
         for org_id in ("o" * 129, "örg", "org one"):
             headers = {**stack.headers(), "X-Organization-ID": org_id}
-            for method, path in (("POST", "/assistant/chat"), ("GET", "/assistant/chats"), ("GET", "/credentials"),
-                                 ("GET", "/assistant/chat/x/listen/y")):
-                response = await client.request(method, path, json={"message": "hi"} if method == "POST" else None,
-                                                headers={k: v.encode() if k == "X-Organization-ID" else v for k, v in headers.items()})
+            for method, path in (
+                ("POST", "/assistant/chat"),
+                ("GET", "/assistant/chats"),
+                ("GET", "/credentials"),
+                ("GET", "/assistant/chat/x/listen/y"),
+            ):
+                response = await client.request(
+                    method,
+                    path,
+                    json={"message": "hi"} if method == "POST" else None,
+                    headers={
+                        k: v.encode() if k == "X-Organization-ID" else v for k, v in headers.items()
+                    },
+                )
                 assert response.status_code == 400, (org_id, path, response.text)
                 assert "X-Organization-ID" in response.json()["detail"]
         ok = await client.get("/assistant/chats", headers=stack.headers(org_id="o" * 128))
         assert ok.status_code == 403  # well-formed, just not an organization the key's user is in
     url = httpx.URL(stack.base_url)
-    for padded in (stack.org_id + " ", stack.org_id + "\t", " \t" + stack.org_id):  # RFC 9110: not part of the value
-        for path, expected in (("/assistant/chats", b" 200 "), ("/assistant/chat/x/listen/y", b" 404 ")):
-            reader, writer = await asyncio.open_connection(url.host, url.port)  # httpx refuses to send such a header
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_key}\r\n"
-                         f"X-Organization-ID: {padded}\r\nConnection: close\r\n\r\n".encode())
+    for padded in (
+        stack.org_id + " ",
+        stack.org_id + "\t",
+        " \t" + stack.org_id,
+    ):  # RFC 9110: not part of the value
+        for path, expected in (
+            ("/assistant/chats", b" 200 "),
+            ("/assistant/chat/x/listen/y", b" 404 "),
+        ):
+            reader, writer = await asyncio.open_connection(
+                url.host, url.port
+            )  # httpx refuses to send such a header
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {stack.api_key}\r\n"
+                f"X-Organization-ID: {padded}\r\nConnection: close\r\n\r\n".encode()
+            )
             status = await reader.readline()
             writer.close()
             assert expected in status, (repr(padded), path, status)

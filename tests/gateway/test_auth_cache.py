@@ -29,7 +29,9 @@ class CountingAuthenticator(Authenticator):
 
 async def test_concurrent_cache_misses_share_one_lookup():
     auth = CountingAuthenticator(Principal(user_id="u", organization_id="org", role="owner"))
-    results = await asyncio.gather(*[auth.authenticate("Bearer mx_live_k", "org") for _ in range(200)])
+    results = await asyncio.gather(
+        *[auth.authenticate("Bearer mx_live_k", "org") for _ in range(200)]
+    )
     assert auth.lookups == 1
     assert all(r.user_id == "u" for r in results)
     await auth.authenticate("Bearer mx_live_k", "org")
@@ -38,7 +40,9 @@ async def test_concurrent_cache_misses_share_one_lookup():
 
 async def test_concurrent_misses_of_a_bad_key_share_one_lookup_and_all_get_the_error():
     auth = CountingAuthenticator(AuthError(401, "Invalid API key"))
-    outcomes = await asyncio.gather(*[auth.authenticate("Bearer mx_live_bad", "org") for _ in range(50)], return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *[auth.authenticate("Bearer mx_live_bad", "org") for _ in range(50)], return_exceptions=True
+    )
     assert auth.lookups == 1
     assert all(isinstance(o, AuthError) and o.status == 401 for o in outcomes)
     with pytest.raises(AuthError):
@@ -53,7 +57,9 @@ async def test_header_cache_hit_is_a_lookup_of_the_header_and_expires_with_the_e
 
     auth = CountingAuthenticator(Principal(user_id="u", organization_id="org", role="owner"))
     clock = [1000.0]
-    monkeypatch.setattr(identity, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))  # not the event loop's clock
+    monkeypatch.setattr(
+        identity, "time", types.SimpleNamespace(monotonic=lambda: clock[0])
+    )  # not the event loop's clock
     assert (await auth.authenticate("Bearer mx_live_k", "org")).user_id == "u"
     hashed = []
     monkeypatch.setattr(identity, "hash_key", lambda key: hashed.append(key) or "digest")
@@ -61,7 +67,11 @@ async def test_header_cache_hit_is_a_lookup_of_the_header_and_expires_with_the_e
     assert (await auth.authenticate("Bearer mx_live_k", "org")).user_id == "u"
     assert hashed == [] and auth.lookups == 1
     # Another spelling of the same key is its own header entry but shares the hash-keyed one.
-    monkeypatch.setattr(identity, "hash_key", lambda key: hashed.append(key) or identity.hashlib.sha256(key.encode()).hexdigest())
+    monkeypatch.setattr(
+        identity,
+        "hash_key",
+        lambda key: hashed.append(key) or identity.hashlib.sha256(key.encode()).hexdigest(),
+    )
     assert (await auth.authenticate("bearer  mx_live_k ", "org")).user_id == "u"
     assert hashed == ["mx_live_k"] and auth.lookups == 1
     clock[0] += 1.5  # 30.5 s after the look-up: both entries are stale

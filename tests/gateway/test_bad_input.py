@@ -13,7 +13,12 @@ from services.orchestrator.models import Chat, Message, Run
 
 async def _counts(stack) -> tuple[int, int, int]:
     async with stack.orchestrator.servicer.sessions() as session:
-        return tuple([(await session.execute(select(func.count()).select_from(m))).scalar() for m in (Chat, Message, Run)])
+        return tuple(
+            [
+                (await session.execute(select(func.count()).select_from(m))).scalar()
+                for m in (Chat, Message, Run)
+            ]
+        )
 
 
 @pytest.mark.parametrize("message", [42, 1.5, ["hi"], {"text": "hi"}, None, True])
@@ -25,10 +30,14 @@ async def test_non_string_message_is_400_and_writes_nothing(stack, message):
     assert await _counts(stack) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("content", [b"not json", b"[1, 2]", b'"just a string"', b"", b"null", b'{"message": "\\ud800"}'])
+@pytest.mark.parametrize(
+    "content", [b"not json", b"[1, 2]", b'"just a string"', b"", b"null", b'{"message": "\\ud800"}']
+)
 async def test_body_not_a_json_object_is_400(stack, content):
     async with stack.client() as client:
-        response = await client.post("/assistant/chat", content=content, headers={"Content-Type": "application/json"})
+        response = await client.post(
+            "/assistant/chat", content=content, headers={"Content-Type": "application/json"}
+        )
     assert response.status_code == 400
     assert "detail" in response.json()
     assert await _counts(stack) == (0, 0, 0)
@@ -37,8 +46,12 @@ async def test_body_not_a_json_object_is_400(stack, content):
 async def test_missing_message_and_unknown_fields_are_400(stack):
     async with stack.client() as client:
         assert (await client.post("/assistant/chat", json={})).status_code == 400
-        assert (await client.post("/assistant/chat", json={"message": "hi", "surprise": 1})).status_code == 400
-        assert (await client.post("/assistant/chat", json={"message": "hi", "llm": "gpt-4o"})).status_code == 400
+        assert (
+            await client.post("/assistant/chat", json={"message": "hi", "surprise": 1})
+        ).status_code == 400
+        assert (
+            await client.post("/assistant/chat", json={"message": "hi", "llm": "gpt-4o"})
+        ).status_code == 400
     assert await _counts(stack) == (0, 0, 0)
 
 
@@ -52,7 +65,9 @@ async def test_huge_body_is_413(stack):
 async def test_unknown_chat_id_is_404_and_writes_nothing(stack):
     async with stack.client() as client:
         for chat_id in (str(uuid.uuid4()), "not-a-uuid"):
-            response = await client.post("/assistant/chat", json={"message": "hi", "chat_id": chat_id})
+            response = await client.post(
+                "/assistant/chat", json={"message": "hi", "chat_id": chat_id}
+            )
             assert response.status_code == 404
             assert response.json() == {"detail": "Chat not found"}
     assert await _counts(stack) == (0, 0, 0)
@@ -61,7 +76,11 @@ async def test_unknown_chat_id_is_404_and_writes_nothing(stack):
 async def test_unknown_provider_is_400_before_anything_is_written(stack):
     async with stack.client() as client:
         response = await client.post(
-            "/assistant/chat", json={"message": "hi", "llm": {"integration_name": "x", "provider_id": "nope", "model_id": "m"}}
+            "/assistant/chat",
+            json={
+                "message": "hi",
+                "llm": {"integration_name": "x", "provider_id": "nope", "model_id": "m"},
+            },
         )
     assert response.status_code == 400
     assert await _counts(stack) == (0, 0, 0)
@@ -70,7 +89,15 @@ async def test_unknown_provider_is_400_before_anything_is_written(stack):
 async def test_scripted_model_outside_its_list_is_400(stack):
     async with stack.client() as client:
         response = await client.post(
-            "/assistant/chat", json={"message": "hi", "llm": {"integration_name": "loopline", "provider_id": "scripted", "model_id": "gpt-99"}}
+            "/assistant/chat",
+            json={
+                "message": "hi",
+                "llm": {
+                    "integration_name": "loopline",
+                    "provider_id": "scripted",
+                    "model_id": "gpt-99",
+                },
+            },
         )
     assert response.status_code == 400
     assert await _counts(stack) == (0, 0, 0)
@@ -80,7 +107,9 @@ async def test_out_of_range_integers_are_400_not_500(stack):
     import uuid
 
     async with stack.client() as client:
-        listen = await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}", params={"after": str(2**63)})
+        listen = await client.get(
+            f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}", params={"after": str(2**63)}
+        )
         creds = await client.get("/credentials", params={"offset": "99999999999999999999"})
         chats = await client.get("/assistant/chats", params={"limit": str(2**70)})
     assert (listen.status_code, creds.status_code, chats.status_code) == (400, 400, 400)
@@ -109,24 +138,41 @@ async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(stack):
     # second fresh-eyes test: "Unknown field(s): ..." quoted a 100 KB field name in full
     async with stack.client() as client:
         response = await client.post("/assistant/chat", json={"message": "hi", "f" * 5_000: 1})
-        nested = await client.post("/assistant/chat", json={"message": "hi", "llm": {"provider_id": "scripted", "g" * 5_000: 1}})
+        nested = await client.post(
+            "/assistant/chat",
+            json={"message": "hi", "llm": {"provider_id": "scripted", "g" * 5_000: 1}},
+        )
     for answer in (response, nested):
         assert answer.status_code == 400 and len(answer.json()["detail"]) <= 1000
     assert await _counts(stack) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("content", [b'{"message": "hi", "message": "ho"}', b'{"message": "hi", "metadata": {"a": 1, "a": 2}}',
-                                     b'{"message": "hi", "metadata": {"l": [{"\xc3\xa9": 1, "\xc3\xa9": 2}]}}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"message": "hi", "message": "ho"}',
+        b'{"message": "hi", "metadata": {"a": 1, "a": 2}}',
+        b'{"message": "hi", "metadata": {"l": [{"\xc3\xa9": 1, "\xc3\xa9": 2}]}}',
+    ],
+)
 async def test_a_name_given_twice_in_an_object_is_400_not_its_last_value(stack, content):
     # fresh-eyes test: {"message": "hi", "message": "ho"} started a turn with "ho" (RFC 8259 §4, RFC 7493 §2.3)
     async with stack.client() as client:
-        response = await client.post("/assistant/chat", content=content, headers={"Content-Type": "application/json"})
+        response = await client.post(
+            "/assistant/chat", content=content, headers={"Content-Type": "application/json"}
+        )
         assert response.status_code == 400
         assert response.json()["detail"].startswith("Request body gives the name ")
         assert response.json()["detail"].endswith(" more than once in one object; give it once")
-        credential = await client.post("/credentials", content=b'{"integration_name": "http", "integration_name": "postgresql"}',
-                                       headers={"Content-Type": "application/json"})  # a FastAPI route reads bodies the same way
-        assert credential.status_code == 400 and '"integration_name" more than once' in credential.json()["detail"]
+        credential = await client.post(
+            "/credentials",
+            content=b'{"integration_name": "http", "integration_name": "postgresql"}',
+            headers={"Content-Type": "application/json"},
+        )  # a FastAPI route reads bodies the same way
+        assert (
+            credential.status_code == 400
+            and '"integration_name" more than once' in credential.json()["detail"]
+        )
     assert await _counts(stack) == (0, 0, 0)
 
 
@@ -134,6 +180,9 @@ async def test_the_same_name_in_different_objects_and_colons_in_strings_are_fine
     nested = b'{"a": {"a": {"a": 1}}, "b": [{"a": 1}, {"a": 2}], "c": "x: y: z"}'
     assert json_object(nested) == {"a": {"a": {"a": 1}}, "b": [{"a": 1}, {"a": 2}], "c": "x: y: z"}
     async with stack.client() as client:
-        response = await client.post("/assistant/chat", content=b'{"message": "a: b: c", "chat_id": null}',
-                                     headers={"Content-Type": "application/json"})
+        response = await client.post(
+            "/assistant/chat",
+            content=b'{"message": "a: b: c", "chat_id": null}',
+            headers={"Content-Type": "application/json"},
+        )
     assert response.status_code == 200, response.text

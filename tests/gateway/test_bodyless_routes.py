@@ -20,12 +20,22 @@ BIG = b"x" * (1_048_576 + 1)
 async def _routes(stack, client) -> list[tuple[str, str, int]]:
     """(method, path, status with no body) of every route that takes no body."""
     body, _ = await run_turn(client, {"say": "hi"})
-    created = await client.post("/credentials", json={"integration_name": "http", "auth_type": "bearer_token",
-                                                      "auth_data": {"token": "tok-1234567890"}})
+    created = await client.post(
+        "/credentials",
+        json={
+            "integration_name": "http",
+            "auth_type": "bearer_token",
+            "auth_data": {"token": "tok-1234567890"},
+        },
+    )
     assert created.status_code == 201, created.text
     credential = created.json()["credential_id"]
     return [
-        ("POST", f"/assistant/chat/{body['chat_id']}/cancel", 400),  # nothing running: "No active execution"
+        (
+            "POST",
+            f"/assistant/chat/{body['chat_id']}/cancel",
+            400,
+        ),  # nothing running: "No active execution"
         ("POST", f"/credentials/{credential}/set-default", 200),
         ("POST", f"/credentials/{credential}/refresh-discovery", 400),  # not an MCP server
         ("DELETE", "/organizations/settings/composer-llm", 200),
@@ -34,32 +44,55 @@ async def _routes(stack, client) -> list[tuple[str, str, int]]:
     ]
 
 
-@pytest.mark.parametrize("content, status, words", [
-    (b"not json", 400, "not valid JSON"),
-    (b'{"reason": "mine", "foo": 1}', 400, "Unknown field(s): foo, reason"),
-    (b"[]", 400, "must be a JSON object"),
-    (BIG, 413, "exceeds"),
-])
+@pytest.mark.parametrize(
+    "content, status, words",
+    [
+        (b"not json", 400, "not valid JSON"),
+        (b'{"reason": "mine", "foo": 1}', 400, "Unknown field(s): foo, reason"),
+        (b"[]", 400, "must be a JSON object"),
+        (BIG, 413, "exceeds"),
+    ],
+)
 async def test_a_route_that_takes_no_body_refuses_one(stack, content, status, words):
     async with stack.client() as client:
         for method, path, _ in await _routes(stack, client):
-            response = await client.request(method, path, content=content, headers={"content-type": "application/json"})
-            assert response.status_code == status, (method, path, response.status_code, response.text)
+            response = await client.request(
+                method, path, content=content, headers={"content-type": "application/json"}
+            )
+            assert response.status_code == status, (
+                method,
+                path,
+                response.status_code,
+                response.text,
+            )
             assert words in response.json()["detail"], (method, path, response.text)
 
 
 async def test_no_body_or_an_empty_object_is_taken_and_the_key_is_checked_first(stack):
     async with stack.client() as client:
-        for method, path, expected in await _routes(stack, client):  # in order: the deletes come last
-            response = await client.request(method, path, content=b"{}" if method == "POST" else b"")
+        for method, path, expected in await _routes(
+            stack, client
+        ):  # in order: the deletes come last
+            response = await client.request(
+                method, path, content=b"{}" if method == "POST" else b""
+            )
             assert response.status_code == expected, (method, path, response.text)
-            anonymous = await client.request(method, path, content=b"not json", headers={"authorization": ""})
+            anonymous = await client.request(
+                method, path, content=b"not json", headers={"authorization": ""}
+            )
             assert anonymous.status_code == 401, (method, path, anonymous.text)
 
 
-@pytest.mark.parametrize("method, path", [("POST", "/assistant/chat/"), ("GET", "/assistant/chats/"), ("GET", "/credentials/")])
-async def test_a_trailing_slash_is_not_found_not_a_redirect_to_the_callers_host(stack, method, path):
+@pytest.mark.parametrize(
+    "method, path",
+    [("POST", "/assistant/chat/"), ("GET", "/assistant/chats/"), ("GET", "/credentials/")],
+)
+async def test_a_trailing_slash_is_not_found_not_a_redirect_to_the_callers_host(
+    stack, method, path
+):
     async with stack.client() as client:
-        response = await client.request(method, path, headers={"host": "evil.example", "authorization": ""})
+        response = await client.request(
+            method, path, headers={"host": "evil.example", "authorization": ""}
+        )
     assert response.status_code == 404, response.text
     assert "location" not in response.headers

@@ -67,10 +67,14 @@ async def test_a_chunked_upload_past_the_limit_is_413_before_the_body_ends(stack
     assert raw, f"no answer after {sent} bytes"
     assert _status(raw) == 413 and b"Upload exceeds" in raw
     assert sent < limit  # answered before the body was sent whole: reading stopped at the limit
-    assert sent < MAX_UPLOAD_BODY_BYTES + 16 * 1024 * 1024  # the limit plus what socket buffers hold
+    assert (
+        sent < MAX_UPLOAD_BODY_BYTES + 16 * 1024 * 1024
+    )  # the limit plus what socket buffers hold
 
 
-async def test_an_upload_to_a_knowledge_base_that_does_not_exist_is_404_before_its_body_is_read(stack):
+async def test_an_upload_to_a_knowledge_base_that_does_not_exist_is_404_before_its_body_is_read(
+    stack,
+):
     reader, writer = await _open(stack, "/knowledge-bases/kb_missing/documents")
     writer.write(b"%x\r\n%s\r\n" % (CHUNK, b"a" * CHUNK))  # a body that never ends
     await writer.drain()
@@ -87,24 +91,34 @@ async def test_an_upload_within_the_limit_is_still_indexed(stack):
     async with stack.client() as client:
         kb = (await client.post("/knowledge-bases", json={"name": "Docs"})).json()
         text = ("Walruses sleep in the water. " * 20_000).encode()  # ~580 KiB, several chunks
-        response = await client.post(f"/knowledge-bases/{kb['id']}/documents", files={"file": ("w.txt", text, "text/plain")})
+        response = await client.post(
+            f"/knowledge-bases/{kb['id']}/documents", files={"file": ("w.txt", text, "text/plain")}
+        )
         assert response.status_code == 201, response.text
 
 
-@pytest.mark.parametrize("broken", [
-    b"5\r\n{\"a\":\r\nzz\r\n",  # a chunk size that is no number
-    b"ffffffffffffffffffff\r\nabc",  # a chunk size past any limit
-    b"3\r\n{\"a\r\n",  # the client goes away in the middle of its body
-])
-async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warning(stack, caplog, broken):
+@pytest.mark.parametrize(
+    "broken",
+    [
+        b'5\r\n{"a":\r\nzz\r\n',  # a chunk size that is no number
+        b"ffffffffffffffffffff\r\nabc",  # a chunk size past any limit
+        b'3\r\n{"a\r\n',  # the client goes away in the middle of its body
+    ],
+)
+async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warning(
+    stack, caplog, broken
+):
     caplog.set_level(logging.INFO)
     port = int(stack.base_url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
-    writer.write(f"POST /credentials HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\n"
-                 f"Transfer-Encoding: chunked\r\n\r\n".encode() + broken)
+    writer.write(
+        f"POST /credentials HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\n"
+        f"Transfer-Encoding: chunked\r\n\r\n".encode()
+        + broken
+    )
     await writer.drain()
-    if broken.endswith(b"{\"a\r\n"):
+    if broken.endswith(b'{"a\r\n'):
         writer.write_eof()  # half-close: the body will never end
     try:
         raw = await asyncio.wait_for(reader.read(65536), 10)
@@ -114,7 +128,11 @@ async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warnin
     if raw:
         assert _status(raw) == 400
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "CREDENTIAL_KEY" not in r.getMessage()]
+    warnings = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "CREDENTIAL_KEY" not in r.getMessage()
+    ]
     assert errors == [], [r.getMessage() for r in errors]
     assert len(warnings) <= 1, [r.getMessage() for r in warnings]
     assert not [r for r in caplog.records if r.exc_info]  # no traceback at any level
@@ -125,9 +143,11 @@ async def test_an_upload_declared_too_large_to_a_missing_knowledge_base_is_404(s
     port = int(stack.base_url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
-    writer.write(f"POST /knowledge-bases/kb_missing/documents HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
-                 f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
-                 f"Content-Length: {MAX_UPLOAD_BODY_BYTES + 1}\r\n\r\n".encode())
+    writer.write(
+        f"POST /knowledge-bases/kb_missing/documents HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+        f"Content-Length: {MAX_UPLOAD_BODY_BYTES + 1}\r\n\r\n".encode()
+    )
     await writer.drain()
     try:
         head = await asyncio.wait_for(reader.read(65536), 10)

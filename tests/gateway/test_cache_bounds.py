@@ -18,7 +18,9 @@ class _Session:
     def __init__(self) -> None:
         self.reads = 0
 
-    async def get(self, model, key) -> None:  # a stand-in for AsyncSession.get: no such organization
+    async def get(
+        self, model, key
+    ) -> None:  # a stand-in for AsyncSession.get: no such organization
         self.reads += 1
 
 

@@ -37,20 +37,39 @@ async def test_list_chats_newest_first_with_cursor(stack):
             body, _ = await run_turn(client, {"say": f"chat {i}"})
             ids.append(body["chat_id"])
         first = (await client.get("/assistant/chats", params={"limit": 2})).json()
-        second = (await client.get("/assistant/chats", params={"limit": 2, "cursor": first["next_cursor"]})).json()
-        third = (await client.get("/assistant/chats", params={"limit": 2, "cursor": second["next_cursor"]})).json()
+        second = (
+            await client.get(
+                "/assistant/chats", params={"limit": 2, "cursor": first["next_cursor"]}
+            )
+        ).json()
+        third = (
+            await client.get(
+                "/assistant/chats", params={"limit": 2, "cursor": second["next_cursor"]}
+            )
+        ).json()
         assert (await client.get("/assistant/chats", params={"limit": 0})).status_code == 400
-        assert (await client.get("/assistant/chats", params={"cursor": "garbage!"})).status_code == 400
+        assert (
+            await client.get("/assistant/chats", params={"cursor": "garbage!"})
+        ).status_code == 400
         # well-formed base64 of what the cursor is not: a NUL in the id (PostgreSQL: 500 before), a naive time, another id
         chat = ids[0].encode()
-        for forged in (b"2026-12-01T16:26:15.091253+00:00|a\x00b", b"2026-12-01T16:26:15.091253|" + chat,
-                       b"2026-12-01|z", b"0001-01-01T00:00:00+00:00|not-a-chat-id",
-                       b"0001-01-01T00:00:00+14:00|" + chat, b"9999-12-31T23:59:59-14:00|" + chat,  # overflow as UTC: 500 on PostgreSQL
-                       b"2026-12-01T16:45:28\x00+00:00|" + chat, b"2026-12-01T16:45:28+05:00|" + chat,
-                       b"2026-12-01T16:45:28Z|" + chat, b"2026-12-01T16:45:28+00:00|{" + chat + b"}"):
+        for forged in (
+            b"2026-12-01T16:26:15.091253+00:00|a\x00b",
+            b"2026-12-01T16:26:15.091253|" + chat,
+            b"2026-12-01|z",
+            b"0001-01-01T00:00:00+00:00|not-a-chat-id",
+            b"0001-01-01T00:00:00+14:00|" + chat,
+            b"9999-12-31T23:59:59-14:00|" + chat,  # overflow as UTC: 500 on PostgreSQL
+            b"2026-12-01T16:45:28\x00+00:00|" + chat,
+            b"2026-12-01T16:45:28+05:00|" + chat,
+            b"2026-12-01T16:45:28Z|" + chat,
+            b"2026-12-01T16:45:28+00:00|{" + chat + b"}",
+        ):
             cursor = base64.urlsafe_b64encode(forged).decode()
             refused = await client.get("/assistant/chats", params={"cursor": cursor})
-            assert refused.status_code == 400 and refused.json() == {"detail": "cursor is not valid"}, (forged, refused.text)
+            assert refused.status_code == 400 and refused.json() == {
+                "detail": "cursor is not valid"
+            }, (forged, refused.text)
     listed = [c["id"] for page in (first, second, third) for c in page["items"]]
     assert listed == list(reversed(ids))
     assert third["next_cursor"] is None
@@ -65,7 +84,11 @@ async def test_status_of_idle_and_running_chat(stack):
         assert running["run_status"]["status"] == "running"
         await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         idle = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
-    assert idle["is_running"] is False and idle["awaiting_input"] is False and idle["running_id"] is None
+    assert (
+        idle["is_running"] is False
+        and idle["awaiting_input"] is False
+        and idle["running_id"] is None
+    )
     assert idle["run_status"]["status"] == "cancelled"
 
 
@@ -80,24 +103,35 @@ async def test_delete_soft_then_permanent_and_in_flight_is_409(stack):
         async with stack.orchestrator.servicer.sessions() as session:
             assert (await session.get(Chat, busy["chat_id"])) is not None
         other, _ = await run_turn(client, {"say": "x"})
-        hard = await client.delete(f"/assistant/chat/{other['chat_id']}", params={"permanent": "true"})
+        hard = await client.delete(
+            f"/assistant/chat/{other['chat_id']}", params={"permanent": "true"}
+        )
         assert hard.json()["permanent"] is True
         assert (await client.delete(f"/assistant/chat/{uuid.uuid4()}")).status_code == 404
     async with stack.orchestrator.servicer.sessions() as session:
-        assert (await session.execute(select(Chat).where(Chat.id == other["chat_id"]))).scalars().first() is None
+        assert (
+            await session.execute(select(Chat).where(Chat.id == other["chat_id"]))
+        ).scalars().first() is None
 
 
 async def test_a_permanent_delete_removes_the_runs_events_outside_the_database_too(stack):
     # fresh-eyes test: after DELETE ?permanent=true the run's Redis stream still held its text for 24 h
     async with stack.client() as client:
-        body, _ = await run_turn(client, {"tool": "ask_user_yes_no", "input": {"message": "secret question?"}})  # paused: two runs' logs
+        body, _ = await run_turn(
+            client, {"tool": "ask_user_yes_no", "input": {"message": "secret question?"}}
+        )  # paused: two runs' logs
         await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         nxt, _ = await run_turn(client, {"say": "secret data"}, chat_id=body["chat_id"])
         events = stack.orchestrator.runner.events
         assert await events.events_of(body["run_id"]) and await events.events_of(nxt["run_id"])
-        hard = await client.delete(f"/assistant/chat/{body['chat_id']}", params={"permanent": "true"})
+        hard = await client.delete(
+            f"/assistant/chat/{body['chat_id']}", params={"permanent": "true"}
+        )
         assert hard.status_code == 200
-        assert await events.events_of(body["run_id"]) == [] and await events.events_of(nxt["run_id"]) == []
+        assert (
+            await events.events_of(body["run_id"]) == []
+            and await events.events_of(nxt["run_id"]) == []
+        )
         assert (await client.get(nxt["stream_url"])).status_code == 404
 
 
@@ -107,22 +141,44 @@ async def test_a_soft_deleted_chat_can_still_be_purged_and_only_by_its_organizat
         body, _ = await run_turn(client, {"say": "x"})
         chat_id = body["chat_id"]
         assert (await client.delete(f"/assistant/chat/{chat_id}")).status_code == 200
-        assert (await client.delete(f"/assistant/chat/{chat_id}")).status_code == 404  # soft again: gone
+        assert (
+            await client.delete(f"/assistant/chat/{chat_id}")
+        ).status_code == 404  # soft again: gone
         stranger = await stack.member("owner", org_id="org_stranger")
         headers = stack.headers(api_key=stranger["api_key"], org_id="org_stranger")
-        assert (await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"}, headers=headers)).status_code == 404
+        assert (
+            await client.delete(
+                f"/assistant/chat/{chat_id}", params={"permanent": "true"}, headers=headers
+            )
+        ).status_code == 404
         purged = await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"})
-        assert purged.status_code == 200 and purged.json() == {"status": "deleted", "chat_id": chat_id, "permanent": True}
-        assert (await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"})).status_code == 404
+        assert purged.status_code == 200 and purged.json() == {
+            "status": "deleted",
+            "chat_id": chat_id,
+            "permanent": True,
+        }
+        assert (
+            await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"})
+        ).status_code == 404
     async with stack.orchestrator.servicer.sessions() as session:
         assert await session.get(Chat, chat_id) is None
-        assert (await session.execute(select(Message).where(Message.chat_id == chat_id))).scalars().first() is None
+        assert (
+            await session.execute(select(Message).where(Message.chat_id == chat_id))
+        ).scalars().first() is None
 
 
 async def test_composer_chat_is_404_on_every_assistant_endpoint(stack):
     chat_id = str(uuid.uuid4())
     async with stack.orchestrator.servicer.sessions() as session, session.begin():
-        session.add(Chat(id=chat_id, organization_id=stack.org_id, user_id=stack.user_id, kind="composer", title="c"))
+        session.add(
+            Chat(
+                id=chat_id,
+                organization_id=stack.org_id,
+                user_id=stack.user_id,
+                kind="composer",
+                title="c",
+            )
+        )
     async with stack.client() as client:
         run_id = str(uuid.uuid4())
         for method, path, kwargs in [
@@ -131,7 +187,11 @@ async def test_composer_chat_is_404_on_every_assistant_endpoint(stack):
             ("GET", f"/assistant/chat/{chat_id}/status", {}),
             ("GET", f"/assistant/chat/{chat_id}/listen/{run_id}", {}),
             ("POST", f"/assistant/chat/{chat_id}/cancel", {}),
-            ("POST", f"/assistant/chat/{chat_id}/resume", {"json": {"request_id": "x", "response": {"kind": "skipped"}}}),
+            (
+                "POST",
+                f"/assistant/chat/{chat_id}/resume",
+                {"json": {"request_id": "x", "response": {"kind": "skipped"}}},
+            ),
             ("DELETE", f"/assistant/chat/{chat_id}", {}),
         ]:
             response = await client.request(method, path, **kwargs)
@@ -157,10 +217,16 @@ async def test_sdk_reads_match_its_models(stack):
 
 async def test_paused_chat_is_not_listed_as_running(stack):
     async with stack.client() as client:
-        body, frames = await run_turn(client, {"tool": "ask_user_yes_no", "input": {"message": "ok?"}})
+        body, frames = await run_turn(
+            client, {"tool": "ask_user_yes_no", "input": {"message": "ok?"}}
+        )
         assert frames[-1]["type"] == "interrupted"
         listing = (await client.get("/assistant/chats")).json()
         item = next(i for i in listing["items"] if i["id"] == body["chat_id"])
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
-    assert item["is_running"] is False and status["is_running"] is False and status["awaiting_input"] is True
+    assert (
+        item["is_running"] is False
+        and status["is_running"] is False
+        and status["awaiting_input"] is True
+    )
     assert item["updated_at"] >= item["created_at"]

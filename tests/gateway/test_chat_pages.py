@@ -34,15 +34,32 @@ async def test_a_chat_larger_than_a_page_is_read_page_by_page_and_nothing_is_los
         assert len(first.content) < 4 * 1024 * 1024
         messages = page["messages"]
         while "next_page_token" in page:
-            older = await client.get(f"/assistant/chat/{chat_id}", params={"page_token": page["next_page_token"]})
+            older = await client.get(
+                f"/assistant/chat/{chat_id}", params={"page_token": page["next_page_token"]}
+            )
             assert older.status_code == 200, older.text
             page = older.json()
             messages = page["messages"] + messages
     async with stack.orchestrator.servicer.sessions() as session:
-        stored = (await session.execute(select(Message.id).where(Message.chat_id == chat_id, Message.role.not_in(("marker", "system")))
-                                        .order_by(Message.seq))).scalars().all()
+        stored = (
+            (
+                await session.execute(
+                    select(Message.id)
+                    .where(Message.chat_id == chat_id, Message.role.not_in(("marker", "system")))
+                    .order_by(Message.seq)
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert [m["id"] for m in messages] == stored  # every message once, oldest first
-    assert [m["content"].split(" ", 1)[0] for m in messages if m["role"] == "user"] == ["0", "1", "2", "3", "4"]
+    assert [m["content"].split(" ", 1)[0] for m in messages if m["role"] == "user"] == [
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+    ]
 
 
 async def test_page_size_pages_a_small_chat_and_a_chat_that_fits_has_no_token(stack):
@@ -51,12 +68,24 @@ async def test_page_size_pages_a_small_chat_and_a_chat_that_fits_has_no_token(st
         _, _ = await run_turn(client, {"say": "two"}, chat_id=body["chat_id"])
         whole = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
         assert "next_page_token" not in whole and len(whole["messages"]) == 4
-        newest = (await client.get(f"/assistant/chat/{body['chat_id']}", params={"page_size": 3})).json()
+        newest = (
+            await client.get(f"/assistant/chat/{body['chat_id']}", params={"page_size": 3})
+        ).json()
         assert newest["messages"] == whole["messages"][1:] and newest["next_page_token"]
-        rest = (await client.get(f"/assistant/chat/{body['chat_id']}", params={"page_size": 3, "page_token": newest["next_page_token"]})).json()
+        rest = (
+            await client.get(
+                f"/assistant/chat/{body['chat_id']}",
+                params={"page_size": 3, "page_token": newest["next_page_token"]},
+            )
+        ).json()
         assert rest["messages"] == whole["messages"][:1] and "next_page_token" not in rest
         other, _ = await run_turn(client, {"say": "elsewhere"})
-        for params in ({"page_token": "bm9wZQ"}, {"page_token": newest["next_page_token"], "x": "1"}, {"page_size": 1001}, {"page_size": -1}):
+        for params in (
+            {"page_token": "bm9wZQ"},
+            {"page_token": newest["next_page_token"], "x": "1"},
+            {"page_size": 1001},
+            {"page_size": -1},
+        ):
             target = other["chat_id"] if "x" in params else body["chat_id"]
             params = {k: v for k, v in params.items() if k != "x"}
             refused = await client.get(f"/assistant/chat/{target}", params=params)

@@ -33,11 +33,16 @@ OVERTAKE_S = 1.0
 
 
 async def _stack(tmp_path):
-    return await start_stack(tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"})
+    return await start_stack(
+        tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"}
+    )
 
 
 async def _credential(client) -> str:
-    created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-org-own-key-999999"}})
+    created = await client.post(
+        "/credentials",
+        json={"integration_name": "openai", "auth_data": {"api_key": "sk-org-own-key-999999"}},
+    )
     assert created.status_code == 201, created.text
     return created.json()["credential_id"]
 
@@ -82,10 +87,16 @@ async def _end_state(client, credential_id: str) -> tuple[dict[str, Any] | None,
 
 def _consistent(saved: dict[str, Any] | None, credential_id: str, credential_status: int) -> bool:
     """The invariant: a saved default naming the credential means the credential exists."""
-    return not (saved is not None and saved.get("credential_id") == credential_id and credential_status == 404)
+    return not (
+        saved is not None
+        and saved.get("credential_id") == credential_id
+        and credential_status == 404
+    )
 
 
-async def test_put_checked_then_delete_then_put_saves_never_leaves_a_default_without_its_key(tmp_path, monkeypatch):
+async def test_put_checked_then_delete_then_put_saves_never_leaves_a_default_without_its_key(
+    tmp_path, monkeypatch
+):
     """PUT naming X passes its check and pauses before saving; DELETE X comes in meanwhile.
 
     Before the fix the DELETE saw no default naming X, deleted it (204), and the PUT then saved
@@ -94,8 +105,15 @@ async def test_put_checked_then_delete_then_put_saves_never_leaves_a_default_wit
     try:
         async with stack.client() as client:
             credential_id = await _credential(client)
-            checked, release = _pause_after(monkeypatch, stack.tools.servicer.credentials, "resolve")
-            put = asyncio.create_task(client.put("/organizations/settings/composer-llm", json={**OPENAI, "credential_id": credential_id}))
+            checked, release = _pause_after(
+                monkeypatch, stack.tools.servicer.credentials, "resolve"
+            )
+            put = asyncio.create_task(
+                client.put(
+                    "/organizations/settings/composer-llm",
+                    json={**OPENAI, "credential_id": credential_id},
+                )
+            )
             await asyncio.wait_for(checked.wait(), 10)  # the PUT's check found X; its save is next
             delete = asyncio.create_task(client.delete(f"/credentials/{credential_id}"))
             await asyncio.wait({delete}, timeout=OVERTAKE_S)
@@ -103,17 +121,25 @@ async def test_put_checked_then_delete_then_put_saves_never_leaves_a_default_wit
             release.set()
             put_status, delete_status = (await put).status_code, (await delete).status_code
             saved, credential_status = await _end_state(client, credential_id)
-            print(f"PUT {put_status}, DELETE {delete_status} (finished while the PUT was paused: {overtook}); "
-                  f"saved default {saved}; GET credential {credential_status}")
-            assert _consistent(saved, credential_id, credential_status), "a saved default names a deleted credential"
-            assert not overtook, "DELETE finished while the PUT held the organization's default model"
+            print(
+                f"PUT {put_status}, DELETE {delete_status} (finished while the PUT was paused: {overtook}); "
+                f"saved default {saved}; GET credential {credential_status}"
+            )
+            assert _consistent(saved, credential_id, credential_status), (
+                "a saved default names a deleted credential"
+            )
+            assert not overtook, (
+                "DELETE finished while the PUT held the organization's default model"
+            )
             assert (put_status, delete_status, credential_status) == (200, 409, 200)
             assert saved == {**OPENAI, "credential_id": credential_id}
     finally:
         await stop_stack(stack)
 
 
-async def test_delete_checked_then_put_then_delete_deletes_never_leaves_a_default_without_its_key(tmp_path, monkeypatch):
+async def test_delete_checked_then_put_then_delete_deletes_never_leaves_a_default_without_its_key(
+    tmp_path, monkeypatch
+):
     """DELETE X finds no default naming X and pauses before the tools service deletes it; PUT
     naming X comes in meanwhile.
 
@@ -123,19 +149,34 @@ async def test_delete_checked_then_put_then_delete_deletes_never_leaves_a_defaul
     try:
         async with stack.client() as client:
             credential_id = await _credential(client)
-            deleting, release = _pause_before(monkeypatch, stack.tools.servicer.credentials, "delete")
+            deleting, release = _pause_before(
+                monkeypatch, stack.tools.servicer.credentials, "delete"
+            )
             delete = asyncio.create_task(client.delete(f"/credentials/{credential_id}"))
-            await asyncio.wait_for(deleting.wait(), 10)  # the DELETE's check passed; the deletion is next
-            put = asyncio.create_task(client.put("/organizations/settings/composer-llm", json={**OPENAI, "credential_id": credential_id}))
+            await asyncio.wait_for(
+                deleting.wait(), 10
+            )  # the DELETE's check passed; the deletion is next
+            put = asyncio.create_task(
+                client.put(
+                    "/organizations/settings/composer-llm",
+                    json={**OPENAI, "credential_id": credential_id},
+                )
+            )
             await asyncio.wait({put}, timeout=OVERTAKE_S)
             overtook = put.done()
             release.set()
             put_status, delete_status = (await put).status_code, (await delete).status_code
             saved, credential_status = await _end_state(client, credential_id)
-            print(f"PUT {put_status}, DELETE {delete_status} (PUT finished while the DELETE was paused: {overtook}); "
-                  f"saved default {saved}; GET credential {credential_status}")
-            assert _consistent(saved, credential_id, credential_status), "a saved default names a deleted credential"
-            assert not overtook, "PUT finished while the DELETE held the organization's default model"
+            print(
+                f"PUT {put_status}, DELETE {delete_status} (PUT finished while the DELETE was paused: {overtook}); "
+                f"saved default {saved}; GET credential {credential_status}"
+            )
+            assert _consistent(saved, credential_id, credential_status), (
+                "a saved default names a deleted credential"
+            )
+            assert not overtook, (
+                "PUT finished while the DELETE held the organization's default model"
+            )
             assert (put_status, delete_status, credential_status) == (400, 204, 404)
             assert saved is None
     finally:
@@ -149,13 +190,20 @@ async def test_the_lock_is_per_organization(tmp_path, monkeypatch):
         other = await stack.member("owner", org_id=f"{stack.org_id}_b")
         async with stack.client() as client:
             credential_id = await _credential(client)
-            deleting, release = _pause_before(monkeypatch, stack.tools.servicer.credentials, "delete")
+            deleting, release = _pause_before(
+                monkeypatch, stack.tools.servicer.credentials, "delete"
+            )
             delete = asyncio.create_task(client.delete(f"/credentials/{credential_id}"))
             await asyncio.wait_for(deleting.wait(), 10)
             try:
-                elsewhere = await asyncio.wait_for(client.put(
-                    "/organizations/settings/composer-llm", json=SCRIPTED,
-                    headers=stack.headers(api_key=other["api_key"], org_id=f"{stack.org_id}_b")), 10)
+                elsewhere = await asyncio.wait_for(
+                    client.put(
+                        "/organizations/settings/composer-llm",
+                        json=SCRIPTED,
+                        headers=stack.headers(api_key=other["api_key"], org_id=f"{stack.org_id}_b"),
+                    ),
+                    10,
+                )
                 assert elsewhere.status_code == 200, elsewhere.text
                 assert not delete.done()
             finally:
@@ -165,20 +213,37 @@ async def test_the_lock_is_per_organization(tmp_path, monkeypatch):
         await stop_stack(stack)
 
 
-@pytest.mark.skipif(selected_backend() != "postgres",
-                    reason="two gateway processes share a database only on PostgreSQL (one SQLite file serves one gateway)")
-async def test_two_gateways_on_one_postgresql_database_serialize_put_and_delete(tmp_path, monkeypatch):
+@pytest.mark.skipif(
+    selected_backend() != "postgres",
+    reason="two gateway processes share a database only on PostgreSQL (one SQLite file serves one gateway)",
+)
+async def test_two_gateways_on_one_postgresql_database_serialize_put_and_delete(
+    tmp_path, monkeypatch
+):
     """The PUT through one gateway, the DELETE through another sharing its PostgreSQL database:
     their in-process locks are different objects, so only the database's row lock orders them."""
     stack = await _stack(tmp_path)
-    second = await GatewayServer.start(stack.gateway.settings.model_copy(update={"http_port": 0, "gateway_grpc_port": 0}))
+    second = await GatewayServer.start(
+        stack.gateway.settings.model_copy(update={"http_port": 0, "gateway_grpc_port": 0})
+    )
     try:
         assert second.default_models is not stack.gateway.default_models
-        async with stack.client() as client, httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{second.port}", headers=stack.headers(), timeout=30) as other:
+        async with (
+            stack.client() as client,
+            httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{second.port}", headers=stack.headers(), timeout=30
+            ) as other,
+        ):
             credential_id = await _credential(client)
-            checked, release = _pause_after(monkeypatch, stack.tools.servicer.credentials, "resolve")
-            put = asyncio.create_task(client.put("/organizations/settings/composer-llm", json={**OPENAI, "credential_id": credential_id}))
+            checked, release = _pause_after(
+                monkeypatch, stack.tools.servicer.credentials, "resolve"
+            )
+            put = asyncio.create_task(
+                client.put(
+                    "/organizations/settings/composer-llm",
+                    json={**OPENAI, "credential_id": credential_id},
+                )
+            )
             await asyncio.wait_for(checked.wait(), 10)
             delete = asyncio.create_task(other.delete(f"/credentials/{credential_id}"))
             await asyncio.wait({delete}, timeout=OVERTAKE_S)
@@ -186,9 +251,13 @@ async def test_two_gateways_on_one_postgresql_database_serialize_put_and_delete(
             release.set()
             put_status, delete_status = (await put).status_code, (await delete).status_code
             saved, credential_status = await _end_state(other, credential_id)
-            print(f"PUT {put_status} (gateway 1), DELETE {delete_status} (gateway 2, finished while the PUT was paused: "
-                  f"{overtook}); saved default {saved}; GET credential {credential_status}")
-            assert _consistent(saved, credential_id, credential_status), "a saved default names a deleted credential"
+            print(
+                f"PUT {put_status} (gateway 1), DELETE {delete_status} (gateway 2, finished while the PUT was paused: "
+                f"{overtook}); saved default {saved}; GET credential {credential_status}"
+            )
+            assert _consistent(saved, credential_id, credential_status), (
+                "a saved default names a deleted credential"
+            )
             assert not overtook
             assert (put_status, delete_status, credential_status) == (200, 409, 200)
     finally:

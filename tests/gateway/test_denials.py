@@ -56,7 +56,9 @@ EXPECTED = {
 async def plan_stack(tmp_path, request):
     plans = tmp_path / "plans.toml"
     plans.write_text(PLANS)
-    running = await start_stack(tmp_path, billing={"billing_plans_path": plans, "billing_default_plan": request.param})
+    running = await start_stack(
+        tmp_path, billing={"billing_plans_path": plans, "billing_default_plan": request.param}
+    )
     try:
         yield running
     finally:
@@ -65,7 +67,12 @@ async def plan_stack(tmp_path, request):
 
 async def _rows(stack) -> tuple[int, int, int]:
     async with stack.orchestrator.servicer.sessions() as session:
-        return tuple([(await session.execute(select(func.count()).select_from(m))).scalar() for m in (Chat, Message, Run)])
+        return tuple(
+            [
+                (await session.execute(select(func.count()).select_from(m))).scalar()
+                for m in (Chat, Message, Run)
+            ]
+        )
 
 
 async def _admit_until_denied(stack, client) -> tuple:
@@ -107,7 +114,9 @@ async def test_denial_is_flat_envelope_with_status_by_layer_and_writes_nothing(p
 async def test_sdk_raises_the_typed_billing_error(plan_stack):
     stack = plan_stack
     status, layer, code, error_type = EXPECTED[stack.billing.core.default_plan]
-    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url, max_retries=0)
+    client = Modulex(
+        api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url, max_retries=0
+    )
     with pytest.raises(error_type) as caught:
         for _ in range(5):
             turn = await client.assistant.chat("hi")
@@ -133,7 +142,9 @@ async def test_admitted_turns_carry_rate_limit_headers(plan_stack):
 
 
 @pytest.mark.parametrize("plan_stack", ["rate2"], indirect=True)
-async def test_a_plan_changed_by_another_process_applies_to_the_rate_layer_within_a_second(plan_stack):
+async def test_a_plan_changed_by_another_process_applies_to_the_rate_layer_within_a_second(
+    plan_stack,
+):
     import asyncio
 
     from sqlalchemy import update
@@ -148,7 +159,9 @@ async def test_a_plan_changed_by_another_process_applies_to_the_rate_layer_withi
         assert (await client.post("/assistant/chat", json={"message": "hi"})).status_code == 429
         # what `python -m services.billing admin set-plan` does from its own process
         async with plan_stack.billing.core.sessions() as session, session.begin():
-            await session.execute(update(Account).where(Account.org_id == plan_stack.org_id).values(plan="open"))
+            await session.execute(
+                update(Account).where(Account.org_id == plan_stack.org_id).values(plan="open")
+            )
         await asyncio.sleep(1.2)
         response = await client.post("/assistant/chat", json={"message": "hi"})
         assert response.status_code == 200, response.text

@@ -24,7 +24,9 @@ from services.gateway.fanout import EventStreamResponse, RunFanout, _Listener
 
 
 def chunk_event(seq: int, text: str) -> events_pb2.Event:
-    return events_pb2.Event(seq=seq, run_id="run", response_chunk=events_pb2.ResponseChunkEvent(chunk=text))
+    return events_pb2.Event(
+        seq=seq, run_id="run", response_chunk=events_pb2.ResponseChunkEvent(chunk=text)
+    )
 
 
 def done_event(seq: int) -> events_pb2.Event:
@@ -44,7 +46,9 @@ class FakeCall:
 
     def cancel(self) -> None:
         self.cancelled = True
-        self.queue.put_nowait(asyncio.CancelledError())  # as grpc.aio: a read of a locally cancelled call raises it
+        self.queue.put_nowait(
+            asyncio.CancelledError()
+        )  # as grpc.aio: a read of a locally cancelled call raises it
 
     def __aiter__(self) -> FakeCall:
         return self
@@ -103,7 +107,9 @@ class AsgiClient:
         return [frame + b"\n\n" for frame in bytes(self.body).split(b"\n\n") if frame]
 
 
-async def listen(fan: RunFanout, after: int = 0, client: AsgiClient | None = None) -> tuple[AsgiClient, asyncio.Task]:
+async def listen(
+    fan: RunFanout, after: int = 0, client: AsgiClient | None = None
+) -> tuple[AsgiClient, asyncio.Task]:
     client = client or AsgiClient()
     hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
     response = EventStreamResponse(fan, hub, after)
@@ -154,7 +160,10 @@ async def test_heartbeat_only_after_the_interval_of_silence_and_not_counted_by_a
     call.queue.put_nowait(done_event(2))
     call.queue.put_nowait(None)
     await asyncio.wait_for(asyncio.gather(task, again_task), 5)
-    assert [f for f in again.frames() if f != sse.HEARTBEAT_FRAME] == [sse.encode(chunk_event(1, "b")), sse.encode(done_event(2))]
+    assert [f for f in again.frames() if f != sse.HEARTBEAT_FRAME] == [
+        sse.encode(chunk_event(1, "b")),
+        sse.encode(done_event(2)),
+    ]
 
 
 class FakeTransport:
@@ -195,8 +204,12 @@ async def test_a_listener_that_stops_reading_does_not_hold_up_the_others():
         stub.calls[0].queue.put_nowait(chunk_event(i, "x" * 1000))
     await until(lambda: reader.index == 50)
     written = bytes(reader.transport.written)  # type: ignore[union-attr]
-    assert written.count(b"data: ") == 50 and written.endswith(b"\r\n")  # HTTP/1.1 chunks of whole frames
-    assert stuck.writer is not None and not stuck.transport.written, "the stuck client goes through ASGI send"  # type: ignore[union-attr]
+    assert written.count(b"data: ") == 50 and written.endswith(
+        b"\r\n"
+    )  # HTTP/1.1 chunks of whole frames
+    assert stuck.writer is not None and not stuck.transport.written, (
+        "the stuck client goes through ASGI send"
+    )  # type: ignore[union-attr]
     stuck.writer.cancel()
     hub.detach(stuck)
     hub.detach(reader)
@@ -245,7 +258,7 @@ def _dechunk(writes: list[bytes]) -> bytes:
     body = b""
     for chunk in writes:
         size, rest = chunk.split(b"\r\n", 1)
-        assert rest[int(size, 16):] == b"\r\n"
+        assert rest[int(size, 16) :] == b"\r\n"
         body += rest[: int(size, 16)]
     return body
 
@@ -264,7 +277,7 @@ async def test_a_large_fanout_is_served_in_slices_and_frames_arriving_mid_round_
 
     for transport in transports:
         hub.attach(_Listener(hub, 0, send, transport))
-    first, second = b"data: {\"n\":1}\n\n", b"data: {\"n\":2}\n\n"
+    first, second = b'data: {"n":1}\n\n', b'data: {"n":2}\n\n'
     hub.publish(first)
     await asyncio.sleep(0)  # one loop iteration: one slice
     served = sum(1 for t in transports if t.writes)
@@ -288,14 +301,16 @@ async def test_the_end_of_a_run_delivers_every_frame_at_once_even_mid_round():
 
     for transport in transports:
         hub.attach(_Listener(hub, 0, send, transport))
-    hub.publish(b"data: {\"n\":1}\n\n")
+    hub.publish(b'data: {"n":1}\n\n')
     await asyncio.sleep(0)  # the round is under way
-    hub.publish(b"data: {\"n\":2}\n\n")
+    hub.publish(b'data: {"n":2}\n\n')
     hub.end()
-    assert all(_dechunk(t.writes) == b"data: {\"n\":1}\n\ndata: {\"n\":2}\n\n" for t in transports)
+    assert all(_dechunk(t.writes) == b'data: {"n":1}\n\ndata: {"n":2}\n\n' for t in transports)
     await until(lambda: len(ended) == len(transports))
     await asyncio.sleep(0.01)
-    assert all(_dechunk(t.writes) == b"data: {\"n\":1}\n\ndata: {\"n\":2}\n\n" for t in transports)  # nothing more
+    assert all(
+        _dechunk(t.writes) == b'data: {"n":1}\n\ndata: {"n":2}\n\n' for t in transports
+    )  # nothing more
 
 
 async def test_heartbeats_to_many_listeners_go_out_in_slices_and_reach_every_silent_listener():
@@ -313,14 +328,18 @@ async def test_heartbeats_to_many_listeners_go_out_in_slices_and_reach_every_sil
     steps: list[int] = []
     deadline = asyncio.get_running_loop().time() + 5
     while sum(1 for t in transports if t.writes) < len(transports):
-        assert asyncio.get_running_loop().time() < deadline, "heartbeats did not reach every listener"
+        assert asyncio.get_running_loop().time() < deadline, (
+            "heartbeats did not reach every listener"
+        )
         before = sum(1 for t in transports if t.writes)
         await asyncio.sleep(0)
         after = sum(1 for t in transports if t.writes)
         if after > before:
             steps.append(after - before)
     assert max(steps) <= fanout_module.FLUSH_SLICE and len(steps) >= 3
-    assert all(t.writes == [fanout_module.HEARTBEAT_CHUNK] for t in transports)  # one each, nothing else
+    assert all(
+        t.writes == [fanout_module.HEARTBEAT_CHUNK] for t in transports
+    )  # one each, nothing else
     # the next check: every listener is silent again and gets a second one
     await until(lambda: all(len(t.writes) >= 2 for t in transports))
     assert all(set(t.writes) == {fanout_module.HEARTBEAT_CHUNK} for t in transports)
@@ -341,7 +360,9 @@ async def test_a_listener_past_the_end_of_an_ended_stream_gets_its_end_frame():
     past, past_task = await listen(fan, after=4)
     at_end, at_end_task = await listen(fan, after=2)
     call = stub.calls[0]
-    error = events_pb2.Event(seq=0, run_id="run", error=events_pb2.ErrorEvent(message="The run was lost"))
+    error = events_pb2.Event(
+        seq=0, run_id="run", error=events_pb2.ErrorEvent(message="The run was lost")
+    )
     done = events_pb2.Event(seq=1, run_id="run", done=events_pb2.DoneEvent(response="", error=True))
     for event in (error, done, None):
         call.queue.put_nowait(event)
@@ -361,7 +382,9 @@ async def test_a_listener_at_the_end_of_a_whole_stream_gets_nothing_more():
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     at_end, at_end_task = await listen(fan, after=3)
-    metadata = events_pb2.Event(seq=0, run_id="run", metadata=events_pb2.MetadataEvent(run_id="run", thread_id="chat"))
+    metadata = events_pb2.Event(
+        seq=0, run_id="run", metadata=events_pb2.MetadataEvent(run_id="run", thread_id="chat")
+    )
     for event in (metadata, chunk_event(1, "hi"), done_event(2), None):
         stub.calls[0].queue.put_nowait(event)
     await asyncio.wait_for(at_end_task, 5)
@@ -386,7 +409,11 @@ async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_t
     ahead, ahead_task = await listen(fan, after=6)  # counted frames this replay has not reached
     call.queue.put_nowait(events[3])
     await until(lambda: len(first.frames()) == 4)
-    call.queue.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "socket closed"))
+    call.queue.put_nowait(
+        grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "socket closed"
+        )
+    )
     await asyncio.wait_for(asyncio.gather(first_task, late_task, ahead_task), 5)
 
     def error_message(frame: bytes) -> str:
@@ -395,10 +422,18 @@ async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_t
         return data["data"]["message"]
 
     assert first.frames()[:-1] == [sse.encode(e) for e in events]
-    assert error_message(first.frames()[-1]) == "The event stream was interrupted; reconnect with ?after=4"
+    assert (
+        error_message(first.frames()[-1])
+        == "The event stream was interrupted; reconnect with ?after=4"
+    )
     assert late.frames()[:-1] == [sse.encode(e) for e in events[1:]]
-    assert error_message(late.frames()[-1]) == "The event stream was interrupted; reconnect with ?after=4"
-    assert [error_message(f) for f in ahead.frames()] == ["The event stream was interrupted; reconnect with ?after=6"]
+    assert (
+        error_message(late.frames()[-1])
+        == "The event stream was interrupted; reconnect with ?after=4"
+    )
+    assert [error_message(f) for f in ahead.frames()] == [
+        "The event stream was interrupted; reconnect with ?after=6"
+    ]
     # resuming at the named position: a fresh replay from the orchestrator, the frames after it
     resumed, resumed_task = await listen(fan, after=4)
     replay = stub.calls[1]
@@ -422,7 +457,9 @@ async def test_an_upstream_stream_that_ends_without_the_runs_end_gives_each_list
     assert first.frames() == [*(sse.encode(e) for e in events), fanout_module.broken_frame(2)]
 
 
-async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_frame(tmp_path, caplog):
+async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_frame(
+    tmp_path, caplog
+):
     """Fresh-eyes test (replicas): a gateway stopped with SIGTERM kept its open streams until the
     end of its grace, then cut them without a frame, and uvicorn logged "Cancel 1 running
     task(s), timeout graceful shutdown exceeded" and a CancelledError traceback at ERROR. Now
@@ -438,7 +475,10 @@ async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_
     gateway = stack.gateway
     try:
         async with stack.client() as client:
-            started = await client.post("/assistant/chat", json={"message": script({"say": "hi", "sleep_ms": 60_000}), "llm": SCRIPTED})
+            started = await client.post(
+                "/assistant/chat",
+                json={"message": script({"say": "hi", "sleep_ms": 60_000}), "llm": SCRIPTED},
+            )
             assert started.status_code == 200, started.text
             listener = asyncio.create_task(read_frames(client, started.json()["stream_url"]))
             while gateway.app.state.fanout.active_runs() == 0:
@@ -450,11 +490,20 @@ async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_
             frames = await asyncio.wait_for(listener, 5)
         took = time.monotonic() - began
     finally:
-        stack.gateway = type("Stopped", (), {"stop": staticmethod(lambda _grace: asyncio.sleep(0))})()
+        stack.gateway = type(
+            "Stopped", (), {"stop": staticmethod(lambda _grace: asyncio.sleep(0))}
+        )()
         await stop_stack(stack)
     assert took < 3, took  # not the 5 s grace
-    assert frames[-1] == {"type": "error", "data": {"message": f"The event stream was interrupted; reconnect with ?after={len(frames) - 1}"}}
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert frames[-1] == {
+        "type": "error",
+        "data": {
+            "message": f"The event stream was interrupted; reconnect with ?after={len(frames) - 1}"
+        },
+    }
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
+    ]
 
 
 class _Clock:
@@ -478,7 +527,11 @@ class _Clock:
     def advance(self, to: float) -> None:
         """Run every timer due by `to`, in time order (also those they set), at its own time."""
         while True:
-            due = sorted((when, i, h) for i, (when, h) in enumerate(self.timers) if when <= to and not h.cancelled())
+            due = sorted(
+                (when, i, h)
+                for i, (when, h) in enumerate(self.timers)
+                if when <= to and not h.cancelled()
+            )
             if not due:
                 break
             when, _, handle = due[0]
@@ -501,9 +554,9 @@ async def test_a_heartbeat_is_never_later_than_the_interval_of_silence():
 
     hub.attach(_Listener(hub, 0, send, transport))  # at 0: the first check is at 15
     clock.advance(0.3)
-    hub.publish(b"data: {\"n\":1}\n\n")  # a frame at 0.3: the silence starts again
+    hub.publish(b'data: {"n":1}\n\n')  # a frame at 0.3: the silence starts again
     clock.advance(0.3)
-    assert _dechunk(transport.writes) == b"data: {\"n\":1}\n\n"
+    assert _dechunk(transport.writes) == b'data: {"n":1}\n\n'
     beats: list[float] = []
     for step in range(1, 8000):  # up to 80 s
         clock.advance(0.3 + step * 0.01)
@@ -531,7 +584,9 @@ class StalledStub(FakeStub):
         return self.calls[-1]
 
 
-async def test_a_stream_the_orchestrator_never_accepts_times_out_and_cancels_its_upstream_call(monkeypatch):
+async def test_a_stream_the_orchestrator_never_accepts_times_out_and_cancels_its_upstream_call(
+    monkeypatch,
+):
     """Fresh-eyes chaos test: a listen through a gateway whose orchestrator was stalled (SIGSTOP)
     got no status line, header or heartbeat for minutes. It is StreamTimeout (504) after
     READY_TIMEOUT_S, and the stalled upstream call is cancelled with its last listener."""
@@ -539,7 +594,9 @@ async def test_a_stream_the_orchestrator_never_accepts_times_out_and_cancels_its
     stub = StalledStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     with pytest.raises(fanout_module.StreamTimeout):
-        await asyncio.wait_for(fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run"), 5)
+        await asyncio.wait_for(
+            fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run"), 5
+        )
     await until(lambda: fan.active_runs() == 0)
     await until(lambda: stub.calls[0].cancelled)
 
@@ -549,7 +606,9 @@ async def test_a_listen_through_a_stalled_orchestrator_answers_504(stack, monkey
     monkeypatch.setattr(stack.gateway.app.state.fanout, "_stub", StalledStub())
     async with stack.client() as client:
         for query in ("", "?x=1"):  # the lean route, and FastAPI's for any other query
-            response = await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}{query}")
+            response = await client.get(
+                f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}{query}"
+            )
             assert response.status_code == 504, response.text
             assert response.json() == {"detail": "The request timed out"}
 
@@ -562,8 +621,10 @@ def test_both_interrupted_stream_frames_name_the_position_to_reconnect_from_in_o
 
     from services.orchestrator.backend import UNREACHABLE, StreamInterrupted
 
-    pattern = re.compile(r"^The event stream was interrupted( \([^)]*\))?; reconnect with \?after=(\d+)$")
-    gateway = json.loads(fanout_module.broken_frame(7)[len(b"data: "):])["data"]["message"]
+    pattern = re.compile(
+        r"^The event stream was interrupted( \([^)]*\))?; reconnect with \?after=(\d+)$"
+    )
+    gateway = json.loads(fanout_module.broken_frame(7)[len(b"data: ") :])["data"]["message"]
     orchestrator = StreamInterrupted(7, UNREACHABLE).message
     assert pattern.match(gateway).group(2) == pattern.match(orchestrator).group(2) == "7"
 
@@ -602,7 +663,9 @@ async def test_a_listener_that_stops_reading_holds_one_slice_not_a_copy_of_the_r
     await asyncio.sleep(0.05)
     assert listener.writer is not None and not listener.pending
     assert len(client.sent) == 1 and client.sent[0] <= fanout_module.PULL_SLICE_BYTES
-    assert listener.index * 5000 <= fanout_module.PULL_SLICE_BYTES  # the rest is only in the hub's shared list
+    assert (
+        listener.index * 5000 <= fanout_module.PULL_SLICE_BYTES
+    )  # the rest is only in the hub's shared list
     client.release.set()
     stub.calls[0].queue.put_nowait(done_event(400))
     stub.calls[0].queue.put_nowait(None)
@@ -628,7 +691,10 @@ async def test_a_late_listener_on_a_large_backlog_is_pulled_in_slices_then_pushe
     hub.attach(listener)
     assert listener.writer is not None and not transport.writes  # not joined and written whole
     await until(lambda: listener.writer is None)
-    assert b"".join(sent) == b"".join(frames) and max(len(b) for b in sent) <= fanout_module.PULL_SLICE_BYTES
+    assert (
+        b"".join(sent) == b"".join(frames)
+        and max(len(b) for b in sent) <= fanout_module.PULL_SLICE_BYTES
+    )
     hub.publish(b'data: {"n":"live"}\n\n')  # caught up: pushed by the hub's round again
     await until(lambda: bool(transport.writes))
     assert _dechunk(transport.writes) == b'data: {"n":"live"}\n\n' and listener.index == 201
@@ -674,7 +740,9 @@ async def test_a_stopped_gateway_closes_a_listener_that_cannot_take_its_last_fra
     assert reader_client.frames()[-1] == fanout_module.broken_frame(1)
 
 
-async def test_a_client_that_takes_nothing_for_stalled_send_s_has_its_connection_closed(monkeypatch):
+async def test_a_client_that_takes_nothing_for_stalled_send_s_has_its_connection_closed(
+    monkeypatch,
+):
     """A listener that stopped reading (or whose host vanished without a FIN) held its run's
     frames and hub in the gateway for as long as its connection stayed open, the run long
     ended too. A send it takes none of within STALLED_SEND_S closes its connection (uvicorn then

@@ -8,7 +8,9 @@ from tests.sse_client import read_frames
 
 async def test_turn_without_script_calls_get_available_integrations(stack):
     async with stack.client() as client:
-        started = await client.post("/assistant/chat", json={"message": "What integrations are available?"})
+        started = await client.post(
+            "/assistant/chat", json={"message": "What integrations are available?"}
+        )
         assert started.status_code == 200, started.text
         body = started.json()
         assert body["status"] == "running"
@@ -32,10 +34,21 @@ async def test_turn_without_script_calls_get_available_integrations(stack):
 
 
 async def test_scripted_turn_frames_in_documented_order(stack):
-    message = script({"say": "Let me check your integrations.", "tool": "get_available_integrations", "input": {}},
-                     {"say": "Here is the final answer in several chunks.", "usage": {"input_tokens": 1200, "output_tokens": 340}})
+    message = script(
+        {
+            "say": "Let me check your integrations.",
+            "tool": "get_available_integrations",
+            "input": {},
+        },
+        {
+            "say": "Here is the final answer in several chunks.",
+            "usage": {"input_tokens": 1200, "output_tokens": 340},
+        },
+    )
     async with stack.client() as client:
-        body = (await client.post("/assistant/chat", json={"message": message, "llm": SCRIPTED})).json()
+        body = (
+            await client.post("/assistant/chat", json={"message": message, "llm": SCRIPTED})
+        ).json()
         frames = await read_frames(client, body["stream_url"])
         late = await read_frames(client, body["stream_url"])
     types = [f["type"] for f in frames]
@@ -43,8 +56,17 @@ async def test_scripted_turn_frames_in_documented_order(stack):
     assert types[0] == "metadata"
     assert set(types[1:first_call]) == {"response_chunk"}
     assert types[first_call + 1] == "tool_result"
-    assert set(types[first_call + 2:-1]) == {"response_chunk"} and len(types[first_call + 2:-1]) > 1
+    assert (
+        set(types[first_call + 2 : -1]) == {"response_chunk"}
+        and len(types[first_call + 2 : -1]) > 1
+    )
     assert types[-1] == "done"
-    assert "".join(f["data"]["chunk"] for f in frames[first_call + 2:-1]) == "Here is the final answer in several chunks."
-    assert frames[0]["data"]["workflow_id"] is None and frames[0]["data"]["workflow_type"] == "composer"
+    assert (
+        "".join(f["data"]["chunk"] for f in frames[first_call + 2 : -1])
+        == "Here is the final answer in several chunks."
+    )
+    assert (
+        frames[0]["data"]["workflow_id"] is None
+        and frames[0]["data"]["workflow_type"] == "composer"
+    )
     assert late == frames

@@ -28,7 +28,9 @@ async def test_retry_with_same_key_and_body_returns_original_and_starts_nothing(
 async def test_same_key_with_another_body_is_422(stack):
     async with stack.client() as client:
         headers = {"Idempotency-Key": "turn-2"}
-        assert (await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)).status_code == 200
+        assert (
+            await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
+        ).status_code == 200
         other = await client.post("/assistant/chat", json={"message": "different"}, headers=headers)
     assert other.status_code == 422
     assert "Idempotency-Key" in other.json()["detail"]
@@ -40,17 +42,27 @@ async def test_failed_request_frees_its_key(stack):
 
     async with stack.client() as client:
         headers = {"Idempotency-Key": "turn-3"}
-        missing = await client.post("/assistant/chat", json={"message": "hi", "chat_id": str(uuid.uuid4())}, headers=headers)
+        missing = await client.post(
+            "/assistant/chat", json={"message": "hi", "chat_id": str(uuid.uuid4())}, headers=headers
+        )
         assert missing.status_code == 404
-        again = await client.post("/assistant/chat", json={"message": "hi", "chat_id": str(uuid.uuid4())}, headers=headers)
+        again = await client.post(
+            "/assistant/chat", json={"message": "hi", "chat_id": str(uuid.uuid4())}, headers=headers
+        )
         assert again.status_code == 404
 
 
 async def test_keys_are_scoped_to_the_caller(stack):
     admin = await stack.member("admin")
     async with stack.client() as client:
-        a = await client.post("/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "shared"})
-        b = await client.post("/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "shared", **stack.headers(api_key=admin["api_key"])})
+        a = await client.post(
+            "/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "shared"}
+        )
+        b = await client.post(
+            "/assistant/chat",
+            json={"message": "hello"},
+            headers={"Idempotency-Key": "shared", **stack.headers(api_key=admin["api_key"])},
+        )
     assert a.status_code == b.status_code == 200
     assert a.json()["run_id"] != b.json()["run_id"]
 
@@ -70,18 +82,39 @@ async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lea
     route, body = "POST /assistant/chat", {"message": "hello"}
     store = stack.gateway.idempotency
     # the dead gateway's claim: made, never answered, never freed
-    assert await store.claim(stack.org_id, stack.user_id, "turn-crash", route, body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS))) is None
+    assert (
+        await store.claim(
+            stack.org_id,
+            stack.user_id,
+            "turn-crash",
+            route,
+            body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS)),
+        )
+        is None
+    )
     async with stack.client() as client:
         headers = {"Idempotency-Key": "turn-crash"}
-        assert (await client.post("/assistant/chat", json=body, headers=headers)).status_code == 409  # it may still run
+        assert (
+            await client.post("/assistant/chat", json=body, headers=headers)
+        ).status_code == 409  # it may still run
         async with store.sessions() as session, session.begin():
-            old = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S + 1)
-            await session.execute(update(IdempotencyRecord).where(IdempotencyRecord.key == "turn-crash").values(created_at=old))
-        assert (await client.post("/assistant/chat", json={"message": "another"}, headers=headers)).status_code == 422
+            old = datetime.datetime.now(datetime.UTC) - datetime.timedelta(
+                seconds=IN_PROGRESS_LEASE_S + 1
+            )
+            await session.execute(
+                update(IdempotencyRecord)
+                .where(IdempotencyRecord.key == "turn-crash")
+                .values(created_at=old)
+            )
+        assert (
+            await client.post("/assistant/chat", json={"message": "another"}, headers=headers)
+        ).status_code == 422
         retried = await client.post("/assistant/chat", json=body, headers=headers)
         assert retried.status_code == 200, retried.text
         replayed = await client.post("/assistant/chat", json=body, headers=headers)
-        assert replayed.json() == retried.json() and replayed.headers["Idempotent-Replayed"] == "true"
+        assert (
+            replayed.json() == retried.json() and replayed.headers["Idempotent-Replayed"] == "true"
+        )
         await read_frames(client, retried.json()["stream_url"])
     assert await _runs(stack) == 1
 
@@ -101,14 +134,18 @@ def _lose_first_answer(stack, monkeypatch) -> list[str]:
     def answer_lost_once(chat_id: str, run_id: str):
         if not lost:
             lost.append(run_id)
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "ANSWER_LOST", "the answer was lost on its way")
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE, "ANSWER_LOST", "the answer was lost on its way"
+            )
         return real(chat_id, run_id)
 
     monkeypatch.setattr(servicer, "_started", answer_lost_once)
     return lost
 
 
-async def test_a_retry_after_a_start_whose_answer_was_lost_answers_the_started_turn_and_charges_once(stack, monkeypatch):
+async def test_a_retry_after_a_start_whose_answer_was_lost_answers_the_started_turn_and_charges_once(
+    stack, monkeypatch
+):
     """Fresh-eyes test: the orchestrator started (and charged) the turn, but its answer never
     reached the gateway in time (504 after a 30 s stall); the failure freed the key, and the
     client's retry with the same Idempotency-Key started and charged a second turn. The
@@ -125,14 +162,20 @@ async def test_a_retry_after_a_start_whose_answer_was_lost_answers_the_started_t
         assert retry.status_code == 200, retry.text
         assert retry.json()["run_id"] == lost[0]
         await read_frames(client, retry.json()["stream_url"])
-        other = await client.post("/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "turn-other"})
-        assert other.status_code == 200 and other.json()["run_id"] != lost[0]  # another key: another turn
+        other = await client.post(
+            "/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "turn-other"}
+        )
+        assert (
+            other.status_code == 200 and other.json()["run_id"] != lost[0]
+        )  # another key: another turn
     assert await _runs(stack) == 2
     await billing_delivered(stack)
     from services.billing.models import LedgerEntry
 
     async with stack.billing.core.sessions() as session:
-        charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge"))
+        charges = await session.scalar(
+            select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge")
+        )
     assert charges == 2
 
 
@@ -146,12 +189,16 @@ async def test_a_request_id_longer_than_64_characters_is_refused(stack):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hi", request_id="x" * 65))
+            await stub.StartTurn(
+                assistant_pb2.StartTurnRequest(caller=caller, message="hi", request_id="x" * 65)
+            )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert await _runs(stack) == 0
 
 
-async def test_after_a_failure_of_unknown_outcome_the_key_stays_bound_to_its_body(stack, monkeypatch):
+async def test_after_a_failure_of_unknown_outcome_the_key_stays_bound_to_its_body(
+    stack, monkeypatch
+):
     """Re-test: after a 504 the key was freed, so a retry with the same key and ANOTHER body was
     a new request: the turn the first attempt had started and a second one were both charged.
     A failure whose outcome the gateway cannot know now keeps the key bound to its body (422
@@ -172,7 +219,11 @@ async def test_after_a_failure_of_unknown_outcome_the_key_stays_bound_to_its_bod
 async def test_a_refused_request_frees_its_key_for_another_body(stack):
     async with stack.client() as client:
         headers = {"Idempotency-Key": "turn-refused"}
-        refused = await client.post("/assistant/chat", json={"message": "hi", "chat_id": "00000000-0000-4000-8000-000000000000"}, headers=headers)
+        refused = await client.post(
+            "/assistant/chat",
+            json={"message": "hi", "chat_id": "00000000-0000-4000-8000-000000000000"},
+            headers=headers,
+        )
         assert refused.status_code == 404
         other = await client.post("/assistant/chat", json={"message": "another"}, headers=headers)
         assert other.status_code == 200, other.text
@@ -190,11 +241,13 @@ async def test_starts_sent_together_with_one_request_id_start_and_charge_one_tur
     import grpc
 
     from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
-    from tests.orchestrator.helpers import billing_delivered
     from services.billing.models import LedgerEntry
+    from tests.orchestrator.helpers import billing_delivered
 
     caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    request = assistant_pb2.StartTurnRequest(caller=caller, message="same body", request_id="together-1")
+    request = assistant_pb2.StartTurnRequest(
+        caller=caller, message="same body", request_id="together-1"
+    )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         answers = await asyncio.gather(*(stub.StartTurn(request) for _ in range(10)))
@@ -202,5 +255,7 @@ async def test_starts_sent_together_with_one_request_id_start_and_charge_one_tur
     assert await _runs(stack) == 1
     await billing_delivered(stack)
     async with stack.billing.core.sessions() as session:
-        charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge"))
+        charges = await session.scalar(
+            select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge")
+        )
     assert charges == 1

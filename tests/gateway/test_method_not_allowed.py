@@ -29,8 +29,17 @@ def _methods_at(document: dict[str, Any], path: str) -> set[str]:
     return methods
 
 
-@pytest.mark.parametrize("path", ["/credentials", "/credentials/x1", "/knowledge-bases", "/assistant/chat/x1",
-                                  "/organizations/settings/composer-llm", "/credentials/mcp-server"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/credentials",
+        "/credentials/x1",
+        "/knowledge-bases",
+        "/assistant/chat/x1",
+        "/organizations/settings/composer-llm",
+        "/credentials/mcp-server",
+    ],
+)
 async def test_a_405_allow_header_lists_every_method_of_the_path(stack, path):
     document = await _document(stack)
     expected = _methods_at(document, path)
@@ -40,7 +49,11 @@ async def test_a_405_allow_header_lists_every_method_of_the_path(stack, path):
             response = await client.request(method, path)
             assert response.status_code == 405, (method, path, response.text)
             assert response.json() == {"detail": "Method Not Allowed"}
-            assert set(response.headers["allow"].split(", ")) == expected, (method, path, response.headers["allow"])
+            assert set(response.headers["allow"].split(", ")) == expected, (
+                method,
+                path,
+                response.headers["allow"],
+            )
 
 
 async def test_every_documented_path_answers_405_with_all_its_methods(stack):

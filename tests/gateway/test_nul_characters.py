@@ -13,7 +13,9 @@ import pytest
 from services.gateway.app import BodyError, json_object
 from tests.tools.tools_stack import tools_stack
 
-NUL_MESSAGE = "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
+NUL_MESSAGE = (
+    "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
+)
 
 
 @pytest.fixture
@@ -24,33 +26,49 @@ async def stack(tmp_path):
 
 async def test_a_turn_whose_message_holds_nul_is_400_and_nothing_is_written_or_charged(stack):
     async with stack.client() as client:
-        refused = await client.post("/assistant/chat", content=b'{"message": "hi\\u0000there"}',
-                                    headers={"content-type": "application/json"})
+        refused = await client.post(
+            "/assistant/chat",
+            content=b'{"message": "hi\\u0000there"}',
+            headers={"content-type": "application/json"},
+        )
         assert refused.status_code == 400, refused.text
         assert refused.json() == {"detail": NUL_MESSAGE}
         assert (await client.get("/assistant/chats")).json()["items"] == []
         created = await client.post("/knowledge-bases", json={"name": "a\x00b"})
         assert created.status_code == 400 and created.json() == {"detail": NUL_MESSAGE}
-        fine = await client.post("/assistant/chat", json={"message": "a backslash then u0000: \\u0000"})
+        fine = await client.post(
+            "/assistant/chat", json={"message": "a backslash then u0000: \\u0000"}
+        )
         assert fine.status_code == 200, fine.text  # the text \u0000 (escaped backslash) is no NUL
 
 
-@pytest.mark.parametrize("body", [b'{"a": "\\u0000"}', b'{"a\\u0000": 1}', b'{"a": [{"b": ["x\\u0000"]}]}'])
+@pytest.mark.parametrize(
+    "body", [b'{"a": "\\u0000"}', b'{"a\\u0000": 1}', b'{"a": [{"b": ["x\\u0000"]}]}']
+)
 def test_json_object_refuses_nul_in_any_string_or_key(body):
     with pytest.raises(BodyError) as refused:
         json_object(body)
     assert refused.value.status == 400 and refused.value.message == NUL_MESSAGE
 
 
-@pytest.mark.parametrize("method,url", [
-    ("GET", "/credentials?integration_name=a%00"), ("GET", "/credentials/x%00"), ("DELETE", "/credentials/x%00"),
-    ("POST", "/credentials/x%00/set-default"), ("GET", "/knowledge-bases/x%00/documents/y%00"),
-    ("GET", "/knowledge-bases/x%00/documents/y%00/status"), ("GET", "/assistant/chat/x%00/listen/y"),
-])
+@pytest.mark.parametrize(
+    "method,url",
+    [
+        ("GET", "/credentials?integration_name=a%00"),
+        ("GET", "/credentials/x%00"),
+        ("DELETE", "/credentials/x%00"),
+        ("POST", "/credentials/x%00/set-default"),
+        ("GET", "/knowledge-bases/x%00/documents/y%00"),
+        ("GET", "/knowledge-bases/x%00/documents/y%00/status"),
+        ("GET", "/assistant/chat/x%00/listen/y"),
+    ],
+)
 async def test_a_nul_in_a_path_or_query_value_is_400(stack, method, url):
     """Bug (fresh-eyes re-test): on PostgreSQL these were 500 (the tools service's WHERE clause got
     the NUL), on SQLite 404 or 200. Now every route answers 400 before anything is looked up."""
     async with stack.client() as client:
         response = await client.request(method, url)
     assert response.status_code == 400, response.text
-    assert response.json() == {"detail": "A path or query value contains a NUL character (%00); ids and text values cannot hold it"}
+    assert response.json() == {
+        "detail": "A path or query value contains a NUL character (%00); ids and text values cannot hold it"
+    }

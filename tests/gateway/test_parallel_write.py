@@ -67,7 +67,12 @@ def test_write_share_reports_a_full_socket_a_partial_write_and_a_closed_peer():
         partial.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         closed_peer.close()
         big = b"y" * (4 << 20)  # more than any socket buffer takes at once
-        items = [(ok.fileno(), b"hello"), (full.fileno(), b"more"), (partial.fileno(), big), (closed.fileno(), b"lost")]
+        items = [
+            (ok.fileno(), b"hello"),
+            (full.fileno(), b"more"),
+            (partial.fileno(), big),
+            (closed.fileno(), b"lost"),
+        ]
         short = dict(write_share(items, 0, len(items)))
         assert 0 not in short and _read_all(ok_peer) == b"hello"
         assert short[1] == 0, "a full socket took nothing (BlockingIOError)"
@@ -113,16 +118,33 @@ def _self_signed() -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(key, hashes.SHA256()))
-    return (cert.public_bytes(serialization.Encoding.PEM),
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return (
+        cert.public_bytes(serialization.Encoding.PEM),
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
 
 
-async def _server_transport(tmp_path, tls: bool) -> tuple[Any, asyncio.AbstractServer, asyncio.StreamWriter]:
+async def _server_transport(
+    tmp_path, tls: bool
+) -> tuple[Any, asyncio.AbstractServer, asyncio.StreamWriter]:
     accepted: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     class Server(asyncio.Protocol):
@@ -176,7 +198,9 @@ def test_only_plain_tcp_transports_are_written_directly_never_tls(tmp_path, loop
     assert socket_fd(object()) == -1
 
 
-async def _get_stream(port: int, path: str, headers: dict[str, str], rcvbuf: int | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _get_stream(
+    port: int, path: str, headers: dict[str, str], rcvbuf: int | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -209,10 +233,14 @@ async def _frames(reader: asyncio.StreamReader) -> list[dict[str, Any]]:
     return frames
 
 
-async def test_listeners_served_by_parallel_rounds_each_get_every_frame_in_order_even_one_that_stops_reading(stack, monkeypatch):
+async def test_listeners_served_by_parallel_rounds_each_get_every_frame_in_order_even_one_that_stops_reading(
+    stack, monkeypatch
+):
     fanout = stack.gateway.app.state.fanout
     assert fanout._writer is not None
-    fanout._writer.threads = max(fanout._writer.threads, 1)  # the rule holds whatever the machine's cores
+    fanout._writer.threads = max(
+        fanout._writer.threads, 1
+    )  # the rule holds whatever the machine's cores
     batches: list[tuple[int, list[tuple[int, int]]]] = []
     real_write = fanout._writer.write
 
@@ -223,19 +251,30 @@ async def test_listeners_served_by_parallel_rounds_each_get_every_frame_in_order
 
     monkeypatch.setattr(fanout._writer, "write", spy)
     words = " ".join(f"w{i:05d}" for i in range(40_000))  # ~280 KB of answer in 40 frames
-    message = script({"tool": "get_available_integrations", "input": {}, "sleep_ms": 2500}, {"say": words, "chunks": 40})
+    message = script(
+        {"tool": "get_available_integrations", "input": {}, "sleep_ms": 2500},
+        {"say": words, "chunks": 40},
+    )
     async with stack.client() as client:
         started = (await client.post("/assistant/chat", json={"message": message})).json()
     headers = stack.headers()
-    listeners = [await _get_stream(stack.gateway.port, started["stream_url"], headers) for _ in range(150)]
-    slow_reader, slow_writer = await _get_stream(stack.gateway.port, started["stream_url"], headers, rcvbuf=4096)
+    listeners = [
+        await _get_stream(stack.gateway.port, started["stream_url"], headers) for _ in range(150)
+    ]
+    slow_reader, slow_writer = await _get_stream(
+        stack.gateway.port, started["stream_url"], headers, rcvbuf=4096
+    )
     slow_port = slow_writer.get_extra_info("sockname")[1]
     hub = next(iter(fanout._hubs.values()))
-    slow = next(lst for lst in hub.streams if lst.transport.get_extra_info("peername")[1] == slow_port)
+    slow = next(
+        lst for lst in hub.streams if lst.transport.get_extra_info("peername")[1] == slow_port
+    )
     slow.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     assert slow.fd >= 0
 
-    everyone = await asyncio.wait_for(asyncio.gather(*(_frames(reader) for reader, _ in listeners)), 60)
+    everyone = await asyncio.wait_for(
+        asyncio.gather(*(_frames(reader) for reader, _ in listeners)), 60
+    )
     await asyncio.sleep(0.5)  # the slow client reads only now, long after the others finished
     slow_frames = await asyncio.wait_for(_frames(slow_reader), 60)
     for _, writer in [*listeners, (None, slow_writer)]:
@@ -244,9 +283,13 @@ async def test_listeners_served_by_parallel_rounds_each_get_every_frame_in_order
     expected = everyone[0]
     assert [f["type"] for f in expected][:3] == ["metadata", "tool_call", "tool_result"]
     assert expected[-1]["type"] == "done" and expected[-1]["data"]["response"] == words
-    assert "".join(f["data"]["chunk"] for f in expected if f["type"] == "response_chunk").endswith(words)
+    assert "".join(f["data"]["chunk"] for f in expected if f["type"] == "response_chunk").endswith(
+        words
+    )
     assert all(frames == expected for frames in everyone)
-    assert slow_frames == expected, "the client that stopped reading got every frame, in order, once"
+    assert slow_frames == expected, (
+        "the client that stopped reading got every frame, in order, once"
+    )
     assert any(size >= 128 for size, _ in batches), "the live frames went out in parallel rounds"
     assert any(short for _, short in batches), "the slow socket's share went back to its transport"
     assert json.dumps(expected)  # plain JSON throughout

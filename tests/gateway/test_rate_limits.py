@@ -30,7 +30,14 @@ def _assert_rate_denial(response: httpx.Response, key: str, limit: int) -> None:
     body = response.json()
     assert body["code"] == "rate_limited" and body["layer"] == "rate" and body["key"] == key
     assert body["limit"] == limit and body["current"] == limit and body["reason"]
-    assert set(body) == {"code", "layer", "key", "current", "limit", "reason"}  # the flat envelope, as billing's
+    assert set(body) == {
+        "code",
+        "layer",
+        "key",
+        "current",
+        "limit",
+        "reason",
+    }  # the flat envelope, as billing's
     assert 1 <= int(response.headers["retry-after"]) <= 60
     assert response.headers["x-ratelimit-limit"] == str(limit)
     assert response.headers["x-ratelimit-remaining"] == "0"
@@ -53,14 +60,25 @@ async def test_every_authenticated_route_counts_against_the_key(tmp_path):
             assert turn.status_code == 200, turn.text
             listen = await client.get(turn.json()["stream_url"])  # the lean listen route
             assert listen.status_code == 200
-            for path in ("/assistant/chats", "/credentials", "/knowledge-bases", f"/assistant/chat/{turn.json()['chat_id']}/status"):
+            for path in (
+                "/assistant/chats",
+                "/credentials",
+                "/knowledge-bases",
+                f"/assistant/chat/{turn.json()['chat_id']}/status",
+            ):
                 assert (await client.get(path)).status_code == 200, path
             for path in ("/credentials", "/assistant/chats", "/knowledge-bases"):
                 _assert_rate_denial(await client.get(path), "api_key", 6)
-            _assert_rate_denial(await client.post("/assistant/chat", json={"message": "hi"}), "api_key", 6)
+            _assert_rate_denial(
+                await client.post("/assistant/chat", json={"message": "hi"}), "api_key", 6
+            )
             _assert_rate_denial(await client.get(turn.json()["stream_url"]), "api_key", 6)
-        async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.headers(other["api_key"])) as second:
-            assert (await second.get("/credentials")).status_code == 200  # another key has its own count
+        async with httpx.AsyncClient(
+            base_url=stack.base_url, headers=stack.headers(other["api_key"])
+        ) as second:
+            assert (
+                await second.get("/credentials")
+            ).status_code == 200  # another key has its own count
         async with httpx.AsyncClient(base_url=stack.base_url) as anonymous:
             assert (await anonymous.get("/healthz")).status_code == 200  # no key, no count
     finally:
@@ -76,15 +94,36 @@ async def test_failed_authentications_block_the_client_for_the_rest_of_the_minut
             assert (await client.get("/credentials", headers=wrong)).status_code == 401
             assert (await client.get("/assistant/chats")).status_code == 401  # no key at all
             member = await stack.member("member")  # a key without the role: 403, a failure too
-            assert (await client.get("/credentials", headers=stack.headers(member["api_key"]))).status_code == 403
-            _assert_rate_denial(await client.get("/credentials", headers=wrong), "failed_authentication", 3)
+            assert (
+                await client.get("/credentials", headers=stack.headers(member["api_key"]))
+            ).status_code == 403
+            _assert_rate_denial(
+                await client.get("/credentials", headers=wrong), "failed_authentication", 3
+            )
             # now every request of this client is refused, a valid key's too, lean routes included
-            _assert_rate_denial(await client.get("/credentials", headers=stack.headers()), "failed_authentication", 3)
-            _assert_rate_denial(await client.post("/assistant/chat", headers=stack.headers(), json={"message": "x"}),
-                                "failed_authentication", 3)
-            _assert_rate_denial(await client.get("/assistant/chat/c/listen/r", headers=stack.headers()), "failed_authentication", 3)
+            _assert_rate_denial(
+                await client.get("/credentials", headers=stack.headers()),
+                "failed_authentication",
+                3,
+            )
+            _assert_rate_denial(
+                await client.post(
+                    "/assistant/chat", headers=stack.headers(), json={"message": "x"}
+                ),
+                "failed_authentication",
+                3,
+            )
+            _assert_rate_denial(
+                await client.get("/assistant/chat/c/listen/r", headers=stack.headers()),
+                "failed_authentication",
+                3,
+            )
             assert (await client.get("/healthz")).status_code == 200
-        assert [r for r in caplog.records if r.getMessage() == "client blocked for failed authentications"]
+        assert [
+            r
+            for r in caplog.records
+            if r.getMessage() == "client blocked for failed authentications"
+        ]
     finally:
         await stop_stack(stack)
 
@@ -137,7 +176,9 @@ async def test_clients_are_counted_apart_and_an_ipv6_client_by_its_64():
         await limits.authenticate(_scope("2001:db8:1:2:ffff::9"), "Bearer bad", "o")
     with pytest.raises(RateLimited):  # blocked: a good key is refused too, without a look-up
         await limits.authenticate(_scope("2001:db8:1:2::1"), "Bearer good", "o")
-    assert (await limits.authenticate(_scope("2001:db8:1:3::1"), "Bearer good", "o")).user_id == "u"  # another /64
+    assert (
+        await limits.authenticate(_scope("2001:db8:1:3::1"), "Bearer good", "o")
+    ).user_id == "u"  # another /64
     assert (await limits.authenticate(_scope("192.0.2.7"), "Bearer good", "o")).user_id == "u"
     assert client_of({"client": None}) == "" and client_of(_scope("192.0.2.7")) == "192.0.2.7"
 
@@ -188,7 +229,18 @@ async def test_redis_counters_are_shared_and_a_redis_that_fails_lets_requests_pa
     unreachable = RequestLimits(_Keys(), 1, 1, "redis://127.0.0.1:1/0", prefix)
     try:
         for _ in range(3):
-            assert (await unreachable.authenticate(_scope("192.0.2.1"), "Bearer good", "o")).user_id == "u"
+            assert (
+                await unreachable.authenticate(_scope("192.0.2.1"), "Bearer good", "o")
+            ).user_id == "u"
     finally:
         await unreachable.close()
-    assert len([r for r in caplog.records if r.getMessage().startswith("rate-limit counters unavailable")]) == 1
+    assert (
+        len(
+            [
+                r
+                for r in caplog.records
+                if r.getMessage().startswith("rate-limit counters unavailable")
+            ]
+        )
+        == 1
+    )

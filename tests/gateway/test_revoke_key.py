@@ -21,7 +21,9 @@ async def test_a_revoked_key_is_refused(stack):
     assert (await auth.authenticate(header, stack.org_id)).user_id == member["user_id"]
     revoked = await identity.revoke_key(stack.gateway.sessions, key_id=member["key_id"])
     assert revoked["key_id"] == member["key_id"] and revoked["user_id"] == member["user_id"]
-    again = await identity.revoke_key(stack.gateway.sessions, key=member["api_key"])  # by the key itself: same, idempotent
+    again = await identity.revoke_key(
+        stack.gateway.sessions, key=member["api_key"]
+    )  # by the key itself: same, idempotent
     assert again == revoked
     fresh = Authenticator(stack.gateway.sessions, ttl_s=30.0)  # a gateway whose cache has expired
     try:
@@ -37,14 +39,26 @@ def test_revoke_key_command(tmp_path):
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
 
     def gateway(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "services.gateway", *args], env=env, input=stdin, capture_output=True, text=True, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "services.gateway", *args],
+            env=env,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
 
     org = json.loads(gateway("seed-dev").stdout)["organization_id"]
     member = json.loads(gateway("add-member", "--org", org, "--role", "member").stdout)
     listed = gateway("list-keys", "--org", org)
     keys = {key["key_id"]: key for key in json.loads(listed.stdout)["keys"]}
-    assert keys[member["key_id"]]["prefix"] == member["api_key"][:12] and keys[member["key_id"]]["revoked_at"] is None
-    assert keys[member["key_id"]]["role"] == "member" and len(keys) == 2  # the dev owner's key and this one
+    assert (
+        keys[member["key_id"]]["prefix"] == member["api_key"][:12]
+        and keys[member["key_id"]]["revoked_at"] is None
+    )
+    assert (
+        keys[member["key_id"]]["role"] == "member" and len(keys) == 2
+    )  # the dev owner's key and this one
     assert member["api_key"] not in listed.stdout
     by_id = gateway("revoke-key", "--key-id", member["key_id"])
     assert by_id.returncode == 0 and json.loads(by_id.stdout)["key_id"] == member["key_id"]
@@ -53,19 +67,49 @@ def test_revoke_key_command(tmp_path):
     assert member["api_key"] not in by_key.stdout + by_key.stderr
     unknown = gateway("revoke-key", "--key-id", "key_nope")
     assert unknown.returncode == 1 and json.loads(unknown.stdout) == {"error": "no such API key"}
-    after = {key["key_id"]: key for key in json.loads(gateway("list-keys", "--org", org).stdout)["keys"]}
+    after = {
+        key["key_id"]: key for key in json.loads(gateway("list-keys", "--org", org).stdout)["keys"]
+    }
     assert after[member["key_id"]]["revoked_at"] == json.loads(by_id.stdout)["revoked_at"]
     missing = gateway("list-keys", "--org", "org_nope")
-    assert missing.returncode == 1 and json.loads(missing.stdout) == {"error": "no organization 'org_nope'"}
+    assert missing.returncode == 1 and json.loads(missing.stdout) == {
+        "error": "no organization 'org_nope'"
+    }
 
 
 def test_add_member_refuses_an_unusable_organization_id(tmp_path):
     # second fresh-eyes test: "" and a 20,000-character id each created an organization
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "-m", "services.gateway", "seed-dev"], env=env, capture_output=True, text=True, check=True)
-    for org in ("", "x" * 129, "two words", "org_ü", "org\u00a0x"):  # fresh-eyes test: org_ü was created, then unreachable
-        result = subprocess.run([sys.executable, "-m", "services.gateway", "add-member", "--org", org, "--role", "owner"],
-                                env=env, capture_output=True, text=True, check=False)
+    subprocess.run(
+        [sys.executable, "-m", "services.gateway", "seed-dev"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for org in (
+        "",
+        "x" * 129,
+        "two words",
+        "org_ü",
+        "org\u00a0x",
+    ):  # fresh-eyes test: org_ü was created, then unreachable
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.gateway",
+                "add-member",
+                "--org",
+                org,
+                "--role",
+                "owner",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert result.returncode == 2 and "organization id" in result.stderr
 
 
@@ -82,9 +126,18 @@ def test_seed_dev_refuses_an_unusable_dev_organization_id(tmp_path):
 
 
 def _command(env: dict[str, str]):
-    def gateway(*args: str, stdin: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "services.gateway", *args], env={**env, **extra_env}, input=stdin,
-                              capture_output=True, text=True, check=False)
+    def gateway(
+        *args: str, stdin: str | None = None, **extra_env: str
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "services.gateway", *args],
+            env={**env, **extra_env},
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
     return gateway
 
 
@@ -93,28 +146,46 @@ def test_a_taken_email_and_an_empty_key_are_json_errors(tmp_path):
     IntegrityError traceback; revoke-key with nothing on standard input said "no such API key"."""
     gateway = _command({**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)})
     org = json.loads(gateway("seed-dev").stdout)["organization_id"]
-    for email in ("dev@loopline.local", "new@example.test"):  # seed-dev's user, and one added here first
+    for email in (
+        "dev@loopline.local",
+        "new@example.test",
+    ):  # seed-dev's user, and one added here first
         if email == "new@example.test":
-            assert gateway("add-member", "--org", org, "--role", "member", "--email", email).returncode == 0
+            assert (
+                gateway("add-member", "--org", org, "--role", "member", "--email", email).returncode
+                == 0
+            )
         taken = gateway("add-member", "--org", org, "--role", "admin", "--email", email)
         assert taken.returncode == 1, taken.stderr
         assert json.loads(taken.stdout) == {"error": f"a user with email {email!r} already exists"}
         assert "Traceback" not in taken.stderr
     keys = json.loads(gateway("list-keys", "--org", org).stdout)["keys"]
-    assert sorted(key["role"] for key in keys) == ["member", "owner"]  # nothing written by the refusals
+    assert sorted(key["role"] for key in keys) == [
+        "member",
+        "owner",
+    ]  # nothing written by the refusals
     for stdin in ("", "\n", "   \n"):
         empty = gateway("revoke-key", stdin=stdin)
         assert empty.returncode == 1
-        assert json.loads(empty.stdout) == {"error": "no API key given: write the key to standard input, or pass --key-id"}
+        assert json.loads(empty.stdout) == {
+            "error": "no API key given: write the key to standard input, or pass --key-id"
+        }
     blank_id = gateway("revoke-key", "--key-id", "")
-    assert blank_id.returncode == 1 and json.loads(blank_id.stdout) == {"error": "no key id given: --key-id is empty"}
-    assert all(key["revoked_at"] is None for key in json.loads(gateway("list-keys", "--org", org).stdout)["keys"])
+    assert blank_id.returncode == 1 and json.loads(blank_id.stdout) == {
+        "error": "no key id given: --key-id is empty"
+    }
+    assert all(
+        key["revoked_at"] is None
+        for key in json.loads(gateway("list-keys", "--org", org).stdout)["keys"]
+    )
 
 
 async def test_revoke_key_without_a_key_is_refused():
     for key in ("", None):
         with pytest.raises(identity.AdminError, match="no API key given"):
-            await identity.revoke_key(None, key_id=None, key=key)  # refused before any database look-up
+            await identity.revoke_key(
+                None, key_id=None, key=key
+            )  # refused before any database look-up
 
 
 def test_any_unique_conflict_of_an_admin_command_is_a_json_error(tmp_path, capsys):
@@ -127,7 +198,11 @@ def test_any_unique_conflict_of_an_admin_command_is_a_json_error(tmp_path, capsy
     from services.gateway.config import GatewaySettings
 
     async def conflicting(_sessions):
-        raise IntegrityError("INSERT INTO users ...", {"email": "x@example.test"}, Exception("UNIQUE constraint failed: users.email"))
+        raise IntegrityError(
+            "INSERT INTO users ...",
+            {"email": "x@example.test"},
+            Exception("UNIQUE constraint failed: users.email"),
+        )
 
     settings = GatewaySettings(data_dir=tmp_path)
     with pytest.raises(SystemExit) as exited:
@@ -154,12 +229,18 @@ def test_a_short_dev_key_is_refused_and_a_listed_prefix_is_never_the_whole_key(t
     assert seeded.returncode == 0, seeded.stdout + seeded.stderr
     org = json.loads(seeded.stdout)["organization_id"]
     listed = gateway("list-keys", "--org", org)
-    assert [key["prefix"] for key in json.loads(listed.stdout)["keys"]] == [dev_key[:5]] and dev_key not in listed.stdout
+    assert [key["prefix"] for key in json.loads(listed.stdout)["keys"]] == [
+        dev_key[:5]
+    ] and dev_key not in listed.stdout
     # a row stored before the rule, whose prefix is the whole (short) key: listed shortened
     with sqlite3.connect(tmp_path / "gateway.db") as database:
-        database.execute("UPDATE api_keys SET prefix = ?, key_hash = ?", ("devkey", identity.hash_key("devkey")))
+        database.execute(
+            "UPDATE api_keys SET prefix = ?, key_hash = ?", ("devkey", identity.hash_key("devkey"))
+        )
     legacy = gateway("list-keys", "--org", org)
-    assert [key["prefix"] for key in json.loads(legacy.stdout)["keys"]] == ["d"] and "devkey" not in legacy.stdout
+    assert [key["prefix"] for key in json.loads(legacy.stdout)["keys"]] == [
+        "d"
+    ] and "devkey" not in legacy.stdout
 
 
 def test_a_key_prefix_is_always_shorter_than_its_key():
@@ -168,4 +249,8 @@ def test_a_key_prefix_is_always_shorter_than_its_key():
     for length in range(80):
         key = "k" * length
         prefix = identity.key_prefix(key)
-        assert key.startswith(prefix) and len(prefix) <= length // 4 and (length == 0 or len(prefix) < length)
+        assert (
+            key.startswith(prefix)
+            and len(prefix) <= length // 4
+            and (length == 0 or len(prefix) < length)
+        )

@@ -8,7 +8,9 @@ from services.orchestrator.service import AssistantServicer
 from tests.conftest import start_stack
 
 
-async def test_a_turn_start_still_unanswered_when_the_grace_runs_out_is_503_json_with_retry_after(tmp_path, monkeypatch):
+async def test_a_turn_start_still_unanswered_when_the_grace_runs_out_is_503_json_with_retry_after(
+    tmp_path, monkeypatch
+):
     """Fresh-eyes re-test: with the orchestrator stalled, a POST in flight when the gateway
     stopped got uvicorn's `500 text/plain Internal Server Error` once the grace ran out."""
     stalled = asyncio.Event()
@@ -25,7 +27,10 @@ async def test_a_turn_start_still_unanswered_when_the_grace_runs_out_is_503_json
             await stack.gateway.stop(1)
             response = await asyncio.wait_for(posting, 10)
         assert response.status_code == 503, (response.status_code, response.headers, response.text)
-        assert response.headers["content-type"] == "application/json" and response.headers["retry-after"] == "1"
+        assert (
+            response.headers["content-type"] == "application/json"
+            and response.headers["retry-after"] == "1"
+        )
         assert response.json() == {"detail": "Service temporarily unavailable; try again"}
     finally:
         stalled.set()

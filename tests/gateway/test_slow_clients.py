@@ -69,7 +69,9 @@ async def _read_to_end(reader: asyncio.StreamReader, timeout: float) -> bytes:
             while piece := await reader.read(65536):
                 data += piece
     except TimeoutError:
-        raise AssertionError(f"the connection was still open after {timeout} s; got {data[:200]!r}") from None
+        raise AssertionError(
+            f"the connection was still open after {timeout} s; got {data[:200]!r}"
+        ) from None
     except ConnectionResetError:
         pass
     return data
@@ -81,14 +83,22 @@ def _status(raw: bytes) -> int:
 
 def _headers(raw: bytes) -> dict[str, str]:
     head = raw.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")[1:]
-    return {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in head)}
+    return {
+        name.lower(): value.strip() for name, _, value in (line.partition(":") for line in head)
+    }
 
 
 def _body(raw: bytes) -> Any:
     return json.loads(raw.split(b"\r\n\r\n", 1)[1])
 
 
-def _request(method: str, path: str, headers: dict[str, str] | None = None, extra: str = "", body: bytes = b"") -> bytes:
+def _request(
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    extra: str = "",
+    body: bytes = b"",
+) -> bytes:
     lines = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     return f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{lines}{extra}\r\n".encode() + body
 
@@ -96,19 +106,28 @@ def _request(method: str, path: str, headers: dict[str, str] | None = None, extr
 # --- heads: size, count, time -------------------------------------------------------------------
 
 
-async def test_too_many_header_fields_are_431_before_authentication_and_the_connection_is_closed(stack):
+async def test_too_many_header_fields_are_431_before_authentication_and_the_connection_is_closed(
+    stack,
+):
     many = "".join(f"X-Filler-{i}: {i}\r\n" for i in range(150))  # the default allows 100
-    raw = await _exchange(_port(stack), _request("GET", "/assistant/chats", extra=many))  # no API key: would be 401
+    raw = await _exchange(
+        _port(stack), _request("GET", "/assistant/chats", extra=many)
+    )  # no API key: would be 401
     assert _status(raw) == 431
     assert _headers(raw)["connection"] == "close"
     assert "too many header fields" in _body(raw)["detail"]
     # 10,000 of them (the security test's count): the same, without taking them all in
-    raw = await _exchange(_port(stack), _request("GET", "/healthz", extra="".join(f"X-{i}: {i}\r\n" for i in range(10_000))))
+    raw = await _exchange(
+        _port(stack),
+        _request("GET", "/healthz", extra="".join(f"X-{i}: {i}\r\n" for i in range(10_000))),
+    )
     assert _status(raw) == 431
 
 
 async def test_header_fields_too_large_are_431_and_the_connection_is_closed(stack):
-    raw = await _exchange(_port(stack), _request("GET", "/healthz", extra=f"X-Big: {'a' * (1 << 20)}\r\n"))  # one 1 MiB field
+    raw = await _exchange(
+        _port(stack), _request("GET", "/healthz", extra=f"X-Big: {'a' * (1 << 20)}\r\n")
+    )  # one 1 MiB field
     assert _status(raw) == 431 and _headers(raw)["connection"] == "close"
     assert "65536 bytes" in _body(raw)["detail"]
     # one that never ends (no line end, no blank line) is refused as soon as it passes the limit
@@ -123,17 +142,23 @@ async def test_header_fields_too_large_are_431_and_the_connection_is_closed(stac
         assert (await client.get("/healthz", headers={"X-Big": "c" * 60_000})).status_code == 200
 
 
-async def test_a_head_that_does_not_arrive_in_time_is_408_and_a_silent_connection_is_closed(tmp_path):
+async def test_a_head_that_does_not_arrive_in_time_is_408_and_a_silent_connection_is_closed(
+    tmp_path,
+):
     async with _stack(tmp_path, http_header_timeout_s=1.0) as limited:
         port = _port(limited)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n")  # and never the blank line
+        writer.write(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n"
+        )  # and never the blank line
         await writer.drain()
         raw = await _read_to_end(reader, 5)
         writer.close()
         assert _status(raw) == 408 and _headers(raw)["connection"] == "close"
         silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
-        assert await _read_to_end(silent_reader, 5) == b""  # closed without an answer: it asked nothing
+        assert (
+            await _read_to_end(silent_reader, 5) == b""
+        )  # closed without an answer: it asked nothing
         silent_writer.close()
         # a kept-alive connection: its next head gets its own time, counted from its first byte
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -161,7 +186,9 @@ async def test_slow_connections_are_dropped_while_a_normal_client_is_served(tmp_
             slow.append((reader, writer))
         async with limited.client() as client:
             assert (await client.get("/healthz")).status_code == 200
-        await wait_for(lambda: len(connections) <= before, timeout=10)  # before: all 300 open for good
+        await wait_for(
+            lambda: len(connections) <= before, timeout=10
+        )  # before: all 300 open for good
         for _, writer in slow:
             writer.close()
 
@@ -169,10 +196,16 @@ async def test_slow_connections_are_dropped_while_a_normal_client_is_served(tmp_
 # --- bodies ---------------------------------------------------------------------------------------
 
 
-async def test_a_body_that_stalls_is_408_and_its_connection_closed_and_a_slow_steady_one_is_served(tmp_path):
+async def test_a_body_that_stalls_is_408_and_its_connection_closed_and_a_slow_steady_one_is_served(
+    tmp_path,
+):
     async with _stack(tmp_path, http_body_timeout_s=1.0, http_body_min_rate=100) as limited:
         port = _port(limited)
-        head = _request("POST", "/assistant/chat", {**limited.headers(), "Content-Type": "application/json", "Content-Length": "1000"})
+        head = _request(
+            "POST",
+            "/assistant/chat",
+            {**limited.headers(), "Content-Type": "application/json", "Content-Length": "1000"},
+        )
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(head + b'{"message": "')  # 1000 announced, 13 sent
         await writer.drain()
@@ -182,11 +215,21 @@ async def test_a_body_that_stalls_is_408_and_its_connection_closed_and_a_slow_st
         # a body that keeps coming faster than the floor is read whole (here ~1 KB in 4 pieces 0.4 s apart)
         body = json.dumps({"message": script({"say": "ok " * 300}), "llm": None}).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(_request("POST", "/assistant/chat", {**limited.headers(), "Content-Type": "application/json",
-                                                           "Content-Length": str(len(body)), "Connection": "close"}))
+        writer.write(
+            _request(
+                "POST",
+                "/assistant/chat",
+                {
+                    **limited.headers(),
+                    "Content-Type": "application/json",
+                    "Content-Length": str(len(body)),
+                    "Connection": "close",
+                },
+            )
+        )
         step = -(-len(body) // 4)
         for offset in range(0, len(body), step):
-            writer.write(body[offset:offset + step])
+            writer.write(body[offset : offset + step])
             await writer.drain()
             await asyncio.sleep(0.4)
         raw = await _read_to_end(reader, 10)
@@ -209,10 +252,17 @@ async def test_past_the_connection_cap_a_request_is_503_with_retry_after(tmp_pat
         for _, writer in idle:
             writer.close()
         await wait_for(lambda: len(limited.gateway.http.server_state.connections) == 0)
-        assert _status(await _exchange(port, _request("GET", "/healthz", extra="Connection: close\r\n"))) == 200
+        assert (
+            _status(
+                await _exchange(port, _request("GET", "/healthz", extra="Connection: close\r\n"))
+            )
+            == 200
+        )
 
 
-async def _open_listen(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes, asyncio.StreamWriter]:
+async def _open_listen(
+    port: int, path: str, headers: dict[str, str]
+) -> tuple[int, bytes, asyncio.StreamWriter]:
     """GET `path`; (status, head, writer) once the response's head has come (the stream stays open)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(_request("GET", path, headers))
@@ -227,16 +277,28 @@ async def test_a_key_past_its_listens_is_429_with_retry_after_while_other_keys_a
     async with _stack(tmp_path, http_listens_per_key=2) as limited:
         port = _port(limited)
         async with limited.client() as client:
-            turn = await start(client, {"say": "later", "sleep_ms": 60_000})  # a run that stays live
+            turn = await start(
+                client, {"say": "later", "sleep_ms": 60_000}
+            )  # a run that stays live
             other = await limited.member("admin")
-            mine = [await _open_listen(port, turn["stream_url"], limited.headers()) for _ in range(2)]
+            mine = [
+                await _open_listen(port, turn["stream_url"], limited.headers()) for _ in range(2)
+            ]
             assert [status for status, *_ in mine] == [200, 200]
             status, raw, _ = await _open_listen(port, turn["stream_url"], limited.headers())
             assert status == 429
             assert _headers(raw)["retry-after"] == "5" and _headers(raw)["x-ratelimit-limit"] == "2"
-            assert _body(raw) == {"code": "rate_limited", "layer": "rate", "key": "listens_per_api_key", "current": 2, "limit": 2,
-                                  "reason": "at most 2 listens at once per API key on this gateway; close one, or retry in 5 s"}
-            status, _, theirs = await _open_listen(port, turn["stream_url"], limited.headers(other["api_key"]))
+            assert _body(raw) == {
+                "code": "rate_limited",
+                "layer": "rate",
+                "key": "listens_per_api_key",
+                "current": 2,
+                "limit": 2,
+                "reason": "at most 2 listens at once per API key on this gateway; close one, or retry in 5 s",
+            }
+            status, _, theirs = await _open_listen(
+                port, turn["stream_url"], limited.headers(other["api_key"])
+            )
             assert status == 200  # another key is served
             mine[0][2].close()  # one of mine ends: its place is free again
             fanout = limited.gateway.app.state.fanout
@@ -263,16 +325,27 @@ async def test_a_client_that_takes_none_of_a_response_is_cut_off_after_the_send_
         connections = limited.gateway.http.server_state.connections
         await wait_for(lambda: len(connections) == 1)
         protocol = next(iter(connections))
-        protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        client.sendall(_request("GET", "/openapi.json") * 12)  # pipelined (fewer than MAX_PIPELINED): documents to take, never read
+        protocol.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
+        )
+        client.sendall(
+            _request("GET", "/openapi.json") * 12
+        )  # pipelined (fewer than MAX_PIPELINED): documents to take, never read
         await wait_for(lambda: protocol.flow.write_paused, timeout=10)
         await wait_for(lambda: protocol not in connections, timeout=10)
         client.close()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_KEEPIDLE / TCP_USER_TIMEOUT are Linux options")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="TCP_KEEPIDLE / TCP_USER_TIMEOUT are Linux options"
+)
 async def test_accepted_connections_carry_tcp_keepalive_and_user_timeout(tmp_path):
-    tcp = {"tcp_keepalive_idle_s": 20, "tcp_keepalive_interval_s": 5, "tcp_keepalive_count": 4, "tcp_user_timeout_s": 45}
+    tcp = {
+        "tcp_keepalive_idle_s": 20,
+        "tcp_keepalive_interval_s": 5,
+        "tcp_keepalive_count": 4,
+        "tcp_user_timeout_s": 45,
+    }
     async with _stack(tmp_path, **tcp) as limited:
         async with limited.client() as client:
             assert (await client.get("/healthz")).status_code == 200
@@ -347,8 +420,21 @@ async def test_the_last_listener_to_leave_has_the_upstream_call_cancelled_betwee
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _malloc_in_use() -> int | None:
@@ -374,8 +460,12 @@ async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp
         if in_use is None:
             pytest.skip("needs glibc's mallinfo2")
         async with stack.client() as client:
-            body, frames = await run_turn(client, {"say": " ".join(["word"] * 100_000), "chunks": 2_000})
-        assert len(frames) > 1_000  # many upstream messages (STREAM_BATCH events each): a listener leaves mid-replay
+            body, frames = await run_turn(
+                client, {"say": " ".join(["word"] * 100_000), "chunks": 2_000}
+            )
+        assert (
+            len(frames) > 1_000
+        )  # many upstream messages (STREAM_BATCH events each): a listener leaves mid-replay
         headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
         request = f"GET {body['stream_url']} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode()
         fanout = stack.gateway.app.state.fanout
@@ -388,8 +478,13 @@ async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp
             writer.close()
 
         async def settled() -> tuple[int, int]:
-            await wait_for(lambda: fanout.active_runs() == 0 and not stack.gateway.http.server_state.connections
-                           and not any(task.get_name() == "sse-pump" for task in asyncio.all_tasks()))
+            await wait_for(
+                lambda: (
+                    fanout.active_runs() == 0
+                    and not stack.gateway.http.server_state.connections
+                    and not any(task.get_name() == "sse-pump" for task in asyncio.all_tasks())
+                )
+            )
             await asyncio.sleep(0.2)
             gc.collect()
             hubs = sum(1 for item in gc.get_objects() if type(item) is fanout_module._Hub)
@@ -404,7 +499,9 @@ async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp
         assert hubs_after <= hubs_before
         assert not fanout._listens
         # before the fix: +50 MB (~100 KB a replay: the message being read); since, within +-2 MB
-        assert after - before < 3_000_000, f"the C heap grew by {after - before:,} bytes over 500 replays"
+        assert after - before < 3_000_000, (
+            f"the C heap grew by {after - before:,} bytes over 500 replays"
+        )
 
 
 async def test_a_chunked_bodys_trailer_fields_count_against_the_heads_limits(stack):
@@ -433,5 +530,7 @@ async def test_a_client_that_pipelines_too_far_ahead_is_closed(stack):
     # queued (~2.5 KB each: 125 -> 609 MB)
     raw = await _exchange(_port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2_000)
     assert raw.count(b"HTTP/1.1 200") <= http_limits.MAX_PIPELINED + 1, raw.count(b"HTTP/1.1 200")
-    ok = await _exchange(_port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" * 1)
+    ok = await _exchange(
+        _port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" * 1
+    )
     assert _status(ok) == 200  # a normal client is served

@@ -21,7 +21,7 @@ from services.billing.models import LedgerEntry, Reservation
 from services.orchestrator.models import Chat, Interrupt, Run
 from services.tools.server import ToolsServer
 from tests.conftest import SCRIPTED
-from tests.orchestrator.helpers import run_turn, billing_delivered
+from tests.orchestrator.helpers import billing_delivered, run_turn
 
 OPENAI = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-4o"}
 MODEL_KEY = "sk-byok-never-shown-0123456789"
@@ -30,7 +30,8 @@ MODEL_KEY = "sk-byok-never-shown-0123456789"
 async def _restart_tools_with_only(stack, key: str) -> None:
     """Restart the tools service on its port (same database) with `key` as its only credential key."""
     settings = stack.tools.servicer.executor.settings.model_copy(
-        update={"tools_credential_key": key, "tools_port": stack.tools.port, "auto_migrate": False})
+        update={"tools_credential_key": key, "tools_port": stack.tools.port, "auto_migrate": False}
+    )
     await stack.tools.stop(0)
     stack.tools = await ToolsServer.start(settings)
 
@@ -38,11 +39,19 @@ async def _restart_tools_with_only(stack, key: str) -> None:
 async def _counts(stack) -> tuple[int, int, int, int]:
     """(chats, runs of the orchestrator; reservations, ledger entries of billing) of the stack's organization."""
     async with stack.orchestrator.servicer.sessions() as session:
-        chats = await session.scalar(select(func.count()).select_from(Chat).where(Chat.organization_id == stack.org_id))
-        runs = await session.scalar(select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id))
+        chats = await session.scalar(
+            select(func.count()).select_from(Chat).where(Chat.organization_id == stack.org_id)
+        )
+        runs = await session.scalar(
+            select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id)
+        )
     async with stack.billing.core.sessions() as session:
-        reservations = await session.scalar(select(func.count()).select_from(Reservation).where(Reservation.org_id == stack.org_id))
-        ledger = await session.scalar(select(func.count()).select_from(LedgerEntry).where(LedgerEntry.org_id == stack.org_id))
+        reservations = await session.scalar(
+            select(func.count()).select_from(Reservation).where(Reservation.org_id == stack.org_id)
+        )
+        ledger = await session.scalar(
+            select(func.count()).select_from(LedgerEntry).where(LedgerEntry.org_id == stack.org_id)
+        )
     return chats, runs, reservations, ledger
 
 
@@ -55,17 +64,27 @@ def _assert_names_the_credential_and_the_fix(response, credential_id: str) -> No
     assert MODEL_KEY not in response.text
 
 
-async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_written_or_charged(stack, caplog):
+async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_written_or_charged(
+    stack, caplog
+):
     async with stack.client() as client:
         # a question pending on a chat (scripted model), before the organization picks a default
-        asked, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Go?"}})
+        asked, frames = await run_turn(
+            client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Go?"}}
+        )
         request_id = frames[-1]["data"]["request_id"]
-        created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": MODEL_KEY}})
+        created = await client.post(
+            "/credentials", json={"integration_name": "openai", "auth_data": {"api_key": MODEL_KEY}}
+        )
         assert created.status_code in (200, 201), created.text
         credential_id = created.json()["credential_id"]
-        saved = await client.put("/organizations/settings/composer-llm", json={**OPENAI, "credential_id": credential_id})
+        saved = await client.put(
+            "/organizations/settings/composer-llm", json={**OPENAI, "credential_id": credential_id}
+        )
         assert saved.status_code == 200, saved.text
-        await billing_delivered(stack)  # the question's turn's token usage (stored with its end) is with billing
+        await billing_delivered(
+            stack
+        )  # the question's turn's token usage (stored with its end) is with billing
         before = await _counts(stack)
 
         await _restart_tools_with_only(stack, Fernet.generate_key().decode())
@@ -75,19 +94,35 @@ async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_
         named = {**OPENAI, "credential_id": credential_id}
         for _ in range(2):  # the same answer every time: not a "try again"
             _assert_names_the_credential_and_the_fix(
-                await client.post("/assistant/chat", json={"message": "hi", "llm": named}), credential_id)
+                await client.post("/assistant/chat", json={"message": "hi", "llm": named}),
+                credential_id,
+            )
         # the organization's saved default names it: the same answer for a turn naming no model
-        _assert_names_the_credential_and_the_fix(await client.post("/assistant/chat", json={"message": "hi"}), credential_id)
+        _assert_names_the_credential_and_the_fix(
+            await client.post("/assistant/chat", json={"message": "hi"}), credential_id
+        )
         # on an existing chat, and for a resume naming it (the question stays pending)
         _assert_names_the_credential_and_the_fix(
-            await client.post("/assistant/chat", json={"message": "hi", "chat_id": asked["chat_id"], "llm": named}), credential_id)
+            await client.post(
+                "/assistant/chat", json={"message": "hi", "chat_id": asked["chat_id"], "llm": named}
+            ),
+            credential_id,
+        )
         _assert_names_the_credential_and_the_fix(
-            await client.post(f"/assistant/chat/{asked['chat_id']}/resume",
-                              json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}, "llm": named}),
-            credential_id)
+            await client.post(
+                f"/assistant/chat/{asked['chat_id']}/resume",
+                json={
+                    "request_id": request_id,
+                    "response": {"kind": "yes_no", "answer": True},
+                    "llm": named,
+                },
+            ),
+            credential_id,
+        )
         # choosing it as the default again is refused the same way (CheckModel)
         _assert_names_the_credential_and_the_fix(
-            await client.put("/organizations/settings/composer-llm", json=named), credential_id)
+            await client.put("/organizations/settings/composer-llm", json=named), credential_id
+        )
 
         status = (await client.get(f"/assistant/chat/{asked['chat_id']}/status")).json()
         assert status["awaiting_input"] is True and status["pending_request_id"] == request_id
@@ -99,9 +134,17 @@ async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_
         assert scripted.status_code == 200, scripted.text
 
     undecryptable = [r for r in caplog.records if "cannot be decrypted" in r.getMessage()]
-    assert len(undecryptable) == 6 and all(r.levelno == logging.WARNING and r.exc_info is None for r in undecryptable)
+    assert len(undecryptable) == 6 and all(
+        r.levelno == logging.WARNING and r.exc_info is None for r in undecryptable
+    )
     assert {r.fields["credential_id"] for r in undecryptable} == {credential_id}
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
-    assert not [r for r in caplog.records if r.getMessage() == "downstream error"]  # the gateway's 5xx log
-    assert all(MODEL_KEY not in r.getMessage() and MODEL_KEY not in str(getattr(r, "fields", ""))
-               for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [
+        r.getMessage() for r in caplog.records
+    ]
+    assert not [
+        r for r in caplog.records if r.getMessage() == "downstream error"
+    ]  # the gateway's 5xx log
+    assert all(
+        MODEL_KEY not in r.getMessage() and MODEL_KEY not in str(getattr(r, "fields", ""))
+        for r in caplog.records
+    )

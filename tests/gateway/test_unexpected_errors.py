@@ -27,36 +27,56 @@ def test_is_unavailable_tells_a_full_or_unreachable_database_from_a_bad_statemen
     assert db.is_unavailable(_too_many_clients())
     assert db.is_unavailable(ConnectionRefusedError(111, "refused"))
     assert db.is_unavailable(exc.TimeoutError("QueuePool limit reached"))
-    wrapped = exc.OperationalError("SELECT 1", None, asyncpg.exceptions.CannotConnectNowError("starting up"))
+    wrapped = exc.OperationalError(
+        "SELECT 1", None, asyncpg.exceptions.CannotConnectNowError("starting up")
+    )
     assert db.is_unavailable(wrapped)
-    assert not db.is_unavailable(exc.IntegrityError("INSERT", None, asyncpg.exceptions.UniqueViolationError("dup")))
+    assert not db.is_unavailable(
+        exc.IntegrityError("INSERT", None, asyncpg.exceptions.UniqueViolationError("dup"))
+    )
     assert not db.is_unavailable(RuntimeError("bug"))
 
 
 def _deadlock() -> exc.DBAPIError:
-    return exc.DBAPIError("UPDATE api_keys", None, asyncpg.exceptions.DeadlockDetectedError("deadlock detected /secret/path"))
+    return exc.DBAPIError(
+        "UPDATE api_keys",
+        None,
+        asyncpg.exceptions.DeadlockDetectedError("deadlock detected /secret/path"),
+    )
 
 
 def _nul() -> exc.DBAPIError:
-    return exc.DBAPIError("INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError('secret "UTF8": 0x00'))
+    return exc.DBAPIError(
+        "INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError('secret "UTF8": 0x00')
+    )
 
 
-@pytest.mark.parametrize("failure, status", [
-    (_too_many_clients, 503), (lambda: RuntimeError("boom /secret/path"), 500),
-    # asyncpg's timeouts (LOOPLINE_DB_TIMEOUT_S) and refused connections come through unwrapped
-    (TimeoutError, 503), (lambda: ConnectionRefusedError(111, "refused /secret/path"), 503),
-    (lambda: OSError("disk /secret/path"), 500),
-    # as the gRPC services answer them (`errors.storage_failure`): the gateway's own database
-    # answered a lost race or a value it cannot store with 500 "Internal server error"
-    (_deadlock, 409), (_nul, 400),
-])
-async def test_turn_post_and_settings_get_answer_json_when_the_database_fails(stack, monkeypatch, caplog, failure, status):
+@pytest.mark.parametrize(
+    "failure, status",
+    [
+        (_too_many_clients, 503),
+        (lambda: RuntimeError("boom /secret/path"), 500),
+        # asyncpg's timeouts (LOOPLINE_DB_TIMEOUT_S) and refused connections come through unwrapped
+        (TimeoutError, 503),
+        (lambda: ConnectionRefusedError(111, "refused /secret/path"), 503),
+        (lambda: OSError("disk /secret/path"), 500),
+        # as the gRPC services answer them (`errors.storage_failure`): the gateway's own database
+        # answered a lost race or a value it cannot store with 500 "Internal server error"
+        (_deadlock, 409),
+        (_nul, 400),
+    ],
+)
+async def test_turn_post_and_settings_get_answer_json_when_the_database_fails(
+    stack, monkeypatch, caplog, failure, status
+):
     async def broken(*_args, **_kwargs):
         raise failure()
 
     monkeypatch.setattr(stack.gateway.default_models, "get", broken)
     async with stack.client() as client:
-        lean = await client.post("/assistant/chat", json={"message": "hello"})  # the lean route (default model lookup)
+        lean = await client.post(
+            "/assistant/chat", json={"message": "hello"}
+        )  # the lean route (default model lookup)
         routed = await client.get("/organizations/settings")  # a FastAPI route
     for response in (lean, routed):
         assert response.status_code == status, response.text
@@ -124,7 +144,9 @@ def test_an_unavailable_redis_is_named_as_redis_not_as_the_database(caplog):
     the reason DATABASE_UNAVAILABLE, sending an operator to look at PostgreSQL."""
     import redis.exceptions
 
-    down = redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    down = redis.exceptions.ConnectionError(
+        "Error 111 connecting to 127.0.0.1:6379. Connection refused."
+    )
     down.__cause__ = ConnectionRefusedError(111, "refused")
     assert db.unavailable_store(down) == "Redis"
     assert db.unavailable_store(_too_many_clients()) == "database"
@@ -146,29 +168,51 @@ async def test_servicers_name_the_store_that_is_unavailable_in_the_log_and_the_r
     assert info.reason == "REDIS_UNAVAILABLE"
 
 
-
-@pytest.mark.parametrize("failure", [
-    lambda: exc.DBAPIError("SELECT chats.id FROM chats WHERE organization_id = $1", ("o\x00",),
-                           asyncpg.exceptions.DataError("secret detail")),
-    lambda: RuntimeError("boom /secret/path"),
-])
-async def test_an_unhandled_error_answers_a_generic_message_with_error_info_never_its_own_text(failure):
+@pytest.mark.parametrize(
+    "failure",
+    [
+        lambda: exc.DBAPIError(
+            "SELECT chats.id FROM chats WHERE organization_id = $1",
+            ("o\x00",),
+            asyncpg.exceptions.DataError("secret detail"),
+        ),
+        lambda: RuntimeError("boom /secret/path"),
+    ],
+)
+async def test_an_unhandled_error_answers_a_generic_message_with_error_info_never_its_own_text(
+    failure,
+):
     """Fresh-eyes test (gRPC user): an unhandled error reached grpc, which answered UNKNOWN
     "Unexpected <class ...>: [SQL: SELECT ...] [parameters: ...]" without an ErrorInfo."""
     from services.common.errors import BILLING_DOMAIN
 
     context = await _abort_of(failure, domain=BILLING_DOMAIN)
     assert context.code == grpc.StatusCode.UNKNOWN
-    assert "SQL" not in context.status.details and "secret" not in context.status.details and "class" not in context.status.details
+    assert (
+        "SQL" not in context.status.details
+        and "secret" not in context.status.details
+        and "class" not in context.status.details
+    )
     info = _error_info(context)
     assert (info.reason, info.domain) == ("INTERNAL", BILLING_DOMAIN)
 
 
-@pytest.mark.parametrize("failure", [
-    lambda: exc.DBAPIError("INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError('invalid byte sequence for encoding "UTF8": 0x00')),
-    lambda: exc.DBAPIError("INSERT", None, asyncpg.exceptions.NumericValueOutOfRangeError("bigint out of range")),
-    lambda: OverflowError("Python int too large to convert to SQLite INTEGER"),
-])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        lambda: exc.DBAPIError(
+            "INSERT",
+            None,
+            asyncpg.exceptions.CharacterNotInRepertoireError(
+                'invalid byte sequence for encoding "UTF8": 0x00'
+            ),
+        ),
+        lambda: exc.DBAPIError(
+            "INSERT", None, asyncpg.exceptions.NumericValueOutOfRangeError("bigint out of range")
+        ),
+        lambda: OverflowError("Python int too large to convert to SQLite INTEGER"),
+    ],
+)
 async def test_a_value_the_database_cannot_store_is_invalid_argument(failure):
     context = await _abort_of(failure)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -179,10 +223,17 @@ async def test_a_transaction_that_lost_a_race_is_aborted_to_be_sent_again():
     """Fresh-eyes test (re-test): a resume and a cancel sent together on PostgreSQL deadlocked and
     one answered 500; the lock order is fixed (orchestrator `_lock_chat`), and any deadlock or
     serialization failure left is ABORTED CONCURRENT_UPDATE (the gateway's 409), not a 500."""
-    for cause in (asyncpg.exceptions.DeadlockDetectedError("deadlock detected"),
-                  asyncpg.exceptions.SerializationError("could not serialize access")):
-        context = await _abort_of(lambda cause=cause: exc.DBAPIError("UPDATE interrupts", None, cause))
-        assert context.code == grpc.StatusCode.ABORTED and _error_info(context).reason == "CONCURRENT_UPDATE"
+    for cause in (
+        asyncpg.exceptions.DeadlockDetectedError("deadlock detected"),
+        asyncpg.exceptions.SerializationError("could not serialize access"),
+    ):
+        context = await _abort_of(
+            lambda cause=cause: exc.DBAPIError("UPDATE interrupts", None, cause)
+        )
+        assert (
+            context.code == grpc.StatusCode.ABORTED
+            and _error_info(context).reason == "CONCURRENT_UPDATE"
+        )
 
 
 async def test_every_storage_failure_is_answered_in_the_services_own_domain():
@@ -190,8 +241,12 @@ async def test_every_storage_failure_is_answered_in_the_services_own_domain():
     while its other storage failures carried its own: one domain for all of them now."""
     from services.common.errors import TOOLS_DOMAIN
 
-    conflict = lambda: exc.DBAPIError("UPDATE", None, asyncpg.exceptions.DeadlockDetectedError("deadlock detected"))  # noqa: E731
-    nul = lambda: exc.DBAPIError("INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError("0x00"))  # noqa: E731
+    conflict = lambda: exc.DBAPIError(
+        "UPDATE", None, asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+    )  # noqa: E731
+    nul = lambda: exc.DBAPIError(
+        "INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError("0x00")
+    )  # noqa: E731
     for failure in (_too_many_clients, conflict, nul, lambda: RuntimeError("bug")):
         context = await _abort_of(failure, internal_domain=TOOLS_DOMAIN)
         assert _error_info(context).domain == TOOLS_DOMAIN, failure

@@ -18,7 +18,9 @@ async def redis_stack(tmp_path):
     if not _reachable(target.hostname or "127.0.0.1", target.port or 6379):
         pytest.skip("Redis is not reachable (LOOPLINE_TEST_REDIS_URL)")
     prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
-    running = await start_stack(tmp_path, orchestrator={"redis_url": redis_url(), "redis_key_prefix": prefix})
+    running = await start_stack(
+        tmp_path, orchestrator={"redis_url": redis_url(), "redis_key_prefix": prefix}
+    )
     try:
         yield running
     finally:

@@ -9,7 +9,9 @@ from tests.conftest import script
 from tests.sse_client import read_frames
 
 
-async def start(client, *steps: dict[str, Any], chat_id: str | None = None, message: str | None = None) -> dict[str, Any]:
+async def start(
+    client, *steps: dict[str, Any], chat_id: str | None = None, message: str | None = None
+) -> dict[str, Any]:
     """POST /assistant/chat with a scripted message; asserts 200 and returns the body."""
     body: dict[str, Any] = {"message": message if message is not None else script(*steps)}
     if chat_id:
@@ -19,7 +21,9 @@ async def start(client, *steps: dict[str, Any], chat_id: str | None = None, mess
     return response.json()
 
 
-async def run_turn(client, *steps: dict[str, Any], chat_id: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+async def run_turn(
+    client, *steps: dict[str, Any], chat_id: str | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start a scripted turn and read its whole stream; returns (start body, frames)."""
     body = await start(client, *steps, chat_id=chat_id)
     return body, await read_frames(client, body["stream_url"])

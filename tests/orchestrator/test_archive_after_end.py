@@ -33,7 +33,9 @@ def _fail_first_archive(monkeypatch, runner) -> list[str]:
     async def flaky(run_id, events, **kwargs):
         attempts.append(run_id)
         if len(attempts) == 1:
-            raise exc.OperationalError("INSERT INTO run_events", None, ConnectionRefusedError(111, "refused"))
+            raise exc.OperationalError(
+                "INSERT INTO run_events", None, ConnectionRefusedError(111, "refused")
+            )
         await real(run_id, events, **kwargs)
 
     monkeypatch.setattr(runner.store, "archive", flaky)
@@ -42,7 +44,11 @@ def _fail_first_archive(monkeypatch, runner) -> list[str]:
 
 async def _archived(stack, run_id: str) -> int:
     async with stack.orchestrator.servicer.sessions() as session:
-        return (await session.execute(select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id))).scalar_one()
+        return (
+            await session.execute(
+                select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id)
+            )
+        ).scalar_one()
 
 
 async def _status(stack, run_id: str) -> str:
@@ -50,7 +56,9 @@ async def _status(stack, run_id: str) -> str:
         return (await session.execute(select(Run.status).where(Run.id == run_id))).scalar_one()
 
 
-async def test_an_archive_failing_after_the_end_keeps_the_outcome_and_is_written_later(stack, monkeypatch):
+async def test_an_archive_failing_after_the_end_keeps_the_outcome_and_is_written_later(
+    stack, monkeypatch
+):
     runner = stack.orchestrator.runner
     _durable(monkeypatch, runner)
     attempts = _fail_first_archive(monkeypatch, runner)
@@ -83,7 +91,9 @@ async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(sta
         body = await start(client, {"say": "never", "sleep_ms": 30_000})
         await wait_for(lambda: body["run_id"] in runner.active)
         try:
-            cancelled = await asyncio.wait_for(client.post(f"/assistant/chat/{body['chat_id']}/cancel"), 5)
+            cancelled = await asyncio.wait_for(
+                client.post(f"/assistant/chat/{body['chat_id']}/cancel"), 5
+            )
             assert cancelled.status_code == 200, cancelled.text
             assert await _status(stack, body["run_id"]) == "cancelled"
             frames = await read_frames(client, body["stream_url"])
@@ -94,12 +104,17 @@ async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(sta
         assert await _archived(stack, body["run_id"]) == 2
 
 
-async def test_a_paused_run_cancelled_while_its_archive_fails_answers_200_and_is_archived_later(stack, monkeypatch):
+async def test_a_paused_run_cancelled_while_its_archive_fails_answers_200_and_is_archived_later(
+    stack, monkeypatch
+):
     # the same fault on the paused run's path: the cancel was stored and published, then the
     # archive's failure failed the call (a retry then said "No active execution to cancel")
     runner = stack.orchestrator.runner
     async with stack.client() as client:
-        body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Proceed?"}})
+        body, frames = await run_turn(
+            client,
+            {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Proceed?"}},
+        )
         assert types(frames)[-1] == "interrupted"
         attempts = _fail_first_archive(monkeypatch, runner)
         cancelled = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")

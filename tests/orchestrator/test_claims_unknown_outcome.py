@@ -46,11 +46,15 @@ async def _released(backend: RedisBackend, name: str, within: float) -> bool:
 
 
 @pytest.mark.parametrize("late_s", [0.0, 1.5], ids=["applied-answer-lost", "applied-late"])
-async def test_a_claim_whose_set_got_no_answer_is_released_when_it_shows_up(backend, monkeypatch, late_s):
+async def test_a_claim_whose_set_got_no_answer_is_released_when_it_shows_up(
+    backend, monkeypatch, late_s
+):
     real_set = backend.redis.set
     pending: list[asyncio.Task] = []
 
-    async def unanswered(*args, **kwargs):  # the SET reaches Redis (now or later); its answer never comes back
+    async def unanswered(
+        *args, **kwargs
+    ):  # the SET reaches Redis (now or later); its answer never comes back
         async def apply() -> None:
             await asyncio.sleep(late_s)
             await real_set(*args, **kwargs)

@@ -56,7 +56,9 @@ async def test_the_next_turn_is_given_the_cancelled_answer_as_a_plain_assistant_
         _, more = await run_turn(client, {"say": "fresh start"}, chat_id=body["chat_id"])
         assert more[-1]["type"] == "done" and more[-1]["data"]["response"] == "fresh start"
     async with stack.orchestrator.servicer.sessions() as session:
-        sent = await thread.load_thread(session, body["chat_id"])  # what the next model call is given
+        sent = await thread.load_thread(
+            session, body["chat_id"]
+        )  # what the next model call is given
     assert [m["role"] for m in sent] == ["user", "assistant", "user", "assistant"]
     assert sent[1] == {"role": "assistant", "content": _streamed(frames), "tool_calls": []}
 
@@ -71,24 +73,35 @@ async def test_a_failed_answer_is_kept_with_the_streamed_text_marked_failed(stac
         monkeypatch.setattr(ScriptedModel, "generate", breaks_mid_stream)
         body, frames = await run_turn(client, {"say": "never used"})
         monkeypatch.undo()
-        assert types(frames) == ["metadata", "response_chunk", "response_chunk", "error", "done"], frames
+        assert types(frames) == ["metadata", "response_chunk", "response_chunk", "error", "done"], (
+            frames
+        )
         assert frames[-1]["data"]["error"] is True
-        _, failed_at_once = await run_turn(client, {"fail": "no text first"}, chat_id=body["chat_id"])
+        _, failed_at_once = await run_turn(
+            client, {"fail": "no text first"}, chat_id=body["chat_id"]
+        )
         assert types(failed_at_once)[-2:] == ["error", "done"]
         chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
     [message] = _assistant_messages(chat, body["run_id"])
     assert message["content"] == _streamed(frames) == "Half of an answer"
     assert message["thinking"] == {"cut_off": "failed"}
     assert message["running_status"] == "failed"
-    assert [m for m in chat["messages"] if m["role"] == "assistant"] == [message]  # a call that streamed nothing keeps nothing
+    assert [m for m in chat["messages"] if m["role"] == "assistant"] == [
+        message
+    ]  # a call that streamed nothing keeps nothing
 
 
 @pytest.mark.parametrize("chunk_ms", [600_001, 1e12, -5, "10", True, [1]])
 async def test_a_chunk_ms_out_of_its_range_or_type_fails_that_model_call(stack, chunk_ms):
     async with stack.client() as client:
-        body, frames = await asyncio.wait_for(run_turn(client, {"say": "one two", "chunk_ms": chunk_ms}), 10)
+        body, frames = await asyncio.wait_for(
+            run_turn(client, {"say": "one two", "chunk_ms": chunk_ms}), 10
+        )
     assert types(frames) == ["metadata", "error", "done"], frames
-    assert "chunk_ms must be a number of milliseconds between 0 and 600,000" in frames[1]["data"]["message"]
+    assert (
+        "chunk_ms must be a number of milliseconds between 0 and 600,000"
+        in frames[1]["data"]["message"]
+    )
     assert frames[-1]["data"]["error"] is True and frames[-1]["data"]["usage"]["llm_calls"] == 1
 
 
@@ -97,7 +110,11 @@ async def test_chunk_ms_waits_between_streamed_chunks(stack):
         began = asyncio.get_running_loop().time()
         _, frames = await run_turn(client, {"say": "one two three", "chunks": 3, "chunk_ms": 250})
         took = asyncio.get_running_loop().time() - began
-    assert [f["data"]["chunk"] for f in frames if f["type"] == "response_chunk"] == ["one ", "two ", "three"]
+    assert [f["data"]["chunk"] for f in frames if f["type"] == "response_chunk"] == [
+        "one ",
+        "two ",
+        "three",
+    ]
     assert took >= 0.5  # two waits: between the first and second chunk, and the second and third
 
 

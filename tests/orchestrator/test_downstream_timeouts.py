@@ -58,12 +58,23 @@ async def _hang(*_args: Any, **_kwargs: Any) -> Any:
 async def _counts(stack) -> tuple[int, int, list[str], int]:
     """(chats, runs, reservation states, "charge:" ledger entries) of the stack's organization."""
     async with stack.orchestrator.servicer.sessions() as session:
-        chats = await session.scalar(select(func.count()).select_from(Chat).where(Chat.organization_id == stack.org_id))
-        runs = await session.scalar(select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id))
+        chats = await session.scalar(
+            select(func.count()).select_from(Chat).where(Chat.organization_id == stack.org_id)
+        )
+        runs = await session.scalar(
+            select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id)
+        )
     async with stack.billing.core.sessions() as session:
-        states = (await session.scalars(select(Reservation.state).where(Reservation.org_id == stack.org_id))).all()
-        charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(
-            LedgerEntry.org_id == stack.org_id, LedgerEntry.idempotency_key.like("charge:%")))
+        states = (
+            await session.scalars(
+                select(Reservation.state).where(Reservation.org_id == stack.org_id)
+            )
+        ).all()
+        charges = await session.scalar(
+            select(func.count())
+            .select_from(LedgerEntry)
+            .where(LedgerEntry.org_id == stack.org_id, LedgerEntry.idempotency_key.like("charge:%"))
+        )
     return chats, runs, sorted(states), charges
 
 
@@ -74,8 +85,14 @@ async def _start_turn_failing(stack, say: str, timeout: float) -> grpc.StatusCod
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": say}),
-                                                                llm=assistant_pb2.LlmConfig(**SCRIPTED)), timeout=timeout)
+            await stub.StartTurn(
+                assistant_pb2.StartTurnRequest(
+                    caller=caller,
+                    message=script({"say": say}),
+                    llm=assistant_pb2.LlmConfig(**SCRIPTED),
+                ),
+                timeout=timeout,
+            )
     return failed.value.code()
 
 
@@ -86,15 +103,26 @@ def _assert_timed_out(response, started: float) -> None:
 
 
 async def test_billing_admit_hanging_is_504_with_nothing_written_or_charged(stack, monkeypatch):
-    monkeypatch.setattr(stack.orchestrator.servicer, "billing", _Capped(stack.orchestrator.servicer.billing, only=("Admit",)))
+    monkeypatch.setattr(
+        stack.orchestrator.servicer,
+        "billing",
+        _Capped(stack.orchestrator.servicer.billing, only=("Admit",)),
+    )
     monkeypatch.setattr(stack.billing.core, "admit", _hang)
     async with stack.client() as client:
         started = time.monotonic()
-        _assert_timed_out(await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}), started)
+        _assert_timed_out(
+            await client.post(
+                "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
+            ),
+            started,
+        )
     assert await _counts(stack) == (0, 0, [], 0)
 
 
-async def test_billing_charge_hanging_does_not_hold_up_the_turn_and_the_charge_is_posted_once_it_answers(stack, monkeypatch):
+async def test_billing_charge_hanging_does_not_hold_up_the_turn_and_the_charge_is_posted_once_it_answers(
+    stack, monkeypatch
+):
     """The run charge is stored with the turn and sent in a batch (ninth round): a billing that
     does not answer it neither delays the turn start (before: 504 after the Charge deadline, the
     turn unwound) nor loses the credit: the stored charge is sent again until billing takes it."""
@@ -109,18 +137,24 @@ async def test_billing_charge_hanging_does_not_hold_up_the_turn_and_the_charge_i
     monkeypatch.setattr(stack.billing.core, "charge_batch", hangs_for_a_while)
     async with stack.client() as client:
         started = time.monotonic()
-        response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+        response = await client.post(
+            "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
+        )
         assert response.status_code == 200, response.text
         assert time.monotonic() - started < 2
         frames = await read_frames(client, response.json()["stream_url"])
     assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "hi"
     assert await _counts(stack) == (1, 1, ["held"], 0)
     hanging = False
-    await billing_delivered(stack, timeout=20)  # quick retries (2 s), then the background sends (1 s, 2 s, ...)
+    await billing_delivered(
+        stack, timeout=20
+    )  # quick retries (2 s), then the background sends (1 s, 2 s, ...)
     assert await _counts(stack) == (1, 1, ["charged"], 1)
 
 
-async def test_a_turn_start_whose_commit_answer_was_lost_is_removed_with_its_stored_charge(stack, monkeypatch):
+async def test_a_turn_start_whose_commit_answer_was_lost_is_removed_with_its_stored_charge(
+    stack, monkeypatch
+):
     """The persist's transaction committed but its caller saw a failure (a dropped connection, a
     cancelled call): the start unwinds the chat, message and run and releases the hold; the
     run charge stored in that transaction goes with them, so no credit is charged for a turn
@@ -134,16 +168,22 @@ async def test_a_turn_start_whose_commit_answer_was_lost_is_removed_with_its_sto
 
     monkeypatch.setattr(store, "persist_turn", committed_then_lost)
     async with stack.client() as client:
-        response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+        response = await client.post(
+            "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
+        )
     assert response.status_code >= 500, response.text
     assert await _counts(stack) == (0, 0, ["released"], 0)
     async with stack.orchestrator.servicer.sessions() as session:
         assert await session.scalar(select(func.count()).select_from(BillingRedelivery)) == 0
-    await stack.orchestrator.runner.redelivery._deliver_due(everything=True)  # what a next start would send
+    await stack.orchestrator.runner.redelivery._deliver_due(
+        everything=True
+    )  # what a next start would send
     assert await _counts(stack) == (0, 0, ["released"], 0)
 
 
-async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_that_commit_lands(stack, monkeypatch):
+async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_that_commit_lands(
+    stack, monkeypatch
+):
     """SQLite: the persist's transaction waits on the database worker behind another one when the
     turn start gives up on it (a cancelled call); the worker commits it all the same, later. The
     unwind must undo that commit, not overtake it (a chat, a run that never ran and a stored
@@ -159,7 +199,9 @@ async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_
     real = store.persist_turn
 
     async def given_up_while_queued(**kwargs: Any) -> None:
-        busy = asyncio.ensure_future(store.txn.run(lambda conn: clock.sleep(0.3), inline=False))  # the worker is busy
+        busy = asyncio.ensure_future(
+            store.txn.run(lambda conn: clock.sleep(0.3), inline=False)
+        )  # the worker is busy
         await asyncio.sleep(0.05)
         asyncio.ensure_future(real(**kwargs))  # queued behind it
         await asyncio.sleep(0)
@@ -168,7 +210,9 @@ async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_
 
     monkeypatch.setattr(store, "persist_turn", given_up_while_queued)
     async with stack.client() as client:
-        response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+        response = await client.post(
+            "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
+        )
     assert response.status_code >= 500, response.text
     await asyncio.sleep(0.5)  # the queued commit has landed
     assert await _counts(stack) == (0, 0, ["released"], 0)
@@ -178,11 +222,18 @@ async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_
 
 async def test_billing_down_stays_503_with_retry_after(stack, monkeypatch):
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:  # nothing listens there
-        monkeypatch.setattr(stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere))
+        monkeypatch.setattr(
+            stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere)
+        )
         async with stack.client() as client:
-            response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+            response = await client.post(
+                "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
+            )
     assert response.status_code == 503, response.text
-    assert response.json() == {"detail": "Service temporarily unavailable; try again"} and response.headers["retry-after"] == "1"
+    assert (
+        response.json() == {"detail": "Service temporarily unavailable; try again"}
+        and response.headers["retry-after"] == "1"
+    )
     assert await _counts(stack) == (0, 0, [], 0)
 
 
@@ -192,45 +243,99 @@ async def test_billing_down_gives_a_grpc_caller_unavailable_with_a_retry_delay(s
     from services.common.errors import status_details
 
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:  # nothing listens there
-        monkeypatch.setattr(stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere))
+        monkeypatch.setattr(
+            stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere)
+        )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
             caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await assistant_pb2_grpc.AssistantServiceStub(channel).StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hi"))
+                await assistant_pb2_grpc.AssistantServiceStub(channel).StartTurn(
+                    assistant_pb2.StartTurnRequest(caller=caller, message="hi")
+                )
     details = status_details(refused.value)
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and details.reason == "BILLING_UNAVAILABLE"
+    assert (
+        refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        and details.reason == "BILLING_UNAVAILABLE"
+    )
     assert details.retry_after_s == 1.0
 
 
 async def test_tools_hanging_on_the_model_key_is_504_before_billing_is_asked(stack, monkeypatch):
     async with stack.client() as client:
-        created = await client.post("/credentials", json={"integration_name": "openai", "auth_data": {"api_key": "sk-test-1234567890"}})
+        created = await client.post(
+            "/credentials",
+            json={"integration_name": "openai", "auth_data": {"api_key": "sk-test-1234567890"}},
+        )
         assert created.status_code in (200, 201), created.text
-        monkeypatch.setattr(stack.orchestrator.servicer, "secret_resolver", tools_secret_resolver(_Capped(stack.orchestrator.runner.tools, only=("ResolveCredentialSecret",))))
+        monkeypatch.setattr(
+            stack.orchestrator.servicer,
+            "secret_resolver",
+            tools_secret_resolver(
+                _Capped(stack.orchestrator.runner.tools, only=("ResolveCredentialSecret",))
+            ),
+        )
         monkeypatch.setattr(stack.tools.servicer.credentials, "resolve", _hang)
         started = time.monotonic()
-        _assert_timed_out(await client.post("/assistant/chat", json={
-            "message": "hi", "llm": {**OPENAI, "credential_id": created.json()["credential_id"]}}), started)
+        _assert_timed_out(
+            await client.post(
+                "/assistant/chat",
+                json={
+                    "message": "hi",
+                    "llm": {**OPENAI, "credential_id": created.json()["credential_id"]},
+                },
+            ),
+            started,
+        )
     assert await _counts(stack) == (0, 0, [], 0)
 
 
-async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_question_stays_pending(stack, monkeypatch):
+async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_question_stays_pending(
+    stack, monkeypatch
+):
     async with stack.client() as client:
-        created = await client.post("/credentials", json={"integration_name": "postgresql",
-                                                          "auth_data": {"dsn": "postgresql://u:p@db.example/x"}})
+        created = await client.post(
+            "/credentials",
+            json={
+                "integration_name": "postgresql",
+                "auth_data": {"dsn": "postgresql://u:p@db.example/x"},
+            },
+        )
         assert created.status_code in (200, 201), created.text
-        asked, frames = await run_turn(client, {"say": "I need it.", "tool": "request_credential",
-                                                "input": {"integration": "postgresql", "message": "database access"}})
+        asked, frames = await run_turn(
+            client,
+            {
+                "say": "I need it.",
+                "tool": "request_credential",
+                "input": {"integration": "postgresql", "message": "database access"},
+            },
+        )
         request_id = frames[-1]["data"]["request_id"]
-        monkeypatch.setattr(stack.orchestrator.runner, "tools", _Capped(stack.orchestrator.runner.tools, only=("GetCredential",)))
+        monkeypatch.setattr(
+            stack.orchestrator.runner,
+            "tools",
+            _Capped(stack.orchestrator.runner.tools, only=("GetCredential",)),
+        )
         monkeypatch.setattr(stack.tools.servicer.credentials, "get", _hang)
         started = time.monotonic()
-        _assert_timed_out(await client.post(f"/assistant/chat/{asked['chat_id']}/resume", json={
-            "request_id": request_id, "llm": SCRIPTED,
-            "response": {"kind": "credential_added", "credential_id": created.json()["credential_id"]}}), started)
+        _assert_timed_out(
+            await client.post(
+                f"/assistant/chat/{asked['chat_id']}/resume",
+                json={
+                    "request_id": request_id,
+                    "llm": SCRIPTED,
+                    "response": {
+                        "kind": "credential_added",
+                        "credential_id": created.json()["credential_id"],
+                    },
+                },
+            ),
+            started,
+        )
     async with stack.orchestrator.servicer.sessions() as session:
         assert (await session.get(Interrupt, request_id)).outcome == "pending"
-        runs = await session.scalar(select(func.count()).select_from(Run).where(Run.chat_id == asked["chat_id"]))
+        runs = await session.scalar(
+            select(func.count()).select_from(Run).where(Run.chat_id == asked["chat_id"])
+        )
     assert runs == 1
 
 
@@ -254,23 +359,43 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
         monkeypatch.setattr(redelivery, "first_delay_s", 0.05)
         monkeypatch.setattr(redelivery, "max_delay_s", 0.1)
     async with stack.client() as client:
-        body, frames = await run_turn(client, {"say": "one", "tool": "get_available_integrations", "input": {}}, {"say": "two"})
+        body, frames = await run_turn(
+            client,
+            {"say": "one", "tool": "get_available_integrations", "input": {}},
+            {"say": "two"},
+        )
     assert frames[-1]["type"] == "done"
 
     async def recorded() -> bool:
         async with stack.billing.core.sessions() as session:
-            return await session.scalar(select(func.count()).select_from(UsageRecord).where(UsageRecord.run_id == body["run_id"])) == 2
+            return (
+                await session.scalar(
+                    select(func.count())
+                    .select_from(UsageRecord)
+                    .where(UsageRecord.run_id == body["run_id"])
+                )
+                == 2
+            )
 
     await wait_for(recorded, timeout=10)
 
 
-async def test_a_tool_the_tools_service_does_not_answer_in_time_is_an_error_result_and_the_run_goes_on(stack, monkeypatch):
+async def test_a_tool_the_tools_service_does_not_answer_in_time_is_an_error_result_and_the_run_goes_on(
+    stack, monkeypatch
+):
     """Fresh-eyes tests: a tools service stalled mid-call failed the whole run ("A backing service
     failed (deadline_exceeded)"), and before that the streamed `tool_call` got no `tool_result`
     and done.tool_calls was empty. Now the call is an error result for the model, as any failed
     tool call (spec: "on failure `output` is `{error, success: false}`"), and the run goes on."""
-    monkeypatch.setattr(stack.orchestrator.runner, "tools", _Capped(stack.orchestrator.runner.tools, only=("ExecuteTool",)))
-    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    monkeypatch.setattr(
+        stack.orchestrator.runner,
+        "tools",
+        _Capped(stack.orchestrator.runner.tools, only=("ExecuteTool",)),
+    )
+    slow = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
+    }
     async with stack.client() as client:
         _, frames = await run_turn(client, slow, {"say": "answered without it"})
     kinds = [f["type"] for f in frames]
@@ -278,13 +403,20 @@ async def test_a_tool_the_tools_service_does_not_answer_in_time_is_an_error_resu
     call = next(f["data"] for f in frames if f["type"] == "tool_call")
     result = next(f["data"] for f in frames if f["type"] == "tool_result")
     assert (result["tool"], result["tool_call_id"]) == (call["tool"], call["tool_call_id"])
-    assert result["output"] == {"error": "the tool did not answer in time; the call may have run", "success": False}
+    assert result["output"] == {
+        "error": "the tool did not answer in time; the call may have run",
+        "success": False,
+    }
     done = frames[-1]["data"]
     assert done["response"] == "answered without it"
-    assert done["tool_calls"] == [{"tool": "execute_integration_tool", "input": slow["input"], "output": result["output"]}]
+    assert done["tool_calls"] == [
+        {"tool": "execute_integration_tool", "input": slow["input"], "output": result["output"]}
+    ]
 
 
-async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_stream_and_in_done(stack, monkeypatch):
+async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_stream_and_in_done(
+    stack, monkeypatch
+):
     """Fifth session's leftover: a run that failed while a tool call was in flight ended with
     `error` then `done {error: true}`, but the streamed `tool_call` never got its `tool_result`
     and done.tool_calls was empty. Now the call's error result is streamed and listed."""
@@ -299,18 +431,28 @@ async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_strea
             raise RuntimeError("a bug in the loop's tool path")
 
     monkeypatch.setattr(stack.orchestrator.runner, "tools", Broken())
-    call = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}}
+    call = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}},
+    }
     async with stack.client() as client:
         _, frames = await run_turn(client, call, {"say": "never"})
     assert [f["type"] for f in frames][-4:] == ["tool_call", "tool_result", "error", "done"]
     call_frame, result, done = frames[-4]["data"], frames[-3]["data"], frames[-1]["data"]
-    assert (result["tool"], result["tool_call_id"]) == (call_frame["tool"], call_frame["tool_call_id"])
+    assert (result["tool"], result["tool_call_id"]) == (
+        call_frame["tool"],
+        call_frame["tool_call_id"],
+    )
     assert result["output"] == {"error": "not completed: the run failed", "success": False}
     assert done["error"] is True
-    assert done["tool_calls"] == [{"tool": "execute_integration_tool", "input": call["input"], "output": result["output"]}]
+    assert done["tool_calls"] == [
+        {"tool": "execute_integration_tool", "input": call["input"], "output": result["output"]}
+    ]
 
 
-async def test_a_reservation_billing_could_not_release_is_released_in_the_background(stack, monkeypatch):
+async def test_a_reservation_billing_could_not_release_is_released_in_the_background(
+    stack, monkeypatch
+):
     """Bug (fresh-eyes test, replicas): billing gone when a failed turn start released its
     reservation ("releasing a reservation failed" at ERROR, not retried): the hold blocked its
     credit and counted against the quota until it expired 15 minutes later. The Release is now
@@ -337,7 +479,12 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
     async with stack.client() as client:
         response = await client.post("/assistant/chat", json={"message": script({"say": "never"})})
     assert response.status_code >= 500
-    assert await _counts(stack) == (0, 0, ["held"], 0)  # nothing written; the hold waits for its release
+    assert await _counts(stack) == (
+        0,
+        0,
+        ["held"],
+        0,
+    )  # nothing written; the hold waits for its release
 
     async def released() -> bool:
         return (await _counts(stack))[2] == ["released"]
@@ -370,7 +517,9 @@ async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
     assert await _counts(stack) == (0, 0, ["released"], 0)
 
 
-async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_turn(stack, monkeypatch):
+async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_turn(
+    stack, monkeypatch
+):
     """A cancel reaching the turn start after its commit (the caller's deadline passing while
     the chat claim is freed) skipped the start of the loop: the persisted turn, its charge
     stored, sat `running` with nothing running it until the reaper failed it. The loop now
@@ -387,7 +536,9 @@ async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_tu
 
     async def completed() -> bool:
         async with servicer.sessions() as session:
-            return (await session.scalars(select(Run.status).where(Run.organization_id == stack.org_id))).all() == ["completed"]
+            return (
+                await session.scalars(select(Run.status).where(Run.organization_id == stack.org_id))
+            ).all() == ["completed"]
 
     await wait_for(completed, timeout=10)
     await billing_delivered(stack)
@@ -408,11 +559,20 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
             await asyncio.sleep(DEADLINE_S * 2)  # past the (capped) Admit deadline
         return admitted
 
-    monkeypatch.setattr(stack.orchestrator.servicer, "billing", _Capped(stack.orchestrator.servicer.billing, only=("Admit",)))
+    monkeypatch.setattr(
+        stack.orchestrator.servicer,
+        "billing",
+        _Capped(stack.orchestrator.servicer.billing, only=("Admit",)),
+    )
     monkeypatch.setattr(stack.billing.core, "admit", answers_late_once)
     async with stack.client() as client:
         started = time.monotonic()
-        _assert_timed_out(await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}), started)
+        _assert_timed_out(
+            await client.post(
+                "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
+            ),
+            started,
+        )
 
     async def released() -> bool:
         return (await _counts(stack))[2] == ["released"]
@@ -421,8 +581,12 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
     assert await _counts(stack) == (0, 0, ["released"], 0)
 
 
-@pytest.mark.parametrize(("failure", "level"), [(TimeoutError, "WARNING"), (lambda: RuntimeError("bug"), "ERROR")])
-async def test_an_unwind_that_meets_the_same_outage_is_a_warning_not_a_traceback(caplog, failure, level):
+@pytest.mark.parametrize(
+    ("failure", "level"), [(TimeoutError, "WARNING"), (lambda: RuntimeError("bug"), "ERROR")]
+)
+async def test_an_unwind_that_meets_the_same_outage_is_a_warning_not_a_traceback(
+    caplog, failure, level
+):
     """F5 re-test: with every database dropping packets, a failed turn start's unwind (on the same
     database) logged an ERROR traceback. A storage outage is a warning naming the store; a bug
     keeps its traceback."""
@@ -438,6 +602,9 @@ async def test_an_unwind_that_meets_the_same_outage_is_a_warning_not_a_traceback
     [record] = [r for r in caplog.records if r.name == "services.orchestrator.service"]
     assert record.levelname == level
     if level == "WARNING":
-        assert record.getMessage().startswith("unwinding a failed turn start: database unavailable") and not record.exc_info
+        assert (
+            record.getMessage().startswith("unwinding a failed turn start: database unavailable")
+            and not record.exc_info
+        )
     else:
         assert record.exc_info is not None

@@ -27,16 +27,24 @@ async def test_a_tool_gets_the_models_integers_past_2_53_and_floats_exactly(stac
     parameters = {"id": 9007199254740993, "u64": 18446744073709551615, "ratio": 1.0, "neg": -0.5}
     tool_input = {"integration": "loopline", "action": "echo", "parameters": parameters}
     async with stack.client() as client:
-        _, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
+        _, frames = await run_turn(
+            client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"}
+        )
     assert "done" in types(frames)
     assert received[0]["parameters"] == parameters
-    assert isinstance(received[0]["parameters"]["id"], int) and isinstance(received[0]["parameters"]["ratio"], float)
+    assert isinstance(received[0]["parameters"]["id"], int) and isinstance(
+        received[0]["parameters"]["ratio"], float
+    )
 
 
 def test_a_server_takes_input_json_when_it_is_set_else_the_struct():
     struct = pb.to_struct({"a": 1})
-    assert tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=b'{"a": 9007199254740993}')) == {"a": 9007199254740993}
-    assert tool_input(tools_pb2.ExecuteToolRequest(input=struct)) == {"a": 1}  # a client of the older version
+    assert tool_input(
+        tools_pb2.ExecuteToolRequest(input=struct, input_json=b'{"a": 9007199254740993}')
+    ) == {"a": 9007199254740993}
+    assert tool_input(tools_pb2.ExecuteToolRequest(input=struct)) == {
+        "a": 1
+    }  # a client of the older version
     for bad in (b"[1]", b"{nope"):  # set but not an object: refused, never replaced by the Struct
         with pytest.raises(RpcError) as refused:
             tool_input(tools_pb2.ExecuteToolRequest(input=struct, input_json=bad))
@@ -48,8 +56,15 @@ async def test_the_tool_call_frames_show_the_models_input_exactly_and_in_its_key
     parameters = {"zeta": 9007199254740993, "alpha": 1.0, "mid": [1, 2.5]}
     tool_input = {"integration": "loopline", "action": "echo", "parameters": parameters}
     async with stack.client() as client:
-        _, frames = await run_turn(client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"})
-    shown = [next(f for f in frames if f["type"] == "tool_call")["data"]["input"], frames[-1]["data"]["tool_calls"][0]["input"]]
+        _, frames = await run_turn(
+            client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"}
+        )
+    shown = [
+        next(f for f in frames if f["type"] == "tool_call")["data"]["input"],
+        frames[-1]["data"]["tool_calls"][0]["input"],
+    ]
     for seen in shown:
         assert seen == tool_input and list(seen) == ["integration", "action", "parameters"]
-        assert list(seen["parameters"]) == ["zeta", "alpha", "mid"] and isinstance(seen["parameters"]["alpha"], float)
+        assert list(seen["parameters"]) == ["zeta", "alpha", "mid"] and isinstance(
+            seen["parameters"]["alpha"], float
+        )

@@ -16,7 +16,9 @@ async def stub(stack):
 
 
 @pytest.mark.parametrize("organization_id", ["", "org\x00x", "org ü", "o" * 129, "has space"])
-async def test_a_call_naming_no_possible_organization_is_invalid_argument_in_the_assistant_domain(stack, stub, organization_id):
+async def test_a_call_naming_no_possible_organization_is_invalid_argument_in_the_assistant_domain(
+    stack, stub, organization_id
+):
     """Before: no caller was billing's ORGANIZATION_ID_REQUIRED (billing's domain), a NUL was
     UNAVAILABLE "Billing is unavailable; try again" (retried for ever), 129 characters billing's
     KEY_TOO_LONG, and non-ASCII was taken."""
@@ -24,7 +26,11 @@ async def test_a_call_naming_no_possible_organization_is_invalid_argument_in_the
     calls = [
         stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hello")),
         stub.ListChats(assistant_pb2.ListChatsRequest(caller=caller)),
-        stub.NotifyCredentialConnected(assistant_pb2.NotifyCredentialConnectedRequest(organization_id=organization_id, integration="http")),
+        stub.NotifyCredentialConnected(
+            assistant_pb2.NotifyCredentialConnectedRequest(
+                organization_id=organization_id, integration="http"
+            )
+        ),
     ]
     for call in calls:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -39,9 +45,15 @@ async def test_a_nul_in_a_text_field_is_stored_or_invalid_argument_never_a_leak(
     'asyncpg...CharacterNotInRepertoireError'>" and ListChats the whole SQL with its parameters.
     SQLite stores it; PostgreSQL refuses it as INVALID_ARGUMENT INVALID_VALUE."""
     caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id="user\x00x")
-    for call in (stub.StartTurn(assistant_pb2.StartTurnRequest(caller=assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id),
-                                                                message="a\x00b")),
-                 stub.ListChats(assistant_pb2.ListChatsRequest(caller=caller))):
+    for call in (
+        stub.StartTurn(
+            assistant_pb2.StartTurnRequest(
+                caller=assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id),
+                message="a\x00b",
+            )
+        ),
+        stub.ListChats(assistant_pb2.ListChatsRequest(caller=caller)),
+    ):
         try:
             await call
         except grpc.aio.AioRpcError as refused:
@@ -50,33 +62,64 @@ async def test_a_nul_in_a_text_field_is_stored_or_invalid_argument_never_a_leak(
             assert "SQL" not in refused.details() and "class" not in refused.details()
 
 
-async def test_a_cancel_reason_longer_than_1000_characters_is_refused_and_the_run_goes_on(stack, stub):
+async def test_a_cancel_reason_longer_than_1000_characters_is_refused_and_the_run_goes_on(
+    stack, stub
+):
     # fresh-eyes test: a 5,000-character reason was stored and sent to every listener
     from tests.conftest import script
 
     caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    started = await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script({"say": "slow", "sleep_ms": 20_000})))
+    started = await stub.StartTurn(
+        assistant_pb2.StartTurnRequest(
+            caller=caller, message=script({"say": "slow", "sleep_ms": 20_000})
+        )
+    )
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.Cancel(assistant_pb2.CancelRequest(caller=caller, chat_id=started.chat_id, reason="x" * 1001))
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and status_details(refused.value).reason == "INVALID_REASON"
-    cancelled = await stub.Cancel(assistant_pb2.CancelRequest(caller=caller, chat_id=started.chat_id, reason="y" * 1000))
+        await stub.Cancel(
+            assistant_pb2.CancelRequest(caller=caller, chat_id=started.chat_id, reason="x" * 1001)
+        )
+    assert (
+        refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and status_details(refused.value).reason == "INVALID_REASON"
+    )
+    cancelled = await stub.Cancel(
+        assistant_pb2.CancelRequest(caller=caller, chat_id=started.chat_id, reason="y" * 1000)
+    )
     assert cancelled.status == "cancelled"
 
 
 @pytest.mark.parametrize("organization_id", ["a b", "org\x00x", "o" * 129, "org ü"])
-async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_have(stack, organization_id):
+async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_have(
+    stack, organization_id
+):
     """Fresh-eyes re-test: billing's Admit opened an account "a b" (which its own admin commands
     then refuse) and the tools service listed for a 129-character id; only the orchestrator checked."""
     from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
     from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
     from services.common.errors import BILLING_DOMAIN, TOOLS_DOMAIN
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools:
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing,
+        grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools,
+    ):
         calls = [
-            (billing_pb2_grpc.BillingServiceStub(billing).Admit(billing_pb2.AdmitRequest(
-                organization_id=organization_id, turn_key="k", usage_type="run", rate_class="sync_exec")), BILLING_DOMAIN),
-            (tools_pb2_grpc.ToolsServiceStub(tools).ListCredentials(tools_pb2.ListCredentialsRequest(organization_id=organization_id)), TOOLS_DOMAIN),
+            (
+                billing_pb2_grpc.BillingServiceStub(billing).Admit(
+                    billing_pb2.AdmitRequest(
+                        organization_id=organization_id,
+                        turn_key="k",
+                        usage_type="run",
+                        rate_class="sync_exec",
+                    )
+                ),
+                BILLING_DOMAIN,
+            ),
+            (
+                tools_pb2_grpc.ToolsServiceStub(tools).ListCredentials(
+                    tools_pb2.ListCredentialsRequest(organization_id=organization_id)
+                ),
+                TOOLS_DOMAIN,
+            ),
         ]
         for call, domain in calls:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -86,28 +129,54 @@ async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_h
             assert (details.reason, details.domain) == ("INVALID_ORGANIZATION_ID", domain)
 
 
-@pytest.mark.parametrize("response_json, says", [
-    (b'{"kind":"free_text","text":"ab\\u0000cd"}', "NUL"),
-    (b"{not json", "not valid JSON"),
-    (b"[1]", "an array"),
-])
-async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_question_stays(stack, stub, response_json, says):
+@pytest.mark.parametrize(
+    "response_json, says",
+    [
+        (b'{"kind":"free_text","text":"ab\\u0000cd"}', "NUL"),
+        (b"{not json", "not valid JSON"),
+        (b"[1]", "an array"),
+    ],
+)
+async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_question_stays(
+    stack, stub, response_json, says
+):
     """Fresh-eyes re-test: a NUL in a gRPC answer was taken and given to the model (HTTP refuses
     it), and an answer that was not JSON or not an object was read as {} ("'kind' must be one of")."""
     from tests.conftest import script
     from tests.sse_client import read_frames
 
     caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    started = await stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message=script(
-        {"tool": "ask_user_free_text", "input": {"message": "Name it"}}, {"say": "thanks"})))
+    started = await stub.StartTurn(
+        assistant_pb2.StartTurnRequest(
+            caller=caller,
+            message=script(
+                {"tool": "ask_user_free_text", "input": {"message": "Name it"}}, {"say": "thanks"}
+            ),
+        )
+    )
     async with stack.client() as client:
         frames = await read_frames(client, started.stream_url)
     request_id = frames[-1]["data"]["request_id"]
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.Resume(assistant_pb2.ResumeRequest(caller=caller, chat_id=started.chat_id, request_id=request_id, response_json=response_json))
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.details()
-    answered = await stub.Resume(assistant_pb2.ResumeRequest(caller=caller, chat_id=started.chat_id, request_id=request_id,
-                                                             response_json=b'{"kind":"free_text","text":"fine"}'))
+        await stub.Resume(
+            assistant_pb2.ResumeRequest(
+                caller=caller,
+                chat_id=started.chat_id,
+                request_id=request_id,
+                response_json=response_json,
+            )
+        )
+    assert (
+        refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.details()
+    )
+    answered = await stub.Resume(
+        assistant_pb2.ResumeRequest(
+            caller=caller,
+            chat_id=started.chat_id,
+            request_id=request_id,
+            response_json=b'{"kind":"free_text","text":"fine"}',
+        )
+    )
     assert answered.run_id
 
 
@@ -117,17 +186,37 @@ async def test_billing_and_tools_name_a_missing_organization_id_as_required(stac
     from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
     from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools:
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing,
+        grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools,
+    ):
         stub = tools_pb2_grpc.ToolsServiceStub(tools)
         calls = [
-            (billing_pb2_grpc.BillingServiceStub(billing).Admit(billing_pb2.AdmitRequest(turn_key="k", usage_type="run")), "ORGANIZATION_ID_REQUIRED"),
+            (
+                billing_pb2_grpc.BillingServiceStub(billing).Admit(
+                    billing_pb2.AdmitRequest(turn_key="k", usage_type="run")
+                ),
+                "ORGANIZATION_ID_REQUIRED",
+            ),
             (stub.ListCredentials(tools_pb2.ListCredentialsRequest()), "ORGANIZATION_REQUIRED"),
-            (stub.ListKnowledgeBases(tools_pb2.ListKnowledgeBasesRequest()), "ORGANIZATION_REQUIRED"),
-            (stub.GetCredential(tools_pb2.GetCredentialRequest(credential_id="00000000-0000-4000-8000-000000000000")), "ORGANIZATION_REQUIRED"),
+            (
+                stub.ListKnowledgeBases(tools_pb2.ListKnowledgeBasesRequest()),
+                "ORGANIZATION_REQUIRED",
+            ),
+            (
+                stub.GetCredential(
+                    tools_pb2.GetCredentialRequest(
+                        credential_id="00000000-0000-4000-8000-000000000000"
+                    )
+                ),
+                "ORGANIZATION_REQUIRED",
+            ),
         ]
         for call, reason in calls:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert status_details(refused.value).reason == reason and "organization_id is required" in refused.value.details()
+            assert (
+                status_details(refused.value).reason == reason
+                and "organization_id is required" in refused.value.details()
+            )

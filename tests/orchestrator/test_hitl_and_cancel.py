@@ -15,19 +15,47 @@ from tests.orchestrator.helpers import billing_delivered, run_turn, start, types
 from tests.sse_client import read_frames
 
 QUESTIONS = {
-    "ask_user_choice": ({"message": "Which repo?", "options": [{"value": "api", "label": "acme/api"}, {"value": "web", "label": "acme/web"}]},
-                        {"kind": "single_choice", "selected_value": "web"}),
-    "ask_user_multi_choice": ({"message": "Which ones?", "options": [{"value": "a", "label": "A"}, {"value": "b", "label": "B"}, {"value": "c", "label": "C"}],
-                               "min_selections": 1, "max_selections": 2},
-                              {"kind": "multi_choice", "selected_values": ["a", "c"]}),
+    "ask_user_choice": (
+        {
+            "message": "Which repo?",
+            "options": [
+                {"value": "api", "label": "acme/api"},
+                {"value": "web", "label": "acme/web"},
+            ],
+        },
+        {"kind": "single_choice", "selected_value": "web"},
+    ),
+    "ask_user_multi_choice": (
+        {
+            "message": "Which ones?",
+            "options": [
+                {"value": "a", "label": "A"},
+                {"value": "b", "label": "B"},
+                {"value": "c", "label": "C"},
+            ],
+            "min_selections": 1,
+            "max_selections": 2,
+        },
+        {"kind": "multi_choice", "selected_values": ["a", "c"]},
+    ),
     "ask_user_yes_no": ({"message": "Proceed?"}, {"kind": "yes_no", "answer": True}),
-    "ask_user_free_text": ({"message": "Name it", "min_length": 2, "max_length": 10}, {"kind": "free_text", "text": "loopline"}),
-    "request_credential": ({"integration": "postgresql", "message": "I need database access"}, {"kind": "skipped", "reason": "later"}),
+    "ask_user_free_text": (
+        {"message": "Name it", "min_length": 2, "max_length": 10},
+        {"kind": "free_text", "text": "loopline"},
+    ),
+    "request_credential": (
+        {"integration": "postgresql", "message": "I need database access"},
+        {"kind": "skipped", "reason": "later"},
+    ),
 }
 
 
 async def _ask(client, tool: str, tool_input: dict) -> tuple[dict, list[dict]]:
-    return await run_turn(client, {"say": "One question.", "tool": tool, "input": tool_input}, {"say": "Thanks, all done."})
+    return await run_turn(
+        client,
+        {"say": "One question.", "tool": tool, "input": tool_input},
+        {"say": "Thanks, all done."},
+    )
 
 
 @pytest.mark.parametrize("tool", list(QUESTIONS))
@@ -39,10 +67,16 @@ async def test_each_question_kind_pauses_then_resumes_to_done(stack, tool):
         request = frames[-2]["data"]
         assert frames[-1]["data"] == {"request_id": request["request_id"], "kind": request["kind"]}
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
-        assert status["awaiting_input"] is True and status["pending_request_id"] == request["request_id"]
+        assert (
+            status["awaiting_input"] is True
+            and status["pending_request_id"] == request["request_id"]
+        )
         details = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
         assert details["pending_user_input_request"] == request
-        resumed = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request["request_id"], "response": answer, "llm": SCRIPTED})
+        resumed = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={"request_id": request["request_id"], "response": answer, "llm": SCRIPTED},
+        )
         assert resumed.status_code == 200, resumed.text
         new = resumed.json()
         assert new["run_id"] != body["run_id"] and new["thread_id"] == body["chat_id"]
@@ -50,9 +84,22 @@ async def test_each_question_kind_pauses_then_resumes_to_done(stack, tool):
         assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "Thanks, all done."
     async with stack.orchestrator.servicer.sessions() as session:
         row = await session.get(Interrupt, request["request_id"])
-        tool_rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+        tool_rows = (
+            (
+                await session.execute(
+                    select(Message).where(
+                        Message.chat_id == body["chat_id"], Message.role == "tool"
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert row.outcome == "answered"
-    assert tool_rows[-1].extra["tool_call_id"] == next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
+    assert (
+        tool_rows[-1].extra["tool_call_id"]
+        == next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
+    )
 
 
 async def test_resume_charges_no_second_run_credit(stack):
@@ -61,11 +108,26 @@ async def test_resume_charges_no_second_run_credit(stack):
     question, answer = QUESTIONS["ask_user_yes_no"]
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", question)
-        new = (await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": frames[-1]["data"]["request_id"], "response": answer, "llm": SCRIPTED})).json()
+        new = (
+            await client.post(
+                f"/assistant/chat/{body['chat_id']}/resume",
+                json={
+                    "request_id": frames[-1]["data"]["request_id"],
+                    "response": answer,
+                    "llm": SCRIPTED,
+                },
+            )
+        ).json()
         await read_frames(client, new["stream_url"])
-    await billing_delivered(stack)  # the run charge is sent ~0.2 s after the turn start (usage.RunCharges)
+    await billing_delivered(
+        stack
+    )  # the run charge is sent ~0.2 s after the turn start (usage.RunCharges)
     async with stack.billing.core.sessions() as session:
-        charges = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == stack.org_id))).scalars().all()
+        charges = (
+            (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == stack.org_id)))
+            .scalars()
+            .all()
+        )
     assert len([c for c in charges if c.idempotency_key.startswith("charge:")]) == 1
 
 
@@ -73,7 +135,10 @@ async def test_resume_charges_no_second_run_credit(stack):
     ("tool", "answer"),
     [
         ("ask_user_choice", {"kind": "single_choice", "selected_value": "nope"}),
-        ("ask_user_choice", {"kind": "single_choice", "selected_value": ["a"]}),  # was a 500 (fresh-eyes test)
+        (
+            "ask_user_choice",
+            {"kind": "single_choice", "selected_value": ["a"]},
+        ),  # was a 500 (fresh-eyes test)
         ("ask_user_choice", {"kind": ["single_choice"]}),
         ("ask_user_choice", {"kind": "yes_no", "answer": True}),
         ("ask_user_multi_choice", {"kind": "multi_choice", "selected_values": ["a", "b", "c"]}),
@@ -86,7 +151,10 @@ async def test_invalid_answer_is_400_and_question_stays_pending(stack, tool, ans
     async with stack.client() as client:
         body, frames = await _ask(client, tool, QUESTIONS[tool][0])
         request_id = frames[-1]["data"]["request_id"]
-        response = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request_id, "response": answer, "llm": SCRIPTED})
+        response = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={"request_id": request_id, "response": answer, "llm": SCRIPTED},
+        )
         assert response.status_code == 400, response.text
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["awaiting_input"] is True and status["pending_request_id"] == request_id
@@ -95,25 +163,48 @@ async def test_invalid_answer_is_400_and_question_stays_pending(stack, tool, ans
 async def test_stale_or_missing_question_is_409(stack):
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
-        stale = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": "00000000-0000-0000-0000-000000000000", "response": {"kind": "yes_no", "answer": True}})
+        stale = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={
+                "request_id": "00000000-0000-0000-0000-000000000000",
+                "response": {"kind": "yes_no", "answer": True},
+            },
+        )
         assert stale.status_code == 409
         done, _ = await run_turn(client, {"say": "plain"})
-        none = await client.post(f"/assistant/chat/{done['chat_id']}/resume", json={"request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": True}})
+        none = await client.post(
+            f"/assistant/chat/{done['chat_id']}/resume",
+            json={
+                "request_id": frames[-1]["data"]["request_id"],
+                "response": {"kind": "yes_no", "answer": True},
+            },
+        )
         assert none.status_code == 409
 
 
 async def test_new_turn_while_question_pending_is_409(stack):
     async with stack.client() as client:
         body, _ = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
-        response = await client.post("/assistant/chat", json={"message": "hi", "chat_id": body["chat_id"]})
+        response = await client.post(
+            "/assistant/chat", json={"message": "hi", "chat_id": body["chat_id"]}
+        )
         assert response.status_code == 409
 
 
 async def test_two_concurrent_resumes_exactly_one_succeeds(stack):
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
-        payload = {"request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": False}, "llm": SCRIPTED}
-        results = await asyncio.gather(*[client.post(f"/assistant/chat/{body['chat_id']}/resume", json=payload) for _ in range(5)])
+        payload = {
+            "request_id": frames[-1]["data"]["request_id"],
+            "response": {"kind": "yes_no", "answer": False},
+            "llm": SCRIPTED,
+        }
+        results = await asyncio.gather(
+            *[
+                client.post(f"/assistant/chat/{body['chat_id']}/resume", json=payload)
+                for _ in range(5)
+            ]
+        )
         assert sorted(r.status_code for r in results) == [200, 409, 409, 409, 409]
         winner = next(r for r in results if r.status_code == 200).json()
         await read_frames(client, winner["stream_url"])
@@ -124,10 +215,21 @@ async def test_expired_question_frees_the_chat_and_late_resume_is_409(stack):
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         request_id = frames[-1]["data"]["request_id"]
         async with stack.orchestrator.servicer.sessions() as session, session.begin():
-            await session.execute(update(Interrupt).where(Interrupt.id == request_id).values(expires_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)))
-        late = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}})
+            await session.execute(
+                update(Interrupt)
+                .where(Interrupt.id == request_id)
+                .values(
+                    expires_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
+                )
+            )
+        late = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}},
+        )
         assert late.status_code == 409 and "expired" in late.json()["detail"].lower()
-        nxt = await client.post("/assistant/chat", json={"message": "new turn", "chat_id": body["chat_id"]})
+        nxt = await client.post(
+            "/assistant/chat", json={"message": "new turn", "chat_id": body["chat_id"]}
+        )
         assert nxt.status_code == 200
         await read_frames(client, nxt.json()["stream_url"])
     async with stack.orchestrator.servicer.sessions() as session:
@@ -141,7 +243,11 @@ async def test_cancel_during_model_wait_stops_within_a_second(stack):
         began = asyncio.get_running_loop().time()
         response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         assert response.status_code == 200
-        assert response.json() == {"status": "cancelled", "chat_id": body["chat_id"], "run_id": body["run_id"]}
+        assert response.json() == {
+            "status": "cancelled",
+            "chat_id": body["chat_id"],
+            "run_id": body["run_id"],
+        }
         assert asyncio.get_running_loop().time() - began < 1.0
         frames = await read_frames(client, body["stream_url"])
         assert frames[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}
@@ -177,7 +283,9 @@ async def test_cancel_of_paused_run_clears_question_and_flips_audit_row(stack):
         assert response.status_code == 200
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["awaiting_input"] is False and status["running_id"] is None
-        nxt = await client.post("/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]})
+        nxt = await client.post(
+            "/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]}
+        )
         assert nxt.status_code == 200
         await read_frames(client, nxt.json()["stream_url"])
     async with stack.orchestrator.servicer.sessions() as session:
@@ -197,44 +305,83 @@ async def test_cancel_racing_natural_end_leaves_one_outcome(stack):
 
 
 async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid(stack):
-    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    slow = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
+    }
     async with stack.client() as client:
         body = await start(client, slow, {"say": "never"})
-        await wait_for(lambda: any(e.WhichOneof("payload") == "tool_call" for e in stack.orchestrator.runner.events.snapshot(body["run_id"])))
+        await wait_for(
+            lambda: any(
+                e.WhichOneof("payload") == "tool_call"
+                for e in stack.orchestrator.runner.events.snapshot(body["run_id"])
+            )
+        )
         began = asyncio.get_running_loop().time()
         assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
         assert asyncio.get_running_loop().time() - began < 1.0
         frames = await read_frames(client, body["stream_url"])
         assert frames[-1]["type"] == "cancelled"
         # the streamed tool_call gets its tool_result (fresh-eyes test: it had none on a cancel)
-        assert frames[-2]["type"] == "tool_result" and frames[-2]["data"]["output"] == {"error": "cancelled", "success": False}
+        assert frames[-2]["type"] == "tool_result" and frames[-2]["data"]["output"] == {
+            "error": "cancelled",
+            "success": False,
+        }
         _, again = await run_turn(client, {"say": "next turn fine"}, chat_id=body["chat_id"])
         assert again[-1]["type"] == "done"
     async with stack.orchestrator.servicer.sessions() as session:
-        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"]).order_by(Message.seq))).scalars().all()
+        rows = (
+            (
+                await session.execute(
+                    select(Message).where(Message.chat_id == body["chat_id"]).order_by(Message.seq)
+                )
+            )
+            .scalars()
+            .all()
+        )
     call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
     results = [r for r in rows if r.role == "tool" and r.extra["tool_call_id"] == call_id]
     assert len(results) == 1 and results[0].content == {"error": "cancelled", "success": False}
 
 
 async def test_credential_added_must_name_an_existing_credential_of_the_integration(stack):
-    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
     import grpc
 
+    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+
     async with stack.client() as client:
-        body, frames = await _ask(client, "request_credential", {"integration": "postgresql", "message": "need db"})
+        body, frames = await _ask(
+            client, "request_credential", {"integration": "postgresql", "message": "need db"}
+        )
         request = frames[-2]["data"]
-        assert request["kind"] == "credential_request" and request["integration_name"] == "postgresql"
+        assert (
+            request["kind"] == "credential_request" and request["integration_name"] == "postgresql"
+        )
         assert request["auth_options"]
-        bogus = {"kind": "credential_added", "credential_id": "00000000-0000-0000-0000-000000000000", "integration_name": "postgresql", "auth_type": "api_key"}
-        response = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request["request_id"], "response": bogus})
+        bogus = {
+            "kind": "credential_added",
+            "credential_id": "00000000-0000-0000-0000-000000000000",
+            "integration_name": "postgresql",
+            "auth_type": "api_key",
+        }
+        response = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={"request_id": request["request_id"], "response": bogus},
+        )
         assert response.status_code == 400
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
             created = await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
-                tools_pb2.CreateCredentialRequest(organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"})
+                tools_pb2.CreateCredentialRequest(
+                    organization_id=stack.org_id,
+                    integration_name="postgresql",
+                    auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"},
+                )
             )
         answer = {**bogus, "credential_id": created.credential.credential_id}
-        response = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request["request_id"], "response": answer})
+        response = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={"request_id": request["request_id"], "response": answer},
+        )
         assert response.status_code == 200, response.text
         frames = await read_frames(client, response.json()["stream_url"])
         assert frames[-1]["type"] == "done"
@@ -246,11 +393,17 @@ async def test_credential_connected_resumes_the_paused_run_by_itself(stack):
     from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 
     async with stack.client() as client:
-        body, frames = await _ask(client, "request_credential", {"integration": "postgresql", "message": "need db"})
-        other, _ = await _ask(client, "request_credential", {"integration": "http", "message": "need http"})
+        body, frames = await _ask(
+            client, "request_credential", {"integration": "postgresql", "message": "need db"}
+        )
+        other, _ = await _ask(
+            client, "request_credential", {"integration": "http", "message": "need http"}
+        )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
             stub = assistant_pb2_grpc.AssistantServiceStub(channel)
-            notice = assistant_pb2.NotifyCredentialConnectedRequest(organization_id=stack.org_id, integration="postgresql", credential_id="cred-1")
+            notice = assistant_pb2.NotifyCredentialConnectedRequest(
+                organization_id=stack.org_id, integration="postgresql", credential_id="cred-1"
+            )
             first = await stub.NotifyCredentialConnected(notice)
             again = await stub.NotifyCredentialConnected(notice)
         assert len(first.resumed_run_ids) == 1 and list(again.resumed_run_ids) == []
@@ -268,14 +421,27 @@ async def test_credential_question_offers_only_auth_types_that_can_be_connected(
     from modulex.types.realtime import parse_user_input_request
 
     async with stack.client() as client:
-        body, frames = await _ask(client, "request_credential", {"integration": "http", "message": "need http"})
+        body, frames = await _ask(
+            client, "request_credential", {"integration": "http", "message": "need http"}
+        )
         request = frames[-2]["data"]
         parsed = parse_user_input_request(request)  # the SDK's own model accepts it
         kinds = [o.auth_type for o in parsed.auth_options]
         assert "custom" not in kinds and set(kinds) == {"bearer_token", "api_key"}
         for option in request["auth_options"]:
-            auth_data = {"token": "t0ken-value"} if option["auth_type"] == "bearer_token" else {"api_key": "k3y-value", "header_name": "X-Key"}
-            created = await client.post("/credentials", json={"integration_name": "http", "auth_type": option["auth_type"], "auth_data": auth_data})
+            auth_data = (
+                {"token": "t0ken-value"}
+                if option["auth_type"] == "bearer_token"
+                else {"api_key": "k3y-value", "header_name": "X-Key"}
+            )
+            created = await client.post(
+                "/credentials",
+                json={
+                    "integration_name": "http",
+                    "auth_type": option["auth_type"],
+                    "auth_data": auth_data,
+                },
+            )
             assert created.status_code == 201, created.text
 
 
@@ -288,30 +454,77 @@ async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
     assert [c["tool"] for c in frames[-1]["data"]["tool_calls"]] == ["ask_user_yes_no"]
 
 
-@pytest.mark.parametrize(("tool", "tool_input", "expected"), [
-    ("ask_user_yes_no", {"message": "ok?", "yes_lable": "Sure"}, "input: unexpected field(s) 'yes_lable' (allowed: 'message', 'yes_label', 'no_label')"),
-    ("ask_user_choice", {"message": "pick", "options": ["a", "b"]}, "input.options[0]: must be of type object (got string)"),
-    ("ask_user_free_text", {"message": {"text": "say"}}, "input.message: must be of type string (got object)"),
-    ("request_credential", {"integration_name": "http", "message": "need http"}, "'integration' is required"),
-    ("request_credential", {"integration": "nope", "message": "need it"}, "Unknown integration 'nope'. Available integrations include: "),
-    ("ask_user_choice", {"message": "pick", "options": [{"value": "a\x00b", "label": "A"}, {"value": "c", "label": "C"}]},
-     "input: text must not contain U+0000 (NUL)"),
-    ("ask_user_yes_no", {"message": "ok\x00?"}, "input: text must not contain U+0000 (NUL)"),
-    ("request_credential", {"integration": "loopline", "message": "need it"}, "the integration 'loopline' takes no credential"),
-])
-async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_error_names_the_field(stack, tool, tool_input, expected):
+@pytest.mark.parametrize(
+    ("tool", "tool_input", "expected"),
+    [
+        (
+            "ask_user_yes_no",
+            {"message": "ok?", "yes_lable": "Sure"},
+            "input: unexpected field(s) 'yes_lable' (allowed: 'message', 'yes_label', 'no_label')",
+        ),
+        (
+            "ask_user_choice",
+            {"message": "pick", "options": ["a", "b"]},
+            "input.options[0]: must be of type object (got string)",
+        ),
+        (
+            "ask_user_free_text",
+            {"message": {"text": "say"}},
+            "input.message: must be of type string (got object)",
+        ),
+        (
+            "request_credential",
+            {"integration_name": "http", "message": "need http"},
+            "'integration' is required",
+        ),
+        (
+            "request_credential",
+            {"integration": "nope", "message": "need it"},
+            "Unknown integration 'nope'. Available integrations include: ",
+        ),
+        (
+            "ask_user_choice",
+            {
+                "message": "pick",
+                "options": [{"value": "a\x00b", "label": "A"}, {"value": "c", "label": "C"}],
+            },
+            "input: text must not contain U+0000 (NUL)",
+        ),
+        ("ask_user_yes_no", {"message": "ok\x00?"}, "input: text must not contain U+0000 (NUL)"),
+        (
+            "request_credential",
+            {"integration": "loopline", "message": "need it"},
+            "the integration 'loopline' takes no credential",
+        ),
+    ],
+)
+async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_error_names_the_field(
+    stack, tool, tool_input, expected
+):
     # fresh-eyes finding: unknown fields were ignored and wrong types coerced (a dict message became its Python repr)
     async with stack.client() as client:
         body, frames = await run_turn(client, {"tool": tool, "input": tool_input}, {"say": "ok"})
-        assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "done"], frames
+        assert types(frames) == [
+            "metadata",
+            "tool_call",
+            "tool_result",
+            "response_chunk",
+            "done",
+        ], frames
         result = frames[2]["data"]["output"]
-        assert result["success"] is False and result["error"].startswith("invalid question: ") and expected in result["error"]
+        assert (
+            result["success"] is False
+            and result["error"].startswith("invalid question: ")
+            and expected in result["error"]
+        )
         assert frames[-1]["data"]["tool_calls"][0]["output"] == result
         chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
         assert chat["pending_user_input_request"] is None  # nothing was asked
 
 
-async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_the_model_sees_it(stack):
+async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_the_model_sees_it(
+    stack,
+):
     # fresh-eyes re-test: GET chat showed the question's tool call without a result, while the next model call
     # was given {"error": "not completed"} for it
     async with stack.client() as client:
@@ -320,12 +533,18 @@ async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_t
         assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
         messages = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()["messages"]
         tool = [m for m in messages if m["role"] == "tool"]
-        assert [(m["content"], m["thinking"]["tool_call_id"]) for m in tool] == [({"error": "cancelled", "success": False}, call_id)]
+        assert [(m["content"], m["thinking"]["tool_call_id"]) for m in tool] == [
+            ({"error": "cancelled", "success": False}, call_id)
+        ]
         _, more = await run_turn(client, {"say": "fresh start"}, chat_id=body["chat_id"])
         assert more[-1]["type"] == "done" and more[-1]["data"]["response"] == "fresh start"
     async with stack.orchestrator.servicer.sessions() as session:
-        sent = await thread.load_thread(session, body["chat_id"])  # what the next model call is given
-    assert [m["content"] for m in sent if m["role"] == "tool"] == [{"error": "cancelled", "success": False}]
+        sent = await thread.load_thread(
+            session, body["chat_id"]
+        )  # what the next model call is given
+    assert [m["content"] for m in sent if m["role"] == "tool"] == [
+        {"error": "cancelled", "success": False}
+    ]
 
 
 async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):
@@ -339,7 +558,11 @@ async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):
 
 async def _expire(stack, request_id: str) -> None:
     async with stack.orchestrator.servicer.sessions() as session, session.begin():
-        await session.execute(update(Interrupt).where(Interrupt.id == request_id).values(expires_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)))
+        await session.execute(
+            update(Interrupt)
+            .where(Interrupt.id == request_id)
+            .values(expires_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1))
+        )
 
 
 async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(stack):
@@ -347,7 +570,11 @@ async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(stack):
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         await _expire(stack, frames[-1]["data"]["request_id"])
-        listed = next(c for c in (await client.get("/assistant/chats")).json()["items"] if c["id"] == body["chat_id"])
+        listed = next(
+            c
+            for c in (await client.get("/assistant/chats")).json()["items"]
+            if c["id"] == body["chat_id"]
+        )
         assert listed["is_running"] is False
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["is_running"] is False and status["awaiting_input"] is False
@@ -364,13 +591,25 @@ async def test_cancel_of_a_run_whose_question_expired_is_400_and_adds_nothing(st
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         await _expire(stack, frames[-1]["data"]["request_id"])
         cancel = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
-        assert cancel.status_code == 400 and cancel.json() == {"detail": "No active execution to cancel"}
+        assert cancel.status_code == 400 and cancel.json() == {
+            "detail": "No active execution to cancel"
+        }
         again = await read_frames(client, body["stream_url"])
     assert again == frames
     async with stack.orchestrator.servicer.sessions() as session:
         assert (await session.get(Interrupt, frames[-1]["data"]["request_id"])).outcome == "expired"
         assert (await session.get(Run, body["run_id"])).status == "expired"
-        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+        rows = (
+            (
+                await session.execute(
+                    select(Message).where(
+                        Message.chat_id == body["chat_id"], Message.role == "tool"
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert [r.content for r in rows] == [thread.cut_off_result("expired")]
 
 
@@ -382,34 +621,75 @@ async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
         await _expire(stack, frames[-1]["data"]["request_id"])
         nxt, _ = await run_turn(client, {"say": "fine"}, chat_id=body["chat_id"])
         messages = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()["messages"]
-    calls = [m for m in messages if m["role"] == "tool" and m["content"] == thread.cut_off_result("expired")]
+    calls = [
+        m
+        for m in messages
+        if m["role"] == "tool" and m["content"] == thread.cut_off_result("expired")
+    ]
     assert len(calls) == 1
     roles = [m["role"] for m in messages]
     assert roles.index("tool") == roles.index("assistant") + 1  # right after the call
     async with stack.orchestrator.servicer.sessions() as session:
-        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+        rows = (
+            (
+                await session.execute(
+                    select(Message).where(
+                        Message.chat_id == body["chat_id"], Message.role == "tool"
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert [r.extra["tool_call_id"] for r in rows] == [call_id]
 
 
 async def test_a_question_whose_call_id_holds_control_characters_pauses_and_resumes(stack):
     # fresh-eyes test: on PostgreSQL a NUL in a HITL call's id failed the run's end ("Internal error while finishing the turn.")
     async with stack.client() as client:
-        body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "ok?"}, "tool_call_id": "call\u0000_\u0007x"},
-                                      {"say": "Thanks."})
+        body, frames = await run_turn(
+            client,
+            {
+                "say": "One question.",
+                "tool": "ask_user_yes_no",
+                "input": {"message": "ok?"},
+                "tool_call_id": "call\u0000_\u0007x",
+            },
+            {"say": "Thanks."},
+        )
         assert types(frames)[-2:] == ["user_input_request", "interrupted"]
-        assert next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"] == "call_x"
-        resumed = await client.post(f"/assistant/chat/{body['chat_id']}/resume",
-                                    json={"request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": True}, "llm": SCRIPTED})
+        assert (
+            next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"] == "call_x"
+        )
+        resumed = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={
+                "request_id": frames[-1]["data"]["request_id"],
+                "response": {"kind": "yes_no", "answer": True},
+                "llm": SCRIPTED,
+            },
+        )
         assert resumed.status_code == 200, resumed.text
         rest = await read_frames(client, resumed.json()["stream_url"])
     assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "Thanks."
     async with stack.orchestrator.servicer.sessions() as session:
-        rows = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "tool"))).scalars().all()
+        rows = (
+            (
+                await session.execute(
+                    select(Message).where(
+                        Message.chat_id == body["chat_id"], Message.role == "tool"
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert [r.extra["tool_call_id"] for r in rows] == ["call_x"]
 
 
 async def test_a_call_id_of_control_characters_only_gets_a_new_id():
     from services.orchestrator.loop import _call_id
+
     assert _call_id("call_1") == "call_1"
     assert _call_id("a\u0000b\u009fc\td") == "abcd"
     minted = _call_id("\u0000\n")
@@ -426,12 +706,25 @@ async def test_a_resume_and_a_cancel_sent_together_never_fail_and_leave_one_cons
     # ran on: the cancel now cancels whichever run is active when it acts, so it is always 200
     async with stack.client() as client:
         for _ in range(12):
-            body, frames = await run_turn(client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Proceed?"}},
-                                          {"say": "Done after yes.", "sleep_ms": 2000})
+            body, frames = await run_turn(
+                client,
+                {
+                    "say": "One question.",
+                    "tool": "ask_user_yes_no",
+                    "input": {"message": "Proceed?"},
+                },
+                {"say": "Done after yes.", "sleep_ms": 2000},
+            )
             request_id = frames[-2]["data"]["request_id"]
             resumed, cancelled = await asyncio.gather(
-                client.post(f"/assistant/chat/{body['chat_id']}/resume",
-                            json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}, "llm": SCRIPTED}),
+                client.post(
+                    f"/assistant/chat/{body['chat_id']}/resume",
+                    json={
+                        "request_id": request_id,
+                        "response": {"kind": "yes_no", "answer": True},
+                        "llm": SCRIPTED,
+                    },
+                ),
                 client.post(f"/assistant/chat/{body['chat_id']}/cancel"),
             )
             assert resumed.status_code in (200, 409), resumed.text

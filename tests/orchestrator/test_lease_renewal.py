@@ -31,9 +31,13 @@ class _RedisAway:
 
 
 async def _renewals_while_redis_is(hang: bool) -> int:
-    runner = types.SimpleNamespace(active={"run-1": types.SimpleNamespace(cancel_reason=None, finishing=False)},
-                                   unsettled_runs=lambda: ["run-1"])
-    supervisor = RunSupervisor(types.SimpleNamespace(run_lease_s=0.4), None, runner, _RedisAway(hang))
+    runner = types.SimpleNamespace(
+        active={"run-1": types.SimpleNamespace(cancel_reason=None, finishing=False)},
+        unsettled_runs=lambda: ["run-1"],
+    )
+    supervisor = RunSupervisor(
+        types.SimpleNamespace(run_lease_s=0.4), None, runner, _RedisAway(hang)
+    )
     renewals: list[float] = []
 
     async def renew() -> int:
@@ -52,7 +56,9 @@ async def _renewals_while_redis_is(hang: bool) -> int:
 
 
 async def test_leases_are_renewed_while_redis_refuses_connections():
-    assert await _renewals_while_redis_is(hang=False) >= 4  # every run_lease_s / 4; before: none at all
+    assert (
+        await _renewals_while_redis_is(hang=False) >= 4
+    )  # every run_lease_s / 4; before: none at all
 
 
 async def test_leases_are_renewed_while_redis_does_not_answer():

@@ -12,12 +12,21 @@ from tests.orchestrator.helpers import run_turn, types
 
 
 async def test_a_models_text_and_tool_call_with_a_lone_surrogate_keep_the_turn_going(stack):
-    tool_input = {"integration": "loopline", "action": "echo", "parameters": {"message": "a\ud800b"}}
+    tool_input = {
+        "integration": "loopline",
+        "action": "echo",
+        "parameters": {"message": "a\ud800b"},
+    }
     async with stack.client() as client:
-        body, frames = await run_turn(client, {"say": "look\ud800", "tool": "execute_integration_tool", "input": tool_input},
-                                      {"say": "done \udfff"})
+        body, frames = await run_turn(
+            client,
+            {"say": "look\ud800", "tool": "execute_integration_tool", "input": tool_input},
+            {"say": "done \udfff"},
+        )
         kinds = types(frames)
-        assert "error" not in kinds and kinds[-1] == "done" and not frames[-1]["data"].get("error"), frames
+        assert (
+            "error" not in kinds and kinds[-1] == "done" and not frames[-1]["data"].get("error")
+        ), frames
         chunks = "".join(f["data"]["chunk"] for f in frames if f["type"] == "response_chunk")
         assert chunks == "look\ufffddone \ufffd"
         call, result = frames[kinds.index("tool_call")], frames[kinds.index("tool_result")]
@@ -30,8 +39,17 @@ async def test_a_models_text_and_tool_call_with_a_lone_surrogate_keep_the_turn_g
 
 def test_a_tool_output_with_a_lone_surrogate_or_a_huge_integer_is_written_not_refused():
     value, truncated, size = cap_result({"lone": "\ud800x", "ok": "é"}, 1000)
-    assert value == {"lone": "\ufffdx", "ok": "é"} and not truncated and size == len('{"lone":"\ufffdx","ok":"é"}'.encode())
+    assert (
+        value == {"lone": "\ufffdx", "ok": "é"}
+        and not truncated
+        and size == len('{"lone":"\ufffdx","ok":"é"}'.encode())
+    )
     assert pb.json_bytes({"lone": "\ud800x"}) == '{"lone":"\ufffdx"}'.encode()
-    assert pb.json_bytes({"v": 18446744073709551616, "n": float("nan"), "t": "\udc00"}) == '{"v":18446744073709551616,"n":null,"t":"\ufffd"}'.encode()
-    assert pb.scrub("plain ascii") == "plain ascii" and pb.scrub(["\ud83d\ude00"]) == ["\ufffd\ufffd"]
+    assert (
+        pb.json_bytes({"v": 18446744073709551616, "n": float("nan"), "t": "\udc00"})
+        == '{"v":18446744073709551616,"n":null,"t":"\ufffd"}'.encode()
+    )
+    assert pb.scrub("plain ascii") == "plain ascii" and pb.scrub(["\ud83d\ude00"]) == [
+        "\ufffd\ufffd"
+    ]
     assert pb.scrub({"k\udc00": {"x": ("\ud800",)}}) == {"k\ufffd": {"x": ["\ufffd"]}}

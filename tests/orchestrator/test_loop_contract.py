@@ -35,10 +35,19 @@ async def test_done_usage_sums_every_model_call(stack):
     async with stack.client() as client:
         _, frames = await run_turn(
             client,
-            {"tool": "get_available_integrations", "input": {}, "usage": {"input_tokens": 100, "output_tokens": 10}},
+            {
+                "tool": "get_available_integrations",
+                "input": {},
+                "usage": {"input_tokens": 100, "output_tokens": 10},
+            },
             {"say": "ok", "usage": {"input_tokens": 200, "output_tokens": 20}},
         )
-    assert frames[-1]["data"]["usage"] == {"input_tokens": 300, "output_tokens": 30, "total_tokens": 330, "llm_calls": 2}
+    assert frames[-1]["data"]["usage"] == {
+        "input_tokens": 300,
+        "output_tokens": 30,
+        "total_tokens": 330,
+        "llm_calls": 2,
+    }
     assert [c["tool"] for c in frames[-1]["data"]["tool_calls"]] == ["get_available_integrations"]
     assert set(frames[-1]["data"]["tool_calls"][0]) == {"tool", "input", "output"}
 
@@ -46,12 +55,24 @@ async def test_done_usage_sums_every_model_call(stack):
 async def test_model_failure_emits_error_then_done_with_error_true(stack):
     async with stack.client() as client:
         body, frames = await run_turn(
-            client, {"say": "step one", "tool": "get_available_integrations", "input": {}, "usage": {"input_tokens": 7, "output_tokens": 3}},
-            {"fail": "provider exploded at https://internal.example.local/v1 with key sk-abcdefghijklmnop"},
+            client,
+            {
+                "say": "step one",
+                "tool": "get_available_integrations",
+                "input": {},
+                "usage": {"input_tokens": 7, "output_tokens": 3},
+            },
+            {
+                "fail": "provider exploded at https://internal.example.local/v1 with key sk-abcdefghijklmnop"
+            },
         )
     assert types(frames)[-2:] == ["error", "done"]
     message = frames[-2]["data"]["message"]
-    assert "sk-abcdefghijklmnop" not in message and "internal.example.local" not in message and "Traceback" not in message
+    assert (
+        "sk-abcdefghijklmnop" not in message
+        and "internal.example.local" not in message
+        and "Traceback" not in message
+    )
     assert frames[-1]["data"]["error"] is True
     run = await _run_row(stack, body["run_id"])
     assert run.status == "failed"
@@ -59,7 +80,9 @@ async def test_model_failure_emits_error_then_done_with_error_true(stack):
     assert run.usage["llm_calls"] == 2
 
 
-async def test_a_failure_text_with_control_characters_or_a_lone_surrogate_is_stored_and_streamed_clean(stack):
+async def test_a_failure_text_with_control_characters_or_a_lone_surrogate_is_stored_and_streamed_clean(
+    stack,
+):
     # fresh-eyes test: a model failure text with a NUL failed the run's end on PostgreSQL ("Internal error while finishing the turn.")
     async with stack.client() as client:
         body, frames = await run_turn(client, {"fail": "bad\u0000thing\u0007 \ud800 done"})
@@ -76,20 +99,43 @@ async def test_failed_run_records_token_usage_with_billing(stack):
     from services.billing.models import UsageRecord
 
     async with stack.client() as client:
-        body, _ = await run_turn(client, {"fail": "boom", "usage": {"input_tokens": 11, "output_tokens": 5}})
+        body, _ = await run_turn(
+            client, {"fail": "boom", "usage": {"input_tokens": 11, "output_tokens": 5}}
+        )
     async with stack.billing.core.sessions() as session:
-        rows = (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"]))).scalars().all()
+        rows = (
+            (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"])))
+            .scalars()
+            .all()
+        )
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [(11, 5)]
 
 
-@pytest.mark.parametrize(("step", "named"), [
-    ({"say": "ok ok ok", "chunks": 1e400}, "chunks"), ({"say": "ok", "chunks": 0}, "chunks"), ({"say": "ok", "chunks": "2"}, "chunks"),
-    ({"say": "ok", "chunks": 2.5}, "chunks"), ({"say": "ok", "sleep_ms": 1e12}, "sleep_ms"), ({"say": "ok", "sleep_ms": -5}, "sleep_ms"),
-    ({"say": "ok", "sleep_ms": "10"}, "sleep_ms"), ({"say": "ok", "usage": "5"}, "usage"), ({"say": "ok", "usage": 5}, "usage"),
-    ({"say": "ok", "usage": [1, 2]}, "usage"), (None, "step"), ("plain text", "step"), ({"say": ["a"]}, "say"),
-    ({"tool": 5}, "tool"), ({"tools": "x"}, "tools"), ({"tools": [{"input": {}}]}, "tools"), ({"fail": 5}, "fail"),
-])
-async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_call_not_the_loop(stack, step, named):
+@pytest.mark.parametrize(
+    ("step", "named"),
+    [
+        ({"say": "ok ok ok", "chunks": 1e400}, "chunks"),
+        ({"say": "ok", "chunks": 0}, "chunks"),
+        ({"say": "ok", "chunks": "2"}, "chunks"),
+        ({"say": "ok", "chunks": 2.5}, "chunks"),
+        ({"say": "ok", "sleep_ms": 1e12}, "sleep_ms"),
+        ({"say": "ok", "sleep_ms": -5}, "sleep_ms"),
+        ({"say": "ok", "sleep_ms": "10"}, "sleep_ms"),
+        ({"say": "ok", "usage": "5"}, "usage"),
+        ({"say": "ok", "usage": 5}, "usage"),
+        ({"say": "ok", "usage": [1, 2]}, "usage"),
+        (None, "step"),
+        ("plain text", "step"),
+        ({"say": ["a"]}, "say"),
+        ({"tool": 5}, "tool"),
+        ({"tools": "x"}, "tools"),
+        ({"tools": [{"input": {}}]}, "tools"),
+        ({"fail": 5}, "fail"),
+    ],
+)
+async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_call_not_the_loop(
+    stack, step, named
+):
     # fresh-eyes test: chunks 1e400 crashed the loop (OverflowError, "Internal error"); sleep_ms 1e12 held the chat for good
     async with stack.client() as client:
         body, frames = await asyncio.wait_for(run_turn(client, step), 10)
@@ -102,14 +148,25 @@ async def test_a_scripted_usage_object_reports_its_counts_missing_ones_as_0(stac
     async with stack.client() as client:
         _, frames = await run_turn(client, {"say": "hello", "usage": {}})
         _, more = await run_turn(client, {"say": "hello", "usage": {"input_tokens": 5}})
-    assert frames[-1]["data"]["usage"]["input_tokens"] == 0 and frames[-1]["data"]["usage"]["output_tokens"] == 0
-    assert (more[-1]["data"]["usage"]["input_tokens"], more[-1]["data"]["usage"]["output_tokens"]) == (5, 0)
+    assert (
+        frames[-1]["data"]["usage"]["input_tokens"] == 0
+        and frames[-1]["data"]["usage"]["output_tokens"] == 0
+    )
+    assert (
+        more[-1]["data"]["usage"]["input_tokens"],
+        more[-1]["data"]["usage"]["output_tokens"],
+    ) == (5, 0)
 
 
 async def test_scripted_chunks_and_sleep_ms_within_their_bounds_are_used(stack):
     async with stack.client() as client:
-        _, frames = await run_turn(client, {"say": "one two three four", "chunks": 2, "sleep_ms": 1})
-    assert [f["data"]["chunk"] for f in frames if f["type"] == "response_chunk"] == ["one two ", "three four"]
+        _, frames = await run_turn(
+            client, {"say": "one two three four", "chunks": 2, "sleep_ms": 1}
+        )
+    assert [f["data"]["chunk"] for f in frames if f["type"] == "response_chunk"] == [
+        "one two ",
+        "three four",
+    ]
 
 
 async def test_failed_tool_output_is_error_and_success_false(stack):
@@ -142,13 +199,25 @@ async def test_three_consecutive_tool_failures_publish_guidance_and_success_rese
     third_result = [i for i, t in enumerate(order) if t == "tool_result"][2]
     assert order[third_result + 1] == "guidance"
     async with stack.orchestrator.servicer.sessions() as session:
-        system = (await session.execute(select(Message).where(Message.chat_id == body["chat_id"], Message.role == "system"))).scalars().all()
+        system = (
+            (
+                await session.execute(
+                    select(Message).where(
+                        Message.chat_id == body["chat_id"], Message.role == "system"
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert [m.content for m in system] == [guidance[0]["message"]]
     assert frames[-1]["type"] == "done" and "error" not in frames[-1]["data"]
 
 
 async def test_every_20th_model_call_publishes_guidance(stack):
-    steps = [{"tool": "get_available_integrations", "input": {}, "chunks": 1} for _ in range(41)] + [{"say": "finished"}]
+    steps = [
+        {"tool": "get_available_integrations", "input": {}, "chunks": 1} for _ in range(41)
+    ] + [{"say": "finished"}]
     async with stack.client() as client:
         _, frames = await run_turn(client, *steps)
     milestones = [f["data"]["total_llm_calls"] for f in frames if f["type"] == "guidance"]
@@ -160,7 +229,12 @@ async def test_several_tool_calls_in_one_step_run_only_one_and_thread_stays_vali
     async with stack.client() as client:
         body, frames = await run_turn(
             client,
-            {"tools": [{"tool": "get_available_integrations", "input": {}}, {"tool": "get_organization_credentials", "input": {}}]},
+            {
+                "tools": [
+                    {"tool": "get_available_integrations", "input": {}},
+                    {"tool": "get_organization_credentials", "input": {}},
+                ]
+            },
             {"say": "ok"},
         )
         assert types(frames).count("tool_call") == 1
@@ -171,7 +245,9 @@ async def test_several_tool_calls_in_one_step_run_only_one_and_thread_stays_vali
 async def test_second_turn_while_running_is_409(stack):
     async with stack.client() as client:
         body = await start(client, {"say": "slow", "sleep_ms": 2000})
-        second = await client.post("/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]})
+        second = await client.post(
+            "/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]}
+        )
         assert second.status_code == 409
         await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
 
@@ -181,9 +257,19 @@ async def test_fifty_concurrent_turns_on_one_idle_chat_admit_exactly_one(stack):
         first, _ = await run_turn(client, {"say": "warm"})
         chat_id = first["chat_id"]
         async with stack.orchestrator.servicer.sessions() as session:
-            before = len((await session.execute(select(Message).where(Message.chat_id == chat_id))).scalars().all())
+            before = len(
+                (await session.execute(select(Message).where(Message.chat_id == chat_id)))
+                .scalars()
+                .all()
+            )
         responses = await asyncio.gather(
-            *[client.post("/assistant/chat", json={"message": '{"script":[{"say":"x","sleep_ms":300}]}', "chat_id": chat_id}) for _ in range(50)]
+            *[
+                client.post(
+                    "/assistant/chat",
+                    json={"message": '{"script":[{"say":"x","sleep_ms":300}]}', "chat_id": chat_id},
+                )
+                for _ in range(50)
+            ]
         )
         codes = sorted(r.status_code for r in responses)
         assert codes == [200] + [409] * 49
@@ -191,22 +277,45 @@ async def test_fifty_concurrent_turns_on_one_idle_chat_admit_exactly_one(stack):
         await read_frames(client, winner["stream_url"])
     async with stack.orchestrator.servicer.sessions() as session:
         runs = (await session.execute(select(Run).where(Run.chat_id == chat_id))).scalars().all()
-        messages = (await session.execute(select(Message).where(Message.chat_id == chat_id, Message.role == "user"))).scalars().all()
+        messages = (
+            (
+                await session.execute(
+                    select(Message).where(Message.chat_id == chat_id, Message.role == "user")
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert len(runs) == 2 and len(messages) == 2
     assert before > 0
 
 
 async def test_late_listener_and_many_listeners_get_every_event_in_order(stack):
     async with stack.client() as client:
-        body = await start(client, {"say": "a b c d e f", "sleep_ms": 300, "tool": "get_available_integrations", "input": {}}, {"say": "end"})
-        listeners = await asyncio.gather(*[read_frames(client, body["stream_url"]) for _ in range(5)])
+        body = await start(
+            client,
+            {
+                "say": "a b c d e f",
+                "sleep_ms": 300,
+                "tool": "get_available_integrations",
+                "input": {},
+            },
+            {"say": "end"},
+        )
+        listeners = await asyncio.gather(
+            *[read_frames(client, body["stream_url"]) for _ in range(5)]
+        )
         late = await read_frames(client, body["stream_url"])
     assert all(frames == late for frames in listeners)
 
 
 async def test_reconnect_with_after_gets_the_rest_without_gaps_or_repeats(stack):
     async with stack.client() as client:
-        body, frames = await run_turn(client, {"say": "one two three four", "tool": "get_available_integrations", "input": {}}, {"say": "bye now"})
+        body, frames = await run_turn(
+            client,
+            {"say": "one two three four", "tool": "get_available_integrations", "input": {}},
+            {"say": "bye now"},
+        )
         for n in (0, 1, 3, len(frames) - 1, len(frames)):
             rest = await read_frames(client, body["stream_url"], params={"after": n})
             assert rest == frames[n:]
@@ -228,8 +337,12 @@ async def test_listener_disconnect_does_not_disturb_the_run(stack):
         async with client.stream("GET", body["stream_url"]) as response:
             async for _ in response.aiter_bytes():
                 break
-        await wait_for(lambda: stack.orchestrator.runner.active.get(body["run_id"]) is None, timeout=10)
-        await wait_for(lambda: not [t for t in asyncio.all_tasks() if t.get_name() == "sse-pump"], timeout=5)
+        await wait_for(
+            lambda: stack.orchestrator.runner.active.get(body["run_id"]) is None, timeout=10
+        )
+        await wait_for(
+            lambda: not [t for t in asyncio.all_tasks() if t.get_name() == "sse-pump"], timeout=5
+        )
         frames = await read_frames(client, body["stream_url"])
     assert frames[-1]["type"] == "done"
     assert (await _run_row(stack, body["run_id"])).status == "completed"
@@ -240,8 +353,12 @@ async def test_unknown_run_on_listen_is_404(stack):
 
     async with stack.client() as client:
         body, _ = await run_turn(client, {"say": "x"})
-        assert (await client.get(f"/assistant/chat/{body['chat_id']}/listen/{uuid.uuid4()}")).status_code == 404
-        assert (await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{body['run_id']}")).status_code == 404
+        assert (
+            await client.get(f"/assistant/chat/{body['chat_id']}/listen/{uuid.uuid4()}")
+        ).status_code == 404
+        assert (
+            await client.get(f"/assistant/chat/{uuid.uuid4()}/listen/{body['run_id']}")
+        ).status_code == 404
 
 
 async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_on(stack):
@@ -251,10 +368,17 @@ async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_o
     async with stack.client() as client:
         await run_turn(client, {"tool": "get_available_integrations", "input": {}}, {"say": "ok"})
         await stack.tools.stop(0)
-        body, frames = await run_turn(client, {"tool": "get_available_integrations", "input": {}}, {"say": "answered without it"})
+        body, frames = await run_turn(
+            client,
+            {"tool": "get_available_integrations", "input": {}},
+            {"say": "answered without it"},
+        )
     assert types(frames)[-1] == "done" and "error" not in types(frames)
     result = next(f["data"]["output"] for f in frames if f["type"] == "tool_result")
-    assert result == {"error": "the tools service is unavailable; try again later", "success": False}
+    assert result == {
+        "error": "the tools service is unavailable; try again later",
+        "success": False,
+    }
     assert "127.0.0.1" not in str(frames) and "Traceback" not in str(frames)
     assert frames[-1]["data"]["response"] == "answered without it"
     assert (await _run_row(stack, body["run_id"])).status == "completed"
@@ -264,15 +388,26 @@ async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_o
 async def test_a_tool_call_cut_off_by_the_tools_service_going_away_says_it_may_have_run(stack):
     # fresh-eyes test: a call cut off by a tools-service crash was "unavailable; try again later", which invites
     # the model to repeat an action that may have happened
-    slow = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}}}
+    slow = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
+    }
     async with stack.client() as client:
         body = await start(client, slow, {"say": "answered without it"})
-        await wait_for(lambda: any(e.HasField("tool_call") for e in stack.orchestrator.runner.events.snapshot(body["run_id"])))
+        await wait_for(
+            lambda: any(
+                e.HasField("tool_call")
+                for e in stack.orchestrator.runner.events.snapshot(body["run_id"])
+            )
+        )
         await asyncio.sleep(0.3)  # the call is in the tools service
         await stack.tools.stop(0)
         frames = await read_frames(client, body["stream_url"])
     result = next(f["data"]["output"] for f in frames if f["type"] == "tool_result")
-    assert result == {"error": "the tools service went away during the call; the call may have run", "success": False}
+    assert result == {
+        "error": "the tools service went away during the call; the call may have run",
+        "success": False,
+    }
     assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "answered without it"
 
 
@@ -287,19 +422,34 @@ async def test_a_turn_starts_and_answers_while_the_tools_service_is_down(stack):
         runner._tool_defs = None  # nothing known yet: a fresh orchestrator
         _, first = await run_turn(client, {"say": "hello without tools"})
         assert types(first)[-1] == "done" and first[-1]["data"]["response"] == "hello without tools"
-        runner._tool_defs = [{"name": "get_available_integrations", "description": "d", "input_schema": {"type": "object"}}]
-        runner._tool_defs_at = runner._tool_defs_retry_at = 0.0  # the last answer is stale: asked again, fails
-        _, second = await run_turn(client, {"tool": "get_available_integrations", "input": {}}, {"say": "still fine"})
+        runner._tool_defs = [
+            {
+                "name": "get_available_integrations",
+                "description": "d",
+                "input_schema": {"type": "object"},
+            }
+        ]
+        runner._tool_defs_at = runner._tool_defs_retry_at = (
+            0.0  # the last answer is stale: asked again, fails
+        )
+        _, second = await run_turn(
+            client, {"tool": "get_available_integrations", "input": {}}, {"say": "still fine"}
+        )
     assert types(second)[-1] == "done" and second[-1]["data"]["response"] == "still fine"
     result = next(f["data"]["output"] for f in second if f["type"] == "tool_result")
-    assert result == {"error": "the tools service is unavailable; try again later", "success": False}
+    assert result == {
+        "error": "the tools service is unavailable; try again later",
+        "success": False,
+    }
 
 
 async def test_listeners_of_one_run_share_one_upstream_stream(stack):
     fanout = stack.gateway.app.state.fanout
     async with stack.client() as client:
         body = await start(client, {"say": "slow answer", "sleep_ms": 1500})
-        listeners = [asyncio.create_task(read_frames(client, body["stream_url"])) for _ in range(20)]
+        listeners = [
+            asyncio.create_task(read_frames(client, body["stream_url"])) for _ in range(20)
+        ]
         await wait_for(lambda: fanout.active_runs() == 1)
         await asyncio.sleep(0.3)
         assert fanout.active_runs() == 1
@@ -310,7 +460,11 @@ async def test_listeners_of_one_run_share_one_upstream_stream(stack):
 
 async def test_out_of_range_usage_fails_the_run_cleanly_and_frees_the_chat(stack):
     async with stack.client() as client:
-        for usage in ({"input_tokens": 2**62, "output_tokens": 1}, {"input_tokens": -1000, "output_tokens": 5}, {"input_tokens": "abc"}):
+        for usage in (
+            {"input_tokens": 2**62, "output_tokens": 1},
+            {"input_tokens": -1000, "output_tokens": 5},
+            {"input_tokens": "abc"},
+        ):
             body, frames = await run_turn(client, {"say": "x", "usage": usage})
             assert types(frames)[-2:] == ["error", "done"], frames
             assert "usage" in frames[-2]["data"]["message"]
@@ -321,8 +475,21 @@ async def test_out_of_range_usage_fails_the_run_cleanly_and_frees_the_chat(stack
 def test_provider_usage_is_clamped_before_it_reaches_billing_or_events():
     from services.orchestrator.providers.base import TokenUsage, clamp_usage
 
-    clamped = clamp_usage(TokenUsage(input_tokens=-5, output_tokens=2**62, cache_read_tokens=7, cache_write_tokens=True, estimated=True))
-    assert (clamped.input_tokens, clamped.output_tokens, clamped.cache_read_tokens, clamped.cache_write_tokens) == (0, 0, 7, 0)
+    clamped = clamp_usage(
+        TokenUsage(
+            input_tokens=-5,
+            output_tokens=2**62,
+            cache_read_tokens=7,
+            cache_write_tokens=True,
+            estimated=True,
+        )
+    )
+    assert (
+        clamped.input_tokens,
+        clamped.output_tokens,
+        clamped.cache_read_tokens,
+        clamped.cache_write_tokens,
+    ) == (0, 0, 7, 0)
     assert clamped.estimated is True
 
 
@@ -335,7 +502,10 @@ async def test_reconnect_at_the_end_is_an_empty_stream_and_past_it_the_end_frame
             response = await client.get(body["stream_url"], params={"after": n})
             assert response.status_code == 200, response.text
             assert response.content == b""
-        assert await read_frames(client, body["stream_url"], params={"after": len(frames) + 3}) == frames[-1:]
+        assert (
+            await read_frames(client, body["stream_url"], params={"after": len(frames) + 3})
+            == frames[-1:]
+        )
         assert frames[-1]["type"] == "done"
 
 
@@ -347,14 +517,18 @@ async def test_a_busy_claim_on_a_chat_that_is_not_the_callers_is_still_404(stack
     assert await servicer._try_claim(unknown)
     try:
         async with stack.client() as client:
-            response = await client.post("/assistant/chat", json={"message": "hi", "chat_id": unknown})
+            response = await client.post(
+                "/assistant/chat", json={"message": "hi", "chat_id": unknown}
+            )
             assert response.status_code == 404, response.text
             first = await client.post("/assistant/chat", json={"message": "hi"})
             chat_id = first.json()["chat_id"]
             await read_frames(client, first.json()["stream_url"])
             assert await servicer._try_claim(chat_id)
             try:
-                busy = await client.post("/assistant/chat", json={"message": "again", "chat_id": chat_id})
+                busy = await client.post(
+                    "/assistant/chat", json={"message": "again", "chat_id": chat_id}
+                )
                 assert busy.status_code == 409, busy.text
             finally:
                 await servicer._unclaim(chat_id)

@@ -22,13 +22,30 @@ async def _restart_all(stack) -> None:
     await stack.orchestrator.stop(1)
     await stack.tools.stop(1)
     await stack.billing.stop(1)
-    common = {k: getattr(orchestrator_settings, k) for k in ("data_dir", "host", "redis_url", "log_level", "shutdown_grace_s")}
-    stack.billing = await BillingServer.start(BillingSettings(**common, billing_port=0, auto_migrate=False))
+    common = {
+        k: getattr(orchestrator_settings, k)
+        for k in ("data_dir", "host", "redis_url", "log_level", "shutdown_grace_s")
+    }
+    stack.billing = await BillingServer.start(
+        BillingSettings(**common, billing_port=0, auto_migrate=False)
+    )
     stack.tools = await ToolsServer.start(ToolsSettings(**common, tools_port=0, auto_migrate=False))
-    stack.orchestrator = await OrchestratorServer.start(orchestrator_settings.model_copy(update={
-        "billing_addr": f"127.0.0.1:{stack.billing.port}", "tools_addr": f"127.0.0.1:{stack.tools.port}"}))
-    stack.gateway = await GatewayServer.start(gateway_settings.model_copy(update={
-        "orchestrator_addr": f"127.0.0.1:{stack.orchestrator.port}", "tools_addr": f"127.0.0.1:{stack.tools.port}"}))
+    stack.orchestrator = await OrchestratorServer.start(
+        orchestrator_settings.model_copy(
+            update={
+                "billing_addr": f"127.0.0.1:{stack.billing.port}",
+                "tools_addr": f"127.0.0.1:{stack.tools.port}",
+            }
+        )
+    )
+    stack.gateway = await GatewayServer.start(
+        gateway_settings.model_copy(
+            update={
+                "orchestrator_addr": f"127.0.0.1:{stack.orchestrator.port}",
+                "tools_addr": f"127.0.0.1:{stack.tools.port}",
+            }
+        )
+    )
 
 
 async def _die_mid_run(stack, monkeypatch) -> dict:
@@ -36,7 +53,9 @@ async def _die_mid_run(stack, monkeypatch) -> dict:
     run, as kill -9; the run's lease is far from lapsing), start every service again; returns
     the turn start's body."""
     async with stack.client() as client:
-        started = await client.post("/assistant/chat", json={"message": '{"script": [{"say": "slow", "sleep_ms": 60000}]}'})
+        started = await client.post(
+            "/assistant/chat", json={"message": '{"script": [{"say": "slow", "sleep_ms": 60000}]}'}
+        )
         assert started.status_code == 200, started.text
         body = started.json()
     runner = stack.orchestrator.runner
@@ -55,13 +74,28 @@ async def _die_mid_run(stack, monkeypatch) -> dict:
 
 
 async def test_pending_question_and_finished_runs_survive_a_restart_of_every_service(stack):
-    if stack.orchestrator.settings.redis_url or "postgresql" in stack.orchestrator.settings.database_url:
+    if (
+        stack.orchestrator.settings.redis_url
+        or "postgresql" in stack.orchestrator.settings.database_url
+    ):
         import pytest
 
         pytest.skip("restarts the embedded backend in place")
     async with stack.client() as client:
-        done_body, done_frames = await run_turn(client, {"say": "finished before the restart", "tool": "get_available_integrations", "input": {}}, {"say": "ok"})
-        body, frames = await run_turn(client, {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}}, {"say": "resumed after restart"})
+        done_body, done_frames = await run_turn(
+            client,
+            {
+                "say": "finished before the restart",
+                "tool": "get_available_integrations",
+                "input": {},
+            },
+            {"say": "ok"},
+        )
+        body, frames = await run_turn(
+            client,
+            {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}},
+            {"say": "resumed after restart"},
+        )
         request_id = frames[-1]["data"]["request_id"]
     await _restart_all(stack)
     async with stack.client() as client:
@@ -71,13 +105,18 @@ async def test_pending_question_and_finished_runs_survive_a_restart_of_every_ser
         assert details["pending_user_input_request"]["request_id"] == request_id
         assert await read_frames(client, done_body["stream_url"]) == done_frames
         assert await read_frames(client, body["stream_url"]) == frames
-        resumed = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}})
+        resumed = await client.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}},
+        )
         assert resumed.status_code == 200, resumed.text
         rest = await read_frames(client, resumed.json()["stream_url"])
     assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "resumed after restart"
 
 
-async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_published(stack, monkeypatch):
+async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_published(
+    stack, monkeypatch
+):
     """Fresh-eyes test (embedded backend): `kill -9` of the orchestrator within ~100 ms after a
     listener got `done` (or `interrupted`) lost the run's whole stream for good — the events were
     archived after the end was published, and a restart found a completed run with none. Now the
@@ -86,15 +125,23 @@ async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_pub
     if stack.orchestrator.runner.events.durable:
         import pytest
 
-        pytest.skip("Redis Streams keep the events until they are archived (the crash reaper reads them)")
+        pytest.skip(
+            "Redis Streams keep the events until they are archived (the crash reaper reads them)"
+        )
 
     async def died_before_archiving(run_id: str) -> None:
         return None
 
     monkeypatch.setattr(stack.orchestrator.runner, "archive", died_before_archiving)
     async with stack.client() as client:
-        done_body, done_frames = await run_turn(client, {"say": "checking", "tool": "get_available_integrations", "input": {}}, {"say": "ok"})
-        paused_body, paused_frames = await run_turn(client, {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}}, {"say": "later"})
+        done_body, done_frames = await run_turn(
+            client,
+            {"say": "checking", "tool": "get_available_integrations", "input": {}},
+            {"say": "ok"},
+        )
+        paused_body, paused_frames = await run_turn(
+            client, {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}}, {"say": "later"}
+        )
     assert done_frames[-1]["type"] == "done" and paused_frames[-1]["type"] == "interrupted"
     await _restart_all(stack)  # the memory event log is gone: only what was stored remains
     async with stack.client() as client:
@@ -102,7 +149,9 @@ async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_pub
         assert await read_frames(client, paused_body["stream_url"]) == paused_frames
 
 
-async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one_starts_again(stack, monkeypatch):
+async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one_starts_again(
+    stack, monkeypatch
+):
     """Fresh-eyes test (embedded backend): after a crash, listening to a run the dead process left
     running gave an empty 200 stream at once and the chat 409, until the reaper's lease ran out
     (up to 30 s). Now the restarted orchestrator ends such runs before it serves: the listener
@@ -114,14 +163,20 @@ async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one
     body = await _die_mid_run(stack, monkeypatch)
     async with stack.client() as client:
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
-        assert [f["type"] for f in frames] == ["error", "done"] and frames[-1]["data"]["error"] is True
+        assert [f["type"] for f in frames] == ["error", "done"] and frames[-1]["data"][
+            "error"
+        ] is True
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["is_running"] is False
-        again = await client.post("/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]})
+        again = await client.post(
+            "/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]}
+        )
         assert again.status_code == 200, again.text
 
 
-async def test_a_run_lost_before_its_charge_was_sent_is_charged_once_and_not_released(stack, monkeypatch):
+async def test_a_run_lost_before_its_charge_was_sent_is_charged_once_and_not_released(
+    stack, monkeypatch
+):
     """The run charge is committed with the turn (usage.RunCharges). A process that dies before
     sending it leaves it stored; the next start fails the lost run and sends the charge. The
     reaper used to Release a lost run's reservation: racing the stored charge, it voided the
@@ -135,14 +190,23 @@ async def test_a_run_lost_before_its_charge_was_sent_is_charged_once_and_not_rel
         import pytest
 
         pytest.skip("replicas share Redis: the lease decides when a lost run ends")
-    monkeypatch.setattr(stack.orchestrator.runner.charges, "committed", lambda *_args: None)  # dies before sending it
+    monkeypatch.setattr(
+        stack.orchestrator.runner.charges, "committed", lambda *_args: None
+    )  # dies before sending it
     body = await _die_mid_run(stack, monkeypatch)
     async with stack.client() as client:
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
     assert [f["type"] for f in frames] == ["error", "done"]
     await billing_delivered(stack)
     async with stack.billing.core.sessions() as session:
-        states = (await session.scalars(select(Reservation.state).where(Reservation.org_id == stack.org_id))).all()
-        charges = await session.scalar(select(func.count()).select_from(LedgerEntry).where(
-            LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "run_charge"))
+        states = (
+            await session.scalars(
+                select(Reservation.state).where(Reservation.org_id == stack.org_id)
+            )
+        ).all()
+        charges = await session.scalar(
+            select(func.count())
+            .select_from(LedgerEntry)
+            .where(LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "run_charge")
+        )
     assert (states, charges) == (["charged"], 1)

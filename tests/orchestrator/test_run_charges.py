@@ -21,13 +21,22 @@ from tests.orchestrator.helpers import billing_delivered, read_frames, wait_for
 
 async def _reservations(stack) -> list[str]:
     async with stack.billing.core.sessions() as session:
-        return sorted((await session.scalars(select(Reservation.state).where(Reservation.org_id == stack.org_id))).all())
+        return sorted(
+            (
+                await session.scalars(
+                    select(Reservation.state).where(Reservation.org_id == stack.org_id)
+                )
+            ).all()
+        )
 
 
 async def _charges(stack) -> int:
     async with stack.billing.core.sessions() as session:
-        return await session.scalar(select(func.count()).select_from(LedgerEntry).where(
-            LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "run_charge"))
+        return await session.scalar(
+            select(func.count())
+            .select_from(LedgerEntry)
+            .where(LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "run_charge")
+        )
 
 
 class _Recorded:
@@ -54,8 +63,14 @@ async def test_turns_started_together_are_charged_once_each_in_one_batch(stack, 
     called = _Recorded(stack.orchestrator.servicer.billing)
     monkeypatch.setattr(stack.orchestrator.servicer, "billing", called)
     async with stack.client() as client:
-        started = await asyncio.gather(*(client.post("/assistant/chat", json={"message": script({"say": f"n{i}"}), "llm": SCRIPTED})
-                                         for i in range(4)))
+        started = await asyncio.gather(
+            *(
+                client.post(
+                    "/assistant/chat", json={"message": script({"say": f"n{i}"}), "llm": SCRIPTED}
+                )
+                for i in range(4)
+            )
+        )
         assert [r.status_code for r in started] == [200] * 4
         for response in started:
             assert (await read_frames(client, response.json()["stream_url"]))[-1]["type"] == "done"
@@ -65,18 +80,26 @@ async def test_turns_started_together_are_charged_once_each_in_one_batch(stack, 
     assert await _reservations(stack) == ["charged"] * 4 and await _charges(stack) == 4
 
 
-async def test_a_turn_started_by_a_process_that_died_before_sending_its_charge_is_charged_by_the_next(stack, monkeypatch):
+async def test_a_turn_started_by_a_process_that_died_before_sending_its_charge_is_charged_by_the_next(
+    stack, monkeypatch
+):
     """The charge is committed with the turn; a process that dies before the linger is over
     sends nothing, and the next start (its first pass over the stored calls) sends it."""
-    monkeypatch.setattr(stack.orchestrator.runner.charges, "committed", lambda *_args: None)  # dies before sending
+    monkeypatch.setattr(
+        stack.orchestrator.runner.charges, "committed", lambda *_args: None
+    )  # dies before sending
     async with stack.client() as client:
-        response = await client.post("/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED})
+        response = await client.post(
+            "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
+        )
         assert response.status_code == 200, response.text
         await read_frames(client, response.json()["stream_url"])
     async with stack.orchestrator.runner.sessions() as session:
         assert "ChargeBatch" in (await session.scalars(select(BillingRedelivery.method))).all()
     assert await _reservations(stack) == ["held"]
-    await stack.orchestrator.runner.redelivery._deliver_due(everything=True)  # the next start's first pass
+    await stack.orchestrator.runner.redelivery._deliver_due(
+        everything=True
+    )  # the next start's first pass
     await billing_delivered(stack)
     assert await _reservations(stack) == ["charged"] and await _charges(stack) == 1
 
@@ -95,17 +118,29 @@ class _OlderBilling:
         if request.reservation_id in self.refuse:
             raise _Refused()
         self.charged.append(request.reservation_id)
-        return billing_pb2.ChargeResponse(state=billing_pb2.RESERVATION_STATE_CHARGED, ledger_entry_id="led_1")
+        return billing_pb2.ChargeResponse(
+            state=billing_pb2.RESERVATION_STATE_CHARGED, ledger_entry_id="led_1"
+        )
 
 
 class _Unimplemented(grpc.aio.AioRpcError):
     def __init__(self) -> None:
-        super().__init__(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Method not found!")
+        super().__init__(
+            grpc.StatusCode.UNIMPLEMENTED,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "Method not found!",
+        )
 
 
 class _Refused(grpc.aio.AioRpcError):
     def __init__(self) -> None:
-        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(), "reservation is released")
+        super().__init__(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "reservation is released",
+        )
 
 
 async def test_an_older_billing_gets_each_charge_as_charge_and_a_refusal_is_logged_once(caplog):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+
 import pytest
 from sqlalchemy import select, update
 
@@ -23,7 +24,10 @@ from tests.orchestrator.helpers import run_turn, start, types, wait_for
 from tests.sse_client import read_frames
 
 ASK = {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}, "say": "Asking."}
-TOOL_THEN_ANSWER = ({"tool": "get_available_integrations", "input": {}, "say": "Looking."}, {"say": "Here they are."})
+TOOL_THEN_ANSWER = (
+    {"tool": "get_available_integrations", "input": {}, "say": "Looking."},
+    {"say": "Here they are."},
+)
 
 
 def _die_before_the_end_is_published(monkeypatch, runner) -> list[str]:
@@ -55,12 +59,25 @@ async def _row(stack, run_id: str) -> Run:
 
 async def _lapse_lease(stack, run_id: str) -> None:
     async with stack.orchestrator.servicer.sessions() as session, session.begin():
-        await session.execute(update(Run).where(Run.id == run_id).values(lease_until=utcnow() - datetime.timedelta(seconds=1)))
+        await session.execute(
+            update(Run)
+            .where(Run.id == run_id)
+            .values(lease_until=utcnow() - datetime.timedelta(seconds=1))
+        )
 
 
 def _comparable(frames: list[dict]) -> list[dict]:
     """Frames without what differs between two runs of one script (ids, times)."""
-    drop = {"timestamp", "run_id", "chat_id", "thread_id", "tool_call_id", "request_id", "stream_url", "id"}
+    drop = {
+        "timestamp",
+        "run_id",
+        "chat_id",
+        "thread_id",
+        "tool_call_id",
+        "request_id",
+        "stream_url",
+        "id",
+    }
 
     def clean(value):
         if isinstance(value, dict):
@@ -77,8 +94,14 @@ async def _settled(stack, run_id: str) -> bool:
     return (await _row(stack, run_id)).archive_due is None
 
 
-@pytest.mark.parametrize(("steps", "status"), [(TOOL_THEN_ANSWER, "completed"), ((ASK,), "interrupted")], ids=["completed", "interrupted"])
-async def test_a_run_whose_replica_died_before_publishing_its_end_is_ended_and_archived(redis_stack, monkeypatch, steps, status):
+@pytest.mark.parametrize(
+    ("steps", "status"),
+    [(TOOL_THEN_ANSWER, "completed"), ((ASK,), "interrupted")],
+    ids=["completed", "interrupted"],
+)
+async def test_a_run_whose_replica_died_before_publishing_its_end_is_ended_and_archived(
+    redis_stack, monkeypatch, steps, status
+):
     stack, runner = redis_stack, redis_stack.orchestrator.runner
     async with stack.client() as client:
         _, expected = await run_turn(client, *steps)  # the same turn, ended as usual
@@ -101,11 +124,18 @@ async def test_a_run_whose_replica_died_before_publishing_its_end_is_ended_and_a
         assert _comparable(frames) == _comparable(expected), (types(frames), types(expected))
         # archived: a late listener gets the same stream with Redis' copy gone
         prefix = runner.events.prefix
-        await runner.events.redis.delete(f"{prefix}run:{body['run_id']}:events", f"{prefix}run:{body['run_id']}:meta")
+        await runner.events.redis.delete(
+            f"{prefix}run:{body['run_id']}:events", f"{prefix}run:{body['run_id']}:meta"
+        )
         assert await read_frames(client, body["stream_url"]) == frames
         if status == "interrupted":  # the question is still answerable
-            resumed = await client.post(f"/assistant/chat/{body['chat_id']}/resume", json={
-                "request_id": frames[-1]["data"]["request_id"], "response": {"kind": "yes_no", "answer": True}})
+            resumed = await client.post(
+                f"/assistant/chat/{body['chat_id']}/resume",
+                json={
+                    "request_id": frames[-1]["data"]["request_id"],
+                    "response": {"kind": "yes_no", "answer": True},
+                },
+            )
             assert resumed.status_code == 200, resumed.text
             assert types(await read_frames(client, resumed.json()["stream_url"]))[-1] == "done"
 
@@ -131,9 +161,15 @@ async def test_a_settle_that_fails_is_tried_again_once_its_lease_lapses(redis_st
 
         monkeypatch.setattr(runner.events, "append_after_end", redis_away_once)
         await _lapse_lease(stack, body["run_id"])
-        assert await supervisor.settle_ended() == []  # failed: the run is held for a lease, still due
+        assert (
+            await supervisor.settle_ended() == []
+        )  # failed: the run is held for a lease, still due
         row = await _row(stack, body["run_id"])
-        held_until = row.lease_until if row.lease_until.tzinfo else row.lease_until.replace(tzinfo=datetime.timezone.utc)  # SQLite: naive
+        held_until = (
+            row.lease_until
+            if row.lease_until.tzinfo
+            else row.lease_until.replace(tzinfo=datetime.UTC)
+        )  # SQLite: naive
         assert row.archive_due is not None and held_until > utcnow()
         assert await supervisor.settle_ended() == []  # not again before that lease lapses
         assert len(calls) == 1
@@ -141,7 +177,11 @@ async def test_a_settle_that_fails_is_tried_again_once_its_lease_lapses(redis_st
         await _lapse_lease(stack, body["run_id"])
         await wait_for(lambda: _settled(stack, body["run_id"]), timeout=10)
         frames = await read_frames(client, body["stream_url"])
-        assert types(frames)[0] == "metadata" and types(frames)[-1] == "done" and "error" not in types(frames), types(frames)
+        assert (
+            types(frames)[0] == "metadata"
+            and types(frames)[-1] == "done"
+            and "error" not in types(frames)
+        ), types(frames)
         assert frames[-1]["data"]["response"] == "all fine"
 
 
@@ -150,6 +190,7 @@ async def test_an_ended_run_is_not_due_after_a_normal_end(redis_stack):
     async with stack.client() as client:
         body, frames = await run_turn(client, {"say": "all fine"})
         assert types(frames)[-1] == "done"
+
         async def archived() -> bool:  # by its owner, right after the end: no settle pass involved
             return (await _row(stack, body["run_id"])).archive_due is None
 

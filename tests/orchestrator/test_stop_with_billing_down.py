@@ -16,8 +16,17 @@ async def test_a_stop_right_after_runs_ended_with_billing_down_does_not_hang(tmp
     stack = await start_stack(tmp_path)
     try:
         async with stack.client() as client:
-            bodies = [await start(client, {"say": "end", "usage": {"input_tokens": 300, "output_tokens": 50}, "sleep_ms": 800})
-                      for _ in range(3)]
+            bodies = [
+                await start(
+                    client,
+                    {
+                        "say": "end",
+                        "usage": {"input_tokens": 300, "output_tokens": 50},
+                        "sleep_ms": 800,
+                    },
+                )
+                for _ in range(3)
+            ]
             await asyncio.sleep(0.3)
             await stack.billing.stop(0)
             for body in bodies:

@@ -71,8 +71,11 @@ async def _stream(stub, request) -> list[list[str]]:
 
 async def test_stream_run_with_max_batch_sends_the_same_events_in_fewer_messages(stack):
     async with stack.client() as client:
-        body, frames = await run_turn(client, {"say": "checking", "tool": "get_available_integrations", "input": {}},
-                                      {"say": "one two three four five six", "chunks": 6})
+        body, frames = await run_turn(
+            client,
+            {"say": "checking", "tool": "get_available_integrations", "input": {}},
+            {"say": "one two three four five six", "chunks": 6},
+        )
     caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
@@ -114,7 +117,9 @@ async def test_ended_runs_are_kept_in_memory_within_a_byte_budget_and_replayed_f
     assert log.has("first") and log.has("second")
     run("third", 300)  # past 700,000 together: the oldest goes
     assert not log.has("first") and log.has("second") and log.has("third")
-    run("huge", 2000)  # larger than the budget alone: out as soon as it ends, and the older ones with it
+    run(
+        "huge", 2000
+    )  # larger than the budget alone: out as soon as it ends, and the older ones with it
     assert not log.has("huge") and not log.has("second") and not log.has("third")
     replayed = [e async for e in log.follow("first", after=299)]
     assert [e.WhichOneof("payload") for e in replayed] == ["response_chunk", "done"]

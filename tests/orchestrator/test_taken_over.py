@@ -36,7 +36,13 @@ async def _status(stack, run_id: str) -> str:
 
 async def _roles(stack, run_id: str) -> list[str]:
     async with stack.orchestrator.servicer.sessions() as session:
-        return list((await session.execute(select(Message.role).where(Message.run_id == run_id).order_by(Message.seq))).scalars())
+        return list(
+            (
+                await session.execute(
+                    select(Message.role).where(Message.run_id == run_id).order_by(Message.seq)
+                )
+            ).scalars()
+        )
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -45,17 +51,23 @@ def either_stack(request):
     return request.getfixturevalue("stack" if request.param == "memory" else "redis_stack")
 
 
-async def test_a_run_another_replica_ended_is_not_ended_again_when_its_own_replica_wakes_up(either_stack):
+async def test_a_run_another_replica_ended_is_not_ended_again_when_its_own_replica_wakes_up(
+    either_stack,
+):
     stack, runner = either_stack, either_stack.orchestrator.runner
     async with stack.client() as client:
         body = await start(client, {"say": "slow answer one two three four", "sleep_ms": 1500})
         listener = asyncio.create_task(read_frames(client, body["stream_url"]))
         await wait_for(lambda: body["run_id"] in runner.active)
         # the other replica's reaper: this one looked dead (stalled past its lease)
-        assert await stack.orchestrator.supervisor.take_over(body["run_id"], "failed", orphaned=True)
+        assert await stack.orchestrator.supervisor.take_over(
+            body["run_id"], "failed", orphaned=True
+        )
         frames = await asyncio.wait_for(listener, 10)
         assert types(frames) == ["metadata", "error", "done"], types(frames)
-        await wait_for(lambda: body["run_id"] not in runner.active, timeout=10)  # the stalled loop went on and ended here
+        await wait_for(
+            lambda: body["run_id"] not in runner.active, timeout=10
+        )  # the stalled loop went on and ended here
         assert await _status(stack, body["run_id"]) == "failed"  # the reaper's end stands
         assert await _roles(stack, body["run_id"]) == ["user"]  # none of the stalled loop's rows
         again = await read_frames(client, body["stream_url"])
@@ -71,14 +83,20 @@ async def test_the_lease_renewal_stops_a_run_another_replica_ended(either_stack)
     async with stack.client() as client:
         body = await start(client, {"say": "never said", "sleep_ms": 60_000})
         await wait_for(lambda: body["run_id"] in runner.active)
-        assert await stack.orchestrator.supervisor.take_over(body["run_id"], "failed", orphaned=True)
+        assert await stack.orchestrator.supervisor.take_over(
+            body["run_id"], "failed", orphaned=True
+        )
         await stack.orchestrator.supervisor.renew()
-        await wait_for(lambda: body["run_id"] not in runner.active, timeout=5)  # not after its 60 s model call
+        await wait_for(
+            lambda: body["run_id"] not in runner.active, timeout=5
+        )  # not after its 60 s model call
         assert await _status(stack, body["run_id"]) == "failed"
         assert types(await read_frames(client, body["stream_url"])) == ["metadata", "error", "done"]
 
 
-async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_it_answers(stack, monkeypatch):
+async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_it_answers(
+    stack, monkeypatch
+):
     runner = stack.orchestrator.runner
     real = runner.store.finish
     tries: list[str] = []
@@ -86,7 +104,9 @@ async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_
     async def dropped_twice(end):
         tries.append(end.run_id)
         if len(tries) <= 2:
-            raise exc.OperationalError("UPDATE runs", None, ConnectionResetError(104, "connection reset by peer"))
+            raise exc.OperationalError(
+                "UPDATE runs", None, ConnectionResetError(104, "connection reset by peer")
+            )
         await real(end)
 
     monkeypatch.setattr(runner.store, "finish", dropped_twice)
@@ -100,7 +120,9 @@ async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_
     assert await _roles(stack, body["run_id"]) == ["user", "assistant"]
 
 
-async def test_the_supervisor_says_a_database_outage_once_not_a_traceback_per_pass(stack, monkeypatch, caplog):
+async def test_the_supervisor_says_a_database_outage_once_not_a_traceback_per_pass(
+    stack, monkeypatch, caplog
+):
     """Re-test of the durability fixes: while the database refused connections the run
     supervisor logged "run supervisor pass failed" with a traceback on every pass (11 in 5 s)."""
     import logging
@@ -125,5 +147,6 @@ async def test_the_supervisor_says_a_database_outage_once_not_a_traceback_per_pa
     records = [r for r in caplog.records if r.name == "services.orchestrator.recovery"]
     assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
     assert [r.getMessage() for r in records if r.levelno == logging.WARNING] == [
-        "run reaper: database unavailable; reaping and settling wait until it answers"]
+        "run reaper: database unavailable; reaping and settling wait until it answers"
+    ]
     assert any(r.getMessage() == "run reaper: passes go through again" for r in records)

@@ -25,25 +25,58 @@ async def stack(tmp_path):
 
 async def test_integration_action_cost_is_charged_once(stack):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
-        await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(tools_pb2.CreateCredentialRequest(
-            organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"}))
-    call = {"tool": "execute_integration_tool", "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}}, "tool_call_id": "call_pg1"}
-    free = {"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}}}
+        await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
+            tools_pb2.CreateCredentialRequest(
+                organization_id=stack.org_id,
+                integration_name="postgresql",
+                auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"},
+            )
+        )
+    call = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}},
+        "tool_call_id": "call_pg1",
+    }
+    free = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}},
+    }
     async with stack.client() as client:
         body, frames = await run_turn(client, call, free, {"say": "done"})
     results = [f["data"]["output"] for f in frames if f["type"] == "tool_result"]
     assert results[0].get("success") is not False, results[0]
     async with stack.billing.core.sessions() as session:
-        entries = (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "tool_usage"))).scalars().all()
-    assert [(e.idempotency_key, e.amount, e.unit) for e in entries] == [(f"tool:{body['run_id']}:call_pg1", -100, "millicredit")]
+        entries = (
+            (
+                await session.execute(
+                    select(LedgerEntry).where(
+                        LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "tool_usage"
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
+    assert [(e.idempotency_key, e.amount, e.unit) for e in entries] == [
+        (f"tool:{body['run_id']}:call_pg1", -100, "millicredit")
+    ]
     assert "postgresql.list_schemas" in entries[0].note
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as channel:
-        replay = await billing_pb2_grpc.BillingServiceStub(channel).RecordToolUsage(billing_pb2.RecordToolUsageRequest(
-            organization_id=stack.org_id, run_id=body["run_id"], tool_call_id="call_pg1", tool="execute_integration_tool", millicredits=100))
+        replay = await billing_pb2_grpc.BillingServiceStub(channel).RecordToolUsage(
+            billing_pb2.RecordToolUsageRequest(
+                organization_id=stack.org_id,
+                run_id=body["run_id"],
+                tool_call_id="call_pg1",
+                tool="execute_integration_tool",
+                millicredits=100,
+            )
+        )
     assert replay.replayed is True and replay.ledger_entry_id == entries[0].id
 
 
-async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_and_loses_nothing(stack, monkeypatch):
+async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_and_loses_nothing(
+    stack, monkeypatch
+):
     """Bug (fresh-eyes test): with billing stopped (SIGSTOP) a run took ~15 s more per billing call
     (three quick attempts of 5 s each, the tool charge awaited inside the loop), a cancel took
     11 s and a stop 12 s, though the README says the run is not held up. Now the quick attempts
@@ -59,8 +92,13 @@ async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_
     from tests.orchestrator.helpers import wait_for
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
-        await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(tools_pb2.CreateCredentialRequest(
-            organization_id=stack.org_id, integration_name="postgresql", auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"}))
+        await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
+            tools_pb2.CreateCredentialRequest(
+                organization_id=stack.org_id,
+                integration_name="postgresql",
+                auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"},
+            )
+        )
     stalled = asyncio.Event()
 
     async def hang(*_args, **_kwargs):
@@ -69,24 +107,41 @@ async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_
     core = stack.billing.core
     monkeypatch.setattr(core, "record_usage_batch", hang)
     monkeypatch.setattr(core, "record_tool_usage", hang)
-    call = {"say": "looking", "tool": "execute_integration_tool", "tool_call_id": "call_pg2",
-            "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}}}
+    call = {
+        "say": "looking",
+        "tool": "execute_integration_tool",
+        "tool_call_id": "call_pg2",
+        "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}},
+    }
     started = time.monotonic()
     async with stack.client() as client:
         body, frames = await run_turn(client, call, {"say": "done"})
     held = time.monotonic() - started
     assert frames[-1]["type"] == "done"
-    assert held < 8, held  # two model calls and a tool charge: ~2 s (the quick attempts of each, side by side); was > 30 s
+    assert held < 8, (
+        held
+    )  # two model calls and a tool charge: ~2 s (the quick attempts of each, side by side); was > 30 s
     async with stack.orchestrator.runner.sessions() as session:
         stored = sorted((await session.execute(select(BillingRedelivery.method))).scalars().all())
-    assert stored == ["RecordToolUsage", "RecordUsageBatch"] or stored == ["RecordToolUsage", "RecordUsageBatch", "RecordUsageBatch"]
+    assert stored == ["RecordToolUsage", "RecordUsageBatch"] or stored == [
+        "RecordToolUsage",
+        "RecordUsageBatch",
+        "RecordUsageBatch",
+    ]
     monkeypatch.undo()  # billing answers again: the stored calls are sent in the background
 
     async def delivered() -> bool:
         async with core.sessions() as session:
-            tool = await session.scalar(select(func.count()).select_from(LedgerEntry).where(
-                LedgerEntry.idempotency_key == f"tool:{body['run_id']}:call_pg2"))
-            usage = await session.scalar(select(func.count()).select_from(UsageRecord).where(UsageRecord.run_id == body["run_id"]))
+            tool = await session.scalar(
+                select(func.count())
+                .select_from(LedgerEntry)
+                .where(LedgerEntry.idempotency_key == f"tool:{body['run_id']}:call_pg2")
+            )
+            usage = await session.scalar(
+                select(func.count())
+                .select_from(UsageRecord)
+                .where(UsageRecord.run_id == body["run_id"])
+            )
         return tool == 1 and usage == 2
 
     await wait_for(delivered, timeout=15)

@@ -61,7 +61,9 @@ async def sessions(tmp_path):
 
 def _fast(sessions, **overrides: float) -> Redelivery:
     """A Redelivery with short waits for a test (1 s doubling to 60 s in production)."""
-    return Redelivery(sessions, **{"first_delay_s": 0.01, "max_delay_s": 0.02, "idle_poll_s": 0.05, **overrides})
+    return Redelivery(
+        sessions, **{"first_delay_s": 0.01, "max_delay_s": 0.02, "idle_poll_s": 0.05, **overrides}
+    )
 
 
 async def _until(predicate, timeout: float = 5.0) -> None:
@@ -73,7 +75,9 @@ async def _until(predicate, timeout: float = 5.0) -> None:
 
 
 def _usage(run_id: str, index: int) -> billing_pb2.RecordUsageRequest:
-    return billing_pb2.RecordUsageRequest(organization_id="org", run_id=run_id, call_index=index, input_tokens=1)
+    return billing_pb2.RecordUsageRequest(
+        organization_id="org", run_id=run_id, call_index=index, input_tokens=1
+    )
 
 
 async def test_records_within_the_window_go_in_one_batch_and_flush_sends_at_once(sessions):
@@ -94,30 +98,41 @@ async def test_records_within_the_window_go_in_one_batch_and_flush_sends_at_once
 async def test_an_older_billing_without_the_batch_rpc_gets_single_calls(sessions):
     billing = FakeBilling(batch_code=grpc.StatusCode.UNIMPLEMENTED)
     batcher = UsageBatcher(billing, Redelivery(sessions), window_s=0)
-    await asyncio.wait_for(asyncio.gather(batcher.add(_usage("a", 0)), batcher.add(_usage("a", 1))), 1)
+    await asyncio.wait_for(
+        asyncio.gather(batcher.add(_usage("a", 0)), batcher.add(_usage("a", 1))), 1
+    )
     assert sorted(billing.singles) == [("a", 0), ("a", 1)]
 
 
-async def test_a_failed_send_is_retried_and_a_last_failure_stored_not_raised(sessions, caplog: pytest.LogCaptureFixture):
+async def test_a_failed_send_is_retried_and_a_last_failure_stored_not_raised(
+    sessions, caplog: pytest.LogCaptureFixture
+):
     billing = FakeBilling(failures=1)
     batcher = UsageBatcher(billing, Redelivery(sessions), window_s=0)
     await asyncio.wait_for(batcher.add(_usage("a", 0)), 2)
     assert billing.batches == [[("a", 0)]]  # the retry went through
     billing.failures = 5
     await asyncio.wait_for(batcher.add(_usage("b", 0)), 3)
-    assert any(r.getMessage() == "recording usage failed; retrying in the background" for r in caplog.records)
+    assert any(
+        r.getMessage() == "recording usage failed; retrying in the background"
+        for r in caplog.records
+    )
     assert await batcher.redelivery.pending() == 1
     await batcher.close()
 
 
-async def test_a_billing_outage_longer_than_the_quick_retries_loses_no_record(sessions, caplog: pytest.LogCaptureFixture):
+async def test_a_billing_outage_longer_than_the_quick_retries_loses_no_record(
+    sessions, caplog: pytest.LogCaptureFixture
+):
     """Re-test: billing stalled ~25 s during a run and its usage records were never recorded (3 quick
     attempts, then only an ERROR line). Now the run is not held up, and the records are sent again
     in the background until billing takes them."""
     billing = FakeBilling(failures=6)  # more than the 3 quick attempts
     batcher = UsageBatcher(billing, _fast(sessions), window_s=0)
     batcher.redelivery.start()
-    await asyncio.wait_for(batcher.add(_usage("a", 0)), 3)  # the run goes on after the quick retries
+    await asyncio.wait_for(
+        batcher.add(_usage("a", 0)), 3
+    )  # the run goes on after the quick retries
     assert any("retrying in the background" in r.getMessage() for r in caplog.records)
 
     async def delivered() -> bool:
@@ -129,7 +144,9 @@ async def test_a_billing_outage_longer_than_the_quick_retries_loses_no_record(se
     await batcher.close()
 
 
-async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start_sends_it(sessions, caplog: pytest.LogCaptureFixture):
+async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start_sends_it(
+    sessions, caplog: pytest.LogCaptureFixture
+):
     """Fifth session's leftover: the background retries were kept in memory, so an orchestrator
     stopped (or crashed) while billing was down lost the records (one last attempt, then ERROR).
     Now they are stored in the orchestrator's database and the next process sends them."""
@@ -137,10 +154,14 @@ async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start
     batcher = UsageBatcher(billing, _fast(sessions, first_delay_s=60), window_s=0)
     batcher.redelivery.start()
     await asyncio.wait_for(batcher.add(_usage("a", 0)), 3)
-    await asyncio.wait_for(batcher.close(), 3)  # stopped while billing is still down, its next attempt a minute away
+    await asyncio.wait_for(
+        batcher.close(), 3
+    )  # stopped while billing is still down, its next attempt a minute away
     assert billing.batches == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
     billing.failures = 0
-    restarted = UsageBatcher(billing, _fast(sessions), window_s=0)  # a new process on the same database
+    restarted = UsageBatcher(
+        billing, _fast(sessions), window_s=0
+    )  # a new process on the same database
     assert await restarted.redelivery.pending() == 1
     restarted.redelivery.start()  # sends at once, not when the stopped process had scheduled it (re-test)
 
@@ -152,7 +173,9 @@ async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start
     await restarted.close()
 
 
-async def test_a_call_past_the_horizon_is_given_up_with_its_ids_at_error(sessions, caplog: pytest.LogCaptureFixture):
+async def test_a_call_past_the_horizon_is_given_up_with_its_ids_at_error(
+    sessions, caplog: pytest.LogCaptureFixture
+):
     billing = FakeBilling(failures=1000)
     batcher = UsageBatcher(billing, _fast(sessions, horizon_s=0.05), window_s=0)
     batcher.redelivery.start()
@@ -162,7 +185,11 @@ async def test_a_call_past_the_horizon_is_given_up_with_its_ids_at_error(session
         return await batcher.redelivery.pending() == 0
 
     await _until(given_up)
-    lost = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"]
+    lost = [
+        r
+        for r in caplog.records
+        if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"
+    ]
     assert len(lost) == 1 and lost[0].fields["run_id"] == "b" and lost[0].fields["call_index"] == 3
     assert lost[0].fields["code"] == "UNAVAILABLE"
     await batcher.close()
@@ -178,16 +205,26 @@ async def test_two_replicas_on_one_database_send_each_attempt_once(sessions):
     assert billing.batches == [[("a", 0)]] and await first.redelivery.pending() == 0
 
 
-async def test_a_call_of_a_method_this_version_does_not_know_is_left_for_one_that_does(sessions, caplog: pytest.LogCaptureFixture):
-    newer = _fast(sessions, first_delay_s=0, horizon_s=0)  # a newer version stored a call of a new method
-    await newer.retry("RecordSomethingNew", _usage("n", 0), "recording something failed", [{"run_id": "n"}])
+async def test_a_call_of_a_method_this_version_does_not_know_is_left_for_one_that_does(
+    sessions, caplog: pytest.LogCaptureFixture
+):
+    newer = _fast(
+        sessions, first_delay_s=0, horizon_s=0
+    )  # a newer version stored a call of a new method
+    await newer.retry(
+        "RecordSomethingNew", _usage("n", 0), "recording something failed", [{"run_id": "n"}]
+    )
     older = _fast(sessions, horizon_s=0)
     older.register("RecordUsageBatch", FakeBilling().RecordUsageBatch)
-    assert await older._deliver_due() == older.idle_poll_s  # nothing it can send, and nothing given up
+    assert (
+        await older._deliver_due() == older.idle_poll_s
+    )  # nothing it can send, and nothing given up
     assert await older.pending() == 1 and not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-async def test_a_call_the_database_could_not_store_is_kept_in_memory_then_stored(sessions, caplog: pytest.LogCaptureFixture):
+async def test_a_call_the_database_could_not_store_is_kept_in_memory_then_stored(
+    sessions, caplog: pytest.LogCaptureFixture
+):
     down = True
 
     def flaky_sessions():
@@ -198,7 +235,10 @@ async def test_a_call_the_database_could_not_store_is_kept_in_memory_then_stored
     billing = FakeBilling(failures=3)
     batcher = UsageBatcher(billing, _fast(flaky_sessions), window_s=0)
     await asyncio.wait_for(batcher.add(_usage("a", 0)), 3)
-    assert any(r.getMessage() == "storing billing calls to send again failed; kept in memory" for r in caplog.records)
+    assert any(
+        r.getMessage() == "storing billing calls to send again failed; kept in memory"
+        for r in caplog.records
+    )
     down = False
     batcher.redelivery.start()
 
@@ -209,8 +249,14 @@ async def test_a_call_the_database_could_not_store_is_kept_in_memory_then_stored
     down = True
     billing.failures = 5
     await asyncio.wait_for(batcher.add(_usage("c", 1)), 3)
-    await asyncio.wait_for(batcher.close(), 3)  # neither stored nor taken at the last attempt: ERROR
-    lost = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"]
+    await asyncio.wait_for(
+        batcher.close(), 3
+    )  # neither stored nor taken at the last attempt: ERROR
+    lost = [
+        r
+        for r in caplog.records
+        if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"
+    ]
     assert [(r.fields["run_id"], r.fields["call_index"]) for r in lost] == [("c", 1)]
 
 
@@ -225,10 +271,17 @@ async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background(ses
 
     billing = SimpleNamespace(RecordToolUsage=record_tool_usage)
     redelivery = _fast(sessions)
-    redelivery.register("RecordToolUsage", lambda data: record_tool_usage(billing_pb2.RecordToolUsageRequest.FromString(data)))
+    redelivery.register(
+        "RecordToolUsage",
+        lambda data: record_tool_usage(billing_pb2.RecordToolUsageRequest.FromString(data)),
+    )
     runner = SimpleNamespace(billing=billing, redelivery=redelivery)
-    request = billing_pb2.RecordToolUsageRequest(organization_id="org", run_id="r", tool_call_id="t1", millicredits=5)
-    await TurnRunner._send_to_billing(runner, "RecordToolUsage", request, "recording tool usage failed", tool_call_id="t1")
+    request = billing_pb2.RecordToolUsageRequest(
+        organization_id="org", run_id="r", tool_call_id="t1", millicredits=5
+    )
+    await TurnRunner._send_to_billing(
+        runner, "RecordToolUsage", request, "recording tool usage failed", tool_call_id="t1"
+    )
     assert calls == ["t1"] * 3 and await redelivery.pending() == 1
     redelivery.start()
 
@@ -259,7 +312,9 @@ async def test_a_batch_of_several_runs_logs_each_record_with_its_own_ids(session
         batcher = UsageBatcher(billing, Redelivery(sessions), window_s=0.05)
 
         async def run(name: str) -> asyncio.Future:
-            loopline_logging.bind_task(run_id=f"run-{name}", chat_id=f"chat-{name}", org_id=f"org-{name}")
+            loopline_logging.bind_task(
+                run_id=f"run-{name}", chat_id=f"chat-{name}", org_id=f"org-{name}"
+            )
             request = _usage(f"run-{name}", 0)
             request.chat_id = f"chat-{name}"
             return batcher.add(request)
@@ -268,8 +323,15 @@ async def test_a_batch_of_several_runs_logs_each_record_with_its_own_ids(session
         await asyncio.wait_for(asyncio.gather(*waits), 5)
     finally:
         logger.removeHandler(handler)
-    warned = [json.loads(line) for line in lines.getvalue().splitlines() if "retrying in the background" in line]
-    assert sorted((w["run_id"], w["chat_id"], w.get("org_id")) for w in warned) == [("run-one", "chat-one", None), ("run-two", "chat-two", None)]
+    warned = [
+        json.loads(line)
+        for line in lines.getvalue().splitlines()
+        if "retrying in the background" in line
+    ]
+    assert sorted((w["run_id"], w["chat_id"], w.get("org_id")) for w in warned) == [
+        ("run-one", "chat-one", None),
+        ("run-two", "chat-two", None),
+    ]
 
 
 # ---------------------------------------------------------------- a run's end stores its usage (outbox)
@@ -290,12 +352,39 @@ async def _running_run(store, run_id: str) -> None:
 
     now = utcnow()
     chat_id = f"chat-{run_id}"
-    chat = {"id": chat_id, "organization_id": "org", "user_id": "u", "kind": "assistant", "title": "t", "workflow_id": None,
-            "running_id": run_id, "deleted_at": None, "created_at": now, "updated_at": now}
-    run = {"id": run_id, "durable_id": f"run_{run_id}", "chat_id": chat_id, "organization_id": "org", "parent_run_id": None,
-           "status": "running", "llm": {"provider_id": "p"}, "reservation_id": None, "usage": None, "error": None,
-           "created_at": now, "updated_at": now, "lease_until": now}
-    await store.persist_turn(claim=False, chat=chat, message=ThreadRow(role="user", content="hi", chat_id=chat_id, run_id=run_id), run=run)
+    chat = {
+        "id": chat_id,
+        "organization_id": "org",
+        "user_id": "u",
+        "kind": "assistant",
+        "title": "t",
+        "workflow_id": None,
+        "running_id": run_id,
+        "deleted_at": None,
+        "created_at": now,
+        "updated_at": now,
+    }
+    run = {
+        "id": run_id,
+        "durable_id": f"run_{run_id}",
+        "chat_id": chat_id,
+        "organization_id": "org",
+        "parent_run_id": None,
+        "status": "running",
+        "llm": {"provider_id": "p"},
+        "reservation_id": None,
+        "usage": None,
+        "error": None,
+        "created_at": now,
+        "updated_at": now,
+        "lease_until": now,
+    }
+    await store.persist_turn(
+        claim=False,
+        chat=chat,
+        message=ThreadRow(role="user", content="hi", chat_id=chat_id, run_id=run_id),
+        run=run,
+    )
 
 
 async def _end_run(store, batcher: UsageBatcher, run_id: str) -> None:
@@ -304,9 +393,20 @@ async def _end_run(store, batcher: UsageBatcher, run_id: str) -> None:
 
     handed = batcher.take(run_id)
     assert handed is not None
-    await _running_run(store, run_id)  # a run's end is stored only while it is running (store.RunTakenOver)
-    await store.finish(RunEnd(run_id=run_id, chat_id=f"chat-{run_id}", status="completed", error=None, usage={}, rows=[],
-                              billing_calls=[handed[1]]))
+    await _running_run(
+        store, run_id
+    )  # a run's end is stored only while it is running (store.RunTakenOver)
+    await store.finish(
+        RunEnd(
+            run_id=run_id,
+            chat_id=f"chat-{run_id}",
+            status="completed",
+            error=None,
+            usage={},
+            rows=[],
+            billing_calls=[handed[1]],
+        )
+    )
     batcher.stored(handed[1]["id"], handed[0])
 
 
@@ -319,12 +419,16 @@ async def store(sessions):
     turn_store.close()
 
 
-async def test_runs_ending_within_the_linger_send_their_usage_in_one_call_and_leave_nothing_stored(sessions, store):
+async def test_runs_ending_within_the_linger_send_their_usage_in_one_call_and_leave_nothing_stored(
+    sessions, store
+):
     """Seventh round (docs/performance.md): a run's end no longer waits for its own
     RecordUsageBatch; its records are stored in the end's transaction and sent with the
     records of the other runs that end within the linger, then their rows are deleted."""
     billing = FakeBilling()
-    batcher = UsageBatcher(billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=0.2)
+    batcher = UsageBatcher(
+        billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=0.2
+    )
     waits = []
     for run_id in ("r1", "r2", "r3"):
         waits += [batcher.add(_usage(run_id, 0)), batcher.add(_usage(run_id, 1))]
@@ -341,9 +445,13 @@ async def test_runs_ending_within_the_linger_send_their_usage_in_one_call_and_le
     await batcher.close()
 
 
-async def test_usage_stored_with_a_run_end_survives_a_crash_and_the_next_start_sends_it(sessions, store):
+async def test_usage_stored_with_a_run_end_survives_a_crash_and_the_next_start_sends_it(
+    sessions, store
+):
     billing = FakeBilling()
-    crashed = UsageBatcher(billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=60)
+    crashed = UsageBatcher(
+        billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=60
+    )
     crashed.add(_usage("r1", 0))
     await _end_run(store, crashed, "r1")
     crashed._stored._timer.cancel()  # the process dies before the linger is over: nothing sent
@@ -360,19 +468,30 @@ async def test_usage_stored_with_a_run_end_survives_a_crash_and_the_next_start_s
     await restarted.close()
 
 
-async def test_stored_usage_billing_refuses_stays_stored_and_is_sent_again_in_the_background(sessions, store, caplog):
+async def test_stored_usage_billing_refuses_stays_stored_and_is_sent_again_in_the_background(
+    sessions, store, caplog
+):
     billing = FakeBilling(failures=4)  # the three quick attempts fail, and the first background one
     redelivery = _fast(sessions)
-    batcher = UsageBatcher(billing, redelivery, window_s=5, forget=store.forget_redeliveries, linger_s=0.01)
+    batcher = UsageBatcher(
+        billing, redelivery, window_s=5, forget=store.forget_redeliveries, linger_s=0.01
+    )
     batcher.add(_usage("r1", 0))
     await _end_run(store, batcher, "r1")
 
     def warned() -> list[tuple[str, int]]:
-        return [(r.fields["run_id"], r.fields["call_index"]) for r in caplog.records
-                if r.getMessage() == "recording usage failed; retrying in the background"]
+        return [
+            (r.fields["run_id"], r.fields["call_index"])
+            for r in caplog.records
+            if r.getMessage() == "recording usage failed; retrying in the background"
+        ]
 
     await _until(lambda: asyncio.sleep(0, bool(warned())))
-    assert warned() == [("r1", 0)] and billing.batches == [] and await _stored_rows(sessions) == ["RecordUsageBatch"]
+    assert (
+        warned() == [("r1", 0)]
+        and billing.batches == []
+        and await _stored_rows(sessions) == ["RecordUsageBatch"]
+    )
     redelivery.start()
 
     async def sent() -> bool:
@@ -385,7 +504,9 @@ async def test_stored_usage_billing_refuses_stays_stored_and_is_sent_again_in_th
 
 async def test_records_a_failed_run_end_handed_over_are_sent_as_before(sessions, store):
     billing = FakeBilling()
-    batcher = UsageBatcher(billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=60)
+    batcher = UsageBatcher(
+        billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=60
+    )
     wait = batcher.add(_usage("r1", 0))
     handed = batcher.take("r1")
     assert handed is not None and wait.done()
@@ -411,10 +532,14 @@ async def test_close_stops_the_sender_even_when_it_was_woken_just_before(session
     started = asyncio.get_running_loop().time()
     closing = asyncio.ensure_future(redelivery.close())
     done, _ = await asyncio.wait({closing}, timeout=5)
-    assert done and asyncio.get_running_loop().time() - started < 2  # was: never (the sender went on)
+    assert (
+        done and asyncio.get_running_loop().time() - started < 2
+    )  # was: never (the sender went on)
 
 
-async def test_stored_usage_billing_refused_at_once_is_due_after_the_first_delay_not_the_grace(sessions, store):
+async def test_stored_usage_billing_refused_at_once_is_due_after_the_first_delay_not_the_grace(
+    sessions, store
+):
     """Fresh-eyes test: billing down when runs ended; their stored usage reached billing ~30 s
     after it was back (the stored rows' grace), though the README says 1 s, doubling."""
     from sqlalchemy import select
@@ -423,7 +548,9 @@ async def test_stored_usage_billing_refused_at_once_is_due_after_the_first_delay
 
     billing = FakeBilling(failures=3)  # the quick attempts fail
     redelivery = Redelivery(sessions)  # 1 s first delay
-    batcher = UsageBatcher(billing, redelivery, window_s=5, forget=store.forget_redeliveries, linger_s=0.01)
+    batcher = UsageBatcher(
+        billing, redelivery, window_s=5, forget=store.forget_redeliveries, linger_s=0.01
+    )
     batcher.add(_usage("r1", 0))
     await _end_run(store, batcher, "r1")
 

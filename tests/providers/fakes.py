@@ -99,16 +99,27 @@ class FakeLLMServer:
         finally:
             writer.close()
 
-    async def _respond(self, reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _respond(
+        self, reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         """Write `reply`; True when the connection may serve another request."""
         if reply.status != 200 or not reply.events:
             payload = json.dumps(reply.body if reply.body is not None else {}).encode()
-            head = [f"HTTP/1.1 {reply.status} X", "Content-Type: application/json", f"Content-Length: {len(payload)}"]
+            head = [
+                f"HTTP/1.1 {reply.status} X",
+                "Content-Type: application/json",
+                f"Content-Length: {len(payload)}",
+            ]
             head += [f"{k}: {v}" for k, v in reply.headers.items()]
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
             await writer.drain()
             return True
-        head = ["HTTP/1.1 200 OK", "Content-Type: text/event-stream", "Transfer-Encoding: chunked", "Cache-Control: no-cache"]
+        head = [
+            "HTTP/1.1 200 OK",
+            "Content-Type: text/event-stream",
+            "Transfer-Encoding: chunked",
+            "Cache-Control: no-cache",
+        ]
         head += [f"{k}: {v}" for k, v in reply.headers.items()]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
         for event in reply.events:
@@ -132,12 +143,23 @@ class FakeLLMServer:
 
 # ---------------------------------------------------------------- OpenAI wire format
 
-def openai_chunk(delta: dict[str, Any] | None = None, finish: str | None = None, usage: dict[str, Any] | None = None,
-                 model: str = "gpt-test") -> str:
+
+def openai_chunk(
+    delta: dict[str, Any] | None = None,
+    finish: str | None = None,
+    usage: dict[str, Any] | None = None,
+    model: str = "gpt-test",
+) -> str:
     """One `data: {chat.completion.chunk}` SSE frame."""
-    chunk: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": model,
-                             "choices": [] if delta is None and finish is None else
-                             [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+    chunk: dict[str, Any] = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": model,
+        "choices": []
+        if delta is None and finish is None
+        else [{"index": 0, "delta": delta or {}, "finish_reason": finish}],
+    }
     if usage is not None:
         chunk["usage"] = usage
     return f"data: {json.dumps(chunk)}\n\n"
@@ -151,27 +173,62 @@ def openai_text(*pieces: str, usage: dict[str, Any] | None = None) -> list[str]:
     frames = [openai_chunk({"role": "assistant", "content": ""})]
     frames += [openai_chunk({"content": p}) for p in pieces]
     frames.append(openai_chunk({}, finish="stop"))
-    frames.append(openai_chunk(usage=usage or {"prompt_tokens": 50, "completion_tokens": 7, "total_tokens": 57}))
+    frames.append(
+        openai_chunk(
+            usage=usage or {"prompt_tokens": 50, "completion_tokens": 7, "total_tokens": 57}
+        )
+    )
     frames.append(OPENAI_DONE)
     return frames
 
 
-def openai_tool_call(name: str, arguments: str, call_id: str = "call_abc123", say: str = "",
-                     usage: dict[str, Any] | None = None, splits: int = 3) -> list[str]:
+def openai_tool_call(
+    name: str,
+    arguments: str,
+    call_id: str = "call_abc123",
+    say: str = "",
+    usage: dict[str, Any] | None = None,
+    splits: int = 3,
+) -> list[str]:
     """A tool call whose id/name come in the first delta and whose arguments are split over `splits` chunks."""
     frames = [openai_chunk({"role": "assistant", "content": say or None})]
-    frames.append(openai_chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
-                                                 "function": {"name": name, "arguments": ""}}]}))
+    frames.append(
+        openai_chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    }
+                ]
+            }
+        )
+    )
     size = max(1, -(-len(arguments) // splits))
     for start in range(0, len(arguments), size):
-        frames.append(openai_chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[start:start + size]}}]}))
+        frames.append(
+            openai_chunk(
+                {
+                    "tool_calls": [
+                        {"index": 0, "function": {"arguments": arguments[start : start + size]}}
+                    ]
+                }
+            )
+        )
     frames.append(openai_chunk({}, finish="tool_calls"))
-    frames.append(openai_chunk(usage=usage or {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52}))
+    frames.append(
+        openai_chunk(
+            usage=usage or {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52}
+        )
+    )
     frames.append(OPENAI_DONE)
     return frames
 
 
 # ---------------------------------------------------------------- Anthropic wire format
+
 
 def anthropic_event(kind: str, data: dict[str, Any]) -> str:
     """One `event: <kind>` / `data: <json>` SSE frame."""
@@ -180,30 +237,72 @@ def anthropic_event(kind: str, data: dict[str, Any]) -> str:
 
 def anthropic_start(input_tokens: int = 30, cache_read: int = 0, cache_write: int = 0) -> str:
     """`message_start` with the input usage."""
-    return anthropic_event("message_start", {"message": {
-        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test", "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": input_tokens, "output_tokens": 1, "cache_read_input_tokens": cache_read,
-                  "cache_creation_input_tokens": cache_write},
-    }})
+    return anthropic_event(
+        "message_start",
+        {
+            "message": {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "model": "claude-test",
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": input_tokens,
+                    "output_tokens": 1,
+                    "cache_read_input_tokens": cache_read,
+                    "cache_creation_input_tokens": cache_write,
+                },
+            }
+        },
+    )
 
 
 def anthropic_text_block(index: int, *pieces: str) -> list[str]:
     """A text block streamed as text_delta pieces."""
-    frames = [anthropic_event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})]
-    frames += [anthropic_event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": p}}) for p in pieces]
+    frames = [
+        anthropic_event(
+            "content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}}
+        )
+    ]
+    frames += [
+        anthropic_event(
+            "content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": p}}
+        )
+        for p in pieces
+    ]
     frames.append(anthropic_event("content_block_stop", {"index": index}))
     return frames
 
 
-def anthropic_tool_block(index: int, name: str, arguments: str, tool_id: str = "toolu_01", splits: int = 3) -> list[str]:
+def anthropic_tool_block(
+    index: int, name: str, arguments: str, tool_id: str = "toolu_01", splits: int = 3
+) -> list[str]:
     """A tool_use block whose input JSON arrives as `splits` input_json_delta pieces."""
-    frames = [anthropic_event("content_block_start", {"index": index, "content_block": {
-        "type": "tool_use", "id": tool_id, "name": name, "input": {}}})]
+    frames = [
+        anthropic_event(
+            "content_block_start",
+            {
+                "index": index,
+                "content_block": {"type": "tool_use", "id": tool_id, "name": name, "input": {}},
+            },
+        )
+    ]
     size = max(1, -(-len(arguments) // splits))
     for start in range(0, len(arguments), size):
-        frames.append(anthropic_event("content_block_delta", {"index": index, "delta": {
-            "type": "input_json_delta", "partial_json": arguments[start:start + size]}}))
+        frames.append(
+            anthropic_event(
+                "content_block_delta",
+                {
+                    "index": index,
+                    "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": arguments[start : start + size],
+                    },
+                },
+            )
+        )
     frames.append(anthropic_event("content_block_stop", {"index": index}))
     return frames
 
@@ -211,8 +310,13 @@ def anthropic_tool_block(index: int, name: str, arguments: str, tool_id: str = "
 def anthropic_end(output_tokens: int, stop_reason: str = "end_turn") -> list[str]:
     """`message_delta` (cumulative output usage) and `message_stop`."""
     return [
-        anthropic_event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": None},
-                                          "usage": {"output_tokens": output_tokens}}),
+        anthropic_event(
+            "message_delta",
+            {
+                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                "usage": {"output_tokens": output_tokens},
+            },
+        ),
         anthropic_event("message_stop", {}),
     ]
 
@@ -220,7 +324,9 @@ def anthropic_end(output_tokens: int, stop_reason: str = "end_turn") -> list[str
 OPENAI_LLM = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
 
 
-async def openai_turn(tmp_path: Any, replies: list[Reply], message: str) -> tuple[list[dict[str, Any]], FakeLLMServer]:
+async def openai_turn(
+    tmp_path: Any, replies: list[Reply], message: str
+) -> tuple[list[dict[str, Any]], FakeLLMServer]:
     """One turn through a whole stack whose platform OpenAI key points at a FakeLLMServer
     serving `replies`: returns (the turn's SSE frames, the server, whose `requests` show what
     the model was sent)."""
@@ -228,13 +334,21 @@ async def openai_turn(tmp_path: Any, replies: list[Reply], message: str) -> tupl
     from tests.sse_client import read_frames
 
     async with FakeLLMServer(replies) as server:
-        stack = await start_stack(tmp_path, orchestrator={
-            "openai_base_url": f"{server.url}/v1", "openai_api_key": "sk-platform-key-123456", "openai_models": "gpt-test",
-            "llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0,
-        })
+        stack = await start_stack(
+            tmp_path,
+            orchestrator={
+                "openai_base_url": f"{server.url}/v1",
+                "openai_api_key": "sk-platform-key-123456",
+                "openai_models": "gpt-test",
+                "llm_retry_base_delay_s": 0.01,
+                "llm_timeout_s": 10.0,
+            },
+        )
         try:
             async with stack.client() as client:
-                started = await client.post("/assistant/chat", json={"message": message, "llm": OPENAI_LLM})
+                started = await client.post(
+                    "/assistant/chat", json={"message": message, "llm": OPENAI_LLM}
+                )
                 assert started.status_code == 200, started.text
                 frames = await read_frames(client, started.json()["stream_url"])
                 chat = await client.get(f"/assistant/chat/{started.json()['chat_id']}")

@@ -32,7 +32,13 @@ from tests.providers.fakes import (
 )
 
 FAST = RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=1.0)
-TOOLS = [{"name": "get_available_integrations", "description": "List integrations.", "input_schema": {"type": "object", "properties": {}}}]
+TOOLS = [
+    {
+        "name": "get_available_integrations",
+        "description": "List integrations.",
+        "input_schema": {"type": "object", "properties": {}},
+    }
+]
 USER = [{"role": "user", "content": "hello"}]
 LEVELS = 5000
 
@@ -59,9 +65,18 @@ def test_loads_deep_reads_json_too_deep_for_json_loads_and_refuses_what_is_not_j
     with pytest.raises(RecursionError):
         json.loads(deep_text(LEVELS))
     _check_too_deep_input(loads_deep(deep_text(LEVELS)))
-    text = '{"s": "[[[{{{", "n": [1, 2.5, null, true], "deep": ' + deep_text(LEVELS, '"br]ack\\"et}"') + "}"
+    text = (
+        '{"s": "[[[{{{", "n": [1, 2.5, null, true], "deep": '
+        + deep_text(LEVELS, '"br]ack\\"et}"')
+        + "}"
+    )
     value = loads_deep(text)
-    assert value["s"] == "[[[{{{" and value["n"] == [1, 2.5, None, True]  # brackets inside strings do not count
+    assert value["s"] == "[[[{{{" and value["n"] == [
+        1,
+        2.5,
+        None,
+        True,
+    ]  # brackets inside strings do not count
     inner = value["deep"]
     while isinstance(inner, dict):
         inner = inner["a"]
@@ -78,7 +93,9 @@ def test_arguments_too_deep_for_json_loads_are_the_calls_error_result_not_a_cras
     _check_too_deep_input(value)
     from services.orchestrator.providers.base import ToolCallRequest
 
-    call, struct, error = checked_call(ToolCallRequest(id="call_1", name="get_available_integrations", input=value))
+    call, struct, error = checked_call(
+        ToolCallRequest(id="call_1", name="get_available_integrations", input=value)
+    )
     assert error is not None and f"nested deeper than {pb.MAX_JSON_DEPTH} levels" in error
     assert pb.json_depth(call.input) == pb.MAX_JSON_DEPTH and pb.from_struct(struct) == call.input
 
@@ -86,31 +103,67 @@ def test_arguments_too_deep_for_json_loads_are_the_calls_error_result_not_a_cras
 async def test_openai_tool_call_arguments_nested_5000_deep():
     events = openai_tool_call("get_available_integrations", deep_text(LEVELS), splits=3)
     async with FakeLLMServer([Reply(events=events)]) as server:
-        model = OpenAICompatModel("openai", "gpt-test", base_url=f"{server.url}/v1", api_key="sk-test-SECRET123456", policy=FAST, timeout_s=5)
+        model = OpenAICompatModel(
+            "openai",
+            "gpt-test",
+            base_url=f"{server.url}/v1",
+            api_key="sk-test-SECRET123456",
+            policy=FAST,
+            timeout_s=5,
+        )
         reply = await model.generate(USER, TOOLS, _noop)
     assert [c.name for c in reply.tool_calls] == ["get_available_integrations"]
     _check_too_deep_input(reply.tool_calls[0].input)
 
 
 async def test_anthropic_tool_use_input_nested_5000_deep():
-    events = [anthropic_start(), *anthropic_tool_block(0, "get_available_integrations", deep_text(LEVELS)), *anthropic_end(12, "tool_use")]
+    events = [
+        anthropic_start(),
+        *anthropic_tool_block(0, "get_available_integrations", deep_text(LEVELS)),
+        *anthropic_end(12, "tool_use"),
+    ]
     async with FakeLLMServer([Reply(events=events)]) as server:
-        model = AnthropicModel("claude-test", base_url=server.url, api_key="sk-ant-api03-SECRET123456", policy=FAST, max_tokens=256, timeout_s=5)
+        model = AnthropicModel(
+            "claude-test",
+            base_url=server.url,
+            api_key="sk-ant-api03-SECRET123456",
+            policy=FAST,
+            max_tokens=256,
+            timeout_s=5,
+        )
         reply = await model.generate(USER, TOOLS, _noop)
     assert [c.name for c in reply.tool_calls] == ["get_available_integrations"]
     _check_too_deep_input(reply.tool_calls[0].input)
 
 
-async def test_a_turn_whose_model_sends_arguments_5000_deep_goes_on_with_the_calls_error_result(tmp_path):
+async def test_a_turn_whose_model_sends_arguments_5000_deep_goes_on_with_the_calls_error_result(
+    tmp_path,
+):
     replies = [
-        Reply(events=openai_tool_call("get_available_integrations", deep_text(LEVELS), call_id="call_deep")),
+        Reply(
+            events=openai_tool_call(
+                "get_available_integrations", deep_text(LEVELS), call_id="call_deep"
+            )
+        ),
         Reply(events=openai_text("Sorry, ", "flatter next time.")),
     ]
     frames, server = await openai_turn(tmp_path, replies, "Which integrations?")
-    assert types(frames) == ["metadata", "tool_call", "tool_result", "response_chunk", "response_chunk", "done"], frames
+    assert types(frames) == [
+        "metadata",
+        "tool_call",
+        "tool_result",
+        "response_chunk",
+        "response_chunk",
+        "done",
+    ], frames
     assert pb.json_depth(frames[1]["data"]["input"]) == pb.MAX_JSON_DEPTH
     output = frames[2]["data"]["output"]
-    assert output["success"] is False and f"nested deeper than {pb.MAX_JSON_DEPTH} levels" in output["error"]
-    assert frames[-1]["data"]["response"] == "Sorry, flatter next time." and not frames[-1]["data"].get("error")
+    assert (
+        output["success"] is False
+        and f"nested deeper than {pb.MAX_JSON_DEPTH} levels" in output["error"]
+    )
+    assert frames[-1]["data"]["response"] == "Sorry, flatter next time." and not frames[-1][
+        "data"
+    ].get("error")
     tool = next(m for m in server.requests[1].body["messages"] if m["role"] == "tool")
     assert tool["tool_call_id"] == "call_deep" and "nested deeper" in tool["content"]

@@ -21,30 +21,52 @@ def settings(**overrides) -> OrchestratorSettings:
 
 
 async def test_scripted_and_configured_providers_resolve_to_their_model_classes():
-    s = settings(openai_api_key="sk-a-123456", anthropic_api_key="sk-ant-123456", openai_models="m1", anthropic_models="c1")
-    assert isinstance(await registry.resolve(s, {"provider_id": "scripted", "model_id": "default"}), ScriptedModel)
+    s = settings(
+        openai_api_key="sk-a-123456",
+        anthropic_api_key="sk-ant-123456",
+        openai_models="m1",
+        anthropic_models="c1",
+    )
+    assert isinstance(
+        await registry.resolve(s, {"provider_id": "scripted", "model_id": "default"}), ScriptedModel
+    )
     openai_model = await registry.resolve(s, {"provider_id": "openai", "model_id": "m1"})
     assert isinstance(openai_model, OpenAICompatModel) and openai_model.model_id == "m1"
-    assert isinstance(await registry.resolve(s, {"provider_id": "anthropic", "model_id": "c1"}), AnthropicModel)
+    assert isinstance(
+        await registry.resolve(s, {"provider_id": "anthropic", "model_id": "c1"}), AnthropicModel
+    )
 
 
 async def test_a_model_outside_the_list_is_unknown_and_star_allows_any():
     with pytest.raises(registry.UnknownModel):
-        await registry.resolve(settings(openai_api_key="k", openai_models="m1"), {"provider_id": "openai", "model_id": "m2"})
-    model = await registry.resolve(settings(openai_api_key="k", openai_models="*"), {"provider_id": "openai", "model_id": "m2"})
+        await registry.resolve(
+            settings(openai_api_key="k", openai_models="m1"),
+            {"provider_id": "openai", "model_id": "m2"},
+        )
+    model = await registry.resolve(
+        settings(openai_api_key="k", openai_models="*"), {"provider_id": "openai", "model_id": "m2"}
+    )
     assert model.model_id == "m2"
 
 
 async def test_a_provider_without_a_platform_key_needs_a_credential():
     with pytest.raises(registry.UnknownModel, match="no key configured"):
-        await registry.resolve(settings(openai_models="m1"), {"provider_id": "openai", "model_id": "m1"})
+        await registry.resolve(
+            settings(openai_models="m1"), {"provider_id": "openai", "model_id": "m1"}
+        )
 
 
-async def test_a_compatible_provider_whose_key_variable_is_unset_does_not_point_to_bring_your_own_key(monkeypatch):
+async def test_a_compatible_provider_whose_key_variable_is_unset_does_not_point_to_bring_your_own_key(
+    monkeypatch,
+):
     """Bug (fresh-eyes test): the 400 said "pass llm.credential_id", and doing so was the 400
     "bring-your-own-key credentials work with the anthropic and openai providers"."""
     monkeypatch.delenv("NOT_SET_ANYWHERE_VAR", raising=False)
-    s = settings(openai_compatible_providers={"vllm": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "NOT_SET_ANYWHERE_VAR"}})
+    s = settings(
+        openai_compatible_providers={
+            "vllm": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "NOT_SET_ANYWHERE_VAR"}
+        }
+    )
     with pytest.raises(registry.UnknownModel) as refused:
         await registry.resolve(s, {"provider_id": "vllm", "model_id": "qwen"})
     assert str(refused.value) == "model provider 'vllm' has no key configured on this deployment"
@@ -52,13 +74,23 @@ async def test_a_compatible_provider_whose_key_variable_is_unset_does_not_point_
 
 async def test_named_compatible_providers_come_from_json_settings(monkeypatch):
     monkeypatch.setenv("VLLM_TEST_KEY", "sk-vllm-123456")
-    s = settings(openai_compatible_providers={
-        "vllm": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "VLLM_TEST_KEY", "models": ["qwen"]},
-        "ollama": {"base_url": "http://127.0.0.1:11434/v1"},
-        "openai": {"base_url": "http://evil.example/v1"},  # built-in ids cannot be replaced
-    })
+    s = settings(
+        openai_compatible_providers={
+            "vllm": {
+                "base_url": "http://127.0.0.1:9/v1",
+                "api_key_env": "VLLM_TEST_KEY",
+                "models": ["qwen"],
+            },
+            "ollama": {"base_url": "http://127.0.0.1:11434/v1"},
+            "openai": {"base_url": "http://evil.example/v1"},  # built-in ids cannot be replaced
+        }
+    )
     vllm = await registry.resolve(s, {"provider_id": "vllm", "model_id": "qwen"})
-    assert isinstance(vllm, OpenAICompatModel) and vllm.provider_id == "vllm" and vllm._api_key == "sk-vllm-123456"
+    assert (
+        isinstance(vllm, OpenAICompatModel)
+        and vllm.provider_id == "vllm"
+        and vllm._api_key == "sk-vllm-123456"
+    )
     with pytest.raises(registry.UnknownModel):
         await registry.resolve(s, {"provider_id": "vllm", "model_id": "llama"})
     ollama = await registry.resolve(s, {"provider_id": "ollama", "model_id": "anything"})
@@ -76,12 +108,22 @@ async def test_byok_takes_the_key_from_the_injected_resolver_and_unknown_credent
         return "sk-org-own-key-123456"
 
     s = settings(anthropic_models="c1")  # no platform key at all
-    model = await registry.resolve(s, {"provider_id": "anthropic", "model_id": "c1", "credential_id": "cred_ok"},
-                                   organization_id="org_1", secret_resolver=resolver)
-    assert model._api_key == "sk-org-own-key-123456" and calls == [("org_1", "cred_ok", "anthropic")]
+    model = await registry.resolve(
+        s,
+        {"provider_id": "anthropic", "model_id": "c1", "credential_id": "cred_ok"},
+        organization_id="org_1",
+        secret_resolver=resolver,
+    )
+    assert model._api_key == "sk-org-own-key-123456" and calls == [
+        ("org_1", "cred_ok", "anthropic")
+    ]
     with pytest.raises(registry.UnknownModel, match="cannot be used"):
-        await registry.resolve(s, {"provider_id": "anthropic", "model_id": "c1", "credential_id": "cred_x"},
-                               organization_id="org_1", secret_resolver=resolver)
+        await registry.resolve(
+            s,
+            {"provider_id": "anthropic", "model_id": "c1", "credential_id": "cred_x"},
+            organization_id="org_1",
+            secret_resolver=resolver,
+        )
 
 
 def test_backoff_doubles_up_to_the_cap_and_retry_after_is_a_floor():
@@ -102,17 +144,51 @@ async def test_byok_only_for_openai_and_anthropic_and_integration_must_match_the
     async def resolver(org_id: str, credential_id: str, integration: str) -> str:
         return "sk-org-own-key-123456"
 
-    s = settings(openai_compatible_providers={"tiny": {"base_url": "http://127.0.0.1:9/v1", "models": ["t1"]}}, openai_models="gpt-test")
+    s = settings(
+        openai_compatible_providers={
+            "tiny": {"base_url": "http://127.0.0.1:9/v1", "models": ["t1"]}
+        },
+        openai_models="gpt-test",
+    )
     with pytest.raises(registry.UnknownModel, match="bring-your-own-key"):
-        await registry.resolve(s, {"provider_id": "tiny", "model_id": "t1", "credential_id": "cred_ok"}, organization_id="o", secret_resolver=resolver)
+        await registry.resolve(
+            s,
+            {"provider_id": "tiny", "model_id": "t1", "credential_id": "cred_ok"},
+            organization_id="o",
+            secret_resolver=resolver,
+        )
     # fresh-eyes test: a credential named with the scripted model was silently ignored (200)
     with pytest.raises(registry.UnknownModel, match="bring-your-own-key"):
-        await registry.resolve(s, {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default",
-                                   "credential_id": "nope"}, organization_id="o", secret_resolver=resolver)
+        await registry.resolve(
+            s,
+            {
+                "integration_name": "loopline",
+                "provider_id": "scripted",
+                "model_id": "default",
+                "credential_id": "nope",
+            },
+            organization_id="o",
+            secret_resolver=resolver,
+        )
     with pytest.raises(registry.UnknownModel, match="integration_name"):
-        await registry.resolve(s, {"integration_name": "tiny", "provider_id": "openai", "model_id": "gpt-test"}, organization_id="o")
+        await registry.resolve(
+            s,
+            {"integration_name": "tiny", "provider_id": "openai", "model_id": "gpt-test"},
+            organization_id="o",
+        )
     with pytest.raises(registry.UnknownModel, match="integration_name"):
-        await registry.resolve(s, {"integration_name": "openai", "provider_id": "scripted", "model_id": "default"})
-    model = await registry.resolve(s, {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test", "credential_id": "c"},
-                                   organization_id="o", secret_resolver=resolver)
+        await registry.resolve(
+            s, {"integration_name": "openai", "provider_id": "scripted", "model_id": "default"}
+        )
+    model = await registry.resolve(
+        s,
+        {
+            "integration_name": "openai",
+            "provider_id": "openai",
+            "model_id": "gpt-test",
+            "credential_id": "c",
+        },
+        organization_id="o",
+        secret_resolver=resolver,
+    )
     assert model._api_key == "sk-org-own-key-123456"

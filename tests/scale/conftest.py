@@ -34,7 +34,14 @@ from services.common import db
 from services.gateway import identity
 from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
-from tests.conftest import SERVICES, cleanup_backend, postgres_databases, postgres_url, redis_url, selected_backend
+from tests.conftest import (
+    SERVICES,
+    cleanup_backend,
+    postgres_databases,
+    postgres_url,
+    redis_url,
+    selected_backend,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -79,16 +86,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def wait_port(port: int, process: subprocess.Popen, log: pathlib.Path, timeout: float = 30) -> None:
+async def wait_port(
+    port: int, process: subprocess.Popen, log: pathlib.Path, timeout: float = 30
+) -> None:
     """Wait until `port` accepts connections; fail with the process log if it exits or times out."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         if process.poll() is not None:
-            raise AssertionError(f"process exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+            raise AssertionError(
+                f"process exited with {process.returncode}:\n{log.read_text()[-4000:]}"
+            )
         if _reachable("127.0.0.1", port):
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"port {port} not open after {timeout} s:\n{log.read_text()[-4000:]}")
+            raise AssertionError(
+                f"port {port} not open after {timeout} s:\n{log.read_text()[-4000:]}"
+            )
         await asyncio.sleep(0.05)
 
 
@@ -134,34 +147,46 @@ class Cluster:
     def env(self, **extra: str) -> dict[str, str]:
         """The environment every replica shares (plus `extra`)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
-        env.update({
-            "LOOPLINE_DATA_DIR": str(self.tmp / "var"),
-            "LOOPLINE_LOG_LEVEL": "INFO",
-            "LOOPLINE_AUTO_MIGRATE": "false",
-            "LOOPLINE_REDIS_URL": redis_url(),
-            "LOOPLINE_REDIS_KEY_PREFIX": self.redis_prefix,
-            "LOOPLINE_BILLING_ADDR": f"127.0.0.1:{self.billing.port}",
-            "LOOPLINE_TOOLS_ADDR": f"127.0.0.1:{self.tools.port}",
-            "LOOPLINE_ORCHESTRATOR_DATABASE_URL": self.urls["orchestrator"],
-            "LOOPLINE_GATEWAY_DATABASE_URL": self.urls["gateway"],
-            "LOOPLINE_SHUTDOWN_GRACE_S": "1",
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "LOOPLINE_DATA_DIR": str(self.tmp / "var"),
+                "LOOPLINE_LOG_LEVEL": "INFO",
+                "LOOPLINE_AUTO_MIGRATE": "false",
+                "LOOPLINE_REDIS_URL": redis_url(),
+                "LOOPLINE_REDIS_KEY_PREFIX": self.redis_prefix,
+                "LOOPLINE_BILLING_ADDR": f"127.0.0.1:{self.billing.port}",
+                "LOOPLINE_TOOLS_ADDR": f"127.0.0.1:{self.tools.port}",
+                "LOOPLINE_ORCHESTRATOR_DATABASE_URL": self.urls["orchestrator"],
+                "LOOPLINE_GATEWAY_DATABASE_URL": self.urls["gateway"],
+                "LOOPLINE_SHUTDOWN_GRACE_S": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.update(extra)
         return env
 
-    def _spawn(self, service: str, name: str, env: dict[str, str]) -> tuple[subprocess.Popen, pathlib.Path]:
+    def _spawn(
+        self, service: str, name: str, env: dict[str, str]
+    ) -> tuple[subprocess.Popen, pathlib.Path]:
         log = self.tmp / f"{name}.log"
         handle = log.open("ab")
-        process = subprocess.Popen([sys.executable, "-m", f"services.{service}"], cwd=ROOT, env=env,
-                                   stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"services.{service}"],
+            cwd=ROOT,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         handle.close()
         return process, log
 
     async def spawn_orchestrator(self, name: str, **settings: str) -> Replica:
         """Start an orchestrator replica; `settings` are extra LOOPLINE_* variables."""
         port = free_port()
-        process, log = self._spawn("orchestrator", name, self.env(LOOPLINE_ORCHESTRATOR_PORT=str(port), **settings))
+        process, log = self._spawn(
+            "orchestrator", name, self.env(LOOPLINE_ORCHESTRATOR_PORT=str(port), **settings)
+        )
         replica = Replica(name, port, process, log)
         self.replicas.append(replica)
         await wait_port(port, process, log)
@@ -170,8 +195,13 @@ class Cluster:
     async def spawn_gateway(self, name: str, orchestrator: Replica, **settings: str) -> Replica:
         """Start a gateway replica in front of `orchestrator`."""
         port = free_port()
-        env = self.env(LOOPLINE_HTTP_PORT=str(port), LOOPLINE_GATEWAY_GRPC_PORT=str(free_port()),
-                       LOOPLINE_ORCHESTRATOR_ADDR=f"127.0.0.1:{orchestrator.port}", LOOPLINE_HEARTBEAT_INTERVAL_S="1", **settings)
+        env = self.env(
+            LOOPLINE_HTTP_PORT=str(port),
+            LOOPLINE_GATEWAY_GRPC_PORT=str(free_port()),
+            LOOPLINE_ORCHESTRATOR_ADDR=f"127.0.0.1:{orchestrator.port}",
+            LOOPLINE_HEARTBEAT_INTERVAL_S="1",
+            **settings,
+        )
         process, log = self._spawn("gateway", name, env)
         replica = Replica(name, port, process, log)
         self.replicas.append(replica)
@@ -180,19 +210,26 @@ class Cluster:
 
     def client(self, gateway: Replica) -> httpx.AsyncClient:
         """An HTTP client of `gateway` with the owner's credentials."""
-        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=30,
-                                 headers={"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id})
+        return httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{gateway.port}",
+            timeout=30,
+            headers={"Authorization": f"Bearer {self.api_key}", "X-Organization-ID": self.org_id},
+        )
 
     def logs(self) -> str:
         """The tail of every replica's log (for failure messages)."""
-        return "\n".join(f"--- {r.name}\n{r.log.read_text()[-3000:]}" for r in self.replicas if r.log.exists())
+        return "\n".join(
+            f"--- {r.name}\n{r.log.read_text()[-3000:]}" for r in self.replicas if r.log.exists()
+        )
 
 
 @pytest.fixture(autouse=True)
 def _postgres_pass_only() -> None:
     """Every scale test runs in the PostgreSQL + Redis pass only (`make test` stays SQLite + memory)."""
     if selected_backend() != "postgres":
-        pytest.skip("scale-out tests run on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-pg)")
+        pytest.skip(
+            "scale-out tests run on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-pg)"
+        )
 
 
 @pytest.fixture
@@ -202,23 +239,38 @@ async def cluster(tmp_path) -> AsyncIterator[Cluster]:
     Runs in the PostgreSQL pass only (`make test-pg`), so `make test` stays fast.
     """
     if selected_backend() != "postgres":
-        pytest.skip("replica tests run on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-pg)")
+        pytest.skip(
+            "replica tests run on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-pg)"
+        )
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
     urls = await postgres_databases()
     prefix = f"lltest:{uuid.uuid4().hex[:12]}:"
-    common: dict[str, Any] = {"data_dir": tmp_path, "host": "127.0.0.1", "redis_url": redis_url(), "redis_key_prefix": prefix,
-                              "log_level": "WARNING", "shutdown_grace_s": 1.0, "auto_migrate": False}
-    billing = await BillingServer.start(BillingSettings(**common, billing_port=0, billing_database_url=urls["billing"]))
-    tools = await ToolsServer.start(ToolsSettings(**common, tools_port=0, tools_database_url=urls["tools"]))
+    common: dict[str, Any] = {
+        "data_dir": tmp_path,
+        "host": "127.0.0.1",
+        "redis_url": redis_url(),
+        "redis_key_prefix": prefix,
+        "log_level": "WARNING",
+        "shutdown_grace_s": 1.0,
+        "auto_migrate": False,
+    }
+    billing = await BillingServer.start(
+        BillingSettings(**common, billing_port=0, billing_database_url=urls["billing"])
+    )
+    tools = await ToolsServer.start(
+        ToolsSettings(**common, tools_port=0, tools_database_url=urls["tools"])
+    )
     engine = db.make_engine(urls["gateway"])
     org_id = f"org_{uuid.uuid4().hex[:12]}"
     try:
         owner = await identity.create_member(db.sessionmaker(engine), org_id, "owner")
     finally:
         await engine.dispose()
-    running = Cluster(tmp_path, urls, prefix, billing, tools, org_id, owner["api_key"], owner["user_id"])
+    running = Cluster(
+        tmp_path, urls, prefix, billing, tools, org_id, owner["api_key"], owner["user_id"]
+    )
     try:
         yield running
     finally:

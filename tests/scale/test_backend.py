@@ -82,11 +82,23 @@ def test_migrate_command_works_on_postgresql():
     try:
         for service in SERVICES:
             env = {**os.environ, f"LOOPLINE_{service.upper()}_DATABASE_URL": urls[service]}
-            done = subprocess.run([sys.executable, "-m", f"services.{service}", "migrate"], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [sys.executable, "-m", f"services.{service}", "migrate"],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-            again = subprocess.run([sys.executable, "-m", f"services.{service}", "migrate"], cwd=ROOT, env=env,
-                                   capture_output=True, text=True, timeout=120)
+            again = subprocess.run(
+                [sys.executable, "-m", f"services.{service}", "migrate"],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert again.returncode == 0, again.stderr[-2000:]  # idempotent
         assert asyncio.run(_orchestrator_has_leases(urls["orchestrator"]))
     finally:
@@ -112,10 +124,13 @@ async def _orchestrator_has_leases(url: str) -> bool:
     from sqlalchemy.engine import make_url
 
     parsed = make_url(url)
-    connection = await asyncpg.connect(host=parsed.host, port=parsed.port or 5432, user=parsed.username, database=parsed.database)
+    connection = await asyncpg.connect(
+        host=parsed.host, port=parsed.port or 5432, user=parsed.username, database=parsed.database
+    )
     try:
         column = await connection.fetchval(
-            "SELECT data_type FROM information_schema.columns WHERE table_name = 'runs' AND column_name = 'lease_until'")
+            "SELECT data_type FROM information_schema.columns WHERE table_name = 'runs' AND column_name = 'lease_until'"
+        )
         return column == "timestamp with time zone"
     finally:
         await connection.close()

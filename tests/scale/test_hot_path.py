@@ -75,7 +75,9 @@ async def test_queued_events_of_a_run_are_written_in_one_redis_call(redis_logs):
     owner.close(run_id)
     await owner.flush(run_id)
     writes = [command for command in counter.commands if command not in ("PING",)]
-    assert writes == ["EVALSHA"], writes  # open, 21 events and close: one round trip, no SCRIPT EXISTS
+    assert writes == ["EVALSHA"], (
+        writes
+    )  # open, 21 events and close: one round trip, no SCRIPT EXISTS
     stored = await other.events_of(run_id)
     assert [event.seq for event in stored] == list(range(21))
     assert stored[-1].WhichOneof("payload") == "done"
@@ -110,8 +112,12 @@ async def test_local_follower_gets_only_stored_events_in_order_without_reading_r
     assert [event.seq for event in received] == list(range(6))
     assert [event.seq for event in late] == [3, 4, 5]
     # every event was in the stream before a local follower got it (a crash cannot take it back)
-    assert all(stored >= index + 1 for index, stored in enumerate(stored_when_received)), stored_when_received
-    assert not [command for command in counter.commands if command in ("XREAD", "XRANGE", "HMGET")], counter.commands
+    assert all(stored >= index + 1 for index, stored in enumerate(stored_when_received)), (
+        stored_when_received
+    )
+    assert not [
+        command for command in counter.commands if command in ("XREAD", "XRANGE", "HMGET")
+    ], counter.commands
 
 
 async def test_archive_copy_of_an_owned_run_comes_from_memory_and_equals_the_stream(redis_logs):
@@ -125,7 +131,9 @@ async def test_archive_copy_of_an_owned_run_comes_from_memory_and_equals_the_str
     await owner.flush(run_id)
     counter.commands.clear()
     mine = await owner.events_of(run_id)
-    assert counter.commands == ["HMGET"]  # the stream's length is checked, the stream is not read back
+    assert counter.commands == [
+        "HMGET"
+    ]  # the stream's length is checked, the stream is not read back
     theirs = await other.events_of(run_id)
     assert [e.SerializeToString() for e in mine] == [e.SerializeToString() for e in theirs]
 
@@ -158,10 +166,16 @@ async def test_append_after_end_on_another_replica_continues_the_owners_numberin
     run_id = str(uuid.uuid4())
     owner.open(run_id)
     owner.append(_chunk(run_id, "a"))
-    owner.append(events_pb2.Event(run_id=run_id, interrupted=events_pb2.InterruptedEvent(request_id="q", kind="question")))
+    owner.append(
+        events_pb2.Event(
+            run_id=run_id, interrupted=events_pb2.InterruptedEvent(request_id="q", kind="question")
+        )
+    )
     owner.close(run_id)
     await owner.flush(run_id)
-    appended = await other.append_after_end(run_id, events_pb2.Event(run_id=run_id, cancelled=events_pb2.CancelledEvent(reason="x")))
+    appended = await other.append_after_end(
+        run_id, events_pb2.Event(run_id=run_id, cancelled=events_pb2.CancelledEvent(reason="x"))
+    )
     assert [event.seq for event in appended] == [2]
     late: list[events_pb2.Event] = []
     async for event in other.follow(run_id, 1):
@@ -200,9 +214,21 @@ def _turn(chat_id: str, text: str = "hi") -> tuple[ThreadRow, dict]:
     run_id = str(uuid.uuid4())
     now = utcnow()
     message = ThreadRow(role="user", content=text, chat_id=chat_id, run_id=run_id)
-    run = {"id": run_id, "durable_id": f"run_{uuid.uuid4().hex}", "chat_id": chat_id, "organization_id": "org",
-           "parent_run_id": None, "status": "running", "llm": {"provider_id": "p"}, "reservation_id": "r1",
-           "usage": None, "error": None, "created_at": now, "updated_at": now, "lease_until": now}
+    run = {
+        "id": run_id,
+        "durable_id": f"run_{uuid.uuid4().hex}",
+        "chat_id": chat_id,
+        "organization_id": "org",
+        "parent_run_id": None,
+        "status": "running",
+        "llm": {"provider_id": "p"},
+        "reservation_id": "r1",
+        "usage": None,
+        "error": None,
+        "created_at": now,
+        "updated_at": now,
+        "lease_until": now,
+    }
     return message, run
 
 
@@ -211,13 +237,31 @@ async def test_postgres_turn_store_keeps_the_rules_of_each_transaction(pg_store)
     chat_id = str(uuid.uuid4())
     message, run = _turn(chat_id)
     now = utcnow()
-    chat = {"id": chat_id, "organization_id": "org", "user_id": "u", "kind": "assistant", "title": "hi", "workflow_id": None,
-            "running_id": run["id"], "deleted_at": None, "created_at": now, "updated_at": now}
+    chat = {
+        "id": chat_id,
+        "organization_id": "org",
+        "user_id": "u",
+        "kind": "assistant",
+        "title": "hi",
+        "workflow_id": None,
+        "running_id": run["id"],
+        "deleted_at": None,
+        "created_at": now,
+        "updated_at": now,
+    }
     await store.persist_turn(claim=False, chat=chat, message=message, run=run)
     guard = await store.turn_guard(chat_id)
-    assert (guard.organization_id, guard.kind, guard.running_id, guard.pending_id) == ("org", "assistant", run["id"], None)
+    assert (guard.organization_id, guard.kind, guard.running_id, guard.pending_id) == (
+        "org",
+        "assistant",
+        run["id"],
+        None,
+    )
     target = await store.stream_target(chat_id, run["id"])
-    assert target.run_chat_id == chat_id and (await store.stream_target(chat_id, str(uuid.uuid4()))).run_chat_id is None
+    assert (
+        target.run_chat_id == chat_id
+        and (await store.stream_target(chat_id, str(uuid.uuid4()))).run_chat_id is None
+    )
     assert await store.turn_guard(str(uuid.uuid4())) is None
 
     # a second turn while running: the claim is lost and nothing is written
@@ -225,20 +269,55 @@ async def test_postgres_turn_store_keeps_the_rules_of_each_transaction(pg_store)
     with pytest.raises(ClaimLost):
         await store.persist_turn(claim=True, chat=None, message=second, run=second_run)
 
-    rows = [ThreadRow(role="assistant", content="", extra={"tool_calls": [{"id": "c1", "name": "t", "input": {}}]},
-                      chat_id=chat_id, run_id=run["id"]),
-            ThreadRow(role="tool", content={"ok": [1, None]}, extra={"tool_call_id": "c1"}, chat_id=chat_id, run_id=run["id"]),
-            ThreadRow(role="assistant", content="done", extra=None, chat_id=chat_id, run_id=run["id"])]
-    await store.finish(RunEnd(run_id=run["id"], chat_id=chat_id, status="completed", error=None,
-                              usage={"input_tokens": 3, "output_tokens": 4, "total_tokens": 7, "llm_calls": 2}, rows=rows))
+    rows = [
+        ThreadRow(
+            role="assistant",
+            content="",
+            extra={"tool_calls": [{"id": "c1", "name": "t", "input": {}}]},
+            chat_id=chat_id,
+            run_id=run["id"],
+        ),
+        ThreadRow(
+            role="tool",
+            content={"ok": [1, None]},
+            extra={"tool_call_id": "c1"},
+            chat_id=chat_id,
+            run_id=run["id"],
+        ),
+        ThreadRow(role="assistant", content="done", extra=None, chat_id=chat_id, run_id=run["id"]),
+    ]
+    await store.finish(
+        RunEnd(
+            run_id=run["id"],
+            chat_id=chat_id,
+            status="completed",
+            error=None,
+            usage={"input_tokens": 3, "output_tokens": 4, "total_tokens": 7, "llm_calls": 2},
+            rows=rows,
+        )
+    )
     thread = await store.load_thread(chat_id)
-    assert [(r.role, r.content, r.extra) for r in thread] == [("user", "hi", None)] + [(r.role, r.content, r.extra) for r in rows]
+    assert [(r.role, r.content, r.extra) for r in thread] == [("user", "hi", None)] + [
+        (r.role, r.content, r.extra) for r in rows
+    ]
     assert [r.seq for r in thread] == sorted(r.seq for r in thread)
     async with sessions() as session:
         stored_run = await session.get(Run, run["id"])
         stored_chat = await session.get(Chat, chat_id)
-        orm_rows = (await session.execute(select(Message).where(Message.chat_id == chat_id).order_by(Message.seq))).scalars().all()
-    assert stored_run.status == "completed" and stored_run.usage["total_tokens"] == 7 and stored_run.llm == {"provider_id": "p"}
+        orm_rows = (
+            (
+                await session.execute(
+                    select(Message).where(Message.chat_id == chat_id).order_by(Message.seq)
+                )
+            )
+            .scalars()
+            .all()
+        )
+    assert (
+        stored_run.status == "completed"
+        and stored_run.usage["total_tokens"] == 7
+        and stored_run.llm == {"provider_id": "p"}
+    )
     assert stored_chat.running_id is None
     assert [m.content for m in orm_rows] == ["hi", "", {"ok": [1, None]}, "done"]
 
@@ -246,34 +325,98 @@ async def test_postgres_turn_store_keeps_the_rules_of_each_transaction(pg_store)
     third, third_run = _turn(chat_id, "third")
     await store.persist_turn(claim=True, chat=None, message=third, run=third_run)
     expires = utcnow() + datetime.timedelta(hours=1)
-    interrupt = {"id": str(uuid.uuid4()), "chat_id": chat_id, "run_id": third_run["id"], "tool_call_id": "c2", "tool": "ask",
-                 "kind": "question", "request": {"kind": "question", "text": "?"}, "outcome": "pending",
-                 "created_at": utcnow(), "expires_at": expires}
-    await store.finish(RunEnd(run_id=third_run["id"], chat_id=chat_id, status="interrupted", error=None,
-                              usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "llm_calls": 1},
-                              rows=[ThreadRow(role="marker", content=None, extra={"type": "interrupted"}, chat_id=chat_id,
-                                              run_id=third_run["id"])], interrupt=interrupt))
+    interrupt = {
+        "id": str(uuid.uuid4()),
+        "chat_id": chat_id,
+        "run_id": third_run["id"],
+        "tool_call_id": "c2",
+        "tool": "ask",
+        "kind": "question",
+        "request": {"kind": "question", "text": "?"},
+        "outcome": "pending",
+        "created_at": utcnow(),
+        "expires_at": expires,
+    }
+    await store.finish(
+        RunEnd(
+            run_id=third_run["id"],
+            chat_id=chat_id,
+            status="interrupted",
+            error=None,
+            usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "llm_calls": 1},
+            rows=[
+                ThreadRow(
+                    role="marker",
+                    content=None,
+                    extra={"type": "interrupted"},
+                    chat_id=chat_id,
+                    run_id=third_run["id"],
+                )
+            ],
+            interrupt=interrupt,
+        )
+    )
     guard = await store.turn_guard(chat_id)
     assert guard.running_id == third_run["id"] and guard.pending_id == interrupt["id"]
     # an end only while the run is running: a second end of an ended run writes nothing (RunTakenOver)
     with pytest.raises(RunTakenOver):
-        await store.finish(RunEnd(run_id=third_run["id"], chat_id=chat_id, status="completed", error=None, usage={},
-                                  rows=[ThreadRow(role="assistant", content="late", chat_id=chat_id, run_id=third_run["id"])],
-                                  events=[(0, b"late")]))
+        await store.finish(
+            RunEnd(
+                run_id=third_run["id"],
+                chat_id=chat_id,
+                status="completed",
+                error=None,
+                usage={},
+                rows=[
+                    ThreadRow(
+                        role="assistant", content="late", chat_id=chat_id, run_id=third_run["id"]
+                    )
+                ],
+                events=[(0, b"late")],
+            )
+        )
     async with sessions() as session:
         assert (await session.get(Run, third_run["id"])).status == "interrupted"
-        assert not (await session.execute(select(Message).where(Message.run_id == third_run["id"], Message.role == "assistant"))).scalars().all()
-        assert not (await session.execute(select(RunEvent).where(RunEvent.run_id == third_run["id"]))).scalars().all()
+        assert (
+            not (
+                await session.execute(
+                    select(Message).where(
+                        Message.run_id == third_run["id"], Message.role == "assistant"
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
+        assert (
+            not (await session.execute(select(RunEvent).where(RunEvent.run_id == third_run["id"])))
+            .scalars()
+            .all()
+        )
     # the cancelled end's rules (its pending question cancelled), on a run that is running
     async with sessions() as session, session.begin():
         await session.execute(update(Run).where(Run.id == third_run["id"]).values(status="running"))
-    await store.finish(RunEnd(run_id=third_run["id"], chat_id=chat_id, status="cancelled", error=None,
-                              usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "llm_calls": 1}, rows=[],
-                              events=[(0, b"e0"), (1, b"e1")]))  # the memory event log's stream, stored with the end
+    await store.finish(
+        RunEnd(
+            run_id=third_run["id"],
+            chat_id=chat_id,
+            status="cancelled",
+            error=None,
+            usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "llm_calls": 1},
+            rows=[],
+            events=[(0, b"e0"), (1, b"e1")],
+        )
+    )  # the memory event log's stream, stored with the end
     async with sessions() as session:
         audit = await session.get(Interrupt, interrupt["id"])
         stored_chat = await session.get(Chat, chat_id)
-        ended = (await session.execute(select(RunEvent.seq, RunEvent.payload).where(RunEvent.run_id == third_run["id"]).order_by(RunEvent.seq))).all()
+        ended = (
+            await session.execute(
+                select(RunEvent.seq, RunEvent.payload)
+                .where(RunEvent.run_id == third_run["id"])
+                .order_by(RunEvent.seq)
+            )
+        ).all()
     assert audit.outcome == "cancelled" and audit.request == {"kind": "question", "text": "?"}
     assert stored_chat.running_id is None
     assert [(seq, bytes(payload)) for seq, payload in ended] == [(0, b"e0"), (1, b"e1")]
@@ -282,5 +425,11 @@ async def test_postgres_turn_store_keeps_the_rules_of_each_transaction(pg_store)
     await store.archive(run["id"], [(0, b"a"), (1, b"b")])
     await store.archive(run["id"], [(1, b"other"), (2, b"c")])
     async with sessions() as session:
-        archived = (await session.execute(select(RunEvent.seq, RunEvent.payload).where(RunEvent.run_id == run["id"]).order_by(RunEvent.seq))).all()
+        archived = (
+            await session.execute(
+                select(RunEvent.seq, RunEvent.payload)
+                .where(RunEvent.run_id == run["id"])
+                .order_by(RunEvent.seq)
+            )
+        ).all()
     assert [(seq, bytes(payload)) for seq, payload in archived] == [(0, b"a"), (1, b"b"), (2, b"c")]

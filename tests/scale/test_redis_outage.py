@@ -18,9 +18,9 @@ import pytest
 
 from loopline.assistant.v1 import events_pb2
 from services.orchestrator.backend import RedisEventLog, StreamInterrupted, redis_client
-from tests.tcp_proxy import CuttableProxy, fails_in_time
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import _reachable, no_archive
+from tests.tcp_proxy import CuttableProxy, fails_in_time
 
 
 def _redis_address() -> tuple[str, int]:
@@ -58,7 +58,9 @@ async def test_follower_resumes_after_connections_drop_without_gaps_or_duplicate
     proxy, prefix = redis_setup
     publisher_client, follower_client = redis_client(redis_url()), redis_client(_via(proxy))
     publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, no_archive, retry_s=10)
-    follower = RedisEventLog(follower_client, prefix, 10_000, 60, no_archive, retry_s=10, block_ms=500)
+    follower = RedisEventLog(
+        follower_client, prefix, 10_000, 60, no_archive, retry_s=10, block_ms=500
+    )
     run_id = str(uuid.uuid4())
     try:
         publisher.open(run_id)
@@ -86,7 +88,9 @@ async def test_follower_resumes_after_connections_drop_without_gaps_or_duplicate
         publisher.close(run_id)
         await asyncio.wait_for(listener, 15)
         assert [event.seq for event in received] == list(range(11))
-        assert [event.response_chunk.chunk for event in received[:10]] == [f"before-{i}" for i in range(5)] + [f"during-{i}" for i in range(5)]
+        assert [event.response_chunk.chunk for event in received[:10]] == [
+            f"before-{i}" for i in range(5)
+        ] + [f"during-{i}" for i in range(5)]
         assert received[-1].WhichOneof("payload") == "done"
     finally:
         await publisher.aclose()
@@ -94,14 +98,29 @@ async def test_follower_resumes_after_connections_drop_without_gaps_or_duplicate
         await follower_client.aclose()
 
 
-async def _follower_ends_with_the_reconnect_frame(prefix: str, follower_url: str, outage, limit_s: float,  # noqa: ANN001
-                                                 **client_options: float) -> None:
+async def _follower_ends_with_the_reconnect_frame(
+    prefix: str,
+    follower_url: str,
+    outage,
+    limit_s: float,  # noqa: ANN001
+    **client_options: float,
+) -> None:
     """A follower through `follower_url` gets one event, then `outage()` breaks its Redis: the
     follower ends within `limit_s` seconds with the `error` event naming where to resume."""
-    publisher_client, follower_client = redis_client(redis_url()), redis_client(follower_url, **client_options)
+    publisher_client, follower_client = (
+        redis_client(redis_url()),
+        redis_client(follower_url, **client_options),
+    )
     publisher = RedisEventLog(publisher_client, prefix, 10_000, 60, no_archive, retry_s=10)
-    follower = RedisEventLog(follower_client, prefix, 10_000, 60, no_archive, retry_s=1.0,
-                             block_ms=int(client_options.get("block_ms", 500)))
+    follower = RedisEventLog(
+        follower_client,
+        prefix,
+        10_000,
+        60,
+        no_archive,
+        retry_s=1.0,
+        block_ms=int(client_options.get("block_ms", 500)),
+    )
     run_id = str(uuid.uuid4())
     try:
         publisher.open(run_id)
@@ -118,7 +137,9 @@ async def _follower_ends_with_the_reconnect_frame(prefix: str, follower_url: str
             await asyncio.sleep(0.01)
         outage()
         interrupted = await fails_in_time(lambda: listener, limit_s)  # bounded: never hangs
-        assert isinstance(interrupted, StreamInterrupted) and interrupted.index == 1, interrupted  # says where to resume
+        assert isinstance(interrupted, StreamInterrupted) and interrupted.index == 1, (
+            interrupted
+        )  # says where to resume
         assert interrupted.message.endswith("reconnect with ?after=1")
         assert [event.WhichOneof("payload") for event in received] == ["response_chunk"]
     finally:
@@ -184,18 +205,28 @@ async def test_an_outage_longer_than_retry_s_loses_no_event_and_the_stream_still
             async for event in publisher.follow(run_id, 0):
                 local.append(event)
 
-        with pytest.raises(StreamInterrupted) as interrupted:  # a follower of the owner still ends, naming where to resume
+        with pytest.raises(
+            StreamInterrupted
+        ) as interrupted:  # a follower of the owner still ends, naming where to resume
             await asyncio.wait_for(listen_locally(), 10)
-        assert [e.WhichOneof("payload") for e in local] == ["response_chunk"] and interrupted.value.index == 1
+        assert [e.WhichOneof("payload") for e in local] == [
+            "response_chunk"
+        ] and interrupted.value.index == 1
         await asyncio.sleep(1.5)  # past retry_s
-        archive_copy = publisher.owned_events(run_id)  # what TurnRunner.archive writes, without Redis
-        publisher.forget(run_id)  # the archive's forget while items are held: kept until they are written
+        archive_copy = publisher.owned_events(
+            run_id
+        )  # what TurnRunner.archive writes, without Redis
+        publisher.forget(
+            run_id
+        )  # the archive's forget while items are held: kept until they are written
         proxy.restore()
 
         async def listen_again() -> list[events_pb2.Event]:
             return [event async for event in reader.follow(run_id, 1)]
 
-        resumed = await asyncio.wait_for(listen_again(), 10)  # from where it ended: the rest, then the end
+        resumed = await asyncio.wait_for(
+            listen_again(), 10
+        )  # from where it ended: the rest, then the end
         assert [e.seq for e in resumed] == [1, 2, 3] and resumed[-1].WhichOneof("payload") == "done"
         assert archive_copy is not None and [e.seq for e in archive_copy] == [0, 1, 2, 3]
         stream, _ = reader._keys(run_id)
@@ -204,7 +235,9 @@ async def test_an_outage_longer_than_retry_s_loses_no_event_and_the_stream_still
             if publisher.owned_events(run_id) is None:
                 break
             await asyncio.sleep(0.05)
-        assert publisher.owned_events(run_id) is None  # the writer forgot itself once all was written
+        assert (
+            publisher.owned_events(run_id) is None
+        )  # the writer forgot itself once all was written
     finally:
         await publisher.aclose()
         await publisher_client.aclose()
@@ -229,7 +262,9 @@ async def test_billing_rate_counters_answer_at_once_after_redis_comes_back(redis
         await limiter.close()
 
 
-async def test_a_follower_of_a_redis_that_stops_answering_ends_with_the_reconnect_frame(redis_setup):
+async def test_a_follower_of_a_redis_that_stops_answering_ends_with_the_reconnect_frame(
+    redis_setup,
+):
     # chaos test F5: a Redis that drops packets (not refuses them) held a follower for good (no read
     # timeout); each read now waits 0.7 s at most, and the follower retries for retry_s, then ends
     proxy, prefix = redis_setup
@@ -237,10 +272,14 @@ async def test_a_follower_of_a_redis_that_stops_answering_ends_with_the_reconnec
     def blackhole() -> None:
         proxy.swallowing = True
 
-    await _follower_ends_with_the_reconnect_frame(prefix, _via(proxy), blackhole, 6, block_ms=200, timeout_s=0.5)
+    await _follower_ends_with_the_reconnect_frame(
+        prefix, _via(proxy), blackhole, 6, block_ms=200, timeout_s=0.5
+    )
 
 
-async def test_billing_rate_counters_of_a_redis_that_stops_answering_are_unavailable_in_time(redis_setup):
+async def test_billing_rate_counters_of_a_redis_that_stops_answering_are_unavailable_in_time(
+    redis_setup,
+):
     # chaos test F5: an Admit on a Redis that drops packets waited for good (no read timeout, 4 attempts)
     from services.billing.rates import RateLimiter
     from services.common import db
@@ -277,7 +316,9 @@ async def test_an_archived_run_is_served_whole_while_redis_is_away(redis_setup):
         proxy.cut()
         owner.append(events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="a")))
         owner.close(run_id)
-        archive.extend(owner.owned_events(run_id) or [])  # TurnRunner.archive: from the owner's copy, then forget
+        archive.extend(
+            owner.owned_events(run_id) or []
+        )  # TurnRunner.archive: from the owner's copy, then forget
         owner.forget(run_id, archived=True)
 
         async def listen(log: RedisEventLog) -> list[events_pb2.Event]:
@@ -285,7 +326,10 @@ async def test_an_archived_run_is_served_whole_while_redis_is_away(redis_setup):
 
         for log in (owner, other):
             events = await asyncio.wait_for(listen(log), 5)
-            assert [(e.seq, e.WhichOneof("payload")) for e in events] == [(0, "response_chunk"), (1, "done")]
+            assert [(e.seq, e.WhichOneof("payload")) for e in events] == [
+                (0, "response_chunk"),
+                (1, "done"),
+            ]
     finally:
         proxy.restore()
         await owner.aclose()
@@ -309,7 +353,9 @@ async def test_events_refused_after_an_outage_are_never_served_by_their_writer(r
         owner.append(_chunk(run_id, "held"))
         await asyncio.sleep(0.3)  # the write fails and waits for Redis
         reaped = events_pb2.Event(run_id=run_id, done=events_pb2.DoneEvent(response="", error=True))
-        await other.append_after_end(run_id, reaped)  # the other replica's reaper ended the run meanwhile
+        await other.append_after_end(
+            run_id, reaped
+        )  # the other replica's reaper ended the run meanwhile
         proxy.restore()
         await owner.flush(run_id, 10)
 
@@ -317,7 +363,10 @@ async def test_events_refused_after_an_outage_are_never_served_by_their_writer(r
             return [event async for event in owner.follow(run_id, 0)]
 
         events = await asyncio.wait_for(listen(), 10)
-        assert [(e.seq, e.WhichOneof("payload")) for e in events] == [(0, "response_chunk"), (1, "done")]
+        assert [(e.seq, e.WhichOneof("payload")) for e in events] == [
+            (0, "response_chunk"),
+            (1, "done"),
+        ]
         assert owner.owned_events(run_id) is None  # its copy is no longer the stream's
     finally:
         await owner.aclose()

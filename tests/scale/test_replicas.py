@@ -30,25 +30,39 @@ async def _first_frames(client, url: str, count: int) -> list[dict]:
     return await asyncio.wait_for(read_frames(client, url, limit=count), 20)
 
 
-async def test_turn_started_on_one_replica_is_listened_resumed_and_finished_through_the_other(cluster):
+async def test_turn_started_on_one_replica_is_listened_resumed_and_finished_through_the_other(
+    cluster,
+):
     orchestrator_a = await cluster.spawn_orchestrator("orchestrator-a")
     orchestrator_b = await cluster.spawn_orchestrator("orchestrator-b")
     gateway_a = await cluster.spawn_gateway("gateway-a", orchestrator_a)
     gateway_b = await cluster.spawn_gateway("gateway-b", orchestrator_b)
     async with cluster.client(gateway_a) as a, cluster.client(gateway_b) as b:
-        body = await _start(a, {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}, "say": "Asking."},
-                            {"say": "Done after yes.", "sleep_ms": 300})
+        body = await _start(
+            a,
+            {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}, "say": "Asking."},
+            {"say": "Done after yes.", "sleep_ms": 300},
+        )
         # listened through B: the run runs on A, its events come from the Redis stream
         paused = await read_frames(b, body["stream_url"])
-        assert types(paused)[0] == "metadata" and types(paused)[-2:] == ["user_input_request", "interrupted"], types(paused)
+        assert types(paused)[0] == "metadata" and types(paused)[-2:] == [
+            "user_input_request",
+            "interrupted",
+        ], types(paused)
         assert await read_frames(a, body["stream_url"]) == paused  # same frames from either replica
         request_id = paused[-1]["data"]["request_id"]
 
         status = (await b.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["awaiting_input"] is True and status["pending_request_id"] == request_id
 
-        resumed = await b.post(f"/assistant/chat/{body['chat_id']}/resume",
-                               json={"request_id": request_id, "response": {"kind": "yes_no", "answer": True}, "llm": SCRIPTED})
+        resumed = await b.post(
+            f"/assistant/chat/{body['chat_id']}/resume",
+            json={
+                "request_id": request_id,
+                "response": {"kind": "yes_no", "answer": True},
+                "llm": SCRIPTED,
+            },
+        )
         assert resumed.status_code == 200, resumed.text
         # the continuation runs on B and is listened to through A
         frames = await read_frames(a, resumed.json()["stream_url"])
@@ -109,7 +123,9 @@ async def test_a_run_whose_orchestrator_is_killed_fails_within_the_lease_bound(c
         assert frames[-1]["data"]["error"] is True
         assert "stopped unexpectedly" in frames[1]["data"]["message"]
         assert detected <= LEASE_S + 1, f"crash detected after {detected:.1f} s (bound {LEASE_S} s)"
-        print(f"crash of the run's replica detected after {detected:.2f} s (lease bound {LEASE_S} s)")
+        print(
+            f"crash of the run's replica detected after {detected:.2f} s (lease bound {LEASE_S} s)"
+        )
 
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["is_running"] is False and not status["running_id"]
@@ -124,7 +140,10 @@ async def test_a_run_whose_orchestrator_is_killed_fails_within_the_lease_bound(c
 
         redis = aioredis.Redis.from_url(redis_url())
         try:
-            await redis.delete(f"{cluster.redis_prefix}run:{body['run_id']}:events", f"{cluster.redis_prefix}run:{body['run_id']}:meta")
+            await redis.delete(
+                f"{cluster.redis_prefix}run:{body['run_id']}:events",
+                f"{cluster.redis_prefix}run:{body['run_id']}:meta",
+            )
         finally:
             await redis.aclose()
         assert await read_frames(client, body["stream_url"]) == frames
@@ -135,10 +154,16 @@ async def test_a_replica_started_after_the_crash_recovers_the_run(cluster):
     doomed = await cluster.spawn_orchestrator("orchestrator-doomed", **lease)
     gateway_doomed = await cluster.spawn_gateway("gateway-doomed", doomed)
     async with cluster.client(gateway_doomed) as client:
-        body = await _start(client, {"tool": "get_available_integrations", "input": {}, "say": "Looking."},
-                            {"say": "never said", "sleep_ms": 120_000})
+        body = await _start(
+            client,
+            {"tool": "get_available_integrations", "input": {}, "say": "Looking."},
+            {"say": "never said", "sleep_ms": 120_000},
+        )
         before = await _first_frames(client, body["stream_url"], 4)
-        assert types(before) == ["metadata", "response_chunk", "tool_call", "tool_result"][: len(before)]
+        assert (
+            types(before)
+            == ["metadata", "response_chunk", "tool_call", "tool_result"][: len(before)]
+        )
     doomed.kill()
     restarted = await cluster.spawn_orchestrator("orchestrator-restarted", **lease)
     gateway = await cluster.spawn_gateway("gateway-restarted", restarted)
@@ -164,23 +189,39 @@ async def test_a_tool_call_cut_off_by_the_crash_gets_its_result_and_done_lists_t
     gateway = await cluster.spawn_gateway("gateway-survivor", survivor)
     slow = {"integration": "loopline", "action": "wait", "parameters": {"seconds": 120}}
     async with cluster.client(gateway_doomed) as doomed_client, cluster.client(gateway) as client:
-        body = await _start(doomed_client, {"tool": "get_available_integrations", "input": {}},
-                            {"tool": "execute_integration_tool", "input": slow}, {"say": "never said"})
+        body = await _start(
+            doomed_client,
+            {"tool": "get_available_integrations", "input": {}},
+            {"tool": "execute_integration_tool", "input": slow},
+            {"say": "never said"},
+        )
         before = await _first_frames(doomed_client, body["stream_url"], 4)
         assert types(before) == ["metadata", "tool_call", "tool_result", "tool_call"], types(before)
         doomed.kill()
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), LEASE_S + 20)
-    assert types(frames) == ["metadata", "tool_call", "tool_result", "tool_call", "tool_result", "error", "done"], types(frames)
+    assert types(frames) == [
+        "metadata",
+        "tool_call",
+        "tool_result",
+        "tool_call",
+        "tool_result",
+        "error",
+        "done",
+    ], types(frames)
     cut = frames[4]["data"]
     assert cut["tool_call_id"] == frames[3]["data"]["tool_call_id"]
     assert cut["output"] == {"error": "not completed: the run failed", "success": False}
     done = frames[-1]["data"]
     assert done["error"] is True
     assert [(c["tool"], c["output"]) for c in done["tool_calls"]] == [
-        ("get_available_integrations", frames[2]["data"]["output"]), ("execute_integration_tool", cut["output"])]
+        ("get_available_integrations", frames[2]["data"]["output"]),
+        ("execute_integration_tool", cut["output"]),
+    ]
 
 
-async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_ends_once_redis_is_back(cluster):
+async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_ends_once_redis_is_back(
+    cluster,
+):
     # fresh-eyes test: the cancel of a run of the same replica hung 30 s and answered 504 while Redis was away (the run's
     # finish waited to archive its events from Redis), and the run's stream never got its end
     from urllib.parse import urlsplit
@@ -193,7 +234,10 @@ async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_end
     await proxy.start()
     try:
         orchestrator = await cluster.spawn_orchestrator(
-            "orchestrator-a", LOOPLINE_REDIS_URL=f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}", LOOPLINE_REDIS_RETRY_S="2")
+            "orchestrator-a",
+            LOOPLINE_REDIS_URL=f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}",
+            LOOPLINE_REDIS_RETRY_S="2",
+        )
         gateway = await cluster.spawn_gateway("gateway-a", orchestrator)
         async with cluster.client(gateway) as client:
             body = await _start(client, {"say": "slow", "sleep_ms": 20_000})
@@ -203,15 +247,22 @@ async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_end
             cancelled = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
             assert cancelled.status_code == 200, cancelled.text
             assert time.monotonic() - began < 10
-            await asyncio.sleep(3)  # past LOOPLINE_REDIS_RETRY_S: the writer holds the run's end meanwhile
+            await asyncio.sleep(
+                3
+            )  # past LOOPLINE_REDIS_RETRY_S: the writer holds the run's end meanwhile
             proxy.restore()
             frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 30)
-        assert types(frames)[0] == "metadata" and frames[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}, (types(frames), cluster.logs())
+        assert types(frames)[0] == "metadata" and frames[-1] == {
+            "type": "cancelled",
+            "data": {"reason": "cancelled by user"},
+        }, (types(frames), cluster.logs())
     finally:
         await proxy.stop()
 
 
-async def test_a_cancel_through_the_other_replica_during_a_redis_outage_is_503_and_loses_nothing(cluster):
+async def test_a_cancel_through_the_other_replica_during_a_redis_outage_is_503_and_loses_nothing(
+    cluster,
+):
     # fresh-eyes test (scale-out), not verified then: the cancel of a run owned by another replica
     # reaches it through Redis only; while Redis is away it must fail as "retry" (503), at once
     # rather than after the client's deadline, and leave the run as it was for a later cancel
@@ -224,7 +275,10 @@ async def test_a_cancel_through_the_other_replica_during_a_redis_outage_is_503_a
     proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 6379)
     await proxy.start()
     try:
-        through_proxy = {"LOOPLINE_REDIS_URL": f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}", "LOOPLINE_REDIS_RETRY_S": "2"}
+        through_proxy = {
+            "LOOPLINE_REDIS_URL": f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}",
+            "LOOPLINE_REDIS_RETRY_S": "2",
+        }
         orchestrator_a = await cluster.spawn_orchestrator("orchestrator-a", **through_proxy)
         orchestrator_b = await cluster.spawn_orchestrator("orchestrator-b", **through_proxy)
         gateway_a = await cluster.spawn_gateway("gateway-a", orchestrator_a)
@@ -239,7 +293,10 @@ async def test_a_cancel_through_the_other_replica_during_a_redis_outage_is_503_a
             assert refused.status_code == 503, (refused.status_code, refused.text, cluster.logs())
             assert refused.headers["retry-after"] and set(refused.json()) == {"detail"}
             assert elapsed < 10, f"the refused cancel took {elapsed:.1f} s"
-            assert "Redis unavailable" in cluster.logs() and "database unavailable" not in cluster.logs()
+            assert (
+                "Redis unavailable" in cluster.logs()
+                and "database unavailable" not in cluster.logs()
+            )
             assert await _is_running(a, body["chat_id"])  # nothing changed: the run goes on on A
             proxy.restore()
             cancelled = await b.post(f"/assistant/chat/{body['chat_id']}/cancel")

@@ -28,9 +28,14 @@ def _chunk(run_id: str, text: str) -> events_pb2.Event:
 async def logs():
     """(owner log, follower log, client): two replicas' event logs on one fresh key prefix."""
     prefix = fresh_redis_prefix()
-    owner_client, follower_client = redis_client(redis_url()), redis_client(redis_url(), max_connections=4)
+    owner_client, follower_client = (
+        redis_client(redis_url()),
+        redis_client(redis_url(), max_connections=4),
+    )
     owner = RedisEventLog(owner_client, prefix, 10_000, 60, no_archive, retry_s=2.0)
-    follower = RedisEventLog(follower_client, prefix, 10_000, 60, no_archive, retry_s=2.0, block_ms=200)
+    follower = RedisEventLog(
+        follower_client, prefix, 10_000, 60, no_archive, retry_s=2.0, block_ms=200
+    )
     try:
         yield owner, follower, owner_client
     finally:
@@ -58,7 +63,9 @@ async def _one_event_stored(owner: RedisEventLog) -> str:
     return run_id
 
 
-async def _following(follower: RedisEventLog, run_id: str) -> tuple[asyncio.Task, list[events_pb2.Event]]:
+async def _following(
+    follower: RedisEventLog, run_id: str
+) -> tuple[asyncio.Task, list[events_pb2.Event]]:
     """A follower of the run in the background, once it has its first event: (its task, what it got)."""
     seen: list[events_pb2.Event] = []
 
@@ -84,7 +91,12 @@ async def test_the_next_write_after_the_stream_was_lost_writes_the_whole_run_aga
     await _lose(owner, client, run_id)
     owner.append(_chunk(run_id, "d"))
     await owner.flush(run_id)
-    assert await _stored_seqs(owner, client, run_id) == [0, 1, 2, 3]  # before: [3], the first three lost for good
+    assert await _stored_seqs(owner, client, run_id) == [
+        0,
+        1,
+        2,
+        3,
+    ]  # before: [3], the first three lost for good
     assert owner.owned_events(run_id) is not None  # still the stream's copy (not `diverged`)
 
 
@@ -103,7 +115,9 @@ async def test_a_follower_on_another_replica_goes_on_after_the_stream_was_lost(l
     run_id = await _one_event_stored(owner)
     task, seen = await _following(follower, run_id)
     await _lose(owner, client, run_id)
-    await asyncio.sleep(0.5)  # the follower finds the stream gone and waits (before: a bare end at once)
+    await asyncio.sleep(
+        0.5
+    )  # the follower finds the stream gone and waits (before: a bare end at once)
     assert not task.done()
     await owner.restore_lost()
     owner.append(_chunk(run_id, "b"))
@@ -111,7 +125,10 @@ async def test_a_follower_on_another_replica_goes_on_after_the_stream_was_lost(l
     owner.close(run_id)
     await asyncio.wait_for(task, 10)
     assert [(event.seq, event.WhichOneof("payload")) for event in seen] == [
-        (0, "response_chunk"), (1, "response_chunk"), (2, "done")]
+        (0, "response_chunk"),
+        (1, "response_chunk"),
+        (2, "done"),
+    ]
 
 
 async def test_a_follower_of_a_stream_that_stays_lost_ends_with_the_reconnect_frame(logs):
@@ -120,7 +137,9 @@ async def test_a_follower_of_a_stream_that_stays_lost_ends_with_the_reconnect_fr
     task, seen = await _following(follower, run_id)
     owner._writers.pop(run_id).task.cancel()  # its owner is gone, and its copy with it
     await _lose(owner, client, run_id)
-    with pytest.raises(StreamInterrupted) as interrupted:  # retry_s (2 s) after the stream went missing; before: a bare end at once
+    with pytest.raises(
+        StreamInterrupted
+    ) as interrupted:  # retry_s (2 s) after the stream went missing; before: a bare end at once
         await asyncio.wait_for(task, 10)
     assert [event.WhichOneof("payload") for event in seen] == ["response_chunk"]
     assert interrupted.value.message.endswith("reconnect with ?after=1")

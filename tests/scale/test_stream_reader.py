@@ -114,6 +114,7 @@ async def test_an_older_id_on_a_key_in_flight_is_served_at_once(prefix, direct, 
 async def test_a_waiter_older_than_the_read_in_flight_gets_no_gap(prefix, direct, reader):
     """Without a wake (disabled here), entries the XREAD in flight returns start after its own
     id: a waiter registered meanwhile from an older id must get the entries in between too."""
+
     async def no_wake() -> None:
         return None
 
@@ -149,8 +150,9 @@ async def test_waiters_of_one_key_each_get_exactly_their_entries(prefix, direct,
 
 
 async def test_300_followed_streams_over_a_pool_of_10(prefix, direct):
-    pool = aioredis.BlockingConnectionPool.from_url(redis_url(), max_connections=10, timeout=None,
-                                                    **db.redis_client_options(7))
+    pool = aioredis.BlockingConnectionPool.from_url(
+        redis_url(), max_connections=10, timeout=None, **db.redis_client_options(7)
+    )
     client = aioredis.Redis(connection_pool=pool)
     reader = StreamReader(client, f"{prefix}wake", shards=2)
     keys, per_key = [f"{prefix}run:{n}" for n in range(300)], 12
@@ -189,7 +191,9 @@ async def test_a_cancelled_waiter_does_not_break_the_others(prefix, direct, read
     assert _numbers(await elsewhere) == [1]
     assert _numbers(await reader.read(key, "0-1", 1000)) == [2]
     await asyncio.sleep(0.05)
-    assert reader._shards[0].waiters == {} and reader._shards[0].inflight is None  # idle: no XREAD sent
+    assert (
+        reader._shards[0].waiters == {} and reader._shards[0].inflight is None
+    )  # idle: no XREAD sent
 
 
 async def test_a_broken_connection_raises_then_reads_work_again(prefix, direct):

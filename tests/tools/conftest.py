@@ -6,7 +6,6 @@ PostgreSQL tests use the local server at postgresql://postgres@127.0.0.1:5432/te
 
 from __future__ import annotations
 
-import asyncio
 import http.server
 import json
 import threading
@@ -32,17 +31,25 @@ OTHER_ORG = "org-b"
 class ToolsClient:
     """A started ToolsServer with a stub, and helpers that speak JSON."""
 
-    def __init__(self, server: ToolsServer, channel: grpc.aio.Channel, settings: ToolsSettings) -> None:
+    def __init__(
+        self, server: ToolsServer, channel: grpc.aio.Channel, settings: ToolsSettings
+    ) -> None:
         self.server = server
         self.channel = channel
         self.settings = settings
         self.stub = tools_pb2_grpc.ToolsServiceStub(channel)
 
-    async def tool(self, tool: str, tool_input: dict[str, Any], org: str = ORG) -> tools_pb2.ExecuteToolResponse:
+    async def tool(
+        self, tool: str, tool_input: dict[str, Any], org: str = ORG
+    ) -> tools_pb2.ExecuteToolResponse:
         """ExecuteTool for `org`."""
         return await self.stub.ExecuteTool(
             tools_pb2.ExecuteToolRequest(
-                organization_id=org, tool=tool, input=pb.to_struct(tool_input), run_id="run-1", tool_call_id="call-1"
+                organization_id=org,
+                tool=tool,
+                input=pb.to_struct(tool_input),
+                run_id="run-1",
+                tool_call_id="call-1",
             )
         )
 
@@ -62,7 +69,12 @@ class ToolsClient:
         return response.error
 
     async def create_credential(
-        self, integration: str, auth_data: dict[str, Any], org: str = ORG, auth_type: str = "", **kwargs: Any
+        self,
+        integration: str,
+        auth_data: dict[str, Any],
+        org: str = ORG,
+        auth_type: str = "",
+        **kwargs: Any,
     ) -> tools_pb2.Credential:
         """CreateCredential; returns the Credential message."""
         response = await self.stub.CreateCredential(
@@ -131,7 +143,7 @@ async def pg_database(pg_dsn: str) -> AsyncIterator[str]:
     """
     try:
         admin = await asyncpg.connect(pg_dsn, timeout=3)
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         pytest.skip(f"local PostgreSQL at {pg_dsn} is unreachable ({type(exc).__name__})")
     name = f"loopline_tools_{uuid.uuid4().hex[:10]}"
     await admin.execute(f"CREATE DATABASE {name}")
@@ -150,11 +162,15 @@ async def pg_schema() -> AsyncIterator[str]:
     """
     try:
         connection = await asyncpg.connect(PG_DSN, timeout=3)
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
-        pytest.skip(f"local PostgreSQL at {PG_DSN} is unreachable ({type(exc).__name__}); postgresql tests need it")
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        pytest.skip(
+            f"local PostgreSQL at {PG_DSN} is unreachable ({type(exc).__name__}); postgresql tests need it"
+        )
     schema = f"tools_test_{uuid.uuid4().hex[:10]}"
     await connection.execute(f"CREATE SCHEMA {schema}")
-    await connection.execute(f"CREATE TABLE {schema}.items (id int PRIMARY KEY, name text NOT NULL, price numeric(8,2))")
+    await connection.execute(
+        f"CREATE TABLE {schema}.items (id int PRIMARY KEY, name text NOT NULL, price numeric(8,2))"
+    )
     await connection.execute(
         f"INSERT INTO {schema}.items VALUES (1, 'apple', 1.50), (2, 'banana', 0.25), (3, 'cherry', 12.00)"
     )
@@ -165,7 +181,9 @@ async def pg_schema() -> AsyncIterator[str]:
         await connection.close()
 
 
-DEEP_LEVELS = 60  # /deep: JSON objects nested this deep ({"a": {"a": ... "x"}}), past protobuf's decode limit
+DEEP_LEVELS = (
+    60  # /deep: JSON objects nested this deep ({"a": {"a": ... "x"}}), past protobuf's decode limit
+)
 DEEPER_LEVELS = 5000  # /deeper: arrays nested past what json.loads parses (RecursionError)
 
 
@@ -194,7 +212,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif self.path.startswith("/nan"):
             body, kind = b'{"ratio": NaN, "big": 1e400, "ok": 1}', "application/json"
         else:
-            payload = {"hello": "world", "authorization": self.headers.get("Authorization"), "path": self.path}
+            payload = {
+                "hello": "world",
+                "authorization": self.headers.get("Authorization"),
+                "path": self.path,
+            }
             body, kind = json.dumps(payload).encode(), "application/json"
         try:
             self.send_response(200)

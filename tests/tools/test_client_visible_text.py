@@ -51,16 +51,27 @@ class _Echo(http.server.BaseHTTPRequestHandler):
         type(self).received.append(given)
         status, kind, body, extra = 200, "application/json", b"{}", {}
         if self.path.startswith("/json"):
-            status, body = 401, json.dumps({"error": "invalid credentials", "received": given}).encode()
+            status, body = (
+                401,
+                json.dumps({"error": "invalid credentials", "received": given}).encode(),
+            )
         elif self.path.startswith("/escaped"):
             status, kind = 400, "text/plain"
             body = json.dumps({"error": f"invalid key {given}"}).encode()
         elif self.path.startswith("/redirect"):
             status, body = 302, b""
-            extra = {"Location": "https://login.example.com/callback?key=" + urllib.parse.quote(given, safe="")}
+            extra = {
+                "Location": "https://login.example.com/callback?key="
+                + urllib.parse.quote(given, safe="")
+            }
         elif self.path.startswith("/basic"):
             user, _, password = base64.b64decode(given.split(" ", 1)[1]).decode().partition(":")
-            status, body = 401, json.dumps({"error": f"wrong password {password} for user {user}", "header": given}).encode()
+            status, body = (
+                401,
+                json.dumps(
+                    {"error": f"wrong password {password} for user {user}", "header": given}
+                ).encode(),
+            )
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
@@ -107,7 +118,12 @@ def forms(secret: str) -> set[str]:
     """The forms a leak of `secret` takes: as is (and stripped), JSON-escaped, URL-encoded, base64."""
     found = set()
     for value in {secret, secret.strip()}:
-        found |= {value, json.dumps(value)[1:-1], urllib.parse.quote(value, safe=""), base64.b64encode(value.encode()).decode()}
+        found |= {
+            value,
+            json.dumps(value)[1:-1],
+            urllib.parse.quote(value, safe=""),
+            base64.b64encode(value.encode()).decode(),
+        }
     return {f for f in found if len(f) >= 4}
 
 
@@ -145,12 +161,19 @@ async def orchestrator_rows(stack) -> list[dict[str, Any]]:
     return rows
 
 
-async def everywhere(stack, client, chat_id: str, frames: list[dict[str, Any]], model_inputs: list[Any]) -> dict[str, Any]:
+async def everywhere(
+    stack, client, chat_id: str, frames: list[dict[str, Any]], model_inputs: list[Any]
+) -> dict[str, Any]:
     """What a client and the model can read of a chat: its SSE frames, GET /assistant/chat/{id},
     the orchestrator's database and every model call."""
     chat = await client.get(f"/assistant/chat/{chat_id}")
     assert chat.status_code == 200, chat.text
-    return {"frames": frames, "chat": chat.json(), "database": await orchestrator_rows(stack), "model": model_inputs}
+    return {
+        "frames": frames,
+        "chat": chat.json(),
+        "database": await orchestrator_rows(stack),
+        "model": model_inputs,
+    }
 
 
 def assert_nowhere(places: dict[str, Any], *secrets: str) -> None:
@@ -159,7 +182,9 @@ def assert_nowhere(places: dict[str, Any], *secrets: str) -> None:
     assert not found, "\n".join(found[:10])
 
 
-async def _turn(client, *steps: dict[str, Any], chat_id: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+async def _turn(
+    client, *steps: dict[str, Any], chat_id: str | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     body = {"message": script(*steps), **({"chat_id": chat_id} if chat_id else {})}
     started = await client.post("/assistant/chat", json=body)
     assert started.status_code == 200, started.text
@@ -167,14 +192,24 @@ async def _turn(client, *steps: dict[str, Any], chat_id: str | None = None) -> t
 
 
 async def _credential(client, auth_type: str, auth_data: dict[str, Any]) -> str:
-    created = await client.post("/credentials", json={"integration_name": "http", "auth_type": auth_type, "auth_data": auth_data})
+    created = await client.post(
+        "/credentials",
+        json={"integration_name": "http", "auth_type": auth_type, "auth_data": auth_data},
+    )
     assert created.status_code in (200, 201), created.text
     return created.json()["credential_id"]
 
 
 def _request(url: str, credential_id: str) -> dict[str, Any]:
-    return {"tool": "execute_integration_tool", "input": {
-        "integration": "http", "action": "request", "parameters": {"url": url}, "credential_id": credential_id}}
+    return {
+        "tool": "execute_integration_tool",
+        "input": {
+            "integration": "http",
+            "action": "request",
+            "parameters": {"url": url},
+            "credential_id": credential_id,
+        },
+    }
 
 
 def _tool_result(frames: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,51 +219,78 @@ def _tool_result(frames: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the `http` integration's credentials
 
 
-async def test_a_token_pasted_with_a_trailing_newline_is_sent_stripped_and_shows_nowhere(tmp_path, echo_server, model_inputs):
+async def test_a_token_pasted_with_a_trailing_newline_is_sent_stripped_and_shows_nowhere(
+    tmp_path, echo_server, model_inputs
+):
     token = "tok-newline-5829-secret\n"
     async with tools_stack(tmp_path) as stack, stack.client() as client:
         credential = await _credential(client, "bearer_token", {"token": token})
-        body, frames = await _turn(client, _request(f"{echo_server}/json", credential), {"say": "done"})
+        body, frames = await _turn(
+            client, _request(f"{echo_server}/json", credential), {"say": "done"}
+        )
         places = await everywhere(stack, client, body["chat_id"], frames, model_inputs)
     assert len(model_inputs) == 2  # the call after the tool result read it
     assert_nowhere(places, token)
-    assert [f["type"] for f in frames] == ["metadata", "tool_call", "tool_result", "response_chunk", "done"], frames
+    assert [f["type"] for f in frames] == [
+        "metadata",
+        "tool_call",
+        "tool_result",
+        "response_chunk",
+        "done",
+    ], frames
     # the server got the token without the newline (the request was sent), and its echo came back redacted
     assert _Echo.received == ["Bearer tok-newline-5829-secret"]
     result = _tool_result(frames)["result"]
     assert result["status_code"] == 401 and result["json"]["received"] == "Bearer ***"
 
 
-async def test_a_line_break_inside_a_token_is_a_header_error_that_never_quotes_it(tmp_path, echo_server, model_inputs):
+async def test_a_line_break_inside_a_token_is_a_header_error_that_never_quotes_it(
+    tmp_path, echo_server, model_inputs
+):
     token = "tok-inner\nbreak-6620-secret"
     async with tools_stack(tmp_path) as stack, stack.client() as client:
         credential = await _credential(client, "bearer_token", {"token": token})
-        body, frames = await _turn(client, _request(f"{echo_server}/json", credential), {"say": "done"})
+        body, frames = await _turn(
+            client, _request(f"{echo_server}/json", credential), {"say": "done"}
+        )
         places = await everywhere(stack, client, body["chat_id"], frames, model_inputs)
     assert_nowhere(places, "tok-inner", "break-6620-secret", token)
     assert _Echo.received == []
     result = _tool_result(frames)
     assert result["success"] is False
-    assert result["error"] == "http.request failed: the HTTP request failed: " \
+    assert (
+        result["error"] == "http.request failed: the HTTP request failed: "
         "a header name or value is not valid HTTP (a line break or a character that is not ASCII)"
+    )
 
 
-async def test_a_token_a_server_puts_url_encoded_in_a_redirect_shows_nowhere(tmp_path, echo_server, model_inputs):
+async def test_a_token_a_server_puts_url_encoded_in_a_redirect_shows_nowhere(
+    tmp_path, echo_server, model_inputs
+):
     key = "uRlKey/9931+s3cret=end"
     async with tools_stack(tmp_path) as stack, stack.client() as client:
         credential = await _credential(client, "api_key", {"api_key": key})
-        body, frames = await _turn(client, _request(f"{echo_server}/redirect", credential), {"say": "done"})
+        body, frames = await _turn(
+            client, _request(f"{echo_server}/redirect", credential), {"say": "done"}
+        )
         places = await everywhere(stack, client, body["chat_id"], frames, model_inputs)
     assert_nowhere(places, key)
     result = _tool_result(frames)["result"]
-    assert result["status_code"] == 302 and result["headers"]["location"] == "https://login.example.com/callback?key=***"
+    assert (
+        result["status_code"] == 302
+        and result["headers"]["location"] == "https://login.example.com/callback?key=***"
+    )
 
 
-async def test_a_token_a_server_echoes_json_escaped_in_an_error_body_shows_nowhere(tmp_path, echo_server, model_inputs):
+async def test_a_token_a_server_echoes_json_escaped_in_an_error_body_shows_nowhere(
+    tmp_path, echo_server, model_inputs
+):
     key = 'esc\\aped"key-4471-secret'  # a backslash and a quote: JSON escapes both
     async with tools_stack(tmp_path) as stack, stack.client() as client:
         credential = await _credential(client, "api_key", {"api_key": key})
-        body, frames = await _turn(client, _request(f"{echo_server}/escaped", credential), {"say": "done"})
+        body, frames = await _turn(
+            client, _request(f"{echo_server}/escaped", credential), {"say": "done"}
+        )
         places = await everywhere(stack, client, body["chat_id"], frames, model_inputs)
     assert_nowhere(places, key)
     assert _Echo.received == [key]
@@ -236,31 +298,52 @@ async def test_a_token_a_server_echoes_json_escaped_in_an_error_body_shows_nowhe
     assert result["status_code"] == 400 and result["body"] == '{"error": "invalid key ***"}'
 
 
-async def test_the_user_and_password_of_a_basic_header_show_nowhere(tmp_path, echo_server, model_inputs):
+async def test_the_user_and_password_of_a_basic_header_show_nowhere(
+    tmp_path, echo_server, model_inputs
+):
     encoded = base64.b64encode(b"alice:pw-hunter-2207").decode()
     async with tools_stack(tmp_path) as stack, stack.client() as client:
-        credential = await _credential(client, "api_key", {"api_key": f"Basic {encoded}", "header_name": "Authorization"})
-        body, frames = await _turn(client, _request(f"{echo_server}/basic", credential), {"say": "done"})
+        credential = await _credential(
+            client, "api_key", {"api_key": f"Basic {encoded}", "header_name": "Authorization"}
+        )
+        body, frames = await _turn(
+            client, _request(f"{echo_server}/basic", credential), {"say": "done"}
+        )
         places = await everywhere(stack, client, body["chat_id"], frames, model_inputs)
     assert_nowhere(places, "pw-hunter-2207", encoded, "alice:pw-hunter-2207")
-    assert _tool_result(frames)["result"]["json"] == {"error": "wrong password *** for user alice", "header": "***"}
+    assert _tool_result(frames)["result"]["json"] == {
+        "error": "wrong password *** for user alice",
+        "header": "***",
+    }
 
 
 # ---------------------------------------------------------------- a tool's or a model's failure text
 
 
-@pytest.mark.parametrize("raised", [OSError(INTERNAL), RuntimeError(INTERNAL)], ids=["driver-error", "unexpected-error"])
-async def test_a_tool_failure_naming_a_host_an_address_and_a_path_shows_none_of_them(tmp_path, monkeypatch, model_inputs, raised):
+@pytest.mark.parametrize(
+    "raised", [OSError(INTERNAL), RuntimeError(INTERNAL)], ids=["driver-error", "unexpected-error"]
+)
+async def test_a_tool_failure_naming_a_host_an_address_and_a_path_shows_none_of_them(
+    tmp_path, monkeypatch, model_inputs, raised
+):
     import asyncpg
 
     async def connect(*_args: Any, **_kwargs: Any) -> Any:
         raise raised
 
     monkeypatch.setattr(asyncpg, "connect", connect)
-    call = {"tool": "execute_integration_tool", "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}}}
+    call = {
+        "tool": "execute_integration_tool",
+        "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}},
+    }
     async with tools_stack(tmp_path) as stack, stack.client() as client:
-        created = await client.post("/credentials", json={
-            "integration_name": "postgresql", "auth_data": {"dsn": f"postgresql://app:pw-db-0991@{HOST}:5432/app"}})
+        created = await client.post(
+            "/credentials",
+            json={
+                "integration_name": "postgresql",
+                "auth_data": {"dsn": f"postgresql://app:pw-db-0991@{HOST}:5432/app"},
+            },
+        )
         assert created.status_code in (200, 201), created.text
         body, frames = await _turn(client, call, {"say": "done"})
         places = await everywhere(stack, client, body["chat_id"], frames, model_inputs)
@@ -269,19 +352,30 @@ async def test_a_tool_failure_naming_a_host_an_address_and_a_path_shows_none_of_
     result = _tool_result(frames)
     assert result["success"] is False
     if isinstance(raised, OSError):
-        assert result["error"] == "postgresql.list_schemas failed: could not connect to PostgreSQL: " \
+        assert (
+            result["error"] == "postgresql.list_schemas failed: could not connect to PostgreSQL: "
             "the server could not be reached or broke the connection"
+        )
     else:
-        assert result["error"] == "postgresql.list_schemas failed: an internal error in the integration (logged)"
+        assert (
+            result["error"]
+            == "postgresql.list_schemas failed: an internal error in the integration (logged)"
+        )
 
 
-async def test_a_model_failure_naming_a_host_an_address_and_a_path_shows_none_of_them(tmp_path, monkeypatch, model_inputs):
+async def test_a_model_failure_naming_a_host_an_address_and_a_path_shows_none_of_them(
+    tmp_path, monkeypatch, model_inputs
+):
     recording = ScriptedModel.generate  # records the call (fixture model_inputs), then answers
 
     async def fails_when_asked(self, messages, tools, on_text, **kwargs):  # noqa: ANN001
-        if messages[-1]["content"] == "please fail":  # a provider's failure whose text names internal places
+        if (
+            messages[-1]["content"] == "please fail"
+        ):  # a provider's failure whose text names internal places
             await recording(self, messages, tools, on_text, **kwargs)
-            raise ModelError(f"upstream error: {INTERNAL}", usage=TokenUsage(input_tokens=3, output_tokens=1))
+            raise ModelError(
+                f"upstream error: {INTERNAL}", usage=TokenUsage(input_tokens=3, output_tokens=1)
+            )
         return await recording(self, messages, tools, on_text, **kwargs)
 
     monkeypatch.setattr(ScriptedModel, "generate", fails_when_asked)
@@ -290,7 +384,9 @@ async def test_a_model_failure_naming_a_host_an_address_and_a_path_shows_none_of
         assert started.status_code == 200, started.text
         body = started.json()
         frames = await read_frames(client, body["stream_url"])
-        _, after = await _turn(client, {"say": "next"}, chat_id=body["chat_id"])  # the next model call reads the thread
+        _, after = await _turn(
+            client, {"say": "next"}, chat_id=body["chat_id"]
+        )  # the next model call reads the thread
         places = await everywhere(stack, client, body["chat_id"], frames + after, model_inputs)
     assert len(model_inputs) == 2
     assert_nowhere(places, HOST, ADDRESS, PATH, "secrets/db.pem")
@@ -302,28 +398,66 @@ async def test_a_model_failure_naming_a_host_an_address_and_a_path_shows_none_of
 # ---------------------------------------------------------------- the redaction pass itself
 
 
-@pytest.mark.parametrize(("secret", "text"), [
-    ({"token": "tok-abc-123\n"}, "Illegal header value b'Bearer tok-abc-123\\n'"),  # h11's message: the newline escaped
-    ({"token": "tok-abc-123\n"}, "got tok-abc-123 back"),  # stripped, as sent
-    ({"token": "tok\tabc\r123"}, "header 'tok\\tabc\\r123' refused"),  # backslash escapes
-    ({"api_key": 'q"uo\\te-key'}, '{"error": "bad key q\\"uo\\\\te-key"}'),  # JSON escapes
-    ({"api_key": "k€y-ünicode"}, '{"error": "bad key k\\u20acy-\\u00fcnicode"}'),  # JSON \\u escapes
-    ({"api_key": "a/b+c=d&e"}, "https://x.example/cb?k=a%2Fb%2Bc%3Dd%26e"),  # URL-encoded
-    ({"api_key": "a/b+c=d&e"}, "https://x.example/cb?k=a%2fb%2bc%3dd%26e"),  # lower-case hex
-    ({"api_key": "two words key"}, "q=two+words+key"),  # form-encoded
-    ({"api_key": "alice:pw-1234"}, "Authorization: Basic YWxpY2U6cHctMTIzNA=="),  # base64 inside Basic
-    ({"api_key": "Basic YWxpY2U6cHctMTIzNA=="}, "wrong password pw-1234 for alice"),  # what a Basic header holds
-    ({"dsn": "postgresql://u:p%40ss-99@db/x"}, "password p@ss-99 refused"),  # a URL's password, percent-decoded
-    ({"url": "https://mcp.example", "headers": {"Authorization": "Bearer mcp-tok-77"}}, "echo mcp-tok-77"),  # nested
-])
+@pytest.mark.parametrize(
+    ("secret", "text"),
+    [
+        (
+            {"token": "tok-abc-123\n"},
+            "Illegal header value b'Bearer tok-abc-123\\n'",
+        ),  # h11's message: the newline escaped
+        ({"token": "tok-abc-123\n"}, "got tok-abc-123 back"),  # stripped, as sent
+        ({"token": "tok\tabc\r123"}, "header 'tok\\tabc\\r123' refused"),  # backslash escapes
+        ({"api_key": 'q"uo\\te-key'}, '{"error": "bad key q\\"uo\\\\te-key"}'),  # JSON escapes
+        (
+            {"api_key": "k€y-ünicode"},
+            '{"error": "bad key k\\u20acy-\\u00fcnicode"}',
+        ),  # JSON \\u escapes
+        ({"api_key": "a/b+c=d&e"}, "https://x.example/cb?k=a%2Fb%2Bc%3Dd%26e"),  # URL-encoded
+        ({"api_key": "a/b+c=d&e"}, "https://x.example/cb?k=a%2fb%2bc%3dd%26e"),  # lower-case hex
+        ({"api_key": "two words key"}, "q=two+words+key"),  # form-encoded
+        (
+            {"api_key": "alice:pw-1234"},
+            "Authorization: Basic YWxpY2U6cHctMTIzNA==",
+        ),  # base64 inside Basic
+        (
+            {"api_key": "Basic YWxpY2U6cHctMTIzNA=="},
+            "wrong password pw-1234 for alice",
+        ),  # what a Basic header holds
+        (
+            {"dsn": "postgresql://u:p%40ss-99@db/x"},
+            "password p@ss-99 refused",
+        ),  # a URL's password, percent-decoded
+        (
+            {"url": "https://mcp.example", "headers": {"Authorization": "Bearer mcp-tok-77"}},
+            "echo mcp-tok-77",
+        ),  # nested
+    ],
+)
 def test_redaction_knows_every_encoding_a_secret_takes_in_an_error(secret, text):
     redacted = redact(text, secret)
     assert "***" in redacted, redacted
-    for value in ("tok-abc-123", "tok\tabc\r123", "tok\\tabc\\r123", 'q"uo\\te-key', 'q\\"uo\\\\te-key', "k\\u20acy",
-                  "a%2Fb", "a%2fb", "two+words", "YWxpY2U6cHctMTIzNA", "pw-1234", "p@ss-99", "p%40ss-99", "mcp-tok-77"):
+    for value in (
+        "tok-abc-123",
+        "tok\tabc\r123",
+        "tok\\tabc\\r123",
+        'q"uo\\te-key',
+        'q\\"uo\\\\te-key',
+        "k\\u20acy",
+        "a%2Fb",
+        "a%2fb",
+        "two+words",
+        "YWxpY2U6cHctMTIzNA",
+        "pw-1234",
+        "p@ss-99",
+        "p%40ss-99",
+        "mcp-tok-77",
+    ):
         assert value not in redacted, (value, redacted)
 
 
 def test_redaction_leaves_a_header_name_and_text_without_the_secret_alone():
-    assert redact("send X-API-Key: ***", {"api_key": "k-123456", "header_name": "X-API-Key"}) == "send X-API-Key: ***"
+    assert (
+        redact("send X-API-Key: ***", {"api_key": "k-123456", "header_name": "X-API-Key"})
+        == "send X-API-Key: ***"
+    )
     assert redact("nothing secret here", {"token": "tok-abc-123"}) == "nothing secret here"

@@ -25,7 +25,9 @@ from services.tools.catalogue import Catalogue
 from services.tools.crypto import SecretBox
 from services.tools.mcp_servers import MCP_AUTH_TYPE
 
-MCP_TOOLS = [{"name": "ping", "description": "Ping.", "input_schema": {"type": "object", "properties": {}}}]
+MCP_TOOLS = [
+    {"name": "ping", "description": "Ping.", "input_schema": {"type": "object", "properties": {}}}
+]
 
 
 def _connected(output: dict) -> dict[str, bool]:
@@ -34,11 +36,17 @@ def _connected(output: dict) -> dict[str, bool]:
 
 async def test_credential_writes_are_seen_by_the_next_tool_call_of_the_same_process(start_tools):
     tools = await start_tools(tools_credential_cache_ttl_s=3600.0)
-    assert _connected(await tools.ok("get_available_integrations", {}))["http"] is False  # now cached
-    credential = await tools.create_credential("http", {"token": "tok-123456789"}, auth_type="bearer")
+    assert (
+        _connected(await tools.ok("get_available_integrations", {}))["http"] is False
+    )  # now cached
+    credential = await tools.create_credential(
+        "http", {"token": "tok-123456789"}, auth_type="bearer"
+    )
     assert _connected(await tools.ok("get_available_integrations", {}))["http"] is True
     await tools.stub.DeleteCredential(
-        tools_pb2.DeleteCredentialRequest(organization_id="org-a", credential_id=credential.credential_id)
+        tools_pb2.DeleteCredentialRequest(
+            organization_id="org-a", credential_id=credential.credential_id
+        )
     )
     assert _connected(await tools.ok("get_available_integrations", {}))["http"] is False
 
@@ -48,9 +56,17 @@ async def test_mcp_server_writes_are_seen_by_the_next_tool_call_of_the_same_proc
     store = tools.server.servicer.credentials
     names = {i["name"] for i in (await tools.ok("get_available_integrations", {}))["integrations"]}
     assert "mcp_docs" not in names
-    info = await store.create_raw("org-a", "mcp_docs", MCP_AUTH_TYPE, {"url": "https://mcp.example/mcp", "headers": {}},
-                                  "Docs", discovery=MCP_TOOLS)
-    listed = {i["name"]: i for i in (await tools.ok("get_available_integrations", {}))["integrations"]}
+    info = await store.create_raw(
+        "org-a",
+        "mcp_docs",
+        MCP_AUTH_TYPE,
+        {"url": "https://mcp.example/mcp", "headers": {}},
+        "Docs",
+        discovery=MCP_TOOLS,
+    )
+    listed = {
+        i["name"]: i for i in (await tools.ok("get_available_integrations", {}))["integrations"]
+    }
     assert listed["mcp_docs"]["connected"] is True
     details = await tools.ok("get_integration_details", {"integration": "mcp_docs"})
     assert [a["name"] for a in details["actions"]] == ["ping"]
@@ -62,14 +78,22 @@ async def test_mcp_server_writes_are_seen_by_the_next_tool_call_of_the_same_proc
     await store.delete("org-a", info.id)
     names = {i["name"] for i in (await tools.ok("get_available_integrations", {}))["integrations"]}
     assert "mcp_docs" not in names
-    assert "Unknown integration" in await tools.failed("get_integration_details", {"integration": "mcp_docs"})
+    assert "Unknown integration" in await tools.failed(
+        "get_integration_details", {"integration": "mcp_docs"}
+    )
 
 
 async def test_the_unknown_integration_hint_names_the_organizations_mcp_servers(start_tools):
     tools = await start_tools()
     store = tools.server.servicer.credentials
-    await store.create_raw("org-a", "mcp_docs", MCP_AUTH_TYPE, {"url": "https://mcp.example/mcp", "headers": {}},
-                           "Docs", discovery=MCP_TOOLS)
+    await store.create_raw(
+        "org-a",
+        "mcp_docs",
+        MCP_AUTH_TYPE,
+        {"url": "https://mcp.example/mcp", "headers": {}},
+        "Docs",
+        discovery=MCP_TOOLS,
+    )
     error = await tools.failed("get_integration_details", {"integration": "mcp_doc"})
     assert "Unknown integration 'mcp_doc'" in error
     hinted = error.split("include: ", 1)[1].split(". Call", 1)[0].split(", ")
@@ -82,7 +106,9 @@ async def test_another_replicas_credential_is_seen_within_the_cache_ttl(start_to
     url = f"sqlite+aiosqlite:///{(tmp_path / 'shared.db').as_posix()}"
     first = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=0.5)
     second = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=0.5)
-    assert _connected(await second.ok("get_available_integrations", {}))["http"] is False  # cached by the second
+    assert (
+        _connected(await second.ok("get_available_integrations", {}))["http"] is False
+    )  # cached by the second
     await first.create_credential("http", {"token": "tok-123456789"}, auth_type="bearer")
     await asyncio.sleep(0.6)
     assert _connected(await second.ok("get_available_integrations", {}))["http"] is True
@@ -94,7 +120,12 @@ async def test_an_mcp_server_registered_on_another_replica_is_found_at_once(star
     second = await start_tools(tools_database_url=url, tools_credential_cache_ttl_s=3600.0)
     await second.ok("get_available_integrations", {})  # the second caches "no MCP server"
     await first.server.servicer.credentials.create_raw(
-        "org-a", "mcp_docs", MCP_AUTH_TYPE, {"url": "https://mcp.example/mcp", "headers": {}}, "Docs", discovery=MCP_TOOLS
+        "org-a",
+        "mcp_docs",
+        MCP_AUTH_TYPE,
+        {"url": "https://mcp.example/mcp", "headers": {}},
+        "Docs",
+        discovery=MCP_TOOLS,
     )
     details = await second.ok("get_integration_details", {"integration": "mcp_docs"})
     assert [a["name"] for a in details["actions"]] == ["ping"]
@@ -108,18 +139,29 @@ async def test_a_tool_call_that_can_use_no_credential_reads_none(tools, monkeypa
         calls.append(args)
 
     monkeypatch.setattr(store, "resolve", resolve)
-    output = await tools.ok("execute_integration_tool", {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}})
+    output = await tools.ok(
+        "execute_integration_tool",
+        {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}},
+    )
     assert output["result"] == {"message": "hi"} and output["credential_id"] is None
     assert calls == []
     # A named credential is still looked up (and, for loopline, never found).
     error = await tools.failed(
         "execute_integration_tool",
-        {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}, "credential_id": "nope"},
+        {
+            "integration": "loopline",
+            "action": "echo",
+            "parameters": {"message": "hi"},
+            "credential_id": "nope",
+        },
     )
     assert "Credential 'nope' was not found" in error
     assert calls == [("org-a", "loopline", "nope")]
     # An integration that takes a secret still resolves one.
-    await tools.failed("execute_integration_tool", {"integration": "http", "action": "request", "parameters": {"url": "https://example.com"}})
+    await tools.failed(
+        "execute_integration_tool",
+        {"integration": "http", "action": "request", "parameters": {"url": "https://example.com"}},
+    )
     assert calls[-1] == ("org-a", "http", None)
 
 
@@ -141,9 +183,22 @@ def test_the_idle_service_loads_no_optional_package(tmp_path):
         "    await server.stop(0)\n"
         "asyncio.run(main())\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     loaded = {name.split(".")[0] for name in json.loads(out.strip().splitlines()[-1])}
-    assert not loaded & {"cryptography", "httpx", "httpcore", "httpx2", "anyio", "asyncpg", "mcp", "pypdf", "click", "rich"}
+    assert not loaded & {
+        "cryptography",
+        "httpx",
+        "httpcore",
+        "httpx2",
+        "anyio",
+        "asyncpg",
+        "mcp",
+        "pypdf",
+        "click",
+        "rich",
+    }
     # The reflection implementation (and protobuf's descriptor_pb2, ~3 MiB) waits for the first
     # reflection call (grpc itself imports the empty top-level `grpc_reflection` package).
     modules = json.loads(out.strip().splitlines()[-1])
@@ -166,7 +221,9 @@ async def test_server_reflection_lists_the_services_and_resolves_their_files(too
 
     services, name, package = await asyncio.to_thread(reflect, tools.server.port)
     assert services == [
-        "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
         "loopline.tools.v1.ToolsService",
     ]
     assert name.endswith("tools.proto") and package == "loopline.tools.v1"
@@ -181,8 +238,16 @@ def test_a_malformed_credential_key_is_refused_at_construction():
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**60), max_value=2**60) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=3), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -192,13 +257,19 @@ _json = st.recursive(
 def test_direct_struct_conversions_equal_json_format(data):
     expected = struct_pb2.Value()
     json_format.ParseDict(data, expected)
-    assert pb.to_value(data).SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
-    back = _sorted_keys(pb._ints(json_format.MessageToDict(expected)))  # pb sorts an object's keys (deterministic frames)
+    assert pb.to_value(data).SerializeToString(deterministic=True) == expected.SerializeToString(
+        deterministic=True
+    )
+    back = _sorted_keys(
+        pb._ints(json_format.MessageToDict(expected))
+    )  # pb sorts an object's keys (deterministic frames)
     assert repr(pb.from_value(expected)) == repr(back)
     if isinstance(data, dict):
         struct = struct_pb2.Struct()
         json_format.ParseDict(data, struct)
-        assert repr(pb.from_struct(struct)) == repr(_sorted_keys(pb._ints(json_format.MessageToDict(struct))))
+        assert repr(pb.from_struct(struct)) == repr(
+            _sorted_keys(pb._ints(json_format.MessageToDict(struct)))
+        )
 
 
 def _sorted_keys(data):  # noqa: ANN001, ANN202
@@ -228,5 +299,12 @@ def test_services_cap_malloc_arenas_unless_the_operator_sets_malloc_arena_max(en
 
     script = "from services.common.runner import limit_malloc_arenas; print(limit_malloc_arenas())"
     environment = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True, env=environment)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=environment,
+    )
     assert out.stdout.strip() == str(applied)

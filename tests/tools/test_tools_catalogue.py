@@ -38,8 +38,14 @@ async def test_list_tools_of_an_unknown_profile_is_invalid_and_names_the_known_o
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await tools.stub.ListTools(tools_pb2.ListToolsRequest(profile=profile))
         details = status_details(caught.value)
-        assert (details.code, details.reason, details.domain) == (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_PROFILE", TOOLS_DOMAIN)
-        assert details.message.endswith("; the known profiles are: assistant (empty means assistant)")
+        assert (details.code, details.reason, details.domain) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "UNKNOWN_PROFILE",
+            TOOLS_DOMAIN,
+        )
+        assert details.message.endswith(
+            "; the known profiles are: assistant (empty means assistant)"
+        )
         assert details.metadata == {"field": "profile", "known_profiles": "assistant"}
         assert len(details.message) < 200
 
@@ -68,16 +74,28 @@ async def test_available_integrations_become_connected_when_a_credential_is_crea
     assert by_name["http"]["connected"] is False
     assert by_name["loopline"]["connected"] is True  # needs no credential
     assert by_name["postgresql"]["auth_types"] == ["api_key"]
-    assert set(by_name["postgresql"]) == {"name", "display_name", "description", "categories", "connected", "auth_types"}
+    assert set(by_name["postgresql"]) == {
+        "name",
+        "display_name",
+        "description",
+        "categories",
+        "connected",
+        "auth_types",
+    }
     assert before["count"] == len(before["integrations"])
 
     await tools.create_credential("postgresql", {"dsn": "postgresql://u:p@db.example:5432/x"})
     await tools.create_credential("http", {"token": "tok-123456789"}, auth_type="bearer")
-    after = {i["name"]: i for i in (await tools.ok("get_available_integrations", {}))["integrations"]}
+    after = {
+        i["name"]: i for i in (await tools.ok("get_available_integrations", {}))["integrations"]
+    }
     assert after["postgresql"]["connected"] is True
     assert after["http"]["connected"] is True
     # Another organization sees nothing connected.
-    other = {i["name"]: i for i in (await tools.ok("get_available_integrations", {}, org="org-b"))["integrations"]}
+    other = {
+        i["name"]: i
+        for i in (await tools.ok("get_available_integrations", {}, org="org-b"))["integrations"]
+    }
     assert other["postgresql"]["connected"] is False
 
 

@@ -19,7 +19,9 @@ SECRET_DSN = "postgresql://reader:s3cr3t-Passw0rd@db.example:5432/sales"
 async def test_credentials_are_encrypted_at_rest_with_the_configured_key(start_tools):
     key = Fernet.generate_key().decode()
     tools = await start_tools(tools_credential_key=key)
-    credential = await tools.create_credential("postgresql", {"dsn": SECRET_DSN}, display_name="Sales DB")
+    credential = await tools.create_credential(
+        "postgresql", {"dsn": SECRET_DSN}, display_name="Sales DB"
+    )
 
     db_file = tools.settings.data_dir / "tools.db"
     with sqlite3.connect(db_file) as connection:
@@ -40,9 +42,13 @@ async def test_credentials_are_encrypted_at_rest_with_the_configured_key(start_t
 async def test_no_rpc_or_tool_returns_the_secret(tools):
     credential = await tools.create_credential("postgresql", {"dsn": SECRET_DSN})
     got = await tools.stub.GetCredential(
-        tools_pb2.GetCredentialRequest(organization_id="org-a", credential_id=credential.credential_id, include_masked=True)
+        tools_pb2.GetCredentialRequest(
+            organization_id="org-a", credential_id=credential.credential_id, include_masked=True
+        )
     )
-    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a"))
+    listed = await tools.stub.ListCredentials(
+        tools_pb2.ListCredentialsRequest(organization_id="org-a")
+    )
     tool_output = await tools.ok("get_organization_credentials", {})
     for text in (str(credential), str(got), str(listed), json.dumps(tool_output)):
         assert "s3cr3t-Passw0rd" not in text
@@ -52,14 +58,24 @@ async def test_no_rpc_or_tool_returns_the_secret(tools):
 
 
 async def test_get_organization_credentials_returns_metadata_only(tools):
-    first = await tools.create_credential("postgresql", {"dsn": SECRET_DSN}, display_name="Sales DB")
+    first = await tools.create_credential(
+        "postgresql", {"dsn": SECRET_DSN}, display_name="Sales DB"
+    )
     await tools.create_credential("http", {"token": "tok-abcdefghijkl"}, auth_type="bearer")
     await tools.create_credential("postgresql", {"dsn": SECRET_DSN}, org="org-b")
 
     output = await tools.ok("get_organization_credentials", {"integration": "postgresql"})
     assert output["count"] == 1
     (item,) = output["credentials"]
-    assert set(item) == {"id", "integration", "auth_type", "display_name", "is_default", "created_at", "updated_at"}
+    assert set(item) == {
+        "id",
+        "integration",
+        "auth_type",
+        "display_name",
+        "is_default",
+        "created_at",
+        "updated_at",
+    }
     assert item["id"] == first.credential_id
     assert item["integration"] == "postgresql"
     assert item["auth_type"] == "api_key"
@@ -73,10 +89,28 @@ async def test_get_organization_credentials_returns_metadata_only(tools):
 async def test_another_organizations_credential_is_not_found(tools):
     credential = await tools.create_credential("postgresql", {"dsn": SECRET_DSN}, org="org-a")
     for call, request in (
-        (tools.stub.GetCredential, tools_pb2.GetCredentialRequest(organization_id="org-b", credential_id=credential.credential_id)),
-        (tools.stub.DeleteCredential, tools_pb2.DeleteCredentialRequest(organization_id="org-b", credential_id=credential.credential_id)),
-        (tools.stub.SetDefaultCredential, tools_pb2.SetDefaultCredentialRequest(organization_id="org-b", credential_id=credential.credential_id)),
-        (tools.stub.GetCredential, tools_pb2.GetCredentialRequest(organization_id="org-a", credential_id="absent")),
+        (
+            tools.stub.GetCredential,
+            tools_pb2.GetCredentialRequest(
+                organization_id="org-b", credential_id=credential.credential_id
+            ),
+        ),
+        (
+            tools.stub.DeleteCredential,
+            tools_pb2.DeleteCredentialRequest(
+                organization_id="org-b", credential_id=credential.credential_id
+            ),
+        ),
+        (
+            tools.stub.SetDefaultCredential,
+            tools_pb2.SetDefaultCredentialRequest(
+                organization_id="org-b", credential_id=credential.credential_id
+            ),
+        ),
+        (
+            tools.stub.GetCredential,
+            tools_pb2.GetCredentialRequest(organization_id="org-a", credential_id="absent"),
+        ),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await call(request)
@@ -85,7 +119,9 @@ async def test_another_organizations_credential_is_not_found(tools):
         assert details.reason == "CREDENTIAL_NOT_FOUND"
     # Still there for its owner.
     got = await tools.stub.GetCredential(
-        tools_pb2.GetCredentialRequest(organization_id="org-a", credential_id=credential.credential_id)
+        tools_pb2.GetCredentialRequest(
+            organization_id="org-a", credential_id=credential.credential_id
+        )
     )
     assert got.credential.integration_name == "postgresql"
 
@@ -96,15 +132,21 @@ async def test_first_credential_is_default_and_set_default_moves_the_flag(tools)
     assert first.is_default and not second.is_default
 
     moved = await tools.stub.SetDefaultCredential(
-        tools_pb2.SetDefaultCredentialRequest(organization_id="org-a", credential_id=second.credential_id)
+        tools_pb2.SetDefaultCredentialRequest(
+            organization_id="org-a", credential_id=second.credential_id
+        )
     )
     assert moved.credential.is_default
-    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a"))
+    listed = await tools.stub.ListCredentials(
+        tools_pb2.ListCredentialsRequest(organization_id="org-a")
+    )
     flags = {c.credential_id: c.is_default for c in listed.credentials}
     assert flags == {first.credential_id: False, second.credential_id: True}
 
     third = await tools.create_credential("postgresql", {"dsn": SECRET_DSN}, make_default=True)
-    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a"))
+    listed = await tools.stub.ListCredentials(
+        tools_pb2.ListCredentialsRequest(organization_id="org-a")
+    )
     assert [c.credential_id for c in listed.credentials if c.is_default] == [third.credential_id]
     assert listed.total == 3
 
@@ -113,14 +155,18 @@ async def test_deleting_the_default_promotes_the_newest_remaining_credential(too
     first = await tools.create_credential("postgresql", {"dsn": SECRET_DSN})
     second = await tools.create_credential("postgresql", {"dsn": SECRET_DSN})
     deleted = await tools.stub.DeleteCredential(
-        tools_pb2.DeleteCredentialRequest(organization_id="org-a", credential_id=first.credential_id)
+        tools_pb2.DeleteCredentialRequest(
+            organization_id="org-a", credential_id=first.credential_id
+        )
     )
     assert deleted.new_default_credential_id == second.credential_id
     got = await tools.stub.GetCredential(
         tools_pb2.GetCredentialRequest(organization_id="org-a", credential_id=second.credential_id)
     )
     assert got.credential.is_default
-    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a"))
+    listed = await tools.stub.ListCredentials(
+        tools_pb2.ListCredentialsRequest(organization_id="org-a")
+    )
     assert [c.credential_id for c in listed.credentials] == [second.credential_id]
 
 
@@ -131,15 +177,33 @@ async def test_deleting_the_default_promotes_the_newest_remaining_credential(too
         ("postgresql", "bearer", {"token": "abc"}, "AUTH_TYPE_NOT_SUPPORTED", "not 'bearer'"),
         ("http", "none", {}, "AUTH_TYPE_NOT_SUPPORTED", "not 'none'"),
         # fresh-eyes test: "takes auth types [], not ''"
-        ("loopline", "", {}, "AUTH_TYPE_NOT_SUPPORTED", "Integration 'loopline' needs no credential: it is connected without one"),
-        ("postgresql", "api_key", {"dsn": "mysql://root:hunter2-secret@h/db"}, "INVALID_AUTH_DATA",
-         "auth_data.dsn: must match the pattern"),
+        (
+            "loopline",
+            "",
+            {},
+            "AUTH_TYPE_NOT_SUPPORTED",
+            "Integration 'loopline' needs no credential: it is connected without one",
+        ),
+        (
+            "postgresql",
+            "api_key",
+            {"dsn": "mysql://root:hunter2-secret@h/db"},
+            "INVALID_AUTH_DATA",
+            "auth_data.dsn: must match the pattern",
+        ),
         ("postgresql", "api_key", {}, "INVALID_AUTH_DATA", "auth_data: 'dsn' is required"),
-        ("postgresql", "api_key", {"host": "hunter2-secret.example"}, "INVALID_AUTH_DATA",
-         "auth_data: 'dsn' is required; auth_data: unexpected field(s) 'host' (allowed: 'dsn')"),
+        (
+            "postgresql",
+            "api_key",
+            {"host": "hunter2-secret.example"},
+            "INVALID_AUTH_DATA",
+            "auth_data: 'dsn' is required; auth_data: unexpected field(s) 'host' (allowed: 'dsn')",
+        ),
     ],
 )
-async def test_invalid_credentials_are_rejected_without_echoing_the_secret(tools, integration, auth_type, auth_data, reason, says):
+async def test_invalid_credentials_are_rejected_without_echoing_the_secret(
+    tools, integration, auth_type, auth_data, reason, says
+):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await tools.create_credential(integration, auth_data, auth_type=auth_type)
     details = status_details(caught.value)
@@ -154,15 +218,23 @@ async def test_list_credentials_filters_and_pages(tools):
         await tools.create_credential("postgresql", {"dsn": SECRET_DSN})
     await tools.create_credential("http", {"api_key": "key-1234567890"}, auth_type="api_key")
     page = await tools.stub.ListCredentials(
-        tools_pb2.ListCredentialsRequest(organization_id="org-a", integration_name="postgresql", limit=2, offset=1)
+        tools_pb2.ListCredentialsRequest(
+            organization_id="org-a", integration_name="postgresql", limit=2, offset=1
+        )
     )
     assert page.total == 3
     assert len(page.credentials) == 2
-    by_type = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a", auth_type="api_key"))
+    by_type = await tools.stub.ListCredentials(
+        tools_pb2.ListCredentialsRequest(organization_id="org-a", auth_type="api_key")
+    )
     assert by_type.total == 4
     assert {c.integration_name for c in by_type.credentials} == {"postgresql", "http"}
-    with pytest.raises(grpc.aio.AioRpcError) as caught:  # no credential can have it: not an empty page
-        await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a", auth_type="apikey"))
+    with pytest.raises(
+        grpc.aio.AioRpcError
+    ) as caught:  # no credential can have it: not an empty page
+        await tools.stub.ListCredentials(
+            tools_pb2.ListCredentialsRequest(organization_id="org-a", auth_type="apikey")
+        )
     details = status_details(caught.value)
     assert (details.code, details.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "AUTH_TYPE_UNKNOWN")
 
@@ -174,11 +246,18 @@ async def _create_defaults_together(tools) -> None:
     tried again; every create succeeds and one default remains."""
     import asyncio
 
-    created = await asyncio.gather(*(
-        tools.create_credential("anthropic", {"api_key": f"sk-test-{index}-xxxxxxxx"}, make_default=True) for index in range(12)
-    ))
+    created = await asyncio.gather(
+        *(
+            tools.create_credential(
+                "anthropic", {"api_key": f"sk-test-{index}-xxxxxxxx"}, make_default=True
+            )
+            for index in range(12)
+        )
+    )
     assert len({c.credential_id for c in created}) == 12
-    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a", integration_name="anthropic"))
+    listed = await tools.stub.ListCredentials(
+        tools_pb2.ListCredentialsRequest(organization_id="org-a", integration_name="anthropic")
+    )
     assert len(listed.credentials) == 12 and sum(c.is_default for c in listed.credentials) == 1
 
 
@@ -186,5 +265,7 @@ async def test_credentials_created_together_as_default_leave_exactly_one_default
     await _create_defaults_together(await start_tools())
 
 
-async def test_credentials_created_together_as_default_leave_exactly_one_default_on_postgresql(start_tools, pg_database):
+async def test_credentials_created_together_as_default_leave_exactly_one_default_on_postgresql(
+    start_tools, pg_database
+):
     await _create_defaults_together(await start_tools(tools_database_url=pg_database))

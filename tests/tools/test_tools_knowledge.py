@@ -35,13 +35,21 @@ HOLIDAYS = "The office is closed on public holidays. Staff take leave through th
 
 
 async def _base(tools, org="org-a", name="Support"):
-    response = await tools.stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id=org, name=name))
+    response = await tools.stub.CreateKnowledgeBase(
+        tools_pb2.CreateKnowledgeBaseRequest(organization_id=org, name=name)
+    )
     return response.knowledge_base.knowledge_base_id
 
 
 async def _doc(tools, kb, name, text, org="org-a"):
     response = await tools.stub.AddDocument(
-        tools_pb2.AddDocumentRequest(organization_id=org, knowledge_base_id=kb, name=name, content_type="text/markdown", text=text)
+        tools_pb2.AddDocumentRequest(
+            organization_id=org,
+            knowledge_base_id=kb,
+            name=name,
+            content_type="text/markdown",
+            text=text,
+        )
     )
     return response.document
 
@@ -71,7 +79,15 @@ async def test_search_knowledge_ranks_the_matching_chunk_first(tools):
     assert best["knowledge_base_id"] == kb
     assert "refund within 30 days" in best["content"]
     assert best["score"] > 0
-    assert set(best) == {"knowledge_base_id", "document_id", "document_name", "chunk_id", "chunk_index", "content", "score"}
+    assert set(best) == {
+        "knowledge_base_id",
+        "document_id",
+        "document_name",
+        "chunk_id",
+        "chunk_index",
+        "content",
+        "score",
+    }
     scores = [r["score"] for r in output["results"]]
     assert scores == sorted(scores, reverse=True)
 
@@ -82,8 +98,13 @@ async def test_no_organization_sees_another_organizations_documents(tools):
     await _base(tools, org="org-b")
     theirs = await tools.ok("search_knowledge", {"query": "refund"}, org="org-b")
     assert theirs["results"] == []
-    pointed = await tools.failed("search_knowledge", {"query": "refund", "knowledge_base_ids": [kb]}, org="org-b")
-    assert pointed == f"Knowledge base(s) not found: {kb!r}. Leave out knowledge_base_ids to search them all."  # another org's: unknown
+    pointed = await tools.failed(
+        "search_knowledge", {"query": "refund", "knowledge_base_ids": [kb]}, org="org-b"
+    )
+    assert (
+        pointed
+        == f"Knowledge base(s) not found: {kb!r}. Leave out knowledge_base_ids to search them all."
+    )  # another org's: unknown
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _doc(tools, kb, "intruder.txt", "refund refund", org="org-b")
     assert status_details(caught.value).code == grpc.StatusCode.NOT_FOUND
@@ -93,23 +114,37 @@ async def test_search_can_be_limited_to_some_knowledge_bases(tools):
     support = await _base(tools, name="Support")
     hr = await _base(tools, name="HR")
     await _doc(tools, support, "policies.md", REFUNDS)
-    await _doc(tools, hr, "hr.txt", HOLIDAYS + " Refund of travel expenses goes through the HR portal.")
+    await _doc(
+        tools, hr, "hr.txt", HOLIDAYS + " Refund of travel expenses goes through the HR portal."
+    )
     only_hr = await tools.ok("search_knowledge", {"query": "refund", "knowledge_base_ids": [hr]})
     assert {r["knowledge_base_id"] for r in only_hr["results"]} == {hr}
     # an unknown id is named, not quietly dropped (POST /knowledge-bases/search answers 404 for it; fresh-eyes test)
-    unknown = await tools.failed("search_knowledge", {"query": "refund", "knowledge_base_ids": ["not-a-kb", hr]})
-    assert unknown == "Knowledge base(s) not found: 'not-a-kb'. Leave out knowledge_base_ids to search them all."
+    unknown = await tools.failed(
+        "search_knowledge", {"query": "refund", "knowledge_base_ids": ["not-a-kb", hr]}
+    )
+    assert (
+        unknown
+        == "Knowledge base(s) not found: 'not-a-kb'. Leave out knowledge_base_ids to search them all."
+    )
     both = await tools.ok("search_knowledge", {"query": "refund"})
     assert {r["knowledge_base_id"] for r in both["results"]} == {support, hr}
-    listed = await tools.stub.ListKnowledgeBases(tools_pb2.ListKnowledgeBasesRequest(organization_id="org-a"))
-    assert {(b.name, b.document_count) for b in listed.knowledge_bases} == {("Support", 1), ("HR", 1)}
+    listed = await tools.stub.ListKnowledgeBases(
+        tools_pb2.ListKnowledgeBasesRequest(organization_id="org-a")
+    )
+    assert {(b.name, b.document_count) for b in listed.knowledge_bases} == {
+        ("Support", 1),
+        ("HR", 1),
+    }
 
 
 async def test_search_rpc_and_fts_syntax_in_queries_is_inert(tools):
     kb = await _base(tools)
     await _doc(tools, kb, "policies.md", REFUNDS)
     response = await tools.stub.SearchKnowledge(
-        tools_pb2.SearchKnowledgeRequest(organization_id="org-a", query='refund" OR NEAR(* -', top_k=2)
+        tools_pb2.SearchKnowledgeRequest(
+            organization_id="org-a", query='refund" OR NEAR(* -', top_k=2
+        )
     )
     assert [r.document_name for r in response.results] == ["policies.md"]
 
@@ -147,8 +182,26 @@ def _chunk_text_before(content: str, size: int = 1000) -> list[str]:
 
 def _messy_text(rnd: random.Random, length: int) -> str:
     """Words, long words, every kind of whitespace (Unicode spaces too) and blank lines."""
-    parts = ["word", "x" * rnd.randint(1, 1500), "é", "日本", " ", "  ", "\t", "\n", "\n\n", "\n \n", "\u00a0",
-             "\u2003", "\u3000", "\r\n", "a_b", "42", ".", "-"]
+    parts = [
+        "word",
+        "x" * rnd.randint(1, 1500),
+        "é",
+        "日本",
+        " ",
+        "  ",
+        "\t",
+        "\n",
+        "\n\n",
+        "\n \n",
+        "\u00a0",
+        "\u2003",
+        "\u3000",
+        "\r\n",
+        "a_b",
+        "42",
+        ".",
+        "-",
+    ]
     out: list[str] = []
     while sum(map(len, out)) < length:
         out.append(rnd.choice(parts))
@@ -192,8 +245,13 @@ async def store(tmp_path):
 def _random_words(megabytes: float, seed: int = 1) -> str:
     """About `megabytes` MiB of random words in lines of 12, with no blank line: one long paragraph."""
     rnd = random.Random(seed)
-    vocabulary = ["".join(rnd.choices("abcdefghijklmnopqrstuvwxyz", k=rnd.randint(2, 10))) for _ in range(5000)]
-    lines = [" ".join(rnd.choices(vocabulary, k=12)) for _ in range(int(megabytes * 1024 * 1024 / 80))]
+    vocabulary = [
+        "".join(rnd.choices("abcdefghijklmnopqrstuvwxyz", k=rnd.randint(2, 10)))
+        for _ in range(5000)
+    ]
+    lines = [
+        " ".join(rnd.choices(vocabulary, k=12)) for _ in range(int(megabytes * 1024 * 1024 / 80))
+    ]
     return "\n".join(lines)
 
 
@@ -224,30 +282,49 @@ async def test_adding_a_large_document_never_holds_the_event_loop(store):
     assert document.token_count == len(re.findall(r"\w+", content))
     assert document.file_size_bytes == len(content.encode())
     hits = await knowledge_store.search("org-a", "zanzibarquartz", [base.id], 5)
-    assert [(h.document_id, h.chunk_index) for h in hits] == [(document.id, document.chunk_count - 1)]
+    assert [(h.document_id, h.chunk_index) for h in hits] == [
+        (document.id, document.chunk_count - 1)
+    ]
 
 
 async def test_a_document_is_stored_as_one_row_per_chunk_in_order_and_indexed(store):
     knowledge_store, engine = store
     base, _ = await knowledge_store.create_base("org-a", "Docs")
-    content = "\n\n".join(f"Paragraph {i} about refunds and parcel {i}. " + "filler words here " * 40 for i in range(2500))
-    document = await knowledge_store.add_document("org-a", base.id, "long.md", content, "text/markdown")
+    content = "\n\n".join(
+        f"Paragraph {i} about refunds and parcel {i}. " + "filler words here " * 40
+        for i in range(2500)
+    )
+    document = await knowledge_store.add_document(
+        "org-a", base.id, "long.md", content, "text/markdown"
+    )
     chunks = chunk_text(content)
     assert len(chunks) > knowledge.INSERT_PAGE  # more than one executemany page
     async with engine.connect() as connection:
-        rows = (await connection.execute(
-            text("SELECT id, document_id, knowledge_base_id, org_id, chunk_index, content FROM knowledge_chunks ORDER BY id")
-        )).all()
-        assert [r[1:] for r in rows] == [(document.id, base.id, "org-a", i, c) for i, c in enumerate(chunks)]
+        rows = (
+            await connection.execute(
+                text(
+                    "SELECT id, document_id, knowledge_base_id, org_id, chunk_index, content FROM knowledge_chunks ORDER BY id"
+                )
+            )
+        ).all()
+        assert [r[1:] for r in rows] == [
+            (document.id, base.id, "org-a", i, c) for i, c in enumerate(chunks)
+        ]
         if engine.dialect.name == "sqlite":
-            indexed = (await connection.execute(text("SELECT rowid, content FROM knowledge_chunks_fts ORDER BY rowid"))).all()
+            indexed = (
+                await connection.execute(
+                    text("SELECT rowid, content FROM knowledge_chunks_fts ORDER BY rowid")
+                )
+            ).all()
             assert [tuple(r) for r in indexed] == [(r[0], r[5]) for r in rows]
     hits = await knowledge_store.search("org-a", "parcel 2345", [base.id], 3)
     assert hits[0].chunk_index == next(i for i, c in enumerate(chunks) if "parcel 2345." in c)
     assert hits[0].score > 0
 
 
-@pytest.mark.parametrize("failing", ["INSERT INTO knowledge_chunks (", "INSERT INTO knowledge_chunks_fts"])
+@pytest.mark.parametrize(
+    "failing", ["INSERT INTO knowledge_chunks (", "INSERT INTO knowledge_chunks_fts"]
+)
 async def test_a_document_that_fails_to_index_leaves_nothing_behind(store, monkeypatch, failing):
     knowledge_store, engine = store
     if "fts" in failing and engine.dialect.name != "sqlite":
@@ -268,18 +345,33 @@ async def test_a_document_that_fails_to_index_leaves_nothing_behind(store, monke
         await knowledge_store.add_document("org-a", base.id, "doomed.txt", content)
     event.remove(engine.sync_engine, "before_cursor_execute", fail_late)
     async with engine.connect() as connection:
-        for table in ("knowledge_documents", "knowledge_chunks") + (("knowledge_chunks_fts",) if engine.dialect.name == "sqlite" else ()):
-            assert (await connection.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one() == 0, table
+        for table in ("knowledge_documents", "knowledge_chunks") + (
+            ("knowledge_chunks_fts",) if engine.dialect.name == "sqlite" else ()
+        ):
+            assert (
+                await connection.execute(text(f"SELECT count(*) FROM {table}"))
+            ).scalar_one() == 0, table
     assert await knowledge_store.search("org-a", "paragraph", None, 5) == []
 
 
-@pytest.mark.parametrize("data, kind, text", [
-    ("café au lait\n".encode("utf-16"), "txt", "café au lait"),  # with its BOM: was "\ufffd\ufffdc\x00a\x00..."
-    ("name,drink\nZoë,café\n".encode("latin-1"), "csv", "Zoë,café"),  # not UTF-8: was "Zo\ufffd,caf\ufffd"
-    ("smart “quotes” – dash".encode("cp1252"), "txt", "smart “quotes” – dash"),
-    ("plain UTF-8: café".encode(), "md", "plain UTF-8: café"),
-    (codecs.BOM_UTF8 + "with a BOM".encode(), "txt", "with a BOM"),
-])
+@pytest.mark.parametrize(
+    "data, kind, text",
+    [
+        (
+            "café au lait\n".encode("utf-16"),
+            "txt",
+            "café au lait",
+        ),  # with its BOM: was "\ufffd\ufffdc\x00a\x00..."
+        (
+            "name,drink\nZoë,café\n".encode("latin-1"),
+            "csv",
+            "Zoë,café",
+        ),  # not UTF-8: was "Zo\ufffd,caf\ufffd"
+        ("smart “quotes” – dash".encode("cp1252"), "txt", "smart “quotes” – dash"),
+        ("plain UTF-8: café".encode(), "md", "plain UTF-8: café"),
+        (codecs.BOM_UTF8 + b"with a BOM", "txt", "with a BOM"),
+    ],
+)
 def test_an_uploaded_text_file_is_read_in_its_encoding(data, kind, text):
     """Fresh-eyes re-test: a UTF-16 file was indexed with its BOM as mojibake and a Latin-1 CSV
     lost its accented letters, so "café" was not found."""
@@ -289,7 +381,7 @@ def test_an_uploaded_text_file_is_read_in_its_encoding(data, kind, text):
     assert text in extracted and "\ufffd" not in extracted and "\x00" not in extracted
 
 
-@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'[Infinity]', b'{"a": -Infinity}'])
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b"[Infinity]", b'{"a": -Infinity}'])
 def test_a_json_upload_with_nan_or_infinity_is_refused_as_not_json(raw):
     """Fresh-eyes re-test: {"a": NaN} was indexed, although NaN is not JSON (RFC 8259) and the
     README says a JSON file that does not parse is 400."""

@@ -17,7 +17,9 @@ from services.tools.mcp_servers import McpConnector
 from services.tools.netpolicy import OutboundPolicyError
 from tests.tools.tools_stack import serve_asgi
 
-PUBLIC = "93.184.216.34"  # a global address (never connected to: the policy or the test stops first)
+PUBLIC = (
+    "93.184.216.34"  # a global address (never connected to: the policy or the test stops first)
+)
 
 
 def named_mcp_app(seen: list[dict[str, str]]) -> Any:
@@ -33,7 +35,9 @@ def named_mcp_app(seen: list[dict[str, str]]) -> Any:
         """Return the text unchanged."""
         return text
 
-    app = server.streamable_http_app(transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
+    app = server.streamable_http_app(
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    )
 
     async def recording(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -54,20 +58,29 @@ def _answers(monkeypatch: pytest.MonkeyPatch, name: str, answer: Any) -> list[st
             return real(host, port, *args, **kwargs)
         address = answer(len(answered))
         answered.append(address)
-        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, int(port or 0)))]
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, int(port or 0)))
+        ]
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return answered
 
 
 @pytest.mark.parametrize("operation", ["list_tools", "call_tool"])
-async def test_a_second_dns_answer_of_loopback_never_reaches_the_loopback_server(monkeypatch, operation):
+async def test_a_second_dns_answer_of_loopback_never_reaches_the_loopback_server(
+    monkeypatch, operation
+):
     seen: list[dict[str, str]] = []
     async with serve_asgi(named_mcp_app(seen)) as base:
         port = int(base.rsplit(":", 1)[1])
-        answered = _answers(monkeypatch, "mcp.rebind.test", lambda n: PUBLIC if n == 0 else "127.0.0.1")
+        answered = _answers(
+            monkeypatch, "mcp.rebind.test", lambda n: PUBLIC if n == 0 else "127.0.0.1"
+        )
         connector = McpConnector(5.0, 65536, allow_private_network=False)
-        target = {"url": f"http://mcp.rebind.test:{port}/mcp", "headers": {"Authorization": "Bearer org-mcp-token"}}
+        target = {
+            "url": f"http://mcp.rebind.test:{port}/mcp",
+            "headers": {"Authorization": "Bearer org-mcp-token"},
+        }
         with pytest.raises(OutboundPolicyError) as refused:
             if operation == "list_tools":
                 await connector.list_tools(target)
@@ -79,7 +92,9 @@ async def test_a_second_dns_answer_of_loopback_never_reaches_the_loopback_server
     assert "loopback" in str(refused.value) and "org-mcp-token" not in str(refused.value)
 
 
-async def test_the_connection_goes_to_the_checked_address_with_the_name_in_the_host_header(monkeypatch):
+async def test_the_connection_goes_to_the_checked_address_with_the_name_in_the_host_header(
+    monkeypatch,
+):
     """Where loopback is allowed (the operator's LOOPLINE_TOOLS_ALLOW_PRIVATE_NETWORK), a name is
     resolved by the policy's lookup and the request still names the host it was sent to."""
     seen: list[dict[str, str]] = []
@@ -87,7 +102,10 @@ async def test_the_connection_goes_to_the_checked_address_with_the_name_in_the_h
         port = int(base.rsplit(":", 1)[1])
         answered = _answers(monkeypatch, "mcp.name.test", lambda n: "127.0.0.1")
         connector = McpConnector(5.0, 65536, allow_private_network=True)
-        target = {"url": f"http://mcp.name.test:{port}/mcp", "headers": {"Authorization": "Bearer org-mcp-token"}}
+        target = {
+            "url": f"http://mcp.name.test:{port}/mcp",
+            "headers": {"Authorization": "Bearer org-mcp-token"},
+        }
         result = await connector.call_tool(target, "echo", {"text": "hi"})
         await connector.aclose()
     assert result["content"][0]["text"] == "hi"

@@ -57,12 +57,25 @@ async def test_a_stdio_server_that_exits_logs_the_end_of_its_stderr_once(caplog)
     assert TOKEN not in json.dumps(fields) and "token=***" in fields["stderr_tail"]
 
 
-async def test_a_stdio_server_that_cannot_start_says_why_in_the_log_not_to_the_model(start_tools, caplog):
-    servers = json.dumps([{"name": "time", "command": sys.executable, "args": ["-c", FAILING], "env": {"API_TOKEN": TOKEN}}])
+async def test_a_stdio_server_that_cannot_start_says_why_in_the_log_not_to_the_model(
+    start_tools, caplog
+):
+    servers = json.dumps(
+        [
+            {
+                "name": "time",
+                "command": sys.executable,
+                "args": ["-c", FAILING],
+                "env": {"API_TOKEN": TOKEN},
+            }
+        ]
+    )
     caplog.set_level(logging.WARNING, logger="services.tools")
     tools = await start_tools(tools_mcp_stdio_servers=servers)
 
-    error = await tools.failed("execute_integration_tool", {"integration": "time", "action": "get_current_time"})
+    error = await tools.failed(
+        "execute_integration_tool", {"integration": "time", "action": "get_current_time"}
+    )
 
     assert "The MCP server 'time' is unavailable" in error and "(MCPError)" in error
     assert MARKER not in error and "noise" not in error and TOKEN not in error
@@ -75,13 +88,20 @@ async def test_a_stdio_server_that_cannot_start_says_why_in_the_log_not_to_the_m
 async def test_a_missing_command_logs_the_os_error(caplog):
     caplog.set_level(logging.WARNING, logger="services.tools")
     with pytest.raises(ActionError) as caught:
-        await McpConnector(5.0, 65536, False).list_tools(StdioServer("ghost", "/nonexistent/loopline-mcp-server"))
+        await McpConnector(5.0, 65536, False).list_tools(
+            StdioServer("ghost", "/nonexistent/loopline-mcp-server")
+        )
     assert "/nonexistent" not in str(caught.value)
     (record,) = _failures(caplog)
-    assert "FileNotFoundError" in record.fields["error"] and "/nonexistent/loopline-mcp-server" in record.fields["error"]
+    assert (
+        "FileNotFoundError" in record.fields["error"]
+        and "/nonexistent/loopline-mcp-server" in record.fields["error"]
+    )
 
 
-async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_args_or_env(tmp_path, caplog):
+async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_args_or_env(
+    tmp_path, caplog
+):
     """Bug (tester): the failure record of a stdio server whose command does not exist or is not
     executable did not name the command when the error text lost it (an `env` value such as
     VIRTUAL_ENV redacted from the path left "***/bin/python"; a long path was cut). The record's
@@ -90,10 +110,20 @@ async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_ar
     not_executable.write_text("#!/bin/sh\n")
     not_executable.chmod(0o644)
     venv = str(tmp_path / "missing-venv")
-    commands = [f"{venv}/bin/python", str(not_executable), "loopline-no-such-mcp-server", f"/opt/{'d' * 400}/server"]
+    commands = [
+        f"{venv}/bin/python",
+        str(not_executable),
+        "loopline-no-such-mcp-server",
+        f"/opt/{'d' * 400}/server",
+    ]
     caplog.set_level(logging.WARNING, logger="services.tools")
     for command in commands:
-        server = StdioServer("ghost", command, ("--api-key", "arg-secret-7731"), {"VIRTUAL_ENV": venv, "API_TOKEN": TOKEN})
+        server = StdioServer(
+            "ghost",
+            command,
+            ("--api-key", "arg-secret-7731"),
+            {"VIRTUAL_ENV": venv, "API_TOKEN": TOKEN},
+        )
         with pytest.raises(ActionError) as caught:
             await McpConnector(5.0, 65536, False).list_tools(server)
         assert command not in str(caught.value)  # the model's error never names it
@@ -104,7 +134,9 @@ async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_ar
         assert "arg-secret-7731" not in line and TOKEN not in line
 
 
-async def test_a_stdio_server_that_times_out_logs_its_stderr_and_a_cancelled_caller_logs_nothing(caplog):
+async def test_a_stdio_server_that_times_out_logs_its_stderr_and_a_cancelled_caller_logs_nothing(
+    caplog,
+):
     connector = McpConnector(1.0, 65536, False)
     server = StdioServer("hanger", sys.executable, ("-c", HANGING))
     caplog.set_level(logging.WARNING, logger="services.tools")
@@ -139,7 +171,8 @@ async def test_the_stderr_tail_keeps_only_the_newest_bytes_and_never_blocks_the_
 
 async def test_a_healthy_server_that_writes_much_to_stderr_keeps_working(tmp_path):
     script = tmp_path / "chatty_server.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         from mcp.server.mcpserver import MCPServer
 
@@ -153,7 +186,8 @@ async def test_a_healthy_server_that_writes_much_to_stderr_keeps_working(tmp_pat
             return text.upper()
 
         server.run("stdio")
-    """))
+    """)
+    )
     connector = McpConnector(20.0, 65536, False)
     server = StdioServer("chatty", sys.executable, (str(script),))
     started = time.monotonic()

@@ -55,8 +55,13 @@ def broken(monkeypatch):
 
 
 def _context() -> ActionContext:
-    return ActionContext(secret={"dsn": "postgresql://u@db.example/x"}, auth_type="basic", timeout_s=0.1,
-                         max_output_bytes=1000, allow_private_network=False)
+    return ActionContext(
+        secret={"dsn": "postgresql://u@db.example/x"},
+        auth_type="basic",
+        timeout_s=0.1,
+        max_output_bytes=1000,
+        allow_private_network=False,
+    )
 
 
 async def test_a_statement_the_time_limit_cuts_is_a_timeout_not_the_rollbacks_error(broken):

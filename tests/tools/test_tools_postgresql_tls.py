@@ -67,11 +67,18 @@ async def no_tls_server() -> AsyncIterator[NoTlsServer]:
 
 
 def _context(dsn: str) -> ActionContext:
-    return ActionContext(secret={"dsn": dsn}, auth_type="api_key", timeout_s=5, max_output_bytes=100_000,
-                         allow_private_network=True)
+    return ActionContext(
+        secret={"dsn": dsn},
+        auth_type="api_key",
+        timeout_s=5,
+        max_output_bytes=100_000,
+        allow_private_network=True,
+    )
 
 
-async def test_a_dsn_without_sslmode_never_sends_the_password_to_a_server_that_refuses_tls(no_tls_server):
+async def test_a_dsn_without_sslmode_never_sends_the_password_to_a_server_that_refuses_tls(
+    no_tls_server,
+):
     dsn = f"postgresql://reader:{PASSWORD}@127.0.0.1:{no_tls_server.port}/sales"
     with pytest.raises(ActionError) as failure:
         await postgresql.list_schemas(_context(dsn), {})
@@ -90,17 +97,26 @@ async def test_sslmode_disable_in_the_dsn_connects_without_tls(no_tls_server):
     assert PASSWORD.encode() in no_tls_server.received  # what sslmode=disable means
 
 
-@pytest.mark.parametrize(("query", "expected"), [
-    ("", DEFAULT_SSLMODE), ("?sslmode=disable", "disable"), ("?sslmode=prefer", "prefer"),
-    ("?sslmode=verify-full", "verify-full"),
-])
-async def test_the_driver_gets_require_unless_the_dsn_names_an_sslmode(monkeypatch, query, expected):
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("", DEFAULT_SSLMODE),
+        ("?sslmode=disable", "disable"),
+        ("?sslmode=prefer", "prefer"),
+        ("?sslmode=verify-full", "verify-full"),
+    ],
+)
+async def test_the_driver_gets_require_unless_the_dsn_names_an_sslmode(
+    monkeypatch, query, expected
+):
     async def public(host: str, port: int, allow_private: bool) -> list[str]:
         return ["93.184.216.34"]
 
     monkeypatch.setattr(postgresql, "resolve_checked", public)
     assert DEFAULT_SSLMODE == "require"
-    checked = await _connect_args(f"postgresql://u:p@db.example.com:5432/x{query}", allow_private=False)
+    checked = await _connect_args(
+        f"postgresql://u:p@db.example.com:5432/x{query}", allow_private=False
+    )
     assert checked["ssl"] == expected
     private = await _connect_args(f"postgresql://u:p@10.0.0.5:5432/x{query}", allow_private=True)
     assert private["ssl"] == expected

@@ -17,21 +17,34 @@ async def test_health_reports_the_tools_service_serving(tools):
 async def test_credentials_and_knowledge_work_on_a_postgresql_database(start_tools, pg_database):
     tools = await start_tools(tools_database_url=pg_database)
     first = await tools.create_credential("http", {"token": "tok-1234567890ab"}, auth_type="bearer")
-    second = await tools.create_credential("http", {"token": "tok-1234567890cd"}, auth_type="bearer", make_default=True)
+    second = await tools.create_credential(
+        "http", {"token": "tok-1234567890cd"}, auth_type="bearer", make_default=True
+    )
     assert first.is_default and second.is_default  # each was the default when created
-    listed = await tools.stub.ListCredentials(tools_pb2.ListCredentialsRequest(organization_id="org-a"))
+    listed = await tools.stub.ListCredentials(
+        tools_pb2.ListCredentialsRequest(organization_id="org-a")
+    )
     assert [c.credential_id for c in listed.credentials if c.is_default] == [second.credential_id]
 
-    kb = (await tools.stub.CreateKnowledgeBase(tools_pb2.CreateKnowledgeBaseRequest(organization_id="org-a", name="Docs"))).knowledge_base
+    kb = (
+        await tools.stub.CreateKnowledgeBase(
+            tools_pb2.CreateKnowledgeBaseRequest(organization_id="org-a", name="Docs")
+        )
+    ).knowledge_base
     await tools.stub.AddDocument(
         tools_pb2.AddDocumentRequest(
-            organization_id="org-a", knowledge_base_id=kb.knowledge_base_id, name="a.txt",
+            organization_id="org-a",
+            knowledge_base_id=kb.knowledge_base_id,
+            name="a.txt",
             text="Refunds are paid within 30 days.\n\nShipping takes two days.",
         )
     )
     await tools.stub.AddDocument(
         tools_pb2.AddDocumentRequest(
-            organization_id="org-a", knowledge_base_id=kb.knowledge_base_id, name="b.txt", text="Holidays are in August."
+            organization_id="org-a",
+            knowledge_base_id=kb.knowledge_base_id,
+            name="b.txt",
+            text="Holidays are in August.",
         )
     )
     output = await tools.ok("search_knowledge", {"query": "refund"})

@@ -38,29 +38,52 @@ def _errors(instance, schema=SCHEMA, where="auth_data"):
     ("instance", "expected"),
     [
         ({"port": 5432}, "auth_data: 'dsn' is required"),
-        ({"dsn": SECRET, "host": SECRET, "password": SECRET},
-         "auth_data: unexpected field(s) 'host', 'password' (allowed: 'dsn', 'port', 'mode', 'tags', 'kind', 'name', 'either')"),
+        (
+            {"dsn": SECRET, "host": SECRET, "password": SECRET},
+            "auth_data: unexpected field(s) 'host', 'password' (allowed: 'dsn', 'port', 'mode', 'tags', 'kind', 'name', 'either')",
+        ),
         ({"dsn": 5}, "auth_data.dsn: must be of type string (got integer)"),
-        ({"dsn": "mysql://" + SECRET}, "auth_data.dsn: must match the pattern \"^postgres(ql)?://\""),
+        ({"dsn": "mysql://" + SECRET}, 'auth_data.dsn: must match the pattern "^postgres(ql)?://"'),
         ({"dsn": "postgres://"}, "auth_data.dsn: must be at least 12 character(s) long"),
         ({"dsn": "postgres://xy", "port": 0}, "auth_data.port: must be >= 1"),
-        ({"dsn": "postgres://xy", "mode": SECRET}, "auth_data.mode: must be one of \"read\", \"write\""),
-        ({"dsn": "postgres://xy", "tags": [SECRET, SECRET]}, "auth_data.tags: must not contain duplicate items"),
-        ({"dsn": "postgres://xy", "tags": ["a", 7]}, "auth_data.tags[1]: must be of type string (got integer)"),
-        ({"dsn": "postgres://xy", "kind": SECRET}, "auth_data.kind: must be \"pg\""),
-        ({"dsn": "postgres://xy", "name": SECRET}, "auth_data.name: must be at most 3 character(s) long"),
-        ({"dsn": "postgres://xy", "either": SECRET}, "auth_data.either: does not match any of the allowed forms"),
+        (
+            {"dsn": "postgres://xy", "mode": SECRET},
+            'auth_data.mode: must be one of "read", "write"',
+        ),
+        (
+            {"dsn": "postgres://xy", "tags": [SECRET, SECRET]},
+            "auth_data.tags: must not contain duplicate items",
+        ),
+        (
+            {"dsn": "postgres://xy", "tags": ["a", 7]},
+            "auth_data.tags[1]: must be of type string (got integer)",
+        ),
+        ({"dsn": "postgres://xy", "kind": SECRET}, 'auth_data.kind: must be "pg"'),
+        (
+            {"dsn": "postgres://xy", "name": SECRET},
+            "auth_data.name: must be at most 3 character(s) long",
+        ),
+        (
+            {"dsn": "postgres://xy", "either": SECRET},
+            "auth_data.either: does not match any of the allowed forms",
+        ),
         (SECRET, "auth_data: must be of type object (got string)"),
     ],
 )
 def test_each_rule_names_the_field_and_the_constraint_never_the_value(instance, expected):
     message = _errors(instance)
     assert message is not None and expected in message, message
-    assert "Sup3r-S3cret-Pw" not in message and "db.internal" not in message and "admin" not in message
+    assert (
+        "Sup3r-S3cret-Pw" not in message and "db.internal" not in message and "admin" not in message
+    )
 
 
 def test_several_missing_fields_are_named_together_and_valid_input_has_no_message():
-    schema = {"type": "object", "required": ["api_key", "header_name"], "dependentRequired": {"user": ["password"]}}
+    schema = {
+        "type": "object",
+        "required": ["api_key", "header_name"],
+        "dependentRequired": {"user": ["password"]},
+    }
     assert _errors({"user": "bob"}, schema) == (
         "auth_data: 'api_key', 'header_name' are required; auth_data: 'password' required when 'user' is given"
     )
@@ -72,7 +95,10 @@ def test_field_names_and_the_message_are_bounded():
     message = _errors({"dsn": "postgres://xy", long_name: SECRET})
     quoted = message.split("unexpected field(s) ")[1].split(" (allowed")[0]
     assert quoted == "'" + "n" * (MAX_NAME_CHARS - 1) + "…'"
-    many = _errors({f"field_{i}_" + "x" * 80: SECRET for i in range(200)}, {"type": "object", "additionalProperties": False})
+    many = _errors(
+        {f"field_{i}_" + "x" * 80: SECRET for i in range(200)},
+        {"type": "object", "additionalProperties": False},
+    )
     assert len(many) <= MAX_MESSAGE_CHARS and "and 190 more" in many
     nested = {"type": "object", "additionalProperties": {"type": "integer"}}
     deep = _errors({f"k{i}": SECRET for i in range(50)}, nested)
@@ -95,17 +121,26 @@ async def test_create_credential_names_the_missing_and_unexpected_fields_without
     )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await tools.create_credential("http", {"token": ""}, auth_type="bearer")
-    assert status_details(caught.value).message == "auth_data is invalid: auth_data.token: must be at least 1 character(s) long"
+    assert (
+        status_details(caught.value).message
+        == "auth_data is invalid: auth_data.token: must be at least 1 character(s) long"
+    )
 
 
 async def test_tool_and_action_input_errors_name_fields_not_values(tools):
     error = await tools.failed(
         "execute_integration_tool",
-        {"integration": "postgresql", "action": "run_query", "parameters": {"sql": SECRET * 100, "max_rows": SECRET}},
+        {
+            "integration": "postgresql",
+            "action": "run_query",
+            "parameters": {"sql": SECRET * 100, "max_rows": SECRET},
+        },
     )
     assert "parameters.max_rows: must be of type integer (got string)" in error
     assert "Sup3r-S3cret-Pw" not in error and len(error) < 2 * MAX_MESSAGE_CHARS
-    error = await tools.failed("search_knowledge", {"query": "q", "top_k": SECRET, "secret_field": SECRET})
+    error = await tools.failed(
+        "search_knowledge", {"query": "q", "top_k": SECRET, "secret_field": SECRET}
+    )
     assert "input.top_k: must be of type integer (got string)" in error
     assert "input: unexpected field(s) 'secret_field'" in error
     assert "Sup3r-S3cret-Pw" not in error
@@ -115,7 +150,10 @@ async def test_tool_and_action_input_errors_name_fields_not_values(tools):
 _VALUES = st.text(alphabet="QZXJ0123456789", min_size=12, max_size=40)
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _VALUES,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text("abcdefghijklmnop_", max_size=70), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text("abcdefghijklmnop_", max_size=70), inner, max_size=5)
+    ),
     max_leaves=12,
 )
 
@@ -127,7 +165,9 @@ def _catalogue_schemas() -> list[Draft202012Validator]:
     validators = [Draft202012Validator(d["input_schema"]) for d in TOOL_DEFINITIONS]
     for integration in Catalogue.builtin().all():
         validators += [a.validator for a in integration.actions.values()]
-        validators += [Draft202012Validator(o.fields) for o in integration.auth_options if o.fields is not None]
+        validators += [
+            Draft202012Validator(o.fields) for o in integration.auth_options if o.fields is not None
+        ]
     return validators + [Draft202012Validator(SCHEMA)]
 
 
@@ -145,8 +185,10 @@ def _strings(value):
             yield from _strings(item)
 
 
-@given(instance=_JSON | st.dictionaries(st.text("abcdefghijklmnop_", max_size=70), _JSON, max_size=8),
-       index=st.integers(min_value=0, max_value=len(_SCHEMAS) - 1))
+@given(
+    instance=_JSON | st.dictionaries(st.text("abcdefghijklmnop_", max_size=70), _JSON, max_size=8),
+    index=st.integers(min_value=0, max_value=len(_SCHEMAS) - 1),
+)
 @settings(max_examples=300, deadline=None)
 def test_no_instance_makes_the_builder_raise_exceed_its_bound_or_echo_a_value(instance, index):
     message = schema_errors(_SCHEMAS[index], instance, "parameters")

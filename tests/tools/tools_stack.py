@@ -41,20 +41,39 @@ TOOLS_DEFAULTS: dict[str, Any] = {
 
 async def start_tools_stack(tmp_path, *, tools: dict[str, Any] | None = None) -> Stack:
     """Billing, tools (loopback allowed by default), orchestrator and gateway, all on port 0, with an owner."""
-    common = {"data_dir": tmp_path, "host": "127.0.0.1", "redis_url": "", "log_level": "WARNING", "shutdown_grace_s": 1.0}
+    common = {
+        "data_dir": tmp_path,
+        "host": "127.0.0.1",
+        "redis_url": "",
+        "log_level": "WARNING",
+        "shutdown_grace_s": 1.0,
+    }
     billing = await BillingServer.start(BillingSettings(**common, billing_port=0))
-    tools_server = await ToolsServer.start(ToolsSettings(**common, tools_port=0, **{**TOOLS_DEFAULTS, **(tools or {})}))
-    addrs = {"billing_addr": f"127.0.0.1:{billing.port}", "tools_addr": f"127.0.0.1:{tools_server.port}"}
-    orchestrator = await OrchestratorServer.start(OrchestratorSettings(**common, **addrs, orchestrator_port=0))
+    tools_server = await ToolsServer.start(
+        ToolsSettings(**common, tools_port=0, **{**TOOLS_DEFAULTS, **(tools or {})})
+    )
+    addrs = {
+        "billing_addr": f"127.0.0.1:{billing.port}",
+        "tools_addr": f"127.0.0.1:{tools_server.port}",
+    }
+    orchestrator = await OrchestratorServer.start(
+        OrchestratorSettings(**common, **addrs, orchestrator_port=0)
+    )
     gateway = await GatewayServer.start(
         GatewaySettings(
-            **common, orchestrator_addr=f"127.0.0.1:{orchestrator.port}", tools_addr=addrs["tools_addr"],
-            http_port=0, gateway_grpc_port=0, heartbeat_interval_s=1.0,
+            **common,
+            orchestrator_addr=f"127.0.0.1:{orchestrator.port}",
+            tools_addr=addrs["tools_addr"],
+            http_port=0,
+            gateway_grpc_port=0,
+            heartbeat_interval_s=1.0,
         )
     )
     org_id = f"org_{uuid.uuid4().hex[:12]}"
     owner = await identity.create_member(gateway.sessions, org_id, "owner")
-    return Stack(billing, tools_server, orchestrator, gateway, org_id, owner["api_key"], owner["user_id"])
+    return Stack(
+        billing, tools_server, orchestrator, gateway, org_id, owner["api_key"], owner["user_id"]
+    )
 
 
 @asynccontextmanager
@@ -81,7 +100,11 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
     sock.listen(128)
     sock.setblocking(False)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1
+        )
+    )
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
@@ -141,4 +164,3 @@ def failure_mcp_app(seen_headers: list[dict[str, str]]) -> Any:
         await app(scope, receive, send)
 
     return recording
-

@@ -25,7 +25,16 @@ from typing import Any
 
 import anthropic
 
-from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, arguments_of, estimate_tokens, parse_arguments, with_estimates
+from services.orchestrator.providers.base import (
+    ModelReply,
+    OnText,
+    TokenUsage,
+    ToolCallRequest,
+    arguments_of,
+    estimate_tokens,
+    parse_arguments,
+    with_estimates,
+)
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -36,7 +45,11 @@ NOTE_PREFIX = "[Note from the system] "
 
 
 def _json_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return (
+        value
+        if isinstance(value, str)
+        else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    )
 
 
 def _is_error(content: Any) -> bool:
@@ -61,7 +74,9 @@ def to_anthropic_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]
         if out and out[-1]["role"] == role:
             merged = out[-1]["content"] + blocks
             if role == "user":  # tool_result blocks must lead a user message
-                merged = [b for b in merged if b["type"] == "tool_result"] + [b for b in merged if b["type"] != "tool_result"]
+                merged = [b for b in merged if b["type"] == "tool_result"] + [
+                    b for b in merged if b["type"] != "tool_result"
+                ]
             out[-1]["content"] = merged
         else:
             out.append({"role": role, "content": list(blocks)})
@@ -73,12 +88,23 @@ def to_anthropic_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]
             if message.get("content"):
                 blocks.append({"type": "text", "text": str(message["content"])})
             for call in message.get("tool_calls") or []:
-                blocks.append({"type": "tool_use", "id": call["id"], "name": call["name"], "input": call.get("input") or {}})
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": call["id"],
+                        "name": call["name"],
+                        "input": call.get("input") or {},
+                    }
+                )
             if not blocks:
                 blocks.append({"type": "text", "text": "(no answer)"})
             push("assistant", blocks)
         elif role == "tool":
-            block = {"type": "tool_result", "tool_use_id": message["tool_call_id"], "content": _json_text(message.get("content"))}
+            block = {
+                "type": "tool_result",
+                "tool_use_id": message["tool_call_id"],
+                "content": _json_text(message.get("content")),
+            }
             if _is_error(message.get("content")):
                 block["is_error"] = True
             push("user", [block])
@@ -86,9 +112,14 @@ def to_anthropic_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]
             text = _json_text(message.get("content") or "")
             push("user", [{"type": "text", "text": text or "(empty)"}])
         elif role == "system":
-            push("user", [{"type": "text", "text": NOTE_PREFIX + _json_text(message.get("content") or "")}])
+            push(
+                "user",
+                [{"type": "text", "text": NOTE_PREFIX + _json_text(message.get("content") or "")}],
+            )
     if out and out[0]["role"] != "user":
-        out.insert(0, {"role": "user", "content": [{"type": "text", "text": "(conversation continues)"}]})
+        out.insert(
+            0, {"role": "user", "content": [{"type": "text", "text": "(conversation continues)"}]}
+        )
     return out
 
 
@@ -102,13 +133,18 @@ def with_cache_breakpoints(
     """
     system = [{"type": "text", "text": system_prompt, "cache_control": EPHEMERAL}]
     wire_tools = [
-        {"name": t["name"], "description": t.get("description") or "",
-         "input_schema": t.get("input_schema") or {"type": "object", "properties": {}}}
+        {
+            "name": t["name"],
+            "description": t.get("description") or "",
+            "input_schema": t.get("input_schema") or {"type": "object", "properties": {}},
+        }
         for t in tools
     ]
     if wire_tools:
         wire_tools[-1]["cache_control"] = EPHEMERAL
-    wire_messages = [{"role": m["role"], "content": [dict(b) for b in m["content"]]} for m in messages]
+    wire_messages = [
+        {"role": m["role"], "content": [dict(b) for b in m["content"]]} for m in messages
+    ]
     for index in (len(wire_messages) - 2, len(wire_messages) - 1):
         if index >= 0:
             wire_messages[index]["content"][-1]["cache_control"] = EPHEMERAL
@@ -138,17 +174,27 @@ class _Attempt:
         produced = "".join(self.text) + "".join(b.get("json", "") for b in self.blocks.values())
         estimated_output = estimate_tokens(produced) if produced else 0
         if self.started is None:
-            return TokenUsage(input_tokens=input_estimate, output_tokens=estimated_output, estimated=True)
+            return TokenUsage(
+                input_tokens=input_estimate, output_tokens=estimated_output, estimated=True
+            )
         usage = TokenUsage(
-            input_tokens=self.started.input_tokens, cache_read_tokens=self.started.cache_read_tokens,
-            cache_write_tokens=self.started.cache_write_tokens, output_tokens=self.started.output_tokens,
+            input_tokens=self.started.input_tokens,
+            cache_read_tokens=self.started.cache_read_tokens,
+            cache_write_tokens=self.started.cache_write_tokens,
+            output_tokens=self.started.output_tokens,
         )
         if self.output_tokens is not None:
             usage.output_tokens = self.output_tokens
         elif not self.finished:
-            usage.output_tokens = max(usage.output_tokens, estimated_output) if isinstance(usage.output_tokens, int) else estimated_output
+            usage.output_tokens = (
+                max(usage.output_tokens, estimated_output)
+                if isinstance(usage.output_tokens, int)
+                else estimated_output
+            )
             usage.estimated = True
-        return with_estimates(usage, input_estimate, estimated_output)  # a count it reported that is no token count: estimated
+        return with_estimates(
+            usage, input_estimate, estimated_output
+        )  # a count it reported that is no token count: estimated
 
 
 class AnthropicModel:
@@ -169,8 +215,17 @@ class AnthropicModel:
 
     provider_id = "anthropic"
 
-    def __init__(self, model_id: str, *, base_url: str, api_key: str, policy: RetryPolicy, max_tokens: int = 4096,
-                 timeout_s: float = 120.0, system_prompt: str = ASSISTANT_SYSTEM_PROMPT) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        base_url: str,
+        api_key: str,
+        policy: RetryPolicy,
+        max_tokens: int = 4096,
+        timeout_s: float = 120.0,
+        system_prompt: str = ASSISTANT_SYSTEM_PROMPT,
+    ) -> None:
         self.model_id = model_id
         self._base_url = base_url
         self._api_key = api_key
@@ -181,10 +236,18 @@ class AnthropicModel:
         self.partial_usage = TokenUsage()
 
     def _client(self) -> anthropic.AsyncAnthropic:
-        return anthropic.AsyncAnthropic(api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s)
+        return anthropic.AsyncAnthropic(
+            api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s
+        )
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
-                       call_tools: bool = True) -> ModelReply:
+    async def generate(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        on_text: OnText,
+        *,
+        call_tools: bool = True,
+    ) -> ModelReply:
         """Stream one Messages call; see the module docstring. `call_tools=False`: the tools are
         sent with `tool_choice: {"type": "none"}` (base.ChatModel.generate).
 
@@ -192,10 +255,15 @@ class AnthropicModel:
             ModelError: after the retries of retry.py, with the usage accrued (reported or estimated).
             asyncio.CancelledError: the HTTP stream is closed before it propagates.
         """
-        system, wire_tools, wire_messages = with_cache_breakpoints(self._system_prompt, tools, to_anthropic_messages(messages))
+        system, wire_tools, wire_messages = with_cache_breakpoints(
+            self._system_prompt, tools, to_anthropic_messages(messages)
+        )
         request: dict[str, Any] = {
-            "model": self.model_id, "max_tokens": self._max_tokens, "system": system,
-            "messages": wire_messages, "stream": True,
+            "model": self.model_id,
+            "max_tokens": self._max_tokens,
+            "system": system,
+            "messages": wire_messages,
+            "stream": True,
         }
         if wire_tools:
             request["tools"] = wire_tools
@@ -205,10 +273,23 @@ class AnthropicModel:
         total = TokenUsage()
         self.partial_usage = total
         done = await stream_with_retries(
-            self.provider_id, self._policy, _Attempt, lambda state: self._stream_once(request, state, on_text), total, input_estimate,
+            self.provider_id,
+            self._policy,
+            _Attempt,
+            lambda state: self._stream_once(request, state, on_text),
+            total,
+            input_estimate,
         )
         calls = [
-            ToolCallRequest(b["id"], b["name"], *(parse_arguments(b["json"], self.provider_id) if b["json"] else arguments_of(b["input"])))
+            ToolCallRequest(
+                b["id"],
+                b["name"],
+                *(
+                    parse_arguments(b["json"], self.provider_id)
+                    if b["json"]
+                    else arguments_of(b["input"])
+                ),
+            )
             for _, b in sorted(done.blocks.items())
             if b["type"] == "tool_use"
         ]
@@ -233,8 +314,13 @@ class AnthropicModel:
                     elif kind == "content_block_start":
                         block = event.content_block
                         if block.type == "tool_use":
-                            state.blocks[event.index] = {"type": "tool_use", "id": block.id, "name": block.name,
-                                                         "input": getattr(block, "input", None) or {}, "json": ""}
+                            state.blocks[event.index] = {
+                                "type": "tool_use",
+                                "id": block.id,
+                                "name": block.name,
+                                "input": getattr(block, "input", None) or {},
+                                "json": "",
+                            }
                         else:
                             state.blocks[event.index] = {"type": block.type}
                             text = getattr(block, "text", "") if block.type == "text" else ""
@@ -249,7 +335,10 @@ class AnthropicModel:
                             state.emitted = True
                             await on_text(delta.text)
                         elif delta.type == "input_json_delta":
-                            block = state.blocks.setdefault(event.index, {"type": "tool_use", "id": "", "name": "", "input": {}, "json": ""})
+                            block = state.blocks.setdefault(
+                                event.index,
+                                {"type": "tool_use", "id": "", "name": "", "input": {}, "json": ""},
+                            )
                             block["json"] = block.get("json", "") + (delta.partial_json or "")
                     elif kind == "message_delta":
                         usage = event.usage
@@ -259,9 +348,13 @@ class AnthropicModel:
                                 if usage.input_tokens is not None:
                                     state.started.input_tokens = int(usage.input_tokens)
                                 if usage.cache_read_input_tokens is not None:
-                                    state.started.cache_read_tokens = int(usage.cache_read_input_tokens)
+                                    state.started.cache_read_tokens = int(
+                                        usage.cache_read_input_tokens
+                                    )
                                 if usage.cache_creation_input_tokens is not None:
-                                    state.started.cache_write_tokens = int(usage.cache_creation_input_tokens)
+                                    state.started.cache_write_tokens = int(
+                                        usage.cache_creation_input_tokens
+                                    )
                     elif kind == "message_stop":
                         state.finished = True
         if not state.finished:

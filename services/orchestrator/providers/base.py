@@ -97,7 +97,7 @@ class TokenUsage:
 MAX_TOKENS_PER_CALL = 10**9
 
 
-def clamp_usage(usage: "TokenUsage | None") -> "TokenUsage":
+def clamp_usage(usage: TokenUsage | None) -> TokenUsage:
     """`usage` with every count an int in [0, 10**9] (anything else becomes 0, `estimated` kept).
 
     Provider responses are untrusted input: a negative, huge or non-integer count must not
@@ -110,15 +110,19 @@ def clamp_usage(usage: "TokenUsage | None") -> "TokenUsage":
         return value if is_token_count(value) else 0  # type: ignore[return-value]
 
     return TokenUsage(
-        input_tokens=fit(usage.input_tokens), output_tokens=fit(usage.output_tokens),
-        cache_read_tokens=fit(usage.cache_read_tokens), cache_write_tokens=fit(usage.cache_write_tokens),
+        input_tokens=fit(usage.input_tokens),
+        output_tokens=fit(usage.output_tokens),
+        cache_read_tokens=fit(usage.cache_read_tokens),
+        cache_write_tokens=fit(usage.cache_write_tokens),
         estimated=bool(usage.estimated),
     )
 
 
 def is_token_count(value: object) -> bool:
     """Whether `value` is a token count Loopline records: an int (not a bool) in [0, MAX_TOKENS_PER_CALL]."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS_PER_CALL
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS_PER_CALL
+    )
 
 
 def with_estimates(usage: TokenUsage, input_estimate: int, output_estimate: int) -> TokenUsage:
@@ -168,7 +172,9 @@ class ModelError(Exception):
         public: the client-visible text, or None.
     """
 
-    def __init__(self, message: str, usage: TokenUsage | None = None, *, public: str | None = None) -> None:
+    def __init__(
+        self, message: str, usage: TokenUsage | None = None, *, public: str | None = None
+    ) -> None:
         super().__init__(message)
         self.usage = usage or TokenUsage()
         self.public = public
@@ -183,8 +189,14 @@ class ChatModel(Protocol):
     provider_id: str
     model_id: str
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
-                       call_tools: bool = True) -> ModelReply:
+    async def generate(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        on_text: OnText,
+        *,
+        call_tools: bool = True,
+    ) -> ModelReply:
         """Run one model call. Raises ModelError on failure; cancellation propagates.
 
         `call_tools=False` (the summary call): the model is given `tools` — the thread it reads
@@ -201,9 +213,13 @@ def estimate_tokens(value: Any) -> int:
     return max(1, len(text) // 4)
 
 
-DEEP_JSON_KEPT_LEVELS = 100  # `loads_deep` keeps this many levels as objects and arrays, deeper ones as their JSON text
+DEEP_JSON_KEPT_LEVELS = (
+    100  # `loads_deep` keeps this many levels as objects and arrays, deeper ones as their JSON text
+)
 _STRUCTURAL = re.compile(r'[\[\]{}"]')
-_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*+"', re.DOTALL)  # the rest of a JSON string after its opening quote
+_STRING_REST = re.compile(
+    r'(?:[^"\\]|\\.)*+"', re.DOTALL
+)  # the rest of a JSON string after its opening quote
 
 
 def loads_deep(text: str, kept_levels: int = DEEP_JSON_KEPT_LEVELS) -> Any:
@@ -263,6 +279,9 @@ def parse_arguments(raw: str, provider_id: str = "") -> tuple[dict[str, Any], st
     try:
         value = loads_deep(raw)
     except ValueError:
-        log.warning("tool call arguments are not valid JSON", extra={"fields": {"provider": provider_id, "length": len(raw)}})
+        log.warning(
+            "tool call arguments are not valid JSON",
+            extra={"fields": {"provider": provider_id, "length": len(raw)}},
+        )
         return {}, "the arguments are not valid JSON"
     return arguments_of(value)

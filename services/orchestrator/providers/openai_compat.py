@@ -22,7 +22,15 @@ from typing import Any
 
 import openai
 
-from services.orchestrator.providers.base import ModelReply, OnText, TokenUsage, ToolCallRequest, estimate_tokens, parse_arguments, with_estimates
+from services.orchestrator.providers.base import (
+    ModelReply,
+    OnText,
+    TokenUsage,
+    ToolCallRequest,
+    estimate_tokens,
+    parse_arguments,
+    with_estimates,
+)
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -30,7 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def _json_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return (
+        value
+        if isinstance(value, str)
+        else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    )
 
 
 def to_openai_messages(messages: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
@@ -48,15 +60,27 @@ def to_openai_messages(messages: list[dict[str, Any]], system_prompt: str) -> li
             item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
             if calls:
                 item["tool_calls"] = [
-                    {"id": c["id"], "type": "function",
-                     "function": {"name": c["name"], "arguments": _json_text(c.get("input") or {})}}
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {
+                            "name": c["name"],
+                            "arguments": _json_text(c.get("input") or {}),
+                        },
+                    }
                     for c in calls
                 ]
             elif item["content"] is None:
                 item["content"] = ""
             out.append(item)
         elif role == "tool":
-            out.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": _json_text(message.get("content"))})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": message["tool_call_id"],
+                    "content": _json_text(message.get("content")),
+                }
+            )
         elif role in ("user", "system"):
             out.append({"role": role, "content": _json_text(message.get("content") or "")})
     return out
@@ -65,10 +89,14 @@ def to_openai_messages(messages: list[dict[str, Any]], system_prompt: str) -> li
 def to_openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`{"name", "description", "input_schema"}` tools as chat-completions function tools."""
     return [
-        {"type": "function", "function": {
-            "name": t["name"], "description": t.get("description") or "",
-            "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
-        }}
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description") or "",
+                "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+            },
+        }
         for t in tools
     ]
 
@@ -95,7 +123,9 @@ class _Attempt:
         output_estimate = estimate_tokens(produced) if produced else 0
         if self.reported is not None:  # a count it reported that is no token count: estimated
             return with_estimates(self.reported, input_estimate, output_estimate)
-        return TokenUsage(input_tokens=input_estimate, output_tokens=output_estimate, estimated=True)
+        return TokenUsage(
+            input_tokens=input_estimate, output_tokens=output_estimate, estimated=True
+        )
 
 
 class OpenAICompatModel:
@@ -114,8 +144,17 @@ class OpenAICompatModel:
         partial_usage: the tokens of the latest call so far, also when it was cancelled.
     """
 
-    def __init__(self, provider_id: str, model_id: str, *, base_url: str, api_key: str, policy: RetryPolicy,
-                 timeout_s: float = 120.0, system_prompt: str = ASSISTANT_SYSTEM_PROMPT) -> None:
+    def __init__(
+        self,
+        provider_id: str,
+        model_id: str,
+        *,
+        base_url: str,
+        api_key: str,
+        policy: RetryPolicy,
+        timeout_s: float = 120.0,
+        system_prompt: str = ASSISTANT_SYSTEM_PROMPT,
+    ) -> None:
         self.provider_id = provider_id
         self.model_id = model_id
         self._base_url = base_url
@@ -126,10 +165,18 @@ class OpenAICompatModel:
         self.partial_usage = TokenUsage()
 
     def _client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s)
+        return openai.AsyncOpenAI(
+            api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s
+        )
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
-                       call_tools: bool = True) -> ModelReply:
+    async def generate(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        on_text: OnText,
+        *,
+        call_tools: bool = True,
+    ) -> ModelReply:
         """Stream one chat completion; see the module docstring. `call_tools=False`: OpenAI itself
         gets the tools with `tool_choice: "none"` (base.ChatModel.generate: the same cached
         prefix); another OpenAI-compatible server gets no tools, as before (chat completions
@@ -141,7 +188,9 @@ class OpenAICompatModel:
         """
         wire_messages = to_openai_messages(messages, self._system_prompt)
         request: dict[str, Any] = {
-            "model": self.model_id, "messages": wire_messages, "stream": True,
+            "model": self.model_id,
+            "messages": wire_messages,
+            "stream": True,
             "stream_options": {"include_usage": True},
         }
         if not call_tools and self.provider_id != "openai":
@@ -152,20 +201,36 @@ class OpenAICompatModel:
                 request["parallel_tool_calls"] = False
             else:
                 request["tool_choice"] = "none"
-        input_estimate = estimate_tokens(json.dumps(wire_messages)) + (estimate_tokens(json.dumps(request["tools"])) if tools else 0)
+        input_estimate = estimate_tokens(json.dumps(wire_messages)) + (
+            estimate_tokens(json.dumps(request["tools"])) if tools else 0
+        )
         total = TokenUsage()
         self.partial_usage = total
         done = await stream_with_retries(
-            self.provider_id, self._policy, _Attempt, lambda state: self._stream_once(request, state, on_text), total, input_estimate,
+            self.provider_id,
+            self._policy,
+            _Attempt,
+            lambda state: self._stream_once(request, state, on_text),
+            total,
+            input_estimate,
         )
         calls = [
-            ToolCallRequest(c["id"] or f"call_{uuid.uuid4().hex[:24]}", c["name"], *parse_arguments(c["args"], self.provider_id))
+            ToolCallRequest(
+                c["id"] or f"call_{uuid.uuid4().hex[:24]}",
+                c["name"],
+                *parse_arguments(c["args"], self.provider_id),
+            )
             for _, c in sorted(done.calls.items())
             if c["name"]
         ]
         nameless = sum(1 for c in done.calls.values() if not c["name"])
-        if nameless:  # nothing to run or to answer: dropped, but never silently (fresh-eyes re-test)
-            log.warning("tool calls without a name were dropped", extra={"fields": {"provider": self.provider_id, "count": nameless}})
+        if (
+            nameless
+        ):  # nothing to run or to answer: dropped, but never silently (fresh-eyes re-test)
+            log.warning(
+                "tool calls without a name were dropped",
+                extra={"fields": {"provider": self.provider_id, "count": nameless}},
+            )
         return ModelReply(text="".join(done.text), tool_calls=calls, usage=total)
 
     async def _stream_once(self, request: dict[str, Any], state: _Attempt, on_text: OnText) -> None:
@@ -184,7 +249,9 @@ class OpenAICompatModel:
                             state.text.append(delta.content)
                             state.emitted = True
                             await on_text(delta.content)
-                        for position, piece in enumerate((delta.tool_calls if delta is not None else None) or []):
+                        for position, piece in enumerate(
+                            (delta.tool_calls if delta is not None else None) or []
+                        ):
                             index = piece.index if piece.index is not None else position
                             call = state.calls.setdefault(index, {"id": "", "name": "", "args": ""})
                             if piece.id:
@@ -199,7 +266,11 @@ class OpenAICompatModel:
                                     # a string per the API; a server that sends an object or a number instead
                                     # gets it read as that JSON (a non-object: the call's error result, never a
                                     # crashed run; fresh-eyes re-test)
-                                    call["args"] += arguments if isinstance(arguments, str) else json.dumps(arguments)
+                                    call["args"] += (
+                                        arguments
+                                        if isinstance(arguments, str)
+                                        else json.dumps(arguments)
+                                    )
                         if choice.finish_reason:
                             state.finish_reason = choice.finish_reason
         if state.finish_reason is None:
@@ -212,6 +283,16 @@ def _usage_of(usage: Any) -> TokenUsage:
     prompt = getattr(usage, "prompt_tokens", None)
     details = getattr(usage, "prompt_tokens_details", None)
     cached = getattr(details, "cached_tokens", 0) if details is not None else 0
-    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached else 0
-    fresh = prompt - cached if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= cached else prompt
-    return TokenUsage(input_tokens=fresh, output_tokens=getattr(usage, "completion_tokens", None), cache_read_tokens=cached)
+    cached = (
+        cached if isinstance(cached, int) and not isinstance(cached, bool) and 0 <= cached else 0
+    )
+    fresh = (
+        prompt - cached
+        if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= cached
+        else prompt
+    )
+    return TokenUsage(
+        input_tokens=fresh,
+        output_tokens=getattr(usage, "completion_tokens", None),
+        cache_read_tokens=cached,
+    )

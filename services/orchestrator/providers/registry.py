@@ -33,7 +33,10 @@ def _check_integration(llm: dict[str, Any], expected: str) -> None:
     or "loopline" for the scripted model). Raises UnknownModel."""
     integration = llm.get("integration_name")
     if integration and integration != expected:
-        raise UnknownModel(f"llm.integration_name must be {expected!r} for provider {llm.get('provider_id')!r}")
+        raise UnknownModel(
+            f"llm.integration_name must be {expected!r} for provider {llm.get('provider_id')!r}"
+        )
+
 
 SecretResolver = Callable[[str, str, str], Awaitable[str]]
 """`(organization_id, credential_id, integration) -> api key`, integration "openai" or
@@ -94,7 +97,11 @@ class ProviderConfig:
 def _model_list(value: Any) -> frozenset[str] | None:
     if value is None:
         return None
-    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
+    items = (
+        [v.strip() for v in value.split(",")]
+        if isinstance(value, str)
+        else [str(v).strip() for v in value]
+    )
     items = [v for v in items if v]
     return None if not items or "*" in items else frozenset(items)
 
@@ -102,30 +109,52 @@ def _model_list(value: Any) -> frozenset[str] | None:
 def providers(settings: OrchestratorSettings) -> dict[str, ProviderConfig]:
     """The real (non-scripted) providers of this deployment, by id."""
     found = {
-        "openai": ProviderConfig("openai", "openai", settings.openai_base_url, settings.openai_api_key,
-                                 _model_list(settings.openai_models)),
-        "anthropic": ProviderConfig("anthropic", "anthropic", settings.anthropic_base_url, settings.anthropic_api_key,
-                                    _model_list(settings.anthropic_models)),
+        "openai": ProviderConfig(
+            "openai",
+            "openai",
+            settings.openai_base_url,
+            settings.openai_api_key,
+            _model_list(settings.openai_models),
+        ),
+        "anthropic": ProviderConfig(
+            "anthropic",
+            "anthropic",
+            settings.anthropic_base_url,
+            settings.anthropic_api_key,
+            _model_list(settings.anthropic_models),
+        ),
     }
     for provider_id, entry in (settings.openai_compatible_providers or {}).items():
         if provider_id in RESERVED or not isinstance(entry, dict) or not entry.get("base_url"):
             continue
         key_env = entry.get("api_key_env")
         found[provider_id] = ProviderConfig(
-            provider_id, "openai", str(entry["base_url"]), os.environ.get(key_env, "") if key_env else "",
-            _model_list(entry.get("models")), key_required=bool(key_env),
+            provider_id,
+            "openai",
+            str(entry["base_url"]),
+            os.environ.get(key_env, "") if key_env else "",
+            _model_list(entry.get("models")),
+            key_required=bool(key_env),
         )
     return found
 
 
 def retry_policy(settings: OrchestratorSettings) -> RetryPolicy:
     """The retry bounds of model calls from settings."""
-    return RetryPolicy(max_retries=max(0, settings.llm_max_retries), base_delay_s=settings.llm_retry_base_delay_s,
-                       max_delay_s=settings.llm_retry_max_delay_s)
+    return RetryPolicy(
+        max_retries=max(0, settings.llm_max_retries),
+        base_delay_s=settings.llm_retry_base_delay_s,
+        max_delay_s=settings.llm_retry_max_delay_s,
+    )
 
 
-async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organization_id: str = "",
-                  secret_resolver: SecretResolver | None = None) -> ChatModel:
+async def resolve(
+    settings: OrchestratorSettings,
+    llm: dict[str, Any],
+    *,
+    organization_id: str = "",
+    secret_resolver: SecretResolver | None = None,
+) -> ChatModel:
     """The ChatModel for `llm` = {integration_name, provider_id, model_id, credential_id?}.
 
     Raises:
@@ -143,12 +172,16 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
         # an organization's key is stored per provider integration; sending an OpenAI key to
         # another OpenAI-compatible host would hand it to a third party (and the scripted model
         # has no key at all: accepting one would hide a client's mistake)
-        raise UnknownModel(f"bring-your-own-key credentials work with the {' and '.join(sorted(BYOK_PROVIDERS))} providers, not {provider_id!r}")
+        raise UnknownModel(
+            f"bring-your-own-key credentials work with the {' and '.join(sorted(BYOK_PROVIDERS))} providers, not {provider_id!r}"
+        )
     if provider_id == "scripted":
         if not settings.scripted_model_enabled:
             raise UnknownModel("the scripted model is disabled on this deployment")
         if model_id not in SCRIPTED_MODELS:
-            raise UnknownModel(f"unknown model {model_id!r} for provider 'scripted' (use 'default')")
+            raise UnknownModel(
+                f"unknown model {model_id!r} for provider 'scripted' (use 'default')"
+            )
         _check_integration(llm, "loopline")
         return ScriptedModel(model_id)
     config = providers(settings).get(provider_id)
@@ -160,19 +193,27 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
     credential_id = llm.get("credential_id")
     if credential_id:
         if secret_resolver is None:
-            raise UnknownModel("bring-your-own-key credentials are not available on this deployment")
+            raise UnknownModel(
+                "bring-your-own-key credentials are not available on this deployment"
+            )
         try:
             api_key = await secret_resolver(organization_id, credential_id, provider_id)
         except LookupError:
-            raise UnknownModel(f"credential {credential_id!r} cannot be used as a model key") from None
+            raise UnknownModel(
+                f"credential {credential_id!r} cannot be used as a model key"
+            ) from None
     else:
         api_key = config.api_key
     if not api_key:
         if config.key_required:
             if provider_id in BYOK_PROVIDERS:
-                raise UnknownModel(f"model provider {provider_id!r} has no key configured; pass llm.credential_id")
+                raise UnknownModel(
+                    f"model provider {provider_id!r} has no key configured; pass llm.credential_id"
+                )
             # no bring-your-own-key for it (an OpenAI key is never sent to another host): the fix is the deployment's
-            raise UnknownModel(f"model provider {provider_id!r} has no key configured on this deployment")
+            raise UnknownModel(
+                f"model provider {provider_id!r} has no key configured on this deployment"
+            )
         api_key = NO_KEY
     policy = retry_policy(settings)
     if config.kind == "anthropic":
@@ -180,9 +221,21 @@ async def resolve(settings: OrchestratorSettings, llm: dict[str, Any], *, organi
         # and tens of MiB of memory in every orchestrator that never calls them.
         from services.orchestrator.providers.anthropic_provider import AnthropicModel
 
-        return AnthropicModel(model_id, base_url=config.base_url, api_key=api_key, policy=policy,
-                              max_tokens=settings.anthropic_max_tokens, timeout_s=settings.llm_timeout_s)
+        return AnthropicModel(
+            model_id,
+            base_url=config.base_url,
+            api_key=api_key,
+            policy=policy,
+            max_tokens=settings.anthropic_max_tokens,
+            timeout_s=settings.llm_timeout_s,
+        )
     from services.orchestrator.providers.openai_compat import OpenAICompatModel
 
-    return OpenAICompatModel(provider_id, model_id, base_url=config.base_url, api_key=api_key, policy=policy,
-                             timeout_s=settings.llm_timeout_s)
+    return OpenAICompatModel(
+        provider_id,
+        model_id,
+        base_url=config.base_url,
+        api_key=api_key,
+        policy=policy,
+        timeout_s=settings.llm_timeout_s,
+    )

@@ -108,9 +108,15 @@ _STATUS_KINDS = {
 }
 
 
-_RETRYABLE_STREAM_ERRORS = frozenset({"overloaded_error", "api_error", "server_error", "rate_limit_error", "timeout_error"})
+_RETRYABLE_STREAM_ERRORS = frozenset(
+    {"overloaded_error", "api_error", "server_error", "rate_limit_error", "timeout_error"}
+)
 _STREAM_ERROR_TYPES = _RETRYABLE_STREAM_ERRORS | {
-    "invalid_request_error", "authentication_error", "permission_error", "not_found_error", "request_too_large",
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
     "billing_error",
 }
 
@@ -138,7 +144,10 @@ def classify(error: BaseException) -> Failure:
         detail = body.get("error", body) if isinstance(body, dict) else None
         error_type = detail.get("type") if isinstance(detail, dict) else None
         known = error_type if error_type in _STREAM_ERROR_TYPES else None
-        return Failure(f"stream error ({known})" if known else "stream error", known in _RETRYABLE_STREAM_ERRORS)
+        return Failure(
+            f"stream error ({known})" if known else "stream error",
+            known in _RETRYABLE_STREAM_ERRORS,
+        )
     if isinstance(status, int):
         response = getattr(error, "response", None)
         retry_after = parse_retry_after(getattr(response, "headers", None))
@@ -214,11 +223,23 @@ async def call_with_retries(
             failure = classify(error)
             log.warning(
                 "model call failed",
-                extra={"fields": {"provider": provider_id, "kind": failure.kind, "attempt": attempts,
-                                  "error_class": type(error).__name__, **provider_error_ids(error)}},
+                extra={
+                    "fields": {
+                        "provider": provider_id,
+                        "kind": failure.kind,
+                        "attempt": attempts,
+                        "error_class": type(error).__name__,
+                        **provider_error_ids(error),
+                    }
+                },
             )
             too_long = failure.retry_after is not None and failure.retry_after > policy.max_delay_s
-            if failure.retryable and attempts <= policy.max_retries and not emitted() and not too_long:
+            if (
+                failure.retryable
+                and attempts <= policy.max_retries
+                and not emitted()
+                and not too_long
+            ):
                 await sleep(policy.delay(attempts, failure.retry_after))
                 continue
             suffix = f" after {attempts} attempts" if attempts > 1 else ""
@@ -262,5 +283,6 @@ async def stream_with_retries(
             add_usage(total, current.usage(input_estimate))
         return current
 
-    return await call_with_retries(provider_id, policy, attempt, emitted=lambda: current.emitted, usage=lambda: total)
-
+    return await call_with_retries(
+        provider_id, policy, attempt, emitted=lambda: current.emitted, usage=lambda: total
+    )

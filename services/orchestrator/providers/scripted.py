@@ -61,7 +61,9 @@ def _script_of(content: Any) -> list[Any] | None:
     if not stripped.startswith("{"):
         return None
     try:
-        data = loads_deep(stripped)  # a script nested past json.loads' limit: its deep tool input is the call's error result
+        data = loads_deep(
+            stripped
+        )  # a script nested past json.loads' limit: its deep tool input is the call's error result
     except ValueError:
         return None
     script = data.get("script") if isinstance(data, dict) else None
@@ -86,7 +88,10 @@ def _check_step(step: Any) -> None:
     if step.get("tool") is not None and not isinstance(step["tool"], str):
         raise _invalid("scripted model: tool must be a tool's name (a string)")
     tools = step.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("tool"), str) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(isinstance(t, dict) and isinstance(t.get("tool"), str) for t in tools)
+    ):
         raise _invalid("scripted model: tools must be a list of {tool, input}")
     if "fail" in step and not isinstance(step["fail"], str):
         raise _invalid("scripted model: fail must be a message (a string)")
@@ -96,7 +101,15 @@ MAX_SLEEP_MS = 600_000  # a step's `sleep_ms` and `chunk_ms` at most (10 minutes
 MAX_CHUNKS = 100_000  # a step's `chunks` at most
 
 
-def _bounded(step: dict[str, Any], key: str, low: float, high: float, default: float, kind: str, whole: bool = False) -> float:
+def _bounded(
+    step: dict[str, Any],
+    key: str,
+    low: float,
+    high: float,
+    default: float,
+    kind: str,
+    whole: bool = False,
+) -> float:
     """A step's numeric setting `key` (`default` when absent or null), checked against
     [low, high]; raises ModelError naming it otherwise (a string, a boolean, NaN, 1e400, a
     fraction where `whole`): that model call fails like a bad `usage`, never the run's loop
@@ -104,8 +117,12 @@ def _bounded(step: dict[str, Any], key: str, low: float, high: float, default: f
     value = step.get(key)
     if value is None:
         return default
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high
-            or (whole and value != int(value))):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not low <= value <= high
+        or (whole and value != int(value))
+    ):
         raise _invalid(f"scripted model: {key} must be {kind} between {low:,} and {high:,}")
     return value
 
@@ -118,8 +135,14 @@ class ScriptedModel:
     def __init__(self, model_id: str = "default") -> None:
         self.model_id = model_id
 
-    async def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], on_text: OnText, *,
-                       call_tools: bool = True) -> ModelReply:
+    async def generate(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        on_text: OnText,
+        *,
+        call_tools: bool = True,
+    ) -> ModelReply:
         """Answer the next step; see the module docstring. Raises ModelError on a `fail` step.
         (`call_tools` changes nothing: a summary call is recognised by its last message.)"""
         if messages and messages[-1].get("purpose") == "summarize":
@@ -142,14 +165,22 @@ class ScriptedModel:
             await asyncio.sleep(sleep_ms / 1000)
 
         reported = step.get("usage")
-        if reported is not None and not isinstance(reported, dict):  # "5", 5, [1, 2]: another type fails the call too
+        if reported is not None and not isinstance(
+            reported, dict
+        ):  # "5", 5, [1, 2]: another type fails the call too
             raise _invalid("scripted model: usage must be an object {input_tokens, output_tokens}")
-        if reported is not None and not all(is_token_count(reported.get(k, 0)) for k in ("input_tokens", "output_tokens")):
+        if reported is not None and not all(
+            is_token_count(reported.get(k, 0)) for k in ("input_tokens", "output_tokens")
+        ):
             raise _invalid("scripted model: usage counts must be integers between 0 and 1000000000")
         text = step.get("say") or ""
         usage = TokenUsage(
-            input_tokens=int(reported.get("input_tokens", 0)) if reported is not None else input_estimate,
-            output_tokens=int(reported.get("output_tokens", 0)) if reported is not None else estimate_tokens(text or step),
+            input_tokens=int(reported.get("input_tokens", 0))
+            if reported is not None
+            else input_estimate,
+            output_tokens=int(reported.get("output_tokens", 0))
+            if reported is not None
+            else estimate_tokens(text or step),
             estimated=reported is None,
         )
         if "fail" in step:
@@ -170,23 +201,43 @@ class ScriptedModel:
     @staticmethod
     def _summary(messages: list[dict[str, Any]]) -> ModelReply:
         """A deterministic summary: the earlier summary, then each user message (first 80 characters)."""
-        parts = [m["content"].split("\n", 1)[-1] for m in messages if m["role"] == "system" and str(m.get("content", "")).startswith("Summary of")]
+        parts = [
+            m["content"].split("\n", 1)[-1]
+            for m in messages
+            if m["role"] == "system" and str(m.get("content", "")).startswith("Summary of")
+        ]
         parts += [f"user: {str(m['content'])[:80]}" for m in messages if m["role"] == "user"]
         text = " | ".join(parts) or "(nothing to summarize)"
-        return ModelReply(text=text, usage=TokenUsage(input_tokens=sum(estimate_tokens(m.get("content")) for m in messages),
-                                                      output_tokens=estimate_tokens(text), estimated=True))
+        return ModelReply(
+            text=text,
+            usage=TokenUsage(
+                input_tokens=sum(estimate_tokens(m.get("content")) for m in messages),
+                output_tokens=estimate_tokens(text),
+                estimated=True,
+            ),
+        )
 
     @staticmethod
     def _call(name: Any, tool_input: Any, call_id: Any) -> ToolCallRequest:
         import uuid
 
-        return ToolCallRequest(str(call_id) if call_id else f"call_{uuid.uuid4().hex[:24]}", str(name), *arguments_of(tool_input))
+        return ToolCallRequest(
+            str(call_id) if call_id else f"call_{uuid.uuid4().hex[:24]}",
+            str(name),
+            *arguments_of(tool_input),
+        )
 
-    def _rule_step(self, user_text: Any, since_user: list[dict[str, Any]], step_index: int) -> dict[str, Any]:
+    def _rule_step(
+        self, user_text: Any, since_user: list[dict[str, Any]], step_index: int
+    ) -> dict[str, Any]:
         text = user_text if isinstance(user_text, str) else ""
         if _DISCOVERY.search(text):
             if step_index == 0:
-                return {"say": "Let me check which integrations are available.", "tool": "get_available_integrations", "input": {}}
+                return {
+                    "say": "Let me check which integrations are available.",
+                    "tool": "get_available_integrations",
+                    "input": {},
+                }
             results = [m for m in since_user if m["role"] == "tool"]
             return {"say": self._summarize(results[-1]["content"] if results else None)}
         return {"say": f"You said: {text}" if text else "Hello! Ask me about your integrations."}

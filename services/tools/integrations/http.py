@@ -24,7 +24,12 @@ MANIFEST: dict[str, Any] = {
     "description": "Send an HTTP request to a public URL and read the response (status, headers, body).",
     "categories": ["developer-tools", "web"],
     "auth": [
-        {"type": "none", "label": "No authentication", "description": "Anonymous requests.", "fields": None},
+        {
+            "type": "none",
+            "label": "No authentication",
+            "description": "Anonymous requests.",
+            "fields": None,
+        },
         {
             "type": "bearer",
             "label": "Bearer token",
@@ -63,7 +68,11 @@ MANIFEST: dict[str, Any] = {
                         "enum": ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
                         "default": "GET",
                     },
-                    "url": {"type": "string", "pattern": "^https?://", "description": "An http:// or https:// URL."},
+                    "url": {
+                        "type": "string",
+                        "pattern": "^https?://",
+                        "description": "An http:// or https:// URL.",
+                    },
                     "headers": {"type": "object", "additionalProperties": {"type": "string"}},
                     "query": {
                         "type": "object",
@@ -92,7 +101,11 @@ def _auth_headers(ctx: ActionContext) -> dict[str, str]:
     if ctx.auth_type == "bearer":
         return {"Authorization": f"Bearer {str(secret['token']).strip()}"}
     if ctx.auth_type == "api_key":
-        return {(str(secret.get("header_name") or "").strip() or "X-API-Key"): str(secret["api_key"]).strip()}
+        return {
+            (str(secret.get("header_name") or "").strip() or "X-API-Key"): str(
+                secret["api_key"]
+            ).strip()
+        }
     return {}
 
 
@@ -117,7 +130,10 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     elif body is not None:
         content = json.dumps(body).encode()
         headers.setdefault("Content-Type", "application/json")
-    query = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (params.get("query") or {}).items()}
+    query = {
+        k: str(v).lower() if isinstance(v, bool) else str(v)
+        for k, v in (params.get("query") or {}).items()
+    }
     # Leave room for the status, headers and envelope so that a cut body still fits the output cap.
     limit = max(1024, ctx.max_output_bytes - 2048)
     import httpx  # loaded on the first request, not at start (see netpolicy)
@@ -125,7 +141,11 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     try:
         async with guarded_client(ctx.allow_private_network, ctx.timeout_s) as client:
             async with client.stream(
-                params.get("method", "GET"), params["url"], headers=headers, params=query or None, content=content
+                params.get("method", "GET"),
+                params["url"],
+                headers=headers,
+                params=query or None,
+                content=content,
             ) as response:
                 chunks: list[bytes] = []
                 size = 0
@@ -137,15 +157,21 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
                         truncated = True
                         break
                 raw = b"".join(chunks)[:limit]
-    except OutboundPolicyError as exc:  # built by netpolicy from the URL's host (the model's own input) and a kind
+    except (
+        OutboundPolicyError
+    ) as exc:  # built by netpolicy from the URL's host (the model's own input) and a kind
         raise ActionError(str(exc)) from exc
     except httpx.InvalidURL as exc:  # its text quotes the URL: the kind is enough
         raise ActionError(failures.INVALID_URL) from exc
-    except UnicodeEncodeError as exc:  # a header (the model's or the credential's) with a character that is not ASCII
+    except (
+        UnicodeEncodeError
+    ) as exc:  # a header (the model's or the credential's) with a character that is not ASCII
         raise ActionError(f"the request could not be sent: {failures.BAD_HEADER}") from exc
     except UnicodeError:  # a host label that is empty or over 63 characters (IDNA)
         raise ActionError("invalid URL: the host name is not valid") from None
-    except httpx.HTTPError as exc:  # the kind only: h11 quotes an illegal header value, the token in it
+    except (
+        httpx.HTTPError
+    ) as exc:  # the kind only: h11 quotes an illegal header value, the token in it
         raise ActionError(f"the HTTP request failed: {failures.http_failure(exc)}") from exc
     result: dict[str, Any] = {
         "status_code": response.status_code,
@@ -158,7 +184,9 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         try:
             result["json"] = pb.loads_strict(text)
             return result
-        except ValueError:  # not JSON (NaN and 1e400 included), or nested past what json.loads parses
+        except (
+            ValueError
+        ):  # not JSON (NaN and 1e400 included), or nested past what json.loads parses
             pass
     result["body"] = text
     return result

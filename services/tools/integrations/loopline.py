@@ -14,7 +14,14 @@ MANIFEST: dict[str, Any] = {
     "display_name": "Loopline utilities",
     "description": "Built-in utilities that need no credential: echo a message, read the current time.",
     "categories": ["utilities"],
-    "auth": [{"type": "none", "label": "No authentication", "description": "Always available.", "fields": None}],
+    "auth": [
+        {
+            "type": "none",
+            "label": "No authentication",
+            "description": "Always available.",
+            "fields": None,
+        }
+    ],
     "actions": [
         {
             "name": "echo",
@@ -33,7 +40,11 @@ MANIFEST: dict[str, Any] = {
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "timezone": {"type": "string", "default": "UTC", "description": "IANA name, e.g. Europe/Paris."}
+                    "timezone": {
+                        "type": "string",
+                        "default": "UTC",
+                        "description": "IANA name, e.g. Europe/Paris.",
+                    }
                 },
                 "additionalProperties": False,
             },

@@ -23,12 +23,27 @@ def _manifest(name: str, display_name: str, description: str) -> dict[str, Any]:
         "display_name": display_name,
         "description": description,
         "categories": ["models"],
-        "auth": [{"type": "api_key", "label": "API key", "description": "The organization's own key for the model provider.", "fields": _KEY_FIELDS}],
+        "auth": [
+            {
+                "type": "api_key",
+                "label": "API key",
+                "description": "The organization's own key for the model provider.",
+                "fields": _KEY_FIELDS,
+            }
+        ],
         "actions": [],
     }
 
 
 MANIFESTS = [
-    _manifest("openai", "OpenAI (model key)", "Your own OpenAI or OpenAI-compatible API key, used for the assistant's model calls."),
-    _manifest("anthropic", "Anthropic (model key)", "Your own Anthropic API key, used for the assistant's model calls."),
+    _manifest(
+        "openai",
+        "OpenAI (model key)",
+        "Your own OpenAI or OpenAI-compatible API key, used for the assistant's model calls.",
+    ),
+    _manifest(
+        "anthropic",
+        "Anthropic (model key)",
+        "Your own Anthropic API key, used for the assistant's model calls.",
+    ),
 ]

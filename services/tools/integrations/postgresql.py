@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import urllib.parse
 import datetime
 import decimal
 import ipaddress
 import logging
 import re
 import sys
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -78,7 +78,10 @@ MANIFEST: dict[str, Any] = {
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "schema": {"type": "string", "description": "Only this schema (default: every non-system schema)."}
+                    "schema": {
+                        "type": "string",
+                        "description": "Only this schema (default: every non-system schema).",
+                    }
                 },
                 "additionalProperties": False,
             },
@@ -91,7 +94,11 @@ MANIFEST: dict[str, Any] = {
                 "type": "object",
                 "properties": {
                     "table": {"type": "string", "minLength": 1, "description": "Table name."},
-                    "schema": {"type": "string", "default": "public", "description": "Schema name (default public)."},
+                    "schema": {
+                        "type": "string",
+                        "default": "public",
+                        "description": "Schema name (default public).",
+                    },
                 },
                 "required": ["table"],
                 "additionalProperties": False,
@@ -153,14 +160,25 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
+        return (
+            value if value == value and value not in (float("inf"), float("-inf")) else str(value)
+        )
     if isinstance(value, decimal.Decimal):
         return str(value)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, datetime.timedelta):
         return iso_duration(value)
-    if isinstance(value, (uuid.UUID, ipaddress.IPv4Address, ipaddress.IPv6Address, ipaddress.IPv4Network, ipaddress.IPv6Network)):
+    if isinstance(
+        value,
+        (
+            uuid.UUID,
+            ipaddress.IPv4Address,
+            ipaddress.IPv6Address,
+            ipaddress.IPv4Network,
+            ipaddress.IPv6Network,
+        ),
+    ):
         return str(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(value)).decode("ascii")
@@ -174,14 +192,23 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")  # libpq's sslmode values
+SSL_MODES = (
+    "disable",
+    "allow",
+    "prefer",
+    "require",
+    "verify-ca",
+    "verify-full",
+)  # libpq's sslmode values
 # The sslmode of a DSN that names none: TLS is required. libpq's and the driver's own
 # default, `prefer`, falls back to a plain connection when the server refuses TLS, and then sends
 # the password in clear to whoever answered. `sslmode=disable` (or `prefer`, `allow`) in the DSN
 # asks for a plain connection explicitly; `verify-ca` / `verify-full` also check the certificate.
 DEFAULT_SSLMODE = "require"
 _IGNORED_PARAMS = frozenset({"application_name", "connect_timeout"})  # the action sets its own
-_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\[\]@:/,%]+)(?::[0-9]+)?")  # one host (an IPv6 address in brackets), a port
+_HOST_PORT = re.compile(
+    r"(?:\[[0-9A-Fa-f:.]+\]|[^\[\]@:/,%]+)(?::[0-9]+)?"
+)  # one host (an IPv6 address in brackets), a port
 
 
 class DsnError(ActionError):
@@ -226,24 +253,40 @@ def parse_dsn(dsn: str) -> Dsn:
     if parsed.scheme not in ("postgresql", "postgres"):
         raise DsnError("the credential's `dsn` must start with postgresql://")
     if parsed.netloc.count("@") > 1:
-        raise DsnError("the credential's `dsn` has more than one '@' before its host; write an '@' in the user name or password as %40")
+        raise DsnError(
+            "the credential's `dsn` has more than one '@' before its host; write an '@' in the user name or password as %40"
+        )
     host_port = parsed.netloc.rpartition("@")[2]
     if not parsed.hostname or not _HOST_PORT.fullmatch(host_port):
-        raise DsnError("the credential's `dsn` must name one database host (host lists and sockets are not allowed here)")
+        raise DsnError(
+            "the credential's `dsn` must name one database host (host lists and sockets are not allowed here)"
+        )
     try:
-        params = urllib.parse.parse_qs(parsed.query, keep_blank_values=True, strict_parsing=bool(parsed.query))
+        params = urllib.parse.parse_qs(
+            parsed.query, keep_blank_values=True, strict_parsing=bool(parsed.query)
+        )
     except ValueError:
         raise DsnError(invalid) from None
     unknown = sorted(set(params) - _IGNORED_PARAMS - {"sslmode"})
     if unknown:
-        raise DsnError(f"the credential's `dsn` has parameters this integration does not take: {', '.join(unknown)} (it takes sslmode)")
+        raise DsnError(
+            f"the credential's `dsn` has parameters this integration does not take: {', '.join(unknown)} (it takes sslmode)"
+        )
     modes = params.get("sslmode", [])
     if len(modes) > 1 or (modes and modes[0] not in SSL_MODES):
-        raise DsnError(f"the credential's `dsn` has an sslmode that is not one of {', '.join(SSL_MODES)}")
+        raise DsnError(
+            f"the credential's `dsn` has an sslmode that is not one of {', '.join(SSL_MODES)}"
+        )
     user = urllib.parse.unquote(parsed.username) if parsed.username else "postgres"
     database = urllib.parse.unquote(parsed.path[1:]) if len(parsed.path) > 1 else user
-    return Dsn(host=parsed.hostname, port=port, user=user, password=urllib.parse.unquote(parsed.password or ""),
-               database=database, sslmode=modes[0] if modes else None)
+    return Dsn(
+        host=parsed.hostname,
+        port=port,
+        user=user,
+        password=urllib.parse.unquote(parsed.password or ""),
+        database=database,
+        sslmode=modes[0] if modes else None,
+    )
 
 
 async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
@@ -263,10 +306,15 @@ async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
     try:
         addresses = await resolve_checked(parts.host, parts.port, False)
     except OutboundPolicyError as exc:  # the host is the credential's (a secret's part): not named
-        raise ActionError(failures.policy_refusal(exc, "the database host in the credential")) from exc
+        raise ActionError(
+            failures.policy_refusal(exc, "the database host in the credential")
+        ) from exc
     args: dict[str, Any] = {
         "host": parts.host if parts.sslmode == "verify-full" else addresses[0],
-        "port": parts.port, "user": parts.user, "password": parts.password, "database": parts.database,
+        "port": parts.port,
+        "user": parts.user,
+        "password": parts.password,
+        "database": parts.database,
     }
     args["ssl"] = parts.sslmode or DEFAULT_SSLMODE
     return args
@@ -275,7 +323,9 @@ async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
 def _dsn_sslmode(dsn: str) -> str | None:
     """The `sslmode` a DSN names in its query (the last one, as the driver reads it), or None."""
     try:
-        modes = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query, keep_blank_values=True).get("sslmode")
+        modes = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query, keep_blank_values=True).get(
+            "sslmode"
+        )
     except ValueError:
         return None
     return modes[-1] if modes else None
@@ -289,7 +339,9 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
     """
     dsn = (ctx.secret or {}).get("dsn")
     if not isinstance(dsn, str) or not dsn:
-        raise ActionError("the credential has no `dsn` field; connect a PostgreSQL credential with a connection URL")
+        raise ActionError(
+            "the credential has no `dsn` field; connect a PostgreSQL credential with a connection URL"
+        )
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
     target = await _connect_args(dsn, ctx.allow_private_network)
     timeout_ms = max(1, int(ctx.timeout_s * 1000))
@@ -307,14 +359,16 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
                 "idle_in_transaction_session_timeout": str(timeout_ms),
             },
         )
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
         raise ActionError(f"could not connect to PostgreSQL: {_connect_failure(exc)}") from exc
     try:
         try:
             async with connection.transaction(readonly=True):
                 yield connection
         except Exception:
-            if _cancelling():  # the action's time limit cut a statement: the rollback on the interrupted
+            if (
+                _cancelling()
+            ):  # the action's time limit cut a statement: the rollback on the interrupted
                 raise asyncio.CancelledError from None  # connection fails ("connection is closed"); the cancel is what happened
             raise
     finally:
@@ -345,8 +399,11 @@ def _connect_failure(exc: BaseException) -> str:
     (which names the host and address: the credential's)."""
     sqlstate = getattr(exc, "sqlstate", None)
     if isinstance(sqlstate, str) and _SQLSTATE.fullmatch(sqlstate):
-        return _CONNECT_SQLSTATES.get(sqlstate) or _CONNECT_SQLSTATES.get(sqlstate[:2] + "000") or (
-            f"the server refused the connection (SQLSTATE {sqlstate})")
+        return (
+            _CONNECT_SQLSTATES.get(sqlstate)
+            or _CONNECT_SQLSTATES.get(sqlstate[:2] + "000")
+            or (f"the server refused the connection (SQLSTATE {sqlstate})")
+        )
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return failures.TIMED_OUT_CONNECTING
     kind = failures.network_failure(exc)
@@ -354,7 +411,9 @@ def _connect_failure(exc: BaseException) -> str:
         return kind
     if isinstance(exc, ValueError):
         return "the connection settings in the credential are not valid"
-    if "ssl" in type(exc).__name__.lower() or "SSL" in str(exc):  # asyncpg's "rejected SSL upgrade", an sslmode the server refuses
+    if "ssl" in type(exc).__name__.lower() or "SSL" in str(
+        exc
+    ):  # asyncpg's "rejected SSL upgrade", an sslmode the server refuses
         return "the server refused TLS, or TLS failed (check sslmode in the credential's dsn)"
     return "the server could not be reached or broke the connection"
 
@@ -419,7 +478,12 @@ async def list_tables(ctx: ActionContext, params: dict[str, Any]) -> dict[str, A
             "OR table_schema = $1::text ORDER BY table_schema, table_name",
             schema,
         )
-    return {"tables": [{"schema": r["table_schema"], "name": r["table_name"], "type": r["table_type"]} for r in rows]}
+    return {
+        "tables": [
+            {"schema": r["table_schema"], "name": r["table_name"], "type": r["table_type"]}
+            for r in rows
+        ]
+    }
 
 
 async def describe_table(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
@@ -434,7 +498,9 @@ async def describe_table(ctx: ActionContext, params: dict[str, Any]) -> dict[str
             table,
         )
         if not columns:
-            raise ActionError(f"table {schema}.{table} not found (call list_tables to see the tables)")
+            raise ActionError(
+                f"table {schema}.{table} not found (call list_tables to see the tables)"
+            )
         primary_key = await conn.fetch(
             "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "

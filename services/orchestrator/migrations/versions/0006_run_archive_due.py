@@ -7,24 +7,29 @@ Revises: 0005
 Create Date: 2026-12-02 04:30:00
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0006'
-down_revision = '0005'
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('runs', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('archive_due', sa.DateTime(timezone=True), nullable=True))
-    op.create_index('ix_runs_archive_due', 'runs', ['archive_due'], unique=False,
-                    sqlite_where=sa.text('archive_due IS NOT NULL'), postgresql_where=sa.text('archive_due IS NOT NULL'))
+    with op.batch_alter_table("runs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("archive_due", sa.DateTime(timezone=True), nullable=True))
+    op.create_index(
+        "ix_runs_archive_due",
+        "runs",
+        ["archive_due"],
+        unique=False,
+        sqlite_where=sa.text("archive_due IS NOT NULL"),
+        postgresql_where=sa.text("archive_due IS NOT NULL"),
+    )
 
 
 def downgrade() -> None:
-    op.drop_index('ix_runs_archive_due', table_name='runs')
-    with op.batch_alter_table('runs', schema=None) as batch_op:
-        batch_op.drop_column('archive_due')
+    op.drop_index("ix_runs_archive_due", table_name="runs")
+    with op.batch_alter_table("runs", schema=None) as batch_op:
+        batch_op.drop_column("archive_due")

@@ -3,6 +3,7 @@
 Revision ID: 0002
 Revises: 0001
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa
@@ -19,8 +20,12 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("discovery", sa.JSON(), nullable=True))
         batch_op.add_column(sa.Column("discovered_at", sa.DateTime(timezone=True), nullable=True))
     with op.batch_alter_table("knowledge_documents", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("file_size_bytes", sa.Integer(), nullable=False, server_default="0"))
-        batch_op.add_column(sa.Column("token_count", sa.Integer(), nullable=False, server_default="0"))
+        batch_op.add_column(
+            sa.Column("file_size_bytes", sa.Integer(), nullable=False, server_default="0")
+        )
+        batch_op.add_column(
+            sa.Column("token_count", sa.Integer(), nullable=False, server_default="0")
+        )
     op.create_table(
         "oauth_states",
         sa.Column("state", sa.String(length=64), nullable=False),

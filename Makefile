@@ -18,6 +18,7 @@ PYTEST := $(VENV)/bin/pytest
 VENV_STAMP := $(VENV)/.installed
 BUF := node_modules/.bin/buf
 SERVICES := gateway orchestrator billing tools
+PY_SOURCES := services bench scripts
 
 TESTS ?= tests
 PYTEST_ARGS ?=
@@ -26,7 +27,7 @@ BENCH_ARGS ?=
 LOOPLINE_TEST_POSTGRES_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 LOOPLINE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: help venv buf gen gen-check lint breaking migrate run test test-pg test-faults bench clean distclean
+.PHONY: help venv buf gen gen-check lint format breaking migrate run test test-pg test-faults bench clean distclean
 
 help: ## list the targets
 	@echo "Loopline make targets:"
@@ -63,9 +64,16 @@ gen-check: gen ## regenerate, then fail if loopline/ differs from the committed 
 	fi; \
 	echo "gen-check: loopline/ is up to date with protos/"
 
-lint: $(BUF) ## buf lint of protos/ (rules in buf.yaml)
+lint: $(VENV_STAMP) $(BUF) ## buf lint of protos/, ruff (lint and format) and mypy (rules in buf.yaml and pyproject.toml)
 	$(BUF) lint
-	@echo "lint: buf lint passed"
+	$(VENV)/bin/ruff format --check --quiet $(PY_SOURCES)
+	$(VENV)/bin/ruff check --quiet $(PY_SOURCES)
+	$(VENV)/bin/mypy
+	@echo "lint: buf, ruff and mypy passed"
+
+format: $(VENV_STAMP) ## ruff format and ruff check --fix of the Python tree
+	$(VENV)/bin/ruff format --quiet $(PY_SOURCES)
+	$(VENV)/bin/ruff check --fix --quiet $(PY_SOURCES)
 
 breaking: $(BUF) ## buf breaking against the main branch (skipped when there is no main commit)
 	@if git rev-parse --verify --quiet 'refs/heads/main^{commit}' >/dev/null; then \

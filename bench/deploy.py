@@ -188,7 +188,8 @@ class Deployment:
             # and still counted on every request (their cost is part of what is measured)
             "LOOPLINE_KEY_REQUESTS_PER_MINUTE": "100000000",
             "LOOPLINE_FAILED_AUTHS_PER_MINUTE": "100000000",
-            "LOOPLINE_HTTP_LISTENS_PER_KEY": "1000000",  # the fan-out's listeners all use the one key
+            # the fan-out's listeners all use the one key
+            "LOOPLINE_HTTP_LISTENS_PER_KEY": "1000000",
         }
         for name in ("orchestrator", "billing", "tools"):
             env[f"LOOPLINE_{name.upper()}_ADDR"] = (
@@ -220,17 +221,15 @@ class Deployment:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"scripts/dev.py exited ({self.process.returncode}):\n{log.read_text(errors='replace')[-4000:]}"
-                )
+                tail = log.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"scripts/dev.py exited ({self.process.returncode}):\n{tail}")
             if "Loopline is running." in log.read_text(errors="replace"):
                 break
             time.sleep(0.2)
         else:
             self.stop()
-            raise RuntimeError(
-                f"scripts/dev.py not ready within {timeout:.0f} s:\n{log.read_text(errors='replace')[-4000:]}"
-            )
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"scripts/dev.py not ready within {timeout:.0f} s:\n{tail}")
         for pid, cmdline in _children(self.process.pid).items():
             for name in SERVICES:
                 if f"services.{name}" in cmdline.split():
@@ -238,7 +237,8 @@ class Deployment:
         missing = [name for name in SERVICES if name not in self.pids]
         if missing:
             raise RuntimeError(
-                f"could not find the processes of {missing} under scripts/dev.py (pid {self.process.pid})"
+                f"could not find the processes of {missing} under scripts/dev.py "
+                f"(pid {self.process.pid})"
             )
 
     def cpu(self) -> dict[str, float]:
@@ -251,7 +251,8 @@ class Deployment:
         return {name: pss_bytes(pid) for name, pid in self.pids.items()}
 
     def together(self) -> int | None:
-        """Bytes the four service processes occupy together (`together_bytes`), None when unreadable."""
+        """Bytes the four service processes occupy together (`together_bytes`); None when
+        unreadable."""
         return together_bytes(list(self.pids.values()))
 
     def alive(self) -> bool:

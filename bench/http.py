@@ -13,12 +13,23 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol, cast
 
 import orjson
 
 
 class HTTPError(Exception):
     """A malformed response or a connection that broke mid-request."""
+
+
+class Transport(Protocol):
+    """What an SSERecorder needs of its transport: an asyncio one or a `_SocketHandle`."""
+
+    def close(self) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
 
 
 class Connection:
@@ -173,14 +184,19 @@ class SSERecorder(asyncio.Protocol):
         self.stamps: list[float] = []  # StampedSSERecorder: the kernel's receive time of each piece
         self.status: asyncio.Future[int] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()
-        self.transport: asyncio.Transport | None = None
+        self.transport: Transport | None = None
         self.ended = False  # the final chunk arrived
         self.error = ""
         self._tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        transport.write(self.request)  # type: ignore[attr-defined]
+        # a stream connection's transport is a WriteTransport (create_connection's contract)
+        self.attach(cast(asyncio.Transport, transport))
+
+    def attach(self, transport: Transport) -> None:
+        """Keep the transport and send the request on it."""
+        self.transport = transport
+        transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:
         self.pieces.append((time.time(), data))
@@ -213,7 +229,9 @@ class SSERecorder(asyncio.Protocol):
         arrival is when the client read it, or with `at_socket` (StampedSSERecorder) when the
         kernel received it into the listener's socket."""
         raw = b"".join(p for _, p in self.pieces)
-        ends, times, offset = [], [], 0
+        ends: list[int] = []
+        times: list[float] = []
+        offset = 0
         for arrival, piece in self.pieces:
             offset += len(piece)
             ends.append(offset)
@@ -225,9 +243,8 @@ class SSERecorder(asyncio.Protocol):
             return []
         pos = head_end + 4
         body = bytearray()
-        chunk_marks: list[
-            tuple[int, int]
-        ] = []  # (body length after the chunk, raw offset of its end)
+        # (body length after the chunk, raw offset of its end)
+        chunk_marks: list[tuple[int, int]] = []
         while True:
             line_end = raw.find(b"\r\n", pos)
             if line_end < 0:
@@ -250,16 +267,16 @@ class SSERecorder(asyncio.Protocol):
             while chunk_marks[mark][0] < end + 2:
                 mark += 1
             raw_offset = chunk_marks[mark][1]
-            piece = bisect.bisect_left(ends, raw_offset)
+            piece_index = bisect.bisect_left(ends, raw_offset)
             frame = bytes(body[start:end])
             if frame.startswith(b"data: "):
-                out.append((times[min(piece, len(times) - 1)], frame[6:]))
+                out.append((times[min(piece_index, len(times) - 1)], frame[6:]))
             start = end + 2
         return out
 
 
 async def open_sse(host: str, port: int, path: str, headers: dict[str, str]) -> SSERecorder:
-    """Connect and send `GET path` for an SSE stream; the returned recorder fills as bytes arrive."""
+    """Connect and send `GET path` for an SSE stream; the recorder fills as bytes arrive."""
     head = "".join(
         f"{k}: {v}\r\n"
         for k, v in {"Host": f"{host}:{port}", "Accept": "text/event-stream", **headers}.items()
@@ -269,14 +286,13 @@ async def open_sse(host: str, port: int, path: str, headers: dict[str, str]) -> 
     return recorder
 
 
-SO_TIMESTAMPNS = getattr(
-    socket, "SO_TIMESTAMPNS", 35
-)  # Linux: SO_TIMESTAMPNS_OLD, cmsg SCM_TIMESTAMPNS (struct timespec)
+# Linux: SO_TIMESTAMPNS_OLD, cmsg SCM_TIMESTAMPNS (struct timespec)
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _TIMESPEC = struct.Struct("@qq")
 
 
 class _SocketHandle:
-    """What the fan-out workload needs of a transport: `close()` (and `is_closing()`)."""
+    """The Transport of a StampedSSERecorder: closes its raw socket, writes the request."""
 
     def __init__(self, recorder: StampedSSERecorder) -> None:
         self.recorder = recorder
@@ -293,7 +309,7 @@ class _SocketHandle:
 
 
 class StampedSSERecorder(SSERecorder):
-    """An SSERecorder that also keeps the kernel's receive timestamp of every read (SO_TIMESTAMPNS):
+    """An SSERecorder that also keeps the kernel's receive time of every read (SO_TIMESTAMPNS):
     when the bytes reached the listener's socket, whenever this client got the CPU to read them.
 
     With the client on the same cores as the gateway, the read time includes the client's own
@@ -319,7 +335,7 @@ class StampedSSERecorder(SSERecorder):
             raise
         self.sock = sock
         self.loop.add_reader(sock.fileno(), self._readable)
-        self.connection_made(_SocketHandle(self))  # type: ignore[arg-type]
+        self.attach(_SocketHandle(self))
 
     def _readable(self) -> None:
         sock = self.sock

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if 2 * args.connections + 64 > hard:
         parser.error(
-            f"{args.connections} connections need {2 * args.connections + 64} descriptors; the limit is {hard}"
+            f"{args.connections} connections need {2 * args.connections + 64} descriptors; "
+            f"the limit is {hard}"
         )
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             peer.close()
     items = [(sock.fileno(), CHUNK) for sock in ours]
     print(
-        f"{args.connections} connections, {len(CHUNK)}-byte chunk, reader {args.reader}, {cores} cores"
+        f"{args.connections} connections, {len(CHUNK)}-byte chunk, reader {args.reader}, "
+        f"{cores} cores"
     )
     for threads in levels:
         writer = ParallelWriter(threads, min_batch=1)
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         writer.close()
         median = statistics.median(walls)
         print(
-            f"  {threads} helper thread(s): median {median * 1000:.1f} ms per round, {median / args.connections * 1e6:.2f} µs per write "
+            f"  {threads} helper thread(s): median {median * 1000:.1f} ms per round, "
+            f"{median / args.connections * 1e6:.2f} µs per write "
             f"(min {min(walls) * 1000:.1f}, max {max(walls) * 1000:.1f} ms)"
         )
     for sock in ours:

@@ -1,4 +1,4 @@
-"""Summarize py-spy collapsed stacks (`bench --profile DIR` writes them): top self and inclusive frames.
+"""Summarize py-spy collapsed stacks (`bench --profile DIR`): top self and inclusive frames.
 
 .venv/bin/python -m bench.profile_report DIR/latency-billing.txt [--top 25] [--grep services/]
 """
@@ -34,7 +34,7 @@ _FILE = re.compile(r"\(([^():]+)(?::\d+)?\)$")
 
 
 def package_of(frame: str) -> str:
-    """ "sqlalchemy", "grpc", "asyncio", "services/gateway", ... of a py-spy frame "fn (path:line)"."""
+    """The package of a py-spy frame "fn (path:line)": "sqlalchemy", "services/gateway", ..."""
     match = _FILE.search(frame)
     if not match:
         return frame or "(native/unknown)"

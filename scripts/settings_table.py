@@ -1,6 +1,6 @@
-"""Print the Markdown table of every LOOPLINE_* setting of every service (for README.md).
+"""Print the Markdown table of every LOOPLINE_* setting of every service (for docs/settings.md).
 
-`python scripts/settings_table.py` prints it; tests/test_readme.py checks that README.md
+`python scripts/settings_table.py` prints it; tests/test_readme.py checks that docs/settings.md
 lists every setting with its range, so the table cannot fall behind the code. The range
 column is read from each field's pydantic constraints (a value outside it stops the
 service at start).
@@ -14,14 +14,14 @@ from typing import Any
 
 import annotated_types
 from pydantic import StringConstraints
+from pydantic_settings import BaseSettings
 
 from services.billing.config import BillingSettings
 from services.gateway.config import GatewaySettings
 from services.orchestrator.config import OrchestratorSettings
 from services.tools.config import ToolsSettings
 
-SERVICES = [
-    ("all", None),
+SERVICES: list[tuple[str, type[BaseSettings]]] = [
     ("gateway", GatewaySettings),
     ("orchestrator", OrchestratorSettings),
     ("billing", BillingSettings),
@@ -60,7 +60,7 @@ def rows() -> list[tuple[str, str, str, str]]:
 
     root = pathlib.Path(__file__).resolve().parent.parent
     found: dict[str, tuple[str, str, list[str]]] = {}
-    for name, cls in SERVICES[1:]:
+    for name, cls in SERVICES:
         for field, info in cls.model_fields.items():
             variable = f"LOOPLINE_{field.upper()}"
             default = info.default
@@ -68,7 +68,7 @@ def rows() -> list[tuple[str, str, str, str]]:
                 default = default.relative_to(root)
             shown = "(empty)" if default in ("", None) else str(default)
             found.setdefault(variable, (shown, allowed(info.metadata), []))[2].append(name)
-    everyone = len(SERVICES) - 1
+    everyone = len(SERVICES)
     return [
         (v, d, r, "all" if len(o) == everyone else ", ".join(o)) for v, (d, r, o) in found.items()
     ]

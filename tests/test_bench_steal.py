@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import time
 
-from bench.run import StealMeter, cpu_jiffies, steal_pct
+from bench.machine import StealMeter, cpu_jiffies, steal_pct
 
 
 def _stat(tmp_path: pathlib.Path, line: str) -> pathlib.Path:

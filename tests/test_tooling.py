@@ -78,6 +78,7 @@ def test_make_help_lists_every_target() -> None:
         "gen",
         "gen-check",
         "lint",
+        "format",
         "breaking",
         "migrate",
         "run",

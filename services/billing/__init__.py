@@ -1,1 +1,1 @@
-"""Loopline billing service: admission layers, reservations, ledger, token metering (see README.md)."""
+"""Loopline billing service: admission, reservations, ledger, token metering (README.md)."""

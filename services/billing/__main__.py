@@ -4,8 +4,10 @@
     python -m services.billing migrate              upgrade the billing database to head
     python -m services.billing admin show --org ORG [--entries N]
     python -m services.billing admin set-plan --org ORG --plan NAME
-    python -m services.billing admin grant-credits --org ORG --credits N [--idempotency-key K] [--note T]
-    python -m services.billing admin top-up --org ORG --minor-units N [--idempotency-key K] [--note T]
+    python -m services.billing admin grant-credits --org ORG --credits N [--idempotency-key K]
+                                                   [--note T]
+    python -m services.billing admin top-up --org ORG --minor-units N [--idempotency-key K]
+                                            [--note T]
     python -m services.billing admin seed-dev --org ORG [--plan NAME] [--wallet-minor-units N]
 
 Admin commands print one JSON document (the account view of `admin show`) on stdout and
@@ -29,9 +31,9 @@ from typing import Any
 
 import orjson
 
+from services.billing.admin import Admin
 from services.billing.config import BillingSettings
-from services.billing.core import BillingCore
-from services.billing.server import BillingServer, build_core
+from services.billing.server import BillingServer, open_billing_store
 from services.common import db, ids
 from services.common import logging as loopline_logging
 from services.common.runner import run
@@ -106,17 +108,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def seed_dev(core: BillingCore, org_id: str, plan: str, wallet_minor_units: int) -> None:
+async def seed_dev(admin: Admin, org_id: str, plan: str, wallet_minor_units: int) -> None:
     """Ensure `org_id` has an account (created on `plan`) and a one-time wallet top-up (idempotent).
 
     `make run` runs this at every start: an account that exists keeps its plan (an operator's
     `set-plan` survives restarts). The top-up uses idempotency key "seed-dev:{org_id}:wallet",
     so rerunning never adds money twice; the plan's monthly allowance supplies the run credits.
     """
-    if await core.account(org_id, provision=False) is None:
-        await core.set_plan(org_id, plan)
+    if await admin.store.account(org_id, provision=False) is None:
+        await admin.set_plan(org_id, plan)
     if wallet_minor_units > 0:
-        await core.top_up(
+        await admin.top_up(
             org_id, wallet_minor_units, f"seed-dev:{org_id}:wallet", "development seed"
         )
 
@@ -147,50 +149,46 @@ async def admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[in
 
 async def _admin(settings: BillingSettings, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """`admin` without its answer to an unusable database."""
-    db.check_sqlite_file(
-        settings.billing_database_url
-    )  # first: a folder that is a file is said as such
+    # first: a folder that is a file is said as such
+    db.check_sqlite_file(settings.billing_database_url)
     missing = db.missing_sqlite_file(settings.billing_database_url)
     if missing is not None and args.action != "seed-dev":
         return 1, {
-            "error": f"no billing database at {missing}; run admin commands with the LOOPLINE_DATA_DIR "
-            "(or LOOPLINE_BILLING_DATABASE_URL) the services use"
+            "error": f"no billing database at {missing}; run admin commands with the "
+            "LOOPLINE_DATA_DIR (or LOOPLINE_BILLING_DATABASE_URL) the services use"
         }
     try:
-        core, engine = await build_core(settings)
-    except (
-        ValueError
-    ) as bad_file:  # the plan or price file, or a default plan it lacks (named in the message)
+        store, _ = await open_billing_store(settings)
+    except ValueError as bad_file:  # the plan or price file, or a default plan it lacks
         return 1, {"error": str(bad_file)}
+    admin = Admin(store)
     try:
         if (
             args.action in ("grant-credits", "top-up")
             and not args.create_account
-            and await core.account(args.org, provision=False) is None
+            and await store.account(args.org, provision=False) is None
         ):
-            # a mistyped organization would get a new account and the money (second fresh-eyes test)
+            # a mistyped organization would get a new account and the money
             return 1, {
                 "error": f"organization {args.org!r} has no billing account; check the id, or pass "
                 "--create-account (set-plan also creates one)"
             }
         if args.action == "set-plan":
-            await core.set_plan(args.org, args.plan)
+            await admin.set_plan(args.org, args.plan)
         elif args.action == "grant-credits":
-            await core.grant_credits(args.org, args.credits, args.idempotency_key, args.note)
+            await admin.grant_credits(args.org, args.credits, args.idempotency_key, args.note)
         elif args.action == "top-up":
-            await core.top_up(args.org, args.minor_units, args.idempotency_key, args.note)
+            await admin.top_up(args.org, args.minor_units, args.idempotency_key, args.note)
         elif args.action == "seed-dev":
-            await seed_dev(core, args.org, args.plan, args.wallet_minor_units)
-        view = await core.show(args.org, getattr(args, "entries", 20))
+            await seed_dev(admin, args.org, args.plan, args.wallet_minor_units)
+        view = await admin.show(args.org, getattr(args, "entries", 20))
         if view is None:
             return 1, {"error": f"organization {args.org!r} has no billing account"}
         return 0, view
     except ValueError as exc:
         return 1, {"error": str(exc)}
     finally:
-        await core.rates.close()
-        core.close()
-        await engine.dispose()
+        await store.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,14 +31,15 @@ class BillingSettings(CommonSettings):
             it (LOOPLINE_BILLING_HOLD_SECONDS, default 120). A turn start stores its charge
             with its rows and the orchestrator sends it within ~0.2 s (resent at most 60 s apart
             while billing is away); a hold whose turn start died with its orchestrator before
-            its commit blocks its credit, and counts against the quota, until it expires (plus a sweep).
-            At least 1.
+            its commit blocks its credit, and counts against the quota, until it expires (plus
+            a sweep). At least 1.
         billing_sweep_interval_s: seconds between sweeper passes while the server runs
             (LOOPLINE_BILLING_SWEEP_INTERVAL_S); 0 disables the background sweeper.
         billing_expiry_grace_s: seconds the sweeper expires nothing after the service starts
-            or after a stall of the process (stopped or starved for a second or more): the run charges the orchestrators stored meanwhile (resent at most 60 s
-            apart) reach billing first, instead of finding their holds expired while other
-            turns were admitted against the credits those holds gave back (fresh-eyes test).
+            or after a stall of the process (stopped or starved for a second or more): the run
+            charges the orchestrators stored meanwhile (resent at most 60 s apart) reach billing
+            first, instead of finding their holds expired while other turns were admitted
+            against the credits those holds gave back.
         billing_prices_path: TOML price table (millicredits per 1k tokens per provider/model).
         billing_plans_path: TOML plan catalogue, synced into the `plans` table at start.
         billing_default_plan: plan given to an organization auto-provisioned on its first

@@ -14,12 +14,13 @@ Holds are not ledger postings: `allowance_reserved` / `wallet_reserved_minor` ar
 sums of the HELD reservations funded by each source. The invariants
 `allowance_used + allowance_reserved <= period_allowance` and
 `wallet_reserved_minor <= wallet_balance_minor` (both never negative) are enforced by
-conditional UPDATEs in `services.billing.ledger`, so they hold under concurrency.
+conditional UPDATEs (`services.billing.statements`), so they hold under concurrency.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 from sqlalchemy import (
@@ -66,6 +67,16 @@ class UTCDateTime(TypeDecorator):
 def utcnow() -> datetime.datetime:
     """The current time, timezone-aware UTC."""
     return datetime.datetime.now(datetime.UTC)
+
+
+def month_start(day: datetime.date) -> datetime.date:
+    """The first day of `day`'s calendar month (billing periods are calendar months, UTC)."""
+    return day.replace(day=1)
+
+
+def new_id(prefix: str) -> str:
+    """`prefix` + "_" + 32 random hex digits (128 bits from os.urandom, like uuid4().hex)."""
+    return f"{prefix}_{os.urandom(16).hex()}"
 
 
 class Base(DeclarativeBase):

@@ -88,7 +88,9 @@ def _integer(row: dict[str, object], field_name: str, default: int | None = None
     """`row[field_name]` (or `default` when absent) as an int; ValueError when it is not one."""
     value = row.get(field_name, default)
     try:
-        return int(value)  # type: ignore[arg-type]
+        if not isinstance(value, int | float | str):
+            raise TypeError(field_name)
+        return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{field_name} must be an integer") from None
 
@@ -97,8 +99,8 @@ async def sync_plans(sessions: async_sessionmaker, plans: dict[str, PlanTerms]) 
     """Insert or update every plan of `plans` in the `plans` table (plans not listed are kept).
 
     One `INSERT ... ON CONFLICT (name) DO UPDATE` per plan, so billing replicas that start
-    together (Procfile.scale) may each write the same file's plans: a fresh-eyes test saw one
-    of two exit at start on `plans_pkey` when both inserted a plan neither had found."""
+    together (Procfile.scale) may each write the same file's plans without one of them failing
+    on `plans_pkey`."""
     async with sessions() as session, session.begin():
         dialect = session.bind.dialect.name
         if dialect not in ("sqlite", "postgresql"):

@@ -36,6 +36,8 @@ async def _run_async(url: str, metadata: MetaData) -> None:
 def run_migrations(metadata: MetaData) -> None:
     """Run the migrations of the current Alembic context against its `sqlalchemy.url`."""
     url = context.config.get_main_option("sqlalchemy.url")
+    if url is None:
+        raise RuntimeError("the Alembic configuration has no sqlalchemy.url")
     if context.is_offline_mode():
         context.configure(url=url, target_metadata=metadata, literal_binds=True)
         with context.begin_transaction():

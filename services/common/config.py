@@ -49,7 +49,8 @@ class CommonSettings(BaseSettings):
             (LOOPLINE_<NAME>_ADDR). Unset, each follows that service's port setting when it is
             set (LOOPLINE_<NAME>_PORT, on 127.0.0.1), so services started one by one with other
             ports find each other as under `make run` (README "Running it"); else the default port.
-        shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled (0 = at once).
+        shutdown_grace_s: seconds in-flight RPCs get on SIGTERM before they are cancelled
+            (0 = at once).
         internal_token: shared secret every internal gRPC call carries and every service's gRPC
             server requires when set (LOOPLINE_INTERNAL_TOKEN; empty = no check, fine while the
             ports are reachable from this machine only; services/common/internal_auth.py).
@@ -70,7 +71,7 @@ class CommonSettings(BaseSettings):
     Every numeric setting has the range it can work in (pydantic constraints: ports 0-65535,
     durations up to MAX_SECONDS, no infinity or NaN), so a value out of range stops the
     service at start with pydantic's ValidationError naming the setting, as a non-number does,
-    instead of a gateway that floods heartbeats or answers every POST 413 (fresh-eyes test).
+    instead of a gateway that floods heartbeats or answers every POST 413.
     """
 
     model_config = SettingsConfigDict(env_prefix="LOOPLINE_", extra="ignore", allow_inf_nan=False)
@@ -91,8 +92,8 @@ class CommonSettings(BaseSettings):
     @model_validator(mode="after")
     def _addresses_follow_ports(self) -> CommonSettings:
         """An unset LOOPLINE_<NAME>_ADDR follows LOOPLINE_<NAME>_PORT when that is set (a valid
-        port other than 0) — fresh-eyes re-test: services started by hand with other ports
-        dialed the default ones (a copy on those would have got their billing records)."""
+        port other than 0), so services started by hand with other ports find each other rather
+        than dial the default ones (where another copy would get their billing records)."""
         for name in ("orchestrator", "billing", "tools"):
             field = f"{name}_addr"
             port = os.environ.get(f"LOOPLINE_{name.upper()}_PORT", "").strip()
@@ -101,7 +102,8 @@ class CommonSettings(BaseSettings):
         return self
 
     def sqlite_url(self, name: str) -> str:
-        """The default database URL of service `name`: `sqlite+aiosqlite:///<data_dir>/<name>.db`."""
+        """The default database URL of service `name`:
+        `sqlite+aiosqlite:///<data_dir>/<name>.db`."""
         return f"sqlite+aiosqlite:///{(self.data_dir / f'{name}.db').as_posix()}"
 
 

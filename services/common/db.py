@@ -15,7 +15,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
@@ -88,7 +88,7 @@ def engine_url(url: str) -> URL:
     """`url` as SQLAlchemy's asyncpg dialect takes it: libpq's `sslmode` query parameter (what
     managed PostgreSQL services document) becomes asyncpg's `ssl`, which takes the same values
     (disable, allow, prefer, require, verify-ca, verify-full); asyncpg's connect() has no
-    `sslmode` argument (fresh-eyes test: `?sslmode=require` was a TypeError traceback at start).
+    `sslmode` argument (`?sslmode=require` would be a TypeError at start).
     Any other URL is returned as it is (parsed)."""
     parsed = make_url(url)
     if (
@@ -113,14 +113,17 @@ def asyncpg_timeouts(url: URL, timeout_s: float) -> dict[str, float]:
     unless `url`'s query sets it (`?command_timeout=60` wins; ValueError if not a number).
 
     Without them a database that drops packets instead of refusing them (a host gone, a
-    firewall, a network partition) held every request past the gateway's 30 s deadline: 504
-    after 30 s instead of 503 + Retry-After (chaos test F5; asyncpg waits 60 s to connect and
-    forever for a statement by default). A timed-out round trip raises TimeoutError, which
-    `is_unavailable` reads as "the database cannot serve now"."""
-    return {
-        name: float(url.query[name]) if name in url.query else timeout_s
-        for name in ASYNCPG_TIMEOUTS
-    }
+    network partition) would hold every request past the gateway's deadline (asyncpg waits 60 s
+    to connect and forever for a statement by default). A timed-out round trip raises
+    TimeoutError, which `is_unavailable` reads as "the database cannot serve now"."""
+    timeouts: dict[str, float] = {}
+    for name in ASYNCPG_TIMEOUTS:
+        value = url.query.get(name)
+        if value is None:
+            timeouts[name] = timeout_s
+        else:  # a repeated parameter is a tuple: the last one wins
+            timeouts[name] = float(value if isinstance(value, str) else value[-1])
+    return timeouts
 
 
 def make_engine(
@@ -174,9 +177,9 @@ def insert_ignoring(dialect: str, table: Any, conflict: tuple[str, ...]) -> Any:
     return statement
 
 
-# SQLSTATE classes/codes that say "the database cannot serve you now", not "this statement is wrong":
-# 08 connection exception, 53 insufficient resources (53300 too many connections), 57P01-57P03
-# admin/crash shutdown and cannot connect now (PostgreSQL manual, Appendix A).
+# SQLSTATE classes/codes that say "the database cannot serve you now", not "this statement is
+# wrong": 08 connection exception, 53 insufficient resources (53300 too many connections),
+# 57P01-57P03 admin/crash shutdown and cannot connect now (PostgreSQL manual, Appendix A).
 _UNAVAILABLE_SQLSTATE_PREFIXES = ("08", "53", "57P01", "57P02", "57P03")
 
 
@@ -209,15 +212,13 @@ def redis_client_options(read_timeout_s: float = REDIS_TIMEOUT_S) -> dict[str, A
     """The redis-py client options of every Redis client of the services (the orchestrator's
     event streams, claims and cancel flags; billing's rate-limit counters through `limits`).
 
-    REDIS_CONNECT_TIMEOUT_S (5 s) to connect, `read_timeout_s` seconds (REDIS_TIMEOUT_S, 5 s) for each reply (a
-    client that blocks on the server, `XREAD BLOCK`, adds its block time), TCP keepalive,
-    and up to 3 quick retries (50-500 ms apart) of a command that met a *connection* error
-    (a pooled connection Redis closed while it was away). A reply that does not come in time
+    REDIS_CONNECT_TIMEOUT_S (5 s) to connect, `read_timeout_s` seconds (REDIS_TIMEOUT_S, 5 s) for
+    each reply (a client that blocks on the server, `XREAD BLOCK`, adds its block time), TCP
+    keepalive, and up to 3 quick retries (50-500 ms apart) of a command that met a *connection*
+    error (a pooled connection Redis closed while it was away). A reply that does not come in time
     raises redis-py's TimeoutError at once, which `is_unavailable` reads as "Redis cannot serve
-    now"; the callers' own loops bound the total retry time. Before, a Redis that drops packets
-    (a host gone, a partition) held a follower for good (no read timeout) and an Admit for
-    4 x its wait (chaos test F5).
-    """
+    now"; the callers' own loops bound the total retry time. Without them a Redis that drops
+    packets (a host gone, a partition) would hold a follower for good (no read timeout)."""
     import redis.exceptions  # noqa: PLC0415 - only a process configured with Redis imports redis-py
     from redis.asyncio.retry import Retry  # noqa: PLC0415
     from redis.backoff import ExponentialWithJitterBackoff  # noqa: PLC0415
@@ -239,11 +240,10 @@ def is_unavailable(error: BaseException) -> bool:
     connections right now (answer 503 / UNAVAILABLE: the client may retry), as opposed to a
     wrong statement or a bug.
 
-    True for: SQLAlchemy's pool timeout and invalidated connections, OS-level connection
-    errors, redis-py's connection and timeout errors, and driver errors whose SQLSTATE is in class 08 or 53 or is 57P01-57P03, found on
-    the error or along its `orig` / `__cause__` chain (asyncpg errors carry `sqlstate`).
-    `unavailable_store` names which of the two it was.
-    """
+    True for: SQLAlchemy's pool timeout and invalidated connections, OS-level connection errors,
+    redis-py's connection and timeout errors, and driver errors whose SQLSTATE is in class 08 or 53
+    or is 57P01-57P03, found on the error or along its `orig` / `__cause__` chain (asyncpg errors
+    carry `sqlstate`). `unavailable_store` names which of the two it was."""
     from sqlalchemy import exc  # noqa: PLC0415 - light: sqlalchemy is loaded by every service
 
     down: tuple[type[BaseException], ...] = (exc.TimeoutError, ConnectionError, TimeoutError)
@@ -323,6 +323,10 @@ def alembic_config(service: str, url: str) -> Config:
     return config
 
 
+@overload
+def utc(value: datetime.datetime) -> datetime.datetime: ...
+@overload
+def utc(value: datetime.datetime | None) -> datetime.datetime | None: ...
 def utc(value: datetime.datetime | None) -> datetime.datetime | None:
     """A stored datetime (or one to store) as aware UTC: a naive one is taken as UTC (every time
     is stored in UTC; SQLite hands them back naive), an aware one converted; None stays None."""
@@ -398,30 +402,38 @@ def check_sqlite_file(url: str) -> None:
 def unusable_database(error: BaseException, url: str, service: str, setting: str) -> str | None:
     """Why `service`'s database at `url` cannot be used, as one line for an admin command's
     `{"error": ...}` (README "Administration from the command line"), when `error` (raised
-    while the command parsed the URL, opened, migrated or used the database) is of that kind;
-    None for any other error (the caller lets it propagate).
+    while the command parsed the URL, opened, migrated or used the database) is of that kind
+    (`_unusable_reason`); None for any other error (the caller lets it propagate).
 
-    The kind: `UnusableDatabaseFile` (`check_sqlite_file`); a URL that cannot be parsed or names
-    an unknown dialect or a driver that is not installed; a driver error other than a
-    constraint conflict (sqlalchemy `DBAPIError` but `IntegrityError`: "file is not a database", "database disk image is malformed", "unable to
-    open database file", "no such table" in a SQLite file that is not this service's, a
-    PostgreSQL database that does not exist or refuses the login); an Alembic `CommandError`
-    (the file holds another migration history); an OSError on the database file or one of
-    its folders (LOOPLINE_DATA_DIR names a file) or on the connection (the server is down).
-    The database is named by its file (SQLite) or dialect, name, host and port, never by the
-    URL (its user and password stay out); the reason is the first line of the driver's text,
-    URL password removed, cut to 300 characters; `setting` is the URL's variable, e.g.
-    "LOOPLINE_BILLING_DATABASE_URL". No traceback, no SQL statement, no bound parameter.
-    """
-    # imported here: only admin commands need them
-    from alembic.util.exc import CommandError
+    The database is named by its file (SQLite) or dialect, name, host and port, never by the URL
+    (its user and password stay out); the reason is the first line of the driver's text, URL
+    password removed, cut to 300 characters; `setting` is the URL's variable, e.g.
+    "LOOPLINE_BILLING_DATABASE_URL". No traceback, no SQL statement, no bound parameter."""
+    # imported here: only admin commands need it
     from sqlalchemy import exc
 
     fix = f"run admin commands with the LOOPLINE_DATA_DIR (or {setting}) the services use"
     try:
         parsed = make_url(url)
     except exc.ArgumentError:
-        return f"{setting} is not a database URL (e.g. sqlite+aiosqlite:///PATH, postgresql+asyncpg://HOST/NAME); {fix}"
+        return (
+            f"{setting} is not a database URL "
+            f"(e.g. sqlite+aiosqlite:///PATH, postgresql+asyncpg://HOST/NAME); {fix}"
+        )
+    path, where = _database_named(parsed)
+    reason = _unusable_reason(error, path, service, setting)
+    if reason is None:
+        return None
+    lines = reason.strip().splitlines() or [type(error).__name__]
+    reason = lines[0]
+    if parsed.password and len(str(parsed.password)) >= 3:
+        reason = reason.replace(str(parsed.password), "***")
+    return f"the {service} database {where} cannot be used: {reason[:300]}; {fix}"
+
+
+def _database_named(parsed: URL) -> tuple[pathlib.Path | None, str]:
+    """The database's file (SQLite, None otherwise) and how a message names the database: "at"
+    its file, or its dialect, name, host and port."""
     sqlite = parsed.get_backend_name() == "sqlite"
     path = (
         pathlib.Path(parsed.database)
@@ -431,7 +443,8 @@ def unusable_database(error: BaseException, url: str, service: str, setting: str
     if path is not None:
         where = f"at {path}"
     else:
-        # libpq and asyncpg also take the host and port as query parameters (`…@/name?host=h&port=p`)
+        # libpq and asyncpg also take the host and port as query parameters
+        # (`…@/name?host=h&port=p`)
         host, port = (
             parsed.host or parsed.query.get("host"),
             parsed.port or parsed.query.get("port"),
@@ -442,14 +455,36 @@ def unusable_database(error: BaseException, url: str, service: str, setting: str
         )
         server = f"{host or 'localhost'}:{port or 'default port'}"
         where = f"({parsed.get_backend_name()} database {parsed.database or ''!r} on {server})"
+    return path, where
+
+
+def _unusable_reason(
+    error: BaseException, path: pathlib.Path | None, service: str, setting: str
+) -> str | None:
+    """Why the database at `path` (its file; None when not SQLite) cannot be used, when `error`
+    says it cannot; None for any other error.
+
+    The kind: `UnusableDatabaseFile` (`check_sqlite_file`); a URL that names an unknown dialect
+    or a driver that is not installed; a driver error other than a constraint conflict
+    (sqlalchemy `DBAPIError` but `IntegrityError`: "file is not a database", "database disk
+    image is malformed", "unable to open database file", "no such table" in a SQLite file that is
+    not this service's, a PostgreSQL database that does not exist or refuses the login); an
+    Alembic `CommandError` (the file holds another migration history); an OSError on the database
+    file or one of its folders (LOOPLINE_DATA_DIR names a file) or on the connection (the server
+    is down)."""
+    # imported here: only admin commands need them
+    from alembic.util.exc import CommandError
+    from sqlalchemy import exc
+
     if isinstance(error, UnusableDatabaseFile):
         reason = str(error)
-    elif isinstance(
-        error, exc.ArgumentError
-    ):  # NoSuchModuleError too: an unknown dialect or driver
+    elif isinstance(error, exc.ArgumentError):  # NoSuchModuleError too: unknown dialect or driver
         reason = f"{setting} names no installed database dialect or driver ({error})"
     elif isinstance(error, ModuleNotFoundError):
-        reason = f"the driver of {setting} is not installed ({error}); use sqlite+aiosqlite or postgresql+asyncpg"
+        reason = (
+            f"the driver of {setting} is not installed ({error}); "
+            "use sqlite+aiosqlite or postgresql+asyncpg"
+        )
     elif isinstance(error, exc.IntegrityError):
         return None
     elif isinstance(error, exc.DBAPIError):
@@ -465,11 +500,7 @@ def unusable_database(error: BaseException, url: str, service: str, setting: str
             reason = f"{reason}: {named}"
     else:
         return None
-    lines = reason.strip().splitlines() or [type(error).__name__]
-    reason = lines[0]
-    if parsed.password and len(str(parsed.password)) >= 3:
-        reason = reason.replace(str(parsed.password), "***")
-    return f"the {service} database {where} cannot be used: {reason[:300]}; {fix}"
+    return reason
 
 
 class UnusableDatabase(Exception):

@@ -3,7 +3,7 @@
 Each service's `__main__` imports this module first, before its heavy imports (~1.5 s on a
 slow machine), so that a server process (no sub-command, or `serve`) that gets SIGTERM or
 SIGINT while it imports, migrates or binds remembers it instead of dying by the signal's
-default action (exit 143: fresh-eyes test); `services.common.runner.run` stops the service
+default action (exit 143); `services.common.runner.run` stops the service
 gracefully as soon as it has started. Other sub-commands (migrate, admin commands) keep
 the default actions.
 """
@@ -21,7 +21,8 @@ def _remember(signum: int, _frame: object) -> None:
 
 
 def catch() -> None:
-    """Remember SIGTERM and SIGINT (in `received`) until the event loop installs its own handlers."""
+    """Remember SIGTERM and SIGINT (in `received`) until the event loop installs its own
+    handlers."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _remember)
 

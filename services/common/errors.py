@@ -8,9 +8,10 @@ Servers raise `RpcError`; the servicer wrapper turns it into a status with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,15 +98,17 @@ async def abort(context: grpc.aio.ServicerContext, error: RpcError) -> None:
     await context.abort_with_status(error.to_status())
 
 
+#: A unary servicer handler: (self, request, context) -> response.
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+#: A server-streaming servicer handler: (self, request, context) -> async iterator of responses.
+StreamHandler = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]]
 
 
 def stream_interrupted(position: int, why: str = "") -> str:
     """The message of the `error` frame that ends a listener's stream when the stream itself
-    broke (not the run): "The event stream was interrupted (why); reconnect with ?after=N",
-    N the listener's position (the run's frames it has). One wording for the gateway (its
-    upstream stream broke, `fanout.broken_frame`) and the orchestrator (Redis unreachable for
-    LOOPLINE_REDIS_RETRY_S), so a client reads N from either the same way; they differed."""
+    broke (not the run): "The event stream was interrupted (why); reconnect with ?after=N", N
+    the listener's position. One wording for the gateway (its upstream broke) and the
+    orchestrator (Redis unreachable for LOOPLINE_REDIS_RETRY_S), so clients read N one way."""
     reason = f" ({why})" if why else ""
     return f"The event stream was interrupted{reason}; reconnect with ?after={position}"
 
@@ -135,7 +138,8 @@ def storage_failure(error: BaseException, domain: str) -> tuple[str, RpcError] |
         return "a value the database cannot store", RpcError(
             grpc.StatusCode.INVALID_ARGUMENT,
             "INVALID_VALUE",
-            "A field holds a value that cannot be stored (a NUL character, or a number out of range)",
+            "A field holds a value that cannot be stored "
+            "(a NUL character, or a number out of range)",
             domain=domain,
         )
     return None
@@ -143,11 +147,10 @@ def storage_failure(error: BaseException, domain: str) -> tuple[str, RpcError] |
 
 class PassLog:
     """What a background loop (billing's sweeper, the orchestrator's run supervisor) logs of its
-    passes: a failed pass whose cause is a storage outage (`db.unavailable_store`) is one
-    WARNING "<what>: <store> unavailable; <waiting>" when the outage starts, and one INFO
-    "<what>: passes go through again" when a pass next succeeds; any other failure is logged
-    with its traceback (ERROR), every time. A re-test saw a traceback per pass (~2 a second)
-    while the database refused connections, and one per sweep while it dropped packets (F5).
+    passes: a failed pass caused by a storage outage (`db.unavailable_store`) is one WARNING
+    "<what>: <store> unavailable; <waiting>" when the outage starts, and one INFO "<what>:
+    passes go through again" when a pass next succeeds, not a traceback per pass; any other
+    failure is logged with its traceback (ERROR), every time.
     """
 
     def __init__(self, logger: logging.Logger, what: str, waiting: str) -> None:
@@ -173,25 +176,57 @@ class PassLog:
             self.logger.info(f"{self.what}: passes go through again")
 
 
+async def _answer(
+    context: grpc.aio.ServicerContext,
+    error: Exception,
+    rpc: str,
+    internal_domain: str | None,
+    domain: str,
+) -> None:
+    """Abort the RPC with the status `error` earns (raises grpc.aio.AbortError).
+
+    RpcError: its rich status. A storage error that is not a bug (`storage_failure`) gets its
+    answer in `internal_domain` (else `domain`), logged as a WARNING. Any other exception is a
+    bug: logged with its traceback and answered with a generic message, never its own text
+    (which may quote SQL or parameters): INTERNAL in `internal_domain` when given, else UNKNOWN
+    in `domain` (the caller cannot know whether the call took effect).
+    """
+    if isinstance(error, RpcError):
+        await abort(context, error)
+    known = storage_failure(error, internal_domain or domain)
+    if known is not None:
+        log.warning(known[0], extra={"fields": {"rpc": rpc, "error": type(error).__name__}})
+        await abort(context, known[1])
+    log.exception("unhandled error", extra={"fields": {"rpc": rpc}}, exc_info=error)
+    if internal_domain is not None:
+        await abort(
+            context,
+            RpcError(
+                grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=internal_domain
+            ),
+        )
+    await abort(
+        context,
+        RpcError(
+            grpc.StatusCode.UNKNOWN,
+            "INTERNAL",
+            "Internal error; the call may or may not have taken effect",
+            domain=domain,
+        ),
+    )
+
+
 def rpc_handler(
     *,
     internal_domain: str | None = None,
     domain: str = ASSISTANT_DOMAIN,
     check: Callable[[Any], None] | None = None,
 ) -> Callable[[Handler], Handler]:
-    """The one wrapper every unary servicer handler goes through (STYLE.md, after A2A's grpc_handler).
+    """The wrapper of every unary servicer handler (STYLE.md, after A2A's grpc_handler).
 
-    RpcError becomes its rich status via `abort`. An abort already under way
-    (grpc.aio.AbortError) and cancellation propagate untouched. A storage error that is not a
-    bug (`storage_failure`: an outage, a lost race, a value the database refuses) gets its
-    answer in the service's domain (`internal_domain`, else `domain`). Any other exception is
-    logged with its traceback and answered with a generic message and an ErrorInfo (reason
-    INTERNAL): INTERNAL in `internal_domain` when it
-    is given, else UNKNOWN in `domain` (the caller cannot know whether the call took effect:
-    the orchestrator treats a billing UNKNOWN so). Never the exception's own text: a
-    fresh-eyes test got "Unexpected <class ...>: [SQL: SELECT ...] [parameters: ...]".
-    `check(request)`, when given, runs first and may raise RpcError (the service's checks of
-    fields every call carries, e.g. the caller's organization id).
+    `check(request)`, when given, runs first and may raise RpcError (a field every call
+    carries, e.g. the caller's organization id). Exceptions are answered by `_answer`; an
+    abort already under way (grpc.aio.AbortError) and cancellation propagate untouched.
     """
 
     def decorate(handler: Handler) -> Handler:
@@ -201,41 +236,45 @@ def rpc_handler(
                 if check is not None:
                     check(request)
                 return await handler(self, request, context)
-            except RpcError as error:
-                await abort(context, error)
             except grpc.aio.AbortError:
                 raise
             except Exception as error:
-                known = storage_failure(error, internal_domain or domain)
-                if (
-                    known is not None
-                ):  # not a bug: an outage, a lost race, a value the database refuses
-                    log.warning(
-                        known[0],
-                        extra={"fields": {"rpc": handler.__name__, "error": type(error).__name__}},
-                    )
-                    await abort(context, known[1])
-                    return None
-                log.exception("unhandled error", extra={"fields": {"rpc": handler.__name__}})
-                if internal_domain is not None:
-                    await abort(
-                        context,
-                        RpcError(
-                            grpc.StatusCode.INTERNAL,
-                            "INTERNAL",
-                            "Internal error",
-                            domain=internal_domain,
-                        ),
-                    )
-                await abort(
-                    context,
-                    RpcError(
-                        grpc.StatusCode.UNKNOWN,
-                        "INTERNAL",
-                        "Internal error; the call may or may not have taken effect",
-                        domain=domain,
-                    ),
-                )
+                await _answer(context, error, handler.__name__, internal_domain, domain)
+
+        return wrapper
+
+    return decorate
+
+
+def stream_rpc_handler(
+    *,
+    internal_domain: str | None = None,
+    domain: str = ASSISTANT_DOMAIN,
+    check: Callable[[Any], None] | None = None,
+) -> Callable[[StreamHandler], StreamHandler]:
+    """The wrapper of every server-streaming servicer handler: `rpc_handler` for an async generator.
+
+    Errors raised while the handler produces its messages are answered as `rpc_handler`
+    answers them; the handler's generator is closed when the stream ends for any reason
+    (client cancel, deadline, shutdown), so its `finally` blocks run at once. Sending is
+    left to grpc: a client that went away is not an error of the handler.
+    """
+
+    def decorate(handler: StreamHandler) -> StreamHandler:
+        @functools.wraps(handler)
+        async def wrapper(
+            self: Any, request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncGenerator[Any, None]:
+            try:
+                if check is not None:
+                    check(request)
+                async with contextlib.aclosing(handler(self, request, context)) as messages:
+                    async for message in messages:
+                        yield message
+            except grpc.aio.AbortError:
+                raise
+            except Exception as error:
+                await _answer(context, error, handler.__name__, internal_domain, domain)
 
         return wrapper
 
@@ -257,9 +296,8 @@ class StatusDetails:
     def unpack(self, message_type: type[Message]) -> Message | None:
         """The first packed detail of `message_type`, or None."""
         for item in self.details:
-            if item.Is(message_type.DESCRIPTOR):
-                message = message_type()
-                item.Unpack(message)
+            message = message_type()
+            if item.Unpack(message):  # False (and `message` untouched) for another type
                 return message
         return None
 
@@ -268,7 +306,8 @@ def status_details(error: grpc.aio.AioRpcError | grpc.RpcError) -> StatusDetails
     """Parse the rich status of a failed call (plain code and message when it has none)."""
     code = error.code()
     parsed = StatusDetails(code=code, message=error.details() or "")
-    metadata = error.trailing_metadata() or ()
+    # aio: a grpc.aio.Metadata; sync: namedtuples (typed as objects): both iterate as pairs
+    metadata: Any = error.trailing_metadata() or ()
     for key, value in metadata:
         if key == "grpc-status-details-bin":
             status = status_pb2.Status.FromString(value)
@@ -303,4 +342,5 @@ __all__ = [
     "code_pb2",
     "rpc_handler",
     "status_details",
+    "stream_rpc_handler",
 ]

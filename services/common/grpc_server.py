@@ -33,13 +33,14 @@ class _CallDetails:
 
 
 class LazyReflection(grpc.GenericRpcHandler):
-    """gRPC server reflection (grpc.reflection.v1 and v1alpha) whose implementation is imported on first use.
+    """gRPC server reflection (grpc.reflection.v1 and v1alpha) whose implementation is imported on
+    first use.
 
     The same service as `grpc_reflection.v1alpha.reflection.enable_server_reflection(names,
     server)`; but `grpc_reflection` imports protobuf's `descriptor_pb2` (~3 MiB resident in
     every process), which only a reflection call needs, so it is imported when the first
     reflection call arrives (a one-time ~50 ms import on the event loop). grpcio-reflection
-    ships v1alpha only; v1 (what current tools try first: a fresh-eyes test got UNIMPLEMENTED)
+    ships v1alpha only; v1 (what current tools such as grpcurl try first)
     has the same messages field for field, so its calls are served by the same handler.
 
     Args:
@@ -59,8 +60,9 @@ class LazyReflection(grpc.GenericRpcHandler):
         method = handler_call_details.method
         if not isinstance(method, str):
             return None
+        details: Any = handler_call_details  # a _CallDetails (read-only fields) below
         if method.startswith(self._v1_prefix):
-            handler_call_details = _CallDetails(
+            details = _CallDetails(
                 self._prefix + method[len(self._v1_prefix) :],
                 handler_call_details.invocation_metadata,
             )
@@ -68,7 +70,7 @@ class LazyReflection(grpc.GenericRpcHandler):
             return None
         if self._handler is None:
             self._handler = _reflection_handler(self.service_names)
-        return self._handler.service(handler_call_details)
+        return self._handler.service(details)
 
 
 class _Handlers:
@@ -137,9 +139,9 @@ async def start_grpc_server(
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
-            # gRPC sets SO_REUSEPORT on Linux by default: a second copy of a service on a port in use
-            # started and shared it silently (a listener of a run on the other copy got an empty
-            # stream; fresh-eyes test). A port in use is an error at start instead.
+            # gRPC sets SO_REUSEPORT on Linux by default: a second copy of a service on a port in
+            # use would start and share it silently (a listener of a run on the other copy gets an
+            # empty stream). A port in use is an error at start instead.
             ("grpc.so_reuseport", 0),
             *options,
         ],
@@ -163,7 +165,8 @@ async def start_grpc_server(
         bound = 0
     if bound == 0:
         raise PortUnavailable(
-            f"cannot bind the gRPC port {host}:{port}: it is in use (another copy of the service?) or not available"
+            f"cannot bind the gRPC port {host}:{port}: it is in use (another copy of the service?) "
+            "or not available"
         )
     await server.start()
     for name in [*names, ""]:
@@ -175,8 +178,7 @@ def catch_termination_signals() -> asyncio.Event:
     """From now on SIGTERM and SIGINT set the returned event instead of ending the process.
 
     Installed before a service starts (migrations, binding), so that a signal during start-up
-    stops it gracefully once it has started (it ended the process with the signal's default
-    action, exit 143: fresh-eyes test)."""
+    stops it gracefully once it has started, not by the signal's default action (exit 143)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

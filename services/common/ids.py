@@ -27,7 +27,8 @@ def org_id_error(org_id: str) -> str | None:
 
 
 def org_id_arg(text: str) -> str:
-    """An argparse type for an organization id (`org_id_error`); argparse reports a bad one (exit 2)."""
+    """An argparse type for an organization id (`org_id_error`); argparse reports a bad one (exit
+    2)."""
     problem = org_id_error(text)
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
@@ -42,8 +43,8 @@ def request_organization_check(
     must be one an organization can have (`org_id_error`), else RpcError INVALID_ARGUMENT
     INVALID_ORGANIZATION_ID in `domain`; an empty one is `empty_reason` ("organization_id is
     required") when given. The gateway checks X-Organization-ID the same way; each service
-    checks what reaches it over gRPC (fresh-eyes tests: billing opened an account "a b" that
-    its own admin commands refuse, a NUL went on to PostgreSQL)."""
+    checks what reaches it over gRPC, so that no account or row gets an id its own admin
+    commands refuse, or a NUL PostgreSQL cannot store."""
     import grpc  # noqa: PLC0415 - the admin CLIs import this module without grpc
 
     from services.common.errors import RpcError  # noqa: PLC0415 - errors imports nothing of this module
@@ -78,6 +79,5 @@ def is_row_id(value: str) -> bool:
 
     One that cannot (another form of UUID, any other text, U+0000, which PostgreSQL's text cannot
     hold and answered as INTERNAL) is unknown: the services answer it as they answer an absent id
-    (NOT_FOUND, or nothing matched), without a database query (fresh-eyes test: GetCredential("\x00")).
-    """
+    (NOT_FOUND, or nothing matched), without a database query."""
     return _ROW_ID.fullmatch(value) is not None

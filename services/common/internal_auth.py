@@ -58,7 +58,8 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
-    """Server side: let a call through only with `authorization: Bearer <token>` (health excepted)."""
+    """Server side: let a call through only with `authorization: Bearer <token>` (health
+    excepted)."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -66,9 +67,9 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
@@ -88,7 +89,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     def _log_refusal(self, method: str, had_token: bool) -> None:
         """WARNING (at most once a REFUSAL_LOG_INTERVAL_S per method) that a call was refused, so a
         replica with another LOOPLINE_INTERNAL_TOKEN shows in the logs of the one refusing it
-        (fresh-eyes test: it logged nothing, and its health checks passed). Never the token."""
+        (its health checks pass all the same). Never the token."""
         now = time.monotonic()
         if now - self._logged.get(method, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
             return
@@ -120,7 +121,8 @@ class _SendToken:
         )
 
 
-# One class per call kind: grpc.aio files an interceptor under the first call kind it implements only.
+# One class per call kind: grpc.aio files an interceptor under the first call kind it implements
+# only.
 class _SendTokenUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
@@ -144,7 +146,9 @@ def internal_channel(
     target: str, token: str, options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
     """An insecure channel to another Loopline service that sends `token` when it is set."""
-    interceptors = [_SendTokenUnary(token), _SendTokenStream(token)] if token else None
+    interceptors: list[grpc.aio.ClientInterceptor] | None = (
+        [_SendTokenUnary(token), _SendTokenStream(token)] if token else None
+    )
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
 
 

@@ -11,18 +11,21 @@ import contextvars
 import datetime
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import orjson
 
-_context: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
-    "loopline_log_context", default={}
+# read-only default: `bind` and `bind_for_task` always set a new dict, never update this one
+_context: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "loopline_log_context", default=MappingProxyType({})
 )
 
 
 class JsonFormatter(logging.Formatter):
-    """Formats a record as one JSON line: time, level, service, logger, message, bound ids, extras."""
+    """Formats a record as one JSON line: time, level, service, logger, message, bound ids,
+    extras."""
 
     def __init__(self, service: str) -> None:
         super().__init__()

@@ -40,13 +40,16 @@ from google.protobuf import json_format, struct_pb2, timestamp_pb2
 PROTOBUF_MAX_DEPTH = (
     100  # upb's decode limit in Python protobuf (levels of messages nested in the decoded one)
 )
-MAX_WIRE_DEPTH = 32  # deepest JSON anywhere on the wire: (100 - 4 enclosing levels) // 3, see the module docstring
-MAX_JSON_DEPTH = 29  # deepest JSON accepted from outside or produced by a tool: MAX_WIRE_DEPTH - 3 (thread wrapping)
+#: Deepest JSON anywhere on the wire: (100 - 4 enclosing levels) // 3 (see the module docstring).
+MAX_WIRE_DEPTH = 32
+#: Deepest JSON accepted from outside or produced by a tool: MAX_WIRE_DEPTH - 3 (thread wrapping).
+MAX_JSON_DEPTH = 29
 CLIPPED_TOO_DEEP = "[JSON nested too deep to show]"  # a clipped part even json.dumps cannot write
 
 
 class JsonTooDeep(ValueError):
-    """A JSON value nested deeper than `limit` levels of objects and arrays (see the module docstring).
+    """A JSON value nested deeper than `limit` levels of objects and arrays (see the module
+    docstring).
 
     `str()` is safe to show a client or a model: "JSON nested deeper than 29 levels of objects
     and arrays" (the limit is `MAX_JSON_DEPTH` unless the caller chose another).
@@ -58,7 +61,8 @@ class JsonTooDeep(ValueError):
 
 
 class _TooDeep(Exception):
-    """Raised inside `_fill_value` past the limit (the public functions raise JsonTooDeep with it)."""
+    """Raised inside `_fill_value` past the limit (the public functions raise JsonTooDeep with
+    it)."""
 
 
 def json_depth(data: Any, limit: int | None = None) -> int:
@@ -120,7 +124,7 @@ def scrub(data: Any) -> Any:
     """`data` (a JSON value) with every lone UTF-16 surrogate in its strings and object keys
     replaced by U+FFFD. JSON text may escape one (`"\\ud800"` is valid JSON) and json.loads
     reads it into a str that no UTF-8 encoder takes, so protobuf, orjson and the databases
-    refuse it (a model's tool call with one failed the whole turn; fresh-eyes test). Returns a
+    refuse it (a model's tool call with one would fail the whole turn). Returns a
     string without one unchanged (cheap for ASCII), containers copied."""
     if isinstance(data, str):
         if data.isascii() or not _LONE_SURROGATE.search(data):
@@ -162,7 +166,7 @@ def loads_strict(text: str | bytes) -> Any:
     json.loads takes) and a number beyond a double's range (which it reads as infinity) raise
     ValueError, like any text that is not JSON; so does nesting past json.loads' own limit
     (RecursionError). For a body from elsewhere (a web page, an OAuth2 API) that is kept as
-    text when it is not JSON: such numbers were written as null, silently (fresh-eyes test)."""
+    text when it is not JSON, rather than have such numbers written as null, silently."""
     try:
         return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
@@ -269,8 +273,8 @@ def object_of(message: Any, name: str) -> dict[str, Any]:
     `<name>_json` parsed when it is set, else the Struct `name` as `from_struct` gives it ({}
     when unset: a caller checks the object's fields; a client of an older version sends the
     Struct). Raises NotAnObject when `<name>_json` is set but is not a JSON object (not JSON,
-    not UTF-8, too deep for the parser, an array or a scalar): it used to fall back to the
-    Struct silently, and the answer's check then said something misleading (fresh-eyes test).
+    not UTF-8, too deep for the parser, an array or a scalar) rather than fall back to the
+    Struct silently, which would make the answer's check say something misleading.
     AttributeError for a message without the pair.
     """
     text = getattr(message, f"{name}_json")
@@ -363,7 +367,7 @@ def from_struct(struct: struct_pb2.Struct) -> dict[str, Any]:
 
     A Struct is a protobuf map: it keeps no key order, and the order it iterates in differs
     between processes, so an SSE frame replayed by another process (a restart, another
-    gateway) listed an object's keys in another order than the live one (fresh-eyes test).
+    gateway) would list an object's keys in another order than the live one.
     Sorted keys make every rendering of the same value the same bytes.
 
     The same result and errors as `json_format.MessageToDict` (ValueError for an infinite
@@ -414,7 +418,7 @@ def _fill_value(message: struct_pb2.Value, data: Any, room: int, clip: bool) -> 
                 return False
         return True
     if data is None:
-        message.null_value = 0
+        message.null_value = struct_pb2.NULL_VALUE
     elif isinstance(data, bool):
         message.bool_value = data
     elif isinstance(data, str):

@@ -12,9 +12,9 @@ same through the ORM and vice versa:
 
 - JSON columns: sent as `json.dumps` text (Python None is stored as JSON `null`), read
   with `loads`.
-- Datetimes: `timestamp with time zone` columns take and give timezone-aware datetimes;
-  asyncpg returns them in UTC. `services.common.db.utc(value)` normalizes a value before it is bound (a naive
-  datetime is taken as UTC, like `services.billing.models.UTCDateTime`).
+- Datetimes: `timestamp with time zone` columns take and give timezone-aware datetimes; asyncpg
+  returns them in UTC. `services.common.db.utc(value)` normalizes a value before it is bound (a
+  naive datetime is taken as UTC, like `services.billing.models.UTCDateTime`).
 - Rows: `record_type(*fields)` builds a tuple type with attribute access (like
   SQLAlchemy's `Row`), so code written against `row.name` works on both paths.
 """
@@ -55,7 +55,8 @@ def param(column: Any, value: Any) -> Any:
 
 
 def loads(value: Any) -> Any:
-    """A JSON column's value as read from asyncpg (text) -> the Python value; other values as they are."""
+    """A JSON column's value as read from asyncpg (text) -> the Python value; other values as they
+    are."""
     return json.loads(value) if isinstance(value, str) else value
 
 
@@ -73,7 +74,8 @@ class Record(tuple):
 
 
 def record_type(*fields: str) -> type[Record]:
-    """A `Record` subclass whose columns are `fields`, in order: `record_type("a", "b")((1, 2)).b == 2`."""
+    """A `Record` subclass whose columns are `fields`, in order: `record_type("a", "b")((1, 2)).b ==
+    2`."""
     return type("Row", (Record,), {"__slots__": (), "_fields": fields})
 
 
@@ -85,7 +87,8 @@ async def no_reset(connection: Any) -> None:
 
 
 def asyncpg_dsn(url: Any) -> str:
-    """The asyncpg DSN (`postgresql://...`, password kept) of a SQLAlchemy URL (`postgresql+asyncpg://...`)."""
+    """The asyncpg DSN (`postgresql://...`, password kept) of a SQLAlchemy URL
+    (`postgresql+asyncpg://...`)."""
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
@@ -108,7 +111,8 @@ class PgPool:
         self, url: Any, max_size: int = 4, timeout_s: float = db.DEFAULT_TIMEOUT_S
     ) -> None:
         self.timeouts = db.asyncpg_timeouts(url, timeout_s)
-        # asyncpg would take the two as server settings (unknown DSN parameters are sent to the server)
+        # asyncpg would take the two as server settings (unknown DSN parameters are sent to the
+        # server)
         self.dsn = asyncpg_dsn(url.difference_update_query(db.ASYNCPG_TIMEOUTS))
         self.max_size = max_size
         self._pool: Any = None
@@ -128,7 +132,8 @@ class PgPool:
                         min_size=1,
                         max_size=self.max_size,
                         reset=no_reset,
-                        **self.timeouts,
+                        timeout=self.timeouts["timeout"],
+                        command_timeout=self.timeouts["command_timeout"],
                     )
         return self._pool
 

@@ -95,7 +95,8 @@ def _parts(value: str) -> set[str]:
 
 
 def _encodings(value: str) -> set[str]:
-    """The forms `value` takes when an error quotes it, escapes it, URL-encodes it or base64-encodes it."""
+    """The forms `value` takes when an error quotes it, escapes it, URL-encodes it or base64-encodes
+    it."""
     forms = {value}
     forms.add(
         repr(value)[1:-1]

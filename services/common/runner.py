@@ -97,7 +97,8 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
         log.info("stopped")
 
     use_uvloop()
-    early_signals.catch()  # until the event loop's handlers (`catch_termination_signals`); done at import by __main__
+    # until the event loop's handlers (`catch_termination_signals`); done at import by __main__
+    early_signals.catch()
     try:
         asyncio.run(main())
     except (

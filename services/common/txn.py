@@ -31,271 +31,27 @@ A function's work commits when it returns and rolls back when it raises.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import datetime
-import json
 import logging
 import queue
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import JSON, Boolean, Date, DateTime
-from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.common.db import SQLITE_BUSY_TIMEOUT_MS, set_sqlite_pragmas
+from services.common.sqlite_connection import SqliteConnection
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 
-# The dialect prebuilt statements are compiled with: sqlite3 accepts ":name" parameters
-# from a dict, so the caller's parameter dict is passed straight through.
-_NAMED_SQLITE = sqlite_dialect.dialect(paramstyle="named")
-
-
-def _datetime_text(value: datetime.datetime | None) -> str | None:
-    """A datetime as SQLAlchemy's SQLite DATETIME stores it (naive UTC, microseconds)."""
-    if value is None:
-        return None
-    if value.tzinfo is not None:
-        if value.tzinfo is not datetime.UTC:
-            value = value.astimezone(datetime.UTC)
-        value = value.replace(tzinfo=None)
-    return value.isoformat(" ", "microseconds")
-
-
-def _date_text(value: datetime.date | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
-def _datetime_value(text: str | None) -> datetime.datetime | None:
-    return (
-        None if text is None else datetime.datetime.fromisoformat(text).replace(tzinfo=datetime.UTC)
-    )
-
-
-def _date_value(text: str | None) -> datetime.date | None:
-    return None if text is None else datetime.date.fromisoformat(text)
-
-
-def _kind(type_: Any) -> str | None:
-    """The kind of value conversion a column type needs on SQLite: "datetime" (also a
-    TypeDecorator over DateTime), "date", "json", "boolean", or None (stored as it comes)."""
-    if isinstance(type_, DateTime) or isinstance(getattr(type_, "impl_instance", None), DateTime):
-        return "datetime"
-    if isinstance(type_, Date):
-        return "date"
-    if isinstance(type_, JSON):
-        return "json"
-    if isinstance(type_, Boolean):
-        return "boolean"
-    return None
-
-
-# Parameter values out to sqlite3, and column values back, as SQLAlchemy's SQLite types convert them.
-_BIND_CONVERTERS: dict[str | None, Callable[[Any], Any]] = {
-    "datetime": _datetime_text,
-    "date": _date_text,
-    "json": lambda value: None if value is None else json.dumps(value),
-}
-_RESULT_CONVERTERS: dict[str | None, Callable[[Any], Any]] = {
-    "datetime": _datetime_value,
-    "date": _date_value,
-    "json": lambda text: None if text is None else json.loads(text),
-    "boolean": lambda value: None if value is None else bool(value),
-}
-
-
-class _Compiled(NamedTuple):
-    """A statement compiled for SQLite: SQL text, default parameters, converters, row type."""
-
-    statement: Any  # kept alive so that id(statement) stays unique while cached
-    sql: str
-    defaults: dict[str, Any]
-    binds: tuple[tuple[str, Callable[[Any], Any]], ...]
-    row: type | None
-    columns: tuple[tuple[int, Callable[[Any], Any]], ...]
-
-
-def _compile(statement: Any, keys: tuple[str, ...] | None) -> _Compiled:
-    compiled = statement.compile(
-        dialect=_NAMED_SQLITE, column_keys=list(keys) if keys is not None else None
-    )
-    params = compiled.params
-    if keys is not None:  # an INSERT: every column it renders must come from the caller
-        missing = [name for name in params if name not in keys]
-        if missing:
-            raise ValueError(f"INSERT into {statement.table.name} needs values for {missing}")
-    # values written into the statement (e.g. `.values(running_id=None)`), not the caller's bindparam()s
-    defaults = {
-        name: value
-        for name, value in params.items()
-        if keys is None and not compiled.binds[name].required
-    }
-    binds = tuple(
-        (name, convert)
-        for name in params
-        if (convert := _BIND_CONVERTERS.get(_kind(compiled.binds[name].type))) is not None
-    )
-    row: type | None = None
-    columns: tuple[tuple[int, Callable[[Any], Any]], ...] = ()
-    exported = list(getattr(statement, "exported_columns", ()) or ())
-    if exported:
-        row = collections.namedtuple("Row", [column.key for column in exported], rename=True)  # type: ignore[misc]
-        columns = tuple(
-            (index, convert)
-            for index, column in enumerate(exported)
-            if (convert := _RESULT_CONVERTERS.get(_kind(column.type))) is not None
-        )
-    return _Compiled(statement, str(compiled), defaults, binds, row, columns)
-
-
-class _Scalars:
-    __slots__ = ("_rows",)
-
-    def __init__(self, rows: list[Any]) -> None:
-        self._rows = rows
-
-    def all(self) -> list[Any]:
-        return [row[0] for row in self._rows]
-
-
-class SqliteResult:
-    """The result of `SqliteConnection.execute`: rows fetched eagerly, SQLAlchemy Result's shape.
-
-    Attributes:
-        rowcount: rows changed by an INSERT/UPDATE/DELETE (sqlite3 `rowcount`).
-    """
-
-    __slots__ = ("rowcount", "_rows")
-
-    def __init__(self, rowcount: int, rows: list[Any]) -> None:
-        self.rowcount = rowcount
-        self._rows = rows
-
-    def first(self) -> Any:
-        """The first row or None."""
-        return self._rows[0] if self._rows else None
-
-    def one(self) -> Any:
-        """The only row; raises NoResultFound / MultipleResultsFound otherwise."""
-        if not self._rows:
-            raise NoResultFound("No row was found when one was required")
-        if len(self._rows) > 1:
-            raise MultipleResultsFound("Multiple rows were found when exactly one was required")
-        return self._rows[0]
-
-    def scalar(self) -> Any:
-        """The first column of the first row, or None."""
-        return self._rows[0][0] if self._rows else None
-
-    def scalars(self) -> _Scalars:
-        """The first column of every row (`.all()`)."""
-        return _Scalars(self._rows)
-
-    def all(self) -> list[Any]:
-        """Every row."""
-        return list(self._rows)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._rows)
-
-
-class SqliteConnection:
-    """The connection a transaction function gets on SQLite (the worker thread's `sqlite3` one).
-
-    `execute(statement, params)` takes the same prebuilt SQLAlchemy Core statements and
-    parameter dicts as `sqlalchemy.engine.Connection.execute` and returns a `SqliteResult`
-    (rows are named tuples, dates and datetimes converted as SQLAlchemy's SQLite types do).
-    A statement is compiled once per process and cached by identity, so it must be built
-    once (module level), not per call. Driver errors are raised as SQLAlchemy's
-    (`IntegrityError`, `OperationalError`, ...) like on the other backend.
-    """
-
-    dialect = _NAMED_SQLITE
-    _CACHE_LIMIT = 512
-
-    def __init__(self, raw: sqlite3.Connection) -> None:
-        self._raw = raw
-        self._cache: dict[tuple[int, tuple[str, ...] | None], _Compiled] = {}
-
-    def _compiled(self, statement: Any, params: dict[str, Any]) -> _Compiled:
-        keys = tuple(params) if getattr(statement, "is_insert", False) else None
-        key = (id(statement), keys)
-        compiled = self._cache.get(key)
-        if compiled is None or compiled.statement is not statement:
-            if len(self._cache) >= self._CACHE_LIMIT:
-                self._cache.clear()
-            compiled = self._cache[key] = _compile(statement, keys)
-        return compiled
-
-    def execute(
-        self, statement: Any, params: dict[str, Any] | list[dict[str, Any]] | None = None
-    ) -> SqliteResult:
-        """Execute `statement` with `params` (a dict of its bound parameter names), or once per
-        dict of a list of them with the same keys (one `executemany`, as SQLAlchemy's
-        `Connection.execute` does with a list; rows are written in the list's order; the
-        result has no rows)."""
-        if isinstance(params, list):
-            return self._execute_many(statement, params)
-        params = params or {}
-        compiled = self._compiled(statement, params)
-        values = self._values(compiled, params)
-        try:
-            cursor = self._raw.execute(compiled.sql, values)
-            rows: list[Any] = []
-            if compiled.row is not None:
-                make = compiled.row._make
-                for raw_row in cursor.fetchall():
-                    if compiled.columns:
-                        raw_row = list(raw_row)
-                        for index, convert in compiled.columns:
-                            raw_row[index] = convert(raw_row[index])
-                    rows.append(make(raw_row))
-            return SqliteResult(cursor.rowcount, rows)
-        except sqlite3.Error as error:
-            raise DBAPIError.instance(compiled.sql, values, error, sqlite3.Error) from error
-
-    @staticmethod
-    def _values(compiled: _Compiled, params: dict[str, Any]) -> dict[str, Any]:
-        values = {**compiled.defaults, **params} if compiled.defaults else dict(params)
-        for name, convert in compiled.binds:
-            if name in values:
-                values[name] = convert(values[name])
-        return values
-
-    def _execute_many(self, statement: Any, rows: list[dict[str, Any]]) -> SqliteResult:
-        if not rows:
-            return SqliteResult(0, [])
-        compiled = self._compiled(statement, rows[0])
-        values = [self._values(compiled, params) for params in rows]
-        try:
-            cursor = self._raw.executemany(compiled.sql, values)
-            return SqliteResult(cursor.rowcount, [])
-        except sqlite3.Error as error:
-            raise DBAPIError.instance(compiled.sql, values, error, sqlite3.Error) from error
-
-    @contextlib.contextmanager
-    def begin_nested(self) -> Iterator[None]:
-        """A SAVEPOINT inside the current transaction: released on exit, rolled back on error."""
-        self._raw.execute("SAVEPOINT nested")
-        try:
-            yield
-        except BaseException:
-            self._raw.execute("ROLLBACK TO nested")
-            self._raw.execute("RELEASE nested")
-            raise
-        self._raw.execute("RELEASE nested")
-
-
-CHECKPOINT_EVERY = 256  # commits of the worker's connection between its WAL checkpoints (PASSIVE, on the worker thread)
-_CHECKPOINT = (
-    object()
-)  # queued by an inline commit that reached CHECKPOINT_EVERY: the worker checkpoints
+#: Commits of the worker's connection between its WAL checkpoints (PASSIVE, on the worker thread).
+CHECKPOINT_EVERY = 256
+#: Queued by an inline commit that reached CHECKPOINT_EVERY: the worker checkpoints.
+_CHECKPOINT = object()
 
 
 class _Job(NamedTuple):
@@ -353,7 +109,8 @@ class SqliteWorker:
     def submit(
         self, fn: Callable[..., T], args: tuple[Any, ...], inline: bool = True
     ) -> asyncio.Future[T]:
-        """Run `fn(conn, *args)` in a transaction; the future resolves after the COMMIT that contains it.
+        """Run `fn(conn, *args)` in a transaction; the future resolves after the COMMIT that
+        contains it.
 
         With `inline` (the default), when nothing of this worker is queued or unanswered (a
         checkpoint included) and the write lock is free, it runs at once on the calling thread
@@ -409,7 +166,8 @@ class SqliteWorker:
         return True
 
     def _committed(self) -> None:
-        """Count a commit (under `_lock`); ask the worker thread for a checkpoint when one is due."""
+        """Count a commit (under `_lock`); ask the worker thread for a checkpoint when one is
+        due."""
         self._commits += 1
         if self._commits >= CHECKPOINT_EVERY and not self._checkpoint_queued:
             self._checkpoint_queued = True
@@ -484,7 +242,8 @@ class SqliteWorker:
                 self._dispatch([(job, False, error)])
 
     def _connect(self, busy_timeout_ms: int) -> sqlite3.Connection:
-        """A connection with SQLITE_PRAGMAS, `busy_timeout_ms`, and no automatic WAL checkpoint (`_checkpoint`)."""
+        """A connection with SQLITE_PRAGMAS, `busy_timeout_ms`, and no automatic WAL checkpoint
+        (`_checkpoint`)."""
         raw = sqlite3.connect(
             self.database, isolation_level=None, check_same_thread=False, cached_statements=256
         )
@@ -496,7 +255,8 @@ class SqliteWorker:
         return raw
 
     def _checkpoint(self, raw: sqlite3.Connection) -> None:
-        """A PASSIVE WAL checkpoint (never waits for readers or writers); errors are left to SQLite's next one."""
+        """A PASSIVE WAL checkpoint (never waits for readers or writers); errors are left to
+        SQLite's next one."""
         self._commits = 0
         self._checkpoint_queued = False
         with contextlib.suppress(sqlite3.Error):

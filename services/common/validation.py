@@ -96,7 +96,8 @@ def _describe(error: ValidationError) -> tuple[str, Renderer | None, list[str]]:
         "propertyNames" in error.relative_schema_path
     ):  # `instance` is a field name here, not a value
         return (
-            f"field name {_quote(instance)} is not allowed: {_describe_rule(rule, value, schema, instance)}",
+            f"field name {_quote(instance)} is not allowed: "
+            f"{_describe_rule(rule, value, schema, instance)}",
             None,
             [],
         )
@@ -137,7 +138,8 @@ def _describe(error: ValidationError) -> tuple[str, Renderer | None, list[str]]:
 
 
 def _describe_rule(rule: Any, value: Any, schema: dict[str, Any], instance: Any) -> str:
-    """The problem text of a rule about one value, from the rule, the schema and the value's JSON type only."""
+    """The problem text of a rule about one value, from the rule, the schema and the value's JSON
+    type only."""
     if rule is None:  # the `false` schema
         return "is not allowed"
     if rule == "type":
@@ -263,14 +265,17 @@ def header_fields_problem(headers: dict[str, Any], where: str = "headers") -> st
     Names must be tokens (RFC 9110 section 5.1) and values strings of visible ASCII, spaces and
     tabs (section 5.5: no CR, LF or NUL, which would split or end the header block). Values are
     never quoted (an `Authorization` value is a secret); names are, cut and escaped. Used for an
-    MCP server's headers by the gateway and the tools service (a fresh-eyes test registered
-    `{"Bad Header": "v"}` and `{"X-A": "line\\r\\nInjected: 1"}`: 201, and every call failed).
+    MCP server's headers by the gateway and the tools service, so that a server registered with
+    `{"Bad Header": "v"}` is refused at once instead of failing every call.
     """
     for name, value in headers.items():
         if not isinstance(value, str):
             return f"{where} must map header names to strings"
         if not _HEADER_NAME.fullmatch(name):
-            return f"{where}: {_quote(name)} is not a header name (letters, digits and !#$%&'*+-.^_`|~ only; RFC 9110 section 5.1)"
+            return (
+                f"{where}: {_quote(name)} is not a header name "
+                "(letters, digits and !#$%&'*+-.^_`|~ only; RFC 9110 section 5.1)"
+            )
         if not _HEADER_VALUE.fullmatch(value):
             return (
                 f"{where}: the value of {_quote(name)} holds a character a header cannot carry "

@@ -1,8 +1,10 @@
-"""`python -m services.gateway [serve|migrate|seed-dev|add-member|list-keys|revoke-key|set-default-llm|show-default-llm]`."""
+"""`python -m services.gateway [COMMAND]`: serve (the default), migrate, seed-dev, add-member,
+list-keys, revoke-key, set-default-llm, show-default-llm."""
 
 from __future__ import annotations
 
-from services.common import early_signals  # noqa: F401 - first: a SIGTERM during the imports below stops the server gracefully
+# first: a SIGTERM during the imports below stops the server gracefully
+from services.common import early_signals  # noqa: F401
 
 # isort: split
 import argparse
@@ -35,8 +37,12 @@ def _answer(document: Any, error: str = "") -> None:
     print(json.dumps(document))
 
 
-# The answer to a unique-constraint conflict no admin function foresaw (its database text may quote values).
-CONFLICT = "the change conflicts with an existing record (a value that must be unique is already taken); nothing was changed"
+# The answer to a unique-constraint conflict no admin function foresaw (its database text may
+# quote values).
+CONFLICT = (
+    "the change conflicts with an existing record (a value that must be unique is already taken);"
+    " nothing was changed"
+)
 
 
 def _run(settings: GatewaySettings, work, error: str = "") -> None:
@@ -64,7 +70,8 @@ def _run_check(check, *args: Any) -> None:
 
 
 def _non_empty(text: str) -> str:
-    """An argparse type for a value that must hold more than blanks (argparse reports an empty one: exit 2)."""
+    """An argparse type for a value that must hold more than blanks (argparse reports an empty
+    one: exit 2)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return text
@@ -93,58 +100,7 @@ def main() -> None:
     server, never the URL's password); a malformed argument is argparse's usage error, exit
     status 2.
     """
-    parser = argparse.ArgumentParser(prog="python -m services.gateway")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("serve", help="serve HTTP (default)")
-    sub.add_parser("migrate", help="apply the identity database migrations")
-    sub.add_parser(
-        "seed-dev", help="ensure the development organization, owner and API key; prints JSON"
-    )
-    member = sub.add_parser(
-        "add-member",
-        help="create a user with a role in an organization; prints JSON with its API key",
-    )
-    member.add_argument("--org", required=True, type=ids.org_id_arg)
-    member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
-    member.add_argument(
-        "--email", type=_email, help="the new user's email (must not belong to an existing user)"
-    )
-    llm = sub.add_parser(
-        "set-default-llm", help="save an organization's default model (used when a turn names none)"
-    )
-    llm.add_argument("--org", required=True, type=ids.org_id_arg)
-    # non-empty: an empty one was stored, and every turn naming no model was then refused (fresh-eyes test)
-    llm.add_argument(
-        "--integration",
-        required=True,
-        type=_non_empty,
-        help="integration_name, e.g. openai or loopline",
-    )
-    llm.add_argument(
-        "--provider",
-        required=True,
-        type=_non_empty,
-        help="provider_id, e.g. openai, anthropic, scripted",
-    )
-    llm.add_argument("--model", required=True, type=_non_empty, help="model_id")
-    llm.add_argument(
-        "--credential", help="credential_id of the organization's own key (bring your own key)"
-    )
-    sub.add_parser(
-        "show-default-llm", help="print an organization's saved default model"
-    ).add_argument("--org", required=True, type=ids.org_id_arg)
-    sub.add_parser(
-        "list-keys",
-        help="the organization's API keys (id, prefix, member, role, created, revoked); never the keys",
-    ).add_argument("--org", required=True, type=ids.org_id_arg)
-    revoke = sub.add_parser(
-        "revoke-key",
-        help="revoke an API key by its id (key_..., printed by add-member), or the key read from stdin",
-    )
-    revoke.add_argument(
-        "--key-id", help="the key's id; without it the key itself is read from standard input"
-    )
-    args = parser.parse_args()
+    args = _parser().parse_args()
     settings = GatewaySettings()
     if args.command in (None, "serve"):
         runner.run(
@@ -168,6 +124,64 @@ def main() -> None:
         if problem is None:
             raise
         _answer(None, problem)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: one sub-command per command of the module docstring."""
+    parser = argparse.ArgumentParser(prog="python -m services.gateway")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("serve", help="serve HTTP (default)")
+    sub.add_parser("migrate", help="apply the identity database migrations")
+    sub.add_parser(
+        "seed-dev", help="ensure the development organization, owner and API key; prints JSON"
+    )
+    member = sub.add_parser(
+        "add-member",
+        help="create a user with a role in an organization; prints JSON with its API key",
+    )
+    member.add_argument("--org", required=True, type=ids.org_id_arg)
+    member.add_argument("--role", required=True, choices=["owner", "admin", "member"])
+    member.add_argument(
+        "--email", type=_email, help="the new user's email (must not belong to an existing user)"
+    )
+    llm = sub.add_parser(
+        "set-default-llm", help="save an organization's default model (used when a turn names none)"
+    )
+    llm.add_argument("--org", required=True, type=ids.org_id_arg)
+    # non-empty: an empty one would be stored, and every turn naming no model then refused
+    llm.add_argument(
+        "--integration",
+        required=True,
+        type=_non_empty,
+        help="integration_name, e.g. openai or loopline",
+    )
+    llm.add_argument(
+        "--provider",
+        required=True,
+        type=_non_empty,
+        help="provider_id, e.g. openai, anthropic, scripted",
+    )
+    llm.add_argument("--model", required=True, type=_non_empty, help="model_id")
+    llm.add_argument(
+        "--credential", help="credential_id of the organization's own key (bring your own key)"
+    )
+    sub.add_parser(
+        "show-default-llm", help="print an organization's saved default model"
+    ).add_argument("--org", required=True, type=ids.org_id_arg)
+    sub.add_parser(
+        "list-keys",
+        help="the organization's API keys (id, prefix, member, role, created, revoked);"
+        " never the keys",
+    ).add_argument("--org", required=True, type=ids.org_id_arg)
+    revoke = sub.add_parser(
+        "revoke-key",
+        help="revoke an API key by its id (key_..., printed by add-member),"
+        " or the key read from stdin",
+    )
+    revoke.add_argument(
+        "--key-id", help="the key's id; without it the key itself is read from standard input"
+    )
+    return parser
 
 
 def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
@@ -217,7 +231,7 @@ def _command(args: argparse.Namespace, settings: GatewaySettings) -> None:
         )  # an empty key: identity.AdminError
         _run(settings, lambda s: identity.revoke_key(s, args.key_id, key), "no such API key")
     elif args.command in ("set-default-llm", "show-default-llm"):
-        from services.gateway.org_settings import DefaultModels
+        from services.gateway.default_models import DefaultModels
 
         db.migrate("gateway", settings.database_url)
 

@@ -10,7 +10,8 @@ from services.common.config import MAX_PORT, MAX_SECONDS, CommonSettings
 
 
 def _default_write_threads() -> int:
-    """One fewer than the cores this process may run on (the event loop's thread writes too), at most 3."""
+    """One fewer than the cores this process may run on (the event loop's thread writes too),
+    at most 3."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -27,10 +28,10 @@ class GatewaySettings(CommonSettings):
         gateway_grpc_port: port of the gateway's gRPC health service (0 = any).
         gateway_database_url: identity database URL; empty = SQLite `<data_dir>/gateway.db`.
         auto_migrate: apply Alembic migrations at start.
-        heartbeat_interval_s: seconds of silence on a listen stream before a heartbeat frame (spec: 15;
-            more than 0: 0 sent each listener heartbeats in a busy loop).
-        max_body_bytes: largest request body accepted (larger -> 413); at least 1 (0 or less
-            refused every POST).
+        heartbeat_interval_s: seconds of silence on a listen stream before a heartbeat frame
+            (spec: 15; more than 0, since 0 would send heartbeats in a busy loop).
+        max_body_bytes: largest request body accepted (larger -> 413); at least 1 (0 would
+            refuse every POST).
         dev_api_key / dev_org_id: fix the key and organization that `seed-dev` creates (the key: at
             least 20 printable ASCII characters without spaces, else seed-dev refuses it).
         auth_cache_ttl_s: how long a resolved API key (and an organization's default model) is
@@ -106,7 +107,7 @@ class GatewaySettings(CommonSettings):
 
     @property
     def write_threads(self) -> int:
-        """`fanout_write_threads` with -1 resolved: one fewer than this process's cores, at most 3."""
+        """`fanout_write_threads`, -1 resolved: one fewer than this process's cores, at most 3."""
         return (
             _default_write_threads() if self.fanout_write_threads < 0 else self.fanout_write_threads
         )

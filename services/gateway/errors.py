@@ -110,7 +110,7 @@ def grpc_error_response(error: grpc.aio.AioRpcError) -> JSONResponse:
     parsed = status_details(error)
     if parsed.domain == BILLING_DOMAIN:
         denial = parsed.unpack(billing_pb2.Denial)
-        if denial is not None:
+        if isinstance(denial, billing_pb2.Denial):
             return denial_response(denial, parsed.retry_after_s)
     status = REASON_STATUS.get((parsed.domain, parsed.reason)) or CODE_STATUS.get(parsed.code, 500)
     if status < 500 and not parsed.reason:

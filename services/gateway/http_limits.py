@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import orjson
 from fastapi.responses import JSONResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from services.gateway.config import GatewaySettings
@@ -57,7 +57,7 @@ from services.gateway.ratelimit import RateLimited
 
 log = logging.getLogger(__name__)
 
-#: Seconds a refused connection is kept for its client to read the answer (what it sends is dropped).
+#: Seconds a refused connection is kept for its client to read the answer (its data dropped).
 LINGER_S = 2.0
 #: Requests a connection may have queued behind the one being answered (HTTP/1.1 pipelining).
 MAX_PIPELINED = 16
@@ -129,7 +129,10 @@ def tune_listener(sock: socket.socket, settings: GatewaySettings) -> None:
 def listens_refusal(limit: int) -> JSONResponse:
     """The answer to a listen whose API key holds `limit` listens already (fanout.TooManyListens):
     429 with the rate denial envelope, Retry-After and X-RateLimit-* (ratelimit.RateLimited)."""
-    reason = f"at most {limit} listens at once per API key on this gateway; close one, or retry in {LISTENS_RETRY_AFTER_S} s"
+    reason = (
+        f"at most {limit} listens at once per API key on this gateway;"
+        f" close one, or retry in {LISTENS_RETRY_AFTER_S} s"
+    )
     return RateLimited(LISTENS_LIMIT, limit, LISTENS_RETRY_AFTER_S, reason).response()
 
 
@@ -147,24 +150,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._head_left: int | None = (
-            self.limits.max_header_bytes
-        )  # bytes the head may still take; None: in a body
-        self._head_since: float | None = (
-            None  # loop time the head being received began; None: between requests
-        )
+        # bytes the head may still take; None: in a body
+        self._head_left: int | None = self.limits.max_header_bytes
+        # loop time the head being received began; None: between requests
+        self._head_since: float | None = None
         self._body_got = 0  # bytes received since the head ended
         self._body_mark = 0  # ... when the body's current window began
         self._body_since = 0.0  # loop time that window began
-        self._deadline: asyncio.TimerHandle | None = (
-            None  # head and body deadlines (`_check`), then the linger
-        )
+        # head and body deadlines (`_check`), then the linger
+        self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None  # `_check_stall` while writing is paused
         self._drained = False  # writing resumed since the stall window began
         self._done = False  # refused: the connection takes nothing more
-        self._trailers: int | None = (
-            None  # bytes of a chunked body's trailer section so far; None: not in one
-        )
+        # bytes of a chunked body's trailer section so far; None: not in one
+        self._trailers: int | None = None
         self._trailer_fields = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -195,9 +194,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data)
         if self._done:
             return
-        if (
-            in_trailers and self._trailers is not None
-        ):  # the whole read was in a chunked body's trailer section
+        # the whole read was in a chunked body's trailer section
+        if in_trailers and self._trailers is not None:
             self._trailers += len(data)
             if self._trailers > self.limits.max_header_bytes:
                 self._close()
@@ -234,9 +232,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raise _Refused
 
     def on_chunk_header(self) -> None:
-        self._trailers = (
-            0  # the last chunk's header (size 0) is followed by the trailers; any other by data
-        )
+        # the last chunk's header (size 0) is followed by the trailers; any other by data
+        self._trailers = 0
 
     def on_body(self, body: bytes) -> None:
         self._trailers = None
@@ -251,6 +248,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_got = self._body_mark = 0
         self._body_since = self.loop.time()
         limits = self.limits
+        refusal: ASGIApp
         if len(self.headers) > limits.max_headers:
             refusal = detail(
                 431, TOO_MANY_HEADERS.format(limits.max_headers), {"Connection": "close"}
@@ -278,9 +276,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        if (
-            not self._done
-        ):  # a parser error of our own making (`_Refused`): the connection is closed already
+        # after a parser error of our own making (`_Refused`) the connection is closed already
+        if not self._done:
             super().send_400_response(msg)
 
     def _begin_head(self) -> None:
@@ -297,7 +294,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = self.loop.call_at(due, self._check)
 
     def _check(self) -> None:
-        """Timer: the head's deadline, or the body's rate over its last window (module docstring)."""
+        """Timer: the head's deadline, or the body's rate over its last window (module
+        docstring)."""
         self._deadline = None
         if self._done or self.transport.is_closing():
             return
@@ -306,20 +304,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_left is None:  # a body is coming
             cycle = self.cycle
             if self.flow.read_paused or cycle is None or cycle.waiting_for_100_continue:
-                self._body_mark, self._body_since = (
-                    self._body_got,
-                    now,
-                )  # the server is not reading: not the client's delay
+                # the server is not reading: not the client's delay
+                self._body_mark, self._body_since = self._body_got, now
             elif now - self._body_since >= limits.body_timeout_s:
                 if self._body_got - self._body_mark < max(
                     1.0, limits.body_min_rate * (now - self._body_since)
                 ):
                     if cycle.response_started:
-                        self._close()  # answered already (without reading the body): nothing more to say
+                        # answered already (without reading the body): nothing more to say
+                        self._close()
                     else:
-                        cycle.disconnected = (
-                            True  # the application's receive() reports the client gone
-                        )
+                        # the application's receive() reports the client gone
+                        cycle.disconnected = True
                         cycle.message_event.set()
                         self._answer(
                             408, BODY_TOO_SLOW.format(limits.body_min_rate, limits.body_timeout_s)
@@ -363,7 +359,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         transport.write(b"".join(head))
         self.flow.resume_reading()
         if transport.can_write_eof():
-            transport.write_eof()  # the client reads the answer and an end; what it still sends is dropped
+            # the client reads the answer and an end; what it still sends is dropped
+            transport.write_eof()
             if self._deadline is not None:
                 self._deadline.cancel()
             self._deadline = self.loop.call_later(LINGER_S, transport.close)
@@ -385,7 +382,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._drained = True
 
     def _check_stall(self) -> None:
-        """Timer: abort a connection whose buffer stayed full for `send_timeout_s` (writing never resumed)."""
+        """Timer: abort a connection whose buffer stayed full for `send_timeout_s` (writing
+        never resumed)."""
         self._stall = None
         if not self.flow.write_paused:
             return

@@ -8,18 +8,20 @@ outcome is unknown (a downstream deadline or outage) frees it for the same body 
 passes it down as the turn start's `request_id` (`release_unknown`, `request_id`). A claim
 left without an answer for IN_PROGRESS_LEASE_S (the gateway handling it died: it cannot free
 the key) is taken over by the next request with the same body, so a client can retry after a
-crash (fresh-eyes test: the key answered 409 "still in progress" for the whole TTL).
+crash instead of getting 409 "still in progress" for the whole TTL.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+from typing import Any, cast
 
 import grpc
 from fastapi import HTTPException
-from sqlalchemy import delete, update
+from sqlalchemy import CursorResult, delete, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.common import db
 from services.gateway.errors import BodyError
@@ -84,7 +86,7 @@ def outcome_unknown(failure: BaseException) -> bool:
 class IdempotencyStore:
     """Claims, completes and replays idempotency keys in the gateway database."""
 
-    def __init__(self, sessions, ttl_s: float) -> None:  # noqa: ANN001
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
         self.sessions = sessions
         self.ttl_s = ttl_s
 
@@ -129,19 +131,22 @@ class IdempotencyStore:
                     )
                 if row.status_code is None:
                     abandoned = utcnow() - datetime.timedelta(seconds=IN_PROGRESS_LEASE_S)
-                    if (
-                        db.utc(row.created_at) < abandoned
-                    ):  # its gateway died: one retry takes it over
-                        taken = await session.execute(
-                            update(IdempotencyRecord)
-                            .where(
-                                IdempotencyRecord.organization_id == org_id,
-                                IdempotencyRecord.user_id == user_id,
-                                IdempotencyRecord.key == key,
-                                IdempotencyRecord.status_code.is_(None),
-                                IdempotencyRecord.created_at == row.created_at,
-                            )
-                            .values(created_at=utcnow())
+                    # its gateway died: one retry takes it over
+                    if db.utc(row.created_at) < abandoned:
+                        # an UPDATE's result is a CursorResult, which counts its rows
+                        taken = cast(
+                            "CursorResult[Any]",
+                            await session.execute(
+                                update(IdempotencyRecord)
+                                .where(
+                                    IdempotencyRecord.organization_id == org_id,
+                                    IdempotencyRecord.user_id == user_id,
+                                    IdempotencyRecord.key == key,
+                                    IdempotencyRecord.status_code.is_(None),
+                                    IdempotencyRecord.created_at == row.created_at,
+                                )
+                                .values(created_at=utcnow())
+                            ),
                         )
                         if taken.rowcount == 1:
                             return None
@@ -194,8 +199,11 @@ class IdempotencyStore:
         """Delete records past the TTL; returns how many."""
         cutoff = utcnow() - datetime.timedelta(seconds=self.ttl_s)
         async with self.sessions() as session, session.begin():
-            result = await session.execute(
-                delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff)
+            result = cast(
+                "CursorResult[Any]",
+                await session.execute(
+                    delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff)
+                ),
             )
             return result.rowcount or 0
 

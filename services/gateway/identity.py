@@ -25,9 +25,12 @@ from dataclasses import dataclass
 from cachetools import TTLCache
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.common import ids, pb
 from services.gateway.models import ApiKey, Membership, Organization, User
+
+Sessions = async_sessionmaker[AsyncSession]
 
 ASSISTANT_ROLES = frozenset({"owner", "admin"})
 KEY_PREFIX = "mx_live_"
@@ -40,7 +43,7 @@ MIN_DEV_KEY_CHARS = 20
 
 
 class AdminError(ValueError):
-    """An admin operation that cannot be done as asked; the message is safe to print (never a key)."""
+    """An admin operation that cannot be done as asked; its message is safe to print (no key)."""
 
 
 def hash_key(key: str) -> str:
@@ -69,8 +72,8 @@ def check_dev_key(key: str) -> None:
     intact in an Authorization header). The message gives the length, never the key."""
     if len(key) < MIN_DEV_KEY_CHARS or not all(33 <= ord(c) <= 126 for c in key):
         raise AdminError(
-            f"LOOPLINE_DEV_API_KEY must be at least {MIN_DEV_KEY_CHARS} printable ASCII characters without spaces "
-            f"(it has {len(key)} characters); leave it unset to have a key minted"
+            f"LOOPLINE_DEV_API_KEY must be at least {MIN_DEV_KEY_CHARS} printable ASCII characters"
+            f" without spaces (it has {len(key)} characters); leave it unset to have a key minted"
         )
 
 
@@ -105,21 +108,22 @@ class Authenticator:
 
     Two caches with the same entries and ages: by (key hash, organization) — what the database
     look-up fills — and by the request's (Authorization header, organization) exactly as sent,
-    so that a repeat caller costs one dict look-up (issue 9, gateway CPU per turn). The second
+    so that a repeat caller costs one dict look-up (gateway CPU per turn). The second
     holds header values in process memory only (never logged, never stored). Each holds at
     most `max_entries` entries (least recently used evicted first); an entry's value carries
     the time of its database look-up, which decides its age in both.
     """
 
-    def __init__(self, sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:  # noqa: ANN001
+    def __init__(self, sessions: Sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:
         self.sessions = sessions
         self.ttl_s = ttl_s
         self._cache: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(
             max_entries, ttl_s, timer=time.monotonic
         )
-        self._by_header: TTLCache[tuple[str, str], tuple[float, Principal | AuthError]] = TTLCache(
-            max_entries, ttl_s, timer=time.monotonic
-        )
+        # keyed by the headers as sent (absent ones are None)
+        self._by_header: TTLCache[
+            tuple[str | None, str | None], tuple[float, Principal | AuthError]
+        ] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
         self._inflight: dict[tuple[str, str], asyncio.Future[Principal | AuthError]] = {}
 
     async def authenticate(
@@ -130,7 +134,7 @@ class Authenticator:
         A missing X-Organization-ID, or one no organization can have (`ids.org_id_error`: 1 to
         128 visible ASCII characters), is 400 (AuthError with status 400).
         """
-        cached = self._by_header.get((authorization, organization_id))  # type: ignore[arg-type]
+        cached = self._by_header.get((authorization, organization_id))
         if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
             if isinstance(cached[1], AuthError):
                 raise cached[1]
@@ -141,9 +145,8 @@ class Authenticator:
         if not key:
             raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
         if organization_id:
-            organization_id = organization_id.strip(
-                " \t"
-            )  # RFC 9110 §5.5: whitespace around a field value is not part of it
+            # RFC 9110 §5.5: whitespace around a field value is not part of it
+            organization_id = organization_id.strip(" \t")
         if not organization_id:
             raise AuthError(400, "X-Organization-ID header is required")
         malformed = ids.org_id_error(organization_id)
@@ -154,9 +157,8 @@ class Authenticator:
         now = time.monotonic()
         if not (entry and now - entry[0] < self.ttl_s):
             entry = await self._resolve_once((digest, organization_id), now)
-        self._by_header[(authorization, organization_id)] = (
-            entry  # the same age as the hash-keyed entry
-        )
+        # the same age as the hash-keyed entry
+        self._by_header[(authorization, organization_id)] = entry
         result = entry[1]
         if isinstance(result, AuthError):
             raise result
@@ -165,8 +167,8 @@ class Authenticator:
     async def _resolve_once(
         self, cache_key: tuple[str, str], now: float
     ) -> tuple[float, Principal | AuthError]:
-        """One database look-up per (key, organization) at a time: concurrent requests that miss the
-        cache together (e.g. 10,000 listeners connecting when the entry expires) share it.
+        """One database look-up per (key, organization) at a time: concurrent requests that miss
+        the cache together (e.g. 10,000 listeners connecting when the entry expires) share it.
         Returns the cache entry (`now`, result)."""
         pending = self._inflight.get(cache_key)
         if pending is None:
@@ -203,7 +205,7 @@ class Authenticator:
         return Principal(user_id=key.user_id, organization_id=organization_id, role=role)
 
 
-async def user_email(sessions, user_id: str) -> str | None:  # noqa: ANN001
+async def user_email(sessions: Sessions, user_id: str) -> str | None:
     """The email of the user `user_id`, or None (an empty id, or no such user)."""
     if not user_id:
         return None
@@ -213,7 +215,7 @@ async def user_email(sessions, user_id: str) -> str | None:  # noqa: ANN001
         ).scalar_one_or_none()
 
 
-async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, str]:  # noqa: ANN001
+async def seed_dev(sessions: Sessions, api_key: str = "", org_id: str = "") -> dict[str, str]:
     """Ensure a development organization, owner and API key exist (idempotent).
 
     Fixed values come from `api_key`/`org_id` (LOOPLINE_DEV_API_KEY / LOOPLINE_DEV_ORG_ID);
@@ -278,8 +280,8 @@ async def seed_dev(sessions, api_key: str = "", org_id: str = "") -> dict[str, s
 
 
 async def create_member(
-    sessions, organization_id: str, role: str, email: str | None = None
-) -> dict[str, str]:  # noqa: ANN001
+    sessions: Sessions, organization_id: str, role: str, email: str | None = None
+) -> dict[str, str]:
     """Create a user with `role` in `organization_id` (created if absent) and an API key for them.
 
     Returns {organization_id, user_id, key_id, api_key}. Used by tests and the admin command.
@@ -297,8 +299,8 @@ async def create_member(
 
 
 async def _create_member(
-    sessions, organization_id: str, role: str, email: str | None
-) -> dict[str, str]:  # noqa: ANN001
+    sessions: Sessions, organization_id: str, role: str, email: str | None
+) -> dict[str, str]:
     async with sessions() as session, session.begin():
         if (
             email
@@ -335,7 +337,7 @@ async def _create_member(
     }
 
 
-async def list_keys(sessions, organization_id: str) -> list[dict[str, str | None]] | None:  # noqa: ANN001
+async def list_keys(sessions: Sessions, organization_id: str) -> list[dict[str, str | None]] | None:
     """The API keys of the organization's members, oldest first: {key_id, prefix, name, user_id,
     role, created_at, revoked_at} (times ISO 8601, UTC). None when the organization does not exist.
 
@@ -374,8 +376,8 @@ def _shown_prefix(key: ApiKey) -> str:
 
 
 async def revoke_key(
-    sessions, key_id: str | None = None, key: str | None = None
-) -> dict[str, str] | None:  # noqa: ANN001
+    sessions: Sessions, key_id: str | None = None, key: str | None = None
+) -> dict[str, str | None] | None:
     """Revoke an API key named by its id (`key_...`, printed by add-member) or by the key itself.
 
     Returns {key_id, user_id, revoked_at} (ISO 8601; the first revocation's time when it was

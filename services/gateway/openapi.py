@@ -57,10 +57,11 @@ _RATE_LIMITED = {
 
 
 def error_responses(*codes: int, denial: bool = False) -> dict[int | str, dict[str, Any]]:
-    """The `responses` of a route: 400, 401, 403, 429, 503, 504 and `codes`, each with its body schema.
+    """The `responses` of a route: 400, 401, 403, 429, 503, 504 and `codes`, each with its body
+    schema.
 
-    Every route may answer 429: each authenticated request counts against its API key's limit, and
-    failed authentications against the client's (ratelimit.py). With `denial`, 402/403/429 are
+    Every route may answer 429: each authenticated request counts against its API key's limit,
+    and failed authentications against the client's (ratelimit.py). With `denial`, 402/403/429 are
     documented as the spec's flat DenialEnvelope.
     """
     names = {

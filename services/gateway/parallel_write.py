@@ -4,12 +4,12 @@ On loopback TCP (and on a real NIC) nearly all the cost of handing an SSE frame 
 is the kernel's send path, ~7-9 µs a connection on a 2-core virtual machine, and
 `os.write` releases the GIL for it. One event to 10,000 listeners is therefore ~80 ms of
 one core if the event loop thread does every write, however little Python runs around
-them (issue 9, stream fan-out: delay p99 <= 50 ms at 10,000 listeners on one gateway
-process). `ParallelWriter.write` splits such a batch between the event loop's thread and
+them (the target: delay p99 <= 50 ms at 10,000 listeners on one gateway process).
+`ParallelWriter.write` splits such a batch between the event loop's thread and
 `threads` helper threads that each write their share straight to the connections' file
 descriptors, and waits until all are done; the kernel work then runs on every core.
 
-Safety rests on three rules the caller (`fanout._Hub`) keeps:
+Safety rests on three rules the caller (`fanout.RunHub`) keeps:
 
 - Only plain TCP transports (uvloop's `TCPTransport`, asyncio's selector socket transport;
   never TLS, whose bytes must go through the transport) with **nothing buffered**
@@ -162,5 +162,6 @@ class ParallelWriter:
                 return
             try:
                 self._done.put(write_share(*job))
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting loop thread, which raises it
+            # handed to the waiting loop thread, which raises it
+            except BaseException as error:  # noqa: BLE001
                 self._done.put(error)

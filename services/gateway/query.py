@@ -3,8 +3,8 @@
 
 pydantic's lax integer parsing, which FastAPI applies to query parameters, also reads "1_0"
 (as 10), "+1", " 1" and "1.0"; and FastAPI takes the last of a repeated parameter
-(`?after=3&after=5` streamed from frame 5). A fresh-eyes test took both for bugs: a client
-that wrote either meant something it did not get. Every integer query parameter is therefore
+(`?after=3&after=5` streamed from frame 5); a client that wrote either would get something
+it did not mean. Every integer query parameter is therefore
 `WholeNumber` (decimal digits, an optional leading minus so that a negative number still gets
 its range error), and a parameter given twice is a 400 naming it (`single_query_values`, an
 app-wide dependency).
@@ -44,8 +44,8 @@ def _true_or_false(value: Any) -> Any:
 
 
 #: A boolean query parameter written `true` or `false`: pydantic's lax booleans also read "1",
-#: "yes", "on", "t", "y" (and their opposites) in any case, and a fresh-eyes test's
-#: `DELETE /assistant/chat/{id}?permanent=yes` deleted a chat for good.
+#: "yes", "on", "t", "y" (and their opposites) in any case, so that
+#: `DELETE /assistant/chat/{id}?permanent=yes` would delete a chat for good.
 TrueOrFalse = Annotated[bool, BeforeValidator(_true_or_false)]
 
 

@@ -1,10 +1,10 @@
 """Request rate limits of the gateway: per API key, and per client for failed authentications.
 
-Before, only turn starts were rate-limited (billing's `sync_exec` class, per organization):
-credential reads, listings and wrong keys were not. Now:
+Turn starts are also limited by billing (its `sync_exec` class, per organization); these
+limits cover every route, credential reads, listings and wrong keys included:
 
 - every authenticated request counts against its API key: past LOOPLINE_KEY_REQUESTS_PER_MINUTE
-  (600) in a minute it is answered 429;
+  (6,000) in a minute it is answered 429;
 - every failed authentication (401: no, a malformed or an unknown key; 403: a key without the
   role in that organization) counts against its client (its IP address; an IPv6 client's /64,
   which one host usually holds whole): past LOOPLINE_FAILED_AUTHS_PER_MINUTE (30) in a minute
@@ -110,7 +110,8 @@ class MemoryWindow:
         return max(1, math.ceil((self._index + 1) * self.window_s - now))
 
     def hit(self, identifier: str, now: float | None = None) -> tuple[bool, int]:
-        """Count one hit of `identifier` if the window has room: (allowed, seconds until it ends)."""
+        """Count one hit of `identifier` if the window has room: (allowed, seconds until the
+        window ends)."""
         now = time.time() if now is None else now
         index = int(now // self.window_s)
         if index != self._index:
@@ -130,7 +131,8 @@ class RedisWindow:
     """The same fixed window, kept in Redis by `limits` (shared by every gateway replica)."""
 
     def __init__(self, limiter: Any, amount: int, prefix: str, name: str) -> None:
-        from limits import RateLimitItemPerMinute  # noqa: PLC0415 - loaded when Redis counters are configured
+        # imported only when Redis counters are configured
+        from limits import RateLimitItemPerMinute  # noqa: PLC0415
 
         self._limiter = limiter
         self._item = RateLimitItemPerMinute(amount)
@@ -254,7 +256,8 @@ class RequestLimits:
                     KEY_LIMIT,
                     self.keys.amount,
                     reset_s,
-                    f"rate limit of {self.keys.amount} requests per minute exceeded for this API key; retry in {reset_s} s",
+                    f"rate limit of {self.keys.amount} requests per minute exceeded for this"
+                    f" API key; retry in {reset_s} s",
                 )
         return who
 
@@ -284,7 +287,8 @@ class RequestLimits:
             FAILED_AUTH_LIMIT,
             amount,
             reset_s,
-            f"too many failed authentications from this client (limit {amount} per minute); retry in {max(1, reset_s)} s",
+            f"too many failed authentications from this client (limit {amount} per minute);"
+            f" retry in {max(1, reset_s)} s",
         )
 
     async def _hit(self, window: Any, identifier: str) -> tuple[bool, int]:
@@ -292,7 +296,8 @@ class RequestLimits:
             return window.hit(identifier)
         try:
             return await window.hit(identifier)
-        except Exception as error:  # noqa: BLE001 - counters that cannot be reached never fail a request
+        # counters that cannot be reached never fail a request
+        except Exception as error:  # noqa: BLE001
             now = time.monotonic()
             if now - self._warned_at >= WARN_EVERY_S:
                 self._warned_at = now
@@ -305,9 +310,8 @@ class RequestLimits:
     async def close(self) -> None:
         """Close the Redis storage's connections, if any."""
         storage, self.storage = self.storage, None
-        client = getattr(
-            getattr(storage, "bridge", None), "storage", None
-        )  # limits' redis-py client
+        # limits' redis-py client
+        client = getattr(getattr(storage, "bridge", None), "storage", None)
         closer = getattr(client, "aclose", None)
         if closer is not None:
             try:

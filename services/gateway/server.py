@@ -6,7 +6,10 @@ import asyncio
 import logging
 import socket
 
+import grpc
 import uvicorn
+from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from services.common import db
 from services.common.grpc_server import (
@@ -15,18 +18,29 @@ from services.common.grpc_server import (
     start_grpc_server,
 )
 from services.common.internal_auth import internal_channel
-from services.gateway.app import create_app
+from services.gateway.application import create_app
 from services.gateway.config import GatewaySettings
+from services.gateway.default_models import DefaultModels
 from services.gateway.http_limits import HttpLimits, protocol_class, tune_listener
 from services.gateway.idempotency import IdempotencyStore
 from services.gateway.identity import Authenticator
-from services.gateway.org_settings import DefaultModels
 
 log = logging.getLogger(__name__)
 
 
 class GatewayServer:
     """A running gateway. `port` is the HTTP port; `grpc_port` the health service's."""
+
+    engine: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    channel: grpc.aio.Channel
+    tools_channel: grpc.aio.Channel
+    idempotency: IdempotencyStore
+    default_models: DefaultModels
+    app: FastAPI
+    http: uvicorn.Server
+    _http_task: asyncio.Task[None]
+    _grpc: RunningServer
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -77,7 +91,8 @@ class GatewayServer:
         except OSError as error:  # one line and exit 2 (runner.run), like the gRPC port's
             sock.close()
             raise PortUnavailable(
-                f"cannot bind the HTTP port {settings.http_host}:{settings.http_port}: {error.strerror}"
+                f"cannot bind the HTTP port {settings.http_host}:{settings.http_port}:"
+                f" {error.strerror}"
             ) from None
         sock.listen(2048)
         sock.setblocking(False)
@@ -94,21 +109,19 @@ class GatewayServer:
             ),  # head, body and write bounds (http_limits.py)
         )
         self.http = uvicorn.Server(config)
-        self.http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.http.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # older uvicorn
         self._http_task = asyncio.create_task(self.http.serve(sockets=[sock]))
         while not self.http.started:
             if self._http_task.done():
                 await self._http_task
                 raise RuntimeError("HTTP server failed to start")
             await asyncio.sleep(0.01)
-        self._grpc: RunningServer = await start_grpc_server(
-            [], settings.host, settings.gateway_grpc_port
-        )
+        self._grpc = await start_grpc_server([], settings.host, settings.gateway_grpc_port)
         self.grpc_port = self._grpc.port
         return self
 
     async def stop(self, grace: float) -> None:
-        """Stop taking requests, let open ones finish for up to `grace` seconds, close everything."""
+        """Stop taking requests, let open ones finish for up to `grace` seconds, close all."""
         await self._grpc.health.enter_graceful_shutdown()
         self.http.should_exit = True
         await self.app.state.fanout.close()  # open streams end now with their reconnect frame

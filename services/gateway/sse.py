@@ -58,55 +58,57 @@ def render(event: events_pb2.Event, outputs: dict[bytes, Any] | None = None) -> 
     if kind == "response_chunk":
         data: dict[str, Any] = {"chunk": event.response_chunk.chunk}
     elif kind == "tool_call":
-        e = event.tool_call
+        call = event.tool_call
         data = {
-            "tool": e.tool,
-            "input": _input(e),
-            "tool_call_id": e.tool_call_id,
+            "tool": call.tool,
+            "input": _input(call),
+            "tool_call_id": call.tool_call_id,
             "timestamp": pb.iso(event.time),
         }
     elif kind == "tool_result":
-        e = event.tool_result
+        result = event.tool_result
         data = {
-            "tool": e.tool,
-            "tool_call_id": e.tool_call_id,
-            "output": _output(e, outputs),
+            "tool": result.tool,
+            "tool_call_id": result.tool_call_id,
+            "output": _output(result, outputs),
             "timestamp": pb.iso(event.time),
         }
     elif kind == "metadata":
-        e = event.metadata
+        metadata = event.metadata
         data = {
-            "run_id": e.run_id,
-            "thread_id": e.thread_id,
+            "run_id": metadata.run_id,
+            "thread_id": metadata.thread_id,
             "workflow_id": None,
-            "workflow_type": e.workflow_type,
+            "workflow_type": metadata.workflow_type,
             "timestamp": pb.iso(event.time),
         }
     elif kind == "done":
-        e = event.done
+        done = event.done
+        usage = done.usage
         data = {
-            "response": e.response,
+            "response": done.response,
             "has_workflow_changes": False,
-            "tool_calls": _tool_calls(e.tool_calls, outputs),
+            "tool_calls": _tool_calls(done.tool_calls, outputs),
             "workflow_tool": None,
             "usage": {
-                "input_tokens": e.usage.input_tokens,
-                "output_tokens": e.usage.output_tokens,
-                "total_tokens": e.usage.total_tokens,
-                "llm_calls": e.usage.llm_calls,
+                "input_tokens": usage.input_tokens,
+                "output_tokens": usage.output_tokens,
+                "total_tokens": usage.total_tokens,
+                "llm_calls": usage.llm_calls,
             },
         }
-        if e.error:
+        if done.error:
             data["error"] = True
     elif kind == "guidance":
-        e = event.guidance
-        data = {"message": e.message}
-        if e.HasField("consecutive_failures"):
-            data["consecutive_failures"] = e.consecutive_failures
-        if e.HasField("total_llm_calls"):
-            data["total_llm_calls"] = e.total_llm_calls
+        guidance = event.guidance
+        data = {"message": guidance.message}
+        if guidance.HasField("consecutive_failures"):
+            data["consecutive_failures"] = guidance.consecutive_failures
+        if guidance.HasField("total_llm_calls"):
+            data["total_llm_calls"] = guidance.total_llm_calls
     elif kind == "user_input_request":
-        # its `request_json` as it is (keys in their order, numbers exact), else an older event's Struct
+        # its `request_json` as it is (keys in their order, numbers exact), else an older
+        # event's Struct
         data = pb.field_fragment(event.user_input_request, "request")
         if data is None:
             data = {}

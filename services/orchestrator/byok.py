@@ -20,9 +20,8 @@ def tools_secret_resolver(tools: tools_pb2_grpc.ToolsServiceStub) -> SecretResol
     Raises LookupError when the credential is absent, another organization's or for another
     integration (NOT_FOUND, INVALID_ARGUMENT); registry.CredentialUndecryptable (with the tools
     service's message, which names the credential and the fix) when it answers FAILED_PRECONDITION
-    CREDENTIAL_UNDECRYPTABLE (no configured key decrypts the secret: tools.proto,
-    README "Changing the key"); other failures (UNAVAILABLE, DEADLINE_EXCEEDED, ...) propagate as
-    grpc.aio.AioRpcError.
+    CREDENTIAL_UNDECRYPTABLE (no configured key decrypts the secret: tools.proto); other
+    failures (UNAVAILABLE, DEADLINE_EXCEEDED, ...) propagate as grpc.aio.AioRpcError.
     """
 
     async def resolve(organization_id: str, credential_id: str, integration: str) -> str:

@@ -16,7 +16,8 @@ class OrchestratorSettings(CommonSettings):
         orchestrator_port: gRPC port (0 = any free port).
         orchestrator_database_url: SQLAlchemy URL; empty = SQLite `<data_dir>/orchestrator.db`.
         auto_migrate: apply Alembic migrations at start.
-        recursion_limit: loop steps per run (a model call or a tool execution is one step); spec default 100.
+        recursion_limit: loop steps per run (a model call or a tool execution is one step);
+            spec default 100.
         failure_guidance_threshold: consecutive tool failures that publish guidance; spec default 3
             (at least 1).
         llm_call_guidance_every: every Nth model call publishes wind-down guidance; spec default 20;
@@ -44,8 +45,8 @@ class OrchestratorSettings(CommonSettings):
             `{provider_id: {"base_url", "api_key_env"?, "models"?}}`; `api_key_env` names the
             environment variable holding the key (none: no key needed, e.g. a local Ollama);
             `models` is a list of allowed ids (absent: any).
-        llm_max_retries: retries of a model call after a timeout, 429 or 5xx (so at most N+1 attempts;
-            0 = no retry).
+        llm_max_retries: retries of a model call after a timeout, 429 or 5xx (so at most N+1
+            attempts; 0 = no retry).
         llm_retry_base_delay_s / llm_retry_max_delay_s: exponential backoff start and cap, in
             seconds (0 = retry at once); a provider's Retry-After is honored (a longer one than the
             cap fails at once).
@@ -92,7 +93,10 @@ class OrchestratorSettings(CommonSettings):
     openai_models: str = "gpt-4.1,gpt-4.1-mini,gpt-4.1-nano,gpt-4o,gpt-4o-mini,o4-mini"
     anthropic_base_url: str = "https://api.anthropic.com"
     anthropic_api_key: str = ""
-    anthropic_models: str = "claude-opus-4-1,claude-sonnet-4-5,claude-sonnet-4-0,claude-haiku-4-5,claude-3-5-haiku-latest"
+    anthropic_models: str = (
+        "claude-opus-4-1,claude-sonnet-4-5,claude-sonnet-4-0,claude-haiku-4-5,"
+        "claude-3-5-haiku-latest"
+    )
     anthropic_max_tokens: int = Field(default=4096, ge=1)
     openai_compatible_providers: dict[str, dict[str, Any]] = {}
     llm_max_retries: int = Field(default=2, ge=0)

@@ -34,7 +34,9 @@ TOOL_KINDS = {
 TOOL_DEFINITIONS: list[dict[str, Any]] = [
     {
         "name": "ask_user_choice",
-        "description": "Ask the user to pick exactly one of several options. The run pauses until they answer.",
+        "description": (
+            "Ask the user to pick exactly one of several options. The run pauses until they answer."
+        ),
         "input_schema": {
             "type": "object",
             "properties": {
@@ -66,7 +68,10 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
     },
     {
         "name": "ask_user_yes_no",
-        "description": "Ask the user a yes/no question, e.g. to confirm an action. The run pauses until they answer.",
+        "description": (
+            "Ask the user a yes/no question, e.g. to confirm an action. "
+            "The run pauses until they answer."
+        ),
         "input_schema": {
             "type": "object",
             "properties": {
@@ -96,7 +101,10 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
     },
     {
         "name": "request_credential",
-        "description": "Ask the user to connect a credential for an integration that has none. The run pauses until they do.",
+        "description": (
+            "Ask the user to connect a credential for an integration that has none. "
+            "The run pauses until they do."
+        ),
         "input_schema": {
             "type": "object",
             "properties": {
@@ -126,9 +134,8 @@ def input_problems(tool: str, tool_input: Any) -> str | None:
     Unknown fields are refused, as the tools service's five tools refuse them: a model that
     misspells `allow_free_text` learns it from the error instead of asking a different question.
     """
-    from jsonschema import (
-        Draft202012Validator,
-    )  # not at start-up: most runs ask nothing (idle memory, issue 9)
+    # imported here, not at start-up: most runs ask nothing (idle memory)
+    from jsonschema import Draft202012Validator
 
     from services.common.validation import schema_errors
 
@@ -139,7 +146,7 @@ def input_problems(tool: str, tool_input: Any) -> str | None:
     problems = schema_errors(validator, tool_input, "input")
     if problems is None and pb.holds_nul(tool_input):
         # an answer cannot carry one (the gateway refuses U+0000 in a request body), so an option
-        # holding one could never be picked (fresh-eyes test)
+        # holding one could never be picked
         return "input: text must not contain U+0000 (NUL)"
     return problems
 
@@ -297,8 +304,7 @@ ANSWER_FIELD_TYPES: dict[str, tuple[type, str]] = {
 
 # A reason or an error message a client writes (a skipped answer's `reason`, a failed
 # credential's `error_message`, a cancel's `reason`): at most this many characters. Each goes
-# into a tool_result or cancelled event every listener gets and into the model's next call
-# (fresh-eyes tests: a 5,000-character cancel reason, a 100,000-character skip reason went).
+# into a tool_result or cancelled event every listener gets and into the model's next call.
 MAX_REASON_CHARS = 1000
 _REASON_FIELDS = ("reason", "error_message")
 
@@ -308,90 +314,28 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
 
     Raises InvalidAnswer for a wrong kind, a field the kind does not have (ANSWER_FIELDS), a
     field of the wrong JSON type (ANSWER_FIELD_TYPES; null counts as absent), a value not
-    among the options, both a value and
-    free text for a single choice, empty free text, a selection count outside [min_selections,
-    max_selections], text whose length without surrounding whitespace (in code points) is
-    outside the length bounds, a credential answer naming another integration than the
-    question's, a credential_failed answer without an `error_code` of the SDK's (CREDENTIAL_ERROR_CODES),
-    or a `reason` / `error_message` longer than MAX_REASON_CHARS.
+    among the options, both a value and free text for a single choice, empty free text, a
+    selection count outside [min_selections, max_selections], text whose length without
+    surrounding whitespace (in code points) is outside the length bounds, a credential answer
+    naming another integration than the question's, a credential_failed answer without an
+    `error_code` of the SDK's (CREDENTIAL_ERROR_CODES), or a `reason` / `error_message` longer
+    than MAX_REASON_CHARS.
     """
     kind = answer.get("kind")
     expected = request["kind"]
     if not isinstance(kind, str) or kind not in ANSWER_FIELDS:
         raise InvalidAnswer(f"'kind' must be one of {', '.join(ANSWER_FIELDS)}")
-    unknown = sorted(set(answer) - ANSWER_FIELDS[kind])
-    if unknown:
-        raise InvalidAnswer(f"unknown field(s) in a {kind} answer: {', '.join(unknown)}")
-    for name, value in answer.items():
-        expected_type = ANSWER_FIELD_TYPES.get(name)
-        if (
-            expected_type is not None
-            and value is not None
-            and not isinstance(value, expected_type[0])
-        ):
-            raise InvalidAnswer(f"'{name}' of a {kind} answer must be {expected_type[1]}")
-        if name in _REASON_FIELDS and value is not None and len(value) > MAX_REASON_CHARS:
-            raise InvalidAnswer(
-                f"'{name}' of a {kind} answer must be at most {MAX_REASON_CHARS} characters"
-            )
+    _check_fields(kind, answer)
     if kind == "skipped":
         return {"kind": "skipped", "reason": answer.get("reason")}
     if expected == "credential_request":
-        if kind not in ("credential_added", "credential_failed"):
-            raise InvalidAnswer(
-                f"a credential_request is answered with credential_added, credential_failed or skipped, not {kind!r}"
-            )
-        if kind == "credential_added" and not isinstance(answer.get("credential_id"), str):
-            raise InvalidAnswer("credential_added needs 'credential_id'")
-        named = answer.get("integration_name")
-        if named is not None and named != request.get("integration_name"):
-            raise InvalidAnswer(
-                f"'integration_name' is {json.dumps(named)[:80]} but the question asks for "
-                f"{json.dumps(request.get('integration_name'))}"
-            )
-        if (
-            kind == "credential_failed" and answer.get("error_code") not in CREDENTIAL_ERROR_CODES
-        ):  # required, as in the SDK
-            raise InvalidAnswer(
-                f"credential_failed needs 'error_code', one of {', '.join(CREDENTIAL_ERROR_CODES)}"
-            )
-        return dict(answer)
+        return _credential_answer(request, answer, kind)
     if kind != expected:
         raise InvalidAnswer(f"the question is {expected!r} but the answer is {kind!r}")
-    values = {o["value"] for o in request.get("options", [])}
     if kind == "single_choice":
-        selected, free = answer.get("selected_value"), answer.get("free_text")
-        if selected is None and free is None:
-            raise InvalidAnswer(
-                "single_choice needs 'selected_value' (or 'free_text' when allowed)"
-            )
-        if selected is not None and free is not None:
-            raise InvalidAnswer("single_choice takes 'selected_value' or 'free_text', not both")
-        if selected is not None and selected not in values:
-            raise InvalidAnswer(f"{json.dumps(selected)} is not one of the options")
-        if free is not None and not request.get("allow_free_text"):
-            raise InvalidAnswer("this question does not allow free text")
-        if free is not None and not free.strip():
-            raise InvalidAnswer("'free_text' must not be empty")
-        return {"kind": kind, "selected_value": selected, "free_text": free}
+        return _single_choice(request, answer)
     if kind == "multi_choice":
-        selected = answer.get("selected_values")
-        if not isinstance(selected, list) or not all(isinstance(v, str) for v in selected):
-            raise InvalidAnswer("multi_choice needs 'selected_values' (a list of strings)")
-        unknown = [v for v in selected if v not in values]
-        if unknown:
-            raise InvalidAnswer(f"{json.dumps(unknown[0])} is not one of the options")
-        twice = next((v for i, v in enumerate(selected) if v in selected[:i]), None)
-        if (
-            twice is not None
-        ):  # named, as an unknown value is (fresh-eyes test: "a value is selected twice")
-            raise InvalidAnswer(f"{json.dumps(twice)} is selected more than once")
-        low, high = request.get("min_selections") or 0, request.get("max_selections")
-        if len(selected) < low or (high is not None and len(selected) > high):
-            raise InvalidAnswer(
-                f"select between {low} and {high if high is not None else len(values)} options"
-            )
-        return {"kind": kind, "selected_values": selected}
+        return _multi_choice(request, answer)
     if kind == "yes_no":
         if not isinstance(answer.get("answer"), bool):
             raise InvalidAnswer("yes_no needs 'answer' (true or false)")
@@ -407,6 +351,85 @@ def validate_answer(request: dict[str, Any], answer: dict[str, Any]) -> dict[str
             "(surrounding whitespace not counted)"
         )
     return {"kind": kind, "text": text}
+
+
+def _check_fields(kind: str, answer: dict[str, Any]) -> None:
+    """Every field of `answer` is one its kind has, of its JSON type, and not too long."""
+    unknown = sorted(set(answer) - ANSWER_FIELDS[kind])
+    if unknown:
+        raise InvalidAnswer(f"unknown field(s) in a {kind} answer: {', '.join(unknown)}")
+    for name, value in answer.items():
+        expected_type = ANSWER_FIELD_TYPES.get(name)
+        if (
+            expected_type is not None
+            and value is not None
+            and not isinstance(value, expected_type[0])
+        ):
+            raise InvalidAnswer(f"'{name}' of a {kind} answer must be {expected_type[1]}")
+        if name in _REASON_FIELDS and value is not None and len(value) > MAX_REASON_CHARS:
+            raise InvalidAnswer(
+                f"'{name}' of a {kind} answer must be at most {MAX_REASON_CHARS} characters"
+            )
+
+
+def _credential_answer(
+    request: dict[str, Any], answer: dict[str, Any], kind: str
+) -> dict[str, Any]:
+    """The answer of a credential_request: credential_added or credential_failed."""
+    if kind not in ("credential_added", "credential_failed"):
+        raise InvalidAnswer(
+            "a credential_request is answered with credential_added, credential_failed or "
+            f"skipped, not {kind!r}"
+        )
+    if kind == "credential_added" and not isinstance(answer.get("credential_id"), str):
+        raise InvalidAnswer("credential_added needs 'credential_id'")
+    named = answer.get("integration_name")
+    if named is not None and named != request.get("integration_name"):
+        raise InvalidAnswer(
+            f"'integration_name' is {json.dumps(named)[:80]} but the question asks for "
+            f"{json.dumps(request.get('integration_name'))}"
+        )
+    # required, as in the SDK
+    if kind == "credential_failed" and answer.get("error_code") not in CREDENTIAL_ERROR_CODES:
+        raise InvalidAnswer(
+            f"credential_failed needs 'error_code', one of {', '.join(CREDENTIAL_ERROR_CODES)}"
+        )
+    return dict(answer)
+
+
+def _single_choice(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    values = {o["value"] for o in request.get("options", [])}
+    selected, free = answer.get("selected_value"), answer.get("free_text")
+    if selected is None and free is None:
+        raise InvalidAnswer("single_choice needs 'selected_value' (or 'free_text' when allowed)")
+    if selected is not None and free is not None:
+        raise InvalidAnswer("single_choice takes 'selected_value' or 'free_text', not both")
+    if selected is not None and selected not in values:
+        raise InvalidAnswer(f"{json.dumps(selected)} is not one of the options")
+    if free is not None and not request.get("allow_free_text"):
+        raise InvalidAnswer("this question does not allow free text")
+    if free is not None and not free.strip():
+        raise InvalidAnswer("'free_text' must not be empty")
+    return {"kind": "single_choice", "selected_value": selected, "free_text": free}
+
+
+def _multi_choice(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    values = {o["value"] for o in request.get("options", [])}
+    selected = answer.get("selected_values")
+    if not isinstance(selected, list) or not all(isinstance(v, str) for v in selected):
+        raise InvalidAnswer("multi_choice needs 'selected_values' (a list of strings)")
+    unknown = [v for v in selected if v not in values]
+    if unknown:
+        raise InvalidAnswer(f"{json.dumps(unknown[0])} is not one of the options")
+    twice = next((v for i, v in enumerate(selected) if v in selected[:i]), None)
+    if twice is not None:  # named, as an unknown value is
+        raise InvalidAnswer(f"{json.dumps(twice)} is selected more than once")
+    low, high = request.get("min_selections") or 0, request.get("max_selections")
+    if len(selected) < low or (high is not None and len(selected) > high):
+        raise InvalidAnswer(
+            f"select between {low} and {high if high is not None else len(values)} options"
+        )
+    return {"kind": "multi_choice", "selected_values": selected}
 
 
 def answer_as_tool_output(answer: dict[str, Any]) -> dict[str, Any]:

@@ -167,10 +167,11 @@ class BillingRedelivery(Base):
     written in the transaction it belongs to (a transactional outbox: a turn start's run
     charge, a run end's usage records; `usage.StoredBatches`).
 
-    `method` is the BillingService method (`ChargeBatch`, `RecordUsageBatch`, `RecordToolUsage`, `Release`) and
-    `request` its serialized request; the calls are idempotent, so sending one twice only
-    replays. `log_fields` are the ids logged if it is finally given up (one object per record).
-    Written and sent by `services/orchestrator/usage.py` `Redelivery`, by any replica.
+    `method` is the BillingService method (`ChargeBatch`, `RecordUsageBatch`,
+    `RecordToolUsage`, `Release`) and `request` its serialized request; the calls are
+    idempotent, so sending one twice only replays. `log_fields` are the ids logged if it is
+    finally given up (one object per record). Written and sent by `usage.Redelivery` (in
+    services/orchestrator/usage/redelivery.py), by any replica.
     """
 
     __tablename__ = "billing_redeliveries"

@@ -22,7 +22,7 @@ so that no step waits on another's store:
   The same pass settles ended runs still due (`runs.archive_due`: the end is stored, the
   event log's end and archive were not) whose lease lapsed: their replica died between the
   two. One replica wins the run for a lease, appends the terminal events the stored end
-  calls for when the log has none (`_ending`), archives the log and clears the mark;
+  calls for when the log has none (`stored_ending`), archives the log and clears the mark;
 - **Redis polling** (Redis only, distributed backend): every tick (`run_lease_s`/30, at most
   1 s) reads the cancel flags of the runs active here, so a cancel whose pub/sub message was
   lost still stops the loop within a second, and has the event log restore the streams of
@@ -31,8 +31,8 @@ so that no step waits on another's store:
 
 A run gets its first lease when its row is written (`lease_deadline`), so a crashed run is
 failed at most 3/4 + 1/6 of `run_lease_s` after its last renewal or its start (the lease,
-then the next reaper pass) — under `run_lease_s` with room for the work of failing it. Times are the replicas' UTC clocks; keep them in
-sync (NTP) - skew eats into the bound.
+then the next reaper pass) — under `run_lease_s` with room for the work of failing it. Times
+are the replicas' UTC clocks; keep them in sync (NTP) - skew eats into the bound.
 """
 
 from __future__ import annotations
@@ -49,15 +49,12 @@ from loopline.assistant.v1 import events_pb2
 from services.common import pb
 from services.common.errors import PassLog
 from services.common.tasks import stop_task
-from services.orchestrator.events import is_terminal
-from services.orchestrator.models import Chat, Interrupt, Message, Run, utcnow
+from services.orchestrator.eventlog import is_terminal
+from services.orchestrator.lost_run_events import LOST_MESSAGE, close_calls, stored_ending
+from services.orchestrator.models import Chat, Message, Run, utcnow
 from services.orchestrator.thread import cut_off_result
 
 log = logging.getLogger(__name__)
-
-LOST_MESSAGE = (
-    "The turn was interrupted: the server running it stopped unexpectedly. Please try again."
-)
 
 
 class RunSupervisor:
@@ -87,7 +84,8 @@ class RunSupervisor:
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        """Start the independent tasks: lease renewal, reaping, and (with Redis) Redis polling (idempotent)."""
+        """Start the independent tasks: lease renewal, reaping, and (with Redis) Redis polling
+        (idempotent)."""
         if self._tasks:
             return
         loops = [
@@ -128,7 +126,8 @@ class RunSupervisor:
 
     @staticmethod
     async def _every(what: str, period_s: float, step: Any, waiting: str) -> None:
-        """Run `step` every `period_s` seconds; a failed pass is logged (`PassLog`) and the next one tried."""
+        """Run `step` every `period_s` seconds; a failed pass is logged (`PassLog`) and the next
+        one tried."""
         passes = PassLog(log, what, waiting)
         loop = asyncio.get_running_loop()
         while True:
@@ -178,7 +177,8 @@ class RunSupervisor:
                 .returning(Run.id)
             )
             renewed = set(result.scalars())
-        for run_id in run_ids:  # an active run no longer `running` there was ended by another replica (its lease lapsed)
+        # an active run no longer `running` there was ended by another replica (its lease lapsed)
+        for run_id in run_ids:
             state = self.runner.active.get(run_id)
             if (
                 state is not None
@@ -187,8 +187,9 @@ class RunSupervisor:
                 and state.cancel_reason is None
             ):
                 log.warning(
-                    "a run of this replica was ended by another one (its lease lapsed while this one was stalled "
-                    "or cut off): stopped here, its end is the other's",
+                    "a run of this replica was ended by another one "
+                    "(its lease lapsed while this one was stalled or cut off): "
+                    "stopped here, its end is the other's",
                     extra={"fields": {"run_id": run_id}},
                 )
                 asyncio.create_task(self.runner.cancel(run_id, "taken over"))
@@ -210,7 +211,8 @@ class RunSupervisor:
         )
 
     async def reap(self) -> list[str]:
-        """Fail every running run whose lease lapsed and that is not active here; returns their ids."""
+        """Fail every running run whose lease lapsed and that is not active here; returns their
+        ids."""
         now = utcnow()
         async with self.sessions() as session:
             candidates = list(
@@ -229,9 +231,8 @@ class RunSupervisor:
     async def reap_orphans(self) -> list[str]:
         """At the start of an orchestrator on the embedded backend (one process, run events in its
         memory), fail every run still `running` at once: a previous process left it (a crash; a
-        stop ends its runs) and its events died with it. Waiting for its lease to lapse (up to
-        `run_lease_s`) gave a listener an empty stream at once and the chat 409 meanwhile
-        (fresh-eyes test). Returns the runs' ids."""
+        stop ends its runs) and its events died with it: no listener waits for its lease to lapse
+        (up to `run_lease_s`) on an empty stream. Returns the runs' ids."""
         async with self.sessions() as session:
             orphans = list(
                 (await session.execute(select(Run.id).where(Run.status == "running"))).scalars()
@@ -259,7 +260,8 @@ class RunSupervisor:
 
         Exactly one replica wins (conditional UPDATE on the lapsed lease; with `orphaned`, on the
         run being `running`: `reap_orphans`); the winner settles the thread, the chat and the
-        events (not the reservation: its charge is stored with the run). Returns whether this call won.
+        events (not the reservation: its charge is stored with the run). Returns whether this call
+        won.
         """
         now = now or utcnow()
         error = LOST_MESSAGE if status == "failed" else None
@@ -272,8 +274,10 @@ class RunSupervisor:
                     error=error,
                     updated_at=utcnow(),
                     lease_until=self.lease_deadline(self.settings, utcnow()),
+                    # the end below settles it; if it fails, `settle_ended` does once the lease
+                    # lapses
                     archive_due=utcnow(),
-                )  # the end below settles it; if it fails, `settle_ended` does once the lease lapses
+                )
             )
             if won.rowcount != 1:
                 return False
@@ -325,7 +329,8 @@ class RunSupervisor:
         """Settle every ended run still due (`runs.archive_due`) whose lease lapsed and that this
         replica is not settling itself: end its event log if it has no terminal event, archive
         it, clear the mark (module docstring). At most 100 per pass; returns the runs settled.
-        A run whose settling fails (Redis or the database away) is tried again once its lease lapses."""
+        A run whose settling fails (Redis or the database away) is tried again once its lease
+        lapses."""
         now = utcnow()
         lapsed = and_(
             Run.archive_due.is_not(None), or_(Run.lease_until < now, Run.lease_until.is_(None))
@@ -352,10 +357,11 @@ class RunSupervisor:
             try:
                 published = await self.backend.events.events_of(run_id)
                 if not any(is_terminal(event) for event in published):
-                    ending = await self._ending(run_id, published)
+                    ending = await stored_ending(self.sessions, run_id, published)
                     await self.backend.events.append_after_end(run_id, *ending)
                     log.warning(
-                        "an ended run's stream had no end (its replica stopped before publishing it): ended here",
+                        "an ended run's stream had no end "
+                        "(its replica stopped before publishing it): ended here",
                         extra={"fields": {"run_id": run_id, "events": len(published)}},
                     )
                 await self.runner.archive(run_id)
@@ -367,168 +373,17 @@ class RunSupervisor:
             settled.append(run_id)
         return settled
 
-    async def _ending(
-        self, run_id: str, published: list[events_pb2.Event]
-    ) -> list[events_pb2.Event]:
-        """The terminal events the loop publishes for the run's stored end (loop.py `_finish`),
-        rebuilt from its rows for a stream that lost them: a `tool_result` for each streamed
-        call without one (its stored result), then `done` with the run's last answer, tool calls
-        and usage (completed), `error` + `done {error: true}` (failed), `cancelled`, or the
-        question's `user_input_request` + `interrupted` (interrupted; its call has no result)."""
-        async with self.sessions() as session:
-            run = await session.get(Run, run_id)
-            tool_rows = (
-                await session.execute(
-                    select(Message.content, Message.extra).where(
-                        Message.run_id == run_id, Message.role == "tool"
-                    )
-                )
-            ).all()
-            stored = {
-                extra.get("tool_call_id"): content
-                for content, extra in tool_rows
-                if isinstance(extra, dict)
-            }
-            response = question = None
-            if run.status == "completed":
-                response = (
-                    await session.execute(
-                        select(Message.content)
-                        .where(Message.run_id == run_id, Message.role == "assistant")
-                        .order_by(Message.seq.desc())
-                        .limit(1)
-                    )
-                ).scalar()
-            elif run.status == "interrupted":
-                question = (
-                    (
-                        await session.execute(
-                            select(Interrupt)
-                            .where(Interrupt.run_id == run_id)
-                            .order_by(Interrupt.created_at.desc())
-                            .limit(1)
-                        )
-                    )
-                    .scalars()
-                    .first()
-                )
-        status = run.status if run.status != "interrupted" or question is not None else "failed"
-        cut_off, records = self._close_calls(
-            run_id, published, status, {} if status == "interrupted" else stored
-        )
-        if status == "interrupted":
-            return [
-                events_pb2.Event(
-                    run_id=run_id,
-                    time=pb.timestamp(),
-                    user_input_request=events_pb2.UserInputRequestEvent(
-                        request_json=pb.json_bytes(question.request, clip=True)
-                    ),
-                ),
-                events_pb2.Event(
-                    run_id=run_id,
-                    time=pb.timestamp(),
-                    interrupted=events_pb2.InterruptedEvent(
-                        request_id=question.id, kind=question.kind
-                    ),
-                ),
-            ]
-        usage = events_pb2.Usage(
-            **{
-                key: int((run.usage or {}).get(key) or 0)
-                for key in ("input_tokens", "output_tokens", "total_tokens", "llm_calls")
-            }
-        )
-        if status == "completed":
-            return [
-                *cut_off,
-                events_pb2.Event(
-                    run_id=run_id,
-                    time=pb.timestamp(),
-                    done=events_pb2.DoneEvent(
-                        response=response if isinstance(response, str) else "",
-                        tool_calls=records,
-                        usage=usage,
-                    ),
-                ),
-            ]
-        if status == "cancelled":
-            return [
-                *cut_off,
-                events_pb2.Event(
-                    run_id=run_id,
-                    time=pb.timestamp(),
-                    cancelled=events_pb2.CancelledEvent(reason="cancelled"),
-                ),
-            ]
-        return [
-            *cut_off,
-            events_pb2.Event(
-                run_id=run_id,
-                time=pb.timestamp(),
-                error=events_pb2.ErrorEvent(message=run.error or LOST_MESSAGE),
-            ),
-            events_pb2.Event(
-                run_id=run_id,
-                time=pb.timestamp(),
-                done=events_pb2.DoneEvent(response="", tool_calls=records, usage=usage, error=True),
-            ),
-        ]
-
     async def _tool_calls_of(
         self, run_id: str, status: str
     ) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
         """From the events the lost run's replica published (the Redis stream; nothing when they
-        died with it): `_close_calls` with the error the loop gives a call cut off by `status`."""
+        died with it): `close_calls` with the error the loop gives a call cut off by `status`."""
         try:
             published = await self.backend.events.events_of(run_id)
         except Exception:  # the stream cannot be read: the run still ends
             log.exception("reading a lost run's events failed")
             return [], []
-        return self._close_calls(run_id, published, status, {})
-
-    @staticmethod
-    def _close_calls(
-        run_id: str, published: list[events_pb2.Event], status: str, stored: dict[str, Any]
-    ) -> tuple[list[events_pb2.Event], list[events_pb2.ToolCallRecord]]:
-        """A `tool_result` for each streamed `tool_call` of `published` that got none (its result
-        in `stored`, by call id, else the error the loop gives a call cut off by `status`), and
-        the run's tool calls as done.tool_calls lists them (README "Stream end": every tool_call
-        gets its tool_result)."""
-        calls: dict[str, events_pb2.ToolCallEvent] = {}
-        results: dict[str, events_pb2.ToolResultEvent] = {}
-        for event in published:
-            kind = event.WhichOneof("payload")
-            if kind == "tool_call":
-                calls.setdefault(event.tool_call.tool_call_id, event.tool_call)
-            elif kind == "tool_result":
-                results.setdefault(event.tool_result.tool_call_id, event.tool_result)
-        error = pb.json_bytes(cut_off_result(status))
-        cut_off, records = [], []
-        for call_id, call in calls.items():
-            result = results.get(call_id)
-            output = pb.json_bytes(stored[call_id]) if call_id in stored else error
-            if (
-                result is None and status != "interrupted"
-            ):  # an interrupted run's question has no result yet
-                cut_off.append(
-                    events_pb2.Event(
-                        run_id=run_id,
-                        time=pb.timestamp(),
-                        tool_result=events_pb2.ToolResultEvent(
-                            tool=call.tool, tool_call_id=call_id, output_json=output
-                        ),
-                    )
-                )
-            records.append(
-                events_pb2.ToolCallRecord(
-                    tool=call.tool,
-                    input=call.input,
-                    input_json=call.input_json,
-                    output_json=pb.output_json(result) if result else output,
-                )
-            )
-        return cut_off, records
+        return close_calls(run_id, published, status, {})
 
     async def _close_open_tool_call(self, session: Any, run: Run, status: str) -> None:
         """Store an error result for the run's last tool call if the crash cut it off."""

@@ -47,12 +47,10 @@ def sanitize(message: str) -> str:
     printable text (control characters dropped, lone surrogates as U+FFFD), ≤ 300 chars.
 
     The result is stored with the run (`runs.error`) and streamed in its `error` event, on
-    either backend: a model's failure text with a NUL failed the run's end on PostgreSQL
-    (fresh-eyes test)."""
+    either backend, so it must be text every database holds (PostgreSQL refuses a NUL)."""
     text = " ".join(str(message).split())
-    text = pb.scrub(
-        UNPRINTABLE.sub("", text)
-    )  # lone surrogates (no UTF-8 encoding: no database takes them) as U+FFFD
+    # lone surrogates (no UTF-8 encoding: no database takes them) as U+FFFD
+    text = pb.scrub(UNPRINTABLE.sub("", text))
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     if "Traceback" in text:

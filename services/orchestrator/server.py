@@ -5,18 +5,22 @@ from __future__ import annotations
 import functools
 import logging
 
+import grpc
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.billing.v1 import billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2_grpc
 from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.internal_auth import internal_channel
-from services.orchestrator.backend import RunBackend, make_backend
+from services.orchestrator.archive import load_archive
 from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.config import OrchestratorSettings
-from services.orchestrator.loop import TurnRunner, load_archive
+from services.orchestrator.eventlog import RunBackend, make_backend
+from services.orchestrator.loop import TurnRunner
 from services.orchestrator.recovery import RunSupervisor
-from services.orchestrator.service import AssistantServicer
+from services.orchestrator.servicer import AssistantServicer
 from services.orchestrator.store import TurnStore
 
 log = logging.getLogger(__name__)
@@ -25,12 +29,22 @@ SERVICE_NAME = assistant_pb2.DESCRIPTOR.services_by_name["AssistantService"].ful
 
 
 class OrchestratorServer:
-    """A running orchestrator: its gRPC server, database engine, downstream channels and loop runner.
+    """A running orchestrator: its gRPC server, database, downstream channels and loop runner.
 
     `backend` is the shared state of the replicas (memory, or Redis when LOOPLINE_REDIS_URL
     is set); `supervisor` renews this replica's run leases, reaps runs of dead replicas and
     polls cancel flags (services/orchestrator/recovery.py).
     """
+
+    engine: AsyncEngine
+    lease_engine: AsyncEngine | None  # None on SQLite, where leases share the one database
+    billing_channel: grpc.aio.Channel
+    tools_channel: grpc.aio.Channel
+    backend: RunBackend
+    store: TurnStore
+    runner: TurnRunner
+    supervisor: RunSupervisor
+    servicer: AssistantServicer
 
     def __init__(self, settings: OrchestratorSettings) -> None:
         self.settings = settings
@@ -51,13 +65,13 @@ class OrchestratorServer:
         self.tools_channel = internal_channel(settings.tools_addr, settings.internal_token)
         billing = billing_pb2_grpc.BillingServiceStub(self.billing_channel)
         tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
-        self.backend: RunBackend = make_backend(settings, functools.partial(load_archive, sessions))
+        self.backend = make_backend(settings, functools.partial(load_archive, sessions))
         self.store = TurnStore(self.engine)
         self.runner = TurnRunner(
             settings, sessions, self.store, self.backend.events, billing, tools
         )
         await self.backend.start(self._on_cancel)
-        # leases on connections of their own: request handlers holding the pool cannot delay a renewal
+        # leases on connections of their own: handlers holding the pool cannot delay a renewal
         sqlite = self.engine.dialect.name == "sqlite"
         self.lease_engine = (
             None if sqlite else db.make_engine(settings.database_url, 1, settings.db_timeout_s)
@@ -72,9 +86,8 @@ class OrchestratorServer:
         self.servicer.backend = self.backend
         self.servicer.supervisor = self.supervisor
         self.servicer.secret_resolver = tools_secret_resolver(tools)
-        if (
-            not self.backend.distributed
-        ):  # the only orchestrator: runs left running are a dead process's, end them now
+        if not self.backend.distributed:
+            # the only orchestrator: runs left running are a dead process's, end them now
             await self.supervisor.reap_orphans()
         self.supervisor.start()
         self.runner.redelivery.start()

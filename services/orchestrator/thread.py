@@ -31,14 +31,15 @@ def cut_off_result(kind: str) -> dict[str, Any]:
     """The error result of a tool call a run's end cut off: `kind` "cancelled" (a cancel),
     "expired" (a question nobody answered within LOOPLINE_PENDING_TTL_S) or any other (the run
     failed). Stored in the thread (and, but for an expired question, streamed as the call's
-    `tool_result`) by the loop (loop.py `_finish`), the crash reaper (recovery.py) and the
+    `tool_result`) by the loop (run_end.py `_finish`), the crash reaper (recovery.py) and the
     service (a cancelled or expired question) alike, so the thread never holds a call without
     a result."""
     return {"error": CUT_OFF_ERRORS.get(kind, "not completed: the run failed"), "success": False}
 
 
 def to_model_messages(rows: list[Message]) -> list[dict[str, Any]]:
-    """Model messages (see providers/base.py) from stored rows, oldest first; markers are skipped."""
+    """Model messages (see providers/base.py) from stored rows, oldest first; markers are
+    skipped."""
     messages: list[dict[str, Any]] = []
     open_calls: dict[str, str] = {}
     for row in rows:

@@ -1,4 +1,5 @@
-"""The tools service: the tool catalogue, integrations, encrypted org credentials and knowledge search.
+"""The tools service: the tool catalogue, integrations, encrypted org credentials and knowledge
+search.
 
 It executes the assistant profile's non-HITL tools (`get_available_integrations`,
 `get_integration_details`, `get_organization_credentials`, `execute_integration_tool`,

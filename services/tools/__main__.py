@@ -1,4 +1,5 @@
-"""`python -m services.tools` serves the tools service; `python -m services.tools migrate` upgrades its database.
+"""`python -m services.tools` serves the tools service; `python -m services.tools migrate` upgrades
+its database.
 
 Other sub-commands:
   `python -m services.tools generate-key` prints a new Fernet key for LOOPLINE_TOOLS_CREDENTIAL_KEY.
@@ -35,7 +36,8 @@ async def rotate_credentials(settings: ToolsSettings) -> tuple[int, dict]:
     command line")."""
     if settings.uses_dev_credential_key():
         return 1, {
-            "error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key first) and run again"
+            "error": "LOOPLINE_TOOLS_CREDENTIAL_KEY is not set: set it to NEW,OLD (the new key "
+            "first) and run again"
         }
     url = settings.database_url()
     try:
@@ -53,7 +55,8 @@ async def _rotate(settings: ToolsSettings, url: str) -> tuple[int, dict]:
     missing = db.missing_sqlite_file(url)
     if missing is not None:
         return 1, {
-            "error": f"no tools database at {missing}: run with the services' LOOPLINE_DATA_DIR or database URL"
+            "error": f"no tools database at {missing}: run with the services' LOOPLINE_DATA_DIR or "
+            "database URL"
         }
     from services.tools.catalogue import Catalogue
     from services.tools.credentials import CredentialStore
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         code = db.migrate_command("tools", settings.database_url())
         if not code:  # the URL without its password
             print(
-                f"tools database migrated: {make_url(settings.database_url()).render_as_string(hide_password=True)}"
+                "tools database migrated: "
+                f"{make_url(settings.database_url()).render_as_string(hide_password=True)}"
             )
         return code
     if args.command == "generate-key":

@@ -1,7 +1,7 @@
 """The integration catalogue: manifests, actions and the context an action runs in.
 
 Each integration is one module in `services/tools/integrations/` with two names:
-`MANIFEST` (a JSON-able dict, the shape issue #6 fixes: name, display_name,
+`MANIFEST` (a JSON-able dict: name, display_name,
 description, categories, auth options, actions with JSON Schema parameters and a
 credit cost) and `HANDLERS` (action name -> `async def handler(ctx, params) -> JSON`).
 Manifests are checked when the catalogue loads (every parameter schema must be a valid
@@ -26,7 +26,8 @@ BUILTIN_MODULES = ("postgresql", "http", "loopline")
 
 
 class ActionError(Exception):
-    """An action failed in a way the model can act on; the message is shown to it (after redaction)."""
+    """An action failed in a way the model can act on; the message is shown to it (after
+    redaction)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ Handler = Callable[[ActionContext, dict[str, Any]], Awaitable[Any]]
 
 @dataclass(frozen=True)
 class AuthOption:
-    """One way to authenticate: `type` in AUTH_TYPES, and `fields`, the JSON Schema of its secret."""
+    """One way to authenticate: `type` in AUTH_TYPES, and `fields`, the JSON Schema of its
+    secret."""
 
     type: str
     label: str
@@ -84,7 +86,8 @@ class Action:
 
     @functools.cached_property
     def validator(self) -> Draft202012Validator:
-        """The JSON Schema 2020-12 validator of `parameters`, built once per action (not per call)."""
+        """The JSON Schema 2020-12 validator of `parameters`, built once per action (not per
+        call)."""
         return Draft202012Validator(self.parameters)
 
     def to_json(self) -> dict[str, Any]:
@@ -115,7 +118,8 @@ class Integration:
 
     @property
     def secret_auth_types(self) -> list[str]:
-        """The auth types that carry a secret (all but "none"); [] when no credential can be stored for it."""
+        """The auth types that carry a secret (all but "none"); [] when no credential can be stored
+        for it."""
         return [t for t in self.auth_types if t != "none"]
 
     @property

@@ -1,6 +1,6 @@
-"""An organization's credentials: create, list, read, delete, pick the default, resolve for an action.
+"""An organization's credentials: create, list, read, delete, pick the default, resolve.
 
-Rules (issue #6 "Credentials"): secrets are encrypted at rest (crypto.SecretBox) and
+Secrets are encrypted at rest (crypto.SecretBox) and
 decrypted only by `resolve` when an action runs; everything else returns metadata
 (`CredentialInfo`), with a masked form at most. Every read is scoped by organization:
 another organization's credential is NOT_FOUND, the same as an absent one. The first
@@ -10,14 +10,13 @@ newest remaining one.
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from cachetools import TTLCache
 from jsonschema import Draft202012Validator
 from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
@@ -27,6 +26,7 @@ from services.common.errors import TOOLS_DOMAIN, RpcError
 from services.common.ids import is_row_id
 from services.common.validation import schema_errors
 from services.tools.catalogue import AUTH_TYPES, Catalogue
+from services.tools.credential_cache import MISS, OrgReadCache
 from services.tools.crypto import (
     KEY_CHANGED_HINT,
     SecretBox,
@@ -103,9 +103,6 @@ def _invalid(reason: str, message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
 
 
-_MISS = object()
-
-
 async def _lock_defaults(session: Any, org_id: str, integration_name: str) -> None:
     """Serialize the transactions that change which credential is an integration's default
     (create, set-default, delete) for one organization and integration, until the transaction
@@ -113,8 +110,8 @@ async def _lock_defaults(session: Any, org_id: str, integration_name: str) -> No
     transaction lock. SQLite: a write that matches no row, which starts the transaction as a
     write transaction on the latest data (SQLite's one writer; the driver would otherwise run
     the reads before it outside any transaction). Without it, two creates with make_default
-    sent together each saw the defaults as they were and made one: a unique violation of
-    uq_credentials_one_default, or a deadlock (fresh-eyes test: 500s)."""
+    sent together would each see the defaults as they were and make one: a unique violation of
+    uq_credentials_one_default, or a deadlock."""
     if session.bind.dialect.name == "postgresql":
         await session.execute(
             text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
@@ -122,49 +119,6 @@ async def _lock_defaults(session: Any, org_id: str, integration_name: str) -> No
         )
     else:
         await session.execute(text("UPDATE credentials SET is_default = is_default WHERE 0"))
-
-
-class OrgReadCache:
-    """A per-process cache of what tool calls read about an organization's credentials on every turn.
-
-    Holds, per organization, the results of `connected_integrations` and `of_auth_type`
-    (metadata and MCP discovery only; never a secret) for at most `ttl_s` seconds, for
-    at most `max_orgs` organizations (least recently used dropped first).
-
-    Correctness rule: every credential write made through this process (create, delete,
-    set default, MCP discovery) drops the organization's entry when it commits, and a
-    read that overlapped any write is not stored (a global write generation), so this
-    process never serves data older than its own last write. A write made by another
-    replica is seen after at most `ttl_s` (LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S);
-    `ttl_s <= 0` turns the cache off.
-    """
-
-    def __init__(self, ttl_s: float, max_orgs: int = 4096) -> None:
-        self.ttl_s = ttl_s
-        self.max_orgs = max_orgs
-        self.generation = 0
-        self._entries: TTLCache[str, dict[Any, Any]] = TTLCache(
-            max_orgs, max(ttl_s, 0.0), timer=time.monotonic
-        )
-
-    def get(self, org_id: str, key: Any) -> Any:
-        """The cached value of (`org_id`, `key`), or `_MISS` when absent or expired."""
-        entry = self._entries.get(org_id)
-        return _MISS if entry is None else entry.get(key, _MISS)
-
-    def put(self, org_id: str, key: Any, value: Any, generation: int) -> None:
-        """Store `value` unless caching is off or a write happened since `generation` was read."""
-        if self.ttl_s <= 0 or generation != self.generation:
-            return
-        entry = self._entries.get(org_id)
-        if entry is None:  # the organization's values expire together, `ttl_s` after the first
-            entry = self._entries[org_id] = {}
-        entry[key] = value
-
-    def invalidate(self, org_id: str) -> None:
-        """Forget the organization's entry and make reads that overlapped this write unstorable."""
-        self.generation += 1
-        self._entries.pop(org_id, None)
 
 
 class CredentialStore:
@@ -176,7 +130,8 @@ class CredentialStore:
         catalogue: integrations, to validate integration names, auth types and secret fields.
         cache_ttl_s: seconds `connected_integrations` and `of_auth_type` results are reused
             by this process (see OrgReadCache; writes through this store invalidate at once;
-            0 = no cache, the default here; the server passes LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S).
+            0 = no cache, the default here; the server passes
+            LOOPLINE_TOOLS_CREDENTIAL_CACHE_TTL_S).
     """
 
     def __init__(
@@ -220,13 +175,16 @@ class CredentialStore:
         if option is None or auth_type == "none":
             raise _invalid(
                 "AUTH_TYPE_NOT_SUPPORTED",
-                f"Integration {integration_name!r} takes auth types {secret_types}, not {auth_type!r}"
+                f"Integration {integration_name!r} takes auth types {secret_types}, "
+                f"not {auth_type!r}"
                 if secret_types
-                # "takes auth types [], not ''" (fresh-eyes test): an integration that needs no credential
-                else f"Integration {integration_name!r} needs no credential: it is connected without one",
+                # not "takes auth types [], not ''": the integration needs no credential
+                else f"Integration {integration_name!r} needs no credential: "
+                "it is connected without one",
             )
         if option.fields is not None:
-            # Names the fields and the rules (e.g. "auth_data: 'dsn' is required"), never a value: it is a secret.
+            # Names the fields and the rules (e.g. "auth_data: 'dsn' is required"), never a value:
+            # it is a secret.
             problems = schema_errors(Draft202012Validator(option.fields), auth_data, "auth_data")
             if problems:
                 raise _invalid("INVALID_AUTH_DATA", "auth_data is invalid: " + problems)
@@ -267,7 +225,8 @@ class CredentialStore:
         return rotated, undecryptable, flows
 
     async def _rotate(self, key: Any, token_column: Any, page_size: int) -> tuple[int, list[str]]:
-        """`rotate_secrets` over one table: (rows rewritten, keys of rows no configured key decrypts)."""
+        """`rotate_secrets` over one table: (rows rewritten, keys of rows no configured key
+        decrypts)."""
         table = key.class_
         rotated, undecryptable = 0, []
         after = ""
@@ -337,8 +296,8 @@ class CredentialStore:
         return [CredentialInfo.of(r) for r in rows], int(total or 0)
 
     async def get(self, org_id: str, credential_id: str) -> CredentialInfo:
-        """One credential of the organization. Raises RpcError NOT_FOUND (absent, another org's, or an id
-        that cannot be ours, `is_row_id`: not looked up)."""
+        """One credential of the organization. Raises RpcError NOT_FOUND (absent, another org's, or
+        an id that cannot be ours, `is_row_id`: not looked up)."""
         if not is_row_id(credential_id):
             raise _not_found(credential_id)
         async with self._sessions() as session:
@@ -350,8 +309,8 @@ class CredentialStore:
     async def delete(self, org_id: str, credential_id: str) -> str:
         """Delete one credential; returns the id of the promoted new default ("" if none).
 
-        Raises RpcError NOT_FOUND (absent, another org's, or an id that cannot be ours, `is_row_id`).
-        """
+        Raises RpcError NOT_FOUND (absent, another org's, or an id that cannot be ours,
+        `is_row_id`)."""
         if not is_row_id(credential_id):
             raise _not_found(credential_id)
         promoted = ""
@@ -383,8 +342,8 @@ class CredentialStore:
         return promoted
 
     async def set_default(self, org_id: str, credential_id: str) -> CredentialInfo:
-        """Make one credential its integration's default. Raises RpcError NOT_FOUND (also for an id that
-        cannot be ours, `is_row_id`)."""
+        """Make one credential its integration's default. Raises RpcError NOT_FOUND (also for an id
+        that cannot be ours, `is_row_id`)."""
         if not is_row_id(credential_id):
             raise _not_found(credential_id)
         async with self._sessions() as session, session.begin():
@@ -416,11 +375,11 @@ class CredentialStore:
         display_name: str,
         metadata: dict[str, Any] | None = None,
         make_default: bool = False,
-        discovery: list[dict[str, Any]] | None = None,
+        discovery: builtins.list[dict[str, Any]] | None = None,
         created_by: str = "",
     ) -> CredentialInfo:
-        """Store a credential for an integration outside the static catalogue (MCP servers, OAuth2 tokens);
-        `created_by` is the creating user's id, or "".
+        """Store a credential for an integration outside the static catalogue (MCP servers, OAuth2
+        tokens); `created_by` is the creating user's id, or "".
 
         The caller has validated `secret`; it is encrypted like any other. `discovery`
         (MCP servers) is stored with the discovery time. The first credential of an
@@ -457,15 +416,16 @@ class CredentialStore:
 
     async def of_auth_type(
         self, org_id: str, auth_type: str, *, fresh: bool = False
-    ) -> list[tuple[CredentialInfo, list[dict[str, Any]]]]:
-        """The organization's credentials of `auth_type` (oldest first), each with its stored discovery ([] if none).
+    ) -> builtins.list[tuple[CredentialInfo, builtins.list[dict[str, Any]]]]:
+        """The organization's credentials of `auth_type` (oldest first), each with its stored
+        discovery ([] if none).
 
         Served from the per-process cache (OrgReadCache) unless `fresh`; a fresh read refills it.
         """
         key = ("of_auth_type", auth_type)
         if not fresh:
             cached = self.cache.get(org_id, key)
-            if cached is not _MISS:
+            if cached is not MISS:
                 return [(info, list(tools)) for info, tools in cached]
         generation = self.cache.generation
         async with self._sessions() as session:
@@ -485,17 +445,19 @@ class CredentialStore:
     async def discovery(
         self, org_id: str, credential_id: str, auth_type: str, *, secret: bool = True
     ) -> tuple[
-        CredentialInfo, list[dict[str, Any]] | None, datetime.datetime | None, dict[str, Any]
+        CredentialInfo,
+        builtins.list[dict[str, Any]] | None,
+        datetime.datetime | None,
+        dict[str, Any],
     ]:
-        """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one credential;
-        with `secret=False` the secret is not decrypted ({} in its place).
+        """(metadata, discovered tools or None, discovery time or None, decrypted secret) of one
+        credential; with `secret=False` the secret is not decrypted ({} in its place).
 
         Raises RpcError NOT_FOUND when it is absent or another organization's, INVALID_ARGUMENT
-        WRONG_CREDENTIAL_KIND when it is the organization's but not of `auth_type` (a fresh-eyes
-        test took "Credential not found" for a credential that exists for a bug);
-        crypto.SecretBoxError (logged, see `_decrypt`) when its secret is asked for and cannot be decrypted.
-        NOT_FOUND without a query for an id that cannot be ours (`is_row_id`).
-        """
+        WRONG_CREDENTIAL_KIND when it is the organization's but not of `auth_type` (not NOT_FOUND,
+        which would deny a credential that exists);
+        crypto.SecretBoxError (logged, see `_decrypt`) when its secret is asked for and cannot be
+        decrypted. NOT_FOUND without a query for an id that cannot be ours (`is_row_id`)."""
         if not is_row_id(credential_id):
             raise _not_found(credential_id)
         async with self._sessions() as session:
@@ -506,7 +468,8 @@ class CredentialStore:
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "WRONG_CREDENTIAL_KIND",
-                f"Credential {credential_id} has auth type {row.auth_type}, not {auth_type}: it is not an MCP server's",
+                f"Credential {credential_id} has auth type {row.auth_type}, not {auth_type}: "
+                "it is not an MCP server's",
                 domain=TOOLS_DOMAIN,
                 metadata={"credential_id": credential_id, "auth_type": row.auth_type},
             )
@@ -514,10 +477,10 @@ class CredentialStore:
         return CredentialInfo.of(row), row.discovery, when, self._decrypt(row) if secret else {}
 
     async def set_discovery(
-        self, org_id: str, credential_id: str, tools: list[dict[str, Any]]
+        self, org_id: str, credential_id: str, tools: builtins.list[dict[str, Any]]
     ) -> datetime.datetime:
-        """Store the tools discovered on an MCP server credential; returns the discovery time. Raises NOT_FOUND
-        (also for an id that cannot be ours, `is_row_id`)."""
+        """Store the tools discovered on an MCP server credential; returns the discovery time.
+        Raises NOT_FOUND (also for an id that cannot be ours, `is_row_id`)."""
         if not is_row_id(credential_id):
             raise _not_found(credential_id)
         now = utcnow()
@@ -532,9 +495,10 @@ class CredentialStore:
         return now
 
     async def connected_integrations(self, org_id: str) -> set[str]:
-        """Names of the integrations the organization has at least one credential for (cached: OrgReadCache)."""
+        """Names of the integrations the organization has at least one credential for (cached:
+        OrgReadCache)."""
         cached = self.cache.get(org_id, "connected")
-        if cached is not _MISS:
+        if cached is not MISS:
             return set(cached)
         generation = self.cache.generation
         async with self._sessions() as session:
@@ -587,11 +551,10 @@ class CredentialStore:
         """The credential an action runs with, and its decrypted secret.
 
         `credential_id` given: that credential, which must belong to `org_id` and be for
-        `integration_name` (else None; None without a query for an id that cannot be ours, `is_row_id`).
-        Not given: the integration's default, else its newest credential, else None. Raises
-        crypto.SecretBoxError when the secret cannot be decrypted with the configured keys (logged
-        once, see `_decrypt`).
-        """
+        `integration_name` (else None; None without a query for an id that cannot be ours,
+        `is_row_id`). Not given: the integration's default, else its newest credential, else None.
+        Raises crypto.SecretBoxError when the secret cannot be decrypted with the configured keys
+        (logged once, see `_decrypt`)."""
         if credential_id and not is_row_id(credential_id):
             return None
         async with self._sessions() as session:

@@ -32,7 +32,8 @@ class SecretBoxError(Exception):
 
 #: What an operator is told (in the log, never to a user) when a stored secret cannot be decrypted.
 KEY_CHANGED_HINT = (
-    "the credential key (LOOPLINE_TOOLS_CREDENTIAL_KEY) was probably changed without keeping the key "
+    "the credential key (LOOPLINE_TOOLS_CREDENTIAL_KEY) was probably changed without keeping the "
+    "key "
     "this secret was encrypted with: list the old key(s) after the new one, comma-separated "
     "(NEW,OLD: the first key encrypts, every listed key decrypts), or connect the credential again"
 )

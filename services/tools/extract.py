@@ -1,4 +1,4 @@
-"""Text extraction for uploaded knowledge documents (issue #6 "Knowledge": txt, md, html, csv, json, pdf).
+"""Text extraction for uploaded knowledge documents: txt, md, html, csv, json, pdf.
 
 The file type comes from the file name's extension, else from the media type. Text
 types are decoded as UTF-8 (a byte-order mark is dropped; invalid bytes are replaced);

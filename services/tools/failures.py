@@ -15,7 +15,8 @@ import ssl
 import sys
 from collections.abc import Iterator
 
-#: Why the outbound policy refused a destination (netpolicy.classify's kinds), as a tool error names it.
+#: Why the outbound policy refused a destination (netpolicy.classify's kinds), as a tool error names
+#: it.
 POLICY_KINDS = ("unspecified", "loopback", "link-local", "multicast", "private", "reserved")
 
 # The kinds of a failed HTTP request (`http_failure`), most specific first.
@@ -115,7 +116,10 @@ def policy_refusal(exc: BaseException, what: str) -> str:
     for kind in POLICY_KINDS:
         if f" {kind} address" in text:
             article = "an" if kind[0] in "aeiou" else "a"
-            return f"{what} is not allowed: it resolves to {article} {kind} address, which the outbound policy of this deployment does not allow"
+            return (
+                f"{what} is not allowed: it resolves to {article} {kind} address, "
+                "which the outbound policy of this deployment does not allow"
+            )
     if "unix socket" in text:
         return f"{what} is not allowed: unix sockets are not an allowed destination"
     return f"{what} is not allowed by the outbound policy of this deployment"

@@ -1,6 +1,6 @@
 """Knowledge bases: documents cut into chunks and ranked with full-text search.
 
-Rules (issue #6 "Knowledge"): documents are chunked and indexed; search ranks with
+Documents are chunked and indexed; search ranks with
 SQLite FTS5 BM25 on the embedded default (PostgreSQL full-text search, `ts_rank_cd`
 over `to_tsvector('english', ...)`, when the database is PostgreSQL) and returns
 chunks with document, score and content. Every query is scoped by organization: no
@@ -13,11 +13,11 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
-from sqlalchemy import func, insert, select, text
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+from sqlalchemy import Table, func, insert, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from services.common.errors import TOOLS_DOMAIN, RpcError
 from services.common.ids import is_row_id
@@ -50,7 +50,9 @@ def chunk_text(content: str, size: int = CHUNK_CHARS) -> list[str]:
             cut = paragraph.rfind(" ", start, start + size)
             cut = cut if cut - start > size // 2 else start + size
             pieces.append(paragraph[start:cut].strip())
-            start = _SPACES.match(paragraph, cut).end()  # what str.strip() drops (same whitespace)
+            spaces = _SPACES.match(paragraph, cut)
+            assert spaces is not None  # r"\s*" matches at any position
+            start = spaces.end()  # what str.strip() drops (same whitespace)
         if start < end:
             pieces.append(paragraph[start:])
     chunks: list[str] = []
@@ -79,7 +81,8 @@ def count_tokens(content: str) -> int:
 
 
 def _prepare(content: str) -> tuple[list[str], int, int]:
-    """(chunks, token count, UTF-8 size) of a document's text: the CPU-heavy part of add_document."""
+    """(chunks, token count, UTF-8 size) of a document's text: the CPU-heavy part of
+    add_document."""
     return chunk_text(content), count_tokens(content), len(content.encode())
 
 
@@ -142,7 +145,8 @@ class KnowledgeStore:
     async def create_base(
         self, org_id: str, name: str, description: str = "", created_by: str = ""
     ) -> tuple[KnowledgeBase, int]:
-        """Create a knowledge base (`created_by`: the creating user's id, or ""); returns it and its document count (0).
+        """Create a knowledge base (`created_by`: the creating user's id, or ""); returns it and its
+        document count (0).
 
         Raises RpcError INVALID_ARGUMENT when `org_id` or `name` is empty.
         """
@@ -172,7 +176,8 @@ class KnowledgeStore:
     async def list_bases_with_totals(
         self, org_id: str
     ) -> list[tuple[KnowledgeBase, tuple[int, int, int]]]:
-        """The organization's knowledge bases, newest first, each with (documents, chunks, tokens)."""
+        """The organization's knowledge bases, newest first, each with (documents, chunks,
+        tokens)."""
         async with self._sessions() as session:
             counts = (
                 select(
@@ -204,9 +209,8 @@ class KnowledgeStore:
     ) -> KnowledgeDocument:
         """One document of one of the organization's knowledge bases.
 
-        Raises RpcError NOT_FOUND when it is absent, in another knowledge base, or another organization's,
-        and without a query when either id cannot be ours (`is_row_id`).
-        """
+        Raises RpcError NOT_FOUND when it is absent, in another knowledge base, or another
+        organization's, and without a query when either id cannot be ours (`is_row_id`)."""
         document = None
         if is_row_id(document_id) and is_row_id(knowledge_base_id):
             async with self._sessions() as session:
@@ -287,31 +291,7 @@ class KnowledgeStore:
                 raise _base_not_found(knowledge_base_id)
             session.add(document)
             await session.flush()  # the document row first: chunks reference it
-            # Core executemany in pages: ids are assigned in chunk_index order, as the ORM did, and
-            # the loop is free between pages (binding the parameters of one page takes milliseconds).
-            for first in range(0, len(chunks), INSERT_PAGE):
-                await session.execute(
-                    insert(KnowledgeChunk.__table__),
-                    [
-                        {
-                            "document_id": document.id,
-                            "knowledge_base_id": knowledge_base_id,
-                            "org_id": org_id,
-                            "chunk_index": i,
-                            "content": c,
-                        }
-                        for i, c in enumerate(chunks[first : first + INSERT_PAGE], start=first)
-                    ],
-                )
-            if self._dialect == "sqlite":
-                # rowid = knowledge_chunks.id, the same rows and text the search joins on (models.py).
-                await session.execute(
-                    text(
-                        "INSERT INTO knowledge_chunks_fts(rowid, content) "
-                        "SELECT id, content FROM knowledge_chunks WHERE document_id = :doc ORDER BY id"
-                    ),
-                    {"doc": document.id},
-                )
+            await self._insert_chunks(session, document, chunks)
         log.info(
             "document indexed",
             extra={
@@ -323,6 +303,36 @@ class KnowledgeStore:
             },
         )
         return document
+
+    async def _insert_chunks(
+        self, session: AsyncSession, document: KnowledgeDocument, chunks: list[str]
+    ) -> None:
+        """Write the document's chunks (and, on SQLite, their FTS5 rows) in `session`."""
+        # Core executemany in pages: ids are assigned in chunk_index order, as the ORM did, and
+        # the loop is free between pages (binding the parameters of one page takes milliseconds).
+        for first in range(0, len(chunks), INSERT_PAGE):
+            await session.execute(
+                insert(cast(Table, KnowledgeChunk.__table__)),
+                [
+                    {
+                        "document_id": document.id,
+                        "knowledge_base_id": document.knowledge_base_id,
+                        "org_id": document.org_id,
+                        "chunk_index": i,
+                        "content": c,
+                    }
+                    for i, c in enumerate(chunks[first : first + INSERT_PAGE], start=first)
+                ],
+            )
+        if self._dialect == "sqlite":
+            # rowid = knowledge_chunks.id, the same rows and text the search joins on (models.py)
+            await session.execute(
+                text(
+                    "INSERT INTO knowledge_chunks_fts(rowid, content) "
+                    "SELECT id, content FROM knowledge_chunks WHERE document_id = :doc ORDER BY id"
+                ),
+                {"doc": document.id},
+            )
 
     async def search(
         self, org_id: str, query: str, knowledge_base_ids: list[str] | None, top_k: int
@@ -352,7 +362,8 @@ class KnowledgeStore:
             # Each term quoted (FTS5 syntax characters are inert inside quotes), any term may match.
             params["match"] = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
             sql = (
-                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, c.content, "
+                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, "
+                "c.content, "
                 "bm25(knowledge_chunks_fts) AS rank FROM knowledge_chunks_fts "
                 "JOIN knowledge_chunks c ON c.id = knowledge_chunks_fts.rowid "
                 "JOIN knowledge_documents d ON d.id = c.document_id "
@@ -361,10 +372,13 @@ class KnowledgeStore:
         else:
             params["tsq"] = " | ".join(terms)
             sql = (
-                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, c.content, "
-                "-ts_rank_cd(to_tsvector('english', c.content), to_tsquery('english', :tsq)) AS rank "
+                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, "
+                "c.content, "
+                "-ts_rank_cd(to_tsvector('english', c.content), to_tsquery('english', :tsq)) AS "
+                "rank "
                 "FROM knowledge_chunks c JOIN knowledge_documents d ON d.id = c.document_id "
-                f"WHERE to_tsvector('english', c.content) @@ to_tsquery('english', :tsq) AND {scope} "
+                "WHERE to_tsvector('english', c.content) @@ to_tsquery('english', :tsq) AND "
+                f"{scope} "
                 "ORDER BY rank LIMIT :k"
             )
         async with self._sessions() as session:

@@ -51,7 +51,8 @@ class Credential(Base):
     metadata_json: Mapped[dict[str, Any]] = mapped_column(
         "metadata", JSON, nullable=False, default=dict
     )
-    # MCP server credentials only: the tools last discovered ([{name, description, input_schema}]) and when.
+    # MCP server credentials only: the tools last discovered ([{name, description, input_schema}])
+    # and when.
     discovery: Mapped[list[dict[str, Any]] | None] = mapped_column(
         JSON, nullable=True, default=None
     )

@@ -1,7 +1,7 @@
 """The outbound policy for URLs an organization supplies (the `http` integration, MCP servers
 over HTTP, the `postgresql` integration's host).
 
-Rule (issue #6, DESIGN.md "services/tools"): org-supplied URLs may not reach loopback,
+Rule (DESIGN.md "services/tools"): org-supplied URLs may not reach loopback,
 link-local or private addresses unless the operator allows them
 (`LOOPLINE_TOOLS_ALLOW_PRIVATE_NETWORK`). The check happens where the socket is opened:
 the host is resolved once, every address it resolves to is checked, and the connection
@@ -33,7 +33,7 @@ def classify(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | No
 
     An IPv6 address that carries an IPv4 address is judged by that one: IPv4-mapped
     (::ffff:0:0/96), 6to4 (2002::/16, RFC 3056) and Teredo (2001::/32, RFC 4380: its client
-    address) — a fresh-eyes test reached 127.0.0.1 through 2002:7f00:1::.
+    address), so that 2002:7f00:1:: does not reach 127.0.0.1.
     """
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
@@ -80,11 +80,10 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
         for text in addresses:
             kind = classify(ipaddress.ip_address(text))
             if kind is not None:
-                article = (
-                    "an" if kind[0] in "aeiou" else "a"
-                )  # "an unspecified address" (fresh-eyes test)
+                article = "an" if kind[0] in "aeiou" else "a"  # "an unspecified address"
                 raise OutboundPolicyError(
-                    f"destination {host!r} resolves to {article} {kind} address, which the outbound policy "
+                    f"destination {host!r} resolves to {article} {kind} address, which the "
+                    "outbound policy "
                     "of this deployment does not allow"
                 )
     return addresses
@@ -103,7 +102,7 @@ def _guarded_backend_class(core: str = "httpcore") -> type:
 
         httpcore = importlib.import_module(core)
 
-        class GuardedBackend(httpcore.AsyncNetworkBackend):  # type: ignore[name-defined,misc]
+        class GuardedBackend(httpcore.AsyncNetworkBackend):  # type: ignore[name-defined]
             """An httpcore network backend that checks every TCP destination against the policy.
 
             The host is resolved here, once per connection; every address it resolves to is
@@ -145,7 +144,10 @@ def _guarded_backend_class(core: str = "httpcore") -> type:
                 raise last
 
             async def connect_unix_socket(
-                self, path: str, timeout: float | None = None, socket_options: Any = None
+                self,
+                path: str,
+                timeout: float | None = None,
+                socket_options: Any = None,
             ) -> Any:
                 """Unix sockets are never an allowed destination."""
                 raise OutboundPolicyError("unix sockets are not an allowed destination")

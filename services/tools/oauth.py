@@ -1,4 +1,5 @@
-"""OAuth2 authorization code flow with PKCE (RFC 6749 §4.1, RFC 7636 S256) for integrations that declare it.
+"""OAuth2 authorization code flow with PKCE (RFC 6749 §4.1, RFC 7636 S256) for integrations that
+declare it.
 
 OAuth2 integrations are configured by the operator with LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS,
 a JSON list of `{"name", "display_name"?, "description"?, "authorize_url", "token_url",
@@ -44,8 +45,8 @@ from services.tools.models import OAuthState, utcnow
 log = logging.getLogger(__name__)
 
 STATE_TTL = datetime.timedelta(minutes=10)
-# What a state can look like: `initiate` makes it with secrets.token_urlsafe(32) (43 characters of the
-# URL-safe base64 alphabet); the column holds 64. Any other state cannot be ours (`complete`).
+# What a state can look like: `initiate` makes it with secrets.token_urlsafe(32) (43 characters of
+# the URL-safe base64 alphabet); the column holds 64. Any other state cannot be ours (`complete`).
 _STATE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 
@@ -66,7 +67,8 @@ class OAuth2Provider:
 
 
 def parse_providers(raw: str) -> list[OAuth2Provider]:
-    """The providers of a LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS value ("" -> []). Raises ValueError when malformed."""
+    """The providers of a LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS value ("" -> []). Raises ValueError
+    when malformed."""
     if not raw.strip():
         return []
     items = json.loads(raw)
@@ -100,7 +102,8 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
     return providers
 
 
-#: The most percent-decoding passes a path segment may need before it stops changing (`api_path_error`).
+#: The most percent-decoding passes a path segment may need before it stops changing
+#: (`api_path_error`).
 MAX_DECODE_PASSES = 4
 _PATH_REFUSAL = (
     "path must be a path on the API: no '.' or '..' segments, no ';' parameters, no control "
@@ -122,15 +125,14 @@ def _decoded(segment: str) -> str | None:
 def api_path_error(path: str) -> str | None:
     """Why `path` is not a path under an OAuth2 integration's `api_base_url`, or None when it is.
 
-    The access token is sent to `api_base_url + path`, so the path must stay on that host and
-    under that base path: it starts with one '/', names no scheme, and none of its segments,
-    percent-decoded until it stops changing (a server or a proxy in front of it may decode more
-    than once: `%252e%252e` is `..` after two passes), is a dot-segment ('.' or '..', also in
-    Unicode compatibility forms such as U+FF0E: RFC 3986 §5.2.4 removes them, so `/../x` would
-    leave the base path), holds a ';' (a path parameter: `..;` is `..` to servlet containers,
-    which strip parameters after normalizing), a '/' or '\\' (which some servers decode into a separator) or a control
-    character. The query and fragment are not checked: they do not change the path.
-    """
+    The access token is sent to `api_base_url + path`, so the path must stay on that host and under
+    that base path: it starts with one '/', names no scheme, and none of its segments,
+    percent-decoded until it stops changing (a server or a proxy in front of it may decode more than
+    once: `%252e%252e` is `..` after two passes), is a dot-segment ('.' or '..', also in Unicode
+    compatibility forms such as U+FF0E: RFC 3986 §5.2.4 removes them, so `/../x` would leave the
+    base path), holds a ';' (a path parameter: `..;` is `..` to servlet containers, which strip
+    parameters after normalizing), a '/' or '\\' (which some servers decode into a separator) or a
+    control character. The query and fragment are not checked: they do not change the path."""
     if not path.startswith("/") or path.startswith("//") or "://" in path:
         return "path must be a path on the API, starting with '/'"
     raw = path.split("#", 1)[0].split("?", 1)[0]
@@ -201,7 +203,8 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
                         "path": {
                             "type": "string",
                             "minLength": 1,
-                            "description": "The API path under the base URL, e.g. /me (no . or .. segments, no ;)",
+                            "description": "The API path under the base URL, e.g. /me (no . or .. "
+                            "segments, no ;)",
                         },
                         "body": {"type": "object", "description": "JSON body for POST"},
                     },
@@ -308,20 +311,51 @@ class OAuth2Flows:
         return provider.authorize_url + separator + urllib.parse.urlencode(query), state
 
     async def complete(self, state: str, code: str, error: str = "") -> tuple[CredentialInfo, str]:
-        """Consume `state`, exchange `code`, store the credential; returns (its metadata, the user who started).
+        """Consume `state`, exchange `code`, store the credential; returns (its metadata, the user
+        who started).
 
-        Raises RpcError INVALID_ARGUMENT (OAUTH2_STATE_INVALID: unknown, used or expired
-        state, or one no configured credential key decrypts (logged); missing code;
-        OAUTH2_DENIED: the authorization server's `error`, RFC 6749 section 4.1.2.1, for a
-        valid state; a state `initiate` cannot have made, `_STATE`, is unknown without a query) or FAILED_PRECONDITION (OAUTH2_EXCHANGE_FAILED: the token endpoint refused
-        the code or could not be reached). The state is spent either way (it is single-use:
-        a denied flow cannot go on to an exchange).
-        """
+        Raises RpcError INVALID_ARGUMENT (OAUTH2_STATE_INVALID: unknown, used or expired state, or
+        one no configured credential key decrypts (logged); missing code; OAUTH2_DENIED: the
+        authorization server's `error`, RFC 6749 section 4.1.2.1, for a valid state; a state
+        `initiate` cannot have made, `_STATE`, is unknown without a query) or FAILED_PRECONDITION
+        (OAUTH2_EXCHANGE_FAILED: the token endpoint refused the code or could not be reached). The
+        state is spent either way (it is single-use: a denied flow cannot go on to an exchange)."""
         if not state or not (code or error):
             raise _invalid("OAUTH2_STATE_INVALID", "state and code are required")
-        if not _STATE.fullmatch(
-            state
-        ):  # cannot be one of ours (U+0000 was INTERNAL on PostgreSQL): not looked up
+        row = await self._spend_state(state)
+        if error:
+            raise _invalid("OAUTH2_DENIED", bounded(f"Authorization was not granted: {error}"))
+        provider = self.providers[row.integration]
+        verifier = self._verifier(row)
+        tokens = await self._exchange(provider, row, code, verifier)
+        secret = {
+            "access_token": tokens["access_token"],
+            "token_type": str(tokens.get("token_type", "Bearer")),
+        }
+        if isinstance(tokens.get("refresh_token"), str):
+            secret["refresh_token"] = tokens["refresh_token"]
+        metadata: dict[str, Any] = {"scope": str(tokens.get("scope", row.scope))}
+        if isinstance(tokens.get("expires_in"), int | float):
+            metadata["expires_at"] = (
+                utcnow() + datetime.timedelta(seconds=float(tokens["expires_in"]))
+            ).isoformat()
+        info = await self._credentials.create_raw(
+            row.org_id,
+            provider.name,
+            "oauth2",
+            secret,
+            display_name=row.display_name or f"{provider.display_name} account",
+            metadata=metadata,
+            make_default=row.make_default,
+            created_by=row.user_id,
+        )
+        return info, row.user_id
+
+    async def _spend_state(self, state: str) -> OAuthState:
+        """Delete the stored `state` and return it; OAUTH2_STATE_INVALID when it is unknown,
+        expired or for a provider no longer configured."""
+        # a state `initiate` cannot have made is not looked up (U+0000 was INTERNAL on PostgreSQL)
+        if not _STATE.fullmatch(state):
             raise _invalid(
                 "OAUTH2_STATE_INVALID",
                 "Unknown or expired OAuth2 state; start the connection again",
@@ -337,14 +371,14 @@ class OAuth2Flows:
                 "OAUTH2_STATE_INVALID",
                 "Unknown or expired OAuth2 state; start the connection again",
             )
-        if error:
-            raise _invalid("OAUTH2_DENIED", bounded(f"Authorization was not granted: {error}"))
-        provider = self.providers[row.integration]
+        return row
+
+    def _verifier(self, row: OAuthState) -> str:
+        """The PKCE verifier stored with `row`; OAUTH2_STATE_INVALID when the key changed between
+        initiate and complete (see KEY_CHANGED_HINT)."""
         try:
-            verifier = self._box.decrypt(row.encrypted_verifier)["verifier"]
-        except (
-            SecretBoxError
-        ):  # the key changed between initiate and complete (see KEY_CHANGED_HINT)
+            verifier: str = self._box.decrypt(row.encrypted_verifier)["verifier"]
+        except SecretBoxError:
             log.warning(
                 f"stored OAuth2 state cannot be decrypted: {KEY_CHANGED_HINT}",
                 extra={"fields": {"integration": row.integration, "org_id": row.org_id}},
@@ -353,6 +387,13 @@ class OAuth2Flows:
                 "OAUTH2_STATE_INVALID",
                 "The OAuth2 state cannot be read; start the connection again",
             ) from None
+        return verifier
+
+    async def _exchange(
+        self, provider: OAuth2Provider, row: OAuthState, code: str, verifier: str
+    ) -> dict[str, Any]:
+        """Exchange `code` at the provider's token endpoint; the token response, which has an
+        `access_token`. OAUTH2_EXCHANGE_FAILED when the endpoint refuses or cannot be reached."""
         form = {
             "grant_type": "authorization_code",
             "code": code,
@@ -373,10 +414,8 @@ class OAuth2Flows:
                 )
             try:
                 tokens = response.json() if response.status_code == 200 else None
-            except (
-                ValueError,
-                RecursionError,
-            ) as exc:  # not JSON, or nested past what json.loads parses: no token
+            # not JSON, or nested past what json.loads parses: no token
+            except (ValueError, RecursionError) as exc:
                 log.warning(
                     "oauth2 token response is not JSON",
                     extra={
@@ -400,28 +439,8 @@ class OAuth2Flows:
             raise RpcError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "OAUTH2_EXCHANGE_FAILED",
-                f"The authorization server did not issue a token ({why}); start the connection again",
+                f"The authorization server did not issue a token ({why}); start the connection "
+                "again",
                 domain=TOOLS_DOMAIN,
             )
-        secret = {
-            "access_token": tokens["access_token"],
-            "token_type": str(tokens.get("token_type", "Bearer")),
-        }
-        if isinstance(tokens.get("refresh_token"), str):
-            secret["refresh_token"] = tokens["refresh_token"]
-        metadata: dict[str, Any] = {"scope": str(tokens.get("scope", row.scope))}
-        if isinstance(tokens.get("expires_in"), int | float):
-            metadata["expires_at"] = (
-                utcnow() + datetime.timedelta(seconds=float(tokens["expires_in"]))
-            ).isoformat()
-        info = await self._credentials.create_raw(
-            row.org_id,
-            provider.name,
-            "oauth2",
-            secret,
-            display_name=row.display_name or f"{provider.display_name} account",
-            metadata=metadata,
-            make_default=row.make_default,
-            created_by=row.user_id,
-        )
-        return info, row.user_id
+        return tokens

@@ -1,6 +1,6 @@
 """The assistant profile's tools that the tools service executes.
 
-Contract (DESIGN.md "A turn, end to end" and issue #6 "Catalogue and the five tools"):
+Contract (DESIGN.md "A turn, end to end"): the five tools
 `get_available_integrations`, `get_integration_details`, `get_organization_credentials`,
 `execute_integration_tool` and `search_knowledge`. Every failure is a `ToolResult` with
 success=false and a readable, secret-free `error` — never an exception out of
@@ -28,20 +28,21 @@ from services.common.errors import bounded
 from services.common.redaction import Redactor
 from services.common.validation import schema_errors
 from services.tools import failures
-from services.tools.catalogue import ActionContext, ActionError, Catalogue, Integration
+from services.tools.catalogue import Action, ActionContext, ActionError, Catalogue, Integration
 from services.tools.config import ToolsSettings
-from services.tools.credentials import CredentialStore
+from services.tools.credentials import CredentialInfo, CredentialStore
 from services.tools.crypto import SecretBoxError
 from services.tools.knowledge import KnowledgeStore
+from services.tools.mcp_client import McpConnector
 from services.tools.mcp_servers import (
     MCP_AUTH_TYPE,
     NO_AUTH,
     ORG_SERVER_AUTH,
-    McpConnector,
     StdioRegistry,
     integration_of_tools,
 )
 from services.tools.netpolicy import OutboundPolicyError
+from services.tools.tool_definitions import PROFILES, TOOL_DEFINITIONS
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ _ENVELOPE_BYTES = 512
 
 
 def _is_httpx_error(exc: BaseException) -> bool:
-    """Whether `exc` is an httpx.HTTPError (httpx is imported on first use: no httpx error exists before)."""
+    """Whether `exc` is an httpx.HTTPError (httpx is imported on first use: no httpx error exists
+    before)."""
     httpx = sys.modules.get("httpx")
     return httpx is not None and isinstance(exc, httpx.HTTPError)
 
@@ -76,126 +78,51 @@ class ToolResult:
     millicredits: int = 0
 
 
-TOOL_DEFINITIONS: list[dict[str, Any]] = [
-    {
-        "name": "get_available_integrations",
-        "description": "List the integrations this organization can use, with whether each is connected "
-        "(has a credential, or needs none) and the auth types it accepts. Filter by category or a search text.",
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "category": {
-                    "type": "string",
-                    "description": 'Only integrations in this category, e.g. "database".',
-                },
-                "query": {
-                    "type": "string",
-                    "description": "Only integrations whose name or description contains this text.",
-                },
-            },
-            "additionalProperties": False,
-        },
-    },
-    {
-        "name": "get_integration_details",
-        "description": "Describe one integration: its actions with their parameter JSON Schemas and credit costs, "
-        "and its auth options. Call it before execute_integration_tool.",
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "integration": {
-                    "type": "string",
-                    "minLength": 1,
-                    "description": 'Integration name, e.g. "postgresql".',
-                }
-            },
-            "required": ["integration"],
-            "additionalProperties": False,
-        },
-    },
-    {
-        "name": "get_organization_credentials",
-        "description": "List the organization's connected credentials (metadata only: id, integration, auth type, "
-        "display name, default flag, dates). Secrets are never shown.",
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "integration": {
-                    "type": "string",
-                    "description": "Only this integration's credentials.",
-                }
-            },
-            "additionalProperties": False,
-        },
-    },
-    {
-        "name": "execute_integration_tool",
-        "description": "Run one action of an integration with parameters that match the action's schema "
-        "(see get_integration_details). Uses the integration's default credential unless credential_id is given. "
-        "If no credential is connected, call request_credential to ask the user for one.",
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "integration": {
-                    "type": "string",
-                    "minLength": 1,
-                    "description": "Integration name.",
-                },
-                "action": {"type": "string", "minLength": 1, "description": "Action name."},
-                "parameters": {
-                    "type": "object",
-                    "description": "The action's parameters.",
-                    "default": {},
-                },
-                "credential_id": {
-                    "type": "string",
-                    "description": "A credential id from get_organization_credentials.",
-                },
-            },
-            "required": ["integration", "action"],
-            "additionalProperties": False,
-        },
-    },
-    {
-        "name": "search_knowledge",
-        "description": "Full-text search over the organization's knowledge bases; returns the best-matching "
-        "passages with their document and score.",
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string", "minLength": 1, "description": "What to look for."},
-                "knowledge_base_ids": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "description": "Only these knowledge bases (default: all of the organization's).",
-                },
-                "top_k": {
-                    "type": "integer",
-                    "minimum": 1,
-                    "maximum": 50,
-                    "default": 5,
-                    "description": "How many passages.",
-                },
-            },
-            "required": ["query"],
-            "additionalProperties": False,
-        },
-    },
-]
-
 _VALIDATORS = {d["name"]: Draft202012Validator(d["input_schema"]) for d in TOOL_DEFINITIONS}
 
 
-#: The profiles whose tools ListTools lists: "assistant" is the only one today (tools.proto, ListToolsRequest).
-PROFILES = ("assistant",)
+def _action_of(integration: Integration, name: str) -> Action:
+    """The action `name` of `integration`; else a ToolError that lists the actions it has."""
+    action = integration.actions.get(name)
+    if action is None:
+        if not integration.actions:  # e.g. an MCP server whose tools could not be discovered
+            raise ToolError(
+                f"Integration {integration.name!r} has no actions (an MCP server's are those "
+                "its discovery found; refresh it with POST /credentials/{id}/refresh-discovery)."
+            )
+        names = ", ".join(integration.actions)
+        raise ToolError(
+            f"Integration {integration.name!r} has no action {name!r}. Its actions: {names}."
+        )
+    return action
+
+
+def _log_action_raised(integration: Integration, action: Action, exc: Exception) -> None:
+    """Log an unexpected action failure (not an httpx error) with where it was raised; its text
+    is left out (it goes to the finish log only, redacted)."""
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame else "?"
+    log.error(
+        "integration action raised",
+        extra={
+            "fields": {
+                "integration": integration.name,
+                "action": action.name,
+                "exc_type": type(exc).__name__,
+                "where": where,
+            }
+        },
+    )
 
 
 def _field_with_nul(tool_input: dict[str, Any]) -> str | None:
     """The first field of a tool's input (`parameters` aside: an action checks its own) that
     holds U+0000 (`pb.holds_nul`), else None. These fields name things the
-    tools service looks up in its database, and PostgreSQL's text takes no NUL: a model's
-    `credential_id` with one was "failed because of an internal error" there and "not found" on
-    SQLite (fresh-eyes test); the gateway refuses NUL in request bodies the same way."""
+    tools service looks up in its database, and PostgreSQL's text takes no NUL (an internal
+    error there, "not found" on SQLite); the gateway refuses NUL in request bodies the same
+    way."""
     return next(
         (
             name
@@ -272,8 +199,8 @@ class ToolExecutor:
 
     @staticmethod
     def definitions(profile: str) -> list[dict[str, Any]]:
-        """The tool definitions of `profile` (one of PROFILES, or "" for "assistant"); [] for any other
-        profile (ListTools refuses those first: INVALID_ARGUMENT UNKNOWN_PROFILE)."""
+        """The tool definitions of `profile` (one of PROFILES, or "" for "assistant"); [] for any
+        other profile (ListTools refuses those first: INVALID_ARGUMENT UNKNOWN_PROFILE)."""
         return TOOL_DEFINITIONS if profile in ("", *PROFILES) else []
 
     async def execute(self, org_id: str, tool: str, tool_input: dict[str, Any]) -> ToolResult:
@@ -310,7 +237,8 @@ class ToolExecutor:
             )
 
     async def get_available_integrations(self, org_id: str, args: dict[str, Any]) -> ToolResult:
-        """{"integrations": [{"name", "display_name", "description", "categories", "connected", "auth_types"}], "count"}."""
+        """{"integrations": [{"name", "display_name", "description", "categories", "connected",
+        "auth_types"}], "count"}."""
         category = (args.get("category") or "").strip().lower()
         query = (args.get("query") or "").strip().lower()
         connected = await self.credentials.connected_integrations(org_id)
@@ -376,24 +304,15 @@ class ToolExecutor:
         )
 
     async def execute_integration_tool(self, org_id: str, args: dict[str, Any]) -> ToolResult:
-        """{"integration", "action", "credential_id" (or null), "result", "truncated", "result_bytes"}.
+        """{"integration", "action", "credential_id" (or null), "result", "truncated",
+        "result_bytes"}.
 
         `result` is the action's output (see each integration's handler), or, when its
         JSON exceeds the output cap, a string cut with a truncation marker. Costs the
         action's `credit_cost_millicredits` when it succeeds, nothing when it fails.
         """
         integration = await self._integration(org_id, args["integration"])
-        action = integration.actions.get(args["action"])
-        if action is None:
-            if not integration.actions:  # e.g. an MCP server whose tools could not be discovered
-                raise ToolError(
-                    f"Integration {integration.name!r} has no actions (an MCP server's are those its discovery "
-                    "found; refresh it with POST /credentials/{id}/refresh-discovery)."
-                )
-            names = ", ".join(integration.actions)
-            raise ToolError(
-                f"Integration {integration.name!r} has no action {args['action']!r}. Its actions: {names}."
-            )
+        action = _action_of(integration, args["action"])
         parameters = args.get("parameters") or {}
         problems = schema_errors(action.validator, parameters, "parameters")
         if problems:
@@ -401,33 +320,69 @@ class ToolExecutor:
                 f"Invalid parameters for {integration.name}.{action.name}: {problems}. "
                 "See get_integration_details for the schema."
             )
+        resolved = await self._credential_for(org_id, integration, args.get("credential_id"))
+        info, secret = resolved if resolved is not None else (None, None)
+        result = await self._run_action(org_id, integration, action, parameters, info, secret)
+        budget = max(256, self.settings.tools_max_output_bytes - _ENVELOPE_BYTES)
+        value, truncated, size = cap_result(result, budget)
+        return ToolResult(
+            True,
+            output={
+                "integration": integration.name,
+                "action": action.name,
+                "credential_id": info.id if info else None,
+                "result": value,
+                "truncated": truncated,
+                "result_bytes": size,
+            },
+            millicredits=action.credit_cost_millicredits,
+        )
+
+    async def _credential_for(
+        self, org_id: str, integration: Integration, credential_id: str | None
+    ) -> tuple[CredentialInfo, dict[str, Any]] | None:
+        """The credential (and its secret) an action of `integration` runs with: the one named by
+        `credential_id`, else the integration's default; None when it needs none. Raises ToolError
+        when a named or required credential is missing or cannot be decrypted."""
         try:
             # An integration without a secret auth type (e.g. loopline) can have no credential
             # (CreateCredential refuses one), so there is nothing to look up unless an id is named.
-            if args.get("credential_id") or integration.secret_auth_types:
-                resolved = await self.credentials.resolve(
-                    org_id, integration.name, args.get("credential_id")
-                )
+            if credential_id or integration.secret_auth_types:
+                resolved = await self.credentials.resolve(org_id, integration.name, credential_id)
             else:
                 resolved = None
         except SecretBoxError as exc:
             raise ToolError(
-                f"The stored {integration.name} credential cannot be decrypted; ask the user to connect it again "
-                "with request_credential."
+                f"The stored {integration.name} credential cannot be decrypted; ask the user to "
+                "connect it again with request_credential."
             ) from exc
-        if resolved is None and (args.get("credential_id") or integration.requires_credential):
+        if resolved is None and (credential_id or integration.requires_credential):
             needed = [t for t in integration.auth_types if t != "none"]
-            if args.get("credential_id"):
+            if credential_id:
                 raise ToolError(
-                    f"Credential {args['credential_id']!r} was not found for integration {integration.name!r} in this "
-                    "organization. Call get_organization_credentials to see the connected ones, or call "
-                    "request_credential to ask the user to connect one."
+                    f"Credential {credential_id!r} was not found for integration "
+                    f"{integration.name!r} in this organization. Call get_organization_credentials "
+                    "to see the connected ones, or call request_credential to ask the user to "
+                    "connect one."
                 )
             raise ToolError(
-                f"No credential for integration {integration.name!r} is connected in this organization. "
-                f"Call request_credential to ask the user to connect one (auth types: {', '.join(needed)})."
+                f"No credential for integration {integration.name!r} is connected in this "
+                "organization. Call request_credential to ask the user to connect one (auth types: "
+                f"{', '.join(needed)})."
             )
-        info, secret = resolved if resolved is not None else (None, None)
+        return resolved
+
+    async def _run_action(
+        self,
+        org_id: str,
+        integration: Integration,
+        action: Action,
+        parameters: dict[str, Any],
+        info: CredentialInfo | None,
+        secret: dict[str, Any] | None,
+    ) -> Any:
+        """Run `action` under the tools timeout, log how it ended, and return its result with the
+        credential redacted. Every failure becomes a secret-free ToolError (a cancel propagates)."""
         context = ActionContext(
             secret=secret,
             auth_type=info.auth_type if info else "none",
@@ -446,18 +401,20 @@ class ToolExecutor:
         except TimeoutError as exc:
             outcome = "timeout"
             raise ToolError(
-                f"{integration.name}.{action.name} timed out after {self.settings.tools_timeout_s:g} s and was stopped."
+                f"{integration.name}.{action.name} timed out after "
+                f"{self.settings.tools_timeout_s:g} s and was stopped."
             ) from exc
-        except ActionError as exc:  # built by the integration from known fields; redacted all the same (defence in depth)
+        # built by the integration from known fields; redacted all the same (defence in depth)
+        except ActionError as exc:
             cause = exc.__cause__
             raise ToolError(
                 f"{integration.name}.{action.name} failed: {redactor.text(str(exc))}"
             ) from exc
-        except (
-            OutboundPolicyError
-        ) as exc:  # an MCP server's host: the organization's, not the model's, so not named
+        # an MCP server's host: the organization's, not the model's, so not named
+        except OutboundPolicyError as exc:
             raise ToolError(
-                f"{integration.name}.{action.name} refused: {failures.policy_refusal(exc, 'the server host')}"
+                f"{integration.name}.{action.name} refused: "
+                f"{failures.policy_refusal(exc, 'the server host')}"
             ) from exc
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -465,25 +422,9 @@ class ToolExecutor:
         except Exception as exc:  # noqa: BLE001 - an action bug is the call's failure, not the RPC's
             # The model gets the failure's kind (`failures.unexpected`), never the exception's text:
             # a driver's message may quote the secret, a host, an address or a path.
-            # An httpx error is an expected failure (not logged as an error); anything else is
-            # logged with where it was raised; its text goes to the log only, redacted.
             cause = exc
-            if not _is_httpx_error(exc):
-                frame = exc.__traceback__
-                while frame is not None and frame.tb_next is not None:
-                    frame = frame.tb_next
-                where = f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame else "?"
-                log.error(
-                    "integration action raised",
-                    extra={
-                        "fields": {
-                            "integration": integration.name,
-                            "action": action.name,
-                            "exc_type": type(exc).__name__,
-                            "where": where,
-                        }
-                    },
-                )
+            if not _is_httpx_error(exc):  # an httpx error is an expected failure: not an error log
+                _log_action_raised(integration, action, exc)
             raise ToolError(
                 f"{integration.name}.{action.name} failed: {failures.unexpected(exc)}"
             ) from exc
@@ -499,38 +440,30 @@ class ToolExecutor:
             if cause is not None:  # for the operator only, redacted (never in the tool's result)
                 fields["cause"] = bounded(redactor.text(f"{type(cause).__name__}: {cause}"), 300)
             log.info("integration action finished", extra={"fields": fields})
-        if redactor:  # a server that echoes the credential (a header, a URL, an error body) must not hand it to the model
+        # a server that echoes the credential (a header, a URL, an error body) must not hand it
+        # to the model
+        if redactor:
             result = redactor.value(result)
-        budget = max(256, self.settings.tools_max_output_bytes - _ENVELOPE_BYTES)
-        value, truncated, size = cap_result(result, budget)
-        return ToolResult(
-            True,
-            output={
-                "integration": integration.name,
-                "action": action.name,
-                "credential_id": info.id if info else None,
-                "result": value,
-                "truncated": truncated,
-                "result_bytes": size,
-            },
-            millicredits=action.credit_cost_millicredits,
-        )
+        return result
 
     async def search_knowledge(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"query", "results": [{"knowledge_base_id", "document_id", "document_name", "chunk_id",
-        "chunk_index", "content", "score"}], "count"}; error result when the org has no knowledge base."""
+        "chunk_index", "content", "score"}], "count"}; error result when the org has no knowledge
+        base."""
         known = await self.knowledge.base_ids(org_id)
         if not known:
             raise ToolError(
                 "This organization has no knowledge bases yet, so there is nothing to search."
             )
         unknown = [i for i in dict.fromkeys(args.get("knowledge_base_ids") or []) if i not in known]
-        if unknown:  # as POST /knowledge-bases/search answers 404 for them, instead of searching the others quietly
+        # as POST /knowledge-bases/search answers 404 for them, instead of searching the others
+        if unknown:
             shown = ", ".join(repr(i[:64]) for i in unknown[:5]) + (
                 f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             )
             raise ToolError(
-                f"Knowledge base(s) not found: {shown}. Leave out knowledge_base_ids to search them all."
+                f"Knowledge base(s) not found: {shown}. Leave out knowledge_base_ids to search "
+                "them all."
             )
         hits = await self.knowledge.search(
             org_id, args["query"], args.get("knowledge_base_ids"), int(args.get("top_k", 5))
@@ -551,7 +484,8 @@ class ToolExecutor:
         return ToolResult(True, output=output, millicredits=self.settings.tools_search_millicredits)
 
     def org_mcp_integration(self, info: Any, tools: list[dict[str, Any]]) -> Integration:
-        """The integration of an organization's MCP server credential: its discovered tools as actions."""
+        """The integration of an organization's MCP server credential: its discovered tools as
+        actions."""
 
         async def call(ctx: ActionContext, tool_name: str, params: dict[str, Any]) -> Any:
             if not ctx.secret or not ctx.secret.get("url"):
@@ -566,7 +500,8 @@ class ToolExecutor:
         )
 
     async def _integration(self, org_id: str, name: str) -> Integration:
-        """The integration `name`: built-in or OAuth2 (catalogue), operator stdio MCP, or the org's MCP server.
+        """The integration `name`: built-in or OAuth2 (catalogue), operator stdio MCP, or the org's
+        MCP server.
 
         Raises ToolError when there is none, or when a stdio server's tools cannot be discovered.
         """

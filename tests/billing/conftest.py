@@ -25,8 +25,9 @@ from services.billing.server import BillingServer
 
 @pytest.fixture
 def settings(tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> BillingSettings:
-    """Test server settings: SQLite in tmp_path, or with LOOPLINE_TEST_BACKEND=postgres (`make test-pg`)
-    a fresh PostgreSQL database, so every server test also runs billing's PostgreSQL statements."""
+    """Test server settings: SQLite in tmp_path, or with LOOPLINE_TEST_BACKEND=postgres
+    (`make test-pg`) a fresh PostgreSQL database, so every server test also runs billing's
+    PostgreSQL statements."""
     if os.environ.get("LOOPLINE_TEST_BACKEND", "sqlite").strip().lower() == "postgres":
         return make_settings(tmp_path, billing_database_url=request.getfixturevalue("postgres_url"))
     return make_settings(tmp_path)

@@ -263,9 +263,13 @@ async def test_a_database_url_that_cannot_be_used_is_a_json_error_without_its_pa
     urls = {
         "not a url": "is not a database URL",
         "nosuchdialect://reader:pa55word-x@db.example/sales": "names no installed database dialect",
-        "postgresql+asyncpg://reader:pa55word-x@127.0.0.1:1/sales": "(postgresql database 'sales' on 127.0.0.1:1) cannot be used",
-        # the host and port as query parameters (fresh-eyes test: it said "on localhost:default port")
-        "postgresql+asyncpg://reader:pa55word-x@/sales?host=127.0.0.1&port=1": "(postgresql database 'sales' on 127.0.0.1:1) cannot be used",
+        "postgresql+asyncpg://reader:pa55word-x@127.0.0.1:1/sales": (
+            "(postgresql database 'sales' on 127.0.0.1:1) cannot be used"
+        ),
+        # the host and port as query parameters are named, not "localhost:default port"
+        "postgresql+asyncpg://reader:pa55word-x@/sales?host=127.0.0.1&port=1": (
+            "(postgresql database 'sales' on 127.0.0.1:1) cannot be used"
+        ),
         f"sqlite+aiosqlite:///{other}": "its migration history is not billing's",
     }
     for url, fragment in urls.items():
@@ -302,7 +306,7 @@ def test_commands_that_create_accounts_refuse_an_organization_id_no_organization
             ["top-up", "--org", org, "--minor-units", "5", "--create-account"],
             ["seed-dev", "--org", org],
             ["show", "--org", org],
-        ):  # show too (fresh-eyes test: exit 1 "has no billing account" where the others said exit 2)
+        ):  # show too: exit 2 like the others, not exit 1 "has no billing account"
             result = subprocess.run(
                 [sys.executable, "-m", "services.billing", "admin", *argv],
                 env=env,

@@ -1,4 +1,4 @@
-"""Admit / Charge / Release over a real grpc.aio server (DESIGN.md "Billing", issue 5)."""
+"""Admit / Charge / Release over a real grpc.aio server (DESIGN.md "Billing")."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ pb = billing_pb2
 
 
 async def _account(server: BillingServer, org: str) -> Account:
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         account = await session.get(Account, org)
     assert account is not None
     return account
 
 
 async def _reservation_count(server: BillingServer, org: str) -> int:
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         return (
             await session.execute(
                 select(func.count()).select_from(Reservation).where(Reservation.org_id == org)
@@ -58,7 +58,7 @@ async def test_admit_charge_happy_path_posts_one_run_credit(server, stub, org):
     assert charged.state == pb.RESERVATION_STATE_CHARGED
     account = await _account(server, org)
     assert (account.allowance_reserved, account.allowance_used) == (0, 1)
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         entry = await session.get(LedgerEntry, charged.ledger_entry_id)
     assert entry is not None
     assert (entry.idempotency_key, entry.kind, entry.unit, entry.amount) == (
@@ -70,9 +70,9 @@ async def test_admit_charge_happy_path_posts_one_run_credit(server, stub, org):
 
 
 async def test_unknown_org_is_auto_provisioned_on_the_default_plan(server, stub, org):
-    assert await server.core.show(org) is None
+    assert await server.admin.show(org) is None
     await stub.Admit(admit_request(org, "c:r"))
-    view = await server.core.show(org)
+    view = await server.admin.show(org)
     assert view["plan"]["name"] == "developer"
     assert view["allowance"]["period_allowance"] == 1000
     assert view["plan"]["wallet_overage"] is True
@@ -82,7 +82,7 @@ async def test_unknown_org_is_auto_provisioned_on_the_default_plan(server, stub,
 async def test_admit_replay_returns_the_same_reservation_without_counting_the_rate_limit(
     server, stub, org
 ):
-    await server.core.set_plan(org, "three_a_minute")
+    await server.admin.set_plan(org, "three_a_minute")
     first = await stub.Admit(admit_request(org, "chat:run"))
     again = await stub.Admit(admit_request(org, "chat:run"))
     assert again.replayed and not first.replayed
@@ -123,7 +123,7 @@ async def test_charge_twice_posts_once_and_returns_the_same_entry(server, stub, 
     second = await stub.Charge(pb.ChargeRequest(reservation_id=admitted.reservation_id))
     assert first.ledger_entry_id == second.ledger_entry_id
     assert second.state == pb.RESERVATION_STATE_CHARGED
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         entries = (
             (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org)))
             .scalars()
@@ -193,7 +193,7 @@ async def test_admit_without_turn_key_is_invalid_argument(stub, org):
 
 
 async def test_credit_layer_denial_is_failed_precondition_with_a_full_denial(server, stub, org):
-    await server.core.set_plan(org, "seven")
+    await server.admin.set_plan(org, "seven")
     for i in range(7):
         await stub.Admit(admit_request(org, f"c:{i}"))
     code, details, denial = await _denial(stub, admit_request(org, "c:8"))
@@ -212,8 +212,8 @@ async def test_credit_layer_denial_is_failed_precondition_with_a_full_denial(ser
 
 
 async def test_wallet_layer_denial_when_allowance_spent_and_wallet_short(server, stub, org):
-    await server.core.set_plan(org, "wallet_only")
-    await server.core.top_up(org, 7)
+    await server.admin.set_plan(org, "wallet_only")
+    await server.admin.top_up(org, 7)
     paid = await stub.Admit(admit_request(org, "c:1"))
     account = await _account(server, org)
     assert (account.wallet_reserved_minor, account.allowance_reserved) == (5, 0)
@@ -234,7 +234,7 @@ async def test_wallet_layer_denial_when_allowance_spent_and_wallet_short(server,
 
 
 async def test_quota_layer_denial_after_the_daily_run_quota(server, stub, org):
-    await server.core.set_plan(org, "two_a_day")
+    await server.admin.set_plan(org, "two_a_day")
     await stub.Admit(admit_request(org, "c:1"))
     await stub.Admit(admit_request(org, "c:2"))
     code, details, denial = await _denial(stub, admit_request(org, "c:3"))
@@ -252,7 +252,7 @@ async def test_quota_layer_denial_after_the_daily_run_quota(server, stub, org):
 
 
 async def test_rate_layer_denial_is_resource_exhausted_with_retry_info(server, stub, org):
-    await server.core.set_plan(org, "three_a_minute")
+    await server.admin.set_plan(org, "three_a_minute")
     for i in range(3):
         await stub.Admit(admit_request(org, f"c:{i}"))
     code, details, denial = await _denial(stub, admit_request(org, "c:4"))
@@ -274,7 +274,7 @@ async def test_rate_layer_denial_is_resource_exhausted_with_retry_info(server, s
 
 
 async def test_layers_are_checked_rate_then_quota_then_credit(server, stub, org):
-    await server.core.set_plan(org, "all_closed")
+    await server.admin.set_plan(org, "all_closed")
     _, _, first = await _denial(stub, admit_request(org, "c:1"))
     assert first.layer == "quota"  # rate passed (1/minute), quota 0 refused before credit
     _, _, second = await _denial(stub, admit_request(org, "c:2"))
@@ -306,7 +306,7 @@ async def _hundred_against_seven(stub: billing_pb2_grpc.BillingServiceStub, org:
 async def test_hundred_parallel_admissions_against_seven_credits_admit_exactly_seven(
     server, stub, org
 ):
-    await server.core.set_plan(org, "seven")
+    await server.admin.set_plan(org, "seven")
     admitted = await _hundred_against_seven(stub, org)
     assert len(admitted) == 7
     account = await _account(server, org)
@@ -317,8 +317,8 @@ async def test_hundred_parallel_admissions_against_seven_credits_admit_exactly_s
 async def test_hundred_parallel_admissions_against_a_seven_credit_wallet_admit_exactly_seven(
     server, stub, org
 ):
-    await server.core.set_plan(org, "wallet_only")
-    await server.core.top_up(org, 35)
+    await server.admin.set_plan(org, "wallet_only")
+    await server.admin.top_up(org, 35)
     admitted = await _hundred_against_seven(stub, org)
     assert len(admitted) == 7
     account = await _account(server, org)
@@ -330,7 +330,7 @@ async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(
 ):
     server = await BillingServer.start(make_settings(tmp_path, billing_database_url=postgres_url))
     try:
-        await server.core.set_plan(org, "seven")
+        await server.admin.set_plan(org, "seven")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = billing_pb2_grpc.BillingServiceStub(channel)
             admitted = await _hundred_against_seven(stub, org)
@@ -347,7 +347,7 @@ async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(
             assert all(status_details(e).reason == "RESERVATION_RELEASED" for e in errors), errors
         account = await _account(server, org)
         assert account.allowance_reserved == 0
-        async with server.core.sessions() as session:
+        async with server.store.sessions() as session:
             charged = (
                 await session.execute(
                     select(func.count()).select_from(LedgerEntry).where(LedgerEntry.org_id == org)
@@ -359,13 +359,13 @@ async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(
 
 
 async def test_period_rollover_resets_the_allowance(server, stub, org):
-    await server.core.set_plan(org, "seven")
+    await server.admin.set_plan(org, "seven")
     for i in range(7):
         admitted = await stub.Admit(admit_request(org, f"c:{i}"))
         await stub.Charge(pb.ChargeRequest(reservation_id=admitted.reservation_id))
     await _denial(stub, admit_request(org, "c:next"))
     next_month = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=32)
-    server.core.clock = lambda: next_month
+    server.store.clock = lambda: next_month
     admitted = await stub.Admit(admit_request(org, f"c:{uuid.uuid4().hex}"))
     assert not admitted.replayed
     account = await _account(server, org)

@@ -21,12 +21,12 @@ def _later() -> datetime.datetime:
 
 
 async def _account(server, org: str) -> Account:
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         return await session.get(Account, org)
 
 
 async def _charges(server, org: str) -> list[LedgerEntry]:
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         return list(
             (
                 await session.scalars(
@@ -59,7 +59,7 @@ async def test_an_expired_hold_is_charged_late_and_only_once(server, stub, org):
     voided the hold (billing or the orchestrator away longer than the hold). Before, the charge
     was refused (RESERVATION_EXPIRED) and the persisted turn cost nothing."""
     held = await stub.Admit(admit_request(org, "c:late"))
-    assert await server.core.expire_holds(now=_later()) == 1
+    assert await server.ledger.expire_holds(now=_later()) == 1
     account = await _account(server, org)
     assert (account.allowance_reserved, account.allowance_used) == (0, 0)
 
@@ -83,10 +83,10 @@ async def test_an_expired_hold_is_charged_late_and_only_once(server, stub, org):
 
 
 async def test_a_late_charge_debits_the_wallet(server, stub, org):
-    await server.core.set_plan(org, "wallet_only")
-    await server.core.top_up(org, 7)
+    await server.admin.set_plan(org, "wallet_only")
+    await server.admin.top_up(org, 7)
     paid = await stub.Admit(admit_request(org, "c:1"))
-    assert await server.core.expire_holds(now=_later()) == 1
+    assert await server.ledger.expire_holds(now=_later()) == 1
     account = await _account(server, org)
     assert (account.wallet_balance_minor, account.wallet_reserved_minor) == (7, 0)
     answer = await stub.ChargeBatch(
@@ -138,7 +138,7 @@ async def test_an_empty_reservation_id_fails_the_batch_before_anything_is_writte
 
 async def test_charge_alone_still_refuses_an_expired_hold(server, stub, org):
     held = await stub.Admit(admit_request(org, "c:1"))
-    assert await server.core.expire_holds(now=_later()) == 1
+    assert await server.ledger.expire_holds(now=_later()) == 1
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.Charge(pb.ChargeRequest(reservation_id=held.reservation_id))
     assert status_details(caught.value).reason == "RESERVATION_EXPIRED"
@@ -148,10 +148,10 @@ async def test_a_late_charge_counts_its_run_in_the_daily_quota_again(server, stu
     """Fresh-eyes test: an expired hold gives its run back to the daily quota; its late charge
     did not take it again, so runs_today stayed below the runs charged (and the quota let
     that many more turns in)."""
-    await server.core.set_plan(org, "two_a_day")
+    await server.admin.set_plan(org, "two_a_day")
     held = await stub.Admit(admit_request(org, "c:1"))
     assert (await _account(server, org)).runs_today == 1
-    assert await server.core.expire_holds(now=_later()) == 1
+    assert await server.ledger.expire_holds(now=_later()) == 1
     assert (await _account(server, org)).runs_today == 0
     await stub.ChargeBatch(
         pb.ChargeBatchRequest(charges=[pb.ChargeRequest(reservation_id=held.reservation_id)])

@@ -1,4 +1,4 @@
-"""Holds never charged nor released expire and are voided by the sweeper (issue 5)."""
+"""Holds never charged nor released expire and are voided by the sweeper."""
 
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ async def test_sweeper_expires_overdue_holds_and_returns_their_credits(server, s
     kept = await stub.Admit(admit_request(org, "c:charged"))
     await stub.Charge(pb.ChargeRequest(reservation_id=kept.reservation_id))
 
-    assert await server.core.expire_holds() == 0  # nothing is overdue yet
+    assert await server.ledger.expire_holds() == 0  # nothing is overdue yet
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=901)
-    assert await server.core.expire_holds(now=later) == 1
-    assert await server.core.expire_holds(now=later) == 0  # voided at most once
+    assert await server.ledger.expire_holds(now=later) == 1
+    assert await server.ledger.expire_holds(now=later) == 0  # voided at most once
 
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         account = await session.get(Account, org)
     assert (account.allowance_reserved, account.allowance_used) == (0, 1)
     released = await stub.Release(pb.ReleaseRequest(reservation_id=held.reservation_id))
@@ -67,10 +67,9 @@ async def test_background_sweeper_runs_while_the_server_runs(tmp_path, org):
 
 
 def test_the_default_hold_outlives_the_slowest_turn_start_and_little_more():
-    """Fresh-eyes test: a turn start whose orchestrator was killed between Admit and Charge left
-    its hold for 15 minutes (the default was 900 s), blocking a credit and a quota slot. A turn
-    start charges within the Admit and Charge deadlines (10 s each) plus SQLite's busy timeout
-    (30 s) for its rows; the hold is 120 s."""
+    """A hold left by an orchestrator killed between Admit and Charge blocks a credit and a quota
+    slot until it expires. A turn start charges within the Admit and Charge deadlines (10 s each)
+    plus SQLite's busy timeout (30 s) for its rows; the hold is 120 s."""
     from services.billing.config import BillingSettings
     from services.common.db import SQLITE_BUSY_TIMEOUT_S as busy_s
 
@@ -79,31 +78,37 @@ def test_the_default_hold_outlives_the_slowest_turn_start_and_little_more():
 
 
 class _PassCounter:
-    """A billing core for the sweeper loop alone: `passes` gets the time of each expiry pass."""
+    """A ledger for the sweeper loop alone: `passes` gets the time of each expiry pass."""
 
     def __init__(self) -> None:
         self.passes: list[float] = []
+        self.passed = asyncio.Event()
 
     async def expire_holds(self) -> int:
         self.passes.append(time.monotonic())
+        self.passed.set()
         return 0
 
 
+def _stall_the_process(seconds: float) -> None:
+    """Block the event loop, as a process the machine stopped scheduling would be."""
+    time.sleep(seconds)
+
+
 async def test_the_sweeper_expires_nothing_within_the_grace_after_a_start_or_a_stall():
-    """Fresh-eyes test: billing stopped longer than the hold expired every hold at once when it
-    came back, before the orchestrators' stored charges (resent at most 60 s apart) arrived;
-    turns admitted against the credits given back then overspent a plan. The sweeper now
-    waits `billing_expiry_grace_s` after a start or a stall (re-test: a stall shorter than
-    two sweep intervals went unnoticed; it is now seen whatever the interval)."""
-    core = _PassCounter()
-    passes = core.passes
-    task = asyncio.create_task(_sweep_forever(core, 0.05, grace_s=1.0, stall_s=0.2))
+    """Billing back from a stop longer than the hold must not expire every hold before the
+    orchestrators' stored charges (resent at most 60 s apart) arrive, or turns admitted against
+    the credits given back overspend a plan: the sweeper waits `billing_expiry_grace_s` after a
+    start or a stall, whatever the sweep interval."""
+    ledger = _PassCounter()
+    passes = ledger.passes
+    task = asyncio.create_task(_sweep_forever(ledger, 0.05, grace_s=1.0, stall_s=0.2))
     try:
         await asyncio.sleep(0.6)
         assert passes == []  # the start's grace
         await asyncio.sleep(1.0)
         assert passes
-        time.sleep(0.4)  # the process stalls (longer than stall_s)
+        _stall_the_process(0.4)  # longer than stall_s
         await asyncio.sleep(0.05)
         stalled = len(passes)
         await asyncio.sleep(0.5)
@@ -115,15 +120,15 @@ async def test_the_sweeper_expires_nothing_within_the_grace_after_a_start_or_a_s
 
 
 async def test_a_stall_shorter_than_two_sweep_intervals_is_noticed_too():
-    """Re-test: with 30 s sweeps and a 5 s hold, billing stopped for 30 s still expired every
-    hold at once: the stall was only noticed when passes came two intervals apart."""
-    core = _PassCounter()
-    passes = core.passes
-    task = asyncio.create_task(_sweep_forever(core, 0.5, grace_s=1.5, stall_s=0.2))
+    """With 30 s sweeps and a 5 s hold, a 30 s stop is a stall too: it is noticed without
+    waiting for passes to come two intervals apart."""
+    ledger = _PassCounter()
+    passes = ledger.passes
+    task = asyncio.create_task(_sweep_forever(ledger, 0.5, grace_s=1.5, stall_s=0.2))
     try:
         await asyncio.sleep(2.2)
         assert passes  # past the start's grace
-        time.sleep(0.6)  # a stall shorter than two intervals (1 s)
+        _stall_the_process(0.6)  # shorter than two intervals (1 s)
         await asyncio.sleep(0.05)
         stalled = len(passes)
         await asyncio.sleep(1.0)
@@ -135,7 +140,7 @@ async def test_a_stall_shorter_than_two_sweep_intervals_is_noticed_too():
 
 
 class _FailingPasses(_PassCounter):
-    """A core whose first passes fail with `errors` in turn, then go through."""
+    """A ledger whose first passes fail with `errors` in turn, then go through."""
 
     def __init__(self, *errors: Exception) -> None:
         super().__init__()
@@ -148,18 +153,15 @@ class _FailingPasses(_PassCounter):
 
 
 async def test_a_database_outage_is_said_once_and_a_bug_every_pass(caplog):
-    """F5 re-test: while the database dropped packets, every sweep logged "sweeper pass failed"
-    with a traceback (ERROR). An outage is now one warning and one "go through again" line; any
-    other failure keeps its traceback."""
-    core = _FailingPasses(
+    """A database outage is one warning and one "go through again" line, not an ERROR with a
+    traceback every sweep; any other failure keeps its traceback."""
+    ledger = _FailingPasses(
         TimeoutError(), ConnectionRefusedError(111, "refused"), TimeoutError(), RuntimeError("bug")
     )
     caplog.set_level(logging.INFO, logger="services.billing.server")
-    task = asyncio.create_task(_sweep_forever(core, 0.02))
+    task = asyncio.create_task(_sweep_forever(ledger, 0.02))
     try:
-        deadline = time.monotonic() + 5
-        while not core.passes and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await asyncio.wait_for(ledger.passed.wait(), 5)
     finally:
         task.cancel()
     said = [

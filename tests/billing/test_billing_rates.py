@@ -1,4 +1,4 @@
-"""Rate limits: moving window per (org, rate class), memory:// or Redis (issue 5)."""
+"""Rate limits: moving window per (org, rate class), memory:// or Redis."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The invariants billing's one-statement transactions (PostgreSQL, services/billing/pg.py) must keep.
+"""The invariants billing's one-statement transactions (PostgreSQL) must keep.
 
 Each test runs on the `server` fixture: SQLite by default, a fresh PostgreSQL database
 under `make test-pg` (LOOPLINE_TEST_BACKEND=postgres), where Admit, Charge, Release,
@@ -21,14 +21,14 @@ from tests.billing.test_billing_usage import usage
 
 
 async def _account(server, org: str) -> Account:
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         account = await session.get(Account, org)
     assert account is not None
     return account
 
 
 async def _ledger(server, org: str) -> list[tuple[str, int]]:
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         rows = await session.execute(
             select(LedgerEntry.idempotency_key, LedgerEntry.amount).where(LedgerEntry.org_id == org)
         )
@@ -38,7 +38,7 @@ async def _ledger(server, org: str) -> list[tuple[str, int]]:
 async def test_twenty_parallel_charges_of_one_hold_post_one_entry_and_answer_it_to_all(
     server, stub, org
 ):
-    await server.core.set_plan(org, "seven")
+    await server.admin.set_plan(org, "seven")
     admitted = await stub.Admit(admit_request(org, "t1"))
     answers = await asyncio.gather(
         *(stub.Charge(pb.ChargeRequest(reservation_id=admitted.reservation_id)) for _ in range(20))
@@ -51,8 +51,8 @@ async def test_twenty_parallel_charges_of_one_hold_post_one_entry_and_answer_it_
 
 
 async def test_a_wallet_funded_hold_is_charged_in_minor_units_once(server, stub, org):
-    await server.core.set_plan(org, "wallet_only")
-    await server.core.top_up(org, 12, idempotency_key="w")
+    await server.admin.set_plan(org, "wallet_only")
+    await server.admin.top_up(org, 12, idempotency_key="w")
     first = await stub.Admit(admit_request(org, "w1"))
     second = await stub.Admit(admit_request(org, "w2"))
     denied = await _refusal(stub.Admit(admit_request(org, "w3")))
@@ -70,7 +70,7 @@ async def test_a_wallet_funded_hold_is_charged_in_minor_units_once(server, stub,
 
 
 async def test_release_gives_the_hold_and_the_quota_slot_back_once(server, stub, org):
-    await server.core.set_plan(org, "two_a_day")
+    await server.admin.set_plan(org, "two_a_day")
     first = await stub.Admit(admit_request(org, "q1"))
     await stub.Admit(admit_request(org, "q2"))
     assert (await _refusal(stub.Admit(admit_request(org, "q3")))).reason == "QUOTA_EXCEEDED"
@@ -88,10 +88,10 @@ async def test_release_gives_the_hold_and_the_quota_slot_back_once(server, stub,
 
 
 async def test_a_hold_opened_last_month_is_charged_to_the_new_period(server, stub, org):
-    await server.core.set_plan(org, "seven")
+    await server.admin.set_plan(org, "seven")
     admitted = await stub.Admit(admit_request(org, "m1"))
     next_month = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=32)
-    server.core.clock = lambda: next_month
+    server.store.clock = lambda: next_month
     charged = await stub.Charge(pb.ChargeRequest(reservation_id=admitted.reservation_id))
     assert charged.state == pb.RESERVATION_STATE_CHARGED
     account = await _account(server, org)
@@ -119,7 +119,7 @@ async def test_a_batch_repeating_a_key_records_it_once_and_its_replay_changes_no
     assert all(r.replayed for r in again.results)
     assert (await _account(server, org)).usage_millicredits == 50
     assert await _ledger(server, org) == [("usage:runR:0", -20), ("usage:runR:1", -30)]
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         count = (
             await session.execute(
                 select(func.count()).select_from(UsageRecord).where(UsageRecord.org_id == org)
@@ -140,8 +140,8 @@ async def test_a_batch_of_two_organizations_adds_each_its_own_usage(server, stub
 async def test_usage_of_a_new_month_rolls_the_period_before_it_counts(server, stub, org):
     await stub.RecordUsage(usage(org, "runM", 0))
     next_month = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=32)
-    server.core.clock = lambda: next_month
-    server.core._accounts.clear()  # as after ACCOUNT_CACHE_TTL_S
+    server.store.clock = lambda: next_month
+    server.store._accounts.clear()  # as after ACCOUNT_CACHE_TTL_S
     await stub.RecordUsageBatch(
         pb.RecordUsageBatchRequest(calls=[usage(org, "runM", 1, output_tokens=1000)])
     )

@@ -1,6 +1,6 @@
 """A hypothesis state machine over the gRPC API: admit, charge, release, retry, expire.
 
-Invariants after every step (issue 5): no balance is negative or over its limit, each
+Invariants after every step: no balance is negative or over its limit, each
 reservation is resolved at most once (one ledger posting at most), replays return
 identical results, and the account's balances equal what the ledger says.
 """
@@ -76,9 +76,9 @@ class BillingMachine(RuleBasedStateMachine):
     @initialize()
     def new_account(self) -> None:
         self.org = f"org_{uuid.uuid4().hex[:12]}"
-        core = self.harness.server.core
-        self.harness.run(core.set_plan(self.org, "machine"))
-        self.harness.run(core.top_up(self.org, WALLET))
+        admin = self.harness.server.admin
+        self.harness.run(admin.set_plan(self.org, "machine"))
+        self.harness.run(admin.top_up(self.org, WALLET))
         # model: key -> (reservation_id, funding, state); charge entry per reservation
         self.reservations: dict[str, dict] = {}
         self.entries: dict[str, str] = {}
@@ -166,15 +166,15 @@ class BillingMachine(RuleBasedStateMachine):
         known = self.reservations.get(key)
         if known is None:
             return
-        core = self.harness.server.core
+        server = self.harness.server
         past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
 
         async def backdate() -> int:
-            async with core.sessions() as session, session.begin():
+            async with server.store.sessions() as session, session.begin():
                 await session.execute(
                     update(Reservation).where(Reservation.id == known["id"]).values(expires_at=past)
                 )
-            return await core.expire_holds()
+            return await server.ledger.expire_holds()
 
         expired = self.harness.run(backdate())
         assert expired == (1 if known["state"] == "held" else 0)
@@ -187,10 +187,10 @@ class BillingMachine(RuleBasedStateMachine):
     def balances_match_the_model_and_the_ledger(self) -> None:
         if not hasattr(self, "org"):
             return
-        core = self.harness.server.core
+        store = self.harness.server.store
 
         async def read() -> tuple:
-            async with core.sessions() as session:
+            async with store.sessions() as session:
                 account = await session.get(Account, self.org)
                 entries = (
                     (

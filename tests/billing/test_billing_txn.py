@@ -170,7 +170,7 @@ async def test_a_lone_transaction_runs_inline_on_the_callers_thread_and_is_commi
     assert await _ids(engine) == ["a", "b"]  # committed: another connection sees both
 
 
-async def test_while_another_connection_writes_a_transaction_waits_on_the_worker_not_on_the_event_loop(
+async def test_a_transaction_behind_another_connections_write_waits_on_the_worker_not_the_loop(
     runner, tmp_path
 ):
     txn, engine = runner
@@ -216,7 +216,8 @@ async def test_the_worker_thread_checkpoints_the_wal_that_inline_commits_fill(ru
         if len(checkpoints) >= 2:
             break
         await asyncio.sleep(0.005)
-    # every 4 commits, on the worker thread only (an inline run waits while one is due: the WAL stays bounded)
+    # every 4 commits, on the worker thread only (an inline run waits while one is due: the WAL
+    # stays bounded)
     assert len(checkpoints) >= 4 and threading.get_ident() not in checkpoints
 
 
@@ -308,9 +309,9 @@ async def test_a_first_admission_that_is_denied_still_provisions_the_account(tmp
     server = await BillingServer.start(make_settings(tmp_path, billing_default_plan="all_closed"))
     try:
         with pytest.raises(Exception) as caught:
-            await server.core.admit(org, "chat:run")
+            await server.admission.admit(org, "chat:run")
         assert getattr(caught.value, "reason", "") == "QUOTA_EXCEEDED"
-        found = await server.core.account(org, provision=False)
+        found = await server.store.account(org, provision=False)
         assert found is not None and found[0].plan == "all_closed"
         assert found[0].runs_today == 0 and found[0].allowance_reserved == 0
     finally:
@@ -344,8 +345,8 @@ async def _seven_with_redis_rates(tmp_path: pathlib.Path, org: str, **settings: 
         )
     )
     try:
-        assert not server.core.rates.synchronous
-        await server.core.set_plan(org, "seven")
+        assert not server.admission.rates.synchronous
+        await server.admin.set_plan(org, "seven")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = billing_pb2_grpc.BillingServiceStub(channel)
             outcomes = await asyncio.gather(
@@ -357,7 +358,7 @@ async def _seven_with_redis_rates(tmp_path: pathlib.Path, org: str, **settings: 
         denied = [status_details(o).reason for o in outcomes if isinstance(o, BaseException)]
         assert len(admitted) == 7
         assert set(denied) == {"CREDIT_PLAN_EXHAUSTED"}
-        found = await server.core.account(org, provision=False)
+        found = await server.store.account(org, provision=False)
         assert found is not None and found[0].allowance_reserved == 7
     finally:
         await server.stop(0)
@@ -377,7 +378,7 @@ CLEAR_DAY = update(items).where(items.c.id == bindparam("b_id")).values(day=None
 SET_DAY = update(items).where(items.c.id == bindparam("b_id")).values(day=bindparam("b_day"))
 
 
-async def test_a_none_written_into_a_statement_is_stored_as_null_and_a_missing_bindparam_is_an_error(
+async def test_a_none_in_a_statement_is_stored_as_null_and_a_missing_bindparam_is_an_error(
     runner,
 ):
     # regression: `.values(day=None)` lost its value ("You did not supply a value for binding

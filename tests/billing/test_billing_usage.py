@@ -66,7 +66,7 @@ async def test_record_usage_prices_the_call_and_posts_it_once(server, stub, org)
     assert (first.millicredits, first.replayed) == (20, False)
     again = await stub.RecordUsage(usage(org))
     assert (again.usage_id, again.millicredits, again.replayed) == (first.usage_id, 20, True)
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         entries = (
             (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org)))
             .scalars()
@@ -84,7 +84,7 @@ async def test_parallel_duplicate_usage_reports_record_once(server, stub, org):
     results = await asyncio.gather(*(stub.RecordUsage(usage(org, call_index=3)) for _ in range(10)))
     assert len({r.usage_id for r in results}) == 1
     assert sum(not r.replayed for r in results) == 1
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         account = await session.get(Account, org)
     assert account.usage_millicredits == 20
 
@@ -102,7 +102,7 @@ async def test_byok_usage_is_recorded_with_zero_credits(server, stub, org):
         )
     )
     assert result.millicredits == 0
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         record = await session.get(UsageRecord, result.usage_id)
         entries = (
             (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == org)))

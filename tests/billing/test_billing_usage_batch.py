@@ -26,7 +26,7 @@ async def test_batch_records_each_call_once_in_order_and_replays(server, stub, o
     again = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls))
     assert [r.usage_id for r in again.results] == [r.usage_id for r in first.results]
     assert all(r.replayed for r in again.results)
-    async with server.core.sessions() as session:
+    async with server.store.sessions() as session:
         keys = sorted(
             (
                 await session.execute(
@@ -44,20 +44,20 @@ async def test_empty_batch_is_an_empty_result(stub):
 async def test_a_batch_is_one_transaction_on_sqlite(server, stub, org, monkeypatch):
     """Seventh round (docs/performance.md): a SQLite batch ran each call as its own transaction
     (gathered), so the batches of stored run ends (~15 runs' records) cost ~30 transactions."""
-    core = server.core
-    if core.pg is not None:
+    store = server.store
+    if store.db.dialect == "postgresql":
         return  # PostgreSQL: one statement per organization (test_billing_single_statements)
     await stub.RecordUsage(
         usage(org, "first", 0)
     )  # the account exists (its own transaction, once per process)
     transactions = []
-    run = core.db.run
+    run = store.db.run
 
     async def counted(fn, *args, **kwargs):
         transactions.append(fn)
         return await run(fn, *args, **kwargs)
 
-    monkeypatch.setattr(core.db, "run", counted)
+    monkeypatch.setattr(store.db, "run", counted)
     calls = [usage(org, f"run{n}", i) for n in range(5) for i in range(2)]
     answer = await stub.RecordUsageBatch(pb.RecordUsageBatchRequest(calls=calls))
     assert len(answer.results) == 10 and not any(r.replayed for r in answer.results)

@@ -10,7 +10,8 @@ from tests.e2e.conftest import ROOT, free_port
 
 
 def test_a_data_dir_that_is_a_file_is_explained(tmp_path):
-    # second fresh-eyes test: LOOPLINE_DATA_DIR naming a regular file gave NotADirectoryError's traceback
+    # LOOPLINE_DATA_DIR naming a regular file is a one-line error, not NotADirectoryError's
+    # traceback
     not_a_folder = tmp_path / "data"
     not_a_folder.write_text("a file")
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(not_a_folder)}

@@ -1,4 +1,4 @@
-"""Schemathesis against the gateway's OpenAPI document: no 5xx, no undocumented status (issue 3)."""
+"""Schemathesis against the gateway's OpenAPI document: no 5xx, no undocumented status."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def test_openapi_documents_every_route_and_status(deployment):
 
 
 def test_schemathesis_finds_no_server_error_or_undocumented_status(deployment):
-    """positive_data_acceptance is excluded: a schema-valid cancel on an idle chat is a documented 400,
-    and allow_header_conformance because Starlette's 405 lists only the first matching route's methods.
+    """positive_data_acceptance is excluded: a schema-valid cancel on an idle chat is a documented
+    400, and allow_header_conformance because Starlette's 405 lists only the first matching
+    route's methods.
     One worker: CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth
     mismatch"), and hypothesis parses lambdas while schemathesis generates cases in threads."""
     command = [

@@ -1,4 +1,4 @@
-"""End to end over the real processes: the official SDK and the raw bytes of the stream (issue 2)."""
+"""End to end over the real processes: the official SDK and the raw bytes of the stream."""
 
 from __future__ import annotations
 

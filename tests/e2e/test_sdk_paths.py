@@ -45,7 +45,8 @@ async def test_sdk_listen_ends_on_failed(stack):
     client = _client(stack)
     turn = await client.assistant.chat(_script({"fail": "nope"}), llm=SCRIPTED)
     events = await _events(client, turn.chat_id, turn.run_id)
-    # the SDK stops at the first terminal type it sees, which is `error` (followed on the wire by done+error)
+    # the SDK stops at the first terminal type it sees, which is `error` (followed on the wire
+    # by done+error)
     assert events[-1].event == "error" and events[-1].data["data"]["message"]
 
 
@@ -68,15 +69,17 @@ async def test_sdk_listen_ends_on_cancelled_during_tool_call(stack):
     }
     turn = await client.assistant.chat(_script(slow, {"say": "never"}), llm=SCRIPTED)
     seen: list = []
+    tool_called = asyncio.Event()
 
     async def listen() -> None:
         async with client.assistant.listen(turn.chat_id, turn.run_id) as stream:
             async for event in stream:
                 seen.append(event)
+                if event.event == "tool_call":
+                    tool_called.set()
 
     listening = asyncio.create_task(listen())
-    while not any(e.event == "tool_call" for e in seen):
-        await asyncio.sleep(0.05)
+    await tool_called.wait()
     await client.assistant.cancel(turn.chat_id)
     await asyncio.wait_for(listening, 5)
     assert seen[-1].event == "cancelled"

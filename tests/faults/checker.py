@@ -62,11 +62,13 @@ def _short(frame: dict[str, Any] | None) -> str:
 
 
 def _first_difference(got: Sequence[dict[str, Any]], want: Sequence[dict[str, Any]]) -> str:
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
         if a != b:
             return f"frame {i}: got {_short(a)} want {_short(b)}"
     if len(got) != len(want):
-        return f"{len(got)} frames, want {len(want)} (types {[f.get('type') for f in got][-6:]} vs {[f.get('type') for f in want][-6:]})"
+        got_types = [f.get("type") for f in got][-6:]
+        want_types = [f.get("type") for f in want][-6:]
+        return f"{len(got)} frames, want {len(want)} (types {got_types} vs {want_types})"
     return "equal"
 
 
@@ -88,7 +90,8 @@ class Store:
                 (
                     await conn.execute(
                         text(
-                            "SELECT r.id, r.status, r.error, r.archive_due, (SELECT count(*) FROM run_events e WHERE e.run_id = r.id) AS events "
+                            "SELECT r.id, r.status, r.error, r.archive_due, "
+                            "(SELECT count(*) FROM run_events e WHERE e.run_id = r.id) AS events "
                             "FROM runs r WHERE r.id = ANY(:ids)"
                         ),
                         {"ids": run_ids},
@@ -100,12 +103,14 @@ class Store:
         return {row["id"]: dict(row) for row in rows}
 
     async def archives(self, run_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
-        """{run_id: its archived frames, in seq order} (a gap in the seqs is reported as a frame of type "missing")."""
+        """{run_id: its archived frames, in seq order}; a gap in the seqs is reported as a frame
+        of type "missing"."""
         async with self.orchestrator.connect() as conn:
             rows = (
                 await conn.execute(
                     text(
-                        "SELECT run_id, seq, payload FROM run_events WHERE run_id = ANY(:ids) ORDER BY run_id, seq"
+                        "SELECT run_id, seq, payload FROM run_events WHERE run_id = ANY(:ids) "
+                        "ORDER BY run_id, seq"
                     ),
                     {"ids": run_ids},
                 )
@@ -119,12 +124,14 @@ class Store:
         return archives
 
     async def charges(self, turn_keys: list[str]) -> dict[str, tuple[int, str | None]]:
-        """{turn_key: (run_charge ledger entries, reservation state)}; a turn without a reservation is absent."""
+        """{turn_key: (run_charge ledger entries, reservation state)}; a turn without a
+        reservation is absent."""
         async with self.billing.connect() as conn:
             rows = (
                 await conn.execute(
                     text(
-                        "SELECT r.turn_key, r.state, (SELECT count(*) FROM ledger_entries l WHERE l.reservation_id = r.id AND l.kind = 'run_charge') "
+                        "SELECT r.turn_key, r.state, (SELECT count(*) FROM ledger_entries l "
+                        "WHERE l.reservation_id = r.id AND l.kind = 'run_charge') "
                         "FROM reservations r WHERE r.turn_key = ANY(:keys)"
                     ),
                     {"keys": turn_keys},
@@ -176,7 +183,8 @@ def check_listener(
             )
         if segment.after != expected_after:
             problems.append(
-                f"{where}: asked ?after={segment.after}, the previous connection said {expected_after}"
+                f"{where}: asked ?after={segment.after}, "
+                f"the previous connection said {expected_after}"
             )
         start = segment.after
         reconnect = segment.reconnect_at
@@ -184,11 +192,13 @@ def check_listener(
             body = segment.frames[:-1]
             if not allow_reconnects:
                 problems.append(
-                    f"{where}: ended with a reconnect frame after {len(body)} frames: {_short(segment.frames[-1])}"
+                    f"{where}: ended with a reconnect frame after {len(body)} frames: "
+                    f"{_short(segment.frames[-1])}"
                 )
             if reconnect != start + len(body):
                 problems.append(
-                    f"{where}: the reconnect frame says ?after={reconnect} after {start + len(body)} frames of the run"
+                    f"{where}: the reconnect frame says ?after={reconnect} "
+                    f"after {start + len(body)} frames of the run"
                 )
             if body != archive[start : start + len(body)]:
                 problems.append(
@@ -206,8 +216,9 @@ def check_listener(
                 else f"not the archive's ({_first_difference(segment.frames, prefix)})"
             )
             problems.append(
-                f"{where}: ended '{segment.ending}' with neither an end frame nor a reconnect frame, after "
-                f"{len(segment.frames)} frames, {relation}; last {_short(segment.frames[-1] if segment.frames else None)}"
+                f"{where}: ended '{segment.ending}' with neither an end frame nor a reconnect "
+                f"frame, after {len(segment.frames)} frames, {relation}; "
+                f"last {_short(segment.frames[-1] if segment.frames else None)}"
             )
         elif segment.frames != want and not (
             start >= len(archive) and segment.frames == archive[-1:]
@@ -264,7 +275,8 @@ async def check(
             row = rows.get(rid)
             problems.append(
                 f"run {rid}: not ended and archived {end_timeout_s:.0f} s after the scenario "
-                f"(status {row and row['status']}, archive_due {row and row['archive_due']}, {row and row['events']} archived events)"
+                f"(status {row and row['status']}, archive_due {row and row['archive_due']}, "
+                f"{row and row['events']} archived events)"
             )
         archives = await store.archives(list(by_id))
         for run in runs:
@@ -278,8 +290,9 @@ async def check(
             if run.expect == "completed":
                 if row["status"] != "completed":
                     problems.append(
-                        f"run {run.run_id} (started through {run.via}): ended {row['status']!r}, not its owner's "
-                        f"'completed' (error: {row['error']!r}); archive ends {types[-3:]}"
+                        f"run {run.run_id} (started through {run.via}): ended "
+                        f"{row['status']!r}, not its owner's 'completed' "
+                        f"(error: {row['error']!r}); archive ends {types[-3:]}"
                     )
                 elif (
                     not archive
@@ -288,17 +301,20 @@ async def check(
                     or archive[-1]["data"].get("response") != run.turn.answer
                 ):
                     problems.append(
-                        f"run {run.run_id}: completed, but its stream ends {_short(archive[-1] if archive else None)} "
+                        f"run {run.run_id}: completed, but its stream ends "
+                        f"{_short(archive[-1] if archive else None)} "
                         f"(want done with {run.turn.answer[:60]!r})"
                     )
             elif run.expect == "failed":
                 if row["status"] != "failed":
                     problems.append(
-                        f"run {run.run_id} (lost with its owner): ended {row['status']!r}, not 'failed'"
+                        f"run {run.run_id} (lost with its owner): ended {row['status']!r}, "
+                        "not 'failed'"
                     )
                 if types[-2:] != ["error", "done"] or not archive[-1]["data"].get("error"):
                     problems.append(
-                        f"run {run.run_id} (lost with its owner): its stream ends {types[-3:]}, not error + done {{error: true}}"
+                        f"run {run.run_id} (lost with its owner): its stream ends {types[-3:]}, "
+                        "not error + done {error: true}"
                     )
             if types and types[0] != "metadata":
                 problems.append(
@@ -306,7 +322,8 @@ async def check(
                 )
             if sum(1 for t in types if t in TERMINAL) != 1 or (types and types[-1] not in TERMINAL):
                 problems.append(
-                    f"run {run.run_id}: its archive has {sum(1 for t in types if t in TERMINAL)} end frames "
+                    f"run {run.run_id}: its archive has "
+                    f"{sum(1 for t in types if t in TERMINAL)} end frames "
                     f"and ends {types[-1:]}: {types[-6:]}"
                 )
 
@@ -329,14 +346,16 @@ async def check(
                 want = archives.get(run.run_id, [])
                 if frames != want:
                     problems.append(
-                        f"run {run.run_id}: the replay through {client.base_url} is not the archive: {_first_difference(frames, want)}"
+                        f"run {run.run_id}: the replay through {client.base_url} is not the "
+                        f"archive: {_first_difference(frames, want)}"
                     )
 
             async def messages(run: Run, client: httpx.AsyncClient) -> None:
                 response = await client.get(f"/assistant/chat/{run.chat_id}")
                 if response.status_code != 200:
                     problems.append(
-                        f"run {run.run_id}: GET chat answered {response.status_code} {response.text[:200]}"
+                        f"run {run.run_id}: GET chat answered {response.status_code} "
+                        f"{response.text[:200]}"
                     )
                     return
                 mine = [m for m in response.json()["messages"] if m.get("run_id") == run.run_id]
@@ -345,14 +364,16 @@ async def check(
                     for m in response.json()["messages"]
                 ):
                     problems.append(
-                        f"run {run.run_id}: its user message is not stored (chat has {len(response.json()['messages'])} messages)"
+                        f"run {run.run_id}: its user message is not stored "
+                        f"(chat has {len(response.json()['messages'])} messages)"
                     )
                 if run.expect == "completed" and not any(
                     m["role"] == "assistant" and _text(m["content"]) == run.turn.answer
                     for m in mine
                 ):
                     problems.append(
-                        f"run {run.run_id}: its answer {run.turn.answer[:50]!r} is not stored; the run's messages: "
+                        f"run {run.run_id}: its answer {run.turn.answer[:50]!r} is not stored; "
+                        "the run's messages: "
                         f"{[(m['role'], str(m['content'])[:40]) for m in mine]}"
                     )
 
@@ -363,9 +384,8 @@ async def check(
                     continue
                 if served_replay:
                     calls.append(lambda run=run, client=client: served(run, client))
-                calls.append(
-                    lambda run=run, client=clients[(i + 1) % len(clients)]: messages(run, client)
-                )
+                other = clients[(i + 1) % len(clients)]
+                calls.append(lambda run=run, client=other: messages(run, client))
             await _gather_bounded(calls)
         finally:
             for client in clients:
@@ -388,7 +408,8 @@ async def check(
             count, state = charges.get(key, (0, None))
             if count != 1:
                 problems.append(
-                    f"turn {key}: charged {count} times (reservation {state or 'absent'}), want exactly once"
+                    f"turn {key}: charged {count} times (reservation {state or 'absent'}), "
+                    "want exactly once"
                 )
     finally:
         await store.close()
@@ -438,11 +459,13 @@ async def assert_invariants(
 
 
 def report(runs: Sequence[Run], listeners: Sequence[Listener], limit: int = 12) -> str:
-    """One line per listener (its connections: gateway, ?after, frames, how it ended, longest wait)."""
+    """One line per listener: its connections (gateway, ?after, frames, how it ended, longest
+    wait)."""
     lines = [f"{len(runs)} run(s), {len(listeners)} listener(s)"]
     for listener in listeners[:limit]:
         parts = [
-            f"{s.gateway}@{s.after}:{len(s.frames)}f/{s.heartbeats}hb {s.ending} gap {s.max_gap:.1f}s"
+            f"{s.gateway}@{s.after}:{len(s.frames)}f/{s.heartbeats}hb {s.ending} "
+            f"gap {s.max_gap:.1f}s"
             for s in listener.segments
         ]
         lines.append(
@@ -458,8 +481,10 @@ def report(runs: Sequence[Run], listeners: Sequence[Listener], limit: int = 12) 
         )
         lines.append(
             f"  ... {len(listeners) - limit} more; longest wait {gaps[-1] if gaps else 0:.2f} s, "
-            f"p99 {gaps[int(len(gaps) * 0.99)] if gaps else 0:.2f} s; response headers after {heads[-1] if heads else 0:.2f} s "
-            f"at most, p99 {heads[int(len(heads) * 0.99)] if heads else 0:.2f} s; reconnect frames {reconnects}"
+            f"p99 {gaps[int(len(gaps) * 0.99)] if gaps else 0:.2f} s; "
+            f"response headers after {heads[-1] if heads else 0:.2f} s at most, "
+            f"p99 {heads[int(len(heads) * 0.99)] if heads else 0:.2f} s; "
+            f"reconnect frames {reconnects}"
         )
     return "\n".join(lines)
 

@@ -23,7 +23,8 @@ from tests.scale.conftest import _reachable
 def _unavailable() -> str | None:
     pg = make_url(postgres_url())
     if not _reachable(pg.host or "127.0.0.1", pg.port or 5432):
-        return f"PostgreSQL is not reachable at {pg.host}:{pg.port or 5432} (LOOPLINE_TEST_POSTGRES_URL)"
+        where = f"{pg.host}:{pg.port or 5432}"
+        return f"PostgreSQL is not reachable at {where} (LOOPLINE_TEST_POSTGRES_URL)"
     if not os.access(REDIS_SERVER, os.X_OK):
         return f"{REDIS_SERVER} is not installed (the fault suite starts a Redis server per test)"
     return None
@@ -33,7 +34,8 @@ def _unavailable() -> str | None:
 def _postgres_pass_only() -> None:
     if selected_backend() != "postgres":
         pytest.skip(
-            "fault tests run real processes on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-faults)"
+            "fault tests run real processes on PostgreSQL + Redis: "
+            "LOOPLINE_TEST_BACKEND=postgres (make test-faults)"
         )
 
 

@@ -75,6 +75,23 @@ class RedisServer:
 
     async def start(self, timeout: float = 10) -> None:
         """Start the server and wait until it answers PING."""
+        process = self._spawn()
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(self.ping):
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"redis-server exited with {process.returncode}:\n{self._log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"redis-server did not answer on port {self.port} within {timeout} s:\n"
+                    f"{self._log_tail()}"
+                )
+            await asyncio.sleep(0.05)
+
+    def _spawn(self) -> subprocess.Popen:
+        """Empty the folder and launch the process: a Popen, which the synchronous `kill`,
+        `pause` and `resume` signal and reap."""
         self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in ("dump.rdb", "appendonly.aof", "appendonlydir"):
             path = self.directory / leftover
@@ -84,7 +101,7 @@ class RedisServer:
                 path.rmdir()
             elif path.exists():
                 path.unlink()
-        self.process = subprocess.Popen(
+        process = subprocess.Popen(
             [
                 REDIS_SERVER,
                 "--port",
@@ -110,18 +127,9 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )
+        self.process = process
         self.paused = False
-        deadline = time.monotonic() + timeout
-        while not await asyncio.to_thread(self.ping):
-            if self.process.poll() is not None:
-                raise AssertionError(
-                    f"redis-server exited with {self.process.returncode}:\n{self._log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"redis-server did not answer on port {self.port} within {timeout} s:\n{self._log_tail()}"
-                )
-            await asyncio.sleep(0.05)
+        return process
 
     def ping(self) -> bool:
         """Whether the server answers PING now (1 s at most)."""
@@ -192,7 +200,8 @@ class FaultCluster(Cluster):
         ]
 
     def env(self, **extra: str) -> dict[str, str]:
-        """Cluster.env, with the test's own Redis (an `extra` LOOPLINE_REDIS_URL, e.g. a proxy, wins)."""
+        """Cluster.env, with the test's own Redis (an `extra` LOOPLINE_REDIS_URL, e.g. a proxy,
+        wins)."""
         assert self.redis is not None
         extra.setdefault("LOOPLINE_REDIS_URL", self.redis.url)
         extra.setdefault(
@@ -467,7 +476,8 @@ async def start_turn(
             await asyncio.sleep(min(1.0, float(response.headers.get("retry-after", "1") or 1)))
             continue
         assert response.status_code == 200, (
-            f"starting a turn through {via or client.base_url}: {response.status_code} {response.text}"
+            f"starting a turn through {via or client.base_url}: "
+            f"{response.status_code} {response.text}"
         )
         data = response.json()
         return Run(data["chat_id"], data["run_id"], turn, via=via, started_at=time.monotonic())
@@ -575,7 +585,8 @@ class Listener:
                     continue
                 if status != 200:
                     self.problems.append(
-                        f"{self.name}: GET {self.run.url}?after={after} through {name} answered {status}"
+                        f"{self.name}: GET {self.run.url}?after={after} through {name} "
+                        f"answered {status}"
                     )
                     return
                 self.segments.append(segment)
@@ -634,7 +645,8 @@ class Listener:
                             validate_frame(frame)
                         except jsonschema.ValidationError as error:
                             self.problems.append(
-                                f"{self.name}: frame off schemas/sse-frame.json ({error.message[:120]}): {raw[:200]!r}"
+                                f"{self.name}: frame off schemas/sse-frame.json "
+                                f"({error.message[:120]}): {raw[:200]!r}"
                             )
                         if frame.get("type") == "heartbeat":
                             segment.heartbeats += 1
@@ -681,7 +693,8 @@ async def wait_listeners(listeners: Sequence[Listener], timeout: float) -> list[
                 await listener.task
             frames = sum(len(s.frames) for s in listener.segments)
             hung.append(
-                f"{listener.name}: still open {timeout:.0f} s later ({frames} frames in finished segments)"
+                f"{listener.name}: still open {timeout:.0f} s later "
+                f"({frames} frames in finished segments)"
             )
             listener.problems.append(hung[-1])
     for listener in listeners:
@@ -706,11 +719,13 @@ async def wait_frames(
     while (listener.received if kind is None else listener.received_types.count(kind)) < count:
         if listener.task is not None and listener.task.done():
             raise AssertionError(
-                f"{listener.name}: ended with {listener.received_types} before {count} {kind or 'frames'}: "
+                f"{listener.name}: ended with {listener.received_types} "
+                f"before {count} {kind or 'frames'}: "
                 f"{listener.problems}"
             )
         if time.monotonic() > deadline:
             raise AssertionError(
-                f"{listener.name}: fewer than {count} {kind or 'frames'} after {timeout} s: {listener.received_types}"
+                f"{listener.name}: fewer than {count} {kind or 'frames'} after {timeout} s: "
+                f"{listener.received_types}"
             )
         await asyncio.sleep(0.02)

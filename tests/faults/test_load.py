@@ -78,7 +78,8 @@ async def test_500_runs_each_followed_by_3_listeners_through_the_other_replica(f
         await asyncio.gather(*(one(i) for i in range(RUNS)))
     took = time.monotonic() - began
     print(
-        f"{len(runs)} runs, {len(listeners)} listeners in {took:.1f} s ({len(runs) / took:.1f} runs/s)"
+        f"{len(runs)} runs, {len(listeners)} listeners in {took:.1f} s "
+        f"({len(runs) / took:.1f} runs/s)"
     )
     assert not failures, f"{len(failures)} turn starts failed, e.g. {failures[:3]}"
     await assert_invariants(

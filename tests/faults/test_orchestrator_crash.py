@@ -49,7 +49,8 @@ async def _killed_mid(faults, turn: Turn, what: str, kill_after: str, count: int
         await wait_listeners([on_g2, on_g1], LEASE_S + 30)
         detected = (on_g2.ended_at or time.monotonic()) - killed_at
         print(
-            f"o1 killed -9 mid {what}: the listener on g2 got the run's end {detected:.1f} s later (lease {LEASE_S} s)"
+            f"o1 killed -9 mid {what}: the listener on g2 got the run's end {detected:.1f} s "
+            f"later (lease {LEASE_S} s)"
         )
         # the chat takes a new turn through the surviving side
         again = await start_turn(
@@ -59,7 +60,8 @@ async def _killed_mid(faults, turn: Turn, what: str, kill_after: str, count: int
         await wait_listeners([follow], 30)
     await assert_invariants(faults, [run, again], [on_g2, on_g1, follow])
     assert detected <= LEASE_S + DETECTION_MARGIN_S, (
-        f"the crash was detected {detected:.1f} s after the kill (bound {LEASE_S} s + {DETECTION_MARGIN_S} s)"
+        f"the crash was detected {detected:.1f} s after the kill "
+        f"(bound {LEASE_S} s + {DETECTION_MARGIN_S} s)"
     )
     types = on_g2.received_types
     assert types[-2:] == ["error", "done"], types

@@ -62,7 +62,8 @@ async def test_run_owner_cut_off_from_postgresql_and_redis_past_its_lease(faults
             cut_at = time.monotonic()
             await wait_frames(listeners[0], 1, timeout=LEASE_S + 15, kind="done")
             print(
-                f"o2 ended the run {time.monotonic() - cut_at:.1f} s into the partition (lease {LEASE_S} s)"
+                f"o2 ended the run {time.monotonic() - cut_at:.1f} s into the partition "
+                f"(lease {LEASE_S} s)"
             )
             await asyncio.sleep(max(0.0, PARTITION_S - (time.monotonic() - cut_at)))
             pg_proxy.swallowing = redis_proxy.swallowing = False
@@ -70,10 +71,10 @@ async def test_run_owner_cut_off_from_postgresql_and_redis_past_its_lease(faults
             late = Listener("L3 late on g2", run, [("g2", c2)]).start(delay=1.0)
             listeners.append(late)
             await wait_listeners(listeners, 60)
-            await asyncio.sleep(
-                LEASE_S
-            )  # o1 has had time to notice, and must not write a second end
-            # o1 serves new turns again once healed (its next connections go through the healed proxies)
+            # o1 has had time to notice, and must not write a second end
+            await asyncio.sleep(LEASE_S)
+            # o1 serves new turns again once healed (its next connections go through the healed
+            # proxies)
             again = await start_turn(
                 c1,
                 short_turn("after the partition", sleep_ms=100),

@@ -67,7 +67,8 @@ def test_every_admin_command_answers_a_file_that_is_not_a_database_as_json(tmp_p
     for command, (code, document) in zip(ADMIN_COMMANDS, answers, strict=True):
         assert code == 1, command
         assert document == {
-            "error": f"the gateway database at {tmp_path / 'gateway.db'} cannot be used: the file is not a "
+            "error": f"the gateway database at {tmp_path / 'gateway.db'} cannot be used:"
+            " the file is not a "
             "SQLite database (it lacks the SQLite header); run admin commands with the "
             "LOOPLINE_DATA_DIR (or LOOPLINE_GATEWAY_DATABASE_URL) the services use"
         }, command
@@ -115,7 +116,8 @@ def test_a_folder_a_data_directory_that_is_a_file_and_a_bad_url_are_json_errors(
 
 def test_only_errors_of_an_unusable_database_are_answered(tmp_path):
     """`db.unusable_database` answers the database's own faults and leaves every other error to
-    propagate (a constraint conflict has its own answer; a bug must not hide as a database error)."""
+    propagate (a constraint conflict has its own answer; a bug must not pass for a database
+    error)."""
     from sqlalchemy.exc import IntegrityError, OperationalError
 
     from services.common import db

@@ -1,4 +1,5 @@
-"""API-key auth and roles: owner/admin may use the assistant; others 403; missing/unknown key 401 (issue 2)."""
+"""API-key auth and roles: owner/admin may use the assistant; others 403; missing/unknown key
+401."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ async def test_another_organizations_chat_is_404(stack):
 
 
 async def test_an_organization_id_no_organization_can_have_is_400_on_every_route_not_403(stack):
-    # fresh-eyes test: 200 characters, non-ASCII and an inner space were 403 "requires owner or admin"
+    # 129 characters, non-ASCII and an inner space: 400, not 403 "requires owner or admin"
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
         for org_id in ("o" * 129, "örg", "org one"):
             headers = {**stack.headers(), "X-Organization-ID": org_id}

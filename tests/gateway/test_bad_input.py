@@ -1,4 +1,5 @@
-"""Bad input gets the documented 4xx with {"detail": ...} and writes nothing (issue 2, spec "Start the turn")."""
+"""Bad input gets the documented 4xx with {"detail": ...} and writes nothing (spec "Start the
+turn")."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import uuid
 import pytest
 from sqlalchemy import func, select
 
-from services.gateway.app import json_object
+from services.gateway.bodies import json_object
 from services.orchestrator.models import Chat, Message, Run
 
 
@@ -156,7 +157,8 @@ async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(stack):
     ],
 )
 async def test_a_name_given_twice_in_an_object_is_400_not_its_last_value(stack, content):
-    # fresh-eyes test: {"message": "hi", "message": "ho"} started a turn with "ho" (RFC 8259 §4, RFC 7493 §2.3)
+    # {"message": "hi", "message": "ho"} must not start a turn with "ho" (RFC 8259 §4, RFC 7493
+    # §2.3)
     async with stack.client() as client:
         response = await client.post(
             "/assistant/chat", content=content, headers={"Content-Type": "application/json"}

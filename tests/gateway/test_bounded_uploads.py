@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from services.gateway.tools_routes import MAX_UPLOAD_BODY_BYTES, MAX_UPLOAD_BYTES
+from services.gateway.routes.knowledge import MAX_UPLOAD_BODY_BYTES, MAX_UPLOAD_BYTES
 from tests.tools.tools_stack import tools_stack
 
 BOUNDARY = "loopline-test-boundary"
@@ -34,9 +34,14 @@ async def _open(stack, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamW
     headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
     writer.write(
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
-        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n".encode()
     )
-    part = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="big.txt"\r\nContent-Type: text/plain\r\n\r\n'.encode()
+    part = (
+        f"--{BOUNDARY}\r\n"
+        'Content-Disposition: form-data; name="file"; filename="big.txt"\r\n'
+        "Content-Type: text/plain\r\n\r\n"
+    ).encode()
     writer.write(b"%x\r\n%s\r\n" % (len(part), part))
     await writer.drain()
     return reader, writer
@@ -139,7 +144,7 @@ async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warnin
 
 
 async def test_an_upload_declared_too_large_to_a_missing_knowledge_base_is_404(stack):
-    # fresh-eyes test: an 11 MB upload (Content-Length) to a knowledge base that does not exist was 413, not 404
+    # an 11 MB upload (Content-Length) to a knowledge base that does not exist: 404, not 413
     port = int(stack.base_url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())

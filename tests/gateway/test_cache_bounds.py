@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
+from services.gateway.default_models import DefaultModels
 from services.gateway.identity import Authenticator, Principal
-from services.gateway.org_settings import DefaultModels
 
 
 class _Session:

@@ -1,4 +1,5 @@
-"""The chat reads the official SDK calls: get, list, status, delete (issue 3; SDK modulex/types/assistant.py)."""
+"""The chat reads the official SDK calls: get, list, status, delete (SDK
+modulex/types/assistant.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from tests.sse_client import read_frames
 
 
 async def test_get_chat_returns_messages_and_title(stack):
-    # the title: "the first 50 characters of the opening message" as sent (fresh-eyes test: leading spaces were dropped)
+    # the title: "the first 50 characters of the opening message" as sent (leading spaces kept)
     message = "   Tell me something about the weather in Paris tomorrow please, thanks a lot!"
     async with stack.client() as client:
         body = (await client.post("/assistant/chat", json={"message": message})).json()
         await read_frames(client, body["stream_url"])
         details = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
     assert details["id"] == body["chat_id"]
-    # the spec's shared chat object: its surface discriminator, and never bound to a workflow (contract audit: absent)
+    # the spec's shared chat object: its surface discriminator, and never bound to a workflow
     assert details["kind"] == "assistant" and details["workflow_id"] is None
     assert details["title"] == message[:50]
     assert details["running_id"] is None and details["pending_user_input_request"] is None
@@ -51,7 +52,8 @@ async def test_list_chats_newest_first_with_cursor(stack):
         assert (
             await client.get("/assistant/chats", params={"cursor": "garbage!"})
         ).status_code == 400
-        # well-formed base64 of what the cursor is not: a NUL in the id (PostgreSQL: 500 before), a naive time, another id
+        # well-formed base64 of what the cursor is not: a NUL in the id (which PostgreSQL
+        # cannot store), a naive time, another id
         chat = ids[0].encode()
         for forged in (
             b"2026-12-01T16:26:15.091253+00:00|a\x00b",
@@ -115,7 +117,7 @@ async def test_delete_soft_then_permanent_and_in_flight_is_409(stack):
 
 
 async def test_a_permanent_delete_removes_the_runs_events_outside_the_database_too(stack):
-    # fresh-eyes test: after DELETE ?permanent=true the run's Redis stream still held its text for 24 h
+    # after DELETE ?permanent=true the run's Redis stream must not keep its text (for 24 h)
     async with stack.client() as client:
         body, _ = await run_turn(
             client, {"tool": "ask_user_yes_no", "input": {"message": "secret question?"}}

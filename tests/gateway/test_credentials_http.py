@@ -1,4 +1,5 @@
-"""Credential routes over HTTP and the SDK, whole turns on PostgreSQL and MCP, MCP servers, OAuth2 (issue #6).
+"""Credential routes over HTTP and the SDK, whole turns on PostgreSQL and MCP, MCP servers,
+OAuth2.
 
 Shapes: the SDK's `modulex/types/credentials.py`. Owner/admin only; secrets never returned.
 """
@@ -115,7 +116,7 @@ async def test_credential_list_filters_by_the_sdk_auth_type_names_and_refuses_un
 
 
 def test_the_credential_auth_types_the_gateway_accepts_are_the_tools_services_and_the_sdk_aliases():
-    from services.gateway.tools_routes import CREDENTIAL_AUTH_TYPES, SDK_AUTH_TYPES
+    from services.gateway.routes.credentials import CREDENTIAL_AUTH_TYPES, SDK_AUTH_TYPES
     from services.tools.credentials import STORED_AUTH_TYPES
 
     assert set(CREDENTIAL_AUTH_TYPES) == set(STORED_AUTH_TYPES) | set(SDK_AUTH_TYPES)
@@ -123,7 +124,8 @@ def test_the_credential_auth_types_the_gateway_accepts_are_the_tools_services_an
 
 
 async def test_mcp_routes_on_a_credential_of_another_kind_say_so_instead_of_not_found(stack):
-    # fresh-eyes test: refresh-discovery and mcp-tools answered 404 "Credential not found" for a credential that exists
+    # refresh-discovery and mcp-tools on a credential that exists must not be 404 "Credential not
+    # found"
     async with stack.client() as client:
         created = await client.post(
             "/credentials",
@@ -140,7 +142,8 @@ async def test_mcp_routes_on_a_credential_of_another_kind_say_so_instead_of_not_
         ):
             assert response.status_code == 400, response.text
             assert response.json() == {
-                "detail": f"Credential {cid} has auth type bearer, not mcp_server: it is not an MCP server's"
+                "detail": f"Credential {cid} has auth type bearer, not mcp_server:"
+                " it is not an MCP server's"
             }
         assert (await client.get(f"/credentials/{uuid.uuid4()}/mcp-tools")).status_code == 404
 
@@ -197,7 +200,7 @@ async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(st
             await raw.get("/credentials", headers={"X-Organization-ID": stack.org_id})
         ).status_code == 401
         denied = await raw.get("/credentials", headers=stack.headers(api_key=member["api_key"]))
-        # worded for every route that checks the role (user test: it said "The assistant requires ...")
+        # worded for every route that checks the role (not "The assistant requires ...")
         assert denied.status_code == 403 and denied.json() == {
             "detail": "This requires the owner or admin role in this organization"
         }
@@ -424,7 +427,7 @@ async def test_turn_without_a_credential_gets_an_error_result_naming_request_cre
     assert frames[-1]["type"] == "done" and not frames[-1]["data"].get("error")
 
 
-# ---- MCP ------------------------------------------------------------------------------------------
+# ---- MCP ---------------------------------------------------------------------------------------
 
 TIME_SERVER = json.dumps(
     [
@@ -646,11 +649,12 @@ async def test_mcp_server_on_loopback_is_refused_unless_the_operator_allows_it(t
         assert (await client.get("/credentials")).json()["total"] == 0
 
 
-# ---- OAuth2 -----------------------------------------------------------------------------------------
+# ---- OAuth2 ------------------------------------------------------------------------------------
 
 
 def oauth_server_app(issued: dict[str, Any]) -> Any:
-    """A minimal OAuth2 authorization server (authorization code + PKCE S256) and an API at /api/me."""
+    """A minimal OAuth2 authorization server (authorization code + PKCE S256) and an API at
+    /api/me."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, RedirectResponse
@@ -779,7 +783,8 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
                 connected["auth_type"] == "oauth2" and connected["display_name"] == "Acme account"
             )
             assert "at-secret" not in done.text and "rt-secret" not in done.text
-            # The orchestrator is told, and the paused run resumes by itself: run_resumed on the old stream.
+            # The orchestrator is told, and the paused run resumes by itself: run_resumed on the
+            # old stream.
             assert connected["orchestrator_notified"] is True
             old_stream = await read_frames(client, paused["stream_url"])
             assert old_stream[-1]["type"] == "run_resumed"
@@ -812,8 +817,8 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
                 "/credentials/oauth2/callback", params={"state": "forged", "code": "x"}
             )
             assert tampered.status_code == 400
-            # fresh-eyes test: a denial left the state usable for an exchange, and a forged state with
-            # `error` was "not granted" instead of unknown; an unreachable token endpoint said "status no response"
+            # a denial uses the state up; a forged state with `error` is unknown, not "not granted";
+            # an unreachable token endpoint is named as such
             denied = (
                 await client.post(
                     "/credentials/oauth2/initiate",
@@ -851,7 +856,8 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
                 "/credentials/oauth2/callback", params={"state": down["state"], "code": "abc"}
             )
             assert unreachable.status_code == 409 and unreachable.json() == {
-                "detail": "The authorization server did not issue a token (its token endpoint could not be reached); start the connection again"
+                "detail": "The authorization server did not issue a token (its token endpoint"
+                " could not be reached); start the connection again"
             }
 
 
@@ -926,7 +932,7 @@ async def test_mcp_server_headers_that_http_cannot_carry_are_400_and_nothing_is_
 async def test_a_call_to_an_mcp_server_that_refuses_connections_says_it_was_not_sent(tmp_path):
     # fresh-eyes test: "failed during the call (ConnectError)" suggested the call may have run
     from services.tools.catalogue import ActionError
-    from services.tools.mcp_servers import McpConnector
+    from services.tools.mcp_client import McpConnector
 
     connector = McpConnector(5, 65536, allow_private_network=True)
     with pytest.raises(ActionError) as failure:

@@ -1,4 +1,5 @@
-"""The organization's saved default model (issue 7): read and set through the API and the admin command."""
+"""The organization's saved default model: read and set through the API and the admin
+command."""
 
 from __future__ import annotations
 
@@ -162,10 +163,11 @@ def test_admin_command_refuses_an_unknown_organization_and_a_missing_database(tm
     }
 
 
-def test_admin_commands_refuse_an_empty_model_or_an_impossible_organization_id_before_anything_is_stored(
+def test_admin_commands_refuse_an_empty_model_or_impossible_org_id_before_storing_anything(
     tmp_path,
 ):
-    # fresh-eyes test: set-default-llm stored {"", "", ""} (exit 0), and every turn naming no model was then refused
+    # set-default-llm must not store {"", "", ""} (exit 0): every turn naming no model would then
+    # be refused
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
     org = json.loads(
         subprocess.run(
@@ -253,7 +255,8 @@ async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_defa
                 json={**openai, "credential_id": credential_id},
             )
             assert saved.status_code == 200, saved.text
-            # deleted behind the gateway's back (DELETE /credentials refuses the default's key: below)
+            # deleted behind the gateway's back (DELETE /credentials refuses the default's key:
+            # below)
             await stack.tools.servicer.credentials.delete(stack.org_id, credential_id)
             expected = f"credential {credential_id!r} cannot be used as a model key" + FROM_DEFAULT
             for headers in (
@@ -270,7 +273,8 @@ async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_defa
             assert own.status_code == 400 and own.json() == {
                 "detail": f"credential {credential_id!r} cannot be used as a model key"
             }
-            # the same for any other refusal of a saved default (the admin command saves without checking)
+            # the same for any other refusal of a saved default (the admin command saves without
+            # checking)
             for default, message in (
                 (
                     {

@@ -122,7 +122,8 @@ async def test_put_checked_then_delete_then_put_saves_never_leaves_a_default_wit
             put_status, delete_status = (await put).status_code, (await delete).status_code
             saved, credential_status = await _end_state(client, credential_id)
             print(
-                f"PUT {put_status}, DELETE {delete_status} (finished while the PUT was paused: {overtook}); "
+                f"PUT {put_status}, DELETE {delete_status}"
+                f" (finished while the PUT was paused: {overtook}); "
                 f"saved default {saved}; GET credential {credential_status}"
             )
             assert _consistent(saved, credential_id, credential_status), (
@@ -168,7 +169,8 @@ async def test_delete_checked_then_put_then_delete_deletes_never_leaves_a_defaul
             put_status, delete_status = (await put).status_code, (await delete).status_code
             saved, credential_status = await _end_state(client, credential_id)
             print(
-                f"PUT {put_status}, DELETE {delete_status} (PUT finished while the DELETE was paused: {overtook}); "
+                f"PUT {put_status}, DELETE {delete_status}"
+                f" (PUT finished while the DELETE was paused: {overtook}); "
                 f"saved default {saved}; GET credential {credential_status}"
             )
             assert _consistent(saved, credential_id, credential_status), (
@@ -215,7 +217,8 @@ async def test_the_lock_is_per_organization(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(
     selected_backend() != "postgres",
-    reason="two gateway processes share a database only on PostgreSQL (one SQLite file serves one gateway)",
+    reason="two gateway processes share a database only on PostgreSQL"
+    " (one SQLite file serves one gateway)",
 )
 async def test_two_gateways_on_one_postgresql_database_serialize_put_and_delete(
     tmp_path, monkeypatch
@@ -252,7 +255,8 @@ async def test_two_gateways_on_one_postgresql_database_serialize_put_and_delete(
             put_status, delete_status = (await put).status_code, (await delete).status_code
             saved, credential_status = await _end_state(other, credential_id)
             print(
-                f"PUT {put_status} (gateway 1), DELETE {delete_status} (gateway 2, finished while the PUT was paused: "
+                f"PUT {put_status} (gateway 1), DELETE {delete_status}"
+                " (gateway 2, finished while the PUT was paused: "
                 f"{overtook}); saved default {saved}; GET credential {credential_status}"
             )
             assert _consistent(saved, credential_id, credential_status), (

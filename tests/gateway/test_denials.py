@@ -1,4 +1,4 @@
-"""Billing denials through the gateway: the spec's flat DenialEnvelope, status by layer (issue 5)."""
+"""Billing denials through the gateway: the spec's flat DenialEnvelope, status by layer."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ async def _admit_until_denied(stack, client) -> tuple:
 @pytest.mark.parametrize("plan_stack", list(EXPECTED), indirect=True)
 async def test_denial_is_flat_envelope_with_status_by_layer_and_writes_nothing(plan_stack):
     stack = plan_stack
-    status, layer, code, _ = EXPECTED[stack.billing.core.default_plan]
+    status, layer, code, _ = EXPECTED[stack.billing.store.default_plan]
     async with stack.client() as client:
         before = None
         for _ in range(5):
@@ -113,7 +113,7 @@ async def test_denial_is_flat_envelope_with_status_by_layer_and_writes_nothing(p
 @pytest.mark.parametrize("plan_stack", list(EXPECTED), indirect=True)
 async def test_sdk_raises_the_typed_billing_error(plan_stack):
     stack = plan_stack
-    status, layer, code, error_type = EXPECTED[stack.billing.core.default_plan]
+    status, layer, code, error_type = EXPECTED[stack.billing.store.default_plan]
     client = Modulex(
         api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url, max_retries=0
     )
@@ -158,7 +158,7 @@ async def test_a_plan_changed_by_another_process_applies_to_the_rate_layer_withi
             await read_frames(client, response.json()["stream_url"])
         assert (await client.post("/assistant/chat", json={"message": "hi"})).status_code == 429
         # what `python -m services.billing admin set-plan` does from its own process
-        async with plan_stack.billing.core.sessions() as session, session.begin():
+        async with plan_stack.billing.store.sessions() as session, session.begin():
             await session.execute(
                 update(Account).where(Account.org_id == plan_stack.org_id).values(plan="open")
             )

@@ -1,10 +1,11 @@
-"""The gateway's listener fan-out (services/gateway/fanout.py) against a fake orchestrator stream.
+"""The gateway's listener fan-out (services/gateway/fanout.py, listener.py) against a fake
+orchestrator stream.
 
 Rules: every listener gets the run's frames from its `?after=N` index without gaps or
 repeats; heartbeats only after the heartbeat interval of silence and not counted by
 `after`; a listener whose client stops reading does not hold up the others (it is served
 through ASGI send with flow control instead of direct writes); the response ends after the
-last frame; the last listener to leave cancels the upstream call (issue 9, stream fan-out).
+last frame; the last listener to leave cancels the upstream call.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import pytest
 
 from loopline.assistant.v1 import assistant_pb2, events_pb2
 from services.gateway import fanout as fanout_module
+from services.gateway import listener as listener_module
 from services.gateway import sse
-from services.gateway.fanout import EventStreamResponse, RunFanout, _Listener
+from services.gateway.fanout import RunFanout
+from services.gateway.listener import EventStreamResponse, Listener
 
 
 def chunk_event(seq: int, text: str) -> events_pb2.Event:
@@ -75,7 +78,8 @@ class FakeStub:
 
 
 class AsgiClient:
-    """The ASGI side of one response: collects body bytes; `disconnect()` simulates the client leaving."""
+    """The ASGI side of one response: collects body bytes; `disconnect()` simulates the client
+    leaving."""
 
     def __init__(self, block_sends: bool = False) -> None:
         self.body = bytearray()
@@ -196,8 +200,8 @@ async def test_a_listener_that_stops_reading_does_not_hold_up_the_others():
     hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
     await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
     stuck_client, reader_client = AsgiClient(block_sends=True), AsgiClient()
-    stuck = _Listener(hub, 0, stuck_client.send, FakeTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
-    reader = _Listener(hub, 0, reader_client.send, FakeTransport())  # type: ignore[arg-type]
+    stuck = Listener(hub, 0, stuck_client.send, FakeTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
+    reader = Listener(hub, 0, reader_client.send, FakeTransport())  # type: ignore[arg-type]
     hub.attach(stuck)
     hub.attach(reader)
     for i in range(50):
@@ -268,7 +272,7 @@ async def test_a_large_fanout_is_served_in_slices_and_frames_arriving_mid_round_
     event loop ~100 ms per event, and an event published meanwhile waited for the whole pass).
     Now a round serves FLUSH_SLICE listeners per loop iteration; those not yet served when the
     next frame arrives get both frames in one write; the earlier ones get it in the next round."""
-    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=60.0)
+    hub = fanout_module.RunHub(("org", "chat", "run"), heartbeat_s=60.0)
     count = 3 * fanout_module.FLUSH_SLICE + 10
     transports = [RecordingTransport() for _ in range(count)]
 
@@ -276,7 +280,7 @@ async def test_a_large_fanout_is_served_in_slices_and_frames_arriving_mid_round_
         return None
 
     for transport in transports:
-        hub.attach(_Listener(hub, 0, send, transport))
+        hub.attach(Listener(hub, 0, send, transport))
     first, second = b'data: {"n":1}\n\n', b'data: {"n":2}\n\n'
     hub.publish(first)
     await asyncio.sleep(0)  # one loop iteration: one slice
@@ -285,13 +289,13 @@ async def test_a_large_fanout_is_served_in_slices_and_frames_arriving_mid_round_
     hub.publish(second)  # mid-round
     await until(lambda: all(_dechunk(t.writes) == first + second for t in transports))
     assert all(len(t.writes) == 2 for t in transports[:served])  # served before `second` came
-    assert all(t.writes == [fanout_module._chunk(first + second)] for t in transports[-10:])
+    assert all(t.writes == [listener_module.http_chunk(first + second)] for t in transports[-10:])
     if hub.heartbeat_handle is not None:
         hub.heartbeat_handle.cancel()
 
 
 async def test_the_end_of_a_run_delivers_every_frame_at_once_even_mid_round():
-    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=60.0)
+    hub = fanout_module.RunHub(("org", "chat", "run"), heartbeat_s=60.0)
     transports = [RecordingTransport() for _ in range(2 * fanout_module.FLUSH_SLICE + 1)]
     ended: list[int] = []
 
@@ -300,7 +304,7 @@ async def test_the_end_of_a_run_delivers_every_frame_at_once_even_mid_round():
             ended.append(1)
 
     for transport in transports:
-        hub.attach(_Listener(hub, 0, send, transport))
+        hub.attach(Listener(hub, 0, send, transport))
     hub.publish(b'data: {"n":1}\n\n')
     await asyncio.sleep(0)  # the round is under way
     hub.publish(b'data: {"n":2}\n\n')
@@ -317,14 +321,14 @@ async def test_heartbeats_to_many_listeners_go_out_in_slices_and_reach_every_sil
     # 0.5 s, not 0.05: a round spans four loop iterations, and a CI runner that stalled this
     # process for 50 ms between two of them let the next check beat the first slice again
     # before the last had its first (CI: "one each" failed)
-    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=0.5)
+    hub = fanout_module.RunHub(("org", "chat", "run"), heartbeat_s=0.5)
     transports = [RecordingTransport() for _ in range(3 * fanout_module.FLUSH_SLICE + 7)]
 
     async def send(message: dict[str, Any]) -> None:
         return None
 
     for transport in transports:
-        hub.attach(_Listener(hub, 0, send, transport))
+        hub.attach(Listener(hub, 0, send, transport))
     steps: list[int] = []
     deadline = asyncio.get_running_loop().time() + 5
     while sum(1 for t in transports if t.writes) < len(transports):
@@ -338,22 +342,21 @@ async def test_heartbeats_to_many_listeners_go_out_in_slices_and_reach_every_sil
             steps.append(after - before)
     assert max(steps) <= fanout_module.FLUSH_SLICE and len(steps) >= 3
     assert all(
-        t.writes == [fanout_module.HEARTBEAT_CHUNK] for t in transports
+        t.writes == [listener_module.HEARTBEAT_CHUNK] for t in transports
     )  # one each, nothing else
     # the next check: every listener is silent again and gets a second one
     await until(lambda: all(len(t.writes) >= 2 for t in transports))
-    assert all(set(t.writes) == {fanout_module.HEARTBEAT_CHUNK} for t in transports)
+    assert all(set(t.writes) == {listener_module.HEARTBEAT_CHUNK} for t in transports)
     hub.end()
 
 
 async def test_a_listener_past_the_end_of_an_ended_stream_gets_its_end_frame():
-    """Bug (fresh-eyes test): after an orchestrator crash on the memory backend the reaper's
-    `error` and `done` are the run's frames 0 and 1; a client that had read 4 frames and
-    reconnected with ?after=4, as the error frame tells it to, got an empty stream that closed
-    without an end frame. A listener at or past the end of an ended stream that was handed
-    nothing now gets the last frame (the run's end), and so does one at exactly the end of
-    such a stream (it does not begin with `metadata`: its beginning was lost); one that was
-    handed frames gets no repeat, nor one at the end of a whole stream (it has them all)."""
+    """After an orchestrator crash on the memory backend the reaper's `error` and `done` are the
+    run's frames 0 and 1, so a client that read 4 frames reconnects with ?after=4 past the end.
+    A listener at or past the end of an ended stream that was handed nothing gets the last frame
+    (the run's end), and so does one at exactly the end of such a stream (it does not begin with
+    `metadata`: its beginning was lost); one that was handed frames gets no repeat, nor one at
+    the end of a whole stream (it has them all)."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     live, live_task = await listen(fan)
@@ -392,10 +395,10 @@ async def test_a_listener_at_the_end_of_a_whole_stream_gets_nothing_more():
 
 
 async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_to_resume_from():
-    """Bug (user test): when the orchestrator died mid-run, the gateway's error frame said
-    "reconnect with ?after=N" with N never filled in. Each listener now gets its own position:
-    the run's frames it has, those it was handed plus the `after` it joined with (the error
-    frame and heartbeats are not counted); reconnecting with it continues right after them."""
+    """When the orchestrator dies mid-run, each listener's error frame names its own position
+    (not a bare "?after=N"): the run's frames it has, those it was handed plus the `after` it
+    joined with (the error frame and heartbeats are not counted); reconnecting with it
+    continues right after them."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     first, first_task = await listen(fan)
@@ -443,9 +446,9 @@ async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_t
     assert resumed.frames() == [sse.encode(chunk_event(4, "c4")), sse.encode(done_event(5))]
 
 
-async def test_an_upstream_stream_that_ends_without_the_runs_end_gives_each_listener_its_reconnect_frame():
-    """Reliability test: after Redis restarted empty a follower's stream ended 2 s later with
-    neither the run's end nor an error frame; every stream now ends with one or the other."""
+async def test_an_upstream_stream_ending_without_the_runs_end_gives_each_its_reconnect_frame():
+    """A stream that ends with neither the run's end nor an error frame (e.g. a follower's, after
+    Redis restarted empty) ends each listener's stream with its reconnect frame."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     first, first_task = await listen(fan)
@@ -454,16 +457,15 @@ async def test_an_upstream_stream_that_ends_without_the_runs_end_gives_each_list
     for event in (*events, None):
         call.queue.put_nowait(event)
     await asyncio.wait_for(first_task, 5)
-    assert first.frames() == [*(sse.encode(e) for e in events), fanout_module.broken_frame(2)]
+    assert first.frames() == [*(sse.encode(e) for e in events), listener_module.broken_frame(2)]
 
 
 async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_frame(
     tmp_path, caplog
 ):
-    """Fresh-eyes test (replicas): a gateway stopped with SIGTERM kept its open streams until the
-    end of its grace, then cut them without a frame, and uvicorn logged "Cancel 1 running
-    task(s), timeout graceful shutdown exceeded" and a CancelledError traceback at ERROR. Now
-    each stream ends at once with the gateway's own error frame naming the listener's ?after=."""
+    """A gateway stopped with SIGTERM ends each open stream at once with its own error frame
+    naming the listener's ?after=, rather than cutting it at the end of its grace without a
+    frame (which uvicorn logs at ERROR with a CancelledError traceback)."""
     import asyncio
     import logging
     import time
@@ -481,8 +483,7 @@ async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_
             )
             assert started.status_code == 200, started.text
             listener = asyncio.create_task(read_frames(client, started.json()["stream_url"]))
-            while gateway.app.state.fanout.active_runs() == 0:
-                await asyncio.sleep(0.01)
+            await until(lambda: gateway.app.state.fanout.active_runs() > 0, timeout=60.0)
             await asyncio.sleep(0.2)  # the metadata frame is handed over
             caplog.set_level(logging.INFO)
             began = time.monotonic()
@@ -507,7 +508,7 @@ async def test_a_stopped_gateway_ends_open_streams_at_once_with_their_reconnect_
 
 
 class _Clock:
-    """The parts of an event loop a _Hub uses, on a clock the test moves (`advance`)."""
+    """The parts of an event loop a RunHub uses, on a clock the test moves (`advance`)."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -542,17 +543,17 @@ class _Clock:
 
 
 async def test_a_heartbeat_is_never_later_than_the_interval_of_silence():
-    """Fresh-eyes test: a frame shortly after a listener joined made its heartbeat 10% late (16.5 s
-    of silence for 15 s: the next check was at least heartbeat_s / 10 after the previous one), so a
-    16.5 s gap had none. Now everyone within 10% of its heartbeat gets it in the same round."""
-    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=15.0)
+    """A frame shortly after a listener joined must not make its heartbeat late (the next check
+    is at least heartbeat_s / 10 after the previous one, which alone would allow 16.5 s of
+    silence for 15 s): everyone within 10% of its heartbeat gets it in the same round."""
+    hub = fanout_module.RunHub(("org", "chat", "run"), heartbeat_s=15.0)
     hub.loop = clock = _Clock()  # type: ignore[assignment]
     transport = RecordingTransport()
 
     async def send(message: dict[str, Any]) -> None:
         return None
 
-    hub.attach(_Listener(hub, 0, send, transport))  # at 0: the first check is at 15
+    hub.attach(Listener(hub, 0, send, transport))  # at 0: the first check is at 15
     clock.advance(0.3)
     hub.publish(b'data: {"n":1}\n\n')  # a frame at 0.3: the silence starts again
     clock.advance(0.3)
@@ -564,7 +565,7 @@ async def test_a_heartbeat_is_never_later_than_the_interval_of_silence():
             beats.append(clock.now)
         if len(beats) == 3:
             break
-    assert all(transport.writes[i] == fanout_module.HEARTBEAT_CHUNK for i in range(1, 4))
+    assert all(transport.writes[i] == listener_module.HEARTBEAT_CHUNK for i in range(1, 4))
     silences = [beats[0] - 0.3, beats[1] - beats[0], beats[2] - beats[1]]
     assert all(13.5 - 1e-6 <= silence <= 15.0 + 1e-6 for silence in silences), silences
     hub.end()
@@ -587,9 +588,9 @@ class StalledStub(FakeStub):
 async def test_a_stream_the_orchestrator_never_accepts_times_out_and_cancels_its_upstream_call(
     monkeypatch,
 ):
-    """Fresh-eyes chaos test: a listen through a gateway whose orchestrator was stalled (SIGSTOP)
-    got no status line, header or heartbeat for minutes. It is StreamTimeout (504) after
-    READY_TIMEOUT_S, and the stalled upstream call is cancelled with its last listener."""
+    """A listen through a gateway whose orchestrator is stalled (SIGSTOP) is StreamTimeout (504)
+    after READY_TIMEOUT_S, not minutes without a status line, and the stalled upstream call is
+    cancelled with its last listener."""
     monkeypatch.setattr(fanout_module, "READY_TIMEOUT_S", 0.2)
     stub = StalledStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
@@ -615,16 +616,15 @@ async def test_a_listen_through_a_stalled_orchestrator_answers_504(stack, monkey
 
 def test_both_interrupted_stream_frames_name_the_position_to_reconnect_from_in_one_wording():
     """The gateway's frame (its upstream stream broke) and the orchestrator's (Redis unreachable)
-    differed ("reconnect with ?after=N" / "listen again with after=N to continue"): a client
-    reading N had to know both (fresh-eyes chaos test, F6)."""
+    name the position in one wording, so a client reading N needs to know only one."""
     import re
 
-    from services.orchestrator.backend import UNREACHABLE, StreamInterrupted
+    from services.orchestrator.eventlog import UNREACHABLE, StreamInterrupted
 
     pattern = re.compile(
         r"^The event stream was interrupted( \([^)]*\))?; reconnect with \?after=(\d+)$"
     )
-    gateway = json.loads(fanout_module.broken_frame(7)[len(b"data: ") :])["data"]["message"]
+    gateway = json.loads(listener_module.broken_frame(7)[len(b"data: ") :])["data"]["message"]
     orchestrator = StreamInterrupted(7, UNREACHABLE).message
     assert pattern.match(gateway).group(2) == pattern.match(orchestrator).group(2) == "7"
 
@@ -646,15 +646,15 @@ class SlowClient(AsgiClient):
 
 
 async def test_a_listener_that_stops_reading_holds_one_slice_not_a_copy_of_the_run():
-    """Bug (fresh-eyes test): a stalled listener was handed every frame it had not read as its
-    own joined copy (pending, then ASGI send, then the transport's buffer): 100 of them on a
-    5.6 MB run took the gateway from 143 to 850 MiB. It is now pulled from the shared frames, one
-    PULL_SLICE_BYTES slice in flight, and still gets every frame in order once it reads."""
+    """A stalled listener is pulled from the shared frames with one PULL_SLICE_BYTES slice in
+    flight, not handed its own joined copy of every frame it has not read (100 of those on a
+    5.6 MB run would take the gateway from 143 to 850 MiB), and still gets every frame in order
+    once it reads."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
     client = SlowClient()
-    listener = _Listener(hub, 0, client.send, FakeTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
+    listener = Listener(hub, 0, client.send, FakeTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
     hub.attach(listener)
     events = [chunk_event(i, "x" * 5000) for i in range(400)]  # ~2 MB of frames
     for event in events:
@@ -662,22 +662,22 @@ async def test_a_listener_that_stops_reading_holds_one_slice_not_a_copy_of_the_r
     await until(lambda: len(hub.frames) == 400)
     await asyncio.sleep(0.05)
     assert listener.writer is not None and not listener.pending
-    assert len(client.sent) == 1 and client.sent[0] <= fanout_module.PULL_SLICE_BYTES
+    assert len(client.sent) == 1 and client.sent[0] <= listener_module.PULL_SLICE_BYTES
     assert (
-        listener.index * 5000 <= fanout_module.PULL_SLICE_BYTES
+        listener.index * 5000 <= listener_module.PULL_SLICE_BYTES
     )  # the rest is only in the hub's shared list
     client.release.set()
     stub.calls[0].queue.put_nowait(done_event(400))
     stub.calls[0].queue.put_nowait(None)
     await asyncio.wait_for(client.complete.wait(), 5)
     assert client.frames() == [sse.encode(e) for e in [*events, done_event(400)]]
-    assert max(client.sent) <= fanout_module.PULL_SLICE_BYTES
+    assert max(client.sent) <= listener_module.PULL_SLICE_BYTES
     hub.detach(listener)
     fan.leave(hub)
 
 
 async def test_a_late_listener_on_a_large_backlog_is_pulled_in_slices_then_pushed_again():
-    hub = fanout_module._Hub(("org", "chat", "run"), heartbeat_s=60.0)
+    hub = fanout_module.RunHub(("org", "chat", "run"), heartbeat_s=60.0)
     frames = [b'data: {"n":%d,"pad":"%s"}\n\n' % (i, b"y" * 2000) for i in range(200)]  # ~400 KB
     for frame in frames:
         hub.frames.append(frame)
@@ -687,13 +687,13 @@ async def test_a_late_listener_on_a_large_backlog_is_pulled_in_slices_then_pushe
         sent.append(message.get("body", b""))
 
     transport = RecordingTransport()
-    listener = _Listener(hub, 0, send, transport)  # type: ignore[arg-type]
+    listener = Listener(hub, 0, send, transport)  # type: ignore[arg-type]
     hub.attach(listener)
     assert listener.writer is not None and not transport.writes  # not joined and written whole
     await until(lambda: listener.writer is None)
     assert (
         b"".join(sent) == b"".join(frames)
-        and max(len(b) for b in sent) <= fanout_module.PULL_SLICE_BYTES
+        and max(len(b) for b in sent) <= listener_module.PULL_SLICE_BYTES
     )
     hub.publish(b'data: {"n":"live"}\n\n')  # caught up: pushed by the hub's round again
     await until(lambda: bool(transport.writes))
@@ -702,8 +702,8 @@ async def test_a_late_listener_on_a_large_backlog_is_pulled_in_slices_then_pushe
 
 
 async def test_a_client_that_leaves_while_its_writer_sends_ends_its_response_without_an_error():
-    """Bug (fresh-eyes test): every client that left mid-stream while its writer was sending made
-    the response raise CancelledError, logged by uvicorn as "Exception in ASGI application"."""
+    """A client that leaves mid-stream while its writer is sending must not make the response
+    raise CancelledError (logged by uvicorn as "Exception in ASGI application")."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     client = AsgiClient(block_sends=True)
@@ -716,18 +716,18 @@ async def test_a_client_that_leaves_while_its_writer_sends_ends_its_response_wit
 
 
 async def test_a_stopped_gateway_closes_a_listener_that_cannot_take_its_last_frame():
-    """Fresh-eyes test: a listener that did not read held the gateway's shutdown for its whole
-    grace, then was cut mid-chunk with uvicorn's ERROR tracebacks. Its connection is now closed
-    after STALLED_CLOSE_S; the listeners that read get their reconnect frame at once."""
+    """A listener that does not read has its connection closed after STALLED_CLOSE_S instead of
+    holding the gateway's shutdown for its whole grace; the listeners that read get their
+    reconnect frame at once."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
     await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
 
     stalled_transport = AbortableTransport(backlog=10 * 1024 * 1024)
-    stalled = _Listener(hub, 0, SlowClient().send, stalled_transport)  # type: ignore[arg-type]
+    stalled = Listener(hub, 0, SlowClient().send, stalled_transport)  # type: ignore[arg-type]
     reader_client = AsgiClient()
-    reader = _Listener(hub, 0, reader_client.send, FakeTransport())  # type: ignore[arg-type]
+    reader = Listener(hub, 0, reader_client.send, FakeTransport())  # type: ignore[arg-type]
     hub.attach(stalled)
     hub.attach(reader)
     stub.calls[0].queue.put_nowait(chunk_event(0, "a"))
@@ -737,7 +737,7 @@ async def test_a_stopped_gateway_closes_a_listener_that_cannot_take_its_last_fra
     assert asyncio.get_running_loop().time() - started < fanout_module.STALLED_CLOSE_S + 1
     assert stalled_transport.aborted and stalled.writer is None
     await until(lambda: reader_client.complete.is_set())
-    assert reader_client.frames()[-1] == fanout_module.broken_frame(1)
+    assert reader_client.frames()[-1] == listener_module.broken_frame(1)
 
 
 async def test_a_client_that_takes_nothing_for_stalled_send_s_has_its_connection_closed(
@@ -752,9 +752,9 @@ async def test_a_client_that_takes_nothing_for_stalled_send_s_has_its_connection
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     hub = await fan.open(assistant_pb2.Caller(organization_id="org", user_id="user"), "chat", "run")
     stalled_transport = AbortableTransport(backlog=10 * 1024 * 1024)
-    stalled = _Listener(hub, 0, AsgiClient(block_sends=True).send, stalled_transport)  # type: ignore[arg-type]
+    stalled = Listener(hub, 0, AsgiClient(block_sends=True).send, stalled_transport)  # type: ignore[arg-type]
     reader_client = SlowClient()  # takes each send after ~0.05 s: slow, within the bound
-    reader = _Listener(hub, 0, reader_client.send, AbortableTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
+    reader = Listener(hub, 0, reader_client.send, AbortableTransport(backlog=10 * 1024 * 1024))  # type: ignore[arg-type]
     hub.attach(stalled)
     hub.attach(reader)
     for i in range(3):

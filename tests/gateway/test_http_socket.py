@@ -45,5 +45,6 @@ async def test_a_stream_asked_for_over_http_1_0_is_505_not_a_chunked_body_it_can
     assert head.split(b"\r\n")[0].split(b" ")[1] == b"505"
     assert b"transfer-encoding" not in head.lower()
     assert json.loads(payload) == {
-        "detail": "Event streams need HTTP/1.1 (they are sent with chunked transfer encoding); retry with HTTP/1.1"
+        "detail": "Event streams need HTTP/1.1 (they are sent with chunked transfer encoding);"
+        " retry with HTTP/1.1"
     }

@@ -143,7 +143,7 @@ def _lose_first_answer(stack, monkeypatch) -> list[str]:
     return lost
 
 
-async def test_a_retry_after_a_start_whose_answer_was_lost_answers_the_started_turn_and_charges_once(
+async def test_a_retry_of_a_start_whose_answer_was_lost_answers_the_started_turn_charging_once(
     stack, monkeypatch
 ):
     """Fresh-eyes test: the orchestrator started (and charged) the turn, but its answer never
@@ -172,7 +172,7 @@ async def test_a_retry_after_a_start_whose_answer_was_lost_answers_the_started_t
     await billing_delivered(stack)
     from services.billing.models import LedgerEntry
 
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         charges = await session.scalar(
             select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge")
         )
@@ -254,7 +254,7 @@ async def test_starts_sent_together_with_one_request_id_start_and_charge_one_tur
     assert len({(a.chat_id, a.run_id) for a in answers}) == 1
     assert await _runs(stack) == 1
     await billing_delivered(stack)
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         charges = await session.scalar(
             select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge")
         )

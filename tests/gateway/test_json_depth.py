@@ -126,8 +126,8 @@ async def test_turn_and_settings_bodies_nested_too_deep_are_400(stack):
 async def test_a_body_nested_past_the_json_parsers_own_limit_is_the_depth_400_not_invalid_json(
     stack,
 ):
-    # orjson refuses past 1,024 levels ("depth limit exceeded"): the body was answered "Request body
-    # is not valid JSON (UTF-8, no lone surrogates)" although it is valid JSON (tester, 10,000 levels)
+    # orjson refuses past 1,024 levels ("depth limit exceeded"); such a body is valid JSON and
+    # must not be answered "Request body is not valid JSON (UTF-8, no lone surrogates)"
     arrays = b"[" * 10000 + b"1" + b"]" * 10000
     in_a_field = b'{"message": "hi", "extra": ' + b'{"a": ' * 2000 + b'"x"' + b"}" * 2000 + b"}"
     async with stack.client() as client:

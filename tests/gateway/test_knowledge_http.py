@@ -29,7 +29,8 @@ def make_pdf(text: str) -> bytes:
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
+        b" /Resources << /Font << /F1 5 0 R >> >> >>",
         b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
     ]
@@ -57,7 +58,8 @@ UPLOADS = {
         "kettlebell",
     ),
     "page.html": (
-        b"<html><head><script>var hidden='zzsecretzz';</script></head><body><p>Marmalade recipe</p></body></html>",
+        b"<html><head><script>var hidden='zzsecretzz';</script></head>"
+        b"<body><p>Marmalade recipe</p></body></html>",
         "text/html",
         "marmalade",
     ),
@@ -381,7 +383,8 @@ async def test_turn_searches_an_uploaded_document(stack):
             files={
                 "file": (
                     "handbook.md",
-                    b"# Handbook\n\nRefunds are processed within 14 days.\n\nShipping is free over 50 EUR.",
+                    b"# Handbook\n\nRefunds are processed within 14 days.\n\n"
+                    b"Shipping is free over 50 EUR.",
                     "text/markdown",
                 )
             },

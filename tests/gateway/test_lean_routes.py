@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from services.gateway.app import GatewayApp, _listen_target
+from services.gateway.hot_path import GatewayApp, _listen_target
 from tests.conftest import SCRIPTED, script
 from tests.sse_client import read_frames
 
@@ -141,7 +141,8 @@ async def test_turn_body_in_many_chunks_and_declared_too_large(stack):
     reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
     headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
     writer.write(
-        f"POST /assistant/chat HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\nContent-Length: {too_big}\r\n\r\n{{}}".encode()
+        f"POST /assistant/chat HTTP/1.1\r\nHost: x\r\n{headers}"
+        f"Content-Type: application/json\r\nContent-Length: {too_big}\r\n\r\n{{}}".encode()
     )
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.app import BodyError, json_object
+from services.gateway.bodies import json_object
+from services.gateway.errors import BodyError
 from tests.tools.tools_stack import tools_stack
 
 NUL_MESSAGE = (
@@ -70,5 +71,6 @@ async def test_a_nul_in_a_path_or_query_value_is_400(stack, method, url):
         response = await client.request(method, url)
     assert response.status_code == 400, response.text
     assert response.json() == {
-        "detail": "A path or query value contains a NUL character (%00); ids and text values cannot hold it"
+        "detail": "A path or query value contains a NUL character (%00);"
+        " ids and text values cannot hold it"
     }

@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 from fastapi.routing import APIRoute, iter_route_contexts
 
-from services.gateway.tools_routes import MAX_SEARCH_BASES, STRING_LIMITS
+from services.gateway.routes.fields import MAX_SEARCH_BASES, STRING_LIMITS
 
 JSON_READERS = ("body_of(", "read_json_object(", "read_body(", "receive_json_object(")
 # (method, path) of every route that reads a JSON body, by hand or through the lean handler
@@ -46,7 +46,8 @@ def _routes(stack) -> list[Any]:
 
 
 def _allowed_fields(endpoint) -> set[str] | None:  # noqa: ANN001
-    """The literal set of field names the endpoint's first `check_fields(body, {...})` allows, or None."""
+    """The literal set of field names the endpoint's first `check_fields(body, {...})` allows,
+    or None."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(endpoint)))
     for node in ast.walk(tree):
         if (
@@ -204,7 +205,8 @@ CASES = [
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": True}, False),
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 19.5}, False),
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 1e300}, False),
-    # a zero fractional part is an integer to JSON Schema (2020-12 Validation 6.1.1) and so to the handler
+    # a zero fractional part is an integer to JSON Schema (2020-12 Validation 6.1.1), so to the
+    # handler too
     ("/knowledge-bases/search", {"knowledge_base_ids": ["x"], "query": "q", "top_k": 19.0}, True),
     (
         "/knowledge-bases/search",
@@ -244,8 +246,8 @@ async def test_the_body_schemas_refuse_exactly_what_the_handlers_refuse(stack):
             assert _verdict(schema, body) is accepted, (path, body)
             response = await client.post(path.replace("{kb}", kb), json=body)
             if accepted:
-                # past the gateway's body checks: what follows is the tools service's (an unknown integration, a
-                # refused MCP address)
+                # past the gateway's body checks: what follows is the tools service's (an unknown
+                # integration, a refused MCP address)
                 assert response.status_code != 400 or any(
                     word in response.text for word in TOOLS_SERVICE_400S
                 ), (path, body, response.text)

@@ -5,7 +5,7 @@ helpers; an item a socket did not take whole (full buffer, partial write) or ref
 (closed peer) is reported with what the kernel took, for its transport to carry on; only
 plain TCP transports are written directly (never TLS); and over the real gateway, a run's
 listeners served by parallel rounds — one of them a client that stops reading — each get
-exactly the run's frames in order (issue 9, stream fan-out).
+exactly the run's frames in order.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ async def _frames(reader: asyncio.StreamReader) -> list[dict[str, Any]]:
     return frames
 
 
-async def test_listeners_served_by_parallel_rounds_each_get_every_frame_in_order_even_one_that_stops_reading(
+async def test_listeners_of_parallel_rounds_each_get_every_frame_in_order_even_one_not_reading(
     stack, monkeypatch
 ):
     fanout = stack.gateway.app.state.fanout

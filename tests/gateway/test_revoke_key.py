@@ -114,7 +114,7 @@ def test_add_member_refuses_an_unusable_organization_id(tmp_path):
 
 
 def test_seed_dev_refuses_an_unusable_dev_organization_id(tmp_path):
-    # fresh-eyes test: organization ids outside visible ASCII were created, then no header reached them
+    # an organization id outside visible ASCII is refused: no header could name it
     gateway = _command({**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)})
     for bad in ("org_ü", "two words", "x" * 129):
         refused = gateway("seed-dev", LOOPLINE_DEV_ORG_ID=bad)

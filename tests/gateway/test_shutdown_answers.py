@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.orchestrator.service import AssistantServicer
+from services.orchestrator.servicer import AssistantServicer
 from tests.conftest import start_stack
 
 

@@ -1,4 +1,5 @@
-"""Slow, vanished and oversized clients cannot exhaust the gateway (issue 33; services/gateway/http_limits.py).
+"""Slow, vanished and oversized clients cannot exhaust the gateway
+(services/gateway/http_limits.py).
 
 Rules, on the real uvicorn server over raw sockets on 127.0.0.1: a head with too many or too
 large header fields is 431 and its connection closed, before authentication; a head that does
@@ -52,7 +53,8 @@ def _port(stack: Stack) -> int:
 
 
 async def _exchange(port: int, raw: bytes, timeout: float = 10.0) -> bytes:
-    """Send `raw`, then read until the server closes the connection (AssertionError past `timeout`)."""
+    """Send `raw`, then read until the server closes the connection (AssertionError past
+    `timeout`)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(raw)
@@ -186,9 +188,8 @@ async def test_slow_connections_are_dropped_while_a_normal_client_is_served(tmp_
             slow.append((reader, writer))
         async with limited.client() as client:
             assert (await client.get("/healthz")).status_code == 200
-        await wait_for(
-            lambda: len(connections) <= before, timeout=10
-        )  # before: all 300 open for good
+        # the slow connections are closed, not left open for good
+        await wait_for(lambda: len(connections) <= before, timeout=10)
         for _, writer in slow:
             writer.close()
 
@@ -212,7 +213,8 @@ async def test_a_body_that_stalls_is_408_and_its_connection_closed_and_a_slow_st
         raw = await _read_to_end(reader, 6)
         writer.close()
         assert _status(raw) == 408 and "too slowly" in _body(raw)["detail"]
-        # a body that keeps coming faster than the floor is read whole (here ~1 KB in 4 pieces 0.4 s apart)
+        # a body that keeps coming faster than the floor is read whole (here ~1 KB in 4 pieces
+        # 0.4 s apart)
         body = json.dumps({"message": script({"say": "ok " * 300}), "llm": None}).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(
@@ -263,7 +265,8 @@ async def test_past_the_connection_cap_a_request_is_503_with_retry_after(tmp_pat
 async def _open_listen(
     port: int, path: str, headers: dict[str, str]
 ) -> tuple[int, bytes, asyncio.StreamWriter]:
-    """GET `path`; (status, head, writer) once the response's head has come (the stream stays open)."""
+    """GET `path`; (status, head, writer) once the response's head has come (the stream stays
+    open)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(_request("GET", path, headers))
     await writer.drain()
@@ -294,7 +297,8 @@ async def test_a_key_past_its_listens_is_429_with_retry_after_while_other_keys_a
                 "key": "listens_per_api_key",
                 "current": 2,
                 "limit": 2,
-                "reason": "at most 2 listens at once per API key on this gateway; close one, or retry in 5 s",
+                "reason": "at most 2 listens at once per API key on this gateway;"
+                " close one, or retry in 5 s",
             }
             status, _, theirs = await _open_listen(
                 port, turn["stream_url"], limited.headers(other["api_key"])
@@ -316,7 +320,7 @@ async def test_a_key_past_its_listens_is_429_with_retry_after_while_other_keys_a
 
 async def test_a_client_that_takes_none_of_a_response_is_cut_off_after_the_send_timeout(tmp_path):
     """A client that stops reading a large response: its connection is aborted once its buffer
-    stayed full for the send timeout (before: open for as long as the peer acknowledged)."""
+    stayed full for the send timeout, not kept for as long as the peer acknowledges."""
     async with _stack(tmp_path, http_send_timeout_s=1.0) as limited:
         port = _port(limited)
         client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -360,7 +364,7 @@ async def test_accepted_connections_carry_tcp_keepalive_and_user_timeout(tmp_pat
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 45_000
 
 
-# --- memory -----------------------------------------------------------------------------------------
+# --- memory -------------------------------------------------------------------------------------
 
 
 class _ReadCountingCall(FakeCall):
@@ -394,7 +398,7 @@ async def test_the_last_listener_to_leave_has_the_upstream_call_cancelled_betwee
     """grpc.aio frees a read's message only when its reader takes the result: the upstream call of
     an abandoned hub is cancelled once the read under way has brought its message (a replay's
     next one), with no read under way; a read that brings nothing (a live run gone quiet) is cut
-    short after ABANDONED_CANCEL_S. Before: the pump's task was cancelled in the middle of its read."""
+    short after ABANDONED_CANCEL_S. The pump's task is never cancelled in the middle of a read."""
     stub = _ReadCountingStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     client, task = await listen(fan)
@@ -438,7 +442,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _malloc_in_use() -> int | None:
-    """Bytes glibc's malloc has handed out and not had back (all arenas), or None off glibc >= 2.33."""
+    """Bytes glibc's malloc has handed out and not had back (all arenas), or None off glibc
+    >= 2.33."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallinfo2 = libc.mallinfo2
@@ -452,9 +457,9 @@ def _malloc_in_use() -> int | None:
 async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp_path):
     """Listening to an ended run, reading its first bytes and leaving, 500 times: every hub and
     listener is gone afterwards and the process's C heap (where grpc keeps received messages)
-    is where it was. Before: the pump's task was cancelled while a read was under way, and
-    grpc.aio leaked that read's message (up to STREAM_BATCH frames) for every such listener
-    (the test above shows how the call is cancelled since)."""
+    is where it was: cancelling the pump's task while a read is under way would leak that
+    read's message (up to STREAM_BATCH frames) in grpc.aio for every such listener (the test
+    above shows how the call is cancelled instead)."""
     async with _stack(tmp_path) as stack:
         in_use = _malloc_in_use()
         if in_use is None:
@@ -487,7 +492,7 @@ async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp
             )
             await asyncio.sleep(0.2)
             gc.collect()
-            hubs = sum(1 for item in gc.get_objects() if type(item) is fanout_module._Hub)
+            hubs = sum(1 for item in gc.get_objects() if type(item) is fanout_module.RunHub)
             return hubs, _malloc_in_use()  # type: ignore[return-value]
 
         for _ in range(20):  # warm-up: caches, pools and arenas reach their size
@@ -505,9 +510,12 @@ async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp
 
 
 async def test_a_chunked_bodys_trailer_fields_count_against_the_heads_limits(stack):
-    # fresh-eyes test: trailers were added to the request's headers without bound (100 MB of them took the
-    # gateway from 96 MB to 1.6 GB, before authentication)
-    head = b"POST /assistant/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n0\r\n"
+    # trailers must not be added to the request's headers without bound (100 MB of them would take
+    # the gateway from 96 MB to 1.6 GB, before authentication)
+    head = (
+        b"POST /assistant/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"1\r\na\r\n0\r\n"
+    )
     many = await _exchange(_port(stack), head + b"X-T: y\r\n" * 5_000 + b"\r\n")
     assert many == b"" or _status(many) != 200, many[:200]  # closed: no request came of it
     reader, writer = await asyncio.open_connection("127.0.0.1", _port(stack))
@@ -526,8 +534,8 @@ async def test_a_chunked_bodys_trailer_fields_count_against_the_heads_limits(sta
 
 
 async def test_a_client_that_pipelines_too_far_ahead_is_closed(stack):
-    # fresh-eyes test: 200,000 pipelined requests on one connection that read nothing were all parsed and
-    # queued (~2.5 KB each: 125 -> 609 MB)
+    # pipelined requests on a connection that reads nothing must not all be parsed and queued
+    # (~2.5 KB each: 200,000 of them would take the gateway from 125 to 609 MB)
     raw = await _exchange(_port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2_000)
     assert raw.count(b"HTTP/1.1 200") <= http_limits.MAX_PIPELINED + 1, raw.count(b"HTTP/1.1 200")
     ok = await _exchange(

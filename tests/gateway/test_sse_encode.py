@@ -1,6 +1,7 @@
 """The SSE encoder's timestamps: `pb.iso`'s cached rendering of a Timestamp is exactly the
 datetime's ISO 8601 text (UTC with offset, microseconds truncated and omitted when zero), and
-only the frames whose payload carries a timestamp render one (spec: "Events emitted during a turn")."""
+only the frames whose payload carries a timestamp render one (spec: "Events emitted during a
+turn")."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ MODEL_KEY = "sk-byok-never-shown-0123456789"
 
 
 async def _restart_tools_with_only(stack, key: str) -> None:
-    """Restart the tools service on its port (same database) with `key` as its only credential key."""
+    """Restart the tools service on its port (same database) with `key` as its only credential
+    key."""
     settings = stack.tools.servicer.executor.settings.model_copy(
         update={"tools_credential_key": key, "tools_port": stack.tools.port, "auto_migrate": False}
     )
@@ -37,7 +38,8 @@ async def _restart_tools_with_only(stack, key: str) -> None:
 
 
 async def _counts(stack) -> tuple[int, int, int, int]:
-    """(chats, runs of the orchestrator; reservations, ledger entries of billing) of the stack's organization."""
+    """(chats, runs of the orchestrator; reservations, ledger entries of billing) of the stack's
+    organization."""
     async with stack.orchestrator.servicer.sessions() as session:
         chats = await session.scalar(
             select(func.count()).select_from(Chat).where(Chat.organization_id == stack.org_id)
@@ -45,7 +47,7 @@ async def _counts(stack) -> tuple[int, int, int, int]:
         runs = await session.scalar(
             select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id)
         )
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         reservations = await session.scalar(
             select(func.count()).select_from(Reservation).where(Reservation.org_id == stack.org_id)
         )

@@ -92,8 +92,8 @@ async def test_turn_post_and_settings_get_answer_json_when_the_database_fails(
         # re-raises): the answer says so
         assert routed.headers["connection"] == "close" and asgi_errors
     else:
-        # a storage failure is an answer, not an error of the gateway: the connection stays, no ERROR
-        # traceback (F5 re-test: one per request while the database was away)
+        # a storage failure is an answer, not an error of the gateway: the connection stays, no
+        # ERROR traceback (which would be one per request while the database is away)
         assert "connection" not in routed.headers and not asgi_errors, routed.headers
 
 
@@ -122,7 +122,8 @@ class _StatusContext(_Context):
 
 
 async def _abort_of(failure, **handler_options) -> _StatusContext:
-    """The context of an rpc_handler-wrapped handler (with `handler_options`) that raises `failure()`."""
+    """The context of an rpc_handler-wrapped handler (with `handler_options`) that raises
+    `failure()`."""
 
     class Servicer:
         @rpc_handler(**handler_options)
@@ -237,16 +238,20 @@ async def test_a_transaction_that_lost_a_race_is_aborted_to_be_sent_again():
 
 
 async def test_every_storage_failure_is_answered_in_the_services_own_domain():
-    """The tools service (`internal_domain`) answered a database outage in the assistant's domain
-    while its other storage failures carried its own: one domain for all of them now."""
+    """The tools service (`internal_domain`) answers a database outage in its own domain, like
+    its other storage failures: one domain for all of them."""
     from services.common.errors import TOOLS_DOMAIN
 
-    conflict = lambda: exc.DBAPIError(
-        "UPDATE", None, asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
-    )  # noqa: E731
-    nul = lambda: exc.DBAPIError(
-        "INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError("0x00")
-    )  # noqa: E731
+    def conflict() -> Exception:
+        return exc.DBAPIError(
+            "UPDATE", None, asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+        )
+
+    def nul() -> Exception:
+        return exc.DBAPIError(
+            "INSERT", None, asyncpg.exceptions.CharacterNotInRepertoireError("0x00")
+        )
+
     for failure in (_too_many_clients, conflict, nul, lambda: RuntimeError("bug")):
         context = await _abort_of(failure, internal_domain=TOOLS_DOMAIN)
         assert _error_info(context).domain == TOOLS_DOMAIN, failure

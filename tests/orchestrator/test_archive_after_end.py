@@ -26,7 +26,8 @@ def _durable(monkeypatch, runner) -> None:
 
 
 def _fail_first_archive(monkeypatch, runner) -> list[str]:
-    """The store's first archive fails as an unreachable database would; returns the runs tried, in order."""
+    """The store's first archive fails as an unreachable database would; returns the runs
+    tried, in order."""
     real = runner.store.archive
     attempts: list[str] = []
 

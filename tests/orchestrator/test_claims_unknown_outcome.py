@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from services.orchestrator.backend import RedisBackend
+from services.orchestrator.eventlog.redis import RedisBackend
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import _reachable, no_archive
 

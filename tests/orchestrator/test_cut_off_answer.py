@@ -22,7 +22,7 @@ def _streamed(frames: list[dict]) -> str:
 
 
 async def _cancel_after_two_chunks(client, body: dict) -> list[dict]:
-    """Wait for the run's first two `response_chunk` frames, cancel it, and return its whole stream."""
+    """Wait for the run's first two `response_chunk` frames, cancel it, return its whole stream."""
     first = await read_frames(client, body["stream_url"], limit=3)
     assert types(first) == ["metadata", "response_chunk", "response_chunk"], first
     response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")

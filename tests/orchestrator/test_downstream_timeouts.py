@@ -1,5 +1,5 @@
-"""Billing or the tools service not answering in time during a turn's start (tester: `kill -STOP`
-on billing gave 503 after 10 s).
+"""Billing or the tools service not answering in time during a turn's start (as under
+`kill -STOP`).
 
 Rule (README error table, services/gateway/errors.py): "a downstream timeout" is 504; a service
 that is down stays 503 with Retry-After. Either way nothing is written and nothing is charged. The
@@ -64,7 +64,7 @@ async def _counts(stack) -> tuple[int, int, list[str], int]:
         runs = await session.scalar(
             select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id)
         )
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         states = (
             await session.scalars(
                 select(Reservation.state).where(Reservation.org_id == stack.org_id)
@@ -108,7 +108,7 @@ async def test_billing_admit_hanging_is_504_with_nothing_written_or_charged(stac
         "billing",
         _Capped(stack.orchestrator.servicer.billing, only=("Admit",)),
     )
-    monkeypatch.setattr(stack.billing.core, "admit", _hang)
+    monkeypatch.setattr(stack.billing.admission, "admit", _hang)
     async with stack.client() as client:
         started = time.monotonic()
         _assert_timed_out(
@@ -120,13 +120,13 @@ async def test_billing_admit_hanging_is_504_with_nothing_written_or_charged(stac
     assert await _counts(stack) == (0, 0, [], 0)
 
 
-async def test_billing_charge_hanging_does_not_hold_up_the_turn_and_the_charge_is_posted_once_it_answers(
+async def test_a_hanging_billing_charge_does_not_hold_up_the_turn_and_is_posted_once_it_answers(
     stack, monkeypatch
 ):
-    """The run charge is stored with the turn and sent in a batch (ninth round): a billing that
-    does not answer it neither delays the turn start (before: 504 after the Charge deadline, the
-    turn unwound) nor loses the credit: the stored charge is sent again until billing takes it."""
-    real = stack.billing.core.charge_batch
+    """The run charge is stored with the turn and sent in a batch: a billing that does not answer
+    it neither delays the turn start (no 504 after the Charge deadline, no unwound turn) nor loses
+    the credit: the stored charge is sent again until billing takes it."""
+    real = stack.billing.ledger.charge_batch
     hanging = True
 
     async def hangs_for_a_while(reservation_ids: Any) -> Any:
@@ -134,7 +134,7 @@ async def test_billing_charge_hanging_does_not_hold_up_the_turn_and_the_charge_i
             await _hang()
         return await real(reservation_ids)
 
-    monkeypatch.setattr(stack.billing.core, "charge_batch", hangs_for_a_while)
+    monkeypatch.setattr(stack.billing.ledger, "charge_batch", hangs_for_a_while)
     async with stack.client() as client:
         started = time.monotonic()
         response = await client.post(
@@ -343,7 +343,7 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
     """Re-test: billing stopped (SIGSTOP) for ~25 s during a run; the run completed, and its usage
     records were never recorded (3 quick attempts, then only an ERROR line). Now the orchestrator
     sends them again in the background until billing takes them."""
-    real = stack.billing.core.record_usage_batch
+    real = stack.billing.ledger.record_usage_batch
     refused = 0
 
     async def down_for_a_while(requests: Any) -> Any:
@@ -353,7 +353,7 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
             raise RuntimeError("billing is having a bad time")
         return await real(requests)
 
-    monkeypatch.setattr(stack.billing.core, "record_usage_batch", down_for_a_while)
+    monkeypatch.setattr(stack.billing.ledger, "record_usage_batch", down_for_a_while)
     redelivery = getattr(stack.orchestrator.runner, "redelivery", None)
     if redelivery is not None:  # short waits for the test (1 s doubling in production)
         monkeypatch.setattr(redelivery, "first_delay_s", 0.05)
@@ -367,7 +367,7 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
     assert frames[-1]["type"] == "done"
 
     async def recorded() -> bool:
-        async with stack.billing.core.sessions() as session:
+        async with stack.billing.store.sessions() as session:
             return (
                 await session.scalar(
                     select(func.count())
@@ -380,13 +380,13 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
     await wait_for(recorded, timeout=10)
 
 
-async def test_a_tool_the_tools_service_does_not_answer_in_time_is_an_error_result_and_the_run_goes_on(
+async def test_a_tool_call_the_tools_service_does_not_answer_in_time_is_an_error_result(
     stack, monkeypatch
 ):
-    """Fresh-eyes tests: a tools service stalled mid-call failed the whole run ("A backing service
-    failed (deadline_exceeded)"), and before that the streamed `tool_call` got no `tool_result`
-    and done.tool_calls was empty. Now the call is an error result for the model, as any failed
-    tool call (spec: "on failure `output` is `{error, success: false}`"), and the run goes on."""
+    """A tools service stalled mid-call does not fail the whole run ("A backing service failed
+    (deadline_exceeded)"): the streamed `tool_call` gets its `tool_result`, done.tool_calls lists
+    it, the call is an error result for the model as any failed tool call (spec: "on failure
+    `output` is `{error, success: false}`"), and the run goes on."""
     monkeypatch.setattr(
         stack.orchestrator.runner,
         "tools",
@@ -457,8 +457,8 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
     reservation ("releasing a reservation failed" at ERROR, not retried): the hold blocked its
     credit and counted against the quota until it expired 15 minutes later. The Release is now
     stored and sent again (usage.Redelivery) until billing takes it."""
-    core = stack.billing.core
-    real_release = core.release
+    ledger = stack.billing.ledger
+    real_release = ledger.release
     refused = 0
 
     async def persist_fails(**_kwargs: Any) -> Any:
@@ -472,7 +472,7 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
         return await real_release(*args, **kwargs)
 
     monkeypatch.setattr(stack.orchestrator.servicer.store, "persist_turn", persist_fails)
-    monkeypatch.setattr(core, "release", release_refused_once)
+    monkeypatch.setattr(ledger, "release", release_refused_once)
     redelivery = stack.orchestrator.runner.redelivery
     monkeypatch.setattr(redelivery, "first_delay_s", 0.05)
     monkeypatch.setattr(redelivery, "max_delay_s", 0.1)
@@ -497,7 +497,7 @@ async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
     call was cancelled while billing was admitting it left the hold billing set aside held
     until it expired (120 s), counting against the allowance and the daily quota. It is now
     released once billing answers."""
-    real_admit = stack.billing.core.admit
+    real_admit = stack.billing.admission.admit
     answered = asyncio.Event()
 
     async def slow_admit(*args: Any, **kwargs: Any) -> Any:
@@ -506,7 +506,7 @@ async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
         await asyncio.sleep(0.5)  # ... and its answer comes after the caller gave up
         return admitted
 
-    monkeypatch.setattr(stack.billing.core, "admit", slow_admit)
+    monkeypatch.setattr(stack.billing.admission, "admit", slow_admit)
     assert await _start_turn_failing(stack, "hi", timeout=0.2) == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.wait_for(answered.wait(), 10)
 
@@ -549,7 +549,7 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
     """Re-test (billing stalled): billing set the hold aside but answered after the turn start's
     Admit deadline (504 BILLING_TIMEOUT); the hold stayed held, belonging to no turn, until it
     expired. The turn start now asks billing again for the same turn key and releases it."""
-    real_admit = stack.billing.core.admit
+    real_admit = stack.billing.admission.admit
     slow = [True]
 
     async def answers_late_once(*args: Any, **kwargs: Any) -> Any:
@@ -564,7 +564,7 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
         "billing",
         _Capped(stack.orchestrator.servicer.billing, only=("Admit",)),
     )
-    monkeypatch.setattr(stack.billing.core, "admit", answers_late_once)
+    monkeypatch.setattr(stack.billing.admission, "admit", answers_late_once)
     async with stack.client() as client:
         started = time.monotonic()
         _assert_timed_out(
@@ -592,14 +592,14 @@ async def test_an_unwind_that_meets_the_same_outage_is_a_warning_not_a_traceback
     keeps its traceback."""
     from types import SimpleNamespace
 
-    from services.orchestrator.service import AssistantServicer
+    from services.orchestrator.servicer import AssistantServicer
 
     async def unwind_turn(**_kwargs):
         raise failure()
 
     servicer = SimpleNamespace(store=SimpleNamespace(unwind_turn=unwind_turn))
     await AssistantServicer._unwind(servicer, "chat", "run", True, "charge")  # never raises
-    [record] = [r for r in caplog.records if r.name == "services.orchestrator.service"]
+    [record] = [r for r in caplog.records if r.name == "services.orchestrator.servicer.turn_start"]
     assert record.levelname == level
     if level == "WARNING":
         assert (

@@ -24,7 +24,7 @@ from sqlalchemy import select
 from loopline.assistant.v1 import assistant_pb2, events_pb2
 from services.common import pb
 from services.gateway import sse
-from services.gateway.app import _pending
+from services.gateway.routes.chats import _pending
 from services.orchestrator.models import Interrupt, Message
 from services.tools.tools import ToolResult
 from tests.conftest import SCRIPTED
@@ -198,14 +198,15 @@ async def test_a_resume_answers_provider_details_reach_the_thread_exactly(stack)
 
 
 async def test_a_resume_still_reaches_an_orchestrator_of_an_older_version(stack, monkeypatch):
-    import services.orchestrator.service as service
+    import services.orchestrator.servicer.interrupts as interrupts
 
-    # an orchestrator that knows only `response` (the Struct): the gateway sends it beside `response_json`
+    # an orchestrator that knows only `response` (the Struct): the gateway sends it beside
+    # `response_json`
     older = pytypes.SimpleNamespace(
         **{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")}
     )
     older.object_of = lambda message, name: pb.from_struct(getattr(message, name))
-    monkeypatch.setattr(service, "pb", older)
+    monkeypatch.setattr(interrupts, "pb", older)
     async with stack.client() as client:
         body, frames = await run_turn(
             client,
@@ -272,8 +273,8 @@ def test_readers_take_the_json_text_when_set_else_an_older_versions_struct_or_va
         b'{"request_id":"r1","kind":"yes_no","max":9007199254740993}'
     )
     assert (
-        sse.encode(event)
-        == b'data: {"type":"user_input_request","data":{"request_id":"r1","kind":"yes_no","max":9007199254740993}}\n\n'
+        sse.encode(event) == b'data: {"type":"user_input_request","data":'
+        b'{"request_id":"r1","kind":"yes_no","max":9007199254740993}}\n\n'
     )
     # Resume from a gateway of an older version: the answer as a Struct
     answer = {"kind": "skipped", "reason": "later"}

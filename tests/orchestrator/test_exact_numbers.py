@@ -1,7 +1,7 @@
-"""A tool gets the model's numbers exactly (fresh-eyes test): the input travelled only as a
-protobuf Struct, which holds every number as a double, so an id past 2^53 reached the tool
-changed (9007199254740993 as 9007199254740992.0: a wrong id sent to an API) and 1.0 as 1.
-`ExecuteToolRequest.input_json` carries the model's JSON; the output comes back as JSON text."""
+"""A tool gets the model's numbers exactly. A protobuf Struct holds every number as a double,
+so an id past 2^53 would reach the tool changed (9007199254740993 as 9007199254740992.0: a
+wrong id sent to an API) and 1.0 as 1: `ExecuteToolRequest.input_json` carries the model's
+JSON, and the output comes back as JSON text."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import RpcError
-from services.tools.server import tool_input
+from services.tools.request_checks import tool_input
 from tests.orchestrator.helpers import run_turn, types
 
 
@@ -52,7 +52,7 @@ def test_a_server_takes_input_json_when_it_is_set_else_the_struct():
 
 
 async def test_the_tool_call_frames_show_the_models_input_exactly_and_in_its_key_order(stack):
-    # the input went into the frames as a Struct: keys sorted, an integer past 2^53 rounded, 1.0 as 1
+    # not as a Struct would give it (keys sorted, an integer past 2^53 rounded, 1.0 as 1)
     parameters = {"zeta": 9007199254740993, "alpha": 1.0, "mid": [1, 2.5]}
     tool_input = {"integration": "loopline", "action": "echo", "parameters": parameters}
     async with stack.client() as client:

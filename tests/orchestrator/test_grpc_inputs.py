@@ -1,4 +1,4 @@
-"""AssistantService over gRPC checks what the gateway checks over HTTP (fresh-eyes test, gRPC user)."""
+"""AssistantService over gRPC checks what the gateway checks over HTTP (for a gRPC client)."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ async def test_a_cancel_reason_longer_than_1000_characters_is_refused_and_the_ru
 async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_have(
     stack, organization_id
 ):
-    """Fresh-eyes re-test: billing's Admit opened an account "a b" (which its own admin commands
-    then refuse) and the tools service listed for a 129-character id; only the orchestrator checked."""
+    """Billing's Admit opens no account "a b" (which its own admin commands refuse) and the tools
+    service lists nothing for a 129-character id: each service checks, not only the orchestrator."""
     from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
     from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
     from services.common.errors import BILLING_DOMAIN, TOOLS_DOMAIN
@@ -140,8 +140,9 @@ async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_h
 async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_question_stays(
     stack, stub, response_json, says
 ):
-    """Fresh-eyes re-test: a NUL in a gRPC answer was taken and given to the model (HTTP refuses
-    it), and an answer that was not JSON or not an object was read as {} ("'kind' must be one of")."""
+    """A NUL in a gRPC answer is refused as HTTP refuses it (never given to the model), and an
+    answer that is not JSON or not an object is refused, not read as {} ("'kind' must be one
+    of")."""
     from tests.conftest import script
     from tests.sse_client import read_frames
 

@@ -1,4 +1,4 @@
-"""Human in the loop, resume and cancel through the HTTP API (issue 4)."""
+"""Human in the loop, resume and cancel through the HTTP API."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ async def test_resume_charges_no_second_run_credit(stack):
     await billing_delivered(
         stack
     )  # the run charge is sent ~0.2 s after the turn start (usage.RunCharges)
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         charges = (
             (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == stack.org_id)))
             .scalars()
@@ -501,7 +501,8 @@ async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
 async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_error_names_the_field(
     stack, tool, tool_input, expected
 ):
-    # fresh-eyes finding: unknown fields were ignored and wrong types coerced (a dict message became its Python repr)
+    # unknown fields are refused and wrong types are not coerced (a dict message must not become
+    # its Python repr)
     async with stack.client() as client:
         body, frames = await run_turn(client, {"tool": tool, "input": tool_input}, {"say": "ok"})
         assert types(frames) == [
@@ -525,8 +526,8 @@ async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_err
 async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_the_model_sees_it(
     stack,
 ):
-    # fresh-eyes re-test: GET chat showed the question's tool call without a result, while the next model call
-    # was given {"error": "not completed"} for it
+    # GET chat shows the question's tool call with the result the next model call is given
+    # ({"error": "not completed"}), not without one
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
@@ -566,7 +567,8 @@ async def _expire(stack, request_id: str) -> None:
 
 
 async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(stack):
-    # fresh-eyes test: GET /assistant/chats said is_running: true until a status, get or resume looked at the chat
+    # GET /assistant/chats says is_running: false without waiting for a status, get or resume
+    # to look at the chat
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         await _expire(stack, frames[-1]["data"]["request_id"])
@@ -614,7 +616,8 @@ async def test_cancel_of_a_run_whose_question_expired_is_400_and_adds_nothing(st
 
 
 async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
-    # fresh-eyes test: the assistant message's ask_user_yes_no call had no tool message after it (a cancel gave one)
+    # the assistant message's ask_user_yes_no call gets a tool message after it, as a cancel
+    # gives one
     async with stack.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
@@ -645,7 +648,8 @@ async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
 
 
 async def test_a_question_whose_call_id_holds_control_characters_pauses_and_resumes(stack):
-    # fresh-eyes test: on PostgreSQL a NUL in a HITL call's id failed the run's end ("Internal error while finishing the turn.")
+    # on PostgreSQL a NUL in a HITL call's id must not fail the run's end ("Internal error while
+    # finishing the turn.")
     async with stack.client() as client:
         body, frames = await run_turn(
             client,
@@ -732,7 +736,7 @@ async def test_a_resume_and_a_cancel_sent_together_never_fail_and_leave_one_cons
             if resumed.status_code == 200:
                 rest = await read_frames(client, resumed.json()["stream_url"])
                 assert rest[-1]["type"] == "cancelled", rest
-            await wait_for(lambda: _free(client, body["chat_id"]), timeout=10)
+            await wait_for(lambda chat_id=body["chat_id"]: _free(client, chat_id), timeout=10)
 
 
 async def _free(client, chat_id: str) -> bool:

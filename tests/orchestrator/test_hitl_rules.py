@@ -1,6 +1,7 @@
-"""Question tools' input and answers (services/orchestrator/hitl.py), from a fresh-eyes test:
-min_selections "abc" gave the model Python's int() text, max_length "zz" was ignored, two
-spaces passed min_length 2, and a single choice took a selected_value and free_text at once."""
+"""Question tools' input and answers (services/orchestrator/hitl.py): min_selections "abc" is
+refused rather than giving the model Python's int() text, max_length "zz" is not ignored, two
+spaces do not pass min_length 2, and a single choice takes a selected_value or free_text, not
+both."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def test_an_answer_with_a_field_its_kind_does_not_have_is_refused():
     ],
 )
 def test_a_single_choice_answer_of_the_wrong_json_type_is_refused_not_a_crash(answer):
-    # third fresh-eyes test: a list or object selected_value was a TypeError (500), a list free_text was stored
+    # a list or object selected_value is refused, not a TypeError (500); a list free_text is
+    # refused, not stored
     request = build_request(
         "ask_user_choice", {"message": "pick", "options": OPTIONS, "allow_free_text": True}, "req_1"
     )
@@ -185,13 +187,13 @@ CREDENTIAL_QUESTION = {"message": "connect it", "integration": "http"}
                 "error_code": "bogus",
                 "error_message": "x",
             },
-            "credential_failed needs 'error_code', one of oauth_denied, oauth_provider_error, invalid_credentials, network_error, popup_closed, "
-            "timeout, unknown",
+            "credential_failed needs 'error_code', one of oauth_denied, oauth_provider_error, "
+            "invalid_credentials, network_error, popup_closed, timeout, unknown",
         ),
         (
             {"kind": "credential_failed"},
-            "credential_failed needs 'error_code', one of oauth_denied, oauth_provider_error, invalid_credentials, "
-            "network_error, popup_closed, timeout, unknown",
+            "credential_failed needs 'error_code', one of oauth_denied, oauth_provider_error, "
+            "invalid_credentials, network_error, popup_closed, timeout, unknown",
         ),
         (
             {"kind": "credential_failed", "error_code": None},
@@ -249,7 +251,8 @@ def test_the_length_error_says_surrounding_whitespace_is_not_counted():
     )
     with pytest.raises(
         InvalidAnswer,
-        match=r"^the text must be between 3 and 5 characters \(surrounding whitespace not counted\)$",
+        match=r"^the text must be between 3 and 5 characters "
+        r"\(surrounding whitespace not counted\)$",
     ):
         validate_answer(request, {"kind": "free_text", "text": " ab "})
 

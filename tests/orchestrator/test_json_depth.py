@@ -1,4 +1,4 @@
-"""Tool input and output nested past protobuf's decode limit never crash a turn or a chat (tester).
+"""Tool input and output nested past protobuf's decode limit never crash a turn or a chat.
 
 Python protobuf decodes at most 100 message levels (3 per JSON level in a Struct): a model's
 tool input 60 levels deep crashed the loop ("Internal error while running the turn.") and left
@@ -16,8 +16,8 @@ from typing import Any
 
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
-from services.orchestrator.loop import UNREADABLE_RESULT
 from services.orchestrator.models import Message, utcnow
+from services.orchestrator.tool_calls import UNREADABLE_RESULT
 from tests.orchestrator.helpers import run_turn, types
 
 
@@ -165,7 +165,7 @@ def _older_tools_service(monkeypatch: Any, tools_server: Any, output: Any) -> No
 async def test_an_execute_tool_response_that_cannot_be_decoded_is_the_calls_error_result(
     stack, monkeypatch
 ):
-    import services.tools.server as tools_server
+    import services.tools.servicer as tools_server
 
     # An older tools service (outputs as a protobuf Value) that does not clip answers a Value 60
     # levels deep: the orchestrator's grpc.aio cannot decode it, logs "Exception deserializing
@@ -189,18 +189,21 @@ async def test_an_execute_tool_response_that_cannot_be_decoded_is_the_calls_erro
 
 
 def deep_text(levels: int, leaf: str = '"x"') -> str:
-    """The JSON text of `levels` objects nested around `leaf`, built as text (json.dumps recurses)."""
+    """The JSON text of `levels` objects nested around `leaf`, built as text (json.dumps
+    recurses)."""
     return '{"a": ' * levels + leaf + "}" * levels
 
 
 async def test_a_script_whose_tool_input_is_too_deep_for_json_loads_gives_the_calls_error_result(
     stack,
 ):
-    # json.loads raised RecursionError on the script (the scripted model's stack is deep): "loop
-    # crashed", "Internal error while running the turn." (tester, 990 levels). Now like 30-200.
+    # json.loads raises RecursionError on such a script (the scripted model's stack is deep);
+    # 990 levels must end like 30-200 do, not as "Internal error while running the turn."
     message = (
-        '{"script": [{"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", '
-        '"parameters": {"message": "hi", "deep": ' + deep_text(990) + '}}}, {"say": "ok"}]}'
+        '{"script": [{"tool": "execute_integration_tool", "input": {"integration": "loopline", '
+        '"action": "echo", "parameters": {"message": "hi", "deep": '
+        + deep_text(990)
+        + '}}}, {"say": "ok"}]}'
     )
     async with stack.client() as client:
         body, frames = await run_turn_message(client, message)
@@ -223,7 +226,7 @@ async def test_a_script_whose_tool_input_is_too_deep_for_json_loads_gives_the_ca
 
 
 async def run_turn_message(client, message: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A turn whose user message is `message` as given (a script too deep for json.dumps to write)."""
+    """A turn whose user message is `message` as given (a script too deep for json.dumps)."""
     from tests.orchestrator.helpers import start
     from tests.sse_client import read_frames
 
@@ -232,7 +235,7 @@ async def run_turn_message(client, message: str) -> tuple[dict[str, Any], list[d
 
 
 async def test_a_tool_output_that_is_not_json_is_the_calls_error_result(stack, monkeypatch):
-    import services.tools.server as tools_server
+    import services.tools.servicer as tools_server
 
     broken = pytypes.SimpleNamespace(
         **{name: getattr(pb, name) for name in dir(pb) if not name.startswith("__")}
@@ -259,7 +262,7 @@ async def test_an_older_tools_services_output_value_is_read_and_streamed_like_js
 ):
     """A tools service of the version before `output_json` answers with the `output` Value only:
     the orchestrator converts it once and the frames carry the same JSON (rolling upgrades)."""
-    import services.tools.server as tools_server
+    import services.tools.servicer as tools_server
 
     _older_tools_service(
         monkeypatch, tools_server, pb.to_value({"echoed": {"message": "hi"}, "n": 2})

@@ -1,8 +1,7 @@
-"""Lone UTF-16 surrogates (fresh-eyes test): JSON may escape one ("\\ud800"), and Python reads it
-into a str that protobuf, orjson and the databases refuse. A model's reply or tool call with one
-failed the whole turn ("Internal error while running the turn."); a tool's output with one, or
-an integer past 64 bits, was the tools service's internal error; a JSON upload with one was 500.
-Now each becomes U+FFFD (an integer is written exactly) and the turn goes on."""
+"""Lone UTF-16 surrogates: JSON may escape one ("\\ud800"), and Python reads it into a str that
+protobuf, orjson and the databases refuse. In a model's reply or tool call, a tool's output or
+a JSON upload, each becomes U+FFFD (an integer past 64 bits is written exactly) and the turn
+goes on, rather than failing it ("Internal error while running the turn.") or answering 500."""
 
 from __future__ import annotations
 

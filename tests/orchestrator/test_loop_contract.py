@@ -1,4 +1,4 @@
-"""The loop contract of the spec, one test per rule, through the public HTTP API (issue 3)."""
+"""The loop contract of the spec, one test per rule, through the public HTTP API."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ async def test_model_failure_emits_error_then_done_with_error_true(stack):
                 "usage": {"input_tokens": 7, "output_tokens": 3},
             },
             {
-                "fail": "provider exploded at https://internal.example.local/v1 with key sk-abcdefghijklmnop"
+                "fail": "provider exploded at https://internal.example.local/v1 "
+                "with key sk-abcdefghijklmnop"
             },
         )
     assert types(frames)[-2:] == ["error", "done"]
@@ -80,16 +81,17 @@ async def test_model_failure_emits_error_then_done_with_error_true(stack):
     assert run.usage["llm_calls"] == 2
 
 
-async def test_a_failure_text_with_control_characters_or_a_lone_surrogate_is_stored_and_streamed_clean(
+async def test_a_failure_text_with_control_characters_or_a_lone_surrogate_is_stored_clean(
     stack,
 ):
-    # fresh-eyes test: a model failure text with a NUL failed the run's end on PostgreSQL ("Internal error while finishing the turn.")
+    # a model failure text with a NUL must not fail the run's end on PostgreSQL ("Internal error
+    # while finishing the turn."), and is streamed clean too
     async with stack.client() as client:
         body, frames = await run_turn(client, {"fail": "bad\u0000thing\u0007 \ud800 done"})
     assert types(frames)[-2:] == ["error", "done"]
     message = frames[-2]["data"]["message"]
     assert "finishing" not in message and "\x00" not in message and "\x07" not in message
-    # the failure's own text goes to the log only: the client is told the provider and the kind (issue 33)
+    # the failure's own text goes to the log only: the client is told the provider and the kind
     assert message == "scripted: the model call failed"
     run = await _run_row(stack, body["run_id"])
     assert run.status == "failed" and run.error == message
@@ -102,7 +104,7 @@ async def test_failed_run_records_token_usage_with_billing(stack):
         body, _ = await run_turn(
             client, {"fail": "boom", "usage": {"input_tokens": 11, "output_tokens": 5}}
         )
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         rows = (
             (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"])))
             .scalars()
@@ -136,7 +138,8 @@ async def test_failed_run_records_token_usage_with_billing(stack):
 async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_call_not_the_loop(
     stack, step, named
 ):
-    # fresh-eyes test: chunks 1e400 crashed the loop (OverflowError, "Internal error"); sleep_ms 1e12 held the chat for good
+    # chunks 1e400 must not crash the loop (OverflowError, "Internal error"), nor sleep_ms 1e12
+    # hold the chat for good
     async with stack.client() as client:
         body, frames = await asyncio.wait_for(run_turn(client, step), 10)
     assert types(frames)[-2:] == ["error", "done"], frames
@@ -386,8 +389,8 @@ async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_o
 
 
 async def test_a_tool_call_cut_off_by_the_tools_service_going_away_says_it_may_have_run(stack):
-    # fresh-eyes test: a call cut off by a tools-service crash was "unavailable; try again later", which invites
-    # the model to repeat an action that may have happened
+    # not "unavailable; try again later", which would invite the model to repeat an action that
+    # may have happened
     slow = {
         "tool": "execute_integration_tool",
         "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},

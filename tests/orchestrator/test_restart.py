@@ -198,7 +198,7 @@ async def test_a_run_lost_before_its_charge_was_sent_is_charged_once_and_not_rel
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
     assert [f["type"] for f in frames] == ["error", "done"]
     await billing_delivered(stack)
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         states = (
             await session.scalars(
                 select(Reservation.state).where(Reservation.org_id == stack.org_id)

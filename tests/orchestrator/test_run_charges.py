@@ -1,6 +1,5 @@
 """The run charge of a turn: stored with the turn's rows and sent in ChargeBatch calls
-(usage.RunCharges; spec "Persist and charge": one run credit per turn; docs/performance.md,
-ninth round)."""
+(usage.RunCharges; spec "Persist and charge": one run credit per turn; docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -14,13 +13,14 @@ from sqlalchemy import func, select
 from loopline.billing.v1 import billing_pb2
 from services.billing.models import LedgerEntry, Reservation
 from services.orchestrator.models import BillingRedelivery
-from services.orchestrator.usage import Redelivery, RunCharges
+from services.orchestrator.usage.batches import RunCharges
+from services.orchestrator.usage.redelivery import Redelivery
 from tests.conftest import SCRIPTED, script
 from tests.orchestrator.helpers import billing_delivered, read_frames, wait_for
 
 
 async def _reservations(stack) -> list[str]:
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         return sorted(
             (
                 await session.scalars(
@@ -31,7 +31,7 @@ async def _reservations(stack) -> list[str]:
 
 
 async def _charges(stack) -> int:
-    async with stack.billing.core.sessions() as session:
+    async with stack.billing.store.sessions() as session:
         return await session.scalar(
             select(func.count())
             .select_from(LedgerEntry)
@@ -51,15 +51,15 @@ class _Recorded:
 
 
 async def test_turns_started_together_are_charged_once_each_in_one_batch(stack, monkeypatch):
-    core = stack.billing.core
-    real = core.charge_batch
+    ledger = stack.billing.ledger
+    real = ledger.charge_batch
     batches: list[int] = []
 
     async def counted(reservation_ids: list[str]) -> Any:
         batches.append(len(reservation_ids))
         return await real(reservation_ids)
 
-    monkeypatch.setattr(core, "charge_batch", counted)
+    monkeypatch.setattr(ledger, "charge_batch", counted)
     called = _Recorded(stack.orchestrator.servicer.billing)
     monkeypatch.setattr(stack.orchestrator.servicer, "billing", called)
     async with stack.client() as client:
@@ -80,7 +80,7 @@ async def test_turns_started_together_are_charged_once_each_in_one_batch(stack, 
     assert await _reservations(stack) == ["charged"] * 4 and await _charges(stack) == 4
 
 
-async def test_a_turn_started_by_a_process_that_died_before_sending_its_charge_is_charged_by_the_next(
+async def test_a_turn_whose_process_died_before_sending_its_charge_is_charged_by_the_next(
     stack, monkeypatch
 ):
     """The charge is committed with the turn; a process that dies before the linger is over

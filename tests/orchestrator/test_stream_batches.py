@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc, events_pb2
-from services.orchestrator.events import MemoryEventLog
+from services.orchestrator.eventlog.memory import MemoryEventLog
 from tests.orchestrator.helpers import run_turn
 
 
@@ -90,11 +90,11 @@ async def test_stream_run_with_max_batch_sends_the_same_events_in_fewer_messages
     assert [t for m in small for t in m] == flat[2:] and max(len(m) for m in small) <= 3
 
 
-async def test_ended_runs_are_kept_in_memory_within_a_byte_budget_and_replayed_from_the_archive_past_it():
-    """Fresh-eyes test: ended runs were kept by count only (1,000), at ~0.8-1 KB an event: a
-    dozen long answers held over 1 GB. The memory log also keeps them within a byte budget,
-    oldest out first; an evicted run is served from the archive."""
-    from services.orchestrator.events import event_cost
+async def test_ended_runs_are_kept_in_memory_within_a_byte_budget_then_replayed_from_the_archive():
+    """Kept by count only (1,000), at ~0.8-1 KB an event, a dozen long answers would hold over
+    1 GB: the memory log also keeps ended runs within a byte budget, oldest out first; an
+    evicted run is served from the archive."""
+    from services.orchestrator.eventlog.memory import event_cost
 
     archive: dict[str, list[events_pb2.Event]] = {}
 
@@ -124,3 +124,32 @@ async def test_ended_runs_are_kept_in_memory_within_a_byte_budget_and_replayed_f
     replayed = [e async for e in log.follow("first", after=299)]
     assert [e.WhichOneof("payload") for e in replayed] == ["response_chunk", "done"]
     assert len([e async for e in log.follow("huge")]) == 2001
+
+
+async def test_stream_run_answers_an_unexpected_error_without_its_text(stack, monkeypatch):
+    """StreamRun goes through the streaming RPC wrapper: an error it does not expect is a
+    generic INTERNAL-style answer with the service's ErrorInfo, never the exception's text."""
+    async with stack.client() as client:
+        body, _ = await run_turn(client, {"say": "hello"})
+    events = stack.orchestrator.runner.events
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("secret /var/lib/loopline/db.sqlite")
+
+    monkeypatch.setattr(events, "follow", broken)
+    monkeypatch.setattr(events, "follow_batches", broken)
+    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    request = assistant_pb2.StreamRunRequest(
+        caller=caller, chat_id=body["chat_id"], run_id=body["run_id"]
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        try:
+            await _stream(stub, request)
+        except grpc.aio.AioRpcError as error:
+            failure = error
+        else:
+            raise AssertionError("StreamRun did not fail")
+    assert "secret" not in (failure.details() or "")
+    assert "RuntimeError" not in (failure.details() or "")
+    assert failure.code() == grpc.StatusCode.UNKNOWN

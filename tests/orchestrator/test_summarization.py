@@ -1,4 +1,4 @@
-"""Summarization keeps a long thread inside the model's context; cuts fall between turns (issue 3)."""
+"""Summarization keeps a long thread inside the model's context; cuts fall between turns."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from loopline.billing.v1 import billing_pb2
 from services.common import db
 from services.orchestrator.loop import TurnRunner
 from services.orchestrator.models import utcnow
-from services.orchestrator.usage import Redelivery, UsageBatcher
+from services.orchestrator.usage.batches import UsageBatcher
+from services.orchestrator.usage.redelivery import Redelivery
 from tests.conftest import postgres_databases, release_databases, selected_backend
 
 
@@ -124,9 +125,9 @@ async def test_a_failed_send_is_retried_and_a_last_failure_stored_not_raised(
 async def test_a_billing_outage_longer_than_the_quick_retries_loses_no_record(
     sessions, caplog: pytest.LogCaptureFixture
 ):
-    """Re-test: billing stalled ~25 s during a run and its usage records were never recorded (3 quick
-    attempts, then only an ERROR line). Now the run is not held up, and the records are sent again
-    in the background until billing takes them."""
+    """Billing stalled ~25 s during a run, longer than the 3 quick attempts: the run is not held
+    up, and the records are sent again in the background until billing takes them (not dropped
+    with an ERROR line)."""
     billing = FakeBilling(failures=6)  # more than the 3 quick attempts
     batcher = UsageBatcher(billing, _fast(sessions), window_s=0)
     batcher.redelivery.start()
@@ -159,11 +160,10 @@ async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start
     )  # stopped while billing is still down, its next attempt a minute away
     assert billing.batches == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
     billing.failures = 0
-    restarted = UsageBatcher(
-        billing, _fast(sessions), window_s=0
-    )  # a new process on the same database
+    # a new process on the same database
+    restarted = UsageBatcher(billing, _fast(sessions), window_s=0)
     assert await restarted.redelivery.pending() == 1
-    restarted.redelivery.start()  # sends at once, not when the stopped process had scheduled it (re-test)
+    restarted.redelivery.start()  # sends at once, not when the stopped process had scheduled it
 
     async def delivered() -> bool:
         return await restarted.redelivery.pending() == 0
@@ -334,7 +334,7 @@ async def test_a_batch_of_several_runs_logs_each_record_with_its_own_ids(session
     ]
 
 
-# ---------------------------------------------------------------- a run's end stores its usage (outbox)
+# ------------------------------------------------------- a run's end stores its usage (outbox)
 
 
 async def _stored_rows(sessions) -> list[str]:
@@ -388,7 +388,8 @@ async def _running_run(store, run_id: str) -> None:
 
 
 async def _end_run(store, batcher: UsageBatcher, run_id: str) -> None:
-    """What `TurnRunner._finish` does with the run's waiting records: take, store with the end, queue."""
+    """What `TurnRunner._finish` does with the run's waiting records: take them, store them
+    with the end, queue them."""
     from services.orchestrator.store import RunEnd
 
     handed = batcher.take(run_id)

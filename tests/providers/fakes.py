@@ -190,7 +190,8 @@ def openai_tool_call(
     usage: dict[str, Any] | None = None,
     splits: int = 3,
 ) -> list[str]:
-    """A tool call whose id/name come in the first delta and whose arguments are split over `splits` chunks."""
+    """A tool call whose id and name come in the first delta and whose arguments are split over
+    `splits` chunks."""
     frames = [openai_chunk({"role": "assistant", "content": say or None})]
     frames.append(
         openai_chunk(

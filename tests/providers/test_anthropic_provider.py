@@ -1,8 +1,9 @@
-"""The Anthropic provider: the real `anthropic` SDK against a local Messages streaming server (issue 7)."""
+"""The Anthropic provider: the real `anthropic` SDK against a local Messages streaming server."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -60,9 +61,11 @@ def model(server: FakeLLMServer) -> AnthropicModel:
 class Collector:
     def __init__(self) -> None:
         self.chunks: list[str] = []
+        self.first = asyncio.Event()  # set on the first chunk
 
     async def __call__(self, chunk: str) -> None:
         self.chunks.append(chunk)
+        self.first.set()
 
 
 async def test_text_and_a_tool_use_block_with_split_input_json_and_cache_usage():
@@ -106,7 +109,8 @@ async def test_request_carries_cache_breakpoints_on_the_stable_prefix_and_the_hi
         await model(server).generate(THREAD, TOOLS, Collector())
     body = server.requests[0].body
     ephemeral = {"type": "ephemeral"}
-    # stable prefix: system prompt (no timestamp: identical on every call) and the last tool definition
+    # stable prefix: system prompt (no timestamp: identical on every call) and the last tool
+    # definition
     assert body["system"] == [
         {"type": "text", "text": ASSISTANT_SYSTEM_PROMPT, "cache_control": ephemeral}
     ]
@@ -187,7 +191,7 @@ async def test_429_retry_after_is_honored_and_exhaustion_names_the_attempts():
         with pytest.raises(ModelError) as failure:
             await model(server).generate(THREAD, TOOLS, Collector())
     assert str(failure.value) == "anthropic: rate limited (429) after 3 attempts"
-    gaps = [b.at - a.at for a, b in zip(server.requests, server.requests[1:])]
+    gaps = [b.at - a.at for a, b in itertools.pairwise(server.requests)]
     assert len(gaps) == 2 and min(gaps) >= 0.2
 
 
@@ -237,8 +241,7 @@ async def test_cancel_closes_the_provider_stream_at_once():
         chunks = Collector()
         llm = model(server)
         task = asyncio.create_task(llm.generate(THREAD, TOOLS, chunks))
-        while not chunks.chunks:
-            await asyncio.sleep(0.01)
+        await chunks.first.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -1,4 +1,4 @@
-"""A model's tool-call arguments nested past what json.loads parses never crash the run (tester).
+"""A model's tool-call arguments nested past what json.loads parses never crash the run.
 
 json.loads raises RecursionError at about 1,000 levels; the OpenAI and Anthropic adapters parse
 a tool call's `arguments` / `input_json_delta` text with it, so arguments nested 5,000 deep
@@ -14,11 +14,11 @@ import json
 import pytest
 
 from services.common import pb
-from services.orchestrator.loop import checked_call
 from services.orchestrator.providers.anthropic_provider import AnthropicModel
 from services.orchestrator.providers.base import DEEP_JSON_KEPT_LEVELS, loads_deep, parse_arguments
 from services.orchestrator.providers.openai_compat import OpenAICompatModel
 from services.orchestrator.providers.retry import RetryPolicy
+from services.orchestrator.tool_calls import checked_call
 from tests.orchestrator.helpers import types
 from tests.providers.fakes import (
     FakeLLMServer,
@@ -44,7 +44,8 @@ LEVELS = 5000
 
 
 def deep_text(levels: int, leaf: str = '"x"') -> str:
-    """The JSON text of `levels` objects nested around `leaf` ({"a": {"a": ... leaf}}), built as text."""
+    """The JSON text of `levels` objects nested around `leaf` ({"a": {"a": ... leaf}}), built as
+    text."""
     return '{"a": ' * levels + leaf + "}" * levels
 
 
@@ -53,7 +54,8 @@ async def _noop(_chunk: str) -> None:
 
 
 def _check_too_deep_input(value: dict) -> None:
-    """`value` is the deep arguments read back: real objects to DEEP_JSON_KEPT_LEVELS, then the rest as JSON text."""
+    """`value` is the deep arguments read back: real objects to DEEP_JSON_KEPT_LEVELS, then the
+    rest as JSON text."""
     assert pb.json_depth(value) == DEEP_JSON_KEPT_LEVELS
     inner = value
     for _ in range(DEEP_JSON_KEPT_LEVELS - 1):

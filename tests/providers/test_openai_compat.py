@@ -1,4 +1,4 @@
-"""The OpenAI-compatible provider: the real `openai` SDK against a local chat-completions server (issue 7)."""
+"""The OpenAI-compatible provider: the real `openai` SDK against a local chat-completions server."""
 
 from __future__ import annotations
 
@@ -34,9 +34,11 @@ def model(server: FakeLLMServer, policy: RetryPolicy = FAST) -> OpenAICompatMode
 class Collector:
     def __init__(self) -> None:
         self.chunks: list[str] = []
+        self.first = asyncio.Event()  # set on the first chunk
 
     async def __call__(self, chunk: str) -> None:
         self.chunks.append(chunk)
+        self.first.set()
 
 
 async def test_text_deltas_stream_to_on_text_and_usage_comes_from_the_usage_chunk():
@@ -301,7 +303,7 @@ async def test_a_reported_count_that_is_no_token_count_is_estimated_not_0(bad):
     )
 
 
-async def test_stream_that_stops_halfway_after_text_fails_without_retry_and_carries_estimated_usage():
+async def test_stream_that_stops_after_text_fails_without_retry_and_carries_estimated_usage():
     frames = openai_text("partial ", "answer")[
         :3
     ]  # role chunk and two text chunks; no finish, no usage
@@ -324,7 +326,8 @@ async def test_stream_that_stops_before_any_text_is_retried():
     async with FakeLLMServer(replies) as server:
         reply = await model(server).generate(USER, [], Collector())
     assert reply.text == "fine" and len(server.requests) == 2
-    # the broken attempt's input was processed: its estimate is added, so the total is marked estimated
+    # the broken attempt's input was processed: its estimate is added, so the total is marked
+    # estimated
     assert reply.usage.estimated is True and reply.usage.output_tokens == 7
 
 
@@ -337,8 +340,7 @@ async def test_cancel_closes_the_provider_stream_at_once():
         chunks = Collector()
         llm = model(server)
         task = asyncio.create_task(llm.generate(USER, [], chunks))
-        while not chunks.chunks:
-            await asyncio.sleep(0.01)
+        await chunks.first.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -1,4 +1,4 @@
-"""Provider resolution (ids, model lists, keys, BYOK) and the retry rule's arithmetic (issue 7)."""
+"""Provider resolution (ids, model lists, keys, BYOK) and the retry rule's arithmetic."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ async def test_a_provider_without_a_platform_key_needs_a_credential():
         )
 
 
-async def test_a_compatible_provider_whose_key_variable_is_unset_does_not_point_to_bring_your_own_key(
+async def test_a_compatible_provider_with_its_key_variable_unset_does_not_point_to_byok(
     monkeypatch,
 ):
     """Bug (fresh-eyes test): the 400 said "pass llm.credential_id", and doing so was the 400

@@ -1,4 +1,4 @@
-"""A whole turn through the HTTP API with each real provider pointed at a local fake server (issue 7)."""
+"""A whole turn through the HTTP API with each real provider pointed at a local fake server."""
 
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ async def test_cancel_during_a_provider_stream_closes_it_and_records_the_usage(t
                 ).status_code == 200
                 assert asyncio.get_running_loop().time() - began < 1.0
                 frames = await read_frames(client, body["stream_url"])
-            async with stack.billing.core.sessions() as session:
+            async with stack.billing.store.sessions() as session:
                 rows = (
                     (
                         await session.execute(
@@ -311,7 +311,7 @@ async def test_bring_your_own_key_uses_the_organizations_credential_and_is_not_c
             await billing_delivered(
                 stack
             )  # billing has a run's usage ~0.2 s after its done (stored with its end)
-            async with stack.billing.core.sessions() as session:
+            async with stack.billing.store.sessions() as session:
                 rows = (
                     (
                         await session.execute(
@@ -379,7 +379,8 @@ class StrictAnthropic(FakeLLMServer):
                 "type": "error",
                 "error": {
                     "type": "invalid_request_error",
-                    "message": "Requests which include `tool_use` or `tool_result` blocks must define tools.",
+                    "message": "Requests which include `tool_use` or `tool_result` blocks "
+                    "must define tools.",
                 },
             }
             return await super()._respond(Reply(status=400, body=error), reader, writer)

@@ -1,10 +1,10 @@
-"""A tool call whose arguments are not a JSON object is answered with an error, never run (fresh-eyes finding).
+"""A tool call whose arguments are not a JSON object is answered with an error, never run.
 
-The adapters read invalid or non-object arguments (`[1, 2]`, `"text"`, `{"a": 1` cut off) as
-`{}`, and the loop ran the tool with that made-up input: `get_available_integrations` listed
-everything, a question tool asked nothing useful. Now the call keeps the input `{}` in its
-frame and thread (the spec's `input` is an object) and its result is an error that names the
-reason, as LangChain answers its `invalid_tool_calls`; the model sees it and the turn goes on.
+Invalid or non-object arguments (`[1, 2]`, `"text"`, `{"a": 1` cut off) are not run as `{}`
+(`get_available_integrations` would list everything, a question tool ask nothing useful): the
+call keeps the input `{}` in its frame and thread (the spec's `input` is an object) and its
+result is an error that names the reason, as LangChain answers its `invalid_tool_calls`; the
+model sees it and the turn goes on.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 
 import pytest
 
-from services.orchestrator.loop import checked_call
 from services.orchestrator.providers.base import (
     NOT_FINITE,
     ToolCallRequest,
@@ -23,6 +22,7 @@ from services.orchestrator.providers.base import (
 from services.orchestrator.providers.openai_compat import OpenAICompatModel
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
+from services.orchestrator.tool_calls import checked_call
 from tests.orchestrator.helpers import run_turn, types
 from tests.providers.fakes import (
     OPENAI_DONE,
@@ -71,8 +71,8 @@ def test_arguments_that_are_not_an_object_are_read_as_empty_with_the_reason(raw,
     ],
 )
 def test_arguments_holding_a_number_json_cannot_carry_are_unreadable(raw):
-    # fresh-eyes test: json reads these as non-finite floats; stored, they made GET chat 500 for good on
-    # SQLite and failed the run's end on PostgreSQL (its answer lost from the thread)
+    # json reads these as non-finite floats; stored, they would make GET chat 500 for good on
+    # SQLite and fail the run's end on PostgreSQL (its answer lost from the thread)
     assert parse_arguments(raw) == ({}, NOT_FINITE)
     assert arguments_of({"x": [1.5, {"y": 2}], "ok": 1e308}) == (
         {"x": [1.5, {"y": 2}], "ok": 1e308},
@@ -92,8 +92,8 @@ def test_checked_call_answers_an_unreadable_call_without_running_it():
     )
     assert call.input == {} and len(struct.fields) == 0
     assert error == (
-        "Invalid input for get_available_integrations: the arguments are an array, not a JSON object; "
-        "the call was not run. Send the input as a JSON object."
+        "Invalid input for get_available_integrations: the arguments are an array, "
+        "not a JSON object; the call was not run. Send the input as a JSON object."
     )
     assert (
         checked_call(ToolCallRequest("call_2", "get_available_integrations", {"query": "x"}))[2]
@@ -144,8 +144,9 @@ async def test_a_turn_with_a_non_object_input_gets_the_error_result_and_goes_on(
 @pytest.mark.parametrize("number", ["NaN", "1e400", "-Infinity"])
 async def test_a_turn_whose_tool_input_holds_nan_or_infinity_keeps_its_chat_readable(stack, number):
     script = (
-        '{"script": [{"tool": "execute_integration_tool", "input": {"integration": "loopline", "action": "echo", '
-        '"parameters": {"message": "hi"}, "x": %s}}, {"say": "ok"}]}' % number
+        '{"script": [{"tool": "execute_integration_tool", "input": {"integration": "loopline", '
+        f'"action": "echo", "parameters": {{"message": "hi"}}, "x": {number}}}}}, '
+        '{"say": "ok"}]}'
     )
     async with stack.client() as client:
         started = await client.post("/assistant/chat", json={"message": script})
@@ -229,7 +230,8 @@ async def test_an_openai_call_with_unreadable_arguments_is_answered_and_the_mode
 async def test_a_server_that_sends_arguments_as_json_instead_of_a_string_is_read_not_a_crash(
     arguments, expected
 ):
-    # fresh-eyes re-test: an object or a number in `function.arguments` ended the run with "unexpected error" (TypeError)
+    # an object or a number in `function.arguments` must not end the run with "unexpected error"
+    # (TypeError)
     events = [
         openai_chunk({"role": "assistant", "content": None}),
         openai_chunk(

@@ -55,7 +55,8 @@ def _reachable(host: str, port: int) -> bool:
 
 
 def fresh_redis_prefix() -> str:
-    """A new key prefix on the test Redis (`lltest:<hex>:`); skips the test when Redis is not reachable."""
+    """A new key prefix on the test Redis (`lltest:<hex>:`); skips the test when Redis is not
+    reachable."""
     target = urlsplit(redis_url())
     if not _reachable(target.hostname or "127.0.0.1", target.port or 6379):
         pytest.skip("Redis is not reachable (LOOPLINE_TEST_REDIS_URL)")
@@ -71,7 +72,8 @@ def unavailable_reason() -> str | None:
     """Why the scale tests cannot run here (None when PostgreSQL and Redis answer)."""
     pg = make_url(postgres_url())
     if not _reachable(pg.host or "127.0.0.1", pg.port or 5432):
-        return f"PostgreSQL is not reachable at {pg.host}:{pg.port or 5432} (LOOPLINE_TEST_POSTGRES_URL)"
+        where = f"{pg.host}:{pg.port or 5432}"
+        return f"PostgreSQL is not reachable at {where} (LOOPLINE_TEST_POSTGRES_URL)"
     redis = urlsplit(redis_url())
     host, port = redis.hostname or "127.0.0.1", redis.port or 6379
     if not _reachable(host, port):
@@ -93,15 +95,13 @@ async def wait_port(
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         if process.poll() is not None:
-            raise AssertionError(
-                f"process exited with {process.returncode}:\n{log.read_text()[-4000:]}"
-            )
+            tail = (await asyncio.to_thread(log.read_text))[-4000:]
+            raise AssertionError(f"process exited with {process.returncode}:\n{tail}")
         if _reachable("127.0.0.1", port):
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(
-                f"port {port} not open after {timeout} s:\n{log.read_text()[-4000:]}"
-            )
+            tail = (await asyncio.to_thread(log.read_text))[-4000:]
+            raise AssertionError(f"port {port} not open after {timeout} s:\n{tail}")
         await asyncio.sleep(0.05)
 
 
@@ -225,10 +225,12 @@ class Cluster:
 
 @pytest.fixture(autouse=True)
 def _postgres_pass_only() -> None:
-    """Every scale test runs in the PostgreSQL + Redis pass only (`make test` stays SQLite + memory)."""
+    """Every scale test runs in the PostgreSQL + Redis pass only (`make test` stays SQLite +
+    memory)."""
     if selected_backend() != "postgres":
         pytest.skip(
-            "scale-out tests run on PostgreSQL + Redis: LOOPLINE_TEST_BACKEND=postgres (make test-pg)"
+            "scale-out tests run on PostgreSQL + Redis: "
+            "LOOPLINE_TEST_BACKEND=postgres (make test-pg)"
         )
 
 

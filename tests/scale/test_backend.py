@@ -1,4 +1,4 @@
-"""The backend seam's claims and cancel requests, on memory and on a real Redis (issue 8).
+"""The backend seam's claims and cancel requests, on memory and on a real Redis.
 
 Claims are atomic (one of two racing takers wins, also across clients = replicas), are
 released only by their holder, and expire (a crashed holder cannot block a chat). A cancel
@@ -17,7 +17,8 @@ import uuid
 
 import pytest
 
-from services.orchestrator.backend import MemoryBackend, RedisBackend
+from services.orchestrator.eventlog.memory import MemoryBackend
+from services.orchestrator.eventlog.redis import RedisBackend
 from tests.conftest import SERVICES, drop_databases, drop_redis_prefix, redis_url
 from tests.scale.conftest import ROOT, fresh_redis_prefix, no_archive, unavailable_reason
 
@@ -129,7 +130,8 @@ async def _orchestrator_has_leases(url: str) -> bool:
     )
     try:
         column = await connection.fetchval(
-            "SELECT data_type FROM information_schema.columns WHERE table_name = 'runs' AND column_name = 'lease_until'"
+            "SELECT data_type FROM information_schema.columns "
+            "WHERE table_name = 'runs' AND column_name = 'lease_until'"
         )
         return column == "timestamp with time zone"
     finally:

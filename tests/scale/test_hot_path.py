@@ -1,4 +1,4 @@
-"""The turn's hot path on Redis and PostgreSQL: few round trips, nothing lost (issue 9).
+"""The turn's hot path on Redis and PostgreSQL: few round trips, nothing lost.
 
 Redis (`RedisEventLog`): the owner writes whatever is queued in one atomic call; followers
 in the owner's process are served from its copy but only what is stored in the stream
@@ -22,7 +22,7 @@ from sqlalchemy import select, update
 
 from loopline.assistant.v1 import events_pb2
 from services.common import db
-from services.orchestrator.backend import RedisEventLog, redis_client
+from services.orchestrator.eventlog.redis import RedisEventLog, redis_client
 from services.orchestrator.models import Chat, Interrupt, Message, Run, RunEvent, utcnow
 from services.orchestrator.store import ClaimLost, RunEnd, RunTakenOver, ThreadRow, TurnStore
 from tests.conftest import drop_redis_prefix, postgres_databases, redis_url, release_databases
@@ -358,7 +358,8 @@ async def test_postgres_turn_store_keeps_the_rules_of_each_transaction(pg_store)
     )
     guard = await store.turn_guard(chat_id)
     assert guard.running_id == third_run["id"] and guard.pending_id == interrupt["id"]
-    # an end only while the run is running: a second end of an ended run writes nothing (RunTakenOver)
+    # an end only while the run is running: a second end of an ended run writes nothing
+    # (RunTakenOver)
     with pytest.raises(RunTakenOver):
         await store.finish(
             RunEnd(

@@ -3,8 +3,9 @@
 The owner writes its whole copy again, atomically, on its next write or when polled
 (`RedisEventLog.restore_lost`), so a follower on another replica goes on from the index it
 reached and gets every event once, in order. A follower of a stream that stays gone ends
-with StreamInterrupted (the listener's reconnect frame), never a bare end. A lost stream is simulated by deleting
-its keys (what a Redis restarted empty shows a client). Skipped without Redis.
+with StreamInterrupted (the listener's reconnect frame), never a bare end. A lost stream is
+simulated by deleting its keys (what a Redis restarted empty shows a client). Skipped without
+Redis.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import uuid
 import pytest
 
 from loopline.assistant.v1 import events_pb2
-from services.orchestrator.backend import RedisEventLog, StreamInterrupted, redis_client
+from services.orchestrator.eventlog import StreamInterrupted
+from services.orchestrator.eventlog.redis import RedisEventLog, redis_client
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import fresh_redis_prefix, no_archive
 
@@ -66,7 +68,8 @@ async def _one_event_stored(owner: RedisEventLog) -> str:
 async def _following(
     follower: RedisEventLog, run_id: str
 ) -> tuple[asyncio.Task, list[events_pb2.Event]]:
-    """A follower of the run in the background, once it has its first event: (its task, what it got)."""
+    """A follower of the run in the background, once it has its first event: (its task, what it
+    got)."""
     seen: list[events_pb2.Event] = []
 
     async def listen() -> None:

@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from services.common import db
-from services.orchestrator.backend import redis_client
-from services.orchestrator.stream_reader import StreamReader
+from services.orchestrator.eventlog.reader import StreamReader
+from services.orchestrator.eventlog.redis import redis_client
 from tests.conftest import drop_redis_prefix, redis_url
 from tests.scale.conftest import fresh_redis_prefix
 from tests.tcp_proxy import CuttableProxy
@@ -145,7 +145,7 @@ async def test_waiters_of_one_key_each_get_exactly_their_entries(prefix, direct,
         await _add(direct, key, first, min(first + 6, total))
         await asyncio.sleep(0.002)
     results = await asyncio.wait_for(asyncio.gather(*followers), 20)
-    for start, seen in zip(range(0, 40, 3), results):
+    for start, seen in zip(range(0, 40, 3), results, strict=True):
         assert seen == list(range(start + 1, total + 1))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
-from services.tools.server import mcp_tool_pb
+from services.tools.servicer import mcp_tool_pb
 from tests.conftest import script
 from tests.sse_client import read_frames
 from tests.tools.tools_stack import tools_stack
@@ -97,7 +97,7 @@ def test_an_mcp_servers_deep_schema_and_stored_deep_metadata_still_decode():
     import datetime
 
     from services.tools.credentials import CredentialInfo
-    from services.tools.server import credential_pb
+    from services.tools.servicer import credential_pb
 
     listing = tools_pb2.ListMcpToolsResponse(
         tools=[mcp_tool_pb({"name": "t", "description": "", "input_schema": deep(DEEP_LEVELS)})]
@@ -140,7 +140,8 @@ def test_a_json_document_too_deep_for_json_loads_is_extracted_as_its_text():
 
 
 async def test_uploading_a_json_document_nested_1000_deep_is_indexed_as_its_text(tmp_path):
-    # tester: `['*1000 + '1' + ']'*1000` uploaded to a knowledge base was a 500 (tools: unhandled RecursionError)
+    # tester: `['*1000 + '1' + ']'*1000` uploaded to a knowledge base was a 500 (tools: unhandled
+    # RecursionError)
     async with tools_stack(tmp_path) as stack, stack.client() as client:
         kb = (
             await client.post("/knowledge-bases", json={"name": "Deep", "description": "deep json"})
@@ -165,8 +166,9 @@ async def test_uploading_a_json_document_nested_1000_deep_is_indexed_as_its_text
 
 
 async def test_oauth2_api_and_token_responses_too_deep_for_json_loads(monkeypatch, start_tools):
-    """An OAuth2 API's body nested past json.loads comes back as text (as the http integration's);
-    a token endpoint answering such JSON is "did not issue a token", not an unhandled RecursionError."""
+    """An OAuth2 API's body nested past json.loads comes back as text (as the http integration's); a
+    token endpoint answering such JSON is "did not issue a token", not an unhandled
+    RecursionError."""
     import grpc
     import httpx
 

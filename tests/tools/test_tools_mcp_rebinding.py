@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.tools.mcp_servers import McpConnector
+from services.tools.mcp_client import McpConnector
 from services.tools.netpolicy import OutboundPolicyError
 from tests.tools.tools_stack import serve_asgi
 

@@ -16,20 +16,18 @@ import pytest
 
 from services.common.logging import JsonFormatter
 from services.tools.catalogue import ActionError
-from services.tools.mcp_servers import (
-    STDERR_LOG_CHARS,
-    McpConnector,
-    StderrTail,
-    StdioServer,
-)
+from services.tools.mcp_client import McpConnector
+from services.tools.mcp_stdio import STDERR_LOG_CHARS, StderrTail, StdioServer
 
 MARKER = "ModuleNotFoundError: No module named 'loopline_marker_server'"
 TOKEN = "tok-operator-secret-42"
 
-# Writes 20 KB of noise, then the marker (and the configured token, which must be redacted), then exits 1.
+# Writes 20 KB of noise, then the marker (and the configured token, which must be redacted), then
+# exits 1.
 FAILING = (
     "import os, sys; sys.stderr.write('noise line\\n' * 2000); "
-    f"print('token=' + os.environ['API_TOKEN'], file=sys.stderr); print({MARKER!r}, file=sys.stderr); sys.exit(1)"
+    f"print('token=' + os.environ['API_TOKEN'], file=sys.stderr); print({MARKER!r}, "
+    "file=sys.stderr); sys.exit(1)"
 )
 HANGING = f"import sys, time; print({MARKER!r}, file=sys.stderr, flush=True); time.sleep(60)"
 
@@ -105,7 +103,8 @@ async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_ar
     """Bug (tester): the failure record of a stdio server whose command does not exist or is not
     executable did not name the command when the error text lost it (an `env` value such as
     VIRTUAL_ENV redacted from the path left "***/bin/python"; a long path was cut). The record's
-    `command` field is the configured executable, as written; its args and env values never appear."""
+    `command` field is the configured executable, as written; its args and env values never
+    appear."""
     not_executable = tmp_path / "server.sh"
     not_executable.write_text("#!/bin/sh\n")
     not_executable.chmod(0o644)

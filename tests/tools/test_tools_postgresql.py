@@ -1,4 +1,5 @@
-"""The postgresql integration against the local PostgreSQL: inspection, read-only queries, limits, cancel."""
+"""The postgresql integration against the local PostgreSQL: inspection, read-only queries, limits,
+cancel."""
 
 from __future__ import annotations
 
@@ -222,7 +223,7 @@ async def test_a_dsn_read_one_way_by_the_policy_and_another_by_the_driver_is_ref
 
 
 def test_the_dsn_is_parsed_once_and_the_driver_gets_its_parts():
-    from services.tools.integrations.postgresql import DsnError, parse_dsn
+    from services.tools.integrations.postgresql_dsn import DsnError, parse_dsn
 
     parts = parse_dsn(
         "postgresql://us%40er:p%40ss@db.example.com:6543/my%2Fdb?sslmode=verify-full&application_name=x"

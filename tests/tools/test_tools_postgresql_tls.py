@@ -15,7 +15,8 @@ import pytest
 
 from services.tools.catalogue import ActionContext, ActionError
 from services.tools.integrations import postgresql
-from services.tools.integrations.postgresql import DEFAULT_SSLMODE, _connect_args
+from services.tools.integrations.postgresql import _connect_args
+from services.tools.integrations.postgresql_dsn import DEFAULT_SSLMODE
 
 PASSWORD = "Clear-Text-Canary-7781"
 SSL_REQUEST = struct.pack("!ii", 8, 80877103)
@@ -89,7 +90,8 @@ async def test_a_dsn_without_sslmode_never_sends_the_password_to_a_server_that_r
 
 
 async def test_sslmode_disable_in_the_dsn_connects_without_tls(no_tls_server):
-    """The DSN may ask for a plain connection explicitly (a server without TLS on a trusted network)."""
+    """The DSN may ask for a plain connection explicitly (a server without TLS on a trusted
+    network)."""
     dsn = f"postgresql://reader:{PASSWORD}@127.0.0.1:{no_tls_server.port}/sales?sslmode=disable"
     with pytest.raises(ActionError):  # the fake server does not finish the handshake
         await postgresql.list_schemas(_context(dsn), {})

@@ -12,20 +12,21 @@ import pytest
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
-from services.gateway.tools_routes import (
+from services.gateway.routes.fields import (
     MAX_SEARCH_BASES,
     MAX_TEXT_CHARS,
     OBJECT_LIMITS,
     STRING_LIMITS,
 )
-from services.tools import server as tools_server
-from services.tools.server import JSON_LIMITS, TEXT_LIMITS
+from services.tools import servicer as tools_server
+from services.tools.request_checks import COUNT_LIMITS, JSON_LIMITS, TEXT_LIMITS
 
 ORG = "org-a"
 
 
 async def _refused(call, request, code=grpc.StatusCode.INVALID_ARGUMENT):
-    """The parsed rich status of `call(request)`, which must fail with `code` in the tools domain."""
+    """The parsed rich status of `call(request)`, which must fail with `code` in the tools
+    domain."""
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call(request)
     details = status_details(caught.value)
@@ -59,11 +60,7 @@ def test_text_limits_are_the_gateways():
         == OBJECT_LIMITS
         == {"metadata": 16 * 1024, "auth_data": 64 * 1024, "headers": 16 * 1024}
     )
-    assert (
-        tools_server.COUNT_LIMITS
-        == {"knowledge_base_ids": MAX_SEARCH_BASES}
-        == {"knowledge_base_ids": 100}
-    )
+    assert COUNT_LIMITS == {"knowledge_base_ids": MAX_SEARCH_BASES} == {"knowledge_base_ids": 100}
 
 
 def _too_long(details, field, limit, length):
@@ -391,7 +388,8 @@ async def test_knowledge_ids_that_cannot_be_ours_are_not_found_without_a_query(
         grpc.StatusCode.NOT_FOUND,
     )
     assert details.reason == "KNOWLEDGE_BASE_NOT_FOUND"
-    # A search names knowledge bases as a filter: one that cannot be ours matches nothing (tools.proto).
+    # A search names knowledge bases as a filter: one that cannot be ours matches nothing
+    # (tools.proto).
     response = await stub.SearchKnowledge(
         tools_pb2.SearchKnowledgeRequest(
             organization_id=ORG, query="refund", knowledge_base_ids=[bad_id]
@@ -483,7 +481,8 @@ GOOD_ID = "1d5e0f5c-0b7e-4e8e-9b0e-3f1a2b3c4d5e"
 
 
 def _string_calls(stub, field, value):
-    """(call, request) of every RPC carrying the string field `field`, set to `value` (the other fields valid)."""
+    """(call, request) of every RPC carrying the string field `field`, set to `value` (the other
+    fields valid)."""
     credential = {
         "organization_id": ORG,
         "integration_name": "http",
@@ -564,7 +563,8 @@ async def _acme(start_tools):
 
 
 def _no_network(tools, monkeypatch):
-    """Make any outbound step of an MCP server's registration (URL policy, discovery) fail the test."""
+    """Make any outbound step of an MCP server's registration (URL policy, discovery) fail the
+    test."""
 
     async def refuse(*_args, **_kwargs):
         raise AssertionError("the network was used")

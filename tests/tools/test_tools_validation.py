@@ -40,7 +40,8 @@ def _errors(instance, schema=SCHEMA, where="auth_data"):
         ({"port": 5432}, "auth_data: 'dsn' is required"),
         (
             {"dsn": SECRET, "host": SECRET, "password": SECRET},
-            "auth_data: unexpected field(s) 'host', 'password' (allowed: 'dsn', 'port', 'mode', 'tags', 'kind', 'name', 'either')",
+            "auth_data: unexpected field(s) 'host', 'password' (allowed: 'dsn', 'port', 'mode', "
+            "'tags', 'kind', 'name', 'either')",
         ),
         ({"dsn": 5}, "auth_data.dsn: must be of type string (got integer)"),
         ({"dsn": "mysql://" + SECRET}, 'auth_data.dsn: must match the pattern "^postgres(ql)?://"'),
@@ -85,7 +86,8 @@ def test_several_missing_fields_are_named_together_and_valid_input_has_no_messag
         "dependentRequired": {"user": ["password"]},
     }
     assert _errors({"user": "bob"}, schema) == (
-        "auth_data: 'api_key', 'header_name' are required; auth_data: 'password' required when 'user' is given"
+        "auth_data: 'api_key', 'header_name' are required; auth_data: 'password' required when "
+        "'user' is given"
     )
     assert _errors({"dsn": "postgres://xy"}) is None
 
@@ -160,7 +162,7 @@ _JSON = st.recursive(
 
 def _catalogue_schemas() -> list[Draft202012Validator]:
     from services.tools.catalogue import Catalogue
-    from services.tools.tools import TOOL_DEFINITIONS
+    from services.tools.tool_definitions import TOOL_DEFINITIONS
 
     validators = [Draft202012Validator(d["input_schema"]) for d in TOOL_DEFINITIONS]
     for integration in Catalogue.builtin().all():

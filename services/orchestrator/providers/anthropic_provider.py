@@ -1,4 +1,4 @@
-"""Anthropic Messages through the official `anthropic` SDK, with prompt caching (issue 7).
+"""Anthropic Messages through the official `anthropic` SDK, with prompt caching.
 
 A call streams (`stream=True`): `text_delta`s go to `on_text`, `tool_use` blocks are
 assembled from their `input_json_delta`s, and usage comes from `message_start` (input and
@@ -166,9 +166,10 @@ class _Attempt:
     output_tokens: int | None = None  # cumulative, from message_delta
 
     def usage(self, input_estimate: int) -> TokenUsage:
-        """Reported usage; output estimated when the stream broke before message_delta; an estimate
-        when it broke before message_start but after another event (or was cancelled while the
-        request was accepted); zero if it never opened or delivered no event (README "Models": an attempt that streamed nothing is not billed)."""
+        """Reported usage; output estimated when the stream broke before message_delta; an
+        estimate when it broke before message_start but after another event (or was cancelled
+        while the request was accepted); zero if it never opened or delivered no event (an
+        attempt that streamed nothing is not billed)."""
         if not self.opened or (self.started is None and not (self.received or self.cancelled)):
             return TokenUsage()
         produced = "".join(self.text) + "".join(b.get("json", "") for b in self.blocks.values())
@@ -192,9 +193,8 @@ class _Attempt:
                 else estimated_output
             )
             usage.estimated = True
-        return with_estimates(
-            usage, input_estimate, estimated_output
-        )  # a count it reported that is no token count: estimated
+        # a count it reported that is no token count: estimated
+        return with_estimates(usage, input_estimate, estimated_output)
 
 
 class AnthropicModel:
@@ -252,7 +252,8 @@ class AnthropicModel:
         sent with `tool_choice: {"type": "none"}` (base.ChatModel.generate).
 
         Raises:
-            ModelError: after the retries of retry.py, with the usage accrued (reported or estimated).
+            ModelError: after the retries of retry.py, with the usage accrued (reported or
+                estimated).
             asyncio.CancelledError: the HTTP stream is closed before it propagates.
         """
         system, wire_tools, wire_messages = with_cache_breakpoints(
@@ -305,7 +306,8 @@ class AnthropicModel:
                     kind = event.type
                     if kind == "message_start":
                         usage = event.message.usage
-                        state.started = TokenUsage(  # counts as reported: one that is no token count is estimated (usage())
+                        # counts as reported; one that is no token count is estimated (usage())
+                        state.started = TokenUsage(
                             input_tokens=usage.input_tokens,
                             output_tokens=usage.output_tokens or 0,
                             cache_read_tokens=int(usage.cache_read_input_tokens or 0),

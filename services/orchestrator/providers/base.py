@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ def arguments_of(value: Any) -> tuple[dict[str, Any], str]:
 
     An object holding a number that is not finite (Python's json reads `NaN`, `Infinity`
     and `1e400` as such floats; RFC 8259 section 6 has no value for them) is not one either:
-    it cannot be stored, encoded as protobuf's Value or sent to a model again (fresh-eyes test:
-    such an input made its chat unreadable, 500, and failed the run's end on PostgreSQL).
+    it cannot be stored, encoded as protobuf's Value or sent to a model again (its chat would
+    not render, and PostgreSQL's JSON refuses it at the run's end).
     """
     if value is None:
         return {}, ""
@@ -94,10 +94,21 @@ class TokenUsage:
     estimated: bool = False
 
 
+@dataclass
+class ReportedUsage:
+    """Token counts as a provider's response gave them: untrusted, any JSON value until
+    `with_estimates` turns them into a TokenUsage."""
+
+    input_tokens: object = 0
+    output_tokens: object = 0
+    cache_read_tokens: object = 0
+    cache_write_tokens: object = 0
+
+
 MAX_TOKENS_PER_CALL = 10**9
 
 
-def clamp_usage(usage: TokenUsage | None) -> TokenUsage:
+def clamp_usage(usage: TokenUsage | ReportedUsage | None) -> TokenUsage:
     """`usage` with every count an int in [0, 10**9] (anything else becomes 0, `estimated` kept).
 
     Provider responses are untrusted input: a negative, huge or non-integer count must not
@@ -107,29 +118,32 @@ def clamp_usage(usage: TokenUsage | None) -> TokenUsage:
         return TokenUsage()
 
     def fit(value: object) -> int:
-        return value if is_token_count(value) else 0  # type: ignore[return-value]
+        return value if is_token_count(value) else 0
 
     return TokenUsage(
         input_tokens=fit(usage.input_tokens),
         output_tokens=fit(usage.output_tokens),
         cache_read_tokens=fit(usage.cache_read_tokens),
         cache_write_tokens=fit(usage.cache_write_tokens),
-        estimated=bool(usage.estimated),
+        estimated=isinstance(usage, TokenUsage) and bool(usage.estimated),
     )
 
 
-def is_token_count(value: object) -> bool:
-    """Whether `value` is a token count Loopline records: an int (not a bool) in [0, MAX_TOKENS_PER_CALL]."""
+def is_token_count(value: object) -> TypeGuard[int]:
+    """Whether `value` is a token count Loopline records: an int (not a bool) in
+    [0, MAX_TOKENS_PER_CALL]."""
     return (
         isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS_PER_CALL
     )
 
 
-def with_estimates(usage: TokenUsage, input_estimate: int, output_estimate: int) -> TokenUsage:
+def with_estimates(
+    usage: TokenUsage | ReportedUsage, input_estimate: int, output_estimate: int
+) -> TokenUsage:
     """A provider's reported `usage` with an input or output count that is no token count
     (null, negative, not an integer, past MAX_TOKENS_PER_CALL) replaced by its estimate, and
-    then marked `estimated`: such a count was recorded as 0, so the call's tokens went unbilled
-    (fresh-eyes re-test). Cache counts that are no token count are 0, as in `clamp_usage`."""
+    then marked `estimated`, so the call's tokens are billed rather than recorded as 0.
+    Cache counts that are no token count are 0, as in `clamp_usage`."""
     result = clamp_usage(usage)
     if not is_token_count(usage.input_tokens):
         result.input_tokens, result.estimated = input_estimate, True

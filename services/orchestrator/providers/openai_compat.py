@@ -1,4 +1,4 @@
-"""OpenAI-compatible chat completions through the official `openai` SDK (issue 7).
+"""OpenAI-compatible chat completions through the official `openai` SDK.
 
 One class serves OpenAI itself and every server that speaks the chat-completions wire
 format (vLLM, Ollama, llama.cpp's server, ...): only the base URL, the key and the model
@@ -25,6 +25,7 @@ import openai
 from services.orchestrator.providers.base import (
     ModelReply,
     OnText,
+    ReportedUsage,
     TokenUsage,
     ToolCallRequest,
     estimate_tokens,
@@ -112,11 +113,12 @@ class _Attempt:
     text: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
-    reported: TokenUsage | None = None
+    reported: ReportedUsage | None = None
 
     def usage(self, input_estimate: int) -> TokenUsage:
         """Reported usage; else an estimate once the stream delivered a chunk (or the call was
-        cancelled while the request was accepted); else nothing (README "Models": an attempt that streamed nothing is not billed)."""
+        cancelled while the request was accepted); else nothing (an attempt that streamed
+        nothing is not billed)."""
         if self.reported is None and (not self.opened or not (self.received or self.cancelled)):
             return TokenUsage()
         produced = "".join(self.text) + "".join(c["args"] for c in self.calls.values())
@@ -183,7 +185,8 @@ class OpenAICompatModel:
         take tool calls in the history without them, and not every server takes "none").
 
         Raises:
-            ModelError: after the retries of retry.py, with the usage accrued (reported or estimated).
+            ModelError: after the retries of retry.py, with the usage accrued (reported or
+                estimated).
             asyncio.CancelledError: the HTTP stream is closed before it propagates.
         """
         wire_messages = to_openai_messages(messages, self._system_prompt)
@@ -224,9 +227,7 @@ class OpenAICompatModel:
             if c["name"]
         ]
         nameless = sum(1 for c in done.calls.values() if not c["name"])
-        if (
-            nameless
-        ):  # nothing to run or to answer: dropped, but never silently (fresh-eyes re-test)
+        if nameless:  # nothing to run or to answer: dropped, but never silently
             log.warning(
                 "tool calls without a name were dropped",
                 extra={"fields": {"provider": self.provider_id, "count": nameless}},
@@ -257,15 +258,16 @@ class OpenAICompatModel:
                             if piece.id:
                                 call["id"] = piece.id
                             if piece.function is not None:
-                                # OpenAI sends the name once; some compatible servers split it across
-                                # deltas, others repeat it whole in every delta: append, but not a repeat
+                                # OpenAI sends the name once; some compatible servers split it
+                                # across deltas, others repeat it whole in every delta: append,
+                                # but not a repeat
                                 if piece.function.name and piece.function.name != call["name"]:
                                     call["name"] += piece.function.name
                                 arguments = piece.function.arguments
                                 if arguments is not None and arguments != "":
-                                    # a string per the API; a server that sends an object or a number instead
-                                    # gets it read as that JSON (a non-object: the call's error result, never a
-                                    # crashed run; fresh-eyes re-test)
+                                    # a string per the API; an object or a number instead is
+                                    # read as that JSON (a non-object: the call's error result,
+                                    # never a crashed run)
                                     call["args"] += (
                                         arguments
                                         if isinstance(arguments, str)
@@ -277,7 +279,7 @@ class OpenAICompatModel:
             raise IncompleteStream("the stream ended without a finish reason")
 
 
-def _usage_of(usage: Any) -> TokenUsage:
+def _usage_of(usage: Any) -> ReportedUsage:
     """The reported counts as given (a null, negative or non-integer one is left for
     `with_estimates` to replace); input tokens are the prompt's without its cached ones."""
     prompt = getattr(usage, "prompt_tokens", None)
@@ -291,7 +293,7 @@ def _usage_of(usage: Any) -> TokenUsage:
         if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= cached
         else prompt
     )
-    return TokenUsage(
+    return ReportedUsage(
         input_tokens=fresh,
         output_tokens=getattr(usage, "completion_tokens", None),
         cache_read_tokens=cached,

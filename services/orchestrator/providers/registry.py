@@ -1,4 +1,4 @@
-"""Resolve a request's `llm` object to a chat model (issue 7 "Models").
+"""Resolve a request's `llm` object to a chat model.
 
 Providers served:
 - `scripted`: the deterministic test/demo model (`LOOPLINE_SCRIPTED_MODEL_ENABLED`);
@@ -54,8 +54,8 @@ class UnknownModel(ValueError):
 
 class CredentialUndecryptable(Exception):
     """The `llm.credential_id` credential exists but no key the tools service lists decrypts its
-    secret (LOOPLINE_TOOLS_CREDENTIAL_KEY changed without keeping the old key; README, "Changing
-    the key"). Not the client's mistake and not retryable: HTTP 409 until an operator lists the old
+    secret (LOOPLINE_TOOLS_CREDENTIAL_KEY changed without keeping the old key). Not the client's
+    mistake and not retryable: HTTP 409 until an operator lists the old
     key again or the credential is connected again.
 
     Attributes:
@@ -66,9 +66,9 @@ class CredentialUndecryptable(Exception):
     def __init__(self, credential_id: str, message: str = "") -> None:
         self.credential_id = credential_id
         self.message = message or (
-            f"Credential {credential_id!r} cannot be decrypted: the server's credential key was changed without "
-            "keeping the old one. An operator must list the old key again (after the new one), or the credential "
-            "must be connected again"
+            f"Credential {credential_id!r} cannot be decrypted: the server's credential key was "
+            "changed without keeping the old one. An operator must list the old key again "
+            "(after the new one), or the credential must be connected again"
         )
         super().__init__(self.message)
 
@@ -172,32 +172,52 @@ async def resolve(
         # an organization's key is stored per provider integration; sending an OpenAI key to
         # another OpenAI-compatible host would hand it to a third party (and the scripted model
         # has no key at all: accepting one would hide a client's mistake)
+        byok = " and ".join(sorted(BYOK_PROVIDERS))
         raise UnknownModel(
-            f"bring-your-own-key credentials work with the {' and '.join(sorted(BYOK_PROVIDERS))} providers, not {provider_id!r}"
+            f"bring-your-own-key credentials work with the {byok} providers, not {provider_id!r}"
         )
     if provider_id == "scripted":
-        if not settings.scripted_model_enabled:
-            raise UnknownModel("the scripted model is disabled on this deployment")
-        if model_id not in SCRIPTED_MODELS:
-            raise UnknownModel(
-                f"unknown model {model_id!r} for provider 'scripted' (use 'default')"
-            )
-        _check_integration(llm, "loopline")
-        return ScriptedModel(model_id)
+        return _scripted_model(settings, llm, model_id)
     config = providers(settings).get(provider_id)
     if config is None:
         raise UnknownModel(f"unknown model provider {provider_id!r}")
     _check_integration(llm, provider_id)
     if not model_id or (config.models is not None and model_id not in config.models):
         raise UnknownModel(f"unknown model {model_id!r} for provider {provider_id!r}")
-    credential_id = llm.get("credential_id")
+    api_key = await _api_key(
+        config, provider_id, llm.get("credential_id"), organization_id, secret_resolver
+    )
+    return _provider_model(settings, config, provider_id, model_id, api_key)
+
+
+def _scripted_model(
+    settings: OrchestratorSettings, llm: dict[str, Any], model_id: str
+) -> ChatModel:
+    """The scripted model, when the deployment enables it and `model_id` is one of its own."""
+    if not settings.scripted_model_enabled:
+        raise UnknownModel("the scripted model is disabled on this deployment")
+    if model_id not in SCRIPTED_MODELS:
+        raise UnknownModel(f"unknown model {model_id!r} for provider 'scripted' (use 'default')")
+    _check_integration(llm, "loopline")
+    return ScriptedModel(model_id)
+
+
+async def _api_key(
+    config: ProviderConfig,
+    provider_id: str,
+    credential_id: str | None,
+    organization_id: str,
+    resolver: SecretResolver | None,
+) -> str:
+    """The key a request to `config`'s provider uses: the organization's credential when one is
+    named, else the platform's key, else NO_KEY for a provider that needs none."""
     if credential_id:
-        if secret_resolver is None:
+        if resolver is None:
             raise UnknownModel(
                 "bring-your-own-key credentials are not available on this deployment"
             )
         try:
-            api_key = await secret_resolver(organization_id, credential_id, provider_id)
+            api_key = await resolver(organization_id, credential_id, provider_id)
         except LookupError:
             raise UnknownModel(
                 f"credential {credential_id!r} cannot be used as a model key"
@@ -210,11 +230,23 @@ async def resolve(
                 raise UnknownModel(
                     f"model provider {provider_id!r} has no key configured; pass llm.credential_id"
                 )
-            # no bring-your-own-key for it (an OpenAI key is never sent to another host): the fix is the deployment's
+            # no bring-your-own-key for it (an OpenAI key is never sent to another host): the
+            # fix is the deployment's
             raise UnknownModel(
                 f"model provider {provider_id!r} has no key configured on this deployment"
             )
         api_key = NO_KEY
+    return api_key
+
+
+def _provider_model(
+    settings: OrchestratorSettings,
+    config: ProviderConfig,
+    provider_id: str,
+    model_id: str,
+    api_key: str,
+) -> ChatModel:
+    """The ChatModel of `config`'s provider for `model_id`, with `api_key`."""
     policy = retry_policy(settings)
     if config.kind == "anthropic":
         # The provider SDKs are imported on first use: importing them costs seconds of start-up

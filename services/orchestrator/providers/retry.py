@@ -1,4 +1,4 @@
-"""Bounded retries of provider calls, and the sanitized failure message (issue 7 "Errors").
+"""Bounded retries of provider calls, and the sanitized failure message.
 
 The rule, in one place:
 - Retryable: a timeout (client side, or HTTP 408), a connection failure, HTTP 429, any
@@ -61,7 +61,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class Failure:
-    """A classified provider failure: a short `kind` safe to show, whether to retry, and Retry-After (s)."""
+    """A classified provider failure: a short `kind` safe to show, whether to retry, and
+    Retry-After (s)."""
 
     kind: str
     retryable: bool
@@ -69,7 +70,8 @@ class Failure:
 
 
 def parse_retry_after(headers: Any) -> float | None:
-    """Seconds from `retry-after-ms` or `Retry-After` (delta seconds or an HTTP date); None when absent or invalid."""
+    """Seconds from `retry-after-ms` or `Retry-After` (delta seconds or an HTTP date); None
+    when absent or invalid."""
     if headers is None:
         return None
     try:
@@ -122,7 +124,7 @@ _STREAM_ERROR_TYPES = _RETRYABLE_STREAM_ERRORS | {
 
 
 def classify(error: BaseException) -> Failure:
-    """Classify an exception raised by the `openai` or `anthropic` SDK (or by a provider's stream reader).
+    """Classify an exception of the `openai` or `anthropic` SDK (or of a provider's stream reader).
 
     Works on both SDKs by duck typing: an HTTP status error has `status_code` and
     `response.headers`; connection and timeout errors are recognized by class name
@@ -139,7 +141,7 @@ def classify(error: BaseException) -> Failure:
     if "APIConnectionError" in names or "TransportError" in names or "RemoteProtocolError" in names:
         return Failure("connection failed", True)
     if "APIError" in names and (not isinstance(status, int) or status < 400):
-        # an error event inside an accepted (200) stream, e.g. Anthropic's mid-stream "overloaded_error"
+        # an error event inside an accepted (200) stream, e.g. Anthropic's "overloaded_error"
         body = getattr(error, "body", None)
         detail = body.get("error", body) if isinstance(body, dict) else None
         error_type = detail.get("type") if isinstance(detail, dict) else None
@@ -173,9 +175,8 @@ def provider_error_ids(error: BaseException) -> dict[str, str]:
     `{"provider_error_type": "invalid_request_error", "provider_error_code": ...}`.
 
     Only values that are identifiers (letters, digits, `_.-`, at most 64) are kept, never the
-    error's message, which may quote the request (the thread, a key); without them a 400 such
-    as Anthropic's "tool_use blocks must define tools" could not be told from any other 400 in
-    the log (fresh-eyes test)."""
+    error's message, which may quote the request (the thread, a key); with them a 400 such as
+    Anthropic's "tool_use blocks must define tools" can be told from any other 400 in the log."""
     body = getattr(error, "body", None)
     detail = body.get("error", body) if isinstance(body, dict) else None
     found: dict[str, str] = {}
@@ -245,7 +246,8 @@ async def call_with_retries(
             suffix = f" after {attempts} attempts" if attempts > 1 else ""
             if too_long and failure.retryable:
                 suffix += " (retry-after too long)"
-            text = f"{provider_id}: {failure.kind}{suffix}"  # built from the provider's id, a kind and counts only
+            # built from the provider's id, a kind and counts only: safe to show
+            text = f"{provider_id}: {failure.kind}{suffix}"
             raise ModelError(text, usage=usage(), public=text) from None
 
 

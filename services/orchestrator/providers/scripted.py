@@ -40,7 +40,8 @@ _DISCOVERY = re.compile(r"\b(integrations?|tools?|connect(ed|ions?)?|apps?)\b", 
 
 
 def split_chunks(text: str, pieces: int) -> list[str]:
-    """Split `text` into at most `pieces` non-empty chunks on word boundaries, joined back exactly."""
+    """Split `text` into at most `pieces` non-empty chunks on word boundaries; joined, they give
+    `text` back exactly."""
     if not text:
         return []
     words = re.findall(r"\S+\s*|\s+", text)
@@ -80,7 +81,7 @@ def _invalid(text: str) -> ModelError:
 def _check_step(step: Any) -> None:
     """Raise ModelError (that model call fails, like a bad `usage`) for a script step that is
     not an object, or whose `say`, `tool`, `tools` or `fail` has another type than the README's
-    table gives: `[null]` answered "None" and `{"say": ["a"]}` answered "['a']" (fresh-eyes test)."""
+    table gives, rather than answer `[null]` with "None" or `{"say": ["a"]}` with "['a']"."""
     if not isinstance(step, dict):
         raise _invalid("scripted model: a script step must be an object")
     if step.get("say") is not None and not isinstance(step["say"], str):
@@ -112,8 +113,8 @@ def _bounded(
 ) -> float:
     """A step's numeric setting `key` (`default` when absent or null), checked against
     [low, high]; raises ModelError naming it otherwise (a string, a boolean, NaN, 1e400, a
-    fraction where `whole`): that model call fails like a bad `usage`, never the run's loop
-    (fresh-eyes test: `chunks: 1e400` crashed the loop, `sleep_ms: 1e12` held the chat for good)."""
+    fraction where `whole`): that model call fails like a bad `usage`, so `chunks: 1e400`
+    cannot crash the run's loop nor `sleep_ms: 1e12` hold the chat for good."""
     value = step.get(key)
     if value is None:
         return default
@@ -152,6 +153,7 @@ class ScriptedModel:
         step_index = sum(1 for m in messages[last_user + 1 :] if m["role"] == "assistant")
         script = _script_of(user_text)
         input_estimate = sum(estimate_tokens(m.get("content")) for m in messages)
+        step: dict[str, Any]
         if script is not None:
             step = script[step_index] if step_index < len(script) else {"say": "(end of script)"}
             _check_step(step)
@@ -165,9 +167,8 @@ class ScriptedModel:
             await asyncio.sleep(sleep_ms / 1000)
 
         reported = step.get("usage")
-        if reported is not None and not isinstance(
-            reported, dict
-        ):  # "5", 5, [1, 2]: another type fails the call too
+        # "5", 5, [1, 2]: another type fails the call too
+        if reported is not None and not isinstance(reported, dict):
             raise _invalid("scripted model: usage must be an object {input_tokens, output_tokens}")
         if reported is not None and not all(
             is_token_count(reported.get(k, 0)) for k in ("input_tokens", "output_tokens")
@@ -200,7 +201,8 @@ class ScriptedModel:
 
     @staticmethod
     def _summary(messages: list[dict[str, Any]]) -> ModelReply:
-        """A deterministic summary: the earlier summary, then each user message (first 80 characters)."""
+        """A deterministic summary: the earlier summary, then each user message (its first 80
+        characters)."""
         parts = [
             m["content"].split("\n", 1)[-1]
             for m in messages

@@ -1,1 +1,2 @@
-"""Built-in integrations: one module per integration, each with `MANIFEST` and `HANDLERS` (see catalogue.py)."""
+"""Built-in integrations: one module per integration, each with `MANIFEST` and `HANDLERS` (see
+catalogue.py)."""

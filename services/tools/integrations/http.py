@@ -11,17 +11,21 @@ no further; `body_truncated` tells when it was cut.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common import pb
 from services.tools import failures
 from services.tools.catalogue import ActionContext, ActionError
 from services.tools.netpolicy import OutboundPolicyError, guarded_client
 
+if TYPE_CHECKING:
+    import httpx
+
 MANIFEST: dict[str, Any] = {
     "name": "http",
     "display_name": "HTTP",
-    "description": "Send an HTTP request to a public URL and read the response (status, headers, body).",
+    "description": "Send an HTTP request to a public URL and read the response (status, headers, "
+    "body).",
     "categories": ["developer-tools", "web"],
     "auth": [
         {
@@ -59,7 +63,8 @@ MANIFEST: dict[str, Any] = {
     "actions": [
         {
             "name": "request",
-            "description": "Send one HTTP request. JSON responses come back parsed in `json`, others as text in `body`.",
+            "description": "Send one HTTP request. JSON responses come back parsed in `json`, "
+            "others as text in `body`.",
             "parameters": {
                 "type": "object",
                 "properties": {
@@ -80,7 +85,8 @@ MANIFEST: dict[str, Any] = {
                         "description": "Query-string parameters to add.",
                     },
                     "body": {
-                        "description": "Request body: a string is sent as is, an object or array as JSON.",
+                        "description": "Request body: a string is sent as is, an object or array "
+                        "as JSON.",
                         "type": ["string", "object", "array", "null"],
                     },
                 },
@@ -121,19 +127,7 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
     (connection refused, TLS error, ...), naming the failure's kind (`services.tools.failures`),
     never the library's text. A 4xx/5xx status is a result, not an error.
     """
-    headers = dict(params.get("headers") or {})
-    headers.update(_auth_headers(ctx))
-    body = params.get("body")
-    content: bytes | None = None
-    if isinstance(body, str):
-        content = body.encode()
-    elif body is not None:
-        content = json.dumps(body).encode()
-        headers.setdefault("Content-Type", "application/json")
-    query = {
-        k: str(v).lower() if isinstance(v, bool) else str(v)
-        for k, v in (params.get("query") or {}).items()
-    }
+    headers, content, query = _outgoing(ctx, params)
     # Leave room for the status, headers and envelope so that a cut body still fits the output cap.
     limit = max(1024, ctx.max_output_bytes - 2048)
     import httpx  # loaded on the first request, not at start (see netpolicy)
@@ -157,22 +151,46 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
                         truncated = True
                         break
                 raw = b"".join(chunks)[:limit]
-    except (
-        OutboundPolicyError
-    ) as exc:  # built by netpolicy from the URL's host (the model's own input) and a kind
+    # built by netpolicy from the URL's host (the model's own input) and a kind
+    except OutboundPolicyError as exc:
         raise ActionError(str(exc)) from exc
     except httpx.InvalidURL as exc:  # its text quotes the URL: the kind is enough
         raise ActionError(failures.INVALID_URL) from exc
-    except (
-        UnicodeEncodeError
-    ) as exc:  # a header (the model's or the credential's) with a character that is not ASCII
+    # a header (the model's or the credential's) with a character that is not ASCII
+    except UnicodeEncodeError as exc:
         raise ActionError(f"the request could not be sent: {failures.BAD_HEADER}") from exc
     except UnicodeError:  # a host label that is empty or over 63 characters (IDNA)
         raise ActionError("invalid URL: the host name is not valid") from None
-    except (
-        httpx.HTTPError
-    ) as exc:  # the kind only: h11 quotes an illegal header value, the token in it
+    # the kind only: h11 quotes an illegal header value, the token in it
+    except httpx.HTTPError as exc:
         raise ActionError(f"the HTTP request failed: {failures.http_failure(exc)}") from exc
+    return _result(response, raw, truncated)
+
+
+def _outgoing(
+    ctx: ActionContext, params: dict[str, Any]
+) -> tuple[dict[str, str], bytes | None, dict[str, str]]:
+    """The request's headers (the model's, then the credential's), body and query string: a
+    string body is sent as is, any other as JSON; a boolean query value as true/false."""
+    headers = dict(params.get("headers") or {})
+    headers.update(_auth_headers(ctx))
+    body = params.get("body")
+    content: bytes | None = None
+    if isinstance(body, str):
+        content = body.encode()
+    elif body is not None:
+        content = json.dumps(body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    query = {
+        k: str(v).lower() if isinstance(v, bool) else str(v)
+        for k, v in (params.get("query") or {}).items()
+    }
+    return headers, content, query
+
+
+def _result(response: httpx.Response, raw: bytes, truncated: bool) -> dict[str, Any]:
+    """The action's result for `response`, whose body (maybe cut) is `raw`: JSON parsed in
+    `json` when it is whole and parses, else text in `body`; no set-cookie header."""
     result: dict[str, Any] = {
         "status_code": response.status_code,
         "url": str(response.url),
@@ -184,9 +202,7 @@ async def request(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
         try:
             result["json"] = pb.loads_strict(text)
             return result
-        except (
-            ValueError
-        ):  # not JSON (NaN and 1e400 included), or nested past what json.loads parses
+        except ValueError:  # not JSON (NaN and 1e400 included), or nested past json.loads
             pass
     result["body"] = text
     return result

@@ -12,7 +12,8 @@ from services.tools.catalogue import ActionContext, ActionError
 MANIFEST: dict[str, Any] = {
     "name": "loopline",
     "display_name": "Loopline utilities",
-    "description": "Built-in utilities that need no credential: echo a message, read the current time.",
+    "description": "Built-in utilities that need no credential: echo a message, read the current "
+    "time.",
     "categories": ["utilities"],
     "auth": [
         {
@@ -52,7 +53,8 @@ MANIFEST: dict[str, Any] = {
         },
         {
             "name": "wait",
-            "description": "Wait for a number of seconds (at most 300), then return; for demos of long actions and cancel.",
+            "description": "Wait for a number of seconds (at most 300), then return; for demos of "
+            "long actions and cancel.",
             "parameters": {
                 "type": "object",
                 "properties": {"seconds": {"type": "number", "minimum": 0, "maximum": 300}},
@@ -71,7 +73,8 @@ async def echo(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
 
 
 async def now(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """{"timezone", "iso": "2026-06-20T12:00:01+02:00", "unix": seconds}. ActionError for an unknown zone."""
+    """{"timezone", "iso": "2026-06-20T12:00:01+02:00", "unix": seconds}. ActionError for an unknown
+    zone."""
     name = params.get("timezone") or "UTC"
     try:
         zone = zoneinfo.ZoneInfo(name)
@@ -82,7 +85,8 @@ async def now(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
 
 
 async def wait(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """{"waited_seconds": n} after sleeping n seconds; cancellable (the tool call's cancel stops it)."""
+    """{"waited_seconds": n} after sleeping n seconds; cancellable (the tool call's cancel stops
+    it)."""
     seconds = float(params["seconds"])
     await asyncio.sleep(seconds)
     return {"waited_seconds": seconds}

@@ -1,14 +1,12 @@
 """The `postgresql` integration: inspect a database and run read-only queries.
 
-The connection comes from the organization's credential: an `api_key`-type secret
-whose one field is `dsn` (`postgresql://user:password@host:port/database`). The connection
-requires TLS unless the DSN's `sslmode` says otherwise (`?sslmode=disable` for a server without
-TLS; DEFAULT_SSLMODE). Every
-action opens its own connection with `default_transaction_read_only=on` and a
-`statement_timeout` equal to the action's time limit, runs inside a READ ONLY
-transaction, and closes the connection in `finally` (also when the tool call is
-cancelled: asyncpg then sends the server a cancel request for the running statement).
-"""
+The connection comes from the organization's credential: an `api_key`-type secret whose one field is
+`dsn` (`postgresql://user:password@host:port/database`). The connection requires TLS unless the
+DSN's `sslmode` says otherwise (`?sslmode=disable` for a server without TLS; DEFAULT_SSLMODE). Every
+action opens its own connection with `default_transaction_read_only=on` and a `statement_timeout`
+equal to the action's time limit, runs inside a READ ONLY transaction, and closes the connection in
+`finally` (also when the tool call is cancelled: asyncpg then sends the server a cancel request for
+the running statement)."""
 
 from __future__ import annotations
 
@@ -21,14 +19,13 @@ import ipaddress
 import logging
 import re
 import sys
-import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.tools import failures
 from services.tools.catalogue import ActionContext, ActionError
+from services.tools.integrations.postgresql_dsn import DEFAULT_SSLMODE, dsn_sslmode, parse_dsn
 from services.tools.netpolicy import OutboundPolicyError, resolve_checked
 
 if TYPE_CHECKING:
@@ -43,13 +40,15 @@ MAX_ROWS_LIMIT = 1000
 MANIFEST: dict[str, Any] = {
     "name": "postgresql",
     "display_name": "PostgreSQL",
-    "description": "Inspect a PostgreSQL database (schemas, tables, columns) and run read-only SQL queries.",
+    "description": "Inspect a PostgreSQL database (schemas, tables, columns) and run read-only SQL "
+    "queries.",
     "categories": ["database", "developer-tools"],
     "auth": [
         {
             "type": "api_key",
             "label": "Connection URL",
-            "description": "A PostgreSQL connection URL, kept encrypted as the credential's secret. "
+            "description": "A PostgreSQL connection URL, kept encrypted as the credential's "
+            "secret. "
             "Use a role with read access only, as a second safeguard.",
             "fields": {
                 "type": "object",
@@ -89,7 +88,8 @@ MANIFEST: dict[str, Any] = {
         },
         {
             "name": "describe_table",
-            "description": "Describe a table: columns (type, nullable, default), primary key and indexes.",
+            "description": "Describe a table: columns (type, nullable, default), primary key and "
+            "indexes.",
             "parameters": {
                 "type": "object",
                 "properties": {
@@ -107,7 +107,8 @@ MANIFEST: dict[str, Any] = {
         },
         {
             "name": "run_query",
-            "description": "Run one read-only SQL statement (SELECT, WITH, EXPLAIN, SHOW) and return columns and rows. "
+            "description": "Run one read-only SQL statement (SELECT, WITH, EXPLAIN, SHOW) and "
+            "return columns and rows. "
             "Writes are refused by the database. Use $1, $2... placeholders with `params`.",
             "parameters": {
                 "type": "object",
@@ -123,7 +124,8 @@ MANIFEST: dict[str, Any] = {
                         "minimum": 1,
                         "maximum": MAX_ROWS_LIMIT,
                         "default": 100,
-                        "description": "Return at most this many rows (rows_truncated tells if there were more).",
+                        "description": "Return at most this many rows (rows_truncated tells if "
+                        "there were more).",
                     },
                 },
                 "required": ["sql"],
@@ -137,8 +139,8 @@ MANIFEST: dict[str, Any] = {
 
 def iso_duration(value: datetime.timedelta) -> str:
     """`value` as an ISO 8601 duration (section 4.4.3.2), e.g. "P1DT2H3M4.5S", "-PT30M",
-    "PT0S": what JSON libraries write for a duration (pydantic's timedelta), where Python's
-    str() wrote "1 day, 2:03:04.500000" (fresh-eyes test). Days stay days (PostgreSQL's
+    "PT0S": what JSON libraries write for a duration (pydantic's timedelta), not Python's
+    str() "1 day, 2:03:04.500000". Days stay days (PostgreSQL's
     interval as asyncpg reads it has no months part left)."""
     total = (value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds
     sign, total = ("-", -total) if total < 0 else ("", total)
@@ -155,8 +157,8 @@ def iso_duration(value: datetime.timedelta) -> str:
 
 
 def jsonable(value: Any) -> Any:
-    """A JSON value for a PostgreSQL value: dates ISO 8601, intervals ISO 8601 durations (`iso_duration`),
-    numerics and UUIDs as strings, bytes base64."""
+    """A JSON value for a PostgreSQL value: dates ISO 8601, intervals ISO 8601 durations
+    (`iso_duration`), numerics and UUIDs as strings, bytes base64."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -192,105 +194,8 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-SSL_MODES = (
-    "disable",
-    "allow",
-    "prefer",
-    "require",
-    "verify-ca",
-    "verify-full",
-)  # libpq's sslmode values
-# The sslmode of a DSN that names none: TLS is required. libpq's and the driver's own
-# default, `prefer`, falls back to a plain connection when the server refuses TLS, and then sends
-# the password in clear to whoever answered. `sslmode=disable` (or `prefer`, `allow`) in the DSN
-# asks for a plain connection explicitly; `verify-ca` / `verify-full` also check the certificate.
-DEFAULT_SSLMODE = "require"
-_IGNORED_PARAMS = frozenset({"application_name", "connect_timeout"})  # the action sets its own
-_HOST_PORT = re.compile(
-    r"(?:\[[0-9A-Fa-f:.]+\]|[^\[\]@:/,%]+)(?::[0-9]+)?"
-)  # one host (an IPv6 address in brackets), a port
-
-
-class DsnError(ActionError):
-    """The credential's `dsn` is not one this integration connects to; the message never quotes it (a secret)."""
-
-
-@dataclass(frozen=True)
-class Dsn:
-    """The parts of a `postgresql://` URL the driver is given, one by one (`parse_dsn`)."""
-
-    host: str
-    port: int
-    user: str
-    password: str
-    database: str
-    sslmode: str | None
-
-
-def parse_dsn(dsn: str) -> Dsn:
-    """The one reading of `dsn` that both the outbound policy and the connection use.
-
-    `postgresql://[user[:password]@]host[:port][/database][?sslmode=...]` (RFC 3986 with
-    libpq's names; `postgres://` too): one host name or address (an IPv6 address in
-    brackets), at most one `@` (percent-encode one in a user name or password: `%40`), and
-    of the query parameters only `sslmode` (`application_name` and `connect_timeout` are
-    accepted and ignored: the action sets its own). Defaults: port 5432, user `postgres`,
-    database the user's name, no password, sslmode None (the connection then requires TLS:
-    DEFAULT_SSLMODE). Raises DsnError
-    for anything else: host lists and `host=`/`hostaddr=` (sockets), other parameters (some
-    name files on the tools host), a second `@`.
-
-    Found by a fresh-eyes test: the policy read the host after the last `@` (urllib) while
-    the driver (asyncpg) read it after the first and ignored text after a bracketed host, so
-    `postgres@[::ffff:127.0.0.1]:5432@8.8.8.8` passed as 8.8.8.8 and connected to loopback.
-    """
-    invalid = "the credential's `dsn` is not a valid postgresql:// URL"
-    try:
-        parsed = urllib.parse.urlsplit(dsn)
-        port = parsed.port or 5432
-    except ValueError:
-        raise DsnError(invalid) from None
-    if parsed.scheme not in ("postgresql", "postgres"):
-        raise DsnError("the credential's `dsn` must start with postgresql://")
-    if parsed.netloc.count("@") > 1:
-        raise DsnError(
-            "the credential's `dsn` has more than one '@' before its host; write an '@' in the user name or password as %40"
-        )
-    host_port = parsed.netloc.rpartition("@")[2]
-    if not parsed.hostname or not _HOST_PORT.fullmatch(host_port):
-        raise DsnError(
-            "the credential's `dsn` must name one database host (host lists and sockets are not allowed here)"
-        )
-    try:
-        params = urllib.parse.parse_qs(
-            parsed.query, keep_blank_values=True, strict_parsing=bool(parsed.query)
-        )
-    except ValueError:
-        raise DsnError(invalid) from None
-    unknown = sorted(set(params) - _IGNORED_PARAMS - {"sslmode"})
-    if unknown:
-        raise DsnError(
-            f"the credential's `dsn` has parameters this integration does not take: {', '.join(unknown)} (it takes sslmode)"
-        )
-    modes = params.get("sslmode", [])
-    if len(modes) > 1 or (modes and modes[0] not in SSL_MODES):
-        raise DsnError(
-            f"the credential's `dsn` has an sslmode that is not one of {', '.join(SSL_MODES)}"
-        )
-    user = urllib.parse.unquote(parsed.username) if parsed.username else "postgres"
-    database = urllib.parse.unquote(parsed.path[1:]) if len(parsed.path) > 1 else user
-    return Dsn(
-        host=parsed.hostname,
-        port=port,
-        user=user,
-        password=urllib.parse.unquote(parsed.password or ""),
-        database=database,
-        sslmode=modes[0] if modes else None,
-    )
-
-
 async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
-    """The driver's connection arguments for `dsn` under the outbound policy (issue 6: URLs an
+    """The driver's connection arguments for `dsn` under the outbound policy (URLs an
     organization supplies may not reach loopback, link-local or private addresses unless the
     operator allows them). Raises ActionError when refused.
 
@@ -301,7 +206,7 @@ async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
     certificate check must name the host (and fails for any other server).
     """
     if allow_private:
-        return {"dsn": dsn, "ssl": _dsn_sslmode(dsn) or DEFAULT_SSLMODE}
+        return {"dsn": dsn, "ssl": dsn_sslmode(dsn) or DEFAULT_SSLMODE}
     parts = parse_dsn(dsn)
     try:
         addresses = await resolve_checked(parts.host, parts.port, False)
@@ -320,17 +225,6 @@ async def _connect_args(dsn: str, allow_private: bool) -> dict[str, Any]:
     return args
 
 
-def _dsn_sslmode(dsn: str) -> str | None:
-    """The `sslmode` a DSN names in its query (the last one, as the driver reads it), or None."""
-    try:
-        modes = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query, keep_blank_values=True).get(
-            "sslmode"
-        )
-    except ValueError:
-        return None
-    return modes[-1] if modes else None
-
-
 @contextlib.asynccontextmanager
 async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
     """A connection from the credential's DSN inside a READ ONLY transaction; closed on exit.
@@ -340,7 +234,8 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
     dsn = (ctx.secret or {}).get("dsn")
     if not isinstance(dsn, str) or not dsn:
         raise ActionError(
-            "the credential has no `dsn` field; connect a PostgreSQL credential with a connection URL"
+            "the credential has no `dsn` field; connect a PostgreSQL credential with a connection "
+            "URL"
         )
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
     target = await _connect_args(dsn, ctx.allow_private_network)
@@ -359,17 +254,23 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
                 "idle_in_transaction_session_timeout": str(timeout_ms),
             },
         )
-    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+    except (
+        TimeoutError,
+        OSError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        ValueError,
+    ) as exc:
         raise ActionError(f"could not connect to PostgreSQL: {_connect_failure(exc)}") from exc
     try:
         try:
             async with connection.transaction(readonly=True):
                 yield connection
         except Exception:
-            if (
-                _cancelling()
-            ):  # the action's time limit cut a statement: the rollback on the interrupted
-                raise asyncio.CancelledError from None  # connection fails ("connection is closed"); the cancel is what happened
+            # the action's time limit cut a statement: the rollback on the interrupted connection
+            # fails ("connection is closed"); the cancel is what happened
+            if _cancelling():
+                raise asyncio.CancelledError from None
             raise
     finally:
         # Runs on success, error and cancellation alike; never leaves a connection open.
@@ -377,14 +278,16 @@ async def _readonly(ctx: ActionContext) -> AsyncIterator[asyncpg.Connection]:
             await asyncio.wait_for(connection.close(), timeout=5)
         except BaseException:  # noqa: BLE001 - a close that fails or hangs must not leak the socket
             connection.terminate()
-            if not _cancelling():  # while cancelled, the cancel goes on (the time limit's answer), not the close's error
+            # while cancelled, the cancel goes on (the time limit's answer), not the close's error
+            if not _cancelling():
                 raise
 
 
 # What a failed connection is called (`_connect_failure`), by the server's SQLSTATE class or code.
 _CONNECT_SQLSTATES = {
     "28P01": "authentication failed (check the user name and password in the credential)",
-    "28000": "the server refused the user (check the user name in the credential and the server's pg_hba.conf)",
+    "28000": "the server refused the user (check the user name in the credential and the server's "
+    "pg_hba.conf)",
     "3D000": "the database named in the credential does not exist",
     "53300": "the server has too many connections; try again later",
     "57P03": "the server is starting up or shutting down; try again later",
@@ -442,10 +345,16 @@ def _parameter_failure(exc: BaseException) -> str:
     text = str(exc)
     counts = _ARGUMENT_COUNT.search(text)
     if counts:
-        return f"invalid query parameters: the query takes {counts.group(1)} parameter(s) ($1, $2, ...), {counts.group(2)} given in params"
+        return (
+            f"invalid query parameters: the query takes {counts.group(1)} parameter(s) "
+            f"($1, $2, ...), {counts.group(2)} given in params"
+        )
     number = _QUERY_PARAMETER.search(text)
     if number:
-        return f"invalid query parameters: the value for ${number.group(1)} does not fit its placeholder's type"
+        return (
+            f"invalid query parameters: the value for ${number.group(1)} "
+            "does not fit its placeholder's type"
+        )
     return "invalid query parameters: a value in params does not fit its placeholder ($1, $2, ...)"
 
 
@@ -459,17 +368,20 @@ def _cancelling() -> bool:
 
 
 async def list_schemas(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """{"schemas": [name, ...]} — every schema except pg_catalog, information_schema and pg_toast*."""
+    """{"schemas": [name, ...]} — every schema except pg_catalog, information_schema and
+    pg_toast*."""
     async with _readonly(ctx) as conn:
         rows = await conn.fetch(
-            "SELECT nspname FROM pg_namespace WHERE nspname NOT IN ('pg_catalog', 'information_schema') "
+            "SELECT nspname FROM pg_namespace WHERE nspname NOT IN ('pg_catalog', "
+            "'information_schema') "
             "AND nspname NOT LIKE 'pg_toast%' AND nspname NOT LIKE 'pg_temp_%' ORDER BY nspname"
         )
     return {"schemas": [r["nspname"] for r in rows]}
 
 
 async def list_tables(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """{"tables": [{"schema", "name", "type"}]} where type is "BASE TABLE", "VIEW", ... (information_schema)."""
+    """{"tables": [{"schema", "name", "type"}]} where type is "BASE TABLE", "VIEW", ...
+    (information_schema)."""
     schema = params.get("schema")
     async with _readonly(ctx) as conn:
         rows = await conn.fetch(
@@ -487,12 +399,14 @@ async def list_tables(ctx: ActionContext, params: dict[str, Any]) -> dict[str, A
 
 
 async def describe_table(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """{"schema", "table", "columns": [{"name", "type", "nullable", "default"}], "primary_key": [...],
-    "indexes": [{"name", "definition"}]}. Raises ActionError when the table does not exist."""
+    """{"schema", "table", "columns": [{"name", "type", "nullable", "default"}], "primary_key":
+    [...], "indexes": [{"name", "definition"}]}. Raises ActionError when the table does not
+    exist."""
     schema, table = params.get("schema") or "public", params["table"]
     async with _readonly(ctx) as conn:
         columns = await conn.fetch(
-            "SELECT column_name, data_type, is_nullable, column_default FROM information_schema.columns "
+            "SELECT column_name, data_type, is_nullable, column_default FROM "
+            "information_schema.columns "
             "WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
             schema,
             table,
@@ -505,12 +419,14 @@ async def describe_table(ctx: ActionContext, params: dict[str, Any]) -> dict[str
             "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
             "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = ANY(i.indkey) "
-            "WHERE i.indisprimary AND n.nspname = $1 AND c.relname = $2 ORDER BY array_position(i.indkey, a.attnum)",
+            "WHERE i.indisprimary AND n.nspname = $1 AND c.relname = $2 ORDER BY "
+            "array_position(i.indkey, a.attnum)",
             schema,
             table,
         )
         indexes = await conn.fetch(
-            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 ORDER BY indexname",
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 "
+            "ORDER BY indexname",
             schema,
             table,
         )
@@ -532,7 +448,8 @@ async def describe_table(ctx: ActionContext, params: dict[str, Any]) -> dict[str
 
 
 async def run_query(ctx: ActionContext, params: dict[str, Any]) -> dict[str, Any]:
-    """{"columns": [{"name", "type"}], "rows": [[value, ...]], "row_count": n, "rows_truncated": bool}.
+    """{"columns": [{"name", "type"}], "rows": [[value, ...]], "row_count": n, "rows_truncated":
+    bool}.
 
     One statement only (asyncpg's extended protocol refuses several). Raises
     ActionError with PostgreSQL's answer on an SQL error (`_query_failure`: SQLSTATE,

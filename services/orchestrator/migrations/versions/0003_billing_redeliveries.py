@@ -1,4 +1,4 @@
-"""billing redeliveries: billing calls that failed their quick retries, kept until billing takes them
+"""billing redeliveries: billing calls that failed their quick retries, kept until delivered
 
 Revision ID: 0003
 Revises: 0002

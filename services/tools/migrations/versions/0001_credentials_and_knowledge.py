@@ -101,7 +101,8 @@ def upgrade() -> None:
     if bind.dialect.name == "sqlite":
         # Full-text index of knowledge_chunks (rowid = knowledge_chunks.id), ranked with bm25().
         op.execute(
-            "CREATE VIRTUAL TABLE knowledge_chunks_fts USING fts5(content, tokenize='porter unicode61')"
+            "CREATE VIRTUAL TABLE knowledge_chunks_fts "
+            "USING fts5(content, tokenize='porter unicode61')"
         )
     elif bind.dialect.name == "postgresql":
         op.execute(

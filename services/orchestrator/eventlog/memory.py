@@ -1,48 +1,24 @@
-"""The run event log: every event of a run, replayable from any index, followed live.
+"""The in-memory run event log and run backend: one process, the embedded default.
 
-`EventLog` is the interface both backends implement (the loop publishes through it,
-`StreamRun` follows through it). `MemoryEventLog` is the embedded backend: one list per run and one asyncio.Future
-per run that wakes every follower at each append (so N listeners cost N awaits,
-not N queues). When a run ends its events are also written to the `run_events`
-table in one transaction (`EventArchive`), so a listener that arrives after a
-restart, or after the run fell out of memory, still receives every event.
+`MemoryEventLog` keeps one list per run and one asyncio.Future per run that wakes every
+follower at each append (so N listeners cost N awaits, not N queues). `MemoryBackend` adds chat
+claims in a dict and cancel requests delivered to the local runner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+import secrets
+from collections.abc import AsyncGenerator
 
 from loopline.assistant.v1 import events_pb2
-
-TERMINAL_TYPES = frozenset({"done", "cancelled", "interrupted"})
-
-
-def event_type(event: events_pb2.Event) -> str:
-    """The event's type name: the member of its payload oneof, e.g. "response_chunk"."""
-    return event.WhichOneof("payload") or ""
-
-
-def is_terminal(event: events_pb2.Event) -> bool:
-    """True for the events after which a run's stream ends (done, cancelled, interrupted)."""
-    return event_type(event) in TERMINAL_TYPES
-
-
-async def flatten(
-    batches: AsyncIterator[list[events_pb2.Event]],
-) -> AsyncIterator[events_pb2.Event]:
-    """The events of `follow_batches` one at a time (`follow`); closes `batches` when it ends
-    or its consumer stops."""
-    async with contextlib.aclosing(batches):
-        async for batch in batches:
-            for event in batch:
-                yield event
+from services.orchestrator.eventlog import ArchiveLoader, CancelHandler, RunBackend, flatten
 
 
 class _RunLog:
+    """One run's events, whether it ended, and the future its waiting followers share."""
+
     __slots__ = ("events", "closed", "changed")
 
     def __init__(self) -> None:
@@ -64,81 +40,12 @@ class _RunLog:
         return self.changed
 
 
-# Loads the archived events of a run (empty when none); used when a run is not in memory.
-ArchiveLoader = Callable[[str], Awaitable[list[events_pb2.Event]]]
-
-
-class EventLog(Protocol):
-    """What the loop and the servicer need from a run event log (memory or Redis Streams).
-
-    The run's owner (the process whose loop runs it) publishes with the synchronous
-    `open`/`append`/`close` (so publishing never blocks the loop); `flush` waits until
-    everything published so far is stored. Any process can `follow` any run and publish
-    after a run ended with `append_after_end` (cancel of a paused run, run_resumed, the
-    crash reaper). Events are numbered from 0 in publication order (`Event.seq`).
-    `durable` says whether published events outlive this process before they are archived.
-    """
-
-    durable: bool
-
-    def open(self, run_id: str) -> None:
-        """Start the (empty) log of a new run owned by this process."""
-
-    def has(self, run_id: str) -> bool:
-        """Whether this process holds the run's log locally."""
-
-    def append(self, event: events_pb2.Event) -> events_pb2.Event:
-        """Publish `event` (sets `seq`) on its run's log; returns it."""
-
-    def close(self, run_id: str) -> None:
-        """Mark the run's log complete (followers return after its last event)."""
-
-    def reopen(self, run_id: str) -> None:
-        """Allow appends to a closed run of this process again."""
-
-    def snapshot(self, run_id: str) -> list[events_pb2.Event]:
-        """The events of the run published or held by this process (a copy)."""
-
-    async def flush(self, run_id: str, timeout: float | None = None) -> None:
-        """Wait until every event this process published on the run is stored (bounded; at most
-        `timeout` seconds when given)."""
-
-    def unstored_runs(self) -> list[str]:
-        """The runs of which this process holds published events the log has not stored yet (a
-        durable log while its store is away): they are still this process's to write."""
-
-    async def restore_lost(self) -> int:
-        """Store again the runs of this process whose stored events the log's store lost (a
-        Redis restarted empty); returns how many were found missing."""
-
-    async def events_of(self, run_id: str) -> list[events_pb2.Event]:
-        """Every stored event of the run, in order (the durable archive when the log is gone)."""
-
-    async def append_after_end(
-        self, run_id: str, *events: events_pb2.Event
-    ) -> list[events_pb2.Event]:
-        """Append `events` to an ended (or orphaned) run from any process, then close the log again."""
-
-    def owned_events(self, run_id: str) -> list[events_pb2.Event] | None:
-        """Every event this process published on a run it owns, whether the log has stored them
-        yet or not; None when it does not own the run (or another process appended to it)."""
-
-    async def purge(self, run_ids: list[str]) -> None:
-        """Delete the stored events of ended runs at once (their chat was deleted permanently)."""
-
-    def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
-        """Yield the run's events from index `after`, then live ones, until the run ends."""
-
-    def follow_batches(self, run_id: str, after: int = 0) -> AsyncIterator[list[events_pb2.Event]]:
-        """`follow` in lists: each holds every event available when it is taken (at least one), so
-        a replay or a burst is one list; the same events in the same order as `follow`."""
-
-
-EVENT_OVERHEAD_BYTES = 800  # the memory of one event object beyond its encoded size (measured: ~920 B for a 106-byte chunk)
+# the memory of one event object beyond its encoded size (measured: ~920 B for a 106-byte chunk)
+EVENT_OVERHEAD_BYTES = 800
 
 
 def event_cost(event: events_pb2.Event) -> int:
-    """About how much memory `event` takes in the in-memory log: its encoded size plus the object's."""
+    """About how much memory `event` takes in the log: its encoded size plus the object's."""
     return event.ByteSize() + EVENT_OVERHEAD_BYTES
 
 
@@ -150,9 +57,9 @@ class MemoryEventLog:
     event or when the run is closed. Ended runs are kept up to `max_runs` and up to about
     `max_bytes` of memory together (`event_cost`; the oldest are evicted first, and a run larger
     than `max_bytes` alone as soon as it ends): an evicted run is replayed from the archive.
-    Counting runs only, 1,000 long answers held ~3 GB (a fresh-eyes test measured ~0.8-1 KB per
-    event). Not `durable`: the events die with the process (the runner archives a run's stream
-    with its end, in one transaction, before it publishes the end).
+    Counting runs only, 1,000 long answers held ~3 GB (~0.8-1 KB per event). Not `durable`:
+    the events die with the process (the runner archives a run's stream with its end, in one
+    transaction, before it publishes the end).
     """
 
     durable = False
@@ -164,9 +71,7 @@ class MemoryEventLog:
         max_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self._runs: dict[str, _RunLog] = {}
-        self._ended: collections.OrderedDict[str, int] = (
-            collections.OrderedDict()
-        )  # run_id -> event_cost
+        self._ended: collections.OrderedDict[str, int] = collections.OrderedDict()  # -> cost
         self._ended_bytes = 0
         self._archive_loader = archive_loader
         self._max_runs = max_runs
@@ -182,7 +87,7 @@ class MemoryEventLog:
         return run_id in self._runs
 
     def append(self, event: events_pb2.Event) -> events_pb2.Event:
-        """Append `event` to its run's log, setting `seq`; wakes every follower. Returns the event."""
+        """Append `event` to its run's log, setting `seq`; wakes every follower; returns it."""
         log = self._runs.get(event.run_id)
         if log is None:
             self.open(event.run_id)
@@ -239,7 +144,7 @@ class MemoryEventLog:
         log = self._runs.get(run_id)
         return list(log.events) if log else []
 
-    async def flush(self, run_id: str, timeout: float | None = None) -> None:
+    async def flush(self, run_id: str, wait_s: float | None = None) -> None:
         """Nothing to wait for: appends are stored at once."""
 
     def unstored_runs(self) -> list[str]:
@@ -259,7 +164,8 @@ class MemoryEventLog:
     async def append_after_end(
         self, run_id: str, *events: events_pb2.Event
     ) -> list[events_pb2.Event]:
-        """Reload the run from the archive when it fell out of memory, append `events`, close again."""
+        """Reload the run from the archive when it fell out of memory, append `events`, close it
+        again."""
         if run_id not in self._runs:
             archived = await self._archive_loader(run_id) if self._archive_loader else []
             if run_id not in self._runs:  # no other append restored it meanwhile
@@ -271,13 +177,14 @@ class MemoryEventLog:
         self.close(run_id)
         return appended
 
-    def follow(self, run_id: str, after: int = 0) -> AsyncIterator[events_pb2.Event]:
-        """Yield the run's events from index `after`, then live ones, until it ends (see `follow_batches`)."""
+    def follow(self, run_id: str, after: int = 0) -> AsyncGenerator[events_pb2.Event, None]:
+        """Yield the run's events from index `after`, then live ones, until it ends (see
+        `follow_batches`)."""
         return flatten(self.follow_batches(run_id, after))
 
     async def follow_batches(
         self, run_id: str, after: int = 0
-    ) -> AsyncIterator[list[events_pb2.Event]]:
+    ) -> AsyncGenerator[list[events_pb2.Event], None]:
         """Yield the run's events from index `after` as lists of every event published and not yet
         yielded (a slice of the log: no task or loop turn per event), until the run is closed and
         all is yielded. A run not in memory is served from the archive (one list, then return).
@@ -299,3 +206,48 @@ class MemoryEventLog:
             if log.closed:
                 return
             await asyncio.shield(log.waiter())
+
+
+class MemoryBackend(RunBackend):
+    """One process: `MemoryEventLog`, a set of claimed chats, cancels delivered in-process."""
+
+    def __init__(
+        self,
+        archive_loader: ArchiveLoader | None = None,
+        max_runs: int = 10_000,
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.events = MemoryEventLog(
+            archive_loader=archive_loader, max_runs=max_runs, max_bytes=max_bytes
+        )
+        self._claims: dict[str, str] = {}
+        self._on_cancel: CancelHandler | None = None
+
+    async def start(self, on_cancel: CancelHandler) -> None:
+        """Remember the handler; `request_cancel` calls it directly."""
+        self._on_cancel = on_cancel
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    async def try_claim(self, chat_id: str) -> str | None:
+        """Claim `chat_id` in this process (no TTL needed: the claim dies with the process)."""
+        if chat_id in self._claims:
+            return None
+        token = secrets.token_hex(8)
+        self._claims[chat_id] = token
+        return token
+
+    async def release_claim(self, chat_id: str, token: str) -> None:
+        """Drop the claim when `token` still holds it."""
+        if self._claims.get(chat_id) == token:
+            del self._claims[chat_id]
+
+    async def request_cancel(self, run_id: str, reason: str) -> None:
+        """Cancel the run of this process (the only process)."""
+        if self._on_cancel is not None:
+            await self._on_cancel(run_id, reason)
+
+    async def pending_cancels(self, run_ids: list[str]) -> dict[str, str]:
+        """Always empty: in-process cancels are delivered at once."""
+        return {}

@@ -20,13 +20,14 @@ import math
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from redis.typing import KeyT, StreamIdT
 
 log = logging.getLogger(__name__)
 
-MAX_BLOCK_MS = (
-    1000  # longest BLOCK of a shared XREAD (bounded further by the client's socket timeout)
-)
+MAX_BLOCK_MS = 1000  # longest BLOCK of a shared XREAD (bounded further by the socket timeout)
 LINGER_S = 0.002  # after delivering entries, let their readers ask again before the next XREAD
 WAKE_MAXLEN = 16
 WAKE_TTL_MS = 60_000
@@ -96,7 +97,8 @@ class _Shard:
         )
 
     def add(self, waiter: _Waiter) -> None:
-        """Register `waiter`; start the task if needed and wake the XREAD in flight if it does not serve it."""
+        """Register `waiter`; start the task if needed, and wake the XREAD in flight if it does not
+        serve it."""
         self.waiters.setdefault(waiter.key, set()).add(waiter)
         if self.task is None:
             self.task = asyncio.create_task(self._run(), name=f"stream-reader:{self.wake_key}")
@@ -124,7 +126,7 @@ class _Shard:
         entries: list[Entry] | None = None,
         error: BaseException | None = None,
     ) -> None:
-        """Forget `waiter` and answer it: `entries` ([] by default), or raise `error` in its reader."""
+        """Forget `waiter`, answer it: `entries` ([] by default), or raise `error` in its reader."""
         self.discard(waiter)
         if not waiter.future.done():
             if error is not None:
@@ -133,7 +135,7 @@ class _Shard:
                 waiter.future.set_result(entries or [])
 
     async def _wake(self) -> None:
-        """XADD a tiny entry to the wake stream (capped, expiring) so the XREAD in flight returns."""
+        """XADD a tiny entry to the wake stream (capped, expiring): the XREAD in flight returns."""
         try:
             async with self.reader.redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(self.wake_key, {"w": "1"}, maxlen=WAKE_MAXLEN, approximate=True)
@@ -143,7 +145,7 @@ class _Shard:
             log.debug("stream reader wake failed: %s", type(error).__name__)
 
     async def _run(self) -> None:
-        """Serve the waiters round after round; sleep while there are none. Never ends on an error."""
+        """Serve the waiters round after round; sleep while there are none; never end on errors."""
         while True:
             if not self.waiters:
                 self.event.clear()
@@ -158,15 +160,15 @@ class _Shard:
                 await asyncio.sleep(LINGER_S)
 
     async def _round(self) -> bool:
-        """One shared XREAD for every waiter's key, each from the smallest id asked, blocking until the
-        soonest deadline (at most `max_block_ms`); then the answers and the expired waiters' [].
-        True when it delivered entries to some waiter; raises what the XREAD raised."""
+        """One shared XREAD for every waiter's key, each from the smallest id asked, blocking
+        until the soonest deadline (at most `max_block_ms`); then the answers and the expired
+        waiters' []. True when it delivered entries to some waiter; raises what the XREAD raised."""
         self.round += 1
         now = time.monotonic()
         sent = {key: min(w.after for w in waiters) for key, waiters in self.waiters.items()}
         deadline = min(w.deadline for waiters in self.waiters.values() for w in waiters)
         block = max(1, min(self.max_block_ms, math.ceil((deadline - now) * 1000)))
-        streams = {key: f"{ms}-{seq}" for key, (ms, seq) in sent.items()}
+        streams: dict[KeyT, StreamIdT] = {key: f"{ms}-{seq}" for key, (ms, seq) in sent.items()}
         streams[self.wake_key] = self.wake_id
         self.inflight, self.inflight_end, self.woken = sent, now + block / 1000, False
         try:
@@ -186,7 +188,7 @@ class _Shard:
         return delivered
 
     def _deliver(self, response: Any, sent: dict[str, StreamId]) -> bool:
-        """Give each waiter of the round the returned entries after its own id; True if any got some."""
+        """Give each waiter of the round the entries after its own id; True if any got some."""
         delivered = False
         items = response.items() if isinstance(response, dict) else response or ()
         for name, value in items:
@@ -233,7 +235,7 @@ class _Shard:
                 self._resolve(waiter, error=error)
 
     async def aclose(self, error: BaseException) -> None:
-        """Stop the task and the pending wakes, fail the waiters with `error`, close the connection."""
+        """Stop the task and pending wakes, fail the waiters with `error`, close the connection."""
         tasks = [t for t in (self.task, *self.wakes) if t is not None]
         for task in tasks:
             task.cancel()

@@ -1,14 +1,7 @@
-"""Organization settings: the saved default model (the SDK's `organizations.get_settings` and
-`set_composer_llm`; DESIGN.md "Models": an omitted `llm` uses the organization's saved default).
+"""Organizations' saved default model (DESIGN.md "Models": a turn that names no `llm` uses it).
 
-GET /organizations/settings -> {llm_model_visibility: {}, composer_llm: {...} | null}
-PUT /organizations/settings/composer-llm {integration_name, provider_id, model_id, credential_id?}
-DELETE /organizations/settings/composer-llm (back to the deployment's default model)
-    -> {composer_llm: {...}}; owner or admin only.
-
-Saving a default (check, then write) and deleting a credential (check the default, then delete)
-hold the organization's default-model lock, `DefaultModels.exclusive`, so that they never
-interleave (see there).
+`DefaultModels` reads and writes it (cached); `DefaultModels.exclusive` holds it while a PUT of
+the default or a DELETE of a credential checks and writes, so the two never interleave.
 """
 
 from __future__ import annotations
@@ -17,18 +10,14 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from cachetools import TTLCache
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.gateway.models import Organization
-from services.gateway.openapi import error_responses
-
-_MISS = object()
 
 
 class DefaultModels:
@@ -39,26 +28,34 @@ class DefaultModels:
     evicted first).
     """
 
-    def __init__(self, sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:  # noqa: ANN001
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        ttl_s: float = 30.0,
+        max_entries: int = 10_000,
+    ) -> None:
         self.sessions = sessions
         self.ttl_s = ttl_s
         self._cache: TTLCache[str, dict[str, Any] | None] = TTLCache(
             max_entries, ttl_s, timer=time.monotonic
         )
-        # one lock per organization while someone holds or waits for it (weak: no growth per organization)
+        # one lock per organization while someone holds or waits for it (weak: no growth)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     async def get(self, organization_id: str) -> dict[str, Any] | None:
-        """The organization's saved default {integration_name, provider_id, model_id, credential_id?} or None."""
-        cached = self._cache.get(organization_id, _MISS)
-        if cached is not _MISS:
-            return cached
+        """The organization's saved default (integration_name, provider_id, model_id,
+        credential_id?) or None."""
+        try:
+            return self._cache[organization_id]
+        except KeyError:  # not cached, or expired
+            pass
         value = await self.read(organization_id)
         self._cache[organization_id] = value
         return value
 
     async def read(self, organization_id: str) -> dict[str, Any] | None:
-        """`get` from the database, never from the cache (a check another replica's write must not miss)."""
+        """`get` from the database, never from the cache (for a check that another replica's
+        write must not miss)."""
         async with self.sessions() as session:
             org = await session.get(Organization, organization_id)
             return dict(org.default_llm) if org is not None and org.default_llm else None
@@ -87,8 +84,8 @@ class DefaultModels:
         Why: saving a default checks its credential in the tools service, then writes here;
         deleting a credential checks the default here, then deletes in the tools service. Two
         databases, so neither write can check the other's in one statement: unserialized, a PUT
-        naming credential X and a DELETE of X both succeeded and left a default whose key was gone
-        (tests/gateway/test_default_model_race.py). Both routes run check and write inside this block.
+        naming credential X and a DELETE of X would both succeed and leave a default whose key is
+        gone. Both routes run check and write inside this block.
 
         How, with the database's own locking rather than anything new:
         - every backend: an in-process `asyncio.Lock` per organization, taken first, so that the
@@ -113,7 +110,8 @@ class DefaultModels:
         async with lock:
             try:
                 async with self.sessions() as session:
-                    if session.bind.dialect.name == "postgresql":
+                    bind = session.bind
+                    if bind is not None and bind.dialect.name == "postgresql":
                         async with session.begin():
                             saved = await session.scalar(
                                 select(Organization.default_llm)
@@ -165,103 +163,3 @@ class HeldDefault:
                 .values(default_llm=llm)
             )
         self.saved = dict(llm) if llm else None
-
-
-def _shown(llm: dict[str, Any]) -> dict[str, Any]:
-    """A saved default as GET and PUT both answer it: `credential_id` always present (null without one)."""
-    return {**llm, "credential_id": llm.get("credential_id")}
-
-
-def settings_router(
-    models: DefaultModels,
-    principal: Callable[[Request], Awaitable[Any]],
-    parse_llm: Callable[[Any], Any],
-    read_body: Callable[[Request], Awaitable[dict[str, Any]]],
-    check_model: Callable[[Any, Any], Awaitable[Any]],
-    refuse_body: Callable[[Request], Awaitable[None]],
-) -> APIRouter:
-    """The organization-settings routes; `parse_llm` validates an llm object's shape (BodyError 400) and
-    `check_model(principal, llm)` asks the orchestrator whether it can serve it (grpc error → 400);
-    `refuse_body` is the DELETE's check that it was sent no body (app.py `refuse_body`).
-
-    The PUT checks and saves inside `models.exclusive` (a DELETE of the credential it names waits,
-    then sees it as the default: 409; or it waits for that DELETE and its check fails: 400)."""
-    router = APIRouter(responses=error_responses(413))
-
-    @router.get(
-        "/organizations/settings",
-        summary="The organization's model preferences",
-        tags=["organizations"],
-    )
-    async def get_settings(request: Request) -> JSONResponse:
-        who = await principal(request)
-        saved = await models.get(who.organization_id)
-        return JSONResponse(
-            {"llm_model_visibility": {}, "composer_llm": _shown(saved) if saved else None}
-        )
-
-    @router.put(
-        "/organizations/settings/composer-llm",
-        summary="Save the organization's default model (used when a turn names none)",
-        tags=["organizations"],
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {
-                        "schema": {
-                            "type": "object",
-                            "properties": {
-                                "integration_name": {
-                                    "type": "string",
-                                    "minLength": 1,
-                                    "pattern": r"\S",
-                                },
-                                "provider_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
-                                "model_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
-                                "credential_id": {"type": ["string", "null"]},
-                            },
-                            "required": ["integration_name", "provider_id", "model_id"],
-                            "additionalProperties": False,
-                        }
-                    }
-                },
-            }
-        },
-    )
-    async def set_composer_llm(request: Request) -> JSONResponse:
-        who = await principal(request)
-        body = await read_body(request)
-        parsed = parse_llm(body)
-        llm = {
-            "integration_name": parsed.integration_name,
-            "provider_id": parsed.provider_id,
-            "model_id": parsed.model_id,
-        }
-        if parsed.HasField("credential_id") and parsed.credential_id:
-            llm["credential_id"] = parsed.credential_id
-        async with models.exclusive(
-            who.organization_id
-        ) as held:  # no DELETE /credentials/{id} between check and save
-            await check_model(
-                who, parsed
-            )  # an unusable default would break every turn that names no model
-            await held.set(llm)
-        return JSONResponse({"composer_llm": _shown(llm)})
-
-    @router.delete(
-        "/organizations/settings/composer-llm",
-        summary="Clear the organization's saved default model (turns naming none use the deployment's again)",
-        tags=["organizations"],
-    )
-    async def clear_composer_llm(request: Request) -> JSONResponse:
-        """200 {"composer_llm": null}, also when none was saved (fresh-eyes test: there was no way
-        back to "no saved default"; PUT of another model kept a saved choice). Under the same lock
-        as PUT; the key of the model that was the default may be deleted afterwards."""
-        who = await principal(request)
-        await refuse_body(request)
-        async with models.exclusive(who.organization_id) as held:
-            await held.set(None)
-        return JSONResponse({"composer_llm": None})
-
-    return router

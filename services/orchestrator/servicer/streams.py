@@ -1,0 +1,83 @@
+"""StreamRun: a run's events from `after`, then live, in batches or one per message."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import grpc
+
+from loopline.assistant.v1 import assistant_pb2
+from services.common import ids
+from services.common.errors import RpcError, abort
+from services.orchestrator.eventlog import StreamInterrupted
+from services.orchestrator.servicer.access import ChatAccess
+from services.orchestrator.servicer.errors import not_found, stream
+
+STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
+MAX_STREAM_BATCH = 256  # events per StreamRun response at most, whatever the client asks
+
+
+class Streams(ChatAccess):
+    """StreamRun of the servicer."""
+
+    @stream
+    async def StreamRun(
+        self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[assistant_pb2.StreamRunResponse, None]:
+        """Replay the run's events from `after`, then follow live; ends after a terminal event.
+
+        A run active in this process is checked against its RunSpec (its chat cannot be deleted
+        while it runs); any other run against the database (store.stream_target).
+        """
+        active = self.runner.active.get(request.run_id)
+        if (
+            active is None
+            or active.spec.chat_id != request.chat_id
+            or active.spec.organization_id != request.caller.organization_id
+        ):
+            target: Any = None  # a store.stream_target row
+            if ids.is_row_id(request.chat_id):
+                target = await self.store.stream_target(
+                    request.chat_id, request.run_id if ids.is_row_id(request.run_id) else ""
+                )
+            if not self._visible(target, request.caller):
+                await abort(context, not_found())
+                return
+            if target.run_chat_id is None:
+                await abort(context, not_found("Run"))
+                return
+        if request.after < 0:
+            await abort(
+                context,
+                RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"),
+            )
+            return
+        await context.send_initial_metadata(((STREAM_READY, "1"),))
+        try:
+            if (
+                request.max_batch > 1
+            ):  # every event available at once in one message (EventLog.follow_batches)
+                limit = min(int(request.max_batch), MAX_STREAM_BATCH)
+                async with contextlib.aclosing(
+                    self.runner.events.follow_batches(request.run_id, int(request.after))
+                ) as batches:
+                    async for batch in batches:
+                        for start in range(0, len(batch), limit):
+                            yield assistant_pb2.StreamRunResponse(
+                                events=batch[start : start + limit]
+                            )
+            else:
+                async with contextlib.aclosing(
+                    self.runner.events.follow(request.run_id, int(request.after))
+                ) as events:
+                    async for event in events:
+                        yield assistant_pb2.StreamRunResponse(event=event)
+        except (
+            StreamInterrupted
+        ) as interrupted:  # the gateway gives each listener its own reconnect frame
+            await abort(
+                context,
+                RpcError(grpc.StatusCode.UNAVAILABLE, "STREAM_INTERRUPTED", interrupted.message),
+            )

@@ -18,7 +18,7 @@ PYTEST := $(VENV)/bin/pytest
 VENV_STAMP := $(VENV)/.installed
 BUF := node_modules/.bin/buf
 SERVICES := gateway orchestrator billing tools
-PY_SOURCES := services bench scripts
+PY_SOURCES := services tests bench scripts
 
 TESTS ?= tests
 PYTEST_ARGS ?=

@@ -1,7 +1,9 @@
 """Fixtures shared by the whole suite: the four services started in one process on port 0.
 
-`stack` starts billing, tools, orchestrator and gateway (in that order) with their
-databases in a temporary folder, and gives an owner's API key and organization.
+`services` starts billing, tools, orchestrator and gateway (in that order) with their
+databases in a temporary folder, and gives an owner's API key and organization;
+`services_with_private_network` does the same with the tools service allowed to reach
+loopback and private addresses (test MCP, HTTP and PostgreSQL servers on 127.0.0.1).
 
 Backend: SQLite + the in-memory backend by default. LOOPLINE_TEST_BACKEND=postgres (Makefile
 `test-pg`) gives every stack fresh PostgreSQL databases, one per service, created from
@@ -185,7 +187,7 @@ class _DatabasePool:
             if not self.stopping.is_set() and not self.ready.full():
                 tag = f"llt_{uuid.uuid4().hex[:12]}"
 
-                async def create(service: str, template: str) -> None:
+                async def create(service: str, template: str, tag: str = tag) -> None:
                     connection = await _maintenance()
                     try:
                         await connection.execute(
@@ -405,19 +407,33 @@ async def start_stack(
     )
 
 
-async def stop_stack(stack: Stack) -> None:
-    """Stop the services in reverse order, then drop the stack's PostgreSQL databases and Redis keys."""
-    await stack.gateway.stop(1)
-    await stack.orchestrator.stop(1)
-    await stack.tools.stop(1)
-    await stack.billing.stop(1)
-    await cleanup_backend(stack.extra.get("cleanup", {}))
+async def stop_stack(services: Stack) -> None:
+    """Stop the services in reverse order, then drop their PostgreSQL databases and Redis keys."""
+    await services.gateway.stop(1)
+    await services.orchestrator.stop(1)
+    await services.tools.stop(1)
+    await services.billing.stop(1)
+    await cleanup_backend(services.extra.get("cleanup", {}))
 
 
 @pytest.fixture
-async def stack(tmp_path) -> AsyncIterator[Stack]:
+async def services(tmp_path) -> AsyncIterator[Stack]:
     """The four services with default settings (heartbeat shortened to 1 s)."""
     running = await start_stack(tmp_path, gateway={"heartbeat_interval_s": 1.0})
+    try:
+        yield running
+    finally:
+        await stop_stack(running)
+
+
+@pytest.fixture
+async def services_with_private_network(tmp_path) -> AsyncIterator[Stack]:
+    """The four services, the tools service allowed to reach private (loopback) addresses."""
+    running = await start_stack(
+        tmp_path,
+        gateway={"heartbeat_interval_s": 1.0},
+        tools={"tools_allow_private_network": True},
+    )
     try:
         yield running
     finally:
@@ -427,5 +443,5 @@ async def stack(tmp_path) -> AsyncIterator[Stack]:
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
     """Drop this process's PostgreSQL test databases and templates (see `_DatabasePool`)."""
     pool = _TEMPLATE.pop("pool", None)
-    if pool is not None:
-        pool.close()  # type: ignore[union-attr]
+    if isinstance(pool, _DatabasePool):
+        pool.close()

@@ -1,6 +1,6 @@
 """A TCP proxy for outage tests: it can cut its connections (a server that went down and
 refuses connections) or swallow every byte (a server host that vanished: connections stay
-open and nothing is answered, chaos test F5); `fails_in_time` times what such an outage
+open and nothing is answered); `fails_in_time` times what such an outage
 makes a request do."""
 
 from __future__ import annotations

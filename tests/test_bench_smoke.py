@@ -1,4 +1,4 @@
-"""`make bench` runs: the benchmark in a tiny configuration starts the real processes and writes valid JSON.
+"""`make bench` runs: the benchmark, tiny, starts the real processes and writes valid JSON.
 
 The benchmark itself is not part of the test suite (see docs/performance.md); this only
 checks that its machinery works: scripts/dev.py starts, every workload runs, every turn
@@ -83,9 +83,8 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     fanout = report["fanout"]["10"]
     assert fanout["outcome"].get("connected") == 10 and fanout["outcome"].get("done") == 10
     assert fanout["deliveries_measured"] > 0 and fanout["heartbeats"] > 0
-    if (
-        sys.platform == "linux"
-    ):  # the stamped client: the kernel's receive time of each delivery, never after the client read it
+    # the stamped client: the kernel's receive time of each delivery, never after the client read it
+    if sys.platform == "linux":
         at_socket, read = fanout["delay_at_socket"], fanout["delay"]
         assert at_socket["p50_ms"] is not None and 0 <= at_socket["p50_ms"] <= read["p50_ms"] + 0.01
     tools = report["tools"]
@@ -95,12 +94,12 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     assert memory["after_throughput_mib"]["gateway"] > 0
     if memory["idle_together_mib"] is not None:  # None where the kernel hides page frame numbers
         assert 0 < memory["idle_together_mib"] <= memory["idle_total_mib"]
-    assert "target (issue 9)" in result.stdout
+    assert "target" in result.stdout
 
 
 def test_a_bench_stopped_by_sigterm_stops_the_services_it_started(tmp_path: pathlib.Path) -> None:
-    # found this round: scripts/dev.py runs in a session of its own, and a bench killed by SIGTERM (a timeout, a CI
-    # runner) left it and the four services running
+    # scripts/dev.py runs in a session of its own: a bench killed by SIGTERM (a timeout, a CI
+    # runner) stops it and the four services it started
     import os
     import re
     import signal

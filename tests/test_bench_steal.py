@@ -1,4 +1,4 @@
-"""bench.run.cpu_jiffies / steal_pct / StealMeter: the hypervisor's steal over a workload (proc(5))."""
+"""bench.machine cpu_jiffies / steal_pct / StealMeter: the hypervisor's steal over a workload."""
 
 from __future__ import annotations
 

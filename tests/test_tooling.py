@@ -126,12 +126,16 @@ async def serve(name, behaviour):
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port("127.0.0.1:" + os.environ[PORTS[name]])
     await server.start()
-    status = health_pb2.HealthCheckResponse.NOT_SERVING if behaviour == "unhealthy" else health_pb2.HealthCheckResponse.SERVING
+    serving = health_pb2.HealthCheckResponse
+    status = serving.NOT_SERVING if behaviour == "unhealthy" else serving.SERVING
     await servicer.set("", status)
     http = None
     if name == "gateway":
-        http = await asyncio.start_server(healthz, "127.0.0.1", int(os.environ["LOOPLINE_HTTP_PORT"]))
-    print(json.dumps({"message": "serving", "level": "info", "orchestrator_addr": os.environ.get("LOOPLINE_ORCHESTRATOR_ADDR")}), flush=True)
+        port = int(os.environ["LOOPLINE_HTTP_PORT"])
+        http = await asyncio.start_server(healthz, "127.0.0.1", port)
+    orchestrator_addr = os.environ.get("LOOPLINE_ORCHESTRATOR_ADDR")
+    line = {"message": "serving", "level": "info", "orchestrator_addr": orchestrator_addr}
+    print(json.dumps(line), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,14 +163,17 @@ def main(name):
     elif args == ["seed-dev"]:
         print("some log line")
         print(json.dumps({"organization_id": os.environ.get("LOOPLINE_DEV_ORG_ID", "org-fake"),
-                          "api_key": os.environ.get("LOOPLINE_DEV_API_KEY", "key-fake"), "user_id": "user-fake"}))
+                          "api_key": os.environ.get("LOOPLINE_DEV_API_KEY", "key-fake"),
+                          "user_id": "user-fake"}))
     elif args[:2] == ["admin", "seed-dev"]:
         print("credits for", args[3])
     elif args:
         sys.exit("unknown command " + " ".join(args))
     elif behaviour == "crash":
-        print(json.dumps({"level": "error", "logger": "fake", "message": "boom: cannot open the database",
-                          "traceback": "Traceback (most recent call last):\\nRuntimeError: boom"}), flush=True)
+        print(json.dumps({"level": "error", "logger": "fake",
+                          "message": "boom: cannot open the database",
+                          "traceback": "Traceback (most recent call last):\\nRuntimeError: boom"}),
+              flush=True)
         sys.exit(3)
     else:
         asyncio.run(serve(name, behaviour))
@@ -174,7 +181,7 @@ def main(name):
 
 
 def _free_ports(count: int) -> list[int]:
-    """Free ports below Linux's ephemeral range, so servers binding port 0 elsewhere can't take them."""
+    """Free ports below Linux's ephemeral range, which servers binding port 0 cannot take."""
     ports: list[int] = []
     while len(ports) < count:
         port = random.randrange(20_000, 32_000)

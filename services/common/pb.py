@@ -13,7 +13,7 @@ an object d levels deep reaches level k + 3·d (a Struct at level k: k + 3·d �
 - `MAX_WIRE_DEPTH` (32) is the deepest a JSON value may be wherever it travels. The deepest
   place one does is a `done` event's tool call output, StreamRunResponse → Event → DoneEvent
   → ToolCallRecord → Value (k = 4): 4 + 3·32 = 100, and 33 would be 103. Every other Struct
-  or Value field sits higher (tests/test_pb_depth.py round-trips each at its limit).
+  or Value field sits higher (tests/common/test_json_depth.py round-trips each at its limit).
 - `MAX_JSON_DEPTH` (29) is the limit of values accepted from outside and produced by tools
   (request bodies at the gateway, a model's tool input, tool outputs): 3 below
   MAX_WIRE_DEPTH, because the thread wraps a tool call's input 3 levels deeper

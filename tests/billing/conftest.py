@@ -1,6 +1,6 @@
 """Fixtures of the billing tests: a real grpc.aio BillingServer on port 0 over SQLite in tmp_path.
 
-Settings and test plans come from tests_billing_helpers.make_settings.
+Settings and test plans come from tests.billing.helpers.make_settings.
 `postgres_url` creates a uniquely named PostgreSQL database (dropped afterwards) when
 LOOPLINE_TEST_POSTGRES_URL is set, e.g. postgresql+asyncpg://postgres@127.0.0.1:5432/test.
 """
@@ -16,11 +16,11 @@ import asyncpg
 import grpc
 import pytest
 from sqlalchemy.engine import make_url
-from tests_billing_helpers import make_settings
 
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.config import BillingSettings
 from services.billing.server import BillingServer
+from tests.billing.helpers import make_settings
 
 
 @pytest.fixture

@@ -1,10 +1,9 @@
 """Stopping `make run` (scripts/dev.py) mid-turn, and what its logs hold.
 
-Regressions found by a new-user test: a live listener's stream was cut without an end frame
-(the gateway was stopped before the orchestrator could publish `cancelled {reason:
-"shutdown"}`); the seed step's output, with the plain dev API key, went to gateway.log; the
-logs stayed in ./var/logs when LOOPLINE_DATA_DIR pointed elsewhere; each start emptied the
-logs, so what a crashed run had logged was gone once `make run` was started again.
+Rules: a live listener's stream ends with `cancelled {reason: "shutdown"}` (the orchestrator
+publishes it before the gateway stops); the seed step's output, with the plain dev API key,
+stays out of gateway.log; the logs go under LOOPLINE_DATA_DIR; a start does not empty the
+logs, so what a crashed run logged is kept when `make run` is started again.
 """
 
 from __future__ import annotations
@@ -78,9 +77,9 @@ def test_stopping_dev_mid_turn_ends_live_streams_with_cancelled_and_logs_hold_no
 
 
 def test_ctrl_c_with_the_output_piped_and_the_pipe_gone_still_stops_in_order(tmp_path):
-    """Second fresh-eyes test: `make run | tee log` and Ctrl-C (which stops tee too): dev.py died
-    on the broken pipe and every service got its parent-death signal at once (billing could stop
-    before the orchestrator had ended its runs). The console now goes quiet instead."""
+    """`make run | tee log` and Ctrl-C (which stops tee too): the console goes quiet and dev.py
+    stops the services in order; dying on the broken pipe would send every service its
+    parent-death signal at once (billing could stop before the orchestrator ended its runs)."""
     deployment = start_deployment(tmp_path, piped=True)
     deployment.close_pipe()
     stop_deployment(deployment, timeout=60)

@@ -17,8 +17,10 @@ from tests.orchestrator.test_hitl_and_cancel import QUESTIONS
 from tests.sse_client import validate_frame
 
 
-def _client(stack) -> Modulex:
-    return Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+def _client(services) -> Modulex:
+    return Modulex(
+        api_key=services.api_key, organization_id=services.org_id, base_url=services.base_url
+    )
 
 
 async def _events(client: Modulex, chat_id: str, run_id: str) -> list:
@@ -34,15 +36,15 @@ def _script(*steps: dict) -> str:
     return json.dumps({"script": list(steps)})
 
 
-async def test_sdk_listen_ends_on_completed(stack):
-    client = _client(stack)
+async def test_sdk_listen_ends_on_completed(services):
+    client = _client(services)
     turn = await client.assistant.chat(_script({"say": "all good"}), llm=SCRIPTED)
     events = await _events(client, turn.chat_id, turn.run_id)
     assert events[-1].event == "done" and events[-1].data["data"]["response"] == "all good"
 
 
-async def test_sdk_listen_ends_on_failed(stack):
-    client = _client(stack)
+async def test_sdk_listen_ends_on_failed(services):
+    client = _client(services)
     turn = await client.assistant.chat(_script({"fail": "nope"}), llm=SCRIPTED)
     events = await _events(client, turn.chat_id, turn.run_id)
     # the SDK stops at the first terminal type it sees, which is `error` (followed on the wire
@@ -50,8 +52,8 @@ async def test_sdk_listen_ends_on_failed(stack):
     assert events[-1].event == "error" and events[-1].data["data"]["message"]
 
 
-async def test_sdk_listen_ends_on_cancelled_during_model_wait(stack):
-    client = _client(stack)
+async def test_sdk_listen_ends_on_cancelled_during_model_wait(services):
+    client = _client(services)
     turn = await client.assistant.chat(_script({"say": "slow", "sleep_ms": 10_000}), llm=SCRIPTED)
     listening = asyncio.create_task(_events(client, turn.chat_id, turn.run_id))
     await asyncio.sleep(0.3)
@@ -61,8 +63,8 @@ async def test_sdk_listen_ends_on_cancelled_during_model_wait(stack):
     assert events[-1].event == "cancelled"
 
 
-async def test_sdk_listen_ends_on_cancelled_during_tool_call(stack):
-    client = _client(stack)
+async def test_sdk_listen_ends_on_cancelled_during_tool_call(services):
+    client = _client(services)
     slow = {
         "tool": "execute_integration_tool",
         "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
@@ -86,9 +88,9 @@ async def test_sdk_listen_ends_on_cancelled_during_tool_call(stack):
 
 
 @pytest.mark.parametrize("tool", list(QUESTIONS))
-async def test_sdk_ask_resume_done_round_for_each_question_kind(stack, tool):
+async def test_sdk_ask_resume_done_round_for_each_question_kind(services, tool):
     question, answer = QUESTIONS[tool]
-    client = _client(stack)
+    client = _client(services)
     turn = await client.assistant.chat(
         _script({"tool": tool, "input": question}, {"say": "thanks"}), llm=SCRIPTED
     )

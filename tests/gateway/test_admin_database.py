@@ -58,7 +58,7 @@ def _env(**values: str) -> dict[str, str]:
 
 
 def test_every_admin_command_answers_a_file_that_is_not_a_database_as_json(tmp_path):
-    """Bug (tester): with LOOPLINE_DATA_DIR holding a gateway.db of garbage, every admin command
+    """Bug: with LOOPLINE_DATA_DIR holding a gateway.db of garbage, every admin command
     printed sqlalchemy's DatabaseError traceback ("file is not a database")."""
     (tmp_path / "gateway.db").write_bytes(os.urandom(4096))
     answers = _gateway(

@@ -1,6 +1,6 @@
 """The gateway's API-key cache (services/gateway/identity.py): one look-up per key and organization.
 
-Rule (issue 9, fan-out connect path): requests that miss the cache at the same moment — 10,000
+Rule (fan-out connect path): requests that miss the cache at the same moment — 10,000
 listeners connecting, or the entry expiring under load — share one database look-up instead of
 each running its own; the result (a principal or an auth error) is cached for `ttl_s`.
 """

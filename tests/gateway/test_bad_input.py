@@ -12,8 +12,8 @@ from services.gateway.bodies import json_object
 from services.orchestrator.models import Chat, Message, Run
 
 
-async def _counts(stack) -> tuple[int, int, int]:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _counts(services) -> tuple[int, int, int]:
+    async with services.orchestrator.servicer.sessions() as session:
         return tuple(
             [
                 (await session.execute(select(func.count()).select_from(m))).scalar()
@@ -23,29 +23,29 @@ async def _counts(stack) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("message", [42, 1.5, ["hi"], {"text": "hi"}, None, True])
-async def test_non_string_message_is_400_and_writes_nothing(stack, message):
-    async with stack.client() as client:
+async def test_non_string_message_is_400_and_writes_nothing(services, message):
+    async with services.client() as client:
         response = await client.post("/assistant/chat", json={"message": message})
     assert response.status_code == 400
     assert isinstance(response.json()["detail"], str)
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
 @pytest.mark.parametrize(
     "content", [b"not json", b"[1, 2]", b'"just a string"', b"", b"null", b'{"message": "\\ud800"}']
 )
-async def test_body_not_a_json_object_is_400(stack, content):
-    async with stack.client() as client:
+async def test_body_not_a_json_object_is_400(services, content):
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat", content=content, headers={"Content-Type": "application/json"}
         )
     assert response.status_code == 400
     assert "detail" in response.json()
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_missing_message_and_unknown_fields_are_400(stack):
-    async with stack.client() as client:
+async def test_missing_message_and_unknown_fields_are_400(services):
+    async with services.client() as client:
         assert (await client.post("/assistant/chat", json={})).status_code == 400
         assert (
             await client.post("/assistant/chat", json={"message": "hi", "surprise": 1})
@@ -53,29 +53,29 @@ async def test_missing_message_and_unknown_fields_are_400(stack):
         assert (
             await client.post("/assistant/chat", json={"message": "hi", "llm": "gpt-4o"})
         ).status_code == 400
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_huge_body_is_413(stack):
-    async with stack.client() as client:
+async def test_huge_body_is_413(services):
+    async with services.client() as client:
         response = await client.post("/assistant/chat", json={"message": "x" * (2 * 1024 * 1024)})
     assert response.status_code == 413
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_unknown_chat_id_is_404_and_writes_nothing(stack):
-    async with stack.client() as client:
+async def test_unknown_chat_id_is_404_and_writes_nothing(services):
+    async with services.client() as client:
         for chat_id in (str(uuid.uuid4()), "not-a-uuid"):
             response = await client.post(
                 "/assistant/chat", json={"message": "hi", "chat_id": chat_id}
             )
             assert response.status_code == 404
             assert response.json() == {"detail": "Chat not found"}
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_unknown_provider_is_400_before_anything_is_written(stack):
-    async with stack.client() as client:
+async def test_unknown_provider_is_400_before_anything_is_written(services):
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat",
             json={
@@ -84,11 +84,11 @@ async def test_unknown_provider_is_400_before_anything_is_written(stack):
             },
         )
     assert response.status_code == 400
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_scripted_model_outside_its_list_is_400(stack):
-    async with stack.client() as client:
+async def test_scripted_model_outside_its_list_is_400(services):
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat",
             json={
@@ -101,13 +101,13 @@ async def test_scripted_model_outside_its_list_is_400(stack):
             },
         )
     assert response.status_code == 400
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_out_of_range_integers_are_400_not_500(stack):
+async def test_out_of_range_integers_are_400_not_500(services):
     import uuid
 
-    async with stack.client() as client:
+    async with services.client() as client:
         listen = await client.get(
             f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}", params={"after": str(2**63)}
         )
@@ -118,26 +118,26 @@ async def test_out_of_range_integers_are_400_not_500(stack):
 
 
 @pytest.mark.parametrize("field", ["model_id", "provider_id"])
-async def test_a_huge_field_quoted_by_an_error_is_400_with_a_bounded_detail(stack, field):
-    """Bug (fresh-eyes test): the orchestrator's 400 quoted a 17,000-character model id in full,
+async def test_a_huge_field_quoted_by_an_error_is_400_with_a_bounded_detail(services, field):
+    """Bug: the orchestrator's 400 quoted a 17,000-character model id in full,
     the gateway's channel refused the oversized status metadata and the client got
     429 "Stream removed (received metadata size exceeds hard limit ...)". Error messages are
     now bounded (services.common.errors.bounded) and a status without ErrorInfo is never a 4xx."""
     llm = {"integration_name": "scripted", "provider_id": "scripted", "model_id": "default"}
     llm[field] = "d" * 17_000
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.post("/assistant/chat", json={"message": "hi", "llm": llm})
         settings = await client.put("/organizations/settings/composer-llm", json=llm)
     for answer in (response, settings):
         assert answer.status_code == 400, answer.text
         assert len(answer.json()["detail"]) <= 1000
         assert "metadata" not in answer.json()["detail"]
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(stack):
-    # second fresh-eyes test: "Unknown field(s): ..." quoted a 100 KB field name in full
-    async with stack.client() as client:
+async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(services):
+    # "Unknown field(s): ..." shortens a huge field name instead of quoting it in full
+    async with services.client() as client:
         response = await client.post("/assistant/chat", json={"message": "hi", "f" * 5_000: 1})
         nested = await client.post(
             "/assistant/chat",
@@ -145,7 +145,7 @@ async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(stack):
         )
     for answer in (response, nested):
         assert answer.status_code == 400 and len(answer.json()["detail"]) <= 1000
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -156,10 +156,10 @@ async def test_an_unknown_field_with_a_huge_name_gets_a_bounded_detail(stack):
         b'{"message": "hi", "metadata": {"l": [{"\xc3\xa9": 1, "\xc3\xa9": 2}]}}',
     ],
 )
-async def test_a_name_given_twice_in_an_object_is_400_not_its_last_value(stack, content):
+async def test_a_name_given_twice_in_an_object_is_400_not_its_last_value(services, content):
     # {"message": "hi", "message": "ho"} must not start a turn with "ho" (RFC 8259 §4, RFC 7493
     # §2.3)
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat", content=content, headers={"Content-Type": "application/json"}
         )
@@ -175,13 +175,13 @@ async def test_a_name_given_twice_in_an_object_is_400_not_its_last_value(stack, 
             credential.status_code == 400
             and '"integration_name" more than once' in credential.json()["detail"]
         )
-    assert await _counts(stack) == (0, 0, 0)
+    assert await _counts(services) == (0, 0, 0)
 
 
-async def test_the_same_name_in_different_objects_and_colons_in_strings_are_fine(stack):
+async def test_the_same_name_in_different_objects_and_colons_in_strings_are_fine(services):
     nested = b'{"a": {"a": {"a": 1}}, "b": [{"a": 1}, {"a": 2}], "c": "x: y: z"}'
     assert json_object(nested) == {"a": {"a": {"a": 1}}, "b": [{"a": 1}, {"a": 2}], "c": "x: y: z"}
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat",
             content=b'{"message": "a: b: c", "chat_id": null}',

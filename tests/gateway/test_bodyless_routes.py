@@ -1,11 +1,10 @@
 """Routes that take no body refuse one as every route refuses a bad body; a trailing slash is 404.
 
-Regression (fresh-eyes contract audit): `POST /assistant/chat/{id}/cancel` with `not json`, with
-`{"reason": "mine", "foo": 1}` (the reason silently ignored) or with a 2 MiB body answered 200,
-and so did `set-default` and `DELETE /assistant/chat/{id}`, although the README says a malformed
-body and an unknown field are 400 and a body over LOOPLINE_MAX_BODY_BYTES 413. And
-`POST /assistant/chat/` answered 307 before any API key was checked, with the request's Host
-header in its Location.
+As the README says: `POST /assistant/chat/{id}/cancel`, `set-default` and
+`DELETE /assistant/chat/{id}` answer a malformed body (`not json`) or an unknown field
+(`{"reason": "mine", "foo": 1}`) 400 and a body over LOOPLINE_MAX_BODY_BYTES 413, never a 200
+that silently ignores it. `POST /assistant/chat/` is 404, not a 307 before any API key is
+checked with the request's Host header in its Location.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from tests.orchestrator.helpers import run_turn
 BIG = b"x" * (1_048_576 + 1)
 
 
-async def _routes(stack, client) -> list[tuple[str, str, int]]:
+async def _routes(services, client) -> list[tuple[str, str, int]]:
     """(method, path, status with no body) of every route that takes no body."""
     body, _ = await run_turn(client, {"say": "hi"})
     created = await client.post(
@@ -53,9 +52,9 @@ async def _routes(stack, client) -> list[tuple[str, str, int]]:
         (BIG, 413, "exceeds"),
     ],
 )
-async def test_a_route_that_takes_no_body_refuses_one(stack, content, status, words):
-    async with stack.client() as client:
-        for method, path, _ in await _routes(stack, client):
+async def test_a_route_that_takes_no_body_refuses_one(services, content, status, words):
+    async with services.client() as client:
+        for method, path, _ in await _routes(services, client):
             response = await client.request(
                 method, path, content=content, headers={"content-type": "application/json"}
             )
@@ -68,10 +67,10 @@ async def test_a_route_that_takes_no_body_refuses_one(stack, content, status, wo
             assert words in response.json()["detail"], (method, path, response.text)
 
 
-async def test_no_body_or_an_empty_object_is_taken_and_the_key_is_checked_first(stack):
-    async with stack.client() as client:
+async def test_no_body_or_an_empty_object_is_taken_and_the_key_is_checked_first(services):
+    async with services.client() as client:
         for method, path, expected in await _routes(
-            stack, client
+            services, client
         ):  # in order: the deletes come last
             response = await client.request(
                 method, path, content=b"{}" if method == "POST" else b""
@@ -88,9 +87,9 @@ async def test_no_body_or_an_empty_object_is_taken_and_the_key_is_checked_first(
     [("POST", "/assistant/chat/"), ("GET", "/assistant/chats/"), ("GET", "/credentials/")],
 )
 async def test_a_trailing_slash_is_not_found_not_a_redirect_to_the_callers_host(
-    stack, method, path
+    services, method, path
 ):
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.request(
             method, path, headers={"host": "evil.example", "authorization": ""}
         )

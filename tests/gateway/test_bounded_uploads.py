@@ -1,9 +1,9 @@
 """Document uploads stop reading at their limit and look the knowledge base up first; a client
-that breaks its own body is answered 400 with at most one warning line (issue 33).
+that breaks its own body is answered 400 with at most one warning line.
 
-Found by a security test: a chunked 200 MiB upload was spooled to disk in full before any limit
-or the knowledge base's existence was checked, and a malformed chunked body to POST /credentials
-logged two ERROR tracebacks per request.
+Security: a chunked 200 MiB upload is not spooled to disk in full before the limit and the
+knowledge base's existence are checked, and a malformed chunked body to POST /credentials logs
+no ERROR traceback.
 """
 
 from __future__ import annotations
@@ -15,23 +15,16 @@ import time
 import pytest
 
 from services.gateway.routes.knowledge import MAX_UPLOAD_BODY_BYTES, MAX_UPLOAD_BYTES
-from tests.tools.tools_stack import tools_stack
 
 BOUNDARY = "loopline-test-boundary"
 CHUNK = 256 * 1024
 
 
-@pytest.fixture
-async def stack(tmp_path):
-    async with tools_stack(tmp_path) as running:
-        yield running
-
-
-async def _open(stack, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _open(services, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A connection that has sent the head of a chunked multipart upload to `path`."""
-    port = int(stack.base_url.rsplit(":", 1)[1])
+    port = int(services.base_url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
+    headers = "".join(f"{k}: {v}\r\n" for k, v in services.headers().items())
     writer.write(
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
         f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
@@ -51,10 +44,10 @@ def _status(head: bytes) -> int:
     return int(head.split(b"\r\n", 1)[0].split(b" ")[1])
 
 
-async def test_a_chunked_upload_past_the_limit_is_413_before_the_body_ends(stack):
-    async with stack.client() as client:
+async def test_a_chunked_upload_past_the_limit_is_413_before_the_body_ends(services):
+    async with services.client() as client:
         kb = (await client.post("/knowledge-bases", json={"name": "Docs"})).json()
-    reader, writer = await _open(stack, f"/knowledge-bases/{kb['id']}/documents")
+    reader, writer = await _open(services, f"/knowledge-bases/{kb['id']}/documents")
     answer = asyncio.ensure_future(reader.read(65536))
     sent, limit = 0, 8 * MAX_UPLOAD_BYTES  # 80 MiB offered; the server must stop long before
     data = b"%x\r\n%s\r\n" % (CHUNK, b"a" * CHUNK)
@@ -78,9 +71,9 @@ async def test_a_chunked_upload_past_the_limit_is_413_before_the_body_ends(stack
 
 
 async def test_an_upload_to_a_knowledge_base_that_does_not_exist_is_404_before_its_body_is_read(
-    stack,
+    services,
 ):
-    reader, writer = await _open(stack, "/knowledge-bases/kb_missing/documents")
+    reader, writer = await _open(services, "/knowledge-bases/kb_missing/documents")
     writer.write(b"%x\r\n%s\r\n" % (CHUNK, b"a" * CHUNK))  # a body that never ends
     await writer.drain()
     started = time.monotonic()
@@ -92,8 +85,8 @@ async def test_an_upload_to_a_knowledge_base_that_does_not_exist_is_404_before_i
     assert time.monotonic() - started < 5
 
 
-async def test_an_upload_within_the_limit_is_still_indexed(stack):
-    async with stack.client() as client:
+async def test_an_upload_within_the_limit_is_still_indexed(services):
+    async with services.client() as client:
         kb = (await client.post("/knowledge-bases", json={"name": "Docs"})).json()
         text = ("Walruses sleep in the water. " * 20_000).encode()  # ~580 KiB, several chunks
         response = await client.post(
@@ -111,12 +104,12 @@ async def test_an_upload_within_the_limit_is_still_indexed(stack):
     ],
 )
 async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warning(
-    stack, caplog, broken
+    services, caplog, broken
 ):
     caplog.set_level(logging.INFO)
-    port = int(stack.base_url.rsplit(":", 1)[1])
+    port = int(services.base_url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
+    headers = "".join(f"{k}: {v}\r\n" for k, v in services.headers().items())
     writer.write(
         f"POST /credentials HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\n"
         f"Transfer-Encoding: chunked\r\n\r\n".encode()
@@ -143,11 +136,11 @@ async def test_a_client_that_breaks_its_own_body_gets_400_and_at_most_one_warnin
     assert not [r for r in caplog.records if r.exc_info]  # no traceback at any level
 
 
-async def test_an_upload_declared_too_large_to_a_missing_knowledge_base_is_404(stack):
+async def test_an_upload_declared_too_large_to_a_missing_knowledge_base_is_404(services):
     # an 11 MB upload (Content-Length) to a knowledge base that does not exist: 404, not 413
-    port = int(stack.base_url.rsplit(":", 1)[1])
+    port = int(services.base_url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
+    headers = "".join(f"{k}: {v}\r\n" for k, v in services.headers().items())
     writer.write(
         f"POST /knowledge-bases/kb_missing/documents HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
         f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"

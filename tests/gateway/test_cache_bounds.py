@@ -1,9 +1,8 @@
 """The gateway's per-process caches stay bounded however many organizations and keys call.
 
-Bug (found in review): DefaultModels kept one entry per organization ever read, forever, so
-a gateway serving many organizations grew without limit; the API-key caches emptied
-themselves wholesale at 10,000 entries. Both are `cachetools.TTLCache`s now: at most
-`max_entries` entries, least recently used evicted first, expired entries dropped.
+DefaultModels and the API-key caches are `cachetools.TTLCache`s: at most `max_entries`
+entries, least recently used evicted first, expired entries dropped. So a gateway serving
+many organizations does not grow without limit, nor empty a cache wholesale when it is full.
 """
 
 from __future__ import annotations

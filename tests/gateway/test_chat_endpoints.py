@@ -14,10 +14,10 @@ from tests.orchestrator.helpers import run_turn, start
 from tests.sse_client import read_frames
 
 
-async def test_get_chat_returns_messages_and_title(stack):
+async def test_get_chat_returns_messages_and_title(services):
     # the title: "the first 50 characters of the opening message" as sent (leading spaces kept)
     message = "   Tell me something about the weather in Paris tomorrow please, thanks a lot!"
-    async with stack.client() as client:
+    async with services.client() as client:
         body = (await client.post("/assistant/chat", json={"message": message})).json()
         await read_frames(client, body["stream_url"])
         details = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
@@ -31,8 +31,8 @@ async def test_get_chat_returns_messages_and_title(stack):
     assert details["messages"][1]["running_status"] == "completed"
 
 
-async def test_list_chats_newest_first_with_cursor(stack):
-    async with stack.client() as client:
+async def test_list_chats_newest_first_with_cursor(services):
+    async with services.client() as client:
         ids = []
         for i in range(5):
             body, _ = await run_turn(client, {"say": f"chat {i}"})
@@ -78,8 +78,8 @@ async def test_list_chats_newest_first_with_cursor(stack):
     assert set(first["items"][0]) == {"id", "title", "created_at", "updated_at", "is_running"}
 
 
-async def test_status_of_idle_and_running_chat(stack):
-    async with stack.client() as client:
+async def test_status_of_idle_and_running_chat(services):
+    async with services.client() as client:
         body = await start(client, {"say": "slow", "sleep_ms": 3000})
         running = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert running["is_running"] is True and running["running_id"] == body["run_id"]
@@ -94,15 +94,15 @@ async def test_status_of_idle_and_running_chat(stack):
     assert idle["run_status"]["status"] == "cancelled"
 
 
-async def test_delete_soft_then_permanent_and_in_flight_is_409(stack):
-    async with stack.client() as client:
+async def test_delete_soft_then_permanent_and_in_flight_is_409(services):
+    async with services.client() as client:
         busy = await start(client, {"say": "slow", "sleep_ms": 3000})
         assert (await client.delete(f"/assistant/chat/{busy['chat_id']}")).status_code == 409
         await client.post(f"/assistant/chat/{busy['chat_id']}/cancel")
         soft = await client.delete(f"/assistant/chat/{busy['chat_id']}")
         assert soft.json() == {"status": "deleted", "chat_id": busy["chat_id"], "permanent": False}
         assert (await client.get(f"/assistant/chat/{busy['chat_id']}")).status_code == 404
-        async with stack.orchestrator.servicer.sessions() as session:
+        async with services.orchestrator.servicer.sessions() as session:
             assert (await session.get(Chat, busy["chat_id"])) is not None
         other, _ = await run_turn(client, {"say": "x"})
         hard = await client.delete(
@@ -110,21 +110,21 @@ async def test_delete_soft_then_permanent_and_in_flight_is_409(stack):
         )
         assert hard.json()["permanent"] is True
         assert (await client.delete(f"/assistant/chat/{uuid.uuid4()}")).status_code == 404
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert (
             await session.execute(select(Chat).where(Chat.id == other["chat_id"]))
         ).scalars().first() is None
 
 
-async def test_a_permanent_delete_removes_the_runs_events_outside_the_database_too(stack):
+async def test_a_permanent_delete_removes_the_runs_events_outside_the_database_too(services):
     # after DELETE ?permanent=true the run's Redis stream must not keep its text (for 24 h)
-    async with stack.client() as client:
+    async with services.client() as client:
         body, _ = await run_turn(
             client, {"tool": "ask_user_yes_no", "input": {"message": "secret question?"}}
         )  # paused: two runs' logs
         await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         nxt, _ = await run_turn(client, {"say": "secret data"}, chat_id=body["chat_id"])
-        events = stack.orchestrator.runner.events
+        events = services.orchestrator.runner.events
         assert await events.events_of(body["run_id"]) and await events.events_of(nxt["run_id"])
         hard = await client.delete(
             f"/assistant/chat/{body['chat_id']}", params={"permanent": "true"}
@@ -137,17 +137,17 @@ async def test_a_permanent_delete_removes_the_runs_events_outside_the_database_t
         assert (await client.get(nxt["stream_url"])).status_code == 404
 
 
-async def test_a_soft_deleted_chat_can_still_be_purged_and_only_by_its_organization(stack):
-    # fresh-eyes test: ?permanent=true on a soft-deleted chat was 404, so it could never be purged
-    async with stack.client() as client:
+async def test_a_soft_deleted_chat_can_still_be_purged_and_only_by_its_organization(services):
+    # ?permanent=true purges a soft-deleted chat too (a 404 would leave it unpurgeable)
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "x"})
         chat_id = body["chat_id"]
         assert (await client.delete(f"/assistant/chat/{chat_id}")).status_code == 200
         assert (
             await client.delete(f"/assistant/chat/{chat_id}")
         ).status_code == 404  # soft again: gone
-        stranger = await stack.member("owner", org_id="org_stranger")
-        headers = stack.headers(api_key=stranger["api_key"], org_id="org_stranger")
+        stranger = await services.member("owner", org_id="org_stranger")
+        headers = services.headers(api_key=stranger["api_key"], org_id="org_stranger")
         assert (
             await client.delete(
                 f"/assistant/chat/{chat_id}", params={"permanent": "true"}, headers=headers
@@ -162,26 +162,26 @@ async def test_a_soft_deleted_chat_can_still_be_purged_and_only_by_its_organizat
         assert (
             await client.delete(f"/assistant/chat/{chat_id}", params={"permanent": "true"})
         ).status_code == 404
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert await session.get(Chat, chat_id) is None
         assert (
             await session.execute(select(Message).where(Message.chat_id == chat_id))
         ).scalars().first() is None
 
 
-async def test_composer_chat_is_404_on_every_assistant_endpoint(stack):
+async def test_composer_chat_is_404_on_every_assistant_endpoint(services):
     chat_id = str(uuid.uuid4())
-    async with stack.orchestrator.servicer.sessions() as session, session.begin():
+    async with services.orchestrator.servicer.sessions() as session, session.begin():
         session.add(
             Chat(
                 id=chat_id,
-                organization_id=stack.org_id,
-                user_id=stack.user_id,
+                organization_id=services.org_id,
+                user_id=services.user_id,
                 kind="composer",
                 title="c",
             )
         )
-    async with stack.client() as client:
+    async with services.client() as client:
         run_id = str(uuid.uuid4())
         for method, path, kwargs in [
             ("POST", "/assistant/chat", {"json": {"message": "hi", "chat_id": chat_id}}),
@@ -201,8 +201,10 @@ async def test_composer_chat_is_404_on_every_assistant_endpoint(stack):
             assert response.json() == {"detail": "Chat not found"}
 
 
-async def test_sdk_reads_match_its_models(stack):
-    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+async def test_sdk_reads_match_its_models(services):
+    client = Modulex(
+        api_key=services.api_key, organization_id=services.org_id, base_url=services.base_url
+    )
     turn = await client.assistant.chat("hello there")
     async with client.assistant.listen(turn.chat_id, turn.run_id) as stream:
         names = [event.event async for event in stream]
@@ -217,8 +219,8 @@ async def test_sdk_reads_match_its_models(stack):
     assert deleted.status == "deleted"
 
 
-async def test_paused_chat_is_not_listed_as_running(stack):
-    async with stack.client() as client:
+async def test_paused_chat_is_not_listed_as_running(services):
+    async with services.client() as client:
         body, frames = await run_turn(
             client, {"tool": "ask_user_yes_no", "input": {"message": "ok?"}}
         )

@@ -21,11 +21,11 @@ async def _turns(client, chat_id: str | None, count: int, size: int) -> str:
     return chat_id
 
 
-async def test_a_chat_larger_than_a_page_is_read_page_by_page_and_nothing_is_lost(stack):
-    """Fresh-eyes test (gRPC user): 9 turns of ~950 KB made GET /assistant/chat/{id} 500 for good
-    (the orchestrator's answer passed the gRPC message limit). The newest messages come first
-    within 3 MiB; next_page_token leads to the older ones."""
-    async with stack.client() as client:
+async def test_a_chat_larger_than_a_page_is_read_page_by_page_and_nothing_is_lost(services):
+    """The newest messages come first within 3 MiB; next_page_token leads to the older ones.
+    So a chat of many large turns (9 of ~950 KB) stays readable: in one answer it would pass
+    the gRPC message limit and GET /assistant/chat/{id} would be 500 for good."""
+    async with services.client() as client:
         chat_id = await _turns(client, None, 5, 900_000)
         first = await client.get(f"/assistant/chat/{chat_id}")
         assert first.status_code == 200, first.text
@@ -40,7 +40,7 @@ async def test_a_chat_larger_than_a_page_is_read_page_by_page_and_nothing_is_los
             assert older.status_code == 200, older.text
             page = older.json()
             messages = page["messages"] + messages
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         stored = (
             (
                 await session.execute(
@@ -62,8 +62,8 @@ async def test_a_chat_larger_than_a_page_is_read_page_by_page_and_nothing_is_los
     ]
 
 
-async def test_page_size_pages_a_small_chat_and_a_chat_that_fits_has_no_token(stack):
-    async with stack.client() as client:
+async def test_page_size_pages_a_small_chat_and_a_chat_that_fits_has_no_token(services):
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "one"})
         _, _ = await run_turn(client, {"say": "two"}, chat_id=body["chat_id"])
         whole = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()

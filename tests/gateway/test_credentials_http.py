@@ -30,12 +30,6 @@ from tests.tools.tools_stack import PG_DSN, failure_mcp_app, serve_asgi, tools_s
 SECRET_DSN = PG_DSN  # no password on the local server: the DSN itself is the secret under test
 
 
-@pytest.fixture
-async def stack(tmp_path):
-    async with tools_stack(tmp_path) as running:
-        yield running
-
-
 async def _create_pg(client: httpx.AsyncClient, **extra: Any) -> dict[str, Any]:
     response = await client.post(
         "/credentials",
@@ -45,8 +39,8 @@ async def _create_pg(client: httpx.AsyncClient, **extra: Any) -> dict[str, Any]:
     return response.json()
 
 
-async def test_credential_lifecycle_over_http_matches_the_sdk_shapes(stack):
-    async with stack.client() as client:
+async def test_credential_lifecycle_over_http_matches_the_sdk_shapes(services_with_private_network):
+    async with services_with_private_network.client() as client:
         first = await _create_pg(client, display_name="Main DB", metadata={"team": "data"})
         second = await _create_pg(client, make_default=True)
         assert first["integration_name"] == "postgresql" and first["auth_type"] == "api_key"
@@ -68,7 +62,7 @@ async def test_credential_lifecycle_over_http_matches_the_sdk_shapes(stack):
                 f"/credentials/{first['credential_id']}", params={"include_masked": "true"}
             )
         ).json()
-        assert detail["organization_id"] == stack.org_id
+        assert detail["organization_id"] == services_with_private_network.org_id
         assert detail["auth_data_masked"] and SECRET_DSN not in detail["auth_data_masked"]
         plain = (await client.get(f"/credentials/{first['credential_id']}")).json()
         assert plain["auth_data_masked"] is None
@@ -84,10 +78,12 @@ async def test_credential_lifecycle_over_http_matches_the_sdk_shapes(stack):
             assert SECRET_DSN not in json.dumps(response)
 
 
-async def test_credential_list_filters_by_the_sdk_auth_type_names_and_refuses_unknown_ones(stack):
+async def test_credential_list_filters_by_the_sdk_auth_type_names_and_refuses_unknown_ones(
+    services_with_private_network,
+):
     """`?auth_type=` takes the names a credential is created with (the SDK's `bearer_token` is
     stored as `bearer`); a value no credential can have is 400, not an empty list."""
-    async with stack.client() as client:
+    async with services_with_private_network.client() as client:
         created = await client.post(
             "/credentials",
             json={
@@ -109,7 +105,7 @@ async def test_credential_list_filters_by_the_sdk_auth_type_names_and_refuses_un
         ] == 0
         refused = await client.get("/credentials", params={"auth_type": "bearer-token"})
         assert refused.status_code == 400
-        # the accepted names include the SDK's alias (user test: the 400 named only the stored ones)
+        # the accepted names include the SDK's alias, not only the stored ones
         assert refused.json() == {
             "detail": "auth_type must be one of api_key, bearer, bearer_token, oauth2, mcp_server"
         }
@@ -123,10 +119,12 @@ def test_the_credential_auth_types_the_gateway_accepts_are_the_tools_services_an
     assert set(SDK_AUTH_TYPES.values()) <= set(STORED_AUTH_TYPES)
 
 
-async def test_mcp_routes_on_a_credential_of_another_kind_say_so_instead_of_not_found(stack):
+async def test_mcp_routes_on_a_credential_of_another_kind_say_so_instead_of_not_found(
+    services_with_private_network,
+):
     # refresh-discovery and mcp-tools on a credential that exists must not be 404 "Credential not
     # found"
-    async with stack.client() as client:
+    async with services_with_private_network.client() as client:
         created = await client.post(
             "/credentials",
             json={
@@ -148,27 +146,37 @@ async def test_mcp_routes_on_a_credential_of_another_kind_say_so_instead_of_not_
         assert (await client.get(f"/credentials/{uuid.uuid4()}/mcp-tools")).status_code == 404
 
 
-async def test_a_credential_names_its_creator_and_their_email(stack):
-    """Bug (fresh-eyes test): a credential's `created_by` and `created_by_email` were always null
-    (the creator was not stored)."""
+async def test_a_credential_names_its_creator_and_their_email(services_with_private_network):
+    """A credential names its creator (`created_by`) and their email (`created_by_email`)."""
     from services.gateway import identity
 
-    async with stack.client() as client:
+    async with services_with_private_network.client() as client:
         created = await _create_pg(client)
         detail = (await client.get(f"/credentials/{created['credential_id']}")).json()
-        async with stack.gateway.sessions() as session:
+        async with services_with_private_network.gateway.sessions() as session:
             email = (
                 await session.execute(
-                    select(identity.User.email).where(identity.User.id == stack.user_id)
+                    select(identity.User.email).where(
+                        identity.User.id == services_with_private_network.user_id
+                    )
                 )
             ).scalar_one()
-        assert (detail["created_by"], detail["created_by_email"]) == (stack.user_id, email)
-        response = await stack.tools.servicer.credentials.list(stack.org_id)
-        assert [info.created_by for info in response[0]] == [stack.user_id]
+        assert (detail["created_by"], detail["created_by_email"]) == (
+            services_with_private_network.user_id,
+            email,
+        )
+        response = await services_with_private_network.tools.servicer.credentials.list(
+            services_with_private_network.org_id
+        )
+        assert [info.created_by for info in response[0]] == [services_with_private_network.user_id]
 
 
-async def test_credentials_through_the_sdk(stack):
-    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+async def test_credentials_through_the_sdk(services_with_private_network):
+    client = Modulex(
+        api_key=services_with_private_network.api_key,
+        organization_id=services_with_private_network.org_id,
+        base_url=services_with_private_network.base_url,
+    )
     try:
         created = await client.credentials.create(
             "postgresql", auth_data={"dsn": SECRET_DSN}, display_name="SDK DB"
@@ -178,7 +186,7 @@ async def test_credentials_through_the_sdk(stack):
         assert (
             fetched.display_name == "SDK DB"
             and fetched.auth_data_masked
-            and fetched.organization_id == stack.org_id
+            and fetched.organization_id == services_with_private_network.org_id
         )
         listing = await client.credentials.list(integration_name="postgresql")
         assert [c["credential_id"] for c in listing["credentials"]] == [created.credential_id]
@@ -190,16 +198,22 @@ async def test_credentials_through_the_sdk(stack):
         await client.close()
 
 
-async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(stack):
-    async with stack.client() as client:
+async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(
+    services_with_private_network,
+):
+    async with services_with_private_network.client() as client:
         created = await _create_pg(client)
-    member = await stack.member("member")
-    outsider = await stack.member("owner", org_id="org_elsewhere")
-    async with httpx.AsyncClient(base_url=stack.base_url) as raw:
+    member = await services_with_private_network.member("member")
+    outsider = await services_with_private_network.member("owner", org_id="org_elsewhere")
+    async with httpx.AsyncClient(base_url=services_with_private_network.base_url) as raw:
         assert (
-            await raw.get("/credentials", headers={"X-Organization-ID": stack.org_id})
+            await raw.get(
+                "/credentials", headers={"X-Organization-ID": services_with_private_network.org_id}
+            )
         ).status_code == 401
-        denied = await raw.get("/credentials", headers=stack.headers(api_key=member["api_key"]))
+        denied = await raw.get(
+            "/credentials", headers=services_with_private_network.headers(api_key=member["api_key"])
+        )
         # worded for every route that checks the role (not "The assistant requires ...")
         assert denied.status_code == 403 and denied.json() == {
             "detail": "This requires the owner or admin role in this organization"
@@ -208,10 +222,10 @@ async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(st
         assert (
             await raw.delete(
                 f"/credentials/{created['credential_id']}",
-                headers=stack.headers(api_key=member["api_key"]),
+                headers=services_with_private_network.headers(api_key=member["api_key"]),
             )
         ).status_code == 403
-        other = stack.headers(outsider["api_key"], "org_elsewhere")
+        other = services_with_private_network.headers(outsider["api_key"], "org_elsewhere")
         for response in (
             await raw.get(f"/credentials/{created['credential_id']}", headers=other),
             await raw.delete(f"/credentials/{created['credential_id']}", headers=other),
@@ -222,7 +236,9 @@ async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(st
             }
         assert (await raw.get("/credentials", headers=other)).json()["total"] == 0
     client = Modulex(
-        api_key=member["api_key"], organization_id=stack.org_id, base_url=stack.base_url
+        api_key=member["api_key"],
+        organization_id=services_with_private_network.org_id,
+        base_url=services_with_private_network.base_url,
     )
     try:
         with pytest.raises(PermissionDeniedError):
@@ -231,8 +247,10 @@ async def test_credentials_need_owner_or_admin_and_stay_in_their_organization(st
         await client.close()
 
 
-async def test_bad_credential_input_is_400_with_detail_and_never_echoes_the_secret(stack):
-    async with stack.client() as client:
+async def test_bad_credential_input_is_400_with_detail_and_never_echoes_the_secret(
+    services_with_private_network,
+):
+    async with services_with_private_network.client() as client:
         cases = [
             (
                 {
@@ -268,14 +286,15 @@ async def test_bad_credential_input_is_400_with_detail_and_never_echoes_the_secr
         assert (await client.get("/credentials", params={"limit": 0})).status_code == 400
 
 
-async def test_oversized_credential_fields_are_400_naming_the_limit_and_nothing_is_stored(stack):
-    """Bug (user test): display_name took 100,000 characters and metadata ~900 KB (only the 1 MiB
-    body cap applied), and a model tool result listing credentials then became a 104 KB frame.
-    Every string field now has a limit in characters, metadata 16 KiB as JSON (with expires_at
-    merged in), the secret objects their own; errors name the field, never a value."""
+async def test_oversized_credential_fields_are_400_naming_the_limit_and_nothing_is_stored(
+    services_with_private_network,
+):
+    """Every string field has a limit in characters, metadata 16 KiB as JSON (with expires_at
+    merged in), the secret objects their own; errors name the field, never a value. Without them
+    only the 1 MiB body cap applies, and a tool result listing credentials grows without bound."""
     secret = "secret-value"
     most = 16 * 1024 - len('{"note":""}')  # metadata {"note": "m" * most} is exactly 16 KiB of JSON
-    async with stack.client() as client:
+    async with services_with_private_network.client() as client:
         kept = await _create_pg(client, display_name="d" * 200, metadata={"note": "m" * most})
         assert len(kept["display_name"]) == 200
         pg = {"integration_name": "postgresql", "auth_data": {"dsn": SECRET_DSN}}
@@ -384,7 +403,9 @@ async def test_oversized_credential_fields_are_400_naming_the_limit_and_nothing_
         assert echoed.status_code == 400 and len(echoed.json()["detail"]) <= 1000
 
 
-async def test_turn_runs_a_postgresql_query_with_a_credential_created_over_http(stack):
+async def test_turn_runs_a_postgresql_query_with_a_credential_created_over_http(
+    services_with_private_network,
+):
     try:
         connection = await asyncpg.connect(PG_DSN, timeout=3)
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
@@ -394,7 +415,7 @@ async def test_turn_runs_a_postgresql_query_with_a_credential_created_over_http(
     await connection.execute(f"CREATE TABLE {schema}.fruit (id int PRIMARY KEY, name text)")
     await connection.execute(f"INSERT INTO {schema}.fruit VALUES (1, 'apple'), (2, 'banana')")
     try:
-        async with stack.client() as client:
+        async with services_with_private_network.client() as client:
             credential = await _create_pg(client)
             call = {
                 "integration": "postgresql",
@@ -416,8 +437,10 @@ async def test_turn_runs_a_postgresql_query_with_a_credential_created_over_http(
     assert SECRET_DSN not in json.dumps(frames)
 
 
-async def test_turn_without_a_credential_gets_an_error_result_naming_request_credential(stack):
-    async with stack.client() as client:
+async def test_turn_without_a_credential_gets_an_error_result_naming_request_credential(
+    services_with_private_network,
+):
+    async with services_with_private_network.client() as client:
         call = {"integration": "postgresql", "action": "list_schemas", "parameters": {}}
         _body, frames = await run_turn(
             client, {"tool": "execute_integration_tool", "input": call}, {"say": "done"}
@@ -465,13 +488,16 @@ async def test_turn_calls_mcp_server_time_over_stdio(tmp_path):
     assert frames[-1]["type"] == "done"
 
 
-async def _tool(stack, tool: str, tool_input: dict[str, Any]) -> Any:
-    return await stack.tools.servicer.executor.execute(stack.org_id, tool, tool_input)
+async def _tool(services, tool: str, tool_input: dict[str, Any]) -> Any:
+    return await services.tools.servicer.executor.execute(services.org_id, tool, tool_input)
 
 
-async def test_mcp_server_registration_discovery_and_calls(stack):
+async def test_mcp_server_registration_discovery_and_calls(services_with_private_network):
     seen: list[dict[str, str]] = []
-    async with serve_asgi(failure_mcp_app(seen)) as base, stack.client() as client:
+    async with (
+        serve_asgi(failure_mcp_app(seen)) as base,
+        services_with_private_network.client() as client,
+    ):
         response = await client.post(
             "/credentials/mcp-server",
             json={
@@ -508,11 +534,13 @@ async def test_mcp_server_registration_discovery_and_calls(stack):
         assert result["output"]["result"]["content"][0]["text"] == "hello"
 
         boom = await _tool(
-            stack, "execute_integration_tool", {"integration": "mcp_test_tools", "action": "boom"}
+            services_with_private_network,
+            "execute_integration_tool",
+            {"integration": "mcp_test_tools", "action": "boom"},
         )
         assert not boom.success and "returned an error" in boom.error and "boom" in boom.error
         big = await _tool(
-            stack,
+            services_with_private_network,
             "execute_integration_tool",
             {"integration": "mcp_test_tools", "action": "big", "parameters": {"kilobytes": 200}},
         )
@@ -545,18 +573,23 @@ def _structured_mcp_app() -> Any:
     return server.streamable_http_app()
 
 
-async def test_an_mcp_result_reaches_the_model_once_and_counts_once_against_the_output_limit(stack):
-    """Bug (fresh-eyes test): a structured result came back twice (the text block the MCP
+async def test_an_mcp_result_reaches_the_model_once_and_counts_once_against_the_output_limit(
+    services_with_private_network,
+):
+    """Bug: a structured result came back twice (the text block the MCP
     specification asks for "for backwards compatibility", and structured_content), so the
     model read it twice and a 33,000-character result passed the 65,536-byte limit as 66,074."""
-    async with serve_asgi(_structured_mcp_app()) as base, stack.client() as client:
+    async with (
+        serve_asgi(_structured_mcp_app()) as base,
+        services_with_private_network.client() as client,
+    ):
         registered = await client.post(
             "/credentials/mcp-server", json={"server_url": f"{base}/mcp"}
         )
         assert registered.status_code == 201, registered.text
         name = registered.json()["integration_name"]
         big = await _tool(
-            stack,
+            services_with_private_network,
             "execute_integration_tool",
             {"integration": name, "action": "text", "parameters": {"kilobytes": 40}},
         )
@@ -565,7 +598,9 @@ async def test_an_mcp_result_reaches_the_model_once_and_counts_once_against_the_
             "content": [{"type": "text", "text": "x" * 40 * 1024}]
         }  # the text, not {"result": text} too
         record = await _tool(
-            stack, "execute_integration_tool", {"integration": name, "action": "record"}
+            services_with_private_network,
+            "execute_integration_tool",
+            {"integration": name, "action": "record"},
         )
         assert record.success, record.error
         assert record.output["result"] == {
@@ -573,7 +608,7 @@ async def test_an_mcp_result_reaches_the_model_once_and_counts_once_against_the_
             "structured_content": {"id": 7, "tags": ["a", "b"]},
         }  # the object, not its JSON too
         too_big = await _tool(
-            stack,
+            services_with_private_network,
             "execute_integration_tool",
             {"integration": name, "action": "text", "parameters": {"kilobytes": 70}},
         )
@@ -748,7 +783,7 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
             stack.client() as client,
         ):
             callback = f"{stack.base_url}/credentials/oauth2/callback"
-            # a turn waits for this integration's credential (issue 4: OAuth auto-resume)
+            # a turn waits for this integration's credential (OAuth auto-resume)
             paused, paused_frames = await run_turn(
                 client,
                 {
@@ -870,19 +905,20 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
         "http://[::1/mcp",
     ],
 )
-async def test_a_malformed_mcp_server_url_is_400(stack, server_url):
-    # fresh-eyes test: these were 500 (UnicodeError / ValueError escaping the URL check)
-    async with stack.client() as client:
+async def test_a_malformed_mcp_server_url_is_400(services_with_private_network, server_url):
+    # the URL check catches UnicodeError / ValueError from parsing: 400, not 500
+    async with services_with_private_network.client() as client:
         response = await client.post("/credentials/mcp-server", json={"server_url": server_url})
     assert response.status_code == 400, response.text
     assert "server_url" in response.json()["detail"]
 
 
-async def test_an_mcp_server_whose_discovery_failed_says_so_when_its_tool_is_called(stack):
-    """Fresh-eyes test: a server that could not be reached at registration has no tools, and a call
-    said "Integration 'mcp_down' has no action 'add'. Its actions: ." Now it says it has none and
-    how to discover them again."""
-    async with stack.client() as client:
+async def test_an_mcp_server_whose_discovery_failed_says_so_when_its_tool_is_called(
+    services_with_private_network,
+):
+    """A server that could not be reached at registration has no tools; a call to one says it has
+    none and how to discover them again (not "has no action 'add'. Its actions: .")."""
+    async with services_with_private_network.client() as client:
         registered = await client.post(
             "/credentials/mcp-server",
             json={"server_url": "http://127.0.0.1:1/mcp", "display_name": "Down"},
@@ -890,7 +926,7 @@ async def test_an_mcp_server_whose_discovery_failed_says_so_when_its_tool_is_cal
     assert registered.status_code == 201, registered.text
     assert registered.json()["total_tools"] == 0 and registered.json()["discovery_error"]
     result = await _tool(
-        stack,
+        services_with_private_network,
         "execute_integration_tool",
         {"integration": registered.json()["integration_name"], "action": "add"},
     )
@@ -914,12 +950,12 @@ async def test_an_mcp_server_whose_discovery_failed_says_so_when_its_tool_is_cal
     ],
 )
 async def test_mcp_server_headers_that_http_cannot_carry_are_400_and_nothing_is_stored(
-    stack, headers, detail
+    services_with_private_network, headers, detail
 ):
-    """Bug (fresh-eyes test): such headers were stored (201) and every call to the server failed
+    """Bug: such headers were stored (201) and every call to the server failed
     ("could not be reached or did not answer (LocalProtocolError)" / UnicodeEncodeError).
     RFC 9110: names are tokens, values visible ASCII, spaces and tabs; a value is never echoed."""
-    async with stack.client() as client:
+    async with services_with_private_network.client() as client:
         response = await client.post(
             "/credentials/mcp-server",
             json={"server_url": "https://mcp.example.com/mcp", "headers": headers},
@@ -930,7 +966,7 @@ async def test_mcp_server_headers_that_http_cannot_carry_are_400_and_nothing_is_
 
 
 async def test_a_call_to_an_mcp_server_that_refuses_connections_says_it_was_not_sent(tmp_path):
-    # fresh-eyes test: "failed during the call (ConnectError)" suggested the call may have run
+    # a refused connection says the call was not sent, so the caller knows it did not run
     from services.tools.catalogue import ActionError
     from services.tools.mcp_client import McpConnector
 

@@ -16,8 +16,8 @@ from tests.sse_client import read_frames
 FROM_DEFAULT = " (from the organization's default model, PUT /organizations/settings/composer-llm)"
 
 
-async def test_saved_default_is_used_when_a_turn_names_no_model(stack):
-    async with stack.client() as client:
+async def test_saved_default_is_used_when_a_turn_names_no_model(services):
+    async with services.client() as client:
         assert (await client.get("/organizations/settings")).json() == {
             "llm_model_visibility": {},
             "composer_llm": None,
@@ -38,7 +38,7 @@ async def test_saved_default_is_used_when_a_turn_names_no_model(stack):
         back = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
         saved = await client.put("/organizations/settings/composer-llm", json=back)
         assert saved.status_code == 200
-        # the same shape from PUT and GET (fresh-eyes test: GET left credential_id out)
+        # the same shape from PUT and GET
         assert (
             saved.json()["composer_llm"]
             == (await client.get("/organizations/settings")).json()["composer_llm"]
@@ -52,22 +52,25 @@ async def test_saved_default_is_used_when_a_turn_names_no_model(stack):
         ).status_code == 400
 
 
-async def test_member_cannot_read_or_set_the_default(stack):
-    member = await stack.member("member")
-    async with stack.client() as client:
+async def test_member_cannot_read_or_set_the_default(services):
+    member = await services.member("member")
+    async with services.client() as client:
         response = await client.get(
-            "/organizations/settings", headers=stack.headers(api_key=member["api_key"])
+            "/organizations/settings", headers=services.headers(api_key=member["api_key"])
         )
     assert response.status_code == 403
-    async with stack.client() as client:
+    async with services.client() as client:
         cleared = await client.delete(
-            "/organizations/settings/composer-llm", headers=stack.headers(api_key=member["api_key"])
+            "/organizations/settings/composer-llm",
+            headers=services.headers(api_key=member["api_key"]),
         )
     assert cleared.status_code == 403
 
 
-async def test_sdk_sets_and_reads_the_default(stack):
-    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+async def test_sdk_sets_and_reads_the_default(services):
+    client = Modulex(
+        api_key=services.api_key, organization_id=services.org_id, base_url=services.base_url
+    )
     await client.organizations.set_composer_llm("loopline", "scripted", "default")
     settings = await client.organizations.get_settings()
     assert settings.composer_llm.provider_id == "scripted"
@@ -122,7 +125,7 @@ def test_admin_command_sets_and_shows_the_default(tmp_path):
 
 
 def test_admin_command_refuses_an_unknown_organization_and_a_missing_database(tmp_path):
-    """Bugs (fresh-eyes test): set-default-llm on a mistyped organization printed
+    """Bugs: set-default-llm on a mistyped organization printed
     `"default_llm": null` and exited 0; run without the services' LOOPLINE_DATA_DIR, the admin
     commands created an empty gateway database and wrote there."""
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path / "elsewhere")}
@@ -231,10 +234,9 @@ def test_admin_commands_refuse_an_empty_model_or_impossible_org_id_before_storin
 
 
 async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_default(tmp_path):
-    """Bug (user test): the saved default named a credential deleted since, and a turn without
-    `llm` got 400 "credential '...' cannot be used as a model key", not saying where that
-    credential came from. Every refusal of a saved default (unusable credential, unknown model,
-    a malformed one saved by the admin command) now says so; a turn's own `llm` does not."""
+    """Every refusal of a saved default (unusable credential, e.g. one deleted since, unknown
+    model, a malformed one saved by the admin command) says it is the saved default, so a turn
+    without `llm` knows where the credential came from; a turn's own `llm` does not say so."""
     openai = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
     stack = await start_stack(
         tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"}
@@ -303,7 +305,7 @@ async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_defa
 async def test_the_key_of_the_saved_default_model_cannot_be_deleted_until_another_default_is_saved(
     tmp_path,
 ):
-    """Bug (fresh-eyes test): DELETE /credentials/{id} of the credential the organization's saved
+    """Bug: DELETE /credentials/{id} of the credential the organization's saved
     default model uses answered 204, and every turn naming no model failed from then on."""
     openai = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
     stack = await start_stack(
@@ -344,8 +346,8 @@ async def test_the_key_of_the_saved_default_model_cannot_be_deleted_until_anothe
 
 
 async def test_the_saved_default_can_be_cleared_and_its_key_deleted_then(tmp_path):
-    """Fresh-eyes test: there was no way back to "no saved default" (DELETE was 405; a PUT of
-    another model kept a saved choice). DELETE clears it, idempotently, and frees its key."""
+    """DELETE is the way back to "no saved default" (a PUT of another model keeps a saved
+    choice): it clears it, idempotently, and frees its key."""
     openai = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
     stack = await start_stack(
         tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"}

@@ -1,14 +1,13 @@
 """A PUT of the default model and a DELETE of its credential, sent together, never leave a saved
 default whose key is gone.
 
-Bug (race review): `PUT /organizations/settings/composer-llm` checked the credential (tools
-service, through the orchestrator's CheckModel) and then saved the default (gateway database);
-`DELETE /credentials/{id}` read the saved default and then deleted the credential (tools
-service). Check-then-act on both sides, across two services' databases: interleaved, both
-answered success and the organization was left with a default naming a deleted credential, so
-every turn naming no model failed. The two operations now hold the organization's default-model
-lock (`DefaultModels.exclusive`: a row lock on PostgreSQL, an in-process lock on SQLite) from
-their check to their write.
+`PUT /organizations/settings/composer-llm` checks the credential (tools service, through the
+orchestrator's CheckModel) and then saves the default (gateway database); `DELETE
+/credentials/{id}` reads the saved default and then deletes the credential (tools service).
+Check-then-act on both sides, across two services' databases: interleaved, both would answer
+success and leave a default naming a deleted credential, so every turn naming no model fails.
+The two operations hold the organization's default-model lock (`DefaultModels.exclusive`: a
+row lock on PostgreSQL, an in-process lock on SQLite) from their check to their write.
 
 The tools service's credential store is patched to pause on an asyncio.Event so that the two
 requests interleave the same way every run; everything else is the real stack.
@@ -99,8 +98,8 @@ async def test_put_checked_then_delete_then_put_saves_never_leaves_a_default_wit
 ):
     """PUT naming X passes its check and pauses before saving; DELETE X comes in meanwhile.
 
-    Before the fix the DELETE saw no default naming X, deleted it (204), and the PUT then saved
-    X as the default (200). Now the DELETE waits for the PUT and is refused (409)."""
+    The DELETE waits for the PUT and is refused (409); without the lock it would see no default
+    naming X, delete it (204), and the PUT would then save X as the default (200)."""
     stack = await _stack(tmp_path)
     try:
         async with stack.client() as client:
@@ -144,8 +143,8 @@ async def test_delete_checked_then_put_then_delete_deletes_never_leaves_a_defaul
     """DELETE X finds no default naming X and pauses before the tools service deletes it; PUT
     naming X comes in meanwhile.
 
-    Before the fix the PUT's check still found X and saved it (200), then the DELETE removed X
-    (204). Now the PUT waits for the DELETE, and its check then finds X gone (400)."""
+    The PUT waits for the DELETE, and its check then finds X gone (400); without the lock its
+    check would still find X and save it (200), then the DELETE would remove X (204)."""
     stack = await _stack(tmp_path)
     try:
         async with stack.client() as client:

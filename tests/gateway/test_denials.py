@@ -65,8 +65,8 @@ async def plan_stack(tmp_path, request):
         await stop_stack(running)
 
 
-async def _rows(stack) -> tuple[int, int, int]:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _rows(services) -> tuple[int, int, int]:
+    async with services.orchestrator.servicer.sessions() as session:
         return tuple(
             [
                 (await session.execute(select(func.count()).select_from(m))).scalar()
@@ -75,7 +75,7 @@ async def _rows(stack) -> tuple[int, int, int]:
         )
 
 
-async def _admit_until_denied(stack, client) -> tuple:
+async def _admit_until_denied(services, client) -> tuple:
     for _ in range(5):
         response = await client.post("/assistant/chat", json={"message": "hi"})
         if response.status_code != 200:

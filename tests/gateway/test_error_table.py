@@ -1,4 +1,4 @@
-"""services/gateway/errors.grpc_error_response: statuses with their headers (README error table)."""
+"""`services.gateway.errors.grpc_error_response`: statuses with headers (README error table)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _failed(error: RpcError) -> grpc.aio.AioRpcError:
 
 
 def test_a_service_that_is_down_is_503_with_retry_after():
-    # second fresh-eyes test: the README promises Retry-After with 503; only 429 had it
+    # the README promises Retry-After with 503, as with 429
     plain = grpc.aio.AioRpcError(
         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "connect failed"
     )

@@ -602,10 +602,10 @@ async def test_a_stream_the_orchestrator_never_accepts_times_out_and_cancels_its
     await until(lambda: stub.calls[0].cancelled)
 
 
-async def test_a_listen_through_a_stalled_orchestrator_answers_504(stack, monkeypatch):
+async def test_a_listen_through_a_stalled_orchestrator_answers_504(services, monkeypatch):
     monkeypatch.setattr(fanout_module, "READY_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(stack.gateway.app.state.fanout, "_stub", StalledStub())
-    async with stack.client() as client:
+    monkeypatch.setattr(services.gateway.app.state.fanout, "_stub", StalledStub())
+    async with services.client() as client:
         for query in ("", "?x=1"):  # the lean route, and FastAPI's for any other query
             response = await client.get(
                 f"/assistant/chat/{uuid.uuid4()}/listen/{uuid.uuid4()}{query}"

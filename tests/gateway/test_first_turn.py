@@ -1,4 +1,4 @@
-"""A whole turn through the public HTTP API with the scripted model (issue 2)."""
+"""A whole turn through the public HTTP API with the scripted model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from tests.conftest import SCRIPTED, script
 from tests.sse_client import read_frames
 
 
-async def test_turn_without_script_calls_get_available_integrations(stack):
-    async with stack.client() as client:
+async def test_turn_without_script_calls_get_available_integrations(services):
+    async with services.client() as client:
         started = await client.post(
             "/assistant/chat", json={"message": "What integrations are available?"}
         )
@@ -33,7 +33,7 @@ async def test_turn_without_script_calls_get_available_integrations(stack):
     assert "integrations are available" in done["response"]
 
 
-async def test_scripted_turn_frames_in_documented_order(stack):
+async def test_scripted_turn_frames_in_documented_order(services):
     message = script(
         {
             "say": "Let me check your integrations.",
@@ -45,7 +45,7 @@ async def test_scripted_turn_frames_in_documented_order(stack):
             "usage": {"input_tokens": 1200, "output_tokens": 340},
         },
     )
-    async with stack.client() as client:
+    async with services.client() as client:
         body = (
             await client.post("/assistant/chat", json={"message": message, "llm": SCRIPTED})
         ).json()

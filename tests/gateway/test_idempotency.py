@@ -1,4 +1,4 @@
-"""Idempotency-Key on POST /assistant/chat (issue 3; AIP-155)."""
+"""Idempotency-Key on POST /assistant/chat (AIP-155)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from services.orchestrator.models import Run
 from tests.sse_client import read_frames
 
 
-async def _runs(stack) -> int:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _runs(services) -> int:
+    async with services.orchestrator.servicer.sessions() as session:
         return (await session.execute(select(func.count()).select_from(Run))).scalar()
 
 
-async def test_retry_with_same_key_and_body_returns_original_and_starts_nothing(stack):
-    async with stack.client() as client:
+async def test_retry_with_same_key_and_body_returns_original_and_starts_nothing(services):
+    async with services.client() as client:
         headers = {"Idempotency-Key": "turn-1"}
         first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
         second = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
@@ -22,11 +22,11 @@ async def test_retry_with_same_key_and_body_returns_original_and_starts_nothing(
         assert first.json() == second.json()
         assert second.headers["Idempotent-Replayed"] == "true"
         await read_frames(client, first.json()["stream_url"])
-    assert await _runs(stack) == 1
+    assert await _runs(services) == 1
 
 
-async def test_same_key_with_another_body_is_422(stack):
-    async with stack.client() as client:
+async def test_same_key_with_another_body_is_422(services):
+    async with services.client() as client:
         headers = {"Idempotency-Key": "turn-2"}
         assert (
             await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
@@ -34,13 +34,13 @@ async def test_same_key_with_another_body_is_422(stack):
         other = await client.post("/assistant/chat", json={"message": "different"}, headers=headers)
     assert other.status_code == 422
     assert "Idempotency-Key" in other.json()["detail"]
-    assert await _runs(stack) == 1
+    assert await _runs(services) == 1
 
 
-async def test_failed_request_frees_its_key(stack):
+async def test_failed_request_frees_its_key(services):
     import uuid
 
-    async with stack.client() as client:
+    async with services.client() as client:
         headers = {"Idempotency-Key": "turn-3"}
         missing = await client.post(
             "/assistant/chat", json={"message": "hi", "chat_id": str(uuid.uuid4())}, headers=headers
@@ -52,23 +52,23 @@ async def test_failed_request_frees_its_key(stack):
         assert again.status_code == 404
 
 
-async def test_keys_are_scoped_to_the_caller(stack):
-    admin = await stack.member("admin")
-    async with stack.client() as client:
+async def test_keys_are_scoped_to_the_caller(services):
+    admin = await services.member("admin")
+    async with services.client() as client:
         a = await client.post(
             "/assistant/chat", json={"message": "hello"}, headers={"Idempotency-Key": "shared"}
         )
         b = await client.post(
             "/assistant/chat",
             json={"message": "hello"},
-            headers={"Idempotency-Key": "shared", **stack.headers(api_key=admin["api_key"])},
+            headers={"Idempotency-Key": "shared", **services.headers(api_key=admin["api_key"])},
         )
     assert a.status_code == b.status_code == 200
     assert a.json()["run_id"] != b.json()["run_id"]
 
 
-async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lease(stack):
-    """Bug (fresh-eyes test, replicas): a gateway killed while it handled a request left its key
+async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lease(services):
+    """Bug: a gateway killed while it handled a request left its key
     "in progress" (no answer stored, nobody to free it), and every retry on either gateway got 409
     for the whole 24 h TTL. An abandoned claim is now taken over after IN_PROGRESS_LEASE_S."""
     import datetime
@@ -80,19 +80,19 @@ async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lea
     from services.gateway.models import IdempotencyRecord
 
     route, body = "POST /assistant/chat", {"message": "hello"}
-    store = stack.gateway.idempotency
+    store = services.gateway.idempotency
     # the dead gateway's claim: made, never answered, never freed
     assert (
         await store.claim(
-            stack.org_id,
-            stack.user_id,
+            services.org_id,
+            services.user_id,
             "turn-crash",
             route,
             body_hash(route, orjson.dumps(body, option=orjson.OPT_SORT_KEYS)),
         )
         is None
     )
-    async with stack.client() as client:
+    async with services.client() as client:
         headers = {"Idempotency-Key": "turn-crash"}
         assert (
             await client.post("/assistant/chat", json=body, headers=headers)
@@ -116,10 +116,10 @@ async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lea
             replayed.json() == retried.json() and replayed.headers["Idempotent-Replayed"] == "true"
         )
         await read_frames(client, retried.json()["stream_url"])
-    assert await _runs(stack) == 1
+    assert await _runs(services) == 1
 
 
-def _lose_first_answer(stack, monkeypatch) -> list[str]:
+def _lose_first_answer(services, monkeypatch) -> list[str]:
     """The orchestrator's first StartTurn answer is lost after its turn started (and was
     charged): it fails with UNAVAILABLE (503), later ones answer. Returns the list that gets
     the run id of the turn whose answer was lost."""
@@ -127,7 +127,7 @@ def _lose_first_answer(stack, monkeypatch) -> list[str]:
 
     from services.common.errors import RpcError
 
-    servicer = stack.orchestrator.servicer
+    servicer = services.orchestrator.servicer
     real = servicer._started
     lost: list[str] = []
 
@@ -144,17 +144,15 @@ def _lose_first_answer(stack, monkeypatch) -> list[str]:
 
 
 async def test_a_retry_of_a_start_whose_answer_was_lost_answers_the_started_turn_charging_once(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    """Fresh-eyes test: the orchestrator started (and charged) the turn, but its answer never
-    reached the gateway in time (504 after a 30 s stall); the failure freed the key, and the
-    client's retry with the same Idempotency-Key started and charged a second turn. The
-    gateway now passes the key down as StartTurn's request_id (AIP-155), and the orchestrator
-    answers a retry with the turn it started."""
+    """The orchestrator starts (and charges) the turn, but its answer does not reach the gateway
+    in time. The gateway passes the Idempotency-Key down as StartTurn's request_id (AIP-155), so
+    the client's retry with the same key gets the turn already started, not a second charge."""
     from tests.orchestrator.helpers import billing_delivered
 
-    lost = _lose_first_answer(stack, monkeypatch)
-    async with stack.client() as client:
+    lost = _lose_first_answer(services, monkeypatch)
+    async with services.client() as client:
         headers = {"Idempotency-Key": "turn-lost"}
         first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
         assert first.status_code == 503, first.text
@@ -168,43 +166,42 @@ async def test_a_retry_of_a_start_whose_answer_was_lost_answers_the_started_turn
         assert (
             other.status_code == 200 and other.json()["run_id"] != lost[0]
         )  # another key: another turn
-    assert await _runs(stack) == 2
-    await billing_delivered(stack)
+    assert await _runs(services) == 2
+    await billing_delivered(services)
     from services.billing.models import LedgerEntry
 
-    async with stack.billing.store.sessions() as session:
+    async with services.billing.store.sessions() as session:
         charges = await session.scalar(
             select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge")
         )
     assert charges == 2
 
 
-async def test_a_request_id_longer_than_64_characters_is_refused(stack):
+async def test_a_request_id_longer_than_64_characters_is_refused(services):
     import grpc
     import pytest
 
     from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.StartTurn(
                 assistant_pb2.StartTurnRequest(caller=caller, message="hi", request_id="x" * 65)
             )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert await _runs(stack) == 0
+    assert await _runs(services) == 0
 
 
 async def test_after_a_failure_of_unknown_outcome_the_key_stays_bound_to_its_body(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    """Re-test: after a 504 the key was freed, so a retry with the same key and ANOTHER body was
-    a new request: the turn the first attempt had started and a second one were both charged.
-    A failure whose outcome the gateway cannot know now keeps the key bound to its body (422
-    for another body); the same body retries at once and gets the started turn."""
-    lost = _lose_first_answer(stack, monkeypatch)
-    async with stack.client() as client:
+    """A failure whose outcome the gateway cannot know keeps the key bound to its body: a retry
+    with another body is 422 (freeing the key would start and charge a second turn); the same
+    body retries at once and gets the started turn."""
+    lost = _lose_first_answer(services, monkeypatch)
+    async with services.client() as client:
         headers = {"Idempotency-Key": "turn-unknown"}
         first = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
         assert first.status_code == 503, first.text
@@ -213,11 +210,11 @@ async def test_after_a_failure_of_unknown_outcome_the_key_stays_bound_to_its_bod
         retry = await client.post("/assistant/chat", json={"message": "hello"}, headers=headers)
         assert retry.status_code == 200 and retry.json()["run_id"] == lost[0]
         await read_frames(client, retry.json()["stream_url"])
-    assert await _runs(stack) == 1
+    assert await _runs(services) == 1
 
 
-async def test_a_refused_request_frees_its_key_for_another_body(stack):
-    async with stack.client() as client:
+async def test_a_refused_request_frees_its_key_for_another_body(services):
+    async with services.client() as client:
         headers = {"Idempotency-Key": "turn-refused"}
         refused = await client.post(
             "/assistant/chat",
@@ -228,14 +225,13 @@ async def test_a_refused_request_frees_its_key_for_another_body(stack):
         other = await client.post("/assistant/chat", json={"message": "another"}, headers=headers)
         assert other.status_code == 200, other.text
         await read_frames(client, other.json()["stream_url"])
-    assert await _runs(stack) == 1
+    assert await _runs(services) == 1
 
 
-async def test_starts_sent_together_with_one_request_id_start_and_charge_one_turn(stack):
-    """Fresh-eyes test (gRPC user): ten StartTurn calls sent together with the same request_id
-    started ten turns and charged each (the lookup of a started turn ran before any of them had
-    stored its run). A start now holds the request_id's claim: the others wait for it and answer
-    the turn it started (AIP-155)."""
+async def test_starts_sent_together_with_one_request_id_start_and_charge_one_turn(services):
+    """Ten StartTurn calls sent together with the same request_id start and charge one turn: a
+    start holds the request_id's claim, and the others wait for it and answer the turn it
+    started (AIP-155). A lookup alone would run before any of them had stored its run."""
     import asyncio
 
     import grpc
@@ -244,17 +240,17 @@ async def test_starts_sent_together_with_one_request_id_start_and_charge_one_tur
     from services.billing.models import LedgerEntry
     from tests.orchestrator.helpers import billing_delivered
 
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
     request = assistant_pb2.StartTurnRequest(
         caller=caller, message="same body", request_id="together-1"
     )
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         answers = await asyncio.gather(*(stub.StartTurn(request) for _ in range(10)))
     assert len({(a.chat_id, a.run_id) for a in answers}) == 1
-    assert await _runs(stack) == 1
-    await billing_delivered(stack)
-    async with stack.billing.store.sessions() as session:
+    assert await _runs(services) == 1
+    await billing_delivered(services)
+    async with services.billing.store.sessions() as session:
         charges = await session.scalar(
             select(func.count()).select_from(LedgerEntry).where(LedgerEntry.kind == "run_charge")
         )

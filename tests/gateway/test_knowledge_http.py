@@ -1,4 +1,4 @@
-"""Knowledge routes over HTTP and the SDK, and a turn that searches an uploaded document (issue #6).
+"""Knowledge routes over HTTP and the SDK, and a turn that searches an uploaded document.
 
 Shapes: the SDK's `modulex/types/knowledge.py`. Owner/admin only; no organization sees
 another's documents.
@@ -14,13 +14,6 @@ from modulex import Modulex
 from modulex._exceptions import NotFoundError
 
 from tests.orchestrator.helpers import run_turn
-from tests.tools.tools_stack import tools_stack
-
-
-@pytest.fixture
-async def stack(tmp_path):
-    async with tools_stack(tmp_path) as running:
-        yield running
 
 
 def make_pdf(text: str) -> bytes:
@@ -83,13 +76,13 @@ async def _base(client: httpx.AsyncClient, name: str = "Docs") -> dict:
     return response.json()
 
 
-async def test_upload_every_supported_type_then_search_it(stack):
-    async with stack.client() as client:
+async def test_upload_every_supported_type_then_search_it(services):
+    async with services.client() as client:
         kb = await _base(client)
         assert (
             kb["status"] == "active"
             and kb["document_count"] == 0
-            and kb["organization_id"] == stack.org_id
+            and kb["organization_id"] == services.org_id
         )
         for filename, (data, media, word) in UPLOADS.items():
             response = await client.post(
@@ -128,10 +121,10 @@ async def test_upload_every_supported_type_then_search_it(stack):
 
 
 async def test_a_file_name_without_an_extension_is_read_as_txt_unless_its_media_type_says_otherwise(
-    stack,
+    services,
 ):
-    # fresh-eyes test: curl's and the SDK's default media type (application/octet-stream) was 415
-    async with stack.client() as client:
+    # curl's and the SDK's default media type (application/octet-stream) is taken, not 415
+    async with services.client() as client:
         kb = await _base(client)
         url = f"/knowledge-bases/{kb['id']}/documents"
         for name, media in (
@@ -150,9 +143,9 @@ async def test_a_file_name_without_an_extension_is_read_as_txt_unless_its_media_
         assert found["total_matches"] >= 3
 
 
-async def test_a_json_upload_with_a_lone_surrogate_escape_is_indexed_not_a_500(stack):
-    # fresh-eyes test: {"a": "\ud800"} (valid JSON) was 500 (a str no database stores)
-    async with stack.client() as client:
+async def test_a_json_upload_with_a_lone_surrogate_escape_is_indexed_not_a_500(services):
+    # {"a": "\ud800"} is valid JSON but a str no database stores: indexed, not a 500
+    async with services.client() as client:
         kb = await _base(client)
         response = await client.post(
             f"/knowledge-bases/{kb['id']}/documents",
@@ -165,8 +158,8 @@ async def test_a_json_upload_with_a_lone_surrogate_escape_is_indexed_not_a_500(s
         assert found["total_matches"] == 1 and "\ufffd" in found["matches"][0]["content"]
 
 
-async def test_unsupported_or_empty_uploads_are_refused(stack):
-    async with stack.client() as client:
+async def test_unsupported_or_empty_uploads_are_refused(services):
+    async with services.client() as client:
         kb = await _base(client)
         url = f"/knowledge-bases/{kb['id']}/documents"
         exe = await client.post(
@@ -189,8 +182,8 @@ async def test_unsupported_or_empty_uploads_are_refused(stack):
         assert missing.status_code == 404
 
 
-async def test_multi_search_ranks_across_bases_and_bad_input_is_400(stack):
-    async with stack.client() as client:
+async def test_multi_search_ranks_across_bases_and_bad_input_is_400(services):
+    async with services.client() as client:
         first, second = await _base(client, "One"), await _base(client, "Two")
         await client.post(
             f"/knowledge-bases/{first['id']}/documents",
@@ -260,11 +253,11 @@ async def test_multi_search_ranks_across_bases_and_bad_input_is_400(stack):
         assert unknown.status_code == 404
 
 
-async def test_oversized_knowledge_fields_are_400_naming_the_limit_and_nothing_is_stored(stack):
-    """Bug (user test): a knowledge base's name took 200,000 characters (only the 1 MiB body cap
-    applied). Names are at most 200 characters (the tools service's column), descriptions
-    10,000, a search query 2,048; a multi-search names at most 100 knowledge bases."""
-    async with stack.client() as client:
+async def test_oversized_knowledge_fields_are_400_naming_the_limit_and_nothing_is_stored(services):
+    """Names are at most 200 characters (the tools service's column), descriptions 10,000, a
+    search query 2,048; a multi-search names at most 100 knowledge bases. Without these limits
+    only the 1 MiB body cap applies."""
+    async with services.client() as client:
         kept = await client.post(
             "/knowledge-bases", json={"name": "n" * 200, "description": "d" * 10_000}
         )
@@ -309,10 +302,10 @@ async def test_oversized_knowledge_fields_are_400_naming_the_limit_and_nothing_i
         ]  # nothing else stored
 
 
-async def test_no_organization_sees_another_organizations_documents(stack):
-    outsider = await stack.member("owner", org_id="org_other_kb")
-    member = await stack.member("member")
-    async with stack.client() as client:
+async def test_no_organization_sees_another_organizations_documents(services):
+    outsider = await services.member("owner", org_id="org_other_kb")
+    member = await services.member("member")
+    async with services.client() as client:
         kb = await _base(client)
         doc = (
             await client.post(
@@ -320,8 +313,8 @@ async def test_no_organization_sees_another_organizations_documents(stack):
                 files={"file": ("s.txt", b"Confidential walrus plans", "text/plain")},
             )
         ).json()
-    headers = stack.headers(outsider["api_key"], "org_other_kb")
-    async with httpx.AsyncClient(base_url=stack.base_url, headers=headers) as other:
+    headers = services.headers(outsider["api_key"], "org_other_kb")
+    async with httpx.AsyncClient(base_url=services.base_url, headers=headers) as other:
         assert (await other.get("/knowledge-bases")).json() == []
         assert (
             await other.post(f"/knowledge-bases/{kb['id']}/search", json={"query": "walrus"})
@@ -341,7 +334,7 @@ async def test_no_organization_sees_another_organizations_documents(stack):
             )
         ).json()["total_matches"] == 0
     async with httpx.AsyncClient(
-        base_url=stack.base_url, headers=stack.headers(member["api_key"])
+        base_url=services.base_url, headers=services.headers(member["api_key"])
     ) as weak:
         assert (await weak.get("/knowledge-bases")).status_code == 403
         assert (
@@ -349,8 +342,10 @@ async def test_no_organization_sees_another_organizations_documents(stack):
         ).status_code == 403
 
 
-async def test_knowledge_through_the_sdk(stack, tmp_path):
-    client = Modulex(api_key=stack.api_key, organization_id=stack.org_id, base_url=stack.base_url)
+async def test_knowledge_through_the_sdk(services, tmp_path):
+    client = Modulex(
+        api_key=services.api_key, organization_id=services.org_id, base_url=services.base_url
+    )
     try:
         kb = await client.knowledge.create("SDK base", description="from the SDK")
         path = tmp_path / "facts.md"
@@ -375,8 +370,8 @@ async def test_knowledge_through_the_sdk(stack, tmp_path):
         await client.close()
 
 
-async def test_turn_searches_an_uploaded_document(stack):
-    async with stack.client() as client:
+async def test_turn_searches_an_uploaded_document(services):
+    async with services.client() as client:
         kb = await _base(client)
         upload = await client.post(
             f"/knowledge-bases/{kb['id']}/documents",
@@ -403,23 +398,23 @@ async def test_turn_searches_an_uploaded_document(stack):
     assert result["output"]["count"] == len(hits) == 1  # the short handbook is one chunk
 
 
-async def test_a_knowledge_base_names_its_creator_in_every_answer(stack):
-    """Bug (fresh-eyes test): POST /knowledge-bases answered `created_by_user_id` with the caller,
+async def test_a_knowledge_base_names_its_creator_in_every_answer(services):
+    """Bug: POST /knowledge-bases answered `created_by_user_id` with the caller,
     GET /knowledge-bases with null for the same base (the creator was not stored)."""
-    async with stack.client() as client:
+    async with services.client() as client:
         created = await client.post("/knowledge-bases", json={"name": "Handbook"})
         assert created.status_code == 201, created.text
-        assert created.json()["created_by_user_id"] == stack.user_id
+        assert created.json()["created_by_user_id"] == services.user_id
         listed = (await client.get("/knowledge-bases")).json()
         assert [(kb["id"], kb["created_by_user_id"]) for kb in listed] == [
-            (created.json()["id"], stack.user_id)
+            (created.json()["id"], services.user_id)
         ]
 
 
-async def test_the_status_filter_takes_the_sdk_statuses_and_refuses_others(stack):
+async def test_the_status_filter_takes_the_sdk_statuses_and_refuses_others(services):
     """Fifth session's leftover: `GET /knowledge-bases?status=activ` answered an empty list, as
     if the organization had no bases; a value outside the SDK's KnowledgeBaseStatus is now 400."""
-    async with stack.client() as client:
+    async with services.client() as client:
         created = await client.post("/knowledge-bases", json={"name": "Handbook"})
         assert created.status_code == 201, created.text
         active = await client.get("/knowledge-bases", params={"status": "active"})

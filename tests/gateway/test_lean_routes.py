@@ -1,5 +1,5 @@
 """The two requests of every turn (POST /assistant/chat, GET .../listen/{run_id}) are served by
-lean ASGI handlers ahead of FastAPI (services/gateway/app.py `GatewayApp`, issue 9: gateway CPU
+lean ASGI handlers ahead of FastAPI (services/gateway/hot_path.py `GatewayApp`: gateway CPU
 per turn). Rule: the wire contract is unchanged — the lean path answers every request exactly as
 the FastAPI endpoints of the same routes do (status, body, contract headers), and requests it
 does not take (another query string on listen) still get FastAPI's validation.
@@ -35,9 +35,9 @@ CONTRACT_HEADERS = (
 )
 
 
-def framework_client(stack, **headers: str) -> httpx.AsyncClient:
+def framework_client(services, **headers: str) -> httpx.AsyncClient:
     """A client of the same app through FastAPI's own routing (no lean dispatch)."""
-    app = stack.gateway.app
+    app = services.gateway.app
 
     async def through_fastapi(scope, receive, send):
         await FastAPI.__call__(app, scope, receive, send)
@@ -45,7 +45,7 @@ def framework_client(stack, **headers: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         transport=httpx.ASGITransport(app=through_fastapi),
         base_url="http://gateway",
-        headers={**stack.headers(), **headers},
+        headers={**services.headers(), **headers},
         timeout=30,
     )
 
@@ -62,9 +62,9 @@ def contract(response: httpx.Response) -> tuple[int, Any, dict[str, str]]:
     )
 
 
-def test_the_app_is_the_lean_dispatching_app(stack):
-    assert isinstance(stack.gateway.app, GatewayApp)
-    assert set(stack.gateway.app.lean) == {"start_turn", "listen"}
+def test_the_app_is_the_lean_dispatching_app(services):
+    assert isinstance(services.gateway.app, GatewayApp)
+    assert set(services.gateway.app.lean) == {"start_turn", "listen"}
 
 
 @pytest.mark.parametrize(
@@ -110,27 +110,27 @@ def test_listen_target_takes_only_plain_requests(path, query, expected):
         {"json": {"message": "x" * (2 * 1024 * 1024)}},
     ],
 )
-async def test_turn_post_errors_match_the_fastapi_endpoint(stack, request_args):
+async def test_turn_post_errors_match_the_fastapi_endpoint(services, request_args):
     args = {**request_args}
     headers = args.pop("headers", {})
-    async with stack.client() as lean, framework_client(stack) as framework:
+    async with services.client() as lean, framework_client(services) as framework:
         expected = contract(await framework.post("/assistant/chat", headers=headers, **args))
         got = contract(await lean.post("/assistant/chat", headers=headers, **args))
     assert got == expected
     assert expected[0] in (400, 401, 403, 404, 413)
 
 
-async def test_turn_body_in_many_chunks_and_declared_too_large(stack):
+async def test_turn_body_in_many_chunks_and_declared_too_large(services):
     async def chunks():
         text = b'{"message": "' + b"x" * 1000 + b'", "llm": {"integration_name": "x"}}'
         for i in range(0, len(text), 100):
             yield text[i : i + 100]
 
-    async with stack.client() as lean, framework_client(stack) as framework:
+    async with services.client() as lean, framework_client(services) as framework:
         expected = contract(await framework.post("/assistant/chat", content=chunks()))
         got = contract(await lean.post("/assistant/chat", content=chunks()))
         assert got == expected and got[0] == 400 and "llm" in got[1]["detail"]
-        too_big = str(stack.gateway.settings.max_body_bytes + 1)
+        too_big = str(services.gateway.settings.max_body_bytes + 1)
         expected = contract(
             await framework.post(
                 "/assistant/chat", content=b"{}", headers={"Content-Length": too_big}
@@ -138,8 +138,8 @@ async def test_turn_body_in_many_chunks_and_declared_too_large(stack):
         )
     assert expected[0] == 413
     # The lean path refuses on the declared length alone, before reading the body.
-    reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
-    headers = "".join(f"{k}: {v}\r\n" for k, v in stack.headers().items())
+    reader, writer = await asyncio.open_connection("127.0.0.1", services.gateway.port)
+    headers = "".join(f"{k}: {v}\r\n" for k, v in services.headers().items())
     writer.write(
         f"POST /assistant/chat HTTP/1.1\r\nHost: x\r\n{headers}"
         f"Content-Type: application/json\r\nContent-Length: {too_big}\r\n\r\n{{}}".encode()
@@ -150,12 +150,12 @@ async def test_turn_body_in_many_chunks_and_declared_too_large(stack):
     assert head.startswith(b"HTTP/1.1 413 ")
 
 
-async def test_successful_turn_and_listen_match_the_fastapi_endpoints(stack):
+async def test_successful_turn_and_listen_match_the_fastapi_endpoints(services):
     message = script(
         {"say": "Checking.", "tool": "get_available_integrations", "input": {}},
         {"say": "Done in chunks."},
     )
-    async with stack.client() as lean, framework_client(stack) as framework:
+    async with services.client() as lean, framework_client(services) as framework:
         turns = []
         for client in (framework, lean):
             response = await client.post(
@@ -208,8 +208,8 @@ async def test_successful_turn_and_listen_match_the_fastapi_endpoints(stack):
         "/assistant/chat/not-a-chat/listen/{run}",
     ],
 )
-async def test_listen_answers_match_the_fastapi_endpoint(stack, path_and_query):
-    async with stack.client() as lean, framework_client(stack) as framework:
+async def test_listen_answers_match_the_fastapi_endpoint(services, path_and_query):
+    async with services.client() as lean, framework_client(services) as framework:
         body = (
             await lean.post(
                 "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
@@ -230,18 +230,18 @@ async def test_listen_answers_match_the_fastapi_endpoint(stack, path_and_query):
         {"X-Organization-ID": ""},
     ],
 )
-async def test_listen_auth_errors_match_the_fastapi_endpoint(stack, headers):
+async def test_listen_auth_errors_match_the_fastapi_endpoint(services, headers):
     url = "/assistant/chat/c/listen/r"
-    async with stack.client() as lean, framework_client(stack) as framework:
+    async with services.client() as lean, framework_client(services) as framework:
         expected = contract(await framework.get(url, headers=headers))
         got = contract(await lean.get(url, headers=headers))
     assert got == expected and got[0] in (400, 401)
 
 
-async def test_stream_responses_leave_the_connection_header_to_the_server(stack):
-    # fresh-eyes test: an HTTP/1.0 listener got "connection: keep-alive" (ours) and
-    # "connection: close" (uvicorn's) in one response
-    async with stack.client() as client:
+async def test_stream_responses_leave_the_connection_header_to_the_server(services):
+    # uvicorn sets the connection header; setting ours too gives an HTTP/1.0 listener
+    # "connection: keep-alive" and "connection: close" in one response
+    async with services.client() as client:
         body = (
             await client.post(
                 "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}

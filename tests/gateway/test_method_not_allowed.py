@@ -1,5 +1,5 @@
-"""A 405's `Allow` header lists every method the path supports (RFC 9110 section 15.5.6; security
-tester: `OPTIONS /credentials` answered `Allow: POST` although GET /credentials exists)."""
+"""A 405's `Allow` header lists every method the path supports (RFC 9110 section 15.5.6): e.g.
+`OPTIONS /credentials` lists GET as well as POST."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 
-async def _document(stack) -> dict[str, Any]:
-    async with stack.client() as client:
+async def _document(services) -> dict[str, Any]:
+    async with services.client() as client:
         response = await client.get("/openapi.json")
     assert response.status_code == 200
     return response.json()
@@ -40,11 +40,11 @@ def _methods_at(document: dict[str, Any], path: str) -> set[str]:
         "/credentials/mcp-server",
     ],
 )
-async def test_a_405_allow_header_lists_every_method_of_the_path(stack, path):
-    document = await _document(stack)
+async def test_a_405_allow_header_lists_every_method_of_the_path(services, path):
+    document = await _document(services)
     expected = _methods_at(document, path)
     assert len(expected) >= 2, path
-    async with stack.client() as client:
+    async with services.client() as client:
         for method in ("OPTIONS", "PATCH"):
             response = await client.request(method, path)
             assert response.status_code == 405, (method, path, response.text)
@@ -56,9 +56,9 @@ async def test_a_405_allow_header_lists_every_method_of_the_path(stack, path):
             )
 
 
-async def test_every_documented_path_answers_405_with_all_its_methods(stack):
-    document = await _document(stack)
-    async with stack.client() as client:
+async def test_every_documented_path_answers_405_with_all_its_methods(services):
+    document = await _document(services)
+    async with services.client() as client:
         for template in document["paths"]:
             path = _concrete(template)
             expected = _methods_at(document, path)

@@ -1,9 +1,9 @@
-"""U+0000 in text the API stores: the same answer on SQLite and PostgreSQL (fresh-eyes test).
+"""U+0000 in text the API stores: the same answer on SQLite and PostgreSQL.
 
-PostgreSQL's text types cannot hold U+0000: `POST /assistant/chat` with "hi\\u0000there" was
-a 500 there (asyncpg CharacterNotInRepertoireError writing the chat title) and a 200 on SQLite.
-Every JSON body goes through `services.gateway.app.json_object`, which now refuses a string
-holding U+0000 with a 400; query parameters that reach a text column say the same.
+PostgreSQL's text types cannot hold U+0000: `POST /assistant/chat` with "hi\\u0000there" would
+be a 500 there (asyncpg CharacterNotInRepertoireError writing the chat title) and a 200 on
+SQLite. Every JSON body goes through `services.gateway.bodies.json_object`, which refuses a
+string holding U+0000 with a 400; query parameters that reach a text column say the same.
 """
 
 from __future__ import annotations
@@ -12,21 +12,14 @@ import pytest
 
 from services.gateway.bodies import json_object
 from services.gateway.errors import BodyError
-from tests.tools.tools_stack import tools_stack
 
 NUL_MESSAGE = (
     "Request body contains a NUL character (\\u0000) in a string; text fields cannot hold it"
 )
 
 
-@pytest.fixture
-async def stack(tmp_path):
-    async with tools_stack(tmp_path) as running:
-        yield running
-
-
-async def test_a_turn_whose_message_holds_nul_is_400_and_nothing_is_written_or_charged(stack):
-    async with stack.client() as client:
+async def test_a_turn_whose_message_holds_nul_is_400_and_nothing_is_written_or_charged(services):
+    async with services.client() as client:
         refused = await client.post(
             "/assistant/chat",
             content=b'{"message": "hi\\u0000there"}',
@@ -64,10 +57,10 @@ def test_json_object_refuses_nul_in_any_string_or_key(body):
         ("GET", "/assistant/chat/x%00/listen/y"),
     ],
 )
-async def test_a_nul_in_a_path_or_query_value_is_400(stack, method, url):
-    """Bug (fresh-eyes re-test): on PostgreSQL these were 500 (the tools service's WHERE clause got
+async def test_a_nul_in_a_path_or_query_value_is_400(services, method, url):
+    """Bug: on PostgreSQL these were 500 (the tools service's WHERE clause got
     the NUL), on SQLite 404 or 200. Now every route answers 400 before anything is looked up."""
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.request(method, url)
     assert response.status_code == 400, response.text
     assert response.json() == {

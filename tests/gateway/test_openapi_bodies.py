@@ -1,6 +1,6 @@
-"""The OpenAPI document declares the request body of every route that reads one (security tester,
-schemathesis: routes reading their JSON body by hand declared none, so a generated client sent none
-and got 400), with the fields, types, limits and required fields the handler enforces."""
+"""The OpenAPI document declares the request body of every route that reads one, including routes
+reading their JSON body by hand (else a generated client, e.g. schemathesis, sends none and gets
+400), with the fields, types, limits and required fields the handler enforces."""
 
 from __future__ import annotations
 
@@ -29,18 +29,18 @@ JSON_BODY_ROUTES = {
 }
 
 
-async def _document(stack) -> dict[str, Any]:
-    async with stack.client() as client:
+async def _document(services) -> dict[str, Any]:
+    async with services.client() as client:
         response = await client.get("/openapi.json")
     assert response.status_code == 200
     return response.json()
 
 
-def _routes(stack) -> list[Any]:
+def _routes(services) -> list[Any]:
     """Every documented route, also those of included routers (FastAPI keeps those apart)."""
     return [
         r
-        for r in iter_route_contexts(stack.gateway.app.routes)
+        for r in iter_route_contexts(services.gateway.app.routes)
         if isinstance(r.original_route, APIRoute) and r.include_in_schema
     ]
 
@@ -69,10 +69,10 @@ def _body_schema(
     return body["content"][media]["schema"]
 
 
-async def test_every_route_that_reads_a_json_body_declares_it_with_its_fields(stack):
-    document = await _document(stack)
+async def test_every_route_that_reads_a_json_body_declares_it_with_its_fields(services):
+    document = await _document(services)
     readers = set()
-    for route in _routes(stack):
+    for route in _routes(services):
         source = inspect.getsource(route.endpoint)
         if any(reader in source for reader in JSON_READERS):
             readers |= {(method, route.path_format) for method in route.methods}
@@ -84,7 +84,7 @@ async def test_every_route_that_reads_a_json_body_declares_it_with_its_fields(st
             path,
         )
         endpoint = next(
-            r.endpoint for r in _routes(stack) if r.path_format == path and method in r.methods
+            r.endpoint for r in _routes(services) if r.path_format == path and method in r.methods
         )
         allowed = _allowed_fields(endpoint)
         if (
@@ -94,16 +94,16 @@ async def test_every_route_that_reads_a_json_body_declares_it_with_its_fields(st
         assert set(schema.get("required", ())) <= set(schema["properties"]), (method, path)
 
 
-async def test_the_document_upload_declares_its_multipart_body(stack):
-    document = await _document(stack)
+async def test_the_document_upload_declares_its_multipart_body(services):
+    document = await _document(services)
     schema = _body_schema(
         document, "POST", "/knowledge-bases/{knowledge_base_id}/documents", "multipart/form-data"
     )
     assert schema["required"] == ["file"] and "file" in schema["properties"]
 
 
-async def test_post_credentials_schema_lists_its_fields_types_limits_and_required_ones(stack):
-    schema = _body_schema(await _document(stack), "POST", "/credentials")
+async def test_post_credentials_schema_lists_its_fields_types_limits_and_required_ones(services):
+    schema = _body_schema(await _document(services), "POST", "/credentials")
     props = schema["properties"]
     assert set(props) == {
         "integration_name",
@@ -237,9 +237,9 @@ CASES = [
 TOOLS_SERVICE_400S = ("ntegration", "server_url refused")
 
 
-async def test_the_body_schemas_refuse_exactly_what_the_handlers_refuse(stack):
-    document = await _document(stack)
-    async with stack.client() as client:
+async def test_the_body_schemas_refuse_exactly_what_the_handlers_refuse(services):
+    document = await _document(services)
+    async with services.client() as client:
         kb = (await client.post("/knowledge-bases", json={"name": "kb"})).json()["id"]
         for path, body, accepted in CASES:
             schema = _body_schema(document, "POST", path.replace("{kb}", "{knowledge_base_id}"))

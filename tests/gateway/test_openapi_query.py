@@ -1,6 +1,6 @@
-"""The OpenAPI document declares the query parameters' real bounds and values (security tester,
-schemathesis: `?limit=-128` and `?status=` were allowed by the document, 400 by the server; the
-bounds were written as pydantic's `ge`/`le`, which JSON Schema ignores)."""
+"""The OpenAPI document declares the query parameters' real bounds and values, so a generated
+client (e.g. schemathesis) is not allowed `?limit=-128` or `?status=` that the server answers
+400; bounds are JSON Schema's own, not pydantic's `ge`/`le`, which JSON Schema ignores."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import jsonschema
 
 
-async def _document(stack) -> dict[str, Any]:
-    async with stack.client() as client:
+async def _document(services) -> dict[str, Any]:
+    async with services.client() as client:
         response = await client.get("/openapi.json")
     assert response.status_code == 200
     return response.json()
@@ -30,8 +30,8 @@ def _walk(node: Any):  # noqa: ANN202
             yield from _walk(value)
 
 
-async def test_integer_query_bounds_are_json_schema_keywords(stack):
-    document = await _document(stack)
+async def test_integer_query_bounds_are_json_schema_keywords(services):
+    document = await _document(services)
     for node in _walk(document):
         if node.get("type") in ("integer", "number"):
             assert not {"ge", "le", "gt", "lt"} & set(node), (
@@ -47,15 +47,15 @@ async def test_integer_query_bounds_are_json_schema_keywords(stack):
     assert (chats["limit"]["minimum"], chats["limit"]["maximum"]) == (1, 100)
 
 
-async def test_enum_query_filters_declare_their_values_and_the_server_agrees(stack):
-    document = await _document(stack)
+async def test_enum_query_filters_declare_their_values_and_the_server_agrees(services):
+    document = await _document(services)
     kb_status = {
         p["name"]: p["schema"] for p in document["paths"]["/knowledge-bases"]["get"]["parameters"]
     }["status"]
     auth_type = {
         p["name"]: p["schema"] for p in document["paths"]["/credentials"]["get"]["parameters"]
     }["auth_type"]
-    async with stack.client() as client:
+    async with services.client() as client:
         for path, name, schema, values in (
             ("/knowledge-bases", "status", kb_status, ["", "active", "archived", "nope", "ACTIVE"]),
             ("/credentials", "auth_type", auth_type, ["", "api_key", "bearer_token", "nope"]),
@@ -88,12 +88,12 @@ async def test_enum_query_filters_declare_their_values_and_the_server_agrees(sta
                 )
 
 
-async def test_the_oauth2_callback_declares_state_required_and_its_other_parameters_once(stack):
-    document = await _document(stack)
+async def test_the_oauth2_callback_declares_state_required_and_its_other_parameters_once(services):
+    document = await _document(services)
     params = document["paths"]["/credentials/oauth2/callback"]["get"]["parameters"]
     assert [p["name"] for p in params] == ["state", "code", "error", "error_description"]
     assert [p["required"] for p in params] == [True, False, False, False]
-    async with stack.client() as client:
+    async with services.client() as client:
         for query in (
             {},
             {"state": ""},

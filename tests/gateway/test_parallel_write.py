@@ -234,9 +234,9 @@ async def _frames(reader: asyncio.StreamReader) -> list[dict[str, Any]]:
 
 
 async def test_listeners_of_parallel_rounds_each_get_every_frame_in_order_even_one_not_reading(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    fanout = stack.gateway.app.state.fanout
+    fanout = services.gateway.app.state.fanout
     assert fanout._writer is not None
     fanout._writer.threads = max(
         fanout._writer.threads, 1
@@ -255,14 +255,14 @@ async def test_listeners_of_parallel_rounds_each_get_every_frame_in_order_even_o
         {"tool": "get_available_integrations", "input": {}, "sleep_ms": 2500},
         {"say": words, "chunks": 40},
     )
-    async with stack.client() as client:
+    async with services.client() as client:
         started = (await client.post("/assistant/chat", json={"message": message})).json()
-    headers = stack.headers()
+    headers = services.headers()
     listeners = [
-        await _get_stream(stack.gateway.port, started["stream_url"], headers) for _ in range(150)
+        await _get_stream(services.gateway.port, started["stream_url"], headers) for _ in range(150)
     ]
     slow_reader, slow_writer = await _get_stream(
-        stack.gateway.port, started["stream_url"], headers, rcvbuf=4096
+        services.gateway.port, started["stream_url"], headers, rcvbuf=4096
     )
     slow_port = slow_writer.get_extra_info("sockname")[1]
     hub = next(iter(fanout._hubs.values()))

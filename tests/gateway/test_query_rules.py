@@ -1,8 +1,8 @@
 """Query strings: integers as digits only, booleans as true/false, one value per parameter
 (services/gateway/query.py).
 
-Fresh-eyes test: `?after=1_0` streamed from frame 10 (pydantic's lax int also reads "+1",
-" 1", "1.0") and `?after=3&after=5` from frame 5 (FastAPI takes the last value).
+So `?after=1_0` is refused, not read as 10 (pydantic's lax int also reads "+1", " 1",
+"1.0"), and `?after=3&after=5` is refused, not read as 5 (FastAPI takes the last value).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ ROUTES = [
 
 
 @pytest.mark.parametrize("written", ["1_0", "+1", " 1", "1.0", "0x1", "1e1", "\uff11", ""])
-async def test_an_integer_query_parameter_is_decimal_digits_only(stack, written):
-    async with stack.client() as client:
+async def test_an_integer_query_parameter_is_decimal_digits_only(services, written):
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "one two three"})
         for path, name in ROUTES:
             response = await client.get(
@@ -36,8 +36,8 @@ async def test_an_integer_query_parameter_is_decimal_digits_only(stack, written)
             }
 
 
-async def test_digits_still_work_and_a_negative_number_gets_its_range_error(stack):
-    async with stack.client() as client:
+async def test_digits_still_work_and_a_negative_number_gets_its_range_error(services):
+    async with services.client() as client:
         body, frames = await run_turn(client, {"say": "one two three"})
         for path, name in ROUTES:
             url = path.format(chat=body["chat_id"], run=body["run_id"])
@@ -50,8 +50,8 @@ async def test_digits_still_work_and_a_negative_number_gets_its_range_error(stac
         assert replay.text.count("data: ") == len(frames) - 2
 
 
-async def test_a_query_parameter_given_twice_is_400_naming_it(stack):
-    async with stack.client() as client:
+async def test_a_query_parameter_given_twice_is_400_naming_it(services):
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "one two three"})
         for url, name in [
             (f"{body['stream_url']}?after=3&after=5", "after"),
@@ -70,9 +70,9 @@ async def test_a_query_parameter_given_twice_is_400_naming_it(stack):
 
 
 @pytest.mark.parametrize("written", ["yes", "1", "on", "True", "t", "no", "0", ""])
-async def test_a_boolean_query_parameter_is_true_or_false_only(stack, written):
-    # fresh-eyes test: DELETE /assistant/chat/{id}?permanent=yes deleted the chat for good
-    async with stack.client() as client:
+async def test_a_boolean_query_parameter_is_true_or_false_only(services, written):
+    # a lax boolean (?permanent=yes) must not delete a chat for good: only true or false
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "one two three"})
         deleted = await client.delete(
             f"/assistant/chat/{body['chat_id']}", params={"permanent": written}

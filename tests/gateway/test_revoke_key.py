@@ -1,4 +1,4 @@
-"""API keys can be revoked (fresh-eyes test: there was no way to, short of editing the database)."""
+"""API keys can be revoked."""
 
 from __future__ import annotations
 
@@ -14,25 +14,27 @@ from services.gateway import identity
 from services.gateway.identity import Authenticator, AuthError
 
 
-async def test_a_revoked_key_is_refused(stack):
-    member = await stack.member("admin")
-    auth = Authenticator(stack.gateway.sessions, ttl_s=30.0)
+async def test_a_revoked_key_is_refused(services):
+    member = await services.member("admin")
+    auth = Authenticator(services.gateway.sessions, ttl_s=30.0)
     header = f"Bearer {member['api_key']}"
-    assert (await auth.authenticate(header, stack.org_id)).user_id == member["user_id"]
-    revoked = await identity.revoke_key(stack.gateway.sessions, key_id=member["key_id"])
+    assert (await auth.authenticate(header, services.org_id)).user_id == member["user_id"]
+    revoked = await identity.revoke_key(services.gateway.sessions, key_id=member["key_id"])
     assert revoked["key_id"] == member["key_id"] and revoked["user_id"] == member["user_id"]
     again = await identity.revoke_key(
-        stack.gateway.sessions, key=member["api_key"]
+        services.gateway.sessions, key=member["api_key"]
     )  # by the key itself: same, idempotent
     assert again == revoked
-    fresh = Authenticator(stack.gateway.sessions, ttl_s=30.0)  # a gateway whose cache has expired
+    fresh = Authenticator(
+        services.gateway.sessions, ttl_s=30.0
+    )  # a gateway whose cache has expired
     try:
-        await fresh.authenticate(header, stack.org_id)
+        await fresh.authenticate(header, services.org_id)
     except AuthError as error:
         assert error.status == 401
     else:
         raise AssertionError("a revoked key was accepted")
-    assert await identity.revoke_key(stack.gateway.sessions, key_id="key_nope") is None
+    assert await identity.revoke_key(services.gateway.sessions, key_id="key_nope") is None
 
 
 def test_revoke_key_command(tmp_path):
@@ -78,7 +80,7 @@ def test_revoke_key_command(tmp_path):
 
 
 def test_add_member_refuses_an_unusable_organization_id(tmp_path):
-    # second fresh-eyes test: "" and a 20,000-character id each created an organization
+    # "" or a 20,000-character id creates no organization
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)}
     subprocess.run(
         [sys.executable, "-m", "services.gateway", "seed-dev"],
@@ -93,7 +95,7 @@ def test_add_member_refuses_an_unusable_organization_id(tmp_path):
         "two words",
         "org_ü",
         "org\u00a0x",
-    ):  # fresh-eyes test: org_ü was created, then unreachable
+    ):  # an id the API could never reach (org_ü) is refused
         result = subprocess.run(
             [
                 sys.executable,
@@ -142,8 +144,9 @@ def _command(env: dict[str, str]):
 
 
 def test_a_taken_email_and_an_empty_key_are_json_errors(tmp_path):
-    """Bugs (user test): add-member with an email that already exists printed sqlalchemy's
-    IntegrityError traceback; revoke-key with nothing on standard input said "no such API key"."""
+    """add-member with an email that already exists, and revoke-key with nothing on standard
+    input, answer a JSON error saying so: not sqlalchemy's IntegrityError traceback, nor "no such
+    API key"."""
     gateway = _command({**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)})
     org = json.loads(gateway("seed-dev").stdout)["organization_id"]
     for email in (
@@ -213,10 +216,9 @@ def test_any_unique_conflict_of_an_admin_command_is_a_json_error(tmp_path, capsy
 
 
 def test_a_short_dev_key_is_refused_and_a_listed_prefix_is_never_the_whole_key(tmp_path):
-    """Bug (user test): LOOPLINE_DEV_API_KEY=devkey was accepted and list-keys then showed
-    `"prefix": "devkey"`, the whole key. seed-dev now refuses a dev key under 20 characters (or
-    with spaces or non-ASCII characters) before writing anything, a stored prefix is at most a
-    quarter of its key, and a row stored before that rule is never listed whole."""
+    """seed-dev refuses a dev key under 20 characters (or with spaces or non-ASCII characters)
+    before writing anything, a stored prefix is at most a quarter of its key, and an older row
+    with a longer prefix is never listed whole: list-keys must not show a whole key (`devkey`)."""
     gateway = _command({**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path)})
     for bad in ("devkey", "x" * 19, "a dev key with spaces in it", "dev-key-with-ümlaut-123"):
         refused = gateway("seed-dev", LOOPLINE_DEV_API_KEY=bad)

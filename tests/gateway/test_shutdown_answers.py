@@ -11,8 +11,8 @@ from tests.conftest import start_stack
 async def test_a_turn_start_still_unanswered_when_the_grace_runs_out_is_503_json_with_retry_after(
     tmp_path, monkeypatch
 ):
-    """Fresh-eyes re-test: with the orchestrator stalled, a POST in flight when the gateway
-    stopped got uvicorn's `500 text/plain Internal Server Error` once the grace ran out."""
+    """With the orchestrator stalled, a POST in flight when the gateway stops is answered 503
+    JSON with Retry-After once the grace runs out, not uvicorn's plain-text 500."""
     stalled = asyncio.Event()
 
     async def start_turn(self, request, context):  # noqa: ANN001

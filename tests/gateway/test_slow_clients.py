@@ -48,8 +48,8 @@ async def _stack(tmp_path, **gateway: Any) -> AsyncIterator[Stack]:
         await stop_stack(running)
 
 
-def _port(stack: Stack) -> int:
-    return stack.gateway.port
+def _port(services: Stack) -> int:
+    return services.gateway.port
 
 
 async def _exchange(port: int, raw: bytes, timeout: float = 10.0) -> bytes:
@@ -109,38 +109,38 @@ def _request(
 
 
 async def test_too_many_header_fields_are_431_before_authentication_and_the_connection_is_closed(
-    stack,
+    services,
 ):
     many = "".join(f"X-Filler-{i}: {i}\r\n" for i in range(150))  # the default allows 100
     raw = await _exchange(
-        _port(stack), _request("GET", "/assistant/chats", extra=many)
+        _port(services), _request("GET", "/assistant/chats", extra=many)
     )  # no API key: would be 401
     assert _status(raw) == 431
     assert _headers(raw)["connection"] == "close"
     assert "too many header fields" in _body(raw)["detail"]
-    # 10,000 of them (the security test's count): the same, without taking them all in
+    # 10,000 of them: the same, without taking them all in
     raw = await _exchange(
-        _port(stack),
+        _port(services),
         _request("GET", "/healthz", extra="".join(f"X-{i}: {i}\r\n" for i in range(10_000))),
     )
     assert _status(raw) == 431
 
 
-async def test_header_fields_too_large_are_431_and_the_connection_is_closed(stack):
+async def test_header_fields_too_large_are_431_and_the_connection_is_closed(services):
     raw = await _exchange(
-        _port(stack), _request("GET", "/healthz", extra=f"X-Big: {'a' * (1 << 20)}\r\n")
+        _port(services), _request("GET", "/healthz", extra=f"X-Big: {'a' * (1 << 20)}\r\n")
     )  # one 1 MiB field
     assert _status(raw) == 431 and _headers(raw)["connection"] == "close"
     assert "65536 bytes" in _body(raw)["detail"]
     # one that never ends (no line end, no blank line) is refused as soon as it passes the limit
-    reader, writer = await asyncio.open_connection("127.0.0.1", _port(stack))
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(services))
     writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: " + b"b" * 70_000)
     await writer.drain()
     raw = await _read_to_end(reader, 5)
     writer.close()
     assert _status(raw) == 431
     # a head just under the limit is served
-    async with stack.client() as client:
+    async with services.client() as client:
         assert (await client.get("/healthz", headers={"X-Big": "c" * 60_000})).status_code == 200
 
 
@@ -503,22 +503,22 @@ async def test_leaving_replays_of_an_ended_run_early_leaves_no_memory_behind(tmp
         hubs_after, after = await settled()
         assert hubs_after <= hubs_before
         assert not fanout._listens
-        # before the fix: +50 MB (~100 KB a replay: the message being read); since, within +-2 MB
+        # a leak shows as ~+50 MB (~100 KB a replay: the message being read); normal is +-2 MB
         assert after - before < 3_000_000, (
             f"the C heap grew by {after - before:,} bytes over 500 replays"
         )
 
 
-async def test_a_chunked_bodys_trailer_fields_count_against_the_heads_limits(stack):
+async def test_a_chunked_bodys_trailer_fields_count_against_the_heads_limits(services):
     # trailers must not be added to the request's headers without bound (100 MB of them would take
     # the gateway from 96 MB to 1.6 GB, before authentication)
     head = (
         b"POST /assistant/chat HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"1\r\na\r\n0\r\n"
     )
-    many = await _exchange(_port(stack), head + b"X-T: y\r\n" * 5_000 + b"\r\n")
+    many = await _exchange(_port(services), head + b"X-T: y\r\n" * 5_000 + b"\r\n")
     assert many == b"" or _status(many) != 200, many[:200]  # closed: no request came of it
-    reader, writer = await asyncio.open_connection("127.0.0.1", _port(stack))
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(services))
     try:
         writer.write(head + b"X-T: ")
         for _ in range(64):  # one endless trailer line, 4 MiB
@@ -533,12 +533,12 @@ async def test_a_chunked_bodys_trailer_fields_count_against_the_heads_limits(sta
     assert b"200 OK" not in closed
 
 
-async def test_a_client_that_pipelines_too_far_ahead_is_closed(stack):
+async def test_a_client_that_pipelines_too_far_ahead_is_closed(services):
     # pipelined requests on a connection that reads nothing must not all be parsed and queued
     # (~2.5 KB each: 200,000 of them would take the gateway from 125 to 609 MB)
-    raw = await _exchange(_port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2_000)
+    raw = await _exchange(_port(services), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2_000)
     assert raw.count(b"HTTP/1.1 200") <= http_limits.MAX_PIPELINED + 1, raw.count(b"HTTP/1.1 200")
     ok = await _exchange(
-        _port(stack), b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" * 1
+        _port(services), b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" * 1
     )
     assert _status(ok) == 200  # a normal client is served

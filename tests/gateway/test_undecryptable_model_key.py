@@ -1,13 +1,11 @@
 """A model key (bring your own key) that the tools service can no longer decrypt: the credential key
 was changed without keeping the old one (README, "Changing the key").
 
-Tester: the turn answered 503 "Service temporarily unavailable; try again" with Retry-After, every
-time (the tools service logged an "unhandled error" with a traceback, the orchestrator turned it
-into TOOLS_UNAVAILABLE). Retrying never helps: only an operator listing the old key again, or the
-credential connected again, does. Rule: 409 (the error table's status for a state the client's
-request cannot succeed in, as MCP discovery of such a server answers) naming the credential and
-the fix, no Retry-After, nothing written, nothing charged (the model is resolved before billing's
-Admit), one WARNING in the tools service and no error logged anywhere.
+Retrying never helps (so not 503 TOOLS_UNAVAILABLE with Retry-After): only an operator listing
+the old key again, or the credential connected again, does. Rule: 409 (the error table's status
+for a state the client's request cannot succeed in, as MCP discovery of such a server answers)
+naming the credential and the fix, no Retry-After, nothing written, nothing charged (the model
+is resolved before billing's Admit), one WARNING in the tools service and no error logged.
 """
 
 from __future__ import annotations
@@ -27,32 +25,40 @@ OPENAI = {"integration_name": "openai", "provider_id": "openai", "model_id": "gp
 MODEL_KEY = "sk-byok-never-shown-0123456789"
 
 
-async def _restart_tools_with_only(stack, key: str) -> None:
+async def _restart_tools_with_only(services, key: str) -> None:
     """Restart the tools service on its port (same database) with `key` as its only credential
     key."""
-    settings = stack.tools.servicer.executor.settings.model_copy(
-        update={"tools_credential_key": key, "tools_port": stack.tools.port, "auto_migrate": False}
+    settings = services.tools.servicer.executor.settings.model_copy(
+        update={
+            "tools_credential_key": key,
+            "tools_port": services.tools.port,
+            "auto_migrate": False,
+        }
     )
-    await stack.tools.stop(0)
-    stack.tools = await ToolsServer.start(settings)
+    await services.tools.stop(0)
+    services.tools = await ToolsServer.start(settings)
 
 
-async def _counts(stack) -> tuple[int, int, int, int]:
+async def _counts(services) -> tuple[int, int, int, int]:
     """(chats, runs of the orchestrator; reservations, ledger entries of billing) of the stack's
     organization."""
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         chats = await session.scalar(
-            select(func.count()).select_from(Chat).where(Chat.organization_id == stack.org_id)
+            select(func.count()).select_from(Chat).where(Chat.organization_id == services.org_id)
         )
         runs = await session.scalar(
-            select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id)
+            select(func.count()).select_from(Run).where(Run.organization_id == services.org_id)
         )
-    async with stack.billing.store.sessions() as session:
+    async with services.billing.store.sessions() as session:
         reservations = await session.scalar(
-            select(func.count()).select_from(Reservation).where(Reservation.org_id == stack.org_id)
+            select(func.count())
+            .select_from(Reservation)
+            .where(Reservation.org_id == services.org_id)
         )
         ledger = await session.scalar(
-            select(func.count()).select_from(LedgerEntry).where(LedgerEntry.org_id == stack.org_id)
+            select(func.count())
+            .select_from(LedgerEntry)
+            .where(LedgerEntry.org_id == services.org_id)
         )
     return chats, runs, reservations, ledger
 
@@ -67,9 +73,9 @@ def _assert_names_the_credential_and_the_fix(response, credential_id: str) -> No
 
 
 async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_written_or_charged(
-    stack, caplog
+    services, caplog
 ):
-    async with stack.client() as client:
+    async with services.client() as client:
         # a question pending on a chat (scripted model), before the organization picks a default
         asked, frames = await run_turn(
             client, {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Go?"}}
@@ -85,11 +91,11 @@ async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_
         )
         assert saved.status_code == 200, saved.text
         await billing_delivered(
-            stack
+            services
         )  # the question's turn's token usage (stored with its end) is with billing
-        before = await _counts(stack)
+        before = await _counts(services)
 
-        await _restart_tools_with_only(stack, Fernet.generate_key().decode())
+        await _restart_tools_with_only(services, Fernet.generate_key().decode())
         caplog.clear()
         caplog.set_level(logging.WARNING)
 
@@ -128,9 +134,9 @@ async def test_a_model_key_no_listed_key_decrypts_is_409_naming_it_with_nothing_
 
         status = (await client.get(f"/assistant/chat/{asked['chat_id']}/status")).json()
         assert status["awaiting_input"] is True and status["pending_request_id"] == request_id
-        async with stack.orchestrator.servicer.sessions() as session:
+        async with services.orchestrator.servicer.sessions() as session:
             assert (await session.get(Interrupt, request_id)).outcome == "pending"
-        assert await _counts(stack) == before  # no chat, run, reservation or charge
+        assert await _counts(services) == before  # no chat, run, reservation or charge
         # a turn that needs no stored key still runs
         scripted = await client.post("/assistant/chat", json={"message": "hi", "llm": SCRIPTED})
         assert scripted.status_code == 200, scripted.text

@@ -1,10 +1,9 @@
 """Failures no route handles get the documented `{"detail": ...}` shape, never a plain-text 500.
 
-Regression (found by a new-user test on PostgreSQL with replicas): when PostgreSQL refused
-connections ("sorry, too many clients already"), `POST /assistant/chat` answered a plain-text
-`Internal Server Error`. A database that cannot be reached or is full is now 503 with
-Retry-After (retryable), anything else 500 `{"detail": "Internal server error"}`, on the lean
-routes and on FastAPI's alike; the gRPC servicers answer UNAVAILABLE for the same causes.
+A database that cannot be reached or is full (PostgreSQL's "sorry, too many clients already")
+is 503 with Retry-After (retryable), anything else 500 `{"detail": "Internal server error"}`, on
+the lean routes and on FastAPI's alike; the gRPC servicers answer UNAVAILABLE for the same
+causes.
 """
 
 from __future__ import annotations
@@ -67,13 +66,13 @@ def _nul() -> exc.DBAPIError:
     ],
 )
 async def test_turn_post_and_settings_get_answer_json_when_the_database_fails(
-    stack, monkeypatch, caplog, failure, status
+    services, monkeypatch, caplog, failure, status
 ):
     async def broken(*_args, **_kwargs):
         raise failure()
 
-    monkeypatch.setattr(stack.gateway.default_models, "get", broken)
-    async with stack.client() as client:
+    monkeypatch.setattr(services.gateway.default_models, "get", broken)
+    async with services.client() as client:
         lean = await client.post(
             "/assistant/chat", json={"message": "hello"}
         )  # the lean route (default model lookup)
@@ -141,8 +140,8 @@ async def test_servicers_answer_unavailable_when_the_database_is_full():
 
 
 def test_an_unavailable_redis_is_named_as_redis_not_as_the_database(caplog):
-    """Fresh-eyes test (scale-out): billing logged a Redis outage as "database unavailable" with
-    the reason DATABASE_UNAVAILABLE, sending an operator to look at PostgreSQL."""
+    """A Redis outage is logged and reported as Redis, not as "database unavailable" with
+    DATABASE_UNAVAILABLE, which would send an operator to look at PostgreSQL."""
     import redis.exceptions
 
     down = redis.exceptions.ConnectionError(
@@ -183,8 +182,8 @@ async def test_servicers_name_the_store_that_is_unavailable_in_the_log_and_the_r
 async def test_an_unhandled_error_answers_a_generic_message_with_error_info_never_its_own_text(
     failure,
 ):
-    """Fresh-eyes test (gRPC user): an unhandled error reached grpc, which answered UNKNOWN
-    "Unexpected <class ...>: [SQL: SELECT ...] [parameters: ...]" without an ErrorInfo."""
+    """An unhandled error is answered by the servicer with an ErrorInfo and a generic message;
+    left to grpc it would be UNKNOWN "Unexpected <class ...>: [SQL: ...] [parameters: ...]"."""
     from services.common.errors import BILLING_DOMAIN
 
     context = await _abort_of(failure, domain=BILLING_DOMAIN)
@@ -221,9 +220,9 @@ async def test_a_value_the_database_cannot_store_is_invalid_argument(failure):
 
 
 async def test_a_transaction_that_lost_a_race_is_aborted_to_be_sent_again():
-    """Fresh-eyes test (re-test): a resume and a cancel sent together on PostgreSQL deadlocked and
-    one answered 500; the lock order is fixed (orchestrator `_lock_chat`), and any deadlock or
-    serialization failure left is ABORTED CONCURRENT_UPDATE (the gateway's 409), not a 500."""
+    """A deadlock or serialization failure (e.g. a resume and a cancel sent together on
+    PostgreSQL; the lock order is fixed by the orchestrator's `lock_chat`) is ABORTED
+    CONCURRENT_UPDATE (the gateway's 409, to be sent again), not a 500."""
     for cause in (
         asyncpg.exceptions.DeadlockDetectedError("deadlock detected"),
         asyncpg.exceptions.SerializationError("could not serialize access"),

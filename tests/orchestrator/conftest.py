@@ -12,7 +12,7 @@ from tests.scale.conftest import _reachable
 
 
 @pytest.fixture
-async def redis_stack(tmp_path):
+async def services_with_redis_events(tmp_path):
     """The four services with the orchestrator's run events in Redis (its own key prefix)."""
     target = urlsplit(redis_url())
     if not _reachable(target.hostname or "127.0.0.1", target.port or 6379):

@@ -43,16 +43,16 @@ async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> 
         await asyncio.sleep(interval)
 
 
-async def billing_delivered(stack, timeout: float = 10.0) -> None:
+async def billing_delivered(services, timeout: float = 10.0) -> None:
     """Wait until the billing calls the stack's turns stored are with billing: the run charges
     stored with their starts and the usage stored with their ends (the orchestrator's
-    `billing_redeliveries` is empty; usage.py sends them ~0.2 s after they were committed)."""
+    `billing_redeliveries` is empty; `StoredBatches` sends them ~0.2 s after their commit)."""
     from sqlalchemy import func, select
 
     from services.orchestrator.models import BillingRedelivery
 
     async def empty() -> bool:
-        async with stack.orchestrator.runner.sessions() as session:
+        async with services.orchestrator.runner.sessions() as session:
             return not await session.scalar(select(func.count()).select_from(BillingRedelivery))
 
     await wait_for(empty, timeout=timeout)

@@ -1,12 +1,11 @@
 """The run's events archived after its end (a durable event log: Redis) — the end is final.
 
-Regression (found reading the run's finish): on a durable event log the archive is a
-transaction of its own after the run's end is stored and published. When it failed (a
-database blip), the run's finish fell back to `_finish_minimal`: the run stored as `failed`
-over its real outcome, and `error` + `done` published again after the stream's `done` — two
-terminal outcomes for one run, and the archive never written (the Redis copy expires after
-LOOPLINE_RUN_EVENTS_TTL_S). Now the end stands, the archive is tried again in the background
-until it is written, and a cancel answers once the end is stored, not after the archive.
+On a durable event log the archive is a transaction of its own after the run's end is stored
+and published. When it fails (a database blip), the end stands: the run is not stored as
+`failed` over its real outcome with `error` + `done` published after the stream's `done` (two
+terminal outcomes for one run). The archive is tried again in the background until it is
+written (the Redis copy expires after LOOPLINE_RUN_EVENTS_TTL_S), and a cancel answers once
+the end is stored, not after the archive.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ def _fail_first_archive(monkeypatch, runner) -> list[str]:
     return attempts
 
 
-async def _archived(stack, run_id: str) -> int:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _archived(services, run_id: str) -> int:
+    async with services.orchestrator.servicer.sessions() as session:
         return (
             await session.execute(
                 select(func.count()).select_from(RunEvent).where(RunEvent.run_id == run_id)
@@ -52,24 +51,24 @@ async def _archived(stack, run_id: str) -> int:
         ).scalar_one()
 
 
-async def _status(stack, run_id: str) -> str:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _status(services, run_id: str) -> str:
+    async with services.orchestrator.servicer.sessions() as session:
         return (await session.execute(select(Run.status).where(Run.id == run_id))).scalar_one()
 
 
 async def test_an_archive_failing_after_the_end_keeps_the_outcome_and_is_written_later(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    runner = stack.orchestrator.runner
+    runner = services.orchestrator.runner
     _durable(monkeypatch, runner)
     attempts = _fail_first_archive(monkeypatch, runner)
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(client, {"say": "all fine"})
         assert types(frames)[-1] == "done" and "error" not in types(frames)
         await wait_for(lambda: len(attempts) >= 2, timeout=10)
         await wait_for(lambda: runner.archiving_runs() == 0, timeout=10)
-        assert await _status(stack, body["run_id"]) == "completed"
-        assert await _archived(stack, body["run_id"]) == len(frames)
+        assert await _status(services, body["run_id"]) == "completed"
+        assert await _archived(services, body["run_id"]) == len(frames)
         # one terminal outcome: the whole stream, listened to again, is the same
         assert await read_frames(client, body["stream_url"]) == frames
         # the chat is free for the next turn
@@ -77,8 +76,8 @@ async def test_an_archive_failing_after_the_end_keeps_the_outcome_and_is_written
         assert types(again)[-1] == "done"
 
 
-async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(stack, monkeypatch):
-    runner = stack.orchestrator.runner
+async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(services, monkeypatch):
+    runner = services.orchestrator.runner
     _durable(monkeypatch, runner)
     release = asyncio.Event()
     real = runner.store.archive
@@ -88,7 +87,7 @@ async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(sta
         await real(run_id, events, **kwargs)
 
     monkeypatch.setattr(runner.store, "archive", slow)
-    async with stack.client() as client:
+    async with services.client() as client:
         body = await start(client, {"say": "never", "sleep_ms": 30_000})
         await wait_for(lambda: body["run_id"] in runner.active)
         try:
@@ -96,22 +95,22 @@ async def test_a_cancel_answers_once_the_end_is_stored_not_after_the_archive(sta
                 client.post(f"/assistant/chat/{body['chat_id']}/cancel"), 5
             )
             assert cancelled.status_code == 200, cancelled.text
-            assert await _status(stack, body["run_id"]) == "cancelled"
+            assert await _status(services, body["run_id"]) == "cancelled"
             frames = await read_frames(client, body["stream_url"])
             assert types(frames) == ["metadata", "cancelled"]
         finally:
             release.set()
         await wait_for(lambda: body["run_id"] not in runner.active)
-        assert await _archived(stack, body["run_id"]) == 2
+        assert await _archived(services, body["run_id"]) == 2
 
 
 async def test_a_paused_run_cancelled_while_its_archive_fails_answers_200_and_is_archived_later(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     # the same fault on the paused run's path: the cancel was stored and published, then the
     # archive's failure failed the call (a retry then said "No active execution to cancel")
-    runner = stack.orchestrator.runner
-    async with stack.client() as client:
+    runner = services.orchestrator.runner
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "Proceed?"}},
@@ -123,5 +122,5 @@ async def test_a_paused_run_cancelled_while_its_archive_fails_answers_200_and_is
         await wait_for(lambda: len(attempts) >= 2 and runner.archiving_runs() == 0, timeout=10)
         whole = await read_frames(client, body["stream_url"])
         assert types(whole) == [*types(frames), "cancelled"]
-        assert await _archived(stack, body["run_id"]) == len(whole)
-        assert await _status(stack, body["run_id"]) == "cancelled"
+        assert await _archived(services, body["run_id"]) == len(whole)
+        assert await _status(services, body["run_id"]) == "cancelled"

@@ -1,10 +1,10 @@
 """A claim whose SET got no answer is released once Redis applies it (Redis backend).
 
-Regression (fresh-eyes chaos test, Redis stalled 45 s): turn starts sent as Redis stalled took
-their request_id's claim with `SET NX PX 60000`; the gateway's deadline cancelled the calls, but
-Redis applied the SETs when it came back, under tokens no one held, so every retry of those
-starts waited (504, 409, 504) until the claims expired, 60 s after Redis was back. A claim of
-unknown outcome is now released in the background as soon as it shows up. Skipped without Redis.
+Turn starts sent while Redis stalls take their request_id's claim with `SET NX PX 60000`; the
+gateway's deadline cancels the calls, but Redis applies the SETs when it comes back, under
+tokens no one holds, so every retry of those starts would wait (504, 409, 504) until the
+claims expire, 60 s later. A claim of unknown outcome is released in the background as soon
+as it shows up. Skipped without Redis.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ def _assistant_messages(chat: dict, run_id: str) -> list[dict]:
     return [m for m in chat["messages"] if m["role"] == "assistant" and m["run_id"] == run_id]
 
 
-async def test_a_cancelled_answer_is_kept_with_the_streamed_text_marked_cancelled(stack):
-    async with stack.client() as client:
+async def test_a_cancelled_answer_is_kept_with_the_streamed_text_marked_cancelled(services):
+    async with services.client() as client:
         body = await start(client, SLOW_ANSWER)
         frames = await _cancel_after_two_chunks(client, body)
         chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
@@ -49,13 +49,13 @@ async def test_a_cancelled_answer_is_kept_with_the_streamed_text_marked_cancelle
     assert message["running_status"] == "cancelled"
 
 
-async def test_the_next_turn_is_given_the_cancelled_answer_as_a_plain_assistant_message(stack):
-    async with stack.client() as client:
+async def test_the_next_turn_is_given_the_cancelled_answer_as_a_plain_assistant_message(services):
+    async with services.client() as client:
         body = await start(client, SLOW_ANSWER)
         frames = await _cancel_after_two_chunks(client, body)
         _, more = await run_turn(client, {"say": "fresh start"}, chat_id=body["chat_id"])
         assert more[-1]["type"] == "done" and more[-1]["data"]["response"] == "fresh start"
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         sent = await thread.load_thread(
             session, body["chat_id"]
         )  # what the next model call is given
@@ -63,13 +63,13 @@ async def test_the_next_turn_is_given_the_cancelled_answer_as_a_plain_assistant_
     assert sent[1] == {"role": "assistant", "content": _streamed(frames), "tool_calls": []}
 
 
-async def test_a_failed_answer_is_kept_with_the_streamed_text_marked_failed(stack, monkeypatch):
+async def test_a_failed_answer_is_kept_with_the_streamed_text_marked_failed(services, monkeypatch):
     async def breaks_mid_stream(self, messages, tools, on_text, *, call_tools=True):  # noqa: ANN001, ARG001
         for chunk in ("Half of ", "an answer"):
             await on_text(chunk)
         raise ModelError("scripted model failed: the stream broke")
 
-    async with stack.client() as client:
+    async with services.client() as client:
         monkeypatch.setattr(ScriptedModel, "generate", breaks_mid_stream)
         body, frames = await run_turn(client, {"say": "never used"})
         monkeypatch.undo()
@@ -92,8 +92,8 @@ async def test_a_failed_answer_is_kept_with_the_streamed_text_marked_failed(stac
 
 
 @pytest.mark.parametrize("chunk_ms", [600_001, 1e12, -5, "10", True, [1]])
-async def test_a_chunk_ms_out_of_its_range_or_type_fails_that_model_call(stack, chunk_ms):
-    async with stack.client() as client:
+async def test_a_chunk_ms_out_of_its_range_or_type_fails_that_model_call(services, chunk_ms):
+    async with services.client() as client:
         body, frames = await asyncio.wait_for(
             run_turn(client, {"say": "one two", "chunk_ms": chunk_ms}), 10
         )
@@ -105,8 +105,8 @@ async def test_a_chunk_ms_out_of_its_range_or_type_fails_that_model_call(stack, 
     assert frames[-1]["data"]["error"] is True and frames[-1]["data"]["usage"]["llm_calls"] == 1
 
 
-async def test_chunk_ms_waits_between_streamed_chunks(stack):
-    async with stack.client() as client:
+async def test_chunk_ms_waits_between_streamed_chunks(services):
+    async with services.client() as client:
         began = asyncio.get_running_loop().time()
         _, frames = await run_turn(client, {"say": "one two three", "chunks": 3, "chunk_ms": 250})
         took = asyncio.get_running_loop().time() - began
@@ -118,8 +118,8 @@ async def test_chunk_ms_waits_between_streamed_chunks(stack):
     assert took >= 0.5  # two waits: between the first and second chunk, and the second and third
 
 
-async def test_a_cancel_during_a_chunk_ms_wait_stops_within_a_second(stack):
-    async with stack.client() as client:
+async def test_a_cancel_during_a_chunk_ms_wait_stops_within_a_second(services):
+    async with services.client() as client:
         body = await start(client, {"say": "one two", "chunks": 2, "chunk_ms": 60_000})
         first = await read_frames(client, body["stream_url"], limit=2)
         assert types(first) == ["metadata", "response_chunk"]

@@ -55,34 +55,36 @@ async def _hang(*_args: Any, **_kwargs: Any) -> Any:
     await asyncio.Event().wait()
 
 
-async def _counts(stack) -> tuple[int, int, list[str], int]:
+async def _counts(services) -> tuple[int, int, list[str], int]:
     """(chats, runs, reservation states, "charge:" ledger entries) of the stack's organization."""
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         chats = await session.scalar(
-            select(func.count()).select_from(Chat).where(Chat.organization_id == stack.org_id)
+            select(func.count()).select_from(Chat).where(Chat.organization_id == services.org_id)
         )
         runs = await session.scalar(
-            select(func.count()).select_from(Run).where(Run.organization_id == stack.org_id)
+            select(func.count()).select_from(Run).where(Run.organization_id == services.org_id)
         )
-    async with stack.billing.store.sessions() as session:
+    async with services.billing.store.sessions() as session:
         states = (
             await session.scalars(
-                select(Reservation.state).where(Reservation.org_id == stack.org_id)
+                select(Reservation.state).where(Reservation.org_id == services.org_id)
             )
         ).all()
         charges = await session.scalar(
             select(func.count())
             .select_from(LedgerEntry)
-            .where(LedgerEntry.org_id == stack.org_id, LedgerEntry.idempotency_key.like("charge:%"))
+            .where(
+                LedgerEntry.org_id == services.org_id, LedgerEntry.idempotency_key.like("charge:%")
+            )
         )
     return chats, runs, sorted(states), charges
 
 
-async def _start_turn_failing(stack, say: str, timeout: float) -> grpc.StatusCode:
+async def _start_turn_failing(services, say: str, timeout: float) -> grpc.StatusCode:
     """StartTurn straight over gRPC (a scripted turn answering `say`) with a `timeout` deadline;
     asserts that the call fails and returns its status code."""
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await stub.StartTurn(
@@ -102,14 +104,14 @@ def _assert_timed_out(response, started: float) -> None:
     assert time.monotonic() - started < 10  # the capped deadline, not the gateway's 30 s
 
 
-async def test_billing_admit_hanging_is_504_with_nothing_written_or_charged(stack, monkeypatch):
+async def test_billing_admit_hanging_is_504_with_nothing_written_or_charged(services, monkeypatch):
     monkeypatch.setattr(
-        stack.orchestrator.servicer,
+        services.orchestrator.servicer,
         "billing",
-        _Capped(stack.orchestrator.servicer.billing, only=("Admit",)),
+        _Capped(services.orchestrator.servicer.billing, only=("Admit",)),
     )
-    monkeypatch.setattr(stack.billing.admission, "admit", _hang)
-    async with stack.client() as client:
+    monkeypatch.setattr(services.billing.admission, "admit", _hang)
+    async with services.client() as client:
         started = time.monotonic()
         _assert_timed_out(
             await client.post(
@@ -117,16 +119,16 @@ async def test_billing_admit_hanging_is_504_with_nothing_written_or_charged(stac
             ),
             started,
         )
-    assert await _counts(stack) == (0, 0, [], 0)
+    assert await _counts(services) == (0, 0, [], 0)
 
 
 async def test_a_hanging_billing_charge_does_not_hold_up_the_turn_and_is_posted_once_it_answers(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     """The run charge is stored with the turn and sent in a batch: a billing that does not answer
     it neither delays the turn start (no 504 after the Charge deadline, no unwound turn) nor loses
     the credit: the stored charge is sent again until billing takes it."""
-    real = stack.billing.ledger.charge_batch
+    real = services.billing.ledger.charge_batch
     hanging = True
 
     async def hangs_for_a_while(reservation_ids: Any) -> Any:
@@ -134,8 +136,8 @@ async def test_a_hanging_billing_charge_does_not_hold_up_the_turn_and_is_posted_
             await _hang()
         return await real(reservation_ids)
 
-    monkeypatch.setattr(stack.billing.ledger, "charge_batch", hangs_for_a_while)
-    async with stack.client() as client:
+    monkeypatch.setattr(services.billing.ledger, "charge_batch", hangs_for_a_while)
+    async with services.client() as client:
         started = time.monotonic()
         response = await client.post(
             "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
@@ -144,22 +146,22 @@ async def test_a_hanging_billing_charge_does_not_hold_up_the_turn_and_is_posted_
         assert time.monotonic() - started < 2
         frames = await read_frames(client, response.json()["stream_url"])
     assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "hi"
-    assert await _counts(stack) == (1, 1, ["held"], 0)
+    assert await _counts(services) == (1, 1, ["held"], 0)
     hanging = False
     await billing_delivered(
-        stack, timeout=20
+        services, timeout=20
     )  # quick retries (2 s), then the background sends (1 s, 2 s, ...)
-    assert await _counts(stack) == (1, 1, ["charged"], 1)
+    assert await _counts(services) == (1, 1, ["charged"], 1)
 
 
 async def test_a_turn_start_whose_commit_answer_was_lost_is_removed_with_its_stored_charge(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     """The persist's transaction committed but its caller saw a failure (a dropped connection, a
     cancelled call): the start unwinds the chat, message and run and releases the hold; the
     run charge stored in that transaction goes with them, so no credit is charged for a turn
     that was removed (without deleting it, the charge was sent later and refused: RELEASED)."""
-    store = stack.orchestrator.servicer.store
+    store = services.orchestrator.servicer.store
     real = store.persist_turn
 
     async def committed_then_lost(**kwargs: Any) -> None:
@@ -167,22 +169,22 @@ async def test_a_turn_start_whose_commit_answer_was_lost_is_removed_with_its_sto
         raise ConnectionResetError("the database connection dropped before the commit's answer")
 
     monkeypatch.setattr(store, "persist_turn", committed_then_lost)
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
         )
     assert response.status_code >= 500, response.text
-    assert await _counts(stack) == (0, 0, ["released"], 0)
-    async with stack.orchestrator.servicer.sessions() as session:
+    assert await _counts(services) == (0, 0, ["released"], 0)
+    async with services.orchestrator.servicer.sessions() as session:
         assert await session.scalar(select(func.count()).select_from(BillingRedelivery)) == 0
-    await stack.orchestrator.runner.redelivery._deliver_due(
+    await services.orchestrator.runner.redelivery._deliver_due(
         everything=True
     )  # what a next start would send
-    assert await _counts(stack) == (0, 0, ["released"], 0)
+    assert await _counts(services) == (0, 0, ["released"], 0)
 
 
 async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_that_commit_lands(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     """SQLite: the persist's transaction waits on the database worker behind another one when the
     turn start gives up on it (a cancelled call); the worker commits it all the same, later. The
@@ -191,7 +193,7 @@ async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_
     before, it went through another connection and was kept in order by SQLite's write lock."""
     import time as clock
 
-    store = stack.orchestrator.servicer.store
+    store = services.orchestrator.servicer.store
     if store.pg is not None:
         import pytest
 
@@ -209,23 +211,23 @@ async def test_a_turn_start_given_up_while_its_commit_is_queued_is_removed_when_
         raise ConnectionResetError("the caller gave up")
 
     monkeypatch.setattr(store, "persist_turn", given_up_while_queued)
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
         )
     assert response.status_code >= 500, response.text
     await asyncio.sleep(0.5)  # the queued commit has landed
-    assert await _counts(stack) == (0, 0, ["released"], 0)
-    async with stack.orchestrator.servicer.sessions() as session:
+    assert await _counts(services) == (0, 0, ["released"], 0)
+    async with services.orchestrator.servicer.sessions() as session:
         assert await session.scalar(select(func.count()).select_from(BillingRedelivery)) == 0
 
 
-async def test_billing_down_stays_503_with_retry_after(stack, monkeypatch):
+async def test_billing_down_stays_503_with_retry_after(services, monkeypatch):
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:  # nothing listens there
         monkeypatch.setattr(
-            stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere)
+            services.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere)
         )
-        async with stack.client() as client:
+        async with services.client() as client:
             response = await client.post(
                 "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
             )
@@ -234,20 +236,22 @@ async def test_billing_down_stays_503_with_retry_after(stack, monkeypatch):
         response.json() == {"detail": "Service temporarily unavailable; try again"}
         and response.headers["retry-after"] == "1"
     )
-    assert await _counts(stack) == (0, 0, [], 0)
+    assert await _counts(services) == (0, 0, [], 0)
 
 
-async def test_billing_down_gives_a_grpc_caller_unavailable_with_a_retry_delay(stack, monkeypatch):
-    # fresh-eyes test (gRPC user): BILLING_UNAVAILABLE carried no RetryInfo (HTTP adds Retry-After)
+async def test_billing_down_gives_a_grpc_caller_unavailable_with_a_retry_delay(
+    services, monkeypatch
+):
+    # a gRPC caller gets BILLING_UNAVAILABLE with RetryInfo, as HTTP callers get Retry-After
     from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
     from services.common.errors import status_details
 
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:  # nothing listens there
         monkeypatch.setattr(
-            stack.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere)
+            services.orchestrator.servicer, "billing", billing_pb2_grpc.BillingServiceStub(nowhere)
         )
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
-            caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
+            caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await assistant_pb2_grpc.AssistantServiceStub(channel).StartTurn(
                     assistant_pb2.StartTurnRequest(caller=caller, message="hi")
@@ -260,21 +264,21 @@ async def test_billing_down_gives_a_grpc_caller_unavailable_with_a_retry_delay(s
     assert details.retry_after_s == 1.0
 
 
-async def test_tools_hanging_on_the_model_key_is_504_before_billing_is_asked(stack, monkeypatch):
-    async with stack.client() as client:
+async def test_tools_hanging_on_the_model_key_is_504_before_billing_is_asked(services, monkeypatch):
+    async with services.client() as client:
         created = await client.post(
             "/credentials",
             json={"integration_name": "openai", "auth_data": {"api_key": "sk-test-1234567890"}},
         )
         assert created.status_code in (200, 201), created.text
         monkeypatch.setattr(
-            stack.orchestrator.servicer,
+            services.orchestrator.servicer,
             "secret_resolver",
             tools_secret_resolver(
-                _Capped(stack.orchestrator.runner.tools, only=("ResolveCredentialSecret",))
+                _Capped(services.orchestrator.runner.tools, only=("ResolveCredentialSecret",))
             ),
         )
-        monkeypatch.setattr(stack.tools.servicer.credentials, "resolve", _hang)
+        monkeypatch.setattr(services.tools.servicer.credentials, "resolve", _hang)
         started = time.monotonic()
         _assert_timed_out(
             await client.post(
@@ -286,13 +290,13 @@ async def test_tools_hanging_on_the_model_key_is_504_before_billing_is_asked(sta
             ),
             started,
         )
-    assert await _counts(stack) == (0, 0, [], 0)
+    assert await _counts(services) == (0, 0, [], 0)
 
 
 async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_question_stays_pending(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    async with stack.client() as client:
+    async with services.client() as client:
         created = await client.post(
             "/credentials",
             json={
@@ -311,11 +315,11 @@ async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_questio
         )
         request_id = frames[-1]["data"]["request_id"]
         monkeypatch.setattr(
-            stack.orchestrator.runner,
+            services.orchestrator.runner,
             "tools",
-            _Capped(stack.orchestrator.runner.tools, only=("GetCredential",)),
+            _Capped(services.orchestrator.runner.tools, only=("GetCredential",)),
         )
-        monkeypatch.setattr(stack.tools.servicer.credentials, "get", _hang)
+        monkeypatch.setattr(services.tools.servicer.credentials, "get", _hang)
         started = time.monotonic()
         _assert_timed_out(
             await client.post(
@@ -331,7 +335,7 @@ async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_questio
             ),
             started,
         )
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert (await session.get(Interrupt, request_id)).outcome == "pending"
         runs = await session.scalar(
             select(func.count()).select_from(Run).where(Run.chat_id == asked["chat_id"])
@@ -339,11 +343,11 @@ async def test_tools_hanging_on_a_credential_added_answer_is_504_and_the_questio
     assert runs == 1
 
 
-async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monkeypatch):
-    """Re-test: billing stopped (SIGSTOP) for ~25 s during a run; the run completed, and its usage
-    records were never recorded (3 quick attempts, then only an ERROR line). Now the orchestrator
-    sends them again in the background until billing takes them."""
-    real = stack.billing.ledger.record_usage_batch
+async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(services, monkeypatch):
+    """Billing down (e.g. SIGSTOP for ~25 s) during a run: the run completes, and after the 3
+    quick attempts the orchestrator sends its usage records again in the background until billing
+    takes them, so no usage goes unbilled."""
+    real = services.billing.ledger.record_usage_batch
     refused = 0
 
     async def down_for_a_while(requests: Any) -> Any:
@@ -353,12 +357,12 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
             raise RuntimeError("billing is having a bad time")
         return await real(requests)
 
-    monkeypatch.setattr(stack.billing.ledger, "record_usage_batch", down_for_a_while)
-    redelivery = getattr(stack.orchestrator.runner, "redelivery", None)
+    monkeypatch.setattr(services.billing.ledger, "record_usage_batch", down_for_a_while)
+    redelivery = getattr(services.orchestrator.runner, "redelivery", None)
     if redelivery is not None:  # short waits for the test (1 s doubling in production)
         monkeypatch.setattr(redelivery, "first_delay_s", 0.05)
         monkeypatch.setattr(redelivery, "max_delay_s", 0.1)
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {"say": "one", "tool": "get_available_integrations", "input": {}},
@@ -367,7 +371,7 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
     assert frames[-1]["type"] == "done"
 
     async def recorded() -> bool:
-        async with stack.billing.store.sessions() as session:
+        async with services.billing.store.sessions() as session:
             return (
                 await session.scalar(
                     select(func.count())
@@ -381,22 +385,22 @@ async def test_a_billing_outage_during_a_run_loses_none_of_its_usage(stack, monk
 
 
 async def test_a_tool_call_the_tools_service_does_not_answer_in_time_is_an_error_result(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     """A tools service stalled mid-call does not fail the whole run ("A backing service failed
     (deadline_exceeded)"): the streamed `tool_call` gets its `tool_result`, done.tool_calls lists
     it, the call is an error result for the model as any failed tool call (spec: "on failure
     `output` is `{error, success: false}`"), and the run goes on."""
     monkeypatch.setattr(
-        stack.orchestrator.runner,
+        services.orchestrator.runner,
         "tools",
-        _Capped(stack.orchestrator.runner.tools, only=("ExecuteTool",)),
+        _Capped(services.orchestrator.runner.tools, only=("ExecuteTool",)),
     )
     slow = {
         "tool": "execute_integration_tool",
         "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
     }
-    async with stack.client() as client:
+    async with services.client() as client:
         _, frames = await run_turn(client, slow, {"say": "answered without it"})
     kinds = [f["type"] for f in frames]
     assert "error" not in kinds and kinds[-1] == "done"
@@ -415,13 +419,13 @@ async def test_a_tool_call_the_tools_service_does_not_answer_in_time_is_an_error
 
 
 async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_stream_and_in_done(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     """Fifth session's leftover: a run that failed while a tool call was in flight ended with
     `error` then `done {error: true}`, but the streamed `tool_call` never got its `tool_result`
     and done.tool_calls was empty. Now the call's error result is streamed and listed."""
 
-    real = stack.orchestrator.runner.tools
+    real = services.orchestrator.runner.tools
 
     class Broken:
         def __getattr__(self, name: str) -> Any:
@@ -430,12 +434,12 @@ async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_strea
         async def ExecuteTool(self, *_args, **_kwargs):  # noqa: N802 - stub method name
             raise RuntimeError("a bug in the loop's tool path")
 
-    monkeypatch.setattr(stack.orchestrator.runner, "tools", Broken())
+    monkeypatch.setattr(services.orchestrator.runner, "tools", Broken())
     call = {
         "tool": "execute_integration_tool",
         "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}},
     }
-    async with stack.client() as client:
+    async with services.client() as client:
         _, frames = await run_turn(client, call, {"say": "never"})
     assert [f["type"] for f in frames][-4:] == ["tool_call", "tool_result", "error", "done"]
     call_frame, result, done = frames[-4]["data"], frames[-3]["data"], frames[-1]["data"]
@@ -451,13 +455,13 @@ async def test_a_tool_call_cut_off_by_a_failing_run_gets_its_result_in_the_strea
 
 
 async def test_a_reservation_billing_could_not_release_is_released_in_the_background(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    """Bug (fresh-eyes test, replicas): billing gone when a failed turn start released its
+    """Bug: billing gone when a failed turn start released its
     reservation ("releasing a reservation failed" at ERROR, not retried): the hold blocked its
     credit and counted against the quota until it expired 15 minutes later. The Release is now
     stored and sent again (usage.Redelivery) until billing takes it."""
-    ledger = stack.billing.ledger
+    ledger = services.billing.ledger
     real_release = ledger.release
     refused = 0
 
@@ -471,15 +475,15 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
             raise RuntimeError("billing fell over again")
         return await real_release(*args, **kwargs)
 
-    monkeypatch.setattr(stack.orchestrator.servicer.store, "persist_turn", persist_fails)
+    monkeypatch.setattr(services.orchestrator.servicer.store, "persist_turn", persist_fails)
     monkeypatch.setattr(ledger, "release", release_refused_once)
-    redelivery = stack.orchestrator.runner.redelivery
+    redelivery = services.orchestrator.runner.redelivery
     monkeypatch.setattr(redelivery, "first_delay_s", 0.05)
     monkeypatch.setattr(redelivery, "max_delay_s", 0.1)
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.post("/assistant/chat", json={"message": script({"say": "never"})})
     assert response.status_code >= 500
-    assert await _counts(stack) == (
+    assert await _counts(services) == (
         0,
         0,
         ["held"],
@@ -487,17 +491,18 @@ async def test_a_reservation_billing_could_not_release_is_released_in_the_backgr
     )  # nothing written; the hold waits for its release
 
     async def released() -> bool:
-        return (await _counts(stack))[2] == ["released"]
+        return (await _counts(services))[2] == ["released"]
 
     await wait_for(released, timeout=10)
 
 
-async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(stack, monkeypatch):
-    """Fresh-eyes test (orchestrator stalled past the gateway's deadline): a turn start whose
-    call was cancelled while billing was admitting it left the hold billing set aside held
-    until it expired (120 s), counting against the allowance and the daily quota. It is now
-    released once billing answers."""
-    real_admit = stack.billing.admission.admit
+async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
+    services, monkeypatch
+):
+    """A turn start cancelled while billing admits it (e.g. the orchestrator stalled past the
+    gateway's deadline) releases the hold once billing answers; otherwise the hold would count
+    against the allowance and the daily quota until it expired (120 s)."""
+    real_admit = services.billing.admission.admit
     answered = asyncio.Event()
 
     async def slow_admit(*args: Any, **kwargs: Any) -> Any:
@@ -506,25 +511,27 @@ async def test_a_turn_start_cancelled_while_billing_admits_it_releases_the_hold(
         await asyncio.sleep(0.5)  # ... and its answer comes after the caller gave up
         return admitted
 
-    monkeypatch.setattr(stack.billing.admission, "admit", slow_admit)
-    assert await _start_turn_failing(stack, "hi", timeout=0.2) == grpc.StatusCode.DEADLINE_EXCEEDED
+    monkeypatch.setattr(services.billing.admission, "admit", slow_admit)
+    assert (
+        await _start_turn_failing(services, "hi", timeout=0.2) == grpc.StatusCode.DEADLINE_EXCEEDED
+    )
     await asyncio.wait_for(answered.wait(), 10)
 
     async def released() -> bool:
-        return (await _counts(stack))[2] == ["released"]
+        return (await _counts(services))[2] == ["released"]
 
     await wait_for(released, timeout=10)
-    assert await _counts(stack) == (0, 0, ["released"], 0)
+    assert await _counts(services) == (0, 0, ["released"], 0)
 
 
 async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_turn(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     """A cancel reaching the turn start after its commit (the caller's deadline passing while
     the chat claim is freed) skipped the start of the loop: the persisted turn, its charge
     stored, sat `running` with nothing running it until the reaper failed it. The loop now
     starts before anything else is awaited."""
-    servicer = stack.orchestrator.servicer
+    servicer = services.orchestrator.servicer
     real = servicer._unclaim
 
     async def cancelled_while_unclaiming(chat_id: str) -> None:
@@ -532,24 +539,28 @@ async def test_a_turn_start_cancelled_after_its_commit_still_runs_the_charged_tu
         raise asyncio.CancelledError()
 
     monkeypatch.setattr(servicer, "_unclaim", cancelled_while_unclaiming)
-    await _start_turn_failing(stack, "ran", timeout=2)
+    await _start_turn_failing(services, "ran", timeout=2)
 
     async def completed() -> bool:
         async with servicer.sessions() as session:
             return (
-                await session.scalars(select(Run.status).where(Run.organization_id == stack.org_id))
+                await session.scalars(
+                    select(Run.status).where(Run.organization_id == services.org_id)
+                )
             ).all() == ["completed"]
 
     await wait_for(completed, timeout=10)
-    await billing_delivered(stack)
-    assert await _counts(stack) == (1, 1, ["charged"], 1)
+    await billing_delivered(services)
+    assert await _counts(services) == (1, 1, ["charged"], 1)
 
 
-async def test_an_admission_answered_after_its_deadline_has_its_hold_released(stack, monkeypatch):
-    """Re-test (billing stalled): billing set the hold aside but answered after the turn start's
-    Admit deadline (504 BILLING_TIMEOUT); the hold stayed held, belonging to no turn, until it
-    expired. The turn start now asks billing again for the same turn key and releases it."""
-    real_admit = stack.billing.admission.admit
+async def test_an_admission_answered_after_its_deadline_has_its_hold_released(
+    services, monkeypatch
+):
+    """Billing stalled: it sets the hold aside but answers after the turn start's Admit deadline
+    (504 BILLING_TIMEOUT). The turn start asks billing again for the same turn key and releases
+    the hold, which would otherwise stay held, belonging to no turn, until it expired."""
+    real_admit = services.billing.admission.admit
     slow = [True]
 
     async def answers_late_once(*args: Any, **kwargs: Any) -> Any:
@@ -560,12 +571,12 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
         return admitted
 
     monkeypatch.setattr(
-        stack.orchestrator.servicer,
+        services.orchestrator.servicer,
         "billing",
-        _Capped(stack.orchestrator.servicer.billing, only=("Admit",)),
+        _Capped(services.orchestrator.servicer.billing, only=("Admit",)),
     )
-    monkeypatch.setattr(stack.billing.admission, "admit", answers_late_once)
-    async with stack.client() as client:
+    monkeypatch.setattr(services.billing.admission, "admit", answers_late_once)
+    async with services.client() as client:
         started = time.monotonic()
         _assert_timed_out(
             await client.post(
@@ -575,10 +586,10 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
         )
 
     async def released() -> bool:
-        return (await _counts(stack))[2] == ["released"]
+        return (await _counts(services))[2] == ["released"]
 
     await wait_for(released, timeout=10)
-    assert await _counts(stack) == (0, 0, ["released"], 0)
+    assert await _counts(services) == (0, 0, ["released"], 0)
 
 
 @pytest.mark.parametrize(
@@ -587,9 +598,9 @@ async def test_an_admission_answered_after_its_deadline_has_its_hold_released(st
 async def test_an_unwind_that_meets_the_same_outage_is_a_warning_not_a_traceback(
     caplog, failure, level
 ):
-    """F5 re-test: with every database dropping packets, a failed turn start's unwind (on the same
-    database) logged an ERROR traceback. A storage outage is a warning naming the store; a bug
-    keeps its traceback."""
+    """With every database dropping packets, a failed turn start's unwind (on the same database)
+    fails too: a storage outage there is a warning naming the store, not an ERROR traceback; a
+    bug keeps its traceback."""
     from types import SimpleNamespace
 
     from services.orchestrator.servicer import AssistantServicer

@@ -41,20 +41,20 @@ def exact(data: Any) -> str:
 
 
 async def test_get_chat_shows_a_tools_output_and_the_calls_input_exactly_as_the_stream(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     row = {"zeta": BIG, "alpha": 1.0, "mid": [1, 2.5, {"b": -0.0, "a": 18446744073709551615}]}
 
     async def database_query(org_id, tool, args):  # noqa: ANN001, ANN202 - a tool that reads a 64-bit id from a database
         return ToolResult(True, output={"rows": [row], "count": 1})
 
-    monkeypatch.setattr(stack.tools.servicer.executor, "execute", database_query)
+    monkeypatch.setattr(services.tools.servicer.executor, "execute", database_query)
     tool_input = {
         "integration": "loopline",
         "action": "echo",
         "parameters": {"zeta": BIG, "alpha": 1.0, "message": "hi"},
     }
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(
             client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"}
         )
@@ -115,10 +115,10 @@ QUESTIONS = {
 
 @pytest.mark.parametrize("tool", list(QUESTIONS))
 async def test_the_pending_question_in_get_chat_is_the_user_input_request_frame_exactly(
-    stack, tool
+    services, tool
 ):
     question, keys = QUESTIONS[tool]
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(
             client, {"say": "One question.", "tool": tool, "input": question}, {"say": "done"}
         )
@@ -141,7 +141,7 @@ async def test_the_pending_question_in_get_chat_is_the_user_input_request_frame_
     )  # awaiting input, not running
 
 
-async def test_a_resume_answers_provider_details_reach_the_thread_exactly(stack):
+async def test_a_resume_answers_provider_details_reach_the_thread_exactly(services):
     question = {"integration": "postgresql", "message": "I need database access"}
     details = {"id": BIG, "ratio": 1.0, "code": "28P01"}
     answer = {
@@ -153,7 +153,7 @@ async def test_a_resume_answers_provider_details_reach_the_thread_exactly(stack)
         "retryable": False,
         "provider_details": details,
     }
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {"say": "One question.", "tool": "request_credential", "input": question},
@@ -169,7 +169,7 @@ async def test_a_resume_answers_provider_details_reach_the_thread_exactly(stack)
         rest = await read_frames(client, resumed.json()["stream_url"])
         assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "Understood."
         chat = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         interrupt = await session.get(Interrupt, request_id)
         tool_rows = (
             (
@@ -197,7 +197,7 @@ async def test_a_resume_answers_provider_details_reach_the_thread_exactly(stack)
 # ---------------------------------------------------------------- a service of an older version
 
 
-async def test_a_resume_still_reaches_an_orchestrator_of_an_older_version(stack, monkeypatch):
+async def test_a_resume_still_reaches_an_orchestrator_of_an_older_version(services, monkeypatch):
     import services.orchestrator.servicer.interrupts as interrupts
 
     # an orchestrator that knows only `response` (the Struct): the gateway sends it beside
@@ -207,7 +207,7 @@ async def test_a_resume_still_reaches_an_orchestrator_of_an_older_version(stack,
     )
     older.object_of = lambda message, name: pb.from_struct(getattr(message, name))
     monkeypatch.setattr(interrupts, "pb", older)
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {"say": "One question.", "tool": "ask_user_yes_no", "input": {"message": "ok?"}},

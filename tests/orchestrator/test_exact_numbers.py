@@ -14,8 +14,8 @@ from services.tools.request_checks import tool_input
 from tests.orchestrator.helpers import run_turn, types
 
 
-async def test_a_tool_gets_the_models_integers_past_2_53_and_floats_exactly(stack, monkeypatch):
-    executor = stack.tools.servicer.executor
+async def test_a_tool_gets_the_models_integers_past_2_53_and_floats_exactly(services, monkeypatch):
+    executor = services.tools.servicer.executor
     received: list[dict] = []
     original = executor.execute
 
@@ -26,7 +26,7 @@ async def test_a_tool_gets_the_models_integers_past_2_53_and_floats_exactly(stac
     monkeypatch.setattr(executor, "execute", recording)
     parameters = {"id": 9007199254740993, "u64": 18446744073709551615, "ratio": 1.0, "neg": -0.5}
     tool_input = {"integration": "loopline", "action": "echo", "parameters": parameters}
-    async with stack.client() as client:
+    async with services.client() as client:
         _, frames = await run_turn(
             client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"}
         )
@@ -51,11 +51,11 @@ def test_a_server_takes_input_json_when_it_is_set_else_the_struct():
         assert refused.value.reason == "INVALID_INPUT_JSON"
 
 
-async def test_the_tool_call_frames_show_the_models_input_exactly_and_in_its_key_order(stack):
+async def test_the_tool_call_frames_show_the_models_input_exactly_and_in_its_key_order(services):
     # not as a Struct would give it (keys sorted, an integer past 2^53 rounded, 1.0 as 1)
     parameters = {"zeta": 9007199254740993, "alpha": 1.0, "mid": [1, 2.5]}
     tool_input = {"integration": "loopline", "action": "echo", "parameters": parameters}
-    async with stack.client() as client:
+    async with services.client() as client:
         _, frames = await run_turn(
             client, {"tool": "execute_integration_tool", "input": tool_input}, {"say": "ok"}
         )

@@ -10,19 +10,19 @@ from services.common.errors import ASSISTANT_DOMAIN, status_details
 
 
 @pytest.fixture
-async def stub(stack):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+async def stub(services):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
         yield assistant_pb2_grpc.AssistantServiceStub(channel)
 
 
 @pytest.mark.parametrize("organization_id", ["", "org\x00x", "org ü", "o" * 129, "has space"])
 async def test_a_call_naming_no_possible_organization_is_invalid_argument_in_the_assistant_domain(
-    stack, stub, organization_id
+    services, stub, organization_id
 ):
     """Before: no caller was billing's ORGANIZATION_ID_REQUIRED (billing's domain), a NUL was
     UNAVAILABLE "Billing is unavailable; try again" (retried for ever), 129 characters billing's
     KEY_TOO_LONG, and non-ASCII was taken."""
-    caller = assistant_pb2.Caller(organization_id=organization_id, user_id=stack.user_id)
+    caller = assistant_pb2.Caller(organization_id=organization_id, user_id=services.user_id)
     calls = [
         stub.StartTurn(assistant_pb2.StartTurnRequest(caller=caller, message="hello")),
         stub.ListChats(assistant_pb2.ListChatsRequest(caller=caller)),
@@ -40,15 +40,17 @@ async def test_a_call_naming_no_possible_organization_is_invalid_argument_in_the
         assert (details.reason, details.domain) == ("INVALID_ORGANIZATION_ID", ASSISTANT_DOMAIN)
 
 
-async def test_a_nul_in_a_text_field_is_stored_or_invalid_argument_never_a_leak(stack, stub):
+async def test_a_nul_in_a_text_field_is_stored_or_invalid_argument_never_a_leak(services, stub):
     """PostgreSQL cannot store U+0000: StartTurn answered UNKNOWN "Unexpected <class
     'asyncpg...CharacterNotInRepertoireError'>" and ListChats the whole SQL with its parameters.
     SQLite stores it; PostgreSQL refuses it as INVALID_ARGUMENT INVALID_VALUE."""
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id="user\x00x")
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id="user\x00x")
     for call in (
         stub.StartTurn(
             assistant_pb2.StartTurnRequest(
-                caller=assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id),
+                caller=assistant_pb2.Caller(
+                    organization_id=services.org_id, user_id=services.user_id
+                ),
                 message="a\x00b",
             )
         ),
@@ -63,12 +65,12 @@ async def test_a_nul_in_a_text_field_is_stored_or_invalid_argument_never_a_leak(
 
 
 async def test_a_cancel_reason_longer_than_1000_characters_is_refused_and_the_run_goes_on(
-    stack, stub
+    services, stub
 ):
-    # fresh-eyes test: a 5,000-character reason was stored and sent to every listener
+    # a long reason (5,000 characters) is refused: it would be stored and sent to every listener
     from tests.conftest import script
 
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
     started = await stub.StartTurn(
         assistant_pb2.StartTurnRequest(
             caller=caller, message=script({"say": "slow", "sleep_ms": 20_000})
@@ -90,7 +92,7 @@ async def test_a_cancel_reason_longer_than_1000_characters_is_refused_and_the_ru
 
 @pytest.mark.parametrize("organization_id", ["a b", "org\x00x", "o" * 129, "org ü"])
 async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_have(
-    stack, organization_id
+    services, organization_id
 ):
     """Billing's Admit opens no account "a b" (which its own admin commands refuse) and the tools
     service lists nothing for a 129-character id: each service checks, not only the orchestrator."""
@@ -99,8 +101,8 @@ async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_h
     from services.common.errors import BILLING_DOMAIN, TOOLS_DOMAIN
 
     async with (
-        grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing,
-        grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools,
+        grpc.aio.insecure_channel(f"127.0.0.1:{services.billing.port}") as billing,
+        grpc.aio.insecure_channel(f"127.0.0.1:{services.tools.port}") as tools,
     ):
         calls = [
             (
@@ -138,7 +140,7 @@ async def test_billing_and_tools_refuse_an_organization_id_no_organization_can_h
     ],
 )
 async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_question_stays(
-    stack, stub, response_json, says
+    services, stub, response_json, says
 ):
     """A NUL in a gRPC answer is refused as HTTP refuses it (never given to the model), and an
     answer that is not JSON or not an object is refused, not read as {} ("'kind' must be one
@@ -146,7 +148,7 @@ async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_questio
     from tests.conftest import script
     from tests.sse_client import read_frames
 
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
     started = await stub.StartTurn(
         assistant_pb2.StartTurnRequest(
             caller=caller,
@@ -155,7 +157,7 @@ async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_questio
             ),
         )
     )
-    async with stack.client() as client:
+    async with services.client() as client:
         frames = await read_frames(client, started.stream_url)
     request_id = frames[-1]["data"]["request_id"]
     with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -181,15 +183,15 @@ async def test_a_grpc_answer_the_gateway_would_refuse_is_invalid_and_the_questio
     assert answered.run_id
 
 
-async def test_billing_and_tools_name_a_missing_organization_id_as_required(stack):
+async def test_billing_and_tools_name_a_missing_organization_id_as_required(services):
     """One check (ids.request_organization_check) answers an empty organization id for every call
     of billing and tools, with each service's own *_REQUIRED reason."""
     from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
     from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 
     async with (
-        grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as billing,
-        grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as tools,
+        grpc.aio.insecure_channel(f"127.0.0.1:{services.billing.port}") as billing,
+        grpc.aio.insecure_channel(f"127.0.0.1:{services.tools.port}") as tools,
     ):
         stub = tools_pb2_grpc.ToolsServiceStub(tools)
         calls = [

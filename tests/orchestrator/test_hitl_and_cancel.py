@@ -59,9 +59,9 @@ async def _ask(client, tool: str, tool_input: dict) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize("tool", list(QUESTIONS))
-async def test_each_question_kind_pauses_then_resumes_to_done(stack, tool):
+async def test_each_question_kind_pauses_then_resumes_to_done(services, tool):
     question, answer = QUESTIONS[tool]
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(client, tool, question)
         assert types(frames)[-2:] == ["user_input_request", "interrupted"]
         request = frames[-2]["data"]
@@ -82,7 +82,7 @@ async def test_each_question_kind_pauses_then_resumes_to_done(stack, tool):
         assert new["run_id"] != body["run_id"] and new["thread_id"] == body["chat_id"]
         rest = await read_frames(client, new["stream_url"])
         assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "Thanks, all done."
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         row = await session.get(Interrupt, request["request_id"])
         tool_rows = (
             (
@@ -102,11 +102,11 @@ async def test_each_question_kind_pauses_then_resumes_to_done(stack, tool):
     )
 
 
-async def test_resume_charges_no_second_run_credit(stack):
+async def test_resume_charges_no_second_run_credit(services):
     from services.billing.models import LedgerEntry
 
     question, answer = QUESTIONS["ask_user_yes_no"]
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", question)
         new = (
             await client.post(
@@ -120,11 +120,15 @@ async def test_resume_charges_no_second_run_credit(stack):
         ).json()
         await read_frames(client, new["stream_url"])
     await billing_delivered(
-        stack
+        services
     )  # the run charge is sent ~0.2 s after the turn start (usage.RunCharges)
-    async with stack.billing.store.sessions() as session:
+    async with services.billing.store.sessions() as session:
         charges = (
-            (await session.execute(select(LedgerEntry).where(LedgerEntry.org_id == stack.org_id)))
+            (
+                await session.execute(
+                    select(LedgerEntry).where(LedgerEntry.org_id == services.org_id)
+                )
+            )
             .scalars()
             .all()
         )
@@ -138,7 +142,7 @@ async def test_resume_charges_no_second_run_credit(stack):
         (
             "ask_user_choice",
             {"kind": "single_choice", "selected_value": ["a"]},
-        ),  # was a 500 (fresh-eyes test)
+        ),  # was a 500
         ("ask_user_choice", {"kind": ["single_choice"]}),
         ("ask_user_choice", {"kind": "yes_no", "answer": True}),
         ("ask_user_multi_choice", {"kind": "multi_choice", "selected_values": ["a", "b", "c"]}),
@@ -147,8 +151,8 @@ async def test_resume_charges_no_second_run_credit(stack):
         ("ask_user_free_text", {"kind": "free_text", "text": "far too long for this"}),
     ],
 )
-async def test_invalid_answer_is_400_and_question_stays_pending(stack, tool, answer):
-    async with stack.client() as client:
+async def test_invalid_answer_is_400_and_question_stays_pending(services, tool, answer):
+    async with services.client() as client:
         body, frames = await _ask(client, tool, QUESTIONS[tool][0])
         request_id = frames[-1]["data"]["request_id"]
         response = await client.post(
@@ -160,8 +164,8 @@ async def test_invalid_answer_is_400_and_question_stays_pending(stack, tool, ans
         assert status["awaiting_input"] is True and status["pending_request_id"] == request_id
 
 
-async def test_stale_or_missing_question_is_409(stack):
-    async with stack.client() as client:
+async def test_stale_or_missing_question_is_409(services):
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         stale = await client.post(
             f"/assistant/chat/{body['chat_id']}/resume",
@@ -182,8 +186,8 @@ async def test_stale_or_missing_question_is_409(stack):
         assert none.status_code == 409
 
 
-async def test_new_turn_while_question_pending_is_409(stack):
-    async with stack.client() as client:
+async def test_new_turn_while_question_pending_is_409(services):
+    async with services.client() as client:
         body, _ = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         response = await client.post(
             "/assistant/chat", json={"message": "hi", "chat_id": body["chat_id"]}
@@ -191,8 +195,8 @@ async def test_new_turn_while_question_pending_is_409(stack):
         assert response.status_code == 409
 
 
-async def test_two_concurrent_resumes_exactly_one_succeeds(stack):
-    async with stack.client() as client:
+async def test_two_concurrent_resumes_exactly_one_succeeds(services):
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         payload = {
             "request_id": frames[-1]["data"]["request_id"],
@@ -210,11 +214,11 @@ async def test_two_concurrent_resumes_exactly_one_succeeds(stack):
         await read_frames(client, winner["stream_url"])
 
 
-async def test_expired_question_frees_the_chat_and_late_resume_is_409(stack):
-    async with stack.client() as client:
+async def test_expired_question_frees_the_chat_and_late_resume_is_409(services):
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         request_id = frames[-1]["data"]["request_id"]
-        async with stack.orchestrator.servicer.sessions() as session, session.begin():
+        async with services.orchestrator.servicer.sessions() as session, session.begin():
             await session.execute(
                 update(Interrupt)
                 .where(Interrupt.id == request_id)
@@ -232,14 +236,14 @@ async def test_expired_question_frees_the_chat_and_late_resume_is_409(stack):
         )
         assert nxt.status_code == 200
         await read_frames(client, nxt.json()["stream_url"])
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert (await session.get(Interrupt, request_id)).outcome == "expired"
 
 
-async def test_cancel_during_model_wait_stops_within_a_second(stack):
-    async with stack.client() as client:
+async def test_cancel_during_model_wait_stops_within_a_second(services):
+    async with services.client() as client:
         body = await start(client, {"say": "slow", "sleep_ms": 10_000})
-        await wait_for(lambda: stack.orchestrator.runner.events.snapshot(body["run_id"]))
+        await wait_for(lambda: services.orchestrator.runner.events.snapshot(body["run_id"]))
         began = asyncio.get_running_loop().time()
         response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         assert response.status_code == 200
@@ -253,13 +257,13 @@ async def test_cancel_during_model_wait_stops_within_a_second(stack):
         assert frames[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}
         nxt, again = await run_turn(client, {"say": "fine"}, chat_id=body["chat_id"])
         assert again[-1]["type"] == "done"
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert (await session.get(Run, body["run_id"])).status == "cancelled"
         assert (await session.get(Chat, body["chat_id"])).running_id is None
 
 
-async def test_cancel_right_after_start_before_first_event(stack):
-    async with stack.client() as client:
+async def test_cancel_right_after_start_before_first_event(services):
+    async with services.client() as client:
         body = await start(client, {"say": "never", "sleep_ms": 5000})
         response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         assert response.status_code == 200
@@ -267,16 +271,16 @@ async def test_cancel_right_after_start_before_first_event(stack):
     assert frames[-1]["type"] == "cancelled"
 
 
-async def test_cancel_with_no_active_run_is_400(stack):
-    async with stack.client() as client:
+async def test_cancel_with_no_active_run_is_400(services):
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "x"})
         response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
     assert response.status_code == 400
     assert response.json() == {"detail": "No active execution to cancel"}
 
 
-async def test_cancel_of_paused_run_clears_question_and_flips_audit_row(stack):
-    async with stack.client() as client:
+async def test_cancel_of_paused_run_clears_question_and_flips_audit_row(services):
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         request_id = frames[-1]["data"]["request_id"]
         response = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
@@ -288,12 +292,12 @@ async def test_cancel_of_paused_run_clears_question_and_flips_audit_row(stack):
         )
         assert nxt.status_code == 200
         await read_frames(client, nxt.json()["stream_url"])
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert (await session.get(Interrupt, request_id)).outcome == "cancelled"
 
 
-async def test_cancel_racing_natural_end_leaves_one_outcome(stack):
-    async with stack.client() as client:
+async def test_cancel_racing_natural_end_leaves_one_outcome(services):
+    async with services.client() as client:
         for delay in (0.0, 0.01, 0.03, 0.05):
             body = await start(client, {"say": "quick", "sleep_ms": 30})
             await asyncio.sleep(delay)
@@ -304,17 +308,17 @@ async def test_cancel_racing_natural_end_leaves_one_outcome(stack):
             assert (response.status_code == 200) == (terminal[0] == "cancelled")
 
 
-async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid(stack):
+async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid(services):
     slow = {
         "tool": "execute_integration_tool",
         "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
     }
-    async with stack.client() as client:
+    async with services.client() as client:
         body = await start(client, slow, {"say": "never"})
         await wait_for(
             lambda: any(
                 e.WhichOneof("payload") == "tool_call"
-                for e in stack.orchestrator.runner.events.snapshot(body["run_id"])
+                for e in services.orchestrator.runner.events.snapshot(body["run_id"])
             )
         )
         began = asyncio.get_running_loop().time()
@@ -322,14 +326,14 @@ async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid
         assert asyncio.get_running_loop().time() - began < 1.0
         frames = await read_frames(client, body["stream_url"])
         assert frames[-1]["type"] == "cancelled"
-        # the streamed tool_call gets its tool_result (fresh-eyes test: it had none on a cancel)
+        # the streamed tool_call gets its tool_result
         assert frames[-2]["type"] == "tool_result" and frames[-2]["data"]["output"] == {
             "error": "cancelled",
             "success": False,
         }
         _, again = await run_turn(client, {"say": "next turn fine"}, chat_id=body["chat_id"])
         assert again[-1]["type"] == "done"
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         rows = (
             (
                 await session.execute(
@@ -344,12 +348,12 @@ async def test_cancel_inside_a_tool_call_cancels_the_tool_and_thread_stays_valid
     assert len(results) == 1 and results[0].content == {"error": "cancelled", "success": False}
 
 
-async def test_credential_added_must_name_an_existing_credential_of_the_integration(stack):
+async def test_credential_added_must_name_an_existing_credential_of_the_integration(services):
     import grpc
 
     from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(
             client, "request_credential", {"integration": "postgresql", "message": "need db"}
         )
@@ -369,10 +373,10 @@ async def test_credential_added_must_name_an_existing_credential_of_the_integrat
             json={"request_id": request["request_id"], "response": bogus},
         )
         assert response.status_code == 400
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{services.tools.port}") as channel:
             created = await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
                 tools_pb2.CreateCredentialRequest(
-                    organization_id=stack.org_id,
+                    organization_id=services.org_id,
                     integration_name="postgresql",
                     auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"},
                 )
@@ -387,22 +391,22 @@ async def test_credential_added_must_name_an_existing_credential_of_the_integrat
         assert frames[-1]["type"] == "done"
 
 
-async def test_credential_connected_resumes_the_paused_run_by_itself(stack):
+async def test_credential_connected_resumes_the_paused_run_by_itself(services):
     import grpc
 
     from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(
             client, "request_credential", {"integration": "postgresql", "message": "need db"}
         )
         other, _ = await _ask(
             client, "request_credential", {"integration": "http", "message": "need http"}
         )
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
             stub = assistant_pb2_grpc.AssistantServiceStub(channel)
             notice = assistant_pb2.NotifyCredentialConnectedRequest(
-                organization_id=stack.org_id, integration="postgresql", credential_id="cred-1"
+                organization_id=services.org_id, integration="postgresql", credential_id="cred-1"
             )
             first = await stub.NotifyCredentialConnected(notice)
             again = await stub.NotifyCredentialConnected(notice)
@@ -417,10 +421,10 @@ async def test_credential_connected_resumes_the_paused_run_by_itself(stack):
         assert status["awaiting_input"] is True
 
 
-async def test_credential_question_offers_only_auth_types_that_can_be_connected(stack):
+async def test_credential_question_offers_only_auth_types_that_can_be_connected(services):
     from modulex.types.realtime import parse_user_input_request
 
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(
             client, "request_credential", {"integration": "http", "message": "need http"}
         )
@@ -445,8 +449,8 @@ async def test_credential_question_offers_only_auth_types_that_can_be_connected(
             assert created.status_code == 201, created.text
 
 
-async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
-    async with stack.client() as client:
+async def test_malformed_question_is_a_failed_tool_call_listed_in_done(services):
+    async with services.client() as client:
         _, frames = await run_turn(client, {"tool": "ask_user_yes_no", "input": {}}, {"say": "ok"})
     result = next(f for f in frames if f["type"] == "tool_result")["data"]["output"]
     assert result["success"] is False and "invalid question" in result["error"]
@@ -499,11 +503,11 @@ async def test_malformed_question_is_a_failed_tool_call_listed_in_done(stack):
     ],
 )
 async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_error_names_the_field(
-    stack, tool, tool_input, expected
+    services, tool, tool_input, expected
 ):
     # unknown fields are refused and wrong types are not coerced (a dict message must not become
     # its Python repr)
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(client, {"tool": tool, "input": tool_input}, {"say": "ok"})
         assert types(frames) == [
             "metadata",
@@ -524,11 +528,11 @@ async def test_a_question_whose_input_breaks_its_schema_is_not_asked_and_the_err
 
 
 async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_the_model_sees_it(
-    stack,
+    services,
 ):
     # GET chat shows the question's tool call with the result the next model call is given
     # ({"error": "not completed"}), not without one
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
         assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
@@ -539,7 +543,7 @@ async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_t
         ]
         _, more = await run_turn(client, {"say": "fresh start"}, chat_id=body["chat_id"])
         assert more[-1]["type"] == "done" and more[-1]["data"]["response"] == "fresh start"
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         sent = await thread.load_thread(
             session, body["chat_id"]
         )  # what the next model call is given
@@ -548,8 +552,8 @@ async def test_a_cancelled_question_gets_its_cancelled_result_in_the_thread_as_t
     ]
 
 
-async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):
-    async with stack.client() as client:
+async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(services):
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         assert (await client.post(f"/assistant/chat/{body['chat_id']}/cancel")).status_code == 200
         again = await read_frames(client, body["stream_url"])
@@ -557,8 +561,8 @@ async def test_cancel_of_a_paused_run_appends_cancelled_to_its_stream(stack):
     assert again[-1] == {"type": "cancelled", "data": {"reason": "cancelled by user"}}
 
 
-async def _expire(stack, request_id: str) -> None:
-    async with stack.orchestrator.servicer.sessions() as session, session.begin():
+async def _expire(services, request_id: str) -> None:
+    async with services.orchestrator.servicer.sessions() as session, session.begin():
         await session.execute(
             update(Interrupt)
             .where(Interrupt.id == request_id)
@@ -566,12 +570,12 @@ async def _expire(stack, request_id: str) -> None:
         )
 
 
-async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(stack):
+async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(services):
     # GET /assistant/chats says is_running: false without waiting for a status, get or resume
     # to look at the chat
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
-        await _expire(stack, frames[-1]["data"]["request_id"])
+        await _expire(services, frames[-1]["data"]["request_id"])
         listed = next(
             c
             for c in (await client.get("/assistant/chats")).json()["items"]
@@ -580,25 +584,25 @@ async def test_the_chat_list_shows_a_chat_whose_question_expired_as_free(stack):
         assert listed["is_running"] is False
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["is_running"] is False and status["awaiting_input"] is False
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert (await session.get(Interrupt, frames[-1]["data"]["request_id"])).outcome == "expired"
         assert (await session.get(Run, body["run_id"])).status == "expired"
 
 
-async def test_cancel_of_a_run_whose_question_expired_is_400_and_adds_nothing(stack):
-    """Bug (fresh-eyes test): a cancel that was the first to look at a chat whose question had
+async def test_cancel_of_a_run_whose_question_expired_is_400_and_adds_nothing(services):
+    """Bug: a cancel that was the first to look at a chat whose question had
     expired answered 200 "cancelled", stored the run as cancelled and appended `cancelled` to
     its ended stream; after a status look the same cancel was 400. Both are now the spec's 400."""
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
-        await _expire(stack, frames[-1]["data"]["request_id"])
+        await _expire(services, frames[-1]["data"]["request_id"])
         cancel = await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
         assert cancel.status_code == 400 and cancel.json() == {
             "detail": "No active execution to cancel"
         }
         again = await read_frames(client, body["stream_url"])
     assert again == frames
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         assert (await session.get(Interrupt, frames[-1]["data"]["request_id"])).outcome == "expired"
         assert (await session.get(Run, body["run_id"])).status == "expired"
         rows = (
@@ -615,13 +619,13 @@ async def test_cancel_of_a_run_whose_question_expired_is_400_and_adds_nothing(st
     assert [r.content for r in rows] == [thread.cut_off_result("expired")]
 
 
-async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
+async def test_an_expired_question_gets_its_tool_result_in_the_thread(services):
     # the assistant message's ask_user_yes_no call gets a tool message after it, as a cancel
     # gives one
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await _ask(client, "ask_user_yes_no", {"message": "ok?"})
         call_id = next(f for f in frames if f["type"] == "tool_call")["data"]["tool_call_id"]
-        await _expire(stack, frames[-1]["data"]["request_id"])
+        await _expire(services, frames[-1]["data"]["request_id"])
         nxt, _ = await run_turn(client, {"say": "fine"}, chat_id=body["chat_id"])
         messages = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()["messages"]
     calls = [
@@ -632,7 +636,7 @@ async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
     assert len(calls) == 1
     roles = [m["role"] for m in messages]
     assert roles.index("tool") == roles.index("assistant") + 1  # right after the call
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         rows = (
             (
                 await session.execute(
@@ -647,10 +651,10 @@ async def test_an_expired_question_gets_its_tool_result_in_the_thread(stack):
     assert [r.extra["tool_call_id"] for r in rows] == [call_id]
 
 
-async def test_a_question_whose_call_id_holds_control_characters_pauses_and_resumes(stack):
+async def test_a_question_whose_call_id_holds_control_characters_pauses_and_resumes(services):
     # on PostgreSQL a NUL in a HITL call's id must not fail the run's end ("Internal error while
     # finishing the turn.")
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {
@@ -676,7 +680,7 @@ async def test_a_question_whose_call_id_holds_control_characters_pauses_and_resu
         assert resumed.status_code == 200, resumed.text
         rest = await read_frames(client, resumed.json()["stream_url"])
     assert rest[-1]["type"] == "done" and rest[-1]["data"]["response"] == "Thanks."
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         rows = (
             (
                 await session.execute(
@@ -700,15 +704,16 @@ async def test_a_call_id_of_control_characters_only_gets_a_new_id():
     assert minted.startswith("call_") and len(minted) == 29
 
 
-async def test_a_resume_and_a_cancel_sent_together_never_fail_and_leave_one_consistent_chat(stack):
-    """Fresh-eyes test (re-test, PostgreSQL): a resume and a cancel of a paused chat sent together
-    deadlocked (the resume locked the question's row, then the chat's; the cancel the other way
-    round), and one of them answered 500 in 3 of 40 tries. Every such transaction now takes the
-    chat's row first."""
-    # and (replicas, a second fresh-eyes test) a cancel that came while the resume committed found
-    # the paused run gone and answered 400 "No active execution to cancel" while the resumed run
-    # ran on: the cancel now cancels whichever run is active when it acts, so it is always 200
-    async with stack.client() as client:
+async def test_a_resume_and_a_cancel_sent_together_never_fail_and_leave_one_consistent_chat(
+    services,
+):
+    """A resume and a cancel of a paused chat sent together never deadlock (PostgreSQL): every
+    such transaction takes the chat's row first, then the question's; locked in opposite orders
+    they deadlock and one answers 500."""
+    # and (replicas) a cancel that comes while the resume commits cancels whichever run is active
+    # when it acts, so it is always 200, never 400 "No active execution to cancel" while the
+    # resumed run runs on
+    async with services.client() as client:
         for _ in range(12):
             body, frames = await run_turn(
                 client,

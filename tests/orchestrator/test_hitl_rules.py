@@ -54,7 +54,7 @@ def test_single_choice_takes_a_value_or_free_text_not_both():
 
 
 def test_an_answer_with_a_field_its_kind_does_not_have_is_refused():
-    # second fresh-eyes test: {"kind": "yes_no", "answer": true, "extra": <100 KB>} started a run
+    # an unknown field (e.g. "extra": <100 KB>) is refused, so it neither starts a run nor is stored
     request = build_request("ask_user_yes_no", {"message": "ok?"}, "req_1")
     with pytest.raises(InvalidAnswer, match="unknown field"):
         validate_answer(request, {"kind": "yes_no", "answer": True, "extra": "x" * 100_000})
@@ -205,7 +205,7 @@ CREDENTIAL_QUESTION = {"message": "connect it", "integration": "http"}
 def test_a_credential_answer_must_name_the_questions_integration_and_an_sdk_error_code(
     answer, message
 ):
-    # fresh-eyes test: both were stored, and the model was told of another integration
+    # a wrong integration or error code is refused, not stored and told to the model
     request = build_request("request_credential", CREDENTIAL_QUESTION, "req_1")
     with pytest.raises(InvalidAnswer) as raised:
         validate_answer(request, answer)
@@ -258,7 +258,7 @@ def test_the_length_error_says_surrounding_whitespace_is_not_counted():
 
 
 def test_a_value_selected_twice_is_named():
-    # fresh-eyes test: "a value is selected twice" named nothing, where an unknown value is named
+    # the duplicate value is named, as an unknown value is
     request = build_request(
         "ask_user_multi_choice", {"message": "pick", "options": OPTIONS}, "req_1"
     )
@@ -278,7 +278,7 @@ def test_a_value_selected_twice_is_named():
     ],
 )
 def test_a_reason_or_error_message_is_at_most_1000_characters(tool, kind, field):
-    # fresh-eyes test: a 100,000-character skip reason was stored and fed to the model
+    # longer text is refused: it would be stored and fed to the model
     question = (
         {"message": "connect it", "integration": "http"}
         if tool == "request_credential"

@@ -10,13 +10,13 @@ from services.tools.tools import cap_result
 from tests.orchestrator.helpers import run_turn, types
 
 
-async def test_a_models_text_and_tool_call_with_a_lone_surrogate_keep_the_turn_going(stack):
+async def test_a_models_text_and_tool_call_with_a_lone_surrogate_keep_the_turn_going(services):
     tool_input = {
         "integration": "loopline",
         "action": "echo",
         "parameters": {"message": "a\ud800b"},
     }
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {"say": "look\ud800", "tool": "execute_integration_tool", "input": tool_input},

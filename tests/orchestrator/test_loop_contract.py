@@ -13,26 +13,26 @@ from tests.orchestrator.helpers import run_turn, start, types, wait_for
 from tests.sse_client import read_frames
 
 
-async def _run_row(stack, run_id):
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _run_row(services, run_id):
+    async with services.orchestrator.servicer.sessions() as session:
         return await session.get(Run, run_id)
 
 
-async def _chat_row(stack, chat_id):
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _chat_row(services, chat_id):
+    async with services.orchestrator.servicer.sessions() as session:
         return await session.get(Chat, chat_id)
 
 
-async def test_natural_completion_sets_completed_and_clears_running_id(stack):
-    async with stack.client() as client:
+async def test_natural_completion_sets_completed_and_clears_running_id(services):
+    async with services.client() as client:
         body, frames = await run_turn(client, {"say": "Hello there."})
     assert types(frames) == ["metadata", "response_chunk", "response_chunk", "done"]
-    assert (await _run_row(stack, body["run_id"])).status == "completed"
-    assert (await _chat_row(stack, body["chat_id"])).running_id is None
+    assert (await _run_row(services, body["run_id"])).status == "completed"
+    assert (await _chat_row(services, body["chat_id"])).running_id is None
 
 
-async def test_done_usage_sums_every_model_call(stack):
-    async with stack.client() as client:
+async def test_done_usage_sums_every_model_call(services):
+    async with services.client() as client:
         _, frames = await run_turn(
             client,
             {
@@ -52,8 +52,8 @@ async def test_done_usage_sums_every_model_call(stack):
     assert set(frames[-1]["data"]["tool_calls"][0]) == {"tool", "input", "output"}
 
 
-async def test_model_failure_emits_error_then_done_with_error_true(stack):
-    async with stack.client() as client:
+async def test_model_failure_emits_error_then_done_with_error_true(services):
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {
@@ -75,36 +75,36 @@ async def test_model_failure_emits_error_then_done_with_error_true(stack):
         and "Traceback" not in message
     )
     assert frames[-1]["data"]["error"] is True
-    run = await _run_row(stack, body["run_id"])
+    run = await _run_row(services, body["run_id"])
     assert run.status == "failed"
-    assert (await _chat_row(stack, body["chat_id"])).running_id is None
+    assert (await _chat_row(services, body["chat_id"])).running_id is None
     assert run.usage["llm_calls"] == 2
 
 
 async def test_a_failure_text_with_control_characters_or_a_lone_surrogate_is_stored_clean(
-    stack,
+    services,
 ):
     # a model failure text with a NUL must not fail the run's end on PostgreSQL ("Internal error
     # while finishing the turn."), and is streamed clean too
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(client, {"fail": "bad\u0000thing\u0007 \ud800 done"})
     assert types(frames)[-2:] == ["error", "done"]
     message = frames[-2]["data"]["message"]
     assert "finishing" not in message and "\x00" not in message and "\x07" not in message
     # the failure's own text goes to the log only: the client is told the provider and the kind
     assert message == "scripted: the model call failed"
-    run = await _run_row(stack, body["run_id"])
+    run = await _run_row(services, body["run_id"])
     assert run.status == "failed" and run.error == message
 
 
-async def test_failed_run_records_token_usage_with_billing(stack):
+async def test_failed_run_records_token_usage_with_billing(services):
     from services.billing.models import UsageRecord
 
-    async with stack.client() as client:
+    async with services.client() as client:
         body, _ = await run_turn(
             client, {"fail": "boom", "usage": {"input_tokens": 11, "output_tokens": 5}}
         )
-    async with stack.billing.store.sessions() as session:
+    async with services.billing.store.sessions() as session:
         rows = (
             (await session.execute(select(UsageRecord).where(UsageRecord.run_id == body["run_id"])))
             .scalars()
@@ -136,19 +136,19 @@ async def test_failed_run_records_token_usage_with_billing(stack):
     ],
 )
 async def test_a_scripted_step_with_an_out_of_range_setting_fails_that_model_call_not_the_loop(
-    stack, step, named
+    services, step, named
 ):
     # chunks 1e400 must not crash the loop (OverflowError, "Internal error"), nor sleep_ms 1e12
     # hold the chat for good
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await asyncio.wait_for(run_turn(client, step), 10)
     assert types(frames)[-2:] == ["error", "done"], frames
     assert frames[-1]["data"]["error"] is True and frames[-1]["data"]["usage"]["llm_calls"] == 1
-    assert (await _run_row(stack, body["run_id"])).status == "failed"
+    assert (await _run_row(services, body["run_id"])).status == "failed"
 
 
-async def test_a_scripted_usage_object_reports_its_counts_missing_ones_as_0(stack):
-    async with stack.client() as client:
+async def test_a_scripted_usage_object_reports_its_counts_missing_ones_as_0(services):
+    async with services.client() as client:
         _, frames = await run_turn(client, {"say": "hello", "usage": {}})
         _, more = await run_turn(client, {"say": "hello", "usage": {"input_tokens": 5}})
     assert (
@@ -161,8 +161,8 @@ async def test_a_scripted_usage_object_reports_its_counts_missing_ones_as_0(stac
     ) == (5, 0)
 
 
-async def test_scripted_chunks_and_sleep_ms_within_their_bounds_are_used(stack):
-    async with stack.client() as client:
+async def test_scripted_chunks_and_sleep_ms_within_their_bounds_are_used(services):
+    async with services.client() as client:
         _, frames = await run_turn(
             client, {"say": "one two three four", "chunks": 2, "sleep_ms": 1}
         )
@@ -172,36 +172,36 @@ async def test_scripted_chunks_and_sleep_ms_within_their_bounds_are_used(stack):
     ]
 
 
-async def test_failed_tool_output_is_error_and_success_false(stack):
-    async with stack.client() as client:
+async def test_failed_tool_output_is_error_and_success_false(services):
+    async with services.client() as client:
         _, frames = await run_turn(client, {"tool": "no_such_tool", "input": {}}, {"say": "done"})
     result = next(f for f in frames if f["type"] == "tool_result")["data"]["output"]
     assert result["success"] is False and isinstance(result["error"], str)
 
 
-async def test_recursion_limit_of_100_steps_ends_the_run_with_an_error(stack):
+async def test_recursion_limit_of_100_steps_ends_the_run_with_an_error(services):
     steps = [{"tool": "get_available_integrations", "input": {}, "chunks": 1} for _ in range(60)]
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(client, *steps)
     assert types(frames)[-2:] == ["error", "done"]
     assert "recursion limit" in frames[-2]["data"]["message"].lower()
     # steps 1..100 are 50 model calls and 50 tool executions; the 51st model call would be step 101
     assert sum(1 for t in types(frames) if t == "tool_result") == 50
     assert frames[-1]["data"]["usage"]["llm_calls"] == 50
-    assert (await _run_row(stack, body["run_id"])).status == "failed"
+    assert (await _run_row(services, body["run_id"])).status == "failed"
 
 
-async def test_three_consecutive_tool_failures_publish_guidance_and_success_resets(stack):
+async def test_three_consecutive_tool_failures_publish_guidance_and_success_resets(services):
     bad = {"tool": "no_such_tool", "input": {}}
     good = {"tool": "get_available_integrations", "input": {}}
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(client, bad, bad, bad, good, bad, bad, {"say": "giving up"})
     guidance = [f["data"] for f in frames if f["type"] == "guidance"]
     assert guidance == [{"message": guidance[0]["message"], "consecutive_failures": 3}]
     order = types(frames)
     third_result = [i for i, t in enumerate(order) if t == "tool_result"][2]
     assert order[third_result + 1] == "guidance"
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         system = (
             (
                 await session.execute(
@@ -217,19 +217,19 @@ async def test_three_consecutive_tool_failures_publish_guidance_and_success_rese
     assert frames[-1]["type"] == "done" and "error" not in frames[-1]["data"]
 
 
-async def test_every_20th_model_call_publishes_guidance(stack):
+async def test_every_20th_model_call_publishes_guidance(services):
     steps = [
         {"tool": "get_available_integrations", "input": {}, "chunks": 1} for _ in range(41)
     ] + [{"say": "finished"}]
-    async with stack.client() as client:
+    async with services.client() as client:
         _, frames = await run_turn(client, *steps)
     milestones = [f["data"]["total_llm_calls"] for f in frames if f["type"] == "guidance"]
     assert milestones == [20, 40]
     assert frames[-1]["type"] == "done"
 
 
-async def test_several_tool_calls_in_one_step_run_only_one_and_thread_stays_valid(stack):
-    async with stack.client() as client:
+async def test_several_tool_calls_in_one_step_run_only_one_and_thread_stays_valid(services):
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {
@@ -245,8 +245,8 @@ async def test_several_tool_calls_in_one_step_run_only_one_and_thread_stays_vali
     assert again[-1]["type"] == "done"
 
 
-async def test_second_turn_while_running_is_409(stack):
-    async with stack.client() as client:
+async def test_second_turn_while_running_is_409(services):
+    async with services.client() as client:
         body = await start(client, {"say": "slow", "sleep_ms": 2000})
         second = await client.post(
             "/assistant/chat", json={"message": "again", "chat_id": body["chat_id"]}
@@ -255,11 +255,11 @@ async def test_second_turn_while_running_is_409(stack):
         await client.post(f"/assistant/chat/{body['chat_id']}/cancel")
 
 
-async def test_fifty_concurrent_turns_on_one_idle_chat_admit_exactly_one(stack):
-    async with stack.client() as client:
+async def test_fifty_concurrent_turns_on_one_idle_chat_admit_exactly_one(services):
+    async with services.client() as client:
         first, _ = await run_turn(client, {"say": "warm"})
         chat_id = first["chat_id"]
-        async with stack.orchestrator.servicer.sessions() as session:
+        async with services.orchestrator.servicer.sessions() as session:
             before = len(
                 (await session.execute(select(Message).where(Message.chat_id == chat_id)))
                 .scalars()
@@ -278,7 +278,7 @@ async def test_fifty_concurrent_turns_on_one_idle_chat_admit_exactly_one(stack):
         assert codes == [200] + [409] * 49
         winner = next(r.json() for r in responses if r.status_code == 200)
         await read_frames(client, winner["stream_url"])
-    async with stack.orchestrator.servicer.sessions() as session:
+    async with services.orchestrator.servicer.sessions() as session:
         runs = (await session.execute(select(Run).where(Run.chat_id == chat_id))).scalars().all()
         messages = (
             (
@@ -293,8 +293,8 @@ async def test_fifty_concurrent_turns_on_one_idle_chat_admit_exactly_one(stack):
     assert before > 0
 
 
-async def test_late_listener_and_many_listeners_get_every_event_in_order(stack):
-    async with stack.client() as client:
+async def test_late_listener_and_many_listeners_get_every_event_in_order(services):
+    async with services.client() as client:
         body = await start(
             client,
             {
@@ -312,8 +312,8 @@ async def test_late_listener_and_many_listeners_get_every_event_in_order(stack):
     assert all(frames == late for frames in listeners)
 
 
-async def test_reconnect_with_after_gets_the_rest_without_gaps_or_repeats(stack):
-    async with stack.client() as client:
+async def test_reconnect_with_after_gets_the_rest_without_gaps_or_repeats(services):
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {"say": "one two three four", "tool": "get_available_integrations", "input": {}},
@@ -325,8 +325,8 @@ async def test_reconnect_with_after_gets_the_rest_without_gaps_or_repeats(stack)
         assert (await client.get(body["stream_url"], params={"after": -1})).status_code == 400
 
 
-async def test_heartbeat_after_silence(stack):
-    async with stack.client() as client:
+async def test_heartbeat_after_silence(services):
+    async with services.client() as client:
         body = await start(client, {"say": "late", "sleep_ms": 2300})
         frames = await read_frames(client, body["stream_url"], heartbeats=True)
     assert frames[1] == {"type": "heartbeat"}
@@ -334,27 +334,27 @@ async def test_heartbeat_after_silence(stack):
     assert frames[-1]["type"] == "done"
 
 
-async def test_listener_disconnect_does_not_disturb_the_run(stack):
-    async with stack.client() as client:
+async def test_listener_disconnect_does_not_disturb_the_run(services):
+    async with services.client() as client:
         body = await start(client, {"say": "x", "sleep_ms": 500}, {"say": "y"})
         async with client.stream("GET", body["stream_url"]) as response:
             async for _ in response.aiter_bytes():
                 break
         await wait_for(
-            lambda: stack.orchestrator.runner.active.get(body["run_id"]) is None, timeout=10
+            lambda: services.orchestrator.runner.active.get(body["run_id"]) is None, timeout=10
         )
         await wait_for(
             lambda: not [t for t in asyncio.all_tasks() if t.get_name() == "sse-pump"], timeout=5
         )
         frames = await read_frames(client, body["stream_url"])
     assert frames[-1]["type"] == "done"
-    assert (await _run_row(stack, body["run_id"])).status == "completed"
+    assert (await _run_row(services, body["run_id"])).status == "completed"
 
 
-async def test_unknown_run_on_listen_is_404(stack):
+async def test_unknown_run_on_listen_is_404(services):
     import uuid
 
-    async with stack.client() as client:
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "x"})
         assert (
             await client.get(f"/assistant/chat/{body['chat_id']}/listen/{uuid.uuid4()}")
@@ -364,13 +364,12 @@ async def test_unknown_run_on_listen_is_404(stack):
         ).status_code == 404
 
 
-async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_on(stack):
+async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_on(services):
     """The tools service down mid-conversation: the call is an error result for the model, which
-    answers without it (it failed the run before the fresh-eyes test of the sixth session); no
-    address or traceback reaches the stream."""
-    async with stack.client() as client:
+    answers without it (the run is not failed); no address or traceback reaches the stream."""
+    async with services.client() as client:
         await run_turn(client, {"tool": "get_available_integrations", "input": {}}, {"say": "ok"})
-        await stack.tools.stop(0)
+        await services.tools.stop(0)
         body, frames = await run_turn(
             client,
             {"tool": "get_available_integrations", "input": {}},
@@ -384,27 +383,27 @@ async def test_tools_service_down_is_a_sanitized_error_result_and_the_run_goes_o
     }
     assert "127.0.0.1" not in str(frames) and "Traceback" not in str(frames)
     assert frames[-1]["data"]["response"] == "answered without it"
-    assert (await _run_row(stack, body["run_id"])).status == "completed"
-    assert (await _chat_row(stack, body["chat_id"])).running_id is None
+    assert (await _run_row(services, body["run_id"])).status == "completed"
+    assert (await _chat_row(services, body["chat_id"])).running_id is None
 
 
-async def test_a_tool_call_cut_off_by_the_tools_service_going_away_says_it_may_have_run(stack):
+async def test_a_tool_call_cut_off_by_the_tools_service_going_away_says_it_may_have_run(services):
     # not "unavailable; try again later", which would invite the model to repeat an action that
     # may have happened
     slow = {
         "tool": "execute_integration_tool",
         "input": {"integration": "loopline", "action": "wait", "parameters": {"seconds": 20}},
     }
-    async with stack.client() as client:
+    async with services.client() as client:
         body = await start(client, slow, {"say": "answered without it"})
         await wait_for(
             lambda: any(
                 e.HasField("tool_call")
-                for e in stack.orchestrator.runner.events.snapshot(body["run_id"])
+                for e in services.orchestrator.runner.events.snapshot(body["run_id"])
             )
         )
         await asyncio.sleep(0.3)  # the call is in the tools service
-        await stack.tools.stop(0)
+        await services.tools.stop(0)
         frames = await read_frames(client, body["stream_url"])
     result = next(f["data"]["output"] for f in frames if f["type"] == "tool_result")
     assert result == {
@@ -414,14 +413,14 @@ async def test_a_tool_call_cut_off_by_the_tools_service_going_away_says_it_may_h
     assert frames[-1]["type"] == "done" and frames[-1]["data"]["response"] == "answered without it"
 
 
-async def test_a_turn_starts_and_answers_while_the_tools_service_is_down(stack):
-    """Bug (fresh-eyes re-test): with the tools service stalled or down, every new turn failed
+async def test_a_turn_starts_and_answers_while_the_tools_service_is_down(services):
+    """Bug: with the tools service stalled or down, every new turn failed
     before its first model call ("A backing service failed (deadline_exceeded)", after 10 s) and
     was charged: the run start's ListTools failed the run. Now the run goes on with the tools it
     knows (the last answer, or the HITL tools alone) and a tool call gets the error result."""
-    runner = stack.orchestrator.runner
-    async with stack.client() as client:
-        await stack.tools.stop(0)
+    runner = services.orchestrator.runner
+    async with services.client() as client:
+        await services.tools.stop(0)
         runner._tool_defs = None  # nothing known yet: a fresh orchestrator
         _, first = await run_turn(client, {"say": "hello without tools"})
         assert types(first)[-1] == "done" and first[-1]["data"]["response"] == "hello without tools"
@@ -446,9 +445,9 @@ async def test_a_turn_starts_and_answers_while_the_tools_service_is_down(stack):
     }
 
 
-async def test_listeners_of_one_run_share_one_upstream_stream(stack):
-    fanout = stack.gateway.app.state.fanout
-    async with stack.client() as client:
+async def test_listeners_of_one_run_share_one_upstream_stream(services):
+    fanout = services.gateway.app.state.fanout
+    async with services.client() as client:
         body = await start(client, {"say": "slow answer", "sleep_ms": 1500})
         listeners = [
             asyncio.create_task(read_frames(client, body["stream_url"])) for _ in range(20)
@@ -461,8 +460,8 @@ async def test_listeners_of_one_run_share_one_upstream_stream(stack):
     await wait_for(lambda: fanout.active_runs() == 0)
 
 
-async def test_out_of_range_usage_fails_the_run_cleanly_and_frees_the_chat(stack):
-    async with stack.client() as client:
+async def test_out_of_range_usage_fails_the_run_cleanly_and_frees_the_chat(services):
+    async with services.client() as client:
         for usage in (
             {"input_tokens": 2**62, "output_tokens": 1},
             {"input_tokens": -1000, "output_tokens": 5},
@@ -472,7 +471,7 @@ async def test_out_of_range_usage_fails_the_run_cleanly_and_frees_the_chat(stack
             assert types(frames)[-2:] == ["error", "done"], frames
             assert "usage" in frames[-2]["data"]["message"]
             assert frames[-1]["data"]["usage"]["total_tokens"] >= 0
-            assert (await _chat_row(stack, body["chat_id"])).running_id is None
+            assert (await _chat_row(services, body["chat_id"])).running_id is None
 
 
 def test_provider_usage_is_clamped_before_it_reaches_billing_or_events():
@@ -496,10 +495,12 @@ def test_provider_usage_is_clamped_before_it_reaches_billing_or_events():
     assert clamped.estimated is True
 
 
-async def test_reconnect_at_the_end_is_an_empty_stream_and_past_it_the_end_frame_every_time(stack):
+async def test_reconnect_at_the_end_is_an_empty_stream_and_past_it_the_end_frame_every_time(
+    services,
+):
     # at the end (N = frames): nothing, every time (no 503s); past it (README "Stream end": the
     # client counted frames the stream no longer has, as after a crash): the run's end frame
-    async with stack.client() as client:
+    async with services.client() as client:
         body, frames = await run_turn(client, {"say": "short"})
         for n in [len(frames)] * 15:
             response = await client.get(body["stream_url"], params={"after": n})
@@ -512,14 +513,14 @@ async def test_reconnect_at_the_end_is_an_empty_stream_and_past_it_the_end_frame
         assert frames[-1]["type"] == "done"
 
 
-async def test_a_busy_claim_on_a_chat_that_is_not_the_callers_is_still_404(stack):
-    # regression: concurrent POSTs naming one unknown chat_id got 409 RUN_IN_FLIGHT (the claim
-    # taken by the first) instead of the same 404 as every other request for an unknown chat
+async def test_a_busy_claim_on_a_chat_that_is_not_the_callers_is_still_404(services):
+    # concurrent POSTs naming one unknown chat_id all get the same 404 as any request for an
+    # unknown chat, not 409 RUN_IN_FLIGHT from the claim taken by the first
     unknown = str(uuid.uuid4())
-    servicer = stack.orchestrator.servicer
+    servicer = services.orchestrator.servicer
     assert await servicer._try_claim(unknown)
     try:
-        async with stack.client() as client:
+        async with services.client() as client:
             response = await client.post(
                 "/assistant/chat", json={"message": "hi", "chat_id": unknown}
             )

@@ -14,51 +14,53 @@ from tests.orchestrator.helpers import run_turn
 from tests.sse_client import read_frames
 
 
-async def _restart_all(stack) -> None:
+async def _restart_all(services) -> None:
     """Stop every service of the stack and start it again on the same databases (new ports)."""
-    orchestrator_settings = stack.orchestrator.settings
-    gateway_settings = stack.gateway.settings
-    await stack.gateway.stop(1)
-    await stack.orchestrator.stop(1)
-    await stack.tools.stop(1)
-    await stack.billing.stop(1)
+    orchestrator_settings = services.orchestrator.settings
+    gateway_settings = services.gateway.settings
+    await services.gateway.stop(1)
+    await services.orchestrator.stop(1)
+    await services.tools.stop(1)
+    await services.billing.stop(1)
     common = {
         k: getattr(orchestrator_settings, k)
         for k in ("data_dir", "host", "redis_url", "log_level", "shutdown_grace_s")
     }
-    stack.billing = await BillingServer.start(
+    services.billing = await BillingServer.start(
         BillingSettings(**common, billing_port=0, auto_migrate=False)
     )
-    stack.tools = await ToolsServer.start(ToolsSettings(**common, tools_port=0, auto_migrate=False))
-    stack.orchestrator = await OrchestratorServer.start(
+    services.tools = await ToolsServer.start(
+        ToolsSettings(**common, tools_port=0, auto_migrate=False)
+    )
+    services.orchestrator = await OrchestratorServer.start(
         orchestrator_settings.model_copy(
             update={
-                "billing_addr": f"127.0.0.1:{stack.billing.port}",
-                "tools_addr": f"127.0.0.1:{stack.tools.port}",
+                "billing_addr": f"127.0.0.1:{services.billing.port}",
+                "tools_addr": f"127.0.0.1:{services.tools.port}",
             }
         )
     )
-    stack.gateway = await GatewayServer.start(
+    services.gateway = await GatewayServer.start(
         gateway_settings.model_copy(
             update={
-                "orchestrator_addr": f"127.0.0.1:{stack.orchestrator.port}",
-                "tools_addr": f"127.0.0.1:{stack.tools.port}",
+                "orchestrator_addr": f"127.0.0.1:{services.orchestrator.port}",
+                "tools_addr": f"127.0.0.1:{services.tools.port}",
             }
         )
     )
 
 
-async def _die_mid_run(stack, monkeypatch) -> dict:
+async def _die_mid_run(services, monkeypatch) -> dict:
     """Start a slow turn, let the orchestrator "die" mid-run (its stop records nothing of the
     run, as kill -9; the run's lease is far from lapsing), start every service again; returns
     the turn start's body."""
-    async with stack.client() as client:
+    async with services.client() as client:
         started = await client.post(
             "/assistant/chat", json={"message": '{"script": [{"say": "slow", "sleep_ms": 60000}]}'}
         )
         assert started.status_code == 200, started.text
         body = started.json()
-    runner = stack.orchestrator.runner
+    runner = services.orchestrator.runner
     for _ in range(200):
         if body["run_id"] in runner.active:
             break
@@ -69,19 +71,19 @@ async def _die_mid_run(stack, monkeypatch) -> dict:
 
     monkeypatch.setattr(runner, "_finish", records_nothing)
     monkeypatch.setattr(runner, "_finish_minimal", records_nothing)
-    await _restart_all(stack)
+    await _restart_all(services)
     return body
 
 
-async def test_pending_question_and_finished_runs_survive_a_restart_of_every_service(stack):
+async def test_pending_question_and_finished_runs_survive_a_restart_of_every_service(services):
     if (
-        stack.orchestrator.settings.redis_url
-        or "postgresql" in stack.orchestrator.settings.database_url
+        services.orchestrator.settings.redis_url
+        or "postgresql" in services.orchestrator.settings.database_url
     ):
         import pytest
 
         pytest.skip("restarts the embedded backend in place")
-    async with stack.client() as client:
+    async with services.client() as client:
         done_body, done_frames = await run_turn(
             client,
             {
@@ -97,8 +99,8 @@ async def test_pending_question_and_finished_runs_survive_a_restart_of_every_ser
             {"say": "resumed after restart"},
         )
         request_id = frames[-1]["data"]["request_id"]
-    await _restart_all(stack)
-    async with stack.client() as client:
+    await _restart_all(services)
+    async with services.client() as client:
         status = (await client.get(f"/assistant/chat/{body['chat_id']}/status")).json()
         assert status["awaiting_input"] is True and status["pending_request_id"] == request_id
         details = (await client.get(f"/assistant/chat/{body['chat_id']}")).json()
@@ -115,14 +117,13 @@ async def test_pending_question_and_finished_runs_survive_a_restart_of_every_ser
 
 
 async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_published(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    """Fresh-eyes test (embedded backend): `kill -9` of the orchestrator within ~100 ms after a
-    listener got `done` (or `interrupted`) lost the run's whole stream for good — the events were
-    archived after the end was published, and a restart found a completed run with none. Now the
-    stream is written in the transaction that ends the run; here the process 'dies' before any
-    later archive (TurnRunner.archive does nothing) and a restart still replays every frame."""
-    if stack.orchestrator.runner.events.durable:
+    """Embedded backend: the stream is written in the transaction that ends the run, so `kill -9`
+    of the orchestrator right after a listener got `done` (or `interrupted`) loses no frame.
+    Here the process 'dies' before any later archive (TurnRunner.archive does nothing) and a
+    restart still replays every frame."""
+    if services.orchestrator.runner.events.durable:
         import pytest
 
         pytest.skip(
@@ -132,8 +133,8 @@ async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_pub
     async def died_before_archiving(run_id: str) -> None:
         return None
 
-    monkeypatch.setattr(stack.orchestrator.runner, "archive", died_before_archiving)
-    async with stack.client() as client:
+    monkeypatch.setattr(services.orchestrator.runner, "archive", died_before_archiving)
+    async with services.client() as client:
         done_body, done_frames = await run_turn(
             client,
             {"say": "checking", "tool": "get_available_integrations", "input": {}},
@@ -143,25 +144,24 @@ async def test_an_ended_runs_stream_is_stored_with_its_end_before_the_end_is_pub
             client, {"tool": "ask_user_yes_no", "input": {"message": "Proceed?"}}, {"say": "later"}
         )
     assert done_frames[-1]["type"] == "done" and paused_frames[-1]["type"] == "interrupted"
-    await _restart_all(stack)  # the memory event log is gone: only what was stored remains
-    async with stack.client() as client:
+    await _restart_all(services)  # the memory event log is gone: only what was stored remains
+    async with services.client() as client:
         assert await read_frames(client, done_body["stream_url"]) == done_frames
         assert await read_frames(client, paused_body["stream_url"]) == paused_frames
 
 
 async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one_starts_again(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    """Fresh-eyes test (embedded backend): after a crash, listening to a run the dead process left
-    running gave an empty 200 stream at once and the chat 409, until the reaper's lease ran out
-    (up to 30 s). Now the restarted orchestrator ends such runs before it serves: the listener
-    gets `error` and `done {error: true}` and the chat takes a new turn."""
-    if stack.orchestrator.backend.distributed:
+    """Embedded backend: the restarted orchestrator ends the runs the dead process left running
+    before it serves: the listener gets `error` and `done {error: true}` and the chat takes a
+    new turn (not an empty 200 stream and a 409 until the reaper's lease runs out, up to 30 s)."""
+    if services.orchestrator.backend.distributed:
         import pytest
 
         pytest.skip("replicas share Redis: another replica may run it, so the lease decides")
-    body = await _die_mid_run(stack, monkeypatch)
-    async with stack.client() as client:
+    body = await _die_mid_run(services, monkeypatch)
+    async with services.client() as client:
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
         assert [f["type"] for f in frames] == ["error", "done"] and frames[-1]["data"][
             "error"
@@ -175,38 +175,38 @@ async def test_a_run_a_dead_orchestrator_left_running_ends_when_the_embedded_one
 
 
 async def test_a_run_lost_before_its_charge_was_sent_is_charged_once_and_not_released(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    """The run charge is committed with the turn (usage.RunCharges). A process that dies before
-    sending it leaves it stored; the next start fails the lost run and sends the charge. The
-    reaper used to Release a lost run's reservation: racing the stored charge, it voided the
-    hold of a persisted turn, whose credit was then never charged."""
+    """The run charge is committed with the turn (usage.batches.RunCharges). A process that dies
+    before sending it leaves it stored; the next start fails the lost run and sends the charge.
+    The reaper does not Release a lost run's reservation: racing the stored charge, that would
+    void the hold of a persisted turn, whose credit would then never be charged."""
     from sqlalchemy import func, select
 
     from services.billing.models import LedgerEntry, Reservation
     from tests.orchestrator.helpers import billing_delivered
 
-    if stack.orchestrator.backend.distributed:
+    if services.orchestrator.backend.distributed:
         import pytest
 
         pytest.skip("replicas share Redis: the lease decides when a lost run ends")
     monkeypatch.setattr(
-        stack.orchestrator.runner.charges, "committed", lambda *_args: None
+        services.orchestrator.runner.charges, "committed", lambda *_args: None
     )  # dies before sending it
-    body = await _die_mid_run(stack, monkeypatch)
-    async with stack.client() as client:
+    body = await _die_mid_run(services, monkeypatch)
+    async with services.client() as client:
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
     assert [f["type"] for f in frames] == ["error", "done"]
-    await billing_delivered(stack)
-    async with stack.billing.store.sessions() as session:
+    await billing_delivered(services)
+    async with services.billing.store.sessions() as session:
         states = (
             await session.scalars(
-                select(Reservation.state).where(Reservation.org_id == stack.org_id)
+                select(Reservation.state).where(Reservation.org_id == services.org_id)
             )
         ).all()
         charges = await session.scalar(
             select(func.count())
             .select_from(LedgerEntry)
-            .where(LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "run_charge")
+            .where(LedgerEntry.org_id == services.org_id, LedgerEntry.kind == "run_charge")
         )
     assert (states, charges) == (["charged"], 1)

@@ -19,23 +19,23 @@ from tests.conftest import SCRIPTED, script
 from tests.orchestrator.helpers import billing_delivered, read_frames, wait_for
 
 
-async def _reservations(stack) -> list[str]:
-    async with stack.billing.store.sessions() as session:
+async def _reservations(services) -> list[str]:
+    async with services.billing.store.sessions() as session:
         return sorted(
             (
                 await session.scalars(
-                    select(Reservation.state).where(Reservation.org_id == stack.org_id)
+                    select(Reservation.state).where(Reservation.org_id == services.org_id)
                 )
             ).all()
         )
 
 
-async def _charges(stack) -> int:
-    async with stack.billing.store.sessions() as session:
+async def _charges(services) -> int:
+    async with services.billing.store.sessions() as session:
         return await session.scalar(
             select(func.count())
             .select_from(LedgerEntry)
-            .where(LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "run_charge")
+            .where(LedgerEntry.org_id == services.org_id, LedgerEntry.kind == "run_charge")
         )
 
 
@@ -50,8 +50,8 @@ class _Recorded:
         return getattr(self._stub, name)
 
 
-async def test_turns_started_together_are_charged_once_each_in_one_batch(stack, monkeypatch):
-    ledger = stack.billing.ledger
+async def test_turns_started_together_are_charged_once_each_in_one_batch(services, monkeypatch):
+    ledger = services.billing.ledger
     real = ledger.charge_batch
     batches: list[int] = []
 
@@ -60,9 +60,9 @@ async def test_turns_started_together_are_charged_once_each_in_one_batch(stack, 
         return await real(reservation_ids)
 
     monkeypatch.setattr(ledger, "charge_batch", counted)
-    called = _Recorded(stack.orchestrator.servicer.billing)
-    monkeypatch.setattr(stack.orchestrator.servicer, "billing", called)
-    async with stack.client() as client:
+    called = _Recorded(services.orchestrator.servicer.billing)
+    monkeypatch.setattr(services.orchestrator.servicer, "billing", called)
+    async with services.client() as client:
         started = await asyncio.gather(
             *(
                 client.post(
@@ -74,34 +74,34 @@ async def test_turns_started_together_are_charged_once_each_in_one_batch(stack, 
         assert [r.status_code for r in started] == [200] * 4
         for response in started:
             assert (await read_frames(client, response.json()["stream_url"]))[-1]["type"] == "done"
-    await billing_delivered(stack)
+    await billing_delivered(services)
     assert called.methods == ["Admit"] * 4  # the turn start does not wait for a Charge
     assert sum(batches) == 4 and len(batches) < 4  # started within the linger (0.2 s): shared calls
-    assert await _reservations(stack) == ["charged"] * 4 and await _charges(stack) == 4
+    assert await _reservations(services) == ["charged"] * 4 and await _charges(services) == 4
 
 
 async def test_a_turn_whose_process_died_before_sending_its_charge_is_charged_by_the_next(
-    stack, monkeypatch
+    services, monkeypatch
 ):
     """The charge is committed with the turn; a process that dies before the linger is over
     sends nothing, and the next start (its first pass over the stored calls) sends it."""
     monkeypatch.setattr(
-        stack.orchestrator.runner.charges, "committed", lambda *_args: None
+        services.orchestrator.runner.charges, "committed", lambda *_args: None
     )  # dies before sending
-    async with stack.client() as client:
+    async with services.client() as client:
         response = await client.post(
             "/assistant/chat", json={"message": script({"say": "hi"}), "llm": SCRIPTED}
         )
         assert response.status_code == 200, response.text
         await read_frames(client, response.json()["stream_url"])
-    async with stack.orchestrator.runner.sessions() as session:
+    async with services.orchestrator.runner.sessions() as session:
         assert "ChargeBatch" in (await session.scalars(select(BillingRedelivery.method))).all()
-    assert await _reservations(stack) == ["held"]
-    await stack.orchestrator.runner.redelivery._deliver_due(
+    assert await _reservations(services) == ["held"]
+    await services.orchestrator.runner.redelivery._deliver_due(
         everything=True
     )  # the next start's first pass
-    await billing_delivered(stack)
-    assert await _reservations(stack) == ["charged"] and await _charges(stack) == 1
+    await billing_delivered(services)
+    assert await _reservations(services) == ["charged"] and await _charges(services) == 1
 
 
 class _OlderBilling:

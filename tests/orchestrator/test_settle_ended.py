@@ -1,12 +1,11 @@
 """An ended run whose replica died before its log held the end is settled by any replica.
 
-Regression (found reading the archive-after-end path): on a durable event log (Redis) a run's
-end is stored, then published, then archived. A replica that died between the first two (a
-crash, or the crash reaper's own publication failing while Redis was away) left the run
-ended in the database and its stream open in Redis for good: every listener, then and later,
-waited forever, and the events were never archived. Its end is now stored with
-`runs.archive_due`; once the run's lease lapses, `RunSupervisor.settle_ended` appends the
-terminal events the stored end calls for and archives the stream.
+On a durable event log (Redis) a run's end is stored, then published, then archived. A
+replica that dies between the first two (a crash, or the crash reaper's own publication
+failing while Redis is away) leaves the run ended in the database and its stream open in
+Redis: every listener would wait forever and the events would never be archived. The end is
+stored with `runs.archive_due`; once the run's lease lapses, `RunSupervisor.settle_ended`
+appends the terminal events the stored end calls for and archives the stream.
 
 The orchestrator runs on Redis here whatever the test backend (skipped without Redis).
 """
@@ -52,13 +51,13 @@ async def _bury(runner, run_id: str) -> None:
     writer.task.cancel()
 
 
-async def _row(stack, run_id: str) -> Run:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _row(services, run_id: str) -> Run:
+    async with services.orchestrator.servicer.sessions() as session:
         return (await session.execute(select(Run).where(Run.id == run_id))).scalar_one()
 
 
-async def _lapse_lease(stack, run_id: str) -> None:
-    async with stack.orchestrator.servicer.sessions() as session, session.begin():
+async def _lapse_lease(services, run_id: str) -> None:
+    async with services.orchestrator.servicer.sessions() as session, session.begin():
         await session.execute(
             update(Run)
             .where(Run.id == run_id)
@@ -89,9 +88,9 @@ def _comparable(frames: list[dict]) -> list[dict]:
     return [clean(frame) for frame in frames]
 
 
-async def _settled(stack, run_id: str) -> bool:
-    await stack.orchestrator.supervisor.settle_ended()
-    return (await _row(stack, run_id)).archive_due is None
+async def _settled(services, run_id: str) -> bool:
+    await services.orchestrator.supervisor.settle_ended()
+    return (await _row(services, run_id)).archive_due is None
 
 
 @pytest.mark.parametrize(
@@ -100,9 +99,9 @@ async def _settled(stack, run_id: str) -> bool:
     ids=["completed", "interrupted"],
 )
 async def test_a_run_whose_replica_died_before_publishing_its_end_is_ended_and_archived(
-    redis_stack, monkeypatch, steps, status
+    services_with_redis_events, monkeypatch, steps, status
 ):
-    stack, runner = redis_stack, redis_stack.orchestrator.runner
+    stack, runner = services_with_redis_events, services_with_redis_events.orchestrator.runner
     async with stack.client() as client:
         _, expected = await run_turn(client, *steps)  # the same turn, ended as usual
         ended = _die_before_the_end_is_published(monkeypatch, runner)
@@ -140,8 +139,10 @@ async def test_a_run_whose_replica_died_before_publishing_its_end_is_ended_and_a
             assert types(await read_frames(client, resumed.json()["stream_url"]))[-1] == "done"
 
 
-async def test_a_settle_that_fails_is_tried_again_once_its_lease_lapses(redis_stack, monkeypatch):
-    stack, runner = redis_stack, redis_stack.orchestrator.runner
+async def test_a_settle_that_fails_is_tried_again_once_its_lease_lapses(
+    services_with_redis_events, monkeypatch
+):
+    stack, runner = services_with_redis_events, services_with_redis_events.orchestrator.runner
     supervisor = stack.orchestrator.supervisor
     async with stack.client() as client:
         ended = _die_before_the_end_is_published(monkeypatch, runner)
@@ -185,8 +186,8 @@ async def test_a_settle_that_fails_is_tried_again_once_its_lease_lapses(redis_st
         assert frames[-1]["data"]["response"] == "all fine"
 
 
-async def test_an_ended_run_is_not_due_after_a_normal_end(redis_stack):
-    stack = redis_stack
+async def test_an_ended_run_is_not_due_after_a_normal_end(services_with_redis_events):
+    stack = services_with_redis_events
     async with stack.client() as client:
         body, frames = await run_turn(client, {"say": "all fine"})
         assert types(frames)[-1] == "done"

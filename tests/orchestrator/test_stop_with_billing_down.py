@@ -10,7 +10,7 @@ from tests.sse_client import read_frames
 
 
 async def test_a_stop_right_after_runs_ended_with_billing_down_does_not_hang(tmp_path):
-    """Bug (fresh-eyes test): SIGTERM within ~2 s of `done` frames, billing killed during the
+    """Bug: SIGTERM within ~2 s of `done` frames, billing killed during the
     runs: the orchestrator logged "stopping" and then served on for good (its usage sender
     was woken in the same loop turn as its cancel, and asyncio.wait_for dropped the cancel)."""
     stack = await start_stack(tmp_path)

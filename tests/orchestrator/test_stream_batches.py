@@ -69,15 +69,15 @@ async def _stream(stub, request) -> list[list[str]]:
     return messages
 
 
-async def test_stream_run_with_max_batch_sends_the_same_events_in_fewer_messages(stack):
-    async with stack.client() as client:
+async def test_stream_run_with_max_batch_sends_the_same_events_in_fewer_messages(services):
+    async with services.client() as client:
         body, frames = await run_turn(
             client,
             {"say": "checking", "tool": "get_available_integrations", "input": {}},
             {"say": "one two three four five six", "chunks": 6},
         )
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         base = dict(caller=caller, chat_id=body["chat_id"], run_id=body["run_id"])
         single = await _stream(stub, assistant_pb2.StreamRunRequest(**base))
@@ -126,23 +126,23 @@ async def test_ended_runs_are_kept_in_memory_within_a_byte_budget_then_replayed_
     assert len([e async for e in log.follow("huge")]) == 2001
 
 
-async def test_stream_run_answers_an_unexpected_error_without_its_text(stack, monkeypatch):
+async def test_stream_run_answers_an_unexpected_error_without_its_text(services, monkeypatch):
     """StreamRun goes through the streaming RPC wrapper: an error it does not expect is a
     generic INTERNAL-style answer with the service's ErrorInfo, never the exception's text."""
-    async with stack.client() as client:
+    async with services.client() as client:
         body, _ = await run_turn(client, {"say": "hello"})
-    events = stack.orchestrator.runner.events
+    events = services.orchestrator.runner.events
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("secret /var/lib/loopline/db.sqlite")
 
     monkeypatch.setattr(events, "follow", broken)
     monkeypatch.setattr(events, "follow_batches", broken)
-    caller = assistant_pb2.Caller(organization_id=stack.org_id, user_id=stack.user_id)
+    caller = assistant_pb2.Caller(organization_id=services.org_id, user_id=services.user_id)
     request = assistant_pb2.StreamRunRequest(
         caller=caller, chat_id=body["chat_id"], run_id=body["run_id"]
     )
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.orchestrator.port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services.orchestrator.port}") as channel:
         stub = assistant_pb2_grpc.AssistantServiceStub(channel)
         try:
             await _stream(stub, request)

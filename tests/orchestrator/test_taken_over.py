@@ -1,18 +1,16 @@
 """A run another replica ended keeps that one end; a run's end waits out a database blip.
 
-Regressions (fresh-eyes chaos test on PostgreSQL + Redis, two orchestrators):
+Rules (PostgreSQL + Redis, two orchestrators):
 
-- A replica stalled past its run's lease (SIGSTOP 40 s) woke up and ended the run a second
-  time: the crash reaper of the other replica had stored `failed` and streamed `error` +
-  `done {error: true}`; the stalled one then stored `completed` over it, streamed its last
-  chunks and a second `done` after them, and wrote its thread rows after a new turn's. A run's
-  end is now stored only while the run is `running` (RunTakenOver otherwise: nothing written,
-  nothing published), the event log takes no event on a run another replica closed, and the
-  lease renewal stops a run of this replica that another one ended.
-- A 2 s drop of the orchestrator database's connections failed every run that ended during
-  it: the end's transaction was not tried again, the streamed answer was lost from the
-  thread and the crash reaper streamed `error` + `done` ~25 s later. It is tried again until
-  the database answers.
+- A replica stalled past its run's lease (SIGSTOP 40 s) wakes up after the other replica's
+  crash reaper stored `failed` and streamed `error` + `done {error: true}`. It must not end
+  the run a second time (`completed` over it, its last chunks and a second `done`, thread rows
+  after a new turn's): a run's end is stored only while the run is `running` (RunTakenOver
+  otherwise: nothing written, nothing published), the event log takes no event on a run
+  another replica closed, and the lease renewal stops a run of this replica that another ended.
+- A short drop (2 s) of the orchestrator database's connections does not fail the runs ending
+  during it: the end's transaction is tried again until the database answers, so the streamed
+  answer stays in the thread and the crash reaper has nothing to end.
 
 Run here in one process: `take_over(..., orphaned=True)` is the other replica's reaper.
 """
@@ -29,13 +27,13 @@ from tests.orchestrator.helpers import start, types, wait_for
 from tests.sse_client import read_frames
 
 
-async def _status(stack, run_id: str) -> str:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _status(services, run_id: str) -> str:
+    async with services.orchestrator.servicer.sessions() as session:
         return (await session.execute(select(Run.status).where(Run.id == run_id))).scalar_one()
 
 
-async def _roles(stack, run_id: str) -> list[str]:
-    async with stack.orchestrator.servicer.sessions() as session:
+async def _roles(services, run_id: str) -> list[str]:
+    async with services.orchestrator.servicer.sessions() as session:
         return list(
             (
                 await session.execute(
@@ -46,15 +44,17 @@ async def _roles(stack, run_id: str) -> list[str]:
 
 
 @pytest.fixture(params=["memory", "redis"])
-def either_stack(request):
-    """The stack with the run events in memory (one process) and in Redis (replicas)."""
-    return request.getfixturevalue("stack" if request.param == "memory" else "redis_stack")
+def services_either_event_log(request):
+    """The four services with the run events in memory (one process) and in Redis (replicas)."""
+    return request.getfixturevalue(
+        "services" if request.param == "memory" else "services_with_redis_events"
+    )
 
 
 async def test_a_run_another_replica_ended_is_not_ended_again_when_its_own_replica_wakes_up(
-    either_stack,
+    services_either_event_log,
 ):
-    stack, runner = either_stack, either_stack.orchestrator.runner
+    stack, runner = services_either_event_log, services_either_event_log.orchestrator.runner
     async with stack.client() as client:
         body = await start(client, {"say": "slow answer one two three four", "sleep_ms": 1500})
         listener = asyncio.create_task(read_frames(client, body["stream_url"]))
@@ -78,8 +78,8 @@ async def test_a_run_another_replica_ended_is_not_ended_again_when_its_own_repli
         assert await _roles(stack, body["run_id"]) == ["user"]
 
 
-async def test_the_lease_renewal_stops_a_run_another_replica_ended(either_stack):
-    stack, runner = either_stack, either_stack.orchestrator.runner
+async def test_the_lease_renewal_stops_a_run_another_replica_ended(services_either_event_log):
+    stack, runner = services_either_event_log, services_either_event_log.orchestrator.runner
     async with stack.client() as client:
         body = await start(client, {"say": "never said", "sleep_ms": 60_000})
         await wait_for(lambda: body["run_id"] in runner.active)
@@ -95,9 +95,9 @@ async def test_the_lease_renewal_stops_a_run_another_replica_ended(either_stack)
 
 
 async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_it_answers(
-    stack, monkeypatch
+    services, monkeypatch
 ):
-    runner = stack.orchestrator.runner
+    runner = services.orchestrator.runner
     real = runner.store.finish
     tries: list[str] = []
 
@@ -110,24 +110,24 @@ async def test_a_run_ending_while_its_database_drops_connections_is_stored_once_
         await real(end)
 
     monkeypatch.setattr(runner.store, "finish", dropped_twice)
-    async with stack.client() as client:
+    async with services.client() as client:
         body = await start(client, {"say": "the answer"})
         frames = await asyncio.wait_for(read_frames(client, body["stream_url"]), 10)
     assert types(frames)[-1] == "done" and "error" not in types(frames), types(frames)
     assert frames[-1]["data"]["response"] == "the answer"
     assert len(tries) == 3
-    assert await _status(stack, body["run_id"]) == "completed"
-    assert await _roles(stack, body["run_id"]) == ["user", "assistant"]
+    assert await _status(services, body["run_id"]) == "completed"
+    assert await _roles(services, body["run_id"]) == ["user", "assistant"]
 
 
 async def test_the_supervisor_says_a_database_outage_once_not_a_traceback_per_pass(
-    stack, monkeypatch, caplog
+    services, monkeypatch, caplog
 ):
-    """Re-test of the durability fixes: while the database refused connections the run
-    supervisor logged "run supervisor pass failed" with a traceback on every pass (11 in 5 s)."""
+    """While the database refuses connections the run supervisor says so once, not "run
+    supervisor pass failed" with a traceback on every pass (11 in 5 s)."""
     import logging
 
-    supervisor = stack.orchestrator.supervisor
+    supervisor = services.orchestrator.supervisor
     await supervisor.stop()
     failing = True
 

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import grpc
-import pytest
 from sqlalchemy import select
 
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.billing.models import LedgerEntry
-from tests.conftest import start_stack, stop_stack
 from tests.orchestrator.helpers import run_turn
 
 
-@pytest.fixture
-async def stack(tmp_path):
-    """A stack whose operator allows private addresses (the test database is on loopback)."""
-    running = await start_stack(tmp_path, tools={"tools_allow_private_network": True})
-    try:
-        yield running
-    finally:
-        await stop_stack(running)
-
-
-async def test_integration_action_cost_is_charged_once(stack):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
+async def test_integration_action_cost_is_charged_once(services_with_private_network):
+    async with grpc.aio.insecure_channel(
+        f"127.0.0.1:{services_with_private_network.tools.port}"
+    ) as channel:
         await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
             tools_pb2.CreateCredentialRequest(
-                organization_id=stack.org_id,
+                organization_id=services_with_private_network.org_id,
                 integration_name="postgresql",
                 auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"},
             )
@@ -41,16 +31,17 @@ async def test_integration_action_cost_is_charged_once(stack):
         "tool": "execute_integration_tool",
         "input": {"integration": "loopline", "action": "echo", "parameters": {"message": "hi"}},
     }
-    async with stack.client() as client:
+    async with services_with_private_network.client() as client:
         body, frames = await run_turn(client, call, free, {"say": "done"})
     results = [f["data"]["output"] for f in frames if f["type"] == "tool_result"]
     assert results[0].get("success") is not False, results[0]
-    async with stack.billing.store.sessions() as session:
+    async with services_with_private_network.billing.store.sessions() as session:
         entries = (
             (
                 await session.execute(
                     select(LedgerEntry).where(
-                        LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "tool_usage"
+                        LedgerEntry.org_id == services_with_private_network.org_id,
+                        LedgerEntry.kind == "tool_usage",
                     )
                 )
             )
@@ -61,10 +52,12 @@ async def test_integration_action_cost_is_charged_once(stack):
         (f"tool:{body['run_id']}:call_pg1", -100, "millicredit")
     ]
     assert "postgresql.list_schemas" in entries[0].note
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.billing.port}") as channel:
+    async with grpc.aio.insecure_channel(
+        f"127.0.0.1:{services_with_private_network.billing.port}"
+    ) as channel:
         replay = await billing_pb2_grpc.BillingServiceStub(channel).RecordToolUsage(
             billing_pb2.RecordToolUsageRequest(
-                organization_id=stack.org_id,
+                organization_id=services_with_private_network.org_id,
                 run_id=body["run_id"],
                 tool_call_id="call_pg1",
                 tool="execute_integration_tool",
@@ -75,9 +68,9 @@ async def test_integration_action_cost_is_charged_once(stack):
 
 
 async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_and_loses_nothing(
-    stack, monkeypatch
+    services_with_private_network, monkeypatch
 ):
-    """Bug (fresh-eyes test): with billing stopped (SIGSTOP) a run took ~15 s more per billing call
+    """Bug: with billing stopped (SIGSTOP) a run took ~15 s more per billing call
     (three quick attempts of 5 s each, the tool charge awaited inside the loop), a cancel took
     11 s and a stop 12 s, though the README says the run is not held up. Now the quick attempts
     of a call take 2 s in all, the tool charge is sent beside the run (which waits for it at its
@@ -91,10 +84,12 @@ async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_
     from services.orchestrator.models import BillingRedelivery
     from tests.orchestrator.helpers import wait_for
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.tools.port}") as channel:
+    async with grpc.aio.insecure_channel(
+        f"127.0.0.1:{services_with_private_network.tools.port}"
+    ) as channel:
         await tools_pb2_grpc.ToolsServiceStub(channel).CreateCredential(
             tools_pb2.CreateCredentialRequest(
-                organization_id=stack.org_id,
+                organization_id=services_with_private_network.org_id,
                 integration_name="postgresql",
                 auth_data={"dsn": "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"},
             )
@@ -104,7 +99,7 @@ async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_
     async def hang(*_args, **_kwargs):
         await stalled.wait()
 
-    ledger = stack.billing.ledger
+    ledger = services_with_private_network.billing.ledger
     monkeypatch.setattr(ledger, "record_usage_batch", hang)
     monkeypatch.setattr(ledger, "record_tool_usage", hang)
     call = {
@@ -114,14 +109,14 @@ async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_
         "input": {"integration": "postgresql", "action": "list_schemas", "parameters": {}},
     }
     started = time.monotonic()
-    async with stack.client() as client:
+    async with services_with_private_network.client() as client:
         body, frames = await run_turn(client, call, {"say": "done"})
     held = time.monotonic() - started
     assert frames[-1]["type"] == "done"
     # two model calls and a tool charge: ~2 s (the quick attempts of each, side by side), not the
     # sum of every attempt's deadline (> 30 s)
     assert held < 8, held
-    async with stack.orchestrator.runner.sessions() as session:
+    async with services_with_private_network.orchestrator.runner.sessions() as session:
         stored = sorted((await session.execute(select(BillingRedelivery.method))).scalars().all())
     assert stored == ["RecordToolUsage", "RecordUsageBatch"] or stored == [
         "RecordToolUsage",
@@ -131,7 +126,7 @@ async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_
     monkeypatch.undo()  # billing answers again: the stored calls are sent in the background
 
     async def delivered() -> bool:
-        async with stack.billing.store.sessions() as session:
+        async with services_with_private_network.billing.store.sessions() as session:
             tool = await session.scalar(
                 select(func.count())
                 .select_from(LedgerEntry)

@@ -1,4 +1,4 @@
-"""services/orchestrator/usage.py: model calls' usage goes to billing in batches, nothing lost."""
+"""services/orchestrator/usage/: model calls' usage goes to billing in batches, nothing lost."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background(ses
 
 
 async def test_a_batch_of_several_runs_logs_each_record_with_its_own_ids(sessions):
-    """Bug (fresh-eyes re-test): a failed batch holding records of several runs logged every
+    """Bug: a failed batch holding records of several runs logged every
     record with the chat (and organization) of the run whose context flushed the batch."""
     import io
     import json
@@ -423,9 +423,9 @@ async def store(sessions):
 async def test_runs_ending_within_the_linger_send_their_usage_in_one_call_and_leave_nothing_stored(
     sessions, store
 ):
-    """Seventh round (docs/performance.md): a run's end no longer waits for its own
-    RecordUsageBatch; its records are stored in the end's transaction and sent with the
-    records of the other runs that end within the linger, then their rows are deleted."""
+    """A run's end does not wait for its own RecordUsageBatch (docs/performance.md); its
+    records are stored in the end's transaction and sent with the records of the other runs
+    that end within the linger, then their rows are deleted."""
     billing = FakeBilling()
     batcher = UsageBatcher(
         billing, Redelivery(sessions), window_s=5, forget=store.forget_redeliveries, linger_s=0.2
@@ -522,7 +522,7 @@ async def test_records_a_failed_run_end_handed_over_are_sent_as_before(sessions,
 
 
 async def test_close_stops_the_sender_even_when_it_was_woken_just_before(sessions):
-    """Bug (fresh-eyes test): a SIGTERM'd orchestrator hung for good, still serving, when billing
+    """Bug: a SIGTERM'd orchestrator hung for good, still serving, when billing
     was down at a run's end: the stored usage's failed send woke the redelivery sender right
     before `close` cancelled it, and Python 3.11's `asyncio.wait_for` returns the finished wait
     and drops a cancel that arrives in the same loop turn, so the sender went on forever."""
@@ -541,8 +541,8 @@ async def test_close_stops_the_sender_even_when_it_was_woken_just_before(session
 async def test_stored_usage_billing_refused_at_once_is_due_after_the_first_delay_not_the_grace(
     sessions, store
 ):
-    """Fresh-eyes test: billing down when runs ended; their stored usage reached billing ~30 s
-    after it was back (the stored rows' grace), though the README says 1 s, doubling."""
+    """Billing down when runs end: their stored usage reaches billing on the README's schedule
+    (1 s, doubling) after it is back, not after the stored rows' grace (~30 s)."""
     from sqlalchemy import select
 
     from services.orchestrator.models import BillingRedelivery

@@ -251,8 +251,8 @@ async def test_an_outage_longer_than_retry_s_loses_no_event_and_the_stream_still
 
 
 async def test_billing_rate_counters_answer_at_once_after_redis_comes_back(redis_setup):
-    # fresh-eyes test: after a Redis outage the first Admit on each billing replica failed with 503
-    # (the pooled connection Redis had closed was used once more, without a retry)
+    # after a Redis outage the first Admit on each billing replica succeeds: a pooled connection
+    # Redis closed is retried, not used once more and answered 503
     from services.billing.rates import RateLimiter
 
     proxy, prefix = redis_setup
@@ -271,8 +271,8 @@ async def test_billing_rate_counters_answer_at_once_after_redis_comes_back(redis
 async def test_a_follower_of_a_redis_that_stops_answering_ends_with_the_reconnect_frame(
     redis_setup,
 ):
-    # chaos test F5: a Redis that drops packets (not refuses them) held a follower for good (no read
-    # timeout); each read now waits 0.7 s at most, and the follower retries for retry_s, then ends
+    # a Redis that drops packets (not refuses them) must not hold a follower for good: each read
+    # waits 0.7 s at most, and the follower retries for retry_s, then ends
     proxy, prefix = redis_setup
 
     def blackhole() -> None:

@@ -180,8 +180,8 @@ async def test_a_replica_started_after_the_crash_recovers_the_run(cluster):
 
 async def test_a_tool_call_cut_off_by_the_crash_gets_its_result_and_done_lists_the_calls(cluster):
     """README "Stream end": every streamed tool_call gets its tool_result. A run whose replica
-    died during a tool call ended with error and done (no tool_calls) and the call unanswered;
-    the reaper now answers it from the Redis stream and done lists the run's calls."""
+    dies during a tool call is ended by the reaper, which answers the call from the Redis stream;
+    done lists the run's calls."""
     lease = {"LOOPLINE_RUN_LEASE_S": str(LEASE_S)}
     doomed = await cluster.spawn_orchestrator("orchestrator-doomed", **lease)
     survivor = await cluster.spawn_orchestrator("orchestrator-survivor", **lease)
@@ -264,7 +264,7 @@ async def test_a_cancel_during_a_redis_outage_answers_at_once_and_the_stream_end
 async def test_a_cancel_through_the_other_replica_during_a_redis_outage_is_503_and_loses_nothing(
     cluster,
 ):
-    # fresh-eyes test (scale-out), not verified then: the cancel of a run owned by another replica
+    # the cancel of a run owned by another replica
     # reaches it through Redis only; while Redis is away it must fail as "retry" (503), at once
     # rather than after the client's deadline, and leave the run as it was for a later cancel
     from urllib.parse import urlsplit

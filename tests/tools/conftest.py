@@ -23,7 +23,8 @@ from services.common import pb
 from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
 
-PG_DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"  # the local server has no TLS: said explicitly (TLS is required otherwise)
+# The local server has no TLS: said explicitly (TLS is required otherwise).
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"
 ORG = "org-a"
 OTHER_ORG = "org-b"
 
@@ -94,7 +95,8 @@ StartTools = Callable[..., Awaitable[ToolsClient]]
 
 @pytest.fixture
 async def start_tools(tmp_path) -> AsyncIterator[StartTools]:
-    """A factory: `await start_tools(**settings)` starts a ToolsServer (own SQLite file) and returns its client."""
+    """A factory: `await start_tools(**settings)` starts a ToolsServer (own SQLite file) and
+    returns its client."""
     started: list[ToolsClient] = []
 
     async def start(**overrides: Any) -> ToolsClient:
@@ -124,7 +126,7 @@ async def start_tools(tmp_path) -> AsyncIterator[StartTools]:
 
 
 @pytest.fixture
-async def tools(start_tools: StartTools) -> ToolsClient:
+async def tools_service(start_tools: StartTools) -> ToolsClient:
     """A tools server with the default settings (outbound policy: public addresses only)."""
     return await start_tools()
 
@@ -137,7 +139,8 @@ def pg_dsn() -> str:
 
 @pytest.fixture
 async def pg_database(pg_dsn: str) -> AsyncIterator[str]:
-    """A throwaway PostgreSQL database for the tools service's own tables (its SQLAlchemy URL); dropped afterwards.
+    """A throwaway PostgreSQL database for the tools service's own tables (its SQLAlchemy URL),
+    dropped afterwards.
 
     Skips the test when PostgreSQL is unreachable.
     """
@@ -156,7 +159,7 @@ async def pg_database(pg_dsn: str) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def pg_schema() -> AsyncIterator[str]:
-    """A fresh schema in the local PostgreSQL with table `items(id int primary key, name text)` of 3 rows.
+    """A fresh schema in the local PostgreSQL with a table `items(id, name, price)` of 3 rows.
 
     Skips the test when PostgreSQL is unreachable. Drops the schema afterwards.
     """
@@ -164,7 +167,8 @@ async def pg_schema() -> AsyncIterator[str]:
         connection = await asyncpg.connect(PG_DSN, timeout=3)
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         pytest.skip(
-            f"local PostgreSQL at {PG_DSN} is unreachable ({type(exc).__name__}); postgresql tests need it"
+            f"local PostgreSQL at {PG_DSN} is unreachable ({type(exc).__name__});"
+            " postgresql tests need it"
         )
     schema = f"tools_test_{uuid.uuid4().hex[:10]}"
     await connection.execute(f"CREATE SCHEMA {schema}")
@@ -172,7 +176,8 @@ async def pg_schema() -> AsyncIterator[str]:
         f"CREATE TABLE {schema}.items (id int PRIMARY KEY, name text NOT NULL, price numeric(8,2))"
     )
     await connection.execute(
-        f"INSERT INTO {schema}.items VALUES (1, 'apple', 1.50), (2, 'banana', 0.25), (3, 'cherry', 12.00)"
+        f"INSERT INTO {schema}.items VALUES"
+        " (1, 'apple', 1.50), (2, 'banana', 0.25), (3, 'cherry', 12.00)"
     )
     try:
         yield schema
@@ -196,8 +201,9 @@ def deep_json(levels: int) -> Any:
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """/json -> {"hello": "world", "authorization": <the header>}; /slow -> waits 5 s; /big -> 200 KB of text;
-    /deep -> JSON DEEP_LEVELS objects deep; /deeper -> JSON DEEPER_LEVELS arrays deep; /nan -> "JSON" with NaN and 1e400."""
+    """/json -> {"hello": "world", "authorization": <the header>}; /slow -> waits 5 s;
+    /big -> 200 KB of text; /deep -> JSON DEEP_LEVELS objects deep; /deeper -> JSON
+    DEEPER_LEVELS arrays deep; /nan -> "JSON" with NaN and 1e400."""
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path.startswith("/slow"):

@@ -1,11 +1,11 @@
-"""Client-visible text is built, never passed through (issue 33, item 1; docs/security.md).
+"""Client-visible text is built, never passed through (docs/security.md).
 
-A stored secret reached the client, the thread and the model in clear: an `http` bearer token
-pasted with a trailing newline made h11's error quote the header value with the newline
-escaped (`b'Bearer tok…\\n'`), which the exact-match redaction missed, and the whole token
-went into the `tool_result` frame, the stored chat, the orchestrator's database and the next
-model call. A model failure's text reached the `error` frame after a pattern-based scrub, so an
-internal host name without a dotted suffix (`db-internal-7`) passed. These tests drive each
+Passed through, a stored secret reaches the client, the thread and the model in clear: an
+`http` bearer token pasted with a trailing newline makes h11's error quote the header value
+with the newline escaped (`b'Bearer tok…\\n'`), which exact-match redaction misses, and the
+whole token goes into the `tool_result` frame, the stored chat, the orchestrator's database
+and the next model call. A pattern-based scrub of a model failure's text lets an internal host
+name without a dotted suffix (`db-internal-7`) through. These tests drive each
 case through the public API (scripted model, real services, a local HTTP server) and look
 for the secret, in each of its encodings, in every place a client or the model can read.
 """
@@ -39,7 +39,7 @@ INTERNAL = f"could not reach {HOST} ({ADDRESS}:5432): cannot read {PATH}"
 
 
 class _Echo(http.server.BaseHTTPRequestHandler):
-    """Answers as careless servers do, quoting the credential it got (`Authorization`, or X-API-Key):
+    """Answers as careless servers do, quoting the credential it got (Authorization, X-API-Key):
     /json: 401 with a JSON error body holding it; /escaped: 400 with that JSON as text/plain (its
     escapes kept); /redirect: 302 to a URL holding it URL-encoded; /basic: 401 naming the user and
     the password of a Basic header."""
@@ -111,11 +111,12 @@ def model_inputs(monkeypatch) -> list[Any]:
     return seen
 
 
-# ---------------------------------------------------------------- where a client or the model can read
+# ------------------------------------------------------------ where a client or the model can read
 
 
 def forms(secret: str) -> set[str]:
-    """The forms a leak of `secret` takes: as is (and stripped), JSON-escaped, URL-encoded, base64."""
+    """The forms a leak of `secret` takes: as is (and stripped), JSON-escaped, URL-encoded,
+    base64."""
     found = set()
     for value in {secret, secret.strip()}:
         found |= {
@@ -151,10 +152,10 @@ def leaks(value: Any, needles: set[str], where: str = "") -> list[str]:
     return found
 
 
-async def orchestrator_rows(stack) -> list[dict[str, Any]]:
+async def orchestrator_rows(services) -> list[dict[str, Any]]:
     """Every row of every orchestrator table, as {column: value}."""
     rows = []
-    async with stack.orchestrator.runner.sessions() as session:
+    async with services.orchestrator.runner.sessions() as session:
         for table in Base.metadata.sorted_tables:
             for row in (await session.execute(select(table))).mappings():
                 rows.append({"table": table.name, **{k: v for k, v in row.items()}})
@@ -162,7 +163,7 @@ async def orchestrator_rows(stack) -> list[dict[str, Any]]:
 
 
 async def everywhere(
-    stack, client, chat_id: str, frames: list[dict[str, Any]], model_inputs: list[Any]
+    services, client, chat_id: str, frames: list[dict[str, Any]], model_inputs: list[Any]
 ) -> dict[str, Any]:
     """What a client and the model can read of a chat: its SSE frames, GET /assistant/chat/{id},
     the orchestrator's database and every model call."""
@@ -171,7 +172,7 @@ async def everywhere(
     return {
         "frames": frames,
         "chat": chat.json(),
-        "database": await orchestrator_rows(stack),
+        "database": await orchestrator_rows(services),
         "model": model_inputs,
     }
 
@@ -216,7 +217,7 @@ def _tool_result(frames: list[dict[str, Any]]) -> dict[str, Any]:
     return next(f for f in frames if f["type"] == "tool_result")["data"]["output"]
 
 
-# ---------------------------------------------------------------- the `http` integration's credentials
+# ------------------------------------------------------------ the `http` integration's credentials
 
 
 async def test_a_token_pasted_with_a_trailing_newline_is_sent_stripped_and_shows_nowhere(
@@ -238,7 +239,8 @@ async def test_a_token_pasted_with_a_trailing_newline_is_sent_stripped_and_shows
         "response_chunk",
         "done",
     ], frames
-    # the server got the token without the newline (the request was sent), and its echo came back redacted
+    # the server got the token without the newline (the request was sent); its echo came back
+    # redacted
     assert _Echo.received == ["Bearer tok-newline-5829-secret"]
     result = _tool_result(frames)["result"]
     assert result["status_code"] == 401 and result["json"]["received"] == "Bearer ***"
@@ -317,7 +319,7 @@ async def test_the_user_and_password_of_a_basic_header_show_nowhere(
     }
 
 
-# ---------------------------------------------------------------- a tool's or a model's failure text
+# ------------------------------------------------------------ a tool's or a model's failure text
 
 
 @pytest.mark.parametrize(

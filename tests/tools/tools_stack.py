@@ -1,9 +1,8 @@
-"""The four services with the gateway wired to the tools service, for HTTP tests of issue #6 routes.
+"""The four services with the tools service's settings pinned, for tests that vary them.
 
-`tests/conftest.py`'s `start_stack` starts the tools service on port 0 but does not
-pass its address to the gateway (the gateway then dials the default 127.0.0.1:50053),
-so these tests start the stack here with `tools_addr` set. Import it as
-`tests.tools.tools_stack` (the folder has no `__init__.py`).
+`tools_stack(tmp_path, tools={...})` starts billing, tools, orchestrator and gateway on port 0
+with fresh SQLite databases and the tools settings in TOOLS_DEFAULTS (loopback allowed) over
+any LOOPLINE_* variable; `serve_asgi` and `failure_mcp_app` serve a test MCP server.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
 from tests.conftest import Stack, stop_stack
 
-PG_DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"  # the local server has no TLS: said explicitly (TLS is required otherwise)
+# The local server has no TLS: said explicitly (TLS is required otherwise).
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"
 
 # Explicit tools settings, so that LOOPLINE_* variables in the environment cannot change a test.
 TOOLS_DEFAULTS: dict[str, Any] = {
@@ -40,7 +40,8 @@ TOOLS_DEFAULTS: dict[str, Any] = {
 
 
 async def start_tools_stack(tmp_path, *, tools: dict[str, Any] | None = None) -> Stack:
-    """Billing, tools (loopback allowed by default), orchestrator and gateway, all on port 0, with an owner."""
+    """Billing, tools (loopback allowed by default), orchestrator and gateway on port 0, and an
+    owner."""
     common = {
         "data_dir": tmp_path,
         "host": "127.0.0.1",
@@ -88,7 +89,8 @@ async def tools_stack(tmp_path, **kwargs: Any) -> AsyncIterator[Stack]:
 
 @asynccontextmanager
 async def serve_asgi(app: Any) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn on 127.0.0.1 (port 0, lifespan on) in this event loop; yields its base URL."""
+    """Serve an ASGI app with uvicorn on 127.0.0.1 (port 0, lifespan on) in this event loop;
+    yields its base URL."""
     import asyncio
     import socket
 
@@ -124,7 +126,7 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
 
 
 def failure_mcp_app(seen_headers: list[dict[str, str]]) -> Any:
-    """A Streamable HTTP MCP server (the `mcp` SDK's MCPServer, formerly FastMCP) with tools for every outcome.
+    """A Streamable HTTP MCP server (the `mcp` SDK's MCPServer) with tools for every outcome.
 
     Tools: echo(text) -> text; boom() raises; slow(seconds) sleeps; big(kilobytes) returns that
     much text. Every request's headers are appended to `seen_headers`.

@@ -18,6 +18,7 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+# One function: the first schema, every table of the service created in one step.
 def upgrade() -> None:
     op.create_table(
         "plans",

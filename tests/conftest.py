@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.billing.config import BillingSettings
 from services.billing.server import BillingServer
@@ -36,6 +37,8 @@ from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
 
 SCRIPTED = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
+# A session factory bound to no engine: for objects under test that must not reach a database.
+NO_DATABASE: async_sessionmaker[AsyncSession] = async_sessionmaker()
 
 
 def script(*steps: dict[str, Any]) -> str:

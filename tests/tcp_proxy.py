@@ -41,6 +41,7 @@ class CuttableProxy:
             writer.close()
             return
         task = asyncio.current_task()
+        assert task is not None  # a connection is handled in a task of its own
         self.tasks.add(task)
         self.connections.add(writer)
         with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -49,6 +50,7 @@ class CuttableProxy:
                     while await reader.read(65536):
                         pass
                     return
+                assert self.target is not None  # a proxy with no target swallows
                 try:
                     upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
                 except OSError:

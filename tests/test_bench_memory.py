@@ -19,6 +19,7 @@ def sleepers():
     ]
     try:
         for proc in procs:
+            assert proc.stdout is not None
             assert proc.stdout.readline() == b"ready\n"
         yield [proc.pid for proc in procs]
     finally:
@@ -32,8 +33,10 @@ def test_together_counts_shared_pages_once(sleepers):
     if resident_frames(a) is None:
         pytest.skip("the kernel hides page frame numbers from this process (needs CAP_SYS_ADMIN)")
     one = together_bytes([a])
+    assert one is not None
     assert together_bytes([a, a]) == one  # the same pages twice are counted once
     # each process's frames are its resident set (RSS counts the same pages, per mapping)
     assert 0.9 * rss_bytes(a) <= one <= 1.05 * rss_bytes(a)
     both = together_bytes([a, b])
+    assert both is not None
     assert one < both < rss_bytes(a) + rss_bytes(b)  # the interpreter's pages are shared

@@ -125,6 +125,7 @@ def test_a_bench_stopped_by_sigterm_stops_the_services_it_started(tmp_path: path
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert process.stdout is not None
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 180

@@ -1,7 +1,7 @@
 """Rate limits per (organization, rate class), moving window.
 
 A moving window counts every hit of the last window length, so a burst across a window
-boundary never passes more than the limit (issue 5). Limit expressions ("600/minute")
+boundary never passes more than the limit. Limit expressions ("600/minute")
 are parsed by the `limits` library. Counters live in process memory for `memory://`
 (the default, one process: `MemoryWindows`, synchronous, so the admission transaction
 can count the hit in the same worker call) or in Redis by URL (`redis://...`, shared by
@@ -51,7 +51,7 @@ def _async_url(url: str, timeout_s: float = db.REDIS_TIMEOUT_S) -> tuple[str, di
     Redis options (`db.redis_client_options`): a reply waited for at most `timeout_s`, and a command
     retried on a connection error (3 quick retries, as the orchestrator's Redis client):
     without that, the first Admit on each pooled connection that Redis (or a proxy) closed
-    while it was away failed with 503 after Redis was back (fresh-eyes test)."""
+    while it was away would fail with 503 after Redis is back."""
     scheme = url.split("://", 1)[0]
     options: dict[str, Any] = {}
     if scheme.startswith("redis") or scheme.startswith("rediss"):

@@ -491,7 +491,7 @@ def iso(ts: timestamp_pb2.Timestamp | datetime.datetime | None) -> str | None:
 
     A Timestamp inside protobuf's valid range is rendered without a datetime per call: the
     date and time of each whole second are rendered once and cached (the SSE encoder renders
-    one per frame; issue 9). Outside the range, ValueError as `Timestamp.ToDatetime` raises it.
+    one per frame). Outside the range, ValueError as `Timestamp.ToDatetime` raises it.
     """
     if ts is None:
         return None

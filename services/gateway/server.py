@@ -109,7 +109,6 @@ class GatewayServer:
             ),  # head, body and write bounds (http_limits.py)
         )
         self.http = uvicorn.Server(config)
-        self.http.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # older uvicorn
         self._http_task = asyncio.create_task(self.http.serve(sockets=[sock]))
         while not self.http.started:
             if self._http_task.done():

@@ -136,8 +136,8 @@ def _decode(data: bytes) -> str:
     """The text of an uploaded text file: by its byte order mark when it has one (UTF-8, UTF-16,
     UTF-32), else UTF-8 when it is valid UTF-8, else Windows-1252 (the usual encoding of a
     text or CSV file that is not UTF-8: Latin-1's letters and more), as the WHATWG Encoding
-    standard reads a legacy document. Fresh-eyes test: a UTF-16 file was indexed as mojibake
-    with its BOM, and a Latin-1 CSV lost its accented letters ("café" not found)."""
+    standard reads a legacy document: a UTF-16 file is not indexed as mojibake with its BOM,
+    and a Latin-1 CSV keeps its accented letters ("café" is found)."""
     for bom, encoding in _BOMS:
         if data.startswith(bom):
             return data.decode(encoding, errors="replace")

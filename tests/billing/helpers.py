@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Any
+
+import grpc
 
 from loopline.billing.v1 import billing_pb2
 from services.billing.config import BillingSettings
+from services.common.errors import StatusDetails, status_details
 
 SHIPPED_PLANS = pathlib.Path(__file__).resolve().parents[2] / "services" / "billing" / "plans.toml"
 
@@ -54,12 +58,12 @@ wallet_price_minor = 5
 """
 
 
-def make_settings(tmp_path: pathlib.Path, **overrides: object) -> BillingSettings:
+def make_settings(tmp_path: pathlib.Path, **overrides: Any) -> BillingSettings:
     """Settings for a test server: port 0, SQLite in `tmp_path`, no background sweeper."""
     plans = tmp_path / "plans.toml"
     if not plans.exists():
         plans.write_text(SHIPPED_PLANS.read_text() + TEST_PLANS)
-    values: dict[str, object] = {
+    values: dict[str, Any] = {
         "data_dir": tmp_path,
         "billing_port": 0,
         "billing_sweep_interval_s": 0,
@@ -79,3 +83,10 @@ def admit_request(org: str, turn_key: str, credits: int = 0) -> billing_pb2.Admi
         rate_class="sync_exec",
         credits=credits,
     )
+
+
+def refusal(error: BaseException) -> StatusDetails:
+    """The status of a refused call (an outcome of `asyncio.gather(..., return_exceptions=True)`,
+    or a caught exception), which must be a gRPC error."""
+    assert isinstance(error, grpc.RpcError), error
+    return status_details(error)

@@ -88,8 +88,8 @@ async def test_seed_dev_is_idempotent(settings):
 
 
 async def test_seed_dev_keeps_the_plan_an_operator_set(settings):
-    """Bug: `make run` runs seed-dev at every start, and it put the development
-    organization back on the developer plan after an operator's `set-plan --plan team`."""
+    """seed-dev keeps a plan an operator set (`set-plan --plan team`): `make run` runs it at
+    every start, and it must not put the development organization back on the developer plan."""
     await _admin(settings, "seed-dev", "--org", "demo")
     await _admin(settings, "set-plan", "--org", "demo", "--plan", "team")
     code, view = await _admin(settings, "seed-dev", "--org", "demo")
@@ -98,8 +98,8 @@ async def test_seed_dev_keeps_the_plan_an_operator_set(settings):
 
 
 async def test_admin_refuses_a_database_the_services_never_created(settings):
-    """Bug: an admin command run without the services' LOOPLINE_DATA_DIR
-    created and migrated a new ./var/billing.db, topped up an account there and exited 0."""
+    """An admin command run without the services' LOOPLINE_DATA_DIR exits 1 with "no billing
+    database" and creates none, rather than topping up an account in a new ./var/billing.db."""
     path = db.missing_sqlite_file(settings.billing_database_url)
     if path is None:
         return  # PostgreSQL: the database exists (the fixture made it)
@@ -170,10 +170,9 @@ def _bad_file(tmp_path, name: str, content: str | bytes | None):
 
 
 async def test_a_missing_or_malformed_plan_or_price_file_is_a_json_error_naming_the_file(tmp_path):
-    """Bug: an admin command with LOOPLINE_BILLING_PLANS_PATH naming a missing file, a
-    folder or a malformed plan file printed a traceback (FileNotFoundError, TOMLDecodeError,
-    AttributeError, KeyError); the same for the price file. Each is {"error": ...} naming the
-    file and what is wrong, exit 1."""
+    """An admin command whose plan file (LOOPLINE_BILLING_PLANS_PATH) or price file is missing,
+    a folder or malformed answers {"error": ...} naming the file and what is wrong, exit 1,
+    never a traceback (FileNotFoundError, TOMLDecodeError, AttributeError, KeyError)."""
     args = _parser().parse_args(["admin", "seed-dev", "--org", "demo"])
     cases = [
         ("billing_plans_path", name, content, fragment)
@@ -209,9 +208,9 @@ def _billing(env: dict[str, str], *argv: str) -> tuple[int, dict, str]:
 
 
 def test_admin_commands_answer_a_bad_plan_file_or_database_as_json_without_a_traceback(tmp_path):
-    """Bug: `python -m services.billing admin ...` printed a traceback for a missing plan
-    file and for a database that is not one (LOOPLINE_DATA_DIR or the URL naming garbage, a
-    folder, a data directory that is a file). Each is one JSON error naming the file, exit 1."""
+    """`python -m services.billing admin ...` answers a missing plan file, and a database that
+    is not one (LOOPLINE_DATA_DIR or the URL naming garbage, a folder, a data directory that is
+    a file), with one JSON error naming the file, exit 1, and no traceback."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
     base["LOOPLINE_LOG_LEVEL"] = "WARNING"
     code, document, _ = _billing(

@@ -14,7 +14,7 @@ from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from services.billing.models import Account, LedgerEntry, Reservation
 from services.billing.server import BillingServer
 from services.common.errors import BILLING_DOMAIN, status_details
-from tests.billing.helpers import admit_request, make_settings
+from tests.billing.helpers import admit_request, make_settings, refusal
 
 pb = billing_pb2
 
@@ -344,7 +344,7 @@ async def test_hundred_parallel_admissions_on_postgresql_admit_exactly_seven(
             )
             # A charge that lost to its release is refused; nothing else fails.
             errors = [o for o in outcomes if isinstance(o, BaseException)]
-            assert all(status_details(e).reason == "RESERVATION_RELEASED" for e in errors), errors
+            assert all(refusal(e).reason == "RESERVATION_RELEASED" for e in errors), errors
         account = await _account(server, org)
         assert account.allowance_reserved == 0
         async with server.store.sessions() as session:

@@ -76,6 +76,7 @@ async def test_an_expired_hold_is_charged_late_and_only_once(server, stub, org):
     assert (
         entry.amount == -1
         and entry.reservation_id == held.reservation_id
+        and entry.note is not None
         and "after its hold expired" in entry.note
     )
     released = await stub.Release(pb.ReleaseRequest(reservation_id=held.reservation_id))

@@ -6,12 +6,14 @@ import asyncio
 import datetime
 import logging
 import time
+from typing import cast
 
 import grpc
 import pytest
 
 from loopline.billing.v1 import billing_pb2 as pb
 from loopline.billing.v1 import billing_pb2_grpc
+from services.billing.ledger import Ledger
 from services.billing.models import Account
 from services.billing.server import BillingServer, _sweep_forever
 from services.common.errors import status_details
@@ -78,7 +80,8 @@ def test_the_default_hold_outlives_the_slowest_turn_start_and_little_more():
 
 
 class _PassCounter:
-    """A ledger for the sweeper loop alone: `passes` gets the time of each expiry pass."""
+    """A ledger for the sweeper loop alone (it calls only `expire_holds`, so it stands in for a
+    `Ledger`): `passes` gets the time of each expiry pass."""
 
     def __init__(self) -> None:
         self.passes: list[float] = []
@@ -102,7 +105,7 @@ async def test_the_sweeper_expires_nothing_within_the_grace_after_a_start_or_a_s
     start or a stall, whatever the sweep interval."""
     ledger = _PassCounter()
     passes = ledger.passes
-    task = asyncio.create_task(_sweep_forever(ledger, 0.05, grace_s=1.0, stall_s=0.2))
+    task = asyncio.create_task(_sweep_forever(cast(Ledger, ledger), 0.05, grace_s=1.0, stall_s=0.2))
     try:
         await asyncio.sleep(0.6)
         assert passes == []  # the start's grace
@@ -124,7 +127,7 @@ async def test_a_stall_shorter_than_two_sweep_intervals_is_noticed_too():
     waiting for passes to come two intervals apart."""
     ledger = _PassCounter()
     passes = ledger.passes
-    task = asyncio.create_task(_sweep_forever(ledger, 0.5, grace_s=1.5, stall_s=0.2))
+    task = asyncio.create_task(_sweep_forever(cast(Ledger, ledger), 0.5, grace_s=1.5, stall_s=0.2))
     try:
         await asyncio.sleep(2.2)
         assert passes  # past the start's grace
@@ -159,7 +162,7 @@ async def test_a_database_outage_is_said_once_and_a_bug_every_pass(caplog):
         TimeoutError(), ConnectionRefusedError(111, "refused"), TimeoutError(), RuntimeError("bug")
     )
     caplog.set_level(logging.INFO, logger="services.billing.server")
-    task = asyncio.create_task(_sweep_forever(ledger, 0.02))
+    task = asyncio.create_task(_sweep_forever(cast(Ledger, ledger), 0.02))
     try:
         await asyncio.wait_for(ledger.passed.wait(), 5)
     finally:

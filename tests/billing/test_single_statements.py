@@ -15,8 +15,7 @@ from sqlalchemy import func, select
 
 from loopline.billing.v1 import billing_pb2 as pb
 from services.billing.models import Account, LedgerEntry, UsageRecord
-from services.common.errors import status_details
-from tests.billing.helpers import admit_request
+from tests.billing.helpers import admit_request, refusal
 from tests.billing.test_usage import usage
 
 
@@ -172,5 +171,5 @@ async def _refusal(call):
     try:
         await call
     except Exception as error:  # noqa: BLE001 - the refusal is the point
-        return status_details(error)
+        return refusal(error)
     raise AssertionError("expected a refusal")

@@ -41,9 +41,8 @@ from services.billing.models import UTCDateTime
 from services.billing.rates import MemoryWindows, RateLimiter
 from services.billing.server import BillingServer
 from services.common import txn as txn_module
-from services.common.errors import status_details
 from services.common.txn import TxnRunner
-from tests.billing.helpers import admit_request, make_settings
+from tests.billing.helpers import admit_request, make_settings, refusal
 
 metadata = MetaData()
 items = Table(
@@ -150,8 +149,10 @@ async def test_a_caller_is_answered_only_after_its_commit(runner):
 
 async def _worker_ready(txn: TxnRunner) -> None:
     """Wait until the worker thread has opened its connections (inline runs need them)."""
+    worker = txn._worker
+    assert worker is not None  # a SQLite runner has one
     for _ in range(200):
-        if txn._worker._raw is not None:
+        if worker._raw is not None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("the SQLite worker did not connect")
@@ -355,7 +356,7 @@ async def _seven_with_redis_rates(tmp_path: pathlib.Path, org: str, **settings: 
                 return_exceptions=True,
             )
         admitted = {o.reservation_id for o in outcomes if not isinstance(o, BaseException)}
-        denied = [status_details(o).reason for o in outcomes if isinstance(o, BaseException)]
+        denied = [refusal(o).reason for o in outcomes if isinstance(o, BaseException)]
         assert len(admitted) == 7
         assert set(denied) == {"CREDIT_PLAN_EXHAUSTED"}
         found = await server.store.account(org, provision=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+from typing import Any
 
 import grpc
 import pytest
@@ -20,9 +21,9 @@ SHIPPED_PRICES = (
 
 
 def usage(
-    org: str, run_id: str = "run1", call_index: int = 0, **fields: object
+    org: str, run_id: str = "run1", call_index: int = 0, **fields: Any
 ) -> pb.RecordUsageRequest:
-    values: dict[str, object] = {
+    values: dict[str, Any] = {
         "organization_id": org,
         "run_id": run_id,
         "call_index": call_index,

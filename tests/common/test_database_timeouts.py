@@ -26,7 +26,9 @@ TIMEOUT_S = 0.5
 
 def _assert_unavailable(error: BaseException) -> None:
     assert db.is_unavailable(error), repr(error)
-    message, answer = errors.storage_failure(error, "test")
+    failure = errors.storage_failure(error, "test")
+    assert failure is not None
+    message, answer = failure
     assert (message, answer.code) == ("database unavailable", grpc.StatusCode.UNAVAILABLE)
 
 

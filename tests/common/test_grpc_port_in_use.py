@@ -13,9 +13,9 @@ from services.common.grpc_server import PortUnavailable, start_grpc_server
 
 
 async def test_a_second_server_on_a_port_in_use_fails_to_start():
-    """Bug: two copies of the orchestrator both served 127.0.0.1:PORT (gRPC's
-    default SO_REUSEPORT); the gateway's calls landed on either, and a listener of a run of
-    the other copy got HTTP 200 with an empty stream."""
+    """A second server on a port in use fails to start. With gRPC's default SO_REUSEPORT two
+    orchestrators would both serve 127.0.0.1:PORT, the gateway's calls landing on either, and a
+    listener of a run of the other copy would get HTTP 200 with an empty stream."""
     first = await start_grpc_server([], "127.0.0.1", 0)
     try:
         with pytest.raises(PortUnavailable, match="in use"):
@@ -40,7 +40,7 @@ def _free_port() -> int:
             "gateway",
             "LOOPLINE_HTTP_PORT",
             "HTTP port",
-        ),  # bound by the gateway itself: was a traceback, exit 1
+        ),  # bound by the gateway itself, not by start_grpc_server
     ],
 )
 def test_a_service_started_on_a_port_in_use_says_so_in_one_line_and_exits_2(

@@ -56,8 +56,9 @@ def test_other_errors_are_unchanged():
         pb.to_value({"a": object()})
     with pytest.raises(ValueError, match="Unexpected type"):
         pb.to_struct({"a": object()})
+    non_string_key: dict[Any, Any] = {1: "x"}
     with pytest.raises(TypeError):
-        pb.to_struct({1: "x"})
+        pb.to_struct(non_string_key)
     assert pb.to_struct(None) == pb.to_struct({}) and len(pb.to_struct({}).fields) == 0
 
 

@@ -24,6 +24,7 @@ async def test_sdk_drives_a_turn_with_a_tool_call(deployment):
     try:
         started = await client.assistant.chat("Which integrations can I use?")
         assert started.status == "running" and started.thread_id == started.chat_id
+        assert started.chat_id is not None and started.run_id is not None
         events = []
         async with client.assistant.listen(started.chat_id, started.run_id) as stream:
             async for event in stream:

@@ -44,7 +44,9 @@ from sqlalchemy import text
 from loopline.assistant.v1 import events_pb2
 from services.common import db
 from services.gateway import sse
-from tests.faults.harness import HEARTBEAT_S, RECONNECT, TERMINAL, FaultCluster, Listener, Run
+from tests.faults.cluster import HEARTBEAT_S, FaultCluster
+from tests.faults.listeners import RECONNECT, TERMINAL, Listener
+from tests.faults.turns import Run
 
 GAP_MARGIN_S = 4.0  # margin over the heartbeat interval for the longest wait on a stream
 END_TIMEOUT_S = 60.0  # how long the checker waits for every run to end and be archived

@@ -1,5 +1,5 @@
 """Fault-suite fixtures: every test gets its own redis-server, fresh PostgreSQL databases and the
-services as real processes (tests/faults/harness.py).
+services as real processes (tests/faults/cluster.py).
 
 Runs in the PostgreSQL pass only (LOOPLINE_TEST_BACKEND=postgres: `make test-faults`), like
 tests/scale; `make test` (SQLite) skips it at once, and `make test-pg` leaves it to its own
@@ -16,7 +16,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.conftest import postgres_url, selected_backend
-from tests.faults.harness import REDIS_SERVER, FaultCluster, make_cluster, stop_cluster
+from tests.faults.cluster import FaultCluster, make_cluster, stop_cluster
+from tests.faults.redis_server import REDIS_SERVER
 from tests.scale.conftest import _reachable
 
 

@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import script
 from tests.faults.checker import assert_invariants
-from tests.faults.harness import ECHO, Listener, Run, Turn, echo_input, start_turn, wait_listeners
+from tests.faults.listeners import Listener, wait_listeners
+from tests.faults.turns import ECHO, Run, Turn, echo_input, start_turn
 
 RUNS = 500
 

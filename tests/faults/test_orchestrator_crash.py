@@ -14,17 +14,8 @@ import pytest
 
 from tests.conftest import script
 from tests.faults.checker import assert_invariants
-from tests.faults.harness import (
-    ECHO,
-    Listener,
-    Turn,
-    echo_input,
-    short_turn,
-    start_turn,
-    wait_frames,
-    wait_input,
-    wait_listeners,
-)
+from tests.faults.listeners import Listener, wait_frames, wait_listeners
+from tests.faults.turns import ECHO, Turn, echo_input, short_turn, start_turn, wait_input
 
 LEASE_S = 6.0
 DETECTION_MARGIN_S = 2.0  # the reaper's period (lease / 6) and a poll of the listener

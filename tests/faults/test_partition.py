@@ -19,14 +19,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.faults.checker import assert_invariants
-from tests.faults.harness import (
-    Listener,
-    long_turn,
-    short_turn,
-    start_turn,
-    wait_frames,
-    wait_listeners,
-)
+from tests.faults.listeners import Listener, wait_frames, wait_listeners
+from tests.faults.turns import long_turn, short_turn, start_turn
 from tests.tcp_proxy import CuttableProxy
 
 LEASE_S = 6.0

@@ -16,36 +16,32 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from tests.faults.checker import assert_invariants
-from tests.faults.harness import (
-    FaultCluster,
-    Listener,
-    Run,
-    long_turn,
-    short_turn,
-    start_turn,
-    wait_frames,
-    wait_listeners,
-)
+from tests.faults.cluster import FaultCluster
+from tests.faults.listeners import Listener, wait_frames, wait_listeners
+from tests.faults.turns import Run, long_turn, short_turn, start_turn
 from tests.tcp_proxy import CuttableProxy
 
 LEASE_S = 6.0  # short: a replica that wrongly reaps a live run during the outage shows up within it
 REDIS_RETRY_S = 5.0  # followers give up on Redis after this (then the reconnect frame)
 
 
-def _listeners(runs_clients: dict[str, object], run: Run, *plan: tuple[str, str]) -> list[Listener]:
+def _listeners(
+    runs_clients: dict[str, httpx.AsyncClient], run: Run, *plan: tuple[str, str]
+) -> list[Listener]:
     """Listeners of `run`: (name, gateway) each; a listener falls back to the other gateway."""
     listeners = []
     for name, gateway in plan:
         order = [gateway] + [g for g in runs_clients if g != gateway]
-        listeners.append(Listener(name, run, [(g, runs_clients[g]) for g in order]))  # type: ignore[misc]
+        listeners.append(Listener(name, run, [(g, runs_clients[g]) for g in order]))
     return listeners
 
 
 async def _turns_after(
-    faults: FaultCluster, clients: dict[str, object], label: str
+    faults: FaultCluster, clients: dict[str, httpx.AsyncClient], label: str
 ) -> tuple[list[Run], list[Listener]]:
     """A new short turn through each gateway once the fault is over (retrying a 503 for a while),
     each listened to through the other gateway: the cluster is back in service."""
@@ -53,7 +49,7 @@ async def _turns_after(
     for via, other in (("g1", "g2"), ("g2", "g1")):
         run = await start_turn(
             clients[via], short_turn(f"{label}-{via}", sleep_ms=200), via=via, attempts=40
-        )  # type: ignore[arg-type]
+        )
         runs.append(run)
         listeners += _listeners(clients, run, (f"after {via} on {other}", other))
     for listener in listeners:

@@ -58,8 +58,8 @@ def _env(**values: str) -> dict[str, str]:
 
 
 def test_every_admin_command_answers_a_file_that_is_not_a_database_as_json(tmp_path):
-    """Bug: with LOOPLINE_DATA_DIR holding a gateway.db of garbage, every admin command
-    printed sqlalchemy's DatabaseError traceback ("file is not a database")."""
+    """With LOOPLINE_DATA_DIR holding a gateway.db of garbage, every admin command answers
+    one JSON error naming the file (exit 1), not sqlalchemy's DatabaseError traceback."""
     (tmp_path / "gateway.db").write_bytes(os.urandom(4096))
     answers = _gateway(
         *((_env(LOOPLINE_DATA_DIR=str(tmp_path)), command) for command in ADMIN_COMMANDS)

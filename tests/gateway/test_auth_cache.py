@@ -13,11 +13,12 @@ import types
 import pytest
 
 from services.gateway.identity import ROLE_REQUIRED, Authenticator, AuthError, Principal
+from tests.conftest import NO_DATABASE
 
 
 class CountingAuthenticator(Authenticator):
     def __init__(self, result: Principal | AuthError) -> None:
-        super().__init__(sessions=None, ttl_s=30.0)
+        super().__init__(sessions=NO_DATABASE, ttl_s=30.0)
         self.lookups = 0
         self.result = result
 
@@ -61,17 +62,23 @@ async def test_header_cache_hit_is_a_lookup_of_the_header_and_expires_with_the_e
         identity, "time", types.SimpleNamespace(monotonic=lambda: clock[0])
     )  # not the event loop's clock
     assert (await auth.authenticate("Bearer mx_live_k", "org")).user_id == "u"
-    hashed = []
-    monkeypatch.setattr(identity, "hash_key", lambda key: hashed.append(key) or "digest")
+    hashed: list[str] = []
+
+    def hash_to_digest(key: str) -> str:
+        hashed.append(key)
+        return "digest"
+
+    monkeypatch.setattr(identity, "hash_key", hash_to_digest)
     clock[0] += 29.0
     assert (await auth.authenticate("Bearer mx_live_k", "org")).user_id == "u"
     assert hashed == [] and auth.lookups == 1
+
     # Another spelling of the same key is its own header entry but shares the hash-keyed one.
-    monkeypatch.setattr(
-        identity,
-        "hash_key",
-        lambda key: hashed.append(key) or identity.hashlib.sha256(key.encode()).hexdigest(),
-    )
+    def hash_for_real(key: str) -> str:
+        hashed.append(key)
+        return identity.hashlib.sha256(key.encode()).hexdigest()
+
+    monkeypatch.setattr(identity, "hash_key", hash_for_real)
     assert (await auth.authenticate("bearer  mx_live_k ", "org")).user_id == "u"
     assert hashed == ["mx_live_k"] and auth.lookups == 1
     clock[0] += 1.5  # 30.5 s after the look-up: both entries are stale

@@ -119,10 +119,10 @@ async def test_out_of_range_integers_are_400_not_500(services):
 
 @pytest.mark.parametrize("field", ["model_id", "provider_id"])
 async def test_a_huge_field_quoted_by_an_error_is_400_with_a_bounded_detail(services, field):
-    """Bug: the orchestrator's 400 quoted a 17,000-character model id in full,
-    the gateway's channel refused the oversized status metadata and the client got
-    429 "Stream removed (received metadata size exceeds hard limit ...)". Error messages are
-    now bounded (services.common.errors.bounded) and a status without ErrorInfo is never a 4xx."""
+    """An error quoting a huge field (a 17,000-character model id) is a 400 with a bounded
+    detail (services.common.errors.bounded): the gateway's channel refuses oversized status
+    metadata, which would reach the client as 429 "Stream removed". A status without ErrorInfo
+    is never a 4xx."""
     llm = {"integration_name": "scripted", "provider_id": "scripted", "model_id": "default"}
     llm[field] = "d" * 17_000
     async with services.client() as client:

@@ -11,6 +11,7 @@ import contextlib
 
 from services.gateway.default_models import DefaultModels
 from services.gateway.identity import Authenticator, Principal
+from tests.conftest import NO_DATABASE
 
 
 class _Session:
@@ -50,7 +51,7 @@ class _Auth(Authenticator):
 
 
 async def test_api_key_caches_are_bounded_without_emptying():
-    auth = _Auth(sessions=None, ttl_s=30.0, max_entries=50)
+    auth = _Auth(sessions=NO_DATABASE, ttl_s=30.0, max_entries=50)
     for i in range(500):
         await auth.authenticate(f"Bearer key_{i}", "org")
     assert 0 < len(auth._cache) <= 50 and 0 < len(auth._by_header) <= 50

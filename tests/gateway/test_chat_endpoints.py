@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from typing import Any
 
 from modulex import Modulex
 from sqlalchemy import select
@@ -183,7 +184,7 @@ async def test_composer_chat_is_404_on_every_assistant_endpoint(services):
         )
     async with services.client() as client:
         run_id = str(uuid.uuid4())
-        for method, path, kwargs in [
+        requests: list[tuple[str, str, dict[str, Any]]] = [
             ("POST", "/assistant/chat", {"json": {"message": "hi", "chat_id": chat_id}}),
             ("GET", f"/assistant/chat/{chat_id}", {}),
             ("GET", f"/assistant/chat/{chat_id}/status", {}),
@@ -195,7 +196,8 @@ async def test_composer_chat_is_404_on_every_assistant_endpoint(services):
                 {"json": {"request_id": "x", "response": {"kind": "skipped"}}},
             ),
             ("DELETE", f"/assistant/chat/{chat_id}", {}),
-        ]:
+        ]
+        for method, path, kwargs in requests:
             response = await client.request(method, path, **kwargs)
             assert response.status_code == 404, (path, response.text)
             assert response.json() == {"detail": "Chat not found"}
@@ -206,6 +208,7 @@ async def test_sdk_reads_match_its_models(services):
         api_key=services.api_key, organization_id=services.org_id, base_url=services.base_url
     )
     turn = await client.assistant.chat("hello there")
+    assert turn.chat_id is not None and turn.run_id is not None
     async with client.assistant.listen(turn.chat_id, turn.run_id) as stream:
         names = [event.event async for event in stream]
     assert names[-1] == "done"

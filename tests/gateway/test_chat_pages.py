@@ -18,6 +18,7 @@ async def _turns(client, chat_id: str | None, count: int, size: int) -> str:
         assert started.status_code == 200, started.text
         chat_id = started.json()["chat_id"]
         await read_frames(client, started.json()["stream_url"])
+    assert chat_id is not None  # `count` is at least 1
     return chat_id
 
 

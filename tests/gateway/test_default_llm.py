@@ -73,6 +73,7 @@ async def test_sdk_sets_and_reads_the_default(services):
     )
     await client.organizations.set_composer_llm("loopline", "scripted", "default")
     settings = await client.organizations.get_settings()
+    assert settings.composer_llm is not None
     assert settings.composer_llm.provider_id == "scripted"
 
 
@@ -125,9 +126,9 @@ def test_admin_command_sets_and_shows_the_default(tmp_path):
 
 
 def test_admin_command_refuses_an_unknown_organization_and_a_missing_database(tmp_path):
-    """Bugs: set-default-llm on a mistyped organization printed
-    `"default_llm": null` and exited 0; run without the services' LOOPLINE_DATA_DIR, the admin
-    commands created an empty gateway database and wrote there."""
+    """Admin commands run without the services' LOOPLINE_DATA_DIR answer "no gateway
+    database" (exit 1) and create none; set-default-llm on a mistyped organization answers
+    "no organization" (exit 1), not `"default_llm": null` with exit 0."""
     env = {**os.environ, "LOOPLINE_DATA_DIR": str(tmp_path / "elsewhere")}
     args = ["--integration", "openai", "--provider", "openai", "--model", "gpt-4o"]
     for command in (
@@ -305,8 +306,8 @@ async def test_an_unusable_saved_default_is_a_400_that_says_it_is_the_saved_defa
 async def test_the_key_of_the_saved_default_model_cannot_be_deleted_until_another_default_is_saved(
     tmp_path,
 ):
-    """Bug: DELETE /credentials/{id} of the credential the organization's saved
-    default model uses answered 204, and every turn naming no model failed from then on."""
+    """DELETE /credentials/{id} of the credential the organization's saved default model
+    uses is 409 until another default is saved, since every turn naming no model needs it."""
     openai = {"integration_name": "openai", "provider_id": "openai", "model_id": "gpt-test"}
     stack = await start_stack(
         tmp_path, orchestrator={"openai_api_key": "", "openai_models": "gpt-test"}

@@ -120,6 +120,7 @@ async def test_sdk_raises_the_typed_billing_error(plan_stack):
     with pytest.raises(error_type) as caught:
         for _ in range(5):
             turn = await client.assistant.chat("hi")
+            assert turn.chat_id is not None and turn.run_id is not None
             async with client.assistant.listen(turn.chat_id, turn.run_id) as stream:
                 async for _event in stream:
                     pass

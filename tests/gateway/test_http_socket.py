@@ -24,9 +24,9 @@ async def test_accepted_http_connections_have_tcp_nodelay(services):
 
 
 async def test_a_stream_asked_for_over_http_1_0_is_505_not_a_chunked_body_it_cannot_read(services):
-    """Fifth session's leftover: uvicorn sends every body without a length chunked, also to an
-    HTTP/1.0 client, which has no chunked encoding and reads the chunk sizes as data. An event
-    stream is only sent chunked, so over HTTP/1.0 the listen route answers 505 and says why."""
+    """Over HTTP/1.0 the listen route answers 505 and says why: an event stream is only sent
+    chunked, and uvicorn would send chunks even to an HTTP/1.0 client, which has no chunked
+    encoding and reads the chunk sizes as data."""
     import asyncio
     import json
 

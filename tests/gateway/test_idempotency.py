@@ -68,9 +68,9 @@ async def test_keys_are_scoped_to_the_caller(services):
 
 
 async def test_a_key_whose_gateway_died_mid_request_can_be_retried_after_the_lease(services):
-    """Bug: a gateway killed while it handled a request left its key
-    "in progress" (no answer stored, nobody to free it), and every retry on either gateway got 409
-    for the whole 24 h TTL. An abandoned claim is now taken over after IN_PROGRESS_LEASE_S."""
+    """A key left "in progress" by a gateway killed mid-request (no answer stored, nobody to
+    free it) is taken over after IN_PROGRESS_LEASE_S, so a retry on either gateway goes
+    through instead of getting 409 for the whole 24 h TTL."""
     import datetime
 
     import orjson

@@ -399,8 +399,8 @@ async def test_turn_searches_an_uploaded_document(services):
 
 
 async def test_a_knowledge_base_names_its_creator_in_every_answer(services):
-    """Bug: POST /knowledge-bases answered `created_by_user_id` with the caller,
-    GET /knowledge-bases with null for the same base (the creator was not stored)."""
+    """The creator is stored with a knowledge base, so POST and GET /knowledge-bases both
+    answer the caller as `created_by_user_id`."""
     async with services.client() as client:
         created = await client.post("/knowledge-bases", json={"name": "Handbook"})
         assert created.status_code == 201, created.text
@@ -412,8 +412,8 @@ async def test_a_knowledge_base_names_its_creator_in_every_answer(services):
 
 
 async def test_the_status_filter_takes_the_sdk_statuses_and_refuses_others(services):
-    """Fifth session's leftover: `GET /knowledge-bases?status=activ` answered an empty list, as
-    if the organization had no bases; a value outside the SDK's KnowledgeBaseStatus is now 400."""
+    """A status outside the SDK's KnowledgeBaseStatus is 400, so a typo such as
+    `status=activ` is not an empty list that looks like an organization without bases."""
     async with services.client() as client:
         created = await client.post("/knowledge-bases", json={"name": "Handbook"})
         assert created.status_code == 201, created.text

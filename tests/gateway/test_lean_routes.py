@@ -156,7 +156,8 @@ async def test_successful_turn_and_listen_match_the_fastapi_endpoints(services):
         {"say": "Done in chunks."},
     )
     async with services.client() as lean, framework_client(services) as framework:
-        turns = []
+        # (status, body, headers); the rate-limit headers become numbers to compare two turns
+        turns: list[tuple[int, Any, dict[str, Any]]] = []
         for client in (framework, lean):
             response = await client.post(
                 "/assistant/chat", json={"message": message, "llm": SCRIPTED}

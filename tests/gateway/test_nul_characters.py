@@ -58,8 +58,8 @@ def test_json_object_refuses_nul_in_any_string_or_key(body):
     ],
 )
 async def test_a_nul_in_a_path_or_query_value_is_400(services, method, url):
-    """Bug: on PostgreSQL these were 500 (the tools service's WHERE clause got
-    the NUL), on SQLite 404 or 200. Now every route answers 400 before anything is looked up."""
+    """Every route answers a NUL in a path or query value with 400 before anything is looked
+    up, on SQLite and PostgreSQL alike (PostgreSQL refuses a NUL in a WHERE clause: a 500)."""
     async with services.client() as client:
         response = await client.request(method, url)
     assert response.status_code == 400, response.text

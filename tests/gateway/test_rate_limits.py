@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from services.gateway.config import GatewaySettings
-from services.gateway.identity import AuthError, Principal
+from services.gateway.identity import Authenticator, AuthError, Principal
 from services.gateway.ratelimit import MemoryWindow, RateLimited, RequestLimits, client_of
-from tests.conftest import redis_url, start_stack, stop_stack
+from tests.conftest import NO_DATABASE, redis_url, start_stack, stop_stack
 
 
 async def _clear_of_the_minute_boundary() -> None:
@@ -139,10 +139,15 @@ async def test_the_openapi_document_declares_429_on_every_route(services):
 # ---- the limiter itself -------------------------------------------------------------------------
 
 
-class _Keys:
+class _Keys(Authenticator):
     """An authenticator that knows one key ("good") and refuses any other with 401."""
 
-    async def authenticate(self, authorization, organization_id):  # noqa: ANN001, ANN201
+    def __init__(self) -> None:
+        super().__init__(NO_DATABASE)
+
+    async def authenticate(
+        self, authorization: str | None, organization_id: str | None
+    ) -> Principal:
         if authorization == "Bearer good":
             return Principal("u", organization_id or "o", "owner")
         raise AuthError(401, "Invalid API key")

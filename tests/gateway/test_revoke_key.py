@@ -12,6 +12,7 @@ import pytest
 
 from services.gateway import identity
 from services.gateway.identity import Authenticator, AuthError
+from tests.conftest import NO_DATABASE
 
 
 async def test_a_revoked_key_is_refused(services):
@@ -20,6 +21,7 @@ async def test_a_revoked_key_is_refused(services):
     header = f"Bearer {member['api_key']}"
     assert (await auth.authenticate(header, services.org_id)).user_id == member["user_id"]
     revoked = await identity.revoke_key(services.gateway.sessions, key_id=member["key_id"])
+    assert revoked is not None
     assert revoked["key_id"] == member["key_id"] and revoked["user_id"] == member["user_id"]
     again = await identity.revoke_key(
         services.gateway.sessions, key=member["api_key"]
@@ -187,7 +189,7 @@ async def test_revoke_key_without_a_key_is_refused():
     for key in ("", None):
         with pytest.raises(identity.AdminError, match="no API key given"):
             await identity.revoke_key(
-                None, key_id=None, key=key
+                NO_DATABASE, key_id=None, key=key
             )  # refused before any database look-up
 
 

@@ -29,9 +29,10 @@ import pytest
 from services.gateway import fanout as fanout_module
 from services.gateway import http_limits
 from services.gateway.fanout import RunFanout
+from services.gateway.http_limits import LimitedHttpToolsProtocol
 from services.gateway.ratelimit import key_of
 from tests.conftest import Stack, script, start_stack, stop_stack
-from tests.gateway.test_fanout import FakeCall, FakeStub, chunk_event, listen, until
+from tests.gateway.fanout_fakes import FakeCall, FakeStub, chunk_event, listen, until
 from tests.orchestrator.helpers import run_turn, start, wait_for
 
 # the other limits of the gateway (per-key request rates) stay out of these tests' way
@@ -180,7 +181,7 @@ async def test_slow_connections_are_dropped_while_a_normal_client_is_served(tmp_
         connections = limited.gateway.http.server_state.connections
         before = len(connections)
         port = _port(limited)
-        slow = []
+        slow: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         for _ in range(300):  # unfinished heads, and silent connections
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             if len(slow) % 2:
@@ -329,6 +330,7 @@ async def test_a_client_that_takes_none_of_a_response_is_cut_off_after_the_send_
         connections = limited.gateway.http.server_state.connections
         await wait_for(lambda: len(connections) == 1)
         protocol = next(iter(connections))
+        assert isinstance(protocol, LimitedHttpToolsProtocol)
         protocol.transport.get_extra_info("socket").setsockopt(
             socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
         )
@@ -390,8 +392,9 @@ class _ReadCountingCall(FakeCall):
 
 class _ReadCountingStub(FakeStub):
     def StreamRun(self, request: Any) -> _ReadCountingCall:  # noqa: N802 - gRPC stub method name
-        self.calls.append(_ReadCountingCall())
-        return self.calls[-1]  # type: ignore[return-value]
+        call = _ReadCountingCall()
+        self.calls.append(call)
+        return call
 
 
 async def test_the_last_listener_to_leave_has_the_upstream_call_cancelled_between_two_reads():
@@ -403,6 +406,7 @@ async def test_the_last_listener_to_leave_has_the_upstream_call_cancelled_betwee
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     client, task = await listen(fan)
     call = stub.calls[0]
+    assert isinstance(call, _ReadCountingCall)
     call.queue.put_nowait(chunk_event(0, "a"))
     await until(lambda: client.body)
     client.gone.set()
@@ -414,6 +418,7 @@ async def test_the_last_listener_to_leave_has_the_upstream_call_cancelled_betwee
     # a quiet run: nothing comes, so the call is cancelled under its read, after ABANDONED_CANCEL_S
     client, task = await listen(fan)
     quiet = stub.calls[1]
+    assert isinstance(quiet, _ReadCountingCall)
     await until(lambda: quiet.reading)
     client.gone.set()
     await task

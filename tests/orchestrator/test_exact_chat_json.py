@@ -88,7 +88,7 @@ async def test_get_chat_shows_a_tools_output_and_the_calls_input_exactly_as_the_
     assert messages[-1]["role"] == "assistant" and messages[-1]["content"] == "ok"
 
 
-QUESTIONS = {
+QUESTIONS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "ask_user_yes_no": (
         {
             "message": "Déployer « api » en production ? 🚀\nLigne 2",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import grpc
@@ -43,7 +44,8 @@ class _Recorded:
     """A stub that records the names of the methods called through it."""
 
     def __init__(self, stub: Any) -> None:
-        self._stub, self.methods = stub, []
+        self._stub = stub
+        self.methods: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         self.methods.append(name)
@@ -107,7 +109,7 @@ async def test_a_turn_whose_process_died_before_sending_its_charge_is_charged_by
 class _OlderBilling:
     """A billing without ChargeBatch (an older version during a rolling upgrade)."""
 
-    def __init__(self, refuse: set[str] = frozenset()) -> None:
+    def __init__(self, refuse: Collection[str] = frozenset()) -> None:
         self.charged: list[str] = []
         self.refuse = refuse
 

@@ -166,6 +166,7 @@ async def test_a_settle_that_fails_is_tried_again_once_its_lease_lapses(
             await supervisor.settle_ended() == []
         )  # failed: the run is held for a lease, still due
         row = await _row(stack, body["run_id"])
+        assert row.lease_until is not None
         held_until = (
             row.lease_until
             if row.lease_until.tzinfo

@@ -10,9 +10,9 @@ from tests.sse_client import read_frames
 
 
 async def test_a_stop_right_after_runs_ended_with_billing_down_does_not_hang(tmp_path):
-    """Bug: SIGTERM within ~2 s of `done` frames, billing killed during the
-    runs: the orchestrator logged "stopping" and then served on for good (its usage sender
-    was woken in the same loop turn as its cancel, and asyncio.wait_for dropped the cancel)."""
+    """A SIGTERM within ~2 s of runs' `done` frames, with billing killed during the runs,
+    stops the orchestrator: its usage sender, woken in the same loop turn as its cancel, must
+    not survive asyncio.wait_for dropping that cancel and keep the process serving."""
     stack = await start_stack(tmp_path)
     try:
         async with stack.client() as client:

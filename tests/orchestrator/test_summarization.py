@@ -50,6 +50,7 @@ async def test_long_thread_is_summarized_between_turns_and_keeps_working(small_c
                 )
             ).scalars()
         )
+        assert chat_id is not None
         thread = await load_thread(session, chat_id)
     summaries = [r for r in rows if r.role == "summary"]
     assert summaries, "no summary was written"

@@ -70,11 +70,10 @@ async def test_integration_action_cost_is_charged_once(services_with_private_net
 async def test_a_stalled_billing_holds_a_run_up_seconds_not_a_deadline_per_call_and_loses_nothing(
     services_with_private_network, monkeypatch
 ):
-    """Bug: with billing stopped (SIGSTOP) a run took ~15 s more per billing call
-    (three quick attempts of 5 s each, the tool charge awaited inside the loop), a cancel took
-    11 s and a stop 12 s, though the README says the run is not held up. Now the quick attempts
-    of a call take 2 s in all, the tool charge is sent beside the run (which waits for it at its
-    end, with its usage records), and what billing did not take is stored and sent later."""
+    """With billing stalled, a run is held up seconds, not a deadline per billing call, as
+    the README promises: the quick attempts of a call take 2 s in all, the tool charge is sent
+    beside the run (which waits for it at its end, with its usage records), and what billing
+    does not take is stored and sent once billing answers again."""
     import asyncio
     import time
 

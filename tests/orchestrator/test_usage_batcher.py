@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import cast
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from services.orchestrator.models import utcnow
 from services.orchestrator.usage.batches import UsageBatcher
 from services.orchestrator.usage.redelivery import Redelivery
 from tests.conftest import postgres_databases, release_databases, selected_backend
+from tests.log_records import fields_of
 
 
 class _Failure(grpc.aio.AioRpcError):
@@ -148,9 +150,9 @@ async def test_a_billing_outage_longer_than_the_quick_retries_loses_no_record(
 async def test_a_record_billing_has_not_taken_survives_a_stop_and_the_next_start_sends_it(
     sessions, caplog: pytest.LogCaptureFixture
 ):
-    """Fifth session's leftover: the background retries were kept in memory, so an orchestrator
-    stopped (or crashed) while billing was down lost the records (one last attempt, then ERROR).
-    Now they are stored in the orchestrator's database and the next process sends them."""
+    """A record billing has not taken is stored in the orchestrator's database, so an
+    orchestrator stopped (or crashed) while billing is down loses nothing, logs no ERROR, and
+    the next process on the same database sends the record at once."""
     billing = FakeBilling(failures=100)
     batcher = UsageBatcher(billing, _fast(sessions, first_delay_s=60), window_s=0)
     batcher.redelivery.start()
@@ -190,8 +192,12 @@ async def test_a_call_past_the_horizon_is_given_up_with_its_ids_at_error(
         for r in caplog.records
         if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"
     ]
-    assert len(lost) == 1 and lost[0].fields["run_id"] == "b" and lost[0].fields["call_index"] == 3
-    assert lost[0].fields["code"] == "UNAVAILABLE"
+    assert (
+        len(lost) == 1
+        and fields_of(lost[0])["run_id"] == "b"
+        and fields_of(lost[0])["call_index"] == 3
+    )
+    assert fields_of(lost[0])["code"] == "UNAVAILABLE"
     await batcher.close()
 
 
@@ -257,7 +263,7 @@ async def test_a_call_the_database_could_not_store_is_kept_in_memory_then_stored
         for r in caplog.records
         if r.levelname == "ERROR" and r.getMessage() == "recording usage failed"
     ]
-    assert [(r.fields["run_id"], r.fields["call_index"]) for r in lost] == [("c", 1)]
+    assert [(fields_of(r)["run_id"], fields_of(r)["call_index"]) for r in lost] == [("c", 1)]
 
 
 async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background(sessions):
@@ -280,7 +286,11 @@ async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background(ses
         organization_id="org", run_id="r", tool_call_id="t1", millicredits=5
     )
     await TurnRunner._send_to_billing(
-        runner, "RecordToolUsage", request, "recording tool usage failed", tool_call_id="t1"
+        cast(TurnRunner, runner),  # a stand-in: the method uses only `billing` and `redelivery`
+        "RecordToolUsage",
+        request,
+        "recording tool usage failed",
+        tool_call_id="t1",
     )
     assert calls == ["t1"] * 3 and await redelivery.pending() == 1
     redelivery.start()
@@ -294,8 +304,8 @@ async def test_a_tool_charge_billing_refused_is_sent_again_in_the_background(ses
 
 
 async def test_a_batch_of_several_runs_logs_each_record_with_its_own_ids(sessions):
-    """Bug: a failed batch holding records of several runs logged every
-    record with the chat (and organization) of the run whose context flushed the batch."""
+    """A failed batch holding records of several runs logs each record with its own run's
+    chat and organization, not those of the run whose context flushed the batch."""
     import io
     import json
     import logging
@@ -455,6 +465,7 @@ async def test_usage_stored_with_a_run_end_survives_a_crash_and_the_next_start_s
     )
     crashed.add(_usage("r1", 0))
     await _end_run(store, crashed, "r1")
+    assert crashed._stored._timer is not None
     crashed._stored._timer.cancel()  # the process dies before the linger is over: nothing sent
     assert billing.batches == [] and await _stored_rows(sessions) == ["RecordUsageBatch"]
 
@@ -482,7 +493,7 @@ async def test_stored_usage_billing_refuses_stays_stored_and_is_sent_again_in_th
 
     def warned() -> list[tuple[str, int]]:
         return [
-            (r.fields["run_id"], r.fields["call_index"])
+            (fields_of(r)["run_id"], fields_of(r)["call_index"])
             for r in caplog.records
             if r.getMessage() == "recording usage failed; retrying in the background"
         ]
@@ -522,10 +533,10 @@ async def test_records_a_failed_run_end_handed_over_are_sent_as_before(sessions,
 
 
 async def test_close_stops_the_sender_even_when_it_was_woken_just_before(sessions):
-    """Bug: a SIGTERM'd orchestrator hung for good, still serving, when billing
-    was down at a run's end: the stored usage's failed send woke the redelivery sender right
-    before `close` cancelled it, and Python 3.11's `asyncio.wait_for` returns the finished wait
-    and drops a cancel that arrives in the same loop turn, so the sender went on forever."""
+    """`close` stops the redelivery sender even when a stored usage's failed send woke it
+    just before: Python 3.11's `asyncio.wait_for` returns the finished wait and drops a cancel
+    arriving in the same loop turn, which would keep a SIGTERM'd orchestrator serving for good
+    when billing is down at a run's end."""
     redelivery = _fast(sessions, idle_poll_s=60)
     redelivery.start()
     await asyncio.sleep(0.2)  # the first pass is over: the sender waits to be woken
@@ -535,7 +546,7 @@ async def test_close_stops_the_sender_even_when_it_was_woken_just_before(session
     done, _ = await asyncio.wait({closing}, timeout=5)
     assert (
         done and asyncio.get_running_loop().time() - started < 2
-    )  # was: never (the sender went on)
+    )  # the sender stops, it does not go on
 
 
 async def test_stored_usage_billing_refused_at_once_is_due_after_the_first_delay_not_the_grace(
@@ -560,5 +571,5 @@ async def test_stored_usage_billing_refused_at_once_is_due_after_the_first_delay
             row = (await session.execute(select(BillingRedelivery))).scalars().one()
         return (db.utc(row.next_attempt_at) - db.utc(row.created_at)).total_seconds() < 10
 
-    await _until(rescheduled)  # was: created_at + 30 s
+    await _until(rescheduled)  # the first delay, not the grace (created_at + 30 s)
     await batcher.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -107,7 +108,7 @@ async def _follower_ends_with_the_reconnect_frame(
     follower_url: str,
     outage,
     limit_s: float,  # noqa: ANN001
-    **client_options: float,
+    **client_options: Any,
 ) -> None:
     """A follower through `follower_url` gets one event, then `outage()` breaks its Redis: the
     follower ends within `limit_s` seconds with the `error` event naming where to resume."""

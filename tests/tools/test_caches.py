@@ -166,7 +166,9 @@ async def test_a_tool_call_that_can_use_no_credential_reads_none(tools_service, 
 
 
 def test_an_action_validator_is_built_once():
-    action = Catalogue.builtin().get("loopline").actions["echo"]
+    loopline = Catalogue.builtin().get("loopline")
+    assert loopline is not None
+    action = loopline.actions["echo"]
     assert action.validator is action.validator
     assert not action.validator.is_valid({"message": 3})
 

@@ -16,6 +16,7 @@ from cryptography.fernet import Fernet
 from loopline.tools.v1 import tools_pb2
 from services.common.errors import status_details
 from services.common.logging import JsonFormatter
+from tests.log_records import fields_of
 
 SECRET_DSN = "postgresql://reader:s3cr3t-Passw0rd@db.example:5432/sales"
 MCP_TOKEN = "Bearer mcp-t0ken-never-logged"
@@ -65,9 +66,9 @@ async def test_an_undecryptable_credential_is_logged_once_with_its_ids_and_the_f
     assert len(records) == 1, [r.getMessage() for r in records]
     record = records[0]
     assert record.levelno == logging.WARNING
-    assert record.fields["credential_id"] == credential.credential_id
-    assert record.fields["integration"] == "postgresql"
-    assert record.fields["org_id"] == "org-a"
+    assert fields_of(record)["credential_id"] == credential.credential_id
+    assert fields_of(record)["integration"] == "postgresql"
+    assert fields_of(record)["org_id"] == "org-a"
     message = record.getMessage()
     assert "LOOPLINE_TOOLS_CREDENTIAL_KEY" in message
     assert "after the new one" in message and "comma-separated" in message
@@ -130,8 +131,8 @@ async def test_mcp_discovery_of_an_undecryptable_server_is_a_clear_error_and_log
         )
         assert details.metadata == {"credential_id": info.id} and info.id in details.message
         records = _undecryptable_records(caplog)
-        assert len(records) == 1 and records[0].fields["credential_id"] == info.id
-        assert records[0].fields["integration"] == "mcp_docs"
+        assert len(records) == 1 and fields_of(records[0])["credential_id"] == info.id
+        assert fields_of(records[0])["integration"] == "mcp_docs"
         assert not [
             r for r in caplog.records if r.levelno >= logging.ERROR
         ]  # not an "unhandled error"
@@ -172,8 +173,11 @@ async def test_resolving_an_undecryptable_model_key_is_failed_precondition_named
     records = _undecryptable_records(caplog)
     assert len(records) == 1, [r.getMessage() for r in records]
     assert records[0].levelno == logging.WARNING and records[0].exc_info is None
-    assert records[0].fields["credential_id"] == credential.credential_id
-    assert (records[0].fields["integration"], records[0].fields["org_id"]) == ("openai", "org-a")
+    assert fields_of(records[0])["credential_id"] == credential.credential_id
+    assert (fields_of(records[0])["integration"], fields_of(records[0])["org_id"]) == (
+        "openai",
+        "org-a",
+    )
     assert "LOOPLINE_TOOLS_CREDENTIAL_KEY" in records[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # not an "unhandled error"
     _assert_secret_free(records[0], MODEL_KEY, *_ciphertexts(tmp_path / "shared.db"))
@@ -224,7 +228,7 @@ async def test_an_oauth2_state_the_new_key_cannot_read_asks_to_start_again_and_i
     assert "start the connection again" in details.message
     records = _undecryptable_records(caplog)
     assert len(records) == 1
-    assert records[0].fields == {"integration": "acme", "org_id": "org-a"}
+    assert fields_of(records[0]) == {"integration": "acme", "org_id": "org-a"}
     assert "LOOPLINE_TOOLS_CREDENTIAL_KEY" in records[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
@@ -334,8 +338,8 @@ def test_rotate_credentials_command_refuses_without_a_key_or_a_database(tmp_path
 
 
 async def test_rotate_credentials_also_rewrites_pending_oauth2_flows(start_tools, tmp_path):
-    """Bug: rotate-credentials left the encrypted PKCE verifier of an OAuth2 flow
-    started before it under the old key, so dropping the old key broke that flow's callback."""
+    """rotate-credentials also re-encrypts the PKCE verifier of a pending OAuth2 flow under
+    the new key, so dropping the old key does not break that flow's callback."""
     from services.tools.__main__ import rotate_credentials
     from services.tools.config import ToolsSettings
     from services.tools.crypto import SecretBox
@@ -378,9 +382,8 @@ async def test_rotate_credentials_also_rewrites_pending_oauth2_flows(start_tools
 
 
 async def test_rotate_credentials_skips_rows_already_under_the_first_key(start_tools, tmp_path):
-    """Bug: rotate-credentials rewrote every row at every run, even one already encrypted
-    with the first key. Only rows the first key alone cannot decrypt are rewritten and counted, so
-    a second run rewrites nothing (its ciphertexts stay byte for byte)."""
+    """rotate-credentials rewrites and counts only rows the first key alone cannot decrypt,
+    so a second run rewrites nothing (its ciphertexts stay byte for byte)."""
     from services.tools.__main__ import rotate_credentials
     from services.tools.config import ToolsSettings
 
@@ -445,10 +448,10 @@ async def test_rotate_credentials_skips_rows_already_under_the_first_key(start_t
 
 
 async def test_rotate_credentials_answers_a_database_it_cannot_use_as_json(tmp_path):
-    """Bug: rotate-credentials printed a traceback when the tools database was a file of
-    garbage ("file is not a database"). That and the rest of the kind — a folder, an empty file
-    that was never migrated, a malformed URL, a PostgreSQL server that refuses — are {"error": ...}
-    (exit 1) naming the database, never the URL's password."""
+    """rotate-credentials answers a tools database it cannot use (a file of garbage, a
+    folder, an empty file never migrated, a malformed URL, a PostgreSQL server that refuses)
+    with {"error": ...} and exit 1, naming the database but never the URL's password, and no
+    traceback."""
     import asyncio
     import os
     import subprocess
@@ -470,7 +473,7 @@ async def test_rotate_credentials_answers_a_database_it_cannot_use_as_json(tmp_p
         f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}": (
             "cannot be used: no such table: credentials"
         ),
-        # a data directory that is a file: said as such (was "no tools database at FILE/tools.db")
+        # a data directory that is a file is named as such, not as a missing FILE/tools.db
         f"sqlite+aiosqlite:///{garbage / 'tools.db'}": f"its folder {garbage} is a file",
         "not a url": "LOOPLINE_TOOLS_DATABASE_URL is not a database URL",
         "postgresql+asyncpg://vault:pa55word-x@127.0.0.1:1/tools": (

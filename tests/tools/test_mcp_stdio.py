@@ -18,6 +18,7 @@ from services.common.logging import JsonFormatter
 from services.tools.catalogue import ActionError
 from services.tools.mcp_client import McpConnector
 from services.tools.mcp_stdio import STDERR_LOG_CHARS, StderrTail, StdioServer
+from tests.log_records import fields_of
 
 MARKER = "ModuleNotFoundError: No module named 'loopline_marker_server'"
 TOKEN = "tok-operator-secret-42"
@@ -47,7 +48,7 @@ async def test_a_stdio_server_that_exits_logs_the_end_of_its_stderr_once(caplog)
     assert MARKER not in str(caught.value) and "noise" not in str(caught.value)
     records = _failures(caplog)
     assert len(records) == 1
-    fields = records[0].fields
+    fields = fields_of(records[0])
     assert records[0].levelno == logging.WARNING
     assert fields["server"] == "broken" and fields["operation"] == "list_tools"
     assert fields["stderr_tail"].endswith(MARKER)
@@ -78,9 +79,9 @@ async def test_a_stdio_server_that_cannot_start_says_why_in_the_log_not_to_the_m
     assert "The MCP server 'time' is unavailable" in error and "(MCPError)" in error
     assert MARKER not in error and "noise" not in error and TOKEN not in error
     records = _failures(caplog)  # the background discovery at start, and the call's own
-    assert records and all(r.fields["server"] == "time" for r in records)
-    assert all(r.fields["stderr_tail"].endswith(MARKER) for r in records)
-    assert all(TOKEN not in json.dumps(r.fields) for r in records)
+    assert records and all(fields_of(r)["server"] == "time" for r in records)
+    assert all(fields_of(r)["stderr_tail"].endswith(MARKER) for r in records)
+    assert all(TOKEN not in json.dumps(fields_of(r)) for r in records)
 
 
 async def test_a_missing_command_logs_the_os_error(caplog):
@@ -92,19 +93,18 @@ async def test_a_missing_command_logs_the_os_error(caplog):
     assert "/nonexistent" not in str(caught.value)
     (record,) = _failures(caplog)
     assert (
-        "FileNotFoundError" in record.fields["error"]
-        and "/nonexistent/loopline-mcp-server" in record.fields["error"]
+        "FileNotFoundError" in fields_of(record)["error"]
+        and "/nonexistent/loopline-mcp-server" in fields_of(record)["error"]
     )
 
 
 async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_args_or_env(
     tmp_path, caplog
 ):
-    """Bug: the failure record of a stdio server whose command does not exist or is not
-    executable did not name the command when the error text lost it (an `env` value such as
-    VIRTUAL_ENV redacted from the path left "***/bin/python"; a long path was cut). The record's
-    `command` field is the configured executable, as written; its args and env values never
-    appear."""
+    """The failure record of a stdio server whose command does not exist or is not
+    executable names it in a `command` field, the configured executable as written, since the
+    error text can lose it (an `env` value such as VIRTUAL_ENV redacted from the path leaves
+    "***/bin/python"; a long path is cut). Its args and env values never appear."""
     not_executable = tmp_path / "server.sh"
     not_executable.write_text("#!/bin/sh\n")
     not_executable.chmod(0o644)
@@ -127,7 +127,7 @@ async def test_a_command_that_cannot_be_run_is_named_in_the_log_but_never_its_ar
             await McpConnector(5.0, 65536, False).list_tools(server)
         assert command not in str(caught.value)  # the model's error never names it
     records = _failures(caplog)
-    assert [r.fields["command"] for r in records] == commands
+    assert [fields_of(r)["command"] for r in records] == commands
     for record in records:
         line = JsonFormatter("tools").format(record)
         assert "arg-secret-7731" not in line and TOKEN not in line
@@ -143,7 +143,7 @@ async def test_a_stdio_server_that_times_out_logs_its_stderr_and_a_cancelled_cal
         await connector.list_tools(server)
     await connector.aclose()  # the session closes in the background; the record comes after
     (record,) = _failures(caplog)
-    assert "time limit" in record.fields["error"] and record.fields["stderr_tail"] == MARKER
+    assert "time limit" in fields_of(record)["error"] and fields_of(record)["stderr_tail"] == MARKER
 
     caplog.clear()
     task = asyncio.create_task(connector.list_tools(server))

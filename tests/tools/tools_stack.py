@@ -53,18 +53,20 @@ async def start_tools_stack(tmp_path, *, tools: dict[str, Any] | None = None) ->
     tools_server = await ToolsServer.start(
         ToolsSettings(**common, tools_port=0, **{**TOOLS_DEFAULTS, **(tools or {})})
     )
-    addrs = {
-        "billing_addr": f"127.0.0.1:{billing.port}",
-        "tools_addr": f"127.0.0.1:{tools_server.port}",
-    }
+    tools_addr = f"127.0.0.1:{tools_server.port}"
     orchestrator = await OrchestratorServer.start(
-        OrchestratorSettings(**common, **addrs, orchestrator_port=0)
+        OrchestratorSettings(
+            **common,
+            billing_addr=f"127.0.0.1:{billing.port}",
+            tools_addr=tools_addr,
+            orchestrator_port=0,
+        )
     )
     gateway = await GatewayServer.start(
         GatewaySettings(
             **common,
             orchestrator_addr=f"127.0.0.1:{orchestrator.port}",
-            tools_addr=addrs["tools_addr"],
+            tools_addr=tools_addr,
             http_port=0,
             gateway_grpc_port=0,
             heartbeat_interval_s=1.0,
@@ -107,7 +109,6 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
             app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1
         )
     )
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -409,8 +409,8 @@ async def oauth2_callback(
     # single-use, unguessable state names the organization and the flow.
     if not state or not (code or error):
         return detail(400, "state and code are required")
-    # a denial (`error`) spends the single-use state too: the flow cannot go on to an exchange
-    # (fresh-eyes test); the state is checked first, so a forged one is "Unknown or expired"
+    # a denial (`error`) spends the single-use state too: the flow cannot go on to an exchange;
+    # the state is checked first, so a forged one is "Unknown or expired"
     response = await tools_of(request).CompleteOAuth2(
         tools_pb2.CompleteOAuth2Request(state=state, code=code, error=error[:2000]),
         timeout=TIMEOUT_S,

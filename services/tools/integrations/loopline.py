@@ -13,7 +13,7 @@ MANIFEST: dict[str, Any] = {
     "name": "loopline",
     "display_name": "Loopline utilities",
     "description": "Built-in utilities that need no credential: echo a message, read the current "
-    "time.",
+    "time, wait a while.",
     "categories": ["utilities"],
     "auth": [
         {

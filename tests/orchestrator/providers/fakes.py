@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 
 @dataclass
@@ -61,7 +61,7 @@ class FakeLLMServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def __aenter__(self) -> FakeLLMServer:
+    async def __aenter__(self) -> Self:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -71,7 +71,7 @@ class FakeLLMServer:
         self._server.close()
         await self._server.wait_closed()
 
-    async def _read_request(self, reader: asyncio.StreamReader) -> Seen | None:
+    async def _read_request(self, reader: asyncio.StreamReader) -> Seen:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         method, path, _ = lines[0].split(" ", 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ TOOLS = [
         "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}},
     },
 ]
-THREAD = [
+THREAD: list[dict[str, Any]] = [
     {"role": "user", "content": "what can I connect?"},
     {
         "role": "assistant",

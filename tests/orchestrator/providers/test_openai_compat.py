@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
@@ -190,7 +191,7 @@ async def test_several_tool_calls_in_one_reply_are_all_returned_in_index_order()
 
 
 def test_thread_is_converted_to_the_chat_completions_format():
-    thread = [
+    thread: list[dict[str, Any]] = [
         {"role": "user", "content": "list my apps"},
         {
             "role": "assistant",
@@ -367,10 +368,10 @@ async def test_a_call_that_may_not_call_tools_sends_them_with_tool_choice_none()
 
 
 async def test_attempts_whose_stream_delivered_nothing_are_not_billed():
-    """Bug: a server answering 200 with a JSON error body instead of an event
-    stream failed the call after 3 attempts and billed 3 estimates of the whole prompt (1.4 run
-    credits) for tokens no one saw. An attempt whose stream delivered no chunk records 0 tokens;
-    one that delivered a chunk before breaking still carries its estimate (above)."""
+    """An attempt whose stream delivered no chunk (here a 200 with a JSON error body, not an
+    event stream) records 0 tokens, so 3 failed attempts bill nothing for tokens no one saw
+    rather than 3 estimates of the whole prompt. An attempt that delivered a chunk before
+    breaking still carries its estimate (above)."""
     async with FakeLLMServer(
         [Reply(status=200, body={"error": {"message": "overloaded"}})]
     ) as server:

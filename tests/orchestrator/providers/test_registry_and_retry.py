@@ -59,8 +59,9 @@ async def test_a_provider_without_a_platform_key_needs_a_credential():
 async def test_a_compatible_provider_with_its_key_variable_unset_does_not_point_to_byok(
     monkeypatch,
 ):
-    """Bug: the 400 said "pass llm.credential_id", and doing so was the 400
-    "bring-your-own-key credentials work with the anthropic and openai providers"."""
+    """A compatible provider whose key variable is unset is refused as having no key on this
+    deployment, without pointing to llm.credential_id: bring-your-own-key credentials work only
+    with the anthropic and openai providers, so that hint would lead to another 400."""
     monkeypatch.delenv("NOT_SET_ANYWHERE_VAR", raising=False)
     s = settings(
         openai_compatible_providers={
@@ -94,6 +95,7 @@ async def test_named_compatible_providers_come_from_json_settings(monkeypatch):
     with pytest.raises(registry.UnknownModel):
         await registry.resolve(s, {"provider_id": "vllm", "model_id": "llama"})
     ollama = await registry.resolve(s, {"provider_id": "ollama", "model_id": "anything"})
+    assert isinstance(ollama, OpenAICompatModel)
     assert ollama._api_key == registry.NO_KEY  # a local server needs no key
     assert registry.providers(s)["openai"].base_url == s.openai_base_url
 
@@ -114,6 +116,7 @@ async def test_byok_takes_the_key_from_the_injected_resolver_and_unknown_credent
         organization_id="org_1",
         secret_resolver=resolver,
     )
+    assert isinstance(model, AnthropicModel)
     assert model._api_key == "sk-org-own-key-123456" and calls == [
         ("org_1", "cred_ok", "anthropic")
     ]
@@ -136,7 +139,8 @@ def test_retry_after_accepts_seconds_milliseconds_and_http_dates():
     assert parse_retry_after({"retry-after": "7"}) == 7.0
     assert parse_retry_after({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
     later = email.utils.formatdate(time.time() + 30, usegmt=True)
-    assert 25 <= parse_retry_after({"retry-after": later}) <= 31
+    from_date = parse_retry_after({"retry-after": later})
+    assert from_date is not None and 25 <= from_date <= 31
     assert parse_retry_after({"retry-after": "soon"}) is None and parse_retry_after({}) is None
 
 
@@ -191,4 +195,5 @@ async def test_byok_only_for_openai_and_anthropic_and_integration_must_match_the
         organization_id="o",
         secret_resolver=resolver,
     )
+    assert isinstance(model, OpenAICompatModel)
     assert model._api_key == "sk-org-own-key-123456"

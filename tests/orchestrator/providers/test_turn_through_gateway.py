@@ -333,10 +333,10 @@ async def test_bring_your_own_key_uses_the_organizations_credential_and_is_not_c
 
 
 async def test_done_usage_counts_the_cached_prompt_tokens_the_provider_reported(tmp_path):
-    """Bug: OpenAI reported prompt_tokens 1000 of which 800 cached, and
-    `done.usage` said 200 input tokens (the uncached part Loopline prices at the full rate);
-    Anthropic's cache reads and writes appeared nowhere. `input_tokens` is now every input
-    token read; billing still prices each part at its own rate."""
+    """`done.usage.input_tokens` is every input token the provider read, cached ones
+    included: OpenAI's prompt_tokens 1000 with 800 cached is 1000, not the 200 uncached, and
+    Anthropic's cache reads and writes count too. Billing still prices each part at its own
+    rate."""
     replies = [
         Reply(
             events=openai_text(
@@ -448,10 +448,10 @@ async def _summarized_anthropic_chat(
 async def test_an_anthropic_thread_with_tool_calls_is_summarized_and_the_chat_keeps_working(
     tmp_path,
 ):
-    """Bug: the summary call was sent without tools while its history held
-    tool_use/tool_result blocks; the Messages API refuses that (400), so every turn of the chat
-    failed once it was long enough to summarize. The summary call now carries the run's tools
-    with tool_choice none (the same cached prefix as the other calls)."""
+    """The summary call carries the run's tools with tool_choice none (the same cached
+    prefix as the other calls): the Messages API refuses (400) a history holding
+    tool_use/tool_result blocks without tools, which would fail every turn of a chat long
+    enough to summarize."""
     summary = [anthropic_start(input_tokens=1200, cache_read=700)] + anthropic_text_block(
         0, "The user asked about integrations."
     )
@@ -478,9 +478,9 @@ async def test_an_anthropic_thread_with_tool_calls_is_summarized_and_the_chat_ke
 async def test_a_summary_call_that_returns_no_text_keeps_the_thread_whole_and_is_not_asked_again(
     tmp_path,
 ):
-    """A model that answers the summary call with a tool call and no text (tool_choice "none"
-    not honoured) stored an empty summary over the older part of the thread: it is now kept
-    whole, and the run does not ask again at every step."""
+    """When a model answers the summary call with a tool call and no text (tool_choice
+    "none" not honoured), the older part of the thread is kept whole, not replaced by an empty
+    summary, and the run does not ask again at every step."""
     no_summary = [anthropic_start(input_tokens=1200)] + anthropic_tool_block(
         0, "get_available_integrations", "{}", tool_id="toolu_x"
     )

@@ -1,6 +1,6 @@
 """lean turn indexes: drop ix_chats_organization_id (ix_chats_org_kind_created serves every
 lookup by organization), and make ix_runs_request_id partial (request_id IS NOT NULL), so a
-turn writes two index entries fewer (issue 9: each is a page written per transaction)
+turn writes two index entries fewer (each is a page written per transaction)
 
 Revision ID: 0005
 Revises: 0004

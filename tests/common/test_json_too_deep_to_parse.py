@@ -19,7 +19,6 @@ from services.common import pb
 from services.orchestrator.providers.anthropic_provider import AnthropicModel
 from services.orchestrator.providers.base import DEEP_JSON_KEPT_LEVELS, loads_deep, parse_arguments
 from services.orchestrator.providers.openai_compat import OpenAICompatModel
-from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.tool_calls import checked_call
 from tests.common.layers import Case, Fixtures, at_once, on_services
 from tests.conftest import Stack
@@ -34,16 +33,9 @@ from tests.orchestrator.providers.fakes import (
     openai_tool_call,
     openai_turn,
 )
+from tests.orchestrator.providers.test_unreadable_arguments import FAST, TOOLS
 from tests.tools.tools_stack import tools_stack
 
-FAST = RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=1.0)
-TOOLS = [
-    {
-        "name": "get_available_integrations",
-        "description": "List integrations.",
-        "input_schema": {"type": "object", "properties": {}},
-    }
-]
 USER = [{"role": "user", "content": "hello"}]
 LEVELS = 5000
 LIMIT_TEXT = f"nested deeper than {pb.MAX_JSON_DEPTH} levels"
@@ -304,16 +296,16 @@ async def _an_uploaded_json_document_is_indexed_as_its_text(fixtures: Fixtures) 
 
 
 async def _oauth2_api_and_token_responses(fixtures: Fixtures) -> None:
-    monkeypatch, start_tools = fixtures.monkeypatch, fixtures.start_tools
     """An OAuth2 API's body nested past json.loads comes back as text (as the http integration's); a
     token endpoint answering such JSON is "did not issue a token", not an unhandled
     RecursionError."""
+    monkeypatch, start_tools = fixtures.monkeypatch, fixtures.start_tools
     import grpc
     import httpx
 
     from services.common.errors import status_details
-    from services.tools.catalogue import ActionContext
-    from services.tools.oauth import OAuth2Provider, integration_of
+    from services.tools.oauth import integration_of
+    from tests.tools.test_oauth_api_path import CTX, PROVIDER
 
     body = deep_json_text(5000, '"x"')
     real = httpx.AsyncClient
@@ -329,26 +321,8 @@ async def _oauth2_api_and_token_responses(fixtures: Fixtures) -> None:
             **kw,
         ),
     )
-    provider = OAuth2Provider(
-        name="acme",
-        display_name="Acme",
-        description="",
-        authorize_url="http://auth.test/authorize",
-        token_url="http://auth.test/token",
-        client_id="c",
-        client_secret="",
-        scope="",
-        api_base_url="http://api.test/api",
-    )
-    context = ActionContext(
-        secret={"access_token": "at-secret"},
-        auth_type="oauth2",
-        timeout_s=5,
-        max_output_bytes=100_000,
-        allow_private_network=False,
-    )
-    assert await integration_of(provider, 5).actions["api_request"].handler(
-        context, {"path": "/me"}
+    assert await integration_of(PROVIDER, 5).actions["api_request"].handler(
+        CTX, {"path": "/me"}
     ) == {"status": 200, "body": body}
 
     tools = await start_tools(

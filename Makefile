@@ -16,6 +16,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST := $(VENV)/bin/pytest
 VENV_STAMP := $(VENV)/.installed
+# Every dependency pinned with its hashes, written from pyproject.toml by `make lock`:
+# LOCK for the image (runtime), DEV_LOCK (runtime and dev extras, same versions) for .venv.
+LOCK := requirements.lock
+DEV_LOCK := requirements-dev.lock
+UV := $(VENV)/bin/uv
+UV_VERSION := $(shell sed -n 's/^ *"uv==\([^"]*\)".*/\1/p' pyproject.toml)
+UV_COMPILE := $(UV) pip compile pyproject.toml --quiet --universal --python-version 3.11 \
+	--generate-hashes --custom-compile-command 'make lock'
+LOCK_ARGS ?=
 BUF := node_modules/.bin/buf
 SERVICES := gateway orchestrator billing tools
 PY_SOURCES := services tests bench scripts
@@ -27,19 +36,29 @@ BENCH_ARGS ?=
 LOOPLINE_TEST_POSTGRES_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 LOOPLINE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: help venv buf gen gen-check lint format breaking migrate run test test-pg test-faults bench clean distclean
+.PHONY: help venv lock buf gen gen-check lint format breaking migrate run test test-pg test-faults bench clean distclean
 
 help: ## list the targets
 	@echo "Loopline make targets:"
 	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
-	@echo "Variables: TESTS (test paths, default tests), PYTEST_ARGS (extra pytest options), DEV_ARGS (options of scripts/dev.py, e.g. --logs), BENCH_ARGS (options of the benchmark, e.g. --quick, --backend postgres), PYTHON (default python3)."
+	@echo "Variables: TESTS (test paths, default tests), PYTEST_ARGS (extra pytest options), DEV_ARGS (options of scripts/dev.py, e.g. --logs), BENCH_ARGS (options of the benchmark, e.g. --quick, --backend postgres), LOCK_ARGS (options of uv pip compile, e.g. --upgrade), PYTHON (default python3)."
 
-venv: $(VENV_STAMP) ## create .venv and install the project with its dev extras (reinstalls only when pyproject.toml changes)
+venv: $(VENV_STAMP) ## create .venv and install requirements-dev.lock, then the project (again when the lock or pyproject.toml changes)
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): $(DEV_LOCK) pyproject.toml
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
-	$(PY) -m pip install --disable-pip-version-check --quiet -e '.[dev]'
+	$(PY) -m pip install --disable-pip-version-check --quiet --require-hashes -r $(DEV_LOCK)
+	$(PY) -m pip install --disable-pip-version-check --quiet --no-deps -e .
+	@$(PY) -m pip check >/dev/null || { $(PY) -m pip check >&2 || true; \
+	  echo "venv: $(DEV_LOCK) does not satisfy pyproject.toml: run 'make lock'" >&2; exit 1; }
 	@touch $@
+
+lock: ## write requirements.lock and requirements-dev.lock from pyproject.toml (keeps the pins that still fit; LOCK_ARGS=--upgrade moves them all)
+	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@test "$$($(UV) --version 2>/dev/null | cut -d ' ' -f 2)" = "$(UV_VERSION)" || \
+	  $(PY) -m pip install --disable-pip-version-check --quiet "uv==$(UV_VERSION)"
+	$(UV_COMPILE) $(LOCK_ARGS) --extra dev -o $(DEV_LOCK)
+	$(UV_COMPILE) $(LOCK_ARGS) -c $(DEV_LOCK) -o $(LOCK)
 
 buf: $(BUF) ## install the buf CLI (npm package @bufbuild/buf) into node_modules
 

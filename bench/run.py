@@ -36,6 +36,7 @@ from bench.machine import (
     raise_fd_limit,
     steal_pct,
 )
+from bench.otlp_sink import OtlpSink
 from bench.profiler import Profiler
 from bench.report import write_report
 from bench.stats import MiB, mib, rounded
@@ -162,6 +163,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--hold",
         action="store_true",
         help="after the workloads, keep the services up until Enter (for profiling)",
+    )
+    p.add_argument(
+        "--tracing",
+        action="store_true",
+        help="turn tracing on in the services (OTLP/HTTP to a local sink that counts spans)",
     )
 
 
@@ -401,6 +407,17 @@ def _run_deployment(
     return code
 
 
+def _start_tracing(results: dict[str, Any]) -> OtlpSink:
+    """Start the span sink and point the services' OTLP exporter at it (they inherit the
+    environment): the figures then include recording, batching and exporting every span."""
+    sink = OtlpSink().start()
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint
+    os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
+    results["tracing"] = {"endpoint": sink.endpoint}
+    print(f"[bench] tracing on: spans exported to {sink.endpoint}", flush=True)
+    return sink
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _stop_on_sigterm()
@@ -415,8 +432,12 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         keep=args.keep,
     )
+    sink = _start_tracing(results) if args.tracing else None
     started = time.monotonic()
     code = _run_deployment(args, dep, results, started)
+    if sink is not None:
+        sink.stop()
+        results["tracing"].update(spans_received=sink.spans, exports=sink.requests)
     results["elapsed_s"] = rounded(time.monotonic() - started, 1)
     results["machine"]["loadavg_end"] = loadavg()
     results["machine"]["steal_pct_run"] = steal_pct(jiffies, cpu_jiffies())

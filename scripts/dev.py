@@ -1,6 +1,6 @@
 """Run all of Loopline on one machine for development: what `make run` starts.
 
-1. Checks that the five development ports are free.
+1. Checks that the five development ports and the three metrics ports are free.
 2. Applies every service's migrations (`python -m services.<name> migrate`).
 3. Seeds a development organization, owner and API key (`python -m services.gateway
    seed-dev`, which honors LOOPLINE_DEV_API_KEY and LOOPLINE_DEV_ORG_ID) and gives it a

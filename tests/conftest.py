@@ -36,6 +36,17 @@ from services.orchestrator.server import OrchestratorServer
 from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
 
+#: The metrics port settings, 0 (any free port) in every service a test starts: parallel test runs
+#: and a `make run` stack would collide on the defaults (9101-9103). Set in the environment too,
+#: for the tests that start a server with their own settings.
+METRICS_PORTS = {
+    "LOOPLINE_ORCHESTRATOR_METRICS_PORT": "0",
+    "LOOPLINE_BILLING_METRICS_PORT": "0",
+    "LOOPLINE_TOOLS_METRICS_PORT": "0",
+}
+for _variable, _port in METRICS_PORTS.items():
+    os.environ.setdefault(_variable, _port)
+
 SCRIPTED = {"integration_name": "loopline", "provider_id": "scripted", "model_id": "default"}
 # A session factory bound to no engine: for objects under test that must not reach a database.
 NO_DATABASE: async_sessionmaker[AsyncSession] = async_sessionmaker()
@@ -371,10 +382,12 @@ async def start_stack(
         return {**common, **db_settings[service], **(overrides or {})}
 
     billing_server = await BillingServer.start(
-        BillingSettings(**{**settings("billing", billing), "billing_port": 0})
+        BillingSettings(
+            **{**settings("billing", billing), "billing_port": 0, "billing_metrics_port": 0}
+        )
     )
     tools_server = await ToolsServer.start(
-        ToolsSettings(**{**settings("tools", tools), "tools_port": 0})
+        ToolsSettings(**{**settings("tools", tools), "tools_port": 0, "tools_metrics_port": 0})
     )
     addrs = {
         "billing_addr": f"127.0.0.1:{billing_server.port}",
@@ -382,7 +395,12 @@ async def start_stack(
     }
     orchestrator_server = await OrchestratorServer.start(
         OrchestratorSettings(
-            **{**settings("orchestrator", orchestrator), **addrs, "orchestrator_port": 0}
+            **{
+                **settings("orchestrator", orchestrator),
+                **addrs,
+                "orchestrator_port": 0,
+                "orchestrator_metrics_port": 0,
+            }
         )
     )
     gateway_server = await GatewayServer.start(

@@ -208,8 +208,11 @@ def fake_env(tmp_path: pathlib.Path) -> dict[str, str]:
             f"from fakeloop._fake import main\nmain({name!r})\n"
         )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPLINE_", "FAKE_"))}
-    http, gateway, orchestrator, billing, tools = _free_ports(5)
+    http, gateway, orchestrator, billing, tools, *metrics = _free_ports(8)
     env.update(
+        LOOPLINE_ORCHESTRATOR_METRICS_PORT=str(metrics[0]),
+        LOOPLINE_BILLING_METRICS_PORT=str(metrics[1]),
+        LOOPLINE_TOOLS_METRICS_PORT=str(metrics[2]),
         PYTHONPATH=str(tmp_path),
         LOOPLINE_DATA_DIR=str(tmp_path / "var"),
         LOOPLINE_HTTP_PORT=str(http),
@@ -322,14 +325,17 @@ def test_dev_runner_times_out_naming_the_unhealthy_service(
     assert "last lines of" in result.stderr and "tools.log" in result.stderr
 
 
-def test_dev_runner_refuses_a_busy_port(tmp_path: pathlib.Path, fake_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("variable", ["LOOPLINE_HTTP_PORT", "LOOPLINE_ORCHESTRATOR_METRICS_PORT"])
+def test_dev_runner_refuses_a_busy_port(
+    tmp_path: pathlib.Path, fake_env: dict[str, str], variable: str
+) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        fake_env["LOOPLINE_HTTP_PORT"] = str(busy.getsockname()[1])
+        fake_env[variable] = str(busy.getsockname()[1])
         result = _run_dev(tmp_path, fake_env, "--exit-when-ready")
     assert result.returncode == 2
-    assert "LOOPLINE_HTTP_PORT" in result.stderr and "already in use" in result.stderr
+    assert variable in result.stderr and "already in use" in result.stderr
 
 
 def test_dev_runner_reports_a_failed_migration(

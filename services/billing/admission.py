@@ -38,11 +38,12 @@ from services.billing.errors import (
     denial_error,
     invalid,
 )
-from services.billing.models import ALLOWANCE, HELD, month_start, new_id
+from services.billing.models import ALLOWANCE, HELD, WALLET, month_start, new_id
 from services.billing.plans import PlanTerms
 from services.billing.rates import RateDecision, RateLimiter
 from services.billing.store import BillingStore, Refusal
 from services.common import logging as loopline_logging
+from services.common import metrics
 from services.common.errors import BILLING_DOMAIN, RpcError
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class Admission:
                 rate, fresh = detail
                 if fresh is not None:  # the slow path re-read the account
                     store.remember(org_id, *fresh)
+                metrics.admission("wallet" if values["funding"] == WALLET else "credit", "admitted")
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug(
                         "admitted",
@@ -202,6 +204,7 @@ class Admission:
                 domain=BILLING_DOMAIN,
             )
         rate = await self.rates.peek(existing.org_id, existing.rate_class, rate_limit)
+        metrics.admission("none", "replayed")
         log.info(
             "admission replayed",
             extra={"fields": {"reservation_id": existing.id, "state": existing.state}},
@@ -215,6 +218,7 @@ class Admission:
         """The denial of a refused admission: the rate layer's (`detail` = its RateDecision) or,
         for kind "denied", the refusing layer's with the account figures read in the store."""
         if kind == "rate":
+            metrics.admission("rate", "denied")
             log.info(
                 "admission denied", extra={"fields": {"layer": "rate", "rate_class": rate_class}}
             )
@@ -229,6 +233,7 @@ class Admission:
                 rate=detail,
             )
         refused: Refusal = detail
+        metrics.admission(refused.layer, "denied")
         log.info("admission denied", extra={"fields": {"layer": refused.layer}})
         return _layer_denial(refused, credits, today)
 

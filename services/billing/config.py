@@ -20,6 +20,8 @@ class BillingSettings(CommonSettings):
 
     Attributes:
         billing_port: gRPC port (LOOPLINE_BILLING_PORT); 0 binds any free port.
+        billing_metrics_port: port of the Prometheus metrics (LOOPLINE_BILLING_METRICS_PORT;
+            HTTP on `host`, 0 binds any free port; docs/metrics.md).
         billing_database_url: SQLAlchemy async URL (LOOPLINE_BILLING_DATABASE_URL); empty
             selects `sqlite+aiosqlite:///<data_dir>/billing.db`.
         auto_migrate: upgrade the schema to the newest migration at server start
@@ -47,6 +49,7 @@ class BillingSettings(CommonSettings):
     """
 
     billing_port: int = Field(default=50052, ge=0, le=MAX_PORT)
+    billing_metrics_port: int = Field(default=9102, ge=0, le=MAX_PORT)
     billing_database_url: str = ""
     auto_migrate: bool = True
     billing_rate_limit_storage_url: str = ""

@@ -23,6 +23,8 @@ from services.billing.store import BillingStore, open_store
 from services.common import db
 from services.common.errors import PassLog
 from services.common.grpc_server import RunningServer, start_grpc_server
+from services.common.metrics import MetricsServer
+from services.common.readiness import REDIS, Dependency, Readiness, database, readiness_of
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,10 @@ class BillingServer:
         port: the bound gRPC port.
         store: the billing store (tests read its `sessions` and set its `clock`).
         admission, ledger, admin: the rules (tests call them directly).
+        readiness: the probes of the database and the rate-limit Redis (readiness.py).
     """
+
+    readiness: Readiness | None = None
 
     def __init__(
         self,
@@ -66,9 +71,12 @@ class BillingServer:
         admission: Admission,
         ledger: Ledger,
         sweeper: asyncio.Task | None,
+        metrics: MetricsServer,
     ) -> None:
         self._running = running
         self.port = running.port
+        self._metrics = metrics
+        self.metrics_port = metrics.port
         self.store = store
         self.admission = admission
         self.ledger = ledger
@@ -102,6 +110,15 @@ class BillingServer:
             await rates.close()
             await store.close()
             raise
+        try:
+            metrics = await MetricsServer.start(
+                settings.host, settings.billing_metrics_port, "LOOPLINE_BILLING_METRICS_PORT"
+            )
+        except BaseException:
+            await running.stop(0)
+            await rates.close()
+            await store.close()
+            raise
         sweeper = None
         if settings.billing_sweep_interval_s > 0:
             sweeper = asyncio.create_task(
@@ -111,15 +128,26 @@ class BillingServer:
                 name="billing-sweeper",
             )
         log.info("billing started", extra={"fields": {"port": running.port}})
-        return cls(running, store, admission, ledger, sweeper)
+        server = cls(running, store, admission, ledger, sweeper, metrics)
+        dependencies = [database(store.sessions.kw["bind"], settings.readiness_timeout_s)]
+        if rates.storage is not None:  # limits' storage: PING through its own client
+            dependencies.append(Dependency(REDIS, rates.storage.check))
+        server.readiness = readiness_of(settings, dependencies)
+        await server.readiness.start(running.health, running.service_names)
+        return server
 
     async def stop(self, grace: float) -> None:
-        """Stop the sweeper, then the server (in-flight RPCs get `grace` s), then the store."""
+        """Stop the sweeper, then the server (in-flight RPCs get `grace` s), then the store; the
+        metrics port closes meanwhile."""
+        metrics = asyncio.ensure_future(self._metrics.stop())
+        if self.readiness is not None:
+            await self.readiness.stop()
         if self._sweeper is not None:
             await stop_task(self._sweeper)
         await self._running.stop(grace)
         await self.admission.rates.close()
         await self.store.close()
+        await metrics
 
 
 STALL_TICK_S = 1.0  # how often the sweeper looks at the clock to notice a stall of the process

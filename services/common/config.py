@@ -67,6 +67,13 @@ class CommonSettings(BaseSettings):
             connection, then a new one), under the gateway's 30 s downstream deadline; longer,
             a database that drops packets answers 504. Not SQLite (its busy timeout is 30 s) nor
             migrations.
+        readiness_interval_s / readiness_timeout_s: how often a service probes its database and
+            Redis for its readiness (gRPC health, the gateway's /readyz), and how long each probe
+            may take before that dependency counts as down (services/common/readiness.py).
+        grpc_keepalive_s / grpc_keepalive_timeout_s: every internal gRPC channel pings each
+            replica it is connected to after this many seconds without a ping, and drops the
+            connection when the answer takes longer than the timeout (a stalled or vanished
+            replica; calls go on through the others). The servers accept pings every second.
 
     Every numeric setting has the range it can work in (pydantic constraints: ports 0-65535,
     durations up to MAX_SECONDS, no infinity or NaN), so a value out of range stops the
@@ -88,6 +95,10 @@ class CommonSettings(BaseSettings):
     internal_token: str = Field(default="", repr=False)
     db_pool_size: int = Field(default=4, ge=1, le=100)
     db_timeout_s: float = Field(default=5.0, gt=0, le=MAX_SECONDS)
+    readiness_interval_s: float = Field(default=5.0, gt=0, le=MAX_SECONDS)
+    readiness_timeout_s: float = Field(default=2.0, gt=0, le=MAX_SECONDS)
+    grpc_keepalive_s: float = Field(default=10.0, ge=1, le=86_400)
+    grpc_keepalive_timeout_s: float = Field(default=5.0, ge=0.1, le=86_400)
 
     @model_validator(mode="after")
     def _addresses_follow_ports(self) -> CommonSettings:
@@ -100,6 +111,11 @@ class CommonSettings(BaseSettings):
             if field not in self.model_fields_set and port.isdigit() and 0 < int(port) < 65536:
                 setattr(self, field, f"127.0.0.1:{int(port)}")
         return self
+
+    @property
+    def grpc_keepalive(self) -> tuple[float, float]:
+        """(grpc_keepalive_s, grpc_keepalive_timeout_s): `internal_channel`'s `keepalive`."""
+        return self.grpc_keepalive_s, self.grpc_keepalive_timeout_s
 
     def sqlite_url(self, name: str) -> str:
         """The default database URL of service `name`:

@@ -21,13 +21,19 @@ from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.common import db
+from services.common import db, metrics, request_ids
 
 log = logging.getLogger(__name__)
 
 ASSISTANT_DOMAIN = "assistant.loopline.dev"
 BILLING_DOMAIN = "billing.loopline.dev"
 TOOLS_DOMAIN = "tools.loopline.dev"
+# the service that answers in each domain (the `service` label of storage errors)
+_SERVICE_OF_DOMAIN = {
+    ASSISTANT_DOMAIN: "orchestrator",
+    BILLING_DOMAIN: "billing",
+    TOOLS_DOMAIN: "tools",
+}
 
 
 MAX_MESSAGE_CHARS = 1000  # an RpcError's message at most (characters)
@@ -195,6 +201,7 @@ async def _answer(
         await abort(context, error)
     known = storage_failure(error, internal_domain or domain)
     if known is not None:
+        metrics.storage_error(_SERVICE_OF_DOMAIN.get(internal_domain or domain, "other"), error)
         log.warning(known[0], extra={"fields": {"rpc": rpc, "error": type(error).__name__}})
         await abort(context, known[1])
     log.exception("unhandled error", extra={"fields": {"rpc": rpc}}, exc_info=error)
@@ -226,12 +233,14 @@ def rpc_handler(
 
     `check(request)`, when given, runs first and may raise RpcError (a field every call
     carries, e.g. the caller's organization id). Exceptions are answered by `_answer`; an
-    abort already under way (grpc.aio.AbortError) and cancellation propagate untouched.
+    abort already under way (grpc.aio.AbortError) and cancellation propagate untouched. The
+    request id the call carries is bound in the log context (`request_ids.adopt`).
     """
 
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            request_ids.adopt(context)
             try:
                 if check is not None:
                     check(request)
@@ -265,6 +274,7 @@ def stream_rpc_handler(
         async def wrapper(
             self: Any, request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncGenerator[Any, None]:
+            request_ids.adopt(context)
             try:
                 if check is not None:
                     check(request)

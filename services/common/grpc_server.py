@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common import tracing
 from services.common.internal_auth import server_interceptors
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,12 @@ REFLECTION_SERVICE_NAME = "grpc.reflection.v1alpha.ServerReflection"
 REFLECTION_V1_SERVICE_NAME = (
     "grpc.reflection.v1.ServerReflection"  # the same messages on the wire as v1alpha
 )
+#: The health service name that reports SERVING while the process serves, whatever its
+#: dependencies do (liveness probes); "" and the service names report readiness (readiness.py).
+LIVENESS = "liveness"
+#: The shortest interval between the pings of a client that the servers accept (half the
+#: shortest client keepalive, LOOPLINE_GRPC_KEEPALIVE_S >= 1 s): more often is a GOAWAY.
+MIN_PING_INTERVAL_MS = 500
 
 
 @dataclass(frozen=True)
@@ -103,11 +110,13 @@ ServiceBinding = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 
 @dataclass
 class RunningServer:
-    """A started gRPC server: the server, the port it bound, and its health servicer."""
+    """A started gRPC server: the server, the port it bound, its health servicer and the full
+    names of the services it serves."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    service_names: tuple[str, ...] = ()
 
     async def stop(self, grace: float) -> None:
         """Mark every service NOT_SERVING, then stop, giving in-flight RPCs `grace` seconds."""
@@ -128,17 +137,22 @@ async def start_grpc_server(
 ) -> RunningServer:
     """Start a server on host:port (port 0 picks a free one) serving `bindings`.
 
-    Adds grpc.health.v1 (every service and "" reported SERVING) and reflection. With
+    Adds grpc.health.v1 (every service, "" and LIVENESS reported SERVING; `readiness.Readiness`
+    sets all but LIVENESS from then on) and reflection. With
     `internal_token`, every call but a health check must carry it (internal_auth.TokenCheck).
     Raises PortUnavailable (a RuntimeError) when the port cannot be bound (in use by another
     process too: no SO_REUSEPORT).
     """
     server = grpc.aio.server(
-        interceptors=server_interceptors(internal_token),
+        # the trace context of every call (tracing on only), then the internal token's check
+        interceptors=[*tracing.server_interceptors(), *server_interceptors(internal_token)],
         options=[
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # the internal channels' keepalive pings (internal_auth.internal_channel), also on
+            # connections without calls
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
             # gRPC sets SO_REUSEPORT on Linux by default: a second copy of a service on a port in
             # use would start and share it silently (a listener of a run on the other copy gets an
             # empty stream). A port in use is an error at start instead.
@@ -169,9 +183,11 @@ async def start_grpc_server(
             "or not available"
         )
     await server.start()
-    for name in [*names, ""]:
+    for name in [*names, "", LIVENESS]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=bound, health=health_servicer)
+    return RunningServer(
+        server=server, port=bound, health=health_servicer, service_names=tuple(names)
+    )
 
 
 def catch_termination_signals() -> asyncio.Event:

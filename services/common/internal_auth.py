@@ -17,12 +17,16 @@ Empty (the default) turns the check off, as before.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+
+from services.common import tracing
+from services.common.request_ids import RequestIdChannel
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +146,48 @@ def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
     return [TokenCheck(token)] if token else []
 
 
+#: Calls spread over every address the target resolves to (a DNS name with several A records,
+#: as a Kubernetes headless Service gives, or an `ipv4:a:p,b:p` list); gRPC's default,
+#: pick_first, sends them all to one.
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+
+
 def internal_channel(
-    target: str, token: str, options: Sequence[tuple[str, Any]] = ()
+    target: str,
+    token: str,
+    options: Sequence[tuple[str, Any]] = (),
+    keepalive: tuple[float, float] = (10.0, 5.0),
 ) -> grpc.aio.Channel:
-    """An insecure channel to another Loopline service that sends `token` when it is set."""
-    interceptors: list[grpc.aio.ClientInterceptor] | None = (
-        [_SendTokenUnary(token), _SendTokenStream(token)] if token else None
+    """An insecure channel to another Loopline service that sends `token` when it is set.
+
+    Round-robin over the target's addresses. `keepalive` = (seconds, timeout seconds): each
+    replica is pinged after that many seconds without a ping (LOOPLINE_GRPC_KEEPALIVE_S), also
+    while no call is open, so one that stalls (SIGSTOP, a host gone) is dropped from the round
+    once its answer is the timeout late (LOOPLINE_GRPC_KEEPALIVE_TIMEOUT_S). Calls send the
+    bound request id (request_ids.py)."""
+    # the trace context (tracing on only), then the token
+    interceptors: list[grpc.aio.ClientInterceptor] = tracing.client_interceptors()
+    if token:
+        interceptors += [_SendTokenUnary(token), _SendTokenStream(token)]
+    channel_options = [
+        ("grpc.service_config", ROUND_ROBIN),
+        ("grpc.keepalive_time_ms", round(keepalive[0] * 1000)),
+        ("grpc.keepalive_timeout_ms", round(keepalive[1] * 1000)),
+        # any ping's (gRPC's own bandwidth probes too: a keepalive ping waits behind one)
+        ("grpc.http2.ping_timeout_ms", round(keepalive[1] * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # a replica that went away is tried again soon and at least every 5 s once it is back
+        # (gRPC's defaults: 1 s, growing to 120 s, all that time out of the round)
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
+        *options,
+    ]
+    return RequestIdChannel(
+        grpc.aio.insecure_channel(
+            target, options=channel_options, interceptors=interceptors or None
+        )
     )
-    return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
 
 
 __all__ = ["TokenCheck", "internal_channel", "server_interceptors"]

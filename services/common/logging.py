@@ -11,8 +11,9 @@ import contextvars
 import datetime
 import logging
 import sys
+import threading
 from collections.abc import Iterator, Mapping
-from types import MappingProxyType
+from types import MappingProxyType, TracebackType
 from typing import Any
 
 import orjson
@@ -64,7 +65,11 @@ QUIET_LOGGERS = (
 
 
 def setup(service: str, level: str = "INFO") -> None:
-    """Route the root logger to stderr as JSON lines for `service` at `level`."""
+    """Route the root logger to stderr as JSON lines for `service` at `level`.
+
+    Warnings (`warnings.warn`) and exceptions nothing caught (in the main thread, another
+    thread, or one Python could only ignore, e.g. in `__del__`) are logged as records too, so
+    every line a service writes to stderr is one JSON object, a traceback inside it."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
@@ -72,6 +77,26 @@ def setup(service: str, level: str = "INFO") -> None:
     root.setLevel(level.upper())
     for noisy in QUIET_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.captureWarnings(True)
+    sys.excepthook = _log_uncaught
+    threading.excepthook = lambda hook: _log_uncaught(
+        hook.exc_type, hook.exc_value, hook.exc_traceback, "uncaught exception in a thread"
+    )
+    sys.unraisablehook = lambda hook: _log_uncaught(
+        hook.exc_type, hook.exc_value, hook.exc_traceback, hook.err_msg or "exception ignored"
+    )
+
+
+def _log_uncaught(
+    kind: type[BaseException],
+    value: BaseException | None,
+    trace: TracebackType | None,
+    message: str = "uncaught exception",
+) -> None:
+    """Log an exception nothing caught as one record (not Python's multi-line traceback)."""
+    if value is None:
+        value = kind()
+    logging.getLogger("uncaught").critical(message, exc_info=(kind, value, trace))
 
 
 @contextlib.contextmanager
@@ -82,6 +107,21 @@ def bind(**ids: Any) -> Iterator[None]:
         yield
     finally:
         _context.reset(token)
+
+
+def bound(name: str) -> Any:
+    """The value bound to `name` in this context (None when nothing is)."""
+    return _context.get().get(name)
+
+
+def bind_token(**ids: Any) -> contextvars.Token[Mapping[str, Any]]:
+    """Bind ids until `unbind(token)` with the returned token (in the same context)."""
+    return _context.set({**_context.get(), **{k: v for k, v in ids.items() if v}})
+
+
+def unbind(token: contextvars.Token[Mapping[str, Any]]) -> None:
+    """Undo the `bind_token` that returned `token`."""
+    _context.reset(token)
 
 
 def bind_task(**ids: Any) -> None:

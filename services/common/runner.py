@@ -6,11 +6,10 @@ import asyncio
 import ctypes
 import logging
 import os
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from services.common import db, early_signals
+from services.common import db, early_signals, tracing
 from services.common import logging as loopline_logging
 from services.common.grpc_server import (
     PortUnavailable,
@@ -79,10 +78,13 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
     """Start `service` with `start()`, serve until SIGTERM/SIGINT, then stop with `grace` seconds.
 
     Caps glibc's malloc arenas first (`limit_malloc_arenas`), before any server thread starts,
-    and serves on uvloop when it is installed (`use_uvloop`).
+    and serves on uvloop when it is installed (`use_uvloop`). Tracing is set up before the
+    service starts (`tracing.setup`: on only when the OTEL_* variables configure an exporter;
+    service.name loopline-<service>) and its queued spans are sent when it has stopped.
     """
     limit_malloc_arenas()
     loopline_logging.setup(service, level)
+    tracing.setup(f"loopline-{service}")
 
     async def main() -> None:
         stop = (
@@ -106,6 +108,10 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
         PortUnavailable,
         CannotStart,
     ) as unusable:  # e.g. LOOPLINE_DATA_DIR names a file, a port in use: one line
-        log.error("cannot start", extra={"fields": {"reason": str(unusable)}})
-        sys.stderr.write(f"{service}: cannot start: {unusable}\n")
+        # a JSON line like every other, whose message reads alone: "<service>: cannot start: ..."
+        log.error(
+            f"{service}: cannot start: {unusable}", extra={"fields": {"reason": str(unusable)}}
+        )
         raise SystemExit(2) from None
+    finally:
+        tracing.shutdown()

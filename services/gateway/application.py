@@ -25,6 +25,8 @@ from starlette.types import Scope
 
 from loopline.assistant.v1 import assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2_grpc
+from services.common import metrics
+from services.common.readiness import Readiness
 from services.gateway.config import GatewaySettings
 from services.gateway.context import GatewayContext, auth_error_response
 from services.gateway.default_models import DefaultModels
@@ -39,6 +41,7 @@ from services.gateway.fanout import RunFanout
 from services.gateway.hot_path import GatewayApp, TurnRequests, lean_handlers
 from services.gateway.idempotency import IdempotencyConflict, IdempotencyStore
 from services.gateway.identity import Authenticator, AuthError
+from services.gateway.openapi import serve_docs
 from services.gateway.query import single_query_values
 from services.gateway.ratelimit import RequestLimits
 from services.gateway.routes import chats, credentials, knowledge, organizations, turns
@@ -68,6 +71,9 @@ def create_app(
         # its Location.
         redirect_slashes=False,
         exception_handlers=_exception_handlers(),
+        # /docs and /redoc with local assets (serve_docs), not FastAPI's CDN ones
+        docs_url=None,
+        redoc_url=None,
     )
     orchestrator = assistant_pb2_grpc.AssistantServiceStub(channel)
     # every authentication goes through the per-key and per-client limits
@@ -92,17 +98,44 @@ def create_app(
     requests = app.state.turns = TurnRequests(context)
     app.lean = lean_handlers(app, context, requests)
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/readyz", readyz, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics", metrics_page, methods=["GET"], include_in_schema=False)
     app.include_router(turns.router)
     app.include_router(chats.router)
     if tools is not None:
         app.include_router(credentials.router)
         app.include_router(knowledge.router)
     app.include_router(organizations.router)
+    serve_docs(app)
     return app
 
 
 async def healthz() -> dict[str, str]:
+    """Liveness: 200 while the process serves, whatever its database or Redis do."""
     return {"status": "ok"}
+
+
+async def readyz(request: Request) -> JSONResponse:
+    """Readiness: 200 `{"status": "ready"}` while the database and Redis answered the last probe,
+    else 503 naming the ones that did not (`{"status": "not ready", "failing": ["database"]}`;
+    services/common/readiness.py)."""
+    readiness: Readiness | None = getattr(request.app.state, "readiness", None)
+    if readiness is None or readiness.ready:
+        return JSONResponse({"status": "ready"}, headers=_NOT_CACHED)
+    return JSONResponse(
+        {"status": "not ready", "failing": list(readiness.failing)},
+        status_code=503,
+        headers=_NOT_CACHED,
+    )
+
+
+_NOT_CACHED = {"Cache-Control": "no-store"}
+
+
+async def metrics_page(request: Request) -> Response:
+    """The Prometheus metrics of this process (no authentication and no ids: docs/metrics.md)."""
+    body, content_type = metrics.exposition(request.headers.get("accept"))
+    return Response(body, media_type=content_type)
 
 
 async def _unexpected_error(_: Request, error: Exception) -> JSONResponse:

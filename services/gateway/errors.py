@@ -18,6 +18,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from loopline.billing.v1 import billing_pb2
+from services.common import metrics
 from services.common.errors import (
     ASSISTANT_DOMAIN,
     BILLING_DOMAIN,
@@ -155,6 +156,7 @@ def storage_error_response(error: Exception) -> JSONResponse | None:
     failure = storage_failure(error, ASSISTANT_DOMAIN)
     if failure is None:
         return None
+    metrics.storage_error("gateway", error)
     message, answer = failure
     log.warning(message, extra={"fields": {"error": type(error).__name__}})
     status = CODE_STATUS[answer.code]

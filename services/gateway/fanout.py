@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+from services.common import metrics
 from services.gateway import sse
 from services.gateway.listener import (
     HEARTBEAT_CHUNK,
@@ -100,6 +101,7 @@ class RunHub:
         "beat_next",
         "broken",
         "call",
+        "created",
         "finished",
         "flush_handle",
         "frames",
@@ -112,6 +114,7 @@ class RunHub:
         "round",
         "round_at",
         "round_beats",
+        "round_created",
         "round_from",
         "send_timeout_s",
         "streams",
@@ -152,6 +155,10 @@ class RunHub:
         self.round_from = 0  # len(frames) when the round began
         self.round_beats = False  # this round also sends heartbeats to silent listeners
         self.beat_next = 0.0  # loop time when the next listener of this round falls silent
+        # creation time (wall clock) of the oldest live event not yet handed to a round, 0.0 none;
+        # and that of the round in progress: observed as the delivery delay when it ends
+        self.created = 0.0
+        self.round_created = 0.0
 
     def publish(self, frame: bytes) -> None:
         """Append a frame; listeners get it at the next flush (scheduled on the event loop)."""
@@ -181,12 +188,17 @@ class RunHub:
             self.round_from = len(self.frames)
             self.round_beats, self.beat_due = self.beat_due, False
             self.beat_next = self.loop.time() + self.heartbeat_s
+            self.round_created, self.created = self.created, 0.0
         stop = min(self.round_at + FLUSH_SLICE, len(self.round))
         self._serve(self.round[self.round_at : stop], self.round_beats)
         self.round_at = stop
         if stop < len(self.round):
             self._schedule()
             return
+        if self.round_created:
+            if self.round:
+                metrics.event_delivered(self.round_created)
+            self.round_created = 0.0
         self.round = None
         if self.round_beats and not self.finished and self.streams:
             if self.heartbeat_handle is not None:
@@ -312,6 +324,9 @@ class RunHub:
         self.round = None
         self.beat_due = False
         self._serve(list(self.streams))  # the pushed get the rest now; the pulled take theirs
+        oldest = min(filter(None, (self.round_created, self.created)), default=0.0)
+        if oldest and self.streams:
+            metrics.event_delivered(oldest)
         if self.heartbeat_handle is not None:
             self.heartbeat_handle.cancel()
             self.heartbeat_handle = None
@@ -517,6 +532,9 @@ class RunFanout:
             if any(key == STREAM_READY for key, _ in metadata or ()):
                 _set_ready(hub)
             last = ""
+            # the stream's first message, and one after a full batch, replay the run's past
+            # events: only later ones are live, their delivery delay measured (`RunHub.created`)
+            replay = True
             messages = aiter(call)
             async for item in messages:
                 if hub.finished:  # its last listener left (`leave`): no read is under way
@@ -525,7 +543,11 @@ class RunFanout:
                     await messages.aclose()
                     return
                 _set_ready(hub)
-                for event in item.events or (item.event,):
+                events = item.events or (item.event,)
+                if not replay and not hub.created:
+                    hub.created = metrics.event_created(events[0])
+                replay = len(events) >= STREAM_BATCH
+                for event in events:
                     hub.publish(sse.encode(event, outputs))
                     last = event.WhichOneof("payload") or ""
             _set_ready(hub)

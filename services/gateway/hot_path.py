@@ -23,6 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from loopline.assistant.v1 import assistant_pb2
 from services.common.errors import ASSISTANT_DOMAIN, MAX_MESSAGE_CHARS, bounded, status_details
+from services.gateway.access_log import ROUTE, RequestLog
 from services.gateway.bodies import ClientGone, check_fields, parse_llm, receive_json_object
 from services.gateway.context import GatewayContext, auth_error_response
 from services.gateway.errors import (
@@ -39,8 +40,9 @@ from services.gateway.idempotency import IdempotencyConflict, body_hash, outcome
 from services.gateway.idempotency import request_id as turn_request_id
 from services.gateway.identity import AuthError, Principal
 from services.gateway.listener import SERVER_SEND, EventStreamResponse
-from services.gateway.openapi import json_schema_bounds
+from services.gateway.openapi import finish_document
 from services.gateway.ratelimit import key_of
+from services.gateway.schemas import TurnStarted
 
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 MAX_AFTER = 2**53  # the largest `after` of a listen (JSON's exact integers)
@@ -74,14 +76,14 @@ class GatewayApp(FastAPI):
     """
 
     lean: dict[str, ASGIHandler]
-    _bounds_fixed: dict[str, Any] | None = None
+    _finished: dict[str, Any] | None = None
 
     def openapi(self) -> dict[str, Any]:
-        """FastAPI's OpenAPI document with numeric bounds as JSON Schema keywords."""
+        """FastAPI's OpenAPI document, completed by `openapi.finish_document`."""
         document = super().openapi()
-        if self._bounds_fixed is not document:  # FastAPI caches it; repaired once
-            json_schema_bounds(document)
-            self._bounds_fixed = document
+        if self._finished is not document:  # FastAPI caches it; completed once
+            finish_document(document)
+            self._finished = document
         return document
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -89,24 +91,32 @@ class GatewayApp(FastAPI):
 
         A request still unanswered when the server's graceful shutdown runs out (uvicorn then
         cancels it) is answered 503 with Retry-After like any "down or busy, retry" answer, not
-        uvicorn's text/plain 500."""
+        uvicorn's text/plain 500. Every request gets a request id and an access line
+        (access_log.py)."""
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
-        scope[SERVER_SEND] = send  # the server's own: the SSE fast path finds the connection
-        started = False
+        # the server's own (put there already when the app is traced: http_tracing.py): the SSE
+        # fast path finds the connection with it
+        scope.setdefault(SERVER_SEND, send)
+        access = RequestLog(scope)  # the request id, and the access line at the end
 
         async def tracked(message: Message) -> None:
-            nonlocal started
-            started = True
+            if not access.status:  # the first message: http.response.start
+                message = access.response_start(message)
             await send(message)
 
         try:
             await self._http(scope, receive, tracked)
         except asyncio.CancelledError:
-            if started:
+            if access.status:
                 raise
             with contextlib.suppress(Exception):
-                await unavailable_response()(scope, receive, send)
+                await unavailable_response()(scope, receive, tracked)
+        except Exception:
+            access.status = access.status or 500  # uvicorn answers 500 for an app that raised
+            raise
+        finally:
+            access.end(scope)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The HTTP dispatch: NUL and HTTP/1.0-stream refusals, the lean routes, else FastAPI."""
@@ -140,6 +150,7 @@ def lean_handlers(
     start, listen = turns.start, turns.listen
 
     async def start_turn_lean(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[ROUTE] = "/assistant/chat"
         authorization, organization, length, key = _headers(
             scope, b"authorization", b"x-organization-id", b"content-length", b"idempotency-key"
         )
@@ -160,6 +171,7 @@ def lean_handlers(
         if target is None:  # another path shape or query: FastAPI's routing and validation decide
             await FastAPI.__call__(app, scope, receive, send)
             return
+        scope[ROUTE] = "/assistant/chat/{chat_id}/listen/{run_id}"
         authorization, organization = _headers(scope, b"authorization", b"x-organization-id")
         try:
             who = await authenticate(scope, authorization, organization)
@@ -281,8 +293,8 @@ class TurnRequests:
         return EventStreamResponse(fanout, hub, after, headers=STREAM_HEADERS, key=key)
 
 
-def turn_json(response: Any) -> dict[str, Any]:
-    """The JSON answer of a started or resumed turn."""
+def turn_json(response: Any) -> TurnStarted:
+    """The JSON answer of a started or resumed turn (its OpenAPI schema is TurnStarted's)."""
     return {
         "status": response.status,
         "chat_id": response.chat_id,

@@ -28,6 +28,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from services.common import metrics
 from services.common.errors import stream_interrupted
 from services.gateway import sse
 from services.gateway.parallel_write import socket_fd
@@ -282,6 +283,7 @@ class EventStreamResponse(Response):
                 }
             )
             listener = Listener(hub, self.after, send, _transport_of(scope))
+            metrics.OPEN_LISTENERS.inc()
             hub.attach(listener)
             while True:  # returns once the response is complete (uvicorn) or the client has gone
                 message = await receive()
@@ -289,6 +291,7 @@ class EventStreamResponse(Response):
                     break
         finally:
             if listener is not None:
+                metrics.OPEN_LISTENERS.dec()
                 hub.detach(listener)
                 if listener.writer is not None and not listener.finishing:
                     listener.writer.cancel()

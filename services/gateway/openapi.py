@@ -1,13 +1,28 @@
-"""OpenAPI response declarations shared by every gateway route: the statuses each can return.
+"""The gateway's OpenAPI document: what the routes declare beside FastAPI's own, and its pages.
 
-Every route declares 400, 401, 403, 429, 503 and 504 plus its own; billing denials (402/403/429)
-and the gateway's rate limits (429) are the flat DenialEnvelope, everything else `{"detail": str}`.
-`json_schema_bounds` repairs the integer bounds pydantic writes under its own names (see there).
+- Errors: every route declares 400, 401, 403, 429, 503 and 504 plus its own; billing denials
+  (402/403/429) and the gateway's rate limits (429) are the flat DenialEnvelope, everything else
+  `{"detail": str}`.
+- Authentication: an operation that needs an API key declares it with `keyed` (the `api_key`
+  bearer scheme and the X-Organization-ID header; the turn start also Idempotency-Key). These
+  are declarations only: the handlers read the headers themselves, so their 400s and 401s stay
+  the documented ones, and nothing is added to a request's work.
+- `finish_document` completes FastAPI's document once (security scheme, JSON Schema bounds, no
+  422 the gateway never sends); `serve_docs` serves Swagger UI and ReDoc from local assets.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+from loopline.assistant.v1 import events_pb2
+from services.common.ids import MAX_ORG_ID_CHARS
+from services.gateway.idempotency import MAX_KEY_LENGTH
 
 _ERROR = {
     "content": {
@@ -123,3 +138,161 @@ def json_schema_bounds(document: Any) -> Any:
         elif isinstance(node, list):
             stack.extend(node)
     return document
+
+
+# ---- authentication -----------------------------------------------------------------------
+
+API_KEY = "api_key"  # the security scheme's name (Swagger UI's Authorize dialog shows it)
+SECURITY_SCHEMES = {
+    API_KEY: {
+        "type": "http",
+        "scheme": "bearer",
+        "bearerFormat": "API key",
+        "description": "`Authorization: Bearer <api key>`; missing or unknown: 401. The key's "
+        "user must be owner or admin of the X-Organization-ID organization (else 403).",
+    }
+}
+ORGANIZATION_ID = {
+    "name": "X-Organization-ID",
+    "in": "header",
+    "required": True,
+    "description": "The organization the request acts in; missing or malformed: 400.",
+    "schema": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_ORG_ID_CHARS,
+        "pattern": "^[!-~]+$",  # visible ASCII (services/common/ids.py)
+    },
+}
+IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": "Makes a retry safe: the same key and body replay the first answer "
+    "(`Idempotent-Replayed: true`) and start nothing; another body is 422, a retry while the "
+    "first runs 409.",
+    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
+}
+
+
+def keyed(extra: dict[str, Any] | None = None, *, idempotent: bool = False) -> dict[str, Any]:
+    """`openapi_extra` of an operation that needs an API key: `extra` (its request body or
+    parameters) with the `api_key` security requirement and the X-Organization-ID header, and
+    with `idempotent` the Idempotency-Key header too."""
+    operation = dict(extra or {})
+    headers = [ORGANIZATION_ID, IDEMPOTENCY_KEY] if idempotent else [ORGANIZATION_ID]
+    operation["parameters"] = [*operation.get("parameters", []), *headers]
+    operation["security"] = [{API_KEY: []}]
+    return operation
+
+
+# ---- success answers that are not JSON ----------------------------------------------------
+
+# The `type` of a frame: one per event of the run's stream (the oneof of events.proto), and the
+# heartbeat the gateway sends after silence.
+FRAME_TYPES = [
+    *(field.name for field in events_pb2.Event.DESCRIPTOR.oneofs_by_name["payload"].fields),
+    "heartbeat",
+]
+# One SSE event of a listen, as OpenAPI describes an event stream (Open API 3.2 "Server-Sent
+# Events"; `schema` of text/event-stream in 3.1): its `data` is a frame's JSON. Each type's
+# `data` is in docs/events.md and, as JSON Schema, schemas/sse-frame.json.
+EVENT_STREAM = {
+    "description": "The run's events as Server-Sent Events: each `data: <json>` and a blank "
+    "line, no `event:` or `id:` line; the stream ends after the run's last event. A heartbeat "
+    "frame comes after 15 s of silence.",
+    "content": {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "data": {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "type": "object",
+                            "properties": {
+                                "type": {"enum": FRAME_TYPES},
+                                "data": {
+                                    "type": "object",
+                                    "description": "The event's payload (none in a heartbeat).",
+                                },
+                            },
+                            "required": ["type"],
+                        },
+                    },
+                    "event": {"const": "message", "description": "No `event:` line is sent."},
+                },
+                "required": ["data"],
+            }
+        }
+    },
+}
+
+
+# ---- the document -------------------------------------------------------------------------
+
+
+def finish_document(document: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's `document` completed (changed in place and returned): the `api_key` security
+    scheme the operations name, numeric bounds as JSON Schema keywords (`json_schema_bounds`),
+    and without FastAPI's 422 "Validation Error", which the gateway never sends (a request that
+    fails validation is 400 `{"detail": ...}`, application.py)."""
+    json_schema_bounds(document)
+    components = document.setdefault("components", {})
+    components["securitySchemes"] = SECURITY_SCHEMES
+    fastapi_422 = {"$ref": "#/components/schemas/HTTPValidationError"}
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            declared = responses.get("422", {}).get("content", {}).get("application/json", {})
+            if declared.get("schema") == fastapi_422:
+                del responses["422"]
+    schemas = components.get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    if not schemas:
+        components.pop("schemas", None)
+    return document
+
+
+# ---- /docs and /redoc ---------------------------------------------------------------------
+
+DOCS_STATIC = "/docs/static"  # the pages' scripts, styles and icon (the fastapi-offline package)
+
+
+def serve_docs(app: FastAPI) -> None:
+    """Serve Swagger UI at /docs and ReDoc at /redoc with their assets at DOCS_STATIC, from the
+    fastapi-offline package: the pages need no CDN (nor Google's fonts) and work offline.
+
+    Swagger UI's Authorize button takes the API key; "Try it out" sends the operation's headers.
+    """
+    app.mount(
+        DOCS_STATIC, StaticFiles(packages=[("fastapi_offline", "static")]), name="docs-static"
+    )
+    openapi_url = app.openapi_url or "/openapi.json"
+
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=root + openapi_url,
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{root}{DOCS_STATIC}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_STATIC}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{DOCS_STATIC}/favicon.png",
+            # no badge fetched from validator.swagger.io
+            swagger_ui_parameters={"validatorUrl": None, "tryItOutEnabled": True},
+        )
+
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(
+            openapi_url=root + openapi_url,
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{root}{DOCS_STATIC}/redoc.standalone.js",
+            redoc_favicon_url=f"{root}{DOCS_STATIC}/favicon.png",
+            with_google_fonts=False,
+        )
+
+    app.add_api_route("/docs", swagger_ui, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/redoc", redoc, methods=["GET"], include_in_schema=False)

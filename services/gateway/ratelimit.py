@@ -38,6 +38,8 @@ from fastapi.responses import JSONResponse
 from starlette.types import Scope
 
 from loopline.billing.v1 import billing_pb2
+from services.common import metrics
+from services.gateway.access_log import ORGANIZATION
 from services.gateway.errors import denial_response
 from services.gateway.identity import Authenticator, AuthError, Principal
 
@@ -249,6 +251,7 @@ class RequestLimits:
             if error.status in (401, 403) and self.failures is not None:
                 await self._failed(client_of(scope))
             raise
+        scope[ORGANIZATION] = who.organization_id  # for the access line (access_log.py)
         if self.keys is not None:
             allowed, reset_s = await self._hit(self.keys, key_of(authorization or ""))
             if not allowed:
@@ -298,6 +301,7 @@ class RequestLimits:
             return await window.hit(identifier)
         # counters that cannot be reached never fail a request
         except Exception as error:  # noqa: BLE001
+            metrics.storage_error("gateway", error)
             now = time.monotonic()
             if now - self._warned_at >= WARN_EVERY_S:
                 self._warned_at = now

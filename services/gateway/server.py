@@ -18,10 +18,12 @@ from services.common.grpc_server import (
     start_grpc_server,
 )
 from services.common.internal_auth import internal_channel
+from services.common.readiness import REDIS, Dependency, Readiness, database, readiness_of
 from services.gateway.application import create_app
 from services.gateway.config import GatewaySettings
 from services.gateway.default_models import DefaultModels
 from services.gateway.http_limits import HttpLimits, protocol_class, tune_listener
+from services.gateway.http_tracing import traced
 from services.gateway.idempotency import IdempotencyStore
 from services.gateway.identity import Authenticator
 
@@ -41,6 +43,7 @@ class GatewayServer:
     http: uvicorn.Server
     _http_task: asyncio.Task[None]
     _grpc: RunningServer
+    readiness: Readiness
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -61,12 +64,14 @@ class GatewayServer:
             settings.orchestrator_addr,
             settings.internal_token,
             options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
+            keepalive=settings.grpc_keepalive,
         )
         self.idempotency = IdempotencyStore(self.sessions, settings.idempotency_ttl_s)
         self.tools_channel = internal_channel(
             settings.tools_addr,
             settings.internal_token,
             options=[("grpc.max_send_message_length", 16 * 1024 * 1024)],
+            keepalive=settings.grpc_keepalive,
         )
         self.default_models = DefaultModels(self.sessions, settings.auth_cache_ttl_s)
         self.app = create_app(
@@ -98,7 +103,7 @@ class GatewayServer:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app,
+            traced(self.app),  # HTTP server spans when tracing is on (http_tracing.py)
             log_config=None,
             access_log=False,
             lifespan="off",
@@ -117,10 +122,17 @@ class GatewayServer:
             await asyncio.sleep(0.01)
         self._grpc = await start_grpc_server([], settings.host, settings.gateway_grpc_port)
         self.grpc_port = self._grpc.port
+        dependencies = [database(self.engine, settings.readiness_timeout_s)]
+        storage = self.app.state.request_limits.storage  # limits' Redis storage, if any
+        if storage is not None:
+            dependencies.append(Dependency(REDIS, storage.check))
+        self.readiness = self.app.state.readiness = readiness_of(settings, dependencies)
+        await self.readiness.start(self._grpc.health)  # /readyz and the gRPC health of ""
         return self
 
     async def stop(self, grace: float) -> None:
         """Stop taking requests, let open ones finish for up to `grace` seconds, close all."""
+        await self.readiness.stop()
         await self._grpc.health.enter_graceful_shutdown()
         self.http.should_exit = True
         await self.app.state.fanout.close()  # open streams end now with their reconnect frame

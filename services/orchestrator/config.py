@@ -14,6 +14,8 @@ class OrchestratorSettings(CommonSettings):
 
     Attributes:
         orchestrator_port: gRPC port (0 = any free port).
+        orchestrator_metrics_port: port of the Prometheus metrics (HTTP, on `host`; 0 = any free
+            port; docs/metrics.md).
         orchestrator_database_url: SQLAlchemy URL; empty = SQLite `<data_dir>/orchestrator.db`.
         auto_migrate: apply Alembic migrations at start.
         recursion_limit: loop steps per run (a model call or a tool execution is one step);
@@ -72,6 +74,7 @@ class OrchestratorSettings(CommonSettings):
     """
 
     orchestrator_port: int = Field(default=50051, ge=0, le=MAX_PORT)
+    orchestrator_metrics_port: int = Field(default=9101, ge=0, le=MAX_PORT)
     orchestrator_database_url: str = ""
     auto_migrate: bool = True
     recursion_limit: int = Field(default=100, ge=1)

@@ -26,7 +26,7 @@ from loopline.assistant.v1 import events_pb2
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2_grpc
 from services.common import logging as loopline_logging
-from services.common import pb
+from services.common import pb, tracing
 from services.orchestrator import hitl
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.eventlog import EventLog
@@ -38,6 +38,7 @@ from services.orchestrator.run_state import (
     RunSpec,
     RunState,
     RunTotals,
+    model_catalogue,
     new_event,
 )
 from services.orchestrator.sanitize import UNPRINTABLE, model_failure
@@ -140,13 +141,17 @@ class TurnRunner(ToolActing, RunEnding):
         self._tool_defs: list[dict[str, Any]] | None = None
         self._tool_defs_at = 0.0
         self._tool_defs_retry_at = 0.0
+        self.models = model_catalogue(settings)  # the metrics' model labels
 
     def start(self, spec: RunSpec) -> RunState:
         """Register and start the run's loop task; returns its state (Cancel can use it at once)."""
         state = RunState(spec=spec)
         self.active[spec.run_id] = state
         self.events.open(spec.run_id)
-        state.task = asyncio.create_task(self._run(state), name=f"run:{spec.run_id}")
+        # in the `invoke_agent` span of the turn, when tracing is on
+        state.task = asyncio.create_task(
+            tracing.agent_run(state, self._run(state)), name=f"run:{spec.run_id}"
+        )
         return state
 
     async def cancel(self, run_id: str, reason: str) -> str | None:
@@ -191,7 +196,7 @@ class TurnRunner(ToolActing, RunEnding):
         loopline_logging.bind_task(
             run_id=spec.run_id, chat_id=spec.chat_id, org_id=spec.organization_id
         )
-        totals = RunTotals()
+        totals = RunTotals(meter=self.models.turn(spec.model))
         state.inner = asyncio.create_task(self._loop(state, totals), name=f"loop:{spec.run_id}")
         if state.cancel_reason is not None:
             state.inner.cancel()
@@ -252,6 +257,7 @@ class TurnRunner(ToolActing, RunEnding):
         finally:
             state.outcome = outcome.kind
             self.active.pop(spec.run_id, None)
+            totals.meter.ended(outcome.kind)
 
     def _publish(self, run_id: str, **payload: Any) -> events_pb2.Event:
         return self.events.append(new_event(run_id, **payload))
@@ -295,13 +301,21 @@ class TurnRunner(ToolActing, RunEnding):
                 totals.add_tool_result(spec, act.call.id, act.call.name, not_run)
                 totals.pending_call = None
                 raise LoopFailure(_limit_reached(limit))
+            totals.meter.first_frame()
             self._publish_call(spec, act)
             if act.asks_user:
-                question = await self._ask(spec, totals, act)
+                with tracing.tool_call(act) as traced:
+                    question = await self._ask(spec, totals, act)
+                    traced.done(question is not None)
+                totals.meter.question(act.call.name, tools, question is not None)
                 if question is not None:
                     return Outcome("interrupted", interrupt=question)
                 continue  # a malformed question: its error result is observed already
-            result = await self._act(spec, totals, act)
+            with tracing.tool_call(act) as traced:
+                result = await totals.meter.tool_call(
+                    act.call.name, tools, self._act(spec, totals, act), run=act.invalid is None
+                )
+                traced.done(result[1])
             self._observe(spec, totals, act, result)
 
     async def _reason(
@@ -315,6 +329,8 @@ class TurnRunner(ToolActing, RunEnding):
 
         async def on_text(chunk: str) -> None:
             if chunk:
+                if not totals.streamed:  # the call's first chunk
+                    totals.meter.first_frame()
                 shown = pb.scrub(chunk)
                 self._publish(
                     spec.run_id, response_chunk=events_pb2.ResponseChunkEvent(chunk=shown)
@@ -323,7 +339,11 @@ class TurnRunner(ToolActing, RunEnding):
 
         totals.streamed = []
         totals.model_in_flight = True
-        reply: ModelReply = _scrubbed(await spec.model.generate(messages, tools, on_text))
+        with tracing.model_call(spec.model) as traced:
+            reply: ModelReply = _scrubbed(
+                await totals.meter.model_call(spec.model.generate(messages, tools, on_text))
+            )
+            traced.reply(reply)
         totals.model_in_flight = False
         reply.usage = clamp_usage(reply.usage)
         call_index = totals.llm_calls
@@ -439,9 +459,13 @@ class TurnRunner(ToolActing, RunEnding):
 
         # The run's tools go with it (the thread holds their calls; the cached prefix stays the
         # same), but the model may not call one; a call it makes anyway is left out.
-        reply = _scrubbed(
-            await spec.model.generate([*older, prompt], tools, ignore, call_tools=False)
-        )
+        with tracing.model_call(spec.model, "summary") as traced:
+            reply = _scrubbed(
+                await totals.meter.model_call(
+                    spec.model.generate([*older, prompt], tools, ignore, call_tools=False)
+                )
+            )
+            traced.reply(reply)
         reply.tool_calls = []
         reply.usage = clamp_usage(reply.usage)
         call_index = totals.llm_calls

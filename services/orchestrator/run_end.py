@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import update
 
 from loopline.assistant.v1 import events_pb2
-from services.common import db, pb
+from services.common import db, pb, tracing
 from services.orchestrator.archive import RunArchiving
 from services.orchestrator.models import Chat, Run, RunEvent, utcnow
 from services.orchestrator.providers.base import TokenUsage, clamp_usage
@@ -118,6 +118,8 @@ class RunEnding(RunBilling, RunArchiving):
                     "type": "interrupted",
                     "request_id": interrupt.get("request_id"),
                     "kind": interrupt.get("kind"),
+                    # the run's trace, which its resume joins (tracing on only: docs/tracing.md)
+                    **tracing.traceparent(),
                 },
             )
         run_id = spec.run_id

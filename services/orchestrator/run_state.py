@@ -11,7 +11,10 @@ from typing import Any
 from google.protobuf import timestamp_pb2
 
 from loopline.assistant.v1 import events_pb2
+from services.common.metrics import ModelCatalogue, TurnMeter
+from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.providers.base import ChatModel, TokenUsage, add_usage
+from services.orchestrator.providers.registry import SCRIPTED_MODELS, providers
 from services.orchestrator.store import ThreadRow
 
 
@@ -80,10 +83,14 @@ class RunTotals:
     interrupt: dict[str, Any] | None = None  # the HITL audit row, written when the run ends
     unsummarizable: bool = False  # a summary call of this run returned no text: not asked again
     failures_in_a_row: int = 0  # tool calls failed in a row (the failure guidance counts them)
+    # the run's metrics (`model_catalogue(settings).turn(model)`)
+    meter: TurnMeter = field(default_factory=TurnMeter)
 
     def count(self, usage: TokenUsage) -> None:
-        """Add one model call's tokens to the run's totals (`done.usage`, see `input_tokens`)."""
+        """Add one model call's tokens to the run's totals (`done.usage`, see `input_tokens`) and
+        to its metrics."""
         add_usage(self.usage, usage)
+        self.meter.tokens(usage)
 
     def input_tokens(self) -> int:
         """Every input token the run's model calls read, cached or not: `done.usage.input_tokens`.
@@ -117,3 +124,15 @@ def new_event(run_id: str, **payload: Any) -> events_pb2.Event:
         time=timestamp_pb2.Timestamp(seconds=ns // 1_000_000_000, nanos=ns % 1_000_000_000),
         **payload,
     )
+
+
+def model_catalogue(settings: OrchestratorSettings) -> ModelCatalogue:
+    """The models this deployment names, for the metrics' labels: each configured provider's
+    model list (None: the provider allows any, so its models are labelled "other"), and the
+    scripted model's when it is enabled."""
+    catalogue: dict[str, frozenset[str] | None] = {
+        provider_id: config.models for provider_id, config in providers(settings).items()
+    }
+    if settings.scripted_model_enabled:
+        catalogue["scripted"] = SCRIPTED_MODELS
+    return ModelCatalogue(catalogue)

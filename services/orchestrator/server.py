@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -14,6 +15,8 @@ from loopline.tools.v1 import tools_pb2_grpc
 from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.internal_auth import internal_channel
+from services.common.metrics import MetricsServer
+from services.common.readiness import Readiness, database, readiness_of, redis_ping
 from services.orchestrator.archive import load_archive
 from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.config import OrchestratorSettings
@@ -49,7 +52,10 @@ class OrchestratorServer:
     def __init__(self, settings: OrchestratorSettings) -> None:
         self.settings = settings
         self.port = 0
+        self.metrics_port = 0
         self._grpc: RunningServer | None = None
+        self.readiness: Readiness | None = None
+        self._metrics: MetricsServer | None = None
 
     @classmethod
     async def start(cls, settings: OrchestratorSettings) -> OrchestratorServer:
@@ -61,8 +67,12 @@ class OrchestratorServer:
             settings.database_url, settings.db_pool_size, settings.db_timeout_s
         )
         sessions = db.sessionmaker(self.engine)
-        self.billing_channel = internal_channel(settings.billing_addr, settings.internal_token)
-        self.tools_channel = internal_channel(settings.tools_addr, settings.internal_token)
+        self.billing_channel = internal_channel(
+            settings.billing_addr, settings.internal_token, keepalive=settings.grpc_keepalive
+        )
+        self.tools_channel = internal_channel(
+            settings.tools_addr, settings.internal_token, keepalive=settings.grpc_keepalive
+        )
         billing = billing_pb2_grpc.BillingServiceStub(self.billing_channel)
         tools = tools_pb2_grpc.ToolsServiceStub(self.tools_channel)
         self.backend = make_backend(settings, functools.partial(load_archive, sessions))
@@ -104,6 +114,21 @@ class OrchestratorServer:
             internal_token=settings.internal_token,
         )
         self.port = self._grpc.port
+        dependencies = [database(self.engine, settings.readiness_timeout_s)]
+        if settings.redis_url:
+            dependencies.append(redis_ping(settings.redis_url, settings.readiness_timeout_s))
+        self.readiness = readiness_of(settings, dependencies)
+        await self.readiness.start(self._grpc.health, self._grpc.service_names)
+        try:
+            self._metrics = await MetricsServer.start(
+                settings.host,
+                settings.orchestrator_metrics_port,
+                "LOOPLINE_ORCHESTRATOR_METRICS_PORT",
+            )
+        except BaseException:
+            await self.stop(0)
+            raise
+        self.metrics_port = self._metrics.port
         return self
 
     async def _on_cancel(self, run_id: str, reason: str) -> None:
@@ -113,6 +138,10 @@ class OrchestratorServer:
 
     async def stop(self, grace: float) -> None:
         """Stop accepting RPCs, cancel active runs (recording their outcome), close everything."""
+        if self.readiness is not None:
+            await self.readiness.stop()
+        # the metrics port closes meanwhile
+        metrics = asyncio.ensure_future(self._metrics.stop()) if self._metrics else None
         if self._grpc is not None:
             await self._grpc.health.enter_graceful_shutdown()
         await self.supervisor.stop()
@@ -126,3 +155,5 @@ class OrchestratorServer:
         await self.engine.dispose()
         if self.lease_engine is not None:
             await self.lease_engine.dispose()
+        if metrics is not None:
+            await metrics

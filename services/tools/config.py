@@ -28,6 +28,8 @@ class ToolsSettings(CommonSettings):
 
     Attributes:
         tools_port: gRPC port (LOOPLINE_TOOLS_PORT, default 50053; 0 = any free port).
+        tools_metrics_port: port of the Prometheus metrics (LOOPLINE_TOOLS_METRICS_PORT, default
+            9103; HTTP on `host`, 0 = any free port; docs/metrics.md).
         tools_database_url: SQLAlchemy async URL (LOOPLINE_TOOLS_DATABASE_URL); empty
             means `sqlite+aiosqlite:///<data_dir>/tools.db`.
         auto_migrate: apply Alembic migrations when the server starts (LOOPLINE_AUTO_MIGRATE).
@@ -67,6 +69,7 @@ class ToolsSettings(CommonSettings):
     """
 
     tools_port: int = Field(default=50053, ge=0, le=MAX_PORT)
+    tools_metrics_port: int = Field(default=9103, ge=0, le=MAX_PORT)
     tools_database_url: str = ""
     auto_migrate: bool = True
     tools_timeout_s: float = Field(default=30.0, gt=0, le=MAX_SECONDS)

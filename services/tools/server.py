@@ -9,6 +9,8 @@ from typing import Any
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
+from services.common.metrics import MetricsServer
+from services.common.readiness import Readiness, database, readiness_of
 from services.tools.catalogue import Catalogue
 from services.tools.config import ToolsSettings
 from services.tools.credentials import CredentialStore
@@ -30,13 +32,20 @@ class ToolsServer:
     """A running tools service: gRPC server, database engine, stores.
 
     Use `await ToolsServer.start(settings)`; `.port` is the bound port; `await stop(grace)`.
+    `readiness` probes its database (readiness.py).
     """
 
-    def __init__(self, running: RunningServer, engine: Any, servicer: ToolsServicer) -> None:
+    readiness: Readiness | None = None
+
+    def __init__(
+        self, running: RunningServer, engine: Any, servicer: ToolsServicer, metrics: MetricsServer
+    ) -> None:
         self._running = running
         self._engine = engine
         self.servicer = servicer
         self.port = running.port
+        self._metrics = metrics
+        self.metrics_port = metrics.port
         self._discovery: asyncio.Task[None] | None = None
 
     @classmethod
@@ -89,7 +98,17 @@ class ToolsServer:
         except BaseException:
             await engine.dispose()
             raise
-        server = cls(running, engine, servicer)
+        try:
+            metrics = await MetricsServer.start(
+                settings.host, settings.tools_metrics_port, "LOOPLINE_TOOLS_METRICS_PORT"
+            )
+        except BaseException:
+            await running.stop(0)
+            await engine.dispose()
+            raise
+        server = cls(running, engine, servicer, metrics)
+        server.readiness = readiness_of(settings, [database(engine, settings.readiness_timeout_s)])
+        await server.readiness.start(running.health, running.service_names)
         if stdio.servers:
             # Warm the stdio servers' tool lists; failures are retried on first use.
             server._discovery = asyncio.create_task(stdio.discover_all())
@@ -97,9 +116,14 @@ class ToolsServer:
 
     async def stop(self, grace: float) -> None:
         """Stop serving (in-flight calls get `grace` seconds, then are cancelled), let MCP sessions
-        that are still closing finish (up to 10 s), and close the database."""
+        that are still closing finish (up to 10 s), and close the database; the metrics port
+        closes meanwhile."""
+        metrics = asyncio.ensure_future(self._metrics.stop())
+        if self.readiness is not None:
+            await self.readiness.stop()
         if self._discovery is not None:
             self._discovery.cancel()
         await self._running.stop(grace)
         await self.servicer.executor.mcp.aclose()
         await self._engine.dispose()
+        await metrics

@@ -23,7 +23,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from services.common import pb
+from services.common import metrics, pb
 from services.common.errors import bounded
 from services.common.redaction import Redactor
 from services.common.validation import schema_errors
@@ -429,13 +429,21 @@ class ToolExecutor:
                 f"{integration.name}.{action.name} failed: {failures.unexpected(exc)}"
             ) from exc
         finally:
+            seconds = time.monotonic() - started
+            # an organization's MCP server is named by it: one label for them all
+            known = self.catalogue.get(integration.name) is not None
+            metrics.integration_action(
+                integration.name if known or integration.name in self.stdio.servers else "mcp",
+                outcome,
+                seconds,
+            )
             fields: dict[str, Any] = {
                 "org_id": org_id,
                 "integration": integration.name,
                 "action": action.name,
                 "credential_id": info.id if info else None,
                 "outcome": outcome,
-                "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                "duration_ms": round(seconds * 1000, 1),
             }
             if cause is not None:  # for the operator only, redacted (never in the tool's result)
                 fields["cause"] = bounded(redactor.text(f"{type(cause).__name__}: {cause}"), 300)

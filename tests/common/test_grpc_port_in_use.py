@@ -36,6 +36,8 @@ def _free_port() -> int:
     ("service", "setting", "what"),
     [
         ("billing", "LOOPLINE_BILLING_PORT", "gRPC port"),
+        # bound after the gRPC port (the service stops what it started)
+        ("billing", "LOOPLINE_BILLING_METRICS_PORT", "metrics port"),
         (
             "gateway",
             "LOOPLINE_HTTP_PORT",
@@ -55,6 +57,8 @@ def test_a_service_started_on_a_port_in_use_says_so_in_one_line_and_exits_2(
             **{k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")},
             "LOOPLINE_LOG_LEVEL": "WARNING",
             "LOOPLINE_DATA_DIR": str(tmp_path),
+            "LOOPLINE_BILLING_PORT": "0",
+            "LOOPLINE_BILLING_METRICS_PORT": "0",
             setting: str(port),
             "LOOPLINE_GATEWAY_GRPC_PORT": str(_free_port()),
         }

@@ -59,6 +59,8 @@ GATEWAY_REFUSED = [
 ORCHESTRATOR_REFUSED = [
     ("orchestrator_port", "-1"),
     ("orchestrator_port", "65536"),
+    ("orchestrator_metrics_port", "-1"),
+    ("orchestrator_metrics_port", "65536"),
     ("recursion_limit", "0"),
     ("failure_guidance_threshold", "0"),
     ("llm_call_guidance_every", "-1"),
@@ -86,6 +88,8 @@ ORCHESTRATOR_REFUSED = [
 BILLING_REFUSED = [
     ("billing_port", "-1"),
     ("billing_port", "65536"),
+    ("billing_metrics_port", "-1"),
+    ("billing_metrics_port", "65536"),
     ("billing_hold_seconds", "0"),
     ("billing_hold_seconds", "-120"),
     ("billing_sweep_interval_s", "-1"),
@@ -95,6 +99,8 @@ BILLING_REFUSED = [
 TOOLS_REFUSED = [
     ("tools_port", "-1"),
     ("tools_port", "65536"),
+    ("tools_metrics_port", "-1"),
+    ("tools_metrics_port", "65536"),
     ("tools_timeout_s", "0"),
     ("tools_max_output_bytes", "0"),
     ("tools_search_millicredits", "-1"),
@@ -111,6 +117,7 @@ TAKEN = [
     (GatewaySettings, "shutdown_grace_s", "0", 0.0),
     (GatewaySettings, "log_level", "debug", "DEBUG"),
     (OrchestratorSettings, "orchestrator_port", "0", 0),
+    (OrchestratorSettings, "orchestrator_metrics_port", "0", 0),  # any free port
     (OrchestratorSettings, "summarization_budget_tokens", "0", 0),  # summarization off
     (OrchestratorSettings, "summarization_keep_tokens", "0", 0),
     (OrchestratorSettings, "llm_call_guidance_every", "0", 0),  # guidance off
@@ -121,10 +128,12 @@ TAKEN = [
     (OrchestratorSettings, "redis_retry_s", "0", 0.0),
     (OrchestratorSettings, "cancel_wait_s", "0", 0.0),
     (BillingSettings, "billing_port", "0", 0),
+    (BillingSettings, "billing_metrics_port", "0", 0),
     (BillingSettings, "billing_sweep_interval_s", "0", 0.0),  # no background sweeper
     (BillingSettings, "billing_expiry_grace_s", "0", 0.0),
     (BillingSettings, "billing_hold_seconds", "1", 1),
     (ToolsSettings, "tools_port", "0", 0),
+    (ToolsSettings, "tools_metrics_port", "0", 0),
     (ToolsSettings, "tools_credential_cache_ttl_s", "0", 0.0),  # read the database on every call
     (ToolsSettings, "tools_search_millicredits", "0", 0),  # free
 ]

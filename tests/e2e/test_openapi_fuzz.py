@@ -47,7 +47,10 @@ def test_openapi_documents_every_route_and_status(deployment):
 def test_schemathesis_finds_no_server_error_or_undocumented_status(deployment):
     """positive_data_acceptance is excluded: a schema-valid cancel on an idle chat is a documented
     400, and allow_header_conformance because Starlette's 405 lists only the first matching
-    route's methods.
+    route's methods. ensure_resource_availability too: a link schemathesis infers from the
+    response schemas may fill a call only in part (a multi-search naming generated ids after a
+    knowledge base was created), and it reads the documented 404 that follows as a created
+    resource gone.
     One worker: CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth
     mismatch"), and hypothesis parses lambdas while schemathesis generates cases in threads."""
     command = [
@@ -61,7 +64,7 @@ def test_schemathesis_finds_no_server_error_or_undocumented_status(deployment):
         "--checks",
         "all",
         "--exclude-checks",
-        "positive_data_acceptance,allow_header_conformance",
+        "positive_data_acceptance,allow_header_conformance,ensure_resource_availability",
         "--max-examples",
         "15",
         "--phases",

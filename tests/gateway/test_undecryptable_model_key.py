@@ -37,6 +37,8 @@ async def _restart_tools_with_only(services, key: str) -> None:
     )
     await services.tools.stop(0)
     services.tools = await ToolsServer.start(settings)
+    # the orchestrator's round-robin channel reconnects on its own, after a backoff: wait for it
+    await services.orchestrator.tools_channel.channel_ready()
 
 
 async def _counts(services) -> tuple[int, int, int, int]:

@@ -35,6 +35,7 @@ from services.gateway import identity
 from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
 from tests.conftest import (
+    METRICS_PORTS,
     SERVICES,
     cleanup_backend,
     postgres_databases,
@@ -149,6 +150,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
         env.update(
             {
+                **METRICS_PORTS,  # any free port: replicas share the host
                 "LOOPLINE_DATA_DIR": str(self.tmp / "var"),
                 "LOOPLINE_LOG_LEVEL": "INFO",
                 "LOOPLINE_AUTO_MIGRATE": "false",
@@ -259,10 +261,17 @@ async def cluster(tmp_path) -> AsyncIterator[Cluster]:
         "auto_migrate": False,
     }
     billing = await BillingServer.start(
-        BillingSettings(**common, billing_port=0, billing_database_url=urls["billing"])
+        BillingSettings(
+            **common,
+            billing_port=0,
+            billing_metrics_port=0,
+            billing_database_url=urls["billing"],
+        )
     )
     tools = await ToolsServer.start(
-        ToolsSettings(**common, tools_port=0, tools_database_url=urls["tools"])
+        ToolsSettings(
+            **common, tools_port=0, tools_metrics_port=0, tools_database_url=urls["tools"]
+        )
     )
     engine = db.make_engine(urls["gateway"])
     org_id = f"org_{uuid.uuid4().hex[:12]}"

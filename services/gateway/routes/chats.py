@@ -12,8 +12,9 @@ from loopline.assistant.v1 import assistant_pb2
 from services.common import pb
 from services.gateway.bodies import refuse_body
 from services.gateway.context import context_of
-from services.gateway.openapi import error_responses
+from services.gateway.openapi import error_responses, keyed
 from services.gateway.query import TrueOrFalse, WholeNumber
+from services.gateway.schemas import Chat, ChatDeleted, ChatPage, ChatStatus
 
 router = APIRouter()
 
@@ -21,7 +22,9 @@ router = APIRouter()
 @router.get(
     "/assistant/chat/{chat_id}",
     summary="A chat with its messages and pending question",
+    response_model=Chat,
     responses=error_responses(404),
+    openapi_extra=keyed(),
 )
 async def get_chat(
     chat_id: str,
@@ -44,7 +47,11 @@ async def get_chat(
 
 
 @router.get(
-    "/assistant/chats", summary="The caller's chats, newest first", responses=error_responses()
+    "/assistant/chats",
+    summary="The caller's chats, newest first",
+    response_model=ChatPage,
+    responses=error_responses(),
+    openapi_extra=keyed(),
 )
 async def list_chats(
     request: Request,
@@ -59,27 +66,28 @@ async def list_chats(
         ),
         timeout=30,
     )
-    return JSONResponse(
-        {
-            "items": [
-                {
-                    "id": c.id,
-                    "title": c.title,
-                    "created_at": pb.iso(c.create_time),
-                    "updated_at": pb.iso(c.update_time),
-                    "is_running": bool(c.running_id) and not _pending(c),
-                }
-                for c in response.chats
-            ],
-            "next_cursor": response.next_cursor or None,
-        }
-    )
+    page: ChatPage = {
+        "items": [
+            {
+                "id": c.id,
+                "title": c.title,
+                "created_at": pb.iso(c.create_time),
+                "updated_at": pb.iso(c.update_time),
+                "is_running": bool(c.running_id) and not _pending(c),
+            }
+            for c in response.chats
+        ],
+        "next_cursor": response.next_cursor or None,
+    }
+    return JSONResponse(page)
 
 
 @router.get(
     "/assistant/chat/{chat_id}/status",
     summary="Whether the chat is running or awaiting input",
+    response_model=ChatStatus,
     responses=error_responses(404),
+    openapi_extra=keyed(),
 )
 async def status(chat_id: str, request: Request) -> Response:
     context = context_of(request)
@@ -87,22 +95,23 @@ async def status(chat_id: str, request: Request) -> Response:
     r = await context.orchestrator.GetChatStatus(
         assistant_pb2.GetChatStatusRequest(caller=context.caller(who), chat_id=chat_id), timeout=30
     )
-    return JSONResponse(
-        {
-            "chat_id": r.chat_id,
-            "is_running": r.is_running,
-            "awaiting_input": r.awaiting_input,
-            "pending_request_id": r.pending_request_id or None,
-            "running_id": r.running_id or None,
-            "run_status": pb.from_struct(r.run_status) if r.HasField("run_status") else None,
-        }
-    )
+    answer: ChatStatus = {
+        "chat_id": r.chat_id,
+        "is_running": r.is_running,
+        "awaiting_input": r.awaiting_input,
+        "pending_request_id": r.pending_request_id or None,
+        "running_id": r.running_id or None,
+        "run_status": pb.from_struct(r.run_status) if r.HasField("run_status") else None,
+    }
+    return JSONResponse(answer)
 
 
 @router.delete(
     "/assistant/chat/{chat_id}",
     summary="Delete a chat (soft unless permanent=true)",
+    response_model=ChatDeleted,
     responses=error_responses(404, 409),
+    openapi_extra=keyed(),
 )
 async def delete_chat(chat_id: str, request: Request, permanent: TrueOrFalse = False) -> Response:
     context = context_of(request)
@@ -114,19 +123,18 @@ async def delete_chat(chat_id: str, request: Request, permanent: TrueOrFalse = F
         ),
         timeout=30,
     )
-    return JSONResponse({"status": r.status, "chat_id": r.chat_id, "permanent": r.permanent})
+    deleted: ChatDeleted = {"status": r.status, "chat_id": r.chat_id, "permanent": r.permanent}
+    return JSONResponse(deleted)
 
 
-def chat_json(response: assistant_pb2.GetChatResponse) -> dict[str, object]:
+def chat_json(response: assistant_pb2.GetChatResponse) -> Chat:
     """The JSON of a chat and a page of its messages (GetChat).
 
     The JSON fields' text (`*_json`) goes into the body as the orchestrator wrote it
     (pb.field_fragment: numbers exact, keys in their stored order); an older orchestrator's
     Struct or Value is converted."""
     chat = response.chat
-    # only when there are older messages
-    older = {"next_page_token": response.next_page_token} if response.next_page_token else {}
-    return {
+    body: Chat = {
         "id": chat.id,
         # the spec's chat: the surface discriminator, and never workflow-bound
         "kind": "assistant",
@@ -148,8 +156,10 @@ def chat_json(response: assistant_pb2.GetChatResponse) -> dict[str, object]:
             }
             for m in response.messages
         ],
-        **older,
     }
+    if response.next_page_token:  # only when there are older messages
+        body["next_page_token"] = response.next_page_token
+    return body
 
 
 def _pending(chat: assistant_pb2.Chat) -> bool:

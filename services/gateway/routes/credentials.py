@@ -24,7 +24,7 @@ from services.gateway.bodies import check_fields, refuse_body
 from services.gateway.context import context_of
 from services.gateway.errors import BodyError, detail
 from services.gateway.identity import Principal, user_email
-from services.gateway.openapi import error_responses
+from services.gateway.openapi import error_responses, keyed
 from services.gateway.query import TrueOrFalse, WholeNumber
 from services.gateway.routes.fields import (
     BOOLEAN,
@@ -42,6 +42,17 @@ from services.gateway.routes.fields import (
     string_field,
     text_schema,
     tools_of,
+)
+from services.gateway.schemas import (
+    Credential,
+    CredentialDetail,
+    CredentialPage,
+    DiscoveryRefreshed,
+    McpServerCreated,
+    McpTool,
+    McpToolList,
+    OAuth2Connected,
+    OAuth2Started,
 )
 
 log = logging.getLogger(__name__)
@@ -159,12 +170,10 @@ def infer_auth_type(auth_data: dict[str, Any] | None) -> str:
     return ""
 
 
-def credential_json(
-    c: tools_pb2.Credential, detail_view: bool = False, created_by_email: str | None = None
-) -> dict[str, Any]:
-    """The SDK's CredentialResponse of `c` (CredentialDetailResponse with `detail_view`)."""
+def credential_json(c: tools_pb2.Credential) -> Credential:
+    """The SDK's CredentialResponse of `c`."""
     metadata = pb.from_struct(c.metadata)
-    body: dict[str, Any] = {
+    return {
         "credential_id": c.credential_id,
         "integration_name": c.integration_name,
         "integration_type": "mcp" if c.auth_type == "mcp_server" else "integration",
@@ -177,17 +186,22 @@ def credential_json(
         "expires_at": metadata.get("expires_at"),
         "credentials_metadata": metadata,
     }
-    if detail_view:
-        body.update(
-            organization_id=c.organization_id,
-            created_by=c.created_by_user_id or None,
-            created_by_email=created_by_email,
-            auth_data_masked=c.auth_data_masked or None,
-        )
-    return body
 
 
-def mcp_tool_json(t: tools_pb2.McpTool) -> dict[str, Any]:
+def credential_detail_json(
+    c: tools_pb2.Credential, created_by_email: str | None = None
+) -> CredentialDetail:
+    """The SDK's CredentialDetailResponse of `c`, created by the user with `created_by_email`."""
+    return {
+        **credential_json(c),
+        "organization_id": c.organization_id,
+        "created_by": c.created_by_user_id or None,
+        "created_by_email": created_by_email,
+        "auth_data_masked": c.auth_data_masked or None,
+    }
+
+
+def mcp_tool_json(t: tools_pb2.McpTool) -> McpTool:
     """{name, description, input_schema} of a discovered MCP tool."""
     return {
         "name": t.name,
@@ -196,7 +210,7 @@ def mcp_tool_json(t: tools_pb2.McpTool) -> dict[str, Any]:
     }
 
 
-router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
+router = APIRouter(responses=error_responses(404, 409, 413, 415))
 
 
 @router.post(
@@ -204,7 +218,8 @@ router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
     status_code=201,
     summary="Create a credential (secret encrypted, never returned)",
     tags=["credentials"],
-    openapi_extra=CREATE_CREDENTIAL_BODY,
+    response_model=Credential,
+    openapi_extra=keyed(CREATE_CREDENTIAL_BODY),
 )
 async def create_credential(request: Request, who: Principal = Who) -> Response:
     body = await body_of(request)
@@ -259,6 +274,8 @@ async def create_credential(request: Request, who: Principal = Who) -> Response:
     "/credentials",
     summary="The organization's credentials (metadata only), newest first",
     tags=["credentials"],
+    response_model=CredentialPage,
+    openapi_extra=keyed(),
 )
 async def list_credentials(
     request: Request,
@@ -290,16 +307,15 @@ async def list_credentials(
         ),
         timeout=TIMEOUT_S,
     )
-    return JSONResponse(
-        {
-            "credentials": [credential_json(c) for c in response.credentials],
-            "total": response.total,
-            "limit": limit,
-            "offset": offset,
-            "has_next": offset + len(response.credentials) < response.total,
-            "has_previous": offset > 0,
-        }
-    )
+    page: CredentialPage = {
+        "credentials": [credential_json(c) for c in response.credentials],
+        "total": response.total,
+        "limit": limit,
+        "offset": offset,
+        "has_next": offset + len(response.credentials) < response.total,
+        "has_previous": offset > 0,
+    }
+    return JSONResponse(page)
 
 
 @router.post(
@@ -307,7 +323,8 @@ async def list_credentials(
     status_code=201,
     summary="Register a Streamable HTTP MCP server",
     tags=["credentials"],
-    openapi_extra=CREATE_MCP_SERVER_BODY,
+    response_model=McpServerCreated,
+    openapi_extra=keyed(CREATE_MCP_SERVER_BODY),
 )
 async def create_mcp_server(request: Request, who: Principal = Who) -> Response:
     body = await body_of(request)
@@ -329,28 +346,27 @@ async def create_mcp_server(request: Request, who: Principal = Who) -> Response:
         timeout=SLOW_TIMEOUT_S,
     )
     c = response.credential
-    return JSONResponse(
-        {
-            "credential_id": c.credential_id,
-            "integration_name": c.integration_name,
-            "display_name": c.display_name,
-            "auth_type": c.auth_type,
-            "is_default": c.is_default,
-            "created_at": pb.iso(c.create_time),
-            "credentials_metadata": pb.from_struct(c.metadata),
-            "tools": [mcp_tool_json(t) for t in response.tools],
-            "total_tools": len(response.tools),
-            "discovery_error": response.discovery_error or None,
-        },
-        status_code=201,
-    )
+    created: McpServerCreated = {
+        "credential_id": c.credential_id,
+        "integration_name": c.integration_name,
+        "display_name": c.display_name,
+        "auth_type": c.auth_type,
+        "is_default": c.is_default,
+        "created_at": pb.iso(c.create_time),
+        "credentials_metadata": pb.from_struct(c.metadata),
+        "tools": [mcp_tool_json(t) for t in response.tools],
+        "total_tools": len(response.tools),
+        "discovery_error": response.discovery_error or None,
+    }
+    return JSONResponse(created, status_code=201)
 
 
 @router.post(
     "/credentials/oauth2/initiate",
     summary="Start an OAuth2 authorization code flow (PKCE)",
     tags=["credentials"],
-    openapi_extra=INITIATE_OAUTH2_BODY,
+    response_model=OAuth2Started,
+    openapi_extra=keyed(INITIATE_OAUTH2_BODY),
 )
 async def initiate_oauth2(request: Request, who: Principal = Who) -> Response:
     body = await body_of(request)
@@ -389,14 +405,21 @@ async def initiate_oauth2(request: Request, who: Principal = Who) -> Response:
         ),
         timeout=TIMEOUT_S,
     )
-    return JSONResponse({"authorization_url": response.authorization_url, "state": response.state})
+    started: OAuth2Started = {
+        "authorization_url": response.authorization_url,
+        "state": response.state,
+    }
+    return JSONResponse(started)
 
 
 @router.get(
     "/credentials/oauth2/callback",
     summary="OAuth2 redirect target: exchange the code, store the credential",
     tags=["credentials"],
-    openapi_extra=OAUTH2_CALLBACK_PARAMETERS,
+    response_model=OAuth2Connected,
+    # no API key (an empty security requirement): the browser comes back from the authorization
+    # server with the state only
+    openapi_extra={**OAUTH2_CALLBACK_PARAMETERS, "security": []},
 )
 async def oauth2_callback(
     request: Request,
@@ -434,15 +457,20 @@ async def oauth2_callback(
             "credential notice not delivered",
             extra={"fields": {"code": exc.code().name, "credential_id": c.credential_id}},
         )
-    return JSONResponse(
-        {"status": "connected", "orchestrator_notified": notified, **credential_json(c)}
-    )
+    connected: OAuth2Connected = {
+        "status": "connected",
+        "orchestrator_notified": notified,
+        **credential_json(c),
+    }
+    return JSONResponse(connected)
 
 
 @router.get(
     "/credentials/{credential_id}",
     summary="One credential (masked secret on request)",
     tags=["credentials"],
+    response_model=CredentialDetail,
+    openapi_extra=keyed(),
 )
 async def get_credential(
     credential_id: str, request: Request, who: Principal = Who, include_masked: TrueOrFalse = False
@@ -458,9 +486,7 @@ async def get_credential(
     creator = response.credential.created_by_user_id
     sessions = context_of(request).authenticator.sessions
     email = await user_email(sessions, creator) if creator else None
-    return JSONResponse(
-        credential_json(response.credential, detail_view=True, created_by_email=email)
-    )
+    return JSONResponse(credential_detail_json(response.credential, email))
 
 
 @router.delete(
@@ -468,6 +494,7 @@ async def get_credential(
     status_code=204,
     summary="Delete a credential",
     tags=["credentials"],
+    openapi_extra=keyed(),
 )
 async def delete_credential(credential_id: str, request: Request, who: Principal = Who) -> Response:
     context = context_of(request)
@@ -495,6 +522,8 @@ async def delete_credential(credential_id: str, request: Request, who: Principal
     "/credentials/{credential_id}/set-default",
     summary="Make a credential its integration's default",
     tags=["credentials"],
+    response_model=Credential,
+    openapi_extra=keyed(),
 )
 async def set_default(credential_id: str, request: Request, who: Principal = Who) -> Response:
     await refuse_body(request, context_of(request).settings.max_body_bytes)
@@ -511,6 +540,8 @@ async def set_default(credential_id: str, request: Request, who: Principal = Who
     "/credentials/{credential_id}/refresh-discovery",
     summary="Discover an MCP server's tools again",
     tags=["credentials"],
+    response_model=DiscoveryRefreshed,
+    openapi_extra=keyed(),
 )
 async def refresh_discovery(credential_id: str, request: Request, who: Principal = Who) -> Response:
     await refuse_body(request, context_of(request).settings.max_body_bytes)
@@ -520,22 +551,23 @@ async def refresh_discovery(credential_id: str, request: Request, who: Principal
         ),
         timeout=SLOW_TIMEOUT_S,
     )
-    return JSONResponse(
-        {
-            "credential_id": r.credential_id,
-            "refreshed_at": pb.iso(r.refresh_time),
-            "changes": {"added": list(r.added), "removed": list(r.removed)},
-            "total_tools": r.total_tools,
-            "success": r.success,
-            "error": r.error or None,
-        }
-    )
+    refreshed: DiscoveryRefreshed = {
+        "credential_id": r.credential_id,
+        "refreshed_at": pb.iso(r.refresh_time),
+        "changes": {"added": list(r.added), "removed": list(r.removed)},
+        "total_tools": r.total_tools,
+        "success": r.success,
+        "error": r.error or None,
+    }
+    return JSONResponse(refreshed)
 
 
 @router.get(
     "/credentials/{credential_id}/mcp-tools",
     summary="The tools discovered on an MCP server",
     tags=["credentials"],
+    response_model=McpToolList,
+    openapi_extra=keyed(),
 )
 async def mcp_tools(credential_id: str, request: Request, who: Principal = Who) -> Response:
     r = await tools_of(request).ListMcpTools(
@@ -544,11 +576,10 @@ async def mcp_tools(credential_id: str, request: Request, who: Principal = Who) 
         ),
         timeout=TIMEOUT_S,
     )
-    return JSONResponse(
-        {
-            "credential_id": r.credential_id,
-            "tools": [mcp_tool_json(t) for t in r.tools],
-            "total_count": len(r.tools),
-            "discovered_at": pb.iso(r.discovery_time) if r.HasField("discovery_time") else None,
-        }
-    )
+    listed: McpToolList = {
+        "credential_id": r.credential_id,
+        "tools": [mcp_tool_json(t) for t in r.tools],
+        "total_count": len(r.tools),
+        "discovered_at": pb.iso(r.discovery_time) if r.HasField("discovery_time") else None,
+    }
+    return JSONResponse(listed)

@@ -8,7 +8,7 @@ an unsupported upload type, which is 415.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import grpc
 from fastapi import APIRouter, Query, Request
@@ -22,7 +22,7 @@ from services.common.errors import TOOLS_DOMAIN, status_details
 from services.gateway.bodies import check_fields
 from services.gateway.errors import BodyError, detail, grpc_error_response
 from services.gateway.identity import Principal
-from services.gateway.openapi import error_responses
+from services.gateway.openapi import error_responses, keyed
 from services.gateway.query import WholeNumber
 from services.gateway.routes.fields import (
     MAX_ID_CHARS,
@@ -38,6 +38,14 @@ from services.gateway.routes.fields import (
     string_field,
     text_schema,
     tools_of,
+)
+from services.gateway.schemas import (
+    Document,
+    DocumentStatus,
+    KnowledgeBase,
+    MultiSearch,
+    Search,
+    SearchMatch,
 )
 
 # The largest document upload, in bytes (10 MiB); larger is 413.
@@ -125,7 +133,9 @@ UPLOAD_BODY = {
                             "description": f"The document (1 to {MAX_UPLOAD_BYTES} bytes;"
                             " txt, md, html, csv, json or pdf).",
                         },
-                        "metadata": {"type": "string", "description": "Accepted and ignored."},
+                        # any text: a multipart field has no type (a generated "integer" is
+                        # text on the wire too)
+                        "metadata": {"description": "Accepted and ignored."},
                     },
                     "required": ["file"],
                 }
@@ -135,7 +145,7 @@ UPLOAD_BODY = {
 }
 
 
-def knowledge_base_json(kb: tools_pb2.KnowledgeBase) -> dict[str, Any]:
+def knowledge_base_json(kb: tools_pb2.KnowledgeBase) -> KnowledgeBase:
     """The SDK's KnowledgeBaseResponse of `kb` (`created_by_user_id` null when not recorded)."""
     created = pb.iso(kb.create_time)
     return {
@@ -157,7 +167,7 @@ def knowledge_base_json(kb: tools_pb2.KnowledgeBase) -> dict[str, Any]:
     }
 
 
-def document_json(d: tools_pb2.Document) -> dict[str, Any]:
+def document_json(d: tools_pb2.Document) -> Document:
     """The SDK's DocumentResponse of a Document."""
     return {
         "id": d.document_id,
@@ -175,7 +185,7 @@ def document_json(d: tools_pb2.Document) -> dict[str, Any]:
 
 def match_json(
     r: tools_pb2.KnowledgeSearchResult, include_content: bool = True, include_metadata: bool = True
-) -> dict[str, Any]:
+) -> SearchMatch:
     """The SDK's SearchMatch of a search result."""
     return {
         "chunk_id": r.chunk_id,
@@ -233,7 +243,7 @@ async def _search(
     return [r for r in response.results if r.score >= min_score]
 
 
-router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
+router = APIRouter(responses=error_responses(404, 409, 413, 415))
 
 
 @router.post(
@@ -241,7 +251,8 @@ router = APIRouter(responses=error_responses(404, 409, 413, 415, 422))
     status_code=201,
     summary="Create a knowledge base",
     tags=["knowledge"],
-    openapi_extra=CREATE_KNOWLEDGE_BASE_BODY,
+    response_model=KnowledgeBase,
+    openapi_extra=keyed(CREATE_KNOWLEDGE_BASE_BODY),
 )
 async def create_knowledge_base(request: Request, who: Principal = Who) -> Response:
     body = await body_of(request)
@@ -269,6 +280,8 @@ async def create_knowledge_base(request: Request, who: Principal = Who) -> Respo
     "/knowledge-bases",
     summary="The organization's knowledge bases, newest first",
     tags=["knowledge"],
+    response_model=list[KnowledgeBase],
+    openapi_extra=keyed(),
 )
 async def list_knowledge_bases(
     request: Request,
@@ -295,7 +308,8 @@ async def list_knowledge_bases(
     "/knowledge-bases/search",
     summary="Search several knowledge bases",
     tags=["knowledge"],
-    openapi_extra=MULTI_SEARCH_BODY,
+    response_model=MultiSearch,
+    openapi_extra=keyed(MULTI_SEARCH_BODY),
 )
 async def multi_search(request: Request, who: Principal = Who) -> Response:
     body = await body_of(request)
@@ -325,22 +339,22 @@ async def multi_search(request: Request, who: Principal = Who) -> Response:
     matches = await _search(
         tools_of(request), who.organization_id, query, list(dict.fromkeys(ids)), top_k, min_score
     )
-    return JSONResponse(
-        {
-            "query": query,
-            "knowledge_bases_searched": len(set(ids)),
-            "top_k": top_k,
-            "total_matches": len(matches),
-            "matches": [match_json(m) for m in matches],
-        }
-    )
+    found: MultiSearch = {
+        "query": query,
+        "knowledge_bases_searched": len(set(ids)),
+        "top_k": top_k,
+        "total_matches": len(matches),
+        "matches": [match_json(m) for m in matches],
+    }
+    return JSONResponse(found)
 
 
 @router.post(
     "/knowledge-bases/{knowledge_base_id}/search",
     summary="Search one knowledge base (full-text, BM25)",
     tags=["knowledge"],
-    openapi_extra=SEARCH_BODY,
+    response_model=Search,
+    openapi_extra=keyed(SEARCH_BODY),
 )
 async def search(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
     body = await body_of(request)
@@ -361,15 +375,14 @@ async def search(knowledge_base_id: str, request: Request, who: Principal = Who)
     matches = await _search(
         tools_of(request), who.organization_id, query, [knowledge_base_id], top_k, min_score
     )
-    return JSONResponse(
-        {
-            "query": query,
-            "knowledge_base_id": knowledge_base_id,
-            "top_k": top_k,
-            "total_matches": len(matches),
-            "matches": [match_json(m, include_content, include_metadata) for m in matches],
-        }
-    )
+    found: Search = {
+        "query": query,
+        "knowledge_base_id": knowledge_base_id,
+        "top_k": top_k,
+        "total_matches": len(matches),
+        "matches": [match_json(m, include_content, include_metadata) for m in matches],
+    }
+    return JSONResponse(found)
 
 
 @router.post(
@@ -377,7 +390,8 @@ async def search(knowledge_base_id: str, request: Request, who: Principal = Who)
     status_code=201,
     summary="Upload a document (multipart `file`)",
     tags=["knowledge"],
-    openapi_extra=UPLOAD_BODY,
+    response_model=Document,
+    openapi_extra=keyed(UPLOAD_BODY),
 )
 async def upload_document(
     knowledge_base_id: str, request: Request, who: Principal = Who
@@ -437,6 +451,8 @@ async def upload_document(
     "/knowledge-bases/{knowledge_base_id}/documents/{document_id}",
     summary="One document",
     tags=["knowledge"],
+    response_model=Document,
+    openapi_extra=keyed(),
 )
 async def get_document(
     knowledge_base_id: str, document_id: str, request: Request, who: Principal = Who
@@ -456,6 +472,8 @@ async def get_document(
     "/knowledge-bases/{knowledge_base_id}/documents/{document_id}/status",
     summary="A document's processing status",
     tags=["knowledge"],
+    response_model=DocumentStatus,
+    openapi_extra=keyed(),
 )
 async def document_status(
     knowledge_base_id: str, document_id: str, request: Request, who: Principal = Who
@@ -472,18 +490,17 @@ async def document_status(
     ).document
     status = DOCUMENT_STATUS.get(d.status, d.status)
     created = pb.iso(d.create_time)
-    return JSONResponse(
-        {
-            "document_id": d.document_id,
-            "status": status,
-            "filename": d.name,
-            "file_type": _FILE_TYPES.get(d.content_type, d.content_type),
-            "message": f"Indexed into {d.chunk_count} chunks" if status == "completed" else None,
-            # Documents are indexed within the upload request: it starts and ends then.
-            "processing_started_at": created,
-            "processing_completed_at": created if status == "completed" else None,
-            "chunk_count": d.chunk_count,
-            "token_count": d.token_count,
-            "error": None,
-        }
-    )
+    answer: DocumentStatus = {
+        "document_id": d.document_id,
+        "status": status,
+        "filename": d.name,
+        "file_type": _FILE_TYPES.get(d.content_type, d.content_type),
+        "message": f"Indexed into {d.chunk_count} chunks" if status == "completed" else None,
+        # Documents are indexed within the upload request: it starts and ends then.
+        "processing_started_at": created,
+        "processing_completed_at": created if status == "completed" else None,
+        "chunk_count": d.chunk_count,
+        "token_count": d.token_count,
+        "error": None,
+    }
+    return JSONResponse(answer)

@@ -17,13 +17,44 @@ from fastapi.responses import JSONResponse
 from loopline.assistant.v1 import assistant_pb2
 from services.gateway.bodies import parse_llm, read_json_object, refuse_body
 from services.gateway.context import context_of
-from services.gateway.openapi import error_responses
+from services.gateway.openapi import error_responses, keyed
+from services.gateway.schemas import ComposerLlm, OrganizationSettings, SavedModel
 
 
-def _shown(llm: dict[str, Any]) -> dict[str, Any]:
+def _shown(llm: dict[str, Any]) -> SavedModel:
     """A saved default as GET and PUT answer it: `credential_id` always present (null without)."""
-    return {**llm, "credential_id": llm.get("credential_id")}
+    return {
+        "integration_name": llm["integration_name"],
+        "provider_id": llm["provider_id"],
+        "model_id": llm["model_id"],
+        "credential_id": llm.get("credential_id"),
+    }
 
+
+_COMPOSER_LLM_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "integration_name": {
+                            "type": "string",
+                            "minLength": 1,
+                            "pattern": r"\S",
+                        },
+                        "provider_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
+                        "model_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
+                        "credential_id": {"type": ["string", "null"]},
+                    },
+                    "required": ["integration_name", "provider_id", "model_id"],
+                    "additionalProperties": False,
+                }
+            }
+        },
+    }
+}
 
 # The PUT asks the orchestrator whether it can serve the model (CheckModel; an error is 400), and
 # checks and saves inside `DefaultModels.exclusive` (a DELETE of the credential it names waits,
@@ -35,44 +66,26 @@ router = APIRouter(responses=error_responses(413))
     "/organizations/settings",
     summary="The organization's model preferences",
     tags=["organizations"],
+    response_model=OrganizationSettings,
+    openapi_extra=keyed(),
 )
 async def get_settings(request: Request) -> JSONResponse:
     context = context_of(request)
     who = await context.principal(request)
     saved = await context.default_models.get(who.organization_id)
-    return JSONResponse(
-        {"llm_model_visibility": {}, "composer_llm": _shown(saved) if saved else None}
-    )
+    answer: OrganizationSettings = {
+        "llm_model_visibility": {},
+        "composer_llm": _shown(saved) if saved else None,
+    }
+    return JSONResponse(answer)
 
 
 @router.put(
     "/organizations/settings/composer-llm",
     summary="Save the organization's default model (used when a turn names none)",
     tags=["organizations"],
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "type": "object",
-                        "properties": {
-                            "integration_name": {
-                                "type": "string",
-                                "minLength": 1,
-                                "pattern": r"\S",
-                            },
-                            "provider_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
-                            "model_id": {"type": "string", "minLength": 1, "pattern": r"\S"},
-                            "credential_id": {"type": ["string", "null"]},
-                        },
-                        "required": ["integration_name", "provider_id", "model_id"],
-                        "additionalProperties": False,
-                    }
-                }
-            },
-        }
-    },
+    response_model=ComposerLlm,
+    openapi_extra=keyed(_COMPOSER_LLM_BODY),
 )
 async def set_composer_llm(request: Request) -> JSONResponse:
     context = context_of(request)
@@ -94,7 +107,8 @@ async def set_composer_llm(request: Request) -> JSONResponse:
             assistant_pb2.CheckModelRequest(caller=context.caller(who), llm=parsed), timeout=30
         )
         await held.set(llm)
-    return JSONResponse({"composer_llm": _shown(llm)})
+    answer: ComposerLlm = {"composer_llm": _shown(llm)}
+    return JSONResponse(answer)
 
 
 @router.delete(
@@ -102,6 +116,8 @@ async def set_composer_llm(request: Request) -> JSONResponse:
     summary="Clear the organization's saved default model"
     " (turns naming none use the deployment's again)",
     tags=["organizations"],
+    response_model=ComposerLlm,
+    openapi_extra=keyed(),
 )
 async def clear_composer_llm(request: Request) -> JSONResponse:
     """200 {"composer_llm": null}, also when none was saved: turns that name no model use the
@@ -112,4 +128,5 @@ async def clear_composer_llm(request: Request) -> JSONResponse:
     await refuse_body(request, context.settings.max_body_bytes)
     async with context.default_models.exclusive(who.organization_id) as held:
         await held.set(None)
-    return JSONResponse({"composer_llm": None})
+    cleared: ComposerLlm = {"composer_llm": None}
+    return JSONResponse(cleared)

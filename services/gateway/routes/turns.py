@@ -7,7 +7,7 @@ the requests the lean handlers leave to FastAPI.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,8 +24,10 @@ from services.gateway.bodies import (
 from services.gateway.context import context_of
 from services.gateway.errors import BodyError
 from services.gateway.hot_path import MAX_AFTER, TurnRequests, turn_json
-from services.gateway.openapi import error_responses
+from services.gateway.listener import EventStreamResponse
+from services.gateway.openapi import EVENT_STREAM, error_responses, keyed
 from services.gateway.query import WholeNumber
+from services.gateway.schemas import RunCancelled, TurnStarted
 
 _START_BODY = {
     "requestBody": {
@@ -71,14 +73,52 @@ _RESUME_BODY = {
 }
 
 
+_REPLAYED = {
+    "Idempotent-Replayed": {
+        "description": "`true` when this is the stored answer of an earlier request with the "
+        "same Idempotency-Key and body (nothing was started).",
+        "schema": {"type": "string", "enum": ["true"]},
+    }
+}
+
+
+def _chat_operation(path: str, method: str, description: str, run: bool = False) -> dict[str, Any]:
+    """An OpenAPI link from a turn's answer to the operation at `path` on its chat (and run)."""
+    parameters = {"chat_id": "$response.body#/chat_id"}
+    if run:
+        parameters["run_id"] = "$response.body#/run_id"
+    return {
+        "operationRef": "#/paths/" + path.replace("/", "~1") + "/" + method,
+        "parameters": parameters,
+        "description": description,
+    }
+
+
+# What a client does next with a started or resumed turn: the ids of the answer, not of the
+# request (a request's `chat_id` may be "" for a new chat).
+TURN_LINKS = {
+    "Listen": _chat_operation(
+        "/assistant/chat/{chat_id}/listen/{run_id}", "get", "The run's events", run=True
+    ),
+    "Status": _chat_operation("/assistant/chat/{chat_id}/status", "get", "The chat's status"),
+    "Chat": _chat_operation("/assistant/chat/{chat_id}", "get", "The chat and its messages"),
+    "Resume": _chat_operation("/assistant/chat/{chat_id}/resume", "post", "Answer its question"),
+    "Cancel": _chat_operation("/assistant/chat/{chat_id}/cancel", "post", "Cancel the run"),
+    "Delete": _chat_operation("/assistant/chat/{chat_id}", "delete", "Delete the chat"),
+}
+
 router = APIRouter()
 
 
 @router.post(
     "/assistant/chat",
     summary="Start a turn (new chat, or continue one)",
-    responses=error_responses(402, 404, 409, 413, 422, 429, denial=True),
-    openapi_extra=_START_BODY,
+    response_model=TurnStarted,
+    responses={
+        **error_responses(402, 404, 409, 413, 422, 429, denial=True),
+        200: {"description": "The turn started", "headers": _REPLAYED, "links": TURN_LINKS},
+    },
+    openapi_extra=keyed(_START_BODY, idempotent=True),
 )
 async def start_turn(request: Request) -> Response:
     context = context_of(request)
@@ -91,13 +131,11 @@ async def start_turn(request: Request) -> Response:
 @router.get(
     "/assistant/chat/{chat_id}/listen/{run_id}",
     summary="Stream a run's events as Server-Sent Events",
-    responses={
-        **error_responses(404),
-        200: {
-            "description": "text/event-stream of `data: <json>` frames",
-            "content": {"text/event-stream": {}},
-        },
-    },
+    # the answer's media type (the endpoint returns the response itself)
+    response_class=EventStreamResponse,
+    status_code=200,
+    responses={**error_responses(404), 200: EVENT_STREAM},
+    openapi_extra=keyed(),
 )
 async def listen(
     chat_id: str,
@@ -113,8 +151,12 @@ async def listen(
 @router.post(
     "/assistant/chat/{chat_id}/resume",
     summary="Answer a pending question and resume",
-    responses=error_responses(404, 409, 413),
-    openapi_extra=_RESUME_BODY,
+    response_model=TurnStarted,
+    responses={
+        **error_responses(404, 409, 413),
+        200: {"description": "The turn resumed in a new run", "links": TURN_LINKS},
+    },
+    openapi_extra=keyed(_RESUME_BODY),
 )
 async def resume(chat_id: str, request: Request) -> Response:
     context = context_of(request)
@@ -146,7 +188,9 @@ async def resume(chat_id: str, request: Request) -> Response:
 @router.post(
     "/assistant/chat/{chat_id}/cancel",
     summary="Cancel the chat's active run",
+    response_model=RunCancelled,
     responses=error_responses(404),
+    openapi_extra=keyed(),
 )
 async def cancel(chat_id: str, request: Request) -> Response:
     context = context_of(request)
@@ -158,6 +202,9 @@ async def cancel(chat_id: str, request: Request) -> Response:
         ),
         timeout=30,
     )
-    return JSONResponse(
-        {"status": response.status, "chat_id": response.chat_id, "run_id": response.run_id}
-    )
+    cancelled: RunCancelled = {
+        "status": response.status,
+        "chat_id": response.chat_id,
+        "run_id": response.run_id,
+    }
+    return JSONResponse(cancelled)

@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from loopline.assistant.v1 import events_pb2
-from services.common import db
+from services.common import db, metrics
 from services.orchestrator.eventlog import (
     UNREACHABLE,
     ArchiveLoader,
@@ -269,6 +269,7 @@ class RedisEventLog(RedisStreamWriter):
                 response = await self._xread(stream, index, block)
                 failing_since, delay = None, 0.05
             except errors as error:
+                metrics.count_storage_error("orchestrator", "redis", "unavailable")
                 archived = await self._archive_or_nothing(run_id)
                 if archived:
                     if archived[index:]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopline.assistant.v1 import events_pb2
+from services.common import metrics
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,7 @@ class RedisStreamWriter:
                     self._rewrite(run_id, writer)
                     continue
                 except errors as error:
+                    metrics.count_storage_error("orchestrator", "redis", "unavailable")
                     now = time.monotonic()
                     failing_since = writer.failing_since = writer.failing_since or now
                     if now - failing_since > self.retry_s and not reported:

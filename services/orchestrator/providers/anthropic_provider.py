@@ -163,6 +163,8 @@ class _Attempt:
     text: list[str] = field(default_factory=list)
     blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
     started: TokenUsage | None = None  # from message_start
+    model: str = ""  # the model that answered (message_start)
+    stop_reason: str = ""  # why it stopped (message_delta)
     output_tokens: int | None = None  # cumulative, from message_delta
 
     def usage(self, input_estimate: int) -> TokenUsage:
@@ -294,7 +296,13 @@ class AnthropicModel:
             for _, b in sorted(done.blocks.items())
             if b["type"] == "tool_use"
         ]
-        return ModelReply(text="".join(done.text), tool_calls=calls, usage=total)
+        return ModelReply(
+            text="".join(done.text),
+            tool_calls=calls,
+            usage=total,
+            finish_reasons=[done.stop_reason] if done.stop_reason else [],
+            response_model=done.model,
+        )
 
     async def _stream_once(self, request: dict[str, Any], state: _Attempt, on_text: OnText) -> None:
         async with self._client() as client:
@@ -305,6 +313,7 @@ class AnthropicModel:
                     state.received = True
                     kind = event.type
                     if kind == "message_start":
+                        state.model = getattr(event.message, "model", None) or ""
                         usage = event.message.usage
                         # counts as reported; one that is no token count is estimated (usage())
                         state.started = TokenUsage(
@@ -343,6 +352,7 @@ class AnthropicModel:
                             )
                             block["json"] = block.get("json", "") + (delta.partial_json or "")
                     elif kind == "message_delta":
+                        state.stop_reason = getattr(event.delta, "stop_reason", None) or ""
                         usage = event.usage
                         if usage is not None:
                             state.output_tokens = usage.output_tokens

@@ -163,11 +163,16 @@ def add_usage(total: TokenUsage, part: TokenUsage) -> None:
 
 @dataclass
 class ModelReply:
-    """What one model call produced: its full text, its tool calls (maybe several) and usage."""
+    """What one model call produced: its full text, its tool calls (maybe several) and usage;
+    for the call's span (services/common/tracing.py), why the model stopped as the provider
+    said it (`finish_reasons`, e.g. "stop", "tool_calls", "end_turn") and the model that
+    answered (`response_model`), when the provider told them."""
 
     text: str
     tool_calls: list[ToolCallRequest] = field(default_factory=list)
     usage: TokenUsage = field(default_factory=TokenUsage)
+    finish_reasons: list[str] = field(default_factory=list)
+    response_model: str = ""
 
 
 class ModelError(Exception):

@@ -113,6 +113,7 @@ class _Attempt:
     text: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
+    model: str = ""  # the model that answered, as the chunks name it
     reported: ReportedUsage | None = None
 
     def usage(self, input_estimate: int) -> TokenUsage:
@@ -232,7 +233,13 @@ class OpenAICompatModel:
                 "tool calls without a name were dropped",
                 extra={"fields": {"provider": self.provider_id, "count": nameless}},
             )
-        return ModelReply(text="".join(done.text), tool_calls=calls, usage=total)
+        return ModelReply(
+            text="".join(done.text),
+            tool_calls=calls,
+            usage=total,
+            finish_reasons=[done.finish_reason] if done.finish_reason else [],
+            response_model=done.model,
+        )
 
     async def _stream_once(self, request: dict[str, Any], state: _Attempt, on_text: OnText) -> None:
         async with self._client() as client:
@@ -241,6 +248,7 @@ class OpenAICompatModel:
             async with stream:
                 async for chunk in stream:
                     state.received = True
+                    state.model = getattr(chunk, "model", None) or state.model
                     usage = getattr(chunk, "usage", None)
                     if usage is not None:
                         state.reported = _usage_of(usage)

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from loopline.assistant.v1 import assistant_pb2, events_pb2
 from loopline.tools.v1 import tools_pb2
-from services.common import db, ids, pb
+from services.common import db, ids, pb, tracing
 from services.common.errors import RpcError
 from services.orchestrator import hitl
 from services.orchestrator.models import Chat, Interrupt, Message, Run, utcnow
@@ -82,20 +82,22 @@ class Interrupts(ChatAccess):
                 if paused is not None and paused.llm:
                     llm = dict(paused.llm)
                     model = await self._model(llm, caller.organization_id)
+            turn_trace = await self._turn_trace(interrupt)
             run_id = await self._continue(
                 chat.id, caller.organization_id, interrupt, normalized, llm
             )
         finally:
             await self._unclaim(chat_id)
-        self.runner.start(
-            RunSpec(
-                run_id=run_id,
-                chat_id=chat.id,
-                organization_id=caller.organization_id,
-                llm=llm,
-                model=model,
+        with tracing.resumed(turn_trace, context):  # the run joins the paused turn's trace
+            self.runner.start(
+                RunSpec(
+                    run_id=run_id,
+                    chat_id=chat.id,
+                    organization_id=caller.organization_id,
+                    llm=llm,
+                    model=model,
+                )
             )
-        )
         return assistant_pb2.ResumeResponse(
             status="running",
             chat_id=chat.id,
@@ -140,6 +142,26 @@ class Interrupts(ChatAccess):
                 "request_id does not match the pending question",
             )
         return interrupt
+
+    async def _turn_trace(self, interrupt: Interrupt) -> str:
+        """The W3C traceparent of the run paused on `interrupt`, kept in its `interrupted` marker
+        (run_end.py; docs/tracing.md): "" when tracing is off (nothing is read) or it has none."""
+        if not tracing.enabled():
+            return ""
+        async with self.sessions() as session:
+            markers = (
+                await session.execute(
+                    select(Message.extra).where(
+                        Message.chat_id == interrupt.chat_id,
+                        Message.run_id == interrupt.run_id,
+                        Message.role == "marker",
+                    )
+                )
+            ).scalars()
+            for extra in markers:
+                if isinstance(extra, dict) and extra.get("request_id") == interrupt.id:
+                    return str(extra.get("traceparent") or "")
+        return ""
 
     async def _continue(
         self,
@@ -252,6 +274,7 @@ class Interrupts(ChatAccess):
             if not await self._try_claim(chat.id):
                 continue
             try:
+                turn_trace = await self._turn_trace(interrupt)
                 run_id = await self._continue(
                     chat.id, request.organization_id, interrupt, answer, llm
                 )
@@ -267,15 +290,16 @@ class Interrupts(ChatAccess):
                     run_resumed=events_pb2.RunResumedEvent(new_run_id=run_id),
                 ),
             )
-            self.runner.start(
-                RunSpec(
-                    run_id=run_id,
-                    chat_id=chat.id,
-                    organization_id=request.organization_id,
-                    llm=llm,
-                    model=model,
+            with tracing.resumed(turn_trace):  # the run joins the paused turn's trace
+                self.runner.start(
+                    RunSpec(
+                        run_id=run_id,
+                        chat_id=chat.id,
+                        organization_id=request.organization_id,
+                        llm=llm,
+                        model=model,
+                    )
                 )
-            )
             resumed.append(run_id)
         return assistant_pb2.NotifyCredentialConnectedResponse(resumed_run_ids=resumed)
 

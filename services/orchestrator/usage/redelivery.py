@@ -19,7 +19,7 @@ import grpc
 from sqlalchemy import Table, delete, func, insert, select, update
 
 from loopline.billing.v1 import billing_pb2
-from services.common import db
+from services.common import db, metrics
 from services.common.tasks import stop_task
 from services.orchestrator.models import BillingRedelivery, utcnow
 
@@ -305,7 +305,8 @@ class Redelivery:
         replica sends each attempt); a batch of which billing took none ends the pass (billing
         is still down: the rest wait for their next attempt). Calls of methods this process does
         not know (a newer version's) are left to a process that does. Returns the seconds until
-        the next call is due (`idle_poll_s` at most)."""
+        the next call is due (`idle_poll_s` at most); what is still stored then, with what is
+        not stored yet, is the outbox backlog metric (`loopline_billing_outbox_backlog`)."""
         table = _REDELIVERIES
         known = table.c.method.in_(sorted(self._senders))
         after_id = ""  # `everything`: each stored call once, in id order (keyset pages)
@@ -327,7 +328,12 @@ class Redelivery:
             if len(rows) < REDELIVERY_BATCH or not any(taken):
                 break
         async with self.sessions() as session:
-            next_at = await session.scalar(select(func.min(table.c.next_attempt_at)).where(known))
+            waiting, next_at = (
+                await session.execute(
+                    select(func.count(), func.min(table.c.next_attempt_at)).where(known)
+                )
+            ).one()
+        metrics.OUTBOX_BACKLOG.set(waiting + len(self._unstored))
         if next_at is None:
             return self.idle_poll_s
         return min(self.idle_poll_s, max(0.0, (db.utc(next_at) - utcnow()).total_seconds()))
@@ -353,9 +359,13 @@ class Redelivery:
             await self._send(row["method"], row["request"])
         except grpc.aio.AioRpcError as failure:
             if (now - db.utc(row["created_at"])).total_seconds() < self.horizon_s:
+                metrics.redelivery("failed")
                 return False
+            metrics.redelivery("given_up")
             self._give_up(row, failure.code().name)
             taken = False
+        else:
+            metrics.redelivery("sent")
         async with self.sessions() as session, session.begin():
             await session.execute(delete(table).where(table.c.id == row["id"]))
         return taken

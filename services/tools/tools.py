@@ -429,30 +429,47 @@ class ToolExecutor:
                 f"{integration.name}.{action.name} failed: {failures.unexpected(exc)}"
             ) from exc
         finally:
-            seconds = time.monotonic() - started
-            # an organization's MCP server is named by it: one label for them all
-            known = self.catalogue.get(integration.name) is not None
-            metrics.integration_action(
-                integration.name if known or integration.name in self.stdio.servers else "mcp",
-                outcome,
-                seconds,
+            self._action_finished(
+                org_id, integration, action, info, outcome, started, cause, redactor
             )
-            fields: dict[str, Any] = {
-                "org_id": org_id,
-                "integration": integration.name,
-                "action": action.name,
-                "credential_id": info.id if info else None,
-                "outcome": outcome,
-                "duration_ms": round(seconds * 1000, 1),
-            }
-            if cause is not None:  # for the operator only, redacted (never in the tool's result)
-                fields["cause"] = bounded(redactor.text(f"{type(cause).__name__}: {cause}"), 300)
-            log.info("integration action finished", extra={"fields": fields})
         # a server that echoes the credential (a header, a URL, an error body) must not hand it
         # to the model
         if redactor:
             result = redactor.value(result)
         return result
+
+    def _action_finished(
+        self,
+        org_id: str,
+        integration: Integration,
+        action: Action,
+        info: CredentialInfo | None,
+        outcome: str,
+        started: float,
+        cause: BaseException | None,
+        redactor: Redactor,
+    ) -> None:
+        """Count the action in the metrics and log one line of how it ended (the cause, for the
+        operator only, redacted with the credential's secret; never in the tool's result)."""
+        seconds = time.monotonic() - started
+        # an organization's MCP server is named by it: one label for them all
+        known = self.catalogue.get(integration.name) is not None
+        metrics.integration_action(
+            integration.name if known or integration.name in self.stdio.servers else "mcp",
+            outcome,
+            seconds,
+        )
+        fields: dict[str, Any] = {
+            "org_id": org_id,
+            "integration": integration.name,
+            "action": action.name,
+            "credential_id": info.id if info else None,
+            "outcome": outcome,
+            "duration_ms": round(seconds * 1000, 1),
+        }
+        if cause is not None:
+            fields["cause"] = bounded(redactor.text(f"{type(cause).__name__}: {cause}"), 300)
+        log.info("integration action finished", extra={"fields": fields})
 
     async def search_knowledge(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"query", "results": [{"knowledge_base_id", "document_id", "document_name", "chunk_id",

@@ -1,13 +1,15 @@
-"""An OTLP/HTTP receiver that counts the spans it is sent and keeps nothing, for `--tracing`.
-
-With it the benchmark measures the services with tracing on end to end (the SDK's batch
-processor encoding and posting spans), not an exporter failing against a closed port.
+"""An OTLP/HTTP receiver: POST /v1/traces with an ExportTraceServiceRequest (protobuf, maybe
+gzip). `make bench --tracing` points the services at one that counts the spans and keeps nothing,
+so tracing is measured end to end (the SDK encoding and posting batches), not an exporter failing
+against a closed port; the tracing tests keep what they receive with `on_export`.
 """
 
 from __future__ import annotations
 
+import gzip
 import http.server
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -17,9 +19,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 
 class OtlpSink:
-    """A thread serving POST /v1/traces on 127.0.0.1 (a free port); `spans` counts what came."""
+    """A thread serving POST /v1/traces on 127.0.0.1 (a free port): `spans` counts what came,
+    and `on_export` (when given) gets each request, on the server's threads."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, on_export: Callable[[ExportTraceServiceRequest], None] | None = None
+    ) -> None:
         self.spans = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -28,15 +33,13 @@ class OtlpSink:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                request = ExportTraceServiceRequest.FromString(body)
-                count = sum(
-                    len(scope.spans)
-                    for resource in request.resource_spans
-                    for scope in resource.scope_spans
-                )
-                with sink._lock:
-                    sink.spans += count
-                    sink.requests += 1
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if self.path != "/v1/traces":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                sink._received(ExportTraceServiceRequest.FromString(body), on_export)
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -48,8 +51,25 @@ class OtlpSink:
                 pass
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _received(
+        self,
+        request: ExportTraceServiceRequest,
+        on_export: Callable[[ExportTraceServiceRequest], None] | None,
+    ) -> None:
+        count = sum(
+            len(scope.spans)
+            for resource in request.resource_spans
+            for scope in resource.scope_spans
+        )
+        with self._lock:
+            self.spans += count
+            self.requests += 1
+        if on_export is not None:
+            on_export(request)
 
     def start(self) -> OtlpSink:
         self._thread.start()

@@ -9,8 +9,8 @@ own, each probe bounded by LOOPLINE_READINESS_TIMEOUT_S, keeps the names of thos
 of the service's names to SERVING or NOT_SERVING, and logs one line when that changes.
 
 The probes ask what a request asks, through the service's own clients: the database through its
-engine (`SELECT 1`, so a pool that cannot get a connection in time is not ready either), Redis
-with PING. A SQLite file is opened anew at each probe: a pooled connection keeps a file that
+engine (its Alembic revision, so a database whose migrations have not run, or a pool that cannot
+get a connection in time, is not ready), Redis with PING. A SQLite file is opened anew at each probe: a pooled connection keeps a file that
 can no longer be opened (deleted, moved, its disk gone) usable to itself alone.
 """
 
@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 DATABASE = "database"
 REDIS = "redis"
 
-_SELECT_ONE = text("SELECT 1")
+#: What a migrated database answers: Alembic's revision row. A database that answers but has no
+#: tables yet (before its migrations ran) is not ready: every request would fail on it.
+_MIGRATED = "SELECT version_num FROM alembic_version"
+_SELECT_MIGRATED = text(_MIGRATED)
 
 #: A probe: raises, or returns False, when the dependency cannot serve.
 Probe = Callable[[], Awaitable[object]]
@@ -54,27 +57,30 @@ class Dependency:
 
 
 def database(engine: AsyncEngine, timeout_s: float) -> Dependency:
-    """The service's database: `SELECT 1` through `engine`; a SQLite file is opened anew,
-    read-write, and its header read (waiting at most `timeout_s` for a lock)."""
+    """The service's database: its migration revision read through `engine` (a database whose
+    migrations have not run is not ready); a SQLite file is opened anew, read-write (waiting at
+    most `timeout_s` for a lock)."""
     url = engine.url
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
         path = pathlib.Path(url.database)
         return Dependency(DATABASE, lambda: asyncio.to_thread(_open_sqlite, path, timeout_s))
 
-    async def select_one() -> None:
+    async def migrated() -> None:
         async with engine.connect() as connection:
-            await connection.execute(_SELECT_ONE)
+            if (await connection.execute(_SELECT_MIGRATED)).first() is None:
+                raise LookupError("no migration revision")
 
-    return Dependency(DATABASE, select_one)
+    return Dependency(DATABASE, migrated)
 
 
 def _open_sqlite(path: pathlib.Path, timeout_s: float) -> None:
-    """Open the SQLite file at `path` read-write (never creating it) and read its schema version;
-    raises sqlite3.Error when it cannot."""
+    """Open the SQLite file at `path` read-write (never creating it) and read its migration
+    revision; raises sqlite3.Error (or LookupError) when it cannot."""
     uri = f"{path.absolute().as_uri()}?mode=rw"
     connection = sqlite3.connect(uri, uri=True, timeout=timeout_s)
     try:
-        connection.execute("PRAGMA schema_version").fetchone()
+        if connection.execute(_MIGRATED).fetchone() is None:
+            raise LookupError("no migration revision")
     finally:
         connection.close()
 

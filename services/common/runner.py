@@ -93,7 +93,11 @@ def run(service: str, level: str, start: Callable[[], Awaitable[Stoppable]], gra
         if early_signals.received:
             stop.set()
         handle = await start()
-        log.info("serving", extra={"fields": {"port": handle.port}})
+        fields = {"port": handle.port}
+        metrics_port = getattr(handle, "metrics_port", None)  # the gateway's is its HTTP port
+        if metrics_port:
+            fields["metrics_port"] = metrics_port
+        log.info("serving", extra={"fields": fields})
         await wait_for_termination_signal(stop)
         await handle.stop(grace)
         log.info("stopped")

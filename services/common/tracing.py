@@ -113,7 +113,7 @@ def setup(service_name: str) -> bool:
     _install(provider)
     log.info(
         "tracing on",
-        extra={"fields": {"service": provider.resource.attributes.get("service.name")}},
+        extra={"fields": {"service_name": provider.resource.attributes.get("service.name")}},
     )
     return True
 

@@ -175,6 +175,24 @@ IDEMPOTENCY_KEY = {
 }
 
 
+REQUEST_ID_DESCRIPTION = (
+    "The request's id, on every log line and span of the request in every service: the one "
+    "sent when it is 1-128 characters of `[A-Za-z0-9._-]`, else a new one (32 hex characters)."
+)
+# Any value is taken (one that is not an id is replaced), so the schema refuses nothing.
+REQUEST_ID = {
+    "name": "X-Request-ID",
+    "in": "header",
+    "required": False,
+    "description": REQUEST_ID_DESCRIPTION,
+    "schema": {"type": "string"},
+}
+REQUEST_ID_HEADER = {
+    "description": REQUEST_ID_DESCRIPTION,
+    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+}
+
+
 def keyed(extra: dict[str, Any] | None = None, *, idempotent: bool = False) -> dict[str, Any]:
     """`openapi_extra` of an operation that needs an API key: `extra` (its request body or
     parameters) with the `api_key` security requirement and the X-Organization-ID header, and
@@ -236,7 +254,8 @@ EVENT_STREAM = {
 def finish_document(document: dict[str, Any]) -> dict[str, Any]:
     """FastAPI's `document` completed (changed in place and returned): the `api_key` security
     scheme the operations name, numeric bounds as JSON Schema keywords (`json_schema_bounds`),
-    and without FastAPI's 422 "Validation Error", which the gateway never sends (a request that
+    the X-Request-ID header on every operation and every answer (access_log.py), and without
+    FastAPI's 422 "Validation Error", which the gateway never sends (a request that
     fails validation is 400 `{"detail": ...}`, application.py)."""
     json_schema_bounds(document)
     components = document.setdefault("components", {})
@@ -244,7 +263,11 @@ def finish_document(document: dict[str, Any]) -> dict[str, Any]:
     fastapi_422 = {"$ref": "#/components/schemas/HTTPValidationError"}
     for operations in document.get("paths", {}).values():
         for operation in operations.values():
+            operation.setdefault("parameters", []).append(REQUEST_ID)
             responses = operation.get("responses", {})
+            for response in responses.values():
+                headers = response.setdefault("headers", {})
+                headers["X-Request-ID"] = REQUEST_ID_HEADER
             declared = responses.get("422", {}).get("content", {}).get("application/json", {})
             if declared.get("schema") == fastapi_422:
                 del responses["422"]

@@ -27,6 +27,7 @@ from sqlalchemy.engine import make_url
 
 from services.billing.config import BillingSettings
 from services.billing.server import BillingServer
+from services.common import db, readiness
 from services.common.grpc_server import LIVENESS
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
@@ -217,3 +218,20 @@ async def test_a_redis_that_refuses_connections_is_not_ready_until_it_answers(se
         await proxy.stop()
         release_databases(list(urls.values()))
         await drop_redis_prefix(redis_url(), prefix)
+
+
+async def test_a_database_whose_migrations_have_not_run_is_not_ready(tmp_path):
+    """A database that answers but has no tables yet (a service started before its migrations)
+    is not ready: every request would fail on it. Ready once it is migrated."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
+    engine = db.make_engine(url, 1, 5.0)
+    try:
+        async with engine.begin() as connection:  # the file exists, with no migration table
+            await connection.exec_driver_sql("CREATE TABLE unrelated (id INTEGER)")
+        dependency = readiness.database(engine, 1.0)
+        with pytest.raises(Exception, match="alembic_version"):
+            await dependency.probe()
+        await db.migrate_async("gateway", url)
+        await dependency.probe()
+    finally:
+        await engine.dispose()

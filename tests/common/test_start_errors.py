@@ -14,12 +14,13 @@ import sys
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.conftest import postgres_databases, release_databases, selected_backend
+from tests.conftest import METRICS_PORTS, postgres_databases, release_databases, selected_backend
 
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_")}
-    return {**env, "LOOPLINE_LOG_LEVEL": "WARNING", **extra}
+    # any free metrics port: a service that does start must not collide with one running here
+    return {**env, **METRICS_PORTS, "LOOPLINE_LOG_LEVEL": "WARNING", **extra}
 
 
 @pytest.mark.parametrize("service", ["billing", "gateway", "orchestrator", "tools"])

@@ -15,26 +15,23 @@ receiver the test runs, which decodes every ExportTraceServiceRequest.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
 )
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from bench.otlp_sink import OtlpSink
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from services.common import tracing
 from tests.conftest import SCRIPTED, Stack, script, start_stack, stop_stack
@@ -300,36 +297,14 @@ async def test_server_spans_are_named_by_route_templates_without_ids(services_wi
 
 
 class _Receiver:
-    """An OTLP/HTTP receiver: POST /v1/traces with an ExportTraceServiceRequest (protobuf, maybe
-    gzip), kept as (service.name, trace id, span name) triples."""
+    """An OTLP/HTTP receiver (bench/otlp_sink.py) keeping (service.name, trace id, span name)
+    triples of the spans it is sent."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, bytes, str]] = []
         self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                if self.path != "/v1/traces":
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                receiver.add(ExportTraceServiceRequest.FromString(body))
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
+        self.sink = OtlpSink(on_export=self.add)
+        self.port = self.sink.port
 
     def add(self, request: ExportTraceServiceRequest) -> None:
         with self.lock:
@@ -358,13 +333,11 @@ class _Receiver:
 @pytest.fixture
 def otlp_receiver() -> Iterator[_Receiver]:
     receiver = _Receiver()
-    thread = threading.Thread(target=receiver.server.serve_forever, daemon=True)
-    thread.start()
+    receiver.sink.start()
     try:
         yield receiver
     finally:
-        receiver.server.shutdown()
-        receiver.server.server_close()
+        receiver.sink.stop()
 
 
 def test_processes_export_one_trace_per_turn_to_an_otlp_http_receiver(tmp_path, otlp_receiver):

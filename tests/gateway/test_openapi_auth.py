@@ -156,3 +156,15 @@ async def test_a_turn_runs_with_only_what_the_document_declares(stack):
         frames = await read_frames(client, started.json()["stream_url"])
     assert frames[-1]["type"] == "done"
     assert frames[-1]["data"]["response"] == "Hello from the document."
+
+
+async def test_every_operation_declares_x_request_id_and_every_answer_returns_it(stack):
+    document = await _document(stack)
+    for method, path, operation in _operations(document):
+        request_id = _headers(operation).get("X-Request-ID")
+        assert request_id is not None and not request_id["required"], (method, path)
+        for status, response in operation["responses"].items():
+            assert "X-Request-ID" in response.get("headers", {}), (method, path, status)
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        answer = await client.get("/assistant/chats", headers={"X-Request-ID": "from-the-doc.1"})
+    assert answer.headers["x-request-id"] == "from-the-doc.1"

@@ -10,8 +10,9 @@ of the service's names to SERVING or NOT_SERVING, and logs one line when that ch
 
 The probes ask what a request asks, through the service's own clients: the database through its
 engine (its Alembic revision, so a database whose migrations have not run, or a pool that cannot
-get a connection in time, is not ready), Redis with PING. A SQLite file is opened anew at each probe: a pooled connection keeps a file that
-can no longer be opened (deleted, moved, its disk gone) usable to itself alone.
+get a connection in time, is not ready), Redis with PING. A SQLite file is opened anew at each
+probe: a pooled connection keeps a file that can no longer be opened (deleted, moved, its disk
+gone) usable to itself alone.
 """
 
 from __future__ import annotations

@@ -71,10 +71,9 @@ class RequestLog:
 
     def fields(self, scope: Scope) -> dict[str, Any]:
         """The access line's fields for the request of `scope`."""
-        route = scope.get("route")  # FastAPI's matched APIRoute
         fields: dict[str, Any] = {
             "method": scope["method"],
-            "route": getattr(route, "path_format", None) or scope.get(ROUTE),
+            "route": route_template(scope),
             "status": self.status,
             "duration_ms": round((time.perf_counter() - self._started) * 1000, 2),
         }
@@ -83,3 +82,20 @@ class RequestLog:
             fields["org_id"] = organization
         fields["request_id"] = self.request_id
         return fields
+
+
+def route_template(scope: Scope) -> str | None:
+    """The template of the route that served `scope`'s request, or None when none did.
+
+    FastAPI puts its matched APIRoute in the scope; a plain Starlette route or mount (the OpenAPI
+    document, the docs' assets) leaves only its endpoint there, found among the app's routes (a
+    few requests, never a turn's); a lean handler of hot_path.py sets ROUTE."""
+    route = scope.get("route")
+    if route is None and (endpoint := scope.get("endpoint")) is not None:
+        routes = getattr(getattr(scope.get("app"), "router", None), "routes", ())
+        route = next(
+            (r for r in routes if endpoint in (getattr(r, "endpoint", None), getattr(r, "app", 0))),
+            None,
+        )
+    template: str | None = getattr(route, "path_format", None) or scope.get(ROUTE)
+    return template

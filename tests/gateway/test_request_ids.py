@@ -19,7 +19,7 @@ import pytest
 
 from services.common.logging import JsonFormatter
 from tests.conftest import script
-from tests.orchestrator.helpers import run_turn
+from tests.orchestrator.helpers import run_turn, wait_for
 from tests.sse_client import read_frames
 
 MADE = re.compile(r"[0-9a-f]{32}")
@@ -107,6 +107,10 @@ async def test_the_access_line_has_the_route_template_status_duration_and_organi
         await client.get(f"/assistant/chat/{chat_id}", headers={"X-Request-ID": "get-chat"})
         await client.get(f"/no/{chat_id}", headers={"X-Request-ID": "unknown-path"})
         await client.get("/assistant/chats", headers={"Authorization": "Bearer nope"})
+        await client.get("/openapi.json")  # routes of Starlette's own, not FastAPI's
+        await client.get("/docs/static/swagger-ui.css")
+    # a line is written once the answer is sent: the client may have it a moment before
+    await wait_for(lambda: len(log_lines.access()) == 7)
     lines = log_lines.access()
     assert [line["route"] for line in lines] == [
         "/assistant/chat",
@@ -114,9 +118,11 @@ async def test_the_access_line_has_the_route_template_status_duration_and_organi
         "/assistant/chat/{chat_id}",
         None,
         "/assistant/chats",
+        "/openapi.json",
+        "/docs/static/{path}",
     ]
-    assert [line["status"] for line in lines] == [200, 200, 200, 404, 401]
-    assert [line.get("org_id") for line in lines] == [services.org_id] * 3 + [None, None]
+    assert [line["status"] for line in lines] == [200, 200, 200, 404, 401, 200, 200]
+    assert [line.get("org_id") for line in lines] == [services.org_id] * 3 + [None] * 4
     for line in lines:
         assert line["message"] == "request" and line["level"] == "info"
         assert line["method"] in ("GET", "POST") and line["duration_ms"] >= 0

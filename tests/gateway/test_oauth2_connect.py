@@ -20,6 +20,20 @@ from tests.sse_client import read_frames
 from tests.tools.tools_stack import serve_asgi, tools_stack
 
 
+def acme_provider(auth_base: str) -> dict[str, Any]:
+    """The OAuth2 integration `acme` as the operator configures it, on `oauth_server_app`."""
+    return {
+        "name": "acme",
+        "display_name": "Acme",
+        "authorize_url": f"{auth_base}/authorize",
+        "token_url": f"{auth_base}/token",
+        "client_id": "loopline-client",
+        "client_secret": "client-secret",
+        "scope": "read",
+        "api_base_url": f"{auth_base}/api",
+    }
+
+
 def oauth_server_app(issued: dict[str, Any]) -> Any:
     """A minimal OAuth2 authorization server (authorization code + PKCE S256) and an API at
     /api/me."""
@@ -90,16 +104,7 @@ async def test_oauth2_authorization_code_flow_with_pkce_end_to_end(tmp_path):
     async with serve_asgi(oauth_server_app(issued)) as auth_base:
         provider = json.dumps(
             [
-                {
-                    "name": "acme",
-                    "display_name": "Acme",
-                    "authorize_url": f"{auth_base}/authorize",
-                    "token_url": f"{auth_base}/token",
-                    "client_id": "loopline-client",
-                    "client_secret": "client-secret",
-                    "scope": "read",
-                    "api_base_url": f"{auth_base}/api",
-                },
+                acme_provider(auth_base),
                 {
                     "name": "gone",
                     "display_name": "Gone",

@@ -17,7 +17,7 @@ import pytest
 import schemathesis
 
 from tests.conftest import SCRIPTED, Stack, script, start_stack, stop_stack
-from tests.gateway.test_oauth2_connect import oauth_server_app
+from tests.gateway.test_oauth2_connect import acme_provider, oauth_server_app
 from tests.tools.tools_stack import PG_DSN, failure_mcp_app, serve_asgi
 
 Answers = list[httpx.Response]
@@ -85,16 +85,7 @@ async def reachable(tmp_path) -> AsyncIterator[Stack]:
         serve_asgi(oauth_server_app({})) as auth_base,
         serve_asgi(failure_mcp_app([])) as mcp_base,
     ):
-        provider = {
-            "name": "acme",
-            "display_name": "Acme",
-            "authorize_url": f"{auth_base}/authorize",
-            "token_url": f"{auth_base}/token",
-            "client_id": "loopline-client",
-            "client_secret": "client-secret",
-            "scope": "read",
-            "api_base_url": f"{auth_base}/api",
-        }
+        provider = acme_provider(auth_base)
         stack = await start_stack(
             tmp_path,
             gateway={"heartbeat_interval_s": 1.0},

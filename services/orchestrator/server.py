@@ -22,6 +22,7 @@ from services.orchestrator.byok import tools_secret_resolver
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.eventlog import RunBackend, make_backend
 from services.orchestrator.loop import TurnRunner
+from services.orchestrator.providers.clients import ProviderClients
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.servicer import AssistantServicer
 from services.orchestrator.store import TurnStore
@@ -36,7 +37,8 @@ class OrchestratorServer:
 
     `backend` is the shared state of the replicas (memory, or Redis when LOOPLINE_REDIS_URL
     is set); `supervisor` renews this replica's run leases, reaps runs of dead replicas and
-    polls cancel flags (services/orchestrator/recovery.py).
+    polls cancel flags (services/orchestrator/recovery.py); `provider_clients` keeps the model
+    providers' SDK clients, closed at stop (services/orchestrator/providers/clients.py).
     """
 
     engine: AsyncEngine
@@ -56,6 +58,7 @@ class OrchestratorServer:
         self._grpc: RunningServer | None = None
         self.readiness: Readiness | None = None
         self._metrics: MetricsServer | None = None
+        self.provider_clients = ProviderClients()
 
     @classmethod
     async def start(cls, settings: OrchestratorSettings) -> OrchestratorServer:
@@ -96,6 +99,7 @@ class OrchestratorServer:
         self.servicer.backend = self.backend
         self.servicer.supervisor = self.supervisor
         self.servicer.secret_resolver = tools_secret_resolver(tools)
+        self.servicer.provider_clients = self.provider_clients
         if not self.backend.distributed:
             # the only orchestrator: runs left running are a dead process's, end them now
             await self.supervisor.reap_orphans()
@@ -148,6 +152,7 @@ class OrchestratorServer:
         await self.runner.stop()
         if self._grpc is not None:
             await self._grpc.server.stop(grace)
+        await self.provider_clients.aclose()
         await self.backend.close()
         await self.billing_channel.close()
         await self.tools_channel.close()

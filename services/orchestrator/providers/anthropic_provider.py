@@ -35,6 +35,7 @@ from services.orchestrator.providers.base import (
     parse_arguments,
     with_estimates,
 )
+from services.orchestrator.providers.clients import ClientSpec, ProviderClients
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -210,6 +211,7 @@ class AnthropicModel:
         max_tokens: the `max_tokens` of each call.
         timeout_s: per-request timeout in seconds (connect, and between streamed events).
         system_prompt: the stable system prompt.
+        clients: the orchestrator's kept SDK clients (clients.py); None: a client per call.
 
     Attributes:
         partial_usage: the tokens of the latest call so far, also when it was cancelled.
@@ -227,20 +229,15 @@ class AnthropicModel:
         max_tokens: int = 4096,
         timeout_s: float = 120.0,
         system_prompt: str = ASSISTANT_SYSTEM_PROMPT,
+        clients: ProviderClients | None = None,
     ) -> None:
         self.model_id = model_id
-        self._base_url = base_url
-        self._api_key = api_key
+        self._spec = ClientSpec("anthropic", base_url, api_key, timeout_s)
+        self._clients = clients if clients is not None else ProviderClients(max_clients=0)
         self._policy = policy
         self._max_tokens = max_tokens
-        self._timeout_s = timeout_s
         self._system_prompt = system_prompt
         self.partial_usage = TokenUsage()
-
-    def _client(self) -> anthropic.AsyncAnthropic:
-        return anthropic.AsyncAnthropic(
-            api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s
-        )
 
     async def generate(
         self,
@@ -305,7 +302,7 @@ class AnthropicModel:
         )
 
     async def _stream_once(self, request: dict[str, Any], state: _Attempt, on_text: OnText) -> None:
-        async with self._client() as client:
+        async with self._clients.lease(self._spec, new_client) as client:
             stream = await client.messages.create(**request)
             state.opened = True
             async with stream:
@@ -371,3 +368,10 @@ class AnthropicModel:
                         state.finished = True
         if not state.finished:
             raise IncompleteStream("the stream ended before message_stop")
+
+
+def new_client(spec: ClientSpec) -> anthropic.AsyncAnthropic:
+    """The SDK client of `spec`: its own retries off (retry.py is the only rule)."""
+    return anthropic.AsyncAnthropic(
+        api_key=spec.api_key, base_url=spec.base_url, max_retries=0, timeout=spec.timeout_s
+    )

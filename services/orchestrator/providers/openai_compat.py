@@ -32,6 +32,7 @@ from services.orchestrator.providers.base import (
     parse_arguments,
     with_estimates,
 )
+from services.orchestrator.providers.clients import ClientSpec, ProviderClients
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -142,6 +143,7 @@ class OpenAICompatModel:
         policy: retry bounds (see retry.py).
         timeout_s: per-request timeout in seconds (connect, and between streamed chunks).
         system_prompt: the stable system prompt.
+        clients: the orchestrator's kept SDK clients (clients.py); None: a client per call.
 
     Attributes:
         partial_usage: the tokens of the latest call so far, also when it was cancelled.
@@ -157,20 +159,15 @@ class OpenAICompatModel:
         policy: RetryPolicy,
         timeout_s: float = 120.0,
         system_prompt: str = ASSISTANT_SYSTEM_PROMPT,
+        clients: ProviderClients | None = None,
     ) -> None:
         self.provider_id = provider_id
         self.model_id = model_id
-        self._base_url = base_url
-        self._api_key = api_key
+        self._spec = ClientSpec("openai", base_url, api_key, timeout_s)
+        self._clients = clients if clients is not None else ProviderClients(max_clients=0)
         self._policy = policy
-        self._timeout_s = timeout_s
         self._system_prompt = system_prompt
         self.partial_usage = TokenUsage()
-
-    def _client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            api_key=self._api_key, base_url=self._base_url, max_retries=0, timeout=self._timeout_s
-        )
 
     async def generate(
         self,
@@ -242,7 +239,7 @@ class OpenAICompatModel:
         )
 
     async def _stream_once(self, request: dict[str, Any], state: _Attempt, on_text: OnText) -> None:
-        async with self._client() as client:
+        async with self._clients.lease(self._spec, new_client) as client:
             stream = await client.chat.completions.create(**request)
             state.opened = True
             async with stream:
@@ -285,6 +282,13 @@ class OpenAICompatModel:
                             state.finish_reason = choice.finish_reason
         if state.finish_reason is None:
             raise IncompleteStream("the stream ended without a finish reason")
+
+
+def new_client(spec: ClientSpec) -> openai.AsyncOpenAI:
+    """The SDK client of `spec`: its own retries off (retry.py is the only rule)."""
+    return openai.AsyncOpenAI(
+        api_key=spec.api_key, base_url=spec.base_url, max_retries=0, timeout=spec.timeout_s
+    )
 
 
 def _usage_of(usage: Any) -> ReportedUsage:

@@ -10,6 +10,9 @@ Keys: with `llm.credential_id` the key is the organization's own credential, fet
 the injected `secret_resolver(org_id, credential_id)` (bring your own key); otherwise the
 platform's key from settings. A provider without a platform key serves only
 bring-your-own-key requests. Every refusal is `UnknownModel` (HTTP 400, nothing written).
+
+The models of one orchestrator share its `ProviderClients` (clients.py): one SDK client per
+provider, base URL and key, whose connections the steps and runs reuse.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from services.orchestrator.config import OrchestratorSettings
 from services.orchestrator.providers.base import ChatModel
+from services.orchestrator.providers.clients import ProviderClients
 from services.orchestrator.providers.retry import RetryPolicy
 from services.orchestrator.providers.scripted import ScriptedModel
 
@@ -154,8 +158,10 @@ async def resolve(
     *,
     organization_id: str = "",
     secret_resolver: SecretResolver | None = None,
+    clients: ProviderClients | None = None,
 ) -> ChatModel:
-    """The ChatModel for `llm` = {integration_name, provider_id, model_id, credential_id?}.
+    """The ChatModel for `llm` = {integration_name, provider_id, model_id, credential_id?}, its
+    SDK client taken from `clients` (None: a client of its own per call).
 
     Raises:
         UnknownModel: unknown or disabled provider, a model id outside the provider's list,
@@ -187,7 +193,7 @@ async def resolve(
     api_key = await _api_key(
         config, provider_id, llm.get("credential_id"), organization_id, secret_resolver
     )
-    return _provider_model(settings, config, provider_id, model_id, api_key)
+    return _provider_model(settings, config, provider_id, model_id, api_key, clients)
 
 
 def _scripted_model(
@@ -245,8 +251,9 @@ def _provider_model(
     provider_id: str,
     model_id: str,
     api_key: str,
+    clients: ProviderClients | None,
 ) -> ChatModel:
-    """The ChatModel of `config`'s provider for `model_id`, with `api_key`."""
+    """The ChatModel of `config`'s provider for `model_id`, with `api_key` and `clients`."""
     policy = retry_policy(settings)
     if config.kind == "anthropic":
         # The provider SDKs are imported on first use: importing them costs seconds of start-up
@@ -260,6 +267,7 @@ def _provider_model(
             policy=policy,
             max_tokens=settings.anthropic_max_tokens,
             timeout_s=settings.llm_timeout_s,
+            clients=clients,
         )
     from services.orchestrator.providers.openai_compat import OpenAICompatModel
 
@@ -270,4 +278,5 @@ def _provider_model(
         api_key=api_key,
         policy=policy,
         timeout_s=settings.llm_timeout_s,
+        clients=clients,
     )

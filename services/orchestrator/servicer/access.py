@@ -22,6 +22,7 @@ from services.orchestrator.eventlog.memory import MemoryBackend
 from services.orchestrator.loop import TurnRunner
 from services.orchestrator.models import Chat, Interrupt, Message, Run, utcnow
 from services.orchestrator.providers import registry
+from services.orchestrator.providers.clients import ProviderClients
 from services.orchestrator.recovery import RunSupervisor
 from services.orchestrator.servicer.errors import Expired, downstream_failure, not_found
 from services.orchestrator.thread import cut_off_result
@@ -209,6 +210,8 @@ class ChatAccess(assistant_pb2_grpc.AssistantServiceServicer):
     # (organization_id, credential_id) -> the org's own model key (BYOK); wired by the server when
     # the tools service can hand out a credential's secret; None refuses llm.credential_id with 400.
     secret_resolver: registry.SecretResolver | None = None
+    # the server's kept provider SDK clients (providers/clients.py); None: a client per model call
+    provider_clients: ProviderClients | None = None
 
     async def _model(self, llm: dict[str, Any], organization_id: str) -> Any:
         """The ChatModel for `llm`, resolved before anything is written or charged.
@@ -227,6 +230,7 @@ class ChatAccess(assistant_pb2_grpc.AssistantServiceServicer):
                 llm,
                 organization_id=organization_id,
                 secret_resolver=self.secret_resolver,
+                clients=self.provider_clients,
             )
         except registry.UnknownModel as unknown:
             raise RpcError(

@@ -90,13 +90,13 @@ async def test_named_compatible_providers_come_from_json_settings(monkeypatch):
     assert (
         isinstance(vllm, OpenAICompatModel)
         and vllm.provider_id == "vllm"
-        and vllm._api_key == "sk-vllm-123456"
+        and vllm._spec.api_key == "sk-vllm-123456"
     )
     with pytest.raises(registry.UnknownModel):
         await registry.resolve(s, {"provider_id": "vllm", "model_id": "llama"})
     ollama = await registry.resolve(s, {"provider_id": "ollama", "model_id": "anything"})
     assert isinstance(ollama, OpenAICompatModel)
-    assert ollama._api_key == registry.NO_KEY  # a local server needs no key
+    assert ollama._spec.api_key == registry.NO_KEY  # a local server needs no key
     assert registry.providers(s)["openai"].base_url == s.openai_base_url
 
 
@@ -117,7 +117,7 @@ async def test_byok_takes_the_key_from_the_injected_resolver_and_unknown_credent
         secret_resolver=resolver,
     )
     assert isinstance(model, AnthropicModel)
-    assert model._api_key == "sk-org-own-key-123456" and calls == [
+    assert model._spec.api_key == "sk-org-own-key-123456" and calls == [
         ("org_1", "cred_ok", "anthropic")
     ]
     with pytest.raises(registry.UnknownModel, match="cannot be used"):
@@ -196,4 +196,4 @@ async def test_byok_only_for_openai_and_anthropic_and_integration_must_match_the
         secret_resolver=resolver,
     )
     assert isinstance(model, OpenAICompatModel)
-    assert model._api_key == "sk-org-own-key-123456"
+    assert model._spec.api_key == "sk-org-own-key-123456"

@@ -6,10 +6,12 @@
 #   docker run loopline:dev sh /app/deploy/migrate.sh           (every service's migrations)
 #
 # The builder stage installs requirements.lock (every dependency pinned with its hashes) into
-# a virtual environment; the runtime stage copies that environment and the source, and runs
-# as an unprivileged user. The generated gRPC code in loopline/ is committed: no protoc here.
+# a virtual environment, and requirements-integrations.lock into a second one that the tools
+# service's integration workers run with (modulex-integrations needs Python >= 3.12, hence
+# 3.12 for the image); the runtime stage copies both and the source, and runs as an
+# unprivileged user. The generated gRPC code and the integration catalogue are committed.
 
-ARG PYTHON_IMAGE=python:3.11-slim
+ARG PYTHON_IMAGE=python:3.12-slim
 
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -18,6 +20,10 @@ RUN python -m venv /opt/venv
 COPY requirements.lock /tmp/requirements.lock
 # Wheels only: every runtime dependency has one for linux x86_64 and aarch64 (no compiler here).
 RUN /opt/venv/bin/pip install --require-hashes --only-binary=:all: -r /tmp/requirements.lock
+COPY requirements-integrations.lock /tmp/requirements-integrations.lock
+RUN python -m venv /opt/integrations \
+    && /opt/integrations/bin/pip install --require-hashes --only-binary=:all: \
+       -r /tmp/requirements-integrations.lock
 COPY loopline /app/loopline
 COPY services /app/services
 COPY deploy/migrate.sh deploy/healthcheck.py /app/deploy/
@@ -30,6 +36,7 @@ RUN groupadd --system --gid 10001 loopline \
     && useradd --system --uid 10001 --gid loopline --no-create-home \
        --home-dir /nonexistent --shell /usr/sbin/nologin loopline
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder /opt/integrations /opt/integrations
 COPY --from=builder /app /app
 WORKDIR /app
 # The services bind every interface in a container (the development default is 127.0.0.1);
@@ -41,6 +48,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     LOOPLINE_HOST=0.0.0.0 \
     LOOPLINE_HTTP_HOST=0.0.0.0 \
     LOOPLINE_AUTO_MIGRATE=false \
+    LOOPLINE_TOOLS_INTEGRATIONS_PYTHON=/opt/integrations/bin/python \
     LOOPLINE_DATA_DIR=/tmp/loopline
 USER 10001:10001
 # gateway HTTP (and /metrics), gateway gRPC health, orchestrator, billing, tools, metrics ports

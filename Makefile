@@ -20,6 +20,14 @@ VENV_STAMP := $(VENV)/.installed
 # LOCK for the image (runtime), DEV_LOCK (runtime and dev extras, same versions) for .venv.
 LOCK := requirements.lock
 DEV_LOCK := requirements-dev.lock
+# The integration workers' own environment (services/tools/workers): Python >= 3.12, which the
+# pinned modulex-integrations needs; the first of these that runs is used.
+INT_VENV := .venv-integrations
+INT_STAMP := $(INT_VENV)/.installed
+INT_LOCK := requirements-integrations.lock
+INTEGRATIONS_PYTHON ?= $(shell for p in python3.12 python3.13 \
+	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3 $(HOME)/.pyenv/versions/3.13*/bin/python3); do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 UV := $(VENV)/bin/uv
 UV_VERSION := $(shell sed -n 's/^ *"uv==\([^"]*\)".*/\1/p' pyproject.toml)
 UV_COMPILE := $(UV) pip compile pyproject.toml --quiet --universal --python-version 3.11 \
@@ -36,14 +44,14 @@ BENCH_ARGS ?=
 LOOPLINE_TEST_POSTGRES_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 LOOPLINE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: help venv lock buf gen gen-check lint format breaking migrate run test test-pg test-faults bench clean distclean
+.PHONY: help venv lock buf gen gen-check catalogue lint format breaking migrate run test test-pg test-faults bench clean distclean
 
 help: ## list the targets
 	@echo "Loopline make targets:"
 	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
 	@echo "Variables: TESTS (test paths, default tests), PYTEST_ARGS (extra pytest options), DEV_ARGS (options of scripts/dev.py, e.g. --logs), BENCH_ARGS (options of the benchmark, e.g. --quick, --backend postgres), LOCK_ARGS (options of uv pip compile, e.g. --upgrade), PYTHON (default python3)."
 
-venv: $(VENV_STAMP) ## create .venv and install requirements-dev.lock, then the project (again when the lock or pyproject.toml changes)
+venv: $(VENV_STAMP) $(INT_STAMP) ## create .venv (requirements-dev.lock, then the project) and .venv-integrations (Python >= 3.12)
 
 $(VENV_STAMP): $(DEV_LOCK) pyproject.toml
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
@@ -53,12 +61,22 @@ $(VENV_STAMP): $(DEV_LOCK) pyproject.toml
 	  echo "venv: $(DEV_LOCK) does not satisfy pyproject.toml: run 'make lock'" >&2; exit 1; }
 	@touch $@
 
+$(INT_STAMP): $(INT_LOCK)
+	@test -n "$(INTEGRATIONS_PYTHON)" || { echo "venv: the integration workers need Python >= 3.12:" \
+	  "put python3.12 or python3.13 on PATH (or under pyenv), or set INTEGRATIONS_PYTHON" >&2; exit 1; }
+	@test -x $(INT_VENV)/bin/python || { echo "creating $(INT_VENV) with $(INTEGRATIONS_PYTHON)"; \
+	  $(INTEGRATIONS_PYTHON) -m venv $(INT_VENV); }
+	$(INT_VENV)/bin/python -m pip install --disable-pip-version-check --quiet --require-hashes -r $(INT_LOCK)
+	@touch $@
+
 lock: ## write requirements.lock and requirements-dev.lock from pyproject.toml (keeps the pins that still fit; LOCK_ARGS=--upgrade moves them all)
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@test "$$($(UV) --version 2>/dev/null | cut -d ' ' -f 2)" = "$(UV_VERSION)" || \
 	  $(PY) -m pip install --disable-pip-version-check --quiet "uv==$(UV_VERSION)"
 	$(UV_COMPILE) $(LOCK_ARGS) --extra dev -o $(DEV_LOCK)
 	$(UV_COMPILE) $(LOCK_ARGS) -c $(DEV_LOCK) -o $(LOCK)
+	$(UV) pip compile requirements-integrations.in --quiet --universal --python-version 3.12 \
+	  --generate-hashes --custom-compile-command 'make lock' $(LOCK_ARGS) -o $(INT_LOCK)
 
 buf: $(BUF) ## install the buf CLI (npm package @bufbuild/buf) into node_modules
 
@@ -82,6 +100,9 @@ gen-check: gen ## regenerate, then fail if loopline/ differs from the committed 
 	  exit 1; \
 	fi; \
 	echo "gen-check: loopline/ is up to date with protos/"
+
+catalogue: $(INT_STAMP) ## regenerate services/tools/catalogue_data from the pinned modulex-integrations
+	$(INT_VENV)/bin/python scripts/build_catalogue.py services/tools/catalogue_data
 
 lint: $(VENV_STAMP) $(BUF) ## buf lint of protos/, ruff (lint and format) and mypy (rules in buf.yaml and pyproject.toml)
 	$(BUF) lint
@@ -109,25 +130,25 @@ migrate: $(VENV_STAMP) ## apply the Alembic migrations of all four services (SQL
 	  $(PY) -m services.$$service migrate; \
 	done
 
-run: $(VENV_STAMP) ## set up, migrate, seed and start all four services; Ctrl-C stops them (scripts/dev.py)
+run: $(VENV_STAMP) $(INT_STAMP) ## set up, migrate, seed and start all four services; Ctrl-C stops them (scripts/dev.py)
 	$(PY) scripts/dev.py $(DEV_ARGS)
 
-test: $(VENV_STAMP) $(BUF) ## run the whole test suite on the embedded backends
+test: $(VENV_STAMP) $(INT_STAMP) $(BUF) ## run the whole test suite on the embedded backends
 	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
 
-test-pg: $(VENV_STAMP) $(BUF) ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379), without tests/faults (make test-faults)
+test-pg: $(VENV_STAMP) $(INT_STAMP) $(BUF) ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379), without tests/faults (make test-faults)
 	LOOPLINE_TEST_BACKEND=postgres \
 	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
 	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \
 	$(PYTEST) -q $(TESTS) --ignore=tests/faults $(PYTEST_ARGS)
 
-test-faults: $(VENV_STAMP) ## the fault suite on real processes: PostgreSQL (127.0.0.1:5432 db test) and a redis-server per test (tests/faults)
+test-faults: $(VENV_STAMP) $(INT_STAMP) ## the fault suite on real processes: PostgreSQL (127.0.0.1:5432 db test) and a redis-server per test (tests/faults)
 	LOOPLINE_TEST_BACKEND=postgres \
 	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
 	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \
 	$(PYTEST) -q tests/faults $(PYTEST_ARGS)
 
-bench: $(VENV_STAMP) ## benchmark the real processes (latency, throughput, fan-out, admission, memory); BENCH_ARGS='--quick'; JSON in bench/results/
+bench: $(VENV_STAMP) $(INT_STAMP) ## benchmark the real processes (latency, throughput, fan-out, admission, memory); BENCH_ARGS='--quick'; JSON in bench/results/
 	$(PY) -m bench $(BENCH_ARGS)
 
 clean: ## remove var/ (development databases and logs) and caches
@@ -135,4 +156,4 @@ clean: ## remove var/ (development databases and logs) and caches
 	find . -name __pycache__ -type d -not -path './$(VENV)/*' -not -path './node_modules/*' -prune -exec rm -rf {} +
 
 distclean: clean ## clean, and remove .venv and node_modules too
-	rm -rf $(VENV) node_modules
+	rm -rf $(VENV) $(INT_VENV) node_modules

@@ -470,9 +470,10 @@ def test_the_image_is_built_from_the_lock_and_runs_unprivileged():
     instructions = _dockerfile()
     stages = [args for word, args in instructions if word == "FROM"]
     assert len(stages) == 2 and stages[0].endswith("AS builder"), "multi-stage"
-    assert "ARG PYTHON_IMAGE=python:3.11-slim" in [f"{w} {a}" for w, a in instructions]
+    assert "ARG PYTHON_IMAGE=python:3.12-slim" in [f"{w} {a}" for w, a in instructions]
     runs = [args for word, args in instructions if word == "RUN"]
-    assert any("--require-hashes" in run and "-r /tmp/requirements.lock" in run for run in runs)
+    for lock in ("requirements.lock", "requirements-integrations.lock"):
+        assert any("--require-hashes" in run and f"-r /tmp/{lock}" in run for run in runs), lock
     (user,) = [args for word, args in instructions if word == "USER"]
     assert user.split(":")[0].isdigit() and int(user.split(":")[0]) != 0
     security = _resources("Deployment")["gateway"]["spec"]["template"]["spec"]["securityContext"]

@@ -44,7 +44,14 @@ from services.gateway.identity import Authenticator, AuthError
 from services.gateway.openapi import serve_docs
 from services.gateway.query import single_query_values
 from services.gateway.ratelimit import RequestLimits
-from services.gateway.routes import chats, credentials, knowledge, organizations, turns
+from services.gateway.routes import (
+    chats,
+    credentials,
+    integrations,
+    knowledge,
+    organizations,
+    turns,
+)
 
 
 def create_app(
@@ -56,7 +63,7 @@ def create_app(
     tools_channel: grpc.aio.Channel | None = None,
 ) -> FastAPI:
     """The FastAPI application serving the assistant API against the orchestrator on `channel`
-    (and, with `tools_channel`, the credentials and knowledge routes)."""
+    (and, with `tools_channel`, the credentials, knowledge and integrations routes)."""
     app = GatewayApp(
         title="Loopline",
         version="0.1.0",
@@ -105,6 +112,7 @@ def create_app(
     if tools is not None:
         app.include_router(credentials.router)
         app.include_router(knowledge.router)
+        app.include_router(integrations.router)
     app.include_router(organizations.router)
     serve_docs(app)
     return app

@@ -357,3 +357,121 @@ class MultiSearch(TypedDict):
     top_k: int
     total_matches: int
     matches: list[SearchMatch]
+
+
+# ---- integrations ---------------------------------------------------------------------------
+
+
+@with_config(_DOCSTRINGS)
+class IntegrationAction(TypedDict):
+    """An action of an integration, as `execute_integration_tool` runs it."""
+
+    name: str
+    display_name: str
+    description: str
+    parameters: dict[str, Any]
+    """The JSON Schema of its parameters."""
+
+
+@with_config(_DOCSTRINGS)
+class SetupVariable(TypedDict):
+    """A field of a credential's `auth_data` for this auth schema."""
+
+    name: str
+    display_name: str
+    description: str
+    required: bool
+    sensitive: bool
+    """A secret value (never shown again once stored)."""
+
+
+@with_config(_DOCSTRINGS)
+class AuthSchema(TypedDict):
+    """One way to connect an integration (POST /credentials with this `auth_type`, or the OAuth2
+    flow for `oauth2`)."""
+
+    auth_type: str
+    """api_key, bearer_token, oauth2, custom or mcp_server."""
+    display_name: str
+    description: str
+    setup_environment_variables: list[SetupVariable]
+    setup_instructions: list[str]
+    oauth_config: JsonObjectOrNull
+    """For oauth2: authorize_url, token_url, scopes, use_pkce where known; else null."""
+    required_scopes: list[str]
+    supports_modulex_oauth: NotRequired[bool]
+    """On the detail routes, for oauth2: whether the operator configured its OAuth2 app (connect
+    it with POST /credentials/oauth2/initiate)."""
+    supports_custom_oauth: NotRequired[bool]
+    """On the detail routes, for oauth2: always false (custom OAuth apps are not supported)."""
+
+
+@with_config(_DOCSTRINGS)
+class IntegrationModel(TypedDict):
+    """A model id a model provider allows (`llm.model_id`)."""
+
+    id: str
+    name: str
+    display_name: str
+
+
+IntegrationType = Literal["tool", "llm_provider", "knowledge_provider"]
+
+
+@with_config(_DOCSTRINGS)
+class IntegrationSummary(TypedDict):
+    """An integration as listed; `actions`, `models` and `auth_schemas` only with
+    `include_details` (browse), else null."""
+
+    name: str
+    display_name: str
+    description: str
+    logo: str | None
+    app_url: str | None
+    docs_url: None
+    categories: list[str]
+    integration_type: IntegrationType
+    version: str | None
+    status: Literal["connected", "available"]
+    """connected: the organization has a credential for it, or it needs none."""
+    recommended: bool
+    actions: list[IntegrationAction] | None
+    models: list[IntegrationModel] | None
+    """A model provider's allowed model ids ([] when it allows any); null for the others."""
+    auth_schemas: list[AuthSchema] | None
+
+
+@with_config(_DOCSTRINGS)
+class IntegrationPage(TypedDict):
+    """A page of GET /integrations/browse."""
+
+    integrations: list[IntegrationSummary]
+    total: int
+    """How many integrations match the filters in all."""
+    page: int
+    page_size: int
+    has_more: bool
+
+
+@with_config(_DOCSTRINGS)
+class IntegrationDetail(TypedDict):
+    """One integration with its auth schemas and its actions (tools, knowledge) or models (model
+    providers); GET /integrations/{name} sets both."""
+
+    name: str
+    display_name: str
+    description: str
+    logo: str | None
+    app_url: str | None
+    docs_url: None
+    categories: list[str]
+    integration_type: IntegrationType
+    version: str | None
+    status: Literal["connected", "available"]
+    auth_schemas: list[AuthSchema]
+    actions: list[IntegrationAction] | None
+    models: list[IntegrationModel] | None
+    features: None
+    metadata: dict[str, Any]
+    """`source`, `requires_credential`, `actions` (each action's `credit_cost_millicredits` and
+    `effects`: create, send, delete) and, for a model provider, `any_model`."""

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from jsonschema import Draft202012Validator
 
-AUTH_TYPES = ("none", "api_key", "bearer", "oauth2")
+AUTH_TYPES = ("none", "api_key", "bearer", "oauth2", "custom")
+
+# What an action may do beyond reading, shown in its details (see `Action.effects`).
+EFFECTS = ("create", "update", "send", "delete")
 
 # The built-in integrations, in the order the catalogue lists them.
 BUILTIN_MODULES = ("postgresql", "http", "loopline")
@@ -57,12 +60,16 @@ Handler = Callable[[ActionContext, dict[str, Any]], Awaitable[Any]]
 @dataclass(frozen=True)
 class AuthOption:
     """One way to authenticate: `type` in AUTH_TYPES, and `fields`, the JSON Schema of its
-    secret."""
+    secret (each property's `title`, `description`, and `writeOnly` for a secret value).
+    `setup_instructions` tell a user how to get the secret; `oauth` holds an `oauth2`
+    option's `authorize_url`, `token_url` and `scopes` where the manifest names them."""
 
     type: str
     label: str
     description: str
     fields: dict[str, Any] | None
+    setup_instructions: tuple[str, ...] = ()
+    oauth: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The option as shown by get_integration_details."""
@@ -76,13 +83,15 @@ class AuthOption:
 
 @dataclass(frozen=True)
 class Action:
-    """One action: JSON Schema `parameters`, cost in millicredits, and its handler."""
+    """One action: JSON Schema `parameters`, cost in millicredits, its handler, and `effects`:
+    which of EFFECTS it has beyond reading (e.g. ("delete",)), () for a read."""
 
     name: str
     description: str
     parameters: dict[str, Any]
     credit_cost_millicredits: int
     handler: Handler = field(repr=False, compare=False)
+    effects: tuple[str, ...] = ()
 
     @functools.cached_property
     def validator(self) -> Draft202012Validator:
@@ -97,19 +106,46 @@ class Action:
             "description": self.description,
             "parameters": self.parameters,
             "credit_cost_millicredits": self.credit_cost_millicredits,
+            "effects": list(self.effects),
         }
+
+
+class LazyActions(Mapping[str, Action]):
+    """An integration's actions, asked of `load` on each use (a generated catalogue keeps its
+    2,000 action schemas on disk and a few integrations' in a cache: `load` is that cache)."""
+
+    def __init__(self, load: Callable[[], dict[str, Action]]) -> None:
+        self._load = load
+
+    def __getitem__(self, name: str) -> Action:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
 
 
 @dataclass(frozen=True)
 class Integration:
-    """An integration from its manifest."""
+    """An integration from its manifest.
+
+    `source` says where it comes from: "builtin", "modulex-integrations" (the generated
+    catalogue), "oauth2" (an operator's OAuth2 integration), "mcp" (an MCP server);
+    `version`, `logo` and `app_url` are the manifest's, where it has them.
+    """
 
     name: str
     display_name: str
     description: str
     categories: tuple[str, ...]
     auth_options: tuple[AuthOption, ...]
-    actions: dict[str, Action]
+    actions: Mapping[str, Action]
+    source: str = "builtin"
+    version: str = ""
+    logo: str | None = None
+    app_url: str | None = None
 
     @property
     def auth_types(self) -> list[str]:

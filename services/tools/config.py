@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from pathlib import Path
 
 from pydantic import Field
 
@@ -21,6 +22,12 @@ from services.common.config import MAX_PORT, MAX_SECONDS, CommonSettings
 DEV_CREDENTIAL_KEY = base64.urlsafe_b64encode(
     hashlib.sha256(b"loopline-development-credential-key").digest()
 ).decode()
+
+
+# Where `make venv` puts the interpreter of the integration workers (Python >= 3.12); a
+# relative path is taken from the project's root (`integrations_python`).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_INTEGRATIONS_PYTHON = ".venv-integrations/bin/python"
 
 
 class ToolsSettings(CommonSettings):
@@ -56,8 +63,10 @@ class ToolsSettings(CommonSettings):
             (LOOPLINE_TOOLS_MCP_STDIO_SERVERS, default empty: none).
         tools_oauth2_integrations: OAuth2 integrations, a JSON list of {"name",
             "display_name"?, "description"?, "authorize_url", "token_url", "client_id",
-            "client_secret"?, "scope"?, "api_base_url"} (LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS,
-            default empty: none). See services/tools/oauth.py.
+            "client_secret"?, "scope"? or "scopes"?, "token_endpoint_auth_method"?, "use_pkce"?,
+            "authorize_params"?, "api_base_url"} (LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS, default
+            empty: none). An entry named like a catalogue integration with OAuth2 needs only the
+            client: the rest comes from its manifest. See services/tools/oauth.py.
         tools_credential_cache_ttl_s: seconds one process reuses what it read of an
             organization's credentials for tool calls — which integrations are connected,
             its MCP servers and their discovered tools; never a secret
@@ -66,6 +75,23 @@ class ToolsSettings(CommonSettings):
             refresh) is seen at once; with several replicas, another replica's write is
             seen after at most this long (an MCP integration not yet in the cache is
             always looked up in the database).
+        tools_integrations_python: the interpreter of the integration workers, which has the
+            pinned `modulex-integrations` installed (LOOPLINE_TOOLS_INTEGRATIONS_PYTHON; a
+            relative path is from the project's root; default the .venv-integrations that
+            `make venv` makes; empty: the community catalogue is off).
+        tools_integration_workers: at most this many worker processes at once, each running one
+            action at a time (LOOPLINE_TOOLS_INTEGRATION_WORKERS, default 4).
+        tools_integration_worker_idle_s: a worker with nothing to do exits after this long
+            (LOOPLINE_TOOLS_INTEGRATION_WORKER_IDLE_S, default 60).
+        tools_integration_worker_memory_mb: a worker's address-space limit in MiB; an action
+            that leaks past it fails and its worker is replaced
+            (LOOPLINE_TOOLS_INTEGRATION_WORKER_MEMORY_MB, default 2048; 0 = no limit).
+        tools_integration_hosts: fixed addresses for host names the workers connect to, a JSON
+            object {"api.github.com": "10.0.0.5:8443"} (LOOPLINE_TOOLS_INTEGRATION_HOSTS; for a
+            private mirror, or a test's fake API). The outbound policy still judges the address.
+        tools_integration_costs: credit costs of catalogue actions in millicredits, a JSON object
+            {"github.create_issue": 500, "github": 300, "*": 200} (most specific first;
+            LOOPLINE_TOOLS_INTEGRATION_COSTS, default: 200 each).
     """
 
     tools_port: int = Field(default=50053, ge=0, le=MAX_PORT)
@@ -80,6 +106,17 @@ class ToolsSettings(CommonSettings):
     tools_mcp_stdio_servers: str = ""
     tools_oauth2_integrations: str = ""
     tools_credential_cache_ttl_s: float = Field(default=5.0, ge=0, le=MAX_SECONDS)
+    tools_integrations_python: str = DEFAULT_INTEGRATIONS_PYTHON
+    tools_integration_workers: int = Field(default=4, ge=1, le=256)
+    tools_integration_worker_idle_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
+    tools_integration_worker_memory_mb: int = Field(default=2048, ge=0)
+    tools_integration_hosts: str = ""
+    tools_integration_costs: str = ""
+
+    def integrations_python(self) -> str:
+        """The absolute path of `tools_integrations_python`, or "" when the catalogue is off."""
+        python = self.tools_integrations_python
+        return str(PROJECT_ROOT / python) if python else ""
 
     def database_url(self) -> str:
         """The database URL to use: `tools_database_url`, or the embedded SQLite default."""

@@ -5,7 +5,8 @@ decrypted only by `resolve` when an action runs; everything else returns metadat
 (`CredentialInfo`), with a masked form at most. Every read is scoped by organization:
 another organization's credential is NOT_FOUND, the same as an absent one. The first
 credential of an integration becomes its default; deleting the default promotes the
-newest remaining one.
+newest remaining one. An `oauth2` credential whose refresh was refused `needs_reconnect`
+(oauth_refresh.py): its metadata says so, and connecting the integration again clears it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from __future__ import annotations
 import builtins
 import datetime
 import logging
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from jsonschema import Draft202012Validator
@@ -27,6 +27,7 @@ from services.common.ids import is_row_id
 from services.common.validation import schema_errors
 from services.tools.catalogue import AUTH_TYPES, Catalogue
 from services.tools.credential_cache import MISS, OrgReadCache
+from services.tools.credential_info import CredentialInfo
 from services.tools.crypto import (
     KEY_CHANGED_HINT,
     SecretBox,
@@ -36,53 +37,10 @@ from services.tools.crypto import (
 from services.tools.mcp_servers import MCP_AUTH_TYPE
 from services.tools.models import Credential, OAuthState, new_id, utcnow
 
+if TYPE_CHECKING:
+    from services.tools.oauth_refresh import TokenRefresher
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CredentialInfo:
-    """A credential's metadata (never its secret); `masked` is the masked secret."""
-
-    id: str
-    org_id: str
-    integration: str
-    auth_type: str
-    display_name: str
-    is_default: bool
-    created_at: datetime.datetime
-    updated_at: datetime.datetime
-    metadata: dict[str, Any]
-    masked: str
-    created_by: str = ""  # the creating user's id; "" when not recorded
-
-    @classmethod
-    def of(cls, row: Credential) -> CredentialInfo:
-        """The metadata of a row."""
-        return cls(
-            id=row.id,
-            org_id=row.org_id,
-            integration=row.integration,
-            auth_type=row.auth_type,
-            display_name=row.display_name,
-            is_default=row.is_default,
-            created_at=db.utc(row.created_at),
-            updated_at=db.utc(row.updated_at),
-            metadata=dict(row.metadata_json or {}),
-            masked=row.masked_secret,
-            created_by=row.created_by or "",
-        )
-
-    def to_tool_json(self) -> dict[str, Any]:
-        """The shape get_organization_credentials returns for one credential."""
-        return {
-            "id": self.id,
-            "integration": self.integration,
-            "auth_type": self.auth_type,
-            "display_name": self.display_name,
-            "is_default": self.is_default,
-            "created_at": self.created_at.isoformat(),
-            "updated_at": self.updated_at.isoformat(),
-        }
 
 
 def _not_found(credential_id: str) -> RpcError:
@@ -96,6 +54,26 @@ def _not_found(credential_id: str) -> RpcError:
 
 
 #: The auth types a stored credential can have: an integration's secret types, and MCP servers'.
+# The field that names an auth type when a credential is created without one (the SDK's rule).
+_TYPE_FIELDS = (
+    ("api_key", "api_key"),
+    ("token", "bearer"),
+    ("bearer_token", "bearer"),
+    ("access_token", "oauth2"),
+)
+
+
+def inferred_auth_type(secret_types: list[str], auth_data: dict[str, Any]) -> str:
+    """The auth type of a credential created without one: the integration's only secret type,
+    else the one `auth_data`'s fields name (`api_key`, `token`, `access_token`) if the
+    integration takes it, else its first; "" when it takes none."""
+    if len(secret_types) > 1:
+        for field_name, auth_type in _TYPE_FIELDS:
+            if field_name in auth_data and auth_type in secret_types:
+                return auth_type
+    return secret_types[0] if secret_types else ""
+
+
 STORED_AUTH_TYPES = (*(t for t in AUTH_TYPES if t != "none"), MCP_AUTH_TYPE)
 
 
@@ -145,6 +123,8 @@ class CredentialStore:
         self._box = box
         self._catalogue = catalogue
         self.cache = OrgReadCache(cache_ttl_s)
+        # Renews expiring oauth2 credentials before an action runs (set by the server; None: never).
+        self.refresher: TokenRefresher | None = None
 
     async def create(
         self,
@@ -170,7 +150,7 @@ class CredentialStore:
         if integration is None:
             raise _invalid("INTEGRATION_NOT_FOUND", f"Unknown integration {integration_name!r}")
         secret_types = [o.type for o in integration.auth_options if o.type != "none"]
-        auth_type = auth_type or (secret_types[0] if secret_types else "")
+        auth_type = auth_type or inferred_auth_type(secret_types, auth_data)
         option = integration.auth_option(auth_type)
         if option is None or auth_type == "none":
             raise _invalid(

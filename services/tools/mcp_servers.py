@@ -69,6 +69,7 @@ def integration_of_tools(
         categories=("mcp",),
         auth_options=auth_options,
         actions=actions,
+        source="mcp",
     )
 
 
@@ -127,6 +128,11 @@ class StdioRegistry:
         self._inflight.pop(name, None)
         if not task.cancelled() and task.exception() is None:
             self._tools[name] = task.result()
+
+    def discovered(self, name: str) -> list[dict[str, Any]] | None:
+        """The tools of server `name` if already discovered, else None (never starts a discovery:
+        a listing must not wait for a server)."""
+        return self._tools.get(name)
 
     async def integration(self, name: str) -> Integration:
         """The integration of server `name`; raises as `tools` when it cannot be discovered."""

@@ -2,7 +2,8 @@
 
 - `credentials`: an organization's credentials; the secret is only ever stored as a
   Fernet token (`encrypted_secret`), see crypto.py. At most one default per
-  organization and integration (a partial unique index).
+  organization and integration (a partial unique index). `needs_reconnect` marks an
+  `oauth2` credential whose refresh the authorization server refused (oauth_refresh.py).
 - `knowledge_bases`, `knowledge_documents`, `knowledge_chunks`: searchable knowledge.
   On SQLite the chunks are also indexed in the FTS5 table `knowledge_chunks_fts`
   (created by the migration, not by these models: rowid = knowledge_chunks.id).
@@ -48,6 +49,10 @@ class Credential(Base):
     # The user who created it (the gateway's user id); NULL when not recorded.
     created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
     masked_secret: Mapped[str] = mapped_column(String(500), nullable=False, default="")
+    # oauth2 only: its refresh was refused, so it works again only once the user connects it again.
+    needs_reconnect: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, default=False, server_default=text("false")
+    )
     metadata_json: Mapped[dict[str, Any]] = mapped_column(
         "metadata", JSON, nullable=False, default=dict
     )

@@ -1,30 +1,31 @@
-"""OAuth2 authorization code flow with PKCE (RFC 6749 §4.1, RFC 7636 S256) for integrations that
-declare it.
+"""OAuth2 authorization code flow (RFC 6749 section 4.1, with PKCE S256 by RFC 7636) for
+integrations that declare it; the token requests go through authlib (`oauth_refresh`).
 
 OAuth2 integrations are configured by the operator with LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS,
 a JSON list of `{"name", "display_name"?, "description"?, "authorize_url", "token_url",
-"client_id", "client_secret"?, "scope"?, "api_base_url"}`. Each becomes an integration
-with the auth option `oauth2` and one action, `api_request`, that calls its API with the
-stored access token.
+"client_id", "client_secret"?, "token_endpoint_auth_method"?, "scope"? or "scopes"?, "use_pkce"?,
+"authorize_params"?, "api_base_url"}` (see `OAuth2Provider`). Each becomes an integration with the
+auth option `oauth2` and one action, `api_request`, that calls its API with the stored access token
+(renewed first when it expires soon, and once more when the API answers 401: oauth_refresh.py).
 
 Flow: `initiate` stores a single-use state (random, 10 minutes) with the PKCE verifier
 encrypted and returns the authorization URL; `complete` consumes the state, exchanges the
-code at the token URL (client_secret_post when a secret is configured) and stores the
-tokens as an `oauth2` credential. Tokens are secrets: encrypted at rest, never returned.
+code at the token URL and stores the tokens as an `oauth2` credential: in the organization's
+credential of that integration that needs reconnecting when there is one (clearing the mark),
+else as a new one. Tokens are secrets: encrypted at rest, never returned.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime
-import hashlib
 import json
 import logging
 import re
 import secrets
 import unicodedata
 import urllib.parse
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -32,6 +33,8 @@ from sqlalchemy import delete
 
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, RpcError, bounded
+from services.common.redaction import Redactor
+from services.tools import oauth_refresh
 from services.tools.catalogue import (
     ActionContext,
     ActionError,
@@ -41,6 +44,7 @@ from services.tools.catalogue import (
 from services.tools.credentials import CredentialInfo, CredentialStore
 from services.tools.crypto import KEY_CHANGED_HINT, SecretBox, SecretBoxError
 from services.tools.models import OAuthState, utcnow
+from services.tools.oauth_refresh import TokenEndpointError, TokenRefresher, request_tokens
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +53,34 @@ STATE_TTL = datetime.timedelta(minutes=10)
 # the URL-safe base64 alphabet); the column holds 64. Any other state cannot be ours (`complete`).
 _STATE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+#: How a client authenticates at the token endpoint (RFC 7591 names): the secret in the form, in
+#: an HTTP Basic header, or no secret (a public client: its client_id in the form).
+TOKEN_ENDPOINT_AUTH_METHODS = ("client_secret_post", "client_secret_basic", "none")
+#: Parameters of the authorize URL that the flow sets itself: `authorize_params` cannot hold them.
+FLOW_PARAMS = frozenset(
+    {
+        "response_type",
+        "client_id",
+        "redirect_uri",
+        "state",
+        "scope",
+        "code_challenge",
+        "code_challenge_method",
+    }
+)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OAuth2Provider:
-    """An operator-configured OAuth2 integration (see the module docstring for the fields)."""
+    """An OAuth2 integration's authorization server and client.
+
+    `scopes` (or the space-separated `scope`) are asked for unless a flow names its own;
+    `token_endpoint_auth_method` is one of TOKEN_ENDPOINT_AUTH_METHODS (client_secret_post by
+    default; none when there is no client secret); `use_pkce` false leaves out the code challenge
+    and verifier (for servers that refuse them); `authorize_params` are extra query parameters of
+    the authorize URL (e.g. {"access_type": "offline", "prompt": "consent"}); `api_base_url` is
+    where `api_request` sends the token ("" for an integration without that action).
+    """
 
     name: str
     display_name: str
@@ -61,14 +88,73 @@ class OAuth2Provider:
     authorize_url: str
     token_url: str
     client_id: str
-    client_secret: str
-    scope: str
-    api_base_url: str
+    client_secret: str = ""
+    scope: str = ""
+    scopes: tuple[str, ...] = ()
+    api_base_url: str = ""
+    token_endpoint_auth_method: str = "client_secret_post"
+    use_pkce: bool = True
+    authorize_params: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    @property
+    def default_scope(self) -> str:
+        """The scope a flow asks for when it names none (space-separated)."""
+        return " ".join(self.scopes) if self.scopes else self.scope
+
+    @property
+    def auth_method(self) -> str:
+        """How the client authenticates at the token endpoint: "none" without a secret."""
+        return self.token_endpoint_auth_method if self.client_secret else "none"
 
 
-def parse_providers(raw: str) -> list[OAuth2Provider]:
+def _provider_options(item: dict[str, Any]) -> dict[str, Any]:
+    """The optional fields of one configured provider, checked. Raises ValueError."""
+    name = item["name"]
+    method = item.get("token_endpoint_auth_method", "client_secret_post")
+    if method not in TOKEN_ENDPOINT_AUTH_METHODS:
+        raise ValueError(
+            f"OAuth2 integration {name!r}: token_endpoint_auth_method must be one of "
+            f"{', '.join(TOKEN_ENDPOINT_AUTH_METHODS)}"
+        )
+    if method == "client_secret_basic" and not item.get("client_secret"):
+        raise ValueError(f"OAuth2 integration {name!r}: client_secret_basic needs client_secret")
+    scopes = item.get("scopes", [])
+    if not isinstance(scopes, list) or not all(
+        isinstance(s, str) and s and not any(c.isspace() for c in s) for s in scopes
+    ):
+        raise ValueError(f"OAuth2 integration {name!r}: scopes must be a list of scope names")
+    if scopes and item.get("scope"):
+        raise ValueError(f"OAuth2 integration {name!r}: give scope or scopes, not both")
+    params = item.get("authorize_params", {})
+    if not isinstance(params, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in params.items()
+    ):
+        raise ValueError(f"OAuth2 integration {name!r}: authorize_params must map names to strings")
+    taken = sorted(FLOW_PARAMS & set(params))
+    if taken:
+        raise ValueError(
+            f"OAuth2 integration {name!r}: authorize_params cannot set {', '.join(taken)}"
+        )
+    if not isinstance(item.get("use_pkce", True), bool):
+        raise ValueError(f"OAuth2 integration {name!r}: use_pkce must be true or false")
+    return {
+        "token_endpoint_auth_method": method,
+        "scopes": tuple(scopes),
+        "use_pkce": item.get("use_pkce", True),
+        "authorize_params": dict(params),
+    }
+
+
+def parse_providers(
+    raw: str, manifests: Mapping[str, Mapping[str, Any]] | None = None
+) -> list[OAuth2Provider]:
     """The providers of a LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS value ("" -> []). Raises ValueError
-    when malformed."""
+    when malformed.
+
+    `manifests` holds the OAuth2 settings of catalogue integrations by name (`authorize_url`,
+    `token_url`, `scopes`, `token_endpoint_auth_method`, `use_pkce`, `authorize_params`): an
+    entry of that name takes what it does not give from there and needs no `api_base_url` (the
+    integration's own actions use the token)."""
     if not raw.strip():
         return []
     items = json.loads(raw)
@@ -76,9 +162,18 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
         raise ValueError("tools_oauth2_integrations must be a JSON list")
     providers = []
     for item in items:
+        if not isinstance(item, dict):
+            raise ValueError("tools_oauth2_integrations must be a list of JSON objects")
+        manifest = (manifests or {}).get(str(item.get("name")))
+        if manifest is not None:
+            given_scope = "scope" in item or "scopes" in item
+            item = {**{k: v for k, v in manifest.items() if k != "scopes"}, **item}
+            if not given_scope:
+                item["scopes"] = list(manifest.get("scopes", []))
+        required = ("name", "authorize_url", "token_url", "client_id")
         missing = [
             k
-            for k in ("name", "authorize_url", "token_url", "client_id", "api_base_url")
+            for k in (required if manifest is not None else (*required, "api_base_url"))
             if not isinstance(item.get(k), str) or not item[k]
         ]
         if missing:
@@ -96,7 +191,8 @@ def parse_providers(raw: str) -> list[OAuth2Provider]:
                 client_id=item["client_id"],
                 client_secret=item.get("client_secret", ""),
                 scope=item.get("scope", ""),
-                api_base_url=item["api_base_url"].rstrip("/"),
+                api_base_url=str(item.get("api_base_url", "")).rstrip("/"),
+                **_provider_options(item),
             )
         )
     return providers
@@ -160,24 +256,17 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
         refusal = api_path_error(path)
         if refusal is not None:
             raise ActionError(refusal)
-        import httpx  # loaded on first use, not at start
-
-        async with httpx.AsyncClient(
-            timeout=timeout_s, follow_redirects=False, trust_env=False
-        ) as client:
-            response = await client.request(
-                params.get("method", "GET"),
-                provider.api_base_url + path,
-                headers={"Authorization": f"Bearer {token}"},
-                json=params.get("body"),
-            )
-        try:
-            body: Any = pb.loads_strict(response.content)
-        except (
-            ValueError
-        ):  # not JSON (NaN and 1e400 included), or nested past what json.loads parses: the text
-            body = response.text
-        return {"status": response.status_code, "body": body}
+        response = await _send(provider, timeout_s, params, token)
+        if response.status_code == 401:  # revoked or expired early: renew once, then retry once
+            try:
+                renewed = await oauth_refresh.renew_after_rejection(provider.name, token)
+            except oauth_refresh.CredentialUnusable as exc:
+                raise ActionError(str(exc)) from None
+            if renewed is not None:
+                retried = await _send(provider, timeout_s, params, renewed["access_token"])
+                # the caller redacts the secret it gave; this one it never saw
+                return Redactor(renewed).value(_api_result(retried))
+        return _api_result(response)
 
     manifest = {
         "name": provider.name,
@@ -218,15 +307,34 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
     return integration_from_manifest(manifest, {"api_request": api_request})
 
 
+async def _send(
+    provider: OAuth2Provider, timeout_s: float, params: dict[str, Any], access_token: str
+) -> Any:
+    """`api_request`'s HTTP request (an httpx.Response) with `access_token`."""
+    import httpx  # loaded on first use, not at start
+
+    async with httpx.AsyncClient(
+        timeout=timeout_s, follow_redirects=False, trust_env=False
+    ) as client:
+        return await client.request(
+            params.get("method", "GET"),
+            provider.api_base_url + params["path"],
+            headers={"Authorization": f"Bearer {access_token}"},
+            json=params.get("body"),
+        )
+
+
+def _api_result(response: Any) -> dict[str, Any]:
+    """{"status", "body"} of an API response: its JSON, else its text."""
+    try:
+        body: Any = pb.loads_strict(response.content)
+    except ValueError:  # not JSON (NaN and 1e400 included), or nested past what json.loads parses
+        body = response.text
+    return {"status": response.status_code, "body": body}
+
+
 def _invalid(reason: str, message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, domain=TOOLS_DOMAIN)
-
-
-def pkce_challenge(verifier: str) -> str:
-    """The S256 code challenge of a PKCE verifier: base64url(sha256(verifier)) without padding."""
-    return (
-        base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
-    )
 
 
 class OAuth2Flows:
@@ -238,6 +346,9 @@ class OAuth2Flows:
         box: encrypts the PKCE verifiers.
         credentials: stores the resulting credentials.
         timeout_s: the token request's time limit, in seconds.
+
+    `refresher` renews the credentials' access tokens (the server gives it to the credential
+    store, for the tool calls); it shares `providers`.
     """
 
     def __init__(
@@ -253,6 +364,7 @@ class OAuth2Flows:
         self._box = box
         self._credentials = credentials
         self._timeout_s = timeout_s
+        self.refresher = TokenRefresher(self.providers, sessions, box, credentials.cache, timeout_s)
 
     async def initiate(
         self,
@@ -264,8 +376,14 @@ class OAuth2Flows:
         make_default: bool = False,
         user_id: str = "",
     ) -> tuple[str, str]:
-        """(authorization_url, state). Raises RpcError INVALID_ARGUMENT for an integration
-        without OAuth2 or a redirect_uri that is not an absolute http(s) URL."""
+        """(authorization_url, state): the provider's authorize URL with its `authorize_params`,
+        the scope, and the PKCE S256 challenge unless `use_pkce` is false. Raises RpcError
+        INVALID_ARGUMENT for an integration without OAuth2 or a redirect_uri that is not an
+        absolute http(s) URL."""
+        # loaded on first use, not at start
+        from authlib.oauth2.rfc6749.parameters import prepare_grant_uri
+        from authlib.oauth2.rfc7636 import create_s256_code_challenge
+
         if not org_id:
             raise _invalid("ORGANIZATION_REQUIRED", "organization_id is required")
         provider = self.providers.get(integration)
@@ -279,8 +397,8 @@ class OAuth2Flows:
                 "INVALID_REDIRECT_URI", "redirect_uri must be an absolute http or https URL"
             )
         state = secrets.token_urlsafe(32)
-        verifier = secrets.token_urlsafe(64)
-        scope = scope or provider.scope
+        verifier = secrets.token_urlsafe(64) if provider.use_pkce else ""
+        scope = scope or provider.default_scope
         async with self._sessions() as session, session.begin():
             await session.execute(delete(OAuthState).where(OAuthState.expires_at < utcnow()))
             session.add(
@@ -297,22 +415,30 @@ class OAuth2Flows:
                     expires_at=utcnow() + STATE_TTL,
                 )
             )
-        query = {
-            "response_type": "code",
-            "client_id": provider.client_id,
-            "redirect_uri": redirect_uri,
-            "state": state,
-            "code_challenge": pkce_challenge(verifier),
-            "code_challenge_method": "S256",
-        }
-        if scope:
-            query["scope"] = scope
-        separator = "&" if urllib.parse.urlsplit(provider.authorize_url).query else "?"
-        return provider.authorize_url + separator + urllib.parse.urlencode(query), state
+        pkce = (
+            {
+                "code_challenge": create_s256_code_challenge(verifier),
+                "code_challenge_method": "S256",
+            }
+            if verifier
+            else {}
+        )
+        url = prepare_grant_uri(
+            provider.authorize_url,
+            client_id=provider.client_id,
+            response_type="code",
+            redirect_uri=redirect_uri,
+            scope=scope or None,
+            state=state,
+            **{**provider.authorize_params, **pkce},
+        )
+        return url, state
 
     async def complete(self, state: str, code: str, error: str = "") -> tuple[CredentialInfo, str]:
         """Consume `state`, exchange `code`, store the credential; returns (its metadata, the user
-        who started).
+        who started). The tokens go to the organization's credential of the integration that needs
+        reconnecting when there is one (`TokenRefresher.reconnect`: same id, mark cleared), else to
+        a new credential.
 
         Raises RpcError INVALID_ARGUMENT (OAUTH2_STATE_INVALID: unknown, used or expired state, or
         one no configured credential key decrypts (logged); missing code; OAUTH2_DENIED: the
@@ -328,17 +454,15 @@ class OAuth2Flows:
         provider = self.providers[row.integration]
         verifier = self._verifier(row)
         tokens = await self._exchange(provider, row, code, verifier)
-        secret = {
-            "access_token": tokens["access_token"],
-            "token_type": str(tokens.get("token_type", "Bearer")),
-        }
-        if isinstance(tokens.get("refresh_token"), str):
-            secret["refresh_token"] = tokens["refresh_token"]
-        metadata: dict[str, Any] = {"scope": str(tokens.get("scope", row.scope))}
-        if isinstance(tokens.get("expires_in"), int | float):
-            metadata["expires_at"] = (
-                utcnow() + datetime.timedelta(seconds=float(tokens["expires_in"]))
-            ).isoformat()
+        secret, fields = oauth_refresh.token_fields(tokens)
+        metadata: dict[str, Any] = {"scope": row.scope, **fields}
+        info = await self.refresher.reconnect(
+            row.org_id, provider.name, secret, metadata, row.display_name
+        )
+        if info is not None:
+            if row.make_default and not info.is_default:
+                info = await self._credentials.set_default(row.org_id, info.id)
+            return info, row.user_id
         info = await self._credentials.create_raw(
             row.org_id,
             provider.name,
@@ -392,49 +516,29 @@ class OAuth2Flows:
     async def _exchange(
         self, provider: OAuth2Provider, row: OAuthState, code: str, verifier: str
     ) -> dict[str, Any]:
-        """Exchange `code` at the provider's token endpoint; the token response, which has an
-        `access_token`. OAUTH2_EXCHANGE_FAILED when the endpoint refuses or cannot be reached."""
-        form = {
-            "grant_type": "authorization_code",
-            "code": code,
-            "redirect_uri": row.redirect_uri,
-            "client_id": provider.client_id,
-            "code_verifier": verifier,
-        }
-        if provider.client_secret:
-            form["client_secret"] = provider.client_secret
-        import httpx  # loaded on first use, not at start
-
+        """Exchange `code` at the provider's token endpoint (with the PKCE verifier when the flow
+        has one); the token response, which has an `access_token`. OAUTH2_EXCHANGE_FAILED when the
+        endpoint refuses or cannot be reached."""
+        grant = {"code": code, "redirect_uri": row.redirect_uri}
+        if verifier:
+            grant["code_verifier"] = verifier
         try:
-            async with httpx.AsyncClient(
-                timeout=self._timeout_s, follow_redirects=False, trust_env=False
-            ) as client:
-                response = await client.post(
-                    provider.token_url, data=form, headers={"Accept": "application/json"}
-                )
-            try:
-                tokens = response.json() if response.status_code == 200 else None
-            # not JSON, or nested past what json.loads parses: no token
-            except (ValueError, RecursionError) as exc:
-                log.warning(
-                    "oauth2 token response is not JSON",
-                    extra={
-                        "fields": {"integration": provider.name, "exc_type": type(exc).__name__}
-                    },
-                )
-                tokens = None
-        except httpx.HTTPError as exc:
+            return await request_tokens(provider, self._timeout_s, grant)
+        except TokenEndpointError as exc:
+            why = (
+                f"status {exc.status}"
+                if exc.status is not None
+                else "its token endpoint could not be reached"
+            )
             log.warning(
                 "oauth2 token exchange failed",
-                extra={"fields": {"integration": provider.name, "exc_type": type(exc).__name__}},
-            )
-            tokens = None
-            response = None
-        if not isinstance(tokens, dict) or not isinstance(tokens.get("access_token"), str):
-            why = (
-                f"status {response.status_code}"
-                if response is not None
-                else "its token endpoint could not be reached"
+                extra={
+                    "fields": {
+                        "integration": provider.name,
+                        "status": exc.status,
+                        "error": exc.error,
+                    }
+                },
             )
             raise RpcError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -442,5 +546,4 @@ class OAuth2Flows:
                 f"The authorization server did not issue a token ({why}); start the connection "
                 "again",
                 domain=TOOLS_DOMAIN,
-            )
-        return tokens
+            ) from None

@@ -11,6 +11,7 @@ from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.metrics import MetricsServer
 from services.common.readiness import Readiness, database, readiness_of
+from services.tools import community as community_catalogue
 from services.tools.catalogue import Catalogue
 from services.tools.config import ToolsSettings
 from services.tools.credentials import CredentialStore
@@ -36,6 +37,7 @@ class ToolsServer:
     """
 
     readiness: Readiness | None = None
+    community: community_catalogue.CommunityCatalogue | None = None
 
     def __init__(
         self, running: RunningServer, engine: Any, servicer: ToolsServicer, metrics: MetricsServer
@@ -65,11 +67,18 @@ class ToolsServer:
                 "public development key; set a Fernet key in any real deployment"
             )
         box = SecretBox(settings.credential_keys())
-        providers = parse_providers(settings.tools_oauth2_integrations)
-        catalogue = Catalogue(
-            Catalogue.builtin().all()
-            + [integration_of(p, settings.tools_timeout_s) for p in providers]
-        )
+        community = community_catalogue.from_settings(settings)
+        # an entry named like a catalogue integration configures that integration's OAuth2 app
+        manifests = community.oauth_settings() if community is not None else {}
+        providers = parse_providers(settings.tools_oauth2_integrations, manifests)
+        integrations = Catalogue.builtin().all() + [
+            integration_of(p, settings.tools_timeout_s)
+            for p in providers
+            if p.name not in manifests
+        ]
+        if community is not None:
+            integrations += community.integrations(taken={i.name for i in integrations})
+        catalogue = Catalogue(integrations)
         connector = McpConnector(
             settings.tools_timeout_s,
             settings.tools_max_output_bytes,
@@ -85,6 +94,7 @@ class ToolsServer:
             settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio
         )
         oauth = OAuth2Flows(providers, sessions, box, credentials, settings.tools_timeout_s)
+        credentials.refresher = oauth.refresher  # tool calls renew expiring OAuth2 tokens
         servicer = ToolsServicer(executor, oauth)
         try:
             running = await start_grpc_server(
@@ -107,6 +117,7 @@ class ToolsServer:
             await engine.dispose()
             raise
         server = cls(running, engine, servicer, metrics)
+        server.community = community
         server.readiness = readiness_of(settings, [database(engine, settings.readiness_timeout_s)])
         await server.readiness.start(running.health, running.service_names)
         if stdio.servers:
@@ -125,5 +136,7 @@ class ToolsServer:
             self._discovery.cancel()
         await self._running.stop(grace)
         await self.servicer.executor.mcp.aclose()
+        if self.community is not None:
+            await self.community.pool.close()
         await self._engine.dispose()
         await metrics

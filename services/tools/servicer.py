@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+from loopline.tools.v1 import tools_pb2
 from services.common import ids, pb
 from services.common.errors import TOOLS_DOMAIN, RpcError, bounded, rpc_handler
 from services.common.logging import bind
@@ -29,6 +29,7 @@ from services.tools.extract import (
     extract_text,
     file_type,
 )
+from services.tools.listing import IntegrationListing, IntegrationRpcs
 from services.tools.mcp_client import check_url_policy
 from services.tools.mcp_servers import MCP_AUTH_TYPE, slug
 from services.tools.models import KnowledgeBase, KnowledgeDocument
@@ -143,15 +144,17 @@ def mcp_tool_pb(tool: dict[str, Any]) -> tools_pb2.McpTool:
     )
 
 
-class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
+class ToolsServicer(IntegrationRpcs):
     """`loopline.tools.v1.ToolsService` over a ToolExecutor and its credential and knowledge
-    stores."""
+    stores (ListIntegrations and GetIntegration: listing.IntegrationRpcs)."""
 
     def __init__(self, executor: ToolExecutor, oauth: OAuth2Flows | None = None) -> None:
         self.executor = executor
         self.credentials = executor.credentials
         self.knowledge = executor.knowledge
         self.oauth = oauth
+        # ListIntegrations and GetIntegration (listing.py)
+        self.listing = IntegrationListing(executor, oauth.providers if oauth else ())
 
     @unary
     async def ListTools(

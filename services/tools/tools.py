@@ -42,9 +42,13 @@ from services.tools.mcp_servers import (
     integration_of_tools,
 )
 from services.tools.netpolicy import OutboundPolicyError
+from services.tools.oauth_refresh import CredentialUnusable
 from services.tools.tool_definitions import PROFILES, TOOL_DEFINITIONS
 
 log = logging.getLogger(__name__)
+
+# get_available_integrations describes at most this many integrations (see its docstring)
+DESCRIBED_AT_MOST = 25
 
 # Room kept for the execute_integration_tool envelope around a capped result.
 _ENVELOPE_BYTES = 512
@@ -238,21 +242,14 @@ class ToolExecutor:
 
     async def get_available_integrations(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"integrations": [{"name", "display_name", "description", "categories", "connected",
-        "auth_types"}], "count"}."""
+        "auth_types"}], "count"}; past DESCRIBED_AT_MOST integrations, each without its
+        description and categories, and a `note` that says how to narrow the list (the whole
+        catalogue described is ~60 KB, too much for a model's context)."""
         category = (args.get("category") or "").strip().lower()
         query = (args.get("query") or "").strip().lower()
         connected = await self.credentials.connected_integrations(org_id)
         items = []
-        listed: list[Any] = list(self.catalogue.all())
-        listed += [
-            Integration(s.name, s.name, self.stdio.describe(s), ("mcp",), NO_AUTH, {})
-            for s in self.stdio.servers.values()
-        ]
-        listed += [
-            self.org_mcp_integration(info, tools)
-            for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE)
-        ]
-        for integration in listed:
+        for integration in await self.visible_integrations(org_id):
             if category and category not in (c.lower() for c in integration.categories):
                 continue
             haystack = (
@@ -271,7 +268,30 @@ class ToolExecutor:
                     "auth_types": integration.auth_types,
                 }
             )
-        return ToolResult(True, output={"integrations": items, "count": len(items)})
+        output: dict[str, Any] = {"integrations": items, "count": len(items)}
+        if len(items) > DESCRIBED_AT_MOST:
+            for item in items:
+                del item["description"], item["categories"]
+            output["note"] = (
+                f"{len(items)} integrations, listed without descriptions: call again with a query "
+                "or a category to describe fewer, or get_integration_details for one."
+            )
+        return ToolResult(True, output=output)
+
+    async def visible_integrations(self, org_id: str) -> list[Integration]:
+        """The integrations `org_id` sees, in listing order: the catalogue's, the operator's stdio
+        MCP servers (without their actions: discovered on first use) and the organization's own
+        MCP servers (shared by get_available_integrations and GET /integrations, listing.py)."""
+        listed = list(self.catalogue.all())
+        listed += [
+            Integration(s.name, s.name, self.stdio.describe(s), ("mcp",), NO_AUTH, {}, source="mcp")
+            for s in self.stdio.servers.values()
+        ]
+        listed += [
+            self.org_mcp_integration(info, tools)
+            for info, tools in await self.credentials.of_auth_type(org_id, MCP_AUTH_TYPE)
+        ]
+        return listed
 
     async def get_integration_details(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"name", "display_name", "description", "categories", "connected", "requires_credential",
@@ -342,8 +362,10 @@ class ToolExecutor:
         self, org_id: str, integration: Integration, credential_id: str | None
     ) -> tuple[CredentialInfo, dict[str, Any]] | None:
         """The credential (and its secret) an action of `integration` runs with: the one named by
-        `credential_id`, else the integration's default; None when it needs none. Raises ToolError
-        when a named or required credential is missing or cannot be decrypted."""
+        `credential_id`, else the integration's default; None when it needs none. An oauth2
+        credential's access token is renewed first when it expires soon (oauth_refresh.py). Raises
+        ToolError when a named or required credential is missing, cannot be decrypted, or must be
+        connected again (or renewed later)."""
         try:
             # An integration without a secret auth type (e.g. loopline) can have no credential
             # (CreateCredential refuses one), so there is nothing to look up unless an id is named.
@@ -351,6 +373,11 @@ class ToolExecutor:
                 resolved = await self.credentials.resolve(org_id, integration.name, credential_id)
             else:
                 resolved = None
+            refresher = self.credentials.refresher
+            if resolved is not None and refresher is not None:
+                resolved = await refresher.usable(*resolved)
+        except CredentialUnusable as exc:  # its text is built for the model, from known fields
+            raise ToolError(str(exc)) from None
         except SecretBoxError as exc:
             raise ToolError(
                 f"The stored {integration.name} credential cannot be decrypted; ask the user to "

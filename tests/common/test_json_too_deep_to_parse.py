@@ -325,38 +325,48 @@ async def _oauth2_api_and_token_responses(fixtures: Fixtures) -> None:
         CTX, {"path": "/me"}
     ) == {"status": 200, "body": body}
 
-    tools = await start_tools(
-        tools_oauth2_integrations=json.dumps(
-            [
-                {
-                    "name": "acme",
-                    "authorize_url": "https://auth.example/authorize",
-                    "token_url": "https://auth.example/token",
-                    "client_id": "loopline-client",
-                    "api_base_url": "https://api.example",
-                }
-            ]
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from tests.tools.tools_stack import serve_asgi
+
+    async def token(request: Any) -> Response:  # the token request goes through authlib (httpx2)
+        return Response(body, media_type="application/json")
+
+    async with serve_asgi(Starlette(routes=[Route("/token", token, methods=["POST"])])) as base:
+        tools = await start_tools(
+            tools_oauth2_integrations=json.dumps(
+                [
+                    {
+                        "name": "acme",
+                        "authorize_url": "https://auth.example/authorize",
+                        "token_url": f"{base}/token",
+                        "client_id": "loopline-client",
+                        "api_base_url": "https://api.example",
+                    }
+                ]
+            )
         )
-    )
-    started = await tools.stub.InitiateOAuth2(
-        tools_pb2.InitiateOAuth2Request(
-            organization_id="org-a",
-            integration_name="acme",
-            redirect_uri="https://app.example/callback",
+        started = await tools.stub.InitiateOAuth2(
+            tools_pb2.InitiateOAuth2Request(
+                organization_id="org-a",
+                integration_name="acme",
+                redirect_uri="https://app.example/callback",
+            )
         )
-    )
-    try:
-        await tools.stub.CompleteOAuth2(
-            tools_pb2.CompleteOAuth2Request(state=started.state, code="code-1")
-        )
-        raise AssertionError("no token was issued")
-    except grpc.aio.AioRpcError as error:
-        details = status_details(error)
-        assert (details.code, details.reason) == (
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "OAUTH2_EXCHANGE_FAILED",
-        ), details
-        assert "status 200" in details.message
+        try:
+            await tools.stub.CompleteOAuth2(
+                tools_pb2.CompleteOAuth2Request(state=started.state, code="code-1")
+            )
+            raise AssertionError("no token was issued")
+        except grpc.aio.AioRpcError as error:
+            details = status_details(error)
+            assert (details.code, details.reason) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "OAUTH2_EXCHANGE_FAILED",
+            ), details
+            assert "status 200" in details.message
 
 
 TOO_DEEP_TO_PARSE: dict[str, Case] = {

@@ -100,7 +100,8 @@ async def test_credential_list_filters_by_the_sdk_auth_type_names_and_refuses_un
         assert refused.status_code == 400
         # the accepted names include the SDK's alias, not only the stored ones
         assert refused.json() == {
-            "detail": "auth_type must be one of api_key, bearer, bearer_token, oauth2, mcp_server"
+            "detail": "auth_type must be one of api_key, bearer, bearer_token, oauth2, custom, "
+            "mcp_server"
         }
 
 

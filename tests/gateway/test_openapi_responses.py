@@ -2,8 +2,8 @@
 every answer: a success response of every operation has a schema (the models the handlers
 build), and a session calling every documented operation (a turn with a question, its resume,
 a cancel, the chats, the organization settings, credentials with an MCP server and an OAuth2
-connection, knowledge bases) has each response checked by schemathesis' response conformance
-(status documented, body and SSE frames of the documented schema)."""
+connection, knowledge bases, integrations) has each response checked by schemathesis' response
+conformance (status documented, body and SSE frames of the documented schema)."""
 
 from __future__ import annotations
 
@@ -221,6 +221,21 @@ async def _knowledge(client: httpx.AsyncClient) -> None:
     )
 
 
+async def _integrations(client: httpx.AsyncClient) -> None:
+    """Every integrations route, details and OAuth2 flags included, and a 404."""
+    await _ok(client.get("/integrations/browse", params={"page_size": 20}))
+    await _ok(client.get("/integrations/browse", params={"type": "llm_provider"}))
+    await _ok(client.get("/integrations/tools"))
+    await _ok(client.get("/integrations/tools/acme"))
+    await _ok(client.get("/integrations/tools/postgresql"))
+    await _ok(client.get("/integrations/llm-providers"))
+    await _ok(client.get("/integrations/llm-providers/openai"))
+    await _ok(client.get("/integrations/knowledge-providers"))
+    await _ok(client.get("/integrations/knowledge-providers/loopline_knowledge"))
+    await _ok(client.get("/integrations/scripted"))
+    await _ok(client.get("/integrations/no_such_integration"), 404)
+
+
 async def test_every_answer_of_every_operation_matches_the_document(reachable):
     answers: Answers = []
 
@@ -237,6 +252,7 @@ async def test_every_answer_of_every_operation_matches_the_document(reachable):
         await _settings(client)
         await _credentials(client, browser, reachable)
         await _knowledge(client)
+        await _integrations(client)
     answers = [a for a in answers if a.request.url.path != "/openapi.json"]
     schema = schemathesis.openapi.from_dict(document)
     answered = set()

@@ -9,6 +9,7 @@ from jsonschema import Draft202012Validator
 from loopline.tools.v1 import tools_pb2
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
+from services.tools.tools import DESCRIBED_AT_MOST
 
 FIVE = [
     "get_available_integrations",
@@ -74,7 +75,12 @@ async def test_available_integrations_become_connected_when_a_credential_is_crea
     assert by_name["http"]["connected"] is False
     assert by_name["loopline"]["connected"] is True  # needs no credential
     assert by_name["postgresql"]["auth_types"] == ["api_key"]
-    assert set(by_name["postgresql"]) == {
+    # the whole catalogue is listed without descriptions; a narrower listing has them
+    assert set(by_name["postgresql"]) == {"name", "display_name", "connected", "auth_types"}
+    assert before["count"] == len(before["integrations"]) > DESCRIBED_AT_MOST
+    assert "get_integration_details" in before["note"]
+    narrow = await tools_service.ok("get_available_integrations", {"query": "postgresql"})
+    assert set(narrow["integrations"][0]) == {
         "name",
         "display_name",
         "description",
@@ -82,7 +88,7 @@ async def test_available_integrations_become_connected_when_a_credential_is_crea
         "connected",
         "auth_types",
     }
-    assert before["count"] == len(before["integrations"])
+    assert "note" not in narrow
 
     await tools_service.create_credential(
         "postgresql", {"dsn": "postgresql://u:p@db.example:5432/x"}
@@ -106,7 +112,7 @@ async def test_available_integrations_become_connected_when_a_credential_is_crea
 
 async def test_available_integrations_filter_by_category_and_query(tools_service):
     databases = await tools_service.ok("get_available_integrations", {"category": "database"})
-    assert [i["name"] for i in databases["integrations"]] == ["postgresql"]
+    assert [i["name"] for i in databases["integrations"]] == ["postgresql", "mysql", "supabase"]
     web = await tools_service.ok("get_available_integrations", {"query": "HTTP request"})
     assert [i["name"] for i in web["integrations"]] == ["http"]
     none = await tools_service.ok("get_available_integrations", {"query": "no-such-thing"})
@@ -133,6 +139,6 @@ async def test_integration_details_give_actions_with_schemas_costs_and_auth_opti
 
 
 async def test_integration_details_of_an_unknown_integration_is_a_failed_result(tools_service):
-    error = await tools_service.failed("get_integration_details", {"integration": "github"})
-    assert "Unknown integration 'github'" in error
+    error = await tools_service.failed("get_integration_details", {"integration": "gitrub"})
+    assert "Unknown integration 'gitrub'" in error
     assert "postgresql" in error

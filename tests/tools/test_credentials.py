@@ -178,7 +178,7 @@ async def test_deleting_the_default_promotes_the_newest_remaining_credential(too
 @pytest.mark.parametrize(
     ("integration", "auth_type", "auth_data", "reason", "says"),
     [
-        ("github", "", {"token": "x"}, "INTEGRATION_NOT_FOUND", "Unknown integration 'github'"),
+        ("gitrub", "", {"token": "x"}, "INTEGRATION_NOT_FOUND", "Unknown integration 'gitrub'"),
         ("postgresql", "bearer", {"token": "abc"}, "AUTH_TYPE_NOT_SUPPORTED", "not 'bearer'"),
         ("http", "none", {}, "AUTH_TYPE_NOT_SUPPORTED", "not 'none'"),
         # says it needs no credential, not "takes auth types [], not ''"

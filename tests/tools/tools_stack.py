@@ -36,6 +36,8 @@ TOOLS_DEFAULTS: dict[str, Any] = {
     "tools_search_millicredits": 100,
     "tools_mcp_stdio_servers": "",
     "tools_oauth2_integrations": "",
+    "tools_integration_hosts": "",
+    "tools_integration_costs": "",
 }
 
 
@@ -90,9 +92,9 @@ async def tools_stack(tmp_path, **kwargs: Any) -> AsyncIterator[Stack]:
 
 
 @asynccontextmanager
-async def serve_asgi(app: Any) -> AsyncIterator[str]:
+async def serve_asgi(app: Any, tls: tuple[str, str] | None = None) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn on 127.0.0.1 (port 0, lifespan on) in this event loop;
-    yields its base URL."""
+    yields its base URL. `tls`: (certificate file, key file) to serve HTTPS."""
     import asyncio
     import socket
 
@@ -106,7 +108,13 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+            ssl_certfile=tls[0] if tls else None,
+            ssl_keyfile=tls[1] if tls else None,
         )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -116,7 +124,7 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
             raise RuntimeError("test ASGI server failed to start")
         await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         try:

@@ -290,3 +290,33 @@ class CheckModelResponse(_message.Message):
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     def __init__(self, provider_id: _Optional[str] = ...) -> None: ...
+
+class ListModelProvidersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelProvider(_message.Message):
+    __slots__ = ("provider_id", "integration_name", "display_name", "description", "model_ids", "any_model", "platform_key", "bring_your_own_key")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_KEY_FIELD_NUMBER: _ClassVar[int]
+    BRING_YOUR_OWN_KEY_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    integration_name: str
+    display_name: str
+    description: str
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    any_model: bool
+    platform_key: bool
+    bring_your_own_key: bool
+    def __init__(self, provider_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., display_name: _Optional[str] = ..., description: _Optional[str] = ..., model_ids: _Optional[_Iterable[str]] = ..., any_model: _Optional[bool] = ..., platform_key: _Optional[bool] = ..., bring_your_own_key: _Optional[bool] = ...) -> None: ...
+
+class ListModelProvidersResponse(_message.Message):
+    __slots__ = ("providers",)
+    PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    providers: _containers.RepeatedCompositeFieldContainer[ModelProvider]
+    def __init__(self, providers: _Optional[_Iterable[_Union[ModelProvider, _Mapping]]] = ...) -> None: ...

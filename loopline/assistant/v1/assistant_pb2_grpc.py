@@ -90,6 +90,11 @@ class AssistantServiceStub:
                 request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelRequest.SerializeToString,
                 response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelResponse.FromString,
                 _registered_method=True)
+        self.ListModelProviders = channel.unary_unary(
+                '/loopline.assistant.v1.AssistantService/ListModelProviders',
+                request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.ListModelProvidersRequest.SerializeToString,
+                response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.ListModelProvidersResponse.FromString,
+                _registered_method=True)
 
 
 class AssistantServiceServicer:
@@ -183,6 +188,14 @@ class AssistantServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModelProviders(self, request, context):
+        """ListModelProviders lists the model providers this deployment serves and the model ids each
+        allows (the scripted model while it is enabled); no organization is needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AssistantServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +248,11 @@ def add_AssistantServiceServicer_to_server(servicer, server):
                     servicer.CheckModel,
                     request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelRequest.FromString,
                     response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelResponse.SerializeToString,
+            ),
+            'ListModelProviders': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModelProviders,
+                    request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.ListModelProvidersRequest.FromString,
+                    response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.ListModelProvidersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -513,6 +531,33 @@ class AssistantService:
             '/loopline.assistant.v1.AssistantService/CheckModel',
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelRequest.SerializeToString,
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.CheckModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModelProviders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.assistant.v1.AssistantService/ListModelProviders',
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.ListModelProvidersRequest.SerializeToString,
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.ListModelProvidersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -469,3 +469,153 @@ class ResolveCredentialSecretResponse(_message.Message):
     SECRET_FIELD_NUMBER: _ClassVar[int]
     secret: str
     def __init__(self, secret: _Optional[str] = ...) -> None: ...
+
+class ModelProvider(_message.Message):
+    __slots__ = ("provider_id", "integration_name", "display_name", "description", "model_ids", "any_model", "platform_key", "bring_your_own_key")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_KEY_FIELD_NUMBER: _ClassVar[int]
+    BRING_YOUR_OWN_KEY_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    integration_name: str
+    display_name: str
+    description: str
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    any_model: bool
+    platform_key: bool
+    bring_your_own_key: bool
+    def __init__(self, provider_id: _Optional[str] = ..., integration_name: _Optional[str] = ..., display_name: _Optional[str] = ..., description: _Optional[str] = ..., model_ids: _Optional[_Iterable[str]] = ..., any_model: _Optional[bool] = ..., platform_key: _Optional[bool] = ..., bring_your_own_key: _Optional[bool] = ...) -> None: ...
+
+class IntegrationAction(_message.Message):
+    __slots__ = ("name", "description", "parameters", "credit_cost_millicredits", "effects")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_COST_MILLICREDITS_FIELD_NUMBER: _ClassVar[int]
+    EFFECTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: _struct_pb2.Struct
+    credit_cost_millicredits: int
+    effects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., credit_cost_millicredits: _Optional[int] = ..., effects: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AuthField(_message.Message):
+    __slots__ = ("name", "display_name", "description", "required", "sensitive")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SENSITIVE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    display_name: str
+    description: str
+    required: bool
+    sensitive: bool
+    def __init__(self, name: _Optional[str] = ..., display_name: _Optional[str] = ..., description: _Optional[str] = ..., required: _Optional[bool] = ..., sensitive: _Optional[bool] = ...) -> None: ...
+
+class AuthSchema(_message.Message):
+    __slots__ = ("auth_type", "display_name", "description", "fields", "setup_instructions", "oauth_config", "oauth_connectable")
+    AUTH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SETUP_INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    OAUTH_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    OAUTH_CONNECTABLE_FIELD_NUMBER: _ClassVar[int]
+    auth_type: str
+    display_name: str
+    description: str
+    fields: _containers.RepeatedCompositeFieldContainer[AuthField]
+    setup_instructions: _containers.RepeatedScalarFieldContainer[str]
+    oauth_config: _struct_pb2.Struct
+    oauth_connectable: bool
+    def __init__(self, auth_type: _Optional[str] = ..., display_name: _Optional[str] = ..., description: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[AuthField, _Mapping]]] = ..., setup_instructions: _Optional[_Iterable[str]] = ..., oauth_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., oauth_connectable: _Optional[bool] = ...) -> None: ...
+
+class Integration(_message.Message):
+    __slots__ = ("name", "display_name", "description", "logo", "app_url", "categories", "integration_type", "version", "connected", "source", "requires_credential", "details", "auth_schemas", "actions", "model_ids", "any_model")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    LOGO_FIELD_NUMBER: _ClassVar[int]
+    APP_URL_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_SCHEMAS_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    display_name: str
+    description: str
+    logo: str
+    app_url: str
+    categories: _containers.RepeatedScalarFieldContainer[str]
+    integration_type: str
+    version: str
+    connected: bool
+    source: str
+    requires_credential: bool
+    details: bool
+    auth_schemas: _containers.RepeatedCompositeFieldContainer[AuthSchema]
+    actions: _containers.RepeatedCompositeFieldContainer[IntegrationAction]
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    any_model: bool
+    def __init__(self, name: _Optional[str] = ..., display_name: _Optional[str] = ..., description: _Optional[str] = ..., logo: _Optional[str] = ..., app_url: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., integration_type: _Optional[str] = ..., version: _Optional[str] = ..., connected: _Optional[bool] = ..., source: _Optional[str] = ..., requires_credential: _Optional[bool] = ..., details: _Optional[bool] = ..., auth_schemas: _Optional[_Iterable[_Union[AuthSchema, _Mapping]]] = ..., actions: _Optional[_Iterable[_Union[IntegrationAction, _Mapping]]] = ..., model_ids: _Optional[_Iterable[str]] = ..., any_model: _Optional[bool] = ...) -> None: ...
+
+class ListIntegrationsRequest(_message.Message):
+    __slots__ = ("organization_id", "integration_type", "category", "auth_type", "search", "include_details", "offset", "limit", "model_providers")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    integration_type: str
+    category: str
+    auth_type: str
+    search: str
+    include_details: bool
+    offset: int
+    limit: int
+    model_providers: _containers.RepeatedCompositeFieldContainer[ModelProvider]
+    def __init__(self, organization_id: _Optional[str] = ..., integration_type: _Optional[str] = ..., category: _Optional[str] = ..., auth_type: _Optional[str] = ..., search: _Optional[str] = ..., include_details: _Optional[bool] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ..., model_providers: _Optional[_Iterable[_Union[ModelProvider, _Mapping]]] = ...) -> None: ...
+
+class ListIntegrationsResponse(_message.Message):
+    __slots__ = ("integrations", "total_size")
+    INTEGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    integrations: _containers.RepeatedCompositeFieldContainer[Integration]
+    total_size: int
+    def __init__(self, integrations: _Optional[_Iterable[_Union[Integration, _Mapping]]] = ..., total_size: _Optional[int] = ...) -> None: ...
+
+class GetIntegrationRequest(_message.Message):
+    __slots__ = ("organization_id", "name", "integration_type", "model_providers")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INTEGRATION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    name: str
+    integration_type: str
+    model_providers: _containers.RepeatedCompositeFieldContainer[ModelProvider]
+    def __init__(self, organization_id: _Optional[str] = ..., name: _Optional[str] = ..., integration_type: _Optional[str] = ..., model_providers: _Optional[_Iterable[_Union[ModelProvider, _Mapping]]] = ...) -> None: ...
+
+class GetIntegrationResponse(_message.Message):
+    __slots__ = ("integration",)
+    INTEGRATION_FIELD_NUMBER: _ClassVar[int]
+    integration: Integration
+    def __init__(self, integration: _Optional[_Union[Integration, _Mapping]] = ...) -> None: ...

@@ -126,6 +126,16 @@ class ToolsServiceStub:
                 request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Request.SerializeToString,
                 response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Response.FromString,
                 _registered_method=True)
+        self.ListIntegrations = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/ListIntegrations',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListIntegrationsRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListIntegrationsResponse.FromString,
+                _registered_method=True)
+        self.GetIntegration = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/GetIntegration',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetIntegrationRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetIntegrationResponse.FromString,
+                _registered_method=True)
 
 
 class ToolsServiceServicer:
@@ -283,6 +293,26 @@ class ToolsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListIntegrations(self, request, context):
+        """ListIntegrations lists the integrations an organization sees: the catalogue's tools, the
+        operator's and the organization's MCP servers, the model providers named in the request and
+        the knowledge store, in that order, filtered and paged. Actions, models and auth schemas are
+        filled only with include_details (an integration's actions are read then). INVALID_ARGUMENT
+        for an unknown integration_type (UNKNOWN_INTEGRATION_TYPE), a limit or offset out of range
+        (INVALID_LIMIT, INVALID_OFFSET) or a filter past its length (FIELD_TOO_LONG).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetIntegration(self, request, context):
+        """GetIntegration returns one integration the organization sees, with its details; NOT_FOUND
+        (INTEGRATION_NOT_FOUND) when it sees none of that name (and of that type, when given).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ToolsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -375,6 +405,16 @@ def add_ToolsServiceServicer_to_server(servicer, server):
                     servicer.CompleteOAuth2,
                     request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Request.FromString,
                     response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Response.SerializeToString,
+            ),
+            'ListIntegrations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListIntegrations,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListIntegrationsRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListIntegrationsResponse.SerializeToString,
+            ),
+            'GetIntegration': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetIntegration,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetIntegrationRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetIntegrationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -865,6 +905,60 @@ class ToolsService:
             '/loopline.tools.v1.ToolsService/CompleteOAuth2',
             loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Request.SerializeToString,
             loopline_dot_tools_dot_v1_dot_tools__pb2.CompleteOAuth2Response.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListIntegrations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/ListIntegrations',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListIntegrationsRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListIntegrationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetIntegration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/GetIntegration',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.GetIntegrationRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.GetIntegrationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ never returned: a credential shows its metadata and, on request, a masked form.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated
 
 import grpc
 from fastapi import APIRouter, Query, Request
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 # The auth types a credential list can filter by: the tools service's stored types and the SDK's
 # alias `bearer_token` (SDK_AUTH_TYPES); checked here so that the 400 names the alias too.
-CREDENTIAL_AUTH_TYPES = ("api_key", "bearer", "bearer_token", "oauth2", "mcp_server")
+CREDENTIAL_AUTH_TYPES = ("api_key", "bearer", "bearer_token", "oauth2", "custom", "mcp_server")
 
 CREATE_CREDENTIAL_BODY = json_body(
     {
@@ -70,7 +70,7 @@ CREATE_CREDENTIAL_BODY = json_body(
         "auth_type": {
             **text_schema("auth_type"),
             "description": "One of the integration's auth types (bearer_token is bearer); "
-            "inferred from auth_data when absent.",
+            "inferred from auth_data's fields among them when absent.",
         },
         "oauth_config": {
             **NOT_SUPPORTED,
@@ -157,19 +157,6 @@ OAUTH2_CALLBACK_PARAMETERS = {
 SDK_AUTH_TYPES = {"bearer_token": "bearer"}
 
 
-def infer_auth_type(auth_data: dict[str, Any] | None) -> str:
-    """The auth type the SDK documents for `auth_data`: api_key, token/bearer_token -> bearer,
-    access_token -> oauth2; "" (the integration's first secret type) otherwise."""
-    data = auth_data or {}
-    if "api_key" in data:
-        return "api_key"
-    if "token" in data or "bearer_token" in data:
-        return "bearer"
-    if "access_token" in data:
-        return "oauth2"
-    return ""
-
-
 def credential_json(c: tools_pb2.Credential) -> Credential:
     """The SDK's CredentialResponse of `c`."""
     metadata = pb.from_struct(c.metadata)
@@ -251,7 +238,8 @@ async def create_credential(request: Request, who: Principal = Who) -> Response:
         check_json_size(
             "metadata", metadata, OBJECT_LIMITS["metadata"]
         )  # as stored, with expires_at
-    auth_type = string_field(body, "auth_type") or infer_auth_type(auth_data)
+    # absent: the tools service picks it from auth_data's fields among the integration's own
+    auth_type = string_field(body, "auth_type")
     # the SDK's CredentialAuthOption names a bearer token "bearer_token" (modulex/types/realtime.py)
     auth_type = SDK_AUTH_TYPES.get(auth_type, auth_type)
     response = await tools_of(request).CreateCredential(

@@ -128,6 +128,10 @@ def _bounded(
     return value
 
 
+# how many integrations the summary of a listing names before "and N more"
+_NAMED = 6
+
+
 class ScriptedModel:
     """The deterministic test and demo model (provider_id "scripted")."""
 
@@ -256,8 +260,12 @@ class ScriptedModel:
         if not items:
             return "No integrations are available yet."
         names = []
-        for item in items:
-            if isinstance(item, dict):
-                label = item.get("display_name") or item.get("name") or "?"
-                names.append(f"{label}{' (connected)' if item.get('connected') else ''}")
+        for item in sorted(
+            (i for i in items if isinstance(i, dict)), key=lambda i: not i.get("connected")
+        ):
+            label = item.get("display_name") or item.get("name") or "?"
+            names.append(f"{label}{' (connected)' if item.get('connected') else ''}")
+        if len(names) > _NAMED:  # the connected ones first, then the catalogue's order
+            named, more = ", ".join(names[:_NAMED]), len(names) - _NAMED
+            return f"{len(names)} integrations are available: {named} and {more} more."
         return f"{len(names)} integrations are available: {', '.join(names)}."

@@ -10,6 +10,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -20,6 +21,8 @@ from services.tools.catalogue import Catalogue
 from services.tools.tool_definitions import TOOL_DEFINITIONS as TOOLS_SERVICE_TOOLS
 from tests.conftest import SCRIPTED, Stack, start_stack, stop_stack
 from tests.sse_client import read_frames
+from tests.tools.fake_apis import github_app, make_test_ca
+from tests.tools.tools_stack import serve_asgi
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -181,4 +184,29 @@ async def test_mcp_example_calls_the_operators_time_server(tmp_path):
     details, called = _results(frames)
     assert "get_current_time" in [a["name"] for a in details["output"]["actions"]]
     assert called["output"]["result"]["structured_content"]["timezone"] == "Europe/Paris"
+    assert frames[-1]["type"] == "done"
+
+
+async def test_github_example_runs_a_catalogue_action_with_the_stored_token(tmp_path, monkeypatch):
+    seen: list[dict[str, Any]] = []
+    ca, cert, key = make_test_ca(tmp_path, ["api.github.com"])
+    monkeypatch.setenv("SSL_CERT_FILE", ca)  # the fake GitHub's CA, for the integration worker
+    async with serve_asgi(github_app(seen, "ghp_example"), tls=(cert, key)) as github:
+        hosts = json.dumps({"api.github.com": urlsplit(github).netloc})
+        async with (
+            _stack(
+                tmp_path, tools_integration_hosts=hosts, tools_allow_private_network=True
+            ) as stack,
+            stack.client() as client,
+        ):
+            created = await client.post(
+                "/credentials",
+                json={"integration_name": "github", "auth_data": {"token": "ghp_example"}},
+            )
+            assert created.status_code == 201 and created.json()["auth_type"] == "bearer"
+            turn = await _turn(client, "github.json")
+            frames = await read_frames(client, turn["stream_url"])
+    (called,) = _results(frames)
+    assert called["output"]["result"]["repository"]["full_name"] == "octocat/Hello-World"
+    assert seen[0]["authorization"] == "Bearer ghp_example"
     assert frames[-1]["type"] == "done"

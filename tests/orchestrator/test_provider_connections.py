@@ -5,17 +5,10 @@ counts the TCP connections it accepts and the TLS handshakes it completes."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import ssl
-from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from services.orchestrator.providers.clients import ClientSpec, ProviderClients
 from services.orchestrator.providers.openai_compat import OpenAICompatModel
@@ -33,42 +26,10 @@ from tests.orchestrator.providers.fakes import (
     openai_tool_call,
 )
 from tests.sse_client import read_frames
+from tests.tools.fake_apis import make_test_ca
 
 # no summary call: each turn makes exactly the model calls its replies script
 FAST = {"llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0, "summarization_budget_tokens": 0}
-
-
-def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
-    """(certificate, key) PEM files of a self-signed certificate for 127.0.0.1."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loopline test provider")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = folder / "provider.pem", folder / "provider.key"
-    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_file, key_file
 
 
 class HttpsFakeLLMServer(FakeLLMServer):
@@ -116,8 +77,8 @@ class HttpsFakeLLMServer(FakeLLMServer):
 def provider_tls(tmp_path, monkeypatch) -> ssl.SSLContext:
     """The fake provider's server TLS context; its certificate is trusted the way a deployment
     trusts a private CA: SSL_CERT_FILE."""
-    cert_file, key_file = self_signed_certificate(tmp_path)
-    monkeypatch.setenv("SSL_CERT_FILE", str(cert_file))
+    ca_file, cert_file, key_file = make_test_ca(tmp_path, ["localhost"])
+    monkeypatch.setenv("SSL_CERT_FILE", ca_file)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert_file, key_file)
     return context

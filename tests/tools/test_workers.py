@@ -5,26 +5,20 @@ whatever library an action uses. Run with the real integrations interpreter."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-import http.server
 import ipaddress
 import json
 import os
 import pathlib
 import socket
 import socketserver
-import ssl
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from unittest.mock import ANY
+from urllib.parse import urlsplit
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from services.tools import netpolicy
 from services.tools.workers import pool as pool_module
@@ -36,6 +30,8 @@ from services.tools.workers.pool import (
     WorkerPool,
     WorkerUnavailable,
 )
+from tests.tools.fake_apis import github_app, make_test_ca
+from tests.tools.tools_stack import serve_asgi
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv-integrations" / "bin" / "python"
@@ -418,93 +414,12 @@ async def test_process_creation_is_refused(make_pool, tmp_path, how) -> None:
 # ----- a real catalogue action -------------------------------------------------------------
 
 
-def make_certificates(directory: pathlib.Path) -> tuple[pathlib.Path, ssl.SSLContext]:
-    """A test CA (its PEM written to `directory`) and a server context for api.github.com."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Loopline test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), True
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    leaf = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "api.github.com")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("api.github.com")]), False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    ca_file = directory / "ca.pem"
-    ca_file.write_bytes(ca.public_bytes(pem))
-    chain_file = directory / "server.pem"
-    key_pem = key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    chain_file.write_bytes(leaf.public_bytes(pem) + key_pem)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(chain_file)
-    return ca_file, context
-
-
-class FakeGitHub:
-    """A local HTTPS fake of api.github.com: GET /repos/o/r answers a repository, anything else
-    404; it keeps the Authorization header of every request."""
-
-    def __init__(self, context: ssl.SSLContext) -> None:
-        self.authorizations: list[str | None] = []
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                owner.authorizations.append(self.headers.get("Authorization"))
-                found = self.path == "/repos/o/r"
-                body = json.dumps({"id": 1, "name": "r", "full_name": "o/r", "private": False})
-                self.send_response(200 if found else 404)
-                self.send_header("Content-Type", "application/json")
-                payload = body.encode() if found else b'{"message": "Not Found"}'
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 async def test_a_catalogue_action_reaches_a_local_https_fake(make_pool, tmp_path, monkeypatch):
-    ca_file, context = make_certificates(tmp_path)
-    fake = FakeGitHub(context)
-    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
-    try:
-        hosts = {"api.github.com": f"127.0.0.1:{fake.port}"}
+    seen: list[dict[str, Any]] = []
+    ca, cert, key = make_test_ca(tmp_path, ["api.github.com"])
+    monkeypatch.setenv("SSL_CERT_FILE", ca)
+    async with serve_asgi(github_app(seen, "t"), tls=(cert, key)) as base:
+        hosts = {"api.github.com": urlsplit(base).netloc}
         pool = make_pool(allow_private=True, hosts=hosts)
         arguments = {
             "auth_type": "bearer_token",
@@ -517,8 +432,6 @@ async def test_a_catalogue_action_reaches_a_local_https_fake(make_pool, tmp_path
         assert result.value["success"] is True
         assert result.value["repository"]["full_name"] == "o/r"
         with pytest.raises(ActionFailed) as failed:
-            await pool.call(module, "get_repository", {**arguments, "repo": "gone"}, 60)
+            await pool.call(module, "get_repository", {**arguments, "repo": "missing"}, 60)
         assert (failed.value.kind, failed.value.status) == ("http_status", 404)
-        assert fake.authorizations == ["Bearer t", "Bearer t"]
-    finally:
-        fake.close()
+    assert [s["authorization"] for s in seen] == ["Bearer t", "Bearer t"]

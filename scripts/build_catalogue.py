@@ -108,6 +108,8 @@ EFFECT_WORDS = {
     ),
     "delete": ("delete", "remove", "archive", "destroy", "purge", "drop", "revoke", "trash"),
 }
+# a credential's strings go into HTTP headers and URLs: no line break or other control character
+NO_CONTROL_CHARACTERS = "^[^\\x00-\\x1f\\x7f]*$"
 NO_CREDENTIAL: dict[str, Any] = {
     "type": "none",
     "package_type": "",
@@ -120,11 +122,16 @@ NO_CREDENTIAL: dict[str, Any] = {
 OAUTH_FIELDS = {
     "type": "object",
     "properties": {
-        "access_token": {"type": "string", "minLength": 1, "writeOnly": True},
-        "refresh_token": {"type": "string", "writeOnly": True},
+        "access_token": {
+            "type": "string",
+            "minLength": 1,
+            "writeOnly": True,
+            "pattern": NO_CONTROL_CHARACTERS,
+        },
+        "refresh_token": {"type": "string", "writeOnly": True, "pattern": NO_CONTROL_CHARACTERS},
     },
     "required": ["access_token"],
-    "additionalProperties": {"type": "string"},
+    "additionalProperties": {"type": "string", "pattern": NO_CONTROL_CHARACTERS},
 }
 
 
@@ -202,7 +209,11 @@ def auth_option(integration: str, schema: Any) -> dict[str, Any] | None:
             if name != canonical:
                 option["aliases"][name] = canonical
             name = canonical
-        prop: dict[str, Any] = {"type": "string", "title": variable.display_name}
+        prop: dict[str, Any] = {
+            "type": "string",
+            "title": variable.display_name,
+            "pattern": NO_CONTROL_CHARACTERS,
+        }
         if variable.description:
             prop["description"] = variable.description
         if variable.sensitive:
@@ -215,15 +226,53 @@ def auth_option(integration: str, schema: Any) -> dict[str, Any] | None:
         "type": "object",
         "properties": properties,
         "required": required,
-        "additionalProperties": {"type": "string"},
+        "additionalProperties": {"type": "string", "pattern": NO_CONTROL_CHARACTERS},
     }
     return option
 
 
+# the first words of the actions that only read; an action named otherwise with no word of
+# EFFECT_WORDS is taken to change something ("update"): a wrong "changes" costs a question to
+# the user, a wrong "only reads" could cost money or data
+READ_VERBS = frozenset(
+    {
+        "get",
+        "list",
+        "search",
+        "retrieve",
+        "find",
+        "query",
+        "read",
+        "fetch",
+        "describe",
+        "check",
+        "lookup",
+        "view",
+        "count",
+        "download",
+        "export",
+        "preview",
+        "validate",
+        "verify",
+        "scrape",
+        "crawl",
+        "extract",
+        "summarize",
+        "inspect",
+        "show",
+        "browse",
+        "explore",
+        "estimate",
+    }
+)
+
+
 def effects(action: str) -> list[str]:
-    """Which of create/update/send/delete the action's name declares, by its words."""
-    words = set(action.split("_"))
-    return [effect for effect, verbs in EFFECT_WORDS.items() if words & set(verbs)]
+    """Which of create/update/send/delete the action's name declares by its words; ["update"]
+    for a name that neither declares one nor starts with a read verb."""
+    words = action.split("_")
+    found = [effect for effect, verbs in EFFECT_WORDS.items() if set(words) & set(verbs)]
+    return found or ([] if words[0] in READ_VERBS else ["update"])
 
 
 def credential_keys(options: list[dict[str, Any]]) -> set[str]:
@@ -259,6 +308,27 @@ def action_entry(tool: Any, manifest_action: Any, keys: set[str]) -> dict[str, A
         "credential_parameters": {name: name in required for name in filled},
         "effects": effects(tool.name),
     }
+
+
+# a URL's host, or a quoted string that is a whole domain name, in an integration's source
+_URL_HOST = re.compile(r"https?://([A-Za-z0-9.-]+\.[A-Za-z]{2,})[/:\"'?]")
+_FILE_SUFFIXES = (".py", ".json", ".txt", ".md", ".csv", ".png", ".jpg", ".pdf", ".html", ".xml")
+_DOMAIN = re.compile(r"[\"']((?:[a-z0-9-]+\.)+[a-z]{2,})[\"']")
+
+
+def own_hosts(module_name: str) -> list[str]:
+    """The hosts an integration's code names (its API's, its regions'), read from its source:
+    with a credential, its actions may connect to a host the model named only if it is one of
+    these (services/tools/workers/worker_main.py, `Policy.judge_name`)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return []
+    hosts: set[str] = set()
+    for path in sorted(Path(spec.origin).parent.glob("*.py")):
+        source = path.read_text()
+        hosts |= {h.lower().rstrip(".") for h in _URL_HOST.findall(source)}
+        hosts |= {h for h in _DOMAIN.findall(source) if not h.endswith(_FILE_SUFFIXES)}
+    return sorted(hosts)
 
 
 def missing_dependencies(module_name: str) -> list[str]:
@@ -311,6 +381,7 @@ def build(out: Path) -> dict[str, Any]:
                 "logo": manifest.logo,
                 "app_url": manifest.app_url,
                 "module": entry.value,
+                "hosts": own_hosts(entry.value),
                 "auth": options or [NO_CREDENTIAL],
                 "action_count": len(actions),
             }

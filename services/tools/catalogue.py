@@ -73,12 +73,15 @@ class AuthOption:
 
     def to_json(self) -> dict[str, Any]:
         """The option as shown by get_integration_details."""
-        return {
+        shown: dict[str, Any] = {
             "type": self.type,
             "label": self.label,
             "description": self.description,
             "fields": self.fields,
         }
+        if self.setup_instructions:
+            shown["setup_instructions"] = list(self.setup_instructions)
+        return shown
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,7 @@ def integration_from_manifest(
             parameters=raw["parameters"],
             credit_cost_millicredits=int(raw["credit_cost_millicredits"]),
             handler=handlers[raw["name"]],
+            effects=tuple(raw.get("effects", ())),
         )
     return Integration(
         name=name,

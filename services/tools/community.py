@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from services.tools.catalogue import (
     Action,
@@ -44,6 +46,8 @@ DATA_DIR = Path(__file__).parent / "catalogue_data"
 SOURCE = "modulex-integrations"
 # what an action of the catalogue costs unless LOOPLINE_TOOLS_INTEGRATION_COSTS says otherwise
 DEFAULT_MILLICREDITS = 200
+# how much of an action's own error message the model is shown
+ERROR_CHARS = 500
 # how many integrations' actions stay loaded (the least recently used are read again)
 CACHED_INTEGRATIONS = 32
 # credential fields never sent to an action: the package's tools do not use them
@@ -55,7 +59,10 @@ class Costs:
     "integration": n, "*": n}`, the most specific entry first, else DEFAULT_MILLICREDITS."""
 
     def __init__(self, raw: str) -> None:
-        table = json.loads(raw) if raw.strip() else {}
+        try:
+            table = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"LOOPLINE_TOOLS_INTEGRATION_COSTS is not JSON ({exc.msg})") from None
         if not isinstance(table, dict) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in table.values()
         ):
@@ -63,6 +70,10 @@ class Costs:
                 "LOOPLINE_TOOLS_INTEGRATION_COSTS must be a JSON object of whole millicredits >= 0"
             )
         self._table: dict[str, int] = table
+
+    def keys(self) -> list[str]:
+        """The entries' keys."""
+        return list(self._table)
 
     def of(self, integration: str, action: str) -> int:
         """The cost of `integration.action`."""
@@ -98,6 +109,9 @@ def arguments(
         if canonical in data:
             data.setdefault(alias, data[canonical])
     filled = dict(params)
+    # a field the credential holds fills the parameter of its name, the model's value or not
+    # (e.g. a base_url or region stored with the key: the key goes where its owner said)
+    filled.update({k: v for k, v in data.items() if k in entry["parameters"]["properties"]})
     for name, required in entry["credential_parameters"].items():
         if name == "auth_type":
             filled[name] = (option or {}).get("package_type") or ctx.auth_type
@@ -115,6 +129,8 @@ _REFUSED = {
     "unix": "a Unix socket",
     "host name": "a host name it did not resolve first",
     "non-IP": "a socket that is not TCP/IP",
+    "model-chosen host": "a host named in its parameters (with a credential, an action connects "
+    "only to its integration's own hosts and the ones its credential holds)",
 }
 
 
@@ -128,6 +144,32 @@ def refusal_text(kinds: tuple[str, ...]) -> str:
     if not named:
         return "the outbound policy of this deployment does not let an action start a process"
     return f"the outbound policy of this deployment refused its connection to {' or '.join(named)}"
+
+
+_HOST_LIKE = re.compile(r"^(?:[a-z0-9-]+\.)+[a-z0-9-]+\.?$|^[0-9a-f:.]+$")
+
+
+def hosts_named(value: Any, found: set[str] | None = None, depth: int = 0) -> set[str]:
+    """The host names and addresses in the model's parameters `value`: of URLs, and of strings
+    that are a host, `host:port` or `user@host` (checked against the worker's connections when
+    a credential is attached: worker_main.Policy.judge_name)."""
+    found = set() if found is None else found
+    if depth > 64:
+        return found
+    if isinstance(value, dict):
+        for item in value.values():
+            hosts_named(item, found, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            hosts_named(item, found, depth + 1)
+    elif isinstance(value, str) and len(value) <= 2048 and not any(c.isspace() for c in value):
+        try:
+            host = urlsplit(value if "://" in value else f"//{value}").hostname
+        except ValueError:
+            host = None
+        if host and _HOST_LIKE.match(host) and ("." in host or ":" in host):
+            found.add(host.rstrip("."))
+    return found
 
 
 def failure_text(integration: str, exc: Exception) -> str:
@@ -175,6 +217,23 @@ class CommunityCatalogue:
         self.unavailable: list[dict[str, Any]] = index["unavailable"]
         self._index: list[dict[str, Any]] = index["integrations"]
         self._loaded: OrderedDict[str, dict[str, Action]] = OrderedDict()
+        unknown = [key for key in costs.keys() if not self._names(key)]
+        if unknown:
+            raise ValueError(
+                "LOOPLINE_TOOLS_INTEGRATION_COSTS names what the catalogue does not have: "
+                + ", ".join(sorted(unknown))
+            )
+
+    def _names(self, key: str) -> bool:
+        """Whether a costs key ("*", "integration" or "integration.action") names something."""
+        if key == "*":
+            return True
+        name, _, action = key.partition(".")
+        raw = next((r for r in self._index if r["name"] == name), None)
+        if raw is None or not action:
+            return raw is not None
+        entries = json.loads((self.data_dir / f"{name}.json").read_text())["actions"]
+        return any(entry["name"] == action for entry in entries)
 
     def oauth_settings(self) -> dict[str, dict[str, Any]]:
         """The OAuth2 settings of the manifests that offer it, by integration name (the operator
@@ -238,15 +297,26 @@ class CommunityCatalogue:
 
         async def handler(ctx: ActionContext, params: dict[str, Any]) -> Any:
             args = arguments(entry, raw["auth"], ctx, params)
+            # with a credential, the model may not steer the action to a host of its choice
+            model_given = {k: v for k, v in params.items() if args.get(k) is v}
+            named = sorted(hosts_named(model_given)) if ctx.secret else []
             try:
-                answer = await self.pool.call(module, function, args, ctx.timeout_s)
+                answer = await self.pool.call(
+                    module, function, args, ctx.timeout_s, named=named, own=raw.get("hosts", [])
+                )
             except ActionTimeout as exc:
                 raise TimeoutError from exc
             except (ActionFailed, WorkerCrashed, WorkerUnavailable) as exc:
                 raise ActionError(failure_text(name, exc)) from exc
             if answer.refused:  # the action may have caught it and answered anyway
                 raise ActionError(refusal_text(answer.refused))
-            return answer.value
+            value = answer.value
+            # the package's actions catch their own errors and answer {"success": false, "error"}:
+            # a failed call (not charged), with the action's own words, redacted by the caller
+            if isinstance(value, dict) and value.get("success") is False:
+                said = str(value.get("error") or "no detail")[:ERROR_CHARS]
+                raise ActionError(f"it answered an error: {said}")
+            return value
 
         return handler
 
@@ -263,7 +333,10 @@ def from_settings(settings: ToolsSettings) -> CommunityCatalogue | None:
             extra={"fields": {"python": python}},
         )
         return None
-    hosts = json.loads(settings.tools_integration_hosts) if settings.tools_integration_hosts else {}
+    try:
+        hosts = json.loads(settings.tools_integration_hosts or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"LOOPLINE_TOOLS_INTEGRATION_HOSTS is not JSON ({exc.msg})") from None
     if not isinstance(hosts, dict):
         raise ValueError("LOOPLINE_TOOLS_INTEGRATION_HOSTS must be a JSON object")
     pool = WorkerPool(

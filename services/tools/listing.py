@@ -10,7 +10,8 @@ not listed as tools); and the knowledge store as "knowledge_provider" (KNOWLEDGE
 
 A listing reads an integration's actions only with `include_details`, and then only for the page
 it answers: the generated catalogue keeps its actions on disk until they are asked for. An
-integration is `connected` when the organization has a credential for it or it needs none.
+integration is `connected` when the organization has a credential for it or it takes none, as in
+`get_available_integrations` (`http` can run without one but takes one: not connected until then).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ class IntegrationListing:
         found: list[Listed] = []
         if integration_type in ("", "tool"):
             found += [
-                Listed(i, "tool", i.name in connected or not i.requires_credential)
+                Listed(i, "tool", i.name in connected or i.auth_types == ["none"])
                 for i in await self.executor.visible_integrations(org_id)
                 if not is_model_key(i)
             ]

@@ -179,7 +179,7 @@ def guarded_client(allow_private: bool, timeout_s: float) -> httpx.AsyncClient:
 
     transport = httpx.AsyncHTTPTransport(trust_env=False)
     transport._pool = httpcore.AsyncConnectionPool(  # noqa: SLF001 - see docstring
-        ssl_context=httpx.create_ssl_context(trust_env=False),
+        ssl_context=httpx.create_ssl_context(trust_env=True),  # SSL_CERT_FILE/_DIR trusted
         max_connections=10,
         max_keepalive_connections=0,
         network_backend=_guarded_backend_class()(allow_private),
@@ -202,9 +202,8 @@ def guarded_mcp_client(allow_private: bool, timeout_s: float, headers: dict[str,
     import httpcore2
     import httpx2
 
-    ssl_context = httpx2.create_ssl_context(
-        trust_env=False
-    )  # one context (loading CAs costs ms), both uses
+    # one context (loading CAs costs ms) for both uses; SSL_CERT_FILE/_DIR are trusted
+    ssl_context = httpx2.create_ssl_context(trust_env=True)
     transport = httpx2.AsyncHTTPTransport(verify=ssl_context, trust_env=False)
     transport._pool = httpcore2.AsyncConnectionPool(  # noqa: SLF001 - see docstring
         ssl_context=ssl_context,

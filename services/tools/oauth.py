@@ -24,7 +24,7 @@ import re
 import secrets
 import unicodedata
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,8 +313,11 @@ async def _send(
     """`api_request`'s HTTP request (an httpx.Response) with `access_token`."""
     import httpx  # loaded on first use, not at start
 
-    async with httpx.AsyncClient(
-        timeout=timeout_s, follow_redirects=False, trust_env=False
+    async with httpx.AsyncClient(  # no proxy from the environment; SSL_CERT_FILE is trusted
+        timeout=timeout_s,
+        follow_redirects=False,
+        trust_env=False,
+        verify=httpx.create_ssl_context(trust_env=True),
     ) as client:
         return await client.request(
             params.get("method", "GET"),
@@ -346,6 +349,8 @@ class OAuth2Flows:
         box: encrypts the PKCE verifiers.
         credentials: stores the resulting credentials.
         timeout_s: the token request's time limit, in seconds.
+        unconfigured: integrations whose manifests offer OAuth2 without an operator's app for
+            them (their refusal says what is missing).
 
     `refresher` renews the credentials' access tokens (the server gives it to the credential
     store, for the tool calls); it shares `providers`.
@@ -358,8 +363,10 @@ class OAuth2Flows:
         box: SecretBox,
         credentials: CredentialStore,
         timeout_s: float,
+        unconfigured: Collection[str] = (),
     ) -> None:
         self.providers = {p.name: p for p in providers}
+        self._unconfigured = frozenset(unconfigured)
         self._sessions = sessions
         self._box = box
         self._credentials = credentials
@@ -387,6 +394,12 @@ class OAuth2Flows:
         if not org_id:
             raise _invalid("ORGANIZATION_REQUIRED", "organization_id is required")
         provider = self.providers.get(integration)
+        if provider is None and integration in self._unconfigured:
+            raise _invalid(
+                "OAUTH2_NOT_SUPPORTED",
+                f"Integration {integration!r} offers OAuth2, but this deployment has no OAuth2 app "
+                "for it (its operator adds one to LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS)",
+            )
         if provider is None:
             raise _invalid(
                 "OAUTH2_NOT_SUPPORTED", f"Integration {integration!r} does not offer OAuth2"

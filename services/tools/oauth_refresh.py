@@ -99,7 +99,8 @@ async def request_tokens(
         token_endpoint_auth_method=provider.auth_method,
         timeout=timeout_s,
         follow_redirects=False,
-        trust_env=False,
+        trust_env=False,  # no proxy from the environment; its CAs (SSL_CERT_FILE) are trusted:
+        verify=httpx2.create_ssl_context(trust_env=True),
     )
     client.register_compliance_hook("access_token_response", seen)
     client.register_compliance_hook("refresh_token_response", seen)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import db
 from services.common.grpc_server import RunningServer, start_grpc_server
 from services.common.metrics import MetricsServer
 from services.common.readiness import Readiness, database, readiness_of
+from services.common.runner import CannotStart
 from services.tools import community as community_catalogue
 from services.tools.catalogue import Catalogue
 from services.tools.config import ToolsSettings
@@ -26,7 +28,18 @@ from services.tools.tools import ToolExecutor
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 SERVICE_NAME = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"].full_name
+
+
+def _parsed(what: str, parse: Callable[[], T]) -> T:
+    """`parse()`, its ValueError (a malformed setting) turned into CannotStart naming `what`:
+    the service exits with one line (runner.run), not a traceback."""
+    try:
+        return parse()
+    except ValueError as exc:
+        raise CannotStart(f"{what}: {exc}") from None
 
 
 class ToolsServer:
@@ -67,10 +80,16 @@ class ToolsServer:
                 "public development key; set a Fernet key in any real deployment"
             )
         box = SecretBox(settings.credential_keys())
-        community = community_catalogue.from_settings(settings)
+        community = _parsed(
+            "the community catalogue's settings",
+            lambda: community_catalogue.from_settings(settings),
+        )
         # an entry named like a catalogue integration configures that integration's OAuth2 app
         manifests = community.oauth_settings() if community is not None else {}
-        providers = parse_providers(settings.tools_oauth2_integrations, manifests)
+        providers = _parsed(
+            "LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS",
+            lambda: parse_providers(settings.tools_oauth2_integrations, manifests),
+        )
         integrations = Catalogue.builtin().all() + [
             integration_of(p, settings.tools_timeout_s)
             for p in providers
@@ -84,7 +103,11 @@ class ToolsServer:
             settings.tools_max_output_bytes,
             settings.tools_allow_private_network,
         )
-        stdio = StdioRegistry(parse_stdio_servers(settings.tools_mcp_stdio_servers), connector)
+        stdio_servers = _parsed(
+            "LOOPLINE_TOOLS_MCP_STDIO_SERVERS",
+            lambda: parse_stdio_servers(settings.tools_mcp_stdio_servers),
+        )
+        stdio = StdioRegistry(stdio_servers, connector)
         engine = db.make_engine(url, settings.db_pool_size, settings.db_timeout_s)
         sessions = db.sessionmaker(engine)
         credentials = CredentialStore(
@@ -93,7 +116,14 @@ class ToolsServer:
         executor = ToolExecutor(
             settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio
         )
-        oauth = OAuth2Flows(providers, sessions, box, credentials, settings.tools_timeout_s)
+        oauth = OAuth2Flows(
+            providers,
+            sessions,
+            box,
+            credentials,
+            settings.tools_timeout_s,
+            unconfigured=set(manifests) - {p.name for p in providers},
+        )
         credentials.refresher = oauth.refresher  # tool calls renew expiring OAuth2 tokens
         servicer = ToolsServicer(executor, oauth)
         try:

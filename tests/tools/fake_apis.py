@@ -176,3 +176,14 @@ def qdrant_app(seen: list[dict[str, Any]], key: str) -> Starlette:
         )
 
     return Starlette(routes=[Route("/collections", collections)])
+
+
+def recorder_app(seen: list[dict[str, Any]], answer: Any) -> Starlette:
+    """Any API: records every request (with its headers in `headers`) and answers `answer`."""
+
+    async def any_path(request: Request) -> JSONResponse:
+        _record(seen, request)
+        seen[-1]["headers"] = dict(request.headers)
+        return JSONResponse(answer)
+
+    return Starlette(routes=[Route("/{path:path}", any_path, methods=["GET", "POST"])])

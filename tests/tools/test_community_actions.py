@@ -13,11 +13,19 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
+from sqlalchemy import select
 
+from services.billing.models import LedgerEntry
 from services.tools.config import ToolsSettings
 from tests.gateway.test_oauth2_connect import oauth_server_app
-from tests.orchestrator.helpers import run_turn
-from tests.tools.fake_apis import airtable_app, github_app, make_test_ca, qdrant_app
+from tests.orchestrator.helpers import billing_delivered, run_turn
+from tests.tools.fake_apis import (
+    airtable_app,
+    github_app,
+    make_test_ca,
+    qdrant_app,
+    recorder_app,
+)
 from tests.tools.tools_stack import serve_asgi, tools_stack
 
 PYTHON = ToolsSettings().integrations_python()
@@ -60,7 +68,7 @@ async def fakes(exit_stack: AsyncExitStack, tmp_path: Path, seen: dict[str, list
         "api.github.com": urlsplit(github).netloc,
         "api.airtable.com": urlsplit(airtable).netloc,
     }
-    return {"ca": ca, "qdrant": qdrant, "hosts": json.dumps(hosts)}
+    return {"ca": ca, "tls": (cert, key), "qdrant": qdrant, "hosts": json.dumps(hosts)}
 
 
 @pytest.fixture
@@ -196,7 +204,10 @@ async def test_a_catalogue_integration_connects_with_the_operator_s_oauth2_app(
     async with AsyncExitStack() as stack_of:
         fake = await fakes(stack_of, tmp_path, seen)
         monkeypatch.setenv("SSL_CERT_FILE", fake["ca"])
-        auth = await stack_of.enter_async_context(serve_asgi(oauth_server_app(issued)))
+        # over HTTPS: the token request trusts the CA of SSL_CERT_FILE, as the workers do
+        auth = await stack_of.enter_async_context(
+            serve_asgi(oauth_server_app(issued), tls=fake["tls"])
+        )
         # the operator gives the client (and, here, a local authorization server); the scopes,
         # PKCE and client authentication come from GitHub's manifest
         app = {
@@ -225,7 +236,7 @@ async def test_a_catalogue_integration_connects_with_the_operator_s_oauth2_app(
         query = parse_qs(urlsplit(started.json()["authorization_url"]).query)
         assert query["scope"] == ["repo user read:org workflow"]
         assert query["code_challenge_method"] == ["S256"]
-        async with httpx.AsyncClient() as browser:
+        async with httpx.AsyncClient(verify=fake["ca"]) as browser:
             redirect = await browser.get(started.json()["authorization_url"])
             connected = await browser.get(redirect.headers["location"])
         assert connected.status_code == 200, connected.text
@@ -238,3 +249,91 @@ async def test_a_catalogue_integration_connects_with_the_operator_s_oauth2_app(
         assert found["output"]["result"]["repository"]["full_name"] == "octo/hello"
         assert seen["github"][-1]["authorization"] == f"Bearer {OAUTH_TOKEN}"
         assert OAUTH_TOKEN not in json.dumps(frames)
+
+
+async def test_the_model_cannot_send_a_credential_to_a_host_of_its_choice(tmp_path, monkeypatch):
+    """Datadog's actions take the API host from a `region` parameter: with a credential, a
+    region the model names must be one Datadog's own code names, or the credential's own."""
+    seen: list[dict[str, Any]] = []
+    ca, cert, key = make_test_ca(tmp_path, ["api.attacker.test", "api.datadoghq.eu"])
+    monkeypatch.setenv("SSL_CERT_FILE", ca)
+    async with AsyncExitStack() as stack_of:
+        fake = await stack_of.enter_async_context(
+            serve_asgi(recorder_app(seen, {"dashboards": []}), tls=(cert, key))
+        )
+        hosts = {h: urlsplit(fake).netloc for h in ("api.attacker.test", "api.datadoghq.eu")}
+        stack = await stack_of.enter_async_context(
+            tools_stack(tmp_path, tools={"tools_integration_hosts": json.dumps(hosts)})
+        )
+        client = await stack_of.enter_async_context(stack.client())
+        keys = {"api_key": "dd-api-key-1", "application_key": "dd-app-key-2"}
+        await connect(client, "datadog", "api_key", keys)
+        _body, frames = await run_turn(
+            client,
+            call("datadog", "search_dashboards", region="attacker.test"),
+            call("datadog", "search_dashboards", region="datadoghq.eu"),
+            {"say": "ok"},
+        )
+        steered, own = results(frames)
+        assert steered["output"]["success"] is False
+        assert "a host named in its parameters" in steered["output"]["error"]
+        assert own["output"]["result"]["success"] is True
+        assert [s["host"] for s in seen] == ["api.datadoghq.eu"]
+        assert seen[0]["headers"]["dd-api-key"] == "dd-api-key-1"
+        # a region stored with the keys is the owner's choice: it wins over the model's
+        other = await client.post(
+            "/credentials",
+            json={
+                "integration_name": "datadog",
+                "auth_type": "api_key",
+                "auth_data": {**keys, "region": "attacker.test"},
+                "make_default": True,
+            },
+        )
+        assert other.status_code == 201, other.text
+        _body, frames = await run_turn(
+            client, call("datadog", "search_dashboards", region="datadoghq.eu"), {"say": "ok"}
+        )
+        assert results(frames)[0]["output"]["result"]["success"] is True
+        assert seen[-1]["host"] == "api.attacker.test"
+
+
+async def test_an_action_that_answers_an_error_fails_and_costs_nothing(tmp_path, seen):
+    async with AsyncExitStack() as stack_of:
+        qdrant = await stack_of.enter_async_context(
+            serve_asgi(qdrant_app(seen["qdrant"], QDRANT_KEY))
+        )
+        stack = await stack_of.enter_async_context(tools_stack(tmp_path))
+        client = await stack_of.enter_async_context(stack.client())
+        await connect(client, "qdrant", "custom", {"base_url": qdrant, "api_key": "wrong-key"})
+        failed = call("qdrant", "list_collections")
+        body, frames = await run_turn(client, {**failed, "tool_call_id": "call_q1"}, {"say": "ok"})
+        (result,) = results(frames)
+        assert result["output"]["success"] is False
+        assert result["output"]["error"].startswith(
+            "qdrant.list_collections failed: it answered an error: API error (403)"
+        )
+        await billing_delivered(stack)
+        async with stack.billing.store.sessions() as session:
+            charged = (
+                (
+                    await session.execute(
+                        select(LedgerEntry).where(
+                            LedgerEntry.org_id == stack.org_id, LedgerEntry.kind == "tool_usage"
+                        )
+                    )
+                )
+                .scalars()
+                .all()
+            )
+        assert charged == []
+
+
+async def test_oauth2_for_a_catalogue_integration_without_an_app_says_what_is_missing(tmp_path):
+    async with tools_stack(tmp_path) as stack, stack.client() as client:
+        started = await client.post(
+            "/credentials/oauth2/initiate",
+            json={"integration_name": "github", "redirect_uri": "https://app.example/cb"},
+        )
+    assert started.status_code == 400
+    assert "offers OAuth2, but this deployment has no OAuth2 app" in started.json()["detail"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
+from services.common.runner import CannotStart
 from services.tools.catalogue import EFFECTS, ActionContext, Catalogue
 from services.tools.community import (
     CACHED_INTEGRATIONS,
@@ -22,6 +23,7 @@ from services.tools.community import (
     arguments,
 )
 from services.tools.config import ToolsSettings
+from services.tools.server import ToolsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = json.loads((DATA_DIR / "index.json").read_text())
@@ -190,3 +192,34 @@ def test_only_the_most_recently_used_integrations_keep_their_actions_loaded():
     assert first.name not in community._loaded  # noqa: SLF001
     assert first.actions[next(iter(first.actions))].name  # read again from its file
     assert first.name in community._loaded  # noqa: SLF001
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "says"),
+    [
+        ("tools_integration_costs", '{"github": -5}', "whole millicredits"),
+        ("tools_integration_costs", '{"gitrub": 100}', "does not have: gitrub"),
+        ("tools_integration_costs", '{"github.no_such": 1}', "does not have: github.no_such"),
+        ("tools_integration_costs", "x", "INTEGRATION_COSTS is not JSON"),
+        ("tools_integration_hosts", '{"api.github.com": "notanaddr"}', "not an IP address"),
+        ("tools_oauth2_integrations", '[{"name": "acme"}]', "lacks authorize_url"),
+    ],
+)
+async def test_a_malformed_setting_stops_the_start_with_one_line(tmp_path, setting, value, says):
+    settings = ToolsSettings(
+        data_dir=tmp_path, tools_port=0, tools_metrics_port=0, **{setting: value}
+    )
+    with pytest.raises(CannotStart, match=says):
+        await ToolsServer.start(settings)
+
+
+def test_no_credential_field_takes_a_control_character():
+    for integration in INDEX["integrations"]:
+        for option in integration["auth"]:
+            if option["fields"] is None:
+                continue
+            validator = Draft202012Validator(option["fields"])
+            good = {name: "x" for name in option["fields"]["required"]}
+            assert validator.is_valid(good), (integration["name"], option["type"])
+            for name in [*option["fields"]["required"], "extra"]:
+                assert not validator.is_valid({**good, name: "a\r\nInjected: 1"}), name

@@ -435,3 +435,16 @@ async def test_a_catalogue_action_reaches_a_local_https_fake(make_pool, tmp_path
             await pool.call(module, "get_repository", {**arguments, "repo": "missing"}, 60)
         assert (failed.value.kind, failed.value.status) == ("http_status", 404)
     assert [s["authorization"] for s in seen] == ["Bearer t", "Bearer t"]
+
+
+def test_a_host_the_model_named_is_refused_unless_the_integration_names_it():
+    policy = worker_main.Policy(allow_private=True)
+    assert policy.judge_name("api.attacker.test") is None  # no rule without named hosts
+    policy.named = frozenset({"attacker.test", "203.0.113.9", "datadoghq.eu"})
+    policy.own = ("datadoghq.eu", "api.github.com")
+    assert policy.judge_name("api.attacker.test") == "model-chosen host"
+    assert policy.judge_name("ATTACKER.test.") == "model-chosen host"
+    assert policy.judge_name("203.0.113.9") == "model-chosen host"
+    assert policy.judge_name("api.datadoghq.eu") is None  # the integration's own
+    assert policy.judge_name("api.github.com") is None
+    assert policy.judge_name("example.org") is None  # not named by the model

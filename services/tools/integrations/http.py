@@ -40,7 +40,7 @@ MANIFEST: dict[str, Any] = {
             "description": "Sent as `Authorization: Bearer <token>`.",
             "fields": {
                 "type": "object",
-                "properties": {"token": {"type": "string", "minLength": 1}},
+                "properties": {"token": {"type": "string", "minLength": 1, "writeOnly": True}},
                 "required": ["token"],
                 "additionalProperties": False,
             },
@@ -52,7 +52,7 @@ MANIFEST: dict[str, Any] = {
             "fields": {
                 "type": "object",
                 "properties": {
-                    "api_key": {"type": "string", "minLength": 1},
+                    "api_key": {"type": "string", "minLength": 1, "writeOnly": True},
                     "header_name": {"type": "string", "minLength": 1, "default": "X-API-Key"},
                 },
                 "required": ["api_key"],
@@ -94,6 +94,8 @@ MANIFEST: dict[str, Any] = {
                 "additionalProperties": False,
             },
             "credit_cost_millicredits": 200,
+            # any method to any URL: it may do anything a request can
+            "effects": ["create", "update", "send", "delete"],
         }
     ],
 }

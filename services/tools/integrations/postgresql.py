@@ -57,6 +57,7 @@ MANIFEST: dict[str, Any] = {
                         "type": "string",
                         "pattern": "^postgres(ql)?://",
                         "description": "postgresql://user:password@host:5432/database",
+                        "writeOnly": True,
                     }
                 },
                 "required": ["dsn"],

@@ -264,9 +264,18 @@ class WorkerPool:
         return env
 
     async def call(
-        self, module: str, function: str, arguments: Mapping[str, Any], timeout_s: float
+        self,
+        module: str,
+        function: str,
+        arguments: Mapping[str, Any],
+        timeout_s: float,
+        *,
+        named: Sequence[str] = (),
+        own: Sequence[str] = (),
     ) -> CallResult:
-        """Run `module.function(arguments)` in a worker and return its result.
+        """Run `module.function(arguments)` in a worker and return its result. A connection to
+        a host of `named` (the hosts the model put in the arguments) or below one is refused
+        unless it is a host of `own` (the integration's) or below one: see worker_main.Policy.
 
         Raises ActionFailed (the action raised), ActionTimeout (no result within `timeout_s`,
         waiting for a free worker included: the worker is killed), WorkerCrashed (the worker
@@ -276,8 +285,10 @@ class WorkerPool:
         if self._closed:
             raise WorkerUnavailable("the pool is closed")
         call_id = next(self._call_ids)
-        request = {"id": call_id, "module": module, "function": function}
+        request: dict[str, Any] = {"id": call_id, "module": module, "function": function}
         request["arguments"] = dict(arguments)
+        if named:
+            request.update(named=list(named), own=list(own))
         line = json.dumps(request).encode() + b"\n"  # TypeError here: arguments JSON cannot hold
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._max_workers)

@@ -75,6 +75,7 @@ REFUSAL_KINDS = frozenset(
         "unix",
         "non-IP",
         "host name",
+        "model-chosen host",
         "process",
     }
 )
@@ -96,6 +97,7 @@ _REFUSED_WHAT = {
     "unix": "a unix socket",
     "non-IP": "a non-IP socket",
     "host name": "an unresolved host name",
+    "model-chosen host": "a host the model named",
 }
 # Kept while the worker runs and freed on a MemoryError, so the answer can still be written.
 _MEMORY_RESERVE_BYTES = 1 << 20
@@ -188,6 +190,13 @@ def _parse_target(host: str, text: str) -> tuple[str, int | None]:
     return address, port
 
 
+def _strings(value: Any) -> list[str]:
+    """`value` if it is a list of strings, else [] (a request's optional host lists)."""
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    return []
+
+
 def _host_key(host: Any) -> str:
     """A host name as the hosts map keys it: text, lower case, no trailing dot."""
     if isinstance(host, bytes):
@@ -201,6 +210,23 @@ class Policy:
     def __init__(self, allow_private: bool) -> None:
         self.allow_private = allow_private
         self.refused: list[str] = []  # kinds refused during the current call, first time each
+        # The current call's hosts named by the model, and the integration's own hosts: with a
+        # credential, an action may not connect to the first unless it is one of the second (a
+        # model steering the credential to a host of its choice). Empty: no such rule.
+        self.named: frozenset[str] = frozenset()
+        self.own: tuple[str, ...] = ()
+
+    def judge_name(self, host: Any) -> str | None:
+        """ "model-chosen host" when `host` (a name or an address) is one the model named, or
+        below one, and not the integration's own (or below it); None otherwise."""
+        if not self.named or host is None:
+            return None
+        name = _host_key(host)
+        if any(name == own or name.endswith("." + own) for own in self.own):
+            return None
+        if any(name == named or name.endswith("." + named) for named in self.named):
+            return "model-chosen host"
+        return None
 
     def judge(self, family: int, address: Any) -> str | None:
         """The refusal kind of a connection of `family` to `address`, or None if allowed."""
@@ -231,6 +257,8 @@ class Policy:
             if address is None:  # sendmsg on a connected socket: judged at connect
                 return
             kind = self.judge(sock.family, address)
+            if kind is None and isinstance(address, tuple) and address:
+                kind = self.judge_name(address[0])  # an address literal the model named
             if kind is not None:
                 self.refuse(RefusedByPolicy(kind))
         elif event in _PROCESS_EVENTS:
@@ -241,6 +269,15 @@ class Policy:
         close `_posixsubprocess.fork_exec`, the one way to start a process without an event
         (multiprocessing's spawn and forkserver use it)."""
         sys.addaudithook(self.audit)
+        resolve = socket.getaddrinfo
+
+        def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+            kind = self.judge_name(host)
+            if kind is not None:
+                self.refuse(RefusedByPolicy(kind))
+            return resolve(host, *args, **kwargs)
+
+        socket.getaddrinfo = getaddrinfo  # outermost: before the hosts map answers
         try:
             import _posixsubprocess
         except ImportError:
@@ -472,6 +509,8 @@ class Worker:
             self.send({"id": None, "ok": False, "error": {"kind": "invalid_request"}})
             return True
         self.policy.refused = []
+        self.policy.named = frozenset(_host_key(h) for h in _strings(request.get("named")))
+        self.policy.own = tuple(_host_key(h) for h in _strings(request.get("own")))
         try:
             result = self.loop.run_until_complete(self.runner.run(module, function, arguments))
             answer: dict[str, Any] = {"id": call_id, "ok": True, "result": result}

@@ -183,6 +183,8 @@ async def test_mcp_example_calls_the_operators_time_server(tmp_path):
         frames = await read_frames(client, turn["stream_url"])
     details, called = _results(frames)
     assert "get_current_time" in [a["name"] for a in details["output"]["actions"]]
+    # an MCP tool's effects are unknown: shown as possibly changing something, never as a read
+    assert {tuple(a["effects"]) for a in details["output"]["actions"]} == {("update",)}
     assert called["output"]["result"]["structured_content"]["timezone"] == "Europe/Paris"
     assert frames[-1]["type"] == "done"
 

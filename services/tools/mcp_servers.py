@@ -59,6 +59,7 @@ def integration_of_tools(
             parameters=t["input_schema"],
             credit_cost_millicredits=MCP_ACTION_MILLICREDITS,
             handler=handler_for(t["name"]),
+            effects=("update",),  # a server's tool may change anything: never shown as a read
         )
         for t in tools
     }

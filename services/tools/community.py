@@ -19,10 +19,13 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.common.redaction import Redactor
+from services.tools import oauth_refresh
 from services.tools.catalogue import (
     Action,
     ActionContext,
@@ -292,33 +295,67 @@ class CommunityCatalogue:
         }
 
     def _handler(self, raw: dict[str, Any], entry: dict[str, Any]) -> Any:
-        """The handler that runs `entry` in a worker."""
-        module, function, name = raw["module"], entry["function"], raw["name"]
+        """The handler that runs `entry` in a worker; an oauth2 credential the API refuses
+        (HTTP 401) is renewed once and the call made again (oauth_refresh.renew_after_rejection),
+        its new tokens redacted from the result as the caller redacts the old ones."""
+        name = raw["name"]
 
         async def handler(ctx: ActionContext, params: dict[str, Any]) -> Any:
-            args = arguments(entry, raw["auth"], ctx, params)
-            # with a credential, the model may not steer the action to a host of its choice
-            model_given = {k: v for k, v in params.items() if args.get(k) is v}
-            named = sorted(hosts_named(model_given)) if ctx.secret else []
             try:
-                answer = await self.pool.call(
-                    module, function, args, ctx.timeout_s, named=named, own=raw.get("hosts", [])
-                )
-            except ActionTimeout as exc:
-                raise TimeoutError from exc
-            except (ActionFailed, WorkerCrashed, WorkerUnavailable) as exc:
+                return await self._call(raw, entry, ctx, params)
+            except ActionFailed as exc:
+                token = str((ctx.secret or {}).get("access_token") or "")
+                if not (exc.kind == "http_status" and exc.status == 401 and token):
+                    raise ActionError(failure_text(name, exc)) from exc
+                try:
+                    renewed = await oauth_refresh.renew_after_rejection(name, token)
+                except oauth_refresh.CredentialUnusable as unusable:  # its text is for the model
+                    raise ActionError(str(unusable)) from None
+                if renewed is None:
+                    raise ActionError(failure_text(name, exc)) from exc
+            try:
+                value = await self._call(raw, entry, replace(ctx, secret=renewed), params)
+            except ActionFailed as exc:
                 raise ActionError(failure_text(name, exc)) from exc
-            if answer.refused:  # the action may have caught it and answered anyway
-                raise ActionError(refusal_text(answer.refused))
-            value = answer.value
-            # the package's actions catch their own errors and answer {"success": false, "error"}:
-            # a failed call (not charged), with the action's own words, redacted by the caller
-            if isinstance(value, dict) and value.get("success") is False:
-                said = str(value.get("error") or "no detail")[:ERROR_CHARS]
-                raise ActionError(f"it answered an error: {said}")
-            return value
+            return Redactor(renewed).value(value)
 
         return handler
+
+    async def _call(
+        self,
+        raw: dict[str, Any],
+        entry: dict[str, Any],
+        ctx: ActionContext,
+        params: dict[str, Any],
+    ) -> Any:
+        """One call of `entry` in a worker: its result, or ActionFailed (to be told to the model
+        or retried), ActionError, TimeoutError."""
+        args = arguments(entry, raw["auth"], ctx, params)
+        # with a credential, the model may not steer the action to a host of its choice
+        model_given = {k: v for k, v in params.items() if args.get(k) is v}
+        named = sorted(hosts_named(model_given)) if ctx.secret else []
+        try:
+            answer = await self.pool.call(
+                raw["module"],
+                entry["function"],
+                args,
+                ctx.timeout_s,
+                named=named,
+                own=raw.get("hosts", []),
+            )
+        except ActionTimeout as exc:
+            raise TimeoutError from exc
+        except (WorkerCrashed, WorkerUnavailable) as exc:
+            raise ActionError(failure_text(raw["name"], exc)) from exc
+        if answer.refused:  # the action may have caught it and answered anyway
+            raise ActionError(refusal_text(answer.refused))
+        value = answer.value
+        # the package's actions catch their own errors and answer {"success": false, "error"}:
+        # a failed call (not charged), with the action's own words, redacted by the caller
+        if isinstance(value, dict) and value.get("success") is False:
+            said = str(value.get("error") or "no detail")[:ERROR_CHARS]
+            raise ActionError(f"it answered an error: {said}")
+        return value
 
 
 def from_settings(settings: ToolsSettings) -> CommunityCatalogue | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +93,16 @@ def _record(seen: list[dict[str, Any]], request: Request, body: Any = None) -> N
     )
 
 
-def github_app(seen: list[dict[str, Any]], *tokens: str) -> Starlette:
+def github_app(
+    seen: list[dict[str, Any]], *tokens: str, accepted: Container[str] = ()
+) -> Starlette:
     """GitHub's REST API, the parts the tests call: a repository, its issues; `tokens` are the
-    bearer tokens it accepts."""
+    bearer tokens it accepts, and whatever is in `accepted` when asked (e.g. an authorization
+    server's live tokens)."""
 
     def allowed(request: Request) -> bool:
-        return request.headers.get("authorization") in {f"Bearer {t}" for t in tokens}
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme == "Bearer" and (token in tokens or token in accepted)
 
     async def repository(request: Request) -> JSONResponse:
         _record(seen, request)

@@ -26,6 +26,7 @@ from tests.tools.fake_apis import (
     qdrant_app,
     recorder_app,
 )
+from tests.tools.test_oauth_refresh import CLIENT_ID, CLIENT_SECRET, AuthServer
 from tests.tools.tools_stack import serve_asgi, tools_stack
 
 PYTHON = ToolsSettings().integrations_python()
@@ -337,3 +338,51 @@ async def test_oauth2_for_a_catalogue_integration_without_an_app_says_what_is_mi
         )
     assert started.status_code == 400
     assert "offers OAuth2, but this deployment has no OAuth2 app" in started.json()["detail"]
+
+
+async def test_an_oauth2_token_the_api_refuses_is_renewed_and_the_action_retried(
+    tmp_path, seen, monkeypatch
+):
+    server = AuthServer(lifetime_s=3600)
+    ca, cert, key = make_test_ca(tmp_path, ["api.github.com"])
+    monkeypatch.setenv("SSL_CERT_FILE", ca)
+    async with AsyncExitStack() as stack_of:
+        auth = await stack_of.enter_async_context(serve_asgi(server.app()))
+        github = await stack_of.enter_async_context(
+            serve_asgi(github_app(seen["github"], accepted=server.access), tls=(cert, key))
+        )
+        app = {
+            "name": "github",
+            "client_id": CLIENT_ID,
+            "client_secret": CLIENT_SECRET,
+            "authorize_url": f"{auth}/authorize",
+            "token_url": f"{auth}/token",
+        }
+        tools = {
+            "tools_integration_hosts": json.dumps({"api.github.com": urlsplit(github).netloc}),
+            "tools_oauth2_integrations": json.dumps([app]),
+        }
+        stack = await stack_of.enter_async_context(tools_stack(tmp_path, tools=tools))
+        client = await stack_of.enter_async_context(stack.client())
+        callback = f"{stack.base_url}/credentials/oauth2/callback"
+        started = await client.post(
+            "/credentials/oauth2/initiate",
+            json={"integration_name": "github", "redirect_uri": callback},
+        )
+        async with httpx.AsyncClient() as browser:
+            redirect = await browser.get(started.json()["authorization_url"])
+            assert (await browser.get(redirect.headers["location"])).status_code == 200
+        (first,) = server.access
+        server.access.clear()  # revoked before its expiry: GitHub answers 401
+        _body, frames = await run_turn(
+            client, call("github", "get_repository", owner="octo", repo="hello"), {"say": "ok"}
+        )
+        (found,) = results(frames)
+        assert found["output"]["result"]["repository"]["full_name"] == "octo/hello"
+        (second,) = server.access
+        assert server.refresh_requests == 1
+        assert [s["authorization"] for s in seen["github"]] == [
+            f"Bearer {first}",
+            f"Bearer {second}",
+        ]
+        assert not any(token in json.dumps(frames) for token in server.issued)

@@ -114,6 +114,16 @@ INTEGRATION_ACTION_DURATION = Histogram(
     ["integration"],
     buckets=CALL_BUCKETS,
 )
+INTEGRATION_WORKERS = Gauge(
+    "loopline_integration_workers",
+    "Integration worker processes of the tools service running now (the community catalogue's).",
+)
+INTEGRATION_WORKER_EXITS = Counter(
+    "loopline_integration_worker_exits_total",
+    "Integration worker processes ended, by reason (idle, timeout, crashed, out of memory, ...: "
+    "a fixed set, services/tools/workers/pool.py).",
+    ["reason"],
+)
 
 # ----- billing ---------------------------------------------------------------------------------
 ADMISSIONS = Counter(
@@ -143,6 +153,18 @@ EVENT_DELIVERY_DELAY = Histogram(
     "keep up (the oldest event of each fan-out round).",
     buckets=DELIVERY_BUCKETS,
 )
+
+
+def integration_worker_started() -> None:
+    """Count an integration worker process started."""
+    INTEGRATION_WORKERS.inc()
+
+
+def integration_worker_ended(reason: str) -> None:
+    """Count an integration worker process ended (`reason`: one of the pool's fixed words)."""
+    INTEGRATION_WORKERS.dec()
+    INTEGRATION_WORKER_EXITS.labels(reason).inc()
+
 
 # ----- storage ---------------------------------------------------------------------------------
 STORAGE_ERRORS = Counter(

@@ -19,6 +19,7 @@ from unittest.mock import ANY
 from urllib.parse import urlsplit
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.tools import netpolicy
 from services.tools.workers import pool as pool_module
@@ -248,11 +249,26 @@ async def test_calls_beyond_max_workers_wait_for_a_free_one(make_pool, tmp_path)
 
 
 async def test_an_idle_worker_exits(make_pool) -> None:
+    running = REGISTRY.get_sample_value("loopline_integration_workers") or 0.0
+    idled = exits("idle")
     pool = make_pool(idle_s=0.2)
     worker = (await pool.call(ACTIONS, "pid", {}, 30)).value
+    assert REGISTRY.get_sample_value("loopline_integration_workers") == running + 1
     assert await gone(worker)
     assert pool.workers == 0
+    for _ in range(100):  # the exit is counted once the worker is reaped
+        if exits("idle") == idled + 1:
+            break
+        await asyncio.sleep(0.02)
+    assert exits("idle") == idled + 1
+    assert REGISTRY.get_sample_value("loopline_integration_workers") == running
     assert (await pool.call(ACTIONS, "pid", {}, 30)).value != worker
+
+
+def exits(reason: str) -> float:
+    """loopline_integration_worker_exits_total{reason} so far."""
+    sample = "loopline_integration_worker_exits_total"
+    return REGISTRY.get_sample_value(sample, {"reason": reason}) or 0.0
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common import metrics
 from services.tools.workers import worker_main
 
 log = logging.getLogger(__name__)
@@ -376,6 +377,7 @@ class WorkerPool:
             )
             raise WorkerUnavailable("the integrations interpreter cannot be started") from None
         worker = _Worker(process)
+        metrics.integration_worker_started()
         self._busy.add(worker)
         try:
             ready = await worker.exchange(None)
@@ -454,6 +456,7 @@ class WorkerPool:
         else:
             fields["exit_code"] = returncode
         log.info("integration worker exited", extra={"fields": fields})
+        metrics.integration_worker_ended(reason)
 
     async def close(self) -> None:
         """Stop every worker (busy ones are killed: their calls fail) and remove their home."""

@@ -249,20 +249,10 @@ READ_VERBS = frozenset(
         "lookup",
         "view",
         "count",
-        "download",
-        "export",
-        "preview",
-        "validate",
-        "verify",
-        "scrape",
-        "crawl",
-        "extract",
-        "summarize",
-        "inspect",
         "show",
         "browse",
-        "explore",
-        "estimate",
+        "inspect",
+        "preview",
     }
 )
 

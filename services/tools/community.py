@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
+import unicodedata
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
@@ -42,6 +42,7 @@ from services.tools.workers.pool import (
     WorkerPool,
     WorkerUnavailable,
 )
+from services.tools.workers.worker_main import canonical_host
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ DATA_DIR = Path(__file__).parent / "catalogue_data"
 SOURCE = "modulex-integrations"
 # what an action of the catalogue costs unless LOOPLINE_TOOLS_INTEGRATION_COSTS says otherwise
 DEFAULT_MILLICREDITS = 200
+# the most one action may cost: what billing records for one tool call (its ledger's
+# MAX_TOOL_MILLICREDITS)
+MAX_ACTION_MILLICREDITS = 10**12
 # how much of an action's own error message the model is shown
 ERROR_CHARS = 500
 # how many integrations' actions stay loaded (the least recently used are read again)
@@ -67,10 +71,12 @@ class Costs:
         except json.JSONDecodeError as exc:
             raise ValueError(f"LOOPLINE_TOOLS_INTEGRATION_COSTS is not JSON ({exc.msg})") from None
         if not isinstance(table, dict) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in table.values()
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ACTION_MILLICREDITS
+            for v in table.values()
         ):
             raise ValueError(
-                "LOOPLINE_TOOLS_INTEGRATION_COSTS must be a JSON object of whole millicredits >= 0"
+                "LOOPLINE_TOOLS_INTEGRATION_COSTS must be a JSON object of whole millicredits from "
+                f"0 to {MAX_ACTION_MILLICREDITS}"
             )
         self._table: dict[str, int] = table
 
@@ -149,13 +155,12 @@ def refusal_text(kinds: tuple[str, ...]) -> str:
     return f"the outbound policy of this deployment refused its connection to {' or '.join(named)}"
 
 
-_HOST_LIKE = re.compile(r"^(?:[a-z0-9-]+\.)+[a-z0-9-]+\.?$|^[0-9a-f:.]+$")
-
-
 def hosts_named(value: Any, found: set[str] | None = None, depth: int = 0) -> set[str]:
-    """The host names and addresses in the model's parameters `value`: of URLs, and of strings
-    that are a host, `host:port` or `user@host` (checked against the worker's connections when
-    a credential is attached: worker_main.Policy.judge_name)."""
+    """The hosts in the model's parameters `value`, as a client would connect to them
+    (worker_main.canonical_host: IDNA, Unicode dots, IPv4 in any notation): a URL's, a
+    `user@host`'s or a `host:port`'s host, and a bare string that is a dotted name or an address
+    (checked against the worker's connections when a credential is attached:
+    worker_main.Policy.judge_name)."""
     found = set() if found is None else found
     if depth > 64:
         return found
@@ -166,12 +171,15 @@ def hosts_named(value: Any, found: set[str] | None = None, depth: int = 0) -> se
         for item in value:
             hosts_named(item, found, depth + 1)
     elif isinstance(value, str) and len(value) <= 2048 and not any(c.isspace() for c in value):
+        text = unicodedata.normalize("NFKC", value)
         try:
-            host = urlsplit(value if "://" in value else f"//{value}").hostname
+            host = urlsplit(text if "://" in text else f"//{text}").hostname
         except ValueError:
             host = None
-        if host and _HOST_LIKE.match(host) and ("." in host or ":" in host):
-            found.add(host.rstrip("."))
+        if host:
+            canonical = canonical_host(host)
+            if any(c in text for c in ":@") or "." in canonical:
+                found.add(canonical)
     return found
 
 
@@ -353,7 +361,8 @@ class CommunityCatalogue:
         # the package's actions catch their own errors and answer {"success": false, "error"}:
         # a failed call (not charged), with the action's own words, redacted by the caller
         if isinstance(value, dict) and value.get("success") is False:
-            said = str(value.get("error") or "no detail")[:ERROR_CHARS]
+            # redacted before it is cut: a secret cut in two would not be found by the caller
+            said = Redactor(ctx.secret).text(str(value.get("error") or "no detail"))[:ERROR_CHARS]
             raise ActionError(f"it answered an error: {said}")
         return value
 

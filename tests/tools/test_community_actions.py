@@ -272,12 +272,14 @@ async def test_the_model_cannot_send_a_credential_to_a_host_of_its_choice(tmp_pa
         _body, frames = await run_turn(
             client,
             call("datadog", "search_dashboards", region="attacker.test"),
+            call("datadog", "search_dashboards", region="ATTACKER\u3002test"),  # a Unicode dot
             call("datadog", "search_dashboards", region="datadoghq.eu"),
             {"say": "ok"},
         )
-        steered, own = results(frames)
-        assert steered["output"]["success"] is False
-        assert "a host named in its parameters" in steered["output"]["error"]
+        steered, disguised, own = results(frames)
+        for refused in (steered, disguised):
+            assert refused["output"]["success"] is False
+            assert "a host named in its parameters" in refused["output"]["error"]
         assert own["output"]["result"]["success"] is True
         assert [s["host"] for s in seen] == ["api.datadoghq.eu"]
         assert seen[0]["headers"]["dd-api-key"] == "dd-api-key-1"

@@ -14,16 +14,18 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from services.common.runner import CannotStart
-from services.tools.catalogue import EFFECTS, ActionContext, Catalogue
+from services.tools.catalogue import EFFECTS, ActionContext, ActionError, Catalogue
 from services.tools.community import (
     CACHED_INTEGRATIONS,
     DATA_DIR,
     CommunityCatalogue,
     Costs,
     arguments,
+    hosts_named,
 )
 from services.tools.config import ToolsSettings
 from services.tools.server import ToolsServer
+from services.tools.workers.pool import CallResult
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = json.loads((DATA_DIR / "index.json").read_text())
@@ -198,6 +200,7 @@ def test_only_the_most_recently_used_integrations_keep_their_actions_loaded():
     ("setting", "value", "says"),
     [
         ("tools_integration_costs", '{"github": -5}', "whole millicredits"),
+        ("tools_integration_costs", '{"github": 10000000000000}', "from 0 to 1000000000000"),
         ("tools_integration_costs", '{"gitrub": 100}', "does not have: gitrub"),
         ("tools_integration_costs", '{"github.no_such": 1}', "does not have: github.no_such"),
         ("tools_integration_costs", "x", "INTEGRATION_COSTS is not JSON"),
@@ -223,3 +226,35 @@ def test_no_credential_field_takes_a_control_character():
             assert validator.is_valid(good), (integration["name"], option["type"])
             for name in [*option["fields"]["required"], "extra"]:
                 assert not validator.is_valid({**good, name: "a\r\nInjected: 1"}), name
+
+
+def test_the_hosts_the_model_names_are_read_as_a_client_connects_to_them():
+    named = hosts_named(
+        {
+            "region": "evil\u3002test",  # an ideographic full stop
+            "nested": [{"base_url": "https://\u0435vil.test:443/x"}],  # a Cyrillic е
+            "decimal": "http://2130706433:8080",
+            "hex": "http://0x7f000001/",
+            "mapped": "http://[::ffff:127.0.0.1]:1",
+            "userinfo": "x@localhost:28444",
+            "fullwidth": "https://evil\uff0etest\uff1a443",
+            "word": "octo",  # a bare word is not a host
+        }
+    )
+    assert named == {"evil.test", "xn--vil-qdd.test", "127.0.0.1", "localhost"}
+
+
+async def test_an_error_an_action_answers_is_redacted_before_it_is_cut():
+    secret = "OBS-NU2-SECRET-ccc"
+
+    class Pool:
+        async def call(self, *args: object, **kwargs: object) -> CallResult:
+            return CallResult({"success": False, "error": "P" * 490 + secret}, (), 1.0)
+
+    community = CommunityCatalogue(pool=Pool(), costs=Costs(""))  # type: ignore[arg-type]
+    obsidian = next(i for i in community.integrations(taken=set()) if i.name == "obsidian")
+    action = next(iter(obsidian.actions.values()))
+    context = ActionContext({"api_key": secret}, "api_key", 5.0, 1024, False)
+    with pytest.raises(ActionError) as failed:
+        await action.handler(context, {})
+    assert secret[:6] not in str(failed.value)

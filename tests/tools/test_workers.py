@@ -464,3 +464,9 @@ def test_a_host_the_model_named_is_refused_unless_the_integration_names_it():
     assert policy.judge_name("api.datadoghq.eu") is None  # the integration's own
     assert policy.judge_name("api.github.com") is None
     assert policy.judge_name("example.org") is None  # not named by the model
+    # what the connection is made to is read as the named hosts are: canonical forms
+    policy.named = frozenset({"127.0.0.1", "xn--vil-qdd.test"})
+    assert policy.judge_name("2130706433") == "model-chosen host"
+    assert policy.judge_name("::ffff:127.0.0.1") == "model-chosen host"
+    assert policy.judge_name("\u0435vil.test") == "model-chosen host"
+    assert policy.judge_name("api.xn--vil-qdd.test") == "model-chosen host"

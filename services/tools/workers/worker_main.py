@@ -40,6 +40,7 @@ import json
 import os
 import socket
 import sys
+import unicodedata
 import urllib.error
 from collections.abc import Iterator
 from typing import Any
@@ -197,6 +198,36 @@ def _strings(value: Any) -> list[str]:
     return []
 
 
+# the dots a resolver or an IDNA encoder takes for "." (UTS 46 maps them; NFKC alone does not)
+_DOTS = str.maketrans({"\u3002": ".", "\uff0e": ".", "\uff61": "."})
+
+
+def canonical_host(host: Any) -> str:
+    """`host` (a name or an address) the way a client connects to it: an IPv4 address in any
+    notation inet_aton takes (2130706433, 0x7f000001, 0177.1) and an IPv6 one (an IPv4-mapped one
+    as its IPv4 address) as its standard text; a name lower-cased, its Unicode dots made dots
+    and IDNA-encoded (еvil.test -> xn--vil-qdd.test), without a trailing dot."""
+    text = _host_key(host).strip("[]")
+    text = unicodedata.normalize("NFKC", text).translate(_DOTS).rstrip(".")
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        address = None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    if address is not None:
+        return str(address)
+    if text and all(c in "0123456789abcdefx." for c in text):
+        try:
+            return socket.inet_ntoa(socket.inet_aton(text))
+        except OSError:
+            pass
+    try:
+        return text.encode("idna").decode("ascii")
+    except UnicodeError:
+        return text
+
+
 def _host_key(host: Any) -> str:
     """A host name as the hosts map keys it: text, lower case, no trailing dot."""
     if isinstance(host, bytes):
@@ -221,7 +252,7 @@ class Policy:
         below one, and not the integration's own (or below it); None otherwise."""
         if not self.named or host is None:
             return None
-        name = _host_key(host)
+        name = canonical_host(host)
         if any(name == own or name.endswith("." + own) for own in self.own):
             return None
         if any(name == named or name.endswith("." + named) for named in self.named):
@@ -509,8 +540,8 @@ class Worker:
             self.send({"id": None, "ok": False, "error": {"kind": "invalid_request"}})
             return True
         self.policy.refused = []
-        self.policy.named = frozenset(_host_key(h) for h in _strings(request.get("named")))
-        self.policy.own = tuple(_host_key(h) for h in _strings(request.get("own")))
+        self.policy.named = frozenset(canonical_host(h) for h in _strings(request.get("named")))
+        self.policy.own = tuple(canonical_host(h) for h in _strings(request.get("own")))
         try:
             result = self.loop.run_until_complete(self.runner.run(module, function, arguments))
             answer: dict[str, Any] = {"id": call_id, "ok": True, "result": result}

@@ -25,7 +25,7 @@ import secrets
 import unicodedata
 import urllib.parse
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -304,7 +304,9 @@ def integration_of(provider: OAuth2Provider, timeout_s: float) -> Integration:
             }
         ],
     }
-    return integration_from_manifest(manifest, {"api_request": api_request})
+    return replace(
+        integration_from_manifest(manifest, {"api_request": api_request}), source="oauth2"
+    )
 
 
 async def _send(

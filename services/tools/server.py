@@ -42,6 +42,32 @@ def _parsed(what: str, parse: Callable[[], T]) -> T:
         raise CannotStart(f"{what}: {exc}") from None
 
 
+def _check_names(
+    builtins: list[Any], providers: list[Any], catalogue: list[Any], stdio_servers: list[Any]
+) -> None:
+    """Refuse (ValueError) the operator's integrations whose names are taken: twice in
+    LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS or LOOPLINE_TOOLS_MCP_STDIO_SERVERS, an OAuth2 entry named
+    like a built-in, a stdio server named like any other integration. (An OAuth2 entry named like
+    a catalogue integration configures its app, and one named like a catalogue integration
+    without OAuth2 replaces it: docs/integrations.md.)"""
+    builtin = {i.name for i in builtins}
+    oauth = [p.name for p in providers]
+    stdio = [s.name for s in stdio_servers]
+    for names, what in (
+        (oauth, "LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS"),
+        (stdio, "stdio MCP servers"),
+    ):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{what} name {', '.join(twice)} more than once")
+    taken = sorted(set(oauth) & builtin)
+    if taken:
+        raise ValueError(f"OAuth2 integration {', '.join(taken)} is the name of a built-in")
+    taken = sorted(set(stdio) & {i.name for i in catalogue})
+    if taken:
+        raise ValueError(f"stdio MCP server {', '.join(taken)} is the name of another integration")
+
+
 class ToolsServer:
     """A running tools service: gRPC server, database engine, stores.
 
@@ -106,6 +132,12 @@ class ToolsServer:
         stdio_servers = _parsed(
             "LOOPLINE_TOOLS_MCP_STDIO_SERVERS",
             lambda: parse_stdio_servers(settings.tools_mcp_stdio_servers),
+        )
+        _parsed(
+            "integration names",
+            lambda: _check_names(
+                Catalogue.builtin().all(), providers, catalogue.all(), stdio_servers
+            ),
         )
         stdio = StdioRegistry(stdio_servers, connector)
         engine = db.make_engine(url, settings.db_pool_size, settings.db_timeout_s)

@@ -218,6 +218,7 @@ async def test_tool_detail_has_actions_costs_effects_and_auth_fields(stack):
         assert (oauth.auth_type, oauth.supports_modulex_oauth) == ("oauth2", True)
         assert oauth.supports_custom_oauth is False
         assert "client-secret" not in json.dumps(acme.to_dict())  # the operator's app secret
+        assert given(acme.metadata)["source"] == "oauth2"
         # GET /integrations/{name}: actions and models both set, no OAuth2 flags
         same = await client.integrations.get("acme")
         assert (

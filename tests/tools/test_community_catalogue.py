@@ -196,6 +196,21 @@ def test_only_the_most_recently_used_integrations_keep_their_actions_loaded():
     assert first.name in community._loaded  # noqa: SLF001
 
 
+GITHUB_APP = '{"name": "github", "client_id": "c", "client_secret": "s"}'
+OAUTH_HTTP = json.dumps(
+    [
+        {
+            "name": "http",
+            "authorize_url": "https://a.example/authorize",
+            "token_url": "https://a.example/token",
+            "client_id": "c",
+            "api_base_url": "https://a.example/api",
+        }
+    ]
+)
+STDIO_GITHUB = '[{"name": "github", "command": "/bin/true"}]'
+
+
 @pytest.mark.parametrize(
     ("setting", "value", "says"),
     [
@@ -206,6 +221,9 @@ def test_only_the_most_recently_used_integrations_keep_their_actions_loaded():
         ("tools_integration_costs", "x", "INTEGRATION_COSTS is not JSON"),
         ("tools_integration_hosts", '{"api.github.com": "notanaddr"}', "not an IP address"),
         ("tools_oauth2_integrations", '[{"name": "acme"}]', "lacks authorize_url"),
+        ("tools_oauth2_integrations", OAUTH_HTTP, "http is the name of a built-in"),
+        ("tools_oauth2_integrations", f"[{GITHUB_APP}, {GITHUB_APP}]", "github more than once"),
+        ("tools_mcp_stdio_servers", STDIO_GITHUB, "github is the name of another integration"),
     ],
 )
 async def test_a_malformed_setting_stops_the_start_with_one_line(tmp_path, setting, value, says):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
@@ -68,6 +69,47 @@ def _check_names(
         raise ValueError(f"stdio MCP server {', '.join(taken)} is the name of another integration")
 
 
+@dataclass(frozen=True)
+class _Configured:
+    """The integrations the settings configure (`_configured`)."""
+
+    community: community_catalogue.CommunityCatalogue | None
+    manifests: dict[str, dict[str, Any]]  # the catalogue's OAuth2 settings, by integration
+    providers: list[Any]
+    catalogue: Catalogue
+    stdio_servers: list[Any]
+
+
+def _configured(settings: ToolsSettings) -> _Configured:
+    """Read the integrations of `settings`: the built-ins, the operator's OAuth2 integrations (an
+    entry named like a catalogue integration configures that integration's OAuth2 app), the
+    community catalogue and the stdio MCP servers. Raises CannotStart for a malformed setting or
+    a taken name."""
+    community = _parsed(
+        "the community catalogue's settings", lambda: community_catalogue.from_settings(settings)
+    )
+    manifests = community.oauth_settings() if community is not None else {}
+    providers = _parsed(
+        "LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS",
+        lambda: parse_providers(settings.tools_oauth2_integrations, manifests),
+    )
+    builtins = Catalogue.builtin().all()
+    integrations = builtins + [
+        integration_of(p, settings.tools_timeout_s) for p in providers if p.name not in manifests
+    ]
+    if community is not None:
+        integrations += community.integrations(taken={i.name for i in integrations})
+    stdio_servers = _parsed(
+        "LOOPLINE_TOOLS_MCP_STDIO_SERVERS",
+        lambda: parse_stdio_servers(settings.tools_mcp_stdio_servers),
+    )
+    _parsed(
+        "integration names",
+        lambda: _check_names(builtins, providers, integrations, stdio_servers),
+    )
+    return _Configured(community, manifests, providers, Catalogue(integrations), stdio_servers)
+
+
 class ToolsServer:
     """A running tools service: gRPC server, database engine, stores.
 
@@ -106,40 +148,18 @@ class ToolsServer:
                 "public development key; set a Fernet key in any real deployment"
             )
         box = SecretBox(settings.credential_keys())
-        community = _parsed(
-            "the community catalogue's settings",
-            lambda: community_catalogue.from_settings(settings),
+        configured = _configured(settings)
+        community, providers, catalogue = (
+            configured.community,
+            configured.providers,
+            configured.catalogue,
         )
-        # an entry named like a catalogue integration configures that integration's OAuth2 app
-        manifests = community.oauth_settings() if community is not None else {}
-        providers = _parsed(
-            "LOOPLINE_TOOLS_OAUTH2_INTEGRATIONS",
-            lambda: parse_providers(settings.tools_oauth2_integrations, manifests),
-        )
-        integrations = Catalogue.builtin().all() + [
-            integration_of(p, settings.tools_timeout_s)
-            for p in providers
-            if p.name not in manifests
-        ]
-        if community is not None:
-            integrations += community.integrations(taken={i.name for i in integrations})
-        catalogue = Catalogue(integrations)
         connector = McpConnector(
             settings.tools_timeout_s,
             settings.tools_max_output_bytes,
             settings.tools_allow_private_network,
         )
-        stdio_servers = _parsed(
-            "LOOPLINE_TOOLS_MCP_STDIO_SERVERS",
-            lambda: parse_stdio_servers(settings.tools_mcp_stdio_servers),
-        )
-        _parsed(
-            "integration names",
-            lambda: _check_names(
-                Catalogue.builtin().all(), providers, catalogue.all(), stdio_servers
-            ),
-        )
-        stdio = StdioRegistry(stdio_servers, connector)
+        stdio = StdioRegistry(configured.stdio_servers, connector)
         engine = db.make_engine(url, settings.db_pool_size, settings.db_timeout_s)
         sessions = db.sessionmaker(engine)
         credentials = CredentialStore(
@@ -154,7 +174,7 @@ class ToolsServer:
             box,
             credentials,
             settings.tools_timeout_s,
-            unconfigured=set(manifests) - {p.name for p in providers},
+            unconfigured=set(configured.manifests) - {p.name for p in providers},
         )
         credentials.refresher = oauth.refresher  # tool calls renew expiring OAuth2 tokens
         servicer = ToolsServicer(executor, oauth)

@@ -1,29 +1,25 @@
 """An integration worker: runs third-party integration actions, one at a time, outside the tools
 service, with the outbound policy enforced at the socket.
 
-Started by `services/tools/workers/pool.py` as `python -I worker_main.py` under the integrations
-interpreter, so it is one self-contained script: standard library only, Python 3.11 and 3.12,
-no `services.*` import. The pool imports it too, for `parse_hosts` (no side effect on import).
-
-What it does, in order (`main`):
-1. keeps private copies of its stdin and stdout for the protocol and points fd 0 at /dev/null
-   and fd 1 at fd 2, so integration code that prints or reads cannot corrupt the protocol;
+Started by pool.py as `python -I worker_main.py` under the integrations interpreter: standard
+library only, Python 3.11 and 3.12, no `services.*` import (the pool imports it too, without side
+effect). What it does, in order (`main`):
+1. keeps private copies of stdin and stdout for the protocol, fd 0 on /dev/null and fd 1 on fd 2,
+   so integration code that prints or reads cannot corrupt it;
 2. limits its address space (RLIMIT_AS, `LOOPLINE_WORKER_MEMORY_MB`; 0 = no limit);
-3. installs the outbound policy as an audit hook: `socket.connect`, `socket.sendto` and
-   `socket.sendmsg` to an address that is not public (the rules of `classify`, a copy of
-   services/tools/netpolicy.py's) raise `RefusedByPolicy` (a ConnectionRefusedError) unless
-   `LOOPLINE_WORKER_ALLOW_PRIVATE` is true; AF_UNIX and other non-IP families, and a host name
-   passed to connect unresolved (the C resolver would answer past the policy), are always
-   refused. Process creation is refused too (`ProcessRefused`), so no child escapes the hook.
-   Whatever HTTP library an action uses, its connections end in these calls;
+3. installs the outbound policy as an audit hook: `socket.connect`, `sendto` and `sendmsg` to an
+   address that is not public (`classify`, a copy of services/tools/netpolicy.py's) raise
+   `RefusedByPolicy` (a ConnectionRefusedError) unless `LOOPLINE_WORKER_ALLOW_PRIVATE` is true;
+   AF_UNIX, other non-IP families and an unresolved host name are always refused, and so is
+   process creation (`ProcessRefused`), so no child escapes the hook. A request's `named` hosts
+   (the model's) are refused unless they are among its `own` (the integration's): `judge_name`;
 4. wraps `socket.getaddrinfo` so the hosts of `LOOPLINE_WORKER_HOSTS` resolve to the given
-   addresses and ports (like curl --resolve; a list rotates per lookup); the hook still judges
-   the address actually connected to;
-5. answers requests, one JSON object per line:
-   `{"id", "module", "function", "arguments"}` -> `{"id", "ok": true, "result", "refused",
-   "rss_mb"}` or `{"id", "ok": false, "error": {"kind", "type", "status"}, "refused", "rss_mb"}`.
-   An error never carries the exception's message (it may quote a secret). After a MemoryError
-   the answer says `"exiting": true` and the worker exits, so the pool starts a fresh one.
+   addresses and ports (like curl --resolve; a list rotates per lookup);
+5. answers requests, one JSON object per line: `{"id", "module", "function", "arguments",
+   "named"?, "own"?}` -> `{"id", "ok": true, "result", "refused", "rss_mb"}` or `{"id", "ok":
+   false, "error": {"kind", "type", "status"}, "refused", "rss_mb"}`. An error never carries the
+   exception's message (it may quote a secret). After a MemoryError the answer says
+   `"exiting": true` and the worker exits, so the pool starts a fresh one.
 
 The hook holds Python-level sockets and processes: a library's own native code (or ctypes)
 could go around it. It holds every mainstream HTTP client; it is not a sandbox for hostile code.

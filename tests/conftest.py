@@ -408,7 +408,7 @@ async def start_stack(
             **{
                 **settings("gateway", gateway),
                 "orchestrator_addr": f"127.0.0.1:{orchestrator_server.port}",
-                "tools_addr": addrs["tools_addr"],
+                **addrs,
                 "http_port": 0,
                 "gateway_grpc_port": 0,
             }

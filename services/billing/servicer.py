@@ -5,14 +5,19 @@ Every handler goes through one wrapper (`unary`): a domain `RpcError` becomes a 
 
 from __future__ import annotations
 
+import datetime
+from typing import Any
+
 import grpc
 
 from loopline.billing.v1 import billing_pb2, billing_pb2_grpc
 from services.billing.admission import Admission
 from services.billing.ledger import Ledger
-from services.billing.models import CHARGED, EXPIRED, HELD, RELEASED
+from services.billing.models import CHARGED, EXPIRED, HELD, RELEASED, month_start
+from services.billing.plans import PlanTerms
 from services.billing.rates import RateDecision
-from services.common import ids
+from services.billing.store import BillingStore
+from services.common import ids, pb
 from services.common.errors import BILLING_DOMAIN, rpc_handler
 
 STATE_TO_PB = {
@@ -33,6 +38,53 @@ unary = rpc_handler(
 def _rate_pb(rate: RateDecision) -> billing_pb2.RateLimitState:
     return billing_pb2.RateLimitState(
         limit=rate.limit, remaining=rate.remaining, reset_seconds=rate.reset_seconds
+    )
+
+
+def _midnight(day: datetime.date) -> datetime.datetime:
+    return datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.UTC)
+
+
+def _next_month(day: datetime.date) -> datetime.date:
+    """The first day of the month after `day`'s (the next period's start)."""
+    return (day.replace(day=28) + datetime.timedelta(days=4)).replace(day=1)
+
+
+async def usage_of(store: BillingStore, org_id: str) -> billing_pb2.GetUsageResponse:
+    """`org_id`'s account in the current period, read as `admin show` reads it (never provisioned:
+    `store.account(provision=False)`); without an account, found=false with the default plan's
+    terms and zeros, so a client shows the allowance a first turn would get."""
+    found = await store.account(org_id, provision=False)
+    account: Any = None
+    if found is None:
+        plan: PlanTerms = await store.plan(store.default_plan)
+        period = month_start(store.clock().date())
+        allowance = plan.monthly_run_credits
+        used = reserved = granted = usage = balance = held = 0
+    else:
+        account, plan = found
+        period = account.period_start
+        allowance, granted = account.period_allowance, account.granted_credits
+        used, reserved = account.allowance_used, account.allowance_reserved
+        usage = account.usage_millicredits
+        balance, held = account.wallet_balance_minor, account.wallet_reserved_minor
+    return billing_pb2.GetUsageResponse(
+        found=account is not None,
+        plan=plan.name,
+        monthly_run_credits=plan.monthly_run_credits,
+        period_start=pb.timestamp(_midnight(period)),
+        period_end=pb.timestamp(_midnight(_next_month(period))),
+        run_credits=billing_pb2.RunCredits(
+            allowance=allowance,
+            granted=granted,
+            used=used,
+            reserved=reserved,
+            available=max(0, allowance - used - reserved),
+        ),
+        usage_millicredits=usage,
+        wallet=billing_pb2.Wallet(
+            balance_minor=balance, reserved_minor=held, available_minor=balance - held
+        ),
     )
 
 
@@ -136,3 +188,11 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
         """Charge one tool call's catalogue cost, idempotent by (run_id, tool_call_id)."""
         entry_id, replayed = await self.ledger.record_tool_usage(request)
         return billing_pb2.RecordToolUsageResponse(ledger_entry_id=entry_id, replayed=replayed)
+
+    @unary
+    async def GetUsage(  # noqa: N802
+        self, request: billing_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
+    ) -> billing_pb2.GetUsageResponse:
+        """The organization's plan, run credits, usage and wallet this period (`usage_of`); never
+        provisions an account."""
+        return await usage_of(self.ledger.store, request.organization_id)

@@ -44,6 +44,8 @@ class GatewaySettings(CommonSettings):
             cores this process may run on, at most 3 (`write_threads` resolves it).
         key_requests_per_minute: requests one API key may make per minute on every authenticated
             route (more: 429 with the rate denial envelope); 0 = not limited (ratelimit.py).
+        max_api_keys_per_organization: active (neither revoked nor expired) API keys that may be
+            bound to one organization through POST /api-keys; one more is 409.
         failed_auths_per_minute: failed authentications (401, 403) one client (IP address, an IPv6
             /64) may make per minute; past it every request of that client is 429 until the
             minute ends; 0 = not limited.
@@ -85,6 +87,7 @@ class GatewaySettings(CommonSettings):
     idempotency_ttl_s: float = Field(default=86_400.0, gt=0, le=MAX_SECONDS)
     fanout_write_threads: int = Field(default=-1, ge=-1, le=16)
     key_requests_per_minute: int = Field(default=6_000, ge=0, le=100_000_000)
+    max_api_keys_per_organization: int = Field(default=100, ge=1, le=1_000_000)
     failed_auths_per_minute: int = Field(default=30, ge=0, le=100_000_000)
     gateway_rate_limit_storage_url: str = ""
     http_max_header_bytes: int = Field(default=65_536, ge=1_024, le=16_777_216)

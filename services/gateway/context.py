@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+from loopline.billing.v1 import billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2_grpc
 from services.gateway.config import GatewaySettings
 from services.gateway.default_models import DefaultModels
@@ -34,10 +35,13 @@ class GatewayContext:
         default_models: the organizations' saved default models.
         fanout: the listeners of each run's event stream.
         tools: the tools service's stub (None: no credentials or knowledge routes).
+        billing: billing's stub, set by `create_app` when it has a billing channel (None: no
+            usage route).
     """
 
     __slots__ = (
         "authenticator",
+        "billing",
         "default_models",
         "fanout",
         "idempotency",
@@ -67,6 +71,7 @@ class GatewayContext:
         self.default_models = default_models
         self.fanout = fanout
         self.tools = tools
+        self.billing: billing_pb2_grpc.BillingServiceStub | None = None
         # built once per principal (only ever copied into requests); least recently used out
         # past 10,000
         self._callers: LRUCache[Principal, assistant_pb2.Caller] = LRUCache(10_000)
@@ -77,6 +82,16 @@ class GatewayContext:
             request.scope,
             request.headers.get("authorization"),
             request.headers.get("x-organization-id"),
+        )
+
+    async def member(self, request: Request) -> Principal:
+        """The caller of a route any member may call, X-Organization-ID optional
+        (`Authenticator.identify`, under the same limits); raises AuthError (401, 403, 429)."""
+        return await self.limits.authenticate(
+            request.scope,
+            request.headers.get("authorization"),
+            request.headers.get("x-organization-id"),
+            member=True,
         )
 
     def caller(self, who: Principal) -> assistant_pb2.Caller:

@@ -5,7 +5,9 @@
 route (the assistant, credentials, knowledge bases, organization settings) requires the
 owner or admin role (spec: "As built today the Assistant requires the owner or admin
 role"); any other role, or no membership, is 403 "This requires the owner or admin role
-in this organization"; a missing or unknown key is 401.
+in this organization"; a missing, unknown, revoked or expired key is 401. The exception is
+`GET /auth/me` (`Authenticator.identify`): any member may call it, X-Organization-ID optional.
+A key bound to an organization (made by POST /api-keys) is refused (403) in any other one.
 
 The admin functions at the end (seed_dev, create_member, list_keys, revoke_key) back the
 `python -m services.gateway` commands; they raise AdminError with a message safe to print
@@ -17,20 +19,23 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import logging
 import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from cachetools import TTLCache
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import or_, select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from services.common import ids, pb
+from services.common import db, ids, pb
 from services.gateway.models import ApiKey, Membership, Organization, User
 
 Sessions = async_sessionmaker[AsyncSession]
+log = logging.getLogger(__name__)
 
 ASSISTANT_ROLES = frozenset({"owner", "admin"})
 KEY_PREFIX = "mx_live_"
@@ -87,11 +92,18 @@ def check_dev_org_id(org_id: str) -> None:
 
 @dataclass(frozen=True)
 class Principal:
-    """The authenticated caller: user, organization and role there."""
+    """The authenticated caller: user, organization and role there ("" for both on a route
+    that takes no organization), and the facts of the API key used that later checks need:
+    its id, the organization it is bound to (None: unbound), when it expires (Unix time;
+    None: never) and its own per-minute request limit (None: the deployment's)."""
 
     user_id: str
     organization_id: str
     role: str
+    key_id: str = ""
+    key_organization_id: str | None = None
+    expires_at: float | None = None
+    rate_limit_per_minute: int | None = None
 
 
 class AuthError(Exception):
@@ -103,6 +115,18 @@ class AuthError(Exception):
         self.detail = detail
 
 
+#: Roles of a member of an organization (`GET /auth/me` takes any of them).
+MEMBER_ROLES = frozenset({"owner", "admin", "member"})
+NO_KEY = "Missing or invalid Authorization header; use 'Bearer <api key>'"
+INVALID_KEY = "Invalid API key"
+EXPIRED_KEY = "API key expired"
+BOUND_ELSEWHERE = "This API key is bound to another organization"
+NOT_A_MEMBER = "The API key's user is not a member of this organization"
+#: `last_used_at` is written when a look-up finds it older than this (or the cache TTL, if
+#: longer): at most one write per key per minute, never one per request.
+LAST_USED_EVERY_S = 60.0
+
+
 class Authenticator:
     """Resolves (api key, organization id) to a Principal, caching results for `ttl_s` seconds.
 
@@ -111,7 +135,9 @@ class Authenticator:
     so that a repeat caller costs one dict look-up (gateway CPU per turn). The second
     holds header values in process memory only (never logged, never stored). Each holds at
     most `max_entries` entries (least recently used evicted first); an entry's value carries
-    the time of its database look-up, which decides its age in both.
+    the time of its database look-up, which decides its age in both. The role and the key's
+    expiry are checked on every request, after the cache (`_admit`); `forget` drops a key
+    revoked through this gateway from both at once.
     """
 
     def __init__(self, sessions: Sessions, ttl_s: float = 30.0, max_entries: int = 10_000) -> None:
@@ -125,44 +151,57 @@ class Authenticator:
             tuple[str | None, str | None], tuple[float, Principal | AuthError]
         ] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
         self._inflight: dict[tuple[str, str], asyncio.Future[Principal | AuthError]] = {}
+        # bumped by `forget`: a look-up that started before is answered but not cached
+        self._epoch = 0
 
     async def authenticate(
         self, authorization: str | None, organization_id: str | None
     ) -> Principal:
-        """The caller, or AuthError(401) for a missing/unknown key, AuthError(403) for a wrong role.
+        """The caller, or AuthError(401) for a missing/unknown/revoked/expired key, AuthError(403)
+        for a key bound to another organization or a role other than owner or admin.
 
         A missing X-Organization-ID, or one no organization can have (`ids.org_id_error`: 1 to
         128 visible ASCII characters), is 400 (AuthError with status 400).
         """
         cached = self._by_header.get((authorization, organization_id))
         if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
-            if isinstance(cached[1], AuthError):
-                raise cached[1]
-            return cached[1]
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
-        key = authorization[7:].strip()
-        if not key:
-            raise AuthError(401, "Missing or invalid Authorization header; use 'Bearer <api key>'")
-        if organization_id:
-            # RFC 9110 §5.5: whitespace around a field value is not part of it
-            organization_id = organization_id.strip(" \t")
-        if not organization_id:
+            return _admit(cached[1], ASSISTANT_ROLES)
+        digest = hash_key(_bearer_key(authorization))
+        organization = _organization(organization_id)
+        if organization is None:
             raise AuthError(400, "X-Organization-ID header is required")
-        malformed = ids.org_id_error(organization_id)
-        if malformed is not None:  # no organization can have it: 400 like a missing one, not 403
-            raise AuthError(400, f"X-Organization-ID is malformed: {malformed}")
-        digest = hash_key(key)
-        entry = self._cache.get((digest, organization_id))
+        epoch = self._epoch
+        entry = await self._entry(digest, organization)
+        if epoch == self._epoch:  # the same age as the hash-keyed entry
+            self._by_header[(authorization, organization_id)] = entry
+        return _admit(entry[1], ASSISTANT_ROLES)
+
+    async def identify(self, authorization: str | None, organization_id: str | None) -> Principal:
+        """The caller of a route where X-Organization-ID is optional and any member may call
+        (`GET /auth/me`): with the header as `authenticate` but any of MEMBER_ROLES (403 for
+        no membership); without it the key's user, with organization and role "". A missing,
+        unknown, revoked or expired key is 401 either way."""
+        digest = hash_key(_bearer_key(authorization))
+        organization = _organization(organization_id)
+        entry = await self._entry(digest, organization or "")
+        if not organization:
+            return _admit(entry[1], None)
+        return _admit(entry[1], MEMBER_ROLES)
+
+    def forget(self, key_id: str) -> None:
+        """Drop every cached look-up of the key `key_id` (revoked here: refused at once), and
+        keep look-ups already running from caching what they read before."""
+        self._epoch += 1
+        _drop_key(self._cache, key_id)
+        _drop_key(self._by_header, key_id)
+
+    async def _entry(self, digest: str, organization: str) -> tuple[float, Principal | AuthError]:
+        """The hash-keyed cache entry of (key, organization), looked up when absent or old."""
+        entry = self._cache.get((digest, organization))
         now = time.monotonic()
-        if not (entry and now - entry[0] < self.ttl_s):
-            entry = await self._resolve_once((digest, organization_id), now)
-        # the same age as the hash-keyed entry
-        self._by_header[(authorization, organization_id)] = entry
-        result = entry[1]
-        if isinstance(result, AuthError):
-            raise result
-        return result
+        if entry and now - entry[0] < self.ttl_s:
+            return entry
+        return await self._resolve_once((digest, organization), now)
 
     async def _resolve_once(
         self, cache_key: tuple[str, str], now: float
@@ -172,6 +211,7 @@ class Authenticator:
         Returns the cache entry (`now`, result)."""
         pending = self._inflight.get(cache_key)
         if pending is None:
+            epoch = self._epoch
             pending = asyncio.ensure_future(self._resolve(*cache_key))
             self._inflight[cache_key] = pending
             try:
@@ -179,11 +219,17 @@ class Authenticator:
             finally:
                 if self._inflight.get(cache_key) is pending:
                     del self._inflight[cache_key]
-            entry = self._cache[cache_key] = (now, result)
+            entry = (now, result)
+            if epoch == self._epoch:
+                self._cache[cache_key] = entry
             return entry
         return now, await asyncio.shield(pending)
 
     async def _resolve(self, digest: str, organization_id: str) -> Principal | AuthError:
+        """The key's Principal in `organization_id` (role "" when its user is not a member
+        there, or when no organization is given), or the AuthError of a key refused whatever
+        the role. Refreshes the key's `last_used_at` when it is older than LAST_USED_EVERY_S."""
+        now = datetime.datetime.now(datetime.UTC)
         async with self.sessions() as session:
             key = (
                 (await session.execute(select(ApiKey).where(ApiKey.key_hash == digest)))
@@ -191,18 +237,105 @@ class Authenticator:
                 .first()
             )
             if key is None or key.revoked_at is not None:
-                return AuthError(401, "Invalid API key")
-            role = (
-                await session.execute(
-                    select(Membership.role).where(
-                        Membership.user_id == key.user_id,
-                        Membership.organization_id == organization_id,
+                return AuthError(401, INVALID_KEY)
+            expires = db.utc(key.expires_at)
+            if expires is not None and expires <= now:
+                return AuthError(401, EXPIRED_KEY)
+            bound = key.organization_id
+            if organization_id and bound is not None and bound != organization_id:
+                return AuthError(403, BOUND_ELSEWHERE)
+            role = ""
+            if organization_id:
+                role = (
+                    await session.execute(
+                        select(Membership.role).where(
+                            Membership.user_id == key.user_id,
+                            Membership.organization_id == organization_id,
+                        )
                     )
+                ).scalar() or ""
+            who = Principal(
+                user_id=key.user_id,
+                organization_id=organization_id,
+                role=role,
+                key_id=key.id,
+                key_organization_id=bound,
+                expires_at=expires.timestamp() if expires is not None else None,
+                rate_limit_per_minute=key.rate_limit_per_minute,
+            )
+            await self._touch(session, key, now)
+        return who
+
+    async def _touch(self, session: AsyncSession, key: ApiKey, now: datetime.datetime) -> None:
+        """Set `last_used_at` of `key` to `now` when it is unset or older than LAST_USED_EVERY_S
+        (or the cache TTL): one write per key a minute at most, on a look-up that reads the key
+        anyway. Best effort: a failed write is logged and the request goes on."""
+        last = db.utc(key.last_used_at)
+        every = datetime.timedelta(seconds=max(self.ttl_s, LAST_USED_EVERY_S))
+        if last is not None and now - last < every:
+            return
+        try:
+            await session.execute(
+                update(ApiKey)
+                .where(
+                    ApiKey.id == key.id,
+                    or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < now - every),
                 )
-            ).scalar()
-        if role not in ASSISTANT_ROLES:
-            return AuthError(403, ROLE_REQUIRED)
-        return Principal(user_id=key.user_id, organization_id=organization_id, role=role)
+                .values(last_used_at=now)
+                # not evaluated against the loaded row (SQLite hands its times back naive)
+                .execution_options(synchronize_session=False)
+            )
+            await session.commit()
+        except SQLAlchemyError as error:
+            await session.rollback()
+            log.warning(
+                "could not record an API key's last use",
+                extra={"fields": {"error": type(error).__name__}},
+            )
+
+
+def _drop_key(cache: TTLCache[Any, tuple[float, Principal | AuthError]], key_id: str) -> None:
+    """Remove from `cache` every entry that admitted the key `key_id`."""
+    for name in list(cache.keys()):
+        entry = cache.get(name)
+        if entry is not None and isinstance(entry[1], Principal) and entry[1].key_id == key_id:
+            cache.pop(name, None)
+
+
+def _bearer_key(authorization: str | None) -> str:
+    """The key of a `Bearer <key>` header; AuthError 401 when there is none."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise AuthError(401, NO_KEY)
+    key = authorization[7:].strip()
+    if not key:
+        raise AuthError(401, NO_KEY)
+    return key
+
+
+def _organization(organization_id: str | None) -> str | None:
+    """The X-Organization-ID value without surrounding whitespace (RFC 9110 §5.5), None when
+    absent or blank; AuthError 400 when no organization can have it (`ids.org_id_error`)."""
+    if organization_id:
+        organization_id = organization_id.strip(" \t")
+    if not organization_id:
+        return None
+    malformed = ids.org_id_error(organization_id)
+    if malformed is not None:  # no organization can have it: 400 like a missing one, not 403
+        raise AuthError(400, f"X-Organization-ID is malformed: {malformed}")
+    return organization_id
+
+
+def _admit(result: Principal | AuthError, roles: frozenset[str] | None) -> Principal:
+    """`result` when the caller may go on: raises it when it is an AuthError, 401 when the key
+    has expired since its look-up, 403 when `roles` is given and the caller's role is not in it
+    (owner or admin: ROLE_REQUIRED; any member: NOT_A_MEMBER)."""
+    if isinstance(result, AuthError):
+        raise result
+    if result.expires_at is not None and time.time() >= result.expires_at:
+        raise AuthError(401, EXPIRED_KEY)
+    if roles is not None and result.role not in roles:
+        raise AuthError(403, ROLE_REQUIRED if roles is ASSISTANT_ROLES else NOT_A_MEMBER)
+    return result
 
 
 async def user_email(sessions: Sessions, user_id: str) -> str | None:
@@ -359,7 +492,7 @@ async def list_keys(sessions: Sessions, organization_id: str) -> list[dict[str, 
     return [
         {
             "key_id": key.id,
-            "prefix": _shown_prefix(key),
+            "prefix": shown_prefix(key),
             "name": key.name,
             "user_id": key.user_id,
             "role": role,
@@ -370,7 +503,7 @@ async def list_keys(sessions: Sessions, organization_id: str) -> list[dict[str, 
     ]
 
 
-def _shown_prefix(key: ApiKey) -> str:
+def shown_prefix(key: ApiKey) -> str:
     """The listed prefix of a stored key: its stored prefix, unless that is the whole key."""
     return key_prefix(key.prefix) if hash_key(key.prefix) == key.key_hash else key.prefix
 
@@ -409,6 +542,7 @@ async def revoke_key(
 
 __all__ = [
     "ASSISTANT_ROLES",
+    "MEMBER_ROLES",
     "ROLE_REQUIRED",
     "AdminError",
     "AuthError",
@@ -422,4 +556,5 @@ __all__ = [
     "new_key",
     "revoke_key",
     "seed_dev",
+    "shown_prefix",
 ]

@@ -53,7 +53,13 @@ class Membership(Base):
 
 
 class ApiKey(Base):
-    """An API key, stored only as its SHA-256 hash (the key itself is shown once, at creation)."""
+    """An API key, stored only as its SHA-256 hash (the key itself is shown once, at creation).
+
+    `organization_id` binds the key to one organization (keys made by POST /api-keys); a key
+    without one (made by the CLI) works in every organization its user is a member of.
+    `rate_limit_per_minute` is the key's own request limit (None: the deployment's);
+    `last_used_at` is refreshed at most once a minute or so (identity.Authenticator).
+    """
 
     __tablename__ = "api_keys"
 
@@ -66,6 +72,16 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime.datetime | None] = mapped_column(
         DateTime(timezone=True), nullable=True
     )
+    organization_id: Mapped[str | None] = mapped_column(
+        ForeignKey("organizations.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    expires_at: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
+    last_used_at: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
+    rate_limit_per_minute: Mapped[int | None] = mapped_column(nullable=True)
 
 
 class IdempotencyRecord(Base):

@@ -148,8 +148,10 @@ SECURITY_SCHEMES = {
         "type": "http",
         "scheme": "bearer",
         "bearerFormat": "API key",
-        "description": "`Authorization: Bearer <api key>`; missing or unknown: 401. The key's "
-        "user must be owner or admin of the X-Organization-ID organization (else 403).",
+        "description": "`Authorization: Bearer <api key>`; missing, unknown, revoked or "
+        "expired: 401. The key's user must be owner or admin of the X-Organization-ID "
+        "organization (any member on /auth/me), and a key bound to an organization is used in "
+        "that one (else 403).",
     }
 }
 ORGANIZATION_ID = {
@@ -163,6 +165,13 @@ ORGANIZATION_ID = {
         "maxLength": MAX_ORG_ID_CHARS,
         "pattern": "^[!-~]+$",  # visible ASCII (services/common/ids.py)
     },
+}
+# The header where it is optional (`GET /auth/me`): with it, the caller's role there.
+OPTIONAL_ORGANIZATION_ID = {
+    **ORGANIZATION_ID,
+    "required": False,
+    "description": "An organization of the caller: the answer then gives the role there (403 "
+    "when not a member); malformed: 400.",
 }
 IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
@@ -193,12 +202,19 @@ REQUEST_ID_HEADER = {
 }
 
 
-def keyed(extra: dict[str, Any] | None = None, *, idempotent: bool = False) -> dict[str, Any]:
+def keyed(
+    extra: dict[str, Any] | None = None,
+    *,
+    idempotent: bool = False,
+    organization_optional: bool = False,
+) -> dict[str, Any]:
     """`openapi_extra` of an operation that needs an API key: `extra` (its request body or
-    parameters) with the `api_key` security requirement and the X-Organization-ID header, and
-    with `idempotent` the Idempotency-Key header too."""
+    parameters) with the `api_key` security requirement and the X-Organization-ID header
+    (optional with `organization_optional`), and with `idempotent` the Idempotency-Key header
+    too."""
     operation = dict(extra or {})
-    headers = [ORGANIZATION_ID, IDEMPOTENCY_KEY] if idempotent else [ORGANIZATION_ID]
+    organization = OPTIONAL_ORGANIZATION_ID if organization_optional else ORGANIZATION_ID
+    headers = [organization, IDEMPOTENCY_KEY] if idempotent else [organization]
     operation["parameters"] = [*operation.get("parameters", []), *headers]
     operation["security"] = [{API_KEY: []}]
     return operation

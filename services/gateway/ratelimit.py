@@ -4,7 +4,8 @@ Turn starts are also limited by billing (its `sync_exec` class, per organization
 limits cover every route, credential reads, listings and wrong keys included:
 
 - every authenticated request counts against its API key: past LOOPLINE_KEY_REQUESTS_PER_MINUTE
-  (6,000) in a minute it is answered 429;
+  (6,000) in a minute it is answered 429, or past the key's own `rate_limit_per_minute` (a key
+  made by POST /api-keys) when that is lower;
 - every failed authentication (401: no, a malformed or an unknown key; 403: a key without the
   role in that organization) counts against its client (its IP address; an IPv6 client's /64,
   which one host usually holds whole): past LOOPLINE_FAILED_AUTHS_PER_MINUTE (30) in a minute
@@ -111,17 +112,20 @@ class MemoryWindow:
     def _reset_s(self, now: float) -> int:
         return max(1, math.ceil((self._index + 1) * self.window_s - now))
 
-    def hit(self, identifier: str, now: float | None = None) -> tuple[bool, int]:
-        """Count one hit of `identifier` if the window has room: (allowed, seconds until the
-        window ends)."""
+    def hit(
+        self, identifier: str, now: float | None = None, amount: int | None = None
+    ) -> tuple[bool, int]:
+        """Count one hit of `identifier` if the window has room for it (`amount` hits, else the
+        window's): (allowed, seconds until the window ends)."""
         now = time.time() if now is None else now
+        amount = self.amount if amount is None else amount
         index = int(now // self.window_s)
         if index != self._index:
             self._index = index
             self._counts.clear()
         counts = self._counts
         count = counts.get(identifier, 0)
-        if count >= self.amount:
+        if count >= amount:
             return False, self._reset_s(now)
         if not count and len(counts) >= self.max_entries:
             del counts[next(iter(counts))]
@@ -130,23 +134,43 @@ class MemoryWindow:
 
 
 class RedisWindow:
-    """The same fixed window, kept in Redis by `limits` (shared by every gateway replica)."""
+    """The same fixed window, kept in Redis by `limits` (shared by every gateway replica); a
+    window of another `amount` is a counter of its own there (`limits` keys by the amount)."""
 
     def __init__(self, limiter: Any, amount: int, prefix: str, name: str) -> None:
-        # imported only when Redis counters are configured
-        from limits import RateLimitItemPerMinute  # noqa: PLC0415
-
         self._limiter = limiter
-        self._item = RateLimitItemPerMinute(amount)
+        self._items: dict[int, Any] = {}
         self.amount = amount
         self._keys = (prefix, name)
 
-    async def hit(self, identifier: str) -> tuple[bool, int]:
-        """Count one hit in Redis: (allowed, seconds until the window has room again)."""
-        if await self._limiter.hit(self._item, *self._keys, identifier):
+    def _item(self, amount: int) -> Any:
+        item = self._items.get(amount)
+        if item is None:
+            # imported only when Redis counters are configured
+            from limits import RateLimitItemPerMinute  # noqa: PLC0415
+
+            if len(self._items) >= 1_000:  # bounded, whatever limits the keys have
+                self._items.clear()
+            item = self._items[amount] = RateLimitItemPerMinute(amount)
+        return item
+
+    async def hit(self, identifier: str, amount: int | None = None) -> tuple[bool, int]:
+        """Count one hit in Redis (`amount` a minute, else the window's): (allowed, seconds
+        until the window has room again)."""
+        item = self._item(self.amount if amount is None else amount)
+        if await self._limiter.hit(item, *self._keys, identifier):
             return True, 0
-        stats = await self._limiter.get_window_stats(self._item, *self._keys, identifier)
+        stats = await self._limiter.get_window_stats(item, *self._keys, identifier)
         return False, max(1, math.ceil(stats.reset_time - time.time()))
+
+
+def effective_limit(deployment: int, own: int | None) -> int:
+    """The requests a minute an API key may make: the deployment's
+    (LOOPLINE_KEY_REQUESTS_PER_MINUTE; 0 = not limited), or the key's own
+    `rate_limit_per_minute` when it has one that is lower."""
+    if own is not None and own > 0 and (not deployment or own < deployment):
+        return own
+    return deployment
 
 
 def client_of(scope: Scope) -> str:
@@ -187,7 +211,8 @@ class RequestLimits:
 
     Args:
         authenticator: resolves keys (identity.Authenticator).
-        key_per_minute: requests per API key per minute (0: not limited).
+        key_per_minute: requests per API key per minute (0: not limited); a key with a lower
+            `rate_limit_per_minute` of its own gets that.
         failed_auth_per_minute: failed authentications per client per minute (0: not limited).
         storage_url: "memory://" (or "") for process memory, else a `limits` Redis URL.
         prefix: the Redis key prefix (LOOPLINE_REDIS_KEY_PREFIX), so deployments sharing a Redis
@@ -206,8 +231,10 @@ class RequestLimits:
         self.storage: Any = None
         self._blocked: dict[str, float] = {}  # client -> time its failed-authentication window ends
         self._warned_at = -math.inf
+        self.key_per_minute = key_per_minute
+        # always there: a key's own limit applies when the deployment's is off (0) too
         if storage_url.split("://", 1)[0].removeprefix("async+") in ("", "memory"):
-            self.keys: Any = MemoryWindow(key_per_minute) if key_per_minute else None
+            self.keys: Any = MemoryWindow(key_per_minute)
             self.failures: Any = (
                 MemoryWindow(failed_auth_per_minute) if failed_auth_per_minute else None
             )
@@ -219,11 +246,7 @@ class RequestLimits:
             url, options = _storage_url(storage_url)
             self.storage = storage_from_string(url, **options)
             limiter = FixedWindowRateLimiter(self.storage)
-            self.keys = (
-                RedisWindow(limiter, key_per_minute, f"{prefix}gateway", "key")
-                if key_per_minute
-                else None
-            )
+            self.keys = RedisWindow(limiter, key_per_minute, f"{prefix}gateway", "key")
             self.failures = (
                 RedisWindow(limiter, failed_auth_per_minute, f"{prefix}gateway", "auth-failure")
                 if failed_auth_per_minute
@@ -232,11 +255,17 @@ class RequestLimits:
             self._shared = True
 
     async def authenticate(
-        self, scope: Scope, authorization: str | None, organization_id: str | None
+        self,
+        scope: Scope,
+        authorization: str | None,
+        organization_id: str | None,
+        *,
+        member: bool = False,
     ) -> Principal:
-        """`Authenticator.authenticate` under the limits: raises RateLimited (429) when the client
-        is blocked for failed authentications or the key is past its limit, AuthError as the
-        authenticator does (each 401 and 403 counted against the client)."""
+        """`Authenticator.authenticate` (with `member`: `Authenticator.identify`, for a route any
+        member may call with an optional organization) under the limits: raises RateLimited (429)
+        when the client is blocked for failed authentications or the key is past its limit,
+        AuthError as the authenticator does (each 401 and 403 counted against the client)."""
         if self._blocked:
             client = client_of(scope)
             until = self._blocked.get(client)
@@ -246,20 +275,24 @@ class RequestLimits:
                     raise self._failures_refusal(math.ceil(until - now))
                 del self._blocked[client]
         try:
-            who = await self.authenticator.authenticate(authorization, organization_id)
+            if member:
+                who = await self.authenticator.identify(authorization, organization_id)
+            else:
+                who = await self.authenticator.authenticate(authorization, organization_id)
         except AuthError as error:
             if error.status in (401, 403) and self.failures is not None:
                 await self._failed(client_of(scope))
             raise
         scope[ORGANIZATION] = who.organization_id  # for the access line (access_log.py)
-        if self.keys is not None:
-            allowed, reset_s = await self._hit(self.keys, key_of(authorization or ""))
+        limit = effective_limit(self.key_per_minute, who.rate_limit_per_minute)
+        if limit:
+            allowed, reset_s = await self._hit(self.keys, key_of(authorization or ""), limit)
             if not allowed:
                 raise RateLimited(
                     KEY_LIMIT,
-                    self.keys.amount,
+                    limit,
                     reset_s,
-                    f"rate limit of {self.keys.amount} requests per minute exceeded for this"
+                    f"rate limit of {limit} requests per minute exceeded for this"
                     f" API key; retry in {reset_s} s",
                 )
         return who
@@ -294,11 +327,13 @@ class RequestLimits:
             f" retry in {max(1, reset_s)} s",
         )
 
-    async def _hit(self, window: Any, identifier: str) -> tuple[bool, int]:
+    async def _hit(
+        self, window: Any, identifier: str, amount: int | None = None
+    ) -> tuple[bool, int]:
         if not self._shared:
-            return window.hit(identifier)
+            return window.hit(identifier, amount=amount)
         try:
-            return await window.hit(identifier)
+            return await window.hit(identifier, amount)
         # counters that cannot be reached never fail a request
         except Exception as error:  # noqa: BLE001
             metrics.storage_error("gateway", error)

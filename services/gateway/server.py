@@ -37,6 +37,7 @@ class GatewayServer:
     sessions: async_sessionmaker[AsyncSession]
     channel: grpc.aio.Channel
     tools_channel: grpc.aio.Channel
+    billing_channel: grpc.aio.Channel
     idempotency: IdempotencyStore
     default_models: DefaultModels
     app: FastAPI
@@ -52,7 +53,8 @@ class GatewayServer:
 
     @classmethod
     async def start(cls, settings: GatewaySettings) -> GatewayServer:
-        """Migrate (when enabled), connect to the orchestrator, bind HTTP and start serving."""
+        """Migrate (when enabled), connect to the orchestrator, tools and billing, bind HTTP and
+        start serving."""
         self = cls(settings)
         if settings.auto_migrate:
             await db.migrate_async("gateway", settings.database_url)
@@ -73,6 +75,11 @@ class GatewayServer:
             options=[("grpc.max_send_message_length", 16 * 1024 * 1024)],
             keepalive=settings.grpc_keepalive,
         )
+        # billing answers the usage overview (routes/dashboard.py); turns reach it via the
+        # orchestrator only
+        self.billing_channel = internal_channel(
+            settings.billing_addr, settings.internal_token, keepalive=settings.grpc_keepalive
+        )
         self.default_models = DefaultModels(self.sessions, settings.auth_cache_ttl_s)
         self.app = create_app(
             settings,
@@ -81,6 +88,7 @@ class GatewayServer:
             self.idempotency,
             self.default_models,
             self.tools_channel,
+            self.billing_channel,
         )
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
         # and without it every keep-alive response waits ~40 ms for the client's delayed ACK
@@ -144,4 +152,5 @@ class GatewayServer:
         await self._grpc.server.stop(grace)
         await self.channel.close()
         await self.tools_channel.close()
+        await self.billing_channel.close()
         await self.engine.dispose()

@@ -99,3 +99,22 @@ async def test_header_cache_keeps_errors_and_other_organizations_apart():
     with pytest.raises(AuthError) as raised:  # malformed headers are refused before any cache
         await auth.authenticate("Basic mx_live_k", "org_a")
     assert raised.value.status == 401
+
+
+async def test_a_forgotten_key_is_looked_up_again_even_when_its_look_up_was_running():
+    """A key revoked through this gateway (`forget`) is read from the database at its next
+    request: its cached entries are dropped, and a look-up that was running when it was revoked
+    answers its own requests but caches nothing."""
+    auth = CountingAuthenticator(
+        Principal(user_id="u", organization_id="org", role="owner", key_id="key_1")
+    )
+    await auth.authenticate("Bearer mx_live_k", "org")
+    auth.forget("key_1")
+    await auth.authenticate("Bearer mx_live_k", "org")
+    assert auth.lookups == 2
+    running = asyncio.create_task(auth.authenticate("Bearer mx_live_other", "org"))
+    await asyncio.sleep(0.01)  # the look-up is in its database round trip
+    auth.forget("key_1")
+    assert (await running).user_id == "u"
+    await auth.authenticate("Bearer mx_live_other", "org")
+    assert auth.lookups == 4

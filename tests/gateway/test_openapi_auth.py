@@ -1,8 +1,9 @@
 """The OpenAPI document declares how each operation is authenticated, exactly as the gateway checks
 it: the `api_key` bearer scheme and the X-Organization-ID header on every operation that answers
-401 without a key, Idempotency-Key where it is honoured, none on the OAuth2 callback; the headers'
-schemas refuse what the gateway answers 400. A turn runs with only what the document declares
-(as Swagger UI's Authorize button and "Try it out" send it)."""
+401 without a key (optional only on the caller's profile, which answers without it),
+Idempotency-Key where it is honoured, none on the OAuth2 callback nor the system health; the
+headers' schemas refuse what the gateway answers 400. A turn runs with only what the document
+declares (as Swagger UI's Authorize button and "Try it out" send it)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ async def test_the_key_and_organization_are_declared_exactly_where_the_gateway_r
     document = await _document(stack)
     scheme = document["components"]["securitySchemes"]["api_key"]
     assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
-    keyed, open_ = set(), set()
+    keyed, open_, optional = set(), set(), set()
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
         for method, path, operation in _operations(document):
             url = re.sub(r"\{[^}]+\}", "x1", path)
@@ -72,15 +73,20 @@ async def test_the_key_and_organization_are_declared_exactly_where_the_gateway_r
                 assert operation.get("security") == [{"api_key": []}], (method, path)
                 assert keyless.json() == {"detail": NO_KEY}, (method, path)
                 assert keyless.headers["www-authenticate"] == "Bearer"
-                assert orgless.status_code == 400 and orgless.json() == {
-                    "detail": "X-Organization-ID header is required"
-                }, (method, path)
-                assert headers["X-Organization-ID"]["required"] is True, (method, path)
+                if headers["X-Organization-ID"]["required"]:
+                    assert orgless.status_code == 400 and orgless.json() == {
+                        "detail": "X-Organization-ID header is required"
+                    }, (method, path)
+                else:  # the caller's profile: the header is optional there
+                    assert orgless.status_code == 200, (method, path, orgless.text)
+                    optional.add((method, path))
             else:
                 open_.add((method, path))
                 assert not operation.get("security"), (method, path)
                 assert "X-Organization-ID" not in headers, (method, path)
     assert ("GET", "/credentials/oauth2/callback") in open_
+    assert ("GET", "/system/health") in open_
+    assert optional == {("GET", "/auth/me"), ("GET", "/auth/me/organizations")}
     assert ("POST", "/assistant/chat") in keyed and len(keyed) >= 27
 
 

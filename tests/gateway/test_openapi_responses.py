@@ -1,9 +1,10 @@
 """Every answer of the gateway matches its OpenAPI document, so a client generated from it reads
 every answer: a success response of every operation has a schema (the models the handlers
 build), and a session calling every documented operation (a turn with a question, its resume,
-a cancel, the chats, the organization settings, credentials with an MCP server and an OAuth2
-connection, knowledge bases, integrations) has each response checked by schemathesis' response
-conformance (status documented, body and SSE frames of the documented schema)."""
+a cancel, the chats, the organization settings, the account routes, credentials with an MCP
+server and an OAuth2 connection, knowledge bases, integrations, the usage overview) has each
+response checked by schemathesis' response conformance (status documented, body and SSE frames
+of the documented schema)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,18 @@ async def _settings(client: httpx.AsyncClient) -> None:
     await _ok(client.delete("/organizations/settings/composer-llm"))
 
 
+async def _account(client: httpx.AsyncClient, browser: httpx.AsyncClient) -> None:
+    """The system health (no key), the caller's profile and organizations, an API key's life."""
+    await _ok(browser.get("/system/health"))
+    await _ok(client.get("/auth/me"))
+    await _ok(client.get("/auth/me/organizations", params={"role": "owner"}))
+    created = await _ok(client.post("/api-keys", json={"name": "openapi session"}), 201)
+    await _ok(client.get("/api-keys", params={"include_revoked": "true"}))
+    await _ok(client.get(f"/api-keys/{created['id']}"))
+    await _ok(client.delete(f"/api-keys/{created['id']}"))
+    await _ok(client.get("/api-keys/key_missing"), 404)
+
+
 async def _credentials(client: httpx.AsyncClient, browser: httpx.AsyncClient, stack: Stack) -> None:
     """A credential's life; an MCP server's registration and discovery; an OAuth2 connection
     whose callback the browser (no API key) reaches."""
@@ -236,6 +249,12 @@ async def _integrations(client: httpx.AsyncClient) -> None:
     await _ok(client.get("/integrations/no_such_integration"), 404)
 
 
+async def _dashboard(client: httpx.AsyncClient) -> None:
+    """The usage overview, and a paging value out of range."""
+    await _ok(client.get("/dashboard/analytics/overview", params={"limit": 5, "offset": 0}))
+    await _ok(client.get("/dashboard/analytics/overview", params={"limit": 0}), 400)
+
+
 async def test_every_answer_of_every_operation_matches_the_document(reachable):
     answers: Answers = []
 
@@ -250,9 +269,11 @@ async def test_every_answer_of_every_operation_matches_the_document(reachable):
         document = await _document(client)
         await _turns(client)
         await _settings(client)
+        await _account(client, browser)
         await _credentials(client, browser, reachable)
         await _knowledge(client)
         await _integrations(client)
+        await _dashboard(client)
     answers = [a for a in answers if a.request.url.path != "/openapi.json"]
     schema = schemathesis.openapi.from_dict(document)
     answered = set()

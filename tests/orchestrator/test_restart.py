@@ -45,6 +45,7 @@ async def _restart_all(services) -> None:
             update={
                 "orchestrator_addr": f"127.0.0.1:{services.orchestrator.port}",
                 "tools_addr": f"127.0.0.1:{services.tools.port}",
+                "billing_addr": f"127.0.0.1:{services.billing.port}",
             }
         )
     )

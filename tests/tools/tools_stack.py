@@ -69,6 +69,7 @@ async def start_tools_stack(tmp_path, *, tools: dict[str, Any] | None = None) ->
             **common,
             orchestrator_addr=f"127.0.0.1:{orchestrator.port}",
             tools_addr=tools_addr,
+            billing_addr=f"127.0.0.1:{billing.port}",
             http_port=0,
             gateway_grpc_port=0,
             heartbeat_interval_s=1.0,

@@ -22,49 +22,58 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!loopline/billing/v1/billing.proto\x12\x13loopline.billing.v1\"r\n\x0c\x41\x64mitRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x10\n\x08turn_key\x18\x02 \x01(\t\x12\x12\n\nusage_type\x18\x03 \x01(\t\x12\x12\n\nrate_class\x18\x04 \x01(\t\x12\x0f\n\x07\x63redits\x18\x05 \x01(\x03\"I\n\x0eRateLimitState\x12\r\n\x05limit\x18\x01 \x01(\x03\x12\x11\n\tremaining\x18\x02 \x01(\x03\x12\x15\n\rreset_seconds\x18\x03 \x01(\x03\"\xb9\x01\n\rAdmitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x34\n\x05state\x18\x02 \x01(\x0e\x32%.loopline.billing.v1.ReservationState\x12\x0f\n\x07\x63redits\x18\x03 \x01(\x03\x12\x37\n\nrate_limit\x18\x04 \x01(\x0b\x32#.loopline.billing.v1.RateLimitState\x12\x10\n\x08replayed\x18\x05 \x01(\x08\"\'\n\rChargeRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"_\n\x0e\x43hargeResponse\x12\x34\n\x05state\x18\x01 \x01(\x0e\x32%.loopline.billing.v1.ReservationState\x12\x17\n\x0fledger_entry_id\x18\x02 \x01(\t\"I\n\x12\x43hargeBatchRequest\x12\x33\n\x07\x63harges\x18\x01 \x03(\x0b\x32\".loopline.billing.v1.ChargeRequest\"K\n\x13\x43hargeBatchResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.loopline.billing.v1.ChargeResponse\"8\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"G\n\x0fReleaseResponse\x12\x34\n\x05state\x18\x01 \x01(\x0e\x32%.loopline.billing.v1.ReservationState\"\x8e\x02\n\x12RecordUsageRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ncall_index\x18\x03 \x01(\x05\x12\x13\n\x0bprovider_id\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x06 \x01(\x03\x12\x15\n\routput_tokens\x18\x07 \x01(\x03\x12\x19\n\x11\x63\x61\x63he_read_tokens\x18\x08 \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_write_tokens\x18\t \x01(\x03\x12\x0c\n\x04\x62yok\x18\n \x01(\x08\x12\x11\n\testimated\x18\x0b \x01(\x08\x12\x0f\n\x07\x63hat_id\x18\x0c \x01(\t\"O\n\x13RecordUsageResponse\x12\x10\n\x08usage_id\x18\x01 \x01(\t\x12\x14\n\x0cmillicredits\x18\x02 \x01(\x03\x12\x10\n\x08replayed\x18\x03 \x01(\x08\"Q\n\x17RecordUsageBatchRequest\x12\x36\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\'.loopline.billing.v1.RecordUsageRequest\"U\n\x18RecordUsageBatchResponse\x12\x39\n\x07results\x18\x01 \x03(\x0b\x32(.loopline.billing.v1.RecordUsageResponse\"\x82\x02\n\x06\x44\x65nial\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\t\x12\x10\n\x03key\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x63urrent\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05limit\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12 \n\x13retry_after_seconds\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x37\n\nrate_limit\x18\x08 \x01(\x0b\x32#.loopline.billing.v1.RateLimitStateB\x06\n\x04_keyB\n\n\x08_currentB\x08\n\x06_limitB\x16\n\x14_retry_after_seconds\"\x9c\x01\n\x16RecordToolUsageRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x0c\n\x04tool\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x14\n\x0cmillicredits\x18\x06 \x01(\x03\x12\x0f\n\x07\x63hat_id\x18\x07 \x01(\t\"D\n\x17RecordToolUsageResponse\x12\x17\n\x0fledger_entry_id\x18\x01 \x01(\t\x12\x10\n\x08replayed\x18\x02 \x01(\x08*\xaf\x01\n\x10ReservationState\x12!\n\x1dRESERVATION_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16RESERVATION_STATE_HELD\x10\x01\x12\x1d\n\x19RESERVATION_STATE_CHARGED\x10\x02\x12\x1e\n\x1aRESERVATION_STATE_RELEASED\x10\x03\x12\x1d\n\x19RESERVATION_STATE_EXPIRED\x10\x04\x32\xac\x05\n\x0e\x42illingService\x12N\n\x05\x41\x64mit\x12!.loopline.billing.v1.AdmitRequest\x1a\".loopline.billing.v1.AdmitResponse\x12Q\n\x06\x43harge\x12\".loopline.billing.v1.ChargeRequest\x1a#.loopline.billing.v1.ChargeResponse\x12T\n\x07Release\x12#.loopline.billing.v1.ReleaseRequest\x1a$.loopline.billing.v1.ReleaseResponse\x12`\n\x0bRecordUsage\x12\'.loopline.billing.v1.RecordUsageRequest\x1a(.loopline.billing.v1.RecordUsageResponse\x12l\n\x0fRecordToolUsage\x12+.loopline.billing.v1.RecordToolUsageRequest\x1a,.loopline.billing.v1.RecordToolUsageResponse\x12o\n\x10RecordUsageBatch\x12,.loopline.billing.v1.RecordUsageBatchRequest\x1a-.loopline.billing.v1.RecordUsageBatchResponse\x12`\n\x0b\x43hargeBatch\x12\'.loopline.billing.v1.ChargeBatchRequest\x1a(.loopline.billing.v1.ChargeBatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!loopline/billing/v1/billing.proto\x12\x13loopline.billing.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"r\n\x0c\x41\x64mitRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x10\n\x08turn_key\x18\x02 \x01(\t\x12\x12\n\nusage_type\x18\x03 \x01(\t\x12\x12\n\nrate_class\x18\x04 \x01(\t\x12\x0f\n\x07\x63redits\x18\x05 \x01(\x03\"I\n\x0eRateLimitState\x12\r\n\x05limit\x18\x01 \x01(\x03\x12\x11\n\tremaining\x18\x02 \x01(\x03\x12\x15\n\rreset_seconds\x18\x03 \x01(\x03\"\xb9\x01\n\rAdmitResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x34\n\x05state\x18\x02 \x01(\x0e\x32%.loopline.billing.v1.ReservationState\x12\x0f\n\x07\x63redits\x18\x03 \x01(\x03\x12\x37\n\nrate_limit\x18\x04 \x01(\x0b\x32#.loopline.billing.v1.RateLimitState\x12\x10\n\x08replayed\x18\x05 \x01(\x08\"\'\n\rChargeRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"_\n\x0e\x43hargeResponse\x12\x34\n\x05state\x18\x01 \x01(\x0e\x32%.loopline.billing.v1.ReservationState\x12\x17\n\x0fledger_entry_id\x18\x02 \x01(\t\"I\n\x12\x43hargeBatchRequest\x12\x33\n\x07\x63harges\x18\x01 \x03(\x0b\x32\".loopline.billing.v1.ChargeRequest\"K\n\x13\x43hargeBatchResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.loopline.billing.v1.ChargeResponse\"8\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"G\n\x0fReleaseResponse\x12\x34\n\x05state\x18\x01 \x01(\x0e\x32%.loopline.billing.v1.ReservationState\"\x8e\x02\n\x12RecordUsageRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ncall_index\x18\x03 \x01(\x05\x12\x13\n\x0bprovider_id\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x06 \x01(\x03\x12\x15\n\routput_tokens\x18\x07 \x01(\x03\x12\x19\n\x11\x63\x61\x63he_read_tokens\x18\x08 \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_write_tokens\x18\t \x01(\x03\x12\x0c\n\x04\x62yok\x18\n \x01(\x08\x12\x11\n\testimated\x18\x0b \x01(\x08\x12\x0f\n\x07\x63hat_id\x18\x0c \x01(\t\"O\n\x13RecordUsageResponse\x12\x10\n\x08usage_id\x18\x01 \x01(\t\x12\x14\n\x0cmillicredits\x18\x02 \x01(\x03\x12\x10\n\x08replayed\x18\x03 \x01(\x08\"Q\n\x17RecordUsageBatchRequest\x12\x36\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\'.loopline.billing.v1.RecordUsageRequest\"U\n\x18RecordUsageBatchResponse\x12\x39\n\x07results\x18\x01 \x03(\x0b\x32(.loopline.billing.v1.RecordUsageResponse\"\x82\x02\n\x06\x44\x65nial\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\t\x12\x10\n\x03key\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x63urrent\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05limit\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12 \n\x13retry_after_seconds\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x37\n\nrate_limit\x18\x08 \x01(\x0b\x32#.loopline.billing.v1.RateLimitStateB\x06\n\x04_keyB\n\n\x08_currentB\x08\n\x06_limitB\x16\n\x14_retry_after_seconds\"\x9c\x01\n\x16RecordToolUsageRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\x0c\n\x04tool\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x14\n\x0cmillicredits\x18\x06 \x01(\x03\x12\x0f\n\x07\x63hat_id\x18\x07 \x01(\t\"D\n\x17RecordToolUsageResponse\x12\x17\n\x0fledger_entry_id\x18\x01 \x01(\t\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"*\n\x0fGetUsageRequest\x12\x17\n\x0forganization_id\x18\x01 \x01(\t\"c\n\nRunCredits\x12\x11\n\tallowance\x18\x01 \x01(\x03\x12\x0f\n\x07granted\x18\x02 \x01(\x03\x12\x0c\n\x04used\x18\x03 \x01(\x03\x12\x10\n\x08reserved\x18\x04 \x01(\x03\x12\x11\n\tavailable\x18\x05 \x01(\x03\"P\n\x06Wallet\x12\x15\n\rbalance_minor\x18\x01 \x01(\x03\x12\x16\n\x0ereserved_minor\x18\x02 \x01(\x03\x12\x17\n\x0f\x61vailable_minor\x18\x03 \x01(\x03\"\xad\x02\n\x10GetUsageResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04plan\x18\x02 \x01(\t\x12\x1b\n\x13monthly_run_credits\x18\x03 \x01(\x03\x12\x30\n\x0cperiod_start\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nperiod_end\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x0brun_credits\x18\x06 \x01(\x0b\x32\x1f.loopline.billing.v1.RunCredits\x12\x1a\n\x12usage_millicredits\x18\x07 \x01(\x03\x12+\n\x06wallet\x18\x08 \x01(\x0b\x32\x1b.loopline.billing.v1.Wallet*\xaf\x01\n\x10ReservationState\x12!\n\x1dRESERVATION_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16RESERVATION_STATE_HELD\x10\x01\x12\x1d\n\x19RESERVATION_STATE_CHARGED\x10\x02\x12\x1e\n\x1aRESERVATION_STATE_RELEASED\x10\x03\x12\x1d\n\x19RESERVATION_STATE_EXPIRED\x10\x04\x32\x85\x06\n\x0e\x42illingService\x12N\n\x05\x41\x64mit\x12!.loopline.billing.v1.AdmitRequest\x1a\".loopline.billing.v1.AdmitResponse\x12Q\n\x06\x43harge\x12\".loopline.billing.v1.ChargeRequest\x1a#.loopline.billing.v1.ChargeResponse\x12T\n\x07Release\x12#.loopline.billing.v1.ReleaseRequest\x1a$.loopline.billing.v1.ReleaseResponse\x12`\n\x0bRecordUsage\x12\'.loopline.billing.v1.RecordUsageRequest\x1a(.loopline.billing.v1.RecordUsageResponse\x12l\n\x0fRecordToolUsage\x12+.loopline.billing.v1.RecordToolUsageRequest\x1a,.loopline.billing.v1.RecordToolUsageResponse\x12o\n\x10RecordUsageBatch\x12,.loopline.billing.v1.RecordUsageBatchRequest\x1a-.loopline.billing.v1.RecordUsageBatchResponse\x12`\n\x0b\x43hargeBatch\x12\'.loopline.billing.v1.ChargeBatchRequest\x1a(.loopline.billing.v1.ChargeBatchResponse\x12W\n\x08GetUsage\x12$.loopline.billing.v1.GetUsageRequest\x1a%.loopline.billing.v1.GetUsageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loopline.billing.v1.billing_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESERVATIONSTATE']._serialized_start=1873
-  _globals['_RESERVATIONSTATE']._serialized_end=2048
-  _globals['_ADMITREQUEST']._serialized_start=58
-  _globals['_ADMITREQUEST']._serialized_end=172
-  _globals['_RATELIMITSTATE']._serialized_start=174
-  _globals['_RATELIMITSTATE']._serialized_end=247
-  _globals['_ADMITRESPONSE']._serialized_start=250
-  _globals['_ADMITRESPONSE']._serialized_end=435
-  _globals['_CHARGEREQUEST']._serialized_start=437
-  _globals['_CHARGEREQUEST']._serialized_end=476
-  _globals['_CHARGERESPONSE']._serialized_start=478
-  _globals['_CHARGERESPONSE']._serialized_end=573
-  _globals['_CHARGEBATCHREQUEST']._serialized_start=575
-  _globals['_CHARGEBATCHREQUEST']._serialized_end=648
-  _globals['_CHARGEBATCHRESPONSE']._serialized_start=650
-  _globals['_CHARGEBATCHRESPONSE']._serialized_end=725
-  _globals['_RELEASEREQUEST']._serialized_start=727
-  _globals['_RELEASEREQUEST']._serialized_end=783
-  _globals['_RELEASERESPONSE']._serialized_start=785
-  _globals['_RELEASERESPONSE']._serialized_end=856
-  _globals['_RECORDUSAGEREQUEST']._serialized_start=859
-  _globals['_RECORDUSAGEREQUEST']._serialized_end=1129
-  _globals['_RECORDUSAGERESPONSE']._serialized_start=1131
-  _globals['_RECORDUSAGERESPONSE']._serialized_end=1210
-  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_start=1212
-  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_end=1293
-  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_start=1295
-  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_end=1380
-  _globals['_DENIAL']._serialized_start=1383
-  _globals['_DENIAL']._serialized_end=1641
-  _globals['_RECORDTOOLUSAGEREQUEST']._serialized_start=1644
-  _globals['_RECORDTOOLUSAGEREQUEST']._serialized_end=1800
-  _globals['_RECORDTOOLUSAGERESPONSE']._serialized_start=1802
-  _globals['_RECORDTOOLUSAGERESPONSE']._serialized_end=1870
-  _globals['_BILLINGSERVICE']._serialized_start=2051
-  _globals['_BILLINGSERVICE']._serialized_end=2735
+  _globals['_RESERVATIONSTATE']._serialized_start=2437
+  _globals['_RESERVATIONSTATE']._serialized_end=2612
+  _globals['_ADMITREQUEST']._serialized_start=91
+  _globals['_ADMITREQUEST']._serialized_end=205
+  _globals['_RATELIMITSTATE']._serialized_start=207
+  _globals['_RATELIMITSTATE']._serialized_end=280
+  _globals['_ADMITRESPONSE']._serialized_start=283
+  _globals['_ADMITRESPONSE']._serialized_end=468
+  _globals['_CHARGEREQUEST']._serialized_start=470
+  _globals['_CHARGEREQUEST']._serialized_end=509
+  _globals['_CHARGERESPONSE']._serialized_start=511
+  _globals['_CHARGERESPONSE']._serialized_end=606
+  _globals['_CHARGEBATCHREQUEST']._serialized_start=608
+  _globals['_CHARGEBATCHREQUEST']._serialized_end=681
+  _globals['_CHARGEBATCHRESPONSE']._serialized_start=683
+  _globals['_CHARGEBATCHRESPONSE']._serialized_end=758
+  _globals['_RELEASEREQUEST']._serialized_start=760
+  _globals['_RELEASEREQUEST']._serialized_end=816
+  _globals['_RELEASERESPONSE']._serialized_start=818
+  _globals['_RELEASERESPONSE']._serialized_end=889
+  _globals['_RECORDUSAGEREQUEST']._serialized_start=892
+  _globals['_RECORDUSAGEREQUEST']._serialized_end=1162
+  _globals['_RECORDUSAGERESPONSE']._serialized_start=1164
+  _globals['_RECORDUSAGERESPONSE']._serialized_end=1243
+  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_start=1245
+  _globals['_RECORDUSAGEBATCHREQUEST']._serialized_end=1326
+  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_start=1328
+  _globals['_RECORDUSAGEBATCHRESPONSE']._serialized_end=1413
+  _globals['_DENIAL']._serialized_start=1416
+  _globals['_DENIAL']._serialized_end=1674
+  _globals['_RECORDTOOLUSAGEREQUEST']._serialized_start=1677
+  _globals['_RECORDTOOLUSAGEREQUEST']._serialized_end=1833
+  _globals['_RECORDTOOLUSAGERESPONSE']._serialized_start=1835
+  _globals['_RECORDTOOLUSAGERESPONSE']._serialized_end=1903
+  _globals['_GETUSAGEREQUEST']._serialized_start=1905
+  _globals['_GETUSAGEREQUEST']._serialized_end=1947
+  _globals['_RUNCREDITS']._serialized_start=1949
+  _globals['_RUNCREDITS']._serialized_end=2048
+  _globals['_WALLET']._serialized_start=2050
+  _globals['_WALLET']._serialized_end=2130
+  _globals['_GETUSAGERESPONSE']._serialized_start=2133
+  _globals['_GETUSAGERESPONSE']._serialized_end=2434
+  _globals['_BILLINGSERVICE']._serialized_start=2615
+  _globals['_BILLINGSERVICE']._serialized_end=3388
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -193,3 +196,53 @@ class RecordToolUsageResponse(_message.Message):
     ledger_entry_id: str
     replayed: bool
     def __init__(self, ledger_entry_id: _Optional[str] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("organization_id",)
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    def __init__(self, organization_id: _Optional[str] = ...) -> None: ...
+
+class RunCredits(_message.Message):
+    __slots__ = ("allowance", "granted", "used", "reserved", "available")
+    ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    allowance: int
+    granted: int
+    used: int
+    reserved: int
+    available: int
+    def __init__(self, allowance: _Optional[int] = ..., granted: _Optional[int] = ..., used: _Optional[int] = ..., reserved: _Optional[int] = ..., available: _Optional[int] = ...) -> None: ...
+
+class Wallet(_message.Message):
+    __slots__ = ("balance_minor", "reserved_minor", "available_minor")
+    BALANCE_MINOR_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_MINOR_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_MINOR_FIELD_NUMBER: _ClassVar[int]
+    balance_minor: int
+    reserved_minor: int
+    available_minor: int
+    def __init__(self, balance_minor: _Optional[int] = ..., reserved_minor: _Optional[int] = ..., available_minor: _Optional[int] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("found", "plan", "monthly_run_credits", "period_start", "period_end", "run_credits", "usage_millicredits", "wallet")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    MONTHLY_RUN_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_START_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_END_FIELD_NUMBER: _ClassVar[int]
+    RUN_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_MILLICREDITS_FIELD_NUMBER: _ClassVar[int]
+    WALLET_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    plan: str
+    monthly_run_credits: int
+    period_start: _timestamp_pb2.Timestamp
+    period_end: _timestamp_pb2.Timestamp
+    run_credits: RunCredits
+    usage_millicredits: int
+    wallet: Wallet
+    def __init__(self, found: _Optional[bool] = ..., plan: _Optional[str] = ..., monthly_run_credits: _Optional[int] = ..., period_start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., period_end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., run_credits: _Optional[_Union[RunCredits, _Mapping]] = ..., usage_millicredits: _Optional[int] = ..., wallet: _Optional[_Union[Wallet, _Mapping]] = ...) -> None: ...

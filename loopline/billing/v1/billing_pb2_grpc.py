@@ -77,6 +77,11 @@ class BillingServiceStub:
                 request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchRequest.SerializeToString,
                 response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchResponse.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/loopline.billing.v1.BillingService/GetUsage',
+                request_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
 
 
 class BillingServiceServicer:
@@ -150,6 +155,17 @@ class BillingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUsage(self, request, context):
+        """GetUsage reads an organization's account for the current period: its plan, run credits,
+        usage and wallet. A read: it never provisions an account. An organization without one yet
+        (its first turn provisions it) is answered found=false with the default plan's terms and
+        zeros. An account last written in an earlier period is answered as of the current one (rolled,
+        as any call that touches it would).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BillingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +203,11 @@ def add_BillingServiceServicer_to_server(servicer, server):
                     servicer.ChargeBatch,
                     request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchRequest.FromString,
                     response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=loopline_dot_billing_dot_v1_dot_billing__pb2.GetUsageRequest.FromString,
+                    response_serializer=loopline_dot_billing_dot_v1_dot_billing__pb2.GetUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -386,6 +407,33 @@ class BillingService:
             '/loopline.billing.v1.BillingService/ChargeBatch',
             loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchRequest.SerializeToString,
             loopline_dot_billing_dot_v1_dot_billing__pb2.ChargeBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.billing.v1.BillingService/GetUsage',
+            loopline_dot_billing_dot_v1_dot_billing__pb2.GetUsageRequest.SerializeToString,
+            loopline_dot_billing_dot_v1_dot_billing__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

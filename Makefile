@@ -44,7 +44,10 @@ BENCH_ARGS ?=
 LOOPLINE_TEST_POSTGRES_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 LOOPLINE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: help venv lock buf gen gen-check catalogue lint format breaking migrate run test test-pg test-faults bench clean distclean
+# The console's browser tests (tests/console) drive Debian's chromium; LOOPLINE_CHROMIUM names another.
+APT_GET := DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get
+
+.PHONY: help venv lock buf chromium gen gen-check catalogue lint format breaking migrate run test test-pg test-faults bench clean distclean
 
 help: ## list the targets
 	@echo "Loopline make targets:"
@@ -83,6 +86,12 @@ buf: $(BUF) ## install the buf CLI (npm package @bufbuild/buf) into node_modules
 $(BUF): package.json $(wildcard package-lock.json)
 	npm install --no-audit --no-fund
 	@touch $@
+
+chromium: ## install Debian's chromium (the console's browser tests) where it is missing
+	@if [ -n "$${LOOPLINE_CHROMIUM:-}" ] || command -v chromium >/dev/null; then exit 0; fi; \
+	echo "installing Debian's chromium for the console's browser tests (tests/console)"; \
+	$(APT_GET) install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null || \
+	  { $(APT_GET) update -qq && $(APT_GET) install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null; }
 
 gen: $(VENV_STAMP) ## regenerate the Python code in loopline/ from protos/
 	$(PY) scripts/gen_protos.py
@@ -133,10 +142,10 @@ migrate: $(VENV_STAMP) ## apply the Alembic migrations of all four services (SQL
 run: $(VENV_STAMP) $(INT_STAMP) ## set up, migrate, seed and start all four services; Ctrl-C stops them (scripts/dev.py)
 	$(PY) scripts/dev.py $(DEV_ARGS)
 
-test: $(VENV_STAMP) $(INT_STAMP) $(BUF) ## run the whole test suite on the embedded backends
+test: $(VENV_STAMP) $(INT_STAMP) $(BUF) chromium ## run the whole test suite on the embedded backends
 	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
 
-test-pg: $(VENV_STAMP) $(INT_STAMP) $(BUF) ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379), without tests/faults (make test-faults)
+test-pg: $(VENV_STAMP) $(INT_STAMP) $(BUF) chromium ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379), without tests/faults (make test-faults)
 	LOOPLINE_TEST_BACKEND=postgres \
 	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
 	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \

@@ -36,8 +36,8 @@ def seeded_identity(output: str, command: str) -> dict[str, Any]:
 
 
 def print_banner(url: str, seeded: dict[str, Any], logs: str, stays_up: bool) -> None:
-    """The gateway's URL, the organization, the API key, the logs and curl commands to try a
-    turn; with `stays_up`, how to stop."""
+    """The gateway's and the console's URLs, the organization, the API key, the logs and curl
+    commands to try a turn; with `stays_up`, how to stop."""
     org, key = str(seeded["organization_id"]), str(seeded["api_key"])
     auth = f"-H {_q(f'Authorization: Bearer {key}')} -H {_q(f'X-Organization-ID: {org}')}"
     post = (
@@ -55,6 +55,7 @@ def print_banner(url: str, seeded: dict[str, Any], logs: str, stays_up: bool) ->
                 "",
                 "Loopline is running.",
                 f"  gateway          {url}",
+                f"  console          {url}/console/  (sign in with the key and organization id)",
                 f"  organization id  {org}",
                 f"  API key          {key}",
                 f"  logs             {logs}",

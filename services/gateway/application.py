@@ -24,10 +24,12 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import Scope
 
 from loopline.assistant.v1 import assistant_pb2_grpc
+from loopline.billing.v1 import billing_pb2_grpc
 from loopline.tools.v1 import tools_pb2_grpc
 from services.common import metrics
 from services.common.readiness import Readiness
 from services.gateway.config import GatewaySettings
+from services.gateway.console import serve_console
 from services.gateway.context import GatewayContext, auth_error_response
 from services.gateway.default_models import DefaultModels
 from services.gateway.errors import (
@@ -45,8 +47,11 @@ from services.gateway.openapi import serve_docs
 from services.gateway.query import single_query_values
 from services.gateway.ratelimit import RequestLimits
 from services.gateway.routes import (
+    account,
+    api_keys,
     chats,
     credentials,
+    dashboard,
     integrations,
     knowledge,
     organizations,
@@ -61,9 +66,11 @@ def create_app(
     idempotency: IdempotencyStore,
     default_models: DefaultModels,
     tools_channel: grpc.aio.Channel | None = None,
+    billing_channel: grpc.aio.Channel | None = None,
 ) -> FastAPI:
     """The FastAPI application serving the assistant API against the orchestrator on `channel`
-    (and, with `tools_channel`, the credentials, knowledge and integrations routes)."""
+    (and, with `tools_channel`, the credentials, knowledge and integrations routes; with both it
+    and `billing_channel`, the usage overview)."""
     app = GatewayApp(
         title="Loopline",
         version="0.1.0",
@@ -113,8 +120,14 @@ def create_app(
         app.include_router(credentials.router)
         app.include_router(knowledge.router)
         app.include_router(integrations.router)
+    if tools is not None and billing_channel is not None:
+        context.billing = billing_pb2_grpc.BillingServiceStub(billing_channel)
+        app.include_router(dashboard.router)
     app.include_router(organizations.router)
+    app.include_router(account.router)  # system.health, auth.me
+    app.include_router(api_keys.router)
     serve_docs(app)
+    serve_console(app)
     return app
 
 

@@ -1,0 +1,85 @@
+// Building the page from data without ever parsing data as markup.
+//
+// Every string a model, a tool or a user produced reaches the page through text nodes or
+// attribute values set here: never innerHTML. Links are kept only for http(s) URLs.
+
+/** An element `tag` with `props` (class, dataset, attributes, on* handlers) and `children`
+ * (strings become text nodes; null, undefined and false are skipped; arrays are flattened). */
+export function h(tag, props = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [name, value] of Object.entries(props || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (name.startsWith("on") && typeof value === "function") {
+      el.addEventListener(name.slice(2).toLowerCase(), value);
+    } else if (name === "class") {
+      el.className = value;
+    } else if (name === "dataset") {
+      Object.assign(el.dataset, value);
+    } else if (name === "href" || name === "src" || name === "action") {
+      const safe = safeUrl(value);
+      if (safe) el.setAttribute(name, safe);
+    } else if (name.startsWith("on")) {
+      continue; // a handler given as a string would be code: never set it
+    } else if (name in el && typeof value !== "string") {
+      el[name] = value; // properties such as checked, disabled, value
+    } else {
+      el.setAttribute(name, value === true ? "" : String(value));
+    }
+  }
+  append(el, children);
+  return el;
+}
+
+/** Append `children` to `el` as h() does. */
+export function append(el, children) {
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+/** Remove every child of `el`. */
+export function clear(el) {
+  el.replaceChildren();
+  return el;
+}
+
+/** `url` when it is an http(s) URL or a path/fragment of this origin, else "" (no javascript:,
+ * data: or other schemes in a link built from data). */
+export function safeUrl(url) {
+  const text = String(url ?? "");
+  if (text.startsWith("#") || (text.startsWith("/") && !text.startsWith("//"))) return text;
+  try {
+    const parsed = new URL(text, window.location.href);
+    return parsed.protocol === "http:" || parsed.protocol === "https:" ? parsed.href : "";
+  } catch {
+    return "";
+  }
+}
+
+/** `value` as indented JSON text (for a <pre>). */
+export function pretty(value) {
+  try {
+    return JSON.stringify(value, null, 2) ?? String(value);
+  } catch {
+    return String(value);
+  }
+}
+
+/** An ISO 8601 time in the reader's locale, or "" when absent or unreadable. */
+export function when(iso) {
+  if (!iso) return "";
+  const date = new Date(iso);
+  return Number.isNaN(date.getTime()) ? String(iso) : date.toLocaleString();
+}
+
+/** A <details> that opens to `value` as JSON: how tool inputs and outputs are shown. */
+export function jsonCard(summary, value, props = {}) {
+  return h("details", { class: "json", ...props }, h("summary", {}, summary), h("pre", {}, pretty(value)));
+}
+
+/** A notice line: kind is "error", "info" or "ok". */
+export function notice(kind, text) {
+  return h("p", { class: `notice ${kind}`, role: kind === "error" ? "alert" : "status" }, text);
+}

@@ -1,22 +1,35 @@
 """The console in a real browser: headless Chromium (Debian's `chromium`, which `make test`
 installs where it is missing) driven by Playwright against the four services in-process.
 
-`console` is a page signed in to the stack's organization as its owner. Any uncaught error of
-the page's scripts fails the test at teardown, so a view that breaks cannot pass unnoticed.
+The browser and the stack are started once per module (a stack and Chromium take seconds to
+start, a test a second or two): every test of tests/console runs in its module's event loop, and
+`stack` gives each test an organization of its own, with a new owner, on the module's stack (a test
+that needs other settings starts its own with `start_stack`). `console` is a page, in a browser
+context of its own, signed in as that owner. Any uncaught error of the page's scripts fails the test
+at teardown, so a view that breaks cannot pass unnoticed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from playwright.async_api import Browser, Page, async_playwright
 
+from services.gateway import identity
 from tests.conftest import Stack, start_stack, stop_stack
+
+# The loop every test and async fixture of tests/console runs in (see the module's docstring): each
+# test module sets `pytestmark = CONSOLE_LOOP`.
+MODULE_LOOP = "module"
+CONSOLE_LOOP = pytest.mark.asyncio(loop_scope=MODULE_LOOP)
 
 # Where the browser is: LOOPLINE_CHROMIUM, else Debian's chromium on PATH.
 CHROMIUM = os.environ.get("LOOPLINE_CHROMIUM") or shutil.which("chromium") or ""
@@ -61,7 +74,7 @@ class Console:
         await self.page.wait_for_selector("#nav:not([hidden])", timeout=WAIT_MS)
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope=MODULE_LOOP)
 async def browser() -> AsyncIterator[Browser]:
     if not CHROMIUM:
         pytest.fail(
@@ -84,16 +97,28 @@ async def open_console(browser: Browser, stack: Stack, **context: Any) -> Consol
     return console
 
 
-@pytest.fixture
-async def stack(tmp_path) -> AsyncIterator[Stack]:
-    running = await start_stack(tmp_path, gateway={"heartbeat_interval_s": 1.0})
+@pytest_asyncio.fixture(scope="module", loop_scope=MODULE_LOOP)
+async def module_stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    running = await start_stack(
+        tmp_path_factory.mktemp("stack"), gateway={"heartbeat_interval_s": 1.0}
+    )
     try:
         yield running
     finally:
         await stop_stack(running)
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope=MODULE_LOOP)
+async def stack(module_stack: Stack) -> Stack:
+    """The module's stack, as an organization of this test's own with a new owner."""
+    org_id = f"org_{uuid.uuid4().hex[:12]}"
+    owner = await identity.create_member(module_stack.gateway.sessions, org_id, "owner")
+    return dataclasses.replace(
+        module_stack, org_id=org_id, api_key=owner["api_key"], user_id=owner["user_id"]
+    )
+
+
+@pytest_asyncio.fixture(loop_scope=MODULE_LOOP)
 async def console(browser: Browser, stack: Stack) -> AsyncIterator[Console]:
     """The console signed in as the stack's owner."""
     opened = await open_console(browser, stack)

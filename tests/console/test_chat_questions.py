@@ -8,15 +8,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pytest
+import pytest_asyncio
 from playwright.async_api import Page, expect
 
 from tests.conftest import start_stack, stop_stack
-from tests.console.conftest import open_console
+from tests.console.conftest import CONSOLE_LOOP, MODULE_LOOP, open_console
 from tests.console.test_chat_turns import new_turn
 from tests.gateway.test_oauth2_connect import acme_provider, oauth_server_app
 from tests.orchestrator.helpers import run_turn
 from tests.tools.tools_stack import serve_asgi
+
+pytestmark = CONSOLE_LOOP
 
 OPTIONS = [
     {"value": "red", "label": "Red"},
@@ -164,7 +166,7 @@ async def test_credential_question_answered_with_an_existing_credential(console)
     assert answer["credential_id"] == created.json()["credential_id"]
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope=MODULE_LOOP)
 async def oauth_stack(tmp_path):
     """A stack whose tools service offers the OAuth2 integration `acme` on a local provider."""
     issued: dict[str, Any] = {}

@@ -9,10 +9,12 @@ import json
 from playwright.async_api import Route, expect
 
 from tests.conftest import script
-from tests.console.conftest import open_console
+from tests.console.conftest import CONSOLE_LOOP, open_console
 from tests.console.test_chat_turns import send
 from tests.sse_client import read_frames
 from tests.tcp_proxy import CuttableProxy
+
+pytestmark = CONSOLE_LOOP
 
 WORDS = [f"w{i:02d} " for i in range(1, 16)]
 

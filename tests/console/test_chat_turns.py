@@ -8,9 +8,11 @@ import json
 from playwright.async_api import Page, expect
 
 from tests.conftest import script, start_stack, stop_stack
-from tests.console.conftest import Console, open_console
+from tests.console.conftest import CONSOLE_LOOP, Console, open_console
 from tests.orchestrator.helpers import run_turn, start
 from tests.sse_client import read_frames
+
+pytestmark = CONSOLE_LOOP
 
 
 async def send(page: Page, message: str) -> None:

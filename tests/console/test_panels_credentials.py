@@ -10,9 +10,11 @@ from typing import Any
 from playwright.async_api import Browser, expect
 
 from tests.conftest import start_stack, stop_stack
-from tests.console.conftest import Console, open_console
+from tests.console.conftest import CONSOLE_LOOP, Console, open_console
 from tests.gateway.test_oauth2_connect import acme_provider, oauth_server_app
 from tests.tools.tools_stack import serve_asgi
+
+pytestmark = CONSOLE_LOOP
 
 SECRET = "ghp_console_secret_4f1c9a"
 HOSTILE = '<img src=x onerror=alert(1)>"><script>alert(2)</script>'

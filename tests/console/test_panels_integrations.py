@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from playwright.async_api import expect
 
-from tests.console.conftest import Console
+from tests.console.conftest import CONSOLE_LOOP, Console
+
+pytestmark = CONSOLE_LOOP
 
 
 async def test_browse_search_finds_github_and_opens_its_actions_none_for_no_match(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from playwright.async_api import Browser, expect
 
-from tests.console.conftest import Console, open_console
+from tests.console.conftest import CONSOLE_LOOP, Console, open_console
+
+pytestmark = CONSOLE_LOOP
 
 
 async def create_key(console: Console, name: str) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from playwright.async_api import expect
 
-from tests.console.conftest import Console
+from tests.console.conftest import CONSOLE_LOOP, Console
+
+pytestmark = CONSOLE_LOOP
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 

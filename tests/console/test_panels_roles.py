@@ -5,7 +5,9 @@ from __future__ import annotations
 from playwright.async_api import Browser, expect
 
 from tests.conftest import Stack
-from tests.console.conftest import open_console
+from tests.console.conftest import CONSOLE_LOOP, open_console
+
+pytestmark = CONSOLE_LOOP
 
 PANELS = ["#/credentials", "#/knowledge", "#/integrations", "#/keys", "#/usage"]
 

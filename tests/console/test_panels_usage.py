@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from playwright.async_api import expect
 
-from tests.console.conftest import Console
+from tests.console.conftest import CONSOLE_LOOP, Console
 from tests.orchestrator.helpers import run_turn, wait_for
+
+pytestmark = CONSOLE_LOOP
 
 OVERVIEW = "/dashboard/analytics/overview"
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import RedirectResponse
+from fastapi.responses import JSONResponse, RedirectResponse
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import Message, Receive, Scope, Send
 
@@ -34,7 +36,17 @@ SECURITY_HEADERS = {
 
 
 class ConsoleFiles(StaticFiles):
-    """StaticFiles that adds SECURITY_HEADERS to every answer (404s included)."""
+    """StaticFiles that adds SECURITY_HEADERS to every answer, its refusals included (answered
+    here in the API's `{"detail": ...}` shape rather than raised past the headers)."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        try:
+            return await super().get_response(path, scope)
+        except HTTPException as refused:
+            allow = {"Allow": "GET, HEAD"} if refused.status_code == 405 else {}
+            return JSONResponse(
+                {"detail": refused.detail}, refused.status_code, headers=refused.headers or allow
+            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_with_headers(message: Message) -> None:

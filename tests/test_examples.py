@@ -72,12 +72,13 @@ async def test_each_example_script_is_taken_step_by_step_by_the_scripted_model(p
     assert steps[-1].keys() == {"say"}, "an example ends with the model's answer"
 
 
-def test_the_readme_lists_every_tool_and_every_built_in_action():
+def test_the_readme_lists_every_tool_and_the_integrations_page_every_built_in_action():
     readme = (ROOT / "README.md").read_text()
     missing = [f"`{name}`" for name in ASSISTANT_TOOLS if f"`{name}`" not in readme]
+    page = (ROOT / "docs" / "integrations.md").read_text()
     for integration in Catalogue.builtin().all():
-        missing += [f"`{a}`" for a in integration.actions if f"`{a}`" not in readme]
-        if f"`{integration.name}`" not in readme:
+        missing += [f"`{a}`" for a in integration.actions if f"`{a}`" not in page]
+        if f"`{integration.name}`" not in readme + page:
             missing.append(f"`{integration.name}`")
     assert missing == []
 

@@ -170,8 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     ).add_argument("--org", required=True, type=ids.org_id_arg)
     sub.add_parser(
         "list-keys",
-        help="the organization's API keys (id, prefix, member, role, created, revoked);"
-        " never the keys",
+        help="the organization's API keys usable there (id, prefix, member, role, bound"
+        " organization, expiry, created, revoked); never the keys",
     ).add_argument("--org", required=True, type=ids.org_id_arg)
     revoke = sub.add_parser(
         "revoke-key",

@@ -96,7 +96,8 @@ class ApiKeyCreated(ApiKeyView):
 
 @with_config(_DOCSTRINGS)
 class ApiKeyList(TypedDict):
-    """The keys bound to the organization and the caller's own unbound keys, newest first."""
+    """The keys bound to the organization and (for a caller whose key is unbound) the caller's
+    own unbound keys, newest first; expired keys included, revoked ones on request."""
 
     keys: list[ApiKeyView]
     total: int

@@ -1,12 +1,17 @@
 """The caller's account in the gateway database: its organizations, and the API keys the
 `/api-keys` routes manage (the store behind routes/account.py and routes/api_keys.py).
 
-Which keys a caller sees in an organization: the keys bound to it (any member's) and the
-caller's own unbound keys (made by the CLI, valid in every organization of their user). A key
-outside that set is treated as missing. At most `cap` active keys (neither revoked nor expired)
-are bound to one organization; `create_key` counts them in the transaction that adds one, after
-locking the organization's row (PostgreSQL; SQLite has one writer at a time and the count follows
-the insert), so concurrent creations cannot pass the cap together.
+Which keys a caller sees in an organization: the keys bound to it (any member's) and, when the
+caller's own key is unbound, the caller's own unbound keys (made by the CLI, valid in every
+organization of their user). A caller whose key is bound to the organization sees only the keys
+bound to it: a bound key reaches nothing else of its user. A key outside that set is treated as
+missing. Only an owner revokes a key of another owner of the organization (`OwnersKey`, 403 for
+an admin); an admin revokes the other keys it sees, and anyone its own.
+
+At most `cap` active keys (neither revoked nor expired) are bound to one organization;
+`create_key` counts them in the transaction that adds one, after locking the organization's row
+(PostgreSQL; SQLite has one writer at a time and the count follows the insert), so concurrent
+creations cannot pass the cap together.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from sqlalchemy import ColumnElement, and_, func, or_, select
 
 from services.common import db
-from services.gateway.identity import Sessions, hash_key, key_prefix, new_key
+from services.gateway.identity import Principal, Sessions, hash_key, key_prefix, new_key
 from services.gateway.models import ApiKey, Membership, Organization, User, utcnow
 
 
@@ -29,6 +34,10 @@ class Joined:
     id: str
     name: str
     role: str
+
+
+class OwnersKey(Exception):
+    """A caller other than an owner asked to revoke a key of an owner of the organization (403)."""
 
 
 class KeyCapReached(Exception):
@@ -74,12 +83,12 @@ def primary(joined: list[Joined], header: str, bound: str | None) -> str | None:
     return joined[0].id if joined else None
 
 
-def _visible(user_id: str, organization_id: str) -> ColumnElement[bool]:
-    """The keys a caller sees in an organization (see the module docstring)."""
-    return or_(
-        ApiKey.organization_id == organization_id,
-        and_(ApiKey.organization_id.is_(None), ApiKey.user_id == user_id),
-    )
+def _visible(who: Principal) -> ColumnElement[bool]:
+    """The keys `who` sees in its organization (see the module docstring)."""
+    bound_here = ApiKey.organization_id == who.organization_id
+    if who.key_organization_id is not None:
+        return bound_here
+    return or_(bound_here, and_(ApiKey.organization_id.is_(None), ApiKey.user_id == who.user_id))
 
 
 def _active(now: datetime.datetime) -> ColumnElement[bool]:
@@ -131,12 +140,10 @@ async def create_key(
     return row, key
 
 
-async def visible_keys(
-    sessions: Sessions, user_id: str, organization_id: str, include_revoked: bool
-) -> list[ApiKey]:
-    """The keys the caller sees in the organization, newest first (revoked ones only with
+async def visible_keys(sessions: Sessions, who: Principal, include_revoked: bool) -> list[ApiKey]:
+    """The keys `who` sees in its organization, newest first (revoked ones only with
     `include_revoked`)."""
-    query = select(ApiKey).where(_visible(user_id, organization_id))
+    query = select(ApiKey).where(_visible(who))
     if not include_revoked:
         query = query.where(ApiKey.revoked_at.is_(None))
     async with sessions() as session:
@@ -147,30 +154,36 @@ async def visible_keys(
         )
 
 
-async def visible_key(
-    sessions: Sessions, user_id: str, organization_id: str, key_id: str
-) -> ApiKey | None:
-    """The key `key_id` when the caller sees it in the organization, else None."""
+async def visible_key(sessions: Sessions, who: Principal, key_id: str) -> ApiKey | None:
+    """The key `key_id` when `who` sees it in its organization, else None."""
     async with sessions() as session:
         return (
-            await session.execute(
-                select(ApiKey).where(ApiKey.id == key_id, _visible(user_id, organization_id))
-            )
+            await session.execute(select(ApiKey).where(ApiKey.id == key_id, _visible(who)))
         ).scalar_one_or_none()
 
 
-async def revoke_visible(
-    sessions: Sessions, user_id: str, organization_id: str, key_id: str
-) -> ApiKey | None:
-    """Revoke the key `key_id` when the caller sees it in the organization (idempotent: a
-    revoked key keeps its first revocation time); None when the caller does not see it."""
+async def revoke_visible(sessions: Sessions, who: Principal, key_id: str) -> ApiKey | None:
+    """Revoke the key `key_id` when `who` sees it in its organization (idempotent: a revoked key
+    keeps its first revocation time); None when `who` does not see it. Raises OwnersKey when the
+    key is another user's who is an owner of the organization and `who` is not an owner."""
     async with sessions() as session, session.begin():
         row = (
-            await session.execute(
-                select(ApiKey).where(ApiKey.id == key_id, _visible(user_id, organization_id))
-            )
+            await session.execute(select(ApiKey).where(ApiKey.id == key_id, _visible(who)))
         ).scalar_one_or_none()
-        if row is not None and row.revoked_at is None:
+        if row is None:
+            return None
+        if who.role != "owner" and row.user_id != who.user_id:
+            role = (
+                await session.execute(
+                    select(Membership.role).where(
+                        Membership.user_id == row.user_id,
+                        Membership.organization_id == who.organization_id,
+                    )
+                )
+            ).scalar()
+            if role == "owner":
+                raise OwnersKey(key_id)
+        if row.revoked_at is None:
             row.revoked_at = utcnow()
     return row
 

@@ -46,9 +46,9 @@ class GatewaySettings(CommonSettings):
             route (more: 429 with the rate denial envelope); 0 = not limited (ratelimit.py).
         max_api_keys_per_organization: active (neither revoked nor expired) API keys that may be
             bound to one organization through POST /api-keys; one more is 409.
-        failed_auths_per_minute: failed authentications (401, 403) one client (IP address, an IPv6
-            /64) may make per minute; past it every request of that client is 429 until the
-            minute ends; 0 = not limited.
+        failed_auths_per_minute: failed authentications (401: no, an unknown, a revoked or an
+            expired key; not a 403) one client (IP address, an IPv6 /64) may make per minute;
+            past it every request of that client is 429 until the minute ends; 0 = not limited.
         gateway_rate_limit_storage_url: `limits` storage of those counters; empty selects
             LOOPLINE_REDIS_URL when set (shared by replicas), else process memory (`memory://`).
         http_max_header_bytes / http_max_headers: the most bytes (request line and header lines

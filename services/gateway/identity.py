@@ -471,8 +471,11 @@ async def _create_member(
 
 
 async def list_keys(sessions: Sessions, organization_id: str) -> list[dict[str, str | None]] | None:
-    """The API keys of the organization's members, oldest first: {key_id, prefix, name, user_id,
-    role, created_at, revoked_at} (times ISO 8601, UTC). None when the organization does not exist.
+    """The API keys of the organization's members usable there, oldest first: {key_id, prefix,
+    name, user_id, role, organization_id, expires_at, created_at, revoked_at} (times ISO 8601,
+    UTC; `organization_id` null for an unbound key, valid in every organization of its user).
+    A member's key bound to another organization is left out: it is refused here. None when the
+    organization does not exist.
 
     `prefix` is `key_prefix(key)`: enough to recognise a key, always shorter than it. A key
     stored before that rule whose stored prefix is the whole key (a dev key of 12 characters
@@ -484,7 +487,13 @@ async def list_keys(sessions: Sessions, organization_id: str) -> list[dict[str, 
             await session.execute(
                 select(ApiKey, Membership.role)
                 .join(Membership, Membership.user_id == ApiKey.user_id)
-                .where(Membership.organization_id == organization_id)
+                .where(
+                    Membership.organization_id == organization_id,
+                    or_(
+                        ApiKey.organization_id.is_(None),
+                        ApiKey.organization_id == organization_id,
+                    ),
+                )
                 .order_by(ApiKey.created_at, ApiKey.id)
             )
         ).all()
@@ -496,6 +505,8 @@ async def list_keys(sessions: Sessions, organization_id: str) -> list[dict[str, 
             "name": key.name,
             "user_id": key.user_id,
             "role": role,
+            "organization_id": key.organization_id,
+            "expires_at": pb.iso(key.expires_at),
             "created_at": pb.iso(key.created_at),
             "revoked_at": pb.iso(key.revoked_at),
         }

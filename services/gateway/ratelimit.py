@@ -6,11 +6,13 @@ limits cover every route, credential reads, listings and wrong keys included:
 - every authenticated request counts against its API key: past LOOPLINE_KEY_REQUESTS_PER_MINUTE
   (6,000) in a minute it is answered 429, or past the key's own `rate_limit_per_minute` (a key
   made by POST /api-keys) when that is lower;
-- every failed authentication (401: no, a malformed or an unknown key; 403: a key without the
-  role in that organization) counts against its client (its IP address; an IPv6 client's /64,
-  which one host usually holds whole): past LOOPLINE_FAILED_AUTHS_PER_MINUTE (30) in a minute
-  the client is answered 429 for every request, valid key or not, until that minute is over,
-  without its key being looked up (so a client cannot try keys faster than that).
+- every failed authentication (401: no, a malformed, an unknown, a revoked or an expired key)
+  counts against its client (its IP address; an IPv6 client's /64, which one host usually holds
+  whole): past LOOPLINE_FAILED_AUTHS_PER_MINUTE (30) in a minute the client is answered 429 for
+  every request, valid key or not, until that minute is over, without its key being looked up
+  (so a client cannot try keys faster than that). A 403 (a valid key without the role, or bound
+  to another organization) is not counted: it guesses nothing, and counting it let one member's
+  key lock out every client behind the same address, owners included.
 
 A refusal is billing's rate denial as the client knows it (README "Errors"): the flat denial
 envelope `{code: "rate_limited", layer: "rate", key, current, limit, reason}` with 429,
@@ -265,7 +267,8 @@ class RequestLimits:
         """`Authenticator.authenticate` (with `member`: `Authenticator.identify`, for a route any
         member may call with an optional organization) under the limits: raises RateLimited (429)
         when the client is blocked for failed authentications or the key is past its limit,
-        AuthError as the authenticator does (each 401 and 403 counted against the client)."""
+        AuthError as the authenticator does (each 401 counted against the client; a 403 is a
+        known key's refusal, not a guess, and is not counted)."""
         if self._blocked:
             client = client_of(scope)
             until = self._blocked.get(client)
@@ -280,7 +283,7 @@ class RequestLimits:
             else:
                 who = await self.authenticator.authenticate(authorization, organization_id)
         except AuthError as error:
-            if error.status in (401, 403) and self.failures is not None:
+            if error.status == 401 and self.failures is not None:
                 await self._failed(client_of(scope))
             raise
         scope[ORGANIZATION] = who.organization_id  # for the access line (access_log.py)

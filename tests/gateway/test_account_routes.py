@@ -72,6 +72,23 @@ async def test_system_health_is_degraded_but_200_while_readiness_fails(services)
     assert ready.status_code == 503  # the orchestrators' probe says it
 
 
+@pytest.mark.parametrize("path", ["/system/health", "/healthz", "/readyz"])
+async def test_the_health_routes_answer_head_with_200_and_no_body(services, path):
+    """Uptime monitors send HEAD."""
+    async with httpx.AsyncClient(base_url=services.base_url) as client:
+        response = await client.head(path)
+    assert response.status_code == 200 and response.content == b""
+
+
+async def test_the_system_health_operation_declares_only_the_200_it_answers(services):
+    async with httpx.AsyncClient(base_url=services.base_url) as client:
+        document = (await client.get("/openapi.json")).json()
+    operation = document["paths"]["/system/health"]
+    assert set(operation) == {"get"}  # HEAD is served, not documented as its own operation
+    assert set(operation["get"]["responses"]) == {"200"}
+    assert not operation["get"].get("security")
+
+
 async def test_auth_me_gives_the_owners_profile_with_the_role_in_the_header_organization(services):
     async with sdk(services) as client:
         me = await client.auth.me()

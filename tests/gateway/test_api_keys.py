@@ -238,7 +238,14 @@ BAD_BODIES = [
     ({"name": "k", "organization_id": "org_someone_else"}, None),
     ({"name": "k", "expires_at": "2030-01-01T00:00:00"}, None),  # no offset
     ({"name": "k", "expires_at": "tomorrow"}, None),
-    ({"name": "k", "expires_at": "9999-12-31T23:59:59-05:00"}, None),  # past year 9999 in UTC
+    (
+        {"name": "k", "expires_at": "9999-12-31T23:59:59-05:00"},  # past year 9999 in UTC
+        "expires_at is out of range: in UTC it falls outside the years 1 to 9999",
+    ),
+    (
+        {"name": "k", "expires_at": "9999-12-31T23:59:59-14:00"},
+        "expires_at is out of range: in UTC it falls outside the years 1 to 9999",
+    ),
     ({"name": "k", "expires_at": "2001-01-01T00:00:00Z"}, "expires_at must be in the future"),
     ({"name": "k", "rate_limit_per_minute": 0}, None),
     ({"name": "k", "rate_limit_per_minute": "5"}, None),
@@ -295,3 +302,29 @@ async def test_past_the_organizations_cap_of_active_keys_creation_is_409(capped)
         await client.api_keys.revoke(first.id)
         third = await client.api_keys.create("three")
     assert third.is_active
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "two\nlines",
+        "ci runner\n",
+        "tab\tname",
+        "bell\x07",
+        "del\x7f",
+        "next line\x85",
+        "mark\u200e",
+        "mark\u200f",
+        "override\u202eevil",
+        "embed\u202a",
+        "isolate\u2066x\u2069",
+    ],
+    ids=repr,
+)
+async def test_a_name_with_a_control_or_bidirectional_character_is_400(services, name):
+    response = await _raw(services, "POST", "/api-keys", services.api_key, json={"name": name})
+    assert response.status_code == 400, response.text
+    assert response.json()["detail"].startswith(
+        "name must not contain control characters (such as line breaks or tabs) nor"
+        " bidirectional text controls (it has U+"
+    )

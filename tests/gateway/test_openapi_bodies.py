@@ -193,6 +193,9 @@ CASES = [
     ("/api-keys", {"name": "ci", "rate_limit_per_minute": 1.5}, False),
     ("/api-keys", {"name": "ci", "expires_at": 5}, False),
     ("/api-keys", {"name": "ci", "surprise": 1}, False),
+    ("/api-keys", {"name": "ci\nrunner"}, False),
+    ("/api-keys", {"name": "ci\u202erunner"}, False),
+    ("/api-keys", {"name": " \u00e9t\u00e9 runner "}, True),
     (
         "/api-keys",
         {

@@ -93,10 +93,11 @@ async def test_failed_authentications_block_the_client_for_the_rest_of_the_minut
         async with httpx.AsyncClient(base_url=stack.base_url) as client:
             assert (await client.get("/credentials", headers=wrong)).status_code == 401
             assert (await client.get("/assistant/chats")).status_code == 401  # no key at all
-            member = await stack.member("member")  # a key without the role: 403, a failure too
+            member = await stack.member("member")  # a key without the role: 403, not counted
             assert (
                 await client.get("/credentials", headers=stack.headers(member["api_key"]))
             ).status_code == 403
+            assert (await client.get("/credentials", headers=wrong)).status_code == 401  # the 3rd
             _assert_rate_denial(
                 await client.get("/credentials", headers=wrong), "failed_authentication", 3
             )
@@ -128,11 +129,43 @@ async def test_failed_authentications_block_the_client_for_the_rest_of_the_minut
         await stop_stack(stack)
 
 
-async def test_the_openapi_document_declares_429_on_every_route(services):
+async def test_role_and_organization_403s_do_not_count_as_failed_authentications(tmp_path):
+    """A valid key refused for its role or its organization guesses nothing: its 403s never block
+    the client (30 of a member's requests used to lock out everyone behind its address)."""
+    stack = await start_stack(tmp_path, gateway={"failed_auths_per_minute": 2})
+    try:
+        await _clear_of_the_minute_boundary()
+        member = await stack.member("member")
+        stranger = await stack.member("owner", org_id="org_stranger")  # not a member of the stack's
+        async with httpx.AsyncClient(base_url=stack.base_url) as client:
+            made = await client.post(
+                "/api-keys",
+                headers=stack.headers(stranger["api_key"], "org_stranger"),
+                json={"name": "bound to org_stranger"},
+            )
+            assert made.status_code == 201, made.text
+            bound_elsewhere = made.json()["key"]
+            for _ in range(5):
+                for key in (member["api_key"], stranger["api_key"], bound_elsewhere):
+                    denied = await client.get("/credentials", headers=stack.headers(key))
+                    assert denied.status_code == 403, denied.text
+            assert (await client.get("/credentials", headers=stack.headers())).status_code == 200
+            wrong = stack.headers(api_key="mx_live_" + "y" * 43)
+            statuses = [
+                (await client.get("/credentials", headers=wrong)).status_code for _ in "abc"
+            ]
+        assert statuses == [401, 401, 429]  # 401s still count
+    finally:
+        await stop_stack(stack)
+
+
+async def test_the_openapi_document_declares_429_on_every_route_that_takes_a_key(services):
     async with services.client() as client:
         document = (await client.get("/openapi.json")).json()
     for path, methods in document["paths"].items():
         for method, operation in methods.items():
+            if path == "/system/health":  # open, no key: answers 200 only
+                continue
             assert "429" in operation["responses"], (method, path)
 
 

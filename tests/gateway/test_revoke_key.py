@@ -63,6 +63,8 @@ def test_revoke_key_command(tmp_path):
     assert (
         keys[member["key_id"]]["role"] == "member" and len(keys) == 2
     )  # the dev owner's key and this one
+    assert keys[member["key_id"]]["organization_id"] is None  # the CLI's keys are unbound
+    assert keys[member["key_id"]]["expires_at"] is None
     assert member["api_key"] not in listed.stdout
     by_id = gateway("revoke-key", "--key-id", member["key_id"])
     assert by_id.returncode == 0 and json.loads(by_id.stdout)["key_id"] == member["key_id"]

@@ -2,6 +2,8 @@
 
 GET /system/health -> {status, service, version}: open (no key), no database call; `status` is
     `degraded` while the readiness probe fails (still 200: /readyz is the orchestrators' probe).
+    HEAD answers the same 200 without a body (uptime monitors send HEAD). Its OpenAPI entry
+    declares only the 200 it answers: no key, no body, so none of the other routes' errors.
 GET /auth/me -> the caller's profile; GET /auth/me/organizations?role= -> its organizations.
     Any member (owner, admin, member) may call them; X-Organization-ID is optional: with it the
     answer gives the role there (403 when not a member), without it `role` is null. A key bound
@@ -29,7 +31,7 @@ from services.gateway.openapi import error_responses, keyed
 
 SERVICE = "loopline"
 
-router = APIRouter(responses=error_responses())
+router = APIRouter()
 
 
 @router.get(
@@ -38,6 +40,7 @@ router = APIRouter(responses=error_responses())
     tags=["system"],
     response_model=SystemHealth,
 )
+@router.head("/system/health", include_in_schema=False)
 async def system_health(request: Request) -> JSONResponse:
     """`ok`, or `degraded` while the last readiness probe failed; read from memory only."""
     readiness: Readiness | None = getattr(request.app.state, "readiness", None)
@@ -54,6 +57,7 @@ async def system_health(request: Request) -> JSONResponse:
     summary="The caller's profile",
     tags=["auth"],
     response_model=UserProfile,
+    responses=error_responses(),
     openapi_extra=keyed(organization_optional=True),
 )
 async def me(request: Request) -> JSONResponse:
@@ -84,6 +88,7 @@ Role = Literal["owner", "admin", "member"]
     summary="The caller's organizations, oldest first",
     tags=["auth"],
     response_model=UserOrganizations,
+    responses=error_responses(),
     openapi_extra=keyed(organization_optional=True),
 )
 async def my_organizations(

@@ -17,7 +17,7 @@ import shutil
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import pytest_asyncio
@@ -28,7 +28,7 @@ from tests.conftest import Stack, start_stack, stop_stack
 
 # The loop every test and async fixture of tests/console runs in (see the module's docstring): each
 # test module sets `pytestmark = CONSOLE_LOOP`.
-MODULE_LOOP = "module"
+MODULE_LOOP: Final = "module"
 CONSOLE_LOOP = pytest.mark.asyncio(loop_scope=MODULE_LOOP)
 
 # Where the browser is: LOOPLINE_CHROMIUM, else Debian's chromium on PATH.

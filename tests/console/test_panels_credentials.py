@@ -4,6 +4,7 @@ OAuth2 integration connects through the authorization page opened in a new windo
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any
 
@@ -12,6 +13,7 @@ from playwright.async_api import Browser, expect
 from tests.conftest import start_stack, stop_stack
 from tests.console.conftest import CONSOLE_LOOP, Console, open_console
 from tests.gateway.test_oauth2_connect import acme_provider, oauth_server_app
+from tests.orchestrator.helpers import run_turn
 from tests.tools.tools_stack import serve_asgi
 
 pytestmark = CONSOLE_LOOP
@@ -122,3 +124,58 @@ async def test_oauth2_connect_opens_the_authorization_page_without_opener_and_st
             assert console.errors == []
         finally:
             await stop_stack(stack)
+
+
+async def test_an_expired_credential_is_marked_and_not_offered_to_a_question(
+    console: Console,
+) -> None:
+    async with console.stack.client() as http:
+        for name, expires in [("old token", "2030-01-01T00:00:00Z"), ("new token", None)]:
+            body = {
+                "integration_name": "http",
+                "auth_type": "bearer_token",
+                "auth_data": {"token": "tok-1234567890"},
+                "display_name": name,
+            }
+            if expires:
+                body["expires_at"] = expires
+            assert (await http.post("/credentials", json=body)).status_code == 201
+        paused, _ = await run_turn(
+            http, {"tool": "request_credential", "input": {"integration": "http", "message": "?"}}
+        )
+    page = console.page
+    await page.clock.set_fixed_time(datetime.datetime(2031, 1, 1, tzinfo=datetime.UTC))
+    await console.open("#/credentials")
+    old = page.locator("#credential-list tr", has_text="old token")
+    await expect(old.locator(".badge.expired")).to_have_text("expired")
+    await expect(page.locator("#credential-list tr", has_text="new token")).not_to_contain_text(
+        "expired"
+    )
+    await console.open(f"#/chat/{paused['chat_id']}")
+    choice = page.locator(".question-form .credential-choice option")
+    await expect(choice).to_have_count(2)  # "Choose a credential" and the one not expired
+    await expect(choice.nth(1)).to_contain_text("new token")
+
+
+async def test_a_credential_question_offers_add_instead_of_connect_without_an_oauth_app(
+    console: Console,
+) -> None:
+    async with console.stack.client() as http:
+        paused, frames = await run_turn(
+            http,
+            {"tool": "request_credential", "input": {"integration": "github", "message": "?"}},
+        )
+    asked = next(f["data"] for f in frames if f["type"] == "user_input_request")
+    assert any(o["auth_type"] == "oauth2" for o in asked["auth_options"])
+    await console.open(f"#/chat/{paused['chat_id']}")
+    form = console.page.locator(".question-form[data-kind=credential_request]")
+    add = form.locator("a.add-credential")
+    await expect(add).to_have_attribute("href", "#/credentials/github")
+    await expect(form.locator(".connect")).to_have_count(0)
+
+
+async def test_an_unknown_integration_in_the_address_says_so(console: Console) -> None:
+    await console.open("#/credentials/no_such_integration")
+    refused = console.page.locator("#credential-form .notice.error")
+    await expect(refused).to_contain_text("There is no integration named")
+    await expect(refused).to_contain_text("no_such_integration")

@@ -280,6 +280,25 @@ async def test_bad_credential_input_is_400_with_detail_and_never_echoes_the_secr
         assert (await client.get("/credentials", params={"limit": 0})).status_code == 400
 
 
+async def test_credential_expiry_in_the_past_or_unreadable_is_400_and_nothing_is_stored(
+    services_with_private_network,
+):
+    """Like an API key's: a credential already expired would only fail the calls that pick it."""
+    pg = {"integration_name": "postgresql", "auth_data": {"dsn": SECRET_DSN}}
+    async with services_with_private_network.client() as client:
+        for expires_at, expected in [
+            ("2001-01-01T00:00:00Z", "expires_at must be in the future"),
+            ("2001-01-01", "expires_at must be in the future"),
+            ("next tuesday", "expires_at must be an ISO 8601 date"),
+        ]:
+            response = await client.post("/credentials", json={**pg, "expires_at": expires_at})
+            assert response.status_code == 400, (expires_at, response.text)
+            assert expected in response.json()["detail"]
+        assert (await client.get("/credentials")).json()["total"] == 0
+        kept = await _create_pg(client, expires_at="2099-01-01T00:00:00+02:00")
+        assert kept["expires_at"] == "2099-01-01T00:00:00+02:00"
+
+
 async def test_oversized_credential_fields_are_400_naming_the_limit_and_nothing_is_stored(
     services_with_private_network,
 ):

@@ -9,6 +9,7 @@ never returned: a credential shows its metadata and, on request, a masked form.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import Annotated
 
@@ -157,6 +158,22 @@ OAUTH2_CALLBACK_PARAMETERS = {
 SDK_AUTH_TYPES = {"bearer_token": "bearer"}
 
 
+def check_expiry(value: str) -> None:
+    """BodyError 400 unless `value` is an ISO 8601 date or date and time (no offset: UTC) later
+    than now: a credential that has already expired would only fail the calls that pick it (the
+    same rule as an API key's expires_at)."""
+    try:
+        moment = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise BodyError(
+            400, "expires_at must be an ISO 8601 date or date and time (e.g. 2030-01-01T00:00:00Z)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    if moment <= datetime.datetime.now(datetime.UTC):
+        raise BodyError(400, "expires_at must be in the future")
+
+
 def credential_json(c: tools_pb2.Credential) -> Credential:
     """The SDK's CredentialResponse of `c`."""
     metadata = pb.from_struct(c.metadata)
@@ -234,6 +251,7 @@ async def create_credential(request: Request, who: Principal = Who) -> Response:
     metadata = dict(object_field(body, "metadata") or {})
     expires_at = string_field(body, "expires_at")
     if expires_at:
+        check_expiry(expires_at)
         metadata["expires_at"] = expires_at
         check_json_size(
             "metadata", metadata, OBJECT_LIMITS["metadata"]

@@ -94,8 +94,16 @@ export class Api {
         parsed = null;
       }
     }
-    if (!response.ok) throw new ApiError(response.status, detailOf(response.status, parsed), parsed);
+    if (!response.ok) throw this.refused(response.status, detailOf(response.status, parsed), parsed);
     return parsed;
+  }
+
+  /** The ApiError of a refusal; a 401 (the key was revoked or expired meanwhile) also calls
+   * `this.onUnauthorized(error)` when set: the console then signs out. */
+  refused(status, detail, body) {
+    const error = new ApiError(status, detail, body);
+    if (status === 401 && this.onUnauthorized) this.onUnauthorized(error);
+    return error;
   }
 
   get(path, query, signal) {
@@ -128,7 +136,7 @@ export class Api {
       } catch {
         body = null;
       }
-      throw new ApiError(response.status, detailOf(response.status, body), body);
+      throw this.refused(response.status, detailOf(response.status, body), body);
     }
     const reader = response.body.getReader();
     const decoder = new TextDecoder();

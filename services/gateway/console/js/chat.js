@@ -6,7 +6,8 @@
 // answer to the question it resumed from). A run's replies are stored only when it ends, so
 // nothing of it is lost or shown twice, also when it ends between GET chat and the listen.
 
-import { h, notice } from "./dom.js";
+import { ApiError } from "./api.js";
+import { h, notice, text } from "./dom.js";
 import { refusal } from "./chats.js";
 import { renderHistory } from "./history.js";
 import { questionForm } from "./questions.js";
@@ -16,6 +17,8 @@ export { renderChats } from "./chats.js";
 
 // A turn this page started for a new chat, handed to the chat's view after the navigation.
 let justStarted = null;
+// A notice for the chat's view loaded again ({chatId, text}), shown once.
+let carried = null;
 
 const BUSY = {
   running: ["running", "running", "A run is going: wait for it or cancel it."],
@@ -123,10 +126,18 @@ class ChatView {
       const path = `/assistant/chat/${encodeURIComponent(this.chatId)}`;
       chat = await this.api.get(path, {}, this.controller.signal);
     } catch (error) {
-      if (!this.controller.signal.aborted) this.notices.append(notice("error", refusal(error)));
+      if (this.controller.signal.aborted) return;
+      this.notices.append(notice("error", refusal(error)));
+      if (error instanceof ApiError && error.status === 404) {
+        // no such chat: nothing to send a message to
+        this.composer.hidden = true;
+        this.state.textContent = "not found";
+      }
       return;
     }
-    this.title.textContent = chat.title || "(untitled)";
+    this.title.replaceChildren(chat.title ? text(chat.title) : "(untitled)");
+    if (carried && carried.chatId === this.chatId) this.notices.append(notice("info", carried.text));
+    carried = null;
     const hint = justStarted && justStarted.chatId === this.chatId ? justStarted.runId : null;
     justStarted = null;
     const attach = chat.running_id || hint;
@@ -176,17 +187,34 @@ class ChatView {
   showQuestion(request) {
     if (!request || this.asked.has(request.request_id)) return;
     this.asked.add(request.request_id);
-    const form = questionForm(this.api, this.chatId, request, (started, summary) => {
-      for (const run of this.runs) {
-        if (run.ended !== "interrupted") continue;
-        run.stop(); // no more watching for run_resumed
-        this.runs.delete(run);
-      }
-      this.live.append(userLine("You answered", summary, "answer-message"));
-      this.questionSlot.replaceChildren();
-      this.follow(started.run_id);
+    const form = questionForm(this.api, this.chatId, request, {
+      onAnswered: (started, summary) => {
+        this.pausedAnswered(summary);
+        this.live.append(userLine("You answered", summary, "answer-message"));
+        this.questionSlot.replaceChildren();
+        this.follow(started.run_id);
+        this.input.focus(); // the answered form is gone: the focus goes on to the message box
+      },
+      onConflict: () => this.answeredElsewhere(),
     });
     this.questionSlot.replaceChildren(form);
+  }
+
+  /** The paused runs shown are answered (`summary`): each says so and stops watching. */
+  pausedAnswered(summary) {
+    for (const run of this.runs) {
+      if (run.ended !== "interrupted") continue;
+      run.answered(summary);
+      this.runs.delete(run);
+    }
+  }
+
+  /** The resume was refused with 409: the question was answered (or the run cancelled) in
+   * another tab or client. The chat's view is loaded again (GET chat: its history and the run
+   * now going, followed from its stream) under a notice saying so. */
+  answeredElsewhere() {
+    carried = { chatId: this.chatId, text: "This question was answered elsewhere (another tab or client)." };
+    this.ctx.navigate(window.location.hash);
   }
 
   async sendMessage() {
@@ -206,7 +234,8 @@ class ChatView {
     this.input.value = "";
     if (!this.chatId) {
       justStarted = { chatId: started.chat_id, runId: started.run_id };
-      this.ctx.navigate(`#/chat/${encodeURIComponent(started.chat_id)}`);
+      // the chat's page replaces the empty one in the history: Back leaves the chat
+      this.ctx.navigate(`#/chat/${encodeURIComponent(started.chat_id)}`, { replace: true });
       return;
     }
     this.live.append(userLine("You", message));
@@ -219,11 +248,15 @@ class ChatView {
       await this.api.post(`/assistant/chat/${encodeURIComponent(this.chatId)}/cancel`);
       if (this.busy === "awaiting") {
         // a paused run's stream has ended: its `cancelled` is not streamed to us again
+        const paused = [...this.runs].filter((run) => run.ended === "interrupted");
         for (const run of this.runs) run.stop();
+        for (const run of paused) run.cancelledWhilePaused();
         this.runs.clear();
         this.questionSlot.replaceChildren();
-        const text = "Cancelled (the question was withdrawn).";
-        this.live.append(h("p", { class: "notice info cancelled" }, text));
+        if (!paused.length) {
+          const words = "Cancelled (the question was withdrawn).";
+          this.live.append(h("p", { class: "notice info cancelled" }, words));
+        }
         this.setBusy(null);
       }
     } catch (error) {

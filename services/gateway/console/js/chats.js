@@ -4,7 +4,7 @@
 // (GET /assistant/chat/{id}/status) to tell "awaiting input" from "ended (<latest run's status>)".
 
 import { ApiError } from "./api.js";
-import { h, notice, when } from "./dom.js";
+import { h, notice, text, when } from "./dom.js";
 
 const PAGE = 20;
 
@@ -51,14 +51,14 @@ function chatRow(api, item, signal) {
   const link = h(
     "a",
     { href: `#/chat/${encodeURIComponent(item.id)}`, class: "chat-link" },
-    item.title || "(untitled)",
+    item.title ? text(item.title) : "(untitled)",
   );
   return h(
     "tr",
     { class: "chat-row", dataset: { chatId: item.id } },
     h("td", {}, link),
     h("td", {}, stateBadge(api, item, signal)),
-    h("td", { class: "muted" }, when(item.updated_at)),
+    h("td", { class: "muted" }, when(item.created_at)),
   );
 }
 
@@ -88,13 +88,14 @@ export function renderChats(root, ctx) {
   more.addEventListener("click", load);
   const start = h("button", { type: "button", class: "new-chat" }, "New chat");
   start.addEventListener("click", () => ctx.navigate("#/chat"));
-  const head = h("tr", {}, h("th", {}, "Chat"), h("th", {}, "State"), h("th", {}, "Updated"));
+  // the list is ordered by when each chat was created (newest first): the column shows that
+  const head = h("tr", {}, h("th", {}, "Chat"), h("th", {}, "State"), h("th", {}, "Started"));
   root.append(
     h("div", { class: "row page-head" }, h("h1", { class: "grow" }, "Chats"), start),
     h(
       "div",
       { class: "card" },
-      h("table", { class: "chats" }, h("thead", {}, head), rows),
+      h("div", { class: "table-wrap" }, h("table", { class: "chats" }, h("thead", {}, head), rows)),
       more,
       status,
     ),

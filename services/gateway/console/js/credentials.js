@@ -5,7 +5,8 @@
 // Secrets go from password inputs straight into the request body; the form is removed once saved,
 // and the API never sends a secret back (the list shows metadata only).
 
-import { h, notice, safeUrl } from "./dom.js";
+import { h, notice, safeUrl, text } from "./dom.js";
+import { isExpired } from "./questions.js";
 import {
   busy,
   confirmButton,
@@ -80,7 +81,7 @@ function credentialTable(ctx, page, status, reload) {
       confirmButton(label, question, async () => {
         try {
           await run();
-          status.replaceChildren(notice("ok", `${doneText}: ${named}`));
+          status.replaceChildren(notice("ok", `${doneText}: `, text(named)));
           reload();
         } catch (error) {
           status.replaceChildren(notice("error", describeError(error)));
@@ -90,8 +91,8 @@ function credentialTable(ctx, page, status, reload) {
     return h(
       "tr",
       { dataset: { credentialId: c.credential_id } },
-      h("td", {}, h("span", { class: "mono" }, c.integration_name)),
-      h("td", { class: "cred-name" }, c.display_name || h("span", { class: "muted" }, "(no name)")),
+      h("td", {}, h("span", { class: "mono" }, text(c.integration_name))),
+      h("td", { class: "cred-name" }, c.display_name ? text(c.display_name) : h("span", { class: "muted" }, "(no name)")),
       h("td", {}, authName(c.auth_type)),
       h(
         "td",
@@ -104,7 +105,12 @@ function credentialTable(ctx, page, status, reload) {
         meta.needs_reconnect ? h("span", { class: "badge failed" }, "needs reconnect") : null,
       ),
       h("td", {}, time(c.created_at)),
-      h("td", {}, time(c.expires_at)),
+      h(
+        "td",
+        {},
+        time(c.expires_at),
+        isExpired(c) ? [" ", h("span", { class: "badge expired" }, "expired")] : null,
+      ),
       h(
         "td",
         {},
@@ -150,6 +156,10 @@ function credentialForm(ctx, signal, preset, done) {
       if (preset && sorted.some((t) => t.name === preset)) {
         picker.value = preset;
         showSchemas(ctx, signal, preset, schemaBox, done);
+      } else if (preset) {
+        status.replaceChildren(
+          notice("error", "There is no integration named “", text(preset), "” here: choose one above."),
+        );
       }
     })
     .catch((error) => {

@@ -79,7 +79,19 @@ export function jsonCard(summary, value, props = {}) {
   return h("details", { class: "json", ...props }, h("summary", {}, summary), h("pre", {}, pretty(value)));
 }
 
-/** A notice line: kind is "error", "info" or "ok". */
-export function notice(kind, text) {
-  return h("p", { class: `notice ${kind}`, role: kind === "error" ? "alert" : "status" }, text);
+/** `value` (a string from the API: a name, a title, a message) in a <bdi> of its own, so that
+ * right-to-left text or a bidirectional override (U+202E) in it cannot reorder the console's
+ * words around it. */
+export function text(value) {
+  return h("bdi", { class: "data" }, String(value ?? ""));
+}
+
+/** A notice line: kind is "error", "info" or "ok"; `parts` are strings or nodes. */
+export function notice(kind, ...parts) {
+  return h("p", { class: `notice ${kind}`, role: kind === "error" ? "alert" : "status" }, ...parts);
+}
+
+/** Count of `n` `word`s in English: "1 integration", "2 integrations". */
+export function plural(n, word, many = `${word}s`) {
+  return `${Number(n).toLocaleString()} ${n === 1 ? word : many}`;
 }

@@ -4,7 +4,7 @@
 // that the matching `tool` message fills with its output; a summary is marked (and guidance,
 // should a system message carry it). Older pages (next_page_token) load on demand.
 
-import { h, notice, pretty, when } from "./dom.js";
+import { h, notice, pretty, text, when } from "./dom.js";
 import { toolCard } from "./run.js";
 
 const ENDED_BADGES = { failed: "failed", cancelled: "cancelled", expired: "expired" };
@@ -32,13 +32,41 @@ function userMessage(m) {
   return block("user", who, m.content);
 }
 
-/** Elements for `messages`; `cards` maps tool_call_id -> card across a page. */
-function messageElements(messages, cards) {
+/** A failed run's reason, which no stored message holds (GET chat and status give only
+ * "failed"): the `error` frame of the run's stream, replayed from frame 0, under its message. */
+function failureReason(view, runId) {
+  const line = h("p", { class: "notice error run-error" }, h("strong", {}, "Error: "), "…");
+  (async () => {
+    let message = null;
+    try {
+      const frames = view.api.listen(view.chatId, runId, { signal: view.controller.signal });
+      for await (const frame of frames) {
+        const event = frame.event || {};
+        if (event.type === "error" && event.data && event.data.message != null) {
+          message = String(event.data.message);
+        }
+      }
+    } catch {
+      message = null; // the stream is gone (or the view): say only that the run failed
+    }
+    line.replaceChildren(h("strong", {}, "Error: "), message ? text(message) : "the run failed (no reason kept)");
+  })();
+  return line;
+}
+
+/** Elements for `messages`; `cards` maps tool_call_id -> card across a page. A failed run with
+ * no message of its own in the page (a provider's error, a crash) gets its reason when `view`
+ * is given. */
+function messageElements(messages, cards, view = null) {
   const out = [];
+  const runsWithReplies = new Set(messages.filter((m) => m.role !== "user").map((m) => m.run_id));
   for (const m of messages) {
     const thinking = m.thinking && typeof m.thinking === "object" ? m.thinking : {};
     if (m.role === "user") {
       out.push(userMessage(m));
+      if (view && m.running_status === "failed" && m.run_id && !runsWithReplies.has(m.run_id)) {
+        out.push(failureReason(view, m.run_id));
+      }
     } else if (m.role === "assistant") {
       if (m.content) out.push(block("assistant", "Assistant", m.content, "text answer"));
       for (const call of Array.isArray(thinking.tool_calls) ? thinking.tool_calls : []) {
@@ -92,7 +120,7 @@ function kept(messages, attached) {
  * shows (`kept`). */
 export function renderHistory(view, chat, attached) {
   const messages = kept(chat.messages || [], attached);
-  view.history.replaceChildren(...messageElements(messages, new Map()));
+  view.history.replaceChildren(...messageElements(messages, new Map(), view));
   if (!messages.length && !attached) {
     view.history.append(h("p", { class: "muted" }, "No messages yet."));
   }
@@ -110,7 +138,7 @@ function olderButton(view, token, attached) {
       const path = `/assistant/chat/${encodeURIComponent(view.chatId)}`;
       const page = await view.api.get(path, { page_token: token }, view.controller.signal);
       const messages = kept(page.messages || [], attached);
-      view.history.prepend(...messageElements(messages, new Map()));
+      view.history.prepend(...messageElements(messages, new Map(), view));
       olderButton(view, page.next_page_token, attached);
     } catch (error) {
       const why = error.status || "network";

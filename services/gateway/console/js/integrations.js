@@ -2,7 +2,7 @@
 // credential stored, or none needed) first, then a searchable, paged browse of the whole catalogue.
 // Each opens to its actions (description, credit cost, effects), models and auth types.
 
-import { h } from "./dom.js";
+import { h, plural, text } from "./dom.js";
 import { fill, header, table, viewSignal } from "./kit.js";
 
 const PAGE_SIZE = 20;
@@ -116,7 +116,7 @@ function pagerButtons(found, go) {
   const next = button("Next →", !found.has_more);
   prev.addEventListener("click", () => go(found.page - 1));
   next.addEventListener("click", () => go(found.page + 1));
-  const where = h("span", { class: "muted" }, `Page ${found.page} of ${last} · ${found.total} integrations`);
+  const where = h("span", { class: "muted" }, `Page ${found.page} of ${last} · ${plural(found.total, "integration")}`);
   return [prev, where, next];
 }
 
@@ -129,14 +129,14 @@ function item(ctx, i, signal) {
     h(
       "summary",
       {},
-      h("strong", {}, i.display_name || i.name),
+      h("strong", {}, text(i.display_name || i.name)),
       " ",
       h("span", { class: "mono muted" }, i.name),
       " ",
       h("span", { class: `badge ${i.status === "connected" ? "ok" : ""}` }, i.status),
       " ",
       h("span", { class: "badge" }, TYPE_NAMES[i.integration_type] || i.integration_type),
-      i.description ? h("div", { class: "muted summary-text" }, i.description) : null,
+      i.description ? h("div", { class: "muted summary-text" }, text(i.description)) : null,
     ),
     body,
   );

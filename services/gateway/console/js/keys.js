@@ -3,7 +3,7 @@
 //
 // The new key lives only in the node that shows it: never stored, gone when the view is left.
 
-import { h, notice } from "./dom.js";
+import { h, notice, text } from "./dom.js";
 import {
   busy,
   confirmButton,
@@ -110,7 +110,7 @@ function shownOnce(created) {
   const box = h(
     "div",
     { class: "card key-once", role: "alert" },
-    h("h2", {}, `Key “${created.name}” created`),
+    h("h2", {}, "Key “", text(created.name), "” created"),
     h("p", { class: "warn" }, "Copy it now: you will not see it again. It is stored only as a hash."),
     h("div", { class: "row" }, value, copy, hide),
     copied,
@@ -124,7 +124,7 @@ function keysTable(ctx, page, status, reload) {
     h(
       "tr",
       { dataset: { keyId: k.id }, class: k.is_active ? "" : "inactive" },
-      h("td", { class: "key-name" }, k.name),
+      h("td", { class: "key-name" }, text(k.name)),
       h("td", { class: "mono" }, k.masked_key || k.key_hint || ""),
       h("td", {}, time(k.created_at)),
       h("td", {}, time(k.expires_at)),
@@ -139,7 +139,7 @@ function keysTable(ctx, page, status, reload) {
           : confirmButton("Revoke", "Revoke this key? Requests with it stop at once.", async () => {
               try {
                 await ctx.api.delete(`/api-keys/${encodeURIComponent(k.id)}`);
-                status.replaceChildren(notice("ok", `Revoked ${k.name}.`));
+                status.replaceChildren(notice("ok", "Revoked ", text(k.name), "."));
                 reload();
               } catch (error) {
                 status.replaceChildren(notice("error", describe(error)));

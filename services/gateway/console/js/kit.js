@@ -62,10 +62,10 @@ export async function busy(button, status, action) {
   }
 }
 
-/** A table of `rows` (arrays of cells: strings or nodes) under `headings`; `empty` when none. */
+/** A table (in a sideways-scrolling wrapper) of `rows` (arrays of cells: strings or nodes) under `headings`; `empty` when none. */
 export function table(headings, rows, empty, props = {}) {
   if (!rows.length) return h("p", { class: "muted empty" }, empty);
-  return h(
+  return scroller(
     "table",
     props,
     h("thead", {}, h("tr", {}, headings.map((name) => h("th", { scope: "col" }, name)))),
@@ -75,6 +75,12 @@ export function table(headings, rows, empty, props = {}) {
       rows.map((row) => (row instanceof Node ? row : h("tr", {}, row.map((cell) => h("td", {}, cell))))),
     ),
   );
+}
+
+/** h(...args) inside a wrapper that scrolls sideways: a wide table scrolls within its card
+ * instead of widening the page (a phone's width). */
+export function scroller(...args) {
+  return h("div", { class: "table-wrap" }, h(...args));
 }
 
 /** A labelled control, with an optional hint line under it. */

@@ -5,7 +5,7 @@
 // listed, and the base's document and chunk counts come from the list of bases.
 
 import { ApiError } from "./api.js";
-import { h, notice } from "./dom.js";
+import { h, notice, plural, text } from "./dom.js";
 import { busy, field, fill, header, table, time, viewSignal } from "./kit.js";
 
 // The upload route's limit and the types it indexes (docs/credentials-and-mcp.md).
@@ -41,8 +41,8 @@ function basesTable(bases) {
       h(
         "tr",
         { dataset: { knowledgeBaseId: kb.id } },
-        h("td", {}, h("a", { href: `#/knowledge/${encodeURIComponent(kb.id)}`, class: "kb-link" }, kb.name)),
-        h("td", { class: "muted" }, kb.description || ""),
+        h("td", {}, h("a", { href: `#/knowledge/${encodeURIComponent(kb.id)}`, class: "kb-link" }, text(kb.name))),
+        h("td", { class: "muted" }, text(kb.description || "")),
         h("td", {}, String(kb.document_count)),
         h("td", {}, String(kb.total_chunks)),
         h("td", {}, time(kb.created_at)),
@@ -94,8 +94,8 @@ function renderBase(root, ctx, id, signal) {
       },
       (kb) =>
         header(
-          kb.name,
-          kb.description,
+          text(kb.name),
+          kb.description ? text(kb.description) : null,
           h(
             "span",
             { class: "muted counts" },
@@ -140,7 +140,9 @@ function uploadCard(ctx, id, signal, uploadedOne) {
     const doc = await busy(send, status, () => ctx.api.request("POST", path, { form: data, signal }));
     if (!doc) return;
     form.reset();
-    status.replaceChildren(notice("ok", `Indexed ${doc.filename}: ${plural(doc.chunk_count, "chunk")}.`));
+    status.replaceChildren(
+      notice("ok", "Indexed ", text(doc.filename), `: ${plural(doc.chunk_count, "chunk")}.`),
+    );
     uploadedOne();
     uploaded.unshift(doc);
     list.replaceChildren(documentsTable(uploaded));
@@ -156,7 +158,7 @@ function documentsTable(docs) {
     table(
       ["File", "Type", "Size", "Status", "Chunks", "Uploaded"],
       docs.map((d) => [
-        d.filename,
+        text(d.filename),
         d.file_type,
         bytes(d.file_size_bytes),
         d.status,
@@ -205,7 +207,7 @@ function searchCard(ctx, id, signal) {
 }
 
 function matches(found) {
-  if (!found.matches.length) return h("p", { class: "muted empty" }, `Nothing matches “${found.query}”.`);
+  if (!found.matches.length) return h("p", { class: "muted empty" }, "Nothing matches “", text(found.query), "”.");
   return h(
     "ol",
     { class: "matches" },
@@ -216,7 +218,7 @@ function matches(found) {
         h(
           "div",
           { class: "row" },
-          h("strong", {}, m.document_filename),
+          h("strong", {}, text(m.document_filename)),
           h("span", { class: "muted" }, `chunk ${m.chunk_index}`),
           h(
             "span",
@@ -232,10 +234,6 @@ function matches(found) {
 
 function formatScore(score) {
   return typeof score === "number" ? String(Number(score.toPrecision(3))) : String(score);
-}
-
-function plural(n, word) {
-  return `${n} ${word}${n === 1 ? "" : "s"}`;
 }
 
 function bytes(n) {

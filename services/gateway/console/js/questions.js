@@ -6,7 +6,7 @@
 // (`detail`) is shown under the form, which stays open.
 
 import { ApiError } from "./api.js";
-import { h, notice, safeUrl } from "./dom.js";
+import { h, notice, plural, safeUrl, text } from "./dom.js";
 
 let formCount = 0;
 
@@ -17,9 +17,10 @@ function failure(error) {
     : "The gateway cannot be reached.";
 }
 
-/** A form for `request`; `onAnswered(started, summary)` gets the resume's answer
- * ({run_id, stream_url, ...}) and a one-line text of what was answered. */
-export function questionForm(api, chatId, request, onAnswered) {
+/** A form for `request`. hooks.onAnswered(started, summary) gets the resume's answer
+ * ({run_id, stream_url, ...}) and a one-line text of what was answered; hooks.onConflict() runs
+ * on a 409 (answered in another tab, or the run is no longer paused). */
+export function questionForm(api, chatId, request, { onAnswered, onConflict }) {
   const status = h("div", { class: "question-status" });
   const name = `q${(formCount += 1)}`;
   const kind = String(request.kind ?? "");
@@ -37,6 +38,10 @@ export function questionForm(api, chatId, request, onAnswered) {
       form.replaceChildren(h("p", { class: "muted" }, `Answered: ${summary}`));
       onAnswered(started, summary);
     } catch (error) {
+      if (error instanceof ApiError && error.status === 409 && onConflict) {
+        onConflict(error);
+        return;
+      }
       status.append(notice("error", `The answer was refused: ${failure(error)}`));
       enable(true);
     }
@@ -110,14 +115,15 @@ const BUILDERS = {
     const high = request.max_selections == null ? options.length : Number(request.max_selections);
     const boxes = options.map((o) => optionLabel("checkbox", name, o));
     form.append(h("div", { class: "options" }, boxes));
-    form.append(h("p", { class: "hint" }, `Pick ${low === high ? low : `${low} to ${high}`}.`));
+    const pick = low === high ? `Pick ${plural(low, "option")}.` : `Pick ${low} to ${high} options.`;
+    form.append(h("p", { class: "hint" }, pick));
     buttons.append(submitButton());
     form.addEventListener("submit", (event) => {
       event.preventDefault();
       const checked = form.querySelectorAll(`input[name="${name}"]:checked`);
       const values = [...checked].map((input) => input.value);
       if (values.length < low || values.length > high) {
-        status.replaceChildren(notice("error", `Pick between ${low} and ${high} options.`));
+        status.replaceChildren(notice("error", pick));
         return;
       }
       const summary = values.map((v) => labelOf(options, v)).join(", ") || "(none)";
@@ -137,21 +143,27 @@ const BUILDERS = {
   },
 
   free_text({ request, form, buttons, send, status }) {
+    // no maxlength: it counts UTF-16 units (an emoji is two), the server counts characters
     const props = {
       class: "free-text",
       placeholder: request.placeholder ? String(request.placeholder) : null,
-      maxlength: request.max_length ? String(request.max_length) : null,
     };
     const input = request.multiline
       ? h("textarea", { ...props, rows: "4" })
       : h("input", { type: "text", ...props });
     form.append(h("label", {}, "Your answer", input));
+    if (request.multiline) {
+      form.append(h("p", { class: "hint" }, "Ctrl+Enter (⌘+Enter) sends."));
+      input.addEventListener("keydown", (event) => {
+        if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) form.requestSubmit();
+      });
+    }
     buttons.append(submitButton());
     form.addEventListener("submit", (event) => {
       event.preventDefault();
-      const least = Math.max(Number(request.min_length) || 0, 1);
-      if ([...input.value.trim()].length < least) {
-        status.replaceChildren(notice("error", `Write at least ${least} characters.`));
+      const wrong = lengthProblem(input.value, request);
+      if (wrong) {
+        status.replaceChildren(notice("error", wrong));
         return;
       }
       send({ kind: "free_text", text: input.value }, input.value);
@@ -163,18 +175,38 @@ const BUILDERS = {
   },
 };
 
+/** Why free text `value` does not fit `request`'s min_length / max_length (counted in
+ * characters, as the server counts them: [...value]), or null. */
+function lengthProblem(value, request) {
+  const least = Math.max(Number(request.min_length) || 0, 1);
+  const most = Number(request.max_length) || 0;
+  if ([...value.trim()].length < least) return `Write at least ${plural(least, "character")}.`;
+  const length = [...value].length;
+  if (most && length > most) {
+    return `Write at most ${plural(most, "character")} (this answer has ${length.toLocaleString()}).`;
+  }
+  return null;
+}
+
 function unknownKind({ request, form }) {
   const text = `This question's kind (${String(request.kind)}) has no form here; you can skip it.`;
   form.append(notice("info", text));
   form.addEventListener("submit", (event) => event.preventDefault());
 }
 
-/** The organization's credentials of `integration` into `select` (GET /credentials). */
+/** Whether credential `c`'s `expires_at` has passed. */
+export function isExpired(c) {
+  const at = c && c.expires_at ? Date.parse(c.expires_at) : NaN;
+  return !Number.isNaN(at) && at <= Date.now();
+}
+
+/** The organization's credentials of `integration` (not expired) into `select` (GET /credentials). */
 async function loadCredentials(api, integration, select) {
   select.replaceChildren(h("option", { value: "" }, "loading…"));
   try {
     const page = await api.get("/credentials", { integration_name: integration, limit: 100 });
-    const items = (page && page.credentials) || [];
+    // an expired credential would fail the call: it is not offered
+    const items = ((page && page.credentials) || []).filter((c) => !isExpired(c));
     const first = items.length ? "Choose a credential" : "No credential of this integration yet";
     select.replaceChildren(
       h("option", { value: "" }, first),
@@ -200,20 +232,13 @@ function credentialForm({ api, request, form, buttons, send, status }) {
   const options = (Array.isArray(request.auth_options) ? request.auth_options : []).filter(
     (o) => o && typeof o === "object",
   );
-  form.append(h("p", { class: "hint" }, `Integration: ${display} (${integration})`));
-  for (const option of options.filter((o) => o.auth_type === "oauth2")) {
-    const connect = h("button", { type: "button", class: "connect" }, `Connect ${display}`);
-    connect.addEventListener("click", () => startOAuth(api, integration, status));
-    const label = h("span", { class: "muted" }, String(option.display_name || "OAuth2"));
-    form.append(h("div", { class: "row" }, connect, label));
-  }
-  const others = options
-    .filter((o) => o.auth_type !== "oauth2")
-    .map((o) => String(o.display_name || o.auth_type));
-  if (others.length) {
-    const link = h("a", { href: "#/credentials" }, "Credentials");
-    const text = `Also accepted: ${others.join(", ")}: add one under `;
-    form.append(h("p", { class: "hint" }, text, link, ", then pick it below."));
+  form.append(h("p", { class: "hint" }, "Integration: ", text(display), " (", text(integration), ")"));
+  const ways = h("div", { class: "credential-ways" });
+  form.append(ways);
+  if (options.some((o) => o.auth_type === "oauth2")) {
+    connectOrAdd(api, integration, display, ways, status);
+  } else {
+    ways.append(addLink(integration, options));
   }
   const select = h("select", { class: "credential-choice" });
   const refresh = h("button", { type: "button", class: "secondary" }, "Refresh");
@@ -233,6 +258,36 @@ function credentialForm({ api, request, form, buttons, send, status }) {
     send(answer, `credential ${chosen ? chosen.textContent : select.value}`);
   });
   loadCredentials(api, integration, select);
+}
+
+/** "Add a credential" (the Credentials panel's form on `integration`), naming the accepted types. */
+function addLink(integration, options) {
+  const names = options.filter((o) => o.auth_type !== "oauth2").map((o) => o.display_name || o.auth_type);
+  const link = h("a", { href: `#/credentials/${encodeURIComponent(integration)}`, class: "add-credential" }, "Add a credential");
+  const accepted = names.length ? [" (", text(names.join(", ")), ")"] : [];
+  return h("p", { class: "hint" }, link, accepted, ", then pick it below with Refresh.");
+}
+
+/** "Connect" when this deployment can connect `integration` by OAuth2 (its auth schema's
+ * supports_modulex_oauth, as the Credentials panel decides), else "Add a credential". */
+async function connectOrAdd(api, integration, display, box, status) {
+  let detail = null;
+  try {
+    detail = await api.get(`/integrations/tools/${encodeURIComponent(integration)}`);
+  } catch {
+    detail = null; // unknown here: offer the panel, which says what it can
+  }
+  const schemas = (detail && Array.isArray(detail.auth_schemas) && detail.auth_schemas) || [];
+  const oauth = schemas.find((s) => s.auth_type === "oauth2" && s.supports_modulex_oauth);
+  if (!oauth) {
+    box.append(addLink(integration, schemas));
+    return;
+  }
+  const connect = h("button", { type: "button", class: "connect" }, `Connect ${display}`);
+  connect.addEventListener("click", () => startOAuth(api, integration, status));
+  const label = h("span", { class: "muted" }, text(oauth.display_name || "OAuth2"));
+  box.append(h("div", { class: "row" }, connect, label));
+  if (schemas.some((s) => s.auth_type !== "oauth2")) box.append(addLink(integration, schemas));
 }
 
 /** Start the OAuth2 flow and open the provider's authorization page in a new window. */

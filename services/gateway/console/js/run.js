@@ -7,7 +7,7 @@
 // is followed by the end of the stream; that one is neither counted nor shown as a failure.
 
 import { ApiError } from "./api.js";
-import { h, notice, pretty, when } from "./dom.js";
+import { h, notice, pretty, text, when } from "./dom.js";
 
 const BACKOFF_MS = [300, 1000, 2000, 4000];
 // reconnections in a row that bring no frame before the run's stream counts as lost
@@ -61,9 +61,13 @@ export function toolCard(name, input) {
     state.className = failed ? "badge failed" : "badge ok";
     state.textContent = failed ? "failed" : "ok";
   };
-  card.setPending = (text) => {
-    state.className = "badge awaiting";
-    state.textContent = text;
+  card.setPending = (words, cls = "awaiting") => {
+    state.className = `badge ${cls}`;
+    state.textContent = words;
+  };
+  card.setAnswer = (summary) => {
+    card.setPending("answered", "ok");
+    output.textContent = `Answered: ${summary}`;
   };
   return card;
 }
@@ -125,6 +129,30 @@ export class RunView {
 
   stop() {
     this.controller.abort();
+  }
+
+  /** The cards still waiting (running, or waiting for an answer), each given `change(card)`. */
+  eachOpenCard(change) {
+    for (const card of this.cards.values()) {
+      if (card.querySelector(".badge.running, .badge.awaiting")) change(card);
+    }
+  }
+
+  /** The paused run's question was answered (`summary`, here or elsewhere): the run stops
+   * watching and says so, its question's card holds the answer. */
+  answered(summary) {
+    this.stop();
+    this.eachOpenCard((card) => card.setAnswer(summary));
+    this.setStatus("ok", "answered");
+  }
+
+  /** The paused run was cancelled from this page (its stream has ended: no `cancelled` frame
+   * comes to us): the notice goes into the run, as a streamed one would. */
+  cancelledWhilePaused() {
+    this.stop();
+    this.eachOpenCard((card) => card.setPending("cancelled", "failed"));
+    this.body.append(h("p", { class: "notice info cancelled" }, "Cancelled (the question was withdrawn)."));
+    this.setStatus("failed", "cancelled");
   }
 
   /** Read the stream to its end, reconnecting with ?after=N when it drops. */
@@ -213,6 +241,7 @@ export class RunView {
 
   finish(kind) {
     this.ended = kind;
+    if (kind === "lost") this.eachOpenCard((card) => card.setPending("unknown (stream lost)", "failed"));
     const [cls, text] = END_BADGES[kind] || ["", kind];
     this.setStatus(cls, text);
     if (this.hooks.onEnd) this.hooks.onEnd(kind, this);
@@ -239,11 +268,12 @@ export class RunView {
     }
   }
 
-  /** A marked line in the run, e.g. guidance or an error: `label` in bold, then `text`. */
-  marked(kind, label, text) {
+  /** A marked line in the run, e.g. guidance or an error: `label` in bold, then `words` (the
+   * API's, in a bidirectional island). */
+  marked(kind, label, words) {
     this.text = null;
     return this.body.appendChild(
-      h("p", { class: `notice ${kind}` }, h("strong", {}, `${label}: `), String(text ?? "")),
+      h("p", { class: `notice ${kind}` }, h("strong", {}, `${label}: `), text(words)),
     );
   }
 }

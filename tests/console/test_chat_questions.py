@@ -245,3 +245,15 @@ async def test_a_resumed_run_opened_later_streams_once_under_its_answered_questi
         await expect(page.locator(".chat-state")).to_have_text("running")
         await client.post(f"/assistant/chat/{paused['chat_id']}/cancel")
         await expect(live.locator(".run-status")).to_have_text("cancelled")
+
+
+async def test_free_text_max_length_counts_without_surrounding_whitespace_as_the_server(console):
+    question = {"message": "Five at most?", "placeholder": "short", "max_length": 5}
+    page = await new_turn(
+        console, {"tool": "ask_user_free_text", "input": question}, {"say": "Noted."}
+    )
+    form = page.locator(".question-form[data-kind=free_text]")
+    await form.get_by_placeholder("short").fill("  👍👍👍👍👍  \n")
+    await form.locator(".answer-button").click()
+    await resumed_answer(page, "Noted.")
+    assert (await answer_of(console, page))["text"].strip() == "👍👍👍👍👍"

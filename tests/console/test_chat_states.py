@@ -30,6 +30,7 @@ async def test_an_answered_question_leaves_its_paused_run_answered(console: Cons
     await expect(paused.locator(".run-status")).to_have_text("answered")
     await expect(paused.locator(".tool-card .badge")).to_have_text("answered")
     await expect(paused.locator(".tool-card .tool-output")).to_have_text("Answered: Blue")
+    await expect(paused).not_to_contain_text("The run paused for your answer.")
     await expect(page.locator(".live .run").nth(1).locator(".answer")).to_have_text("Blue!")
     await expect(page.locator(".composer-input")).to_be_focused()
 

@@ -76,6 +76,16 @@ async def test_credential_named_with_markup_is_shown_as_text_and_runs_nothing(
     assert dialogs == []
 
 
+async def test_a_saved_notice_isolates_the_name_so_its_direction_controls_stay_inside(
+    console: Console,
+) -> None:
+    await console.open("#/credentials")
+    await add_github_token(console, "\u202eevil")
+    notice = console.page.locator(".notice.ok", has_text="Saved")
+    # U+2068 ... U+2069 (first strong isolate ... pop directional isolate) around the name
+    await expect(notice).to_have_text("Saved \u2068\u202eevil\u2069 (Bearer token).")
+
+
 async def test_second_credential_can_be_made_the_default(console: Console) -> None:
     page = console.page
     await console.open("#/credentials")

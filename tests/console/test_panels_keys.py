@@ -68,3 +68,18 @@ async def test_key_with_bad_rate_limit_shows_the_400(console: Console) -> None:
     await page.fill("input[name=rate_limit]", "999999999")
     await page.click("#key-create button[type=submit]")
     await expect(page.locator(".notice.error")).to_contain_text("400")
+
+
+async def test_revoking_the_key_this_tab_signed_in_with_warns_first(console: Console) -> None:
+    page = console.page
+    await console.open("#/keys")
+    await create_key(console, "other")
+    rows = page.locator("table tr[data-key-id]")
+    await expect(rows).to_have_count(2)
+    for index in range(2):
+        row = rows.nth(index)
+        await row.get_by_role("button", name="Revoke").click()
+        mine = "other" not in (await row.inner_text())
+        warning = row.get_by_text("This is the key this console is signed in with")
+        await expect(warning).to_have_count(1 if mine else 0)
+        await row.get_by_role("button", name="Cancel").click()

@@ -5,7 +5,7 @@
 // Secrets go from password inputs straight into the request body; the form is removed once saved,
 // and the API never sends a secret back (the list shows metadata only).
 
-import { h, notice, safeUrl, text } from "./dom.js";
+import { h, isolate, notice, safeUrl, text } from "./dom.js";
 import { isExpired } from "./questions.js";
 import {
   busy,
@@ -151,7 +151,7 @@ function credentialForm(ctx, signal, preset, done) {
       const sorted = [...tools].sort((a, b) => label(a).localeCompare(label(b)));
       picker.replaceChildren(
         h("option", { value: "" }, "Choose an integration…"),
-        ...sorted.map((t) => h("option", { value: t.name }, `${t.display_name || t.name} (${t.name})`)),
+        ...sorted.map((t) => h("option", { value: t.name }, `${isolate(t.display_name || t.name)} (${isolate(t.name)})`)),
       );
       if (preset && sorted.some((t) => t.name === preset)) {
         picker.value = preset;
@@ -182,14 +182,14 @@ function showSchemas(ctx, signal, name, box, done) {
     (detail) => {
       const schemas = detail.auth_schemas || [];
       if (!schemas.length) {
-        return notice("info", `${detail.display_name || name} needs no credential: it is ready to use.`);
+        return notice("info", `${isolate(detail.display_name || name)} needs no credential: it is ready to use.`);
       }
       const fieldsBox = h("div");
       const choice = h(
         "select",
         { name: "auth_type" },
         schemas.map((s, i) =>
-          h("option", { value: String(i) }, `${s.display_name || s.auth_type} (${authName(s.auth_type)})`),
+          h("option", { value: String(i) }, `${isolate(s.display_name || s.auth_type)} (${authName(s.auth_type)})`),
         ),
       );
       const pick = () =>
@@ -254,7 +254,7 @@ function schemaFields(ctx, detail, schema, done) {
     const saved = await busy(save, status, () => ctx.api.post("/credentials", body));
     if (!saved) return; // refused: the fields stay for a correction
     for (const i of inputs) i.input.value = ""; // saved: the secret leaves the page
-    done(`Saved ${saved.display_name || saved.integration_name} (${authName(saved.auth_type)}).`);
+    done(`Saved ${isolate(saved.display_name || saved.integration_name)} (${authName(saved.auth_type)}).`);
   });
   return h(
     "div",
@@ -305,7 +305,7 @@ function oauthConnect(ctx, detail, common, status) {
   const connect = h(
     "button",
     { type: "button", class: "connect" },
-    `Connect ${detail.display_name || detail.name}`,
+    `Connect ${isolate(detail.display_name || detail.name)}`,
   );
   connect.addEventListener("click", async () => {
     const { display_name, make_default } = common.values();
@@ -374,7 +374,7 @@ function mcpForm(ctx, signal, done) {
     const found = created.discovery_error
       ? `registered, but its tools could not be listed: ${created.discovery_error}`
       : `${created.total_tools} tools found`;
-    done(`MCP server ${created.integration_name}: ${found}.`);
+    done(`MCP server ${isolate(created.integration_name)}: ${found}.`);
   });
   return form;
 }

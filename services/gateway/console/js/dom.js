@@ -86,6 +86,17 @@ export function text(value) {
   return h("bdi", { class: "data" }, String(value ?? ""));
 }
 
+// The explicit directional formatting characters (embeddings, overrides, isolates, marks).
+const BIDI_CONTROLS = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/;
+
+/** `value`, between FIRST STRONG ISOLATE and POP DIRECTIONAL ISOLATE when it holds directional
+ * controls: data set inside a string of the console's own where a <bdi> cannot go (an <option>, a
+ * button, a notice's sentence), so that a U+202E in it cannot reorder the words around it. */
+export function isolate(value) {
+  const text = String(value ?? "");
+  return BIDI_CONTROLS.test(text) ? `\u2068${text}\u2069` : text;
+}
+
 /** A notice line: kind is "error", "info" or "ok"; `parts` are strings or nodes. */
 export function notice(kind, ...parts) {
   return h("p", { class: `notice ${kind}`, role: kind === "error" ? "alert" : "status" }, ...parts);

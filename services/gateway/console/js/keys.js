@@ -17,6 +17,15 @@ import {
   viewSignal,
 } from "./kit.js";
 
+/** The confirmation of a revoke; it warns when `key` is the one this tab is signed in with (its
+ * listed prefix starts the session's key: the console never holds a key's id). */
+function revokeQuestion(ctx, key) {
+  const mine = Boolean(key.key_hint) && ctx.api.apiKey.startsWith(key.key_hint);
+  return mine
+    ? "This is the key this console is signed in with: revoking it signs you out. Revoke it?"
+    : "Revoke this key? Requests with it stop at once.";
+}
+
 export function renderKeys(root, ctx) {
   const { signal, cleanup } = viewSignal();
   const status = h("div", { class: "status", "aria-live": "polite" });
@@ -136,7 +145,7 @@ function keysTable(ctx, page, status, reload) {
         {},
         k.revoked_at
           ? null
-          : confirmButton("Revoke", "Revoke this key? Requests with it stop at once.", async () => {
+          : confirmButton("Revoke", revokeQuestion(ctx, k), async () => {
               try {
                 await ctx.api.delete(`/api-keys/${encodeURIComponent(k.id)}`);
                 status.replaceChildren(notice("ok", "Revoked ", text(k.name), "."));

@@ -5,7 +5,7 @@
 // listed, and the base's document and chunk counts come from the list of bases.
 
 import { ApiError } from "./api.js";
-import { h, notice, plural, text } from "./dom.js";
+import { h, isolate, notice, plural, text } from "./dom.js";
 import { busy, field, fill, header, table, time, viewSignal } from "./kit.js";
 
 // The upload route's limit and the types it indexes (docs/credentials-and-mcp.md).
@@ -131,7 +131,7 @@ function uploadCard(ctx, id, signal, uploadedOne) {
     const chosen = file.files[0];
     if (!chosen) return;
     if (chosen.size > MAX_UPLOAD_BYTES) {
-      status.replaceChildren(notice("error", `${chosen.name} is over 10 MiB: the server refuses it (413).`));
+      status.replaceChildren(notice("error", `${isolate(chosen.name)} is over 10 MiB: the server refuses it (413).`));
       return;
     }
     const data = new FormData();

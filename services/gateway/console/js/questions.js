@@ -6,7 +6,7 @@
 // (`detail`) is shown under the form, which stays open.
 
 import { ApiError } from "./api.js";
-import { h, notice, plural, safeUrl, text } from "./dom.js";
+import { h, isolate, notice, plural, safeUrl, text } from "./dom.js";
 
 let formCount = 0;
 
@@ -181,7 +181,7 @@ function lengthProblem(value, request) {
   const least = Math.max(Number(request.min_length) || 0, 1);
   const most = Number(request.max_length) || 0;
   if ([...value.trim()].length < least) return `Write at least ${plural(least, "character")}.`;
-  const length = [...value].length;
+  const length = [...value.trim()].length; // the server counts without surrounding whitespace
   if (most && length > most) {
     return `Write at most ${plural(most, "character")} (this answer has ${length.toLocaleString()}).`;
   }
@@ -214,7 +214,7 @@ async function loadCredentials(api, integration, select) {
         h(
           "option",
           { value: String(c.credential_id) },
-          `${c.display_name || c.credential_id} (${c.auth_type})`,
+          `${isolate(c.display_name || c.credential_id)} (${isolate(c.auth_type)})`,
         ),
       ),
     );

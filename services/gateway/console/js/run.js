@@ -144,6 +144,7 @@ export class RunView {
     this.stop();
     this.eachOpenCard((card) => card.setAnswer(summary));
     this.setStatus("ok", "answered");
+    for (const note of this.body.querySelectorAll(".paused-note")) note.textContent = "Answered.";
   }
 
   /** The paused run was cancelled from this page (its stream has ended: no `cancelled` frame
@@ -313,7 +314,7 @@ const RENDER = {
     if (this.hooks.onQuestion) this.hooks.onQuestion(data, this);
   },
   interrupted() {
-    this.body.append(h("p", { class: "muted" }, "The run paused for your answer."));
+    this.body.append(h("p", { class: "muted paused-note" }, "The run paused for your answer."));
     this.finish("interrupted");
     if (this.question && this.question.kind === "credential_request") this.watchForResume();
   },

@@ -90,25 +90,7 @@ class GatewayServer:
             self.tools_channel,
             self.billing_channel,
         )
-        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
-        # and without it every keep-alive response waits ~40 ms for the client's delayed ACK
-        # (Nagle; docs/performance.md). The listener's option is inherited by accepted sockets.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        tune_listener(
-            sock, settings
-        )  # TCP keepalive and TCP_USER_TIMEOUT, inherited too (docs/security.md)
-        try:
-            sock.bind((settings.http_host, settings.http_port))
-        except OSError as error:  # one line and exit 2 (runner.run), like the gRPC port's
-            sock.close()
-            raise PortUnavailable(
-                f"cannot bind the HTTP port {settings.http_host}:{settings.http_port}:"
-                f" {error.strerror}"
-            ) from None
-        sock.listen(2048)
-        sock.setblocking(False)
+        sock = http_listener(settings)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             traced(self.app),  # HTTP server spans when tracing is on (http_tracing.py)
@@ -154,3 +136,26 @@ class GatewayServer:
         await self.tools_channel.close()
         await self.billing_channel.close()
         await self.engine.dispose()
+
+
+def http_listener(settings: GatewaySettings) -> socket.socket:
+    """The HTTP listening socket, bound to LOOPLINE_HTTP_HOST:PORT and listening, non-blocking;
+    PortUnavailable (one line, exit 2) when the port cannot be bound."""
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+    # and without it every keep-alive response waits ~40 ms for the client's delayed ACK
+    # (Nagle; docs/performance.md). The listener's option is inherited by accepted sockets.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # TCP keepalive and TCP_USER_TIMEOUT, inherited too (docs/security.md)
+    tune_listener(sock, settings)
+    try:
+        sock.bind((settings.http_host, settings.http_port))
+    except OSError as error:  # one line and exit 2 (runner.run), like the gRPC port's
+        sock.close()
+        raise PortUnavailable(
+            f"cannot bind the HTTP port {settings.http_host}:{settings.http_port}: {error.strerror}"
+        ) from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock

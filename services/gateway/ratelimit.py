@@ -11,8 +11,8 @@ limits cover every route, credential reads, listings and wrong keys included:
   whole): past LOOPLINE_FAILED_AUTHS_PER_MINUTE (30) in a minute the client is answered 429 for
   every request, valid key or not, until that minute is over, without its key being looked up
   (so a client cannot try keys faster than that). A 403 (a valid key without the role, or bound
-  to another organization) is not counted: it guesses nothing, and counting it let one member's
-  key lock out every client behind the same address, owners included.
+  to another organization) is not counted: it guesses nothing, and counting it would let one
+  member's key lock out every client behind its address, owners included.
 
 A refusal is billing's rate denial as the client knows it (README "Errors"): the flat denial
 envelope `{code: "rate_limited", layer: "rate", key, current, limit, reason}` with 429,

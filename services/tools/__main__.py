@@ -6,6 +6,8 @@ Other sub-commands:
   `python -m services.tools rotate-credentials` encrypts every stored secret again with the first
   key of LOOPLINE_TOOLS_CREDENTIAL_KEY (after NEW,OLD is configured; then OLD can be dropped);
   a secret the first key already decrypts is skipped, so a second run rewrites nothing.
+  `python -m services.tools reembed [--knowledge-base ID ...] [--all]` embeds knowledge again
+  after its model changed (reembed.py) and prints JSON.
 """
 
 from __future__ import annotations
@@ -79,6 +81,40 @@ async def _rotate(settings: ToolsSettings, url: str) -> tuple[int, dict]:
     }
 
 
+async def reembed_command(settings: ToolsSettings, args: argparse.Namespace) -> tuple[int, dict]:
+    """`reembed`: (exit code, JSON document); the embedders read credentials as the service does."""
+    from services.tools.catalogue import Catalogue
+    from services.tools.credentials import CredentialStore
+    from services.tools.crypto import SecretBox
+    from services.tools.embedder_source import Embedders
+    from services.tools.knowledge import KnowledgeStore
+    from services.tools.knowledge_indexer import EmbeddingSpec
+    from services.tools.reembed import reembed
+
+    url = settings.database_url()
+    missing = db.missing_sqlite_file(url)
+    if missing is not None:
+        return 1, {"error": f"no tools database at {missing}"}
+    spec = None
+    if args.provider == "local":
+        spec = EmbeddingSpec()
+    elif args.provider == "openai":
+        if not (args.model and args.credential_id):
+            return 1, {"error": "--provider openai needs --model and --credential-id"}
+        spec = EmbeddingSpec(args.provider, args.model, args.dimensions, args.credential_id)
+    engine = db.make_engine(url, timeout_s=settings.db_timeout_s)
+    sessions = db.sessionmaker(engine)
+    credentials = CredentialStore(sessions, SecretBox(settings.credential_keys()), Catalogue([]))
+    embedders = Embedders(credentials, settings.embedding_openai_base_url, settings.tools_timeout_s)
+    store = KnowledgeStore(engine, sessions, embedders)
+    try:
+        document = await reembed(store, sessions, args.knowledge_base, args.all, spec)
+    finally:
+        await store.close()
+        await engine.dispose()
+    return (1 if "error" in document or document["failed"] else 0), document
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen command; returns the exit code."""
     parser = argparse.ArgumentParser(
@@ -92,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         "rotate-credentials",
         help="encrypt every stored secret again with the first configured key (prints JSON)",
     )
+    again = sub.add_parser(
+        "reembed", help="embed knowledge again after its model changed (prints JSON)"
+    )
+    again.add_argument("--knowledge-base", action="append", default=[], metavar="ID")
+    again.add_argument("--all", action="store_true", help="drop every vector first")
+    again.add_argument(
+        "--provider", choices=["local", "openai"], help="switch the knowledge bases to this model"
+    )
+    again.add_argument("--model", default="", help="the openai model's name")
+    again.add_argument("--dimensions", type=int, default=0)
+    again.add_argument("--credential-id", default="")
     args = parser.parse_args(argv)
     settings = ToolsSettings()
     if args.command == "migrate":
@@ -110,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "rotate-credentials":
         code, document = asyncio.run(rotate_credentials(settings))
+        print(json.dumps(document))
+        return code
+
+    if args.command == "reembed":
+        code, document = asyncio.run(reembed_command(settings, args))
         print(json.dumps(document))
         return code
 

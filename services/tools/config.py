@@ -92,6 +92,9 @@ class ToolsSettings(CommonSettings):
         tools_integration_costs: credit costs of catalogue actions in millicredits, a JSON object
             {"github.create_issue": 500, "github": 300, "*": 200} (most specific first;
             LOOPLINE_TOOLS_INTEGRATION_COSTS, default: 200 each).
+        embedding_openai_base_url: the OpenAI-compatible embeddings API that knowledge bases
+            with embedding provider "openai" use, with their organization's key
+            (LOOPLINE_EMBEDDING_OPENAI_BASE_URL).
     """
 
     tools_port: int = Field(default=50053, ge=0, le=MAX_PORT)
@@ -112,6 +115,7 @@ class ToolsSettings(CommonSettings):
     tools_integration_worker_memory_mb: int = Field(default=2048, ge=0)
     tools_integration_hosts: str = ""
     tools_integration_costs: str = ""
+    embedding_openai_base_url: str = "https://api.openai.com/v1"
 
     def integrations_python(self) -> str:
         """The absolute path of `tools_integrations_python`, or "" when the catalogue is off."""

@@ -1,10 +1,10 @@
-"""Knowledge bases: documents cut into chunks and ranked with full-text search.
+"""Knowledge bases: documents cut into chunks, indexed for keywords and meaning, and searched.
 
-Documents are chunked and indexed; search ranks with
-SQLite FTS5 BM25 on the embedded default (PostgreSQL full-text search, `ts_rank_cd`
-over `to_tsvector('english', ...)`, when the database is PostgreSQL) and returns
-chunks with document, score and content. Every query is scoped by organization: no
-organization ever sees another's documents.
+A document is cut by its structure (chunking.py) and its chunks are written with their
+full-text index (SQLite FTS5, or PostgreSQL text search) in one transaction, so keyword search
+finds them as soon as the upload answers; the indexer (knowledge_indexer.py) then embeds them
+in the background. Search (knowledge_search.py) ranks by keywords, meaning, or both. Every
+query is scoped by organization: no organization ever sees another's documents.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import grpc
 from sqlalchemy import Table, func, insert, select, text
@@ -21,47 +20,34 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from services.common.errors import TOOLS_DOMAIN, RpcError
 from services.common.ids import is_row_id
+from services.tools.chunking import CHUNK_CHARS, OVERLAP_CHARS, chunk_text
+from services.tools.embedder_source import local_only
+from services.tools.knowledge_indexer import (
+    EmbedderFor,
+    EmbeddingSpec,
+    Indexer,
+)
+from services.tools.knowledge_search import MODES, KnowledgeSearch, SearchHit
 from services.tools.models import KnowledgeBase, KnowledgeChunk, KnowledgeDocument, new_id, utcnow
+from services.tools.vectors import VectorIndex
+
+__all__ = [
+    "CHUNK_CHARS",
+    "OVERLAP_CHARS",
+    "EmbeddingSpec",
+    "KnowledgeStore",
+    "SearchHit",
+    "chunk_text",
+]
+PROVIDERS = ("local", "openai")
 
 log = logging.getLogger(__name__)
 
-CHUNK_CHARS = 1000
 TOKEN_WINDOW = 64 * 1024  # characters counted per regular expression call (count_tokens)
 INSERT_PAGE = 1000  # chunk rows per executemany (add_document)
+MAX_LIST = 500  # documents per page of list_documents
 _TOKEN = re.compile(r"\w+", re.UNICODE)
 _NON_WORD = re.compile(r"\W", re.UNICODE)
-_SPACES = re.compile(r"\s*", re.UNICODE)
-
-
-def chunk_text(content: str, size: int = CHUNK_CHARS) -> list[str]:
-    """Cut `content` into chunks of at most `size` characters, on paragraph, then word, boundaries.
-
-    Consecutive short paragraphs share a chunk; a paragraph longer than `size` is cut
-    between words (a single word longer than `size` is cut where it must be). Linear in
-    the length of `content`: a long paragraph is walked with an offset, never re-sliced.
-    """
-    pieces: list[str] = []
-    for paragraph in re.split(r"\n\s*\n", content):
-        paragraph = paragraph.strip()
-        if not paragraph:
-            continue
-        start, end = 0, len(paragraph)
-        while end - start > size:
-            cut = paragraph.rfind(" ", start, start + size)
-            cut = cut if cut - start > size // 2 else start + size
-            pieces.append(paragraph[start:cut].strip())
-            spaces = _SPACES.match(paragraph, cut)
-            assert spaces is not None  # r"\s*" matches at any position
-            start = spaces.end()  # what str.strip() drops (same whitespace)
-        if start < end:
-            pieces.append(paragraph[start:])
-    chunks: list[str] = []
-    for piece in pieces:
-        if chunks and len(chunks[-1]) + 2 + len(piece) <= size:
-            chunks[-1] = f"{chunks[-1]}\n\n{piece}"
-        else:
-            chunks.append(piece)
-    return chunks
 
 
 def count_tokens(content: str) -> int:
@@ -86,15 +72,6 @@ def _prepare(content: str) -> tuple[list[str], int, int]:
     return chunk_text(content), count_tokens(content), len(content.encode())
 
 
-def query_terms(query: str) -> list[str]:
-    """The word tokens of a query (lower case, deduplicated, at most 32)."""
-    seen: list[str] = []
-    for token in _TOKEN.findall(query.lower()):
-        if token not in seen:
-            seen.append(token)
-    return seen[:32]
-
-
 def _base_not_found(knowledge_base_id: str) -> RpcError:
     return RpcError(
         grpc.StatusCode.NOT_FOUND,
@@ -105,51 +82,65 @@ def _base_not_found(knowledge_base_id: str) -> RpcError:
     )
 
 
-@dataclass(frozen=True)
-class SearchHit:
-    """One ranked chunk; `score` is higher for better matches (negated BM25 on SQLite)."""
-
-    knowledge_base_id: str
-    document_id: str
-    document_name: str
-    chunk_id: str
-    chunk_index: int
-    content: str
-    score: float
-
-    def to_json(self) -> dict[str, Any]:
-        """The shape search_knowledge returns for one result."""
-        return {
-            "knowledge_base_id": self.knowledge_base_id,
-            "document_id": self.document_id,
-            "document_name": self.document_name,
-            "chunk_id": self.chunk_id,
-            "chunk_index": self.chunk_index,
-            "content": self.content,
-            "score": round(self.score, 6),
-        }
-
-
 class KnowledgeStore:
-    """Knowledge bases, documents and chunks in the tools database.
+    """Knowledge bases, documents, chunks and their embeddings in the tools database.
 
     Args:
-        engine: the service's engine (its dialect picks FTS5 or PostgreSQL full-text search).
+        engine: the service's engine (its dialect picks FTS5 or PostgreSQL text search, and
+            sqlite-vec or pgvector).
         sessions: the service's session factory.
+        embedder_for: `(organization_id, spec) -> Embedder`: embedder_source.Embedders in the
+            service; by default the local model only.
     """
 
-    def __init__(self, engine: AsyncEngine, sessions: async_sessionmaker) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sessions: async_sessionmaker,
+        embedder_for: EmbedderFor = local_only,
+    ) -> None:
         self._dialect = engine.dialect.name
         self._sessions = sessions
+        self.vectors = VectorIndex(engine, sessions)
+        self.indexer = Indexer(sessions, self.vectors, embedder_for)
+        self._search = KnowledgeSearch(self._dialect, sessions, self.vectors, embedder_for)
+
+    async def close(self) -> None:
+        """Stop the indexer and close the vector readers."""
+        await self.indexer.stop()
+        self.vectors.close()
 
     async def create_base(
-        self, org_id: str, name: str, description: str = "", created_by: str = ""
+        self,
+        org_id: str,
+        name: str,
+        description: str = "",
+        created_by: str = "",
+        embedding: EmbeddingSpec | None = None,
     ) -> tuple[KnowledgeBase, int]:
-        """Create a knowledge base (`created_by`: the creating user's id, or ""); returns it and its
-        document count (0).
+        """Create a knowledge base (`created_by`: the creating user's id, or ""; `embedding`:
+        its model, the local one by default); returns it and its document count (0).
 
-        Raises RpcError INVALID_ARGUMENT when `org_id` or `name` is empty.
+        Raises RpcError INVALID_ARGUMENT when `org_id` or `name` is empty, or reason
+        INVALID_EMBEDDING_CONFIG for an unknown provider or an "openai" one without a model
+        and a credential (the servicer checks the credential is the organization's).
         """
+        spec = embedding or EmbeddingSpec()
+        if (
+            spec.provider not in PROVIDERS
+            or (spec.provider == "openai" and not (spec.model.strip() and spec.credential_id))
+            or len(spec.model) > 200
+            or not 0 <= spec.dimensions <= 16_000
+        ):
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_EMBEDDING_CONFIG",
+                "embedding provider must be 'local' or 'openai'; 'openai' needs a model (at most"
+                " 200 characters) and a credential_id",
+                domain=TOOLS_DOMAIN,
+            )
+        if spec.provider == "local":
+            spec = EmbeddingSpec()
         if not org_id or not name.strip():
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -164,6 +155,10 @@ class KnowledgeStore:
             description=description,
             created_by=created_by or None,
             created_at=utcnow(),
+            embedding_provider=spec.provider,
+            embedding_model=spec.model.strip(),
+            embedding_dimensions=spec.dimensions,
+            embedding_credential_id=spec.credential_id or None,
         )
         async with self._sessions() as session, session.begin():
             session.add(row)
@@ -173,11 +168,26 @@ class KnowledgeStore:
         """The organization's knowledge bases, newest first, each with its document count."""
         return [(base, totals[0]) for base, totals in await self.list_bases_with_totals(org_id)]
 
+    async def get_base(
+        self, org_id: str, knowledge_base_id: str
+    ) -> tuple[KnowledgeBase, tuple[int, int, int]]:
+        """One of the organization's knowledge bases with (documents, chunks, tokens).
+
+        Raises RpcError NOT_FOUND when it is absent or another organization's."""
+        if is_row_id(knowledge_base_id):
+            found = await self.list_bases_with_totals(org_id, knowledge_base_id)
+            if found:
+                return found[0]
+        raise _base_not_found(knowledge_base_id)
+
     async def list_bases_with_totals(
-        self, org_id: str
+        self, org_id: str, knowledge_base_id: str | None = None
     ) -> list[tuple[KnowledgeBase, tuple[int, int, int]]]:
-        """The organization's knowledge bases, newest first, each with (documents, chunks,
-        tokens)."""
+        """The organization's knowledge bases (or only `knowledge_base_id`), newest first, each
+        with (documents, chunks, tokens)."""
+        scope = [KnowledgeBase.org_id == org_id]
+        if knowledge_base_id is not None:
+            scope.append(KnowledgeBase.id == knowledge_base_id)
         async with self._sessions() as session:
             counts = (
                 select(
@@ -197,7 +207,7 @@ class KnowledgeStore:
                     func.coalesce(counts.c.tokens, 0),
                 )
                 .outerjoin(counts, counts.c.knowledge_base_id == KnowledgeBase.id)
-                .where(KnowledgeBase.org_id == org_id)
+                .where(*scope)
                 .order_by(KnowledgeBase.created_at.desc(), KnowledgeBase.id)
             )
             return [
@@ -279,7 +289,7 @@ class KnowledgeStore:
             org_id=org_id,
             name=name,
             content_type=content_type or "text/plain",
-            status="ready",
+            status="processing",
             chunk_count=len(chunks),
             file_size_bytes=utf8_size if file_size_bytes is None else file_size_bytes,
             token_count=token_count,
@@ -292,6 +302,7 @@ class KnowledgeStore:
             session.add(document)
             await session.flush()  # the document row first: chunks reference it
             await self._insert_chunks(session, document, chunks)
+        self.indexer.kick()
         log.info(
             "document indexed",
             extra={
@@ -334,64 +345,107 @@ class KnowledgeStore:
                 {"doc": document.id},
             )
 
+    async def list_documents(
+        self, org_id: str, knowledge_base_id: str, limit: int = 100, offset: int = 0
+    ) -> list[KnowledgeDocument]:
+        """A page of the knowledge base's documents, newest first.
+
+        Raises RpcError NOT_FOUND when the knowledge base is absent or another organization's."""
+        async with self._sessions() as session:
+            base = (
+                await session.get(KnowledgeBase, knowledge_base_id)
+                if is_row_id(knowledge_base_id)
+                else None
+            )
+            if base is None or base.org_id != org_id:
+                raise _base_not_found(knowledge_base_id)
+            rows = await session.scalars(
+                select(KnowledgeDocument)
+                .where(KnowledgeDocument.knowledge_base_id == knowledge_base_id)
+                .order_by(KnowledgeDocument.created_at.desc(), KnowledgeDocument.id)
+                .limit(max(1, min(limit, MAX_LIST)))
+                .offset(max(0, offset))
+            )
+            return list(rows.all())
+
+    async def delete_document(self, org_id: str, knowledge_base_id: str, document_id: str) -> None:
+        """Delete a document with its chunks, their full-text rows and their vectors.
+
+        Raises RpcError NOT_FOUND like get_document."""
+        document = await self.get_document(org_id, knowledge_base_id, document_id)
+        await self._delete("document_id", document.id)
+
+    async def delete_base(self, org_id: str, knowledge_base_id: str) -> None:
+        """Delete a knowledge base with its documents, chunks and vectors. A search that already
+        answered keeps its results (they were copied into the turn).
+
+        Raises RpcError NOT_FOUND when it is absent or another organization's."""
+        base, _ = await self.get_base(org_id, knowledge_base_id)
+        await self._delete("knowledge_base_id", base.id)
+        async with self._sessions() as session, session.begin():
+            await session.execute(
+                text("DELETE FROM knowledge_bases WHERE id = :id AND org_id = :org"),
+                {"id": base.id, "org": org_id},
+            )
+
+    async def _delete(self, column: str, value: str) -> None:
+        """Delete the chunks (and their FTS5 rows and vectors) and documents where `column`
+        (document_id or knowledge_base_id) is `value`, in one transaction."""
+        where = f"{column} = :v"
+        async with self._sessions() as session, session.begin():
+            if self._dialect == "sqlite":
+                await session.execute(
+                    text(
+                        "DELETE FROM knowledge_chunks_fts WHERE rowid IN"
+                        f" (SELECT id FROM knowledge_chunks WHERE {where})"
+                    ),
+                    {"v": value},
+                )
+            await session.execute(
+                text(
+                    "DELETE FROM knowledge_vectors WHERE chunk_id IN"
+                    f" (SELECT id FROM knowledge_chunks WHERE {where})"
+                ),
+                {"v": value},
+            )
+            await session.execute(text(f"DELETE FROM knowledge_chunks WHERE {where}"), {"v": value})
+            key = "id" if column == "document_id" else column
+            await session.execute(
+                text(f"DELETE FROM knowledge_documents WHERE {key} = :v"), {"v": value}
+            )
+
     async def search(
-        self, org_id: str, query: str, knowledge_base_ids: list[str] | None, top_k: int
+        self,
+        org_id: str,
+        query: str,
+        knowledge_base_ids: list[str] | None,
+        top_k: int,
+        mode: str = "hybrid",
+        semantic_weight: float = 0.7,
+        keyword_weight: float = 0.3,
+        min_score: float = 0.0,
     ) -> list[SearchHit]:
-        """The `top_k` chunks best matching `query` (any of its words), best first.
+        """The `top_k` chunks best matching `query`, best first (knowledge_search.py says how
+        each `mode` scores, from 0 to 1), each scoring at least `min_score`.
 
         Only the organization's chunks are searched; ids in `knowledge_base_ids` that are
         not the organization's, or cannot be ours (`is_row_id`), match nothing. An empty query
         (no words), or ids none of which can be ours, returns [] without a query.
         """
-        terms = query_terms(query)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
         if knowledge_base_ids:
             knowledge_base_ids = [kb for kb in knowledge_base_ids if is_row_id(kb)]
             if not knowledge_base_ids:
                 return []
-        if not terms:
-            return []
-        scope = "c.org_id = :org"
-        params: dict[str, Any] = {"org": org_id, "k": top_k}
+        scope = [KnowledgeBase.org_id == org_id]
         if knowledge_base_ids:
-            names = []
-            for i, kb in enumerate(knowledge_base_ids):
-                params[f"kb{i}"] = kb
-                names.append(f":kb{i}")
-            scope += f" AND c.knowledge_base_id IN ({', '.join(names)})"
-        if self._dialect == "sqlite":
-            # Each term quoted (FTS5 syntax characters are inert inside quotes), any term may match.
-            params["match"] = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
-            sql = (
-                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, "
-                "c.content, "
-                "bm25(knowledge_chunks_fts) AS rank FROM knowledge_chunks_fts "
-                "JOIN knowledge_chunks c ON c.id = knowledge_chunks_fts.rowid "
-                "JOIN knowledge_documents d ON d.id = c.document_id "
-                f"WHERE knowledge_chunks_fts MATCH :match AND {scope} ORDER BY rank LIMIT :k"
-            )
-        else:
-            params["tsq"] = " | ".join(terms)
-            sql = (
-                "SELECT c.id, c.knowledge_base_id, c.document_id, d.name, c.chunk_index, "
-                "c.content, "
-                "-ts_rank_cd(to_tsvector('english', c.content), to_tsquery('english', :tsq)) AS "
-                "rank "
-                "FROM knowledge_chunks c JOIN knowledge_documents d ON d.id = c.document_id "
-                "WHERE to_tsvector('english', c.content) @@ to_tsquery('english', :tsq) AND "
-                f"{scope} "
-                "ORDER BY rank LIMIT :k"
-            )
+            scope.append(KnowledgeBase.id.in_(knowledge_base_ids))
         async with self._sessions() as session:
-            rows = (await session.execute(text(sql), params)).all()
-        return [
-            SearchHit(
-                knowledge_base_id=r[1],
-                document_id=r[2],
-                document_name=r[3],
-                chunk_id=str(r[0]),
-                chunk_index=int(r[4]),
-                content=r[5],
-                score=-float(r[6]),
-            )
-            for r in rows
-        ]
+            bases = {
+                b.id: EmbeddingSpec.of(b)
+                for b in (await session.scalars(select(KnowledgeBase).where(*scope))).all()
+            }
+        return await self._search.search(
+            org_id, query, bases, top_k, mode, (semantic_weight, keyword_weight), min_score
+        )

@@ -79,8 +79,8 @@ def knowledge_integration(search_millicredits: int) -> Integration:
     return Integration(
         name=KNOWLEDGE_PROVIDER,
         display_name="Loopline knowledge bases",
-        description="The organization's knowledge bases (POST /knowledge-bases), searched "
-        "full-text by the assistant's search_knowledge tool.",
+        description="The organization's knowledge bases (POST /knowledge-bases), searched by "
+        "meaning and by words by the assistant's search_knowledge tool.",
         categories=("knowledge",),
         auth_options=(AuthOption("none", "No credential", "Built in.", None),),
         actions={search.name: search},

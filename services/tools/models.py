@@ -7,6 +7,8 @@
 - `knowledge_bases`, `knowledge_documents`, `knowledge_chunks`: searchable knowledge.
   On SQLite the chunks are also indexed in the FTS5 table `knowledge_chunks_fts`
   (created by the migration, not by these models: rowid = knowledge_chunks.id).
+  `knowledge_vectors`: one embedding per chunk (float32 BLOB on SQLite, pgvector `vector`
+  on PostgreSQL), of the model its knowledge base names.
 - `oauth_states`: pending OAuth2 authorization code flows (PKCE verifier encrypted).
 """
 
@@ -16,8 +18,20 @@ import datetime
 import uuid
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator, UserDefinedType
 
 
 def utcnow() -> datetime.datetime:
@@ -98,6 +112,20 @@ class KnowledgeBase(Base):
     created_at: Mapped[datetime.datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, default=utcnow
     )
+    # How its chunks are embedded: "local" (the tools service's own model) or "openai" (an
+    # OpenAI-compatible API with the organization's credential `embedding_credential_id`).
+    embedding_provider: Mapped[str] = mapped_column(
+        String(20), nullable=False, default="local", server_default="local"
+    )
+    embedding_model: Mapped[str] = mapped_column(
+        String(200), nullable=False, default="all-MiniLM-L6-v2", server_default="all-MiniLM-L6-v2"
+    )
+    embedding_dimensions: Mapped[int] = mapped_column(
+        Integer, nullable=False, default=384, server_default="384"
+    )
+    embedding_credential_id: Mapped[str | None] = mapped_column(
+        String(36), nullable=True, default=None
+    )
 
 
 class KnowledgeDocument(Base):
@@ -121,6 +149,8 @@ class KnowledgeDocument(Base):
     created_at: Mapped[datetime.datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, default=utcnow
     )
+    # Why indexing failed (status "failed"), from known causes only.
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True, default=None)
 
 
 class KnowledgeChunk(Base):
@@ -141,6 +171,41 @@ class KnowledgeChunk(Base):
     content: Mapped[str] = mapped_column(Text, nullable=False)
 
     __table_args__ = (Index("ix_knowledge_chunks_org_kb", "org_id", "knowledge_base_id"),)
+
+
+class _PgVector(UserDefinedType[Any]):
+    """pgvector's `vector` column type, of any length (each knowledge base's model sets it)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "vector"
+
+
+class Embedding(TypeDecorator[bytes]):
+    """A float32 vector: a BLOB on SQLite, a pgvector `vector` on PostgreSQL (written and read
+    as SQL text there by vectors.py, never through this type's Python values)."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Any) -> Any:
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(_PgVector())
+        return dialect.type_descriptor(LargeBinary())
+
+
+class KnowledgeVector(Base):
+    """The embedding of one chunk by `model` (its knowledge base's model when written)."""
+
+    __tablename__ = "knowledge_vectors"
+
+    chunk_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("knowledge_chunks.id", ondelete="CASCADE"), primary_key=True
+    )
+    knowledge_base_id: Mapped[str] = mapped_column(String(36), nullable=False, index=True)
+    model: Mapped[str] = mapped_column(String(200), nullable=False)
+    embedding: Mapped[bytes] = mapped_column(Embedding, nullable=False)
 
 
 class OAuthState(Base):

@@ -19,6 +19,7 @@ from services.tools.catalogue import Catalogue
 from services.tools.config import ToolsSettings
 from services.tools.credentials import CredentialStore
 from services.tools.crypto import SecretBox
+from services.tools.embedder_source import Embedders
 from services.tools.knowledge import KnowledgeStore
 from services.tools.mcp_client import McpConnector
 from services.tools.mcp_servers import StdioRegistry
@@ -165,9 +166,12 @@ class ToolsServer:
         credentials = CredentialStore(
             sessions, box, catalogue, settings.tools_credential_cache_ttl_s
         )
-        executor = ToolExecutor(
-            settings, catalogue, credentials, KnowledgeStore(engine, sessions), connector, stdio
+        embedders = Embedders(
+            credentials, settings.embedding_openai_base_url, settings.tools_timeout_s
         )
+        knowledge = KnowledgeStore(engine, sessions, embedders)
+        knowledge.indexer.kick()  # documents left "processing" by the last process
+        executor = ToolExecutor(settings, catalogue, credentials, knowledge, connector, stdio)
         oauth = OAuth2Flows(
             providers,
             sessions,
@@ -218,6 +222,7 @@ class ToolsServer:
             self._discovery.cancel()
         await self._running.stop(grace)
         await self.servicer.executor.mcp.aclose()
+        await self.servicer.executor.knowledge.close()
         if self.community is not None:
             await self.community.pool.close()
         await self._engine.dispose()

@@ -7,7 +7,6 @@ message (tools.proto). The other RPCs raise `RpcError`s, which `unary` turns int
 
 from __future__ import annotations
 
-import asyncio
 import urllib.parse
 import uuid
 from typing import Any
@@ -22,24 +21,14 @@ from services.common.validation import header_fields_problem
 from services.tools.catalogue import ActionError
 from services.tools.credentials import CredentialInfo
 from services.tools.crypto import SecretBoxError
-from services.tools.extract import (
-    MEDIA_TYPES,
-    ExtractionError,
-    UnsupportedFileType,
-    extract_text,
-    file_type,
-)
+from services.tools.knowledge_rpcs import KnowledgeRpcs
 from services.tools.listing import IntegrationListing, IntegrationRpcs
 from services.tools.mcp_client import check_url_policy
 from services.tools.mcp_servers import MCP_AUTH_TYPE, slug
-from services.tools.models import KnowledgeBase, KnowledgeDocument
 from services.tools.netpolicy import OutboundPolicyError
 from services.tools.oauth import OAuth2Flows
 from services.tools.request_checks import (
-    TEXT_LIMITS,
-    check_count,
     check_json_size,
-    check_length,
     check_lengths,
     invalid,
     page_size,
@@ -99,38 +88,6 @@ def credential_pb(info: CredentialInfo, include_masked: bool = False) -> tools_p
     )
 
 
-def knowledge_base_pb(
-    base: KnowledgeBase, document_count: int, total_chunks: int = 0, total_tokens: int = 0
-) -> tools_pb2.KnowledgeBase:
-    """The KnowledgeBase message of a row."""
-    return tools_pb2.KnowledgeBase(
-        knowledge_base_id=base.id,
-        organization_id=base.org_id,
-        name=base.name,
-        description=base.description,
-        document_count=document_count,
-        create_time=pb.timestamp(base.created_at),
-        total_chunks=total_chunks,
-        total_tokens=total_tokens,
-        created_by_user_id=base.created_by or "",
-    )
-
-
-def document_pb(document: KnowledgeDocument) -> tools_pb2.Document:
-    """The Document message of a row."""
-    return tools_pb2.Document(
-        document_id=document.id,
-        knowledge_base_id=document.knowledge_base_id,
-        name=document.name,
-        content_type=document.content_type,
-        status=document.status,
-        chunk_count=document.chunk_count,
-        create_time=pb.timestamp(document.created_at),
-        file_size_bytes=document.file_size_bytes,
-        token_count=document.token_count,
-    )
-
-
 def mcp_tool_pb(tool: dict[str, Any]) -> tools_pb2.McpTool:
     """The McpTool message of a discovered tool {name, description, input_schema}.
 
@@ -144,9 +101,10 @@ def mcp_tool_pb(tool: dict[str, Any]) -> tools_pb2.McpTool:
     )
 
 
-class ToolsServicer(IntegrationRpcs):
+class ToolsServicer(IntegrationRpcs, KnowledgeRpcs):
     """`loopline.tools.v1.ToolsService` over a ToolExecutor and its credential and knowledge
-    stores (ListIntegrations and GetIntegration: listing.IntegrationRpcs)."""
+    stores (ListIntegrations and GetIntegration: listing.IntegrationRpcs; the knowledge RPCs:
+    knowledge_rpcs.KnowledgeRpcs)."""
 
     def __init__(self, executor: ToolExecutor, oauth: OAuth2Flows | None = None) -> None:
         self.executor = executor
@@ -334,77 +292,6 @@ class ToolsServicer(IntegrationRpcs):
         return tools_pb2.SetDefaultCredentialResponse(credential=credential_pb(info))
 
     @unary
-    async def CreateKnowledgeBase(
-        self, request: tools_pb2.CreateKnowledgeBaseRequest, context: grpc.aio.ServicerContext
-    ) -> tools_pb2.CreateKnowledgeBaseResponse:
-        """Create an empty knowledge base; INVALID_ARGUMENT without organization or name, or
-        FIELD_TOO_LONG for a name or description past TEXT_LIMITS."""
-        check_length("name", request.name, TEXT_LIMITS["name"])
-        check_length("description", request.description, TEXT_LIMITS["description"])
-        base, count = await self.knowledge.create_base(
-            request.organization_id, request.name, request.description, request.user_id
-        )
-        return tools_pb2.CreateKnowledgeBaseResponse(knowledge_base=knowledge_base_pb(base, count))
-
-    @unary
-    async def ListKnowledgeBases(
-        self, request: tools_pb2.ListKnowledgeBasesRequest, context: grpc.aio.ServicerContext
-    ) -> tools_pb2.ListKnowledgeBasesResponse:
-        """The organization's knowledge bases, newest first."""
-        bases = await self.knowledge.list_bases_with_totals(request.organization_id)
-        return tools_pb2.ListKnowledgeBasesResponse(
-            knowledge_bases=[knowledge_base_pb(b, *totals) for b, totals in bases]
-        )
-
-    @unary
-    async def AddDocument(
-        self, request: tools_pb2.AddDocumentRequest, context: grpc.aio.ServicerContext
-    ) -> tools_pb2.AddDocumentResponse:
-        """Add, chunk and index a document (text, or a file's extracted text).
-
-        NOT_FOUND for another organization's knowledge base; INVALID_ARGUMENT
-        UNSUPPORTED_FILE_TYPE / DOCUMENT_HAS_NO_TEXT for a file; FIELD_TOO_LONG for a name past
-        TEXT_LIMITS["document_name"].
-        """
-        check_length("name", request.name, TEXT_LIMITS["document_name"])
-        if request.data:
-            try:
-                kind = file_type(request.name, request.content_type)
-                text = await asyncio.to_thread(extract_text, request.data, kind)
-            except UnsupportedFileType as exc:
-                raise invalid("UNSUPPORTED_FILE_TYPE", str(exc)) from None
-            except ExtractionError as exc:
-                raise invalid("DOCUMENT_HAS_NO_TEXT", str(exc)) from None
-            document = await self.knowledge.add_document(
-                request.organization_id,
-                request.knowledge_base_id,
-                request.name,
-                text,
-                MEDIA_TYPES[kind],
-                file_size_bytes=len(request.data),
-            )
-        else:
-            document = await self.knowledge.add_document(
-                request.organization_id,
-                request.knowledge_base_id,
-                request.name,
-                request.text,
-                request.content_type,
-            )
-        return tools_pb2.AddDocumentResponse(document=document_pb(document))
-
-    @unary
-    async def GetDocument(
-        self, request: tools_pb2.GetDocumentRequest, context: grpc.aio.ServicerContext
-    ) -> tools_pb2.GetDocumentResponse:
-        """One document; NOT_FOUND when absent, in another knowledge base or another
-        organization's."""
-        document = await self.knowledge.get_document(
-            request.organization_id, request.knowledge_base_id, request.document_id
-        )
-        return tools_pb2.GetDocumentResponse(document=document_pb(document))
-
-    @unary
     async def CreateMcpServer(
         self, request: tools_pb2.CreateMcpServerRequest, context: grpc.aio.ServicerContext
     ) -> tools_pb2.CreateMcpServerResponse:
@@ -551,23 +438,3 @@ class ToolsServicer(IntegrationRpcs):
             raise invalid("OAUTH2_STATE_INVALID", "Unknown or expired OAuth2 state")
         info, user_id = await self.oauth.complete(request.state, request.code, request.error)
         return tools_pb2.CompleteOAuth2Response(credential=credential_pb(info), user_id=user_id)
-
-    @unary
-    async def SearchKnowledge(
-        self, request: tools_pb2.SearchKnowledgeRequest, context: grpc.aio.ServicerContext
-    ) -> tools_pb2.SearchKnowledgeResponse:
-        """The best chunks for the query in the organization's knowledge bases.
-
-        top_k is 1 to 50, 0 means 5 (the gateway's range); any other value is INVALID_ARGUMENT
-        INVALID_TOP_K, not clamped. A query past TEXT_LIMITS is FIELD_TOO_LONG, more knowledge
-        bases than COUNT_LIMITS TOO_MANY_KNOWLEDGE_BASE_IDS; both before any query.
-        """
-        check_lengths(request, "query")
-        check_count("knowledge_base_ids", request.knowledge_base_ids)
-        top_k = page_size("top_k", request.top_k, 1, 50, 5)
-        hits = await self.knowledge.search(
-            request.organization_id, request.query, list(request.knowledge_base_ids), top_k
-        )
-        return tools_pb2.SearchKnowledgeResponse(
-            results=[tools_pb2.KnowledgeSearchResult(**h.to_json()) for h in hits]
-        )

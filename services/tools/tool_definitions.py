@@ -102,9 +102,9 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
     },
     {
         "name": "search_knowledge",
-        "description": "Full-text search over the organization's knowledge bases; returns the "
-        "best-matching "
-        "passages with their document and score.",
+        "description": "Search the organization's knowledge bases by meaning and by words "
+        "(hybrid, the default), by meaning only (semantic) or by words only (keyword); returns "
+        "the best-matching passages with their document and scores from 0 to 1.",
         "input_schema": {
             "type": "object",
             "properties": {
@@ -121,6 +121,21 @@ TOOL_DEFINITIONS: list[dict[str, Any]] = [
                     "maximum": 50,
                     "default": 5,
                     "description": "How many passages.",
+                },
+                "mode": {
+                    "type": "string",
+                    "enum": ["hybrid", "semantic", "keyword"],
+                    "default": "hybrid",
+                    "description": "hybrid: meaning and words combined; semantic: meaning only "
+                    "(finds passages that use other words); keyword: the query's words only "
+                    "(names, codes, exact terms).",
+                },
+                "min_score": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": 1,
+                    "default": 0,
+                    "description": "Only passages scoring at least this (0 to 1).",
                 },
             },
             "required": ["query"],

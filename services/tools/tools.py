@@ -500,8 +500,9 @@ class ToolExecutor:
 
     async def search_knowledge(self, org_id: str, args: dict[str, Any]) -> ToolResult:
         """{"query", "results": [{"knowledge_base_id", "document_id", "document_name", "chunk_id",
-        "chunk_index", "content", "score"}], "count"}; error result when the org has no knowledge
-        base."""
+        "chunk_index", "content", "score", "semantic_score", "keyword_score"}], "count"}, ranked
+        by `mode` (hybrid by default, with the store's default weights) and at least `min_score`;
+        error result when the org has no knowledge base."""
         known = await self.knowledge.base_ids(org_id)
         if not known:
             raise ToolError(
@@ -518,7 +519,12 @@ class ToolExecutor:
                 "them all."
             )
         hits = await self.knowledge.search(
-            org_id, args["query"], args.get("knowledge_base_ids"), int(args.get("top_k", 5))
+            org_id,
+            args["query"],
+            args.get("knowledge_base_ids"),
+            int(args.get("top_k", 5)),
+            mode=args.get("mode", "hybrid"),
+            min_score=float(args.get("min_score", 0.0)),
         )
         output = {
             "query": args["query"],

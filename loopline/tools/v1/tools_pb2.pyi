@@ -3,12 +3,24 @@ import datetime
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SearchMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEARCH_MODE_UNSPECIFIED: _ClassVar[SearchMode]
+    SEARCH_MODE_HYBRID: _ClassVar[SearchMode]
+    SEARCH_MODE_SEMANTIC: _ClassVar[SearchMode]
+    SEARCH_MODE_KEYWORD: _ClassVar[SearchMode]
+SEARCH_MODE_UNSPECIFIED: SearchMode
+SEARCH_MODE_HYBRID: SearchMode
+SEARCH_MODE_SEMANTIC: SearchMode
+SEARCH_MODE_KEYWORD: SearchMode
 
 class ToolDefinition(_message.Message):
     __slots__ = ("name", "description", "input_schema")
@@ -183,7 +195,7 @@ class SetDefaultCredentialResponse(_message.Message):
     def __init__(self, credential: _Optional[_Union[Credential, _Mapping]] = ...) -> None: ...
 
 class KnowledgeBase(_message.Message):
-    __slots__ = ("knowledge_base_id", "organization_id", "name", "description", "document_count", "create_time", "total_chunks", "total_tokens", "created_by_user_id")
+    __slots__ = ("knowledge_base_id", "organization_id", "name", "description", "document_count", "create_time", "total_chunks", "total_tokens", "created_by_user_id", "embedding")
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +205,7 @@ class KnowledgeBase(_message.Message):
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CREATED_BY_USER_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     knowledge_base_id: str
     organization_id: str
     name: str
@@ -202,19 +215,34 @@ class KnowledgeBase(_message.Message):
     total_chunks: int
     total_tokens: int
     created_by_user_id: str
-    def __init__(self, knowledge_base_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., document_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_tokens: _Optional[int] = ..., created_by_user_id: _Optional[str] = ...) -> None: ...
+    embedding: EmbeddingConfig
+    def __init__(self, knowledge_base_id: _Optional[str] = ..., organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., document_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_tokens: _Optional[int] = ..., created_by_user_id: _Optional[str] = ..., embedding: _Optional[_Union[EmbeddingConfig, _Mapping]] = ...) -> None: ...
+
+class EmbeddingConfig(_message.Message):
+    __slots__ = ("provider", "model", "dimensions", "credential_id")
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ID_FIELD_NUMBER: _ClassVar[int]
+    provider: str
+    model: str
+    dimensions: int
+    credential_id: str
+    def __init__(self, provider: _Optional[str] = ..., model: _Optional[str] = ..., dimensions: _Optional[int] = ..., credential_id: _Optional[str] = ...) -> None: ...
 
 class CreateKnowledgeBaseRequest(_message.Message):
-    __slots__ = ("organization_id", "name", "description", "user_id")
+    __slots__ = ("organization_id", "name", "description", "user_id", "embedding")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     USER_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     name: str
     description: str
     user_id: str
-    def __init__(self, organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., user_id: _Optional[str] = ...) -> None: ...
+    embedding: EmbeddingConfig
+    def __init__(self, organization_id: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., user_id: _Optional[str] = ..., embedding: _Optional[_Union[EmbeddingConfig, _Mapping]] = ...) -> None: ...
 
 class CreateKnowledgeBaseResponse(_message.Message):
     __slots__ = ("knowledge_base",)
@@ -235,7 +263,7 @@ class ListKnowledgeBasesResponse(_message.Message):
     def __init__(self, knowledge_bases: _Optional[_Iterable[_Union[KnowledgeBase, _Mapping]]] = ...) -> None: ...
 
 class Document(_message.Message):
-    __slots__ = ("document_id", "knowledge_base_id", "name", "content_type", "status", "chunk_count", "create_time", "file_size_bytes", "token_count")
+    __slots__ = ("document_id", "knowledge_base_id", "name", "content_type", "status", "chunk_count", "create_time", "file_size_bytes", "token_count", "error_message")
     DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +273,7 @@ class Document(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     FILE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     document_id: str
     knowledge_base_id: str
     name: str
@@ -254,7 +283,8 @@ class Document(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     file_size_bytes: int
     token_count: int
-    def __init__(self, document_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., status: _Optional[str] = ..., chunk_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., file_size_bytes: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
+    error_message: str
+    def __init__(self, document_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., status: _Optional[str] = ..., chunk_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., file_size_bytes: _Optional[int] = ..., token_count: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class AddDocumentRequest(_message.Message):
     __slots__ = ("organization_id", "knowledge_base_id", "name", "content_type", "text", "data")
@@ -279,19 +309,27 @@ class AddDocumentResponse(_message.Message):
     def __init__(self, document: _Optional[_Union[Document, _Mapping]] = ...) -> None: ...
 
 class SearchKnowledgeRequest(_message.Message):
-    __slots__ = ("organization_id", "query", "knowledge_base_ids", "top_k")
+    __slots__ = ("organization_id", "query", "knowledge_base_ids", "top_k", "mode", "semantic_weight", "keyword_weight", "min_score")
     ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_BASE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SEMANTIC_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    KEYWORD_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     organization_id: str
     query: str
     knowledge_base_ids: _containers.RepeatedScalarFieldContainer[str]
     top_k: int
-    def __init__(self, organization_id: _Optional[str] = ..., query: _Optional[str] = ..., knowledge_base_ids: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ...) -> None: ...
+    mode: SearchMode
+    semantic_weight: float
+    keyword_weight: float
+    min_score: float
+    def __init__(self, organization_id: _Optional[str] = ..., query: _Optional[str] = ..., knowledge_base_ids: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., semantic_weight: _Optional[float] = ..., keyword_weight: _Optional[float] = ..., min_score: _Optional[float] = ...) -> None: ...
 
 class KnowledgeSearchResult(_message.Message):
-    __slots__ = ("knowledge_base_id", "document_id", "document_name", "chunk_id", "chunk_index", "content", "score")
+    __slots__ = ("knowledge_base_id", "document_id", "document_name", "chunk_id", "chunk_index", "content", "score", "semantic_score", "keyword_score")
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +337,8 @@ class KnowledgeSearchResult(_message.Message):
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    SEMANTIC_SCORE_FIELD_NUMBER: _ClassVar[int]
+    KEYWORD_SCORE_FIELD_NUMBER: _ClassVar[int]
     knowledge_base_id: str
     document_id: str
     document_name: str
@@ -306,7 +346,9 @@ class KnowledgeSearchResult(_message.Message):
     chunk_index: int
     content: str
     score: float
-    def __init__(self, knowledge_base_id: _Optional[str] = ..., document_id: _Optional[str] = ..., document_name: _Optional[str] = ..., chunk_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., content: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+    semantic_score: float
+    keyword_score: float
+    def __init__(self, knowledge_base_id: _Optional[str] = ..., document_id: _Optional[str] = ..., document_name: _Optional[str] = ..., chunk_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., content: _Optional[str] = ..., score: _Optional[float] = ..., semantic_score: _Optional[float] = ..., keyword_score: _Optional[float] = ...) -> None: ...
 
 class SearchKnowledgeResponse(_message.Message):
     __slots__ = ("results",)
@@ -329,6 +371,50 @@ class GetDocumentResponse(_message.Message):
     DOCUMENT_FIELD_NUMBER: _ClassVar[int]
     document: Document
     def __init__(self, document: _Optional[_Union[Document, _Mapping]] = ...) -> None: ...
+
+class ListDocumentsRequest(_message.Message):
+    __slots__ = ("organization_id", "knowledge_base_id", "limit", "offset")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    knowledge_base_id: str
+    limit: int
+    offset: int
+    def __init__(self, organization_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ListDocumentsResponse(_message.Message):
+    __slots__ = ("documents",)
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    documents: _containers.RepeatedCompositeFieldContainer[Document]
+    def __init__(self, documents: _Optional[_Iterable[_Union[Document, _Mapping]]] = ...) -> None: ...
+
+class DeleteDocumentRequest(_message.Message):
+    __slots__ = ("organization_id", "knowledge_base_id", "document_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    knowledge_base_id: str
+    document_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., document_id: _Optional[str] = ...) -> None: ...
+
+class DeleteDocumentResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteKnowledgeBaseRequest(_message.Message):
+    __slots__ = ("organization_id", "knowledge_base_id")
+    ORGANIZATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    organization_id: str
+    knowledge_base_id: str
+    def __init__(self, organization_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ...) -> None: ...
+
+class DeleteKnowledgeBaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class McpTool(_message.Message):
     __slots__ = ("name", "description", "input_schema")

@@ -101,6 +101,21 @@ class ToolsServiceStub:
                 request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentRequest.SerializeToString,
                 response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentResponse.FromString,
                 _registered_method=True)
+        self.ListDocuments = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/ListDocuments',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListDocumentsRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListDocumentsResponse.FromString,
+                _registered_method=True)
+        self.DeleteDocument = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/DeleteDocument',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteDocumentRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteDocumentResponse.FromString,
+                _registered_method=True)
+        self.DeleteKnowledgeBase = channel.unary_unary(
+                '/loopline.tools.v1.ToolsService/DeleteKnowledgeBase',
+                request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteKnowledgeBaseRequest.SerializeToString,
+                response_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteKnowledgeBaseResponse.FromString,
+                _registered_method=True)
         self.CreateMcpServer = channel.unary_unary(
                 '/loopline.tools.v1.ToolsService/CreateMcpServer',
                 request_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.CreateMcpServerRequest.SerializeToString,
@@ -227,7 +242,8 @@ class ToolsServiceServicer:
 
     def AddDocument(self, request, context):
         """AddDocument adds a text document to a knowledge base, chunks it and indexes the
-        chunks for full-text search; NOT_FOUND for another organization's knowledge base.
+        chunks for keyword search at once; its embeddings follow in the background (status
+        "processing", then "ready"). NOT_FOUND for another organization's knowledge base.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -235,7 +251,7 @@ class ToolsServiceServicer:
 
     def SearchKnowledge(self, request, context):
         """SearchKnowledge ranks the chunks of an organization's knowledge bases against a
-        query with full-text search (BM25 on SQLite).
+        query: hybrid (the default), semantic or keyword; scores from 0 to 1.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,6 +260,30 @@ class ToolsServiceServicer:
     def GetDocument(self, request, context):
         """GetDocument returns one document of an organization's knowledge base (its
         processing status); NOT_FOUND when absent or another organization's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDocuments(self, request, context):
+        """ListDocuments lists the documents of one of an organization's knowledge bases, newest
+        first; NOT_FOUND when the knowledge base is absent or another organization's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteDocument(self, request, context):
+        """DeleteDocument deletes a document with its chunks and embeddings; NOT_FOUND when
+        absent or another organization's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteKnowledgeBase(self, request, context):
+        """DeleteKnowledgeBase deletes a knowledge base with its documents, chunks and
+        embeddings; NOT_FOUND when absent or another organization's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -380,6 +420,21 @@ def add_ToolsServiceServicer_to_server(servicer, server):
                     servicer.GetDocument,
                     request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentRequest.FromString,
                     response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentResponse.SerializeToString,
+            ),
+            'ListDocuments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDocuments,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListDocumentsRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.ListDocumentsResponse.SerializeToString,
+            ),
+            'DeleteDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteDocument,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteDocumentRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteDocumentResponse.SerializeToString,
+            ),
+            'DeleteKnowledgeBase': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteKnowledgeBase,
+                    request_deserializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteKnowledgeBaseRequest.FromString,
+                    response_serializer=loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteKnowledgeBaseResponse.SerializeToString,
             ),
             'CreateMcpServer': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateMcpServer,
@@ -770,6 +825,87 @@ class ToolsService:
             '/loopline.tools.v1.ToolsService/GetDocument',
             loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentRequest.SerializeToString,
             loopline_dot_tools_dot_v1_dot_tools__pb2.GetDocumentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDocuments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/ListDocuments',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListDocumentsRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.ListDocumentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/DeleteDocument',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteDocumentRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteDocumentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteKnowledgeBase(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loopline.tools.v1.ToolsService/DeleteKnowledgeBase',
+            loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteKnowledgeBaseRequest.SerializeToString,
+            loopline_dot_tools_dot_v1_dot_tools__pb2.DeleteKnowledgeBaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,7 @@ from services.gateway.routes import (
     dashboard,
     integrations,
     knowledge,
+    knowledge_search,
     organizations,
     turns,
 )
@@ -119,6 +120,7 @@ def create_app(
     app.include_router(chats.router)
     if tools is not None:
         app.include_router(credentials.router)
+        app.include_router(knowledge_search.router)  # before knowledge's /knowledge-bases/{id}
         app.include_router(knowledge.router)
         app.include_router(integrations.router)
     if tools is not None and billing_channel is not None:

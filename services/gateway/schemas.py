@@ -271,15 +271,17 @@ class McpToolList(TypedDict):
 
 @with_config(_DOCSTRINGS)
 class KnowledgeBase(TypedDict):
-    """A knowledge base (search is full-text; chunking is fixed)."""
+    """A knowledge base: its embedding model and its (fixed) chunking."""
 
     id: str
     organization_id: str
     created_by_user_id: str | None
-    credential_id: None
+    credential_id: str | None
+    """The credential (integration `openai`) its embeddings use; null for the local model."""
     name: str
     description: str
     embedding_config: dict[str, Any]
+    """`{provider, model, dimensions}`: `local` (the tools service's own model) or `openai`."""
     chunking_config: dict[str, Any]
     document_count: int
     total_chunks: int
@@ -302,15 +304,18 @@ class Document(TypedDict):
     """txt, md, html, csv, json or pdf."""
     file_size_bytes: int
     status: str
-    """pending, processing, completed or failed."""
+    """pending, processing (being embedded; keyword search already finds it), completed or
+    failed."""
     chunk_count: int
     token_count: int
-    error_message: None
+    error_message: str | None
+    """Why indexing failed (`failed`); null otherwise."""
     created_at: str | None
 
 
 class DocumentStatus(TypedDict):
-    """A document's processing status (documents are indexed within their upload)."""
+    """A document's processing status: chunked and keyword-indexed within its upload, then
+    embedded (`processing` until its embeddings are written)."""
 
     document_id: str
     status: str
@@ -321,7 +326,7 @@ class DocumentStatus(TypedDict):
     processing_completed_at: str | None
     chunk_count: int
     token_count: int
-    error: None
+    error: str | None
 
 
 @with_config(_DOCSTRINGS)
@@ -337,6 +342,10 @@ class SearchMatch(TypedDict):
     """The chunk's text; null with `include_content: false`."""
     metadata: dict[str, str] | None
     """`{knowledge_base_id}`; null with `include_metadata: false`."""
+    semantic_score: float
+    """The cosine similarity of the query's and the chunk's embeddings (0 to 1)."""
+    keyword_score: float
+    """The share of the query's words (common words aside) the chunk contains (0 to 1)."""
 
 
 class Search(TypedDict):
@@ -357,6 +366,44 @@ class MultiSearch(TypedDict):
     top_k: int
     total_matches: int
     matches: list[SearchMatch]
+
+
+@with_config(_DOCSTRINGS)
+class HybridSearch(TypedDict):
+    """The matches of a hybrid search of one knowledge base."""
+
+    query: str
+    knowledge_base_id: str
+    search_type: Literal["hybrid"]
+    weights: dict[str, float]
+    """`{semantic, keyword}` as given; a match's score is their weighted mean of its scores."""
+    top_k: int
+    total_matches: int
+    matches: list[SearchMatch]
+
+
+@with_config(_DOCSTRINGS)
+class ContextSource(TypedDict):
+    """A chunk the context holds, in its order."""
+
+    chunk_id: str
+    document_id: str
+    document_filename: str
+    chunk_index: int
+    score: float
+
+
+@with_config(_DOCSTRINGS)
+class Context(TypedDict):
+    """The best chunks for a query as one text for a model's prompt, within a token budget."""
+
+    context: str
+    """Each chunk as a line `[n] <file> (chunk <index>, score <score>)` then its text, a blank
+    line between chunks; "" when nothing matched."""
+    query: str
+    sources: list[ContextSource]
+    token_count: int
+    """The context's word tokens (at most `max_tokens`)."""
 
 
 # ---- integrations ---------------------------------------------------------------------------

@@ -47,6 +47,7 @@ async def test_base_created_file_uploaded_and_found_by_search(console: Console) 
     await expect(match).to_contain_text("holidays.txt")
     await expect(match.locator(".match-text")).to_contain_text("closes on midsummer eve")
     await expect(match.locator(".badge")).to_contain_text("score")
+    await expect(match).to_contain_text("words 1")  # the one query word is in the chunk
     await console.open("#/knowledge")
     row = page.locator("#knowledge-list tr", has_text="Handbook")
     await expect(row.locator("td").nth(2)).to_have_text("1")  # documents

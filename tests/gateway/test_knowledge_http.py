@@ -1,12 +1,16 @@
 """Knowledge routes over HTTP and the SDK, and a turn that searches an uploaded document.
 
 Shapes: the SDK's `modulex/types/knowledge.py`. Owner/admin only; no organization sees
-another's documents.
+another's documents. An upload answers "processing" (keyword-searchable at once) and becomes
+"completed" once embedded: the tests of what was extracted search by keyword
+(`search_type: keyword`), the others wait for the embeddings (`settled`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
+import time
 
 import httpx
 import pytest
@@ -76,6 +80,24 @@ async def _base(client: httpx.AsyncClient, name: str = "Docs") -> dict:
     return response.json()
 
 
+async def settled(client: httpx.AsyncClient, kb_id: str, timeout: float = 120.0) -> list[dict]:
+    """The knowledge base's documents once none is "processing" (GET .../documents)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = await client.get(f"/knowledge-bases/{kb_id}/documents")
+        assert response.status_code == 200, response.text
+        documents = response.json()
+        if all(d["status"] != "processing" for d in documents):
+            return documents
+        assert time.monotonic() < deadline, documents
+        await asyncio.sleep(0.1)
+
+
+def keyword(query: str, **fields: object) -> dict:
+    """A search body that finds the query's words (not what the embeddings say is close)."""
+    return {"query": query, "search_type": "keyword", **fields}
+
+
 async def test_upload_every_supported_type_then_search_it(services):
     async with services.client() as client:
         kb = await _base(client)
@@ -90,7 +112,7 @@ async def test_upload_every_supported_type_then_search_it(services):
             )
             assert response.status_code == 201, (filename, response.text)
             document = response.json()
-            assert document["filename"] == filename and document["status"] == "completed"
+            assert document["filename"] == filename and document["status"] == "processing"
             assert document["file_type"] == filename.rsplit(".", 1)[1] and document[
                 "file_size_bytes"
             ] == len(data)
@@ -98,9 +120,10 @@ async def test_upload_every_supported_type_then_search_it(services):
             status = (
                 await client.get(f"/knowledge-bases/{kb['id']}/documents/{document['id']}/status")
             ).json()
-            assert status["document_id"] == document["id"] and status["status"] == "completed"
+            assert status["document_id"] == document["id"]
+            assert status["status"] in ("processing", "completed")
             found = (
-                await client.post(f"/knowledge-bases/{kb['id']}/search", json={"query": word})
+                await client.post(f"/knowledge-bases/{kb['id']}/search", json=keyword(word))
             ).json()
             assert found["knowledge_base_id"] == kb["id"] and found["total_matches"] >= 1, (
                 filename,
@@ -110,9 +133,12 @@ async def test_upload_every_supported_type_then_search_it(services):
             assert top["document_id"] == document["id"] and top["document_filename"] == filename
             assert word in top["content"].lower() and top["score"] > 0
         hidden = (
-            await client.post(f"/knowledge-bases/{kb['id']}/search", json={"query": "zzsecretzz"})
+            await client.post(f"/knowledge-bases/{kb['id']}/search", json=keyword("zzsecretzz"))
         ).json()
         assert hidden["total_matches"] == 0  # script text is not indexed
+        documents = await settled(client, kb["id"])
+        assert {d["status"] for d in documents} == {"completed"}
+        assert {d["filename"] for d in documents} == set(UPLOADS)
         listed = (await client.get("/knowledge-bases")).json()
         assert [b["id"] for b in listed] == [kb["id"]] and listed[0]["document_count"] == len(
             UPLOADS
@@ -138,7 +164,7 @@ async def test_a_file_name_without_an_extension_is_read_as_txt_unless_its_media_
         image = await client.post(url, files={"file": ("picture", b"\x89PNG\r\n", "image/png")})
         assert image.status_code == 415 and "image/png" in image.json()["detail"]
         found = (
-            await client.post(f"/knowledge-bases/{kb['id']}/search", json={"query": "lemurs"})
+            await client.post(f"/knowledge-bases/{kb['id']}/search", json=keyword("lemurs"))
         ).json()
         assert found["total_matches"] >= 3
 
@@ -153,7 +179,7 @@ async def test_a_json_upload_with_a_lone_surrogate_escape_is_indexed_not_a_500(s
         )
         assert response.status_code == 201, response.text
         found = (
-            await client.post(f"/knowledge-bases/{kb['id']}/search", json={"query": "lemur"})
+            await client.post(f"/knowledge-bases/{kb['id']}/search", json=keyword("lemur"))
         ).json()
         assert found["total_matches"] == 1 and "\ufffd" in found["matches"][0]["content"]
 
@@ -198,11 +224,7 @@ async def test_multi_search_ranks_across_bases_and_bad_input_is_400(services):
         both = (
             await client.post(
                 "/knowledge-bases/search",
-                json={
-                    "knowledge_base_ids": [first["id"], second["id"]],
-                    "query": "saffron",
-                    "top_k": 5,
-                },
+                json=keyword("saffron", knowledge_base_ids=[first["id"], second["id"]], top_k=5),
             )
         ).json()
         assert (
@@ -218,21 +240,18 @@ async def test_multi_search_ranks_across_bases_and_bad_input_is_400(services):
         # 1.0 is the integer 1 (JSON Schema's `integer`); the answer says it as an integer
         one = await client.post(
             "/knowledge-bases/search",
-            json={
-                "knowledge_base_ids": [first["id"], second["id"]],
-                "query": "saffron",
-                "top_k": 1.0,
-            },
+            json=keyword("saffron", knowledge_base_ids=[first["id"], second["id"]], top_k=1.0),
         )
         assert (
             one.status_code == 200 and '"top_k":1,' in one.text and one.json()["total_matches"] == 1
         ), one.text
+        await settled(client, first["id"])
         only_one = (
             await client.post(
                 "/knowledge-bases/search",
                 json={"knowledge_base_ids": [first["id"]], "query": "saffron"},
             )
-        ).json()
+        ).json()  # semantic (the default): whatever the embeddings say, only that base's chunk
         assert [m["document_filename"] for m in only_one["matches"]] == ["a.txt"]
         for body in (
             {"knowledge_base_ids": [], "query": "x"},
@@ -353,8 +372,13 @@ async def test_knowledge_through_the_sdk(services, tmp_path):
         document = await client.knowledge.upload_document(
             kb.id, file_path=str(path), metadata={"source": "test"}
         )
-        assert document.status == "completed" and document.filename == "facts.md"
-        status = await client.knowledge.document_status(kb.id, document.id)
+        assert document.status == "processing" and document.filename == "facts.md"
+        deadline = time.monotonic() + 120
+        while (status := await client.knowledge.document_status(kb.id, document.id)).status == (
+            "processing"
+        ):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
         assert status.status == "completed" and status.chunk_count == 1
         result = await client.knowledge.search(kb.id, "okapi giraffe", top_k=3)
         assert result.total_matches == 1 and result.matches[0].document_id == document.id

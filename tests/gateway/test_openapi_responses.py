@@ -225,13 +225,26 @@ async def _knowledge(client: httpx.AsyncClient) -> None:
     )
     await _ok(client.get(f"{base}/documents/{document['id']}"))
     await _ok(client.get(f"{base}/documents/{document['id']}/status"))
-    found = await _ok(client.post(f"{base}/search", json={"query": "lemurs"}))
+    await _ok(client.get(base))
+    await _ok(client.get(f"{base}/documents", params={"status": "processing"}))
+    found = await _ok(
+        client.post(f"{base}/search", json={"query": "lemurs", "search_type": "keyword"})
+    )
     assert found["total_matches"] == 1, found
     await _ok(
         client.post(
             "/knowledge-bases/search", json={"knowledge_base_ids": [kb["id"]], "query": "x"}
         )
     )
+    hybrid = await _ok(client.post(f"{base}/hybrid-search", json={"query": "lemurs"}))
+    assert hybrid["matches"], hybrid
+    context = await _ok(
+        client.post(f"{base}/retrieve-context", json={"query": "lemurs", "min_score": 0})
+    )
+    assert "Madagascar" in context["context"], context
+    await _ok(client.delete(f"{base}/documents/{document['id']}"), 204)
+    await _ok(client.delete(base), 204)
+    await _ok(client.get(base), 404)
 
 
 async def _integrations(client: httpx.AsyncClient) -> None:

@@ -1,14 +1,16 @@
-"""Knowledge routes: knowledge bases, their documents and full-text search (over the tools service).
+"""Knowledge routes: knowledge bases and their documents (over the tools service); the search
+routes are in knowledge_search.py.
 
 Routes and JSON shapes follow the official SDK (`modulex/resources/knowledge.py` and its
 `types/`). Every route requires an owner or admin, authenticated before anything is looked up.
-Bad input is 400 `{"detail": ...}`; tools service failures go through the error table, except
-an unsupported upload type, which is 415.
+Bad input is 400 `{"detail": ...}`; another organization's knowledge base or document is 404;
+tools service failures go through the error table, except an unsupported upload type, which is
+415.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import grpc
 from fastapi import APIRouter, Query, Request
@@ -19,34 +21,26 @@ from starlette.types import Message, Receive
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common import pb
 from services.common.errors import TOOLS_DOMAIN, status_details
-from services.gateway.bodies import check_fields
+from services.gateway.bodies import check_fields, refuse_body
+from services.gateway.context import context_of
 from services.gateway.errors import BodyError, detail, grpc_error_response
 from services.gateway.identity import Principal
 from services.gateway.openapi import error_responses, keyed
-from services.gateway.query import WholeNumber
+from services.gateway.query import TrueOrFalse, WholeNumber
 from services.gateway.routes.fields import (
     MAX_ID_CHARS,
-    MAX_SEARCH_BASES,
     SLOW_TIMEOUT_S,
     TIMEOUT_S,
     Who,
     body_of,
     int_field,
     json_body,
-    number_field,
     object_field,
     string_field,
     text_schema,
     tools_of,
 )
-from services.gateway.schemas import (
-    Document,
-    DocumentStatus,
-    KnowledgeBase,
-    MultiSearch,
-    Search,
-    SearchMatch,
-)
+from services.gateway.schemas import Document, DocumentStatus, KnowledgeBase
 
 # The largest document upload, in bytes (10 MiB); larger is 413.
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
@@ -61,10 +55,19 @@ DOCUMENT_STATUS = {
     "processing": "processing",
     "failed": "failed",
 }
-# The chunking the tools service applies (shown as a knowledge base's chunking_config).
-CHUNKING_CONFIG = {"strategy": "paragraphs", "max_chars": 1000}
-# Search is full-text (BM25 on SQLite, ts_rank_cd on PostgreSQL), not embeddings.
-EMBEDDING_CONFIG = {"type": "full_text"}
+# The SDK's DocumentStatus: the `?status=` filter of GET .../documents takes these.
+DOCUMENT_STATUSES = ("pending", "processing", "completed", "failed")
+# The documents read per ListDocuments call when GET .../documents filters by status.
+DOCUMENTS_PAGE = 500
+# The chunking the tools service applies (shown as a knowledge base's chunking_config): by
+# headings and paragraphs, chunks of at most 900 characters, each after a section's first
+# starting with the last ~150 of the one before (services/tools/chunking.py; a test pins them).
+CHUNKING_CONFIG = {"strategy": "structure", "max_chars": 900, "overlap_chars": 150}
+# The embedding providers of POST /knowledge-bases, and the most dimensions a vector may have
+# (pgvector's limit).
+EMBEDDING_PROVIDERS = ("local", "openai")
+MAX_EMBEDDING_DIMENSIONS = 16_000
+MAX_MODEL_CHARS = 200  # the tools service's column
 _FILE_TYPES = {
     "text/plain": "txt",
     "text/markdown": "md",
@@ -73,51 +76,42 @@ _FILE_TYPES = {
     "application/json": "json",
     "application/pdf": "pdf",
 }
-_TOP_K = {"type": "integer", "minimum": 1, "maximum": 50, "default": 5}
-_MIN_SCORE = {"type": "number", "default": 0.0}
+_EMBEDDING_CONFIG = {
+    "type": ["object", "null"],
+    "properties": {
+        "provider": {"enum": [*EMBEDDING_PROVIDERS, None], "default": "local"},
+        "model": {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS, "pattern": r"\S"},
+        "credential_id": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_ID_CHARS,
+            "pattern": r"\S",
+        },
+        "dimensions": {"type": "integer", "minimum": 1, "maximum": MAX_EMBEDDING_DIMENSIONS},
+    },
+    "additionalProperties": False,
+    "if": {"properties": {"provider": {"const": "openai"}}, "required": ["provider"]},
+    "then": {"required": ["model", "credential_id"]},
+    "else": {"properties": {"model": False, "credential_id": False, "dimensions": False}},
+    "description": "How the chunks are embedded: null, {} or {provider: local} for the tools"
+    " service's own model (all-MiniLM-L6-v2); {provider: openai, model, credential_id,"
+    " dimensions?} for an OpenAI-compatible embeddings API with the organization's credential"
+    " of integration openai (dimensions: read from the API's first answer when absent).",
+}
 _FIXED_CONFIG = {
     "type": ["object", "null"],
     "maxProperties": 0,
-    "description": "Cannot be set (search is full-text, chunking is fixed):"
+    "description": "Cannot be set (chunking is fixed, shown as chunking_config):"
     " only null or {} is accepted.",
 }
 CREATE_KNOWLEDGE_BASE_BODY = json_body(
     {
         "name": text_schema("name", required=True),
         "description": text_schema("description"),
-        "embedding_config": _FIXED_CONFIG,
+        "embedding_config": _EMBEDDING_CONFIG,
         "chunking_config": _FIXED_CONFIG,
     },
     ["name"],
-)
-MULTI_SEARCH_BODY = json_body(
-    {
-        "knowledge_base_ids": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": MAX_SEARCH_BASES,
-            "items": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS},
-        },
-        "query": text_schema("query", required=True),
-        "top_k": _TOP_K,
-        "min_score": _MIN_SCORE,
-    },
-    ["knowledge_base_ids", "query"],
-)
-SEARCH_BODY = json_body(
-    {
-        "query": text_schema("query", required=True),
-        "top_k": _TOP_K,
-        "min_score": _MIN_SCORE,
-        # refused when truthy: only an empty value passes
-        "filters": {
-            "enum": [None, False, 0, "", [], {}],
-            "description": "Not supported: only an empty value (null, {}, ...) is accepted.",
-        },
-        "include_content": {"type": "boolean", "default": True},
-        "include_metadata": {"type": "boolean", "default": True},
-    },
-    ["query"],
 )
 UPLOAD_BODY = {
     "requestBody": {
@@ -146,16 +140,21 @@ UPLOAD_BODY = {
 
 
 def knowledge_base_json(kb: tools_pb2.KnowledgeBase) -> KnowledgeBase:
-    """The SDK's KnowledgeBaseResponse of `kb` (`created_by_user_id` null when not recorded)."""
+    """The SDK's KnowledgeBaseResponse of `kb` (`created_by_user_id` null when not recorded;
+    `credential_id` the embedding model's credential, null for the local model)."""
     created = pb.iso(kb.create_time)
     return {
         "id": kb.knowledge_base_id,
         "organization_id": kb.organization_id,
         "created_by_user_id": kb.created_by_user_id or None,
-        "credential_id": None,
+        "credential_id": kb.embedding.credential_id or None,
         "name": kb.name,
         "description": kb.description,
-        "embedding_config": EMBEDDING_CONFIG,
+        "embedding_config": {
+            "provider": kb.embedding.provider,
+            "model": kb.embedding.model,
+            "dimensions": kb.embedding.dimensions,
+        },
         "chunking_config": CHUNKING_CONFIG,
         "document_count": kb.document_count,
         "total_chunks": kb.total_chunks,
@@ -178,24 +177,63 @@ def document_json(d: tools_pb2.Document) -> Document:
         "status": DOCUMENT_STATUS.get(d.status, d.status),
         "chunk_count": d.chunk_count,
         "token_count": d.token_count,
-        "error_message": None,
+        "error_message": d.error_message or None,
         "created_at": pb.iso(d.create_time),
     }
 
 
-def match_json(
-    r: tools_pb2.KnowledgeSearchResult, include_content: bool = True, include_metadata: bool = True
-) -> SearchMatch:
-    """The SDK's SearchMatch of a search result."""
-    return {
-        "chunk_id": r.chunk_id,
-        "document_id": r.document_id,
-        "document_filename": r.document_name,
-        "chunk_index": r.chunk_index,
-        "score": r.score,
-        "content": r.content if include_content else None,
-        "metadata": {"knowledge_base_id": r.knowledge_base_id} if include_metadata else None,
-    }
+def embedding_config(body: dict[str, Any]) -> tools_pb2.EmbeddingConfig | None:
+    """The EmbeddingConfig of a POST /knowledge-bases body; None (the local model) for no
+    `embedding_config`, null, {} or {provider: local}.
+
+    Raises BodyError 400 for other fields, another provider, the local provider with a model,
+    credential or dimensions, or "openai" without model and credential_id.
+    """
+    config = object_field(body, "embedding_config")
+    if not config:
+        return None
+    allowed = {"provider", "model", "credential_id", "dimensions"}
+    unknown = sorted(set(config) - allowed)
+    if unknown:
+        raise BodyError(
+            400,
+            f"embedding_config: unknown field(s): {', '.join(unknown)}"
+            " (it takes provider, model, credential_id and dimensions)",
+        )
+    provider = config.get("provider")
+    if provider is None:
+        provider = "local"
+    if not isinstance(provider, str) or provider not in EMBEDDING_PROVIDERS:
+        raise BodyError(400, "embedding_config.provider must be local or openai")
+    if provider == "local":
+        if set(config) - {"provider"}:
+            raise BodyError(
+                400,
+                "embedding_config: the local provider (all-MiniLM-L6-v2) takes no model,"
+                " credential_id or dimensions",
+            )
+        return None
+    fields: dict[str, str] = {}
+    for name, limit in (("model", MAX_MODEL_CHARS), ("credential_id", MAX_ID_CHARS)):
+        value = config.get(name)
+        if not isinstance(value, str) or not value.strip() or len(value) > limit:
+            raise BodyError(
+                400,
+                f"embedding_config.{name} is required for the openai provider"
+                f" (a non-empty string of at most {limit} characters)",
+            )
+        fields[name] = value
+    dimensions = 0  # the tools service reads them from the API's first answer
+    if "dimensions" in config:
+        try:
+            dimensions = int_field(config, "dimensions", 0, 1, MAX_EMBEDDING_DIMENSIONS)
+        except BodyError:
+            raise BodyError(
+                400,
+                "embedding_config.dimensions must be an integer between 1 and"
+                f" {MAX_EMBEDDING_DIMENSIONS}",
+            ) from None
+    return tools_pb2.EmbeddingConfig(provider=provider, dimensions=dimensions, **fields)
 
 
 def _bounded_receive(receive: Receive, limit: int) -> Receive:
@@ -216,6 +254,49 @@ def _bounded_receive(receive: Receive, limit: int) -> Receive:
     return bounded
 
 
+async def documents_page(
+    tools: tools_pb2_grpc.ToolsServiceStub,
+    org_id: str,
+    knowledge_base_id: str,
+    status: str | None,
+    limit: int,
+    offset: int,
+) -> list[tools_pb2.Document]:
+    """A page of a knowledge base's documents, newest first; with `status` (the SDK's
+    DocumentStatus), of the documents in that status: the tools service lists without a
+    filter, so its pages are read (DOCUMENTS_PAGE at a time) until the page is full."""
+    if status is None:
+        response = await tools.ListDocuments(
+            tools_pb2.ListDocumentsRequest(
+                organization_id=org_id,
+                knowledge_base_id=knowledge_base_id,
+                limit=limit,
+                offset=offset,
+            ),
+            timeout=TIMEOUT_S,
+        )
+        return list(response.documents)
+    matching: list[tools_pb2.Document] = []
+    read = 0
+    while len(matching) < offset + limit:
+        page = (
+            await tools.ListDocuments(
+                tools_pb2.ListDocumentsRequest(
+                    organization_id=org_id,
+                    knowledge_base_id=knowledge_base_id,
+                    limit=DOCUMENTS_PAGE,
+                    offset=read,
+                ),
+                timeout=TIMEOUT_S,
+            )
+        ).documents
+        matching += [d for d in page if DOCUMENT_STATUS.get(d.status, d.status) == status]
+        read += len(page)
+        if len(page) < DOCUMENTS_PAGE:
+            break
+    return matching[offset : offset + limit]
+
+
 async def owned_bases(
     tools: tools_pb2_grpc.ToolsServiceStub, org_id: str
 ) -> dict[str, tools_pb2.KnowledgeBase]:
@@ -224,23 +305,6 @@ async def owned_bases(
         tools_pb2.ListKnowledgeBasesRequest(organization_id=org_id), timeout=TIMEOUT_S
     )
     return {kb.knowledge_base_id: kb for kb in response.knowledge_bases}
-
-
-async def _search(
-    tools: tools_pb2_grpc.ToolsServiceStub,
-    org_id: str,
-    query: str,
-    ids: list[str],
-    top_k: int,
-    min_score: float,
-) -> list[tools_pb2.KnowledgeSearchResult]:
-    response = await tools.SearchKnowledge(
-        tools_pb2.SearchKnowledgeRequest(
-            organization_id=org_id, query=query, knowledge_base_ids=ids, top_k=top_k
-        ),
-        timeout=TIMEOUT_S,
-    )
-    return [r for r in response.results if r.score >= min_score]
 
 
 router = APIRouter(responses=error_responses(404, 409, 413, 415))
@@ -257,19 +321,19 @@ router = APIRouter(responses=error_responses(404, 409, 413, 415))
 async def create_knowledge_base(request: Request, who: Principal = Who) -> Response:
     body = await body_of(request)
     check_fields(body, {"name", "description", "embedding_config", "chunking_config"})
-    for name in ("embedding_config", "chunking_config"):
-        if object_field(body, name):
-            raise BodyError(
-                400,
-                f"{name} cannot be set: search is full-text and chunking is fixed"
-                f" ({CHUNKING_CONFIG})",
-            )
+    if object_field(body, "chunking_config"):
+        raise BodyError(
+            400, f"chunking_config cannot be set: chunking is fixed ({CHUNKING_CONFIG})"
+        )
+    name = string_field(body, "name", required=True)
+    description = string_field(body, "description")
     response = await tools_of(request).CreateKnowledgeBase(
         tools_pb2.CreateKnowledgeBaseRequest(
             organization_id=who.organization_id,
-            name=string_field(body, "name", required=True),
-            description=string_field(body, "description"),
+            name=name,
+            description=description,
             user_id=who.user_id,
+            embedding=embedding_config(body),
         ),
         timeout=TIMEOUT_S,
     )
@@ -302,87 +366,6 @@ async def list_knowledge_bases(
     if status is not None and status != "active":  # every base is active (indexing is per document)
         bases = []
     return JSONResponse([knowledge_base_json(kb) for kb in bases[offset : offset + limit]])
-
-
-@router.post(
-    "/knowledge-bases/search",
-    summary="Search several knowledge bases",
-    tags=["knowledge"],
-    response_model=MultiSearch,
-    openapi_extra=keyed(MULTI_SEARCH_BODY),
-)
-async def multi_search(request: Request, who: Principal = Who) -> Response:
-    body = await body_of(request)
-    check_fields(body, {"knowledge_base_ids", "query", "top_k", "min_score"})
-    ids = body.get("knowledge_base_ids")
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(i, str) and 0 < len(i) <= MAX_ID_CHARS for i in ids)
-    ):
-        raise BodyError(
-            400,
-            "knowledge_base_ids must be a non-empty list of ids"
-            f" (at most {MAX_ID_CHARS} characters each)",
-        )
-    if len(ids) > MAX_SEARCH_BASES:
-        raise BodyError(
-            400, f"knowledge_base_ids must name at most {MAX_SEARCH_BASES} knowledge bases"
-        )
-    query = string_field(body, "query", required=True)
-    top_k = int_field(body, "top_k", 5, 1, 50)
-    min_score = number_field(body, "min_score", 0.0)
-    owned = await owned_bases(tools_of(request), who.organization_id)
-    missing = [i for i in ids if i not in owned]
-    if missing:
-        return detail(404, "Knowledge base not found")
-    matches = await _search(
-        tools_of(request), who.organization_id, query, list(dict.fromkeys(ids)), top_k, min_score
-    )
-    found: MultiSearch = {
-        "query": query,
-        "knowledge_bases_searched": len(set(ids)),
-        "top_k": top_k,
-        "total_matches": len(matches),
-        "matches": [match_json(m) for m in matches],
-    }
-    return JSONResponse(found)
-
-
-@router.post(
-    "/knowledge-bases/{knowledge_base_id}/search",
-    summary="Search one knowledge base (full-text, BM25)",
-    tags=["knowledge"],
-    response_model=Search,
-    openapi_extra=keyed(SEARCH_BODY),
-)
-async def search(knowledge_base_id: str, request: Request, who: Principal = Who) -> Response:
-    body = await body_of(request)
-    check_fields(
-        body, {"query", "top_k", "min_score", "filters", "include_content", "include_metadata"}
-    )
-    if body.get("filters"):
-        raise BodyError(400, "filters are not supported")
-    query = string_field(body, "query", required=True)
-    top_k = int_field(body, "top_k", 5, 1, 50)
-    min_score = number_field(body, "min_score", 0.0)
-    include_content = body.get("include_content", True)
-    include_metadata = body.get("include_metadata", True)
-    if not isinstance(include_content, bool) or not isinstance(include_metadata, bool):
-        raise BodyError(400, "include_content and include_metadata must be booleans")
-    if knowledge_base_id not in await owned_bases(tools_of(request), who.organization_id):
-        return detail(404, "Knowledge base not found")
-    matches = await _search(
-        tools_of(request), who.organization_id, query, [knowledge_base_id], top_k, min_score
-    )
-    found: Search = {
-        "query": query,
-        "knowledge_base_id": knowledge_base_id,
-        "top_k": top_k,
-        "total_matches": len(matches),
-        "matches": [match_json(m, include_content, include_metadata) for m in matches],
-    }
-    return JSONResponse(found)
 
 
 @router.post(
@@ -490,17 +473,119 @@ async def document_status(
     ).document
     status = DOCUMENT_STATUS.get(d.status, d.status)
     created = pb.iso(d.create_time)
+    messages = {
+        "completed": f"Indexed into {d.chunk_count} chunks",
+        "processing": f"Embedding {d.chunk_count} chunks; keyword search already finds them",
+    }
     answer: DocumentStatus = {
         "document_id": d.document_id,
         "status": status,
         "filename": d.name,
         "file_type": _FILE_TYPES.get(d.content_type, d.content_type),
-        "message": f"Indexed into {d.chunk_count} chunks" if status == "completed" else None,
-        # Documents are indexed within the upload request: it starts and ends then.
+        "message": messages.get(status, d.error_message or None),
+        # Processing starts within the upload request; its end is not recorded apart.
         "processing_started_at": created,
         "processing_completed_at": created if status == "completed" else None,
         "chunk_count": d.chunk_count,
         "token_count": d.token_count,
-        "error": None,
+        "error": d.error_message or None,
     }
     return JSONResponse(answer)
+
+
+@router.get(
+    "/knowledge-bases/{knowledge_base_id}",
+    summary="One knowledge base",
+    tags=["knowledge"],
+    response_model=KnowledgeBase,
+    openapi_extra=keyed(),
+)
+async def get_knowledge_base(
+    knowledge_base_id: str, request: Request, who: Principal = Who
+) -> Response:
+    kb = (await owned_bases(tools_of(request), who.organization_id)).get(knowledge_base_id)
+    if kb is None:
+        return detail(404, "Knowledge base not found")
+    return JSONResponse(knowledge_base_json(kb))
+
+
+@router.delete(
+    "/knowledge-bases/{knowledge_base_id}",
+    status_code=204,
+    summary="Delete a knowledge base with its documents",
+    tags=["knowledge"],
+    openapi_extra=keyed(),
+)
+async def delete_knowledge_base(
+    knowledge_base_id: str,
+    request: Request,
+    who: Principal = Who,
+    delete_files: Annotated[
+        TrueOrFalse, Query(description="Accepted: no uploaded file is kept apart to delete.")
+    ] = True,
+) -> Response:
+    await refuse_body(request, context_of(request).settings.max_body_bytes)
+    await tools_of(request).DeleteKnowledgeBase(
+        tools_pb2.DeleteKnowledgeBaseRequest(
+            organization_id=who.organization_id, knowledge_base_id=knowledge_base_id
+        ),
+        timeout=TIMEOUT_S,
+    )
+    return Response(status_code=204)
+
+
+@router.get(
+    "/knowledge-bases/{knowledge_base_id}/documents",
+    summary="A knowledge base's documents, newest first",
+    tags=["knowledge"],
+    response_model=list[Document],
+    openapi_extra=keyed(),
+)
+async def list_documents(
+    knowledge_base_id: str,
+    request: Request,
+    who: Principal = Who,
+    status: Annotated[
+        str | None, Query(json_schema_extra={"enum": list(DOCUMENT_STATUSES)})
+    ] = None,
+    limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100,
+    offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
+) -> Response:
+    if not 1 <= limit <= 500:
+        raise BodyError(400, "limit must be between 1 and 500")
+    if offset < 0:
+        raise BodyError(400, "offset must be >= 0")
+    if status is not None and status not in DOCUMENT_STATUSES:
+        raise BodyError(400, f"status must be one of {', '.join(DOCUMENT_STATUSES)}")
+    documents = await documents_page(
+        tools_of(request), who.organization_id, knowledge_base_id, status, limit, offset
+    )
+    return JSONResponse([document_json(d) for d in documents])
+
+
+@router.delete(
+    "/knowledge-bases/{knowledge_base_id}/documents/{document_id}",
+    status_code=204,
+    summary="Delete a document with its chunks",
+    tags=["knowledge"],
+    openapi_extra=keyed(),
+)
+async def delete_document(
+    knowledge_base_id: str,
+    document_id: str,
+    request: Request,
+    who: Principal = Who,
+    delete_file: Annotated[
+        TrueOrFalse, Query(description="Accepted: no uploaded file is kept apart to delete.")
+    ] = True,
+) -> Response:
+    await refuse_body(request, context_of(request).settings.max_body_bytes)
+    await tools_of(request).DeleteDocument(
+        tools_pb2.DeleteDocumentRequest(
+            organization_id=who.organization_id,
+            knowledge_base_id=knowledge_base_id,
+            document_id=document_id,
+        ),
+        timeout=TIMEOUT_S,
+    )
+    return Response(status_code=204)

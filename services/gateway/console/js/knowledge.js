@@ -26,7 +26,7 @@ function renderBases(root, ctx, signal) {
   const reload = () =>
     fill(list, () => ctx.api.get("/knowledge-bases", { limit: 500 }, signal), basesTable, signal);
   root.append(
-    header("Knowledge", "Documents the assistant can search (full-text) with its knowledge tool."),
+    header("Knowledge", "Documents the assistant can search, by meaning and keywords, with its knowledge tool."),
     createForm(ctx, signal, status, (kb) => ctx.navigate(`#/knowledge/${encodeURIComponent(kb.id)}`)),
     status,
     list,
@@ -141,7 +141,12 @@ function uploadCard(ctx, id, signal, uploadedOne) {
     if (!doc) return;
     form.reset();
     status.replaceChildren(
-      notice("ok", "Indexed ", text(doc.filename), `: ${plural(doc.chunk_count, "chunk")}.`),
+      notice(
+        "ok",
+        "Indexed ",
+        text(doc.filename),
+        `: ${plural(doc.chunk_count, "chunk")}${doc.status === "processing" ? EMBEDDING : ""}.`,
+      ),
     );
     uploadedOne();
     uploaded.unshift(doc);
@@ -169,6 +174,9 @@ function documentsTable(docs) {
     ),
   );
 }
+
+// Said of an upload still being embedded: keyword search finds it already.
+const EMBEDDING = ", found by its words now and by meaning once embedded (seconds a page)";
 
 /** The search form and its matches (score, file, chunk, the matching text). */
 function searchCard(ctx, id, signal) {
@@ -199,7 +207,7 @@ function searchCard(ctx, id, signal) {
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     const body = { query: query.value, top_k: Number(topK.value) || 5 };
-    const path = `/knowledge-bases/${encodeURIComponent(id)}/search`;
+    const path = `/knowledge-bases/${encodeURIComponent(id)}/hybrid-search`;
     const found = await busy(go, results, () => ctx.api.post(path, body, signal));
     if (found) results.replaceChildren(matches(found));
   });
@@ -222,8 +230,16 @@ function matches(found) {
           h("span", { class: "muted" }, `chunk ${m.chunk_index}`),
           h(
             "span",
-            { class: "badge", title: "The engine's relevance: higher is better" },
+            {
+              class: "badge",
+              title: "0 to 1: 0.7 × meaning + 0.3 × share of the query's words found",
+            },
             `score ${formatScore(m.score)}`,
+          ),
+          h(
+            "span",
+            { class: "muted" },
+            `meaning ${formatScore(m.semantic_score)} · words ${formatScore(m.keyword_score)}`,
           ),
         ),
         h("pre", { class: "match-text" }, m.content ?? ""),

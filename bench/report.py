@@ -144,6 +144,28 @@ def _tools_rows(rows: _Rows, results: dict[str, Any]) -> None:
         )
 
 
+def _knowledge_rows(rows: _Rows, results: dict[str, Any]) -> None:
+    """Indexing throughput with the local model, and search latency per mode and size."""
+    kn = results.get("knowledge")
+    if not kn:
+        return
+    indexing = kn.get("indexing")
+    if indexing:
+        rows.add(
+            f"knowledge indexing {indexing['documents']} docs of ~5 KB: docs/s (chunks/s)",
+            f"{indexing['documents_per_s']} ({indexing['chunks_per_s']})",
+        )
+    for size, level in (kn.get("search") or {}).items():
+        for mode in ("keyword", "semantic", "hybrid"):
+            failed = sum((level[mode].get("failures") or {}).values())
+            rows.add(
+                f"knowledge search {mode} over {size} chunks p50 / p99 ms"
+                f" ({level[mode]['searches']} searches"
+                + (f", {failed} failed: {level[mode]['failures']})" if failed else ")"),
+                f"{level[mode]['p50_ms']} / {level[mode]['p99_ms']}",
+            )
+
+
 def _steal_rows(rows: _Rows, results: dict[str, Any]) -> None:
     """The hypervisor's steal during each workload."""
     steal = (results.get("machine") or {}).get("steal_pct") or {}
@@ -189,6 +211,7 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
     _fanout_rows(rows, results)
     _admission_rows(rows, results)
     _tools_rows(rows, results)
+    _knowledge_rows(rows, results)
     _steal_rows(rows, results)
     _memory_rows(rows, results)
     return rows.rows

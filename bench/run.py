@@ -1,4 +1,5 @@
-"""`make bench`: turn latency, throughput, stream fan-out, admission and memory of Loopline.
+"""`make bench`: turn latency, throughput, stream fan-out, admission, knowledge search and memory
+of Loopline.
 
 Starts the real processes with scripts/dev.py (free ports, a temporary data directory),
 runs the workloads against them over HTTP/SSE and gRPC, prints a table of each figure
@@ -28,6 +29,7 @@ from typing import Any
 from bench.admission import workload_admission
 from bench.deploy import ROOT, SERVICES, Deployment
 from bench.fanout import workload_fanout
+from bench.knowledge import workload_knowledge
 from bench.machine import (
     StealMeter,
     cpu_jiffies,
@@ -44,7 +46,7 @@ from bench.tools import workload_tools
 from bench.turns import workload_latency, workload_throughput
 from services import grpc_core  # noqa: F401 - the services' gRPC core settings for this client's calls too
 
-WORKLOADS = ("latency", "throughput", "admission", "fanout", "tools")
+WORKLOADS = ("latency", "throughput", "admission", "fanout", "knowledge", "tools")
 
 # `async with workload(name):` profiles (--profile) and meters the steal over one workload.
 Metered = Callable[[str], AbstractAsyncContextManager[None]]
@@ -139,6 +141,24 @@ def _add_admission_and_tools_arguments(p: argparse.ArgumentParser) -> None:
         "--chunks", type=int, help="knowledge chunks the search workload loads (10000; quick 1000)"
     )
     p.add_argument("--searches", type=int, help="searches of the tools workload (200; quick 50)")
+    p.add_argument(
+        "--knowledge-documents",
+        type=int,
+        help="~5 KB documents the knowledge workload indexes with the local model (20; quick 5)",
+    )
+    p.add_argument(
+        "--knowledge-sizes",
+        help="comma-separated chunk counts of the knowledge search "
+        "(10000,100000; quick 1000,10000)",
+    )
+    p.add_argument(
+        "--knowledge-searches", type=int, help="searches per mode and size (200; quick 30)"
+    )
+    p.add_argument(
+        "--knowledge-time-cap",
+        type=float,
+        help="seconds of searches per mode and size at most (30; quick 10)",
+    )
 
 
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,6 +211,20 @@ def _apply_sizes(args: argparse.Namespace) -> None:
     args.tool_calls = args.tool_calls if args.tool_calls is not None else (100 if q else 500)
     args.chunks = args.chunks if args.chunks is not None else (1000 if q else 10000)
     args.searches = args.searches if args.searches is not None else (50 if q else 200)
+    args.knowledge_documents = (
+        args.knowledge_documents if args.knowledge_documents is not None else (5 if q else 20)
+    )
+    args.knowledge_sizes = [
+        int(x)
+        for x in (args.knowledge_sizes or ("1000,10000" if q else "10000,100000")).split(",")
+        if x
+    ]
+    args.knowledge_searches = (
+        args.knowledge_searches if args.knowledge_searches is not None else (30 if q else 200)
+    )
+    args.knowledge_time_cap = (
+        args.knowledge_time_cap if args.knowledge_time_cap is not None else (10.0 if q else 30.0)
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -307,6 +341,21 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
             )
     if "fanout" in args.only:
         await _run_fanout(args, dep, results, workload)
+    # before tools: that workload's corpus keeps the indexer embedding for minutes
+    if "knowledge" in args.only:
+        print(
+            f"[bench] knowledge: indexing {args.knowledge_documents} documents of ~5 KB; "
+            f"search at {args.knowledge_sizes} chunks ({args.knowledge_searches} per mode)",
+            flush=True,
+        )
+        async with workload("knowledge"):
+            results["knowledge"] = await workload_knowledge(
+                dep,
+                args.knowledge_documents,
+                args.knowledge_sizes,
+                args.knowledge_searches,
+                args.knowledge_time_cap,
+            )
     if "tools" in args.only:
         print(
             f"[bench] tools: {args.tool_calls} no-op tool calls; "

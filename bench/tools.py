@@ -121,6 +121,7 @@ async def _searches(
                 query=query,
                 knowledge_base_ids=[base_id],
                 top_k=5,
+                mode=tools_pb2.SEARCH_MODE_KEYWORD,  # the knowledge workload measures the others
             ),
             timeout=30,
         )
@@ -135,13 +136,14 @@ async def workload_tools(dep: Deployment, calls: int, chunks: int, searches: int
     No-op: ExecuteTool(execute_integration_tool loopline.echo) sequentially, beside a
     grpc.health.v1 Check on the same channel as the bare round-trip baseline; the overhead is
     the difference of the medians. Search: a knowledge base filled with `chunks` chunks of
-    ~900 characters of pseudo-words (100 chunks per document), then `searches` SearchKnowledge
-    calls with two-word queries, top_k 5.
+    ~900 characters of pseudo-words (100 chunks per document), then `searches` keyword
+    SearchKnowledge calls with two-word queries, top_k 5; the knowledge base is deleted after,
+    so its embedding (in the background) does not weigh on the workloads that follow.
     """
     import grpc
     from grpc_health.v1 import health_pb2_grpc
 
-    from loopline.tools.v1 import tools_pb2_grpc
+    from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 
     org = f"org_bench_tools_{uuid.uuid4().hex[:8]}"
     channel = grpc.aio.insecure_channel(
@@ -159,6 +161,10 @@ async def workload_tools(dep: Deployment, calls: int, chunks: int, searches: int
         ]
         base_id, loaded, load_s = await _load_corpus(stub, org, rng, vocabulary, chunks)
         search_s, hits = await _searches(stub, org, rng, vocabulary, base_id, searches)
+        await stub.DeleteKnowledgeBase(
+            tools_pb2.DeleteKnowledgeBaseRequest(organization_id=org, knowledge_base_id=base_id),
+            timeout=60,
+        )
     finally:
         await channel.close()
     tool_summary, health_summary = summary(tool_s), summary(health_s)

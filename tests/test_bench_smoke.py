@@ -49,6 +49,12 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
         "200",
         "--searches",
         "5",
+        "--knowledge-documents",
+        "2",
+        "--knowledge-sizes",
+        "300",
+        "--knowledge-searches",
+        "3",
         "--out",
         str(out),
     ]
@@ -58,7 +64,19 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     assert "error" not in report
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["python"] and machine["git_commit"]
-    assert set(machine["steal_pct"]) == {"latency", "throughput", "admission", "fanout10", "tools"}
+    assert set(machine["steal_pct"]) == {
+        "latency",
+        "throughput",
+        "admission",
+        "fanout10",
+        "knowledge",
+        "tools",
+    }
+    knowledge = report["knowledge"]
+    assert knowledge["indexing"]["documents"] == 2 and knowledge["indexing"]["chunks_per_s"] > 0
+    for mode in ("keyword", "semantic", "hybrid"):
+        level = knowledge["search"]["300"][mode]
+        assert level["searches"] == 3 and not level["failures"] and level["mean_results"] == 5
     assert all(
         value is None or 0 <= value <= 100
         for value in [*machine["steal_pct"].values(), machine["steal_pct_run"]]

@@ -15,6 +15,27 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _check_machine(machine: dict) -> None:
+    """The machine's description: cores, Python, commit, and the steal of each workload."""
+    assert machine["cores"] >= 1 and machine["python"] and machine["git_commit"]
+    workloads = {"latency", "throughput", "admission", "fanout10", "knowledge", "tools"}
+    assert set(machine["steal_pct"]) == workloads
+    assert all(
+        value is None or 0 <= value <= 100
+        for value in [*machine["steal_pct"].values(), machine["steal_pct_run"]]
+    )
+
+
+def _check_knowledge(knowledge: dict, tools: dict) -> None:
+    """The knowledge workload's shape (2 documents indexed, 3 searches per mode at 300 chunks)
+    and the tools workload's (5 no-op calls, 200 chunks searched)."""
+    assert tools["noop_calls"] == 5 and tools["chunks"] == 200 and tools["search"]["p50_ms"] > 0
+    assert knowledge["indexing"]["documents"] == 2 and knowledge["indexing"]["chunks_per_s"] > 0
+    for mode in ("keyword", "semantic", "hybrid"):
+        level = knowledge["search"]["300"][mode]
+        assert level["searches"] == 3 and not level["failures"] and level["mean_results"] == 5
+
+
 def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "bench.json"
     argv = [
@@ -62,25 +83,8 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "error" not in report
-    machine = report["machine"]
-    assert machine["cores"] >= 1 and machine["python"] and machine["git_commit"]
-    assert set(machine["steal_pct"]) == {
-        "latency",
-        "throughput",
-        "admission",
-        "fanout10",
-        "knowledge",
-        "tools",
-    }
-    knowledge = report["knowledge"]
-    assert knowledge["indexing"]["documents"] == 2 and knowledge["indexing"]["chunks_per_s"] > 0
-    for mode in ("keyword", "semantic", "hybrid"):
-        level = knowledge["search"]["300"][mode]
-        assert level["searches"] == 3 and not level["failures"] and level["mean_results"] == 5
-    assert all(
-        value is None or 0 <= value <= 100
-        for value in [*machine["steal_pct"].values(), machine["steal_pct_run"]]
-    )
+    _check_machine(report["machine"])
+    _check_knowledge(report["knowledge"], report["tools"])
     latency = report["latency"]
     assert latency["turns"] == 5 and latency["completed"] == 5 and latency["failures"] == 0
     assert latency["done"]["p50_ms"] > 0 and latency["first_frame"]["p99_ms"] > 0
@@ -105,8 +109,6 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     if sys.platform == "linux":
         at_socket, read = fanout["delay_at_socket"], fanout["delay"]
         assert at_socket["p50_ms"] is not None and 0 <= at_socket["p50_ms"] <= read["p50_ms"] + 0.01
-    tools = report["tools"]
-    assert tools["noop_calls"] == 5 and tools["chunks"] == 200 and tools["search"]["p50_ms"] > 0
     memory = report["memory"]
     assert set(memory["idle_mib"]) == {"gateway", "orchestrator", "billing", "tools"}
     assert memory["after_throughput_mib"]["gateway"] > 0

@@ -10,14 +10,15 @@ reused, and read again after that so a rotated or deleted key takes effect.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from cachetools import TTLCache
 
 from services.tools.crypto import SecretBoxError
-from services.tools.embeddings import EmbeddingError, LocalEmbedder, OpenAIEmbedder
 from services.tools.knowledge_indexer import EmbeddingSpec, EmbeddingUnavailable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CLIENT_TTL_S = 300.0
 
@@ -30,6 +31,8 @@ class _Checked:
         self.provider, self.model, self.dimensions = inner.provider, inner.model, inner.dimensions
 
     async def embed(self, texts: list[str]) -> np.ndarray:
+        from services.tools.embeddings import EmbeddingError
+
         try:
             return await self.inner.embed(texts)
         except EmbeddingError as exc:
@@ -45,6 +48,8 @@ def local_embedder() -> _Checked:
     while a large document is indexed."""
     global _local
     if _local is None:
+        from services.tools.embeddings import LocalEmbedder  # numpy and the model: on first use
+
         _local = _Checked(LocalEmbedder(threads=max(1, len(os.sched_getaffinity(0)) - 1)))
     return _local
 
@@ -80,6 +85,8 @@ class Embedders:
         client = self._clients.get(key)
         if client is None:
             api_key = await self.api_key(org_id, spec.credential_id)
+            from services.tools.embeddings import OpenAIEmbedder
+
             client = _Checked(
                 OpenAIEmbedder(
                     self._base_url, api_key, spec.model, spec.dimensions, self._timeout_s

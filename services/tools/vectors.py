@@ -16,15 +16,17 @@ import asyncio
 import queue
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from services.common.db import insert_ignoring
 from services.tools.models import KnowledgeVector
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SQLITE_READERS = 4  # read-only sqlean connections kept for vector searches
 
@@ -36,6 +38,13 @@ def _in(names: Sequence[Any], prefix: str, params: dict[str, Any]) -> str:
         params[f"{prefix}{i}"] = value
         keys.append(f":{prefix}{i}")
     return f"({', '.join(keys)})"
+
+
+def _float32(vector: np.ndarray) -> bytes:
+    """A vector as sqlite-vec reads it: float32 values, native byte order."""
+    import numpy  # here: a tools service that never embeds does not load it
+
+    return numpy.asarray(vector, dtype=numpy.float32).tobytes()
 
 
 def _pg_literal(vector: np.ndarray) -> str:
@@ -131,7 +140,7 @@ class VectorIndex:
                     "chunk_id": c,
                     "knowledge_base_id": knowledge_base_id,
                     "model": model,
-                    "embedding": np.asarray(v, dtype=np.float32).tobytes(),
+                    "embedding": _float32(v),
                 }
                 for c, v in rows
             ],
@@ -152,7 +161,7 @@ class VectorIndex:
                 " ORDER BY embedding <=> CAST(:q AS vector) LIMIT :k"
             )
             return await self._pg_rows(sql, params)
-        params["q"] = np.asarray(query, dtype=np.float32).tobytes()
+        params["q"] = _float32(query)
         sql = (
             "SELECT chunk_id, 1 - vec_distance_cosine(embedding, :q) AS s FROM knowledge_vectors"
             f" WHERE knowledge_base_id IN {scope} AND model = :m ORDER BY s DESC LIMIT :k"
@@ -174,7 +183,7 @@ class VectorIndex:
                 f" WHERE chunk_id IN {ids} AND model = :m"
             )
             return dict(await self._pg_rows(sql, params))
-        params["q"] = np.asarray(query, dtype=np.float32).tobytes()
+        params["q"] = _float32(query)
         sql = (
             "SELECT chunk_id, 1 - vec_distance_cosine(embedding, :q) FROM knowledge_vectors"
             f" WHERE chunk_id IN {ids} AND model = :m"

@@ -22,11 +22,12 @@ from services.tools.knowledge_eval import Evaluation, normalise
 from tests.conftest import postgres_databases, release_databases, selected_backend
 
 # mode: (recall@5, MRR@10) floors, 0.05 under the lower of SQLite's and PostgreSQL's figures:
-# keyword 0.579 / 0.447 and 0.566 / 0.464, semantic 0.803 / 0.571, hybrid 0.868 / 0.685 on both
+# keyword 0.566 / 0.435 and 0.539 / 0.432, semantic 0.803 / 0.571 on both, hybrid 0.855 / 0.704
+# and 0.829 / 0.692
 FLOORS = {
-    "keyword": (0.51, 0.39),
+    "keyword": (0.49, 0.38),
     "semantic": (0.75, 0.52),
-    "hybrid": (0.81, 0.63),
+    "hybrid": (0.78, 0.64),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import grpc
 import pytest
@@ -291,3 +292,33 @@ def test_the_reembed_command_embeds_documents_left_unembedded(tmp_path, monkeypa
     monkeypatch.setattr("builtins.print", lambda text: printed.append(text))
     assert main(["reembed", "--knowledge-base", base_id]) == 0
     assert json.loads(printed[-1]) == {"knowledge_bases": 1, "documents": 1, "failed": []}
+
+
+async def test_the_event_loop_keeps_serving_while_the_local_model_embeds(open_store):
+    store = await open_store()  # the real local model
+    base, _ = await store.create_base("org-a", "Big")
+    content = "\n\n".join(
+        f"## Part {i}\n\n" + f"Parcels of part {i} leave the Lyon warehouse in two days. " * 14
+        for i in range(40)
+    )
+    largest_gap, stop = 0.0, asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal largest_gap
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            largest_gap, last = max(largest_gap, now - last), now
+
+    ticking = asyncio.create_task(ticker())
+    document = await store.add_document("org-a", base.id, "big.md", content)
+    assert document.chunk_count >= 40
+    searched = await store.search("org-a", "Lyon parcels", [base.id], 3, mode="keyword")
+    await store.indexer.wait_idle()
+    stop.set()
+    await ticking
+    assert searched  # a search answered while the chunks were being embedded
+    assert (await store.get_document("org-a", base.id, document.id)).status == "ready"
+    # the model runs in a worker thread: the loop is never held for long
+    assert largest_gap < 0.25, f"the event loop was held for {largest_gap:.2f} s"

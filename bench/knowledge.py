@@ -205,8 +205,8 @@ class _Filler:
                     {"d": document},
                 )
             ).all()
-            rows = [(int(c), v) for c, v in zip(ids, vectors, strict=True)]
-            await self.vectors.write(session, self.base_id, LOCAL_MODEL, rows)
+            rows = [(int(c), document, v) for c, v in zip(ids, vectors, strict=True)]
+            await self.vectors.write(session, LOCAL_MODEL, rows)
         self.chunks += count
 
     async def close(self) -> None:

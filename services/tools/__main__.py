@@ -108,7 +108,7 @@ async def reembed_command(settings: ToolsSettings, args: argparse.Namespace) -> 
     embedders = Embedders(credentials, settings.embedding_openai_base_url, settings.tools_timeout_s)
     store = KnowledgeStore(engine, sessions, embedders)
     try:
-        document = await reembed(store, sessions, args.knowledge_base, args.all, spec)
+        document = await reembed(store, sessions, args.knowledge_base, args.all, spec, credentials)
     finally:
         await store.close()
         await engine.dispose()

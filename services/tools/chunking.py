@@ -1,12 +1,14 @@
 """Cut a document's text into chunks by its structure: sections, paragraphs, sentences.
 
-A heading (Markdown `#` to `######`) starts a new section; each chunk of a section begins
-with the section's heading path ("Billing > Reservations") so that both keyword and semantic
-search see what the passage is about. Paragraphs are packed into a chunk up to CHUNK_CHARS
-characters (about 200 of the embedding model's tokens, under its 256-token window); a
-paragraph longer than that is cut between sentences, then at whitespace. When a section
-spans several chunks, each one after the first starts with the last OVERLAP_CHARS or so of
-the one before (whole sentences or words), so an answer cut at a boundary is whole in one.
+A heading (Markdown `#` to `######`, never a line inside a ``` or ~~~ fenced code block)
+starts a new section; its path keeps the headings above its level ("Billing > Reservations")
+and each chunk of the section begins with it so that both keyword and semantic search see
+what the passage is about. A fenced block is kept whole, blank lines included. Paragraphs
+are packed into a chunk up to CHUNK_CHARS characters (about 200 of the embedding model's
+tokens, under its 256-token window); a paragraph longer than that is cut between
+sentences, then at whitespace. When a section spans several chunks, each one after the
+first starts with the last OVERLAP_CHARS or so of the one before (whole sentences or
+words), so an answer cut at a boundary is whole in one.
 
 Linear in the length of the text: long paragraphs are walked with offsets, never re-sliced.
 """
@@ -20,7 +22,7 @@ CHUNK_CHARS = 900
 OVERLAP_CHARS = 150
 MIN_SECTION_CHARS = 200  # a section shorter than this shares its chunk with the next one
 _HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$")
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _SPACE = re.compile(r"\s")
 
@@ -33,27 +35,60 @@ class _Section:
     paragraphs: list[str] = field(default_factory=list)
 
 
+def _fence(line: str) -> str | None:
+    """The fence marker (a run of 3+ backticks or tildes) a line opens or closes a fenced code
+    block with, or None."""
+    match = _FENCE.match(line)
+    return match.group(1) if match else None
+
+
+def _heading(line: str, stack: list[tuple[int, str]]) -> str | None:
+    """The heading path a heading line opens (the levels above it kept, any at its level or
+    deeper closed), `stack` updated; None when the line is not a heading."""
+    match = _HEADING.match(line.strip())
+    if match is None:
+        return None
+    level = len(match.group(1))
+    while stack and stack[-1][0] >= level:
+        stack.pop()
+    stack.append((level, match.group(2).strip()))
+    return " > ".join(title for _, title in stack)
+
+
 def _sections(content: str) -> list[_Section]:
     """The text's sections in order: a heading line opens one; text before any heading is a
-    section with an empty path."""
-    headings: list[str] = []
+    section with an empty path. A blank line ends a paragraph; lines inside a fenced code
+    block are never headings and its blank lines do not end a paragraph, so it stays whole."""
+    stack: list[tuple[int, str]] = []
     sections = [_Section("")]
-    for block in _PARAGRAPH_BREAK.split(content):
-        lines: list[str] = []
-        for line in block.strip().splitlines():
-            match = _HEADING.match(line.strip())
-            if match is None:
-                lines.append(line)
-                continue
-            if lines:
-                sections[-1].paragraphs.append("\n".join(lines).strip())
-                lines = []
-            level = len(match.group(1))
-            headings = headings[: level - 1] + [match.group(2).strip()]
-            sections.append(_Section(" > ".join(headings)))
+    lines: list[str] = []
+    fence = ""  # the marker of the open fenced block, "" outside one
+
+    def end_paragraph() -> None:
         text = "\n".join(lines).strip()
         if text:
             sections[-1].paragraphs.append(text)
+        lines.clear()
+
+    for line in content.splitlines():
+        marker = _fence(line)
+        if fence:
+            lines.append(line)
+            if marker and marker[0] == fence[0] and len(marker) >= len(fence):
+                if not line.strip().removeprefix(marker).strip():
+                    fence = ""
+            continue
+        if marker:
+            fence = marker
+            lines.append(line)
+        elif not line.strip():
+            end_paragraph()
+        elif (path := _heading(line, stack)) is not None:
+            end_paragraph()
+            sections.append(_Section(path))
+        else:
+            lines.append(line)
+    end_paragraph()
     return [s for s in sections if s.paragraphs or s.path]
 
 

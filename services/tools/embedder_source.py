@@ -36,7 +36,7 @@ class _Checked:
         try:
             return await self.inner.embed(texts)
         except EmbeddingError as exc:
-            raise EmbeddingUnavailable(exc.reason) from None
+            raise EmbeddingUnavailable(exc.reason, permanent=not exc.transient) from None
 
 
 _local: _Checked | None = None

@@ -26,12 +26,14 @@ Vectors = np.ndarray  # (n, dimensions) float32, rows of unit length
 
 
 class EmbeddingError(Exception):
-    """Embedding failed; `reason` is built from known facts (status, model), never a body."""
+    """Embedding failed; `reason` is built from known facts (status, model), never a body.
+    `transient`: asking again later may succeed (no answer, rate limited, a server error)."""
 
-    def __init__(self, reason: str, status: int | None = None) -> None:
+    def __init__(self, reason: str, status: int | None = None, transient: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.transient = transient
 
 
 class Embedder(Protocol):
@@ -358,13 +360,15 @@ class OpenAIEmbedder:
             )
         except openai.APITimeoutError:
             reason = f"the embeddings API did not answer within {self._timeout_s:g}s"
-            raise EmbeddingError(reason) from None
+            raise EmbeddingError(reason, transient=True) from None
         except openai.APIConnectionError:
-            raise EmbeddingError("the embeddings API could not be reached") from None
+            raise EmbeddingError(
+                "the embeddings API could not be reached", transient=True
+            ) from None
         except openai.APIStatusError as exc:
             status = exc.status_code
             reason = _STATUS_REASONS.get(status, f"the embeddings API answered HTTP {status}")
-            raise EmbeddingError(reason, status) from None
+            raise EmbeddingError(reason, status, transient=status == 429 or status >= 500) from None
         except openai.OpenAIError:
             raise EmbeddingError("the embeddings API's answer could not be read") from None
         try:

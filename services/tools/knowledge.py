@@ -102,8 +102,13 @@ class KnowledgeStore:
         self._dialect = engine.dialect.name
         self._sessions = sessions
         self.vectors = VectorIndex(engine, sessions)
+        self._embedder_for = embedder_for
         self.indexer = Indexer(sessions, self.vectors, embedder_for)
         self._search = KnowledgeSearch(self._dialect, sessions, self.vectors, embedder_for)
+
+    def indexer_for(self, base_ids: list[str]) -> Indexer:
+        """An indexer of these knowledge bases' documents only (the re-embed command's)."""
+        return Indexer(self._sessions, self.vectors, self._embedder_for, base_ids)
 
     async def close(self) -> None:
         """Stop the indexer and close the vector readers."""

@@ -4,9 +4,10 @@ Scores are between 0 and 1 and mean the same whatever the corpus, so `min_score`
 once:
 - semantic_score: the cosine similarity of the query's and the chunk's embeddings (a negative
   one counts as 0). With the local model, about 0.5 and up is on topic, 0.7 and up close.
-- keyword_score: the share of the query's words (common English words aside, endings such as
-  plurals folded) that the chunk contains, each word weighted by its rarity in the knowledge
-  bases searched (BM25's IDF, ln(1 + (N - n + 0.5) / (n + 0.5))): 1.0 when it has them all.
+- keyword_score: the share of the query's words (common English words aside; words stemmed as
+  the engines stem them, accents removed) that the chunk contains, each word weighted by its
+  rarity in the knowledge bases searched (BM25's IDF, ln(1 + (N - n + 0.5) / (n + 0.5))): 1.0
+  when it has them all.
 - hybrid: (semantic_weight * semantic_score + keyword_weight * keyword_score) divided by the
   sum of the weights (0.7 and 0.3 by default), over the union of both rankings' candidates.
 
@@ -17,14 +18,17 @@ vector index for meaning), CANDIDATES or 4 x top_k from each; the scores above t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import snowballstemmer  # type: ignore[import-untyped]
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
@@ -46,14 +50,17 @@ STOP_WORDS = frozenset(
 )
 
 
+_STEMMER = snowballstemmer.stemmer("english")
+
+
+@functools.lru_cache(maxsize=65536)
 def _fold(word: str) -> str:
-    """`word` lower-cased with a common English ending removed (plurals, -ing, -ed), so that
-    "credentials" and "credential" count as the same word."""
-    word = word.lower()
-    for ending, keep in (("ies", "y"), ("ing", ""), ("ed", ""), ("es", ""), ("s", "")):
-        if word.endswith(ending) and len(word) - len(ending) >= 3 and not word.endswith("ss"):
-            return word[: -len(ending)] + keep
-    return word
+    """`word` as the full-text engines index it, near enough: lower case, accents removed,
+    stemmed by the Snowball English stemmer ("encryption" and "encrypted" are both
+    "encrypt"). Cached: a search folds the words of a few hundred chunks."""
+    bare = unicodedata.normalize("NFKD", word.lower())
+    bare = "".join(c for c in bare if not unicodedata.combining(c))
+    return str(_STEMMER.stemWord(bare))
 
 
 def query_terms(query: str) -> list[str]:
@@ -233,25 +240,30 @@ class KnowledgeSearch:
     async def _query_vectors(
         self, org_id: str, query: str, specs: set[EmbeddingSpec], mode: str
     ) -> dict[EmbeddingSpec, Any]:
-        """The query embedded by each model; a model that cannot answer is left out of a hybrid
-        search (keywords still rank) and fails a semantic one (UNAVAILABLE)."""
+        """The query embedded by each model. The knowledge bases of a model that cannot answer
+        are ranked by keywords alone in a hybrid search and left out of a semantic one, which
+        fails (FAILED_PRECONDITION EMBEDDINGS_UNAVAILABLE, with the model's known reason) only
+        when no model answers."""
         vectors: dict[EmbeddingSpec, Any] = {}
+        reasons: list[str] = []
         for spec in specs:
             try:
                 embedder = await self._embedder_for(org_id, spec)
                 vectors[spec] = (await embedder.embed([query]))[0]
             except EmbeddingUnavailable as exc:
-                if mode == "semantic":
-                    raise RpcError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        "EMBEDDINGS_UNAVAILABLE",
-                        f"The embedding model cannot answer: {exc}",
-                        domain=TOOLS_DOMAIN,
-                    ) from None
+                reasons.append(f"{spec.model}: {exc}")
                 log.warning(
                     "query not embedded; keyword ranking only",
-                    extra={"fields": {"reason": str(exc)[:200]}},
+                    extra={"fields": {"model": spec.model, "reason": str(exc)[:200]}},
                 )
+        if mode == "semantic" and not vectors:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "EMBEDDINGS_UNAVAILABLE",
+                "The embedding model cannot embed the query, so a semantic search cannot rank"
+                f" (keyword and hybrid search still can): {'; '.join(reasons)[:500]}",
+                domain=TOOLS_DOMAIN,
+            )
         return vectors
 
     async def _keyword_candidates(self, terms: list[str], base_ids: list[str], n: int) -> list[int]:

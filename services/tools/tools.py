@@ -24,7 +24,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from services.common import metrics, pb
-from services.common.errors import bounded
+from services.common.errors import RpcError, bounded
 from services.common.redaction import Redactor
 from services.common.validation import schema_errors
 from services.tools import failures
@@ -518,14 +518,17 @@ class ToolExecutor:
                 f"Knowledge base(s) not found: {shown}. Leave out knowledge_base_ids to search "
                 "them all."
             )
-        hits = await self.knowledge.search(
-            org_id,
-            args["query"],
-            args.get("knowledge_base_ids"),
-            int(args.get("top_k", 5)),
-            mode=args.get("mode", "hybrid"),
-            min_score=float(args.get("min_score", 0.0)),
-        )
+        try:
+            hits = await self.knowledge.search(
+                org_id,
+                args["query"],
+                args.get("knowledge_base_ids"),
+                int(args.get("top_k", 5)),
+                mode=args.get("mode", "hybrid"),
+                min_score=float(args.get("min_score", 0.0)),
+            )
+        except RpcError as refused:  # e.g. no embedding model answers: its known reason
+            raise ToolError(refused.message) from None
         output = {
             "query": args["query"],
             "results": [h.to_json() for h in hits],

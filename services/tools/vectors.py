@@ -22,9 +22,6 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from services.common.db import insert_ignoring
-from services.tools.models import KnowledgeVector
-
 if TYPE_CHECKING:
     import numpy as np
 
@@ -114,36 +111,27 @@ class VectorIndex:
             self._readers = _SqliteReaders(database)
 
     async def write(
-        self, session: AsyncSession, knowledge_base_id: str, model: str, rows: list[tuple[int, Any]]
+        self, session: AsyncSession, model: str, rows: list[tuple[int, str, Any]]
     ) -> None:
-        """Store `(chunk_id, vector)` rows of one knowledge base's `model` in `session`; a chunk
-        that already has a vector keeps it (another replica wrote the same)."""
+        """Store `(chunk_id, document_id, vector)` rows of `model` in `session`, each only while
+        that chunk still belongs to that document (a deleted document's ids may be reused by a
+        new one's chunks, which must never get its vectors); a chunk that already has a vector
+        keeps it (another replica wrote the same)."""
         if not rows:
             return
         if self._dialect == "postgresql":
-            values: list[dict[str, Any]] = [
-                {"c": c, "kb": knowledge_base_id, "m": model, "e": _pg_literal(v)} for c, v in rows
-            ]
-            await session.execute(
-                text(
-                    "INSERT INTO knowledge_vectors (chunk_id, knowledge_base_id, model, embedding)"
-                    " VALUES (:c, :kb, :m, CAST(:e AS vector)) ON CONFLICT (chunk_id) DO NOTHING"
-                ),
-                values,
-            )
-            return
-        statement = insert_ignoring(self._dialect, KnowledgeVector.__table__, ("chunk_id",))
+            value, conflict = "CAST(:e AS vector)", " ON CONFLICT (chunk_id) DO NOTHING"
+            values = [{"c": c, "d": d, "m": model, "e": _pg_literal(v)} for c, d, v in rows]
+        else:
+            value, conflict = ":e", " ON CONFLICT (chunk_id) DO NOTHING"
+            values = [{"c": c, "d": d, "m": model, "e": _float32(v)} for c, d, v in rows]
         await session.execute(
-            statement,
-            [
-                {
-                    "chunk_id": c,
-                    "knowledge_base_id": knowledge_base_id,
-                    "model": model,
-                    "embedding": _float32(v),
-                }
-                for c, v in rows
-            ],
+            text(
+                "INSERT INTO knowledge_vectors (chunk_id, knowledge_base_id, model, embedding)"
+                f" SELECT id, knowledge_base_id, :m, {value} FROM knowledge_chunks"
+                f" WHERE id = :c AND document_id = :d{conflict}"
+            ),
+            values,
         )
 
     async def nearest(

@@ -140,7 +140,7 @@ async def test_an_openai_embedding_config_names_its_credential(services):
         refused = await client.post(
             "/knowledge-bases", json={"name": "Bad", "chunking_config": {"max_chars": 5}}
         )
-        assert refused.status_code == 400 and "chunking is fixed" in refused.json()["detail"]
+        assert refused.status_code == 400 and "cut by headings" in refused.json()["detail"]
         assert len((await client.get("/knowledge-bases")).json()) == 5  # nothing else stored
     # another organization's openai credential is not found
     outsider = await services.member("owner", org_id="org_other_embed")

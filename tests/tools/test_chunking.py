@@ -68,3 +68,34 @@ def test_any_text_is_cut_within_the_size_and_loses_no_word():
             kept = set(" ".join(chunks).split())
             short = {w for w in content.split() if len(w) <= (size - overlap) // 2}
             assert short <= kept
+
+
+def test_a_heading_of_the_same_level_replaces_the_one_before():
+    refunds = "Customers get money back within 30 days of purchase, to the card they paid with."
+    chunks = chunk_text(f"## Refunds\n\n{refunds}\n\n## Shipping\n\nOrders ship in two days.")
+    # the short Refunds section shares its chunk with the next one
+    assert chunks == [f"Refunds\n\n{refunds}\n\nShipping\n\nOrders ship in two days."]
+
+
+def test_the_heading_path_follows_the_heading_levels():
+    body = "A paragraph long enough to stand as a chunk of its own. " * 5
+    headings = ("# A", "## B", "## C", "# D", "### E", "### F", "## G")
+    text = "\n\n".join(f"{h}\n\n{body}" for h in headings)
+    paths = [c.split("\n\n")[0] for c in chunk_text(text)]
+    # a heading closes those of its level or deeper, even when a level was skipped (E, F)
+    assert paths == ["A", "A > B", "A > C", "D", "D > E", "D > F", "D > G"]
+
+
+def test_a_fenced_code_block_is_kept_whole_and_holds_no_heading():
+    fence = "```bash\n# install the package\npip install x\n\n# then run it\n\nx --help\n```"
+    tilde = "~~~\n## not a heading\n\n~~~"
+    text = f"# Setup\n\nInstall it:\n\n{fence}\n\nThen:\n\n{tilde}\n\nDone."
+    chunks = chunk_text(text)
+    assert chunks == [f"Setup\n\nInstall it:\n\n{fence}\n\nThen:\n\n{tilde}\n\nDone."]
+
+
+def test_a_heading_after_a_closed_fence_opens_a_section():
+    body = "Body of two. " * 20
+    text = f"# One\n\n````\n```\n# inside\n````\n\n## Two\n\n{body}"
+    # the shorter ``` line does not close the ```` fence; the ```` line does
+    assert chunk_text(text) == [f"One\n\n````\n```\n# inside\n````\n\nOne > Two\n\n{body.strip()}"]

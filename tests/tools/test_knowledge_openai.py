@@ -96,5 +96,9 @@ async def test_a_refused_key_fails_the_document_and_semantic_search_says_why(
                 organization_id="org-a", query="refunds", mode=tools_pb2.SEARCH_MODE_SEMANTIC
             )
         )
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "refused the key (401)" in (refused.value.details() or "")
     assert KEY not in (refused.value.details() or "")
+    # the assistant's tool says why, as a failed result (not an internal error)
+    error = await tools.failed("search_knowledge", {"query": "refunds", "mode": "semantic"})
+    assert "refused the key (401)" in error and KEY not in error

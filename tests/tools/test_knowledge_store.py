@@ -190,7 +190,7 @@ async def test_a_model_that_refuses_fails_the_document_with_a_known_reason(open_
     assert [h.document_name for h in hits] == ["refunds.md"] and hits[0].semantic_score == 0
     with pytest.raises(RpcError) as unavailable:
         await store.search("org-a", "refund", [base.id], 3, mode="semantic")
-    assert unavailable.value.code == grpc.StatusCode.UNAVAILABLE
+    assert unavailable.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "refused the key (401)" in unavailable.value.message
 
 
@@ -320,5 +320,157 @@ async def test_the_event_loop_keeps_serving_while_the_local_model_embeds(open_st
     await ticking
     assert searched  # a search answered while the chunks were being embedded
     assert (await store.get_document("org-a", base.id, document.id)).status == "ready"
-    # the model runs in a worker thread: the loop is never held for long
-    assert largest_gap < 0.25, f"the event loop was held for {largest_gap:.2f} s"
+    # the model runs in a worker thread: the loop is never held for a batch (16 chunks, over a
+    # second of CPU); a busy machine may still delay a tick by a few hundred ms
+    assert largest_gap < 1.0, f"the event loop was held for {largest_gap:.2f} s"
+
+
+class _Gated(HashingEmbedder):
+    """A HashingEmbedder whose calls wait for `gate` (when set) and take `delay_s`."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.gate: asyncio.Event | None = None
+        self.delay_s = delay_s
+
+    async def embed(self, texts: list[str]):
+        if self.gate is not None:
+            await self.gate.wait()
+        await asyncio.sleep(self.delay_s)
+        return await super().embed(texts)
+
+
+async def test_a_new_documents_chunks_never_get_a_deleted_documents_vectors(open_store):
+    embedder = _Gated()
+    store = await open_store(embedder)
+    base, _ = await store.create_base("org-a", "Support")
+    embedder.gate = asyncio.Event()
+    old = await store.add_document("org-a", base.id, "old.md", REFUNDS)
+    await asyncio.sleep(0.05)  # the indexer waits on the model with old.md's chunk
+    await store.delete_document("org-a", base.id, old.id)
+    new = await store.add_document("org-a", base.id, "new.md", HOLIDAYS)  # may reuse the id
+    embedder.gate.set()
+    await store.indexer.wait_idle()
+    assert (await store.get_document("org-a", base.id, new.id)).status == "ready"
+    async with store.indexer._sessions() as session:
+        rows = (
+            await session.execute(
+                text(
+                    "SELECT c.content, v.embedding FROM knowledge_vectors v"
+                    " JOIN knowledge_chunks c ON c.id = v.chunk_id"
+                )
+            )
+        ).all()
+    assert len(rows) == 1
+    expected = (await HashingEmbedder().embed([rows[0][0]]))[0]
+    if isinstance(rows[0][1], bytes):  # SQLite: float32 BLOB
+        import numpy as np
+
+        assert np.allclose(np.frombuffer(rows[0][1], dtype=np.float32), expected)
+
+
+async def test_a_small_upload_is_not_queued_behind_a_large_one(open_store, monkeypatch):
+    monkeypatch.setattr(knowledge_indexer, "BATCH", 2)
+    store = await open_store(_Gated(delay_s=0.05))
+    base, _ = await store.create_base("org-a", "Support")
+    content = "\n\n".join(f"## Part {i}\n\n" + f"Parcel {i} rules. " * 60 for i in range(30))
+    large = await store.add_document("org-a", base.id, "large.md", content)
+    small = await store.add_document("org-a", base.id, "small.md", REFUNDS)
+    for _ in range(100):
+        if (await store.get_document("org-a", base.id, small.id)).status == "ready":
+            break
+        await asyncio.sleep(0.05)
+    assert (await store.get_document("org-a", base.id, small.id)).status == "ready"
+    assert (await store.get_document("org-a", base.id, large.id)).status == "processing"
+
+
+async def test_a_model_that_cannot_answer_now_is_asked_again(open_store, monkeypatch):
+    monkeypatch.setattr(knowledge_indexer, "RETRY_S", 0.05)
+    back = asyncio.Event()
+
+    class Flaky(HashingEmbedder):
+        async def embed(self, texts: list[str]):
+            self.calls += 1
+            if not back.is_set():
+                raise knowledge_indexer.EmbeddingUnavailable(
+                    "the embeddings API answered HTTP 503", permanent=False
+                )
+            return await super().embed(texts)
+
+    embedder = Flaky()
+    store = await open_store(embedder)
+    base, _ = await store.create_base("org-a", "Support")
+    document = await store.add_document("org-a", base.id, "refunds.md", REFUNDS)
+    for _ in range(200):  # asked again, and again
+        if embedder.calls >= 3:
+            break
+        await asyncio.sleep(0.02)
+    assert embedder.calls >= 3
+    waiting = await store.get_document("org-a", base.id, document.id)
+    assert (waiting.status, waiting.error_message) == (
+        "processing",
+        "the embeddings API answered HTTP 503",
+    )
+    back.set()
+    await store.indexer.wait_idle()
+    done = await store.get_document("org-a", base.id, document.id)
+    assert (done.status, done.error_message) == ("ready", None)
+
+
+async def test_a_semantic_search_leaves_out_only_the_bases_whose_model_fails(open_store):
+    from services.tools.knowledge_indexer import EmbeddingSpec
+
+    working, failing = (
+        HashingEmbedder(),
+        HashingEmbedder(fail="the embeddings API refused the key (401)"),
+    )
+
+    async def embedder_for(org_id: str, spec: EmbeddingSpec):
+        return failing if spec.provider == "openai" else working
+
+    store = await open_store(embedder_for)
+    local, _ = await store.create_base("org-a", "Local")
+    remote, _ = await store.create_base(
+        "org-a", "Remote", embedding=EmbeddingSpec("openai", "m", 0, "credential-1")
+    )
+    await store.add_document("org-a", local.id, "refunds.md", REFUNDS)
+    await store.add_document("org-a", remote.id, "shipping.md", SHIPPING)
+    await store.indexer.wait_idle()
+    hits = await store.search("org-a", "refund card", None, 5, mode="semantic")
+    assert {h.knowledge_base_id for h in hits} == {local.id}
+    with pytest.raises(RpcError) as refused:
+        await store.search("org-a", "refund card", [remote.id], 5, mode="semantic")
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "refused the key (401)" in refused.value.message
+
+
+async def test_keyword_scores_match_words_as_the_engines_stem_them(open_store):
+    store = await open_store(HashingEmbedder())
+    base, _ = await store.create_base("org-a", "Security")
+    await store.add_document(
+        "org-a", base.id, "security.md", "Secrets get encryption at rest. Le café du résumé."
+    )
+    # PostgreSQL's 'english' text search keeps accents (no unaccent): "cafe" does not find "café"
+    queries = ["encrypted secret"] + (["cafe resume"] if selected_backend() == "sqlite" else [])
+    for query in queries:
+        hits = await store.search("org-a", query, [base.id], 1, mode="keyword")
+        assert hits and hits[0].keyword_score == 1.0, query
+
+
+async def test_reembed_refuses_a_credential_that_is_not_the_organizations(open_store):
+    from services.tools.knowledge_indexer import EmbeddingSpec
+    from services.tools.reembed import reembed
+
+    class NoCredentials:
+        async def get(self, org_id: str, credential_id: str):
+            raise RpcError(grpc.StatusCode.NOT_FOUND, "CREDENTIAL_NOT_FOUND", "not found")
+
+    store = await open_store(HashingEmbedder())
+    base_id = await _filled(store)
+    spec = EmbeddingSpec("openai", "text-embedding-3-small", 0, "nonexistent")
+    answer = await reembed(
+        store, store.indexer._sessions, [base_id], spec=spec, credentials=NoCredentials()
+    )
+    assert answer == {"error": "credential nonexistent is not an 'openai' credential of org-a"}
+    assert await _vector_count(store) == 3  # nothing was dropped
+    assert (await store.get_base("org-a", base_id))[0].embedding_provider == "local"

@@ -323,7 +323,10 @@ async def create_knowledge_base(request: Request, who: Principal = Who) -> Respo
     check_fields(body, {"name", "description", "embedding_config", "chunking_config"})
     if object_field(body, "chunking_config"):
         raise BodyError(
-            400, f"chunking_config cannot be set: chunking is fixed ({CHUNKING_CONFIG})"
+            400,
+            "chunking_config cannot be set: documents are cut by headings and paragraphs into"
+            f" chunks of at most {CHUNKING_CONFIG['max_chars']} characters overlapping by about"
+            f" {CHUNKING_CONFIG['overlap_chars']}",
         )
     name = string_field(body, "name", required=True)
     description = string_field(body, "description")

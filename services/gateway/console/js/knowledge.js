@@ -121,7 +121,7 @@ function uploadCard(ctx, id, signal, uploadedOne) {
     "form",
     { class: "card", id: "knowledge-upload" },
     h("h2", {}, "Upload a document"),
-    h("p", { class: "hint" }, "txt, md, html, csv, json or pdf, up to 10 MiB; indexed before the answer."),
+    h("p", { class: "hint" }, "txt, md, html, csv, json or pdf, up to 10 MiB; found by its words at once, by meaning once embedded."),
     h("div", { class: "row" }, file, send),
     status,
     list,

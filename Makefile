@@ -151,11 +151,11 @@ run: $(VENV_STAMP) $(INT_STAMP) ## set up, migrate, seed and start all four serv
 test: $(VENV_STAMP) $(INT_STAMP) $(BUF) chromium pgvector ## run the whole test suite on the embedded backends
 	$(PYTEST) -q $(TESTS) $(PYTEST_ARGS)
 
-test-pg: $(VENV_STAMP) $(INT_STAMP) $(BUF) chromium pgvector ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379), without tests/faults (make test-faults)
+test-pg: $(VENV_STAMP) $(INT_STAMP) $(BUF) pgvector ## run the same suite on PostgreSQL and Redis (127.0.0.1:5432 db test, 127.0.0.1:6379), without tests/faults (make test-faults) and tests/console (the pages: make test)
 	LOOPLINE_TEST_BACKEND=postgres \
 	LOOPLINE_TEST_POSTGRES_URL='$(LOOPLINE_TEST_POSTGRES_URL)' \
 	LOOPLINE_TEST_REDIS_URL='$(LOOPLINE_TEST_REDIS_URL)' \
-	$(PYTEST) -q $(TESTS) --ignore=tests/faults $(PYTEST_ARGS)
+	$(PYTEST) -q $(TESTS) --ignore=tests/faults --ignore=tests/console $(PYTEST_ARGS)
 
 test-faults: $(VENV_STAMP) $(INT_STAMP) pgvector ## the fault suite on real processes: PostgreSQL (127.0.0.1:5432 db test) and a redis-server per test (tests/faults)
 	LOOPLINE_TEST_BACKEND=postgres \

@@ -22,12 +22,12 @@ from services.tools.knowledge_eval import Evaluation, normalise
 from tests.conftest import postgres_databases, release_databases, selected_backend
 
 # mode: (recall@5, MRR@10) floors, 0.05 under the lower of SQLite's and PostgreSQL's figures:
-# keyword 0.566 / 0.435 and 0.539 / 0.432, semantic 0.803 / 0.571 on both, hybrid 0.855 / 0.704
-# and 0.829 / 0.692
+# keyword 0.605 / 0.426 and 0.566 / 0.430, semantic 0.803 / 0.571 on both, hybrid 0.855 / 0.679
+# and 0.842 / 0.672
 FLOORS = {
-    "keyword": (0.49, 0.38),
+    "keyword": (0.51, 0.37),
     "semantic": (0.75, 0.52),
-    "hybrid": (0.78, 0.64),
+    "hybrid": (0.79, 0.62),
 }
 
 

@@ -307,6 +307,17 @@ async def owned_bases(
     return {kb.knowledge_base_id: kb for kb in response.knowledge_bases}
 
 
+def check_page(limit: int, offset: int, status: str | None, statuses: tuple[str, ...]) -> None:
+    """A listing's `limit` (1 to 500), `offset` (>= 0) and `status` (one of `statuses`, or
+    None); BodyError 400 naming the first that is not."""
+    if not 1 <= limit <= 500:
+        raise BodyError(400, "limit must be between 1 and 500")
+    if offset < 0:
+        raise BodyError(400, "offset must be >= 0")
+    if status is not None and status not in statuses:
+        raise BodyError(400, f"status must be one of {', '.join(statuses)}")
+
+
 router = APIRouter(responses=error_responses(404, 409, 413, 415))
 
 
@@ -359,12 +370,7 @@ async def list_knowledge_bases(
     limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100,
     offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> Response:
-    if not 1 <= limit <= 500:
-        raise BodyError(400, "limit must be between 1 and 500")
-    if offset < 0:
-        raise BodyError(400, "offset must be >= 0")
-    if status is not None and status not in KNOWLEDGE_BASE_STATUSES:
-        raise BodyError(400, f"status must be one of {', '.join(KNOWLEDGE_BASE_STATUSES)}")
+    check_page(limit, offset, status, KNOWLEDGE_BASE_STATUSES)
     bases = list((await owned_bases(tools_of(request), who.organization_id)).values())
     if status is not None and status != "active":  # every base is active (indexing is per document)
         bases = []
@@ -554,12 +560,7 @@ async def list_documents(
     limit: Annotated[WholeNumber, Query(ge=1, le=500)] = 100,
     offset: Annotated[WholeNumber, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> Response:
-    if not 1 <= limit <= 500:
-        raise BodyError(400, "limit must be between 1 and 500")
-    if offset < 0:
-        raise BodyError(400, "offset must be >= 0")
-    if status is not None and status not in DOCUMENT_STATUSES:
-        raise BodyError(400, f"status must be one of {', '.join(DOCUMENT_STATUSES)}")
+    check_page(limit, offset, status, DOCUMENT_STATUSES)
     documents = await documents_page(
         tools_of(request), who.organization_id, knowledge_base_id, status, limit, offset
     )

@@ -87,7 +87,7 @@ class KnowledgeStore:
 
     Args:
         engine: the service's engine (its dialect picks FTS5 or PostgreSQL text search, and
-            sqlite-vec or pgvector).
+            numpy or pgvector).
         sessions: the service's session factory.
         embedder_for: `(organization_id, spec) -> Embedder`: embedder_source.Embedders in the
             service; by default the local model only.

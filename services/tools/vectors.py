@@ -1,8 +1,9 @@
 """Chunk embeddings beside the chunks, compared by cosine similarity: one interface, two engines.
 
-- SQLite: a float32 BLOB per chunk in `knowledge_vectors`, read at search time by sqlite-vec's
-  `vec_distance_cosine` through a small pool of read-only `sqlean` connections (the standard
-  library's sqlite3 cannot load extensions); the searches run in worker threads.
+- SQLite: a float32 BLOB per chunk in `knowledge_vectors`, read through the service's own
+  connections and compared with numpy in a worker thread. (A second SQLite library in the
+  process, such as sqlean to load sqlite-vec, is unsafe: POSIX locks are per process, so each
+  library can drop the other's locks or remove the WAL index it has mapped.)
 - PostgreSQL: a pgvector `vector` column compared with `<=>` (cosine distance).
 
 Both scan the vectors of the knowledge bases searched (exact nearest neighbours, no
@@ -13,19 +14,14 @@ applied before ranking, so a small knowledge base among large ones still gets it
 from __future__ import annotations
 
 import asyncio
-import queue
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 if TYPE_CHECKING:
     import numpy as np
-
-SQLITE_READERS = 4  # read-only sqlean connections kept for vector searches
 
 
 def _in(names: Sequence[Any], prefix: str, params: dict[str, Any]) -> str:
@@ -38,7 +34,7 @@ def _in(names: Sequence[Any], prefix: str, params: dict[str, Any]) -> str:
 
 
 def _float32(vector: np.ndarray) -> bytes:
-    """A vector as sqlite-vec reads it: float32 values, native byte order."""
+    """A vector as stored on SQLite: float32 values, native byte order."""
     import numpy  # here: a tools service that never embeds does not load it
 
     return numpy.asarray(vector, dtype=numpy.float32).tobytes()
@@ -49,47 +45,23 @@ def _pg_literal(vector: np.ndarray) -> str:
     return "[" + ",".join(f"{x:.7g}" for x in vector.tolist()) + "]"
 
 
-class _SqliteReaders:
-    """Read-only sqlean connections to one SQLite file with sqlite-vec loaded, lent to one
-    worker thread at a time."""
+def _ranked(rows: list[Any], query: np.ndarray, k: int | None) -> list[tuple[int, float]]:
+    """(chunk_id, cosine similarity) of `rows` (chunk_id, float32 BLOB) to `query`, the `k`
+    most similar first (all, unordered, when `k` is None)."""
+    import numpy
 
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._opened: list[Any] = []
-
-    def _open(self) -> Any:
-        import sqlean  # type: ignore[import-untyped]
-        import sqlite_vec  # type: ignore[import-untyped]
-
-        connection = sqlean.connect(
-            f"file:{self._path}?mode=ro", uri=True, timeout=30, check_same_thread=False
-        )
-        connection.enable_load_extension(True)
-        sqlite_vec.load(connection)
-        connection.enable_load_extension(False)
-        self._opened.append(connection)
-        return connection
-
-    @contextmanager
-    def lend(self) -> Iterator[Any]:
-        try:
-            connection = self._idle.get_nowait()
-        except queue.Empty:
-            connection = self._open()
-        try:
-            yield connection
-        finally:
-            if len(self._opened) <= SQLITE_READERS:
-                self._idle.put(connection)
-            else:
-                self._opened.remove(connection)
-                connection.close()
-
-    def close(self) -> None:
-        for connection in self._opened:
-            connection.close()
-        self._opened.clear()
+    if not rows:
+        return []
+    matrix = numpy.frombuffer(b"".join(r[1] for r in rows), dtype=numpy.float32)
+    matrix = matrix.reshape(len(rows), -1)
+    q = numpy.asarray(query, dtype=numpy.float32)
+    norms = numpy.linalg.norm(matrix, axis=1) * float(numpy.linalg.norm(q))
+    similarity = (matrix @ q) / numpy.where(norms == 0, 1, norms)
+    order: list[int] = list(range(len(rows)))
+    if k is not None:
+        top = numpy.argpartition(-similarity, min(k, len(rows)) - 1)[:k]
+        order = sorted(top.tolist(), key=lambda i: -similarity[i])
+    return [(int(rows[i][0]), float(similarity[i])) for i in order]
 
 
 class VectorIndex:
@@ -103,12 +75,6 @@ class VectorIndex:
     def __init__(self, engine: AsyncEngine, sessions: async_sessionmaker) -> None:
         self._dialect = engine.dialect.name
         self._sessions = sessions
-        self._readers: _SqliteReaders | None = None
-        if self._dialect == "sqlite":
-            database = make_url(str(engine.url)).database
-            if not database or database == ":memory:":
-                raise ValueError("knowledge search on SQLite needs a database file")
-            self._readers = _SqliteReaders(database)
 
     async def write(
         self, session: AsyncSession, model: str, rows: list[tuple[int, str, Any]]
@@ -149,12 +115,11 @@ class VectorIndex:
                 " ORDER BY embedding <=> CAST(:q AS vector) LIMIT :k"
             )
             return await self._pg_rows(sql, params)
-        params["q"] = _float32(query)
         sql = (
-            "SELECT chunk_id, 1 - vec_distance_cosine(embedding, :q) AS s FROM knowledge_vectors"
-            f" WHERE knowledge_base_id IN {scope} AND model = :m ORDER BY s DESC LIMIT :k"
+            "SELECT chunk_id, embedding FROM knowledge_vectors"
+            f" WHERE knowledge_base_id IN {scope} AND model = :m"
         )
-        return await asyncio.to_thread(self._sqlite_rows, sql, params)
+        return await asyncio.to_thread(_ranked, await self._blobs(sql, params), query, k)
 
     async def similarities(
         self, chunk_ids: Sequence[int], model: str, query: np.ndarray
@@ -171,25 +136,21 @@ class VectorIndex:
                 f" WHERE chunk_id IN {ids} AND model = :m"
             )
             return dict(await self._pg_rows(sql, params))
-        params["q"] = _float32(query)
         sql = (
-            "SELECT chunk_id, 1 - vec_distance_cosine(embedding, :q) FROM knowledge_vectors"
+            "SELECT chunk_id, embedding FROM knowledge_vectors"
             f" WHERE chunk_id IN {ids} AND model = :m"
         )
-        return dict(await asyncio.to_thread(self._sqlite_rows, sql, params))
+        return dict(await asyncio.to_thread(_ranked, await self._blobs(sql, params), query, None))
 
     async def _pg_rows(self, sql: str, params: dict[str, Any]) -> list[tuple[int, float]]:
         async with self._sessions() as session:
             rows = (await session.execute(text(sql), params)).all()
         return [(int(r[0]), float(r[1])) for r in rows]
 
-    def _sqlite_rows(self, sql: str, params: dict[str, Any]) -> list[tuple[int, float]]:
-        assert self._readers is not None
-        with self._readers.lend() as connection:
-            rows = connection.execute(sql, params).fetchall()
-        return [(int(r[0]), float(r[1])) for r in rows]
+    async def _blobs(self, sql: str, params: dict[str, Any]) -> list[Any]:
+        params.pop("k", None)
+        async with self._sessions() as session:
+            return list((await session.execute(text(sql), params)).all())
 
     def close(self) -> None:
-        """Close the SQLite read connections (none on PostgreSQL)."""
-        if self._readers is not None:
-            self._readers.close()
+        """Nothing to close (kept for the store's shutdown)."""

@@ -210,7 +210,6 @@ class _Filler:
         self.chunks += count
 
     async def close(self) -> None:
-        self.vectors.close()
         await self.engine.dispose()
 
 

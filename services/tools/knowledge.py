@@ -111,9 +111,8 @@ class KnowledgeStore:
         return Indexer(self._sessions, self.vectors, self._embedder_for, base_ids)
 
     async def close(self) -> None:
-        """Stop the indexer and close the vector readers."""
+        """Stop the indexer (what it had not written, the next start picks up)."""
         await self.indexer.stop()
-        self.vectors.close()
 
     async def create_base(
         self,

@@ -151,6 +151,3 @@ class VectorIndex:
         params.pop("k", None)
         async with self._sessions() as session:
             return list((await session.execute(text(sql), params)).all())
-
-    def close(self) -> None:
-        """Nothing to close (kept for the store's shutdown)."""

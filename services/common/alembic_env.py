@@ -7,7 +7,6 @@ import asyncio
 from alembic import context
 from sqlalchemy import MetaData, pool
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.common import db
 
@@ -24,7 +23,7 @@ def _do_run(connection: Connection, metadata: MetaData) -> None:
 
 
 async def _run_async(url: str, metadata: MetaData) -> None:
-    engine = create_async_engine(db.engine_url(url), poolclass=pool.NullPool)
+    engine = db.create_engine(url, poolclass=pool.NullPool)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_do_run, metadata)

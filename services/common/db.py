@@ -11,7 +11,6 @@ import asyncio
 import datetime
 import importlib
 import pathlib
-import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +19,8 @@ from typing import TYPE_CHECKING, Any, overload
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+from services.common.sqlite_driver import AIOSQLITE, sqlite3
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -126,6 +127,16 @@ def asyncpg_timeouts(url: URL, timeout_s: float) -> dict[str, float]:
     return timeouts
 
 
+def create_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+    """`create_async_engine(url, **kwargs)`, a SQLite URL's connections opened by the project's
+    one SQLite library (`services.common.sqlite_driver`), a PostgreSQL URL's as `engine_url`
+    takes it."""
+    parsed = engine_url(str(url)) if isinstance(url, str) else url
+    if parsed.get_backend_name() == "sqlite":
+        kwargs.setdefault("module", AIOSQLITE)
+    return create_async_engine(parsed, **kwargs)
+
+
 def make_engine(
     url: str, pool_size: int = DEFAULT_POOL_SIZE, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> AsyncEngine:
@@ -140,11 +151,11 @@ def make_engine(
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             pathlib.Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_engine(url, connect_args={"timeout": 30})
         apply_sqlite_pragmas(engine.sync_engine)
         return engine
     parsed = engine_url(url)
-    return create_async_engine(
+    return create_engine(
         parsed,
         pool_size=pool_size,
         max_overflow=pool_size,

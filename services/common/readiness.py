@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
-import sqlite3
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from grpc_health.v1 import health_pb2
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from services.common.sqlite_driver import connect
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def _open_sqlite(path: pathlib.Path, timeout_s: float) -> None:
     """Open the SQLite file at `path` read-write (never creating it) and read its migration
     revision; raises sqlite3.Error (or LookupError) when it cannot."""
     uri = f"{path.absolute().as_uri()}?mode=rw"
-    connection = sqlite3.connect(uri, uri=True, timeout=timeout_s)
+    connection = connect(uri, uri=True, timeout=timeout_s)
     try:
         if connection.execute(_MIGRATED).fetchone() is None:
             raise LookupError("no migration revision")

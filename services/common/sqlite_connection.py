@@ -1,4 +1,4 @@
-"""A stdlib `sqlite3` connection with SQLAlchemy's `Connection.execute` shape (`txn`'s SQLite side).
+"""A sqlean `sqlite3` connection in SQLAlchemy's `Connection.execute` shape (`txn`'s SQLite side).
 
 Each prebuilt Core statement is compiled once to SQL text and then executed as a raw DBAPI
 call, with no SQLAlchemy execution machinery per statement; parameters and results are
@@ -11,13 +11,14 @@ import collections
 import contextlib
 import datetime
 import json
-import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from sqlalchemy import JSON, Boolean, Date, DateTime
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
+
+from services.common.sqlite_driver import sqlite3
 
 # The dialect prebuilt statements are compiled with: sqlite3 accepts ":name" parameters
 # from a dict, so the caller's parameter dict is passed straight through.

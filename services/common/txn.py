@@ -4,7 +4,7 @@ Every hot-path transaction is a plain function `fn(conn, *args)` over a connecti
 SQLAlchemy's `Connection.execute(statement, params)` shape, so it is written once for both
 backends:
 
-- SQLite: the function runs on one dedicated worker thread that holds one stdlib `sqlite3`
+- SQLite: the function runs on one dedicated worker thread that holds one `sqlite3` (sqlean)
   connection (`SqliteConnection`): each prebuilt Core statement is compiled once to SQL
   text and then executed as a raw DBAPI call, with no SQLAlchemy execution machinery per
   statement. The worker **group-commits**: it takes every transaction queued while it was
@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import queue
-import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
@@ -44,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.common.db import SQLITE_BUSY_TIMEOUT_MS, set_sqlite_pragmas
 from services.common.sqlite_connection import SqliteConnection
+from services.common.sqlite_driver import connect, sqlite3
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class SqliteWorker:
     def _connect(self, busy_timeout_ms: int) -> sqlite3.Connection:
         """A connection with SQLITE_PRAGMAS, `busy_timeout_ms`, and no automatic WAL checkpoint
         (`_checkpoint`)."""
-        raw = sqlite3.connect(
+        raw = connect(
             self.database, isolation_level=None, check_same_thread=False, cached_statements=256
         )
         set_sqlite_pragmas(raw.execute)

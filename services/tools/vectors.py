@@ -1,9 +1,7 @@
 """Chunk embeddings beside the chunks, compared by cosine similarity: one interface, two engines.
 
-- SQLite: a float32 BLOB per chunk in `knowledge_vectors`, read through the service's own
-  connections and compared with numpy in a worker thread. (A second SQLite library in the
-  process, such as sqlean to load sqlite-vec, is unsafe: POSIX locks are per process, so each
-  library can drop the other's locks or remove the WAL index it has mapped.)
+- SQLite: a float32 BLOB per chunk in `knowledge_vectors`, compared by sqlite-vec's
+  `vec_distance_cosine` (loaded on every connection: `services.common.sqlite_driver`).
 - PostgreSQL: a pgvector `vector` column compared with `<=>` (cosine distance).
 
 Both scan the vectors of the knowledge bases searched (exact nearest neighbours, no
@@ -13,7 +11,6 @@ applied before ranking, so a small knowledge base among large ones still gets it
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +31,7 @@ def _in(names: Sequence[Any], prefix: str, params: dict[str, Any]) -> str:
 
 
 def _float32(vector: np.ndarray) -> bytes:
-    """A vector as stored on SQLite: float32 values, native byte order."""
+    """A vector as sqlite-vec reads it: float32 values, native byte order."""
     import numpy  # here: a tools service that never embeds does not load it
 
     return numpy.asarray(vector, dtype=numpy.float32).tobytes()
@@ -43,25 +40,6 @@ def _float32(vector: np.ndarray) -> bytes:
 def _pg_literal(vector: np.ndarray) -> str:
     """A vector as pgvector's text form, `[x,y,...]`."""
     return "[" + ",".join(f"{x:.7g}" for x in vector.tolist()) + "]"
-
-
-def _ranked(rows: list[Any], query: np.ndarray, k: int | None) -> list[tuple[int, float]]:
-    """(chunk_id, cosine similarity) of `rows` (chunk_id, float32 BLOB) to `query`, the `k`
-    most similar first (all, unordered, when `k` is None)."""
-    import numpy
-
-    if not rows:
-        return []
-    matrix = numpy.frombuffer(b"".join(r[1] for r in rows), dtype=numpy.float32)
-    matrix = matrix.reshape(len(rows), -1)
-    q = numpy.asarray(query, dtype=numpy.float32)
-    norms = numpy.linalg.norm(matrix, axis=1) * float(numpy.linalg.norm(q))
-    similarity = (matrix @ q) / numpy.where(norms == 0, 1, norms)
-    order: list[int] = list(range(len(rows)))
-    if k is not None:
-        top = numpy.argpartition(-similarity, min(k, len(rows)) - 1)[:k]
-        order = sorted(top.tolist(), key=lambda i: -similarity[i])
-    return [(int(rows[i][0]), float(similarity[i])) for i in order]
 
 
 class VectorIndex:
@@ -107,19 +85,12 @@ class VectorIndex:
         as (chunk_id, cosine similarity), most similar first."""
         params: dict[str, Any] = {"m": model, "k": k}
         scope = _in(knowledge_base_ids, "kb", params)
-        if self._dialect == "postgresql":
-            params["q"] = _pg_literal(query)
-            sql = (
-                "SELECT chunk_id, 1 - (embedding <=> CAST(:q AS vector)) FROM knowledge_vectors"
-                f" WHERE knowledge_base_id IN {scope} AND model = :m"
-                " ORDER BY embedding <=> CAST(:q AS vector) LIMIT :k"
-            )
-            return await self._pg_rows(sql, params)
-        sql = (
-            "SELECT chunk_id, embedding FROM knowledge_vectors"
-            f" WHERE knowledge_base_id IN {scope} AND model = :m"
+        distance = self._distance(query, params)
+        return await self._rows(
+            f"SELECT chunk_id, 1 - {distance} FROM knowledge_vectors"
+            f" WHERE knowledge_base_id IN {scope} AND model = :m ORDER BY {distance} LIMIT :k",
+            params,
         )
-        return await asyncio.to_thread(_ranked, await self._blobs(sql, params), query, k)
 
     async def similarities(
         self, chunk_ids: Sequence[int], model: str, query: np.ndarray
@@ -129,25 +100,19 @@ class VectorIndex:
             return {}
         params: dict[str, Any] = {"m": model}
         ids = _in([int(c) for c in chunk_ids], "c", params)
+        distance = self._distance(query, params)
+        sql = f"SELECT chunk_id, 1 - {distance} FROM knowledge_vectors WHERE chunk_id IN {ids}"
+        return dict(await self._rows(f"{sql} AND model = :m", params))
+
+    def _distance(self, query: np.ndarray, params: dict[str, Any]) -> str:
+        """The SQL cosine distance of `embedding` to `query` (bound in `params` as `q`)."""
         if self._dialect == "postgresql":
             params["q"] = _pg_literal(query)
-            sql = (
-                "SELECT chunk_id, 1 - (embedding <=> CAST(:q AS vector)) FROM knowledge_vectors"
-                f" WHERE chunk_id IN {ids} AND model = :m"
-            )
-            return dict(await self._pg_rows(sql, params))
-        sql = (
-            "SELECT chunk_id, embedding FROM knowledge_vectors"
-            f" WHERE chunk_id IN {ids} AND model = :m"
-        )
-        return dict(await asyncio.to_thread(_ranked, await self._blobs(sql, params), query, None))
+            return "(embedding <=> CAST(:q AS vector))"
+        params["q"] = _float32(query)
+        return "vec_distance_cosine(embedding, :q)"
 
-    async def _pg_rows(self, sql: str, params: dict[str, Any]) -> list[tuple[int, float]]:
+    async def _rows(self, sql: str, params: dict[str, Any]) -> list[tuple[int, float]]:
         async with self._sessions() as session:
             rows = (await session.execute(text(sql), params)).all()
         return [(int(r[0]), float(r[1])) for r in rows]
-
-    async def _blobs(self, sql: str, params: dict[str, Any]) -> list[Any]:
-        params.pop("k", None)
-        async with self._sessions() as session:
-            return list((await session.execute(text(sql), params)).all())

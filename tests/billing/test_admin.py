@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 
 from services.billing.__main__ import _parser, admin
 from services.common import db
+from services.common.sqlite_driver import sqlite3
 from tests.billing.helpers import make_settings
 
 

@@ -14,7 +14,6 @@ import concurrent.futures
 import datetime
 import os
 import pathlib
-import sqlite3
 import threading
 import uuid
 
@@ -34,13 +33,14 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from loopline.billing.v1 import billing_pb2_grpc
 from services.billing.models import UTCDateTime
 from services.billing.rates import MemoryWindows, RateLimiter
 from services.billing.server import BillingServer
+from services.common import db
 from services.common import txn as txn_module
+from services.common.sqlite_driver import sqlite3
 from services.common.txn import TxnRunner
 from tests.billing.helpers import admit_request, make_settings, refusal
 
@@ -65,7 +65,7 @@ INSERT_CHILD = insert(children)
 
 @pytest.fixture
 async def runner(tmp_path: pathlib.Path):
-    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'txn.db'}")
+    engine = db.create_engine(f"sqlite+aiosqlite:///{tmp_path / 'txn.db'}")
     async with engine.begin() as conn:
         await conn.run_sync(metadata.create_all)
         await conn.execute(text("DROP TABLE children"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import sqlite3
 import threading
 
 import pytest
@@ -19,6 +18,7 @@ from sqlalchemy import func, select, table, text
 from sqlalchemy.exc import OperationalError
 
 from services.common.db import make_engine, set_sqlite_pragmas
+from services.common.sqlite_driver import sqlite3
 from services.common.txn import SqliteWorker
 
 HOLD_S = 0.3

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 
 import pytest
 
+from services.common.sqlite_driver import sqlite3
 from services.gateway import identity
 from services.gateway.identity import Authenticator, AuthError
 from tests.conftest import NO_DATABASE

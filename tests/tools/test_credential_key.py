@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 
 import grpc
 import pytest
@@ -16,6 +15,7 @@ from cryptography.fernet import Fernet
 from loopline.tools.v1 import tools_pb2
 from services.common.errors import status_details
 from services.common.logging import JsonFormatter
+from services.common.sqlite_driver import sqlite3
 from tests.log_records import fields_of
 
 SECRET_DSN = "postgresql://reader:s3cr3t-Passw0rd@db.example:5432/sales"

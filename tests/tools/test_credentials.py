@@ -4,7 +4,6 @@ at rest, no secret out."""
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from cryptography.fernet import Fernet
 
 from loopline.tools.v1 import tools_pb2
 from services.common.errors import status_details
+from services.common.sqlite_driver import sqlite3
 from services.tools.crypto import SecretBox, SecretBoxError
 
 SECRET_DSN = "postgresql://reader:s3cr3t-Passw0rd@db.example:5432/sales"

@@ -13,12 +13,12 @@ dialect is given (`services.common.db.create_engine`).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import pathlib
 import types
 from typing import TYPE_CHECKING, Any
 
 import aiosqlite
-import sqlite_vec  # type: ignore[import-untyped]
 from sqlalchemy.dialects.sqlite.aiosqlite import AsyncAdapt_aiosqlite_dbapi
 
 if TYPE_CHECKING:  # sqlean is CPython's sqlite3 module built against its own SQLite
@@ -28,6 +28,13 @@ else:
 
 __all__ = ["AIOSQLITE", "connect", "sqlite3"]
 
+# sqlite-vec's loadable library, found without importing its package: that imports the standard
+# library's sqlite3 (a second SQLite library) and numpy (15 MiB in every service).
+_spec = importlib.util.find_spec("sqlite_vec")
+if _spec is None or _spec.origin is None:
+    raise ImportError("sqlite-vec is not installed: run make venv")
+SQLITE_VEC = str(pathlib.Path(_spec.origin).parent / "vec0")
+
 
 def connect(database: str | pathlib.Path, **kwargs: Any) -> sqlite3.Connection:
     """`sqlite3.connect(database, **kwargs)` with sqlite-vec's functions (vec_distance_cosine...)
@@ -35,7 +42,7 @@ def connect(database: str | pathlib.Path, **kwargs: Any) -> sqlite3.Connection:
     connection = sqlite3.connect(database, **kwargs)
     try:
         connection.enable_load_extension(True)
-        sqlite_vec.load(connection)
+        connection.load_extension(SQLITE_VEC)
         connection.enable_load_extension(False)
     except BaseException:
         connection.close()

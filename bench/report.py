@@ -21,6 +21,11 @@ TARGETS = {
     "memory.idle_total_mib": ("<=", 300.0),
     "memory.idle_pss_total_mib": ("<=", 300.0),
     "memory.idle_together_mib": ("<=", 300.0),
+    # issue 32
+    "stream.cpu_us_per_frame": ("<=", 10.0),
+    "stream.delay_p99_ms": ("<=", 5.0),
+    "inflight.peak_together_mib": ("<=", 2048.0),
+    "inflight.delay_p99_ms": ("<=", 100.0),
 }
 
 STEAL_NOTE_PCT = 2.0  # a workload with this much steal or more gets a note under the table
@@ -166,6 +171,31 @@ def _knowledge_rows(rows: _Rows, results: dict[str, Any]) -> None:
             )
 
 
+def _streamed_rows(rows: _Rows, results: dict[str, Any]) -> None:
+    """The streamed answers (each source) and the runs in flight."""
+    for source, s in (results.get("stream") or {}).items():
+        rows.add(
+            f"stream {source}: service CPU µs per frame (net of a 1-chunk turn)",
+            s["cpu_us_per_frame"],
+            "stream.cpu_us_per_frame",
+        )
+        if s["delay"]["p99_ms"] is not None:
+            rows.add(f"stream {source}: delay p99 ms", s["delay"]["p99_ms"], "stream.delay_p99_ms")
+        rows.add(f"stream {source}: done / turns", f"{s['done']} / {s['turns']}")
+    fl = results.get("inflight")
+    if fl:
+        rows.add(f"inflight {fl['runs']}: done", fl["done"])
+        rows.add(
+            f"inflight {fl['runs']}: peak resident together MiB",
+            fl["peak_together_mib"],
+            "inflight.peak_together_mib",
+        )
+        rows.add(f"inflight {fl['runs']}: KiB per run", fl["kib_per_run"])
+        rows.add(
+            f"inflight {fl['runs']}: delay p99 ms", fl["delay"]["p99_ms"], "inflight.delay_p99_ms"
+        )
+
+
 def _steal_rows(rows: _Rows, results: dict[str, Any]) -> None:
     """The hypervisor's steal during each workload."""
     steal = (results.get("machine") or {}).get("steal_pct") or {}
@@ -210,6 +240,7 @@ def figures(results: dict[str, Any]) -> list[tuple[str, Any, str]]:
     _throughput_rows(rows, results)
     _fanout_rows(rows, results)
     _admission_rows(rows, results)
+    _streamed_rows(rows, results)
     _tools_rows(rows, results)
     _knowledge_rows(rows, results)
     _steal_rows(rows, results)
@@ -222,7 +253,7 @@ def print_table(results: dict[str, Any]) -> None:
     rows = figures(results)
     width = max(len(r[0]) for r in rows) if rows else 10
     print()
-    print(f"{'figure':<{width}}  {'value':>18}  target (issue 9)")
+    print(f"{'figure':<{width}}  {'value':>18}  target (issues 9, 32)")
     print("-" * (width + 40))
     for label, value, target in rows:
         print(f"{label:<{width}}  {str(value):>18}  {target}")

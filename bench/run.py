@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from bench import streaming
 from bench.admission import workload_admission
 from bench.deploy import ROOT, SERVICES, Deployment
 from bench.fanout import workload_fanout
@@ -46,7 +47,18 @@ from bench.tools import workload_tools
 from bench.turns import workload_latency, workload_throughput
 from services import grpc_core  # noqa: F401 - the services' gRPC core settings for this client's calls too
 
-WORKLOADS = ("latency", "throughput", "admission", "fanout", "knowledge", "tools")
+WORKLOADS = (
+    "latency",
+    "throughput",
+    "admission",
+    "fanout",
+    "stream",
+    "inflight",
+    "knowledge",
+    "tools",
+)
+# the workloads that stream through the local model server (bench/fake_provider.py)
+STREAMED = ("stream", "inflight")
 
 # `async with workload(name):` profiles (--profile) and meters the steal over one workload.
 Metered = Callable[[str], AbstractAsyncContextManager[None]]
@@ -234,9 +246,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_turn_arguments(p)
     _add_fanout_arguments(p)
     _add_admission_and_tools_arguments(p)
+    streaming.add_arguments(p)
     _add_run_arguments(p)
     args = p.parse_args(argv)
     _apply_sizes(args)
+    streaming.apply_sizes(args)
     args.only = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = set(args.only) - set(WORKLOADS)
     if unknown:
@@ -341,6 +355,7 @@ async def run_all(args: argparse.Namespace, dep: Deployment, results: dict[str, 
             )
     if "fanout" in args.only:
         await _run_fanout(args, dep, results, workload)
+    await streaming.run(args, dep, results, workload)
     # before tools: that workload's corpus keeps the indexer embedding for minutes
     if "knowledge" in args.only:
         print(
@@ -395,7 +410,11 @@ def _stop_on_sigterm() -> None:
 
 def _start_results(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON's machine and config sections, also printed as the run's first lines."""
-    fd_limit = raise_fd_limit(max(args.listeners or [0]) * 2 + 1024 if "fanout" in args.only else 0)
+    sockets = max(
+        max(args.listeners or [0]) if "fanout" in args.only else 0,
+        args.inflight_runs if "inflight" in args.only else 0,
+    )
+    fd_limit = raise_fd_limit(sockets * 2 + 1024 if sockets else 0)
     results: dict[str, Any] = {
         "machine": machine_info(),
         "config": {
@@ -482,8 +501,13 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
     )
     sink = _start_tracing(results) if args.tracing else None
+    provider = streaming.FakeProvider().start() if set(STREAMED) & set(args.only) else None
     started = time.monotonic()
-    code = _run_deployment(args, dep, results, started)
+    try:
+        code = _run_deployment(args, dep, results, started)
+    finally:
+        if provider is not None:
+            provider.stop()
     if sink is not None:
         sink.stop()
         results["tracing"].update(spans_received=sink.spans, exports=sink.requests)

@@ -18,7 +18,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _check_machine(machine: dict) -> None:
     """The machine's description: cores, Python, commit, and the steal of each workload."""
     assert machine["cores"] >= 1 and machine["python"] and machine["git_commit"]
-    workloads = {"latency", "throughput", "admission", "fanout10", "knowledge", "tools"}
+    workloads = {
+        "latency",
+        "throughput",
+        "admission",
+        "fanout10",
+        "stream",
+        "inflight",
+        "knowledge",
+        "tools",
+    }
     assert set(machine["steal_pct"]) == workloads
     assert all(
         value is None or 0 <= value <= 100
@@ -34,6 +43,26 @@ def _check_knowledge(knowledge: dict, tools: dict) -> None:
     for mode in ("keyword", "semantic", "hybrid"):
         level = knowledge["search"]["300"][mode]
         assert level["searches"] == 3 and not level["failures"] and level["mean_results"] == 5
+
+
+def _check_streamed(stream: dict, inflight: dict) -> None:
+    """The streamed workloads: every turn done, every chunk its own frame, the real provider's
+    chunks stamped with their production time (a delay), the memory of the runs in flight."""
+    for source in ("burst", "scripted", "provider"):
+        figures = stream[source]
+        assert figures["done"] == figures["turns"] == 2 and not figures["errors"]
+        assert figures["response_chunks"] == 2 * 20 and figures["merged_frames"] == 0
+        assert set(figures["cpu_us_per_frame_by_service"]) == {
+            "gateway",
+            "orchestrator",
+            "billing",
+            "tools",
+        }
+    assert stream["burst"]["delay"]["p50_ms"] is None  # the scripted model stamps nothing
+    assert 0 < stream["provider"]["delay"]["p50_ms"] < 10_000
+    assert inflight["done"] == inflight["runs"] == 6 and not inflight["done_with_error"]
+    assert inflight["response_chunks"] == 6 * 3 and inflight["delay"]["p99_ms"] > 0
+    assert inflight["peak_together_mib"] >= inflight["idle_together_mib"] > 0
 
 
 def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Path) -> None:
@@ -76,6 +105,20 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
         "300",
         "--knowledge-searches",
         "3",
+        "--stream-turns",
+        "2",
+        "--stream-concurrency",
+        "2",
+        "--stream-chunks",
+        "20",
+        "--stream-interval-ms",
+        "2",
+        "--inflight-runs",
+        "6",
+        "--inflight-chunks",
+        "3",
+        "--inflight-call-ms",
+        "300",
         "--out",
         str(out),
     ]
@@ -85,6 +128,7 @@ def test_bench_runs_in_a_tiny_configuration_and_writes_json(tmp_path: pathlib.Pa
     assert "error" not in report
     _check_machine(report["machine"])
     _check_knowledge(report["knowledge"], report["tools"])
+    _check_streamed(report["stream"], report["inflight"])
     latency = report["latency"]
     assert latency["turns"] == 5 and latency["completed"] == 5 and latency["failures"] == 0
     assert latency["done"]["p50_ms"] > 0 and latency["first_frame"]["p99_ms"] > 0

@@ -53,6 +53,9 @@ class OrchestratorSettings(CommonSettings):
             seconds (0 = retry at once); a provider's Retry-After is honored (a longer one than the
             cap fails at once).
         llm_timeout_s: per-request timeout of a model call (connect, and between streamed chunks).
+        llm_max_connections: HTTP connections per provider client at most, so model calls in
+            flight to one provider and key (each streamed call holds one; the SDKs' default,
+            1,000, would queue the rest).
         run_events_max_len: approximate cap of a run's Redis stream (XADD MAXLEN ~), in events.
         run_events_ttl_s: seconds a run's Redis stream is kept after the run ends (the database
             archive serves it afterwards).
@@ -106,6 +109,7 @@ class OrchestratorSettings(CommonSettings):
     llm_retry_base_delay_s: float = Field(default=0.5, ge=0, le=MAX_SECONDS)
     llm_retry_max_delay_s: float = Field(default=30.0, ge=0, le=MAX_SECONDS)
     llm_timeout_s: float = Field(default=120.0, gt=0, le=MAX_SECONDS)
+    llm_max_connections: int = Field(default=10_000, ge=1, le=1_000_000)
     run_events_max_len: int = Field(default=10_000, ge=1)
     run_events_ttl_s: float = Field(default=86_400.0, gt=0, le=MAX_SECONDS)
     chat_claim_ttl_s: float = Field(default=60.0, gt=0, le=MAX_SECONDS)

@@ -28,6 +28,7 @@ from tests.orchestrator.providers.fakes import (
 from tests.sse_client import read_frames
 from tests.tools.fake_apis import make_test_ca
 
+USER = [{"role": "user", "content": "hello"}]
 # no summary call: each turn makes exactly the model calls its replies script
 FAST = {"llm_retry_base_delay_s": 0.01, "llm_timeout_s": 10.0, "summarization_budget_tokens": 0}
 
@@ -286,3 +287,51 @@ async def test_a_client_that_fails_to_close_never_fails_the_call(caplog):
     assert [r.getMessage() for r in records] == ["closing a provider client failed"]
     assert records[0].fields == {"error_class": "RuntimeError"}
     assert "sk-secret-in-the-error" not in caplog.text
+
+
+class GatedFakeLLMServer(FakeLLMServer):
+    """FakeLLMServer that holds every answer until `gate` requests are waiting at once."""
+
+    def __init__(self, replies: list[Reply], gate: int) -> None:
+        super().__init__(replies)
+        self.gate = gate
+        self.opened = asyncio.Event()
+
+    async def __aenter__(self) -> GatedFakeLLMServer:
+        # a backlog for every call connecting at once (asyncio's default, 100, resets the rest)
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, backlog=4096)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _respond(self, reply, reader, writer) -> bool:  # noqa: ANN001
+        if len(self.requests) >= self.gate:
+            self.opened.set()
+        try:
+            await asyncio.wait_for(self.opened.wait(), 20)
+        except TimeoutError:
+            return await super()._respond(Reply(status=503, body={}), reader, writer)
+        return await super()._respond(reply, reader, writer)
+
+
+async def test_more_streamed_calls_than_the_sdks_default_pool_are_in_flight_at_once():
+    # the SDKs' own pool holds 1,000 connections: the 1,001st streamed call used to wait for one,
+    # so 1,001 runs could never all be streaming from one provider at once
+    calls = 1_001
+    async with GatedFakeLLMServer([Reply(events=openai_text("hi"))], gate=calls) as server:
+        clients = ProviderClients()
+        model = OpenAICompatModel(
+            "openai",
+            "gpt-test",
+            base_url=f"{server.url}/v1",
+            api_key="sk-test",
+            policy=RetryPolicy(max_retries=0, base_delay_s=0.01, max_delay_s=0.01),
+            timeout_s=30,
+            clients=clients,
+        )
+
+        async def on_text(chunk: str) -> None:
+            return None
+
+        replies = await asyncio.gather(*(model.generate(USER, [], on_text) for _ in range(calls)))
+        await clients.aclose()
+    assert server.opened.is_set() and {reply.text for reply in replies} == {"hi"}

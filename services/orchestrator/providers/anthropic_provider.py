@@ -35,7 +35,7 @@ from services.orchestrator.providers.base import (
     parse_arguments,
     with_estimates,
 )
-from services.orchestrator.providers.clients import ClientSpec, ProviderClients
+from services.orchestrator.providers.clients import ClientSpec, ProviderClients, http_limits
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -210,6 +210,7 @@ class AnthropicModel:
         policy: retry bounds (see retry.py).
         max_tokens: the `max_tokens` of each call.
         timeout_s: per-request timeout in seconds (connect, and between streamed events).
+        max_connections: streamed calls in flight to this server at most (ClientSpec).
         system_prompt: the stable system prompt.
         clients: the orchestrator's kept SDK clients (clients.py); None: a client per call.
 
@@ -228,11 +229,12 @@ class AnthropicModel:
         policy: RetryPolicy,
         max_tokens: int = 4096,
         timeout_s: float = 120.0,
+        max_connections: int = 10_000,
         system_prompt: str = ASSISTANT_SYSTEM_PROMPT,
         clients: ProviderClients | None = None,
     ) -> None:
         self.model_id = model_id
-        self._spec = ClientSpec("anthropic", base_url, api_key, timeout_s)
+        self._spec = ClientSpec("anthropic", base_url, api_key, timeout_s, max_connections)
         self._clients = clients if clients is not None else ProviderClients(max_clients=0)
         self._policy = policy
         self._max_tokens = max_tokens
@@ -373,5 +375,9 @@ class AnthropicModel:
 def new_client(spec: ClientSpec) -> anthropic.AsyncAnthropic:
     """The SDK client of `spec`: its own retries off (retry.py is the only rule)."""
     return anthropic.AsyncAnthropic(
-        api_key=spec.api_key, base_url=spec.base_url, max_retries=0, timeout=spec.timeout_s
+        api_key=spec.api_key,
+        base_url=spec.base_url,
+        max_retries=0,
+        timeout=spec.timeout_s,
+        http_client=anthropic.DefaultAsyncHttpxClient(limits=http_limits(spec)),
     )

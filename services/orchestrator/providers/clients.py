@@ -49,18 +49,30 @@ class ClientSpec:
         base_url: the API base URL.
         api_key: the key the client sends (kept out of repr and of the cache key).
         timeout_s: the client's per-request timeout in seconds.
+        max_connections: the client's HTTP connections at most: each streamed call holds one,
+            so this bounds the calls in flight to one provider (LOOPLINE_LLM_MAX_CONNECTIONS).
     """
 
     kind: str
     base_url: str
     api_key: str = field(repr=False)
     timeout_s: float
+    max_connections: int = 10_000
 
     @property
-    def cache_key(self) -> tuple[str, str, str, float]:
+    def cache_key(self) -> tuple[str, str, str, float, int]:
         """The spec with the key replaced by its SHA-256 digest."""
         digest = hashlib.sha256(self.api_key.encode()).hexdigest()
-        return (self.kind, self.base_url, digest, self.timeout_s)
+        return (self.kind, self.base_url, digest, self.timeout_s, self.max_connections)
+
+
+def http_limits(spec: ClientSpec) -> Any:
+    """The SDK client's connection pool for `spec` (an `httpx2.Limits`, the SDKs' HTTP library):
+    `max_connections` streamed calls at once (the SDKs' own default, 1,000, would queue the
+    rest), idle connections kept as the SDKs keep them."""
+    import httpx2  # noqa: PLC0415 - with the provider SDKs, on first use
+
+    return httpx2.Limits(max_connections=spec.max_connections, max_keepalive_connections=100)
 
 
 @dataclass(eq=False)
@@ -81,7 +93,7 @@ class ProviderClients:
 
     def __init__(self, max_clients: int = MAX_CLIENTS) -> None:
         self.max_clients = max(0, max_clients)
-        self._entries: OrderedDict[tuple[str, str, str, float], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str, str, float, int], _Entry] = OrderedDict()
         self._closed = False
 
     def __len__(self) -> int:

@@ -32,7 +32,7 @@ from services.orchestrator.providers.base import (
     parse_arguments,
     with_estimates,
 )
-from services.orchestrator.providers.clients import ClientSpec, ProviderClients
+from services.orchestrator.providers.clients import ClientSpec, ProviderClients, http_limits
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -142,6 +142,7 @@ class OpenAICompatModel:
         api_key: the key sent as `Authorization: Bearer` (the platform's or the org's own).
         policy: retry bounds (see retry.py).
         timeout_s: per-request timeout in seconds (connect, and between streamed chunks).
+        max_connections: streamed calls in flight to this server at most (ClientSpec).
         system_prompt: the stable system prompt.
         clients: the orchestrator's kept SDK clients (clients.py); None: a client per call.
 
@@ -158,12 +159,13 @@ class OpenAICompatModel:
         api_key: str,
         policy: RetryPolicy,
         timeout_s: float = 120.0,
+        max_connections: int = 10_000,
         system_prompt: str = ASSISTANT_SYSTEM_PROMPT,
         clients: ProviderClients | None = None,
     ) -> None:
         self.provider_id = provider_id
         self.model_id = model_id
-        self._spec = ClientSpec("openai", base_url, api_key, timeout_s)
+        self._spec = ClientSpec("openai", base_url, api_key, timeout_s, max_connections)
         self._clients = clients if clients is not None else ProviderClients(max_clients=0)
         self._policy = policy
         self._system_prompt = system_prompt
@@ -303,7 +305,11 @@ def _add_call_piece(calls: dict[int, dict[str, Any]], position: int, piece: Any)
 def new_client(spec: ClientSpec) -> openai.AsyncOpenAI:
     """The SDK client of `spec`: its own retries off (retry.py is the only rule)."""
     return openai.AsyncOpenAI(
-        api_key=spec.api_key, base_url=spec.base_url, max_retries=0, timeout=spec.timeout_s
+        api_key=spec.api_key,
+        base_url=spec.base_url,
+        max_retries=0,
+        timeout=spec.timeout_s,
+        http_client=openai.DefaultAsyncHttpxClient(limits=http_limits(spec)),
     )
 
 

@@ -267,6 +267,7 @@ def _provider_model(
             policy=policy,
             max_tokens=settings.anthropic_max_tokens,
             timeout_s=settings.llm_timeout_s,
+            max_connections=settings.llm_max_connections,
             clients=clients,
         )
     from services.orchestrator.providers.openai_compat import OpenAICompatModel
@@ -278,5 +279,6 @@ def _provider_model(
         api_key=api_key,
         policy=policy,
         timeout_s=settings.llm_timeout_s,
+        max_connections=settings.llm_max_connections,
         clients=clients,
     )

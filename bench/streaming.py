@@ -136,6 +136,7 @@ def _frames(outs: list[_Turn], stamped: bool = True) -> dict[str, Any]:
     delays: list[float] = []
     chunks = merged = done = failed = 0
     errors: dict[str, int] = {}
+    endings: dict[str, int] = {}  # how the streams ended: their last frame's type
     for out in outs:
         if out.recorder is None:
             errors[out.error[:120]] = errors.get(out.error[:120], 0) + 1
@@ -154,12 +155,17 @@ def _frames(outs: list[_Turn], stamped: bool = True) -> dict[str, Any]:
                     merged += frame["data"]["chunk"].count("tok") > 1
             elif last == "done":
                 failed += bool(frame["data"].get("error"))
+            elif last == "error":
+                last = f"error {str(frame['data'].get('message'))[:80]}"
         done += last == "done"
+        ending = f"last frame {last}" + (f" ({out.recorder.error})" if out.recorder.error else "")
+        endings[ending] = endings.get(ending, 0) + 1
     return {
         "turns": len(outs),
         "done": done,
         "done_with_error": failed,
         "errors": errors,
+        "endings": endings,
         "response_chunks": chunks,
         "merged_frames": merged,
         "delay": summary(delays),

@@ -227,14 +227,17 @@ async def workload_inflight(
     then takes `call_ms`, streaming `chunks` chunks evenly over it. The services' resident
     memory at the peak (sampled every 0.5 s) and per run in flight, and the frames' delay."""
     idle = together_bytes(list(dep.pids.values())) or sum(dep.rss().values())
-    peak = idle
+    peak, idle_rss = idle, dep.rss()
+    peak_rss = dict(idle_rss)
     stop = asyncio.Event()
 
     async def sample() -> None:
         nonlocal peak
         while not stop.is_set():
             now = await asyncio.to_thread(together_bytes, list(dep.pids.values()))
-            peak = max(peak, now or sum(dep.rss().values()))
+            rss = dep.rss()
+            peak = max(peak, now or sum(rss.values()))
+            peak_rss.update({k: max(v, peak_rss[k]) for k, v in rss.items()})
             await asyncio.sleep(0.5)
 
     sampler = asyncio.create_task(sample())
@@ -256,6 +259,9 @@ async def workload_inflight(
         "idle_together_mib": mib(idle),
         "peak_together_mib": mib(peak),
         "kib_per_run": rounded((peak - idle) / 1024 / max(1, runs), 1),
+        "kib_per_run_by_service": {
+            k: rounded((peak_rss[k] - idle_rss[k]) / 1024 / max(1, runs), 1) for k in idle_rss
+        },
     }
 
 

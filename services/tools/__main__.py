@@ -115,6 +115,11 @@ async def reembed_command(settings: ToolsSettings, args: argparse.Namespace) -> 
     return (1 if "error" in document or document["failed"] else 0), document
 
 
+REEMBED_INTERRUPTED = (
+    "interrupted: the documents it reopened stay processing, and the tools service embeds them"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen command; returns the exit code."""
     parser = argparse.ArgumentParser(
@@ -161,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     if args.command == "reembed":
-        code, document = asyncio.run(reembed_command(settings, args))
+        try:
+            code, document = asyncio.run(reembed_command(settings, args))
+        except KeyboardInterrupt:  # Ctrl-C: still one JSON document, as on any other end
+            code, document = 130, {"error": REEMBED_INTERRUPTED}
         print(json.dumps(document))
         return code
 

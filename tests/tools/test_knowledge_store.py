@@ -294,6 +294,22 @@ def test_the_reembed_command_embeds_documents_left_unembedded(tmp_path, monkeypa
     assert json.loads(printed[-1]) == {"knowledge_bases": 1, "documents": 1, "failed": []}
 
 
+def test_an_interrupted_reembed_command_still_prints_one_json_document(tmp_path, monkeypatch):
+    # Ctrl-C used to end it with a KeyboardInterrupt traceback and nothing on stdout
+    import json
+
+    from services.tools import __main__ as command
+
+    async def interrupted(settings, args):  # noqa: ANN001, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "reembed_command", interrupted)
+    printed: list[str] = []
+    monkeypatch.setattr("builtins.print", lambda text: printed.append(text))
+    assert command.main(["reembed", "--all"]) == 130
+    assert json.loads(printed[-1]) == {"error": command.REEMBED_INTERRUPTED}
+
+
 async def test_the_event_loop_keeps_serving_while_the_local_model_embeds(open_store):
     store = await open_store()  # the real local model
     base, _ = await store.create_base("org-a", "Big")

@@ -21,9 +21,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sqlalchemy import text
+from sqlalchemy import DateTime, bindparam, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from services.tools.models import utcnow
 from services.tools.vectors import VectorIndex
 
 if TYPE_CHECKING:
@@ -94,13 +95,13 @@ _PENDING = text(
 )
 # A processing document whose every chunk has a vector of its base's model is ready.
 _SETTLE = text(
-    "UPDATE knowledge_documents SET status = 'ready', error_message = NULL"
+    "UPDATE knowledge_documents SET status = 'ready', error_message = NULL, indexed_at = :now"
     " WHERE status = 'processing'"
     " AND NOT EXISTS (SELECT 1 FROM knowledge_chunks c"
     "  JOIN knowledge_bases b ON b.id = c.knowledge_base_id"
     "  WHERE c.document_id = knowledge_documents.id AND NOT EXISTS (SELECT 1"
     "   FROM knowledge_vectors v WHERE v.chunk_id = c.id AND v.model = b.embedding_model))"
-)
+).bindparams(bindparam("now", type_=DateTime(timezone=True)))
 
 
 class Indexer:
@@ -178,7 +179,7 @@ class Indexer:
         for document_id in ready:
             await self._embed_batch(document_id)
         async with self._sessions() as session, session.begin():
-            await session.execute(_SETTLE)
+            await session.execute(_SETTLE, {"now": utcnow()})
         return bool(documents)
 
     async def _embed_batch(self, document_id: str) -> None:

@@ -94,6 +94,7 @@ def document_pb(document: KnowledgeDocument) -> tools_pb2.Document:
         file_size_bytes=document.file_size_bytes,
         token_count=document.token_count,
         error_message=document.error_message or "",
+        index_time=pb.timestamp(document.indexed_at) if document.indexed_at else None,
     )
 
 

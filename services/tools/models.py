@@ -151,6 +151,10 @@ class KnowledgeDocument(Base):
     )
     # Why indexing failed (status "failed"), from known causes only.
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True, default=None)
+    # When its last chunk was embedded (status "ready"); None until then.
+    indexed_at: Mapped[datetime.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True, default=None
+    )
 
 
 class KnowledgeChunk(Base):

@@ -8,6 +8,7 @@ with the real local embedding model; tests that need semantic scores wait for th
 
 from __future__ import annotations
 
+import datetime
 import re
 
 import grpc
@@ -186,6 +187,18 @@ async def test_documents_are_listed_newest_first_and_filtered_by_status(services
             response = await client.get(url, params=params)
             assert response.status_code == 400 and words in response.json()["detail"], params
         assert (await client.get("/knowledge-bases/nope/documents")).status_code == 404
+
+
+async def test_a_documents_status_says_when_its_indexing_ended(services):
+    # processing_completed_at used to repeat the upload time
+    async with services.client() as client:
+        kb, documents = await _filled(client)
+        url = f"/knowledge-bases/{kb['id']}/documents/{documents['refunds.md']['id']}/status"
+        status = (await client.get(url)).json()
+    assert status["status"] == "completed"
+    started = datetime.datetime.fromisoformat(status["processing_started_at"])
+    completed = datetime.datetime.fromisoformat(status["processing_completed_at"])
+    assert started < completed <= datetime.datetime.now(datetime.UTC)
 
 
 async def test_a_deleted_document_leaves_the_listing_and_the_search(services):

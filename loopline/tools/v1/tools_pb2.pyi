@@ -263,7 +263,7 @@ class ListKnowledgeBasesResponse(_message.Message):
     def __init__(self, knowledge_bases: _Optional[_Iterable[_Union[KnowledgeBase, _Mapping]]] = ...) -> None: ...
 
 class Document(_message.Message):
-    __slots__ = ("document_id", "knowledge_base_id", "name", "content_type", "status", "chunk_count", "create_time", "file_size_bytes", "token_count", "error_message")
+    __slots__ = ("document_id", "knowledge_base_id", "name", "content_type", "status", "chunk_count", "create_time", "file_size_bytes", "token_count", "error_message", "index_time")
     DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class Document(_message.Message):
     FILE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_TIME_FIELD_NUMBER: _ClassVar[int]
     document_id: str
     knowledge_base_id: str
     name: str
@@ -284,7 +285,8 @@ class Document(_message.Message):
     file_size_bytes: int
     token_count: int
     error_message: str
-    def __init__(self, document_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., status: _Optional[str] = ..., chunk_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., file_size_bytes: _Optional[int] = ..., token_count: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    index_time: _timestamp_pb2.Timestamp
+    def __init__(self, document_id: _Optional[str] = ..., knowledge_base_id: _Optional[str] = ..., name: _Optional[str] = ..., content_type: _Optional[str] = ..., status: _Optional[str] = ..., chunk_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., file_size_bytes: _Optional[int] = ..., token_count: _Optional[int] = ..., error_message: _Optional[str] = ..., index_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AddDocumentRequest(_message.Message):
     __slots__ = ("organization_id", "knowledge_base_id", "name", "content_type", "text", "data")

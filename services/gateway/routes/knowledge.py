@@ -492,9 +492,11 @@ async def document_status(
         "filename": d.name,
         "file_type": _FILE_TYPES.get(d.content_type, d.content_type),
         "message": messages.get(status, d.error_message or None),
-        # Processing starts within the upload request; its end is not recorded apart.
+        # Processing starts within the upload request and ends when its last chunk is embedded.
         "processing_started_at": created,
-        "processing_completed_at": created if status == "completed" else None,
+        "processing_completed_at": (
+            pb.iso(d.index_time) if status == "completed" and d.HasField("index_time") else None
+        ),
         "chunk_count": d.chunk_count,
         "token_count": d.token_count,
         "error": d.error_message or None,

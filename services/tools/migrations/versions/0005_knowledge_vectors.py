@@ -3,7 +3,7 @@ a document's `error_message`.
 
 On PostgreSQL the vectors are pgvector `vector`s: the extension must be available on the
 server (`make pgvector` builds it for a local PostgreSQL; images such as pgvector/pgvector
-ship it). On SQLite they are float32 BLOBs compared with numpy at search time.
+ship it). On SQLite they are float32 BLOBs compared by sqlite-vec at search time.
 
 Revision ID: 0005
 Revises: 0004

@@ -28,8 +28,8 @@ else:
 
 __all__ = ["AIOSQLITE", "connect", "sqlite3"]
 
-# sqlite-vec's loadable library, found without importing its package: that imports the standard
-# library's sqlite3 (a second SQLite library) and numpy (15 MiB in every service).
+# sqlite-vec's loadable library, found without importing its package, which imports numpy
+# (15 MiB in every service).
 _spec = importlib.util.find_spec("sqlite_vec")
 if _spec is None or _spec.origin is None:
     raise ImportError("sqlite-vec is not installed: run make venv")

@@ -1,7 +1,7 @@
 """Every SQLite connection of a Loopline process comes from one library (sqlean, sqlite-vec loaded).
 
-Two SQLite libraries in one process break each other's POSIX locks: a CI run crashed with
-SIGBUS when the standard library's sqlite3 closed a database whose WAL index sqlean had mapped.
+Two SQLite libraries in one process break each other's POSIX locks, and one can remove the WAL
+index the other has mapped (SIGBUS).
 """
 
 from __future__ import annotations

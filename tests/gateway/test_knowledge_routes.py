@@ -190,7 +190,6 @@ async def test_documents_are_listed_newest_first_and_filtered_by_status(services
 
 
 async def test_a_documents_status_says_when_its_indexing_ended(services):
-    # processing_completed_at used to repeat the upload time
     async with services.client() as client:
         kb, documents = await _filled(client)
         url = f"/knowledge-bases/{kb['id']}/documents/{documents['refunds.md']['id']}/status"

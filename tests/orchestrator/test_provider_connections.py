@@ -314,8 +314,7 @@ class GatedFakeLLMServer(FakeLLMServer):
 
 
 async def test_more_streamed_calls_than_the_sdks_default_pool_are_in_flight_at_once():
-    # the SDKs' own pool holds 1,000 connections: the 1,001st streamed call used to wait for one,
-    # so 1,001 runs could never all be streaming from one provider at once
+    # the SDKs' own pool holds 1,000 connections, and a streamed call holds one for its answer
     calls = 1_001
     async with GatedFakeLLMServer([Reply(events=openai_text("hi"))], gate=calls) as server:
         clients = ProviderClients()

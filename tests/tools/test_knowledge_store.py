@@ -295,7 +295,6 @@ def test_the_reembed_command_embeds_documents_left_unembedded(tmp_path, monkeypa
 
 
 def test_an_interrupted_reembed_command_still_prints_one_json_document(tmp_path, monkeypatch):
-    # Ctrl-C used to end it with a KeyboardInterrupt traceback and nothing on stdout
     import json
 
     from services.tools import __main__ as command

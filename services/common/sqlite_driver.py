@@ -58,7 +58,7 @@ def _aiosqlite_connect(
     return aiosqlite.Connection(functools.partial(connect, location, **kwargs), iter_chunk_size)
 
 
-_ERRORS = (
+_DBAPI_NAMES = (
     "DatabaseError",
     "Error",
     "IntegrityError",
@@ -69,13 +69,13 @@ _ERRORS = (
     "sqlite_version_info",
 )
 
-# aiosqlite as the dialect reads it: its Connection class, `connect` above, and the error
-# classes of sqlean (aiosqlite re-exports the standard library's, which sqlean never raises).
+# aiosqlite as the dialect reads it: its Connection class, `connect` above, and sqlean's error
+# classes and version (aiosqlite re-exports the standard library's, which sqlean never raises).
 AIOSQLITE = AsyncAdapt_aiosqlite_dbapi(
     types.SimpleNamespace(  # type: ignore[arg-type]
         Connection=aiosqlite.Connection,
         connect=_aiosqlite_connect,
-        **{name: getattr(sqlite3, name) for name in _ERRORS},
+        **{name: getattr(sqlite3, name) for name in _DBAPI_NAMES},
     ),
     sqlite3,
 )

@@ -35,7 +35,12 @@ from services.orchestrator.providers.base import (
     parse_arguments,
     with_estimates,
 )
-from services.orchestrator.providers.clients import ClientSpec, ProviderClients, http_limits
+from services.orchestrator.providers.clients import (
+    MAX_CONNECTIONS,
+    ClientSpec,
+    ProviderClients,
+    http_limits,
+)
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -229,7 +234,7 @@ class AnthropicModel:
         policy: RetryPolicy,
         max_tokens: int = 4096,
         timeout_s: float = 120.0,
-        max_connections: int = 10_000,
+        max_connections: int = MAX_CONNECTIONS,
         system_prompt: str = ASSISTANT_SYSTEM_PROMPT,
         clients: ProviderClients | None = None,
     ) -> None:

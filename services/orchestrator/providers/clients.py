@@ -40,6 +40,9 @@ class SupportsClose(Protocol):
 ClientT = TypeVar("ClientT", bound=SupportsClose)
 
 
+MAX_CONNECTIONS = 10_000  # a client's HTTP connections at most (LOOPLINE_LLM_MAX_CONNECTIONS)
+
+
 @dataclass(frozen=True)
 class ClientSpec:
     """What a provider client is built from; two calls with equal specs share one client.
@@ -57,7 +60,7 @@ class ClientSpec:
     base_url: str
     api_key: str = field(repr=False)
     timeout_s: float
-    max_connections: int = 10_000
+    max_connections: int = MAX_CONNECTIONS
 
     @property
     def cache_key(self) -> tuple[str, str, str, float, int]:

@@ -241,7 +241,7 @@ async def workload_inflight(
             await asyncio.sleep(0.5)
 
     sampler = asyncio.create_task(sample())
-    started = time.monotonic()
+    started, cpu0 = time.monotonic(), dep.cpu()
     try:
         gate = {"id": f"inflight-{time.time_ns()}", "count": runs}
         body = _body(chunks, call_ms / chunks, call_ms / chunks, gate=gate)
@@ -249,6 +249,7 @@ async def workload_inflight(
     finally:
         stop.set()
         await sampler
+    cpu = cpu_delta(cpu0, dep.cpu())
     facts = _frames(outs)
     return {
         **facts,
@@ -256,6 +257,7 @@ async def workload_inflight(
         "chunks_per_call": chunks,
         "call_ms": call_ms,
         "elapsed_s": rounded(time.monotonic() - started),
+        "cpu_ms_per_run_by_service": {k: rounded(v * 1000 / max(1, runs)) for k, v in cpu.items()},
         "idle_together_mib": mib(idle),
         "peak_together_mib": mib(peak),
         "kib_per_run": rounded((peak - idle) / 1024 / max(1, runs), 1),
@@ -324,6 +326,7 @@ async def run(args: argparse.Namespace, dep: Deployment, results: dict[str, Any]
         print(
             f"[bench]   {f['done']}/{f['runs']} done ({f['errors']}), peak "
             f"{f['peak_together_mib']} MiB ({f['kib_per_run']} KiB per run), delay p50/p99 "
-            f"{f['delay']['p50_ms']}/{f['delay']['p99_ms']} ms",
+            f"{f['delay']['p50_ms']}/{f['delay']['p99_ms']} ms, CPU ms per run "
+            f"{f['cpu_ms_per_run_by_service']}",
             flush=True,
         )

@@ -384,5 +384,5 @@ def new_client(spec: ClientSpec) -> anthropic.AsyncAnthropic:
         base_url=spec.base_url,
         max_retries=0,
         timeout=spec.timeout_s,
-        http_client=anthropic.DefaultAsyncHttpxClient(limits=http_limits(spec)),
+        http_client=anthropic.DefaultAioHttpClient(limits=http_limits(spec)),
     )

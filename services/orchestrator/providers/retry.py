@@ -132,9 +132,16 @@ def classify(error: BaseException) -> Failure:
     """
     if isinstance(error, IncompleteStream):
         return Failure("stream ended early", True)
-    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+    # what the socket said, under the SDK's and the HTTP library's wrappers: the aiohttp
+    # transport wraps a refused or dropped connection in a timeout class
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if isinstance(root, (asyncio.TimeoutError, TimeoutError)):
         return Failure("timed out", True)
-    names = {cls.__name__ for cls in type(error).__mro__}
+    if isinstance(root, OSError) or "ClientConnectionError" in _class_names(root):
+        return Failure("connection failed", True)
+    names = _class_names(error)
     status = getattr(error, "status_code", None)
     if "APITimeoutError" in names or "TimeoutException" in names:
         return Failure("timed out", True)
@@ -165,6 +172,10 @@ def classify(error: BaseException) -> Failure:
             return Failure("malformed response", False)
         return Failure(_STATUS_KINDS.get(status, f"request failed ({status})"), False)
     return Failure("unexpected error", False)
+
+
+def _class_names(error: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(error).__mro__}
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

@@ -1,0 +1,99 @@
+"""How a provider call that never got an answer is named, through each SDK's HTTP transport.
+
+The transport wraps what the socket said in its own classes (the aiohttp one wraps a refused
+or dropped connection in a timeout class); the run's error names what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from services.orchestrator.providers.anthropic_provider import AnthropicModel
+from services.orchestrator.providers.base import ModelError
+from services.orchestrator.providers.openai_compat import OpenAICompatModel
+from services.orchestrator.providers.retry import RetryPolicy
+
+ONE_RETRY = RetryPolicy(max_retries=1, base_delay_s=0.01, max_delay_s=0.1)
+USER = [{"role": "user", "content": "hello"}]
+
+
+def openai_at(url: str, timeout_s: float) -> Any:
+    return OpenAICompatModel(
+        "openai",
+        "gpt-test",
+        base_url=f"{url}/v1",
+        api_key="k",
+        policy=ONE_RETRY,
+        timeout_s=timeout_s,
+    )
+
+
+def anthropic_at(url: str, timeout_s: float) -> Any:
+    return AnthropicModel(
+        "claude-test",
+        base_url=url,
+        api_key="k",
+        policy=ONE_RETRY,
+        max_tokens=16,
+        timeout_s=timeout_s,
+    )
+
+
+PROVIDERS = [pytest.param(openai_at, id="openai"), pytest.param(anthropic_at, id="anthropic")]
+
+
+async def failure(build: Callable[[str, float], Any], url: str, timeout_s: float = 5.0) -> str:
+    async def on_text(_: str) -> None:
+        raise AssertionError("no text was sent")
+
+    with pytest.raises(ModelError) as raised:
+        await build(url, timeout_s).generate(USER, [], on_text)
+    return str(raised.value)
+
+
+@asynccontextmanager
+async def server(
+    answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any],
+) -> AsyncIterator[str]:
+    listening = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+    finally:
+        listening.close()
+
+
+@pytest.mark.parametrize("build", PROVIDERS)
+async def test_a_refused_connection_is_a_connection_failure_not_a_timeout(build):
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    message = await failure(build, f"http://127.0.0.1:{port}")
+    assert message.endswith(": connection failed after 2 attempts")
+
+
+@pytest.mark.parametrize("build", PROVIDERS)
+async def test_a_connection_closed_before_any_answer_is_a_connection_failure(build):
+    async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    async with server(close_at_once) as url:
+        message = await failure(build, url)
+    assert message.endswith(": connection failed after 2 attempts")
+
+
+@pytest.mark.parametrize("build", PROVIDERS)
+async def test_a_server_that_never_answers_is_a_timeout(build):
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up and closes
+        writer.close()
+
+    async with server(hold) as url:
+        message = await failure(build, url, timeout_s=0.3)
+    assert message.endswith(": timed out after 2 attempts")

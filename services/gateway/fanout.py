@@ -564,7 +564,10 @@ class RunFanout:
             if not hub.ready.done():
                 hub.ready.set_exception(error)
             elif error.code() != grpc.StatusCode.CANCELLED:
-                log.warning("run stream broke", extra={"fields": {"run_id": run_id}})
+                log.warning(
+                    "run stream broke",
+                    extra={"fields": {"run_id": run_id, "code": error.code().name}},
+                )
                 # not one of the run's frames: each listener's own, naming its position
                 hub.broken = True
         finally:

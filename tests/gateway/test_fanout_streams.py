@@ -114,11 +114,13 @@ async def test_a_listener_at_the_end_of_a_whole_stream_gets_nothing_more():
     assert at_end.frames() == []
 
 
-async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_to_resume_from():
+async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_to_resume_from(
+    caplog,
+):
     """When the orchestrator dies mid-run, each listener's error frame names its own position
     (not a bare "?after=N"): the run's frames it has, those it was handed plus the `after` it
     joined with (the error frame and heartbeats are not counted); reconnecting with it
-    continues right after them."""
+    continues right after them. The log line names the stream's status code."""
     stub = FakeStub()
     fan = RunFanout(stub, heartbeat_s=60)  # type: ignore[arg-type]
     first, first_task = await listen(fan)
@@ -138,6 +140,8 @@ async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_t
         )
     )
     await asyncio.wait_for(asyncio.gather(first_task, late_task, ahead_task), 5)
+    broke = [r for r in caplog.records if r.getMessage() == "run stream broke"]
+    assert [r.fields["code"] for r in broke] == ["UNAVAILABLE"]  # type: ignore[attr-defined]
 
     def error_message(frame: bytes) -> str:
         data = json.loads(frame.removeprefix(b"data: "))

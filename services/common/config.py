@@ -73,7 +73,9 @@ class CommonSettings(BaseSettings):
         grpc_keepalive_s / grpc_keepalive_timeout_s: every internal gRPC channel pings each
             replica it is connected to after this many seconds without a ping, and drops the
             connection when the answer takes longer than the timeout (a stalled or vanished
-            replica; calls go on through the others). The servers accept pings every second.
+            replica; calls go on through the others). The timeout outlasts the lag of a busy
+            replica, which reads its connections seconds late (docs/operations.md). The servers
+            accept pings every second.
 
     Every numeric setting has the range it can work in (pydantic constraints: ports 0-65535,
     durations up to MAX_SECONDS, no infinity or NaN), so a value out of range stops the
@@ -98,7 +100,7 @@ class CommonSettings(BaseSettings):
     readiness_interval_s: float = Field(default=5.0, gt=0, le=MAX_SECONDS)
     readiness_timeout_s: float = Field(default=2.0, gt=0, le=MAX_SECONDS)
     grpc_keepalive_s: float = Field(default=10.0, ge=1, le=86_400)
-    grpc_keepalive_timeout_s: float = Field(default=5.0, ge=0.1, le=86_400)
+    grpc_keepalive_timeout_s: float = Field(default=20.0, ge=0.1, le=86_400)
 
     @model_validator(mode="after")
     def _addresses_follow_ports(self) -> CommonSettings:

@@ -1,4 +1,5 @@
-"""A replica that stalls (SIGSTOP) is dropped from the round by the keepalive pings.
+"""A replica that stalls (SIGSTOP) is dropped from the round by the keepalive pings; one that
+only lags keeps its calls.
 
 Two tools services run as processes behind one `ipv4:` target; an internal channel with a 1 s
 keepalive (LOOPLINE_GRPC_KEEPALIVE_S, timeout 1 s) calls them in turn. One replica is stopped
@@ -19,8 +20,10 @@ import sys
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
+from services.common.config import CommonSettings
 from services.common.internal_auth import internal_channel
 from tests.scale.conftest import ROOT, free_port, wait_port
 
@@ -96,3 +99,33 @@ async def test_calls_go_on_through_the_other_replica_once_one_is_stopped(tmp_pat
                 process.wait(10)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+async def test_a_replica_that_lags_less_than_the_keepalive_timeout_keeps_its_streams(tmp_path):
+    """An orchestrator far behind its work (10,000 runs streaming at once, `make bench`) reads
+    its connections seconds late, pings included: with the default timeout its streams live
+    through a lag of several seconds. Here a replica is stopped for 8 s while a stream is open
+    and pings go every second: the stream and the connection are there when it goes on."""
+    process, port, log = _spawn_tools(tmp_path, "tools-lagging")
+    try:
+        await wait_port(port, process, log)
+        keepalive = (1.0, CommonSettings().grpc_keepalive_timeout_s)
+        async with internal_channel(f"127.0.0.1:{port}", "", keepalive=keepalive) as channel:
+            stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await stream.read()).status == health_pb2.HealthCheckResponse.SERVING
+            process.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(8)
+            process.send_signal(signal.SIGCONT)
+            await asyncio.sleep(1)
+            assert not stream.done(), await stream.code()
+            await tools_pb2_grpc.ToolsServiceStub(channel).ListTools(
+                tools_pb2.ListToolsRequest(), timeout=5
+            )
+            stream.cancel()
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()

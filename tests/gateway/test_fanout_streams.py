@@ -141,7 +141,7 @@ async def test_a_broken_upstream_stream_tells_each_listener_the_after_position_t
     )
     await asyncio.wait_for(asyncio.gather(first_task, late_task, ahead_task), 5)
     broke = [r for r in caplog.records if r.getMessage() == "run stream broke"]
-    assert [r.fields["code"] for r in broke] == ["UNAVAILABLE"]  # type: ignore[attr-defined]
+    assert [r.fields["code"] for r in broke] == ["UNAVAILABLE"]
 
     def error_message(frame: bytes) -> str:
         data = json.loads(frame.removeprefix(b"data: "))

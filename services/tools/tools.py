@@ -252,20 +252,19 @@ class ToolExecutor:
         for integration in await self.visible_integrations(org_id):
             if category and category not in (c.lower() for c in integration.categories):
                 continue
-            haystack = (
+            if query and query not in (
                 f"{integration.name} {integration.display_name} {integration.description}".lower()
-            )
-            if query and query not in haystack:
+            ):
                 continue
+            auth_types = integration.auth_types
             items.append(
                 {
                     "name": integration.name,
                     "display_name": integration.display_name,
                     "description": integration.description,
                     "categories": list(integration.categories),
-                    "connected": integration.name in connected
-                    or integration.auth_types == ["none"],
-                    "auth_types": integration.auth_types,
+                    "connected": integration.name in connected or auth_types == ["none"],
+                    "auth_types": auth_types,
                 }
             )
         output: dict[str, Any] = {"integrations": items, "count": len(items)}

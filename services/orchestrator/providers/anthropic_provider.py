@@ -39,8 +39,8 @@ from services.orchestrator.providers.clients import (
     MAX_CONNECTIONS,
     ClientSpec,
     ProviderClients,
-    http_limits,
 )
+from services.orchestrator.providers.http_client import new_http_client
 from services.orchestrator.providers.prompt import ASSISTANT_SYSTEM_PROMPT
 from services.orchestrator.providers.retry import IncompleteStream, RetryPolicy, stream_with_retries
 
@@ -384,5 +384,5 @@ def new_client(spec: ClientSpec) -> anthropic.AsyncAnthropic:
         base_url=spec.base_url,
         max_retries=0,
         timeout=spec.timeout_s,
-        http_client=anthropic.DefaultAioHttpClient(limits=http_limits(spec)),
+        http_client=new_http_client(anthropic, spec),
     )

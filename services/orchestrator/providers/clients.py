@@ -72,11 +72,8 @@ class ClientSpec:
 def http_limits(spec: ClientSpec) -> Any:
     """The SDK client's connection pool for `spec` (an `httpx2.Limits`, the SDKs' HTTP library):
     `max_connections` streamed calls at once (the SDKs' own default, 1,000, would queue the
-    rest); idle ones close after `keepalive_expiry` (5 s).
-
-    The providers give it to the SDKs' aiohttp transport (`DefaultAioHttpClient`): httpx's own
-    pool scans every connection on each request and each response's end, which with
-    thousands of calls streaming at once cost more CPU than their chunks (docs/performance.md)."""
+    rest); idle ones close after `keepalive_expiry` (5 s). Given to the SDKs' aiohttp transport
+    (http_client.py)."""
     import httpx2  # noqa: PLC0415 - with the provider SDKs, on first use
 
     return httpx2.Limits(max_connections=spec.max_connections)

@@ -127,19 +127,27 @@ def classify(error: BaseException) -> Failure:
     """Classify an exception of the `openai` or `anthropic` SDK (or of a provider's stream reader).
 
     Works on both SDKs by duck typing: an HTTP status error has `status_code` and
-    `response.headers`; connection and timeout errors are recognized by class name
-    (`APITimeoutError`, `APIConnectionError`) and by the asyncio/httpx timeout types.
+    `response.headers`; connection and timeout errors are recognized by the innermost
+    `__cause__` (a socket error, a timeout, aiohttp's connection or parser error) and by class
+    name (`APITimeoutError`, `APIConnectionError`) and the asyncio/httpx timeout types.
     """
     if isinstance(error, IncompleteStream):
         return Failure("stream ended early", True)
     # what the socket said, under the SDK's and the HTTP library's wrappers: the aiohttp
-    # transport wraps a refused or dropped connection in a timeout class
+    # transport wraps a refused or dropped connection in a timeout class, and lets aiohttp's
+    # parser error for an answer that is no HTTP response (`HttpProcessingError`) through to
+    # the openai SDK's caller unwrapped; httpx called that a protocol error
     root = error
     while root.__cause__ is not None:
         root = root.__cause__
     if isinstance(root, (asyncio.TimeoutError, TimeoutError)):
         return Failure("timed out", True)
-    if isinstance(root, OSError) or "ClientConnectionError" in _class_names(root):
+    root_names = _class_names(root)
+    if (
+        isinstance(root, OSError)
+        or "ClientConnectionError" in root_names
+        or "HttpProcessingError" in root_names
+    ):
         return Failure("connection failed", True)
     names = _class_names(error)
     status = getattr(error, "status_code", None)

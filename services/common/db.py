@@ -541,13 +541,15 @@ def migrate(service: str, url: str) -> None:
 
 
 def migrate_command(service: str, url: str) -> int:
-    """`python -m services.<service> migrate`: `migrate`, or one line on stderr and exit code 2
-    when the database cannot be used (UnusableDatabase), never a traceback. Returns the code."""
+    """`python -m services.<service> migrate`: `migrate`, then one line on stdout naming the
+    database (its URL without the password); or one line on stderr and exit code 2 when the
+    database cannot be used (UnusableDatabase), never a traceback. Returns the code."""
     try:
         migrate(service, url)
     except UnusableDatabase as unusable:
         sys.stderr.write(f"{service}: {unusable}\n")
         return 2
+    print(f"{service} database migrated: {make_url(url).render_as_string(hide_password=True)}")
     return 0
 
 

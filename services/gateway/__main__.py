@@ -110,7 +110,7 @@ def main() -> None:
             settings.shutdown_grace_s,
         )
         return
-    if args.command == "migrate":  # not an admin command: it prints nothing
+    if args.command == "migrate":  # not an admin command: a line of text, not JSON
         code = db.migrate_command("gateway", settings.database_url)
         if code:
             raise SystemExit(code)

@@ -20,8 +20,6 @@ import asyncio
 import json
 import sys
 
-from sqlalchemy.engine import make_url
-
 from services.common import db
 from services.common.runner import run
 from services.tools.config import ToolsSettings
@@ -147,13 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = ToolsSettings()
     if args.command == "migrate":
-        code = db.migrate_command("tools", settings.database_url())
-        if not code:  # the URL without its password
-            print(
-                "tools database migrated: "
-                f"{make_url(settings.database_url()).render_as_string(hide_password=True)}"
-            )
-        return code
+        return db.migrate_command("tools", settings.database_url())
     if args.command == "generate-key":
         from cryptography.fernet import Fernet
 

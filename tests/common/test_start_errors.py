@@ -43,6 +43,21 @@ def test_migrate_with_a_data_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path,
     )
 
 
+@pytest.mark.parametrize("service", ["billing", "gateway", "orchestrator", "tools"])
+def test_migrate_names_the_database_it_migrated_in_one_line(tmp_path, service):
+    result = subprocess.run(
+        [sys.executable, "-m", f"services.{service}", "migrate"],
+        env=_env(LOOPLINE_DATA_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    database = tmp_path / f"{service}.db"
+    assert result.stdout == f"{service} database migrated: sqlite+aiosqlite:///{database}\n"
+
+
 def test_a_server_with_a_data_dir_that_is_a_file_says_why_and_exits_2(tmp_path):
     data_dir = tmp_path / "a_file"
     data_dir.write_text("not a folder")

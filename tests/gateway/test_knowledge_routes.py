@@ -195,6 +195,7 @@ async def test_a_documents_status_says_when_its_indexing_ended(services):
         url = f"/knowledge-bases/{kb['id']}/documents/{documents['refunds.md']['id']}/status"
         status = (await client.get(url)).json()
     assert status["status"] == "completed"
+    assert status["message"] == "Indexed into 1 chunk"  # a short document, one chunk
     started = datetime.datetime.fromisoformat(status["processing_started_at"])
     completed = datetime.datetime.fromisoformat(status["processing_completed_at"])
     assert started < completed <= datetime.datetime.now(datetime.UTC)

@@ -482,9 +482,10 @@ async def document_status(
     ).document
     status = DOCUMENT_STATUS.get(d.status, d.status)
     created = pb.iso(d.create_time)
+    chunks = f"{d.chunk_count} chunk{'' if d.chunk_count == 1 else 's'}"
     messages = {
-        "completed": f"Indexed into {d.chunk_count} chunks",
-        "processing": f"Embedding {d.chunk_count} chunks; keyword search already finds them",
+        "completed": f"Indexed into {chunks}",
+        "processing": f"Embedding {chunks}; keyword search already finds them",
     }
     answer: DocumentStatus = {
         "document_id": d.document_id,

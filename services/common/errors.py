@@ -81,6 +81,10 @@ class RpcError(Exception):
 
     def to_status(self) -> grpc.Status:
         """The grpc.Status carrying this error (code, message, packed details)."""
+        return rpc_status.to_status(self.to_proto())
+
+    def to_proto(self) -> status_pb2.Status:
+        """The google.rpc.Status of `to_status` (what grpc-status-details-bin carries)."""
         packed: list[any_pb2.Any] = []
         info = error_details_pb2.ErrorInfo(
             reason=self.reason, domain=self.domain, metadata=self.metadata
@@ -95,8 +99,7 @@ class RpcError(Exception):
             delay.FromNanoseconds(int(self.retry_after_s * 1e9))
             item.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
             packed.append(item)
-        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=packed)
-        return rpc_status.to_status(status)
+        return status_pb2.Status(code=self.code.value[0], message=self.message, details=packed)
 
 
 async def abort(context: grpc.aio.ServicerContext, error: RpcError) -> None:
@@ -189,37 +192,36 @@ async def _answer(
     internal_domain: str | None,
     domain: str,
 ) -> None:
-    """Abort the RPC with the status `error` earns (raises grpc.aio.AbortError).
+    """Abort the RPC with the status `error` earns (`error_answer`; raises grpc.aio.AbortError)."""
+    await abort(context, error_answer(error, rpc, internal_domain, domain))
 
-    RpcError: its rich status. A storage error that is not a bug (`storage_failure`) gets its
-    answer in `internal_domain` (else `domain`), logged as a WARNING. Any other exception is a
-    bug: logged with its traceback and answered with a generic message, never its own text
-    (which may quote SQL or parameters): INTERNAL in `internal_domain` when given, else UNKNOWN
-    in `domain` (the caller cannot know whether the call took effect).
+
+def error_answer(error: Exception, rpc: str, internal_domain: str | None, domain: str) -> RpcError:
+    """The status `error`, raised by handler `rpc`, earns.
+
+    RpcError: itself. A storage error that is not a bug (`storage_failure`) gets its answer in
+    `internal_domain` (else `domain`), logged as a WARNING. Any other exception is a bug: logged
+    with its traceback and answered with a generic message, never its own text (which may quote
+    SQL or parameters): INTERNAL in `internal_domain` when given, else UNKNOWN in `domain` (the
+    caller cannot know whether the call took effect).
     """
     if isinstance(error, RpcError):
-        await abort(context, error)
+        return error
     known = storage_failure(error, internal_domain or domain)
     if known is not None:
         metrics.storage_error(_SERVICE_OF_DOMAIN.get(internal_domain or domain, "other"), error)
         log.warning(known[0], extra={"fields": {"rpc": rpc, "error": type(error).__name__}})
-        await abort(context, known[1])
+        return known[1]
     log.exception("unhandled error", extra={"fields": {"rpc": rpc}}, exc_info=error)
     if internal_domain is not None:
-        await abort(
-            context,
-            RpcError(
-                grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=internal_domain
-            ),
+        return RpcError(
+            grpc.StatusCode.INTERNAL, "INTERNAL", "Internal error", domain=internal_domain
         )
-    await abort(
-        context,
-        RpcError(
-            grpc.StatusCode.UNKNOWN,
-            "INTERNAL",
-            "Internal error; the call may or may not have taken effect",
-            domain=domain,
-        ),
+    return RpcError(
+        grpc.StatusCode.UNKNOWN,
+        "INTERNAL",
+        "Internal error; the call may or may not have taken effect",
+        domain=domain,
     )
 
 

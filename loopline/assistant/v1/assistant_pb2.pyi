@@ -83,6 +83,36 @@ class StreamRunResponse(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
     def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
 
+class StreamRunsRequest(_message.Message):
+    __slots__ = ("stream_id", "follow", "stop")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    follow: StreamRunRequest
+    stop: bool
+    def __init__(self, stream_id: _Optional[int] = ..., follow: _Optional[_Union[StreamRunRequest, _Mapping]] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class RunStreamEvents(_message.Message):
+    __slots__ = ("stream_id", "events", "accepted", "end_status", "ended")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    END_STATUS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
+    accepted: bool
+    end_status: bytes
+    ended: bool
+    def __init__(self, stream_id: _Optional[int] = ..., events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., accepted: _Optional[bool] = ..., end_status: _Optional[bytes] = ..., ended: _Optional[bool] = ...) -> None: ...
+
+class StreamRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunStreamEvents]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStreamEvents, _Mapping]]] = ...) -> None: ...
+
 class ResumeRequest(_message.Message):
     __slots__ = ("caller", "chat_id", "request_id", "response", "llm", "response_json")
     CALLER_FIELD_NUMBER: _ClassVar[int]

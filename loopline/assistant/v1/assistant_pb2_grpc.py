@@ -50,6 +50,11 @@ class AssistantServiceStub:
                 request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunRequest.SerializeToString,
                 response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunResponse.FromString,
                 _registered_method=True)
+        self.StreamRuns = channel.stream_stream(
+                '/loopline.assistant.v1.AssistantService/StreamRuns',
+                request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunsRequest.SerializeToString,
+                response_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunsResponse.FromString,
+                _registered_method=True)
         self.Resume = channel.unary_unary(
                 '/loopline.assistant.v1.AssistantService/Resume',
                 request_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.ResumeRequest.SerializeToString,
@@ -122,6 +127,16 @@ class AssistantServiceServicer:
         ends after a terminal event. An `after` at or past the end of an ended run's events
         gives an empty stream: the HTTP listen route's rule ("one past the end gets the run's
         last frame", README "Stream end") is the gateway's, applied to what this returns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamRuns(self, request_iterator, context):
+        """StreamRuns follows many runs over one call: each request follows a run or stops following
+        one; each response carries the events of every followed run that had some ready when it was
+        written, and the ends of runs. Per run: the events, order, validation and end of StreamRun.
+        The call ends once the client has closed its side and every run it followed has ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -208,6 +223,11 @@ def add_AssistantServiceServicer_to_server(servicer, server):
                     servicer.StreamRun,
                     request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunRequest.FromString,
                     response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunResponse.SerializeToString,
+            ),
+            'StreamRuns': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamRuns,
+                    request_deserializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunsRequest.FromString,
+                    response_serializer=loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunsResponse.SerializeToString,
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
@@ -315,6 +335,33 @@ class AssistantService:
             '/loopline.assistant.v1.AssistantService/StreamRun',
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunRequest.SerializeToString,
             loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamRuns(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/loopline.assistant.v1.AssistantService/StreamRuns',
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunsRequest.SerializeToString,
+            loopline_dot_assistant_dot_v1_dot_assistant__pb2.StreamRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

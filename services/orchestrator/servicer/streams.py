@@ -1,9 +1,10 @@
-"""StreamRun: a run's events from `after`, then live, in batches or one per message."""
+"""StreamRun: a run's events from `after`, then live, in batches or one per message; StreamRuns:
+many runs' over one call."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,19 +15,17 @@ from services.common.errors import RpcError, abort
 from services.orchestrator.eventlog import StreamInterrupted
 from services.orchestrator.servicer.access import ChatAccess
 from services.orchestrator.servicer.errors import not_found, stream
+from services.orchestrator.servicer.run_streams import RunStreams
 
 STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
 MAX_STREAM_BATCH = 256  # events per StreamRun response at most, whatever the client asks
 
 
 class Streams(ChatAccess):
-    """StreamRun of the servicer."""
+    """StreamRun and StreamRuns of the servicer."""
 
-    @stream
-    async def StreamRun(
-        self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[assistant_pb2.StreamRunResponse, None]:
-        """Replay the run's events from `after`, then follow live; ends after a terminal event.
+    async def _refusal(self, request: assistant_pb2.StreamRunRequest) -> RpcError | None:
+        """Why a request to stream a run is refused, or None (StreamRun's and StreamRuns' check).
 
         A run active in this process is checked against its RunSpec (its chat cannot be deleted
         while it runs); any other run against the database (store.stream_target).
@@ -43,16 +42,34 @@ class Streams(ChatAccess):
                     request.chat_id, request.run_id if ids.is_row_id(request.run_id) else ""
                 )
             if not self._visible(target, request.caller):
-                await abort(context, not_found())
-                return
+                return not_found()
             if target.run_chat_id is None:
-                await abort(context, not_found("Run"))
-                return
+                return not_found("Run")
         if request.after < 0:
-            await abort(
-                context,
-                RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0"),
-            )
+            return RpcError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_AFTER", "after must be >= 0")
+        return None
+
+    @stream
+    async def StreamRuns(
+        self,
+        requests: AsyncIterator[assistant_pb2.StreamRunsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncGenerator[assistant_pb2.StreamRunsResponse, None]:
+        """Follow many runs over one call (run_streams.py)."""
+        async with contextlib.aclosing(
+            RunStreams(self._refusal, self.runner.events).serve(requests)
+        ) as out:
+            async for response in out:
+                yield response
+
+    @stream
+    async def StreamRun(
+        self, request: assistant_pb2.StreamRunRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[assistant_pb2.StreamRunResponse, None]:
+        """Replay the run's events from `after`, then follow live; ends after a terminal event."""
+        refusal = await self._refusal(request)
+        if refusal is not None:
+            await abort(context, refusal)
             return
         await context.send_initial_metadata(((STREAM_READY, "1"),))
         try:

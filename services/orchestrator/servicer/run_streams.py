@@ -24,7 +24,7 @@ from loopline.assistant.v1 import assistant_pb2, events_pb2
 from services.common.errors import ASSISTANT_DOMAIN, RpcError, error_answer
 from services.orchestrator.eventlog import EventLog, StreamInterrupted
 
-MAX_RUN_BATCH = 256  # events of one run per message at most (StreamRun's MAX_STREAM_BATCH)
+MAX_RUN_BATCH = 256  # events of one run per message at most, here and in StreamRun
 MAX_MESSAGE_BYTES = 1 << 20  # a message stops taking runs past this (it always takes one)
 
 Refusal = Callable[[assistant_pb2.StreamRunRequest], Awaitable[RpcError | None]]

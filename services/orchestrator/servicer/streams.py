@@ -15,10 +15,9 @@ from services.common.errors import RpcError, abort
 from services.orchestrator.eventlog import StreamInterrupted
 from services.orchestrator.servicer.access import ChatAccess
 from services.orchestrator.servicer.errors import not_found, stream
-from services.orchestrator.servicer.run_streams import RunStreams
+from services.orchestrator.servicer.run_streams import MAX_RUN_BATCH, RunStreams
 
 STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
-MAX_STREAM_BATCH = 256  # events per StreamRun response at most, whatever the client asks
 
 
 class Streams(ChatAccess):
@@ -76,7 +75,7 @@ class Streams(ChatAccess):
             if (
                 request.max_batch > 1
             ):  # every event available at once in one message (EventLog.follow_batches)
-                limit = min(int(request.max_batch), MAX_STREAM_BATCH)
+                limit = min(int(request.max_batch), MAX_RUN_BATCH)
                 async with contextlib.aclosing(
                     self.runner.events.follow_batches(request.run_id, int(request.after))
                 ) as batches:

@@ -141,6 +141,13 @@ class _SendTokenStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(client_call_details), request)
 
 
+class _SendTokenBidi(_SendToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await continuation(self._details(client_call_details), requests)
+
+
 def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
     """The interceptors a gRPC server needs for `token` (none when it is empty)."""
     return [TokenCheck(token)] if token else []
@@ -168,7 +175,7 @@ def internal_channel(
     # the trace context (tracing on only), then the token
     interceptors: list[grpc.aio.ClientInterceptor] = tracing.client_interceptors()
     if token:
-        interceptors += [_SendTokenUnary(token), _SendTokenStream(token)]
+        interceptors += [_SendTokenUnary(token), _SendTokenStream(token), _SendTokenBidi(token)]
     channel_options = [
         ("grpc.service_config", ROUND_ROBIN),
         ("grpc.keepalive_time_ms", round(keepalive[0] * 1000)),

@@ -8,6 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
 from loopline.tools.v1 import tools_pb2, tools_pb2_grpc
 from services.common.internal_auth import internal_channel
 from tests.conftest import SCRIPTED, script, start_stack, stop_stack
@@ -94,3 +95,32 @@ async def test_a_refused_call_is_logged_by_the_refusing_service_without_the_toke
     ]  # once a minute per method
     assert logged[0].fields["method"] == "/loopline.tools.v1.ToolsService/ListTools"
     assert "not-the-token" not in caplog.text
+
+
+async def test_a_bidirectional_call_carries_the_token_too(guarded):
+    """StreamRuns (client and server both streaming) through an internal channel: refused
+    without the token, served with it."""
+    async with guarded.client() as client:
+        turn = await client.post("/assistant/chat", json={"message": script({"say": "hi"})})
+        assert turn.status_code == 200, turn.text
+        body = turn.json()
+        await read_frames(client, body["stream_url"])
+    caller = assistant_pb2.Caller(organization_id=guarded.org_id, user_id=guarded.user_id)
+    follow = assistant_pb2.StreamRunRequest(
+        caller=caller, chat_id=body["chat_id"], run_id=body["run_id"]
+    )
+
+    async def requests():
+        yield assistant_pb2.StreamRunsRequest(stream_id=1, follow=follow)
+
+    target = f"127.0.0.1:{guarded.orchestrator.port}"
+    async with internal_channel(target, "wrong-token") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in assistant_pb2_grpc.AssistantServiceStub(channel).StreamRuns(requests()):
+                pass
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with internal_channel(target, TOKEN) as channel:
+        stub = assistant_pb2_grpc.AssistantServiceStub(channel)
+        runs = [entry async for response in stub.StreamRuns(requests()) for entry in response.runs]
+    assert runs[-1].ended and runs[-1].end_status == b""
+    assert [e.WhichOneof("payload") for entry in runs for e in entry.events][-1] == "done"

@@ -2,7 +2,8 @@
 
 - `turn_start`: StartTurn (guards, model, admission, persist-and-charge, unwind) and CheckModel.
 - `interrupts`: Resume and NotifyCredentialConnected (answer a question, start the continuation).
-- `streams`: StreamRun.  `cancel`: Cancel.  `chats`: GetChat, ListChats, GetChatStatus, DeleteChat.
+- `streams`: StreamRun and StreamRuns (`run_streams`).  `cancel`: Cancel.
+- `chats`: GetChat, ListChats, GetChatStatus, DeleteChat.
 - `model_providers`: ListModelProviders (the providers and models this deployment serves).
 - `access`: the state they share (claims, the caller's chat, its pending question, the model).
 

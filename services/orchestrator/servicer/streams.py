@@ -1,5 +1,5 @@
 """StreamRun: a run's events from `after`, then live, in batches or one per message; StreamRuns:
-many runs' over one call."""
+the same for many runs over one call."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from loopline.assistant.v1 import assistant_pb2, assistant_pb2_grpc
+from services.common.errors import RpcError
 from services.orchestrator.eventlog.memory import MemoryEventLog
 from services.orchestrator.servicer.run_streams import RunStreams
 from tests.orchestrator.helpers import run_turn, start
@@ -179,3 +180,64 @@ async def test_what_several_runs_have_at_once_goes_in_one_message_and_one_alone_
     rest = [response async for response in out]  # both ended and the client closed: it ends
     ends = [(e.stream_id, e.ended) for r in rest for e in r.runs if e.ended]
     assert sorted(ends) == [(1, True), (2, True)]
+
+
+async def test_a_run_with_large_events_is_cut_into_messages_a_default_client_can_receive():
+    # a replay of 6 MB (each event 1 MB) in one message would exceed gRPC's default 4 MiB receive
+    # limit: the client's call would fail (RESOURCE_EXHAUSTED) for every run it follows
+    log = MemoryEventLog()
+    log.open("big")
+    for text in "abcdef":
+        log.append(_chunk("big", text * 1_000_000))
+    log.append(_done("big"))
+    log.close("big")
+    log.open("small")
+    log.append(_chunk("small", "x"))
+    log.append(_done("small"))
+    log.close("small")
+
+    async def accept(_: Any) -> None:
+        return None
+
+    requests = Requests()
+    for stream_id, run_id in ((1, "big"), (2, "small")):
+        run = assistant_pb2.StreamRunRequest(run_id=run_id)
+        requests.send(assistant_pb2.StreamRunsRequest(stream_id=stream_id, follow=run))
+    requests.close()
+    messages = [response async for response in RunStreams(accept, log).serve(aiter(requests))]
+    assert max(message.ByteSize() for message in messages) < 4 * 1024 * 1024
+    entries: dict[int, list[Any]] = {}
+    for message in messages:
+        for entry in message.runs:
+            entries.setdefault(entry.stream_id, []).append(entry)
+    for stream_id, run_id in ((1, "big"), (2, "small")):
+        assert _events(entries[stream_id]) == log.snapshot(run_id)
+        assert entries[stream_id][-1].ended
+
+
+async def test_an_id_whose_end_is_not_sent_yet_cannot_be_followed_again():
+    log = MemoryEventLog()
+    log.open("r")
+    log.append(_done("r"))
+    log.close("r")
+
+    async def accept(_: Any) -> None:
+        return None
+
+    requests = Requests()
+    follow = assistant_pb2.StreamRunsRequest(
+        stream_id=5, follow=assistant_pb2.StreamRunRequest(run_id="r")
+    )
+    requests.send(follow)
+    streams = RunStreams(accept, log)
+    out = streams.serve(aiter(requests))
+    first = await anext(out)  # its events; its end waits in the outbox until this is sent
+    assert first.runs[0].stream_id == 5
+    requests.send(follow)  # the same id again, without a stop
+    try:
+        async for response in out:
+            assert all(not e.accepted for e in response.runs)  # never a second stream 5
+    except RpcError as error:
+        assert error.reason == "STREAM_ID_IN_USE"
+    else:
+        raise AssertionError("the call should have failed")

@@ -6,7 +6,8 @@ outbox holds as one message. So the events of many runs ready at once share a me
 wake-up of both processes), and an event that comes alone goes out alone, at once. A follower
 hands over its next batch only once the outbox has given up the last: a client that reads
 slowly holds its runs back, as flow control holds a StreamRun, and nothing piles up here. One
-message carries at most MAX_MESSAGE_BYTES of events when several runs have some.
+message carries at most MAX_MESSAGE_BYTES of events when several runs have some, and a run's
+entry at most MAX_RUN_BATCH events and MAX_MESSAGE_BYTES (`pieces`; a larger event goes alone).
 
 The call ends once the client has closed its side and every followed run has ended; when the
 client goes away, every follower is cancelled.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
@@ -28,6 +29,25 @@ MAX_RUN_BATCH = 256  # events of one run per message at most, here and in Stream
 MAX_MESSAGE_BYTES = 1 << 20  # a message stops taking runs past this (it always takes one)
 
 Refusal = Callable[[assistant_pb2.StreamRunRequest], Awaitable[RpcError | None]]
+
+
+def pieces(
+    batch: list[events_pb2.Event], limit: int = MAX_RUN_BATCH
+) -> Iterator[list[events_pb2.Event]]:
+    """`batch` cut in order into lists of at most `limit` events and MAX_MESSAGE_BYTES (an event
+    larger than that alone): a run's events in one message stay within a client's receive limit
+    whenever each event does (gRPC's default is 4 MiB)."""
+    piece: list[events_pb2.Event] = []
+    size = 0
+    for event in batch:
+        event_size = event.ByteSize()
+        if piece and (len(piece) >= limit or size + event_size > MAX_MESSAGE_BYTES):
+            yield piece
+            piece, size = [], 0
+        piece.append(event)
+        size += event_size
+    if piece:
+        yield piece
 
 
 class RunStreams:
@@ -77,7 +97,8 @@ class RunStreams:
                         "INVALID_REQUEST",
                         "a request must follow a run or stop following one",
                     )
-                elif stream_id in self._followers:
+                elif stream_id in self._followers or stream_id in self._outbox:
+                    # followed, or its end not sent yet
                     raise RpcError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         "STREAM_ID_IN_USE",
@@ -102,9 +123,9 @@ class RunStreams:
             batches = self._events.follow_batches(request.run_id, int(request.after))
             async with contextlib.aclosing(batches):
                 async for batch in batches:
-                    for start in range(0, len(batch), MAX_RUN_BATCH):
+                    for piece in pieces(batch):
                         taken.clear()
-                        self._put(stream_id, events=batch[start : start + MAX_RUN_BATCH])
+                        self._put(stream_id, events=piece)
                         await taken.wait()
             self._put(stream_id, end=None)
         except StreamInterrupted as interrupted:

@@ -15,7 +15,7 @@ from services.common.errors import RpcError, abort
 from services.orchestrator.eventlog import StreamInterrupted
 from services.orchestrator.servicer.access import ChatAccess
 from services.orchestrator.servicer.errors import not_found, stream
-from services.orchestrator.servicer.run_streams import MAX_RUN_BATCH, RunStreams
+from services.orchestrator.servicer.run_streams import MAX_RUN_BATCH, RunStreams, pieces
 
 STREAM_READY = "x-loopline-stream"  # initial metadata sent once a StreamRun request is validated
 
@@ -80,10 +80,8 @@ class Streams(ChatAccess):
                     self.runner.events.follow_batches(request.run_id, int(request.after))
                 ) as batches:
                     async for batch in batches:
-                        for start in range(0, len(batch), limit):
-                            yield assistant_pb2.StreamRunResponse(
-                                events=batch[start : start + limit]
-                            )
+                        for piece in pieces(batch, limit):
+                            yield assistant_pb2.StreamRunResponse(events=piece)
             else:
                 async with contextlib.aclosing(
                     self.runner.events.follow(request.run_id, int(request.after))

@@ -31,6 +31,10 @@ LIVENESS = "liveness"
 #: The shortest interval between the pings of a client that the servers accept (half the
 #: shortest client keepalive, LOOPLINE_GRPC_KEEPALIVE_S >= 1 s): more often is a GOAWAY.
 MIN_PING_INTERVAL_MS = 500
+#: Calls that may wait for the server's Python side to take them; gRPC's core cancels any past
+#: its defaults (1,000, 3,000 at most): a burst of a few thousand calls at once (a crowd of
+#: listens reconnecting) was answered CANCELLED, as if the callers had cancelled.
+MAX_PENDING_CALLS = 20_000
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,8 @@ async def start_grpc_server(
             # use would start and share it silently (a listener of a run on the other copy gets an
             # empty stream). A port in use is an error at start instead.
             ("grpc.so_reuseport", 0),
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
             *options,
         ],
     )

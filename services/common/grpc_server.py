@@ -31,9 +31,9 @@ LIVENESS = "liveness"
 #: The shortest interval between the pings of a client that the servers accept (half the
 #: shortest client keepalive, LOOPLINE_GRPC_KEEPALIVE_S >= 1 s): more often is a GOAWAY.
 MIN_PING_INTERVAL_MS = 500
-#: Calls that may wait for the server's Python side to take them; gRPC's core cancels any past
-#: its defaults (1,000, 3,000 at most): a burst of a few thousand calls at once (a crowd of
-#: listens reconnecting) was answered CANCELLED, as if the callers had cancelled.
+#: Calls that may wait for the server's Python side to take them. gRPC's core answers those past
+#: its defaults (1,000, 3,000 at most) CANCELLED, as if their callers had cancelled, so a burst
+#: of a few thousand calls at once (a crowd of listens reconnecting) would lose most of them.
 MAX_PENDING_CALLS = 20_000
 
 

@@ -117,7 +117,7 @@ class RunStreams:
         try:
             refusal = await self._refusal(request)
             if refusal is not None:
-                self._put(stream_id, end=refusal)
+                self._end(stream_id, refusal)
                 return
             self._put(stream_id, accepted=True)
             batches = self._events.follow_batches(request.run_id, int(request.after))
@@ -127,39 +127,42 @@ class RunStreams:
                         taken.clear()
                         self._put(stream_id, events=piece)
                         await taken.wait()
-            self._put(stream_id, end=None)
+            self._end(stream_id, None)
         except StreamInterrupted as interrupted:
             status = grpc.StatusCode.UNAVAILABLE
-            self._put(stream_id, end=RpcError(status, "STREAM_INTERRUPTED", interrupted.message))
+            self._end(stream_id, RpcError(status, "STREAM_INTERRUPTED", interrupted.message))
         except Exception as error:  # the answer StreamRun's wrapper would give (never its text)
-            self._put(stream_id, end=error_answer(error, "StreamRuns", None, ASSISTANT_DOMAIN))
+            self._end(stream_id, error_answer(error, "StreamRuns", None, ASSISTANT_DOMAIN))
         finally:
             if self._followers.get(stream_id) is asyncio.current_task():
                 del self._followers[stream_id]
             self._taken.pop(stream_id, None)
             self._wake.set()
 
-    def _put(
-        self,
-        stream_id: int,
-        events: list[events_pb2.Event] | None = None,
-        accepted: bool = False,
-        end: RpcError | None | bool = False,
-    ) -> None:
-        """Add to the outbox entry of `stream_id`: events, acceptance, or its end (`end` an
-        RpcError, or None for a run that ended well; False: not the end)."""
+    def _entry(self, stream_id: int) -> assistant_pb2.RunStreamEvents:
+        """The outbox entry of `stream_id` (made when it has none); the writer is woken."""
+        self._wake.set()
         entry = self._outbox.get(stream_id)
         if entry is None:
             entry = self._outbox[stream_id] = assistant_pb2.RunStreamEvents(stream_id=stream_id)
+        return entry
+
+    def _put(
+        self, stream_id: int, events: list[events_pb2.Event] | None = None, accepted: bool = False
+    ) -> None:
+        """Add events, or the acceptance, to the outbox entry of `stream_id`."""
+        entry = self._entry(stream_id)
         if events:
             entry.events.extend(events)
         if accepted:
             entry.accepted = True
-        if end is not False:
-            entry.ended = True
-            if isinstance(end, RpcError):
-                entry.end_status = end.to_proto().SerializeToString()
-        self._wake.set()
+
+    def _end(self, stream_id: int, error: RpcError | None) -> None:
+        """Mark the stream's end in its outbox entry: `error`'s status, or OK when None."""
+        entry = self._entry(stream_id)
+        entry.ended = True
+        if error is not None:
+            entry.end_status = error.to_proto().SerializeToString()
 
     def _take(self) -> assistant_pb2.StreamRunsResponse:
         """A message of the outbox's entries, oldest first, up to MAX_MESSAGE_BYTES."""
